@@ -1,0 +1,80 @@
+"""Framework-free helpers that both backends share (numpy only)."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+# Facade dtype names. Both backends accept these strings wherever a dtype is expected.
+DTYPE_NAMES = ("float32", "float64", "float16", "bfloat16", "int32", "int64", "int8", "uint8", "bool")
+FLOAT_DTYPES = ("float32", "float64", "float16", "bfloat16")
+
+
+def host_memory_stats() -> dict:
+    """Resident and peak resident memory of this process, in bytes (Linux /proc)."""
+    stats = {}
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                key, _, rest = line.partition(":")
+                if key in ("VmRSS", "VmHWM"):
+                    stats["host_rss_bytes" if key == "VmRSS" else "host_peak_rss_bytes"] = (
+                        int(rest.split()[0]) * 1024
+                    )
+    except OSError:
+        pass
+    return stats
+
+
+def measure_matmul_rate(ops, synchronize, n: int = 1024, dtype: str = "float32",
+                        min_seconds: float = 0.5) -> float:
+    """Floating-point operations per second of an n x n matmul on the bound device.
+
+    Repeats the product until ``min_seconds`` have passed (after one warm-up), so that the
+    figure is a rate, not a latency. Used as the peak for MFU.
+    """
+    a = ops.tensor(np.random.default_rng(0).standard_normal((n, n)).astype(np.float32), dtype=dtype)
+    b = ops.tensor(np.random.default_rng(1).standard_normal((n, n)).astype(np.float32), dtype=dtype)
+    ops.matmul(a, b)
+    synchronize()
+    reps, start = 0, time.perf_counter()
+    while True:
+        ops.matmul(a, b)
+        reps += 1
+        if reps % 4 == 0:
+            synchronize()
+            elapsed = time.perf_counter() - start
+            if elapsed >= min_seconds:
+                return 2.0 * n ** 3 * reps / elapsed
+
+
+def float32_to_bf16_bits(values: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 bit patterns, rounding to nearest even (exact for bf16 values)."""
+    v = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
+    rounded = v + 0x7FFF + ((v >> 16) & 1)
+    out = (rounded >> 16).astype(np.uint16)
+    nan = np.isnan(values)
+    if nan.any():
+        out[nan] = 0x7FC0
+    return out
+
+
+def env_int(*names: str, default: int | None = None) -> int | None:
+    """The first of the environment variables that is set, as an int."""
+    for name in names:
+        value = os.environ.get(name)
+        if value not in (None, ""):
+            return int(value)
+    return default
+
+
+@dataclass(frozen=True)
+class Group:
+    """A process group: its global ranks, in group-rank order, and the framework's handle
+    (a torch ProcessGroup or a MindSpore group name; None for the world group)."""
+
+    ranks: tuple
+    handle: object = field(default=None, compare=False)

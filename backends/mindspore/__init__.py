@@ -1,0 +1,25 @@
+"""The facade bound to MindSpore (PyNative mode): CPU, GPU or Ascend."""
+
+import os
+
+# MindSpore logs every probe of an absent device (Ascend, GPU) as warnings; keep its C++ and
+# Python logs to errors unless the user chose a level.
+os.environ.setdefault("GLOG_v", "3")
+
+import mindspore  # noqa: E402
+
+from . import autograd, device, dist, io, nn, ops, random  # noqa: E402
+
+NAME = "mindspore"
+FRAMEWORK_VERSION = mindspore.__version__
+
+
+def activate(wanted_device: str = "auto") -> str:
+    """Select the device and bind the fused ops to its kernels (called once, by binding)."""
+    chosen = device.select(wanted_device)
+    ops.bind_fused(chosen)
+    return chosen
+
+
+def implementations() -> dict:
+    return {"ops": ops.implementations(), "dist": dist.implementations(), "random": random.implementation()}

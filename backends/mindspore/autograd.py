@@ -1,0 +1,91 @@
+"""Gradients for the MindSpore backend: value_and_grad, vjp and bprop Cells."""
+
+from __future__ import annotations
+
+import mindspore as ms
+from mindspore import ops as P
+
+_FLOATS = (ms.float16, ms.float32, ms.float64, ms.bfloat16)
+
+
+def value_and_grad(fn, params, has_aux: bool = False):
+    """``fn(*args)`` -> (value, [d value / d p for p in params]); see the torch backend."""
+    params = list(params)
+    if not params:
+        def run_nothing(*args, **kwargs):
+            return fn(*args, **kwargs), []
+        return run_nothing
+    grad_fn = ms.value_and_grad(fn, None, params, has_aux=has_aux)
+
+    def run(*args, **kwargs):
+        value, grads = grad_fn(*args, **kwargs)
+        if has_aux:
+            loss, aux = value
+            value = (loss, aux)
+        return value, list(grads)
+
+    return run
+
+
+def vjp(fn, inputs, params=()):
+    """Run ``fn(*inputs)`` and return (outputs, backward); see the torch backend."""
+    params = list(params)
+    inputs = list(inputs)
+    out, pullback = ms.vjp(fn, *inputs, weights=params or None)
+    floating = [x.dtype in _FLOATS for x in inputs]
+
+    def backward(cotangents):
+        cots = tuple(cotangents) if isinstance(cotangents, (tuple, list)) else cotangents
+        grads = pullback(cots)
+        in_grads, p_grads = (grads if params else (grads, ()))
+        in_grads = list(in_grads) if isinstance(in_grads, (tuple, list)) else [in_grads]
+        in_grads = [g if f else None for g, f in zip(in_grads, floating)]
+        return in_grads, list(p_grads)
+
+    return out, backward
+
+
+class _Ctx:
+    """What forward hands to backward: ``ctx.save(*tensors)`` / ``ctx.saved`` and any
+    attribute set on it."""
+
+    def save(self, *tensors):
+        self.saved = tensors
+
+
+class _FunctionCell(ms.nn.Cell):
+    # One Cell per call: MindSpore's bprop sees only inputs, output and output gradient,
+    # so what forward saved must live on an object owned by that one call.
+    def __init__(self, fn_cls):
+        super().__init__()
+        self._fn_cls = fn_cls
+        self._ctx = _Ctx()
+
+    def construct(self, *args):
+        return self._fn_cls.forward(self._ctx, *args)
+
+    def bprop(self, *args):
+        inputs, dout = args[:-2], args[-1]
+        grads = self._fn_cls.backward(self._ctx, *(dout if isinstance(dout, tuple) else (dout,)))
+        grads = tuple(grads) if isinstance(grads, (tuple, list)) else (grads,)
+        return tuple(P.zeros_like(x) if g is None else g for g, x in zip(grads, inputs))
+
+
+class Function:
+    """A differentiable operation with a hand-written backward; see the torch backend."""
+
+    @classmethod
+    def apply(cls, *args):
+        return _FunctionCell(cls)(*args)
+
+
+def no_grad():
+    return ms._no_grad()
+
+
+def detach(x):
+    return P.stop_gradient(x)
+
+
+def recompute(fn, *args):
+    return ms.recompute(fn, *args, use_reentrant=False)

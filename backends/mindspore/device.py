@@ -1,0 +1,80 @@
+"""Device selection and device facts for the MindSpore backend.
+
+``auto`` picks Ascend, then GPU, then CPU. Device names are the facade's (cpu, cuda, npu),
+mapped to MindSpore's targets (CPU, GPU, Ascend).
+"""
+
+from __future__ import annotations
+
+import mindspore as ms
+
+from mindspeed_core.backends.common import host_memory_stats, measure_matmul_rate
+from mindspeed_core.errors import BackendError
+
+_TARGETS = {"npu": "Ascend", "cuda": "GPU", "cpu": "CPU"}
+_ALIASES = {"ascend": "npu", "gpu": "cuda"}
+_selected = {"type": "cpu"}
+
+
+def available() -> list[str]:
+    return [kind for kind, target in _TARGETS.items() if ms.hal.is_available(target)]
+
+
+def select(wanted: str = "auto") -> str:
+    wanted = _ALIASES.get(wanted, wanted)
+    have = available()
+    if wanted == "auto":
+        wanted = have[0]
+    elif wanted not in have:
+        raise BackendError(f"device {wanted!r} is not available to MindSpore here (available: {', '.join(have)})")
+    ms.set_device(_TARGETS[wanted])
+    _selected["type"] = wanted
+    return wanted
+
+
+def type() -> str:  # noqa: A001 - facade name
+    return _selected["type"]
+
+
+def current() -> str:
+    return _selected["type"]
+
+
+def target() -> str:
+    """MindSpore's own name of the selected device (CPU, GPU, Ascend)."""
+    return _TARGETS[_selected["type"]]
+
+
+def synchronize() -> None:
+    """Wait for queued work. PyNative runs ops asynchronously; ms.runtime.synchronize()
+    refuses the CPU, where the PyNative executor's own sync is the way."""
+    if _selected["type"] == "cpu":
+        from mindspore.common.api import _pynative_executor
+
+        _pynative_executor.sync()
+    else:
+        ms.runtime.synchronize()
+
+
+def supports_dtype(dtype: str) -> bool:
+    """Whether training math runs in this dtype: MindSpore's CPU MatMul has no float16 or
+    bfloat16 kernel ("Select CPU operator[BatchMatMul] fail! Unsupported data type")."""
+    if _selected["type"] == "cpu":
+        return dtype in ("float32", "float64")
+    return dtype in ("float32", "float16", "bfloat16")
+
+
+def memory_stats() -> dict:
+    stats = host_memory_stats()
+    if _selected["type"] != "cpu":
+        stats.update(
+            allocated_bytes=ms.runtime.memory_allocated(), reserved_bytes=ms.runtime.memory_reserved(),
+            peak_allocated_bytes=ms.runtime.max_memory_allocated(),
+        )
+    return stats
+
+
+def matmul_rate(n: int = 1024, dtype: str = "float32", min_seconds: float = 0.5) -> float:
+    from . import ops
+
+    return measure_matmul_rate(ops, synchronize, n, dtype, min_seconds)

@@ -1,0 +1,195 @@
+"""Process groups and collectives for the MindSpore backend (mindspore.communication).
+
+Launched by msrun (MS_WORKER_NUM / MS_ROLE in the environment) the process joins with
+mccl on CPU, nccl on GPU, hccl on Ascend; alone, every collective is the identity. The
+facade is functional and ``src``/``dst`` are global ranks, as on the torch backend.
+
+On CPU, mccl's AllReduce (float32/float16, SUM only, any group) is the one collective
+used natively: AllGather and Broadcast work only on the world group, and ReduceScatter,
+AlltoAll, Send/Receive and Barrier have no CPU kernel. Everything else is composed from
+that sum in backends/emulated_collectives.py with identical results, and reported as
+"emulated" by implementations(). On GPU/Ascend the same emulation runs for now (correct,
+not fast): binding the native HCCL/NCCL primitives there needs a machine to test on.
+"""
+
+from __future__ import annotations
+
+import os
+
+import mindspore as ms
+import numpy as np
+from mindspore import communication as comm
+from mindspore import ops as P
+
+from mindspeed_core.backends.common import Group, env_int
+from mindspeed_core.backends.emulated_collectives import EmulatedCollectives
+
+from . import device, ops
+
+_state = {"initialized": False, "groups": {}, "reducers": {}}
+
+
+def launched_world_size() -> int:
+    if not os.environ.get("MS_ROLE"):
+        return 1
+    return env_int("MS_WORKER_NUM", "RANK_SIZE", default=1)
+
+
+def init() -> None:
+    if _state["initialized"] or launched_world_size() <= 1:
+        return
+    comm.init({"cpu": "mccl", "cuda": "nccl", "npu": "hccl"}[device.type()])
+    _state["initialized"] = True
+
+
+def is_initialized() -> bool:
+    return _state["initialized"]
+
+
+def shutdown() -> None:
+    if _state["initialized"]:
+        comm.release()
+        _state["initialized"] = False
+
+
+def world_size(group: Group | None = None) -> int:
+    if group is not None:
+        return len(group.ranks)
+    return comm.get_group_size() if _state["initialized"] else 1
+
+
+def rank(group: Group | None = None) -> int:
+    me = comm.get_rank() if _state["initialized"] else 0
+    if group is None:
+        return me
+    return group.ranks.index(me) if me in group.ranks else -1
+
+
+def _group_name(ranks: tuple) -> str | None:
+    """MindSpore's name for a group, created on first use. Unlike torch's new_group, only
+    members may call create_group, so non-members get no name."""
+    if ranks == tuple(range(world_size())):
+        return comm.GlobalComm.WORLD_COMM_GROUP
+    if rank() not in ranks:
+        return None
+    name = "g_" + "_".join(map(str, ranks))
+    if name not in _state["groups"]:
+        comm.create_group(name, list(ranks))
+        _state["groups"][name] = ranks
+    return name
+
+
+def new_group(ranks) -> Group:
+    """A group of the given global ranks. Every process calls it (as with torch); only the
+    members create it in MindSpore."""
+    ranks = tuple(int(r) for r in ranks)
+    return Group(ranks, _group_name(ranks) if _state["initialized"] else None)
+
+
+def _handle(group):
+    return comm.GlobalComm.WORLD_COMM_GROUP if group is None else group.handle
+
+
+def _sum_f32(array: np.ndarray, group) -> np.ndarray:
+    name = _handle(group)
+    if name not in _state["reducers"]:
+        _state["reducers"][name] = P.AllReduce(P.ReduceOp.SUM, name)
+    return _state["reducers"][name](ms.Tensor(np.ascontiguousarray(array, dtype=np.float32))).asnumpy()
+
+
+_emulated = EmulatedCollectives(_sum_f32, world_size, rank)
+
+
+def _alone(group) -> bool:
+    return world_size(group) == 1
+
+
+def _member(group, what: str) -> None:
+    if group is not None and rank(group) < 0:
+        raise ValueError(f"{what}: rank {rank()} is not a member of group {group.ranks}")
+
+
+def _back(array, like):
+    return ops.tensor(array, dtype=ops.dtype_of(like))
+
+
+def all_reduce(x, op: str = "sum", group: Group | None = None):
+    if op not in ("sum", "max", "min"):
+        raise ValueError(f"all_reduce op {op!r} is not supported; use one of sum, max, min")
+    if _alone(group):
+        return x.copy()
+    _member(group, "all_reduce")
+    if op == "sum" and x.dtype in (ms.float32, ms.float16):
+        return P.AllReduce(P.ReduceOp.SUM, _handle(group))(x)
+    return _back(_emulated.all_reduce(ops.to_numpy(x), op, group), x)
+
+
+def all_gather(x, group: Group | None = None, dim: int = 0):
+    if _alone(group):
+        return x.copy()
+    _member(group, "all_gather")
+    parts = _emulated.all_gather_stack(ops.to_numpy(x), group)
+    return _back(np.concatenate(list(parts), axis=dim), x)
+
+
+def reduce_scatter(x, op: str = "sum", group: Group | None = None, dim: int = 0):
+    n = world_size(group)
+    if x.shape[dim] % n:
+        raise ValueError(f"reduce_scatter: dimension {dim} of size {x.shape[dim]} does not split over {n} ranks")
+    if n == 1:
+        return x.copy()
+    return ops.chunk(all_reduce(x, op, group), n, dim)[rank(group)]
+
+
+def all_to_all(x, group: Group | None = None, input_splits=None, output_splits=None):
+    n = world_size(group)
+    if n == 1:
+        return x.copy()
+    _member(group, "all_to_all")
+    arr = ops.to_numpy(x)
+    if input_splits is None:
+        if arr.shape[0] % n:
+            raise ValueError(f"all_to_all: {arr.shape[0]} rows do not split evenly over {n} ranks")
+        input_splits = [arr.shape[0] // n] * n
+    elif output_splits is None:
+        raise ValueError("all_to_all with input_splits also needs output_splits")
+    chunks = np.split(arr, np.cumsum(input_splits)[:-1])
+    received = _emulated.all_to_all(chunks, group)
+    if output_splits is not None and [r.shape[0] for r in received] != list(output_splits):
+        raise ValueError(f"all_to_all: output_splits {list(output_splits)} do not match what the ranks sent "
+                         f"({[r.shape[0] for r in received]})")
+    return _back(np.concatenate(received, axis=0), x)
+
+
+def broadcast(x, src: int, group: Group | None = None):
+    if _alone(group):
+        return x.copy()
+    _member(group, "broadcast")
+    src_in_group = src if group is None else group.ranks.index(src)
+    return _back(_emulated.broadcast(ops.to_numpy(x), src_in_group, group), x)
+
+
+def _pair(a: int, b: int) -> Group:
+    ranks = tuple(sorted((a, b)))
+    return Group(ranks, _group_name(ranks))
+
+
+def send(x, dst: int) -> None:
+    _emulated.transfer(ops.to_numpy(x), None, None, True, _pair(rank(), dst))
+
+
+def recv(shape, dtype, src: int):
+    host_dtype = np.float32 if dtype == "bfloat16" else np.dtype(dtype)
+    array = _emulated.transfer(None, tuple(shape), host_dtype, False, _pair(rank(), src))
+    return ops.tensor(array, dtype=dtype)
+
+
+def barrier(group: Group | None = None) -> None:
+    if not _alone(group):
+        _emulated.barrier(group)
+
+
+def implementations() -> dict:
+    kinds = {name: "emulated" for name in ("all_gather", "reduce_scatter", "all_to_all", "broadcast", "send", "recv", "barrier")}
+    kinds["all_reduce"] = "native"
+    return kinds

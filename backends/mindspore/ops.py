@@ -1,0 +1,315 @@
+"""Facade ops bound to MindSpore (PyNative).
+
+Bindings use ``mindspore.ops``: on the CPU many ``mint`` kernels are not registered
+(embedding, layer_norm, scatter_add, random ops, ...), while ``ops`` covers them. The
+fused ops have no CPU kernels (RmsNorm, Swiglu, RotaryPositionEmbedding,
+FlashAttentionScore all fail with "kernel unregistered"), so on CPU they are composites;
+on Ascend the kernels are bound.
+"""
+
+from __future__ import annotations
+
+import mindspore as ms
+import numpy as np
+from mindspore import ops as P
+
+from mindspeed_core import composite
+
+from . import random
+
+DTYPES = {
+    "float32": ms.float32, "float64": ms.float64, "float16": ms.float16,
+    "bfloat16": ms.bfloat16, "int32": ms.int32, "int64": ms.int64,
+    "int8": ms.int8, "uint8": ms.uint8, "bool": ms.bool_,
+}
+_NAMES = {v: k for k, v in DTYPES.items()}
+Tensor = ms.Tensor
+
+
+def _dt(dtype):
+    if dtype is None or not isinstance(dtype, str):
+        return dtype
+    try:
+        return DTYPES[dtype]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r}; facade dtypes are {', '.join(DTYPES)}") from None
+
+
+# ---- creation and conversion -------------------------------------------------------------
+
+def tensor(data, dtype=None):
+    if isinstance(data, ms.Tensor):
+        return data if dtype is None else data.astype(_dt(dtype))
+    arr = np.asarray(data)
+    if arr.dtype == np.float64 and dtype is None:
+        arr = arr.astype(np.float32)
+    if dtype is not None and _dt(dtype) == ms.bfloat16:
+        return ms.Tensor(arr.astype(np.float32)).astype(ms.bfloat16)
+    return ms.Tensor(arr, dtype=_dt(dtype))
+
+
+def to_numpy(x):
+    if x.dtype == ms.bfloat16:
+        x = x.astype(ms.float32)
+    return x.asnumpy()
+
+
+def is_tensor(x):
+    return isinstance(x, ms.Tensor)
+
+
+def zeros(shape, dtype="float32"):
+    return P.zeros(tuple(shape), _dt(dtype))
+
+
+def ones(shape, dtype="float32"):
+    return P.ones(tuple(shape), _dt(dtype))
+
+
+def full(shape, value, dtype="float32"):
+    return P.full(tuple(shape), value, dtype=_dt(dtype))
+
+
+def empty(shape, dtype="float32"):
+    return P.zeros(tuple(shape), _dt(dtype))
+
+
+def zeros_like(x, dtype=None):
+    return P.zeros(x.shape, _dt(dtype) or x.dtype)
+
+
+def ones_like(x, dtype=None):
+    return P.ones(x.shape, _dt(dtype) or x.dtype)
+
+
+def arange(start, end=None, step=1, dtype="int64"):
+    if end is None:
+        start, end = 0, start
+    return P.arange(start, end, step, dtype=_dt(dtype))
+
+
+def cast(x, dtype):
+    dt = _dt(dtype)
+    return x if x.dtype == dt else x.astype(dt)
+
+
+def dtype_of(x) -> str:
+    return _NAMES[x.dtype]
+
+
+def numel(x) -> int:
+    return int(x.size)
+
+
+# ---- elementwise -------------------------------------------------------------------------
+
+add, sub, mul, div = P.add, P.sub, P.mul, P.div
+neg, exp, log, sqrt, rsqrt, abs = P.neg, P.exp, P.log, P.sqrt, P.rsqrt, P.abs
+pow, tanh, sigmoid, sin, cos = P.pow, P.tanh, P.sigmoid, P.sin, P.cos
+maximum, minimum = P.maximum, P.minimum
+silu, relu = P.silu, P.relu
+eq, ne, lt, le, gt, ge = P.equal, P.ne, P.lt, P.le, P.gt, P.ge
+logical_and, logical_or, logical_not = P.logical_and, P.logical_or, P.logical_not
+isfinite = P.isfinite
+
+
+def gelu(x, approximate: str = "none"):
+    return P.gelu(x, approximate=approximate)
+
+
+def clamp(x, min=None, max=None):
+    return P.clamp(x, min, max)
+
+
+# ---- reductions --------------------------------------------------------------------------
+
+def _all_dims(x, dim):
+    return tuple(range(x.ndim)) if dim is None else dim
+
+
+def sum(x, dim=None, keepdim=False):
+    return P.sum(x, _all_dims(x, dim), keepdim)
+
+
+def mean(x, dim=None, keepdim=False):
+    return P.mean(x, _all_dims(x, dim), keepdim)
+
+
+def amax(x, dim=None, keepdim=False):
+    return P.amax(x, _all_dims(x, dim), keepdim)
+
+
+def amin(x, dim=None, keepdim=False):
+    return P.amin(x, _all_dims(x, dim), keepdim)
+
+
+def argmax(x, dim=-1, keepdim=False):
+    return P.argmax(x, dim, keepdim).astype(ms.int64)
+
+
+def logsumexp(x, dim=-1, keepdim=False):
+    return P.logsumexp(x, dim, keepdim)
+
+
+# ---- linear algebra ----------------------------------------------------------------------
+
+matmul, bmm = P.matmul, P.bmm
+
+
+def linear(x, weight, bias=None):
+    return P.dense(x, weight, bias)
+
+
+# ---- indexing ----------------------------------------------------------------------------
+
+def gather(x, dim, index):
+    return P.gather_elements(x, dim, index)
+
+
+def scatter_add(x, dim, index, src):
+    return P.tensor_scatter_elements(x, index, src, dim, "add")
+
+
+def index_select(x, dim, index):
+    return P.index_select(x, dim, index)
+
+
+def masked_fill(x, mask, value):
+    return P.masked_fill(x, mask, ms.Tensor(value, x.dtype))
+
+
+def where(cond, a, b):
+    return P.where(cond, a, b)
+
+
+def tril(x, diagonal=0):
+    return P.tril(x, diagonal)
+
+
+def triu(x, diagonal=0):
+    return P.triu(x, diagonal)
+
+
+# ---- shape -------------------------------------------------------------------------------
+
+def reshape(x, shape):
+    return P.reshape(x, tuple(shape))
+
+
+def transpose(x, dim0, dim1):
+    return P.swapaxes(x, dim0, dim1)
+
+
+def permute(x, dims):
+    return P.permute(x, tuple(dims))
+
+
+def cat(xs, dim=0):
+    return P.cat(list(xs), dim)
+
+
+def stack(xs, dim=0):
+    return P.stack(list(xs), dim)
+
+
+def split(x, split_size_or_sections, dim=0):
+    sections = split_size_or_sections
+    return list(P.split(x, list(sections) if isinstance(sections, (list, tuple)) else sections, dim))
+
+
+def chunk(x, chunks, dim=0):
+    return list(P.chunk(x, chunks, dim))
+
+
+def squeeze(x, dim):
+    return P.squeeze(x, dim)
+
+
+def unsqueeze(x, dim):
+    return P.unsqueeze(x, dim)
+
+
+def expand(x, shape):
+    return P.broadcast_to(x, tuple(shape))
+
+
+# ---- neural-network functions ------------------------------------------------------------
+
+def softmax(x, dim=-1):
+    return P.softmax(x, dim)
+
+
+def log_softmax(x, dim=-1):
+    return P.log_softmax(x, dim)
+
+
+def cross_entropy(logits, target, ignore_index=-100, reduction="mean"):
+    return P.cross_entropy(logits, target, ignore_index=ignore_index, reduction=reduction)
+
+
+def embedding(ids, weight):
+    # ops.embedding has no CPU kernel; a gather along the vocabulary is the same lookup.
+    return P.gather(weight, ids, 0)
+
+
+def topk(x, k, dim=-1, largest=True):
+    values, indices = P.topk(x, k, dim, largest)
+    return values, indices.astype(ms.int64)
+
+
+def cumsum(x, dim):
+    return P.cumsum(x, dim)
+
+
+def one_hot(ids, num_classes, dtype="float32"):
+    on, off = ms.Tensor(1, _dt(dtype)), ms.Tensor(0, _dt(dtype))
+    return P.one_hot(ids, num_classes, on, off)
+
+
+def dropout(x, p, training=True):
+    if not training or p == 0.0:
+        return x
+    if p >= 1.0:
+        return x * 0
+    # MindSpore's CPU random kernels cannot be replayed from a saved state, so the mask
+    # comes from the backend's own generator (see random.py); the tracker can then fork it.
+    keep = random.device_generator().random(tuple(x.shape)) >= p
+    return x * ms.Tensor(keep.astype(np.float32) / (1.0 - p)).astype(x.dtype)
+
+
+def rand(shape, dtype="float32"):
+    return tensor(random.device_generator().random(tuple(shape)).astype(np.float32), dtype)
+
+
+def randn(shape, dtype="float32"):
+    return tensor(random.device_generator().standard_normal(tuple(shape)).astype(np.float32), dtype)
+
+
+# ---- fused operators: native where the device has a kernel, composite otherwise -----------
+
+def _ascend_kernels() -> dict:
+    return {
+        "rms_norm": lambda x, w, eps=1e-6: P.rms_norm(x, w, eps)[0],
+        "swiglu": lambda x: P.swiglu(x, -1),
+    }
+
+
+# Placeholders until bind_fused() runs at binding time (see the torch backend).
+rms_norm = composite.rms_norm
+layer_norm = composite.layer_norm
+swiglu = composite.swiglu
+apply_rotary = composite.apply_rotary
+attention = composite.attention
+matmul_add = composite.matmul_add
+grouped_matmul = composite.grouped_matmul
+_IMPLEMENTATIONS: dict = {}
+
+
+def bind_fused(device_type: str) -> None:
+    _IMPLEMENTATIONS.clear()
+    native = _ascend_kernels() if device_type == "npu" else {}
+    _IMPLEMENTATIONS.update(composite.bind_fused(globals(), native))
+
+
+def implementations() -> dict:
+    return dict(_IMPLEMENTATIONS)

@@ -1,0 +1,123 @@
+"""Gradients for the PyTorch backend: one functional entry point, as on MindSpore."""
+
+from __future__ import annotations
+
+
+
+import torch
+import torch.utils.checkpoint
+
+
+def _fill_missing(grads, wrt):
+    # A parameter the function did not use gets a zero gradient, as MindSpore gives.
+    return [torch.zeros_like(p) if g is None else g for g, p in zip(grads, wrt)]
+
+
+def value_and_grad(fn, params, has_aux: bool = False):
+    """``fn(*args)`` -> (value, [d value / d p for p in params]).
+
+    With ``has_aux`` fn returns (loss, aux) and the value is (loss, aux); aux carries no
+    gradient. The returned loss is detached.
+    """
+    params = list(params)
+
+    def run(*args, **kwargs):
+        with torch.enable_grad():
+            out = fn(*args, **kwargs)
+            loss, aux = out if has_aux else (out, None)
+            grads = torch.autograd.grad(loss, params, allow_unused=True) if params else ()
+        value = (loss.detach(), aux) if has_aux else loss.detach()
+        return value, _fill_missing(grads, params)
+
+    return run
+
+
+def vjp(fn, inputs, params=()):
+    """Run ``fn(*inputs)`` and return (outputs, backward).
+
+    ``backward(cotangents)`` (same structure as outputs) returns (input grads, param
+    grads), each a list; an input that is not floating point gets None. It can be called
+    once. Pipeline schedules keep one such closure per micro-batch.
+    """
+    params = list(params)
+    ins = [x.detach().requires_grad_(x.is_floating_point()) for x in inputs]
+    with torch.enable_grad():
+        out = fn(*ins)
+    outs = list(out) if isinstance(out, (tuple, list)) else [out]
+    detached = tuple(o.detach() for o in outs) if isinstance(out, (tuple, list)) else out.detach()
+
+    def backward(cotangents):
+        cots = list(cotangents) if isinstance(cotangents, (tuple, list)) else [cotangents]
+        wrt = [x for x in ins if x.requires_grad] + params
+        grads = torch.autograd.grad(outs, wrt, cots, allow_unused=True) if wrt else ()
+        grads = _fill_missing(grads, wrt)
+        it = iter(grads)
+        in_grads = [next(it) if x.requires_grad else None for x in ins]
+        return in_grads, list(it)
+
+    return detached, backward
+
+
+class _Ctx:
+    """What forward hands to backward: ``ctx.save(*tensors)`` / ``ctx.saved``, plus any
+    attribute set on it."""
+
+    def __init__(self, torch_ctx):
+        object.__setattr__(self, "_t", torch_ctx)
+
+    def save(self, *tensors):
+        self._t.save_for_backward(*tensors)
+
+    @property
+    def saved(self):
+        return self._t.saved_tensors
+
+    def __getattr__(self, name):
+        return getattr(self._t, name)
+
+    def __setattr__(self, name, value):
+        setattr(self._t, name, value)
+
+
+class Function:
+    """A differentiable operation with a hand-written backward.
+
+    Subclasses define ``forward(ctx, *args)`` and ``backward(ctx, *grad_outputs)`` as
+    static methods; ``backward`` returns one gradient (or None) per forward argument.
+    Call it with ``MyFn.apply(*args)``.
+    """
+
+    _bound = None
+
+    @classmethod
+    def apply(cls, *args):
+        if cls.__dict__.get("_bound") is None:
+            user = cls
+
+            class _Bound(torch.autograd.Function):
+                @staticmethod
+                def forward(ctx, *a):
+                    return user.forward(_Ctx(ctx), *a)
+
+                @staticmethod
+                def backward(ctx, *g):
+                    grads = user.backward(_Ctx(ctx), *g)
+                    return tuple(grads) if isinstance(grads, (tuple, list)) else (grads,)
+
+            cls._bound = _Bound
+        return cls._bound.apply(*args)
+
+
+def no_grad():
+    return torch.no_grad()
+
+
+def detach(x):
+    return x.detach()
+
+
+def recompute(fn, *args):
+    """Run fn without keeping its activations; recompute them during the backward pass."""
+    return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)
+
+

@@ -1,0 +1,162 @@
+"""Process groups and collectives for the PyTorch backend (torch.distributed).
+
+Launched by torchrun (RANK / WORLD_SIZE / MASTER_ADDR in the environment) the process joins
+the job with gloo on CPU, nccl on CUDA and hccl on Ascend; with no launcher it runs alone
+and every collective is the identity. The facade is functional: each collective returns a
+new tensor and leaves its input alone. ``src`` and ``dst`` are global ranks, as in
+torch.distributed. gloo has no reduce-scatter, so there it is an all-reduce and a slice.
+"""
+
+from __future__ import annotations
+
+import datetime
+
+import torch
+import torch.distributed as tdist
+
+from mindspeed_core.backends.common import Group, env_int
+
+from . import device
+
+_REDUCE_OPS = {"sum": tdist.ReduceOp.SUM, "max": tdist.ReduceOp.MAX, "min": tdist.ReduceOp.MIN}
+
+
+def _timeout() -> datetime.timedelta:
+    return datetime.timedelta(seconds=env_int("MINDSPEED_DIST_TIMEOUT", default=300))
+
+
+def launched_world_size() -> int:
+    return env_int("WORLD_SIZE", default=1)
+
+
+def init() -> None:
+    """Join the job described by the launcher's environment (no-op when run alone)."""
+    if tdist.is_initialized() or launched_world_size() <= 1:
+        return
+    kind = device.type()
+    backend = {"cuda": "nccl", "npu": "hccl"}.get(kind, "gloo")
+    tdist.init_process_group(backend=backend, timeout=_timeout())
+
+
+def is_initialized() -> bool:
+    return tdist.is_initialized()
+
+
+def shutdown() -> None:
+    if tdist.is_initialized():
+        tdist.destroy_process_group()
+
+
+def _h(group):
+    return None if group is None else group.handle
+
+
+def world_size(group: Group | None = None) -> int:
+    if group is not None:
+        return len(group.ranks)
+    return tdist.get_world_size() if tdist.is_initialized() else 1
+
+
+def rank(group: Group | None = None) -> int:
+    me = tdist.get_rank() if tdist.is_initialized() else 0
+    if group is None:
+        return me
+    return group.ranks.index(me) if me in group.ranks else -1
+
+
+def new_group(ranks) -> Group:
+    """A group of the given global ranks. Every process must call it, members or not."""
+    ranks = tuple(int(r) for r in ranks)
+    handle = tdist.new_group(list(ranks)) if tdist.is_initialized() else None
+    return Group(ranks, handle)
+
+
+def _alone(group) -> bool:
+    return world_size(group) == 1
+
+
+def all_reduce(x, op: str = "sum", group: Group | None = None):
+    if op not in _REDUCE_OPS:
+        raise ValueError(f"all_reduce op {op!r} is not supported; use one of {', '.join(_REDUCE_OPS)}")
+    out = x.clone()
+    if not _alone(group):
+        tdist.all_reduce(out, op=_REDUCE_OPS[op], group=_h(group))
+    return out
+
+
+def all_gather(x, group: Group | None = None, dim: int = 0):
+    """Concatenation along ``dim`` of every group member's x, in group-rank order."""
+    if _alone(group):
+        return x.clone()
+    parts = [torch.empty_like(x) for _ in range(world_size(group))]
+    tdist.all_gather(parts, x.contiguous(), group=_h(group))
+    return torch.cat(parts, dim=dim)
+
+
+def reduce_scatter(x, op: str = "sum", group: Group | None = None, dim: int = 0):
+    """This rank's slice along ``dim`` of the reduction of every member's x."""
+    n = world_size(group)
+    if x.shape[dim] % n:
+        raise ValueError(f"reduce_scatter: dimension {dim} of size {x.shape[dim]} does not split over {n} ranks")
+    if n == 1:
+        return x.clone()
+    if _native_reduce_scatter():
+        parts = [p.contiguous() for p in torch.chunk(x, n, dim=dim)]
+        out = torch.empty_like(parts[0])
+        tdist.reduce_scatter(out, parts, op=_REDUCE_OPS[op], group=_h(group))
+        return out
+    return torch.chunk(all_reduce(x, op, group), n, dim=dim)[rank(group)].clone()
+
+
+def all_to_all(x, group: Group | None = None, input_splits=None, output_splits=None):
+    """Split x along dim 0 (evenly, or by ``input_splits``), send piece j to group rank j,
+    and concatenate what arrives. Uneven splits need ``output_splits``."""
+    n = world_size(group)
+    if n == 1:
+        return x.clone()
+    if input_splits is None:
+        if x.shape[0] % n:
+            raise ValueError(f"all_to_all: {x.shape[0]} rows do not split evenly over {n} ranks")
+        out = torch.empty_like(x)
+    else:
+        if output_splits is None:
+            raise ValueError("all_to_all with input_splits also needs output_splits")
+        out = x.new_empty((int(sum(output_splits)),) + tuple(x.shape[1:]))
+    tdist.all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=_h(group))
+    return out
+
+
+def broadcast(x, src: int, group: Group | None = None):
+    out = x.clone()
+    if not _alone(group):
+        tdist.broadcast(out, src, group=_h(group))
+    return out
+
+
+def send(x, dst: int) -> None:
+    tdist.send(x.contiguous(), dst)
+
+
+def recv(shape, dtype, src: int):
+    from . import ops
+
+    out = ops.empty(shape, dtype)
+    tdist.recv(out, src)
+    return out
+
+
+def barrier(group: Group | None = None) -> None:
+    if not _alone(group):
+        tdist.barrier(group=_h(group))
+
+
+def _native_reduce_scatter() -> bool:
+    return tdist.get_backend() != "gloo"
+
+
+def implementations() -> dict:
+    """native / emulated for each collective with the current process-group backend."""
+    kinds = {name: "native" for name in ("all_reduce", "all_gather", "all_to_all", "broadcast", "send", "recv", "barrier")}
+    gloo = (tdist.get_backend() if tdist.is_initialized() else "gloo") == "gloo"
+    kinds["reduce_scatter"] = "emulated" if gloo else "native"
+    return kinds

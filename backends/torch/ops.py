@@ -1,0 +1,358 @@
+"""Facade ops bound to PyTorch (CPU, CUDA, and Ascend NPU kernels through torch_npu)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from mindspeed_core import composite
+
+from . import device
+
+DTYPES = {
+    "float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
+    "bfloat16": torch.bfloat16, "int32": torch.int32, "int64": torch.int64,
+    "int8": torch.int8, "uint8": torch.uint8, "bool": torch.bool,
+}
+_NAMES = {v: k for k, v in DTYPES.items()}
+Tensor = torch.Tensor
+
+
+def _dt(dtype):
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    try:
+        return DTYPES[str(dtype)]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r}; facade dtypes are {', '.join(DTYPES)}") from None
+
+
+def _dev():
+    return device.torch_device()
+
+
+# ---- creation and conversion -------------------------------------------------------------
+
+def tensor(data, dtype=None):
+    if isinstance(data, torch.Tensor):
+        return data.to(device=_dev(), dtype=_dt(dtype))
+    arr = np.asarray(data)
+    if arr.dtype == np.float64 and dtype is None:
+        arr = arr.astype(np.float32)  # the facade's default float type, as on MindSpore
+    return torch.as_tensor(arr, device=_dev()).to(_dt(dtype) or torch.as_tensor(arr).dtype)
+
+
+def to_numpy(x):
+    x = x.detach()
+    if x.dtype == torch.bfloat16:
+        x = x.float()
+    return x.cpu().numpy()
+
+
+def is_tensor(x):
+    return isinstance(x, torch.Tensor)
+
+
+def zeros(shape, dtype="float32"):
+    return torch.zeros(tuple(shape), dtype=_dt(dtype), device=_dev())
+
+
+def ones(shape, dtype="float32"):
+    return torch.ones(tuple(shape), dtype=_dt(dtype), device=_dev())
+
+
+def full(shape, value, dtype="float32"):
+    return torch.full(tuple(shape), value, dtype=_dt(dtype), device=_dev())
+
+
+def empty(shape, dtype="float32"):
+    return torch.empty(tuple(shape), dtype=_dt(dtype), device=_dev())
+
+
+def zeros_like(x, dtype=None):
+    return torch.zeros_like(x, dtype=_dt(dtype))
+
+
+def ones_like(x, dtype=None):
+    return torch.ones_like(x, dtype=_dt(dtype))
+
+
+def arange(start, end=None, step=1, dtype="int64"):
+    if end is None:
+        start, end = 0, start
+    return torch.arange(start, end, step, dtype=_dt(dtype), device=_dev())
+
+
+def cast(x, dtype):
+    return x.to(_dt(dtype))
+
+
+def dtype_of(x) -> str:
+    return _NAMES[x.dtype]
+
+
+def numel(x) -> int:
+    return x.numel()
+
+
+# ---- elementwise -------------------------------------------------------------------------
+
+add, sub, mul, div = torch.add, torch.sub, torch.mul, torch.div
+neg, exp, log, sqrt, rsqrt, abs = torch.neg, torch.exp, torch.log, torch.sqrt, torch.rsqrt, torch.abs
+pow, tanh, sigmoid, sin, cos = torch.pow, torch.tanh, torch.sigmoid, torch.sin, torch.cos
+maximum, minimum = torch.maximum, torch.minimum
+silu, relu = F.silu, F.relu
+eq, ne, lt, le, gt, ge = torch.eq, torch.ne, torch.lt, torch.le, torch.gt, torch.ge
+logical_and, logical_or, logical_not = torch.logical_and, torch.logical_or, torch.logical_not
+isfinite = torch.isfinite
+
+
+def gelu(x, approximate: str = "none"):
+    return F.gelu(x, approximate=approximate)
+
+
+def clamp(x, min=None, max=None):
+    return torch.clamp(x, min=min, max=max)
+
+
+# ---- reductions --------------------------------------------------------------------------
+
+def _reduce(fn, x, dim, keepdim):
+    if dim is None:
+        out = fn(x)
+        return out.reshape([1] * x.dim()) if keepdim else out
+    return fn(x, dim=dim, keepdim=keepdim)
+
+
+def sum(x, dim=None, keepdim=False):
+    return _reduce(torch.sum, x, dim, keepdim)
+
+
+def mean(x, dim=None, keepdim=False):
+    return _reduce(torch.mean, x, dim, keepdim)
+
+
+def amax(x, dim=None, keepdim=False):
+    return _reduce(torch.amax, x, dim, keepdim)
+
+
+def amin(x, dim=None, keepdim=False):
+    return _reduce(torch.amin, x, dim, keepdim)
+
+
+def argmax(x, dim=-1, keepdim=False):
+    return torch.argmax(x, dim=dim, keepdim=keepdim)
+
+
+def logsumexp(x, dim=-1, keepdim=False):
+    return torch.logsumexp(x, dim=dim, keepdim=keepdim)
+
+
+# ---- linear algebra ----------------------------------------------------------------------
+
+matmul, bmm = torch.matmul, torch.bmm
+
+
+def linear(x, weight, bias=None):
+    return F.linear(x, weight, bias)
+
+
+# ---- indexing ----------------------------------------------------------------------------
+
+def gather(x, dim, index):
+    return torch.gather(x, dim, index)
+
+
+def scatter_add(x, dim, index, src):
+    return torch.scatter_add(x, dim, index, src)
+
+
+def index_select(x, dim, index):
+    return torch.index_select(x, dim, index)
+
+
+def masked_fill(x, mask, value):
+    return torch.masked_fill(x, mask, value)
+
+
+def where(cond, a, b):
+    return torch.where(cond, a, b)
+
+
+def tril(x, diagonal=0):
+    return torch.tril(x, diagonal)
+
+
+def triu(x, diagonal=0):
+    return torch.triu(x, diagonal)
+
+
+# ---- shape -------------------------------------------------------------------------------
+
+def reshape(x, shape):
+    return torch.reshape(x, tuple(shape))
+
+
+def transpose(x, dim0, dim1):
+    return torch.transpose(x, dim0, dim1)
+
+
+def permute(x, dims):
+    return x.permute(*dims)
+
+
+def cat(xs, dim=0):
+    return torch.cat(list(xs), dim=dim)
+
+
+def stack(xs, dim=0):
+    return torch.stack(list(xs), dim=dim)
+
+
+def split(x, split_size_or_sections, dim=0):
+    return list(torch.split(x, split_size_or_sections, dim=dim))
+
+
+def chunk(x, chunks, dim=0):
+    return list(torch.chunk(x, chunks, dim=dim))
+
+
+def squeeze(x, dim):
+    return torch.squeeze(x, dim)
+
+
+def unsqueeze(x, dim):
+    return torch.unsqueeze(x, dim)
+
+
+def expand(x, shape):
+    return x.expand(*shape)
+
+
+# ---- neural-network functions ------------------------------------------------------------
+
+def softmax(x, dim=-1):
+    return torch.softmax(x, dim=dim)
+
+
+def log_softmax(x, dim=-1):
+    return torch.log_softmax(x, dim=dim)
+
+
+def cross_entropy(logits, target, ignore_index=-100, reduction="mean"):
+    return F.cross_entropy(logits, target, ignore_index=ignore_index, reduction=reduction)
+
+
+def embedding(ids, weight):
+    return F.embedding(ids, weight)
+
+
+def topk(x, k, dim=-1, largest=True):
+    values, indices = torch.topk(x, k, dim=dim, largest=largest)
+    return values, indices
+
+
+def cumsum(x, dim):
+    return torch.cumsum(x, dim=dim)
+
+
+def one_hot(ids, num_classes, dtype="float32"):
+    return F.one_hot(ids.long(), num_classes).to(_dt(dtype))
+
+
+def dropout(x, p, training=True):
+    return F.dropout(x, p=p, training=training)
+
+
+def rand(shape, dtype="float32"):
+    return torch.rand(tuple(shape), dtype=_dt(dtype), device=_dev())
+
+
+def randn(shape, dtype="float32"):
+    return torch.randn(tuple(shape), dtype=_dt(dtype), device=_dev())
+
+
+# ---- fused operators: native where the device has a kernel, composite otherwise -----------
+
+def _native_rms_norm(x, weight, eps=1e-6):
+    # F.rms_norm computes in the input dtype; the composite computes in fp32 like HF Llama,
+    # so low-precision inputs are lifted first to keep the two in agreement.
+    y = F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
+    return y * weight
+
+
+def _native_layer_norm(x, weight, bias=None, eps=1e-5):
+    return F.layer_norm(x.float(), (x.shape[-1],), None, None, eps).to(x.dtype) * weight + (0 if bias is None else bias)
+
+
+def _native_attention(q, k, v, causal=False, mask=None, dropout_p=0.0, scale=None):
+    sq, sk = q.shape[1], k.shape[1]
+    attn_mask, is_causal = mask, causal
+    if causal and (mask is not None or sq != sk):
+        # SDPA aligns its causal mask top-left and refuses a mask together with is_causal;
+        # the facade's causal mask is aligned bottom-right, so build it explicitly.
+        keep = composite.causal_keep_mask(sq, sk)
+        if mask is None:
+            attn_mask = keep
+        elif mask.dtype == torch.bool:
+            attn_mask = mask & keep
+        else:
+            attn_mask = mask.float().masked_fill(~keep, float("-inf"))
+        is_causal = False
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=attn_mask,
+        dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=k.shape[2] != q.shape[2],
+    )
+    return out.transpose(1, 2)
+
+
+def _native_matmul_add(a, b, acc):
+    return torch.addmm(acc, a.float(), b.float()) if a.dim() == 2 else acc + torch.matmul(a.float(), b.float())
+
+
+def _npu_kernels():
+    import torch_npu  # noqa: F401  (only reached on an NPU device)
+
+    return {
+        "rms_norm": lambda x, w, eps=1e-6: torch_npu.npu_rms_norm(x, w, epsilon=eps)[0],
+        "swiglu": lambda x: torch_npu.npu_swiglu(x, dim=-1),
+        "apply_rotary": lambda x, cos, sin: torch_npu.npu_rotary_mul(
+            x, *(t.reshape(1, t.shape[0], 1, t.shape[1]) if t.dim() == 2 else t for t in (cos, sin))
+        ),
+    }
+
+
+def _native_kernels(device_type: str) -> dict:
+    native = {
+        "rms_norm": _native_rms_norm,
+        "layer_norm": _native_layer_norm,
+        "attention": _native_attention,
+        "matmul_add": _native_matmul_add,
+    }
+    if device_type == "npu":
+        native.update(_npu_kernels())
+    return native
+
+
+# Placeholders until bind_fused() runs at binding time: the composites, so that the names
+# exist (and work) even before a device is chosen.
+rms_norm = composite.rms_norm
+layer_norm = composite.layer_norm
+swiglu = composite.swiglu
+apply_rotary = composite.apply_rotary
+attention = composite.attention
+matmul_add = composite.matmul_add
+grouped_matmul = composite.grouped_matmul
+_IMPLEMENTATIONS: dict = {}
+
+
+def bind_fused(device_type: str) -> None:
+    """Point each fused op at the native kernel of the device, or at its composite."""
+    _IMPLEMENTATIONS.clear()
+    _IMPLEMENTATIONS.update(composite.bind_fused(globals(), _native_kernels(device_type)))
+
+
+def implementations() -> dict:
+    """Which implementation each fused op uses on the selected device: native or composite."""
+    return dict(_IMPLEMENTATIONS)

@@ -1,0 +1,85 @@
+"""Megatron-LM / MindSpeed-LLM command-line flags, with their usual spellings and defaults.
+
+Only the flags that select a feature of the matrix (mindspeed_core.features) live here for
+now; the trainer's own flags (sizes, batch, schedule, data) join them with the trainer.
+Every feature flag is parsed even when the feature is not built yet, so that asking for it
+gets the matrix's explanation instead of argparse's "unrecognized arguments".
+"""
+
+from __future__ import annotations
+
+import argparse
+
+CONTEXT_PARALLEL_ALGOS = ("megatron_cp_algo", "ulysses_cp_algo", "hybrid_cp_algo")
+DATA_HANDLERS = (
+    "GeneralPretrainHandler", "AlpacaStyleInstructionHandler", "SharegptStyleInstructionHandler",
+    "AlpacaStylePairwiseHandler", "SharegptStylePairwiseHandler", "AlpacaStyleProcessRewardHandler",
+)
+
+
+def add_framework_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("framework")
+    group.add_argument("--ai-framework", choices=("pytorch", "mindspore"), default=None,
+                       help="framework to run on (default: $MINDSPEED_AI_FRAMEWORK, else pytorch)")
+    group.add_argument("--device", default=None, help="auto (default), cpu, cuda/gpu or npu/ascend")
+
+
+def add_feature_args(parser: argparse.ArgumentParser) -> None:
+    """The flags the feature matrix gates, Megatron/MindSpeed spelling."""
+    p = parser.add_argument_group("parallelism")
+    p.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    p.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    p.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
+    p.add_argument("--sequence-parallel", action="store_true")
+    p.add_argument("--noop-layers", type=str, default=None)
+    p.add_argument("--context-parallel-size", type=int, default=1)
+    p.add_argument("--context-parallel-algo", choices=CONTEXT_PARALLEL_ALGOS, default="megatron_cp_algo")
+    p.add_argument("--expert-model-parallel-size", type=int, default=1)
+    p.add_argument("--num-experts", type=int, default=None)
+    p.add_argument("--moe-token-dispatcher-type", choices=("allgather", "alltoall"), default=None)
+
+    m = parser.add_argument_group("memory and optimizer")
+    m.add_argument("--use-distributed-optimizer", action="store_true")
+    m.add_argument("--reuse-fp32-param", action="store_true")
+    m.add_argument("--swap-attention", action="store_true")
+    m.add_argument("--recompute-granularity", choices=("full", "selective"), default=None)
+    m.add_argument("--recompute-method", choices=("uniform", "block"), default=None)
+    m.add_argument("--recompute-num-layers", type=int, default=None)
+    m.add_argument("--recompute-norm", action="store_true")
+    m.add_argument("--recompute-in-advance", action="store_true")
+    m.add_argument("--o2-optimizer", action="store_true")
+    m.add_argument("--bf16", action="store_true")
+    m.add_argument("--fp16", action="store_true")
+
+    f = parser.add_argument_group("fused operators")
+    f.add_argument("--use-flash-attn", action="store_true")
+    f.add_argument("--reset-attention-mask", action="store_true")
+    f.add_argument("--use-fused-rmsnorm", action="store_true")
+    f.add_argument("--use-fused-swiglu", action="store_true")
+    f.add_argument("--use-fused-rotary-pos-emb", action="store_true")
+    f.add_argument("--moe-grouped-gemm", action="store_true")
+    f.add_argument("--gemm-gradient-accumulation-fusion", action="store_true")
+
+    c = parser.add_argument_group("communication")
+    c.add_argument("--overlap-grad-reduce", action="store_true")
+    c.add_argument("--overlap-param-gather", action="store_true")
+    c.add_argument("--use-ascend-mc2", action="store_true")
+    c.add_argument("--use-ascend-coc", action="store_true")
+    c.add_argument("--disable-gloo-group", action="store_true")
+
+    o = parser.add_argument_group("operations, inference and tools")
+    o.add_argument("--profile", action="store_true")
+    o.add_argument("--use-deterministic-comm", action="store_true")
+    o.add_argument("--stream", action="store_true")
+    o.add_argument("--task", choices=("greedy", "chat"), default=None)
+    o.add_argument("--rope-scaling-type", choices=("linear", "llama3", "yarn"), default=None)
+    o.add_argument("--handler-name", choices=DATA_HANDLERS, default=None)
+    o.add_argument("--load-model-type", choices=("hf", "mg"), default=None)
+    o.add_argument("--save-model-type", choices=("hf", "mg"), default=None)
+
+
+def feature_parser(prog: str = "mindspeed") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, allow_abbrev=False)
+    add_framework_args(parser)
+    add_feature_args(parser)
+    return parser

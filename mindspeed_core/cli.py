@@ -1,0 +1,110 @@
+"""The ``mindspeed`` command.
+
+    mindspeed features [--ai-framework X] [--device D] [--format text|markdown|json]
+    mindspeed check-args [--ai-framework X] [--device D] <Megatron-style flags ...>
+    mindspeed info [--ai-framework X] [--device D] [--measure]
+
+``--ai-framework`` is read before anything else so that the facade is bound before model
+code is imported. Errors the user can act on print one line and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from mindspeed_core import features, runtime
+from mindspeed_core.compat import megatron_args
+from mindspeed_core.errors import MindSpeedError
+
+
+def _cmd_features(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="mindspeed features", description="print the feature matrix")
+    megatron_args.add_framework_args(parser)
+    parser.add_argument("--format", choices=("text", "markdown", "json"), default="text")
+    args = parser.parse_args(argv)
+    framework = runtime.check_name(args.ai_framework) if args.ai_framework else None
+    device = args.device
+    if device is not None:
+        device = {"gpu": "cuda", "ascend": "npu"}.get(device, device)
+        if device not in features.DEVICES:
+            raise MindSpeedError(f"unknown device {args.device!r} for the matrix; choose one of {', '.join(features.DEVICES)}")
+    if args.format == "json":
+        out = features.render_json(framework, device)
+    elif args.format == "markdown":
+        out = features.render_markdown(framework)
+    else:
+        out = features.render_text(framework, device)
+    sys.stdout.write(out if out.endswith("\n") else out + "\n")
+    return 0
+
+
+def _bind(args):
+    backend = runtime.bind(args.ai_framework, args.device)
+    return backend, backend.device.type()
+
+
+def _cmd_check_args(argv: list[str]) -> int:
+    parser = megatron_args.feature_parser("mindspeed check-args")
+    parser.description = "validate Megatron-style flags against the feature matrix for the selected framework"
+    args = parser.parse_args(argv)
+    backend, device = _bind(args)
+    active = features.validate(args, backend.NAME, device)
+    names = ", ".join(f.id for f in active) or "none"
+    print(f"ok: {backend.NAME} on {device}; features requested: {names}")
+    return 0
+
+
+def _cmd_info(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="mindspeed info", description="show the bound framework and its kernels")
+    megatron_args.add_framework_args(parser)
+    parser.add_argument("--measure", action="store_true", help="also measure the device's float32 matmul rate")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    backend, device = _bind(args)
+    info = {
+        "framework": backend.NAME,
+        "framework_version": backend.FRAMEWORK_VERSION,
+        "device": backend.device.current(),
+        "devices_available": backend.device.available(),
+        "implementations": backend.implementations(),
+    }
+    if args.measure:
+        info["matmul_gflops_fp32"] = round(backend.device.matmul_rate() / 1e9, 1)
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    for key, value in info.items():
+        if isinstance(value, dict):
+            print(f"{key}:")
+            for group, kinds in value.items():
+                text = kinds if isinstance(kinds, str) else ", ".join(f"{k}={v}" for k, v in kinds.items())
+                print(f"  {group}: {text}")
+        else:
+            print(f"{key}: {value}")
+    return 0
+
+
+COMMANDS = {"features": _cmd_features, "check-args": _cmd_check_args, "info": _cmd_info}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    usage = __doc__.strip().split("\n\n")[1]
+    if argv[:1] in (["-h"], ["--help"]):
+        print("usage:\n" + usage)
+        return 0
+    if not argv or argv[0] not in COMMANDS:
+        what = f"unknown command {argv[0]!r}" if argv else "a command is required"
+        print(f"mindspeed: error: {what}\nusage:\n{usage}", file=sys.stderr)
+        return 2
+    try:
+        return COMMANDS[argv[0]](argv[1:])
+    except MindSpeedError as exc:
+        print(f"mindspeed {argv[0]}: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,125 @@
+"""Composite fallbacks of the fused operators, written once with facade ops.
+
+A backend binds ``ops.<fused>`` to a native kernel where its device has one and to the
+function here otherwise (ARCHITECTURE principle 4). The conformance suite checks that the
+native binding and this composite agree, so the composite is also the reference of what
+each fused op means. Shapes follow the facade contract in :mod:`mindspeed_core.facade`.
+"""
+
+from __future__ import annotations
+
+import math
+
+
+def _ops():
+    from mindspeed_core import runtime
+
+    return runtime.bound().ops
+
+
+def rms_norm(x, weight, eps: float = 1e-6):
+    ops = _ops()
+    xf = ops.cast(x, "float32")
+    y = xf * ops.rsqrt(ops.mean(xf * xf, dim=-1, keepdim=True) + eps)
+    return ops.cast(y, ops.dtype_of(x)) * weight
+
+
+def layer_norm(x, weight, bias=None, eps: float = 1e-5):
+    ops = _ops()
+    xf = ops.cast(x, "float32")
+    centred = xf - ops.mean(xf, dim=-1, keepdim=True)
+    var = ops.mean(centred * centred, dim=-1, keepdim=True)
+    y = ops.cast(centred * ops.rsqrt(var + eps), ops.dtype_of(x)) * weight
+    return y if bias is None else y + bias
+
+
+def swiglu(x):
+    ops = _ops()
+    gate, up = ops.chunk(x, 2, dim=-1)
+    return ops.silu(gate) * up
+
+
+def _rope_table(ops, table, x):
+    # [s, d] tables broadcast over batch and heads of x: [b, s, h, d]
+    if len(table.shape) == 2:
+        return ops.reshape(table, (1, table.shape[0], 1, table.shape[1]))
+    return table
+
+
+def apply_rotary(x, cos, sin):
+    ops = _ops()
+    cos, sin = _rope_table(ops, cos, x), _rope_table(ops, sin, x)
+    first, second = ops.chunk(x, 2, dim=-1)
+    rotated = ops.cat([ops.neg(second), first], dim=-1)
+    return x * cos + rotated * sin
+
+
+def causal_keep_mask(sq: int, sk: int):
+    """Boolean [sq, sk]: query i sees key j when j <= i + (sk - sq) (aligned bottom-right,
+    so a query block that continues a cached prefix sees the whole prefix)."""
+    ops = _ops()
+    rows = ops.reshape(ops.arange(sq, dtype="int64"), (sq, 1))
+    cols = ops.reshape(ops.arange(sk, dtype="int64"), (1, sk))
+    return ops.le(cols, rows + (sk - sq))
+
+
+def attention(q, k, v, causal: bool = False, mask=None, dropout_p: float = 0.0, scale=None):
+    ops = _ops()
+    b, sq, hq, d = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    if hq % hk:
+        raise ValueError(f"attention: {hq} query heads are not a multiple of {hk} key/value heads")
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    qh, kh, vh = (ops.transpose(t, 1, 2) for t in (q, k, v))  # [b, h, s, d]
+    if hk != hq:  # grouped-query attention: each kv head serves hq // hk query heads
+        rep = hq // hk
+        kh = ops.reshape(ops.expand(ops.unsqueeze(kh, 2), (b, hk, rep, sk, d)), (b, hq, sk, d))
+        vh = ops.reshape(ops.expand(ops.unsqueeze(vh, 2), (b, hk, rep, sk, v.shape[-1])), (b, hq, sk, v.shape[-1]))
+    scores = ops.matmul(ops.cast(qh, "float32"), ops.cast(ops.transpose(kh, -2, -1), "float32")) * scale
+    if mask is not None:
+        if ops.dtype_of(mask) == "bool":
+            scores = ops.masked_fill(scores, ops.logical_not(mask), float("-inf"))
+        else:
+            scores = scores + ops.cast(mask, "float32")
+    if causal:
+        scores = ops.masked_fill(scores, ops.logical_not(causal_keep_mask(sq, sk)), float("-inf"))
+    probs = ops.softmax(scores, dim=-1)
+    if dropout_p > 0.0:
+        probs = ops.dropout(probs, dropout_p)
+    out = ops.matmul(ops.cast(probs, ops.dtype_of(v)), vh)
+    return ops.transpose(out, 1, 2)
+
+
+def matmul_add(a, b, acc):
+    ops = _ops()
+    return acc + ops.matmul(ops.cast(a, "float32"), ops.cast(b, "float32"))
+
+
+def grouped_matmul(x, weight, group_sizes):
+    ops = _ops()
+    sizes = [int(s) for s in group_sizes]
+    if len(sizes) != weight.shape[0]:
+        raise ValueError(f"grouped_matmul: {len(sizes)} group sizes for {weight.shape[0]} weight groups")
+    if sum(sizes) != x.shape[0]:
+        raise ValueError(f"grouped_matmul: group sizes add up to {sum(sizes)}, but x has {x.shape[0]} rows")
+    outs, start = [], 0
+    for e, n in enumerate(sizes):
+        if n:
+            outs.append(ops.matmul(x[start : start + n], weight[e]))
+        start += n
+    if not outs:
+        return ops.zeros((0, weight.shape[-1]), dtype=ops.dtype_of(x))
+    return outs[0] if len(outs) == 1 else ops.cat(outs, dim=0)
+
+
+FUSED = ("rms_norm", "layer_norm", "swiglu", "apply_rotary", "attention", "matmul_add", "grouped_matmul")
+
+
+def bind_fused(namespace: dict, native: dict) -> dict:
+    """Set each fused op in a backend's ops namespace to its native kernel when ``native``
+    has one, else to the composite above; return {op: "native" | "composite"}."""
+    kinds = {}
+    for name in FUSED:
+        namespace[name] = native.get(name) or globals()[name]
+        kinds[name] = "native" if name in native else "composite"
+    return kinds

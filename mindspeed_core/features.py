@@ -1,0 +1,317 @@
+"""The feature matrix: what each framework (and device) can do, as data.
+
+One row per feature: an id, the flags that turn it on, a category, and per framework a
+status (supported, emulated, unsupported, planned) with a one-line note, optionally
+overridden per device (cpu, cuda, npu). The same rows
+
+* gate parsed arguments (:func:`validate`): asking for an unsupported or planned feature
+  stops before any model is built, with exit code 2 and a message naming the feature, its
+  flag, the framework, why, and what to use instead;
+* print themselves (``mindspeed features``) as text, markdown or JSON;
+* generate the README's table (a test fails when the two drift);
+* demand tests: every supported or emulated cell needs a test marked
+  ``@pytest.mark.feature("<id>")`` that runs on that framework (checked by tests/conftest.py).
+
+This module imports no framework.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Callable
+
+from mindspeed_core.errors import FeatureNotAvailable
+
+STATUSES = ("supported", "emulated", "unsupported", "planned")
+FRAMEWORKS = ("pytorch", "mindspore")
+DEVICES = ("cpu", "cuda", "npu")
+
+
+@dataclass(frozen=True)
+class Status:
+    kind: str
+    note: str = ""
+    instead: str | None = None
+    devices: dict = field(default_factory=dict)  # device -> Status overriding this one
+
+    def on(self, device: str | None) -> "Status":
+        return self.devices.get(device, self) if device else self
+
+
+def supported(note: str = "", **devices) -> Status:
+    return Status("supported", note, None, devices)
+
+
+def emulated(note: str, **devices) -> Status:
+    return Status("emulated", note, None, devices)
+
+
+def unsupported(note: str, instead: str | None = None, **devices) -> Status:
+    return Status("unsupported", note, instead, devices)
+
+
+def planned(note: str = "not built yet", instead: str | None = None, **devices) -> Status:
+    return Status("planned", note, instead, devices)
+
+
+@dataclass(frozen=True)
+class Feature:
+    id: str
+    title: str
+    category: str
+    flags: tuple
+    pytorch: Status
+    mindspore: Status
+    active: Callable | None = None  # args -> bool; None: a capability no flag turns on
+
+    def status(self, framework: str, device: str | None = None) -> Status:
+        return getattr(self, framework).on(device)
+
+
+def _on(name):
+    return lambda a: bool(getattr(a, name, False))
+
+
+def _gt1(name):
+    return lambda a: (getattr(a, name, 1) or 1) > 1
+
+
+def _eq(name, value):
+    return lambda a: getattr(a, name, None) == value
+
+
+def _cp(algo):
+    return lambda a: (getattr(a, "context_parallel_size", 1) or 1) > 1 and a.context_parallel_algo == algo
+
+
+_TP_ISSUE = "arrives with the distributed-training core"
+_NPU_ONLY = "fuses matmul with communication in Ascend kernels; NPU only"
+
+FEATURES: tuple[Feature, ...] = (
+    # ---- parallelism --------------------------------------------------------------------
+    Feature("tensor-parallel", "Tensor parallelism", "parallelism", ("--tensor-model-parallel-size",),
+            planned(_TP_ISSUE), planned(_TP_ISSUE), _gt1("tensor_model_parallel_size")),
+    Feature("pipeline-parallel", "Pipeline parallelism (1F1B)", "parallelism", ("--pipeline-model-parallel-size",),
+            planned(), planned(), _gt1("pipeline_model_parallel_size")),
+    Feature("virtual-pipeline", "Virtual (interleaved) pipeline", "parallelism", ("--num-layers-per-virtual-pipeline-stage",),
+            planned(), planned(), lambda a: a.num_layers_per_virtual_pipeline_stage is not None),
+    Feature("sequence-parallel", "Sequence parallelism", "parallelism", ("--sequence-parallel",),
+            planned(_TP_ISSUE), planned(_TP_ISSUE), _on("sequence_parallel")),
+    Feature("noop-layers", "No-op layers for uneven pipeline splits", "parallelism", ("--noop-layers",),
+            planned(), planned(), lambda a: a.noop_layers is not None),
+    Feature("ring-attention-cp", "Context parallel: ring attention", "parallelism",
+            ("--context-parallel-size", "--context-parallel-algo megatron_cp_algo"),
+            planned(), planned(), _cp("megatron_cp_algo")),
+    Feature("ulysses-cp", "Context parallel: Ulysses", "parallelism",
+            ("--context-parallel-size", "--context-parallel-algo ulysses_cp_algo"),
+            planned(), planned(), _cp("ulysses_cp_algo")),
+    Feature("hybrid-cp", "Context parallel: hybrid (Ulysses + ring)", "parallelism",
+            ("--context-parallel-size", "--context-parallel-algo hybrid_cp_algo"),
+            planned(), planned(), _cp("hybrid_cp_algo")),
+    Feature("expert-parallel", "MoE expert parallelism", "parallelism", ("--expert-model-parallel-size",),
+            planned(), planned(), _gt1("expert_model_parallel_size")),
+    Feature("moe-alltoall-dispatcher", "MoE all-to-all token dispatcher", "parallelism",
+            ("--moe-token-dispatcher-type alltoall",), planned(), planned(), _eq("moe_token_dispatcher_type", "alltoall")),
+    Feature("moe-allgather-dispatcher", "MoE all-gather token dispatcher", "parallelism",
+            ("--moe-token-dispatcher-type allgather",), planned(), planned(), _eq("moe_token_dispatcher_type", "allgather")),
+    # ---- memory and optimizer -------------------------------------------------------------
+    Feature("distributed-optimizer", "Distributed optimizer (ZeRO-1 style sharding over DP)", "memory",
+            ("--use-distributed-optimizer",), planned(_TP_ISSUE), planned(_TP_ISSUE), _on("use_distributed_optimizer")),
+    Feature("reuse-fp32-param", "Parameter-copy reuse (bf16 params share fp32 master memory)", "memory",
+            ("--reuse-fp32-param",), planned(), planned(), _on("reuse_fp32_param")),
+    Feature("swap-attention", "Swap attention activations to host memory", "memory", ("--swap-attention",),
+            planned("needs the trainer's activation hooks"),
+            unsupported("MindSpore has no hook to offload saved activations to host memory",
+                        instead="--recompute-granularity full"),
+            _on("swap_attention")),
+    Feature("recompute", "Activation recompute (full / selective, uniform / block)", "memory",
+            ("--recompute-granularity", "--recompute-method", "--recompute-num-layers"),
+            planned("the facade's autograd.recompute exists; the trainer wiring does not"),
+            planned("the facade's autograd.recompute exists; the trainer wiring does not"),
+            lambda a: a.recompute_granularity is not None),
+    Feature("norm-recompute", "Norm recompute", "memory", ("--recompute-norm",), planned(), planned(), _on("recompute_norm")),
+    Feature("recompute-in-advance", "Recompute in advance (overlapped with pipeline bubbles)", "memory",
+            ("--recompute-in-advance",), planned(), planned(), _on("recompute_in_advance")),
+    Feature("o2-bf16-optimizer", "O2 BF16 optimizer (bf16 optimizer states)", "memory", ("--o2-optimizer",),
+            planned(), planned(), _on("o2_optimizer")),
+    Feature("bf16", "bfloat16 training", "precision", ("--bf16",),
+            planned("the facade computes in bf16; the trainer's mixed precision arrives with it"),
+            planned("arrives with the trainer",
+                    cpu=unsupported("MindSpore's CPU MatMul has no bfloat16 kernel", instead="fp32 (drop --bf16)")),
+            _on("bf16")),
+    Feature("fp16", "float16 training with loss scaling", "precision", ("--fp16",),
+            planned("arrives with the trainer"),
+            planned("arrives with the trainer",
+                    cpu=unsupported("MindSpore's CPU MatMul has no float16 kernel", instead="fp32 (drop --fp16)")),
+            _on("fp16")),
+    # ---- fused operators ------------------------------------------------------------------
+    Feature("flash-attention", "Fused attention (flash attention)", "fused-ops", ("--use-flash-attn",),
+            supported("torch scaled_dot_product_attention (flash/efficient kernels on CUDA, math on CPU)"),
+            supported("composite softmax(QK^T)V; FlashAttentionScore has no CPU kernel"),
+            _on("use_flash_attn")),
+    Feature("flash-attention-varlen", "Flash attention on packed variable-length sequences", "fused-ops",
+            ("--reset-attention-mask",), planned(), planned(), _on("reset_attention_mask")),
+    Feature("fused-rmsnorm", "Fused RMSNorm", "fused-ops", ("--use-fused-rmsnorm",),
+            supported("torch F.rms_norm; torch_npu npu_rms_norm on Ascend"),
+            supported("composite on CPU (RmsNorm has no CPU kernel); ops.rms_norm on Ascend"),
+            _on("use_fused_rmsnorm")),
+    Feature("fused-swiglu", "Fused SwiGLU", "fused-ops", ("--use-fused-swiglu",),
+            supported("composite on CPU/CUDA; torch_npu npu_swiglu on Ascend"),
+            supported("composite on CPU (Swiglu has no CPU kernel); ops.swiglu on Ascend"),
+            _on("use_fused_swiglu")),
+    Feature("fused-rope", "Fused rotary position embedding", "fused-ops", ("--use-fused-rotary-pos-emb",),
+            supported("composite on CPU/CUDA; torch_npu npu_rotary_mul on Ascend"),
+            supported("composite (RotaryPositionEmbedding has no CPU kernel)"),
+            _on("use_fused_rotary_pos_emb")),
+    Feature("gmm", "Grouped matmul for MoE experts", "fused-ops", ("--moe-grouped-gemm",),
+            supported("composite: one matmul per expert group"),
+            supported("composite: one matmul per expert group"),
+            _on("moe_grouped_gemm")),
+    Feature("matmul-add", "Fused matmul + add in fp32 (gradient accumulation)", "fused-ops",
+            ("--gemm-gradient-accumulation-fusion",),
+            supported("torch addmm in fp32"), supported("composite fp32 matmul + add"),
+            _on("gemm_gradient_accumulation_fusion")),
+    # ---- communication ----------------------------------------------------------------------
+    Feature("collectives", "Collectives: all-reduce, all-gather, reduce-scatter, all-to-all, broadcast, send/recv",
+            "communication", (),
+            supported("gloo / nccl / hccl; gloo has no reduce-scatter, so there it is all-reduce + slice"),
+            supported("", cpu=emulated("mccl has only float32 SUM AllReduce on sub-groups; the rest is composed "
+                                       "from it with identical results"),
+                      cuda=emulated("composed from AllReduce until native NCCL bindings are tested"),
+                      npu=emulated("composed from AllReduce until native HCCL bindings are tested"))),
+    Feature("grad-reduce-overlap", "Overlap gradient reduction with backward", "communication",
+            ("--overlap-grad-reduce",), planned(_TP_ISSUE), planned(_TP_ISSUE), _on("overlap_grad_reduce")),
+    Feature("param-gather-overlap", "Overlap parameter all-gather with forward", "communication",
+            ("--overlap-param-gather",), planned(), planned(), _on("overlap_param_gather")),
+    Feature("mc2", "MC2: matmul fused with all-gather / reduce-scatter", "communication", ("--use-ascend-mc2",),
+            planned(_NPU_ONLY, cpu=unsupported(_NPU_ONLY), cuda=unsupported(_NPU_ONLY)),
+            unsupported("MC2 kernels are only reachable from torch_npu", instead="plain tensor parallel"),
+            _on("use_ascend_mc2")),
+    Feature("coc", "CoC: communication-over-computation overlap", "communication", ("--use-ascend-coc",),
+            planned(_NPU_ONLY, cpu=unsupported(_NPU_ONLY), cuda=unsupported(_NPU_ONLY)),
+            planned(_NPU_ONLY, cpu=unsupported(_NPU_ONLY), cuda=unsupported(_NPU_ONLY)),
+            _on("use_ascend_coc")),
+    Feature("gloo-ckpt-offload", "Checkpoint gathering without a Gloo group", "communication",
+            ("--disable-gloo-group",), planned(), planned(), _on("disable_gloo_group")),
+    # ---- operations ---------------------------------------------------------------------------
+    Feature("profiling", "Profiling", "operations", ("--profile",), planned(), planned(), _on("profile")),
+    Feature("deterministic", "Deterministic computing", "operations", ("--use-deterministic-comm",),
+            planned(), planned(), _on("use_deterministic_comm")),
+    Feature("rng-tracker", "Named RNG states (tensor-parallel dropout)", "operations", (),
+            supported("torch generator states"),
+            emulated("MindSpore's CPU random kernels cannot be replayed from a saved state; the facade draws "
+                     "random masks from its own generator")),
+    Feature("safetensors-io", "Framework-neutral tensor files (safetensors + JSON metadata)", "operations", (),
+            supported(), supported()),
+    # ---- inference ----------------------------------------------------------------------------
+    Feature("streaming-inference", "Streaming generation", "inference", ("--stream",), planned(), planned(), _on("stream")),
+    Feature("chat", "Chat (multi-turn, chat templates)", "inference", ("--task chat",), planned(), planned(), _eq("task", "chat")),
+    Feature("yarn", "YaRN RoPE scaling", "inference", ("--rope-scaling-type yarn",), planned(), planned(),
+            _eq("rope_scaling_type", "yarn")),
+    # ---- data and tools -------------------------------------------------------------------
+    *(
+        Feature(f"handler-{slug}", f"Data handler {name}", "data", (f"--handler-name {name}",),
+                planned(), planned(), _eq("handler_name", name))
+        for slug, name in (
+            ("general-pretrain", "GeneralPretrainHandler"),
+            ("alpaca", "AlpacaStyleInstructionHandler"),
+            ("sharegpt", "SharegptStyleInstructionHandler"),
+            ("alpaca-pairwise", "AlpacaStylePairwiseHandler"),
+            ("sharegpt-pairwise", "SharegptStylePairwiseHandler"),
+            ("alpaca-prm", "AlpacaStyleProcessRewardHandler"),
+        )
+    ),
+    Feature("weight-conversion", "Hugging Face <-> Megatron-core weight conversion with re-sharding", "tools",
+            ("--load-model-type", "--save-model-type"), planned(), planned(),
+            lambda a: a.load_model_type is not None or a.save_model_type is not None),
+)
+
+BY_ID = {f.id: f for f in FEATURES}
+
+
+def get(feature_id: str) -> Feature:
+    try:
+        return BY_ID[feature_id]
+    except KeyError:
+        raise KeyError(f"no feature {feature_id!r} in the matrix") from None
+
+
+def active_features(args) -> list[Feature]:
+    return [f for f in FEATURES if f.active is not None and f.active(args)]
+
+
+def validate(args, framework: str, device: str | None = None) -> list[Feature]:
+    """Reject arguments that ask for a feature the framework/device cannot provide.
+
+    Returns the active features when all are available; raises FeatureNotAvailable (exit
+    code 2) naming every offending feature otherwise.
+    """
+    active = active_features(args)
+    problems = []
+    for f in active:
+        st = f.status(framework, device)
+        if st.kind in ("unsupported", "planned"):
+            where = framework + (f" on {device}" if device else "")
+            msg = f"{f.id} ({' '.join(f.flags[:1])}) is {st.kind} for {where}: {st.note}"
+            if st.instead:
+                msg += f"; instead use {st.instead}"
+            problems.append(msg)
+    if problems:
+        raise FeatureNotAvailable("; ".join(problems))
+    return active
+
+
+# ---- rendering ------------------------------------------------------------------------------
+
+def _cell(st: Status) -> str:
+    text = st.kind
+    for dev in DEVICES:
+        if dev in st.devices:
+            text += f"; {dev}: {st.devices[dev].kind}"
+    return text
+
+
+def as_records(framework: str | None = None, device: str | None = None) -> list[dict]:
+    frameworks = (framework,) if framework else FRAMEWORKS
+    out = []
+    for f in FEATURES:
+        rec = {"id": f.id, "title": f.title, "category": f.category, "flags": list(f.flags)}
+        for fw in frameworks:
+            base = getattr(f, fw)
+            st = base.on(device)
+            rec[fw] = {"status": st.kind, "note": st.note}
+            if st.instead:
+                rec[fw]["instead"] = st.instead
+            if device is None and base.devices:
+                rec[fw]["devices"] = {d: {"status": s.kind, "note": s.note} for d, s in base.devices.items()}
+        out.append(rec)
+    return out
+
+
+def render_json(framework: str | None = None, device: str | None = None) -> str:
+    return json.dumps({"features": as_records(framework, device)}, indent=2)
+
+
+def render_markdown(framework: str | None = None) -> str:
+    frameworks = (framework,) if framework else FRAMEWORKS
+    head = "| feature | id | flags | " + " | ".join(frameworks) + " |"
+    rows = [head, "|" + "---|" * (3 + len(frameworks))]
+    for f in FEATURES:
+        flags = ", ".join(f"`{x}`" for x in f.flags) or "(always on)"
+        cells = " | ".join(_cell(getattr(f, fw)) for fw in frameworks)
+        rows.append(f"| {f.title} | `{f.id}` | {flags} | {cells} |")
+    return "\n".join(rows) + "\n"
+
+
+def render_text(framework: str | None = None, device: str | None = None) -> str:
+    frameworks = (framework,) if framework else FRAMEWORKS
+    width = max(len(f.id) for f in FEATURES)
+    lines = [f"{'feature'.ljust(width)}  " + "  ".join(fw.ljust(28) for fw in frameworks)]
+    for f in FEATURES:
+        cells = []
+        for fw in frameworks:
+            st = getattr(f, fw)
+            cells.append((st.on(device).kind if device else _cell(st)).ljust(28))
+        lines.append(f"{f.id.ljust(width)}  " + "  ".join(cells))
+    return "\n".join(lines) + "\n"

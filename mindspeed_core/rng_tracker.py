@@ -1,0 +1,51 @@
+"""Named random-number-generator states (Megatron's CUDA RNG tracker, for any framework).
+
+Tensor parallelism needs dropout that differs across tensor-parallel ranks inside the
+parallel region and agrees outside it. The tracker keeps one saved generator state per
+name; ``fork(name)`` swaps that state in for the duration of a block and saves where it
+left off. It only needs the backend's ``get_state``/``set_state``/``seed``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+
+class RNGStatesTracker:
+    def __init__(self, get_state, set_state, seed):
+        self._get, self._set, self._seed = get_state, set_state, seed
+        self._states: dict[str, object] = {}
+        self._seeds: set[int] = set()
+
+    def reset(self) -> None:
+        self._states.clear()
+        self._seeds.clear()
+
+    def add(self, name: str, seed: int) -> None:
+        if seed in self._seeds:
+            raise ValueError(f"RNG seed {seed} is already used by another tracked state")
+        if name in self._states:
+            raise ValueError(f"RNG state {name!r} is already tracked")
+        self._seeds.add(seed)
+        outer = self._get()
+        self._seed(seed)
+        self._states[name] = self._get()
+        self._set(outer)
+
+    def get_states(self) -> dict:
+        return dict(self._states)
+
+    def set_states(self, states: dict) -> None:
+        self._states = dict(states)
+
+    @contextlib.contextmanager
+    def fork(self, name: str):
+        if name not in self._states:
+            raise KeyError(f"RNG state {name!r} is not tracked; add it first (known: {sorted(self._states)})")
+        outer = self._get()
+        self._set(self._states[name])
+        try:
+            yield
+        finally:
+            self._states[name] = self._get()
+            self._set(outer)

@@ -1,0 +1,123 @@
+"""Which framework the facade is bound to, decided once per process.
+
+Precedence: the ``--ai-framework`` flag of an entry point, then ``set_backend()``, then the
+environment variable ``MINDSPEED_AI_FRAMEWORK``, then the default ``pytorch``. Binding
+imports the backend package (``mindspeed_core.backends.<name>``) and selects the device; it
+happens once, before any model code runs, and binding to a second framework later in the
+same process is an error: tensors, modules and parameters of one framework cannot be mixed
+with the other's.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import threading
+
+from mindspeed_core.errors import BackendError
+
+ENV_VAR = "MINDSPEED_AI_FRAMEWORK"
+DEVICE_ENV_VAR = "MINDSPEED_DEVICE"
+DEFAULT = "pytorch"
+
+# framework name -> (backend module, the framework's own import name, pip extra)
+FRAMEWORKS = {
+    "pytorch": ("mindspeed_core.backends.torch", "torch", "torch"),
+    "mindspore": ("mindspeed_core.backends.mindspore", "mindspore", "mindspore"),
+}
+DEVICES = ("auto", "cpu", "cuda", "npu", "gpu", "ascend")
+
+_lock = threading.Lock()
+_requested: str | None = None  # set_backend()
+_requested_device: str | None = None
+_bound = None  # the backend module once bound
+
+
+def check_name(name: str) -> str:
+    key = (name or "").strip().lower()
+    if key not in FRAMEWORKS:
+        raise BackendError(
+            f"unknown AI framework {name!r}; choose one of: {', '.join(FRAMEWORKS)}"
+        )
+    return key
+
+
+def set_backend(name: str, device: str | None = None) -> None:
+    """Choose the framework (and optionally the device) before anything is bound."""
+    global _requested, _requested_device
+    key = check_name(name)
+    if _bound is not None and _bound.NAME != key:
+        raise BackendError(
+            f"the facade is already bound to {_bound.NAME} in this process; it cannot switch "
+            f"to {key} (start a new process with --ai-framework {key})"
+        )
+    _requested = key
+    if device is not None:
+        _requested_device = device
+
+
+def resolve(flag: str | None = None) -> str:
+    """The framework name that binding would use, without binding."""
+    if flag:
+        return check_name(flag)
+    if _requested:
+        return _requested
+    env = os.environ.get(ENV_VAR)
+    if env:
+        return check_name(env)
+    return DEFAULT
+
+
+def bind(flag: str | None = None, device: str | None = None):
+    """Bind the facade (idempotent for the same framework) and return the backend module."""
+    global _bound
+    name = resolve(flag)
+    with _lock:
+        if _bound is not None:
+            if _bound.NAME != name:
+                raise BackendError(
+                    f"the facade is already bound to {_bound.NAME} in this process; a second "
+                    f"framework ({name}) cannot be bound (start a new process)"
+                )
+            return _bound
+        module_name, import_name, extra = FRAMEWORKS[name]
+        try:
+            backend = importlib.import_module(module_name)
+        except ImportError as exc:
+            if (exc.name or "").split(".")[0] != import_name:
+                raise
+            raise BackendError(
+                f"--ai-framework {name} needs the {import_name!r} package, which cannot be "
+                f"imported ({exc}); install it with: pip install 'mindspeed-core[{extra}]'"
+            ) from None
+        wanted = device or _requested_device or os.environ.get(DEVICE_ENV_VAR) or "auto"
+        if wanted.lower() not in DEVICES:
+            raise BackendError(f"unknown device {wanted!r}; choose one of: {', '.join(DEVICES)}")
+        backend.activate(wanted.lower())
+        _bound = backend
+        return backend
+
+
+def bound():
+    """The bound backend module, binding with the resolved defaults on first use."""
+    return _bound if _bound is not None else bind()
+
+
+def is_bound() -> bool:
+    return _bound is not None
+
+
+def framework_flag(argv: list[str]) -> tuple[str | None, str | None]:
+    """Read ``--ai-framework`` and ``--device`` from an argument list without a full parse.
+
+    Entry points call this first so that the framework is bound before model code (whose
+    imports need the facade) is imported.
+    """
+    found: dict[str, str | None] = {"--ai-framework": None, "--device": None}
+    for i, arg in enumerate(argv):
+        for flag in found:
+            if arg == flag and i + 1 < len(argv):
+                found[flag] = argv[i + 1]
+            elif arg.startswith(flag + "="):
+                found[flag] = arg.split("=", 1)[1]
+    return found["--ai-framework"], found["--device"]
