@@ -63,12 +63,21 @@ def causal_keep_mask(sq: int, sk: int):
     return ops.le(cols, rows + (sk - sq))
 
 
+def check_attention_shapes(q, k, v) -> None:
+    """The facade's shape contract, checked before any kernel sees the tensors."""
+    if len(q.shape) != 4 or len(k.shape) != 4 or len(v.shape) != 4:
+        raise ValueError("attention: q, k and v must be [batch, seq, heads, head_dim]")
+    if tuple(k.shape[:3]) != tuple(v.shape[:3]) or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
+        raise ValueError(f"attention: shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not fit")
+    if q.shape[2] % k.shape[2]:
+        raise ValueError(f"attention: {q.shape[2]} query heads are not a multiple of {k.shape[2]} key/value heads")
+
+
 def attention(q, k, v, causal: bool = False, mask=None, dropout_p: float = 0.0, scale=None):
     ops = _ops()
+    check_attention_shapes(q, k, v)
     b, sq, hq, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
-    if hq % hk:
-        raise ValueError(f"attention: {hq} query heads are not a multiple of {hk} key/value heads")
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     qh, kh, vh = (ops.transpose(t, 1, 2) for t in (q, k, v))  # [b, h, s, d]
     if hk != hq:  # grouped-query attention: each kv head serves hq // hk query heads

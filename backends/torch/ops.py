@@ -287,6 +287,7 @@ def _native_layer_norm(x, weight, bias=None, eps=1e-5):
 
 
 def _native_attention(q, k, v, causal=False, mask=None, dropout_p=0.0, scale=None):
+    composite.check_attention_shapes(q, k, v)
     sq, sk = q.shape[1], k.shape[1]
     attn_mask, is_causal = mask, causal
     if causal and (mask is not None or sq != sk):

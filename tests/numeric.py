@@ -1,0 +1,152 @@
+"""Float64 numpy references for facade checks: values and finite-difference gradients."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from mindspeed_core import autograd, nn, ops
+
+
+def rng(seed=0):
+    return np.random.default_rng(seed)
+
+
+def numeric_grad(f, inputs, i, eps=1e-6):
+    """d f(inputs) / d inputs[i] by central differences, f scalar-valued, float64."""
+    x = inputs[i]
+    grad = np.zeros_like(x)
+    flat = x.reshape(-1)
+    g = grad.reshape(-1)
+    for j in range(flat.size):
+        old = flat[j]
+        flat[j] = old + eps
+        plus = f(*inputs)
+        flat[j] = old - eps
+        minus = f(*inputs)
+        flat[j] = old
+        g[j] = (plus - minus) / (2 * eps)
+    return grad
+
+
+def check_op(facade_fn, ref_fn, inputs, wrt=(), rtol=1e-5, atol=1e-6, grad_rtol=2e-3, grad_atol=2e-4,
+             dtype="float32", seed=1):
+    """Compare facade_fn(*tensors) with ref_fn(*arrays) in float64, and, for the inputs
+    whose positions are in ``wrt``, the facade's gradients of sum(out * c) with finite
+    differences of the reference (c a fixed random cotangent)."""
+    arrays = [np.asarray(a) for a in inputs]
+    tensors = [ops.tensor(a, dtype=dtype if a.dtype.kind == "f" else None) for a in arrays]
+    out = facade_fn(*tensors)
+    ref = ref_fn(*[a.astype(np.float64) if a.dtype.kind == "f" else a for a in arrays])
+    outs, refs = (out, ref) if isinstance(out, (tuple, list)) else ((out,), (ref,))
+    for o, r in zip(outs, refs):
+        got = ops.to_numpy(o)
+        assert got.shape == np.shape(r), f"shape {got.shape} != reference {np.shape(r)}"
+        np.testing.assert_allclose(got.astype(np.float64) if got.dtype.kind == "f" else got, r, rtol=rtol, atol=atol)
+    if not wrt:
+        return
+    ref0 = np.asarray(refs[0], dtype=np.float64)
+    cot = rng(seed).standard_normal(ref0.shape)
+    params = [nn.Parameter(tensors[i]) for i in wrt]
+
+    def loss(*_):
+        args = list(tensors)
+        for k, i in enumerate(wrt):
+            args[i] = params[k]
+        o = facade_fn(*args)
+        o = o[0] if isinstance(o, (tuple, list)) else o
+        return ops.sum(ops.cast(o, "float32") * ops.tensor(cot.astype(np.float32)))
+
+    _, grads = autograd.value_and_grad(loss, params)()
+    f64 = [np.array(a, dtype=np.float64 if a.dtype.kind == "f" else a.dtype, order="C") for a in arrays]
+
+    def scalar(*xs):
+        r = ref_fn(*xs)
+        r = r[0] if isinstance(r, (tuple, list)) else r
+        return float(np.sum(np.asarray(r, dtype=np.float64) * cot))
+
+    for k, i in enumerate(wrt):
+        expected = numeric_grad(scalar, f64, i)
+        np.testing.assert_allclose(ops.to_numpy(grads[k]).astype(np.float64), expected, rtol=grad_rtol, atol=grad_atol,
+                                   err_msg=f"gradient of input {i}")
+
+
+# ---- references -------------------------------------------------------------------------------
+
+def softmax(x, axis=-1):
+    e = np.exp(x - x.max(axis=axis, keepdims=True))
+    return e / e.sum(axis=axis, keepdims=True)
+
+
+def log_softmax(x, axis=-1):
+    m = x.max(axis=axis, keepdims=True)
+    return x - m - np.log(np.exp(x - m).sum(axis=axis, keepdims=True))
+
+
+def sigmoid(x):
+    return 1.0 / (1.0 + np.exp(-x))
+
+
+def gelu(x, approximate="none"):
+    if approximate == "tanh":
+        return 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3)))
+    erf = np.vectorize(math.erf)
+    return 0.5 * x * (1 + erf(x / math.sqrt(2)))
+
+
+def cross_entropy(logits, target, ignore_index=-100, reduction="mean"):
+    lp = log_softmax(logits)
+    keep = target != ignore_index
+    safe = np.where(keep, target, 0)
+    losses = -lp[np.arange(len(target)), safe] * keep
+    if reduction == "none":
+        return losses
+    if reduction == "sum":
+        return losses.sum()
+    return losses.sum() / keep.sum()
+
+
+def rms_norm(x, w, eps=1e-6):
+    return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * w
+
+
+def layer_norm(x, w, b=None, eps=1e-5):
+    c = x - x.mean(-1, keepdims=True)
+    y = c / np.sqrt((c * c).mean(-1, keepdims=True) + eps) * w
+    return y if b is None else y + b
+
+
+def swiglu(x):
+    a, b = np.split(x, 2, axis=-1)
+    return a * sigmoid(a) * b
+
+
+def apply_rotary(x, cos, sin):
+    cos = cos.reshape(1, cos.shape[0], 1, cos.shape[1])
+    sin = sin.reshape(1, sin.shape[0], 1, sin.shape[1])
+    a, b = np.split(x, 2, axis=-1)
+    return x * cos + np.concatenate([-b, a], axis=-1) * sin
+
+
+def attention(q, k, v, causal=False, mask=None, scale=None):
+    b, sq, hq, d = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    rep = hq // hk
+    k = np.repeat(k, rep, axis=2)
+    v = np.repeat(v, rep, axis=2)
+    scale = 1 / math.sqrt(d) if scale is None else scale
+    s = np.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    if mask is not None:
+        s = np.where(mask, s, -np.inf) if mask.dtype == np.bool_ else s + mask
+    if causal:
+        keep = np.arange(sk)[None, :] <= np.arange(sq)[:, None] + (sk - sq)
+        s = np.where(keep, s, -np.inf)
+    return np.einsum("bhqk,bkhd->bqhd", softmax(s), v)
+
+
+def rope_tables(s, d, base=10000.0):
+    inv = 1.0 / base ** (np.arange(0, d, 2) / d)
+    ang = np.outer(np.arange(s), inv)
+    ang = np.concatenate([ang, ang], axis=-1)
+    return np.cos(ang), np.sin(ang)

@@ -1,0 +1,35 @@
+"""Device selection, synchronisation, memory statistics and the matmul-rate helper."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from mindspeed_core import device, ops
+
+
+def test_selected_device_is_available():
+    assert device.type() in ("cpu", "cuda", "npu")
+    assert device.type() in device.available()
+    assert device.current().startswith(device.type())
+    assert "cpu" in device.available()
+
+
+def test_synchronize_and_memory_stats():
+    x = ops.matmul(ops.ones((64, 64)), ops.ones((64, 64)))
+    device.synchronize()
+    np.testing.assert_array_equal(ops.to_numpy(x)[0, :3], 64)
+    stats = device.memory_stats()
+    assert stats["host_rss_bytes"] > 10 * 2 ** 20  # a framework is loaded: at least tens of MiB
+    assert stats["host_peak_rss_bytes"] >= stats["host_rss_bytes"]
+    if device.type() != "cpu":
+        assert stats["allocated_bytes"] > 0
+
+
+def test_float32_is_always_supported():
+    assert device.supports_dtype("float32")
+
+
+def test_matmul_rate_is_a_plausible_rate():
+    rate = device.matmul_rate(n=256, min_seconds=0.2)
+    # Even one slow core does far more than 0.1 GFLOP/s, and nothing here reaches 100 TFLOP/s.
+    assert 1e8 < rate < 1e14
