@@ -113,10 +113,13 @@ class EmulatedCollectives:
         summed = self._sum(buf, group)
         return [self._unlanes(summed[i, me], chunks[0].dtype, (int(all_rows[i, me]),) + tail) for i in range(n)]
 
-    def transfer(self, arr: np.ndarray | None, shape, dtype, is_sender: bool, pair_group) -> np.ndarray:
-        """Point-to-point over a two-rank group: the sender's array arrives at the receiver."""
-        lanes = self._lanes(arr) if is_sender else np.zeros(self._lane_count(dtype, shape), np.float32)
-        lanes = self._sum(lanes, pair_group)
+    def send(self, arr: np.ndarray, pair_group) -> None:
+        """Point-to-point over a two-rank group: the receiver's slot is zero, so the sum
+        it gets is exactly the sender's lanes."""
+        self._sum(self._lanes(arr), pair_group)
+
+    def recv(self, shape, dtype, pair_group) -> np.ndarray:
+        lanes = self._sum(np.zeros(self._lane_count(dtype, shape), np.float32), pair_group)
         return self._unlanes(lanes, dtype, shape)
 
     def barrier(self, group) -> None:

@@ -175,12 +175,12 @@ def _pair(a: int, b: int) -> Group:
 
 
 def send(x, dst: int) -> None:
-    _emulated.transfer(ops.to_numpy(x), None, None, True, _pair(rank(), dst))
+    _emulated.send(ops.to_numpy(x), _pair(rank(), dst))
 
 
 def recv(shape, dtype, src: int):
     host_dtype = np.float32 if dtype == "bfloat16" else np.dtype(dtype)
-    array = _emulated.transfer(None, tuple(shape), host_dtype, False, _pair(rank(), src))
+    array = _emulated.recv(tuple(shape), host_dtype, _pair(rank(), src))
     return ops.tensor(array, dtype=dtype)
 
 

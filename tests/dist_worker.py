@@ -1,0 +1,155 @@
+"""One rank of the multi-process collective checks (run by torchrun or msrun).
+
+Every rank computes what each collective must return from the ranks' known inputs, runs
+the facade's collective, and records each mismatch. Results go to <out>/rank<R>.json; the
+exit code is non-zero when any check failed, so the launcher fails too.
+
+usage: dist_worker.py OUT_DIR
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+
+import numpy as np
+
+from mindspeed_core import dist, ops, runtime
+
+runtime.bind()
+dist.init()
+R, N = dist.rank(), dist.world_size()
+failures: list[str] = []
+checks: list[str] = []
+
+
+def expect(name, got, want):
+    checks.append(name)
+    got_np = ops.to_numpy(got) if ops.is_tensor(got) else np.asarray(got)
+    want = np.asarray(want)
+    if got_np.shape != want.shape or not np.array_equal(got_np.astype(want.dtype), want):
+        failures.append(f"{name}: got {got_np.tolist()} want {want.tolist()}")
+
+
+def rank_value(r, shape, dtype, base=0):
+    """The tensor rank r contributes: distinct per rank and per element."""
+    count = int(np.prod(shape))
+    return (np.arange(count).reshape(shape) + 10 * r + 1 + base).astype(dtype)
+
+
+def run(name, fn):
+    try:
+        fn()
+    except Exception:  # noqa: BLE001 - record and go on, so one run reports every failure
+        failures.append(f"{name}: raised\n{traceback.format_exc()}")
+
+
+def check_all_reduce(group, tag):
+    members = list(group.ranks) if group else list(range(N))
+    for dtype in ("float32", "float16", "bfloat16", "float64", "int32", "int64"):
+        arrays = {r: rank_value(r, (2, 3), np.float32 if dtype == "bfloat16" else dtype) for r in members}
+        x = ops.tensor(arrays[R], dtype=dtype)
+        expect(f"{tag} all_reduce sum {dtype}", dist.all_reduce(x, "sum", group), sum(arrays.values()))
+        expect(f"{tag} all_reduce max {dtype}", dist.all_reduce(x, "max", group), np.max(list(arrays.values()), 0))
+        expect(f"{tag} all_reduce min {dtype}", dist.all_reduce(x, "min", group), np.min(list(arrays.values()), 0))
+        expect(f"{tag} all_reduce leaves input alone {dtype}", x, arrays[R])
+    # int64 beyond float32's exact range: the emulated path must stay exact
+    big = {r: np.array([2 ** 40 + 7 * r, -(2 ** 35) - r], np.int64) for r in members}
+    expect(f"{tag} all_reduce sum int64 large", dist.all_reduce(ops.tensor(big[R]), "sum", group), sum(big.values()))
+
+
+def check_all_gather(group, tag):
+    members = list(group.ranks) if group else list(range(N))
+    for dtype in ("float32", "int64", "bfloat16", "bool", "float64"):
+        arrays = {r: rank_value(r, (2, 3), np.float32 if dtype == "bfloat16" else dtype) for r in members}
+        if dtype == "bool":
+            arrays = {r: (np.arange(6).reshape(2, 3) + r) % 2 == 0 for r in members}
+        x = ops.tensor(arrays[R], dtype=dtype)
+        for dim in (0, 1):
+            expect(f"{tag} all_gather {dtype} dim{dim}", dist.all_gather(x, group, dim=dim),
+                   np.concatenate([arrays[r] for r in members], axis=dim))
+
+
+def check_reduce_scatter(group, tag):
+    members = list(group.ranks) if group else list(range(N))
+    n, me = len(members), members.index(R)
+    for dtype in ("float32", "int64"):
+        arrays = {r: rank_value(r, (2 * n, 3), dtype) for r in members}
+        total = sum(arrays.values())
+        expect(f"{tag} reduce_scatter {dtype} dim0", dist.reduce_scatter(ops.tensor(arrays[R]), "sum", group),
+               np.split(total, n, axis=0)[me])
+        wide = {r: rank_value(r, (3, 2 * n), dtype) for r in members}
+        expect(f"{tag} reduce_scatter {dtype} dim1",
+               dist.reduce_scatter(ops.tensor(wide[R]), "sum", group, dim=1), np.split(sum(wide.values()), n, axis=1)[me])
+
+
+def check_all_to_all(group, tag):
+    members = list(group.ranks) if group else list(range(N))
+    n, me = len(members), members.index(R)
+
+    def block(src, dst, rows):
+        return (np.arange(rows * 2).reshape(rows, 2) + 1000 * src + 100 * dst).astype(np.float32)
+
+    even = np.concatenate([block(me, j, 2) for j in range(n)])
+    expect(f"{tag} all_to_all even", dist.all_to_all(ops.tensor(even), group),
+           np.concatenate([block(i, me, 2) for i in range(n)]))
+    count = lambda i, j: (i + 2 * j) % 3  # noqa: E731 - uneven, zero-sized pieces included
+    uneven = np.concatenate([block(me, j, count(me, j)) for j in range(n)])
+    got = dist.all_to_all(ops.tensor(uneven), group, input_splits=[count(me, j) for j in range(n)],
+                          output_splits=[count(i, me) for i in range(n)])
+    expect(f"{tag} all_to_all uneven", got, np.concatenate([block(i, me, count(i, me)) for i in range(n)]))
+
+
+def check_broadcast(group, tag):
+    members = list(group.ranks) if group else list(range(N))
+    src = members[-1]
+    for dtype in ("float32", "int64", "bfloat16"):
+        arrays = {r: rank_value(r, (3,), np.float32 if dtype == "bfloat16" else dtype) for r in members}
+        expect(f"{tag} broadcast {dtype}", dist.broadcast(ops.tensor(arrays[R], dtype=dtype), src, group), arrays[src])
+
+
+def check_send_recv():
+    nxt, prv = (R + 1) % N, (R - 1) % N
+    mine = rank_value(R, (2, 2), np.float32)
+    ids = np.array([R, 2 ** 40 + R], np.int64)
+    if R % 2 == 0:
+        dist.send(ops.tensor(mine), nxt)
+        dist.send(ops.tensor(ids), nxt)
+        got, got_ids = dist.recv((2, 2), "float32", prv), dist.recv((2,), "int64", prv)
+    else:
+        got, got_ids = dist.recv((2, 2), "float32", prv), dist.recv((2,), "int64", prv)
+        dist.send(ops.tensor(mine), nxt)
+        dist.send(ops.tensor(ids), nxt)
+    expect("send/recv float32 ring", got, rank_value(prv, (2, 2), np.float32))
+    expect("send/recv int64 ring", got_ids, np.array([prv, 2 ** 40 + prv], np.int64))
+
+
+def main(out_dir):
+    expect("world size matches the launcher", N, dist.launched_world_size())
+    expect("rank in world group", dist.rank(None), R)
+    world = None
+    groups = [dist.new_group(range(0, N, 2)), dist.new_group(range(1, N, 2))]  # every rank creates every group
+    pair = dist.new_group([0, 1])
+    mine = [g for g in groups if R in g.ranks][0]
+    expect("rank in sub-group", dist.rank(mine), list(mine.ranks).index(R))
+    expect("non-member rank is -1", dist.rank([g for g in groups if R not in g.ranks][0]) if N > 1 else -1, -1)
+    for tag, group in (("world", world), ("strided", mine), ("pair", pair if R in pair.ranks else None)):
+        if tag == "pair" and group is None:
+            continue
+        for fn in (check_all_reduce, check_all_gather, check_reduce_scatter, check_all_to_all, check_broadcast):
+            run(f"{tag} {fn.__name__}", lambda: fn(group, tag))
+        dist.barrier(group)
+    run("send/recv", check_send_recv)
+    dist.barrier()
+    result = {"rank": R, "world": N, "checks": len(checks), "failures": failures,
+              "implementations": dist.implementations()}
+    with open(os.path.join(out_dir, f"rank{R}.json"), "w") as fh:
+        json.dump(result, fh)
+    dist.shutdown()
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))

@@ -1,0 +1,55 @@
+"""Collectives in real multi-process runs (torch: torchrun + gloo; MindSpore: msrun + mccl),
+and the single-process semantics with no launcher."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import numpy as np
+import pytest
+
+from launch import launch
+from mindspeed_core import dist, ops
+
+HERE = pathlib.Path(__file__).resolve().parent
+
+
+@pytest.mark.multiprocess
+@pytest.mark.feature("collectives")
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_collectives_on_several_ranks(framework, nproc, tmp_path):
+    out_dir = tmp_path / "results"
+    out_dir.mkdir()
+    code, output = launch(framework, nproc, str(HERE / "dist_worker.py"), [str(out_dir)], str(tmp_path / "logs"))
+    results = [json.loads(p.read_text()) for p in sorted(out_dir.glob("rank*.json"))]
+    failures = [f"rank {r['rank']}: {f}" for r in results for f in r["failures"]]
+    assert failures == [], "\n".join(failures)
+    assert code == 0, output[-6000:]
+    assert sorted(r["rank"] for r in results) == list(range(nproc)), output[-6000:]
+    assert all(r["world"] == nproc and r["checks"] >= 90 for r in results)
+    kinds = results[0]["implementations"]
+    assert set(kinds) == {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send", "recv",
+                          "barrier"}
+    if framework == "mindspore":
+        assert kinds["all_reduce"] == "native" and kinds["all_to_all"] == "emulated"
+
+
+def test_alone_every_collective_is_the_identity():
+    assert not dist.is_initialized()
+    dist.init()  # no launcher: stays a single process
+    assert dist.launched_world_size() == 1 and dist.world_size() == 1 and dist.rank() == 0
+    x = ops.tensor(np.arange(6, dtype=np.float32).reshape(2, 3))
+    group = dist.new_group([0])
+    assert dist.world_size(group) == 1 and dist.rank(group) == 0
+    for out in (dist.all_reduce(x), dist.all_reduce(x, "max", group), dist.all_gather(x, dim=1),
+                dist.reduce_scatter(x), dist.all_to_all(x), dist.broadcast(x, 0)):
+        np.testing.assert_array_equal(ops.to_numpy(out), ops.to_numpy(x))
+    dist.barrier()
+    dist.shutdown()
+    assert set(dist.implementations()) >= {"all_reduce", "send", "recv"}
+
+
+def test_bad_arguments_are_clear_errors():
+    with pytest.raises(ValueError, match="not supported"):
+        dist.all_reduce(ops.zeros((2,)), op="product")

@@ -1,0 +1,134 @@
+"""The feature matrix: well-formed rows, the argument gate, its printouts and the README."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from mindspeed_core import features
+from mindspeed_core.compat import megatron_args
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+README_START, README_END = "<!-- feature-matrix:start -->", "<!-- feature-matrix:end -->"
+
+# Every row MindSpeed-LLM's feature tables have, by our id; the matrix must keep them all.
+REQUIRED_IDS = {
+    "tensor-parallel", "pipeline-parallel", "virtual-pipeline", "sequence-parallel", "noop-layers",
+    "ring-attention-cp", "ulysses-cp", "hybrid-cp", "expert-parallel", "moe-alltoall-dispatcher",
+    "moe-allgather-dispatcher", "distributed-optimizer", "reuse-fp32-param", "swap-attention", "recompute",
+    "norm-recompute", "o2-bf16-optimizer", "flash-attention", "flash-attention-varlen", "fused-rmsnorm",
+    "fused-swiglu", "fused-rope", "gmm", "matmul-add", "grad-reduce-overlap", "recompute-in-advance",
+    "param-gather-overlap", "mc2", "coc", "gloo-ckpt-offload", "profiling", "deterministic", "streaming-inference",
+    "chat", "yarn", "handler-general-pretrain", "handler-alpaca", "handler-sharegpt", "handler-alpaca-pairwise",
+    "handler-sharegpt-pairwise", "handler-alpaca-prm", "weight-conversion",
+}
+
+
+def defaults():
+    return megatron_args.feature_parser().parse_args([])
+
+
+def parse(*argv):
+    return megatron_args.feature_parser().parse_args(list(argv))
+
+
+def test_rows_are_well_formed():
+    ids = [f.id for f in features.FEATURES]
+    assert len(ids) == len(set(ids))
+    assert REQUIRED_IDS <= set(ids)
+    for f in features.FEATURES:
+        for fw in features.FRAMEWORKS:
+            st = f.status(fw)
+            assert st.kind in features.STATUSES and (st.kind == "supported" or st.note), (f.id, fw)
+            assert set(st.devices) <= set(features.DEVICES)
+            for dev_status in st.devices.values():
+                assert dev_status.kind in features.STATUSES and dev_status.note
+
+
+def test_every_flag_exists_and_defaults_turn_nothing_on():
+    parser = megatron_args.feature_parser()
+    known = {opt for action in parser._actions for opt in action.option_strings}
+    for f in features.FEATURES:
+        for flag in f.flags:
+            assert flag.split()[0] in known, (f.id, flag)
+    assert features.active_features(defaults()) == []
+
+
+def test_swap_attention_and_mc2_are_unsupported_on_mindspore():
+    assert features.get("swap-attention").status("mindspore").kind == "unsupported"
+    assert features.get("mc2").status("mindspore").kind == "unsupported"
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--swap-attention"], "swap-attention"),
+    (["--tensor-model-parallel-size", "2"], "tensor-parallel"),
+    (["--context-parallel-size", "2", "--context-parallel-algo", "ulysses_cp_algo"], "ulysses-cp"),
+    (["--moe-token-dispatcher-type", "alltoall"], "moe-alltoall-dispatcher"),
+    (["--handler-name", "SharegptStyleInstructionHandler"], "handler-sharegpt"),
+    (["--use-fused-rmsnorm"], "fused-rmsnorm"),
+])
+def test_flags_turn_on_their_feature(argv, expected):
+    assert expected in [f.id for f in features.active_features(parse(*argv))]
+
+
+def test_gate_rejects_with_the_reason_and_the_alternative():
+    with pytest.raises(features.FeatureNotAvailable) as info:
+        features.validate(parse("--swap-attention"), "mindspore", "cpu")
+    text = str(info.value)
+    for part in ("swap-attention", "--swap-attention", "unsupported", "mindspore", "no hook", "--recompute-granularity full"):
+        assert part in text
+    assert info.value.exit_code == 2
+    with pytest.raises(features.FeatureNotAvailable, match="bf16.*MatMul has no bfloat16 kernel"):
+        features.validate(parse("--bf16"), "mindspore", "cpu")
+    with pytest.raises(features.FeatureNotAvailable, match="tensor-parallel.*planned"):
+        features.validate(parse("--tensor-model-parallel-size", "2"), "pytorch", "cpu")
+    ok = features.validate(parse("--use-flash-attn", "--use-fused-rmsnorm"), "mindspore", "cpu")
+    assert [f.id for f in ok] == ["flash-attention", "fused-rmsnorm"]
+
+
+def _cli(*argv, env=None):
+    return subprocess.run([sys.executable, "-m", "mindspeed_core.cli", *argv], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, **(env or {})})
+
+
+def test_cli_gate_exits_2_with_one_line(framework):
+    out = _cli("check-args", "--ai-framework", "mindspore", "--swap-attention")
+    assert out.returncode == 2
+    assert out.stderr.count("\n") == 1 and "swap-attention" in out.stderr and "Traceback" not in out.stderr
+    out = _cli("check-args", "--ai-framework", framework, "--use-fused-swiglu")
+    assert out.returncode == 0 and "fused-swiglu" in out.stdout, out.stderr
+
+
+def test_cli_json_lists_every_feature_with_its_status():
+    out = _cli("features", "--ai-framework", "mindspore", "--format", "json")
+    assert out.returncode == 0, out.stderr
+    rows = json.loads(out.stdout)["features"]
+    assert [r["id"] for r in rows] == [f.id for f in features.FEATURES]
+    for row in rows:
+        assert row["mindspore"]["status"] in features.STATUSES and "pytorch" not in row
+    by_id = {r["id"]: r for r in rows}
+    assert by_id["swap-attention"]["mindspore"]["status"] == "unsupported"
+    assert by_id["collectives"]["mindspore"]["devices"]["cpu"]["status"] == "emulated"
+    cpu = json.loads(_cli("features", "--ai-framework", "mindspore", "--device", "cpu", "--format", "json").stdout)
+    assert {r["id"]: r for r in cpu["features"]}["collectives"]["mindspore"]["status"] == "emulated"
+    text = _cli("features").stdout
+    assert "swap-attention" in text and "pytorch" in text and "mindspore" in text
+
+
+def test_readme_table_is_generated_from_the_matrix():
+    readme = (ROOT / "README.md").read_text()
+    assert README_START in readme and README_END in readme
+    table = readme.split(README_START, 1)[1].split(README_END, 1)[0].strip()
+    assert table == features.render_markdown().strip(), (
+        "README's feature table drifted from mindspeed_core/features.py; regenerate it with "
+        "`mindspeed features --format markdown`")
+
+
+def test_unknown_feature_id_is_a_clear_error():
+    with pytest.raises(KeyError, match="no feature 'warp-drive'"):
+        features.get("warp-drive")
