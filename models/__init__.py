@@ -1,0 +1,1 @@
+"""Model definitions and presets, written only against the facade (mindspeed_core.ops, nn, ...)."""

@@ -52,6 +52,8 @@ def pytest_sessionfinish(session, exitstatus):
         return
     missing = sorted(required_features() - _proved)
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter:
+        reporter.write_sep("-", "feature coverage")
     if missing:
         if reporter:
             reporter.write_line(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from mindspeed_core import device, ops
 
@@ -12,6 +13,17 @@ def test_selected_device_is_available():
     assert device.type() in device.available()
     assert device.current().startswith(device.type())
     assert "cpu" in device.available()
+
+
+def test_select_keeps_the_bound_device_and_refuses_absent_ones():
+    from mindspeed_core.errors import BackendError
+
+    assert device.select(device.type()) == device.type()
+    absent = [d for d in ("cuda", "npu") if d not in device.available()]
+    for name in absent:
+        with pytest.raises(BackendError, match="not available"):
+            device.select(name)
+    assert device.type() in device.available()  # a refused selection changes nothing
 
 
 def test_synchronize_and_memory_stats():
