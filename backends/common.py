@@ -62,6 +62,23 @@ def float32_to_bf16_bits(values: np.ndarray) -> np.ndarray:
     return out
 
 
+DEVICE_ALIASES = {"gpu": "cuda", "ascend": "npu"}
+
+
+def choose_device(wanted: str, available: list[str], framework: str) -> str:
+    """Resolve a requested device (auto, cpu, cuda/gpu, npu/ascend) against what the
+    framework sees, best first; BackendError when it is not there."""
+    from mindspeed_core.errors import BackendError
+
+    wanted = DEVICE_ALIASES.get(wanted, wanted)
+    if wanted == "auto":
+        return available[0]
+    if wanted not in available:
+        raise BackendError(f"device {wanted!r} is not available to {framework} here "
+                           f"(available: {', '.join(available)})")
+    return wanted
+
+
 def env_int(*names: str, default: int | None = None) -> int | None:
     """The first of the environment variables that is set, as an int."""
     for name in names:
@@ -78,3 +95,10 @@ class Group:
 
     ranks: tuple
     handle: object = field(default=None, compare=False)
+
+
+def check_member(group, rank_in_group: int, what: str) -> None:
+    """A collective on a group this process does not belong to is a caller's bug: say so
+    instead of letting the framework hang or return garbage."""
+    if group is not None and rank_in_group < 0:
+        raise ValueError(f"{what}: this process is not a member of group {group.ranks}")

@@ -68,7 +68,7 @@ def _cmd_info(argv: list[str]) -> int:
         "framework_version": backend.FRAMEWORK_VERSION,
         "device": backend.device.current(),
         "devices_available": backend.device.available(),
-        "implementations": backend.implementations(),
+        "implementations": runtime.implementations(),
     }
     if args.measure:
         info["matmul_gflops_fp32"] = round(backend.device.matmul_rate() / 1e9, 1)

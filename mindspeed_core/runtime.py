@@ -93,7 +93,7 @@ def bind(flag: str | None = None, device: str | None = None):
         wanted = device or _requested_device or os.environ.get(DEVICE_ENV_VAR) or "auto"
         if wanted.lower() not in DEVICES:
             raise BackendError(f"unknown device {wanted!r}; choose one of: {', '.join(DEVICES)}")
-        backend.activate(wanted.lower())
+        backend.ops.bind_fused(backend.device.select(wanted.lower()))
         _bound = backend
         return backend
 
@@ -101,6 +101,12 @@ def bind(flag: str | None = None, device: str | None = None):
 def bound():
     """The bound backend module, binding with the resolved defaults on first use."""
     return _bound if _bound is not None else bind()
+
+
+def implementations() -> dict:
+    """What runs natively and what is composed or emulated, on the bound framework/device."""
+    b = bound()
+    return {"ops": b.ops.implementations(), "dist": b.dist.implementations(), "random": b.random.implementation()}
 
 
 def is_bound() -> bool:

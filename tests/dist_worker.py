@@ -142,6 +142,16 @@ def main(out_dir):
             run(f"{tag} {fn.__name__}", lambda: fn(group, tag))
         dist.barrier(group)
     run("send/recv", check_send_recv)
+    outsider = [g for g in groups if R not in g.ranks][0]
+    for name in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast"):
+        checks.append(f"{name} refuses a non-member")
+        try:
+            fn = getattr(dist, name)
+            fn(ops.zeros((2 * N,)), outsider.ranks[0], outsider) if name == "broadcast" else fn(ops.zeros((2 * N,)), group=outsider)
+            failures.append(f"{name} on a group without this rank did not refuse")
+        except ValueError as exc:
+            if "not a member" not in str(exc):
+                failures.append(f"{name} refused a non-member with the wrong message: {exc}")
     dist.barrier()
     result = {"rank": R, "world": N, "checks": len(checks), "failures": failures,
               "implementations": dist.implementations()}

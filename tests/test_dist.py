@@ -53,3 +53,5 @@ def test_alone_every_collective_is_the_identity():
 def test_bad_arguments_are_clear_errors():
     with pytest.raises(ValueError, match="not supported"):
         dist.all_reduce(ops.zeros((2,)), op="product")
+    with pytest.raises(ValueError, match="not a member"):
+        dist.all_gather(ops.zeros((2,)), group=dist.new_group([3]))

@@ -13,13 +13,3 @@ from . import autograd, device, dist, io, nn, ops, random  # noqa: E402
 NAME = "mindspore"
 FRAMEWORK_VERSION = mindspore.__version__
 
-
-def activate(wanted_device: str = "auto") -> str:
-    """Select the device and bind the fused ops to its kernels (called once, by binding)."""
-    chosen = device.select(wanted_device)
-    ops.bind_fused(chosen)
-    return chosen
-
-
-def implementations() -> dict:
-    return {"ops": ops.implementations(), "dist": dist.implementations(), "random": random.implementation()}

@@ -8,11 +8,9 @@ from __future__ import annotations
 
 import mindspore as ms
 
-from mindspeed_core.backends.common import host_memory_stats, measure_matmul_rate
-from mindspeed_core.errors import BackendError
+from mindspeed_core.backends.common import choose_device, host_memory_stats, measure_matmul_rate
 
 _TARGETS = {"npu": "Ascend", "cuda": "GPU", "cpu": "CPU"}
-_ALIASES = {"ascend": "npu", "gpu": "cuda"}
 _selected = {"type": "cpu"}
 
 
@@ -21,12 +19,7 @@ def available() -> list[str]:
 
 
 def select(wanted: str = "auto") -> str:
-    wanted = _ALIASES.get(wanted, wanted)
-    have = available()
-    if wanted == "auto":
-        wanted = have[0]
-    elif wanted not in have:
-        raise BackendError(f"device {wanted!r} is not available to MindSpore here (available: {', '.join(have)})")
+    wanted = choose_device(wanted, available(), "MindSpore")
     ms.set_device(_TARGETS[wanted])
     _selected["type"] = wanted
     return wanted

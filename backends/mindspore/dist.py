@@ -21,7 +21,7 @@ import numpy as np
 from mindspore import communication as comm
 from mindspore import ops as P
 
-from mindspeed_core.backends.common import Group, env_int
+from mindspeed_core.backends.common import Group, check_member, env_int
 from mindspeed_core.backends.emulated_collectives import EmulatedCollectives
 
 from . import device, ops
@@ -105,8 +105,7 @@ def _alone(group) -> bool:
 
 
 def _member(group, what: str) -> None:
-    if group is not None and rank(group) < 0:
-        raise ValueError(f"{what}: rank {rank()} is not a member of group {group.ranks}")
+    check_member(group, rank(group), what)
 
 
 def _back(array, like):
@@ -114,25 +113,26 @@ def _back(array, like):
 
 
 def all_reduce(x, op: str = "sum", group: Group | None = None):
+    _member(group, "all_reduce")
     if op not in ("sum", "max", "min"):
         raise ValueError(f"all_reduce op {op!r} is not supported; use one of sum, max, min")
     if _alone(group):
         return x.copy()
-    _member(group, "all_reduce")
     if op == "sum" and x.dtype in (ms.float32, ms.float16):
         return P.AllReduce(P.ReduceOp.SUM, _handle(group))(x)
     return _back(_emulated.all_reduce(ops.to_numpy(x), op, group), x)
 
 
 def all_gather(x, group: Group | None = None, dim: int = 0):
+    _member(group, "all_gather")
     if _alone(group):
         return x.copy()
-    _member(group, "all_gather")
     parts = _emulated.all_gather_stack(ops.to_numpy(x), group)
     return _back(np.concatenate(list(parts), axis=dim), x)
 
 
 def reduce_scatter(x, op: str = "sum", group: Group | None = None, dim: int = 0):
+    _member(group, "reduce_scatter")
     n = world_size(group)
     if x.shape[dim] % n:
         raise ValueError(f"reduce_scatter: dimension {dim} of size {x.shape[dim]} does not split over {n} ranks")
@@ -142,10 +142,10 @@ def reduce_scatter(x, op: str = "sum", group: Group | None = None, dim: int = 0)
 
 
 def all_to_all(x, group: Group | None = None, input_splits=None, output_splits=None):
+    _member(group, "all_to_all")
     n = world_size(group)
     if n == 1:
         return x.copy()
-    _member(group, "all_to_all")
     arr = ops.to_numpy(x)
     if input_splits is None:
         if arr.shape[0] % n:
@@ -162,9 +162,9 @@ def all_to_all(x, group: Group | None = None, input_splits=None, output_splits=N
 
 
 def broadcast(x, src: int, group: Group | None = None):
+    _member(group, "broadcast")
     if _alone(group):
         return x.copy()
-    _member(group, "broadcast")
     src_in_group = src if group is None else group.ranks.index(src)
     return _back(_emulated.broadcast(ops.to_numpy(x), src_in_group, group), x)
 

@@ -294,15 +294,10 @@ def _ascend_kernels() -> dict:
     }
 
 
-# Placeholders until bind_fused() runs at binding time (see the torch backend).
-rms_norm = composite.rms_norm
-layer_norm = composite.layer_norm
-swiglu = composite.swiglu
-apply_rotary = composite.apply_rotary
-attention = composite.attention
-matmul_add = composite.matmul_add
-grouped_matmul = composite.grouped_matmul
-_IMPLEMENTATIONS: dict = {}
+# Until binding picks the device's kernels (bind_fused below), every fused op is its
+# composite; bind_fused() sets the module-level names rms_norm, layer_norm, swiglu,
+# apply_rotary, attention, matmul_add and grouped_matmul.
+_IMPLEMENTATIONS: dict = composite.bind_fused(globals(), {})
 
 
 def bind_fused(device_type: str) -> None:

@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from mindspeed_core.backends.common import host_memory_stats, measure_matmul_rate
-from mindspeed_core.errors import BackendError
+from mindspeed_core.backends.common import choose_device, host_memory_stats, measure_matmul_rate
 
-_ALIASES = {"gpu": "cuda", "ascend": "npu"}
 _selected = {"type": "cpu"}
 
 
@@ -34,12 +32,7 @@ def available() -> list[str]:
 
 
 def select(wanted: str = "auto") -> str:
-    wanted = _ALIASES.get(wanted, wanted)
-    have = available()
-    if wanted == "auto":
-        wanted = have[0]
-    elif wanted not in have:
-        raise BackendError(f"device {wanted!r} is not available to PyTorch here (available: {', '.join(have)})")
+    wanted = choose_device(wanted, available(), "PyTorch")
     _selected["type"] = wanted
     if wanted == "cuda":
         torch.cuda.set_device(_local_index())

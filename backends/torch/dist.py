@@ -14,7 +14,7 @@ import datetime
 import torch
 import torch.distributed as tdist
 
-from mindspeed_core.backends.common import Group, env_int
+from mindspeed_core.backends.common import Group, check_member, env_int
 
 from . import device
 
@@ -75,7 +75,12 @@ def _alone(group) -> bool:
     return world_size(group) == 1
 
 
+def _member(group, what: str) -> None:
+    check_member(group, rank(group), what)
+
+
 def all_reduce(x, op: str = "sum", group: Group | None = None):
+    _member(group, "all_reduce")
     if op not in _REDUCE_OPS:
         raise ValueError(f"all_reduce op {op!r} is not supported; use one of {', '.join(_REDUCE_OPS)}")
     out = x.clone()
@@ -86,6 +91,7 @@ def all_reduce(x, op: str = "sum", group: Group | None = None):
 
 def all_gather(x, group: Group | None = None, dim: int = 0):
     """Concatenation along ``dim`` of every group member's x, in group-rank order."""
+    _member(group, "all_gather")
     if _alone(group):
         return x.clone()
     parts = [torch.empty_like(x) for _ in range(world_size(group))]
@@ -95,6 +101,7 @@ def all_gather(x, group: Group | None = None, dim: int = 0):
 
 def reduce_scatter(x, op: str = "sum", group: Group | None = None, dim: int = 0):
     """This rank's slice along ``dim`` of the reduction of every member's x."""
+    _member(group, "reduce_scatter")
     n = world_size(group)
     if x.shape[dim] % n:
         raise ValueError(f"reduce_scatter: dimension {dim} of size {x.shape[dim]} does not split over {n} ranks")
@@ -111,6 +118,7 @@ def reduce_scatter(x, op: str = "sum", group: Group | None = None, dim: int = 0)
 def all_to_all(x, group: Group | None = None, input_splits=None, output_splits=None):
     """Split x along dim 0 (evenly, or by ``input_splits``), send piece j to group rank j,
     and concatenate what arrives. Uneven splits need ``output_splits``."""
+    _member(group, "all_to_all")
     n = world_size(group)
     if n == 1:
         return x.clone()
@@ -127,6 +135,7 @@ def all_to_all(x, group: Group | None = None, input_splits=None, output_splits=N
 
 
 def broadcast(x, src: int, group: Group | None = None):
+    _member(group, "broadcast")
     out = x.clone()
     if not _alone(group):
         tdist.broadcast(out, src, group=_h(group))

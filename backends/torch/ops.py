@@ -40,7 +40,8 @@ def tensor(data, dtype=None):
     arr = np.asarray(data)
     if arr.dtype == np.float64 and dtype is None:
         arr = arr.astype(np.float32)  # the facade's default float type, as on MindSpore
-    return torch.as_tensor(arr, device=_dev()).to(_dt(dtype) or torch.as_tensor(arr).dtype)
+    out = torch.as_tensor(arr, device=_dev())
+    return out if dtype is None else out.to(_dt(dtype))
 
 
 def to_numpy(x):
@@ -336,16 +337,10 @@ def _native_kernels(device_type: str) -> dict:
     return native
 
 
-# Placeholders until bind_fused() runs at binding time: the composites, so that the names
-# exist (and work) even before a device is chosen.
-rms_norm = composite.rms_norm
-layer_norm = composite.layer_norm
-swiglu = composite.swiglu
-apply_rotary = composite.apply_rotary
-attention = composite.attention
-matmul_add = composite.matmul_add
-grouped_matmul = composite.grouped_matmul
-_IMPLEMENTATIONS: dict = {}
+# Until binding picks the device's kernels (bind_fused below), every fused op is its
+# composite; bind_fused() sets the module-level names rms_norm, layer_norm, swiglu,
+# apply_rotary, attention, matmul_add and grouped_matmul.
+_IMPLEMENTATIONS: dict = composite.bind_fused(globals(), {})
 
 
 def bind_fused(device_type: str) -> None:
