@@ -38,10 +38,16 @@ class HostTensor:
         self.dtype = dtype or str(self.array.dtype)
 
 
-def save(path: str, tensors: dict[str, HostTensor], metadata: dict | None = None) -> None:
+def save(path: str, tensors: dict[str, HostTensor], metadata: dict | None = None,
+         raw_metadata: dict[str, str] | None = None) -> None:
+    """``metadata`` travels as JSON under one key; ``raw_metadata`` are plain string entries
+    other readers look for (Hugging Face transformers wants {"format": "pt"})."""
     header: dict = {}
+    entries = dict(raw_metadata or {})
     if metadata is not None:
-        header["__metadata__"] = {METADATA_KEY: json.dumps(metadata, sort_keys=True)}
+        entries[METADATA_KEY] = json.dumps(metadata, sort_keys=True)
+    if entries:
+        header["__metadata__"] = entries
     offset = 0
     ordered = sorted(tensors.items())
     for name, t in ordered:

@@ -1,0 +1,299 @@
+"""Hugging Face model folders <-> our models (config.json + safetensors, sharded or not).
+
+Works on numpy state dicts, so it runs the same under either framework:
+``load_folder`` -> (ModelConfig, state in our names); ``save_folder`` writes a folder that
+transformers loads. Supported model types: llama, mistral, qwen2, qwen3, gpt2.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+
+from mindspeed_core import tensor_files
+from mindspeed_core.errors import CheckpointError
+from mindspeed_core.models.config import ModelConfig
+
+LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED = LLAMA_LIKE + ("gpt2",)
+_ACTS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
+
+
+# ---- configs ---------------------------------------------------------------------------------
+
+def _rope(hf: dict) -> tuple[float, dict | None]:
+    params = dict(hf.get("rope_parameters") or {})
+    theta = float(params.pop("rope_theta", hf.get("rope_theta", 10000.0)))
+    scaling = hf.get("rope_scaling") or (params if params.get("rope_type", "default") != "default" else None)
+    if scaling:
+        scaling = {k: v for k, v in scaling.items() if k != "rope_theta"}
+        if "type" in scaling and "rope_type" not in scaling:
+            scaling["rope_type"] = scaling.pop("type")
+    return theta, scaling or None
+
+
+def config_from_hf(hf: dict) -> ModelConfig:
+    kind = hf.get("model_type")
+    if kind not in SUPPORTED:
+        raise CheckpointError(f"model_type {kind!r} is not supported; supported: {', '.join(SUPPORTED)}")
+    if kind == "gpt2":
+        act = hf.get("activation_function", "gelu_new")
+        return ModelConfig(
+            family="gpt2", vocab_size=hf["vocab_size"], hidden_size=hf["n_embd"], num_layers=hf["n_layer"],
+            num_attention_heads=hf["n_head"], ffn_hidden_size=hf.get("n_inner") or 4 * hf["n_embd"],
+            max_position_embeddings=hf["n_positions"], normalization="layernorm",
+            norm_epsilon=hf.get("layer_norm_epsilon", 1e-5), activation=_ACTS.get(act, act),
+            position_embedding_type="learned", add_qkv_bias=True, add_bias_linear=True,
+            untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", True))
+    if hf.get("hidden_act", "silu") != "silu":
+        raise CheckpointError(f"hidden_act {hf.get('hidden_act')!r} is not supported for {kind} (silu only)")
+    theta, scaling = _rope(hf)
+    heads = hf["num_attention_heads"]
+    return ModelConfig(
+        family=kind, vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], num_layers=hf["num_hidden_layers"],
+        num_attention_heads=heads, num_query_groups=hf.get("num_key_value_heads") or heads,
+        kv_channels=hf.get("head_dim") or hf["hidden_size"] // heads, ffn_hidden_size=hf["intermediate_size"],
+        max_position_embeddings=hf.get("max_position_embeddings", 2048), norm_epsilon=hf.get("rms_norm_eps", 1e-6),
+        rotary_base=theta, rope_scaling=scaling, add_qkv_bias=kind == "qwen2" or bool(hf.get("attention_bias")),
+        add_bias_linear=bool(hf.get("mlp_bias")) or (bool(hf.get("attention_bias")) and kind != "qwen2"),
+        qk_layernorm=kind == "qwen3", untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False))
+
+
+def hf_config(cfg: ModelConfig) -> dict:
+    if cfg.family == "gpt2":
+        return {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size": cfg.vocab_size,
+                "n_embd": cfg.hidden_size, "n_layer": cfg.num_layers, "n_head": cfg.num_attention_heads,
+                "n_inner": cfg.ffn_hidden_size, "n_positions": cfg.max_position_embeddings,
+                "layer_norm_epsilon": cfg.norm_epsilon,
+                "activation_function": "gelu_new" if cfg.activation == "gelu_tanh" else "gelu",
+                "tie_word_embeddings": not cfg.untie_embeddings_and_output_weights,
+                "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
+    arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+            "qwen3": "Qwen3ForCausalLM"}[cfg.family]
+    rope = {"rope_type": "default", "rope_theta": cfg.rotary_base}
+    if cfg.rope_scaling:
+        rope.update(cfg.rope_scaling)
+    out = {"model_type": cfg.family, "architectures": [arch], "vocab_size": cfg.vocab_size,
+           "hidden_size": cfg.hidden_size, "intermediate_size": cfg.ffn_hidden_size,
+           "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_attention_heads,
+           "num_key_value_heads": cfg.num_query_groups, "head_dim": cfg.kv_channels,
+           "max_position_embeddings": cfg.max_position_embeddings, "rms_norm_eps": cfg.norm_epsilon,
+           "hidden_act": "silu", "rope_theta": cfg.rotary_base, "rope_parameters": rope,
+           "tie_word_embeddings": not cfg.untie_embeddings_and_output_weights}
+    if cfg.family != "qwen2":
+        out["attention_bias"] = cfg.add_qkv_bias
+    if cfg.family == "llama":
+        out["mlp_bias"] = cfg.add_bias_linear
+    if cfg.family in ("mistral", "qwen2", "qwen3"):
+        out["sliding_window"] = None
+        out["use_sliding_window"] = False
+    return out
+
+
+# ---- weights ---------------------------------------------------------------------------------
+
+def _fuse_qkv(cfg: ModelConfig, q, k, v):
+    """Per query group: its query heads, its key head, its value head (mcore layout)."""
+    g, d = cfg.num_query_groups, cfg.kv_channels
+    per = cfg.num_attention_heads // g
+    tail = q.shape[1:]
+    parts = [q.reshape((g, per, d) + tail), k.reshape((g, 1, d) + tail), v.reshape((g, 1, d) + tail)]
+    return np.concatenate(parts, axis=1).reshape((-1,) + tail)
+
+
+def _split_qkv(cfg: ModelConfig, qkv):
+    g, d = cfg.num_query_groups, cfg.kv_channels
+    per = cfg.num_attention_heads // g
+    tail = qkv.shape[1:]
+    grouped = qkv.reshape((g, per + 2, d) + tail)
+    q = grouped[:, :per].reshape((-1,) + tail)
+    return q, grouped[:, per].reshape((-1,) + tail), grouped[:, per + 1].reshape((-1,) + tail)
+
+
+def _layer_names_llama(i):
+    a, b = f"model.layers.{i}.", f"decoder.layers.{i}."
+    return {a + "input_layernorm.weight": b + "input_layernorm.weight",
+            a + "post_attention_layernorm.weight": b + "pre_mlp_layernorm.weight",
+            a + "self_attn.o_proj.weight": b + "self_attention.linear_proj.weight",
+            a + "self_attn.o_proj.bias": b + "self_attention.linear_proj.bias",
+            a + "self_attn.q_norm.weight": b + "self_attention.q_layernorm.weight",
+            a + "self_attn.k_norm.weight": b + "self_attention.k_layernorm.weight",
+            a + "mlp.down_proj.weight": b + "mlp.linear_fc2.weight",
+            a + "mlp.down_proj.bias": b + "mlp.linear_fc2.bias"}
+
+
+def from_hf_state(cfg: ModelConfig, hf: dict) -> dict:
+    """Hugging Face names/layouts -> ours. Raises CheckpointError for missing tensors."""
+    hf = dict(hf)
+    out = {}
+
+    def take(name):
+        try:
+            return hf.pop(name)
+        except KeyError:
+            raise CheckpointError(f"the Hugging Face checkpoint has no tensor {name!r}") from None
+
+    if cfg.family == "gpt2":
+        p = "transformer." if any(k.startswith("transformer.") for k in hf) else ""
+        out["embedding.word_embeddings.weight"] = take(p + "wte.weight")
+        out["embedding.position_embeddings.weight"] = take(p + "wpe.weight")
+        for i in range(cfg.num_layers):
+            a, b = f"{p}h.{i}.", f"decoder.layers.{i}."
+            for hf_n, ours in (("ln_1", "input_layernorm"), ("ln_2", "pre_mlp_layernorm")):
+                out[b + ours + ".weight"], out[b + ours + ".bias"] = take(a + hf_n + ".weight"), take(a + hf_n + ".bias")
+            w, bias = take(a + "attn.c_attn.weight").T, take(a + "attn.c_attn.bias")
+            out[b + "self_attention.linear_qkv.weight"] = _fuse_qkv(cfg, *np.split(w, 3, axis=0))
+            out[b + "self_attention.linear_qkv.bias"] = _fuse_qkv(cfg, *np.split(bias, 3, axis=0))
+            for hf_n, ours in (("attn.c_proj", "self_attention.linear_proj"), ("mlp.c_fc", "mlp.linear_fc1"),
+                               ("mlp.c_proj", "mlp.linear_fc2")):
+                out[b + ours + ".weight"] = take(a + hf_n + ".weight").T  # GPT-2's Conv1D stores [in, out]
+                out[b + ours + ".bias"] = take(a + hf_n + ".bias")
+        out["decoder.final_layernorm.weight"], out["decoder.final_layernorm.bias"] = take(p + "ln_f.weight"), take(p + "ln_f.bias")
+        if cfg.untie_embeddings_and_output_weights:
+            out["output_layer.weight"] = take("lm_head.weight")
+        return out
+    out["embedding.word_embeddings.weight"] = take("model.embed_tokens.weight")
+    for i in range(cfg.num_layers):
+        a, b = f"model.layers.{i}.", f"decoder.layers.{i}.self_attention.linear_qkv."
+        out[b + "weight"] = _fuse_qkv(cfg, *(take(a + f"self_attn.{x}_proj.weight") for x in "qkv"))
+        if cfg.add_qkv_bias:
+            out[b + "bias"] = _fuse_qkv(cfg, *(take(a + f"self_attn.{x}_proj.bias") for x in "qkv"))
+        gate, up = take(a + "mlp.gate_proj.weight"), take(a + "mlp.up_proj.weight")
+        out[f"decoder.layers.{i}.mlp.linear_fc1.weight"] = np.concatenate([gate, up])
+        if cfg.add_bias_linear:
+            out[f"decoder.layers.{i}.mlp.linear_fc1.bias"] = np.concatenate([take(a + "mlp.gate_proj.bias"),
+                                                                             take(a + "mlp.up_proj.bias")])
+        for hf_n, ours in _layer_names_llama(i).items():
+            if hf_n in hf:
+                out[ours] = take(hf_n)
+    out["decoder.final_layernorm.weight"] = take("model.norm.weight")
+    if cfg.untie_embeddings_and_output_weights:
+        out["output_layer.weight"] = take("lm_head.weight")
+    return out
+
+
+def to_hf_state(cfg: ModelConfig, ours: dict) -> dict:
+    ours = dict(ours)
+    out = {}
+    if cfg.family == "gpt2":
+        p = "transformer."
+        out[p + "wte.weight"] = ours["embedding.word_embeddings.weight"]
+        out[p + "wpe.weight"] = ours["embedding.position_embeddings.weight"]
+        for i in range(cfg.num_layers):
+            a, b = f"{p}h.{i}.", f"decoder.layers.{i}."
+            for hf_n, mine in (("ln_1", "input_layernorm"), ("ln_2", "pre_mlp_layernorm")):
+                out[a + hf_n + ".weight"], out[a + hf_n + ".bias"] = ours[b + mine + ".weight"], ours[b + mine + ".bias"]
+            q, k, v = _split_qkv(cfg, ours[b + "self_attention.linear_qkv.weight"])
+            out[a + "attn.c_attn.weight"] = np.ascontiguousarray(np.concatenate([q, k, v]).T)
+            out[a + "attn.c_attn.bias"] = np.concatenate(_split_qkv(cfg, ours[b + "self_attention.linear_qkv.bias"]))
+            for hf_n, mine in (("attn.c_proj", "self_attention.linear_proj"), ("mlp.c_fc", "mlp.linear_fc1"),
+                               ("mlp.c_proj", "mlp.linear_fc2")):
+                out[a + hf_n + ".weight"] = np.ascontiguousarray(ours[b + mine + ".weight"].T)
+                out[a + hf_n + ".bias"] = ours[b + mine + ".bias"]
+        out[p + "ln_f.weight"], out[p + "ln_f.bias"] = ours["decoder.final_layernorm.weight"], ours["decoder.final_layernorm.bias"]
+        if cfg.untie_embeddings_and_output_weights:
+            out["lm_head.weight"] = ours["output_layer.weight"]
+        return out
+    out["model.embed_tokens.weight"] = ours["embedding.word_embeddings.weight"]
+    for i in range(cfg.num_layers):
+        a, b = f"model.layers.{i}.", f"decoder.layers.{i}.self_attention.linear_qkv."
+        for x, t in zip("qkv", _split_qkv(cfg, ours[b + "weight"])):
+            out[a + f"self_attn.{x}_proj.weight"] = t
+        if cfg.add_qkv_bias:
+            for x, t in zip("qkv", _split_qkv(cfg, ours[b + "bias"])):
+                out[a + f"self_attn.{x}_proj.bias"] = t
+        gate, up = np.split(ours[f"decoder.layers.{i}.mlp.linear_fc1.weight"], 2)
+        out[a + "mlp.gate_proj.weight"], out[a + "mlp.up_proj.weight"] = gate, up
+        if cfg.add_bias_linear:
+            gate_b, up_b = np.split(ours[f"decoder.layers.{i}.mlp.linear_fc1.bias"], 2)
+            out[a + "mlp.gate_proj.bias"], out[a + "mlp.up_proj.bias"] = gate_b, up_b
+        for hf_n, mine in _layer_names_llama(i).items():
+            if mine in ours:
+                out[hf_n] = ours[mine]
+    out["model.norm.weight"] = ours["decoder.final_layernorm.weight"]
+    if cfg.untie_embeddings_and_output_weights:
+        out["lm_head.weight"] = ours["output_layer.weight"]
+    return out
+
+
+# ---- folders ---------------------------------------------------------------------------------
+
+def _read_tensors(folder: str) -> dict:
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as fh:
+            shards = sorted(set(json.load(fh)["weight_map"].values()))
+    elif os.path.exists(os.path.join(folder, "model.safetensors")):
+        shards = ["model.safetensors"]
+    else:
+        raise CheckpointError(f"{folder} has neither model.safetensors nor model.safetensors.index.json")
+    state = {}
+    for shard in shards:
+        tensors, _ = tensor_files.load(os.path.join(folder, shard))
+        for name, t in tensors.items():
+            state[name] = (t.array.astype(np.uint32) << 16).view(np.float32) if t.dtype == "bfloat16" else t.array
+    return state
+
+
+def load_folder(folder: str) -> tuple[ModelConfig, dict]:
+    """A Hugging Face model folder -> (our config, our numpy state dict, float32)."""
+    path = os.path.join(folder, "config.json")
+    try:
+        with open(path) as fh:
+            hf = json.load(fh)
+    except OSError as exc:
+        raise CheckpointError(f"cannot read {path}: {exc.strerror or exc}") from None
+    except ValueError:
+        raise CheckpointError(f"{path} is not valid JSON") from None
+    cfg = config_from_hf(hf)
+    state = from_hf_state(cfg, _read_tensors(folder))
+    return cfg, {k: np.asarray(v, dtype=np.float32) for k, v in state.items()}
+
+
+def save_folder(folder: str, cfg: ModelConfig, state: dict, max_shard_bytes: int | None = None) -> None:
+    """Write config.json and safetensors (sharded with an index past max_shard_bytes)."""
+    os.makedirs(folder, exist_ok=True)
+    hf = {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in to_hf_state(cfg, state).items()}
+    with open(os.path.join(folder, "config.json"), "w") as fh:
+        json.dump({**hf_config(cfg), "torch_dtype": "float32"}, fh, indent=2)
+    shards, current, size = [], {}, 0
+    for name in sorted(hf):
+        if current and max_shard_bytes and size + hf[name].nbytes > max_shard_bytes:
+            shards.append(current)
+            current, size = {}, 0
+        current[name] = hf[name]
+        size += hf[name].nbytes
+    shards.append(current)
+    raw = {"format": "pt"}
+    if len(shards) == 1:
+        tensor_files.save(os.path.join(folder, "model.safetensors"),
+                          {k: tensor_files.HostTensor(v) for k, v in shards[0].items()}, raw_metadata=raw)
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        tensor_files.save(os.path.join(folder, fname), {k: tensor_files.HostTensor(v) for k, v in shard.items()},
+                          raw_metadata=raw)
+        weight_map.update({k: fname for k in shard})
+    with open(os.path.join(folder, "model.safetensors.index.json"), "w") as fh:
+        json.dump({"metadata": {"total_size": int(sum(v.nbytes for v in hf.values()))}, "weight_map": weight_map},
+                  fh, indent=2)
+
+
+def load_model(folder: str):
+    """Build our GPTModel from a Hugging Face folder on the bound framework."""
+    from mindspeed_core import nn
+    from mindspeed_core.models.gpt import GPTModel
+
+    cfg, state = load_folder(folder)
+    model = GPTModel(cfg)
+    nn.load_state_dict(model, state)
+    return model
+
+
+def save_model(model, folder: str, max_shard_bytes: int | None = None) -> None:
+    from mindspeed_core import nn
+
+    save_folder(folder, model.cfg, nn.state_dict(model), max_shard_bytes)

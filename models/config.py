@@ -1,0 +1,120 @@
+"""Model configuration: one decoder-only transformer that covers the LLaMA family, Mistral,
+Qwen2/2.5, Qwen3 and GPT-2 through a handful of switches, plus named presets."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 256
+    hidden_size: int = 128
+    num_layers: int = 2
+    num_attention_heads: int = 4
+    num_query_groups: int | None = None  # kv heads (GQA/MQA); None: same as attention heads
+    ffn_hidden_size: int | None = None  # None: 4h (gelu) or the LLaMA rule (swiglu)
+    kv_channels: int | None = None  # head dim; None: hidden / heads
+    max_position_embeddings: int = 256
+    normalization: str = "rmsnorm"  # rmsnorm | layernorm
+    norm_epsilon: float = 1e-5
+    activation: str = "swiglu"  # swiglu | gelu | gelu_tanh
+    position_embedding_type: str = "rope"  # rope | learned
+    rotary_base: float = 10000.0
+    rope_scaling: dict | None = None  # {"rope_type": "linear"|"llama3", "factor": ..., ...}
+    add_qkv_bias: bool = False
+    add_bias_linear: bool = False  # biases on the attention output and the MLP
+    qk_layernorm: bool = False
+    untie_embeddings_and_output_weights: bool = True
+    init_method_std: float = 0.02
+    family: str = "llama"  # llama | mistral | qwen2 | qwen3 | gpt2 (Hugging Face export)
+    extra: dict = field(default_factory=dict)  # family-specific fields kept for export
+
+    def __post_init__(self):
+        if self.num_query_groups is None:
+            self.num_query_groups = self.num_attention_heads
+        if self.kv_channels is None:
+            if self.hidden_size % self.num_attention_heads:
+                raise ValueError(f"hidden size {self.hidden_size} is not divisible by {self.num_attention_heads} heads")
+            self.kv_channels = self.hidden_size // self.num_attention_heads
+        if self.num_attention_heads % self.num_query_groups:
+            raise ValueError(f"{self.num_attention_heads} attention heads do not divide into "
+                             f"{self.num_query_groups} query groups")
+        if self.ffn_hidden_size is None:
+            if self.activation == "swiglu":  # LLaMA: 2/3 of 4h, rounded up to a multiple of 64
+                self.ffn_hidden_size = 64 * ((int(8 * self.hidden_size / 3) + 63) // 64)
+            else:
+                self.ffn_hidden_size = 4 * self.hidden_size
+        for name, allowed in (("normalization", ("rmsnorm", "layernorm")), ("activation", ("swiglu", "gelu", "gelu_tanh")),
+                              ("position_embedding_type", ("rope", "learned"))):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+
+    @property
+    def qkv_width(self) -> int:
+        return (self.num_attention_heads + 2 * self.num_query_groups) * self.kv_channels
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "ModelConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown model config fields: {', '.join(unknown)}")
+        return cls(**values)
+
+    def num_parameters(self) -> int:
+        h, f, L, v = self.hidden_size, self.ffn_hidden_size, self.num_layers, self.vocab_size
+        norm = h * (2 if self.normalization == "layernorm" else 1)
+        attn = h * self.qkv_width + self.num_attention_heads * self.kv_channels * h
+        attn += self.qkv_width if self.add_qkv_bias else 0
+        attn += h if self.add_bias_linear else 0
+        attn += 2 * self.kv_channels if self.qk_layernorm else 0
+        fc1 = (2 * f if self.activation == "swiglu" else f)
+        mlp = h * fc1 + f * h + ((fc1 + h) if self.add_bias_linear else 0)
+        total = L * (attn + mlp + 2 * norm) + norm + v * h
+        total += 0 if not self.untie_embeddings_and_output_weights else v * h
+        total += self.max_position_embeddings * h if self.position_embedding_type == "learned" else 0
+        return total
+
+    def flops_per_token(self, seq_length: int) -> float:
+        """Training FLOPs per token (forward + backward = 3x forward), matmuls and attention."""
+        h, L = self.hidden_size, self.num_layers
+        attn_width = self.num_attention_heads * self.kv_channels
+        fc1 = (2 if self.activation == "swiglu" else 1) * self.ffn_hidden_size
+        per_layer = 2 * (h * self.qkv_width + attn_width * h + h * fc1 + self.ffn_hidden_size * h)
+        per_layer += 2 * 2 * seq_length * attn_width  # QK^T and PV
+        return 3.0 * (L * per_layer + 2 * h * self.vocab_size)
+
+
+PRESETS = {
+    # tiny shapes that train on a CPU in minutes
+    "tiny-llama": dict(family="llama", hidden_size=128, num_layers=4, num_attention_heads=4, num_query_groups=2,
+                       ffn_hidden_size=352, max_position_embeddings=256),
+    "tiny-qwen2": dict(family="qwen2", hidden_size=128, num_layers=4, num_attention_heads=4, num_query_groups=2,
+                       ffn_hidden_size=352, add_qkv_bias=True, norm_epsilon=1e-6, rotary_base=1000000.0),
+    "tiny-qwen3": dict(family="qwen3", hidden_size=128, num_layers=4, num_attention_heads=4, num_query_groups=2,
+                       kv_channels=32, ffn_hidden_size=352, qk_layernorm=True, norm_epsilon=1e-6),
+    "tiny-mistral": dict(family="mistral", hidden_size=128, num_layers=4, num_attention_heads=4, num_query_groups=1,
+                         ffn_hidden_size=352),
+    "tiny-gpt2": dict(family="gpt2", hidden_size=128, num_layers=4, num_attention_heads=4, normalization="layernorm",
+                      activation="gelu_tanh", position_embedding_type="learned", add_qkv_bias=True,
+                      add_bias_linear=True, untie_embeddings_and_output_weights=False),
+    # the real shapes, for --dry-run arithmetic and conversion
+    "llama2-7b": dict(family="llama", hidden_size=4096, num_layers=32, num_attention_heads=32, ffn_hidden_size=11008,
+                      vocab_size=32000, max_position_embeddings=4096, norm_epsilon=1e-5),
+    "llama3-8b": dict(family="llama", hidden_size=4096, num_layers=32, num_attention_heads=32, num_query_groups=8,
+                      ffn_hidden_size=14336, vocab_size=128256, max_position_embeddings=8192, rotary_base=500000.0),
+    "qwen2.5-7b": dict(family="qwen2", hidden_size=3584, num_layers=28, num_attention_heads=28, num_query_groups=4,
+                       ffn_hidden_size=18944, vocab_size=152064, max_position_embeddings=32768, add_qkv_bias=True,
+                       norm_epsilon=1e-6, rotary_base=1000000.0),
+}
+
+
+def preset(name: str, **overrides) -> ModelConfig:
+    if name not in PRESETS:
+        raise ValueError(f"unknown model name {name!r}; presets: {', '.join(sorted(PRESETS))}")
+    return ModelConfig(**{**PRESETS[name], **overrides})

@@ -1,0 +1,149 @@
+"""The decoder-only transformer (Megatron's GPTModel), written only against the facade.
+
+One class covers LLaMA 2/3, Mistral, Qwen2/2.5 (qkv bias), Qwen3 (q/k norm) and GPT-2
+(LayerNorm, learned positions, GELU, biases) through ModelConfig switches.
+
+The fused qkv projection uses Megatron-core's layout: for each query group, its query heads,
+then its key head, then its value head, so that tensor parallelism can later split the rows
+by query group.
+"""
+
+from __future__ import annotations
+
+import math
+
+from mindspeed_core import nn, ops
+from mindspeed_core.models import rope
+from mindspeed_core.models.config import ModelConfig
+from mindspeed_core.models.layers import Embedding, Linear, make_norm
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        out_std = cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers)
+        self.linear_qkv = Linear(cfg.hidden_size, cfg.qkv_width, cfg.add_qkv_bias, cfg.init_method_std)
+        self.linear_proj = Linear(cfg.num_attention_heads * cfg.kv_channels, cfg.hidden_size, cfg.add_bias_linear, out_std)
+        if cfg.qk_layernorm:
+            self.q_layernorm = make_norm(cfg.normalization, cfg.kv_channels, cfg.norm_epsilon)
+            self.k_layernorm = make_norm(cfg.normalization, cfg.kv_channels, cfg.norm_epsilon)
+
+    def forward(self, x, cos, sin):
+        cfg = self.cfg
+        b, s = x.shape[0], x.shape[1]
+        groups, per_group, d = cfg.num_query_groups, cfg.num_attention_heads // cfg.num_query_groups, cfg.kv_channels
+        qkv = ops.reshape(self.linear_qkv(x), (b, s, groups, per_group + 2, d))
+        q, k, v = ops.split(qkv, [per_group, 1, 1], dim=3)
+        q = ops.reshape(q, (b, s, groups * per_group, d))
+        k, v = ops.squeeze(k, 3), ops.squeeze(v, 3)
+        if cfg.qk_layernorm:
+            q, k = self.q_layernorm(q), self.k_layernorm(k)
+        if cos is not None:
+            q, k = ops.apply_rotary(q, cos, sin), ops.apply_rotary(k, cos, sin)
+        out = ops.attention(q, k, v, causal=True)
+        return self.linear_proj(ops.reshape(out, (b, s, groups * per_group * d)))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.activation = cfg.activation
+        width = 2 * cfg.ffn_hidden_size if cfg.activation == "swiglu" else cfg.ffn_hidden_size
+        out_std = cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers)
+        self.linear_fc1 = Linear(cfg.hidden_size, width, cfg.add_bias_linear, cfg.init_method_std)
+        self.linear_fc2 = Linear(cfg.ffn_hidden_size, cfg.hidden_size, cfg.add_bias_linear, out_std)
+
+    def forward(self, x):
+        h = self.linear_fc1(x)
+        if self.activation == "swiglu":
+            h = ops.swiglu(h)  # gate rows first, then up rows (mcore's fc1 layout)
+        else:
+            h = ops.gelu(h, approximate="tanh" if self.activation == "gelu_tanh" else "none")
+        return self.linear_fc2(h)
+
+
+class TransformerLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.input_layernorm = make_norm(cfg.normalization, cfg.hidden_size, cfg.norm_epsilon)
+        self.self_attention = SelfAttention(cfg)
+        self.pre_mlp_layernorm = make_norm(cfg.normalization, cfg.hidden_size, cfg.norm_epsilon)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin):
+        x = x + self.self_attention(self.input_layernorm(x), cos, sin)
+        return x + self.mlp(self.pre_mlp_layernorm(x))
+
+
+class Decoder(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.layers = nn.ModuleList([TransformerLayer(cfg) for _ in range(cfg.num_layers)])
+        self.final_layernorm = make_norm(cfg.normalization, cfg.hidden_size, cfg.norm_epsilon)
+
+    def forward(self, x, cos, sin):
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        return self.final_layernorm(x)
+
+
+class LanguageEmbedding(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.word_embeddings = Embedding(cfg.vocab_size, cfg.hidden_size, cfg.init_method_std)
+        if cfg.position_embedding_type == "learned":
+            self.position_embeddings = Embedding(cfg.max_position_embeddings, cfg.hidden_size, cfg.init_method_std)
+        self.learned_positions = cfg.position_embedding_type == "learned"
+
+    def forward(self, ids):
+        x = self.word_embeddings(ids)
+        if self.learned_positions:
+            x = x + self.position_embeddings(ops.arange(ids.shape[1]))
+        return x
+
+
+class GPTModel(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embedding = LanguageEmbedding(cfg)
+        self.decoder = Decoder(cfg)
+        if cfg.untie_embeddings_and_output_weights:
+            self.output_layer = Linear(cfg.hidden_size, cfg.vocab_size, False, cfg.init_method_std)
+        if cfg.position_embedding_type == "rope":
+            cos, sin = rope.tables(cfg.max_position_embeddings, cfg.kv_channels, cfg.rotary_base, cfg.rope_scaling)
+            self._rope = (cos, sin)
+        else:
+            self._rope = None
+        self._rope_cache = {}
+
+    def _rotary(self, seq_len: int):
+        if self._rope is None:
+            return None, None
+        if seq_len > self.cfg.max_position_embeddings:
+            raise ValueError(f"sequence length {seq_len} exceeds max_position_embeddings "
+                             f"{self.cfg.max_position_embeddings}")
+        if seq_len not in self._rope_cache:  # device tensors, built once per length
+            cos, sin = self._rope
+            self._rope_cache[seq_len] = (ops.tensor(cos[:seq_len]), ops.tensor(sin[:seq_len]))
+        return self._rope_cache[seq_len]
+
+    def forward(self, ids):
+        """ids [batch, seq] int -> logits [batch, seq, vocab]."""
+        cos, sin = self._rotary(ids.shape[1])
+        x = self.decoder(self.embedding(ids), cos, sin)
+        weight = (self.output_layer.weight if self.cfg.untie_embeddings_and_output_weights
+                  else self.embedding.word_embeddings.weight)
+        return ops.linear(x, weight)
+
+    def loss(self, ids, labels, loss_mask=None):
+        """Mean next-token cross entropy over the positions loss_mask keeps (all if None)."""
+        logits = self(ids)
+        flat = ops.reshape(logits, (-1, self.cfg.vocab_size))
+        target = ops.reshape(labels, (-1,))
+        if loss_mask is None:
+            return ops.cross_entropy(flat, target)
+        per_token = ops.cross_entropy(flat, target, reduction="none")
+        mask = ops.cast(ops.reshape(loss_mask, (-1,)), "float32")
+        return ops.sum(per_token * mask) / ops.maximum(ops.sum(mask), ops.full((), 1.0))

@@ -1,0 +1,64 @@
+"""Basic layers written against the facade: the same code runs on PyTorch and MindSpore.
+
+Parameter names follow Megatron-core (``weight``/``bias`` under mcore module names), so
+checkpoints map onto mcore layouts without renaming tables inside the model.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from mindspeed_core import nn, ops
+
+
+def _param(shape, std=None, value=None):
+    p = nn.Parameter(np.zeros(shape, np.float32))
+    if std is not None:
+        nn.init.normal_(p, std=std)
+    elif value is not None:
+        nn.init.constant_(p, value)
+    return p
+
+
+class Linear(nn.Module):
+    def __init__(self, n_in: int, n_out: int, bias: bool, std: float):
+        super().__init__()
+        self.weight = _param((n_out, n_in), std=std)
+        self.bias = _param((n_out,), value=0.0) if bias else None
+
+    def forward(self, x):
+        return ops.linear(x, self.weight, self.bias)
+
+
+class Embedding(nn.Module):
+    def __init__(self, num: int, dim: int, std: float):
+        super().__init__()
+        self.weight = _param((num, dim), std=std)
+
+    def forward(self, ids):
+        return ops.embedding(ids, self.weight)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = _param((dim,), value=1.0)
+
+    def forward(self, x):
+        return ops.rms_norm(x, self.weight, self.eps)
+
+
+class LayerNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = _param((dim,), value=1.0)
+        self.bias = _param((dim,), value=0.0)
+
+    def forward(self, x):
+        return ops.layer_norm(x, self.weight, self.bias, self.eps)
+
+
+def make_norm(kind: str, dim: int, eps: float):
+    return RMSNorm(dim, eps) if kind == "rmsnorm" else LayerNorm(dim, eps)

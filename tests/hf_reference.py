@@ -1,0 +1,68 @@
+"""Builds tiny random Hugging Face models with transformers (PyTorch) and records their logits.
+
+Run as a separate process (``python hf_reference.py OUT_DIR``) so that a test bound to
+MindSpore never imports torch: for each architecture it writes OUT_DIR/<name>/ (a model
+folder, saved by transformers) and OUT_DIR/<name>.npz (input ids and logits, float64).
+``python hf_reference.py --check FOLDER IDS.npy OUT.npy`` loads a folder with transformers and
+writes its logits: the check that our exported folders load in transformers.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+import torch
+import transformers as T
+
+VOCAB = 96
+COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+              max_position_embeddings=64, rms_norm_eps=1e-6)
+MODELS = {
+    "llama": (T.LlamaConfig, dict(COMMON, num_key_value_heads=2)),
+    "llama3-rope": (T.LlamaConfig, dict(COMMON, num_key_value_heads=2, rope_parameters={
+        "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 16})),
+    "llama-linear-rope-tied": (T.LlamaConfig, dict(COMMON, num_key_value_heads=4, tie_word_embeddings=True,
+                                                   rope_parameters={"rope_type": "linear", "rope_theta": 500.0,
+                                                                    "factor": 2.0})),
+    "mistral": (T.MistralConfig, dict(COMMON, num_key_value_heads=1, sliding_window=None, head_dim=16)),
+    "qwen2": (T.Qwen2Config, dict(COMMON, num_key_value_heads=2, tie_word_embeddings=True)),
+    "qwen3": (T.Qwen3Config, dict(COMMON, num_key_value_heads=2, head_dim=32)),
+    "gpt2": (T.GPT2Config, dict(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64,
+                                resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)),
+}
+
+
+def build(name: str, out_dir: str) -> None:
+    cls, kwargs = MODELS[name]
+    torch.manual_seed(0)
+    config = cls(**kwargs)
+    model = T.AutoModelForCausalLM.from_config(config).float().eval()
+    with torch.no_grad():  # random everything, biases and norms included, so no mapping hides
+        for p in model.parameters():
+            p.normal_(0.0, 0.1)
+    folder = os.path.join(out_dir, name)
+    # one model saved sharded, to cover the index file
+    model.save_pretrained(folder, max_shard_size="100KB" if name == "qwen3" else "1GB")
+    ids = np.random.default_rng(1).integers(0, VOCAB, size=(2, 12))
+    with torch.no_grad():
+        logits = model(torch.as_tensor(ids)).logits.double().numpy()
+    np.savez(os.path.join(out_dir, f"{name}.npz"), ids=ids, logits=logits)
+
+
+def check(folder: str, ids_path: str, out_path: str) -> None:
+    model = T.AutoModelForCausalLM.from_pretrained(folder).float().eval()
+    ids = np.load(ids_path)
+    with torch.no_grad():
+        np.save(out_path, model(torch.as_tensor(ids)).logits.double().numpy())
+
+
+if __name__ == "__main__":
+    T.logging.set_verbosity_error()
+    if sys.argv[1] == "--check":
+        check(*sys.argv[2:5])
+    else:
+        for model_name in MODELS:
+            build(model_name, sys.argv[1])
