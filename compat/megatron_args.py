@@ -83,3 +83,72 @@ def feature_parser(prog: str = "mindspeed") -> argparse.ArgumentParser:
     add_framework_args(parser)
     add_feature_args(parser)
     return parser
+
+
+def add_training_args(parser: argparse.ArgumentParser) -> None:
+    """The trainer's flags, Megatron spelling and defaults where they exist."""
+    m = parser.add_argument_group("model")
+    m.add_argument("--model-name", default=None, help="a preset (see models/config.py PRESETS)")
+    m.add_argument("--load-hf", default=None, help="initialise from a Hugging Face model folder")
+    m.add_argument("--num-layers", type=int, default=None)
+    m.add_argument("--hidden-size", type=int, default=None)
+    m.add_argument("--ffn-hidden-size", type=int, default=None)
+    m.add_argument("--num-attention-heads", type=int, default=None)
+    m.add_argument("--group-query-attention", action="store_true")
+    m.add_argument("--num-query-groups", type=int, default=None)
+    m.add_argument("--kv-channels", type=int, default=None)
+    m.add_argument("--max-position-embeddings", type=int, default=None)
+    m.add_argument("--normalization", choices=("RMSNorm", "LayerNorm"), default=None)
+    m.add_argument("--norm-epsilon", type=float, default=None)
+    m.add_argument("--swiglu", action="store_true", default=None)
+    m.add_argument("--position-embedding-type", choices=("rope", "learned_absolute"), default=None)
+    m.add_argument("--rotary-base", type=float, default=None)
+    m.add_argument("--untie-embeddings-and-output-weights", action="store_true", default=None)
+    m.add_argument("--add-qkv-bias", action="store_true", default=None)
+    m.add_argument("--qk-layernorm", action="store_true", default=None)
+    m.add_argument("--init-method-std", type=float, default=None)
+    m.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+
+    t = parser.add_argument_group("training")
+    t.add_argument("--seq-length", type=int, default=None)
+    t.add_argument("--micro-batch-size", type=int, default=None)
+    t.add_argument("--global-batch-size", type=int, default=None)
+    t.add_argument("--train-iters", type=int, default=None)
+    t.add_argument("--lr", type=float, default=None)
+    t.add_argument("--min-lr", type=float, default=0.0)
+    t.add_argument("--lr-warmup-iters", type=int, default=0)
+    t.add_argument("--lr-decay-style", choices=("constant", "linear", "cosine"), default="cosine")
+    t.add_argument("--lr-decay-iters", type=int, default=None)
+    t.add_argument("--weight-decay", type=float, default=0.01)
+    t.add_argument("--adam-beta1", type=float, default=0.9)
+    t.add_argument("--adam-beta2", type=float, default=0.999)
+    t.add_argument("--adam-eps", type=float, default=1e-8)
+    t.add_argument("--clip-grad", type=float, default=1.0)
+    t.add_argument("--seed", type=int, default=1234)
+
+    d = parser.add_argument_group("data")
+    d.add_argument("--data-path", nargs="+", default=None, help="prefix, or weight/prefix pairs")
+    d.add_argument("--split", default="969,30,1")
+    d.add_argument("--tokenizer-type", default=None)
+    d.add_argument("--tokenizer-name-or-path", default=None)
+
+    c = parser.add_argument_group("checkpoints and logging")
+    c.add_argument("--save", default=None)
+    c.add_argument("--save-interval", type=int, default=None)
+    c.add_argument("--load", default=None)
+    c.add_argument("--eval-interval", type=int, default=1000)
+    c.add_argument("--eval-iters", type=int, default=10)
+    c.add_argument("--log-interval", type=int, default=10)
+    c.add_argument("--metrics-file", default=None, help="JSONL metrics (default: <save>/metrics.jsonl)")
+    c.add_argument("--sample-tokens", type=int, default=None, help="tokens of text to sample at the end")
+    c.add_argument("--dry-run", action="store_true", help="print the resolved configuration and exit")
+    c.add_argument("--no-progress", action="store_true")
+
+
+def training_parser(prog: str = "mindspeed train") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, allow_abbrev=False,
+                                     description="pre-train a GPT model (Megatron-style flags)")
+    add_framework_args(parser)
+    add_feature_args(parser)
+    add_training_args(parser)
+    return parser

@@ -3,6 +3,8 @@
     mindspeed features [--ai-framework X] [--device D] [--format text|markdown|json]
     mindspeed check-args [--ai-framework X] [--device D] <Megatron-style flags ...>
     mindspeed info [--ai-framework X] [--device D] [--measure]
+    mindspeed train [--ai-framework X] <Megatron-style training flags ...>
+    mindspeed preprocess --input FILE --output-prefix PREFIX [--tokenizer-type ...]
 
 ``--ai-framework`` is read before anything else so that the facade is bound before model
 code is imported. Errors the user can act on print one line and exit with status 2.
@@ -86,7 +88,32 @@ def _cmd_info(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"features": _cmd_features, "check-args": _cmd_check_args, "info": _cmd_info}
+def _cmd_train(argv: list[str]) -> int:
+    args = megatron_args.training_parser().parse_args(argv)
+    backend, device = _bind(args)
+    features.validate(args, backend.NAME, device)  # before anything heavy is built
+    from mindspeed_core.training.trainer import Trainer
+
+    trainer = Trainer(args)
+    if args.dry_run:
+        print(json.dumps(trainer.describe(), indent=2))
+        return 0
+    trainer.run()
+    return 0
+
+
+def _cmd_preprocess(argv: list[str]) -> int:
+    from mindspeed_core.data import preprocess
+
+    parser = argparse.ArgumentParser(prog="mindspeed preprocess", description="text -> Megatron .bin/.idx")
+    preprocess.add_args(parser)
+    counts = preprocess.run(parser.parse_args(argv))
+    print(f"wrote {counts['documents']} documents, {counts['tokens']} tokens: {', '.join(counts['outputs'])}")
+    return 0
+
+
+COMMANDS = {"features": _cmd_features, "check-args": _cmd_check_args, "info": _cmd_info, "train": _cmd_train,
+            "preprocess": _cmd_preprocess}
 
 
 def main(argv: list[str] | None = None) -> int:

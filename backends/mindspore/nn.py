@@ -57,8 +57,11 @@ def set_training(module, mode: bool = True) -> None:
 
 
 def assign(param, value) -> None:
-    if isinstance(value, ms.Tensor):
-        value = ops.to_numpy(value)
+    if isinstance(value, ms.Tensor):  # stay on the device: no host round trip
+        if tuple(value.shape) != tuple(param.shape):
+            raise ValueError(f"cannot assign shape {tuple(value.shape)} to a parameter of shape {tuple(param.shape)}")
+        param.set_data(value.astype(param.dtype))
+        return
     value = np.asarray(value)
     if tuple(value.shape) != tuple(param.shape):
         raise ValueError(f"cannot assign shape {tuple(value.shape)} to a parameter of shape {tuple(param.shape)}")

@@ -1,0 +1,110 @@
+"""Megatron's indexed dataset: a .bin of token ids and a .idx describing it (MMIDIDX v1).
+
+Layout of the .idx, little-endian, as megatron-core's IndexedDataset reads it:
+    b"MMIDIDX\\x00\\x00", version <Q> = 1, dtype code <B>, sequence count <Q>,
+    document count <Q>, sequence lengths int32[count], sequence byte offsets int64[count],
+    document indices int64[documents] (sequence index where each document starts, plus the end).
+Here one sequence is one document.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+
+import numpy as np
+
+from mindspeed_core.errors import MindSpeedError
+
+MAGIC = b"MMIDIDX\x00\x00"
+DTYPE_CODES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64, 7: np.float32, 8: np.uint16}
+CODES = {np.dtype(v): k for k, v in DTYPE_CODES.items()}
+
+
+def token_dtype(vocab_size: int):
+    return np.uint16 if vocab_size < 65500 else np.int32
+
+
+class IndexedDatasetWriter:
+    """Append documents, then ``finalize()``; files appear only when complete (temporary
+    names renamed into place)."""
+
+    def __init__(self, prefix: str, dtype):
+        self.prefix, self.dtype = prefix, np.dtype(dtype)
+        self._tmp = f"{prefix}.tmp-{os.getpid()}"
+        self._bin = open(self._tmp + ".bin", "wb")
+        self._lengths: list[int] = []
+
+    def add_document(self, tokens) -> None:
+        arr = np.asarray(tokens, dtype=self.dtype)
+        self._bin.write(arr.tobytes())
+        self._lengths.append(int(arr.size))
+
+    def finalize(self) -> None:
+        self._bin.close()
+        lengths = np.asarray(self._lengths, np.int32)
+        pointers = np.zeros(len(lengths), np.int64)
+        if len(lengths) > 1:
+            pointers[1:] = np.cumsum(lengths[:-1], dtype=np.int64) * self.dtype.itemsize
+        documents = np.arange(len(lengths) + 1, dtype=np.int64)
+        with open(self._tmp + ".idx", "wb") as fh:
+            fh.write(MAGIC)
+            fh.write(struct.pack("<Q", 1))
+            fh.write(struct.pack("<B", CODES[self.dtype]))
+            fh.write(struct.pack("<Q", len(lengths)))
+            fh.write(struct.pack("<Q", len(documents)))
+            fh.write(lengths.tobytes())
+            fh.write(pointers.tobytes())
+            fh.write(documents.tobytes())
+        os.replace(self._tmp + ".bin", self.prefix + ".bin")
+        os.replace(self._tmp + ".idx", self.prefix + ".idx")
+
+
+class IndexedDataset:
+    """Read-only view of a .bin/.idx pair (memory-mapped)."""
+
+    def __init__(self, prefix: str):
+        self.prefix = prefix
+        idx, binf = prefix + ".idx", prefix + ".bin"
+        for path in (idx, binf):
+            if not os.path.isfile(path):
+                raise MindSpeedError(f"data file {path} does not exist (--data-path takes the prefix, without .bin/.idx)")
+        try:
+            with open(idx, "rb") as fh:
+                if fh.read(9) != MAGIC:
+                    raise MindSpeedError(f"{idx} is not a Megatron indexed dataset index (bad magic)")
+                (version,) = struct.unpack("<Q", fh.read(8))
+                (code,) = struct.unpack("<B", fh.read(1))
+                (count,) = struct.unpack("<Q", fh.read(8))
+                (doc_count,) = struct.unpack("<Q", fh.read(8))
+                offset = fh.tell()
+            if version != 1 or code not in DTYPE_CODES:
+                raise MindSpeedError(f"{idx}: unsupported index version {version} or dtype code {code}")
+            self.dtype = np.dtype(DTYPE_CODES[code])
+            raw = np.memmap(idx, mode="r", dtype=np.uint8)
+            self.lengths = np.frombuffer(raw, np.int32, count, offset)
+            self.pointers = np.frombuffer(raw, np.int64, count, offset + 4 * count)
+            self.document_indices = np.frombuffer(raw, np.int64, doc_count, offset + 12 * count)
+        except (struct.error, ValueError) as exc:
+            raise MindSpeedError(f"{idx} is truncated or corrupt ({exc})") from None
+        size = os.path.getsize(binf)
+        expected = int(self.lengths.sum()) * self.dtype.itemsize
+        if size != expected:
+            raise MindSpeedError(f"{binf} has {size} bytes but its index describes {expected}")
+        self._bin = np.memmap(binf, mode="r", dtype=self.dtype) if size else np.zeros(0, self.dtype)
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        start = int(self.pointers[i]) // self.dtype.itemsize
+        return np.asarray(self._bin[start : start + int(self.lengths[i])])
+
+    def tokens(self, first_doc: int = 0, last_doc: int | None = None) -> np.ndarray:
+        """The documents [first_doc, last_doc) concatenated (they already end with EOD)."""
+        last_doc = len(self) if last_doc is None else last_doc
+        if first_doc >= last_doc:
+            return np.zeros(0, self.dtype)
+        start = int(self.pointers[first_doc]) // self.dtype.itemsize
+        end = start + int(self.lengths[first_doc:last_doc].sum())
+        return np.asarray(self._bin[start:end])

@@ -1,0 +1,271 @@
+"""Single-device pre-training, Megatron flags, both frameworks.
+
+The step is one gradient call per micro-batch (the same on PyTorch and MindSpore):
+
+    loss, grads = value_and_grad(model.loss, params)(ids, labels)
+
+accumulated over global_batch / micro_batch micro-batches, averaged, clipped, then AdamW.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+
+import numpy as np
+
+from mindspeed_core import autograd, device, nn, ops, random, runtime
+from mindspeed_core.data import gpt_dataset
+from mindspeed_core.data.tokenizer import build_tokenizer, padded_vocab_size
+from mindspeed_core.errors import CheckpointError, MindSpeedError
+from mindspeed_core.models.config import PRESETS, ModelConfig, preset
+from mindspeed_core.models.gpt import GPTModel
+from mindspeed_core.progress import Progress
+from mindspeed_core.training import checkpoint
+from mindspeed_core.training.optimizer import AdamW, clip_grad_norm, learning_rate
+
+# What `mindspeed train` does with no data flags: a small LLaMA on the standard library's
+# source, byte-level tokens (about three minutes on two CPU cores under PyTorch).
+EMBEDDED_DEFAULTS = dict(model_name="tiny-llama", seq_length=128, micro_batch_size=8, global_batch_size=16,
+                         train_iters=300, lr=3e-3, min_lr=3e-4, lr_warmup_iters=20, eval_interval=100, eval_iters=4,
+                         log_interval=25, sample_tokens=200, make_vocab_size_divisible_by=8)
+TRAINING_DEFAULTS = dict(seq_length=256, micro_batch_size=4, global_batch_size=None, train_iters=100, lr=1e-3)
+
+_MODEL_FLAGS = {  # flag -> ModelConfig field
+    "num_layers": "num_layers", "hidden_size": "hidden_size", "ffn_hidden_size": "ffn_hidden_size",
+    "num_attention_heads": "num_attention_heads", "num_query_groups": "num_query_groups",
+    "kv_channels": "kv_channels", "norm_epsilon": "norm_epsilon", "rotary_base": "rotary_base",
+    "init_method_std": "init_method_std",
+}
+
+
+def apply_defaults(args) -> bool:
+    """Fill unset flags; returns True when the embedded default corpus is used."""
+    embedded = not args.data_path
+    for key, value in (EMBEDDED_DEFAULTS if embedded else TRAINING_DEFAULTS).items():
+        if key == "make_vocab_size_divisible_by":
+            if embedded and args.make_vocab_size_divisible_by == 128:
+                args.make_vocab_size_divisible_by = value
+        elif getattr(args, key, None) is None:
+            setattr(args, key, value)
+    if args.global_batch_size is None:
+        args.global_batch_size = args.micro_batch_size
+    if args.global_batch_size % args.micro_batch_size:
+        raise MindSpeedError(f"--global-batch-size {args.global_batch_size} is not a multiple of "
+                             f"--micro-batch-size {args.micro_batch_size}")
+    for name in ("seq_length", "micro_batch_size", "train_iters", "log_interval"):
+        if getattr(args, name) <= 0:
+            raise MindSpeedError(f"--{name.replace('_', '-')} must be positive")
+    if args.lr_decay_iters is None:
+        args.lr_decay_iters = args.train_iters
+    return embedded
+
+
+def model_config(args, vocab_size: int) -> ModelConfig:
+    if args.load_hf:
+        from mindspeed_core.compat import hf
+
+        cfg, _ = hf.load_folder(args.load_hf)
+        return cfg
+    base = dict(PRESETS[args.model_name]) if args.model_name else {}
+    if args.model_name and args.model_name not in PRESETS:
+        preset(args.model_name)  # raises with the list of presets
+    for flag, field in _MODEL_FLAGS.items():
+        if getattr(args, flag, None) is not None:
+            base[field] = getattr(args, flag)
+    if args.normalization:
+        base["normalization"] = args.normalization.lower()
+    if args.swiglu:
+        base["activation"] = "swiglu"
+    if args.position_embedding_type:
+        base["position_embedding_type"] = "learned" if args.position_embedding_type == "learned_absolute" else "rope"
+    for flag in ("untie_embeddings_and_output_weights", "add_qkv_bias", "qk_layernorm"):
+        if getattr(args, flag):
+            base[flag] = True
+    base["vocab_size"] = padded_vocab_size(vocab_size, args.make_vocab_size_divisible_by)
+    base["max_position_embeddings"] = max(args.max_position_embeddings or 0, args.seq_length,
+                                          base.get("max_position_embeddings", 0))
+    try:
+        return ModelConfig(**base)
+    except (TypeError, ValueError) as exc:
+        raise MindSpeedError(f"model configuration: {exc}") from None
+
+
+class Trainer:
+    def __init__(self, args, out=sys.stdout):
+        self.args, self.out = args, out
+        self.embedded = apply_defaults(args)
+        if self.embedded:
+            from mindspeed_core.data.corpus import build_stdlib_corpus
+
+            args.data_path = [build_stdlib_corpus()]
+            args.tokenizer_type, args.tokenizer_name_or_path = "ByteLevel", None
+        self.tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_name_or_path)
+        self.cfg = model_config(args, self.tokenizer.vocab_size)
+        if self.tokenizer.vocab_size > self.cfg.vocab_size:
+            raise MindSpeedError(f"the tokenizer has {self.tokenizer.vocab_size} tokens but the model's vocabulary "
+                                 f"has {self.cfg.vocab_size}: use the tokenizer the model was trained with")
+        if args.seq_length > self.cfg.max_position_embeddings:
+            raise MindSpeedError(f"--seq-length {args.seq_length} exceeds the model's max_position_embeddings "
+                                 f"{self.cfg.max_position_embeddings}")
+        self.grad_accum = args.global_batch_size // args.micro_batch_size
+        self.tokens_per_step = args.global_batch_size * args.seq_length
+
+    # -- set-up ------------------------------------------------------------------------------
+    def describe(self) -> dict:
+        return {
+            "framework": runtime.bound().NAME, "device": device.current(),
+            "model": self.cfg.to_dict(), "parameters": self.cfg.num_parameters(),
+            "flops_per_token": self.cfg.flops_per_token(self.args.seq_length),
+            "tokenizer": self.tokenizer.name, "data_path": self.args.data_path,
+            "seq_length": self.args.seq_length, "micro_batch_size": self.args.micro_batch_size,
+            "global_batch_size": self.args.global_batch_size, "gradient_accumulation": self.grad_accum,
+            "train_iters": self.args.train_iters, "lr": self.args.lr, "min_lr": self.args.min_lr,
+            "lr_warmup_iters": self.args.lr_warmup_iters, "lr_decay_style": self.args.lr_decay_style,
+            "weight_decay": self.args.weight_decay, "clip_grad": self.args.clip_grad, "seed": self.args.seed,
+        }
+
+    def build(self):
+        args = self.args
+        self.data = gpt_dataset.build_splits(args.data_path, args.split, args.seq_length, args.seed)
+        if args.eval_iters and args.eval_interval and self.data["valid"] is None:
+            raise MindSpeedError("the validation split is empty: give --split a larger second part or use --eval-iters 0")
+        random.seed(args.seed)
+        self.model = GPTModel(self.cfg)
+        if args.load_hf:
+            from mindspeed_core.compat import hf
+
+            nn.load_state_dict(self.model, hf.load_folder(args.load_hf)[1])
+        self.params = nn.parameters(self.model)
+        self.optimizer = AdamW(nn.named_parameters(self.model), args.lr, args.weight_decay,
+                               (args.adam_beta1, args.adam_beta2), args.adam_eps)
+        self.grad_fn = autograd.value_and_grad(self._loss, self.params)
+        self.iteration = 0
+        if args.load:
+            self._resume(args.load)
+
+    def _loss(self, ids, labels):
+        return self.model.loss(ids, labels)
+
+    def _resume(self, root: str) -> None:
+        it = checkpoint.latest_iteration(root)
+        if it is None:
+            self.say(f"no checkpoint in {root} yet: starting from scratch")
+            return
+        meta = checkpoint.read_meta(root, it)
+        if meta.get("model") != self.cfg.to_dict():
+            raise CheckpointError(f"the checkpoint in {root} (iteration {it}) was saved for a different model "
+                                  f"configuration; pass the same model flags as when it was saved")
+        checkpoint.load(root, it, self.model, self.optimizer)
+        self.iteration = it
+        self.say(f"resumed from {checkpoint.iteration_dir(root, it)} (saved on {meta.get('framework')})")
+
+    # -- the loop ----------------------------------------------------------------------------
+    def say(self, text: str) -> None:
+        print(text, file=self.out, flush=True)
+
+    def _batch(self, split: str, start: int, size: int):
+        tokens = gpt_dataset.batch(self.data[split], start, size)
+        return ops.tensor(tokens[:, :-1]), ops.tensor(tokens[:, 1:])
+
+    def train_step(self, iteration: int) -> tuple[float, float, float]:
+        args = self.args
+        lr = learning_rate(iteration, args.lr, args.min_lr, args.lr_warmup_iters, args.lr_decay_iters,
+                           args.lr_decay_style)
+        first = iteration * args.global_batch_size
+        total_loss, grads = 0.0, None
+        for k in range(self.grad_accum):
+            ids, labels = self._batch("train", first + k * args.micro_batch_size, args.micro_batch_size)
+            loss, g = self.grad_fn(ids, labels)
+            total_loss += float(ops.to_numpy(loss))
+            grads = g if grads is None else [a + b for a, b in zip(grads, g)]
+        if self.grad_accum > 1:
+            grads = [g / self.grad_accum for g in grads]
+        loss = total_loss / self.grad_accum
+        if not math.isfinite(loss):
+            raise MindSpeedError(f"the loss became {loss} at iteration {iteration + 1}; stopping without saving "
+                                 f"(the last checkpoint on disk is intact); lower --lr or check the data")
+        grads, norm = clip_grad_norm(grads, args.clip_grad)
+        self.optimizer.step(grads, lr)
+        return loss, lr, norm
+
+    def evaluate(self) -> float:
+        args = self.args
+        losses = []
+        with autograd.no_grad():
+            for k in range(args.eval_iters):
+                ids, labels = self._batch("valid", k * args.micro_batch_size, args.micro_batch_size)
+                losses.append(float(ops.to_numpy(self.model.loss(ids, labels))))
+        return float(np.mean(losses))
+
+    def save(self) -> None:
+        meta = {"framework": runtime.bound().NAME, "model": self.cfg.to_dict(),
+                "tokenizer": self.tokenizer.name, "consumed_samples": self.iteration * self.args.global_batch_size}
+        path = checkpoint.save(self.args.save, self.iteration, self.model, self.optimizer, meta)
+        self.say(f"saved checkpoint {path}")
+
+    def run(self) -> dict:
+        args = self.args
+        self.build()
+        peak = device.matmul_rate(n=512, min_seconds=0.3)
+        flops_per_token = self.cfg.flops_per_token(args.seq_length)
+        metrics_path = args.metrics_file or (os.path.join(args.save, "metrics.jsonl") if args.save else None)
+        metrics = open(metrics_path, "a") if metrics_path else None
+        self.say(f"training {self.cfg.num_parameters() / 1e6:.2f}M parameters on {runtime.bound().NAME} "
+                 f"({device.current()}), {args.train_iters} iterations of {self.tokens_per_step} tokens; "
+                 f"measured matmul peak {peak / 1e9:.1f} GFLOP/s")
+        progress = None if args.no_progress else Progress(args.train_iters, "train", min_interval=1.0)
+        if progress:
+            progress.n = self.iteration
+        history, window_start, window_tokens = [], time.perf_counter(), 0
+        try:
+            while self.iteration < args.train_iters:
+                loss, lr, norm = self.train_step(self.iteration)
+                self.iteration += 1
+                window_tokens += self.tokens_per_step
+                history.append(loss)
+                if progress:
+                    progress.update(1, f"loss {loss:.3f}")
+                if self.iteration % args.log_interval == 0 or self.iteration == args.train_iters:
+                    elapsed = time.perf_counter() - window_start
+                    tps = window_tokens / elapsed
+                    tflops = tps * flops_per_token / 1e12
+                    record = {"iteration": self.iteration, "loss": loss, "lr": lr, "grad_norm": norm,
+                              "tokens_per_s": tps, "tflops": tflops, "mfu": tps * flops_per_token / peak}
+                    self.say(f" iteration {self.iteration:6d}/{args.train_iters} | lm loss {loss:.4f} | lr {lr:.3e} | "
+                             f"grad norm {norm:.3f} | tokens/s {tps:,.0f} | TFLOP/s {tflops:.3f} | "
+                             f"MFU {100 * record['mfu']:.1f}%")
+                    if metrics:
+                        metrics.write(json.dumps(record) + "\n")
+                        metrics.flush()
+                    window_start, window_tokens = time.perf_counter(), 0
+                if args.eval_iters and args.eval_interval and self.iteration % args.eval_interval == 0:
+                    eval_loss = self.evaluate()
+                    self.say(f" validation at iteration {self.iteration} | lm loss {eval_loss:.4f} | "
+                             f"ppl {math.exp(min(eval_loss, 50)):.2f}")
+                    if metrics:
+                        metrics.write(json.dumps({"iteration": self.iteration, "eval_loss": eval_loss}) + "\n")
+                    window_start = time.perf_counter()
+                if args.save and args.save_interval and self.iteration % args.save_interval == 0:
+                    self.save()
+                    window_start = time.perf_counter()
+        finally:
+            if progress:
+                progress.close()
+            if metrics:
+                metrics.close()
+        if args.save and (not args.save_interval or self.iteration % args.save_interval):
+            self.save()
+        result = {"iterations": self.iteration, "losses": history}
+        if args.sample_tokens:
+            from mindspeed_core.models.generate import generate
+
+            prompt = "def "
+            ids = generate(self.model, self.tokenizer.encode(prompt), args.sample_tokens, args.seq_length, seed=args.seed)
+            text = self.tokenizer.decode(ids)
+            self.say("sample:\n" + prompt + text)
+            result["sample"] = text
+        return result

@@ -1,0 +1,9 @@
+#!/usr/bin/env python
+"""MindSpeed-LLM entry point: text -> Megatron indexed dataset (same flags as `mindspeed preprocess`)."""
+
+import sys
+
+from mindspeed_core.cli import main
+
+if __name__ == "__main__":
+    sys.exit(main(["preprocess", *sys.argv[1:]]))
