@@ -139,6 +139,7 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--eval-interval", type=int, default=1000)
     c.add_argument("--eval-iters", type=int, default=10)
     c.add_argument("--log-interval", type=int, default=10)
+    c.add_argument("--exit-interval", type=int, default=None, help="stop (after saving) at a multiple of this iteration")
     c.add_argument("--metrics-file", default=None, help="JSONL metrics (default: <save>/metrics.jsonl)")
     c.add_argument("--sample-tokens", type=int, default=None, help="tokens of text to sample at the end")
     c.add_argument("--dry-run", action="store_true", help="print the resolved configuration and exit")

@@ -48,8 +48,9 @@ def iter_records(path: str, keys: list[str]):
         if file.endswith(".parquet"):
             try:
                 import pyarrow.parquet as pq
-            except ImportError:
-                raise MindSpeedError("reading .parquet needs pyarrow: pip install pyarrow") from None
+            except ImportError as exc:
+                raise MindSpeedError(f"reading .parquet needs a working pyarrow ({exc}); "
+                                     "with numpy 1.x: pip install 'pyarrow<20'") from None
             table = pq.read_table(file, columns=keys)
             for row in table.to_pylist():
                 yield row

@@ -95,8 +95,8 @@ def model_config(args, vocab_size: int) -> ModelConfig:
 
 
 class Trainer:
-    def __init__(self, args, out=sys.stdout):
-        self.args, self.out = args, out
+    def __init__(self, args, out=None):
+        self.args, self._out = args, out
         self.embedded = apply_defaults(args)
         if self.embedded:
             from mindspeed_core.data.corpus import build_stdlib_corpus
@@ -165,7 +165,7 @@ class Trainer:
 
     # -- the loop ----------------------------------------------------------------------------
     def say(self, text: str) -> None:
-        print(text, file=self.out, flush=True)
+        print(text, file=self._out or sys.stdout, flush=True)
 
     def _batch(self, split: str, start: int, size: int):
         tokens = gpt_dataset.batch(self.data[split], start, size)
@@ -189,6 +189,9 @@ class Trainer:
             raise MindSpeedError(f"the loss became {loss} at iteration {iteration + 1}; stopping without saving "
                                  f"(the last checkpoint on disk is intact); lower --lr or check the data")
         grads, norm = clip_grad_norm(grads, args.clip_grad)
+        if not math.isfinite(norm):
+            raise MindSpeedError(f"the gradient norm became {norm} at iteration {iteration + 1}; stopping without "
+                                 f"saving (the last checkpoint on disk is intact); lower --lr or check the data")
         self.optimizer.step(grads, lr)
         return loss, lr, norm
 
@@ -201,7 +204,18 @@ class Trainer:
                 losses.append(float(ops.to_numpy(self.model.loss(ids, labels))))
         return float(np.mean(losses))
 
+    def _first_non_finite_parameter(self):
+        for name, p in nn.named_parameters(self.model):
+            bad = ops.sum(ops.cast(ops.logical_not(ops.isfinite(p)), "float32"))
+            if float(ops.to_numpy(bad)):
+                return name
+        return None
+
     def save(self) -> None:
+        bad = self._first_non_finite_parameter()
+        if bad is not None:  # never let a diverged model overwrite the last good checkpoint
+            raise MindSpeedError(f"parameter {bad} is no longer finite at iteration {self.iteration}; not saving "
+                                 f"(the last checkpoint on disk is intact); lower --lr or check the data")
         meta = {"framework": runtime.bound().NAME, "model": self.cfg.to_dict(),
                 "tokenizer": self.tokenizer.name, "consumed_samples": self.iteration * self.args.global_batch_size}
         path = checkpoint.save(self.args.save, self.iteration, self.model, self.optimizer, meta)
@@ -213,6 +227,8 @@ class Trainer:
         peak = device.matmul_rate(n=512, min_seconds=0.3)
         flops_per_token = self.cfg.flops_per_token(args.seq_length)
         metrics_path = args.metrics_file or (os.path.join(args.save, "metrics.jsonl") if args.save else None)
+        if metrics_path:
+            os.makedirs(os.path.dirname(os.path.abspath(metrics_path)), exist_ok=True)
         metrics = open(metrics_path, "a") if metrics_path else None
         self.say(f"training {self.cfg.num_parameters() / 1e6:.2f}M parameters on {runtime.bound().NAME} "
                  f"({device.current()}), {args.train_iters} iterations of {self.tokens_per_step} tokens; "
@@ -252,12 +268,15 @@ class Trainer:
                 if args.save and args.save_interval and self.iteration % args.save_interval == 0:
                     self.save()
                     window_start = time.perf_counter()
+                if args.exit_interval and self.iteration % args.exit_interval == 0 and self.iteration < args.train_iters:
+                    self.say(f"exiting at iteration {self.iteration} (--exit-interval)")
+                    break
         finally:
             if progress:
                 progress.close()
             if metrics:
                 metrics.close()
-        if args.save and (not args.save_interval or self.iteration % args.save_interval):
+        if args.save and (not args.save_interval or self.iteration % args.save_interval) and history:
             self.save()
         result = {"iterations": self.iteration, "losses": history}
         if args.sample_tokens:

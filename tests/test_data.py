@@ -1,0 +1,168 @@
+"""Tokenizers, Megatron indexed datasets, preprocessing, splits and blends."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from mindspeed_core.data import gpt_dataset, indexed, preprocess
+from mindspeed_core.data.tokenizer import ByteTokenizer, build_tokenizer, padded_vocab_size
+from mindspeed_core.errors import MindSpeedError
+
+DOCS = ["hello world", "second document, with ünïcode", "x" * 50, "the end"]
+
+
+def write_jsonl(path, docs, key="text"):
+    with open(path, "w") as fh:
+        for d in docs:
+            fh.write(json.dumps({key: d}) + "\n")
+
+
+def preprocess_args(inp, prefix, workers=1, **extra):
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    preprocess.add_args(parser)
+    argv = ["--input", str(inp), "--output-prefix", str(prefix), "--append-eod", "--workers", str(workers)]
+    for k, v in extra.items():
+        argv += [f"--{k.replace('_', '-')}", str(v)]
+    return parser.parse_args(argv)
+
+
+def test_byte_tokenizer_round_trip():
+    tok = ByteTokenizer()
+    ids = tok.encode("añb")
+    assert ids == [97, 195, 177, 98] and tok.decode(ids + [tok.eod]) == "añb"
+    assert padded_vocab_size(tok.vocab_size) == 384 and padded_vocab_size(257, 8) == 264
+
+
+def test_hf_tokenizer_file(tmp_path):
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    tok = tokenizers.Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel()
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(DOCS * 20, trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "</s>"]))
+    tok.save(str(tmp_path / "tokenizer.json"))
+    ours = build_tokenizer("PretrainedFromHF", str(tmp_path))
+    assert ours.eod == tok.token_to_id("</s>") and ours.vocab_size == tok.get_vocab_size()
+    assert ours.decode(ours.encode("hello world")).strip() == "hello world"
+    with pytest.raises(MindSpeedError, match="no tokenizer.json"):
+        build_tokenizer("PretrainedFromHF", str(tmp_path / "nowhere"))
+    with pytest.raises(MindSpeedError, match="unknown --tokenizer-type"):
+        build_tokenizer("SentencePiece", None)
+
+
+def test_indexed_dataset_round_trip(tmp_path):
+    prefix = str(tmp_path / "ds")
+    w = indexed.IndexedDatasetWriter(prefix, np.uint16)
+    docs = [[1, 2, 3], [], [7] * 5, [65000, 4]]
+    for d in docs:
+        w.add_document(d)
+    w.finalize()
+    ds = indexed.IndexedDataset(prefix)
+    assert len(ds) == 4 and ds.dtype == np.uint16
+    for i, d in enumerate(docs):
+        assert ds[i].tolist() == d
+    assert ds.tokens(1, 4).tolist() == [7] * 5 + [65000, 4]
+    assert ds.document_indices.tolist() == [0, 1, 2, 3, 4]
+
+
+def test_megatron_core_reads_our_files(tmp_path):
+    pytest.importorskip("megatron.core")
+    src = tmp_path / "docs.jsonl"
+    write_jsonl(src, DOCS)
+    preprocess.run(preprocess_args(src, tmp_path / "out"))
+    code = ("import sys, json\nfrom megatron.core.datasets.indexed_dataset import IndexedDataset\n"
+            "ds = IndexedDataset(sys.argv[1])\n"
+            "print(json.dumps([ds[i].tolist() for i in range(len(ds))]))")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "out_text_document")], capture_output=True,
+                         text=True, timeout=300, env={k: v for k, v in os.environ.items() if k != "MINDSPEED_AI_FRAMEWORK"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    tok = ByteTokenizer()
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == [tok.encode(d) + [tok.eod] for d in DOCS]
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "txt", "parquet"])
+def test_preprocess_formats_and_workers(tmp_path, fmt):
+    if fmt == "jsonl":
+        src = tmp_path / "d.jsonl"
+        write_jsonl(src, DOCS)
+    elif fmt == "txt":
+        src = tmp_path / "d.txt"
+        src.write_text("\n".join(DOCS) + "\n\n")
+    else:
+        pa = pytest.importorskip("pyarrow")
+        import pyarrow.parquet as pq
+
+        src = tmp_path / "d.parquet"
+        pq.write_table(pa.table({"text": DOCS}), str(src))
+    one = preprocess.run(preprocess_args(src, tmp_path / "one"))
+    two = preprocess.run(preprocess_args(src, tmp_path / "two", workers=2))
+    assert one["documents"] == len(DOCS) and one["tokens"] == two["tokens"]
+    assert (tmp_path / "one_text_document.bin").read_bytes() == (tmp_path / "two_text_document.bin").read_bytes()
+    assert (tmp_path / "one_text_document.idx").read_bytes() == (tmp_path / "two_text_document.idx").read_bytes()
+
+
+def test_preprocess_bad_input(tmp_path):
+    with pytest.raises(MindSpeedError, match="does not exist"):
+        preprocess.run(preprocess_args(tmp_path / "missing.jsonl", tmp_path / "o"))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "ok"}\n{not json\n')
+    with pytest.raises(MindSpeedError, match="bad.jsonl:2 is not valid JSON"):
+        preprocess.run(preprocess_args(bad, tmp_path / "o"))
+    nokey = tmp_path / "nokey.jsonl"
+    write_jsonl(nokey, DOCS, key="content")
+    with pytest.raises(MindSpeedError, match="no key 'text'"):
+        preprocess.run(preprocess_args(nokey, tmp_path / "o"))
+
+
+def _dataset(tmp_path, name, docs):
+    src = tmp_path / f"{name}.jsonl"
+    write_jsonl(src, docs)
+    preprocess.run(preprocess_args(src, tmp_path / name))
+    return str(tmp_path / f"{name}_text_document")
+
+
+def test_samples_splits_and_blends_are_deterministic(tmp_path):
+    a = _dataset(tmp_path, "a", [f"doc a{i} " * 8 for i in range(40)])
+    b = _dataset(tmp_path, "b", [f"doc b{i} " * 8 for i in range(40)])
+    splits = gpt_dataset.build_splits([a], "90,10,0", 16, seed=3)
+    assert splits["test"] is None and splits["valid"] is not None
+    first = gpt_dataset.batch(splits["train"], 0, 4)
+    assert first.shape == (4, 17)
+    again = gpt_dataset.build_splits([a], "90,10,0", 16, seed=3)
+    np.testing.assert_array_equal(gpt_dataset.batch(again["train"], 0, 4), first)
+    other_seed = gpt_dataset.build_splits([a], "90,10,0", 16, seed=4)
+    assert not np.array_equal(gpt_dataset.batch(other_seed["train"], 0, 4), first)
+    # past one epoch the samples keep coming, in a new order
+    train = splits["train"]
+    count = train.parts[0][1].count
+    assert sorted(map(tuple, (train[i] for i in range(count)))) == sorted(map(tuple, (train[count + i] for i in range(count))))
+    blend = gpt_dataset.build_splits(["0.75", a, "0.25", b], "100,0,0", 16, seed=3)["train"]
+    blend[399]  # builds the blending index that far
+    assert abs(np.mean(blend._which[:400] == 0) - 0.75) < 0.01
+    with pytest.raises(MindSpeedError, match="weight/prefix pairs"):
+        gpt_dataset.parse_data_path(["0.5", a, "0.5"])
+    with pytest.raises(MindSpeedError, match="does not exist"):
+        gpt_dataset.build_splits([str(tmp_path / "nothing")], "1,0,0", 16, 1)
+    with pytest.raises(MindSpeedError, match="too few for one sample"):
+        gpt_dataset.build_splits([a], "90,10,0", 100000, 1)
+
+
+def test_truncated_index_is_a_clear_error(tmp_path):
+    prefix = _dataset(tmp_path, "t", DOCS)
+    with open(prefix + ".idx", "r+b") as fh:
+        fh.truncate(30)
+    with pytest.raises(MindSpeedError):
+        indexed.IndexedDataset(prefix)
+    with open(prefix + ".idx", "wb") as fh:
+        fh.write(b"garbage!" * 8)
+    with pytest.raises(MindSpeedError, match="bad magic"):
+        indexed.IndexedDataset(prefix)

@@ -1,0 +1,186 @@
+"""Single-device training end to end: learning, resume, and every kind of bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from mindspeed_core import cli, io
+from mindspeed_core.compat import hf
+from mindspeed_core.data import preprocess
+from mindspeed_core.data.corpus import stdlib_files
+from mindspeed_core.models.config import ModelConfig
+
+SMALL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--num-query-groups", "2",
+         "--ffn-hidden-size", "128", "--seq-length", "32", "--micro-batch-size", "4", "--global-batch-size", "8",
+         "--lr", "3e-3", "--min-lr", "3e-4", "--lr-warmup-iters", "2", "--eval-iters", "0", "--log-interval", "1",
+         "--make-vocab-size-divisible-by", "8", "--no-progress", "--seed", "7"]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    root = tmp_path_factory.mktemp("corpus")
+    with open(root / "docs.jsonl", "w") as fh:
+        for path in stdlib_files(300_000):
+            fh.write(json.dumps({"text": open(path, encoding="utf-8", errors="replace").read()}) + "\n")
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    preprocess.add_args(parser)
+    preprocess.run(parser.parse_args(["--input", str(root / "docs.jsonl"), "--output-prefix", str(root / "std"),
+                                      "--append-eod"]))
+    return str(root / "std_text_document")
+
+
+def train(capsys, *argv):
+    """Run `mindspeed train` in this process; returns (exit code, stdout, stderr)."""
+    code = cli.main(["train", *argv])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def losses(path):
+    return {r["iteration"]: r["loss"] for r in map(json.loads, open(path)) if "loss" in r}
+
+
+def test_loss_falls_and_metrics_are_written(capsys, corpus, tmp_path):
+    metrics = tmp_path / "m.jsonl"
+    code, out, err = train(capsys, *SMALL, "--data-path", corpus, "--train-iters", "30", "--metrics-file", str(metrics),
+                           "--eval-iters", "2", "--eval-interval", "15", "--split", "90,10,0", "--sample-tokens", "16")
+    assert code == 0, err
+    got = losses(metrics)
+    assert sorted(got) == list(range(1, 31))
+    assert got[30] < got[1] - 1.0, got  # from about ln(264) = 5.6 to clearly lower
+    records = [json.loads(line) for line in open(metrics)]
+    assert any("eval_loss" in r for r in records)
+    last = [r for r in records if "loss" in r][-1]
+    assert last["tokens_per_s"] > 0 and 0 < last["mfu"] < 1.5 and last["grad_norm"] > 0
+    assert "lm loss" in out and "MFU" in out and "sample:" in out
+
+
+def test_resume_reproduces_the_uninterrupted_run(capsys, corpus, tmp_path):
+    full = tmp_path / "full.jsonl"
+    code, _, err = train(capsys, *SMALL, "--data-path", corpus, "--train-iters", "8", "--metrics-file", str(full))
+    assert code == 0, err
+    ckpt = tmp_path / "ckpt"
+    code, out, err = train(capsys, *SMALL, "--data-path", corpus, "--train-iters", "8", "--save", str(ckpt),
+                           "--save-interval", "4", "--exit-interval", "4", "--metrics-file", str(tmp_path / "a.jsonl"))
+    assert code == 0, err
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "4"
+    code, out, err = train(capsys, *SMALL, "--data-path", corpus, "--train-iters", "8", "--load", str(ckpt),
+                           "--save", str(ckpt), "--metrics-file", str(tmp_path / "b.jsonl"))
+    assert code == 0, err
+    assert "resumed from" in out
+    uninterrupted, first, second = losses(full), losses(tmp_path / "a.jsonl"), losses(tmp_path / "b.jsonl")
+    assert {**first, **second} == uninterrupted  # bit for bit
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "8"
+
+
+def test_nan_loss_stops_cleanly_and_keeps_the_last_checkpoint(capsys, corpus, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    code, out, err = train(capsys, *SMALL, "--data-path", corpus, "--train-iters", "6", "--lr", "1e30",
+                           "--lr-warmup-iters", "0", "--clip-grad", "0", "--save", str(ckpt), "--save-interval", "1")
+    assert code == 2
+    assert ("the loss became" in err or "no longer finite" in err or "gradient norm became" in err), err
+    assert err.count("\n") == 1
+    last = int((ckpt / "latest_checkpointed_iteration.txt").read_text())
+    tensors, _ = io.load(str(ckpt / f"iter_{last:07d}" / "model.safetensors"))
+    from mindspeed_core import ops
+
+    assert all(np.isfinite(ops.to_numpy(t)).all() for t in tensors.values())
+
+
+def test_bad_checkpoints_are_one_line_errors(capsys, corpus, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    assert train(capsys, *SMALL, "--data-path", corpus, "--train-iters", "2", "--save", str(ckpt))[0] == 0
+    model_file = ckpt / "iter_0000002" / "model.safetensors"
+    good = model_file.read_bytes()
+    model_file.write_bytes(good[: len(good) // 2])
+    code, _, err = train(capsys, *SMALL, "--data-path", corpus, "--train-iters", "4", "--load", str(ckpt))
+    assert code == 2 and "truncated" in err and "Traceback" not in err
+    model_file.write_bytes(good)
+    wider = [a if a != "64" else "96" for a in SMALL]
+    code, _, err = train(capsys, *wider, "--data-path", corpus, "--train-iters", "4", "--load", str(ckpt))
+    assert code == 2 and "different model configuration" in err
+    (ckpt / "latest_checkpointed_iteration.txt").write_text("banana")
+    code, _, err = train(capsys, *SMALL, "--data-path", corpus, "--train-iters", "4", "--load", str(ckpt))
+    assert code == 2 and "iteration number" in err
+    code, _, err = train(capsys, *SMALL, "--data-path", corpus, "--train-iters", "4", "--load", str(tmp_path / "none"))
+    assert code == 2 and "does not exist" in err
+
+
+def test_interrupted_save_keeps_the_previous_checkpoint(capsys, corpus, tmp_path, monkeypatch):
+    from mindspeed_core.training import checkpoint
+
+    ckpt = tmp_path / "ckpt"
+    assert train(capsys, *SMALL, "--data-path", corpus, "--train-iters", "2", "--save", str(ckpt))[0] == 0
+    real_save = io.save
+    calls = []
+
+    def dying_save(path, *a, **k):
+        calls.append(path)
+        if path.endswith("optimizer.safetensors"):
+            raise KeyboardInterrupt  # killed half-way through writing the next checkpoint
+        return real_save(path, *a, **k)
+
+    monkeypatch.setattr(checkpoint.io, "save", dying_save)
+    with pytest.raises(KeyboardInterrupt):
+        train(capsys, *SMALL, "--data-path", corpus, "--train-iters", "4", "--load", str(ckpt), "--save", str(ckpt))
+    monkeypatch.undo()
+    assert calls and (ckpt / "latest_checkpointed_iteration.txt").read_text() == "2"
+    assert not (ckpt / "iter_0000004").exists()
+    code, out, err = train(capsys, *SMALL, "--data-path", corpus, "--train-iters", "3", "--load", str(ckpt))
+    assert code == 0 and "resumed from" in out, err
+
+
+def test_bad_data_and_vocab_are_one_line_errors(capsys, corpus, tmp_path):
+    code, _, err = train(capsys, *SMALL, "--data-path", str(tmp_path / "missing"), "--train-iters", "2")
+    assert code == 2 and "does not exist" in err and err.count("\n") == 1
+    small_vocab = ModelConfig(vocab_size=96, hidden_size=32, num_layers=1, num_attention_heads=2, ffn_hidden_size=64,
+                              max_position_embeddings=64)
+    folder = tmp_path / "hf"
+    state = {}
+    from mindspeed_core import nn
+    from mindspeed_core.models.gpt import GPTModel
+
+    state = nn.state_dict(GPTModel(small_vocab))
+    hf.save_folder(str(folder), small_vocab, state)
+    code, _, err = train(capsys, "--data-path", corpus, "--load-hf", str(folder), "--seq-length", "32",
+                         "--micro-batch-size", "2", "--train-iters", "1", "--no-progress")
+    assert code == 2 and "tokenizer has 257 tokens but the model's vocabulary has 96" in err
+    code, _, err = train(capsys, *SMALL, "--data-path", corpus, "--global-batch-size", "6", "--train-iters", "1")
+    assert code == 2 and "not a multiple" in err
+
+
+def test_dry_run_and_hf_initialisation(capsys, corpus, tmp_path):
+    code, out, err = train(capsys, *SMALL, "--data-path", corpus, "--dry-run")
+    assert code == 0, err
+    info = json.loads(out)
+    assert info["parameters"] > 0 and info["flops_per_token"] > 0 and info["gradient_accumulation"] == 2
+    # a model loaded from a Hugging Face folder trains from those weights
+    cfg = ModelConfig(vocab_size=264, hidden_size=64, num_layers=2, num_attention_heads=4, ffn_hidden_size=128,
+                      max_position_embeddings=64)
+    from mindspeed_core import nn
+    from mindspeed_core.models.gpt import GPTModel
+
+    hf.save_folder(str(tmp_path / "init"), cfg, nn.state_dict(GPTModel(cfg)))
+    metrics = tmp_path / "m.jsonl"
+    code, out, err = train(capsys, "--data-path", corpus, "--load-hf", str(tmp_path / "init"), "--seq-length", "32",
+                           "--micro-batch-size", "2", "--train-iters", "2", "--no-progress", "--eval-iters", "0",
+                           "--lr", "1e-3", "--log-interval", "1", "--metrics-file", str(metrics))
+    assert code == 0, err
+    assert len(losses(metrics)) == 2
+
+
+def test_gate_stops_before_anything_heavy():
+    env = {**os.environ, "MINDSPEED_AI_FRAMEWORK": "pytorch"}
+    out = subprocess.run([sys.executable, "-m", "mindspeed_core.cli", "train", "--ai-framework", "mindspore",
+                          "--swap-attention"], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 2
+    assert "swap-attention" in out.stderr and "unsupported for mindspore" in out.stderr
+    assert "training" not in out.stdout  # nothing was built
