@@ -25,7 +25,13 @@ def _cmd_features(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="mindspeed features", description="print the feature matrix")
     megatron_args.add_framework_args(parser)
     parser.add_argument("--format", choices=("text", "markdown", "json"), default="text")
+    parser.add_argument("--update-readme", metavar="FILE", default=None,
+                        help="rewrite the table between the feature-matrix markers of FILE")
     args = parser.parse_args(argv)
+    if args.update_readme:
+        features.update_readme(args.update_readme)
+        print(f"updated the feature table in {args.update_readme}")
+        return 0
     framework = runtime.check_name(args.ai_framework) if args.ai_framework else None
     device = args.device
     if device is not None:

@@ -20,17 +20,17 @@ def _ops():
 def rms_norm(x, weight, eps: float = 1e-6):
     ops = _ops()
     xf = ops.cast(x, "float32")
-    y = xf * ops.rsqrt(ops.mean(xf * xf, dim=-1, keepdim=True) + eps)
-    return ops.cast(y, ops.dtype_of(x)) * weight
+    y = ops.mul(xf, ops.rsqrt(ops.mean(xf * xf, dim=-1, keepdim=True) + eps))
+    return ops.mul(ops.cast(y, ops.dtype_of(x)), weight)
 
 
 def layer_norm(x, weight, bias=None, eps: float = 1e-5):
     ops = _ops()
     xf = ops.cast(x, "float32")
-    centred = xf - ops.mean(xf, dim=-1, keepdim=True)
+    centred = ops.sub(xf, ops.mean(xf, dim=-1, keepdim=True))
     var = ops.mean(centred * centred, dim=-1, keepdim=True)
-    y = ops.cast(centred * ops.rsqrt(var + eps), ops.dtype_of(x)) * weight
-    return y if bias is None else y + bias
+    y = ops.mul(ops.cast(ops.mul(centred, ops.rsqrt(var + eps)), ops.dtype_of(x)), weight)
+    return y if bias is None else ops.add(y, bias)
 
 
 def swiglu(x):
@@ -51,7 +51,7 @@ def apply_rotary(x, cos, sin):
     cos, sin = _rope_table(ops, cos, x), _rope_table(ops, sin, x)
     first, second = ops.chunk(x, 2, dim=-1)
     rotated = ops.cat([ops.neg(second), first], dim=-1)
-    return x * cos + rotated * sin
+    return ops.add(ops.mul(x, cos), ops.mul(rotated, sin))
 
 
 def causal_keep_mask(sq: int, sk: int):
@@ -85,13 +85,17 @@ def attention(q, k, v, causal: bool = False, mask=None, dropout_p: float = 0.0, 
         kh = ops.reshape(ops.expand(ops.unsqueeze(kh, 2), (b, hk, rep, sk, d)), (b, hq, sk, d))
         vh = ops.reshape(ops.expand(ops.unsqueeze(vh, 2), (b, hk, rep, sk, v.shape[-1])), (b, hq, sk, v.shape[-1]))
     scores = ops.matmul(ops.cast(qh, "float32"), ops.cast(ops.transpose(kh, -2, -1), "float32")) * scale
+    # every mask becomes one additive bias (0 or -inf, plus any float mask), added once
+    bias = None
     if mask is not None:
-        if ops.dtype_of(mask) == "bool":
-            scores = ops.masked_fill(scores, ops.logical_not(mask), float("-inf"))
-        else:
-            scores = scores + ops.cast(mask, "float32")
+        bias = (ops.where(mask, ops.zeros(mask.shape), ops.full(mask.shape, float("-inf")))
+                if ops.dtype_of(mask) == "bool" else ops.cast(mask, "float32"))
     if causal:
-        scores = ops.masked_fill(scores, ops.logical_not(causal_keep_mask(sq, sk)), float("-inf"))
+        keep = causal_keep_mask(sq, sk)
+        causal_bias = ops.where(keep, ops.zeros((sq, sk)), ops.full((sq, sk), float("-inf")))
+        bias = causal_bias if bias is None else ops.add(bias, causal_bias)
+    if bias is not None:
+        scores = ops.add(scores, bias)
     probs = ops.softmax(scores, dim=-1)
     if dropout_p > 0.0:
         probs = ops.dropout(probs, dropout_p)

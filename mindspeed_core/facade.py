@@ -91,6 +91,7 @@ SPEC = {
         "set_requires_grad": "set_requires_grad(param, flag): freeze or unfreeze",
         "set_training": "set_training(module, mode=True): train / eval mode",
         "assign": "assign(param, value): copy a numpy array or tensor into the parameter, keeping its dtype",
+        "cast_parameters": "cast_parameters(module, dtype): every parameter to dtype, in place (mixed precision)",
         "state_dict": "state_dict(module) -> {dotted name: numpy array}",
         "load_state_dict": "load_state_dict(module, state, strict=True): CheckpointError on missing/unexpected/mis-shaped",
         "init": "init.normal_/uniform_/xavier_uniform_/xavier_normal_/zeros_/ones_/constant_: from the host generator, same weights on both frameworks",

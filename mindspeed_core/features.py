@@ -136,13 +136,13 @@ FEATURES: tuple[Feature, ...] = (
     Feature("o2-bf16-optimizer", "O2 BF16 optimizer (bf16 optimizer states)", "memory", ("--o2-optimizer",),
             planned(), planned(), _on("o2_optimizer")),
     Feature("bf16", "bfloat16 training", "precision", ("--bf16",),
-            planned("the facade computes in bf16; the trainer's mixed precision arrives with it"),
-            planned("arrives with the trainer",
+            supported("bf16 parameters and activations, fp32 master weights, moments and softmax"),
+            planned("not yet run on a MindSpore GPU/Ascend device",
                     cpu=unsupported("MindSpore's CPU MatMul has no bfloat16 kernel", instead="fp32 (drop --bf16)")),
             _on("bf16")),
     Feature("fp16", "float16 training with loss scaling", "precision", ("--fp16",),
-            planned("arrives with the trainer"),
-            planned("arrives with the trainer",
+            supported("fp16 parameters with dynamic loss scaling and fp32 master weights"),
+            planned("not yet run on a MindSpore GPU/Ascend device",
                     cpu=unsupported("MindSpore's CPU MatMul has no float16 kernel", instead="fp32 (drop --fp16)")),
             _on("fp16")),
     # ---- fused operators ------------------------------------------------------------------
@@ -315,3 +315,20 @@ def render_text(framework: str | None = None, device: str | None = None) -> str:
             cells.append((st.on(device).kind if device else _cell(st)).ljust(28))
         lines.append(f"{f.id.ljust(width)}  " + "  ".join(cells))
     return "\n".join(lines) + "\n"
+
+
+README_START, README_END = "<!-- feature-matrix:start -->", "<!-- feature-matrix:end -->"
+
+
+def readme_table(text: str) -> str:
+    if README_START not in text or README_END not in text:
+        raise FeatureNotAvailable(f"the file has no {README_START} ... {README_END} markers")
+    return text.split(README_START, 1)[1].split(README_END, 1)[0]
+
+
+def update_readme(path: str) -> None:
+    with open(path) as fh:
+        text = fh.read()
+    old = readme_table(text)
+    with open(path, "w") as fh:
+        fh.write(text.replace(README_START + old + README_END, README_START + "\n" + render_markdown() + README_END))

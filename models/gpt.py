@@ -118,28 +118,30 @@ class GPTModel(nn.Module):
             self._rope = None
         self._rope_cache = {}
 
-    def _rotary(self, seq_len: int):
+    def _rotary(self, seq_len: int, dtype: str):
         if self._rope is None:
             return None, None
         if seq_len > self.cfg.max_position_embeddings:
             raise ValueError(f"sequence length {seq_len} exceeds max_position_embeddings "
                              f"{self.cfg.max_position_embeddings}")
-        if seq_len not in self._rope_cache:  # device tensors, built once per length
+        if (seq_len, dtype) not in self._rope_cache:  # device tensors, built once per length
             cos, sin = self._rope
-            self._rope_cache[seq_len] = (ops.tensor(cos[:seq_len]), ops.tensor(sin[:seq_len]))
-        return self._rope_cache[seq_len]
+            self._rope_cache[seq_len, dtype] = (ops.tensor(cos[:seq_len], dtype=dtype),
+                                                ops.tensor(sin[:seq_len], dtype=dtype))
+        return self._rope_cache[seq_len, dtype]
 
     def forward(self, ids):
-        """ids [batch, seq] int -> logits [batch, seq, vocab]."""
-        cos, sin = self._rotary(ids.shape[1])
-        x = self.decoder(self.embedding(ids), cos, sin)
+        """ids [batch, seq] int -> logits [batch, seq, vocab], in the parameters' dtype."""
+        x = self.embedding(ids)
+        cos, sin = self._rotary(ids.shape[1], ops.dtype_of(x))
+        x = self.decoder(x, cos, sin)
         weight = (self.output_layer.weight if self.cfg.untie_embeddings_and_output_weights
                   else self.embedding.word_embeddings.weight)
         return ops.linear(x, weight)
 
     def loss(self, ids, labels, loss_mask=None):
         """Mean next-token cross entropy over the positions loss_mask keeps (all if None)."""
-        logits = self(ids)
+        logits = ops.cast(self(ids), "float32")  # the softmax in fp32 whatever the model dtype
         flat = ops.reshape(logits, (-1, self.cfg.vocab_size))
         target = ops.reshape(labels, (-1,))
         if loss_mask is None:

@@ -14,7 +14,6 @@ from mindspeed_core import features
 from mindspeed_core.compat import megatron_args
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-README_START, README_END = "<!-- feature-matrix:start -->", "<!-- feature-matrix:end -->"
 
 # Every row MindSpeed-LLM's feature tables have, by our id; the matrix must keep them all.
 REQUIRED_IDS = {
@@ -121,12 +120,20 @@ def test_cli_json_lists_every_feature_with_its_status():
 
 
 def test_readme_table_is_generated_from_the_matrix():
-    readme = (ROOT / "README.md").read_text()
-    assert README_START in readme and README_END in readme
-    table = readme.split(README_START, 1)[1].split(README_END, 1)[0].strip()
+    table = features.readme_table((ROOT / "README.md").read_text()).strip()
     assert table == features.render_markdown().strip(), (
         "README's feature table drifted from mindspeed_core/features.py; regenerate it with "
-        "`mindspeed features --format markdown`")
+        "`mindspeed features --update-readme README.md`")
+
+
+def test_update_readme_rewrites_only_the_table(tmp_path):
+    page = tmp_path / "README.md"
+    page.write_text("intro\n<!-- feature-matrix:start -->\nold table\n<!-- feature-matrix:end -->\noutro\n")
+    out = _cli("features", "--update-readme", str(page))
+    assert out.returncode == 0, out.stderr
+    text = page.read_text()
+    assert text.startswith("intro\n") and text.endswith("outro\n") and "old table" not in text
+    assert features.readme_table(text).strip() == features.render_markdown().strip()
 
 
 def test_unknown_feature_id_is_a_clear_error():

@@ -131,3 +131,14 @@ def test_frozen_parameters_and_training_mode():
     assert len(grads) == len(trainable)
     nn.set_training(net, False)
     nn.set_training(net, True)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float64"])
+def test_cast_parameters_in_place(dtype):
+    net = Net()
+    before = nn.state_dict(net)
+    nn.cast_parameters(net, dtype)
+    assert {ops.dtype_of(p) for p in nn.parameters(net)} == {dtype}
+    assert [n for n, _ in nn.named_parameters(net)] == EXPECTED_NAMES
+    for name, value in nn.state_dict(net).items():
+        np.testing.assert_allclose(value, before[name], rtol=1e-2, atol=1e-3)

@@ -184,3 +184,42 @@ def test_gate_stops_before_anything_heavy():
     assert out.returncode == 2
     assert "swap-attention" in out.stderr and "unsupported for mindspore" in out.stderr
     assert "training" not in out.stdout  # nothing was built
+
+
+@pytest.mark.feature("bf16")
+def test_bf16_training_where_the_matrix_allows_it(capsys, corpus, tmp_path, framework):
+    from mindspeed_core import device, features
+
+    status = features.get("bf16").status(framework, device.type()).kind
+    ckpt = tmp_path / "ckpt"
+    code, out, err = train(capsys, *SMALL, "--data-path", corpus, "--train-iters", "20", "--bf16", "--save", str(ckpt),
+                           "--metrics-file", str(tmp_path / "m.jsonl"))
+    if status != "supported":
+        assert code == 2 and "bf16" in err and "unsupported" in err
+        return
+    assert code == 0, err
+    got = losses(tmp_path / "m.jsonl")
+    assert got[20] < got[1] - 0.5
+    tensors, _ = io.load(str(ckpt / "iter_0000020" / "model.safetensors"))
+    from mindspeed_core import ops
+
+    assert {ops.dtype_of(t) for t in tensors.values()} == {"bfloat16"}
+    opt, _ = io.load(str(ckpt / "iter_0000020" / "optimizer.safetensors"))
+    assert any(k.startswith("master.") for k in opt) and {ops.dtype_of(t) for t in opt.values()} == {"float32"}
+    code, out, err = train(capsys, *SMALL, "--data-path", corpus, "--train-iters", "22", "--bf16", "--load", str(ckpt))
+    assert code == 0 and "resumed from" in out, err
+
+
+@pytest.mark.feature("fp16")
+def test_fp16_training_with_loss_scaling(capsys, corpus, tmp_path, framework):
+    from mindspeed_core import device, features
+
+    status = features.get("fp16").status(framework, device.type()).kind
+    code, out, err = train(capsys, *SMALL, "--data-path", corpus, "--train-iters", "20", "--fp16",
+                           "--metrics-file", str(tmp_path / "m.jsonl"))
+    if status != "supported":
+        assert code == 2 and "fp16" in err and "unsupported" in err
+        return
+    assert code == 0, err
+    got = losses(tmp_path / "m.jsonl")
+    assert got[20] < got[1] - 0.5

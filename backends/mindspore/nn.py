@@ -69,6 +69,12 @@ def assign(param, value) -> None:
                               dtype=ops.dtype_of(param)))
 
 
+def cast_parameters(module, dtype: str) -> None:
+    """Change every parameter of the module to ``dtype`` in place (mixed-precision training)."""
+    for _, p in module.parameters_and_names():
+        p.set_dtype(ops.DTYPES[dtype])
+
+
 def state_dict(module) -> dict:
     return {name: ops.to_numpy(p) for name, p in module.parameters_and_names()}
 

@@ -103,7 +103,43 @@ def numel(x) -> int:
 
 # ---- elementwise -------------------------------------------------------------------------
 
-add, sub, mul, div = P.add, P.sub, P.mul, P.div
+# MindSpore's CPU elementwise kernels are slow when an operand is broadcast: measured on 2
+# cores, [8,8,256,256] + [256,256] takes 17.7 ms, the same add on two full tensors 1.9 ms,
+# and tiling the small operand 0.6 ms. So a large broadcast operand is tiled first.
+_TILE_ABOVE = 1 << 15
+
+
+def _full(x, shape):
+    if not isinstance(x, ms.Tensor) or tuple(x.shape) == tuple(shape) or int(np.prod(shape)) < _TILE_ABOVE:
+        return x
+    lead = (1,) * (len(shape) - x.ndim)
+    x = P.reshape(x, lead + tuple(x.shape))
+    return P.tile(x, tuple(t // s for t, s in zip(shape, x.shape)))
+
+
+def _broadcast_pair(a, b):
+    if not (isinstance(a, ms.Tensor) and isinstance(b, ms.Tensor)) or tuple(a.shape) == tuple(b.shape):
+        return a, b
+    shape = np.broadcast_shapes(tuple(a.shape), tuple(b.shape))
+    return _full(a, shape), _full(b, shape)
+
+
+def add(a, b):
+    return P.add(*_broadcast_pair(a, b))
+
+
+def sub(a, b):
+    return P.sub(*_broadcast_pair(a, b))
+
+
+def mul(a, b):
+    return P.mul(*_broadcast_pair(a, b))
+
+
+def div(a, b):
+    return P.div(*_broadcast_pair(a, b))
+
+
 neg, exp, log, sqrt, rsqrt, abs = P.neg, P.exp, P.log, P.sqrt, P.rsqrt, P.abs
 pow, tanh, sigmoid, sin, cos = P.pow, P.tanh, P.sigmoid, P.sin, P.cos
 maximum, minimum = P.maximum, P.minimum
@@ -156,8 +192,17 @@ def logsumexp(x, dim=-1, keepdim=False):
 matmul, bmm = P.matmul, P.bmm
 
 
+_matmul_nt = P.MatMul(transpose_b=True)
+
+
 def linear(x, weight, bias=None):
-    return P.dense(x, weight, bias)
+    # A 2-D MatMul with transpose_b is the fastest CPU path: measured on 2 cores for
+    # [2048,256] x [704,256]^T, 1.8 ms against 3.3 ms for ops.dense and 2.7 ms for a
+    # batched matmul with weight.T.
+    out = _matmul_nt(P.reshape(x, (-1, x.shape[-1])), weight)
+    if bias is not None:
+        out = out + bias
+    return P.reshape(out, tuple(x.shape[:-1]) + (weight.shape[0],))
 
 
 # ---- indexing ----------------------------------------------------------------------------
@@ -175,10 +220,13 @@ def index_select(x, dim, index):
 
 
 def masked_fill(x, mask, value):
-    return P.masked_fill(x, mask, ms.Tensor(value, x.dtype))
+    return P.masked_fill(x, _full(mask, x.shape), ms.Tensor(value, x.dtype))
 
 
 def where(cond, a, b):
+    if isinstance(a, ms.Tensor) and isinstance(b, ms.Tensor):
+        shape = np.broadcast_shapes(tuple(cond.shape), tuple(a.shape), tuple(b.shape))
+        cond, a, b = _full(cond, shape), _full(a, shape), _full(b, shape)
     return P.where(cond, a, b)
 
 

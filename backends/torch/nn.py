@@ -56,6 +56,11 @@ def assign(param, value) -> None:
         param.copy_(src.to(dtype=param.dtype, device=param.device))
 
 
+def cast_parameters(module, dtype: str) -> None:
+    """Change every parameter of the module to ``dtype`` in place (mixed-precision training)."""
+    module.to(ops.DTYPES[dtype])
+
+
 def state_dict(module) -> dict:
     """Parameters by dotted name, as numpy arrays (bfloat16 widened to float32, exactly)."""
     return {name: ops.to_numpy(p) for name, p in module.named_parameters()}

@@ -111,6 +111,16 @@ class Trainer:
         if args.seq_length > self.cfg.max_position_embeddings:
             raise MindSpeedError(f"--seq-length {args.seq_length} exceeds the model's max_position_embeddings "
                                  f"{self.cfg.max_position_embeddings}")
+        if args.bf16 and args.fp16:
+            raise MindSpeedError("--bf16 and --fp16 exclude each other")
+        self.dtype = "bfloat16" if args.bf16 else "float16" if args.fp16 else "float32"
+        if not device.supports_dtype(self.dtype):
+            raise MindSpeedError(f"{self.dtype} training is not available on {runtime.bound().NAME} "
+                                 f"({device.current()}); drop --bf16/--fp16")
+        # fp16 needs dynamic loss scaling (Megatron's defaults: start at 2**16 here, halve on
+        # overflow and skip the step, double after 1000 clean steps); bf16 and fp32 do not.
+        self.loss_scale = 2.0 ** 16 if args.fp16 else 1.0
+        self._clean_steps = 0
         self.grad_accum = args.global_batch_size // args.micro_batch_size
         self.tokens_per_step = args.global_batch_size * args.seq_length
 
@@ -139,6 +149,8 @@ class Trainer:
             from mindspeed_core.compat import hf
 
             nn.load_state_dict(self.model, hf.load_folder(args.load_hf)[1])
+        if self.dtype != "float32":
+            nn.cast_parameters(self.model, self.dtype)  # the optimizer keeps fp32 masters
         self.params = nn.parameters(self.model)
         self.optimizer = AdamW(nn.named_parameters(self.model), args.lr, args.weight_decay,
                                (args.adam_beta1, args.adam_beta2), args.adam_eps)
@@ -148,7 +160,8 @@ class Trainer:
             self._resume(args.load)
 
     def _loss(self, ids, labels):
-        return self.model.loss(ids, labels)
+        loss = self.model.loss(ids, labels)
+        return loss * self.loss_scale if self.loss_scale != 1.0 else loss
 
     def _resume(self, root: str) -> None:
         it = checkpoint.latest_iteration(root)
@@ -180,11 +193,16 @@ class Trainer:
         for k in range(self.grad_accum):
             ids, labels = self._batch("train", first + k * args.micro_batch_size, args.micro_batch_size)
             loss, g = self.grad_fn(ids, labels)
-            total_loss += float(ops.to_numpy(loss))
+            total_loss += float(ops.to_numpy(loss)) / self.loss_scale
+            g = [ops.cast(x, "float32") for x in g] if self.dtype != "float32" else g
             grads = g if grads is None else [a + b for a, b in zip(grads, g)]
-        if self.grad_accum > 1:
-            grads = [g / self.grad_accum for g in grads]
+        if self.grad_accum > 1 or self.loss_scale != 1.0:
+            grads = [g / (self.grad_accum * self.loss_scale) for g in grads]
         loss = total_loss / self.grad_accum
+        if self.loss_scale != 1.0 and not self._grads_finite(grads, loss):
+            self.loss_scale /= 2.0  # overflow: skip this step with a smaller scale
+            self._clean_steps = 0
+            return loss, lr, float("nan")
         if not math.isfinite(loss):
             raise MindSpeedError(f"the loss became {loss} at iteration {iteration + 1}; stopping without saving "
                                  f"(the last checkpoint on disk is intact); lower --lr or check the data")
@@ -193,7 +211,17 @@ class Trainer:
             raise MindSpeedError(f"the gradient norm became {norm} at iteration {iteration + 1}; stopping without "
                                  f"saving (the last checkpoint on disk is intact); lower --lr or check the data")
         self.optimizer.step(grads, lr)
+        if self.loss_scale != 1.0:
+            self._clean_steps += 1
+            if self._clean_steps % 1000 == 0:
+                self.loss_scale *= 2.0
         return loss, lr, norm
+
+    def _grads_finite(self, grads, loss: float) -> bool:
+        if not math.isfinite(loss):
+            return False
+        total = ops.sum(ops.stack([ops.sum(g * g) for g in grads]))
+        return math.isfinite(float(ops.to_numpy(total)))
 
     def evaluate(self) -> float:
         args = self.args
