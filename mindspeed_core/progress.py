@@ -13,8 +13,9 @@ class Progress:
         self.stream = stream or sys.stderr
         self.n = 0
         self.start = self._last = time.perf_counter()
-        self.min_interval = min_interval
         self.tty = getattr(self.stream, "isatty", lambda: False)()
+        # redrawn in place on a terminal; into a log file a line every 10 s is plenty
+        self.min_interval = min_interval if self.tty else max(min_interval, 10.0)
         self.postfix = ""
 
     def update(self, n: int = 1, postfix: str | None = None) -> None:

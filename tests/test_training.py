@@ -223,3 +223,13 @@ def test_fp16_training_with_loss_scaling(capsys, corpus, tmp_path, framework):
     assert code == 0, err
     got = losses(tmp_path / "m.jsonl")
     assert got[20] < got[1] - 0.5
+
+
+def test_megatron_entry_script_dry_run(corpus):
+    import pathlib
+
+    script = pathlib.Path(__file__).resolve().parents[1] / "tools" / "pretrain_gpt.py"
+    out = subprocess.run([sys.executable, str(script), *SMALL, "--data-path", corpus, "--dry-run"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["seq_length"] == 32
