@@ -5,6 +5,7 @@
     mindspeed info [--ai-framework X] [--device D] [--measure]
     mindspeed train [--ai-framework X] <Megatron-style training flags ...>
     mindspeed preprocess --input FILE --output-prefix PREFIX [--tokenizer-type ...]
+    mindspeed launch --nproc-per-node N [--nnodes --node-rank --master-addr --master-port] -- <train flags>
 
 ``--ai-framework`` is read before anything else so that the facade is bound before model
 code is imported. Errors the user can act on print one line and exit with status 2.
@@ -102,9 +103,13 @@ def _cmd_train(argv: list[str]) -> int:
 
     trainer = Trainer(args)
     if args.dry_run:
-        print(json.dumps(trainer.describe(), indent=2))
+        if trainer.ps.rank == 0:
+            print(json.dumps(trainer.describe(), indent=2))
         return 0
-    trainer.run()
+    try:
+        trainer.run()
+    finally:
+        backend.dist.shutdown()
     return 0
 
 
@@ -118,8 +123,55 @@ def _cmd_preprocess(argv: list[str]) -> int:
     return 0
 
 
+def launch_command(args, train_argv: list[str], framework: str) -> tuple[list[str], dict]:
+    """The torchrun or msrun command line (and environment) that runs `train` on every rank."""
+    import os
+
+    env = dict(os.environ, MINDSPEED_AI_FRAMEWORK=framework)
+    # msrun starts its workers with the "python" on PATH: make it this interpreter
+    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
+    if framework == "pytorch":
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.nproc_per_node}",
+               f"--nnodes={args.nnodes}", f"--node-rank={args.node_rank}", f"--master-addr={args.master_addr}",
+               f"--master-port={args.master_port}", "-m", "mindspeed_core.cli", "train", *train_argv]
+    else:
+        msrun = os.path.join(os.path.dirname(sys.executable), "msrun")
+        cmd = [msrun if os.path.exists(msrun) else "msrun", f"--worker_num={args.nproc_per_node * args.nnodes}",
+               f"--local_worker_num={args.nproc_per_node}", f"--master_addr={args.master_addr}",
+               f"--master_port={args.master_port}", f"--node_rank={args.node_rank}", "--join=True",
+               f"--log_dir={args.log_dir}", os.path.abspath(__file__), "train", *train_argv]
+    return cmd, env
+
+
+def _cmd_launch(argv: list[str]) -> int:
+    import subprocess
+
+    if "--" in argv:
+        cut = argv.index("--")
+        own, train_argv = argv[:cut], argv[cut + 1:]
+    else:
+        own, train_argv = argv, []
+    parser = argparse.ArgumentParser(prog="mindspeed launch", description="run `mindspeed train` on several ranks "
+                                     "with torchrun (pytorch) or msrun (mindspore)")
+    parser.add_argument("--nproc-per-node", type=int, required=True)
+    parser.add_argument("--nnodes", type=int, default=1)
+    parser.add_argument("--node-rank", type=int, default=0)
+    parser.add_argument("--master-addr", default="127.0.0.1")
+    parser.add_argument("--master-port", type=int, default=29500)
+    parser.add_argument("--log-dir", default="msrun_log", help="msrun's per-worker logs")
+    parser.add_argument("--print-command", action="store_true", help="show the launcher command and exit")
+    args = parser.parse_args(own)
+    flag, _ = runtime.framework_flag(train_argv)
+    framework = runtime.resolve(flag)
+    cmd, env = launch_command(args, train_argv, framework)
+    if args.print_command:
+        print(" ".join(cmd))
+        return 0
+    return subprocess.call(cmd, env=env)
+
+
 COMMANDS = {"features": _cmd_features, "check-args": _cmd_check_args, "info": _cmd_info, "train": _cmd_train,
-            "preprocess": _cmd_preprocess}
+            "preprocess": _cmd_preprocess, "launch": _cmd_launch}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -90,14 +90,18 @@ _NPU_ONLY = "fuses matmul with communication in Ascend kernels; NPU only"
 
 FEATURES: tuple[Feature, ...] = (
     # ---- parallelism --------------------------------------------------------------------
+    Feature("data-parallel", "Data parallelism (gradients averaged over ranks in buckets)", "parallelism", (),
+            supported("torchrun + gloo/nccl/hccl"), supported("msrun + mccl/nccl/hccl; CPU collectives emulated")),
     Feature("tensor-parallel", "Tensor parallelism", "parallelism", ("--tensor-model-parallel-size",),
-            planned(_TP_ISSUE), planned(_TP_ISSUE), _gt1("tensor_model_parallel_size")),
+            supported("column/row-parallel linears, vocab-parallel embedding and loss"),
+            supported("as on PyTorch; CPU collectives emulated"), _gt1("tensor_model_parallel_size")),
     Feature("pipeline-parallel", "Pipeline parallelism (1F1B)", "parallelism", ("--pipeline-model-parallel-size",),
             planned(), planned(), _gt1("pipeline_model_parallel_size")),
     Feature("virtual-pipeline", "Virtual (interleaved) pipeline", "parallelism", ("--num-layers-per-virtual-pipeline-stage",),
             planned(), planned(), lambda a: a.num_layers_per_virtual_pipeline_stage is not None),
     Feature("sequence-parallel", "Sequence parallelism", "parallelism", ("--sequence-parallel",),
-            planned(_TP_ISSUE), planned(_TP_ISSUE), _on("sequence_parallel")),
+            supported("all-gather / reduce-scatter along the sequence around TP regions"),
+            supported("as on PyTorch; CPU collectives emulated"), _on("sequence_parallel")),
     Feature("noop-layers", "No-op layers for uneven pipeline splits", "parallelism", ("--noop-layers",),
             planned(), planned(), lambda a: a.noop_layers is not None),
     Feature("ring-attention-cp", "Context parallel: ring attention", "parallelism",

@@ -28,12 +28,14 @@ class SelfAttention(nn.Module):
         if cfg.qk_layernorm:
             self.q_layernorm = make_norm(cfg.normalization, cfg.kv_channels, cfg.norm_epsilon)
             self.k_layernorm = make_norm(cfg.normalization, cfg.kv_channels, cfg.norm_epsilon)
+        self.num_groups = cfg.num_query_groups  # on this rank: tensor parallelism divides it
 
     def forward(self, x, cos, sin):
         cfg = self.cfg
-        b, s = x.shape[0], x.shape[1]
-        groups, per_group, d = cfg.num_query_groups, cfg.num_attention_heads // cfg.num_query_groups, cfg.kv_channels
-        qkv = ops.reshape(self.linear_qkv(x), (b, s, groups, per_group + 2, d))
+        groups, per_group, d = self.num_groups, cfg.num_attention_heads // cfg.num_query_groups, cfg.kv_channels
+        qkv = self.linear_qkv(x)
+        b, s = qkv.shape[0], qkv.shape[1]  # the full sequence, also under sequence parallelism
+        qkv = ops.reshape(qkv, (b, s, groups, per_group + 2, d))
         q, k, v = ops.split(qkv, [per_group, 1, 1], dim=3)
         q = ops.reshape(q, (b, s, groups * per_group, d))
         k, v = ops.squeeze(k, 3), ops.squeeze(v, 3)
@@ -131,21 +133,38 @@ class GPTModel(nn.Module):
         return self._rope_cache[seq_len, dtype]
 
     def forward(self, ids):
-        """ids [batch, seq] int -> logits [batch, seq, vocab], in the parameters' dtype."""
+        """ids [batch, seq] int -> logits [batch, seq, vocab], in the parameters' dtype.
+
+        Under tensor parallelism the logits are this rank's vocabulary shard (see
+        mindspeed_core.parallel.layers, which also swaps in the vocab-parallel loss)."""
         x = self.embedding(ids)
         cos, sin = self._rotary(ids.shape[1], ops.dtype_of(x))
-        x = self.decoder(x, cos, sin)
+        x = self.decoder(self.decoder_input(x), cos, sin)
         weight = (self.output_layer.weight if self.cfg.untie_embeddings_and_output_weights
                   else self.embedding.word_embeddings.weight)
-        return ops.linear(x, weight)
+        return ops.linear(self.output_input(x), weight)
+
+    @staticmethod
+    def decoder_input(x):
+        """What the first layer sees (sequence parallelism keeps this rank's slice)."""
+        return x
+
+    @staticmethod
+    def output_input(x):
+        """What the output layer sees (parallelisation replaces this: gather, copy)."""
+        return x
+
+    @staticmethod
+    def token_losses(logits, labels):
+        """Per-token cross entropy [N] from logits [N, vocab] (replaced under TP)."""
+        return ops.cross_entropy(logits, labels, reduction="none")
 
     def loss(self, ids, labels, loss_mask=None):
         """Mean next-token cross entropy over the positions loss_mask keeps (all if None)."""
         logits = ops.cast(self(ids), "float32")  # the softmax in fp32 whatever the model dtype
-        flat = ops.reshape(logits, (-1, self.cfg.vocab_size))
-        target = ops.reshape(labels, (-1,))
+        flat = ops.reshape(logits, (-1, logits.shape[-1]))
+        per_token = self.token_losses(flat, ops.reshape(labels, (-1,)))
         if loss_mask is None:
-            return ops.cross_entropy(flat, target)
-        per_token = ops.cross_entropy(flat, target, reduction="none")
+            return ops.mean(per_token)
         mask = ops.cast(ops.reshape(loss_mask, (-1,)), "float32")
         return ops.sum(per_token * mask) / ops.maximum(ops.sum(mask), ops.full((), 1.0))

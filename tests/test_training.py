@@ -119,7 +119,7 @@ def test_interrupted_save_keeps_the_previous_checkpoint(capsys, corpus, tmp_path
 
     ckpt = tmp_path / "ckpt"
     assert train(capsys, *SMALL, "--data-path", corpus, "--train-iters", "2", "--save", str(ckpt))[0] == 0
-    real_save = io.save
+    real_save = checkpoint.tensor_files.save
     calls = []
 
     def dying_save(path, *a, **k):
@@ -128,7 +128,7 @@ def test_interrupted_save_keeps_the_previous_checkpoint(capsys, corpus, tmp_path
             raise KeyboardInterrupt  # killed half-way through writing the next checkpoint
         return real_save(path, *a, **k)
 
-    monkeypatch.setattr(checkpoint.io, "save", dying_save)
+    monkeypatch.setattr(checkpoint.tensor_files, "save", dying_save)
     with pytest.raises(KeyboardInterrupt):
         train(capsys, *SMALL, "--data-path", corpus, "--train-iters", "4", "--load", str(ckpt), "--save", str(ckpt))
     monkeypatch.undo()

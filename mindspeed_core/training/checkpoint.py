@@ -7,7 +7,8 @@
 
 A checkpoint is written into a temporary folder and renamed into place, and the tracker
 file is replaced last, so an interrupted save leaves the previous checkpoint as it was.
-Safetensors carry no framework, so a run saved on PyTorch resumes on MindSpore.
+Safetensors carry no framework, so a run saved on PyTorch resumes on MindSpore. Values are
+always full (unsharded), so a checkpoint saved at one parallel layout loads at any other.
 """
 
 from __future__ import annotations
@@ -16,7 +17,10 @@ import json
 import os
 import shutil
 
-from mindspeed_core import io, nn, ops
+import numpy as np
+
+from mindspeed_core import tensor_files
+from mindspeed_core.backends.common import float32_to_bf16_bits
 from mindspeed_core.errors import CheckpointError
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -26,14 +30,22 @@ def iteration_dir(root: str, iteration: int) -> str:
     return os.path.join(root, f"iter_{iteration:07d}")
 
 
-def save(root: str, iteration: int, model, optimizer, meta: dict) -> str:
+def _host(arrays: dict, dtypes: dict) -> dict:
+    return {k: tensor_files.HostTensor(float32_to_bf16_bits(v), "bfloat16") if dtypes.get(k) == "bfloat16"
+            else tensor_files.HostTensor(v, dtypes.get(k)) for k, v in arrays.items()}
+
+
+def save(root: str, iteration: int, model_arrays: dict, optimizer_arrays: dict, steps: int, meta: dict,
+         dtypes: dict | None = None) -> str:
+    """Write full numpy state; ``dtypes`` names parameters kept in bfloat16."""
     os.makedirs(root, exist_ok=True)
     final = iteration_dir(root, iteration)
     tmp = f"{final}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
-    io.save(os.path.join(tmp, "model.safetensors"), dict(nn.named_parameters(model)), {"iteration": iteration})
-    io.save(os.path.join(tmp, "optimizer.safetensors"), optimizer.state(), {"steps": optimizer.steps})
+    model_arrays = {k: v.astype(np.float16) if (dtypes or {}).get(k) == "float16" else v for k, v in model_arrays.items()}
+    tensor_files.save(os.path.join(tmp, "model.safetensors"), _host(model_arrays, dtypes or {}), {"iteration": iteration})
+    tensor_files.save(os.path.join(tmp, "optimizer.safetensors"), _host(optimizer_arrays, {}), {"steps": steps})
     with open(os.path.join(tmp, "meta.json"), "w") as fh:
         json.dump({**meta, "iteration": iteration}, fh, indent=2, sort_keys=True)
     if os.path.exists(final):
@@ -69,13 +81,15 @@ def read_meta(root: str, iteration: int) -> dict:
         raise CheckpointError(f"checkpoint {path} is corrupt (not JSON)") from None
 
 
-def load(root: str, iteration: int, model, optimizer) -> dict:
-    """Load parameters and optimizer state; returns the checkpoint's meta.json."""
+def _arrays(path: str) -> tuple[dict, dict | None]:
+    host, meta = tensor_files.load(path)
+    return {k: (t.array.astype(np.uint32) << 16).view(np.float32) if t.dtype == "bfloat16"
+            else t.array.astype(np.float32) for k, t in host.items()}, meta
+
+
+def load(root: str, iteration: int) -> tuple[dict, dict, int]:
+    """Full float32 arrays of the model and the optimizer, and the optimizer's step count."""
     folder = iteration_dir(root, iteration)
-    meta = read_meta(root, iteration)
-    tensors, _ = io.load(os.path.join(folder, "model.safetensors"))
-    nn.load_state_dict(model, {k: ops.to_numpy(v) for k, v in tensors.items()})
-    if optimizer is not None:
-        opt, opt_meta = io.load(os.path.join(folder, "optimizer.safetensors"))
-        optimizer.load_state(opt, int((opt_meta or {}).get("steps", iteration)))
-    return meta
+    model, _ = _arrays(os.path.join(folder, "model.safetensors"))
+    optimizer, opt_meta = _arrays(os.path.join(folder, "optimizer.safetensors"))
+    return model, optimizer, int((opt_meta or {}).get("steps", iteration))

@@ -17,15 +17,17 @@ import time
 
 import numpy as np
 
-from mindspeed_core import autograd, device, nn, ops, random, runtime
+from mindspeed_core import autograd, device, dist, nn, ops, random, runtime
 from mindspeed_core.data import gpt_dataset
 from mindspeed_core.data.tokenizer import build_tokenizer, padded_vocab_size
 from mindspeed_core.errors import CheckpointError, MindSpeedError
 from mindspeed_core.models.config import PRESETS, ModelConfig
 from mindspeed_core.models.gpt import GPTModel
 from mindspeed_core.progress import Progress
-from mindspeed_core.training import checkpoint
-from mindspeed_core.training.optimizer import AdamW, clip_grad_norm, learning_rate
+from mindspeed_core.parallel import layers as parallel_layers
+from mindspeed_core.parallel import state as parallel_state
+from mindspeed_core.training import checkpoint, distributed
+from mindspeed_core.training.optimizer import AdamW, learning_rate
 
 # What `mindspeed train` does with no data flags: a small LLaMA on the standard library's
 # source, byte-level tokens, sized to about three minutes on two CPU cores: 1500 steps under
@@ -126,7 +128,13 @@ class Trainer:
         # overflow and skip the step, double after 1000 clean steps); bf16 and fp32 do not.
         self.loss_scale = 2.0 ** 16 if args.fp16 else 1.0
         self._clean_steps = 0
-        self.grad_accum = args.global_batch_size // args.micro_batch_size
+        dist.init()
+        self.ps = parallel_state.initialize(tp=args.tensor_model_parallel_size)
+        per_rank = args.global_batch_size // self.ps.dp
+        if args.global_batch_size % (args.micro_batch_size * self.ps.dp):
+            raise MindSpeedError(f"--global-batch-size {args.global_batch_size} is not a multiple of "
+                                 f"--micro-batch-size x data-parallel size ({args.micro_batch_size} x {self.ps.dp})")
+        self.grad_accum = per_rank // args.micro_batch_size
         self.tokens_per_step = args.global_batch_size * args.seq_length
 
     # -- set-up ------------------------------------------------------------------------------
@@ -149,41 +157,58 @@ class Trainer:
         if args.eval_iters and args.eval_interval and self.data["valid"] is None:
             raise MindSpeedError("the validation split is empty: give --split a larger second part or use --eval-iters 0")
         random.seed(args.seed)
+        # The full model is built (and loaded) on every rank, then cut for this rank: a
+        # parallel run starts from exactly the single-process weights.
         self.model = GPTModel(self.cfg)
         if args.load_hf:
             from mindspeed_core.compat import hf
 
             nn.load_state_dict(self.model, hf.load_folder(args.load_hf)[1])
+        self.iteration, saved_optimizer = 0, None
+        if args.load:
+            saved_optimizer = self._resume_model(args.load)
+        self.spec = parallel_layers.parallelize(self.model, self.ps, args.sequence_parallel)
         if self.dtype != "float32":
             nn.cast_parameters(self.model, self.dtype)  # the optimizer keeps fp32 masters
-        self.params = nn.parameters(self.model)
-        self.optimizer = AdamW(nn.named_parameters(self.model), args.lr, args.weight_decay,
-                               (args.adam_beta1, args.adam_beta2), args.adam_eps)
+        named = nn.named_parameters(self.model)
+        self.params = [p for _, p in named]
+        self.sharded = [n in self.spec for n, _ in named]
+        partial = set(parallel_layers.sequence_parallel_partial(self.model, self.spec)) if args.sequence_parallel else ()
+        self.partial = [i for i, (n, _) in enumerate(named) if n in partial]
+        self.optimizer = AdamW(named, args.lr, args.weight_decay, (args.adam_beta1, args.adam_beta2), args.adam_eps)
+        if saved_optimizer is not None:
+            arrays, steps = saved_optimizer
+            local = {k: ops.tensor(distributed.local_array(k.split(".", 1)[1], v, self.spec, self.ps))
+                     for k, v in arrays.items()}
+            self.optimizer.load_state(local, steps)
         self.grad_fn = autograd.value_and_grad(self._loss, self.params)
-        self.iteration = 0
-        if args.load:
-            self._resume(args.load)
 
     def _loss(self, ids, labels):
         loss = self.model.loss(ids, labels)
         return loss * self.loss_scale if self.loss_scale != 1.0 else loss
 
-    def _resume(self, root: str) -> None:
+    def _resume_model(self, root: str):
+        """Load the full model from the newest checkpoint; returns its optimizer arrays."""
         it = checkpoint.latest_iteration(root)
         if it is None:
             self.say(f"no checkpoint in {root} yet: starting from scratch")
-            return
+            return None
         meta = checkpoint.read_meta(root, it)
         if meta.get("model") != self.cfg.to_dict():
             raise CheckpointError(f"the checkpoint in {root} (iteration {it}) was saved for a different model "
                                   f"configuration; pass the same model flags as when it was saved")
-        checkpoint.load(root, it, self.model, self.optimizer)
+        model_arrays, optimizer_arrays, steps = checkpoint.load(root, it)
+        nn.load_state_dict(self.model, model_arrays)
         self.iteration = it
-        self.say(f"resumed from {checkpoint.iteration_dir(root, it)} (saved on {meta.get('framework')})")
+        layout = meta.get("parallel", {})
+        self.say(f"resumed from {checkpoint.iteration_dir(root, it)} (saved on {meta.get('framework')}, "
+                 f"TP={layout.get('tp', 1)} DP={layout.get('dp', 1)})")
+        return optimizer_arrays, steps
 
     # -- the loop ----------------------------------------------------------------------------
     def say(self, text: str) -> None:
-        print(text, file=self._out or sys.stdout, flush=True)
+        if self.ps.rank == 0:
+            print(text, file=self._out or sys.stdout, flush=True)
 
     def _batch(self, split: str, start: int, size: int):
         tokens = gpt_dataset.batch(self.data[split], start, size)
@@ -193,7 +218,8 @@ class Trainer:
         args = self.args
         lr = learning_rate(iteration, args.lr, args.min_lr, args.lr_warmup_iters, args.lr_decay_iters,
                            args.lr_decay_style)
-        first = iteration * args.global_batch_size
+        # this data-parallel rank's share of the global batch
+        first = iteration * args.global_batch_size + self.ps.local_rank("dp") * self.grad_accum * args.micro_batch_size
         total_loss, grads = 0.0, None
         for k in range(self.grad_accum):
             ids, labels = self._batch("train", first + k * args.micro_batch_size, args.micro_batch_size)
@@ -203,7 +229,10 @@ class Trainer:
             grads = g if grads is None else [a + b for a, b in zip(grads, g)]
         if self.grad_accum > 1 or self.loss_scale != 1.0:
             grads = [g / (self.grad_accum * self.loss_scale) for g in grads]
+        grads = distributed.reduce_gradients(grads, self.ps, self.partial)
         loss = total_loss / self.grad_accum
+        if self.ps.dp > 1:
+            loss = float(ops.to_numpy(dist.all_reduce(ops.tensor([loss]), group=self.ps.group("dp")))[0]) / self.ps.dp
         if self.loss_scale != 1.0 and not self._grads_finite(grads, loss):
             self.loss_scale /= 2.0  # overflow: skip this step with a smaller scale
             self._clean_steps = 0
@@ -211,7 +240,7 @@ class Trainer:
         if not math.isfinite(loss):
             raise MindSpeedError(f"the loss became {loss} at iteration {iteration + 1}; stopping without saving "
                                  f"(the last checkpoint on disk is intact); lower --lr or check the data")
-        grads, norm = clip_grad_norm(grads, args.clip_grad)
+        grads, norm = distributed.clip(grads, self.sharded, self.ps, args.clip_grad)
         if not math.isfinite(norm):
             raise MindSpeedError(f"the gradient norm became {norm} at iteration {iteration + 1}; stopping without "
                                  f"saving (the last checkpoint on disk is intact); lower --lr or check the data")
@@ -225,8 +254,7 @@ class Trainer:
     def _grads_finite(self, grads, loss: float) -> bool:
         if not math.isfinite(loss):
             return False
-        total = ops.sum(ops.stack([ops.sum(g * g) for g in grads]))
-        return math.isfinite(float(ops.to_numpy(total)))
+        return math.isfinite(distributed.grad_norm_squared(grads, self.sharded, self.ps))
 
     def evaluate(self) -> float:
         args = self.args
@@ -249,10 +277,19 @@ class Trainer:
         if bad is not None:  # never let a diverged model overwrite the last good checkpoint
             raise MindSpeedError(f"parameter {bad} is no longer finite at iteration {self.iteration}; not saving "
                                  f"(the last checkpoint on disk is intact); lower --lr or check the data")
-        meta = {"framework": runtime.bound().NAME, "model": self.cfg.to_dict(),
-                "tokenizer": self.tokenizer.name, "consumed_samples": self.iteration * self.args.global_batch_size}
-        path = checkpoint.save(self.args.save, self.iteration, self.model, self.optimizer, meta)
-        self.say(f"saved checkpoint {path}")
+        meta = {"framework": runtime.bound().NAME, "model": self.cfg.to_dict(), "tokenizer": self.tokenizer.name,
+                "consumed_samples": self.iteration * self.args.global_batch_size,
+                "parallel": {"tp": self.ps.tp, "dp": self.ps.dp, "sequence_parallel": bool(self.args.sequence_parallel)}}
+        named = dict(nn.named_parameters(self.model))
+        model_arrays = distributed.full_tensors(named, self.spec, self.ps)  # collective: every rank
+        opt = self.optimizer.state()
+        opt_spec = {k: self.spec[k.split(".", 1)[1]] for k in opt if k.split(".", 1)[1] in self.spec}
+        optimizer_arrays = distributed.full_tensors(opt, opt_spec, self.ps)
+        if self.ps.rank == 0:
+            path = checkpoint.save(self.args.save, self.iteration, model_arrays, optimizer_arrays, self.optimizer.steps,
+                                   meta, {n: ops.dtype_of(p) for n, p in named.items()})
+            self.say(f"saved checkpoint {path}")
+        dist.barrier()
 
     def run(self) -> dict:
         args = self.args
@@ -260,13 +297,15 @@ class Trainer:
         peak = device.matmul_rate(n=512, min_seconds=0.3)
         flops_per_token = self.cfg.flops_per_token(args.seq_length)
         metrics_path = args.metrics_file or (os.path.join(args.save, "metrics.jsonl") if args.save else None)
+        if self.ps.rank != 0:
+            metrics_path = None  # one writer
         if metrics_path:
             os.makedirs(os.path.dirname(os.path.abspath(metrics_path)), exist_ok=True)
         metrics = open(metrics_path, "a") if metrics_path else None
         self.say(f"training {self.cfg.num_parameters() / 1e6:.2f}M parameters on {runtime.bound().NAME} "
                  f"({device.current()}), {args.train_iters} iterations of {self.tokens_per_step} tokens; "
                  f"measured matmul peak {peak / 1e9:.1f} GFLOP/s")
-        progress = None if args.no_progress else Progress(args.train_iters, "train", min_interval=1.0)
+        progress = None if args.no_progress or self.ps.rank else Progress(args.train_iters, "train", min_interval=1.0)
         if progress:
             progress.n = self.iteration
         history, window_start, window_tokens = [], time.perf_counter(), 0
@@ -282,8 +321,9 @@ class Trainer:
                     elapsed = time.perf_counter() - window_start
                     tps = window_tokens / elapsed
                     tflops = tps * flops_per_token / 1e12
+                    # MFU per device: the job's FLOP rate over the sum of the devices' peaks
                     record = {"iteration": self.iteration, "loss": loss, "lr": lr, "grad_norm": norm,
-                              "tokens_per_s": tps, "tflops": tflops, "mfu": tps * flops_per_token / peak}
+                              "tokens_per_s": tps, "tflops": tflops, "mfu": tps * flops_per_token / (peak * self.ps.world)}
                     self.say(f" iteration {self.iteration:6d}/{args.train_iters} | lm loss {loss:.4f} | lr {lr:.3e} | "
                              f"grad norm {norm:.3f} | tokens/s {tps:,.0f} | TFLOP/s {tflops:.3f} | "
                              f"MFU {100 * record['mfu']:.1f}%")
@@ -312,7 +352,9 @@ class Trainer:
         if args.save and (not args.save_interval or self.iteration % args.save_interval) and history:
             self.save()
         result = {"iterations": self.iteration, "losses": history}
-        if args.sample_tokens:
+        if args.sample_tokens and self.ps.tp > 1:
+            self.say("(no text sample under tensor parallelism yet: the logits are sharded)")
+        elif args.sample_tokens:
             from mindspeed_core.models.generate import generate
 
             prompt = "def "

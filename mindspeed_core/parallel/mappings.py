@@ -1,0 +1,89 @@
+"""Differentiable collectives for tensor and sequence parallelism (Megatron's mappings).
+
+Each is a facade autograd.Function whose backward is the collective's adjoint:
+
+    copy_to_region          forward identity          backward all-reduce
+    reduce_from_region      forward all-reduce        backward identity
+    gather_from_region      forward all-gather (dim)  backward keep own slice
+    scatter_to_region       forward keep own slice    backward all-gather (dim)
+    gather_from_sequence    forward all-gather dim 0  backward reduce-scatter dim 0
+    reduce_scatter_to_sequence  forward reduce-scatter dim 0, backward all-gather dim 0
+
+With a group of one rank they all reduce to the identity, so a model built for TP = 1 pays
+nothing.
+"""
+
+from __future__ import annotations
+
+from mindspeed_core import autograd, dist, ops
+
+
+def _size(group) -> int:
+    return dist.world_size(group) if group is not None else 1
+
+
+def _own_slice(x, group, dim):
+    n = _size(group)
+    return ops.chunk(x, n, dim=dim)[dist.rank(group)]
+
+
+# kind -> (forward, backward), each (tensor, group, dim) -> tensor
+_KINDS = {
+    "copy": (lambda x, g, d: x * 1, lambda dy, g, d: dist.all_reduce(dy, group=g)),
+    "reduce": (lambda x, g, d: dist.all_reduce(x, group=g), lambda dy, g, d: dy * 1),
+    "gather": (lambda x, g, d: dist.all_gather(x, group=g, dim=d), lambda dy, g, d: _own_slice(dy, g, d)),
+    "scatter": (lambda x, g, d: _own_slice(x, g, d), lambda dy, g, d: dist.all_gather(dy, group=g, dim=d)),
+    "gather_seq": (lambda x, g, d: dist.all_gather(x, group=g, dim=d),
+                   lambda dy, g, d: dist.reduce_scatter(dy, group=g, dim=d)),
+    "scatter_seq": (lambda x, g, d: dist.reduce_scatter(x, group=g, dim=d),
+                    lambda dy, g, d: dist.all_gather(dy, group=g, dim=d)),
+}
+_CLASSES: dict = {}
+
+
+def _apply(kind: str, x, group, dim=0):
+    if _size(group) == 1:
+        return x
+    # One Function class per (kind, group, dim): torch Functions and MindSpore bprop Cells
+    # see only tensors, so the group and dim are closed over by the class.
+    key = (kind, group.ranks, dim)
+    cls = _CLASSES.get(key)
+    if cls is None:
+        fwd, bwd = _KINDS[kind]
+
+        class _Collective(autograd.Function):
+            @staticmethod
+            def forward(ctx, t):
+                return fwd(t, group, dim)
+
+            @staticmethod
+            def backward(ctx, grad):
+                return bwd(grad, group, dim)
+
+        _Collective.__name__ = f"{kind}_{'_'.join(map(str, group.ranks))}_{dim}"
+        cls = _CLASSES[key] = _Collective
+    return cls.apply(x)
+
+
+def copy_to_region(x, group):
+    return _apply("copy", x, group)
+
+
+def reduce_from_region(x, group):
+    return _apply("reduce", x, group)
+
+
+def gather_from_region(x, group, dim=-1):
+    return _apply("gather", x, group, dim)
+
+
+def scatter_to_region(x, group, dim=-1):
+    return _apply("scatter", x, group, dim)
+
+
+def gather_from_sequence(x, group, dim=1):
+    return _apply("gather_seq", x, group, dim)
+
+
+def reduce_scatter_to_sequence(x, group, dim=1):
+    return _apply("scatter_seq", x, group, dim)

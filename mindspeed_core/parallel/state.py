@@ -1,0 +1,107 @@
+"""Process groups for every kind of parallelism, in Megatron-core's rank order.
+
+A rank's coordinates, fastest-varying first (Megatron's default order "tp-cp-ep-dp-pp"):
+
+    tp = r % TP
+    cp = (r // TP) % CP
+    dp = (r // (TP * CP)) % DP
+    pp = r // (TP * CP * DP)
+
+so tensor-parallel peers are neighbours (the fastest links on a node), and pipeline stages
+are outermost. Expert parallelism splits the data-parallel dimension into EP-sized groups of
+consecutive DP ranks. Every process builds every group (torch requires it; the MindSpore
+backend creates only the groups it belongs to).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from mindspeed_core import dist
+from mindspeed_core.errors import MindSpeedError
+
+_STATE: dict = {}
+
+
+@dataclass
+class ParallelState:
+    world: int
+    rank: int
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    cp: int = 1
+    ep: int = 1
+    groups: dict = field(default_factory=dict)
+
+    def coords(self, r: int) -> dict:
+        tp, cp, dp = self.tp, self.cp, self.dp
+        return {"tp": r % tp, "cp": (r // tp) % cp, "dp": (r // (tp * cp)) % dp, "pp": r // (tp * cp * dp)}
+
+    def rank_of(self, tp=0, cp=0, dp=0, pp=0) -> int:
+        return tp + self.tp * (cp + self.cp * (dp + self.dp * pp))
+
+    # accessors the layers use
+    def group(self, kind: str):
+        return self.groups[kind]
+
+    def size(self, kind: str) -> int:
+        return {"tp": self.tp, "pp": self.pp, "dp": self.dp, "cp": self.cp, "ep": self.ep}[kind]
+
+    def local_rank(self, kind: str) -> int:
+        if kind == "ep":
+            return self.coords(self.rank)["dp"] % self.ep
+        return self.coords(self.rank)[kind]
+
+
+def _group_ranks(ps: ParallelState, kind: str) -> list[list[int]]:
+    """Every group of the given kind, as lists of global ranks."""
+    out = []
+    dims = {"tp": ps.tp, "cp": ps.cp, "dp": ps.dp, "pp": ps.pp}
+    others = [k for k in ("tp", "cp", "dp", "pp") if k != kind]
+    seen = set()
+    for r in range(ps.world):
+        c = ps.coords(r)
+        key = tuple(c[k] for k in others)
+        if key in seen:
+            continue
+        seen.add(key)
+        out.append([ps.rank_of(**{**c, kind: i}) for i in range(dims[kind])])
+    return out
+
+
+def initialize(tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1) -> ParallelState:
+    """Build the groups for this job (after dist.init()); the data-parallel size is what
+    remains of the world."""
+    world, rank = dist.world_size(), dist.rank()
+    model = tp * pp * cp
+    if min(tp, pp, cp, ep) < 1 or world % model:
+        raise MindSpeedError(f"world size {world} is not divisible by tensor ({tp}) x pipeline ({pp}) x "
+                             f"context ({cp}) parallel sizes")
+    dp = world // model
+    if dp % ep:
+        raise MindSpeedError(f"expert parallel size {ep} does not divide the data-parallel size {dp}")
+    ps = ParallelState(world, rank, tp=tp, pp=pp, dp=dp, cp=cp, ep=ep)
+    for kind in ("tp", "cp", "dp", "pp"):
+        for ranks in _group_ranks(ps, kind):
+            g = dist.new_group(ranks)
+            if rank in ranks:
+                ps.groups[kind] = g
+    for ranks in _group_ranks(ps, "dp"):
+        for start in range(0, len(ranks), ep):
+            g = dist.new_group(ranks[start:start + ep])
+            if rank in ranks[start:start + ep]:
+                ps.groups["ep"] = g
+    _STATE["current"] = ps
+    return ps
+
+
+def get() -> ParallelState:
+    """The job's parallel state (a single-process state when none was initialised)."""
+    if "current" not in _STATE:
+        _STATE["current"] = ParallelState(1, 0, groups={k: None for k in ("tp", "cp", "dp", "pp", "ep")})
+    return _STATE["current"]
+
+
+def reset() -> None:
+    _STATE.pop("current", None)

@@ -1,0 +1,87 @@
+"""What the training step does differently when it runs on several ranks: gradient
+reduction over data-parallel ranks (in buckets), the tensor-parallel-aware gradient norm,
+and full (unsharded) state for checkpoints, so a checkpoint loads at any layout."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from mindspeed_core import dist, ops
+from mindspeed_core.parallel.layers import shard, unshard
+
+BUCKET_ELEMENTS = 4 * 2**20  # float32 elements per all-reduce (16 MiB), Megatron's order of size
+
+
+def _buckets(grads):
+    bucket, size = [], 0
+    for i, g in enumerate(grads):
+        bucket.append(i)
+        size += ops.numel(g)
+        if size >= BUCKET_ELEMENTS:
+            yield bucket
+            bucket, size = [], 0
+    if bucket:
+        yield bucket
+
+
+def _all_reduce_flat(grads, indices, group, scale):
+    flat = ops.cat([ops.reshape(grads[i], (-1,)) for i in indices])
+    flat = dist.all_reduce(flat, group=group)
+    if scale != 1.0:
+        flat = flat * scale
+    sizes = [ops.numel(grads[i]) for i in indices]
+    for i, piece in zip(indices, ops.split(flat, sizes)):
+        grads[i] = ops.reshape(piece, tuple(grads[i].shape))
+
+
+def reduce_gradients(grads: list, ps, partial: list[int]) -> list:
+    """Average gradients over the data-parallel group (bucketed), then sum the partial
+    gradients of replicated parameters over the tensor-parallel group (sequence parallel)."""
+    grads = list(grads)
+    if ps.dp > 1:
+        for bucket in _buckets(grads):
+            _all_reduce_flat(grads, bucket, ps.group("dp"), 1.0 / ps.dp)
+    if partial and ps.tp > 1:
+        _all_reduce_flat(grads, partial, ps.group("tp"), 1.0)
+    return grads
+
+
+def grad_norm_squared(grads: list, sharded: list[bool], ps) -> float:
+    """Squared global L2 norm: sharded pieces summed over tensor-parallel ranks, replicated
+    ones counted once."""
+    def sumsq(items):
+        return ops.sum(ops.stack([ops.sum(ops.cast(g, "float32") ** 2) for g in items])) if items else None
+
+    local = sumsq([g for g, s in zip(grads, sharded) if s])
+    total = float(ops.to_numpy(dist.all_reduce(local, group=ps.group("tp")))) if local is not None else 0.0
+    rest = sumsq([g for g, s in zip(grads, sharded) if not s])
+    return total + (float(ops.to_numpy(rest)) if rest is not None else 0.0)
+
+
+def clip(grads: list, sharded: list[bool], ps, max_norm: float):
+    norm = math.sqrt(grad_norm_squared(grads, sharded, ps))
+    if max_norm and max_norm > 0 and norm > max_norm and math.isfinite(norm):
+        scale = max_norm / (norm + 1e-6)
+        grads = [g * scale for g in grads]
+    return grads, norm
+
+
+def full_tensors(named: dict, spec: dict, ps) -> dict:
+    """{name: numpy} of full (unsharded) values: sharded ones gathered over TP."""
+    out = {}
+    for name, value in named.items():
+        if name in spec and ps.tp > 1:
+            gathered = ops.to_numpy(dist.all_gather(ops.unsqueeze(value, 0), group=ps.group("tp"), dim=0))
+            out[name] = unshard(list(gathered), spec[name])
+        else:
+            out[name] = ops.to_numpy(value)
+    return out
+
+
+def local_array(name: str, full: np.ndarray, spec: dict, ps) -> np.ndarray:
+    """This rank's piece of a full array."""
+    if name in spec and ps.tp > 1:
+        return shard(full, spec[name], ps.tp, ps.local_rank("tp"))
+    return full

@@ -1,0 +1,127 @@
+"""Data, tensor and sequence parallelism as real multi-process jobs (torchrun + gloo,
+msrun + mccl): the loss curve equals the single-process run's, and checkpoints re-shard."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from launch import free_port
+from test_training import corpus, losses, train  # noqa: F401  (corpus is a fixture)
+
+BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--ffn-hidden-size", "128",
+        "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "8", "--lr", "3e-3", "--min-lr", "3e-4",
+        "--lr-warmup-iters", "2", "--eval-iters", "0", "--log-interval", "1", "--make-vocab-size-divisible-by", "8",
+        "--no-progress", "--seed", "7", "--sample-tokens", "0"]
+GQA = BASE + ["--num-query-groups", "2"]
+MHA = BASE + ["--num-query-groups", "4"]
+ITERS = 10
+
+
+def launch_train(framework, nproc, argv, tmp_path, timeout=900):
+    """`mindspeed launch` as a user runs it; returns the launcher's output."""
+    cmd = [sys.executable, "-m", "mindspeed_core.cli", "launch", "--nproc-per-node", str(nproc),
+           "--master-port", str(free_port()), "--log-dir", str(tmp_path / "msrun_log"), "--", "--ai-framework",
+           framework, *argv]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=str(tmp_path))
+    logs = ""
+    if (tmp_path / "msrun_log").is_dir():
+        logs = "".join(p.read_text(errors="replace")[-3000:] for p in sorted((tmp_path / "msrun_log").iterdir()))
+    assert out.returncode == 0, (out.stdout[-3000:] + out.stderr[-3000:] + logs)
+    return out.stdout
+
+
+@pytest.fixture(scope="module")
+def reference(corpus, tmp_path_factory):  # noqa: F811
+    """Single-process loss curves of both model variants (run in this process)."""
+    import io
+    import contextlib
+
+    from mindspeed_core import cli
+
+    out = {}
+    root = tmp_path_factory.mktemp("reference")
+    for name, argv in (("gqa", GQA), ("mha", MHA)):
+        path = root / f"{name}.jsonl"
+        with contextlib.redirect_stdout(io.StringIO()):
+            assert cli.main(["train", *argv, "--data-path", corpus, "--train-iters", str(ITERS),
+                             "--metrics-file", str(path)]) == 0
+        out[name] = losses(path)
+    return out
+
+
+def assert_same_curve(got, want, tol=1e-5):
+    assert sorted(got) == sorted(want), (got, want)
+    worst = max(abs(got[i] - want[i]) / abs(want[i]) for i in want)
+    assert worst < tol, {i: (got[i], want[i]) for i in want}
+
+
+CASES = [  # (id, ranks, model, flags)
+    ("tp2", 2, "gqa", ["--tensor-model-parallel-size", "2"]),
+    ("tp2-sp", 2, "gqa", ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+    ("dp2", 2, "gqa", []),
+    ("tp2-dp2-sp", 4, "gqa", ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+    ("tp4", 4, "mha", ["--tensor-model-parallel-size", "4"]),
+]
+
+
+def _marks(flags):
+    marks = [pytest.mark.multiprocess, pytest.mark.feature("data-parallel")]
+    if "--tensor-model-parallel-size" in flags:
+        marks.append(pytest.mark.feature("tensor-parallel"))
+    if "--sequence-parallel" in flags:
+        marks.append(pytest.mark.feature("sequence-parallel"))
+    return marks
+
+
+@pytest.mark.parametrize("case, ranks, model, flags",
+                         [pytest.param(*c, marks=_marks(c[3]), id=c[0]) for c in CASES])
+def test_loss_curve_equals_single_process(framework, corpus, reference, tmp_path, case, ranks, model, flags):  # noqa: F811
+    metrics = tmp_path / "m.jsonl"
+    argv = (GQA if model == "gqa" else MHA) + flags
+    launch_train(framework, ranks, [*argv, "--data-path", corpus, "--train-iters", str(ITERS),
+                                    "--metrics-file", str(metrics)], tmp_path)
+    assert_same_curve(losses(metrics), reference[model])
+
+
+@pytest.mark.multiprocess
+@pytest.mark.feature("tensor-parallel")
+def test_checkpoint_saved_at_tp2_loads_at_tp1_and_tp4(capsys, framework, corpus, reference, tmp_path):  # noqa: F811
+    ckpt = tmp_path / "ckpt"
+    common = [*MHA, "--data-path", corpus, "--train-iters", str(ITERS)]
+    launch_train(framework, 2, [*common, "--tensor-model-parallel-size", "2", "--save", str(ckpt), "--save-interval", "5",
+                                "--exit-interval", "5", "--metrics-file", str(tmp_path / "a.jsonl")], tmp_path)
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "5"
+    # TP = 1, in this process
+    code, out, err = train(capsys, *common, "--load", str(ckpt), "--metrics-file", str(tmp_path / "tp1.jsonl"))
+    assert code == 0 and "TP=2" in out, err
+    want = {i: reference["mha"][i] for i in range(6, ITERS + 1)}
+    assert_same_curve(losses(tmp_path / "tp1.jsonl"), want)
+    # TP = 4 on four ranks
+    launch_train(framework, 4, [*common, "--tensor-model-parallel-size", "4", "--load", str(ckpt),
+                                "--metrics-file", str(tmp_path / "tp4.jsonl")], tmp_path)
+    assert_same_curve(losses(tmp_path / "tp4.jsonl"), want)
+
+
+def test_bad_layouts_are_clear_errors(capsys, corpus):  # noqa: F811
+    code, _, err = train(capsys, *GQA, "--data-path", corpus, "--train-iters", "1", "--tensor-model-parallel-size", "2")
+    assert code == 2 and "world size 1 is not divisible" in err
+    code, _, err = train(capsys, *GQA, "--data-path", corpus, "--train-iters", "1", "--sequence-parallel")
+    assert code == 2 and "--sequence-parallel needs" in err
+
+
+def test_launch_builds_the_framework_launcher_command():
+    out = subprocess.run([sys.executable, "-m", "mindspeed_core.cli", "launch", "--nproc-per-node", "4", "--nnodes", "2",
+                          "--node-rank", "1", "--master-addr", "10.0.0.1", "--print-command", "--", "--ai-framework",
+                          "mindspore", "--train-iters", "3"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    line = out.stdout.strip()
+    assert "msrun" in line and "--worker_num=8" in line and "--local_worker_num=4" in line and "--node_rank=1" in line
+    assert line.endswith("train --ai-framework mindspore --train-iters 3")
+    out = subprocess.run([sys.executable, "-m", "mindspeed_core.cli", "launch", "--nproc-per-node", "2",
+                          "--print-command", "--", "--ai-framework", "pytorch"], capture_output=True, text=True, timeout=60)
+    assert "torch.distributed.run" in out.stdout and "--nproc-per-node=2" in out.stdout
