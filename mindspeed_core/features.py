@@ -121,7 +121,9 @@ FEATURES: tuple[Feature, ...] = (
             ("--moe-token-dispatcher-type allgather",), planned(), planned(), _eq("moe_token_dispatcher_type", "allgather")),
     # ---- memory and optimizer -------------------------------------------------------------
     Feature("distributed-optimizer", "Distributed optimizer (ZeRO-1 style sharding over DP)", "memory",
-            ("--use-distributed-optimizer",), planned(_TP_ISSUE), planned(_TP_ISSUE), _on("use_distributed_optimizer")),
+            ("--use-distributed-optimizer",),
+            supported("fp32 masters and moments sharded over DP; reduce-scatter gradients, all-gather parameters"),
+            supported("as on PyTorch; CPU collectives emulated"), _on("use_distributed_optimizer")),
     Feature("reuse-fp32-param", "Parameter-copy reuse (bf16 params share fp32 master memory)", "memory",
             ("--reuse-fp32-param",), planned(), planned(), _on("reuse_fp32_param")),
     Feature("swap-attention", "Swap attention activations to host memory", "memory", ("--swap-attention",),

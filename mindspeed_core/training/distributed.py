@@ -4,8 +4,6 @@ and full (unsharded) state for checkpoints, so a checkpoint loads at any layout.
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 from mindspeed_core import dist, ops
@@ -36,15 +34,21 @@ def _all_reduce_flat(grads, indices, group, scale):
         grads[i] = ops.reshape(piece, tuple(grads[i].shape))
 
 
-def reduce_gradients(grads: list, ps, partial: list[int]) -> list:
-    """Average gradients over the data-parallel group (bucketed), then sum the partial
-    gradients of replicated parameters over the tensor-parallel group (sequence parallel)."""
+def sum_partial_over_tp(grads: list, ps, partial: list[int]) -> list:
+    """Sequence parallelism leaves replicated decoder parameters with partial gradients
+    (each rank saw a slice of the sequence): sum them over the tensor-parallel group."""
+    grads = list(grads)
+    if partial and ps.tp > 1:
+        _all_reduce_flat(grads, partial, ps.group("tp"), 1.0)
+    return grads
+
+
+def average_over_dp(grads: list, ps) -> list:
+    """Average gradients over the data-parallel group, one all-reduce per bucket."""
     grads = list(grads)
     if ps.dp > 1:
         for bucket in _buckets(grads):
             _all_reduce_flat(grads, bucket, ps.group("dp"), 1.0 / ps.dp)
-    if partial and ps.tp > 1:
-        _all_reduce_flat(grads, partial, ps.group("tp"), 1.0)
     return grads
 
 
@@ -60,12 +64,8 @@ def grad_norm_squared(grads: list, sharded: list[bool], ps) -> float:
     return total + (float(ops.to_numpy(rest)) if rest is not None else 0.0)
 
 
-def clip(grads: list, sharded: list[bool], ps, max_norm: float):
-    norm = math.sqrt(grad_norm_squared(grads, sharded, ps))
-    if max_norm and max_norm > 0 and norm > max_norm and math.isfinite(norm):
-        scale = max_norm / (norm + 1e-6)
-        grads = [g * scale for g in grads]
-    return grads, norm
+def clip_coefficient(norm: float, max_norm: float) -> float:
+    return max_norm / (norm + 1e-6) if max_norm and max_norm > 0 and norm > max_norm else 1.0
 
 
 def full_tensors(named: dict, spec: dict, ps) -> dict:

@@ -7,14 +7,34 @@ import math
 from mindspeed_core import autograd, nn, ops
 
 
+def adam_update(w, g, m, v, lr, weight_decay, betas, eps, c1, c2):
+    """One decoupled-weight-decay Adam update; ``weight_decay`` is a number or a per-element
+    tensor (the distributed optimizer's flat shards mix decayed and undecayed parameters)."""
+    b1, b2 = betas
+    m = m * b1 + g * (1 - b1)
+    v = v * b2 + g * g * (1 - b2)
+    if not isinstance(weight_decay, (int, float)) or weight_decay:
+        w = w - w * (weight_decay * lr)
+    return w - (m / c1) / (ops.sqrt(v / c2) + eps) * lr, m, v
+
+
 def no_weight_decay(name: str, param) -> bool:
     """Megatron's rule: norms and biases (one-dimensional parameters) are not decayed."""
     return len(param.shape) == 1 or name.endswith(".bias")
 
 
 class AdamW:
-    def __init__(self, named_params, lr: float, weight_decay: float = 0.0, betas=(0.9, 0.999), eps: float = 1e-8):
+    """AdamW with its state replicated on every data-parallel rank.
+
+    The trainer drives any optimizer through prepare (reduce the gradients over data-parallel
+    ranks), grad_norm (the global norm) and step (clip coefficient applied): the distributed
+    optimizer shards the same work (training/distributed_optimizer.py)."""
+
+    def __init__(self, named_params, lr: float, weight_decay: float = 0.0, betas=(0.9, 0.999), eps: float = 1e-8,
+                 ps=None, sharded=None):
         self.named = [(n, p) for n, p in named_params if nn.requires_grad(p)]
+        self.ps = ps
+        self.sharded = list(sharded) if sharded is not None else [False] * len(self.named)
         self.lr, self.weight_decay, self.betas, self.eps = lr, weight_decay, betas, eps
         self.decay = [not no_weight_decay(n, p) for n, p in self.named]
         # fp32 moments always; fp32 master weights only for low-precision parameters (an fp32
@@ -29,19 +49,34 @@ class AdamW:
     def params(self):
         return [p for _, p in self.named]
 
-    def step(self, grads, lr: float) -> None:
+    def prepare(self, grads) -> list:
+        from mindspeed_core.training import distributed
+
+        return distributed.average_over_dp(grads, self.ps) if self.ps is not None else list(grads)
+
+    def grad_norm(self, grads) -> float:
+        from mindspeed_core.training import distributed
+
+        if self.ps is None:
+            return math.sqrt(float(ops.to_numpy(ops.sum(ops.stack([ops.sum(ops.cast(g, "float32") ** 2) for g in grads])))))
+        return math.sqrt(distributed.grad_norm_squared(grads, self.sharded, self.ps))
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state held by this rank (moments and fp32 masters)."""
+        tensors = self.exp_avg + self.exp_avg_sq + [w for w in self.master if w is not None]
+        return 4 * sum(ops.numel(t) for t in tensors)
+
+    def step(self, grads, lr: float, scale: float = 1.0) -> None:
+        if scale != 1.0:
+            grads = [g * scale for g in grads]
         self.steps += 1
         b1, b2 = self.betas
         c1, c2 = 1 - b1 ** self.steps, 1 - b2 ** self.steps
         with autograd.no_grad():
             for i, (_, p) in enumerate(self.named):
-                g = ops.cast(grads[i], "float32")
-                m = self.exp_avg[i] * b1 + g * (1 - b1)
-                v = self.exp_avg_sq[i] * b2 + g * g * (1 - b2)
                 w = autograd.detach(p) if self.master[i] is None else self.master[i]
-                if self.decay[i] and self.weight_decay:
-                    w = w * (1 - lr * self.weight_decay)
-                w = w - (m / c1) / (ops.sqrt(v / c2) + self.eps) * lr
+                w, m, v = adam_update(w, ops.cast(grads[i], "float32"), self.exp_avg[i], self.exp_avg_sq[i], lr,
+                                      self.weight_decay if self.decay[i] else 0.0, self.betas, self.eps, c1, c2)
                 self.exp_avg[i], self.exp_avg_sq[i] = m, v
                 if self.master[i] is not None:
                     self.master[i] = w
@@ -71,16 +106,6 @@ class AdamW:
                                           f"the model's is {tuple(p.shape)}")
                 store[i] = ops.cast(t, "float32")
         self.steps = steps
-
-
-def clip_grad_norm(grads, max_norm: float):
-    """Scale grads so their global L2 norm is at most max_norm; returns (grads, norm)."""
-    total = ops.sum(ops.stack([ops.sum(ops.cast(g, "float32") ** 2) for g in grads]))
-    norm = math.sqrt(float(ops.to_numpy(total)))
-    if max_norm and max_norm > 0 and norm > max_norm:
-        scale = max_norm / (norm + 1e-6)
-        grads = [g * scale for g in grads]
-    return grads, norm
 
 
 def learning_rate(step: int, lr: float, min_lr: float, warmup: int, decay_iters: int, style: str) -> float:

@@ -27,6 +27,7 @@ from mindspeed_core.progress import Progress
 from mindspeed_core.parallel import layers as parallel_layers
 from mindspeed_core.parallel import state as parallel_state
 from mindspeed_core.training import checkpoint, distributed
+from mindspeed_core.training.distributed_optimizer import DistributedAdamW
 from mindspeed_core.training.optimizer import AdamW, learning_rate
 
 # What `mindspeed train` does with no data flags: a small LLaMA on the standard library's
@@ -175,13 +176,22 @@ class Trainer:
         self.sharded = [n in self.spec for n, _ in named]
         partial = set(parallel_layers.sequence_parallel_partial(self.model, self.spec)) if args.sequence_parallel else ()
         self.partial = [i for i, (n, _) in enumerate(named) if n in partial]
-        self.optimizer = AdamW(named, args.lr, args.weight_decay, (args.adam_beta1, args.adam_beta2), args.adam_eps)
+        opt_cls = DistributedAdamW if args.use_distributed_optimizer else AdamW
+        self.optimizer = opt_cls(named, args.lr, args.weight_decay, (args.adam_beta1, args.adam_beta2), args.adam_eps,
+                                 ps=self.ps, sharded=self.sharded)
         if saved_optimizer is not None:
             arrays, steps = saved_optimizer
             local = {k: ops.tensor(distributed.local_array(k.split(".", 1)[1], v, self.spec, self.ps))
                      for k, v in arrays.items()}
             self.optimizer.load_state(local, steps)
         self.grad_fn = autograd.value_and_grad(self._loss, self.params)
+
+    def optimizer_bytes_unsharded(self) -> int:
+        """What plain AdamW would hold on this rank: two fp32 moments per local parameter,
+        plus fp32 masters for low-precision ones."""
+        elements = sum(ops.numel(p) for p in self.params)
+        masters = sum(ops.numel(p) for p in self.params if ops.dtype_of(p) != "float32")
+        return 4 * (2 * elements + masters)
 
     def _loss(self, ids, labels):
         loss = self.model.loss(ids, labels)
@@ -229,32 +239,27 @@ class Trainer:
             grads = g if grads is None else [a + b for a, b in zip(grads, g)]
         if self.grad_accum > 1 or self.loss_scale != 1.0:
             grads = [g / (self.grad_accum * self.loss_scale) for g in grads]
-        grads = distributed.reduce_gradients(grads, self.ps, self.partial)
+        grads = self.optimizer.prepare(distributed.sum_partial_over_tp(grads, self.ps, self.partial))
         loss = total_loss / self.grad_accum
         if self.ps.dp > 1:
             loss = float(ops.to_numpy(dist.all_reduce(ops.tensor([loss]), group=self.ps.group("dp")))[0]) / self.ps.dp
-        if self.loss_scale != 1.0 and not self._grads_finite(grads, loss):
+        norm = self.optimizer.grad_norm(grads)
+        if self.loss_scale != 1.0 and not (math.isfinite(loss) and math.isfinite(norm)):
             self.loss_scale /= 2.0  # overflow: skip this step with a smaller scale
             self._clean_steps = 0
             return loss, lr, float("nan")
         if not math.isfinite(loss):
             raise MindSpeedError(f"the loss became {loss} at iteration {iteration + 1}; stopping without saving "
                                  f"(the last checkpoint on disk is intact); lower --lr or check the data")
-        grads, norm = distributed.clip(grads, self.sharded, self.ps, args.clip_grad)
         if not math.isfinite(norm):
             raise MindSpeedError(f"the gradient norm became {norm} at iteration {iteration + 1}; stopping without "
                                  f"saving (the last checkpoint on disk is intact); lower --lr or check the data")
-        self.optimizer.step(grads, lr)
+        self.optimizer.step(grads, lr, distributed.clip_coefficient(norm, args.clip_grad))
         if self.loss_scale != 1.0:
             self._clean_steps += 1
             if self._clean_steps % 1000 == 0:
                 self.loss_scale *= 2.0
         return loss, lr, norm
-
-    def _grads_finite(self, grads, loss: float) -> bool:
-        if not math.isfinite(loss):
-            return False
-        return math.isfinite(distributed.grad_norm_squared(grads, self.sharded, self.ps))
 
     def evaluate(self) -> float:
         args = self.args
@@ -305,6 +310,10 @@ class Trainer:
         self.say(f"training {self.cfg.num_parameters() / 1e6:.2f}M parameters on {runtime.bound().NAME} "
                  f"({device.current()}), {args.train_iters} iterations of {self.tokens_per_step} tokens; "
                  f"measured matmul peak {peak / 1e9:.1f} GFLOP/s")
+        if self.ps.world > 1:
+            self.say(f"parallel layout: TP={self.ps.tp} DP={self.ps.dp}{' +SP' if args.sequence_parallel else ''}; "
+                     f"optimizer state {self.optimizer.state_bytes() / 2**20:.2f} MiB on this rank "
+                     f"({self.optimizer_bytes_unsharded() / 2**20:.2f} MiB without --use-distributed-optimizer)")
         progress = None if args.no_progress or self.ps.rank else Progress(args.train_iters, "train", min_interval=1.0)
         if progress:
             progress.n = self.iteration
