@@ -167,7 +167,42 @@ def _cmd_launch(argv: list[str]) -> int:
     if args.print_command:
         print(" ".join(cmd))
         return 0
-    return subprocess.call(cmd, env=env)
+    # Relay the launcher's output and, when the job fails, name the rank that failed: torchrun
+    # and msrun both say it, in different words, among many lines.
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+    root = _RootCause()
+    for line in proc.stdout:
+        sys.stdout.write(line)
+        root.feed(line)
+    code = proc.wait()
+    if code != 0:
+        who = f"rank {root.rank} failed first" if root.rank is not None else "a rank failed"
+        hint = ""
+        if "--save" in train_argv:
+            hint = f"; rerun with --load {train_argv[train_argv.index('--save') + 1]} to resume from its last checkpoint"
+        print(f"mindspeed launch: {who}; the job stopped (exit code {code}){hint}", file=sys.stderr)
+    return code
+
+
+class _RootCause:
+    """Finds the rank that failed first in a launcher's output: torchrun lists it under
+    "Root Cause (first observed failure)", msrun's scheduler names the first worker that
+    timed out."""
+
+    def __init__(self):
+        self.rank, self._in_root = None, False
+
+    def feed(self, line: str) -> None:
+        import re
+
+        if "Root Cause" in line:
+            self._in_root = True
+        m = re.search(r"^\s*rank\s*:\s*(\d+)", line)
+        if m and self._in_root and self.rank is None:
+            self.rank = int(m.group(1))
+        m = re.search(r"worker (\d+) is the first one timed out", line)
+        if m and self.rank is None:
+            self.rank = int(m.group(1))
 
 
 COMMANDS = {"features": _cmd_features, "check-args": _cmd_check_args, "info": _cmd_info, "train": _cmd_train,

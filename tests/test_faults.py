@@ -1,0 +1,68 @@
+"""A rank that dies takes the job down promptly, the launcher names it, and --load resumes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from launch import free_port
+from test_parallel import GQA
+from test_training import corpus  # noqa: F401  (a fixture)
+
+
+def _rank_pid(tag: str, rank: int):
+    """The pid of our worker with that rank (found through its environment)."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+        except OSError:
+            continue
+        if f"MINDSPEED_TEST_TAG={tag}".encode() in env and (
+                f"RANK={rank}".encode() in env or f"MS_NODE_ID={rank}".encode() in env):
+            cmd = open(f"/proc/{pid}/cmdline", "rb").read()
+            if b"train" in cmd and b"launch" not in cmd:
+                return int(pid)
+    return None
+
+
+@pytest.mark.multiprocess
+@pytest.mark.feature("data-parallel")
+def test_dead_rank_stops_the_job_and_the_run_resumes(framework, corpus, tmp_path):  # noqa: F811
+    ckpt = tmp_path / "ckpt"
+    tag = f"{os.getpid()}-{time.time()}"
+    argv = [sys.executable, "-m", "mindspeed_core.cli", "launch", "--nproc-per-node", "2", "--master-port",
+            str(free_port()), "--log-dir", str(tmp_path / "logs"), "--", "--ai-framework", framework, *GQA,
+            "--data-path", corpus, "--save", str(ckpt), "--save-interval", "2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MINDSPEED_TEST_TAG": tag}
+    proc = subprocess.Popen([*argv, "--train-iters", "100000"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=env, start_new_session=True)
+    try:
+        deadline = time.time() + 240
+        while not (ckpt / "latest_checkpointed_iteration.txt").exists():
+            assert proc.poll() is None and time.time() < deadline, "the job never saved a checkpoint"
+            time.sleep(0.5)
+        pid = _rank_pid(tag, 1)
+        assert pid, "could not find rank 1"
+        os.kill(pid, signal.SIGKILL)
+        killed = time.time()
+        out, _ = proc.communicate(timeout=120)
+        elapsed = time.time() - killed
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode != 0
+    assert elapsed < 60, f"the job took {elapsed:.0f}s to stop"
+    assert "mindspeed launch: rank 1 failed first" in out, out[-3000:]
+    assert f"--load {ckpt}" in out
+    last = int((ckpt / "latest_checkpointed_iteration.txt").read_text())
+    resumed = subprocess.run([*argv, "--load", str(ckpt), "--train-iters", str(last + 2)], capture_output=True,
+                             text=True, env=env, timeout=300)
+    logs = "".join(p.read_text(errors="replace") for p in (tmp_path / "logs").glob("*.log")) \
+        if (tmp_path / "logs").is_dir() else ""
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + logs[-3000:]
+    assert f"resumed from {ckpt}" in resumed.stdout + logs
