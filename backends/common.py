@@ -102,3 +102,34 @@ def check_member(group, rank_in_group: int, what: str) -> None:
     instead of letting the framework hang or return garbage."""
     if group is not None and rank_in_group < 0:
         raise ValueError(f"{what}: this process is not a member of group {group.ranks}")
+
+
+ITEMSIZE = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int8": 1,
+            "uint8": 1, "bool": 1}
+
+
+class CommStats:
+    """Bytes moved per collective on this rank. ``bytes`` is the payload the caller handed
+    in (what an analytical count predicts); ``wire_bytes`` is what reached the framework's
+    primitives, larger where a collective is emulated (MindSpore CPU)."""
+
+    def __init__(self):
+        self.reset()
+        self.current = None
+
+    def reset(self) -> None:
+        self.ops: dict = {}
+
+    def record(self, op: str, nbytes: int, wire: int | None = None) -> None:
+        entry = self.ops.setdefault(op, {"calls": 0, "bytes": 0, "wire_bytes": 0})
+        entry["calls"] += 1
+        entry["bytes"] += int(nbytes)
+        entry["wire_bytes"] += int(nbytes if wire is None else wire)
+
+    def add_wire(self, nbytes: int) -> None:
+        """Credit primitive traffic to the collective being emulated."""
+        if self.current is not None:
+            self.ops[self.current]["wire_bytes"] += int(nbytes)
+
+    def snapshot(self) -> dict:
+        return {op: dict(v) for op, v in self.ops.items()}

@@ -129,6 +129,8 @@ SPEC = {
         "recv": "recv(shape, dtype, src) -> tensor",
         "barrier": "barrier(group=None)",
         "implementations": "implementations() -> {collective: 'native' | 'emulated'}",
+        "comm_stats": "comm_stats() -> {collective: {calls, bytes (caller's payload), wire_bytes (reaching the primitives)}}",
+        "reset_comm_stats": "reset_comm_stats()",
     },
     "device": {
         "select": "select(wanted='auto') -> chosen device type (called by binding)",

@@ -126,6 +126,23 @@ def check_send_recv():
     expect("send/recv int64 ring", got_ids, np.array([prv, 2 ** 40 + prv], np.int64))
 
 
+def check_comm_stats():
+    dist.reset_comm_stats()
+    x = ops.zeros((2, 3))  # 24 bytes of float32
+    dist.all_reduce(x)
+    dist.all_gather(x)
+    dist.broadcast(x, 0)
+    stats = dist.comm_stats()
+    for op in ("all_reduce", "all_gather", "broadcast"):
+        expect(f"comm_stats {op} calls", stats[op]["calls"], 1)
+        expect(f"comm_stats {op} bytes", stats[op]["bytes"], 24)
+        checks.append(f"comm_stats {op} wire")
+        if stats[op]["wire_bytes"] < 24 or (dist.implementations()[op] == "native" and stats[op]["wire_bytes"] != 24):
+            failures.append(f"comm_stats {op}: wire bytes {stats[op]['wire_bytes']} for a native 24-byte payload")
+    dist.reset_comm_stats()
+    expect("comm_stats reset", len(dist.comm_stats()), 0)
+
+
 def main(out_dir):
     expect("world size matches the launcher", N, dist.launched_world_size())
     expect("rank in world group", dist.rank(None), R)
@@ -142,6 +159,7 @@ def main(out_dir):
             run(f"{tag} {fn.__name__}", lambda: fn(group, tag))
         dist.barrier(group)
     run("send/recv", check_send_recv)
+    run("comm stats", check_comm_stats)
     outsider = [g for g in groups if R not in g.ranks][0]
     for name in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast"):
         checks.append(f"{name} refuses a non-member")

@@ -135,3 +135,40 @@ def test_launch_builds_the_framework_launcher_command():
     out = subprocess.run([sys.executable, "-m", "mindspeed_core.cli", "launch", "--nproc-per-node", "2",
                           "--print-command", "--", "--ai-framework", "pytorch"], capture_output=True, text=True, timeout=60)
     assert "torch.distributed.run" in out.stdout and "--nproc-per-node=2" in out.stdout
+
+
+TRAFFIC_CASES = [("tp2", 2, ["--tensor-model-parallel-size", "2"]),
+                 ("tp2-sp", 2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+                 ("dp2-distopt", 2, ["--use-distributed-optimizer"]),
+                 ("tp2-dp2", 4, ["--tensor-model-parallel-size", "2"])]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.feature("collectives")
+@pytest.mark.parametrize("case, ranks, flags", TRAFFIC_CASES, ids=[c[0] for c in TRAFFIC_CASES])
+def test_collective_bytes_match_the_analytical_count(framework, corpus, tmp_path, case, ranks, flags):  # noqa: F811
+    import json
+
+    from mindspeed_core import nn
+    from mindspeed_core.models.config import ModelConfig
+    from mindspeed_core.parallel.traffic import step_bytes
+
+    metrics = tmp_path / "m.jsonl"
+    launch_train(framework, ranks, [*GQA, *flags, "--data-path", corpus, "--train-iters", "2",
+                                    "--log-interval", "2", "--metrics-file", str(metrics)], tmp_path)
+    record = [json.loads(x) for x in open(metrics)][-1]
+    tp = 2 if "--tensor-model-parallel-size" in flags else 1
+    dp = ranks // tp
+    cfg = ModelConfig(vocab_size=264, hidden_size=64, num_layers=2, num_attention_heads=4, num_query_groups=2,
+                      ffn_hidden_size=128, max_position_embeddings=32)
+    norms = (2 * cfg.num_layers + 1) * cfg.hidden_size  # replicated; every other weight is split over TP
+    local = (cfg.num_parameters() - norms) // tp + norms
+    expected = step_bytes(cfg, micro_batch=2, seq_length=32, grad_accum=8 // (2 * dp), tp=tp, dp=dp,
+                          sp="--sequence-parallel" in flags, distributed_optimizer="--use-distributed-optimizer" in flags,
+                          local_params=local, sp_partial_params=(2 * cfg.num_layers + 1) * cfg.hidden_size)
+    measured = {op: v["bytes"] / 2 for op, v in record["comm"].items() if v["bytes"]}
+    assert measured == expected
+    for op, v in record["comm"].items():
+        assert v["wire_bytes"] >= v["bytes"]
+        if framework == "pytorch" and op != "reduce_scatter":  # native on gloo: wire is payload
+            assert v["wire_bytes"] == v["bytes"]

@@ -21,12 +21,15 @@ import numpy as np
 from mindspore import communication as comm
 from mindspore import ops as P
 
-from mindspeed_core.backends.common import Group, check_member, env_int
+import contextlib
+
+from mindspeed_core.backends.common import ITEMSIZE, CommStats, Group, check_member, env_int
 from mindspeed_core.backends.emulated_collectives import EmulatedCollectives
 
 from . import device, ops
 
 _state = {"initialized": False, "groups": {}, "reducers": {}}
+_stats = CommStats()
 
 
 def launched_world_size() -> int:
@@ -94,7 +97,9 @@ def _sum_f32(array: np.ndarray, group) -> np.ndarray:
     name = _handle(group)
     if name not in _state["reducers"]:
         _state["reducers"][name] = P.AllReduce(P.ReduceOp.SUM, name)
-    return _state["reducers"][name](ms.Tensor(np.ascontiguousarray(array, dtype=np.float32))).asnumpy()
+    array = np.ascontiguousarray(array, dtype=np.float32)
+    _stats.add_wire(array.nbytes)
+    return _state["reducers"][name](ms.Tensor(array)).asnumpy()
 
 
 _emulated = EmulatedCollectives(_sum_f32, world_size, rank)
@@ -102,6 +107,31 @@ _emulated = EmulatedCollectives(_sum_f32, world_size, rank)
 
 def _alone(group) -> bool:
     return world_size(group) == 1
+
+
+def _nbytes(x) -> int:
+    return ops.numel(x) * ITEMSIZE[ops.dtype_of(x)]
+
+
+@contextlib.contextmanager
+def _recording(op: str, payload_bytes: int):
+    """Count the caller's payload for ``op``; the primitives called inside add the bytes
+    they really move (the emulation's overhead)."""
+    _stats.record(op, payload_bytes, wire=0)
+    outer, _stats.current = _stats.current, op
+    try:
+        yield
+    finally:
+        _stats.current = outer
+
+
+def comm_stats() -> dict:
+    """{collective: {"calls", "bytes", "wire_bytes"}} on this rank since the last reset."""
+    return _stats.snapshot()
+
+
+def reset_comm_stats() -> None:
+    _stats.reset()
 
 
 def _member(group, what: str) -> None:
@@ -118,16 +148,19 @@ def all_reduce(x, op: str = "sum", group: Group | None = None):
         raise ValueError(f"all_reduce op {op!r} is not supported; use one of sum, max, min")
     if _alone(group):
         return x.copy()
-    if op == "sum" and x.dtype in (ms.float32, ms.float16):
-        return P.AllReduce(P.ReduceOp.SUM, _handle(group))(x)
-    return _back(_emulated.all_reduce(ops.to_numpy(x), op, group), x)
+    with _recording("all_reduce", _nbytes(x)):
+        if op == "sum" and x.dtype in (ms.float32, ms.float16):
+            _stats.add_wire(_nbytes(x))
+            return P.AllReduce(P.ReduceOp.SUM, _handle(group))(x)
+        return _back(_emulated.all_reduce(ops.to_numpy(x), op, group), x)
 
 
 def all_gather(x, group: Group | None = None, dim: int = 0):
     _member(group, "all_gather")
     if _alone(group):
         return x.copy()
-    parts = _emulated.all_gather_stack(ops.to_numpy(x), group)
+    with _recording("all_gather", _nbytes(x)):
+        parts = _emulated.all_gather_stack(ops.to_numpy(x), group)
     return _back(np.concatenate(list(parts), axis=dim), x)
 
 
@@ -138,7 +171,13 @@ def reduce_scatter(x, op: str = "sum", group: Group | None = None, dim: int = 0)
         raise ValueError(f"reduce_scatter: dimension {dim} of size {x.shape[dim]} does not split over {n} ranks")
     if n == 1:
         return x.copy()
-    return ops.chunk(all_reduce(x, op, group), n, dim)[rank(group)]
+    with _recording("reduce_scatter", _nbytes(x)):
+        if op == "sum" and x.dtype in (ms.float32, ms.float16):
+            _stats.add_wire(_nbytes(x))
+            full = P.AllReduce(P.ReduceOp.SUM, _handle(group))(x)
+        else:
+            full = _back(_emulated.all_reduce(ops.to_numpy(x), op, group), x)
+    return ops.chunk(full, n, dim)[rank(group)]
 
 
 def all_to_all(x, group: Group | None = None, input_splits=None, output_splits=None):
@@ -154,7 +193,8 @@ def all_to_all(x, group: Group | None = None, input_splits=None, output_splits=N
     elif output_splits is None:
         raise ValueError("all_to_all with input_splits also needs output_splits")
     chunks = np.split(arr, np.cumsum(input_splits)[:-1])
-    received = _emulated.all_to_all(chunks, group)
+    with _recording("all_to_all", _nbytes(x)):
+        received = _emulated.all_to_all(chunks, group)
     if output_splits is not None and [r.shape[0] for r in received] != list(output_splits):
         raise ValueError(f"all_to_all: output_splits {list(output_splits)} do not match what the ranks sent "
                          f"({[r.shape[0] for r in received]})")
@@ -166,7 +206,8 @@ def broadcast(x, src: int, group: Group | None = None):
     if _alone(group):
         return x.copy()
     src_in_group = src if group is None else group.ranks.index(src)
-    return _back(_emulated.broadcast(ops.to_numpy(x), src_in_group, group), x)
+    with _recording("broadcast", _nbytes(x)):
+        return _back(_emulated.broadcast(ops.to_numpy(x), src_in_group, group), x)
 
 
 def _pair(a: int, b: int) -> Group:
@@ -175,18 +216,21 @@ def _pair(a: int, b: int) -> Group:
 
 
 def send(x, dst: int) -> None:
-    _emulated.send(ops.to_numpy(x), _pair(rank(), dst))
+    with _recording("send", _nbytes(x)):
+        _emulated.send(ops.to_numpy(x), _pair(rank(), dst))
 
 
 def recv(shape, dtype, src: int):
     host_dtype = np.float32 if dtype == "bfloat16" else np.dtype(dtype)
-    array = _emulated.recv(tuple(shape), host_dtype, _pair(rank(), src))
+    with _recording("recv", int(np.prod(shape)) * ITEMSIZE[dtype]):
+        array = _emulated.recv(tuple(shape), host_dtype, _pair(rank(), src))
     return ops.tensor(array, dtype=dtype)
 
 
 def barrier(group: Group | None = None) -> None:
     if not _alone(group):
-        _emulated.barrier(group)
+        with _recording("barrier", 0):
+            _emulated.barrier(group)
 
 
 def implementations() -> dict:

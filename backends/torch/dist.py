@@ -14,10 +14,11 @@ import datetime
 import torch
 import torch.distributed as tdist
 
-from mindspeed_core.backends.common import Group, check_member, env_int
+from mindspeed_core.backends.common import ITEMSIZE, CommStats, Group, check_member, env_int
 
 from . import device
 
+_stats = CommStats()
 _REDUCE_OPS = {"sum": tdist.ReduceOp.SUM, "max": tdist.ReduceOp.MAX, "min": tdist.ReduceOp.MIN}
 
 
@@ -79,12 +80,32 @@ def _member(group, what: str) -> None:
     check_member(group, rank(group), what)
 
 
+def _record(op: str, x) -> None:
+    _stats.record(op, x.numel() * ITEMSIZE[_dtype_name(x)])
+
+
+def _dtype_name(x) -> str:
+    from . import ops
+
+    return ops.dtype_of(x)
+
+
+def comm_stats() -> dict:
+    """{collective: {"calls", "bytes", "wire_bytes"}} on this rank since the last reset."""
+    return _stats.snapshot()
+
+
+def reset_comm_stats() -> None:
+    _stats.reset()
+
+
 def all_reduce(x, op: str = "sum", group: Group | None = None):
     _member(group, "all_reduce")
     if op not in _REDUCE_OPS:
         raise ValueError(f"all_reduce op {op!r} is not supported; use one of {', '.join(_REDUCE_OPS)}")
     out = x.clone()
     if not _alone(group):
+        _record("all_reduce", x)
         tdist.all_reduce(out, op=_REDUCE_OPS[op], group=_h(group))
     return out
 
@@ -94,6 +115,7 @@ def all_gather(x, group: Group | None = None, dim: int = 0):
     _member(group, "all_gather")
     if _alone(group):
         return x.clone()
+    _record("all_gather", x)
     parts = [torch.empty_like(x) for _ in range(world_size(group))]
     tdist.all_gather(parts, x.contiguous(), group=_h(group))
     return torch.cat(parts, dim=dim)
@@ -107,12 +129,15 @@ def reduce_scatter(x, op: str = "sum", group: Group | None = None, dim: int = 0)
         raise ValueError(f"reduce_scatter: dimension {dim} of size {x.shape[dim]} does not split over {n} ranks")
     if n == 1:
         return x.clone()
+    _record("reduce_scatter", x)
     if _native_reduce_scatter():
         parts = [p.contiguous() for p in torch.chunk(x, n, dim=dim)]
         out = torch.empty_like(parts[0])
         tdist.reduce_scatter(out, parts, op=_REDUCE_OPS[op], group=_h(group))
         return out
-    return torch.chunk(all_reduce(x, op, group), n, dim=dim)[rank(group)].clone()
+    out = x.clone()  # gloo has no reduce-scatter: all-reduce and keep this rank's slice
+    tdist.all_reduce(out, op=_REDUCE_OPS[op], group=_h(group))
+    return torch.chunk(out, n, dim=dim)[rank(group)].clone()
 
 
 def all_to_all(x, group: Group | None = None, input_splits=None, output_splits=None):
@@ -130,6 +155,7 @@ def all_to_all(x, group: Group | None = None, input_splits=None, output_splits=N
         if output_splits is None:
             raise ValueError("all_to_all with input_splits also needs output_splits")
         out = x.new_empty((int(sum(output_splits)),) + tuple(x.shape[1:]))
+    _record("all_to_all", x)
     tdist.all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=_h(group))
     return out
 
@@ -138,11 +164,13 @@ def broadcast(x, src: int, group: Group | None = None):
     _member(group, "broadcast")
     out = x.clone()
     if not _alone(group):
+        _record("broadcast", x)
         tdist.broadcast(out, src, group=_h(group))
     return out
 
 
 def send(x, dst: int) -> None:
+    _record("send", x)
     tdist.send(x.contiguous(), dst)
 
 
@@ -150,12 +178,14 @@ def recv(shape, dtype, src: int):
     from . import ops
 
     out = ops.empty(shape, dtype)
+    _record("recv", out)
     tdist.recv(out, src)
     return out
 
 
 def barrier(group: Group | None = None) -> None:
     if not _alone(group):
+        _stats.record("barrier", 0)
         tdist.barrier(group=_h(group))
 
 

@@ -317,12 +317,14 @@ class Trainer:
         progress = None if args.no_progress or self.ps.rank else Progress(args.train_iters, "train", min_interval=1.0)
         if progress:
             progress.n = self.iteration
-        history, window_start, window_tokens = [], time.perf_counter(), 0
+        history, window_start, window_tokens, window_steps = [], time.perf_counter(), 0, 0
+        dist.reset_comm_stats()
         try:
             while self.iteration < args.train_iters:
                 loss, lr, norm = self.train_step(self.iteration)
                 self.iteration += 1
                 window_tokens += self.tokens_per_step
+                window_steps += 1
                 history.append(loss)
                 if progress:
                     progress.update(1, f"loss {loss:.3f}")
@@ -331,15 +333,22 @@ class Trainer:
                     tps = window_tokens / elapsed
                     tflops = tps * flops_per_token / 1e12
                     # MFU per device: the job's FLOP rate over the sum of the devices' peaks
+                    comm = dist.comm_stats()
                     record = {"iteration": self.iteration, "loss": loss, "lr": lr, "grad_norm": norm,
-                              "tokens_per_s": tps, "tflops": tflops, "mfu": tps * flops_per_token / (peak * self.ps.world)}
+                              "tokens_per_s": tps, "tflops": tflops, "mfu": tps * flops_per_token / (peak * self.ps.world),
+                              # this rank's collective traffic per step: the payload handed in, and
+                              # what reached the framework's primitives (more where emulated)
+                              "comm_bytes_per_step": sum(v["bytes"] for v in comm.values()) / window_steps,
+                              "comm_wire_bytes_per_step": sum(v["wire_bytes"] for v in comm.values()) / window_steps,
+                              "comm": comm}
                     self.say(f" iteration {self.iteration:6d}/{args.train_iters} | lm loss {loss:.4f} | lr {lr:.3e} | "
                              f"grad norm {norm:.3f} | tokens/s {tps:,.0f} | TFLOP/s {tflops:.3f} | "
                              f"MFU {100 * record['mfu']:.1f}%")
                     if metrics:
                         metrics.write(json.dumps(record) + "\n")
                         metrics.flush()
-                    window_start, window_tokens = time.perf_counter(), 0
+                    window_start, window_tokens, window_steps = time.perf_counter(), 0, 0
+                    dist.reset_comm_stats()
                 if args.eval_iters and args.eval_interval and self.iteration % args.eval_interval == 0:
                     eval_loss = self.evaluate()
                     self.say(f" validation at iteration {self.iteration} | lm loss {eval_loss:.4f} | "
