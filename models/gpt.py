@@ -119,6 +119,7 @@ class GPTModel(nn.Module):
         else:
             self._rope = None
         self._rope_cache = {}
+        self.sequence_multiple = 1  # sequence parallelism raises it to the TP size
 
     def _rotary(self, seq_len: int, dtype: str):
         if self._rope is None:
@@ -153,6 +154,11 @@ class GPTModel(nn.Module):
     def output_input(x):
         """What the output layer sees (parallelisation replaces this: gather, copy)."""
         return x
+
+    @staticmethod
+    def gather_logits(logits):
+        """Full-vocabulary logits from forward's output (tensor parallelism gathers shards)."""
+        return logits
 
     @staticmethod
     def token_losses(logits, labels):

@@ -172,3 +172,12 @@ def test_collective_bytes_match_the_analytical_count(framework, corpus, tmp_path
         assert v["wire_bytes"] >= v["bytes"]
         if framework == "pytorch" and op != "reduce_scatter":  # native on gloo: wire is payload
             assert v["wire_bytes"] == v["bytes"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.feature("sequence-parallel")
+def test_text_sample_under_tensor_and_sequence_parallelism(framework, corpus, tmp_path):  # noqa: F811
+    argv = [a if a != "0" or i == 0 or GQA[i - 1] != "--sample-tokens" else "12" for i, a in enumerate(GQA)]
+    out = launch_train(framework, 2, [*argv, "--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                      "--data-path", corpus, "--train-iters", "2"], tmp_path)
+    assert "sample:\ndef " in out

@@ -141,11 +141,13 @@ def parallelize(model, ps, sequence_parallel: bool = False) -> dict:
         model.output_layer = ColumnParallelLinear(model.output_layer, group, False)
         spec["output_layer.weight"] = (0, False)
     if sequence_parallel:
+        model.sequence_multiple = tp  # sequences must split evenly over the group
         model.decoder_input = lambda x: mappings.scatter_to_region(x, group, dim=1)
         model.output_input = lambda x: mappings.gather_from_sequence(x, group, dim=1)
     else:
         model.output_input = lambda x: mappings.copy_to_region(x, group)
     model.token_losses = lambda logits, labels: vocab_parallel_cross_entropy(logits, labels, group, emb.start)
+    model.gather_logits = lambda logits: dist.all_gather(logits, group=group, dim=-1)
     return spec
 
 

@@ -370,9 +370,7 @@ class Trainer:
         if args.save and (not args.save_interval or self.iteration % args.save_interval) and history:
             self.save()
         result = {"iterations": self.iteration, "losses": history}
-        if args.sample_tokens and self.ps.tp > 1:
-            self.say("(no text sample under tensor parallelism yet: the logits are sharded)")
-        elif args.sample_tokens:
+        if args.sample_tokens:
             from mindspeed_core.models.generate import generate
 
             prompt = "def "
