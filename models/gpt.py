@@ -28,11 +28,13 @@ class SelfAttention(nn.Module):
         if cfg.qk_layernorm:
             self.q_layernorm = make_norm(cfg.normalization, cfg.kv_channels, cfg.norm_epsilon)
             self.k_layernorm = make_norm(cfg.normalization, cfg.kv_channels, cfg.norm_epsilon)
-        self.num_groups = cfg.num_query_groups  # on this rank: tensor parallelism divides it
+        # on this rank: tensor parallelism divides the groups, or the heads of a group
+        self.num_groups = cfg.num_query_groups
+        self.heads_per_group = cfg.num_attention_heads // cfg.num_query_groups
 
     def forward(self, x, cos, sin):
         cfg = self.cfg
-        groups, per_group, d = self.num_groups, cfg.num_attention_heads // cfg.num_query_groups, cfg.kv_channels
+        groups, per_group, d = self.num_groups, self.heads_per_group, cfg.kv_channels
         qkv = self.linear_qkv(x)
         b, s = qkv.shape[0], qkv.shape[1]  # the full sequence, also under sequence parallelism
         qkv = ops.reshape(qkv, (b, s, groups, per_group + 2, d))

@@ -26,33 +26,54 @@ from mindspeed_core.errors import MindSpeedError
 from mindspeed_core.parallel import mappings
 
 
-def shard_rows(full: np.ndarray, n: int, r: int, swiglu: bool = False) -> np.ndarray:
-    if swiglu:  # [gate; up] -> [gate_r; up_r]
-        gate, up = np.split(full, 2, axis=0)
-        return np.concatenate([np.split(gate, n, axis=0)[r], np.split(up, n, axis=0)[r]])
-    return np.split(full, n, axis=0)[r]
+# A shard spec says how a parameter is cut over the tensor-parallel group:
+#   ("split", dim)            equal slices along dim
+#   ("swiglu",)               rows [gate; up] -> [gate_r; up_r]
+#   ("qkv", groups, per, d)   fused qkv rows when the query groups are fewer than the TP
+#                             ranks: each rank keeps a slice of its group's query heads and a
+#                             copy of the group's key and value heads
 
 
 def shard(full: np.ndarray, spec: tuple, n: int, r: int) -> np.ndarray:
-    dim, swiglu = spec
-    return shard_rows(full, n, r, swiglu) if dim == 0 else np.split(full, n, axis=dim)[r]
+    kind = spec[0]
+    if kind == "split":
+        return np.split(full, n, axis=spec[1])[r]
+    if kind == "swiglu":
+        gate, up = np.split(full, 2, axis=0)
+        return np.concatenate([np.split(gate, n, axis=0)[r], np.split(up, n, axis=0)[r]])
+    _, groups, per, d = spec
+    rep = n // groups
+    g, j = divmod(r, rep)
+    grouped = full.reshape((groups, per + 2, d) + full.shape[1:])[g]
+    q = grouped[:per].reshape((rep, per // rep, d) + full.shape[1:])[j]
+    return np.concatenate([q, grouped[per:]]).reshape((-1,) + full.shape[1:])
 
 
 def unshard(parts: list, spec: tuple) -> np.ndarray:
-    dim, swiglu = spec
-    if swiglu:
+    kind = spec[0]
+    if kind == "split":
+        return np.concatenate(parts, axis=spec[1])
+    if kind == "swiglu":
         halves = [np.split(p, 2, axis=0) for p in parts]
         return np.concatenate([h[0] for h in halves] + [h[1] for h in halves])
-    return np.concatenate(parts, axis=dim)
+    _, groups, per, d = spec
+    rep = len(parts) // groups
+    tail = parts[0].shape[1:]
+    local = [p.reshape((per // rep + 2, d) + tail) for p in parts]
+    out = []
+    for g in range(groups):
+        mine = local[g * rep:(g + 1) * rep]
+        out.append(np.concatenate([m[: per // rep] for m in mine] + [mine[0][per // rep:]]))
+    return np.concatenate(out).reshape((-1,) + tail)
 
 
 class ColumnParallelLinear(nn.Module):
-    def __init__(self, full, group, sequence_parallel: bool, swiglu: bool = False):
+    def __init__(self, full, group, sequence_parallel: bool, spec: tuple = ("split", 0)):
         super().__init__()
         n, r = dist.world_size(group), dist.rank(group)
         self.group, self.sp = group, sequence_parallel
-        self.weight = nn.Parameter(shard_rows(ops.to_numpy(full.weight), n, r, swiglu))
-        self.bias = None if full.bias is None else nn.Parameter(shard_rows(ops.to_numpy(full.bias), n, r, swiglu))
+        self.weight = nn.Parameter(shard(ops.to_numpy(full.weight), spec, n, r))
+        self.bias = None if full.bias is None else nn.Parameter(shard(ops.to_numpy(full.bias), spec, n, r))
 
     def forward(self, x):
         x = mappings.gather_from_sequence(x, self.group) if self.sp else mappings.copy_to_region(x, self.group)
@@ -105,41 +126,52 @@ def vocab_parallel_cross_entropy(logits, labels, group, vocab_start: int):
 def parallelize(model, ps, sequence_parallel: bool = False) -> dict:
     """Turn a freshly built (or freshly loaded) full GPTModel into this rank's TP shard.
 
-    Returns the shard spec {parameter name: (split dim, swiglu halves)} of the sharded
-    parameters; every other parameter is replicated across the tensor-parallel group."""
+    Returns the shard spec {parameter name: spec} (see shard()) of the sharded parameters;
+    every other parameter is replicated across the tensor-parallel group."""
     cfg, tp, group = model.cfg, ps.tp, ps.group("tp")
     if tp == 1:
         if sequence_parallel:
             raise MindSpeedError("--sequence-parallel needs --tensor-model-parallel-size > 1")
         return {}
-    for what, value in (("query groups", cfg.num_query_groups), ("attention heads", cfg.num_attention_heads),
-                        ("ffn hidden size", cfg.ffn_hidden_size), ("padded vocabulary", cfg.vocab_size)):
+    for what, value in (("attention heads", cfg.num_attention_heads), ("ffn hidden size", cfg.ffn_hidden_size),
+                        ("padded vocabulary", cfg.vocab_size)):
         if value % tp:
             raise MindSpeedError(f"tensor parallel size {tp} does not divide the {what} ({value})")
-    swiglu = cfg.activation == "swiglu"
+    groups, per = cfg.num_query_groups, cfg.num_attention_heads // cfg.num_query_groups
+    if groups % tp == 0:
+        qkv_spec = ("split", 0)
+    elif tp % groups == 0:  # fewer key/value heads than ranks: each is copied to tp/groups ranks
+        qkv_spec = ("qkv", groups, per, cfg.kv_channels)
+        rep = tp // groups
+        # the copies' gradients are summed over the ranks that share a key/value head
+        model.kv_copies = (ps.subgroup("tp", rep), (per // rep) * cfg.kv_channels, ps.local_rank("tp") % rep)
+    else:
+        raise MindSpeedError(f"tensor parallel size {tp} and {groups} query groups: one must divide the other")
+    swiglu = ("swiglu",) if cfg.activation == "swiglu" else ("split", 0)
     spec = {}
     for i, layer in enumerate(model.decoder.layers):
         attn, mlp = layer.self_attention, layer.mlp
         prefix = f"decoder.layers.{i}."
-        attn.linear_qkv = ColumnParallelLinear(attn.linear_qkv, group, sequence_parallel)
+        attn.linear_qkv = ColumnParallelLinear(attn.linear_qkv, group, sequence_parallel, qkv_spec)
         attn.linear_proj = RowParallelLinear(attn.linear_proj, group, sequence_parallel)
-        attn.num_groups = cfg.num_query_groups // tp
-        mlp.linear_fc1 = ColumnParallelLinear(mlp.linear_fc1, group, sequence_parallel, swiglu=swiglu)
+        attn.num_groups = max(groups // tp, 1)
+        attn.heads_per_group = cfg.num_attention_heads // tp // attn.num_groups
+        mlp.linear_fc1 = ColumnParallelLinear(mlp.linear_fc1, group, sequence_parallel, swiglu)
         mlp.linear_fc2 = RowParallelLinear(mlp.linear_fc2, group, sequence_parallel)
-        spec[prefix + "self_attention.linear_qkv.weight"] = (0, False)
-        spec[prefix + "self_attention.linear_proj.weight"] = (1, False)
-        spec[prefix + "mlp.linear_fc1.weight"] = (0, swiglu)
-        spec[prefix + "mlp.linear_fc2.weight"] = (1, False)
+        spec[prefix + "self_attention.linear_qkv.weight"] = qkv_spec
+        spec[prefix + "self_attention.linear_proj.weight"] = ("split", 1)
+        spec[prefix + "mlp.linear_fc1.weight"] = swiglu
+        spec[prefix + "mlp.linear_fc2.weight"] = ("split", 1)
         if cfg.add_qkv_bias:
-            spec[prefix + "self_attention.linear_qkv.bias"] = (0, False)
+            spec[prefix + "self_attention.linear_qkv.bias"] = qkv_spec
         if cfg.add_bias_linear:
-            spec[prefix + "mlp.linear_fc1.bias"] = (0, swiglu)
+            spec[prefix + "mlp.linear_fc1.bias"] = swiglu
     emb = VocabParallelEmbedding(model.embedding.word_embeddings, group)
     model.embedding.word_embeddings = emb
-    spec["embedding.word_embeddings.weight"] = (0, False)
+    spec["embedding.word_embeddings.weight"] = ("split", 0)
     if cfg.untie_embeddings_and_output_weights:
         model.output_layer = ColumnParallelLinear(model.output_layer, group, False)
-        spec["output_layer.weight"] = (0, False)
+        spec["output_layer.weight"] = ("split", 0)
     if sequence_parallel:
         model.sequence_multiple = tp  # sequences must split evenly over the group
         model.decoder_input = lambda x: mappings.scatter_to_region(x, group, dim=1)

@@ -48,6 +48,18 @@ class ParallelState:
     def size(self, kind: str) -> int:
         return {"tp": self.tp, "pp": self.pp, "dp": self.dp, "cp": self.cp, "ep": self.ep}[kind]
 
+    def subgroup(self, kind: str, size: int):
+        """This rank's group among consecutive ``size``-rank slices of its ``kind`` group.
+        Built for every such group of the job on first use (all ranks must ask)."""
+        key = f"{kind}/{size}"
+        if key not in self.groups:
+            for ranks in _group_ranks(self, kind):
+                for start in range(0, len(ranks), size):
+                    g = dist.new_group(ranks[start:start + size])
+                    if self.rank in ranks[start:start + size]:
+                        self.groups[key] = g
+        return self.groups[key]
+
     def local_rank(self, kind: str) -> int:
         if kind == "ep":
             return self.coords(self.rank)["dp"] % self.ep

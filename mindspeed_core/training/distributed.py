@@ -43,6 +43,43 @@ def sum_partial_over_tp(grads: list, ps, partial: list[int]) -> list:
     return grads
 
 
+def _kv_params(named_names: list[str], model):
+    info = getattr(model, "kv_copies", None)
+    if info is None:
+        return None, []
+    return info, [i for i, n in enumerate(named_names) if ".self_attention.linear_qkv." in n]
+
+
+def sum_kv_copies(grads: list, names: list[str], model) -> list:
+    """When key/value heads are copied to several TP ranks, each copy's gradient only saw
+    that rank's query heads: sum the copies' rows over the ranks sharing them."""
+    info, indices = _kv_params(names, model)
+    if info is None:
+        return grads
+    group, q_rows, _ = info
+    grads = list(grads)
+    for i in indices:
+        q, kv = grads[i][:q_rows], grads[i][q_rows:]
+        grads[i] = ops.cat([q, dist.all_reduce(kv, group=group)], dim=0)
+    return grads
+
+
+def norm_weights(names: list[str], params: list, model) -> list:
+    """Per parameter: None, or a 0/1 mask of the elements the global norm counts (the
+    key/value copies count on one rank of the ranks sharing them)."""
+    info, indices = _kv_params(names, model)
+    out = [None] * len(names)
+    if info is None:
+        return out
+    _, q_rows, copy_index = info
+    for i in indices:
+        mask = np.ones(tuple(params[i].shape), np.float32)
+        if copy_index:
+            mask[q_rows:] = 0.0
+        out[i] = mask
+    return out
+
+
 def average_over_dp(grads: list, ps) -> list:
     """Average gradients over the data-parallel group, one all-reduce per bucket."""
     grads = list(grads)
@@ -52,9 +89,12 @@ def average_over_dp(grads: list, ps) -> list:
     return grads
 
 
-def grad_norm_squared(grads: list, sharded: list[bool], ps) -> float:
+def grad_norm_squared(grads: list, sharded: list[bool], ps, weights: list | None = None) -> float:
     """Squared global L2 norm: sharded pieces summed over tensor-parallel ranks, replicated
-    ones counted once."""
+    ones counted once; ``weights`` masks elements that another rank counts."""
+    if weights is not None:
+        grads = [g if w is None else g * w for g, w in zip(grads, weights)]
+
     def sumsq(items):
         return ops.sum(ops.stack([ops.sum(ops.cast(g, "float32") ** 2) for g in items])) if items else None
 

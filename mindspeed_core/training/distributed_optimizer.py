@@ -27,7 +27,8 @@ from mindspeed_core.training.optimizer import adam_update, no_weight_decay
 
 
 class DistributedAdamW:
-    def __init__(self, named_params, lr: float, weight_decay: float, betas, eps: float, ps, sharded):
+    def __init__(self, named_params, lr: float, weight_decay: float, betas, eps: float, ps, sharded,
+                 norm_weights=None):
         pairs = [(n, p, s) for (n, p), s in zip(named_params, sharded) if nn.requires_grad(p)]
         self.named = [(n, p) for n, p, _ in pairs]
         self.lr, self.weight_decay, self.betas, self.eps, self.ps = lr, weight_decay, betas, eps, ps
@@ -39,13 +40,17 @@ class DistributedAdamW:
         window = slice(self.start, self.start + self.shard)
         decay = np.zeros(self.padded, np.float32)
         tp_sharded = np.zeros(self.padded, np.float32)
+        counted = np.zeros(self.padded, np.float32)  # elements the global norm counts on this rank
+        weights = norm_weights or [None] * len(self.named)
         offset = 0
-        for (name, p), (_, _, is_sharded), size in zip(self.named, pairs, self.sizes):
+        for (name, p), (_, _, is_sharded), size, w in zip(self.named, pairs, self.sizes, weights):
             decay[offset:offset + size] = 0.0 if no_weight_decay(name, p) else weight_decay
             tp_sharded[offset:offset + size] = 1.0 if is_sharded else 0.0
+            counted[offset:offset + size] = 1.0 if w is None else np.asarray(w, np.float32).reshape(-1)
             offset += size
         self.decay = ops.tensor(decay[window])
         self.tp_mask = ops.tensor(tp_sharded[window])
+        self.counted = ops.tensor(counted[window])
         self.master = self._my_slice(self._flatten([autograd.detach(p) for _, p in self.named]))
         self.exp_avg = ops.zeros((self.shard,))
         self.exp_avg_sq = ops.zeros((self.shard,))
@@ -75,7 +80,7 @@ class DistributedAdamW:
         return dist.reduce_scatter(flat, group=self.ps.group("dp")) * (1.0 / self.ps.dp)
 
     def grad_norm(self, g) -> float:
-        sq = g * g
+        sq = g * g * self.counted
         on_tp = ops.sum(sq * self.tp_mask)
         both = ops.stack([on_tp, ops.sum(sq) - on_tp])
         if self.ps.dp > 1:

@@ -31,10 +31,11 @@ class AdamW:
     optimizer shards the same work (training/distributed_optimizer.py)."""
 
     def __init__(self, named_params, lr: float, weight_decay: float = 0.0, betas=(0.9, 0.999), eps: float = 1e-8,
-                 ps=None, sharded=None):
+                 ps=None, sharded=None, norm_weights=None):
         self.named = [(n, p) for n, p in named_params if nn.requires_grad(p)]
         self.ps = ps
         self.sharded = list(sharded) if sharded is not None else [False] * len(self.named)
+        self.norm_weights = [None if w is None else ops.tensor(w) for w in (norm_weights or [None] * len(self.named))]
         self.lr, self.weight_decay, self.betas, self.eps = lr, weight_decay, betas, eps
         self.decay = [not no_weight_decay(n, p) for n, p in self.named]
         # fp32 moments always; fp32 master weights only for low-precision parameters (an fp32
@@ -59,7 +60,7 @@ class AdamW:
 
         if self.ps is None:
             return math.sqrt(float(ops.to_numpy(ops.sum(ops.stack([ops.sum(ops.cast(g, "float32") ** 2) for g in grads])))))
-        return math.sqrt(distributed.grad_norm_squared(grads, self.sharded, self.ps))
+        return math.sqrt(distributed.grad_norm_squared(grads, self.sharded, self.ps, self.norm_weights))
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state held by this rank (moments and fp32 masters)."""

@@ -176,9 +176,11 @@ class Trainer:
         self.sharded = [n in self.spec for n, _ in named]
         partial = set(parallel_layers.sequence_parallel_partial(self.model, self.spec)) if args.sequence_parallel else ()
         self.partial = [i for i, (n, _) in enumerate(named) if n in partial]
+        self.names = [n for n, _ in named]
         opt_cls = DistributedAdamW if args.use_distributed_optimizer else AdamW
         self.optimizer = opt_cls(named, args.lr, args.weight_decay, (args.adam_beta1, args.adam_beta2), args.adam_eps,
-                                 ps=self.ps, sharded=self.sharded)
+                                 ps=self.ps, sharded=self.sharded,
+                                 norm_weights=distributed.norm_weights(self.names, self.params, self.model))
         if saved_optimizer is not None:
             arrays, steps = saved_optimizer
             local = {k: ops.tensor(distributed.local_array(k.split(".", 1)[1], v, self.spec, self.ps))
@@ -239,7 +241,9 @@ class Trainer:
             grads = g if grads is None else [a + b for a, b in zip(grads, g)]
         if self.grad_accum > 1 or self.loss_scale != 1.0:
             grads = [g / (self.grad_accum * self.loss_scale) for g in grads]
-        grads = self.optimizer.prepare(distributed.sum_partial_over_tp(grads, self.ps, self.partial))
+        grads = distributed.sum_kv_copies(distributed.sum_partial_over_tp(grads, self.ps, self.partial), self.names,
+                                          self.model)
+        grads = self.optimizer.prepare(grads)
         loss = total_loss / self.grad_accum
         if self.ps.dp > 1:
             loss = float(ops.to_numpy(dist.all_reduce(ops.tensor([loss]), group=self.ps.group("dp")))[0]) / self.ps.dp
