@@ -107,6 +107,8 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
     m.add_argument("--add-qkv-bias", action="store_true", default=None)
     m.add_argument("--qk-layernorm", action="store_true", default=None)
     m.add_argument("--init-method-std", type=float, default=None)
+    m.add_argument("--attention-dropout", type=float, default=None)
+    m.add_argument("--hidden-dropout", type=float, default=None)
     m.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
 
     t = parser.add_argument_group("training")

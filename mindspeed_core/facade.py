@@ -90,6 +90,7 @@ SPEC = {
         "requires_grad": "requires_grad(param) -> bool",
         "set_requires_grad": "set_requires_grad(param, flag): freeze or unfreeze",
         "set_training": "set_training(module, mode=True): train / eval mode",
+        "is_training": "is_training(module) -> bool",
         "assign": "assign(param, value): copy a numpy array or tensor into the parameter, keeping its dtype",
         "cast_parameters": "cast_parameters(module, dtype): every parameter to dtype, in place (mixed precision)",
         "state_dict": "state_dict(module) -> {dotted name: numpy array}",

@@ -28,6 +28,8 @@ class ModelConfig:
     qk_layernorm: bool = False
     untie_embeddings_and_output_weights: bool = True
     init_method_std: float = 0.02
+    attention_dropout: float = 0.0
+    hidden_dropout: float = 0.0
     family: str = "llama"  # llama | mistral | qwen2 | qwen3 | gpt2 (Hugging Face export)
     extra: dict = field(default_factory=dict)  # family-specific fields kept for export
 

@@ -10,6 +10,7 @@ by query group.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 from mindspeed_core import nn, ops
@@ -19,6 +20,11 @@ from mindspeed_core.models.layers import Embedding, Linear, make_norm
 
 
 class SelfAttention(nn.Module):
+    # Random state for dropout on this rank's heads: tensor parallelism swaps in a fork of
+    # the tracker's "model-parallel" stream, so ranks holding different heads draw different
+    # masks (mindspeed_core.parallel.layers).
+    rng_region = staticmethod(contextlib.nullcontext)
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
@@ -45,7 +51,9 @@ class SelfAttention(nn.Module):
             q, k = self.q_layernorm(q), self.k_layernorm(k)
         if cos is not None:
             q, k = ops.apply_rotary(q, cos, sin), ops.apply_rotary(k, cos, sin)
-        out = ops.attention(q, k, v, causal=True)
+        p = cfg.attention_dropout if nn.is_training(self) else 0.0
+        with self.rng_region():
+            out = ops.attention(q, k, v, causal=True, dropout_p=p)
         return self.linear_proj(ops.reshape(out, (b, s, groups * per_group * d)))
 
 
@@ -68,16 +76,28 @@ class MLP(nn.Module):
 
 
 class TransformerLayer(nn.Module):
+    # Hidden dropout acts on replicated activations, which must draw the same mask on every
+    # tensor-parallel rank (the default stream); under sequence parallelism each rank holds
+    # other tokens and the tracker's fork is swapped in.
+    rng_region = staticmethod(contextlib.nullcontext)
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
+        self.hidden_dropout = cfg.hidden_dropout
         self.input_layernorm = make_norm(cfg.normalization, cfg.hidden_size, cfg.norm_epsilon)
         self.self_attention = SelfAttention(cfg)
         self.pre_mlp_layernorm = make_norm(cfg.normalization, cfg.hidden_size, cfg.norm_epsilon)
         self.mlp = MLP(cfg)
 
+    def _dropout(self, x):
+        if not self.hidden_dropout or not nn.is_training(self):
+            return x
+        with self.rng_region():
+            return ops.dropout(x, self.hidden_dropout)
+
     def forward(self, x, cos, sin):
-        x = x + self.self_attention(self.input_layernorm(x), cos, sin)
-        return x + self.mlp(self.pre_mlp_layernorm(x))
+        x = x + self._dropout(self.self_attention(self.input_layernorm(x), cos, sin))
+        return x + self._dropout(self.mlp(self.pre_mlp_layernorm(x)))
 
 
 class Decoder(nn.Module):

@@ -129,8 +129,11 @@ def test_frozen_parameters_and_training_mode():
     x = ops.tensor(np.ones((2, 4)))
     loss, grads = autograd.value_and_grad(lambda: ops.sum(net(x)), trainable)()
     assert len(grads) == len(trainable)
+    assert nn.is_training(net) and nn.is_training(net.inp)  # modules start in training mode
     nn.set_training(net, False)
+    assert not nn.is_training(net) and not nn.is_training(net.inp)
     nn.set_training(net, True)
+    assert nn.is_training(net)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float64"])

@@ -192,3 +192,41 @@ def test_text_sample_under_tensor_and_sequence_parallelism(framework, corpus, tm
     out = launch_train(framework, 2, [*argv, "--tensor-model-parallel-size", "2", "--sequence-parallel",
                                       "--data-path", corpus, "--train-iters", "2"], tmp_path)
     assert "sample:\ndef " in out
+
+
+@pytest.mark.multiprocess
+@pytest.mark.feature("rng-tracker")
+@pytest.mark.feature("tensor-parallel")
+def test_dropout_differs_across_tp_ranks_where_it_must(framework, tmp_path):
+    import json
+    import pathlib
+
+    from launch import launch
+
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    code, output = launch(framework, 2, str(pathlib.Path(__file__).parent / "tp_dropout_worker.py"), [str(out_dir)],
+                          str(tmp_path / "logs"))
+    assert code == 0, output[-4000:]
+    result = json.loads((out_dir / "rank0.json").read_text())
+    assert result["sp=False"] == {"attention_differs": True, "hidden_differs": False, "loss_finite": True}
+    assert result["sp=True"] == {"attention_differs": True, "hidden_differs": True, "loss_finite": True}
+
+
+def test_dropout_is_off_in_evaluation_and_on_in_training(capsys, corpus, tmp_path):  # noqa: F811
+    from mindspeed_core import nn, ops, random
+    from mindspeed_core.models.config import ModelConfig
+    from mindspeed_core.models.gpt import GPTModel
+    import numpy as np
+
+    random.seed(1)
+    model = GPTModel(ModelConfig(vocab_size=64, hidden_size=32, num_layers=1, num_attention_heads=4, ffn_hidden_size=64,
+                                 max_position_embeddings=16, attention_dropout=0.3, hidden_dropout=0.3))
+    ids = ops.tensor(np.arange(16).reshape(1, 16))
+    train_losses = {float(ops.to_numpy(model.loss(ids, ids))) for _ in range(3)}
+    nn.set_training(model, False)
+    eval_losses = {float(ops.to_numpy(model.loss(ids, ids))) for _ in range(3)}
+    assert len(train_losses) == 3 and len(eval_losses) == 1
+    code, _, err = train(capsys, *GQA, "--data-path", corpus, "--train-iters", "3", "--attention-dropout", "0.1",
+                         "--hidden-dropout", "0.1", "--eval-iters", "1", "--eval-interval", "3", "--split", "90,10,0")
+    assert code == 0, err

@@ -18,6 +18,10 @@ class Module(ms.nn.Cell):
     """Base of every facade module: define ``__init__`` and ``forward`` as in PyTorch;
     MindSpore calls ``construct``, which forwards to ``forward``."""
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.set_train(True)  # torch modules start in training mode; Cells start in eval mode
+
     def construct(self, *args, **kwargs):
         return self.forward(*args, **kwargs)
 
@@ -54,6 +58,10 @@ def requires_grad(param) -> bool:
 
 def set_training(module, mode: bool = True) -> None:
     module.set_train(mode)
+
+
+def is_training(module) -> bool:
+    return bool(module.training)
 
 
 def assign(param, value) -> None:

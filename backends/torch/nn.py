@@ -47,6 +47,10 @@ def set_training(module, mode: bool = True) -> None:
     module.train(mode)
 
 
+def is_training(module) -> bool:
+    return module.training
+
+
 def assign(param, value) -> None:
     """Copy a numpy array or tensor into a parameter in place, keeping its dtype."""
     src = value if isinstance(value, torch.Tensor) else torch.as_tensor(np.asarray(value))

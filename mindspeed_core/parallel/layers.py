@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from mindspeed_core import autograd, dist, nn, ops
+from mindspeed_core import autograd, dist, nn, ops, random
 from mindspeed_core.errors import MindSpeedError
 from mindspeed_core.parallel import mappings
 
@@ -123,6 +123,22 @@ def vocab_parallel_cross_entropy(logits, labels, group, vocab_start: int):
     return ops.log(total) - target
 
 
+MODEL_PARALLEL_RNG = "model-parallel"
+
+
+def seed_model_parallel_rng(seed: int, ps) -> None:
+    """Megatron's scheme: the default stream is seeded alike on every rank (replicated
+    activations draw the same masks); the tracked "model-parallel" stream is offset by the
+    tensor-parallel rank (sharded activations draw different ones)."""
+    tracker = random.tracker()
+    tracker.reset()
+    tracker.add(MODEL_PARALLEL_RNG, seed + 2718 + ps.local_rank("tp"))
+
+
+def _model_parallel_rng():
+    return random.tracker().fork(MODEL_PARALLEL_RNG)
+
+
 def parallelize(model, ps, sequence_parallel: bool = False) -> dict:
     """Turn a freshly built (or freshly loaded) full GPTModel into this rank's TP shard.
 
@@ -152,6 +168,9 @@ def parallelize(model, ps, sequence_parallel: bool = False) -> dict:
     for i, layer in enumerate(model.decoder.layers):
         attn, mlp = layer.self_attention, layer.mlp
         prefix = f"decoder.layers.{i}."
+        attn.rng_region = _model_parallel_rng
+        if sequence_parallel:
+            layer.rng_region = _model_parallel_rng
         attn.linear_qkv = ColumnParallelLinear(attn.linear_qkv, group, sequence_parallel, qkv_spec)
         attn.linear_proj = RowParallelLinear(attn.linear_proj, group, sequence_parallel)
         attn.num_groups = max(groups // tp, 1)

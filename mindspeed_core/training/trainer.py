@@ -44,7 +44,7 @@ _MODEL_FLAGS = {  # flag -> ModelConfig field
     "num_layers": "num_layers", "hidden_size": "hidden_size", "ffn_hidden_size": "ffn_hidden_size",
     "num_attention_heads": "num_attention_heads", "num_query_groups": "num_query_groups",
     "kv_channels": "kv_channels", "norm_epsilon": "norm_epsilon", "rotary_base": "rotary_base",
-    "init_method_std": "init_method_std",
+    "init_method_std": "init_method_std", "attention_dropout": "attention_dropout", "hidden_dropout": "hidden_dropout",
 }
 
 
@@ -169,6 +169,8 @@ class Trainer:
         if args.load:
             saved_optimizer = self._resume_model(args.load)
         self.spec = parallel_layers.parallelize(self.model, self.ps, args.sequence_parallel)
+        if self.ps.tp > 1:
+            parallel_layers.seed_model_parallel_rng(args.seed, self.ps)
         if self.dtype != "float32":
             nn.cast_parameters(self.model, self.dtype)  # the optimizer keeps fp32 masters
         named = nn.named_parameters(self.model)
@@ -268,10 +270,14 @@ class Trainer:
     def evaluate(self) -> float:
         args = self.args
         losses = []
-        with autograd.no_grad():
-            for k in range(args.eval_iters):
-                ids, labels = self._batch("valid", k * args.micro_batch_size, args.micro_batch_size)
-                losses.append(float(ops.to_numpy(self.model.loss(ids, labels))))
+        nn.set_training(self.model, False)  # no dropout
+        try:
+            with autograd.no_grad():
+                for k in range(args.eval_iters):
+                    ids, labels = self._batch("valid", k * args.micro_batch_size, args.micro_batch_size)
+                    losses.append(float(ops.to_numpy(self.model.loss(ids, labels))))
+        finally:
+            nn.set_training(self.model, True)
         return float(np.mean(losses))
 
     def _first_non_finite_parameter(self):
@@ -378,6 +384,7 @@ class Trainer:
             from mindspeed_core.models.generate import generate
 
             prompt = "def "
+            nn.set_training(self.model, False)
             ids = generate(self.model, self.tokenizer.encode(prompt), args.sample_tokens, args.seq_length, seed=args.seed)
             text = self.tokenizer.decode(ids)
             self.say("sample:\n" + prompt + text)
