@@ -85,7 +85,6 @@ def _cp(algo):
     return lambda a: (getattr(a, "context_parallel_size", 1) or 1) > 1 and a.context_parallel_algo == algo
 
 
-_TP_ISSUE = "arrives with the distributed-training core"
 _NPU_ONLY = "fuses matmul with communication in Ascend kernels; NPU only"
 
 FEATURES: tuple[Feature, ...] = (
@@ -187,7 +186,10 @@ FEATURES: tuple[Feature, ...] = (
                       cuda=emulated("composed from AllReduce until native NCCL bindings are tested"),
                       npu=emulated("composed from AllReduce until native HCCL bindings are tested"))),
     Feature("grad-reduce-overlap", "Overlap gradient reduction with backward", "communication",
-            ("--overlap-grad-reduce",), planned(_TP_ISSUE), planned(_TP_ISSUE), _on("overlap_grad_reduce")),
+            ("--overlap-grad-reduce",),
+            planned("gradients come from one value_and_grad call; overlapping needs per-parameter backward hooks"),
+            planned("MindSpore's value_and_grad returns all gradients at once; no per-parameter hook to start "
+                    "a reduction early"), _on("overlap_grad_reduce")),
     Feature("param-gather-overlap", "Overlap parameter all-gather with forward", "communication",
             ("--overlap-param-gather",), planned(), planned(), _on("overlap_param_gather")),
     Feature("mc2", "MC2: matmul fused with all-gather / reduce-scatter", "communication", ("--use-ascend-mc2",),

@@ -59,11 +59,6 @@ def apply_defaults(args) -> bool:
                 args.make_vocab_size_divisible_by = value
         elif getattr(args, key, None) is None and value is not None:
             setattr(args, key, value)
-    if args.global_batch_size is None:
-        args.global_batch_size = args.micro_batch_size
-    if args.global_batch_size % args.micro_batch_size:
-        raise MindSpeedError(f"--global-batch-size {args.global_batch_size} is not a multiple of "
-                             f"--micro-batch-size {args.micro_batch_size}")
     for name in ("seq_length", "micro_batch_size", "train_iters", "log_interval"):
         if getattr(args, name) <= 0:
             raise MindSpeedError(f"--{name.replace('_', '-')} must be positive")
@@ -131,6 +126,8 @@ class Trainer:
         self._clean_steps = 0
         dist.init()
         self.ps = parallel_state.initialize(tp=args.tensor_model_parallel_size)
+        if args.global_batch_size is None:  # one micro-batch per data-parallel rank
+            args.global_batch_size = args.micro_batch_size * self.ps.dp
         per_rank = args.global_batch_size // self.ps.dp
         if args.global_batch_size % (args.micro_batch_size * self.ps.dp):
             raise MindSpeedError(f"--global-batch-size {args.global_batch_size} is not a multiple of "
