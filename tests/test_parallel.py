@@ -230,3 +230,16 @@ def test_dropout_is_off_in_evaluation_and_on_in_training(capsys, corpus, tmp_pat
     code, _, err = train(capsys, *GQA, "--data-path", corpus, "--train-iters", "3", "--attention-dropout", "0.1",
                          "--hidden-dropout", "0.1", "--eval-iters", "1", "--eval-interval", "3", "--split", "90,10,0")
     assert code == 0, err
+
+
+@pytest.mark.multiprocess
+@pytest.mark.feature("distributed-optimizer")
+def test_distributed_optimizer_checkpoint_resumes_on_other_layouts(capsys, framework, corpus, reference, tmp_path):  # noqa: F811
+    ckpt = tmp_path / "ckpt"
+    common = [*GQA, "--data-path", corpus, "--train-iters", str(ITERS)]
+    launch_train(framework, 2, [*common, "--use-distributed-optimizer", "--save", str(ckpt), "--save-interval", "5",
+                                "--exit-interval", "5"], tmp_path)
+    # its state (sharded over DP while training) is saved whole: a single process resumes it
+    code, out, err = train(capsys, *common, "--load", str(ckpt), "--metrics-file", str(tmp_path / "tp1.jsonl"))
+    assert code == 0 and "DP=2" in out, err
+    assert_same_curve(losses(tmp_path / "tp1.jsonl"), {i: reference["gqa"][i] for i in range(6, ITERS + 1)})

@@ -149,10 +149,15 @@ def all_reduce(x, op: str = "sum", group: Group | None = None):
     if _alone(group):
         return x.copy()
     with _recording("all_reduce", _nbytes(x)):
-        if op == "sum" and x.dtype in (ms.float32, ms.float16):
-            _stats.add_wire(_nbytes(x))
-            return P.AllReduce(P.ReduceOp.SUM, _handle(group))(x)
-        return _back(_emulated.all_reduce(ops.to_numpy(x), op, group), x)
+        return _reduce(x, op, group)
+
+
+def _reduce(x, op: str, group):
+    """The reduction itself: mccl's native SUM for float32/float16, the emulation otherwise."""
+    if op == "sum" and x.dtype in (ms.float32, ms.float16):
+        _stats.add_wire(_nbytes(x))
+        return P.AllReduce(P.ReduceOp.SUM, _handle(group))(x)
+    return _back(_emulated.all_reduce(ops.to_numpy(x), op, group), x)
 
 
 def all_gather(x, group: Group | None = None, dim: int = 0):
@@ -172,11 +177,7 @@ def reduce_scatter(x, op: str = "sum", group: Group | None = None, dim: int = 0)
     if n == 1:
         return x.copy()
     with _recording("reduce_scatter", _nbytes(x)):
-        if op == "sum" and x.dtype in (ms.float32, ms.float16):
-            _stats.add_wire(_nbytes(x))
-            full = P.AllReduce(P.ReduceOp.SUM, _handle(group))(x)
-        else:
-            full = _back(_emulated.all_reduce(ops.to_numpy(x), op, group), x)
+        full = _reduce(x, op, group)
     return ops.chunk(full, n, dim)[rank(group)]
 
 
