@@ -4,7 +4,8 @@ code stays single-device; this module swaps its layers for parallel ones).
 ``parallelize(model, ps, sequence_parallel)`` slices the full weights of a GPTModel for this
 rank, so a parallel run starts from exactly the single-process initialisation:
 
-    self_attention.linear_qkv   column-parallel, rows split by query group (mcore layout)
+    self_attention.linear_qkv   column-parallel, rows split by query group (mcore layout); with
+                                fewer query groups than ranks, key/value heads are copied
     self_attention.linear_proj  row-parallel
     mlp.linear_fc1              column-parallel; for SwiGLU the gate and up halves split apart
     mlp.linear_fc2              row-parallel
@@ -13,8 +14,9 @@ rank, so a parallel run starts from exactly the single-process initialisation:
 With --sequence-parallel the activations between those regions are split along the
 sequence: column layers all-gather them, row layers reduce-scatter, and the norms (whose
 weights then see only part of the sequence) get their gradients summed over the group.
-``shard_spec`` records how each sharded parameter was cut, for checkpoints and the
-gradient norm.
+The embedding output is all-reduced and then sliced (Megatron reduce-scatters it: the same
+result with less traffic; left for later). parallelize() returns how each sharded parameter
+was cut (the shard specs below), for checkpoints and the gradient norm.
 """
 
 from __future__ import annotations
