@@ -138,9 +138,11 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--save", default=None)
     c.add_argument("--save-interval", type=int, default=None)
     c.add_argument("--load", default=None)
-    c.add_argument("--eval-interval", type=int, default=1000)
-    c.add_argument("--eval-iters", type=int, default=10)
-    c.add_argument("--log-interval", type=int, default=10)
+    # None: the trainer fills Megatron's defaults (eval every 1000 steps over 100 batches, a log
+    # line every 100), or the embedded run's own
+    c.add_argument("--eval-interval", type=int, default=None)
+    c.add_argument("--eval-iters", type=int, default=None)
+    c.add_argument("--log-interval", type=int, default=None)
     c.add_argument("--exit-interval", type=int, default=None, help="stop (after saving) at a multiple of this iteration")
     c.add_argument("--metrics-file", default=None, help="JSONL metrics (default: <save>/metrics.jsonl)")
     c.add_argument("--sample-tokens", type=int, default=None, help="tokens of text to sample at the end")

@@ -38,7 +38,8 @@ EMBEDDED_ITERS = {"pytorch": 1500, "mindspore": 300}
 EMBEDDED_DEFAULTS = dict(model_name="tiny-llama", seq_length=128, micro_batch_size=8, global_batch_size=16,
                          train_iters=None, lr=3e-3, min_lr=3e-4, lr_warmup_iters=20, eval_interval=100, eval_iters=4,
                          log_interval=25, sample_tokens=200, make_vocab_size_divisible_by=8)
-TRAINING_DEFAULTS = dict(seq_length=256, micro_batch_size=4, global_batch_size=None, train_iters=100, lr=1e-3)
+TRAINING_DEFAULTS = dict(seq_length=256, micro_batch_size=4, global_batch_size=None, train_iters=100, lr=1e-3,
+                         eval_interval=1000, eval_iters=100, log_interval=100)
 
 _MODEL_FLAGS = {  # flag -> ModelConfig field
     "num_layers": "num_layers", "hidden_size": "hidden_size", "ffn_hidden_size": "ffn_hidden_size",
