@@ -173,10 +173,11 @@ def _cmd_launch(argv: list[str]) -> int:
     root = _RootCause()
     for line in proc.stdout:
         sys.stdout.write(line)
+        root.note_workers(proc.pid)
         root.feed(line)
     code = proc.wait()
     if code != 0:
-        who = f"rank {root.rank} failed first" if root.rank is not None else "a rank failed"
+        who = f"rank {root.failed} failed first" if root.failed is not None else "a rank failed"
         hint = ""
         if "--save" in train_argv:
             hint = f"; rerun with --load {train_argv[train_argv.index('--save') + 1]} to resume from its last checkpoint"
@@ -185,12 +186,32 @@ def _cmd_launch(argv: list[str]) -> int:
 
 
 class _RootCause:
-    """Finds the rank that failed first in a launcher's output: torchrun lists it under
-    "Root Cause (first observed failure)", msrun's scheduler names the first worker that
-    timed out."""
+    """Finds the rank that failed first in a launcher's output. torchrun lists it under
+    "Root Cause (first observed failure)". msrun reports the first worker process that
+    exited by its pid, so the worker pids are mapped to ranks (their RANK_ID) while they
+    live; msrun's "first one timed out" is only a fallback, since a surviving rank blocked
+    in a collective can time out first."""
 
     def __init__(self):
-        self.rank, self._in_root = None, False
+        self.rank, self._in_root, self._pids, self._timed_out = None, False, {}, None
+
+    def note_workers(self, launcher_pid: int) -> None:
+        import os
+
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            if int(pid) in self._pids:
+                continue
+            try:
+                with open(f"/proc/{pid}/stat") as fh:
+                    parent = int(fh.read().rsplit(")", 1)[1].split()[1])
+                if parent != launcher_pid:
+                    continue
+                with open(f"/proc/{pid}/environ", "rb") as fh:
+                    env = dict(e.split(b"=", 1) for e in fh.read().split(b"\0") if b"=" in e)
+            except (OSError, ValueError, IndexError):
+                continue
+            if b"RANK_ID" in env and b"MS_NODE_ID" in env:  # workers, not the scheduler
+                self._pids[int(pid)] = int(env[b"RANK_ID"])
 
     def feed(self, line: str) -> None:
         import re
@@ -200,9 +221,16 @@ class _RootCause:
         m = re.search(r"^\s*rank\s*:\s*(\d+)", line)
         if m and self._in_root and self.rank is None:
             self.rank = int(m.group(1))
+        m = re.search(r"Worker process (\d+) exit with exception", line)
+        if m and self.rank is None and int(m.group(1)) in self._pids:
+            self.rank = self._pids[int(m.group(1))]
         m = re.search(r"worker (\d+) is the first one timed out", line)
-        if m and self.rank is None:
-            self.rank = int(m.group(1))
+        if m and self._timed_out is None:
+            self._timed_out = int(m.group(1))
+
+    @property
+    def failed(self):
+        return self.rank if self.rank is not None else self._timed_out
 
 
 COMMANDS = {"features": _cmd_features, "check-args": _cmd_check_args, "info": _cmd_info, "train": _cmd_train,

@@ -66,3 +66,21 @@ def test_dead_rank_stops_the_job_and_the_run_resumes(framework, corpus, tmp_path
         if (tmp_path / "logs").is_dir() else ""
     assert resumed.returncode == 0, resumed.stdout[-3000:] + logs[-3000:]
     assert f"resumed from {ckpt}" in resumed.stdout + logs
+
+
+def test_root_cause_parsing_prefers_the_process_that_exited():
+    from mindspeed_core.cli import _RootCause
+
+    torchrun = _RootCause()
+    for line in ["Failures:", "  rank      : 0 (local_rank: 0)", "Root Cause (first observed failure):",
+                 "  rank      : 1 (local_rank: 1)"]:
+        torchrun.feed(line)
+    assert torchrun.failed == 1
+    msrun = _RootCause()
+    msrun._pids = {4242: 1, 4241: 0}
+    msrun.feed("[ERROR] ... Worker process 4242 exit with exception. Error code: -9.")
+    msrun.feed("RuntimeError: ... worker 0 is the first one timed out, please check its log.")
+    assert msrun.failed == 1  # the dead process, not the survivor that timed out waiting for it
+    fallback = _RootCause()
+    fallback.feed("RuntimeError: ... worker 3 is the first one timed out, please check its log.")
+    assert fallback.failed == 3
