@@ -9,6 +9,7 @@ destroys the previous file.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import struct
@@ -39,9 +40,10 @@ class HostTensor:
 
 
 def save(path: str, tensors: dict[str, HostTensor], metadata: dict | None = None,
-         raw_metadata: dict[str, str] | None = None) -> None:
+         raw_metadata: dict[str, str] | None = None) -> str:
     """``metadata`` travels as JSON under one key; ``raw_metadata`` are plain string entries
-    other readers look for (Hugging Face transformers wants {"format": "pt"})."""
+    other readers look for (Hugging Face transformers wants {"format": "pt"}). Returns the
+    SHA-256 of the bytes written, for the caller to record and ``load`` to verify."""
     header: dict = {}
     entries = dict(raw_metadata or {})
     if metadata is not None:
@@ -60,17 +62,19 @@ def save(path: str, tensors: dict[str, HostTensor], metadata: dict | None = None
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # the format aligns the data section to 8 bytes
     tmp = f"{path}.tmp-{os.getpid()}"
+    digest = hashlib.sha256()
     with open(tmp, "wb") as fh:
-        fh.write(struct.pack("<Q", len(blob)))
-        fh.write(blob)
-        for _, t in ordered:
-            fh.write(t.array.tobytes())
+        for chunk in (struct.pack("<Q", len(blob)), blob, *(t.array.tobytes() for _, t in ordered)):
+            digest.update(chunk)
+            fh.write(chunk)
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, path)
+    return digest.hexdigest()
 
 
-def load(path: str) -> tuple[dict[str, HostTensor], dict | None]:
+def load(path: str, sha256: str | None = None) -> tuple[dict[str, HostTensor], dict | None]:
+    """Read a file; with ``sha256`` (recorded by ``save``) a file whose bytes changed is refused."""
     try:
         with open(path, "rb") as fh:
             data = fh.read()
@@ -83,23 +87,48 @@ def load(path: str) -> tuple[dict[str, HostTensor], dict | None]:
         raise CheckpointError(f"{path} is truncated or not a safetensors file (header length {hlen})")
     try:
         header = json.loads(data[8 : 8 + hlen])
-    except ValueError:
-        raise CheckpointError(f"{path} has a corrupt safetensors header") from None
+    except ValueError:  # UnicodeDecodeError included
+        raise CheckpointError(f"{path} has a corrupt safetensors header (not JSON)") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path} has a corrupt safetensors header (not a JSON object)")
     base = 8 + hlen
     meta = header.pop("__metadata__", None) or {}
-    tensors = {}
-    for name, info in header.items():
-        start, end = info["data_offsets"]
-        tag = info["dtype"]
-        if tag not in _TAGS:
-            raise CheckpointError(f"{path}: tensor {name!r} has unsupported dtype {tag}")
-        if base + end > len(data):
-            raise CheckpointError(f"{path} is truncated: tensor {name!r} ends past the end of the file")
-        array = np.frombuffer(data, dtype=_TAGS[tag], count=(end - start) // np.dtype(_TAGS[tag]).itemsize,
-                              offset=base + start).reshape(info["shape"])
-        tensors[name] = HostTensor(array.copy(), "bfloat16" if tag == "BF16" else None)
-    metadata = json.loads(meta[METADATA_KEY]) if METADATA_KEY in meta else None
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{path} has a corrupt safetensors header (__metadata__ is not an object)")
+    tensors = {name: _tensor(path, name, info, data, base) for name, info in header.items()}
+    try:
+        metadata = json.loads(meta[METADATA_KEY]) if METADATA_KEY in meta else None
+    except (TypeError, ValueError):
+        raise CheckpointError(f"{path} has corrupt metadata (not JSON)") from None
+    # after parsing, so that a truncated or garbled file is named as such; this catches the
+    # rest, e.g. a flipped bit in the data that would otherwise load as a wild weight
+    if sha256 is not None and hashlib.sha256(data).hexdigest() != sha256:
+        raise CheckpointError(f"{path} is corrupt: its SHA-256 differs from the one recorded when it was saved")
     return tensors, metadata
+
+
+def _tensor(path: str, name: str, info, data: bytes, base: int) -> HostTensor:
+    """One header entry, checked field by field: a flipped bit anywhere in the header is a
+    clear error, never a KeyError, a negative shape or a read past the data."""
+    def bad(what: str):
+        return CheckpointError(f"{path} has a corrupt safetensors header: tensor {name!r} {what}")
+
+    if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= set(info):
+        raise bad("lacks dtype, shape or data_offsets")
+    tag, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+    if not isinstance(tag, str) or tag not in _TAGS:
+        raise bad(f"has unsupported dtype {tag!r}")
+    ints = (lambda v: isinstance(v, list) and all(type(x) is int and x >= 0 for x in v))
+    if not ints(shape) or not ints(offsets) or len(offsets) != 2 or offsets[0] > offsets[1]:
+        raise bad(f"has an invalid shape {shape!r} or data_offsets {offsets!r}")
+    start, end = offsets
+    if base + end > len(data):
+        raise CheckpointError(f"{path} is truncated: tensor {name!r} ends past the end of the file")
+    itemsize = np.dtype(_TAGS[tag]).itemsize
+    if end - start != int(np.prod(shape, dtype=np.int64)) * itemsize:
+        raise bad(f"of shape {shape} does not fit its {end - start} bytes")
+    array = np.frombuffer(data, dtype=_TAGS[tag], count=(end - start) // itemsize, offset=base + start).reshape(shape)
+    return HostTensor(array.copy(), "bfloat16" if tag == "BF16" else None)
 
 
 def load_tensors(path: str, make_tensor) -> tuple[dict, dict | None]:

@@ -3,27 +3,40 @@
     <save>/latest_checkpointed_iteration.txt
     <save>/iter_0000100/model.safetensors       parameters by dotted name
     <save>/iter_0000100/optimizer.safetensors   AdamW moments (and fp32 masters)
-    <save>/iter_0000100/meta.json               iteration, model config, args, framework
+    <save>/iter_0000100/trainer_state.json      RNG states per rank, fp16 loss scale
+    <save>/iter_0000100/meta.json               iteration, model config, args, framework,
+                                                and the SHA-256 of each file above
 
-A checkpoint is written into a temporary folder and renamed into place, and the tracker
-file is replaced last, so an interrupted save leaves the previous checkpoint as it was.
-Safetensors carry no framework, so a run saved on PyTorch resumes on MindSpore. Values are
-always full (unsharded), so a checkpoint saved at one parallel layout loads at any other.
+What the tracker names is always a complete checkpoint: a checkpoint is written (and
+fsynced) in a temporary folder and renamed into place before the tracker moves; saving an
+iteration that already exists swaps the two folders in one atomic rename (Linux
+renameat2 RENAME_EXCHANGE) before the old one is deleted. Loading verifies every file
+against its recorded digest. Safetensors carry no framework, so a run saved on PyTorch
+resumes on MindSpore; values are always full (unsharded), so a checkpoint saved at one
+parallel layout loads at any other.
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
+import hashlib
 import json
 import os
+import re
 import shutil
 
 import numpy as np
 
-from mindspeed_core import tensor_files
+from mindspeed_core import files, tensor_files
 from mindspeed_core.backends.common import float32_to_bf16_bits
 from mindspeed_core.errors import CheckpointError
 
 TRACKER = "latest_checkpointed_iteration.txt"
+STATE_FILE = "trainer_state.json"
+# what a crashed save leaves behind: iter_N.tmp-PID, iter_N.old-PID, the tracker's .tmp-PID
+_TEMPORARY = re.compile(r"^(?P<base>iter_\d+|" + re.escape(TRACKER) + r")\.(?P<kind>tmp|old)-(?P<pid>\d+)$")
+_ITERATION = re.compile(rb"^\s*(\d{1,12})\s*$")
 
 
 def iteration_dir(root: str, iteration: int) -> str:
@@ -35,26 +48,69 @@ def _host(arrays: dict, dtypes: dict) -> dict:
             else tensor_files.HostTensor(v, dtypes.get(k)) for k, v in arrays.items()}
 
 
+def _write_json(path: str, value) -> str:
+    blob = json.dumps(value, indent=2, sort_keys=True).encode()
+    with open(path, "wb") as fh:
+        fh.write(blob)
+        fh.flush()
+        os.fsync(fh.fileno())
+    return hashlib.sha256(blob).hexdigest()
+
+
+def _exchange(a: str, b: str) -> bool:
+    """Atomically swap two paths (Linux renameat2 RENAME_EXCHANGE); False where unsupported."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if renameat2(at_fdcwd, a.encode(), at_fdcwd, b.encode(), rename_exchange) == 0:
+        return True
+    if ctypes.get_errno() in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):
+        return False
+    raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()), a)
+
+
 def save(root: str, iteration: int, model_arrays: dict, optimizer_arrays: dict, steps: int, meta: dict,
-         dtypes: dict | None = None) -> str:
-    """Write full numpy state; ``dtypes`` names parameters kept in bfloat16."""
+         dtypes: dict | None = None, trainer_state: dict | None = None) -> str:
+    """Write full numpy state; ``dtypes`` names parameters kept in bfloat16 or float16;
+    ``trainer_state`` (JSON) holds what exact resumption needs beyond the tensors."""
     os.makedirs(root, exist_ok=True)
     final = iteration_dir(root, iteration)
     tmp = f"{final}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     model_arrays = {k: v.astype(np.float16) if (dtypes or {}).get(k) == "float16" else v for k, v in model_arrays.items()}
-    tensor_files.save(os.path.join(tmp, "model.safetensors"), _host(model_arrays, dtypes or {}), {"iteration": iteration})
-    tensor_files.save(os.path.join(tmp, "optimizer.safetensors"), _host(optimizer_arrays, {}), {"steps": steps})
-    with open(os.path.join(tmp, "meta.json"), "w") as fh:
-        json.dump({**meta, "iteration": iteration}, fh, indent=2, sort_keys=True)
+    digests = {
+        "model.safetensors": tensor_files.save(os.path.join(tmp, "model.safetensors"),
+                                               _host(model_arrays, dtypes or {}), {"iteration": iteration}),
+        "optimizer.safetensors": tensor_files.save(os.path.join(tmp, "optimizer.safetensors"),
+                                                   _host(optimizer_arrays, {}), {"steps": steps}),
+        STATE_FILE: _write_json(os.path.join(tmp, STATE_FILE), trainer_state or {}),
+    }
+    _write_json(os.path.join(tmp, "meta.json"), {**meta, "iteration": iteration, "sha256": digests})
+    files.fsync_dir(tmp)
     if os.path.exists(final):
-        shutil.rmtree(final)
-    os.replace(tmp, final)
+        # The tracker may name this very iteration: swap in one step, so that a complete
+        # checkpoint stands at `final` at every instant, then delete the old one.
+        if not _exchange(tmp, final):
+            old = f"{final}.old-{os.getpid()}"
+            os.replace(final, old)  # a crash before the next line leaves `old`: _folder finds it
+            os.replace(tmp, final)
+            tmp = old
+        files.fsync_dir(root)
+        shutil.rmtree(tmp)
+    else:
+        os.replace(tmp, final)
+    files.fsync_dir(root)
     tracker_tmp = os.path.join(root, f"{TRACKER}.tmp-{os.getpid()}")
     with open(tracker_tmp, "w") as fh:
         fh.write(str(iteration))
+        fh.flush()
+        os.fsync(fh.fileno())
     os.replace(tracker_tmp, os.path.join(root, TRACKER))
+    files.fsync_dir(root)
     return final
 
 
@@ -64,32 +120,103 @@ def latest_iteration(root: str) -> int | None:
         raise CheckpointError(f"--load {root} does not exist")
     if not os.path.exists(path):
         return None
-    text = open(path).read().strip()
-    if not text.isdigit():
-        raise CheckpointError(f"{path} does not hold an iteration number ({text[:40]!r})")
-    return int(text)
+    try:
+        with open(path, "rb") as fh:
+            raw = fh.read(64)
+    except OSError as exc:
+        raise CheckpointError(f"cannot read {path}: {exc.strerror or exc}") from None
+    match = _ITERATION.match(raw)  # ASCII digits only: int() would also take "١٢" or "1_0"
+    if not match:
+        raise CheckpointError(f"{path} does not hold an iteration number ({raw[:40]!r})")
+    return int(match.group(1))
+
+
+def _folder(root: str, iteration: int) -> str:
+    """The folder of that iteration; if a save on a filesystem without atomic exchange was
+    killed between its two renames, the complete previous copy set aside under .old-PID."""
+    final = iteration_dir(root, iteration)
+    if not os.path.isdir(final):
+        prefix = os.path.basename(final) + ".old-"
+        for name in sorted(os.listdir(root)):
+            if name.startswith(prefix) and os.path.isfile(os.path.join(root, name, "meta.json")):
+                return os.path.join(root, name)
+    return final
 
 
 def read_meta(root: str, iteration: int) -> dict:
-    path = os.path.join(iteration_dir(root, iteration), "meta.json")
+    path = os.path.join(_folder(root, iteration), "meta.json")
+    meta = _read_json(path)
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"checkpoint {path} is corrupt (not a JSON object)")
+    return meta
+
+
+def _read_json(path: str, sha256: str | None = None):
     try:
-        with open(path) as fh:
-            return json.load(fh)
+        with open(path, "rb") as fh:
+            blob = fh.read()
     except OSError as exc:
         raise CheckpointError(f"checkpoint {path} cannot be read: {exc.strerror or exc}") from None
-    except ValueError:
+    if sha256 is not None and hashlib.sha256(blob).hexdigest() != sha256:
+        raise CheckpointError(f"{path} is corrupt: its SHA-256 differs from the one recorded when it was saved")
+    try:
+        return json.loads(blob)
+    except ValueError:  # UnicodeDecodeError included
         raise CheckpointError(f"checkpoint {path} is corrupt (not JSON)") from None
 
 
-def _arrays(path: str) -> tuple[dict, dict | None]:
-    host, meta = tensor_files.load(path)
+def _digest(meta: dict, name: str) -> str | None:
+    """The recorded SHA-256 of a file (checkpoints written before digests existed have none)."""
+    digests = meta.get("sha256", {})
+    value = digests.get(name) if isinstance(digests, dict) else None
+    if "sha256" in meta and not isinstance(value, str):
+        raise CheckpointError(f"the checkpoint's meta.json records no valid SHA-256 for {name}")
+    return value
+
+
+def _arrays(path: str, sha256: str | None) -> tuple[dict, dict | None]:
+    host, meta = tensor_files.load(path, sha256)
     return {k: (t.array.astype(np.uint32) << 16).view(np.float32) if t.dtype == "bfloat16"
             else t.array.astype(np.float32) for k, t in host.items()}, meta
 
 
 def load(root: str, iteration: int) -> tuple[dict, dict, int]:
-    """Full float32 arrays of the model and the optimizer, and the optimizer's step count."""
-    folder = iteration_dir(root, iteration)
-    model, _ = _arrays(os.path.join(folder, "model.safetensors"))
-    optimizer, opt_meta = _arrays(os.path.join(folder, "optimizer.safetensors"))
-    return model, optimizer, int((opt_meta or {}).get("steps", iteration))
+    """Full float32 arrays of the model and the optimizer, and the optimizer's step count;
+    every file checked against the digest recorded in meta.json."""
+    folder, meta = _folder(root, iteration), read_meta(root, iteration)
+    model, _ = _arrays(os.path.join(folder, "model.safetensors"), _digest(meta, "model.safetensors"))
+    optimizer, opt_meta = _arrays(os.path.join(folder, "optimizer.safetensors"), _digest(meta, "optimizer.safetensors"))
+    steps = (opt_meta or {}).get("steps", iteration) if isinstance(opt_meta, dict) else None
+    if type(steps) is not int or steps < 0:
+        raise CheckpointError(f"{folder}/optimizer.safetensors holds no valid step count ({steps!r})")
+    return model, optimizer, steps
+
+
+def load_trainer_state(root: str, iteration: int) -> dict:
+    """RNG states and loss scale ({} for checkpoints written before they were saved)."""
+    folder, meta = _folder(root, iteration), read_meta(root, iteration)
+    path = os.path.join(folder, STATE_FILE)
+    if not os.path.exists(path) and _digest(meta, STATE_FILE) is None:
+        return {}
+    state = _read_json(path, _digest(meta, STATE_FILE))
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path} is corrupt (not a JSON object)")
+    return state
+
+
+def remove_stale_temporaries(root: str) -> list[str]:
+    """Delete what saves of processes that no longer run left behind; returns the names.
+    An .old copy whose iteration folder is missing (a save died between its two renames
+    on a filesystem without atomic exchange) is the only copy of that iteration: kept."""
+    return files.remove_stale(root, _TEMPORARY, keep=lambda m: m.group("kind") == "old"
+                              and not os.path.exists(os.path.join(root, m.group("base"))))
+
+
+def holds_checkpoints(root: str) -> int | None:
+    """The latest iteration saved in ``root`` (None when it holds no checkpoint)."""
+    if not os.path.isdir(root):
+        return None
+    found = latest_iteration(root)
+    if found is None and any(re.match(r"^iter_\d+$", n) for n in os.listdir(root)):
+        return -1  # iteration folders without a tracker
+    return found
