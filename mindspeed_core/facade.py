@@ -107,10 +107,10 @@ SPEC = {
     },
     "random": {
         "seed": "seed(value): seed every generator (framework, host initializers, numpy, Python)",
-        "get_state": "get_state() -> opaque state of the framework and host generators",
+        "get_state": "get_state() -> state of the framework and host generators, JSON-serialisable (for checkpoints)",
         "set_state": "set_state(state)",
         "host_generator": "host_generator() -> the numpy Generator that initializers draw from",
-        "tracker": "tracker() -> RNGStatesTracker: add(name, seed), fork(name), get_states(), set_states(), reset()",
+        "tracker": "tracker() -> RNGStatesTracker: add(name, seed), fork(name), get_states() (JSON-serialisable), set_states(), reset()",
         "implementation": "implementation() -> 'native' | 'emulated' (framework generator replayable natively or not)",
     },
     "dist": {

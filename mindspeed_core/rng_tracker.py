@@ -3,7 +3,8 @@
 Tensor parallelism needs dropout that differs across tensor-parallel ranks inside the
 parallel region and agrees outside it. The tracker keeps one saved generator state per
 name; ``fork(name)`` swaps that state in for the duration of a block and saves where it
-left off. It only needs the backend's ``get_state``/``set_state``/``seed``.
+left off. It only needs the backend's ``get_state``/``set_state``/``seed``, plus, for
+checkpoints, ``encode``/``decode`` between a framework state and a JSON-serialisable value.
 """
 
 from __future__ import annotations
@@ -12,8 +13,9 @@ import contextlib
 
 
 class RNGStatesTracker:
-    def __init__(self, get_state, set_state, seed):
+    def __init__(self, get_state, set_state, seed, encode=lambda s: s, decode=lambda s: s):
         self._get, self._set, self._seed = get_state, set_state, seed
+        self._encode, self._decode = encode, decode
         self._states: dict[str, object] = {}
         self._seeds: set[int] = set()
 
@@ -33,10 +35,11 @@ class RNGStatesTracker:
         self._set(outer)
 
     def get_states(self) -> dict:
-        return dict(self._states)
+        """{name: state} in a JSON-serialisable form (what checkpoints store)."""
+        return {name: self._encode(state) for name, state in self._states.items()}
 
     def set_states(self, states: dict) -> None:
-        self._states = dict(states)
+        self._states = {name: self._decode(state) for name, state in states.items()}
 
     @contextlib.contextmanager
     def fork(self, name: str):

@@ -6,6 +6,7 @@ that the initializers draw from, so initial weights are identical across framewo
 
 from __future__ import annotations
 
+import base64
 import random as _py_random
 
 import numpy as np
@@ -42,16 +43,25 @@ def _set_framework_state(state) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
+def _encode(state: dict) -> dict:
+    """torch's generator states are uint8 tensors: base64 text, for checkpoints."""
+    return {dev: base64.b64encode(t.numpy().tobytes()).decode("ascii") for dev, t in state.items()}
+
+
+def _decode(state: dict) -> dict:
+    return {dev: torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8) for dev, text in state.items()}
+
+
 def get_state() -> dict:
-    return {"framework": _framework_state(), "host": _host["gen"].bit_generator.state}
+    return {"framework": _encode(_framework_state()), "host": _host["gen"].bit_generator.state}
 
 
 def set_state(state: dict) -> None:
-    _set_framework_state(state["framework"])
+    _set_framework_state(_decode(state["framework"]))
     _host["gen"].bit_generator.state = state["host"]
 
 
-_tracker = RNGStatesTracker(_framework_state, _set_framework_state, torch.manual_seed)
+_tracker = RNGStatesTracker(_framework_state, _set_framework_state, torch.manual_seed, _encode, _decode)
 
 
 def tracker() -> RNGStatesTracker:

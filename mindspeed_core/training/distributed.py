@@ -4,6 +4,8 @@ and full (unsharded) state for checkpoints, so a checkpoint loads at any layout.
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 
 from mindspeed_core import dist, ops
@@ -125,3 +127,18 @@ def local_array(name: str, full: np.ndarray, spec: dict, ps) -> np.ndarray:
     if name in spec and ps.tp > 1:
         return shard(full, spec[name], ps.tp, ps.local_rank("tp"))
     return full
+
+
+def gather_json(value, ps) -> list:
+    """Every rank's JSON-serialisable ``value``, in rank order (a collective). Sent as UTF-8
+    bytes in float32 (exact for 0..255) through all_gather on the world group, the one
+    gather that works on every backend; shorter messages are padded with zeros, which JSON
+    text never contains."""
+    if ps.world == 1:
+        return [value]
+    blob = np.frombuffer(json.dumps(value).encode(), np.uint8)
+    longest = int(ops.to_numpy(dist.all_reduce(ops.tensor(np.array([blob.size], np.float32)), op="max"))[0])
+    padded = np.zeros(longest, np.float32)
+    padded[:blob.size] = blob
+    rows = ops.to_numpy(dist.all_gather(ops.tensor(padded))).reshape(ps.world, longest).astype(np.uint8)
+    return [json.loads(row.tobytes().rstrip(b"\0")) for row in rows]
