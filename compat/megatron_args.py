@@ -9,12 +9,49 @@ gets the matrix's explanation instead of argparse's "unrecognized arguments".
 from __future__ import annotations
 
 import argparse
+import math
+
+from mindspeed_core.errors import MindSpeedError
 
 CONTEXT_PARALLEL_ALGOS = ("megatron_cp_algo", "ulysses_cp_algo", "hybrid_cp_algo")
 DATA_HANDLERS = (
     "GeneralPretrainHandler", "AlpacaStyleInstructionHandler", "SharegptStyleInstructionHandler",
     "AlpacaStylePairwiseHandler", "SharegptStylePairwiseHandler", "AlpacaStyleProcessRewardHandler",
 )
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse whose errors are one line (raised as MindSpeedError, printed by the CLI with
+    exit status 2) instead of the usage block followed by the message."""
+
+    def error(self, message):
+        raise MindSpeedError(message)
+
+
+def _number(kind, low=None, high=None, low_open=False, high_open=False, what=""):
+    """An argparse type: a finite ``kind`` within [low, high] (ends open where asked)."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
+        if kind is float and not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"{text} is not a finite number")
+        if (low is not None and (value <= low if low_open else value < low)) or \
+                (high is not None and (value >= high if high_open else value > high)):
+            raise argparse.ArgumentTypeError(f"{text} is out of range: must be {what}")
+        return value
+    return parse
+
+
+POSITIVE_INT = _number(int, 1, what="a positive integer")
+COUNT = _number(int, 0, what="zero or a positive integer")
+POSITIVE = _number(float, 0, low_open=True, what="positive")
+NON_NEGATIVE = _number(float, 0, what="zero or positive")
+PROBABILITY = _number(float, 0, 1, high_open=True, what="in [0, 1)")
+# every seed derived from it (data order, tracker streams) stays valid for both frameworks
+SEED = _number(int, 0, 2**32 - 1 - 100_000, what="in [0, 4294867295]")
+PORT = _number(int, 1, 65535, what="a TCP port (1-65535)")
 
 
 def add_framework_args(parser: argparse.ArgumentParser) -> None:
@@ -27,15 +64,15 @@ def add_framework_args(parser: argparse.ArgumentParser) -> None:
 def add_feature_args(parser: argparse.ArgumentParser) -> None:
     """The flags the feature matrix gates, Megatron/MindSpeed spelling."""
     p = parser.add_argument_group("parallelism")
-    p.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    p.add_argument("--pipeline-model-parallel-size", type=int, default=1)
-    p.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
+    p.add_argument("--tensor-model-parallel-size", type=POSITIVE_INT, default=1)
+    p.add_argument("--pipeline-model-parallel-size", type=POSITIVE_INT, default=1)
+    p.add_argument("--num-layers-per-virtual-pipeline-stage", type=POSITIVE_INT, default=None)
     p.add_argument("--sequence-parallel", action="store_true")
     p.add_argument("--noop-layers", type=str, default=None)
-    p.add_argument("--context-parallel-size", type=int, default=1)
+    p.add_argument("--context-parallel-size", type=POSITIVE_INT, default=1)
     p.add_argument("--context-parallel-algo", choices=CONTEXT_PARALLEL_ALGOS, default="megatron_cp_algo")
-    p.add_argument("--expert-model-parallel-size", type=int, default=1)
-    p.add_argument("--num-experts", type=int, default=None)
+    p.add_argument("--expert-model-parallel-size", type=POSITIVE_INT, default=1)
+    p.add_argument("--num-experts", type=POSITIVE_INT, default=None)
     p.add_argument("--moe-token-dispatcher-type", choices=("allgather", "alltoall"), default=None)
 
     m = parser.add_argument_group("memory and optimizer")
@@ -44,7 +81,7 @@ def add_feature_args(parser: argparse.ArgumentParser) -> None:
     m.add_argument("--swap-attention", action="store_true")
     m.add_argument("--recompute-granularity", choices=("full", "selective"), default=None)
     m.add_argument("--recompute-method", choices=("uniform", "block"), default=None)
-    m.add_argument("--recompute-num-layers", type=int, default=None)
+    m.add_argument("--recompute-num-layers", type=POSITIVE_INT, default=None)
     m.add_argument("--recompute-norm", action="store_true")
     m.add_argument("--recompute-in-advance", action="store_true")
     m.add_argument("--o2-optimizer", action="store_true")
@@ -79,7 +116,7 @@ def add_feature_args(parser: argparse.ArgumentParser) -> None:
 
 
 def feature_parser(prog: str = "mindspeed") -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=prog, allow_abbrev=False)
+    parser = ArgumentParser(prog=prog, allow_abbrev=False)
     add_framework_args(parser)
     add_feature_args(parser)
     return parser
@@ -90,69 +127,81 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
     m = parser.add_argument_group("model")
     m.add_argument("--model-name", default=None, help="a preset (see models/config.py PRESETS)")
     m.add_argument("--load-hf", default=None, help="initialise from a Hugging Face model folder")
-    m.add_argument("--num-layers", type=int, default=None)
-    m.add_argument("--hidden-size", type=int, default=None)
-    m.add_argument("--ffn-hidden-size", type=int, default=None)
-    m.add_argument("--num-attention-heads", type=int, default=None)
+    m.add_argument("--num-layers", type=POSITIVE_INT, default=None)
+    m.add_argument("--hidden-size", type=POSITIVE_INT, default=None)
+    m.add_argument("--ffn-hidden-size", type=POSITIVE_INT, default=None)
+    m.add_argument("--num-attention-heads", type=POSITIVE_INT, default=None)
     m.add_argument("--group-query-attention", action="store_true")
-    m.add_argument("--num-query-groups", type=int, default=None)
-    m.add_argument("--kv-channels", type=int, default=None)
-    m.add_argument("--max-position-embeddings", type=int, default=None)
+    m.add_argument("--num-query-groups", type=POSITIVE_INT, default=None)
+    m.add_argument("--kv-channels", type=POSITIVE_INT, default=None)
+    m.add_argument("--max-position-embeddings", type=POSITIVE_INT, default=None)
     m.add_argument("--normalization", choices=("RMSNorm", "LayerNorm"), default=None)
-    m.add_argument("--norm-epsilon", type=float, default=None)
+    m.add_argument("--norm-epsilon", type=POSITIVE, default=None)
     m.add_argument("--swiglu", action="store_true", default=None)
     m.add_argument("--position-embedding-type", choices=("rope", "learned_absolute"), default=None)
-    m.add_argument("--rotary-base", type=float, default=None)
+    m.add_argument("--rotary-base", type=POSITIVE, default=None)
     m.add_argument("--untie-embeddings-and-output-weights", action="store_true", default=None)
     m.add_argument("--add-qkv-bias", action="store_true", default=None)
     m.add_argument("--qk-layernorm", action="store_true", default=None)
-    m.add_argument("--init-method-std", type=float, default=None)
-    m.add_argument("--attention-dropout", type=float, default=None)
-    m.add_argument("--hidden-dropout", type=float, default=None)
-    m.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    m.add_argument("--init-method-std", type=NON_NEGATIVE, default=None)
+    m.add_argument("--attention-dropout", type=PROBABILITY, default=None)
+    m.add_argument("--hidden-dropout", type=PROBABILITY, default=None)
+    m.add_argument("--make-vocab-size-divisible-by", type=POSITIVE_INT, default=128)
 
     t = parser.add_argument_group("training")
-    t.add_argument("--seq-length", type=int, default=None)
-    t.add_argument("--micro-batch-size", type=int, default=None)
-    t.add_argument("--global-batch-size", type=int, default=None)
-    t.add_argument("--train-iters", type=int, default=None)
-    t.add_argument("--lr", type=float, default=None)
-    t.add_argument("--min-lr", type=float, default=0.0)
-    t.add_argument("--lr-warmup-iters", type=int, default=0)
+    t.add_argument("--seq-length", type=POSITIVE_INT, default=None)
+    t.add_argument("--micro-batch-size", type=POSITIVE_INT, default=None)
+    t.add_argument("--global-batch-size", type=POSITIVE_INT, default=None)
+    t.add_argument("--train-iters", type=POSITIVE_INT, default=None)
+    t.add_argument("--lr", type=NON_NEGATIVE, default=None)
+    t.add_argument("--min-lr", type=NON_NEGATIVE, default=0.0)
+    t.add_argument("--lr-warmup-iters", type=COUNT, default=0)
     t.add_argument("--lr-decay-style", choices=("constant", "linear", "cosine"), default="cosine")
-    t.add_argument("--lr-decay-iters", type=int, default=None)
-    t.add_argument("--weight-decay", type=float, default=0.01)
-    t.add_argument("--adam-beta1", type=float, default=0.9)
-    t.add_argument("--adam-beta2", type=float, default=0.999)
-    t.add_argument("--adam-eps", type=float, default=1e-8)
-    t.add_argument("--clip-grad", type=float, default=1.0)
-    t.add_argument("--seed", type=int, default=1234)
+    t.add_argument("--lr-decay-iters", type=POSITIVE_INT, default=None)
+    t.add_argument("--weight-decay", type=NON_NEGATIVE, default=0.01)
+    t.add_argument("--adam-beta1", type=PROBABILITY, default=0.9)
+    t.add_argument("--adam-beta2", type=PROBABILITY, default=0.999)
+    t.add_argument("--adam-eps", type=POSITIVE, default=1e-8)
+    t.add_argument("--clip-grad", type=NON_NEGATIVE, default=1.0)
+    t.add_argument("--seed", type=SEED, default=1234)
 
     d = parser.add_argument_group("data")
     d.add_argument("--data-path", nargs="+", default=None, help="prefix, or weight/prefix pairs")
     d.add_argument("--split", default="969,30,1")
-    d.add_argument("--tokenizer-type", default=None)
-    d.add_argument("--tokenizer-name-or-path", default=None)
+    add_tokenizer_args(d)
 
     c = parser.add_argument_group("checkpoints and logging")
     c.add_argument("--save", default=None)
-    c.add_argument("--save-interval", type=int, default=None)
+    c.add_argument("--save-interval", type=POSITIVE_INT, default=None)
     c.add_argument("--load", default=None)
+    c.add_argument("--overwrite-checkpoints", action="store_true",
+                   help="let --save replace the checkpoints of another run in that folder")
     # None: the trainer fills Megatron's defaults (eval every 1000 steps over 100 batches, a log
     # line every 100), or the embedded run's own
-    c.add_argument("--eval-interval", type=int, default=None)
-    c.add_argument("--eval-iters", type=int, default=None)
-    c.add_argument("--log-interval", type=int, default=None)
-    c.add_argument("--exit-interval", type=int, default=None, help="stop (after saving) at a multiple of this iteration")
+    c.add_argument("--eval-interval", type=POSITIVE_INT, default=None)
+    c.add_argument("--eval-iters", type=COUNT, default=None)
+    c.add_argument("--log-interval", type=POSITIVE_INT, default=None)
+    c.add_argument("--exit-interval", type=POSITIVE_INT, default=None, help="stop (after saving) at a multiple of this iteration")
     c.add_argument("--metrics-file", default=None, help="JSONL metrics (default: <save>/metrics.jsonl)")
-    c.add_argument("--sample-tokens", type=int, default=None, help="tokens of text to sample at the end")
+    c.add_argument("--sample-tokens", type=COUNT, default=None, help="tokens of text to sample at the end")
     c.add_argument("--dry-run", action="store_true", help="print the resolved configuration and exit")
     c.add_argument("--no-progress", action="store_true")
 
 
+def add_tokenizer_args(group) -> None:
+    """Megatron's tokenizer flags (shared by training and preprocessing)."""
+    group.add_argument("--tokenizer-type", default=None,
+                       help="ByteLevel, PretrainedFromHF (HuggingFaceTokenizer), GPT2BPETokenizer or NullTokenizer")
+    group.add_argument("--tokenizer-name-or-path", default=None, help="a Hugging Face tokenizer folder or tokenizer.json")
+    group.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer: vocab.json")
+    group.add_argument("--merge-file", default=None, help="GPT2BPETokenizer: merges.txt")
+    group.add_argument("--vocab-size", type=POSITIVE_INT, default=None,
+                       help="NullTokenizer: ids 0..N-1 are tokens, N is end-of-document")
+
+
 def training_parser(prog: str = "mindspeed train") -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=prog, allow_abbrev=False,
-                                     description="pre-train a GPT model (Megatron-style flags)")
+    parser = ArgumentParser(prog=prog, allow_abbrev=False,
+                            description="pre-train a GPT model (Megatron-style flags)")
     add_framework_args(parser)
     add_feature_args(parser)
     add_training_args(parser)

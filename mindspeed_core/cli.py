@@ -23,7 +23,7 @@ from mindspeed_core.errors import MindSpeedError
 
 
 def _cmd_features(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="mindspeed features", description="print the feature matrix")
+    parser = megatron_args.ArgumentParser(prog="mindspeed features", description="print the feature matrix")
     megatron_args.add_framework_args(parser)
     parser.add_argument("--format", choices=("text", "markdown", "json"), default="text")
     parser.add_argument("--update-readme", metavar="FILE", default=None,
@@ -66,7 +66,7 @@ def _cmd_check_args(argv: list[str]) -> int:
 
 
 def _cmd_info(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="mindspeed info", description="show the bound framework and its kernels")
+    parser = megatron_args.ArgumentParser(prog="mindspeed info", description="show the bound framework and its kernels")
     megatron_args.add_framework_args(parser)
     parser.add_argument("--measure", action="store_true", help="also measure the device's float32 matmul rate")
     parser.add_argument("--json", action="store_true")
@@ -116,7 +116,7 @@ def _cmd_train(argv: list[str]) -> int:
 def _cmd_preprocess(argv: list[str]) -> int:
     from mindspeed_core.data import preprocess
 
-    parser = argparse.ArgumentParser(prog="mindspeed preprocess", description="text -> Megatron .bin/.idx")
+    parser = megatron_args.ArgumentParser(prog="mindspeed preprocess", description="text -> Megatron .bin/.idx")
     preprocess.add_args(parser)
     counts = preprocess.run(parser.parse_args(argv))
     print(f"wrote {counts['documents']} documents, {counts['tokens']} tokens: {', '.join(counts['outputs'])}")
@@ -151,7 +151,7 @@ def _cmd_launch(argv: list[str]) -> int:
         own, train_argv = argv[:cut], argv[cut + 1:]
     else:
         own, train_argv = argv, []
-    parser = argparse.ArgumentParser(prog="mindspeed launch", description="run `mindspeed train` on several ranks "
+    parser = megatron_args.ArgumentParser(prog="mindspeed launch", description="run `mindspeed train` on several ranks "
                                      "with torchrun (pytorch) or msrun (mindspore)")
     parser.add_argument("--nproc-per-node", type=int, required=True)
     parser.add_argument("--nnodes", type=int, default=1)

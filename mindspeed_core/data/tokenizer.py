@@ -1,7 +1,12 @@
-"""Tokenizers: a byte-level one that needs no files, and Hugging Face tokenizer.json files.
+"""Tokenizers, by Megatron's ``--tokenizer-type``:
 
-Megatron spelling: ``--tokenizer-type ByteLevel`` or ``--tokenizer-type PretrainedFromHF
---tokenizer-name-or-path DIR`` (a folder with tokenizer.json, or the file itself).
+- ``ByteLevel``: UTF-8 bytes, needs no files;
+- ``PretrainedFromHF`` / ``HuggingFaceTokenizer`` with ``--tokenizer-name-or-path DIR`` (a
+  folder with tokenizer.json, or the file itself);
+- ``GPT2BPETokenizer`` with ``--vocab-file vocab.json --merge-file merges.txt`` (GPT-2's
+  byte-level BPE, end of document ``<|endoftext|>``);
+- ``NullTokenizer`` with ``--vocab-size N``: text is space-separated ids, N is the end of
+  document (benchmarks and data tokenized elsewhere).
 """
 
 from __future__ import annotations
@@ -60,7 +65,59 @@ class HFTokenizer:
         return self._tok.decode([int(i) for i in ids])
 
 
-def build_tokenizer(tokenizer_type: str | None, name_or_path: str | None):
+class NullTokenizer:
+    """Megatron's NullTokenizer: "12 7 3" is the ids [12, 7, 3]; ``vocab_size`` ids plus the
+    end-of-document id ``vocab_size``."""
+
+    name = "NullTokenizer"
+
+    def __init__(self, vocab_size: int):
+        self.eod = int(vocab_size)
+        self.vocab_size = self.eod + 1
+
+    def encode(self, text: str) -> list[int]:
+        try:
+            ids = [int(x) for x in text.split(" ")]
+        except ValueError:
+            raise MindSpeedError(f"NullTokenizer reads space-separated token ids; got {text[:40]!r}") from None
+        bad = [i for i in ids if not 0 <= i < self.eod]
+        if bad:
+            raise MindSpeedError(f"NullTokenizer: id {bad[0]} is outside [0, --vocab-size {self.eod})")
+        return ids
+
+    def decode(self, ids) -> str:
+        return " ".join(str(int(i)) for i in ids)
+
+
+class GPT2BPETokenizer(HFTokenizer):
+    """GPT-2's byte-level BPE from vocab.json and merges.txt (Megatron's GPT2BPETokenizer)."""
+
+    name = "GPT2BPETokenizer"
+    EOD = "<|endoftext|>"
+
+    def __init__(self, vocab_file: str, merge_file: str):
+        try:
+            from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+        except ImportError:
+            raise MindSpeedError("--tokenizer-type GPT2BPETokenizer needs the 'tokenizers' package: "
+                                 "pip install 'mindspeed-core[hf]'") from None
+        for flag, path in (("--vocab-file", vocab_file), ("--merge-file", merge_file)):
+            if not path or not os.path.isfile(path):
+                raise MindSpeedError(f"--tokenizer-type GPT2BPETokenizer needs {flag} (got {path!r})")
+        try:
+            self._tok = Tokenizer(models.BPE.from_file(vocab_file, merge_file))
+        except Exception as exc:  # noqa: BLE001 - the library's own parse errors vary
+            raise MindSpeedError(f"cannot read GPT-2 BPE files {vocab_file}, {merge_file}: {exc}") from None
+        self._tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        self._tok.decoder = decoders.ByteLevel()
+        vocab = self._tok.get_vocab()
+        if self.EOD not in vocab:
+            raise MindSpeedError(f"{vocab_file} has no {self.EOD} token, GPT-2's end of document")
+        self.vocab_size, self.eod = len(vocab), vocab[self.EOD]
+
+
+def build_tokenizer(tokenizer_type: str | None, name_or_path: str | None = None, vocab_file: str | None = None,
+                    merge_file: str | None = None, vocab_size: int | None = None):
     kind = tokenizer_type or ("PretrainedFromHF" if name_or_path else "ByteLevel")
     if kind == "ByteLevel":
         return ByteTokenizer()
@@ -68,7 +125,20 @@ def build_tokenizer(tokenizer_type: str | None, name_or_path: str | None):
         if not name_or_path:
             raise MindSpeedError(f"--tokenizer-type {kind} needs --tokenizer-name-or-path")
         return HFTokenizer(name_or_path)
-    raise MindSpeedError(f"unknown --tokenizer-type {kind!r}; choose ByteLevel or PretrainedFromHF")
+    if kind == "GPT2BPETokenizer":
+        return GPT2BPETokenizer(vocab_file, merge_file)
+    if kind == "NullTokenizer":
+        if vocab_size is None:
+            raise MindSpeedError("--tokenizer-type NullTokenizer needs --vocab-size")
+        return NullTokenizer(vocab_size)
+    raise MindSpeedError(f"unknown --tokenizer-type {kind!r}; choose ByteLevel, PretrainedFromHF, "
+                         "GPT2BPETokenizer or NullTokenizer")
+
+
+def tokenizer_args(args) -> tuple:
+    """The tokenizer flags of parsed arguments, as build_tokenizer's positional arguments."""
+    return (args.tokenizer_type, args.tokenizer_name_or_path, getattr(args, "vocab_file", None),
+            getattr(args, "merge_file", None), getattr(args, "vocab_size", None))
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int = 128, tp: int = 1) -> int:
