@@ -10,6 +10,8 @@ fixed by the seed alone: that is what makes resuming reproduce the uninterrupted
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from mindspeed_core.data.indexed import IndexedDataset
@@ -30,8 +32,8 @@ def parse_data_path(values: list[str]) -> list[tuple[float, str]]:
             weight = float(w)
         except ValueError:
             raise MindSpeedError(f"--data-path: {w!r} is not a weight (expected weight/prefix pairs)") from None
-        if weight <= 0:
-            raise MindSpeedError(f"--data-path: weight {weight} of {p} must be positive")
+        if not math.isfinite(weight) or weight <= 0:
+            raise MindSpeedError(f"--data-path: weight {w} of {p} must be a positive number")
         pairs.append((weight, p))
     total = sum(w for w, _ in pairs)
     return [(w / total, p) for w, p in pairs]
@@ -42,6 +44,8 @@ def split_ranges(num_docs: int, split: str) -> dict:
         parts = [float(x) for x in split.replace("/", ",").split(",")]
     except ValueError:
         raise MindSpeedError(f"--split {split!r} must be numbers like 98,1,1") from None
+    if len(parts) > 3 or not all(math.isfinite(x) and x >= 0 for x in parts):
+        raise MindSpeedError(f"--split {split!r} takes up to three parts (train, valid, test), each zero or positive")
     parts = (parts + [0.0, 0.0])[:3]
     if sum(parts) <= 0:
         raise MindSpeedError(f"--split {split!r} has no positive part")

@@ -40,6 +40,13 @@ class IndexedDatasetWriter:
         self._bin.write(arr.tobytes())
         self._lengths.append(int(arr.size))
 
+    def abort(self) -> None:
+        """Drop what was written (the temporary files); the final names are untouched."""
+        self._bin.close()
+        for ext in (".bin", ".idx"):
+            if os.path.exists(self._tmp + ext):
+                os.remove(self._tmp + ext)
+
     def finalize(self) -> None:
         self._bin.close()
         lengths = np.asarray(self._lengths, np.int32)

@@ -12,9 +12,12 @@ import argparse
 import json
 import multiprocessing
 import os
+import re
 
+from mindspeed_core import files
+from mindspeed_core.compat.megatron_args import POSITIVE_INT, add_tokenizer_args
 from mindspeed_core.data import indexed
-from mindspeed_core.data.tokenizer import build_tokenizer
+from mindspeed_core.data.tokenizer import build_tokenizer, tokenizer_args
 from mindspeed_core.errors import MindSpeedError
 from mindspeed_core.progress import Progress
 
@@ -23,11 +26,10 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--input", required=True, help="a .jsonl/.json/.txt/.parquet file or a folder of them")
     parser.add_argument("--output-prefix", required=True)
     parser.add_argument("--json-keys", nargs="+", default=["text"])
-    parser.add_argument("--tokenizer-type", default=None)
-    parser.add_argument("--tokenizer-name-or-path", default=None)
+    add_tokenizer_args(parser)
     parser.add_argument("--append-eod", action="store_true")
-    parser.add_argument("--workers", type=int, default=1)
-    parser.add_argument("--log-interval", type=int, default=1000)
+    parser.add_argument("--workers", type=POSITIVE_INT, default=1)
+    parser.add_argument("--log-interval", type=POSITIVE_INT, default=1000)
 
 
 def _files(path: str) -> list[str]:
@@ -42,6 +44,30 @@ def _files(path: str) -> list[str]:
     return [path]
 
 
+def _lines(file: str):
+    """(line number, text) of a UTF-8 file; a line that is not UTF-8 is a clear error."""
+    with open(file, "rb") as fh:
+        for n, raw in enumerate(fh, 1):
+            try:
+                yield n, raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise MindSpeedError(f"{file}:{n} is not UTF-8 text (byte {raw[exc.start]:#04x} at column "
+                                     f"{exc.start + 1}); convert the file to UTF-8") from None
+
+
+def _text(value, where: str, key: str) -> str:
+    """A document's text: a string that UTF-8 can encode (JSON can carry lone surrogates)."""
+    if not isinstance(value, str):
+        kind = "null" if value is None else type(value).__name__
+        raise MindSpeedError(f"{where}: {key!r} is {kind}, not text")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise MindSpeedError(f"{where}: {key!r} holds a lone surrogate ({value[exc.start]!r} at character "
+                             f"{exc.start}), which is not text") from None
+    return value
+
+
 def iter_records(path: str, keys: list[str]):
     """Yield {key: text} per document."""
     for file in _files(path):
@@ -51,56 +77,71 @@ def iter_records(path: str, keys: list[str]):
             except ImportError as exc:
                 raise MindSpeedError(f"reading .parquet needs a working pyarrow ({exc}); "
                                      "with numpy 1.x: pip install 'pyarrow<20'") from None
-            table = pq.read_table(file, columns=keys)
-            for row in table.to_pylist():
-                yield row
+            try:
+                table = pq.read_table(file, columns=keys)
+            except Exception as exc:  # noqa: BLE001 - pyarrow's errors (missing column, corrupt file) vary
+                raise MindSpeedError(f"cannot read {file}: {str(exc).splitlines()[0]}") from None
+            for n, row in enumerate(table.to_pylist(), 1):
+                yield {k: _text(row[k], f"{file} row {n}", k) for k in keys}
         elif file.endswith(".txt"):
-            with open(file, encoding="utf-8", errors="replace") as fh:
-                for line in fh:
-                    if line.strip():
-                        yield {keys[0]: line.rstrip("\n")}
+            for n, line in _lines(file):
+                if line.strip():
+                    yield {keys[0]: _text(line.rstrip("\n"), f"{file}:{n}", keys[0])}
         else:
-            with open(file, encoding="utf-8") as fh:
-                for n, line in enumerate(fh, 1):
-                    if not line.strip():
-                        continue
-                    try:
-                        rec = json.loads(line)
-                    except ValueError:
-                        raise MindSpeedError(f"{file}:{n} is not valid JSON") from None
-                    missing = [k for k in keys if k not in rec]
-                    if missing:
-                        raise MindSpeedError(f"{file}:{n} has no key {missing[0]!r} (--json-keys)")
-                    yield rec
+            for n, line in _lines(file):
+                if not line.strip():
+                    continue
+                try:
+                    rec = json.loads(line)
+                except ValueError:
+                    raise MindSpeedError(f"{file}:{n} is not valid JSON") from None
+                if not isinstance(rec, dict):
+                    raise MindSpeedError(f"{file}:{n} is a JSON {type(rec).__name__}, not an object with "
+                                         f"{keys[0]!r}")
+                missing = [k for k in keys if k not in rec]
+                if missing:
+                    raise MindSpeedError(f"{file}:{n} has no key {missing[0]!r} (--json-keys)")
+                yield {k: _text(rec[k], f"{file}:{n}", k) for k in keys}
 
 
 _worker_state: dict = {}
 
 
-def _init_worker(tokenizer_type, name_or_path, keys, append_eod):
-    _worker_state.update(tok=build_tokenizer(tokenizer_type, name_or_path), keys=keys, eod=append_eod)
+def _init_worker(tokenizer, keys, append_eod):
+    _worker_state.update(tok=build_tokenizer(*tokenizer), keys=keys, eod=append_eod)
 
 
 def _encode(record):
     tok = _worker_state["tok"]
     out = {}
     for key in _worker_state["keys"]:
-        ids = tok.encode(str(record[key]))
+        ids = tok.encode(record[key])
         if _worker_state["eod"]:
             ids.append(tok.eod)
         out[key] = ids
     return out
 
 
+def _stale(prefix: str) -> re.Pattern:
+    """The temporaries IndexedDatasetWriter leaves for ``prefix`` when killed."""
+    return re.compile(re.escape(os.path.basename(prefix)) + r"\.tmp-(?P<pid>\d+)\.(bin|idx)$")
+
+
 def run(args) -> dict:
-    tok = build_tokenizer(args.tokenizer_type, args.tokenizer_name_or_path)
-    os.makedirs(os.path.dirname(os.path.abspath(args.output_prefix)), exist_ok=True)
+    tok = build_tokenizer(*tokenizer_args(args))
+    folder = os.path.dirname(os.path.abspath(args.output_prefix))
+    files.check_writable(folder, f"--output-prefix {args.output_prefix}")
+    _files(args.input)  # a missing input fails here, before anything is written
+    records = iter_records(args.input, args.json_keys)
+    os.makedirs(folder, exist_ok=True)
+    prefixes = {k: f"{args.output_prefix}_{k}_document" for k in args.json_keys}
+    for prefix in prefixes.values():
+        files.remove_stale(folder, _stale(prefix))
     dtype = indexed.token_dtype(tok.vocab_size)
-    writers = {k: indexed.IndexedDatasetWriter(f"{args.output_prefix}_{k}_document", dtype) for k in args.json_keys}
-    init = (args.tokenizer_type, args.tokenizer_name_or_path, args.json_keys, args.append_eod)
+    writers = {k: indexed.IndexedDatasetWriter(p, dtype) for k, p in prefixes.items()}
+    init = (tokenizer_args(args), args.json_keys, args.append_eod)
     progress = Progress(None, "preprocess (documents)")
     counts = {"documents": 0, "tokens": 0}
-    records = iter_records(args.input, args.json_keys)
     if args.workers > 1:
         pool = multiprocessing.get_context("spawn").Pool(args.workers, _init_worker, init)
         encoded = pool.imap(_encode, records, chunksize=64)
@@ -115,12 +156,18 @@ def run(args) -> dict:
                 counts["tokens"] += len(ids)
             counts["documents"] += 1
             progress.update(1, f"{counts['tokens']} tokens")
+        for w in writers.values():
+            w.finalize()
+    except BaseException:
+        for w in writers.values():
+            w.abort()  # nothing half-written stays behind
+        if pool is not None:
+            pool.terminate()
+        raise
     finally:
+        progress.close()
         if pool is not None:
             pool.close()
             pool.join()
-    progress.close()
-    for w in writers.values():
-        w.finalize()
-    counts["outputs"] = [f"{args.output_prefix}_{k}_document" for k in args.json_keys]
+    counts["outputs"] = list(prefixes.values())
     return counts
