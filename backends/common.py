@@ -29,6 +29,28 @@ def host_memory_stats() -> dict:
     return stats
 
 
+def host_memory_available() -> int | None:
+    """Bytes the kernel says can be allocated without swapping (Linux MemAvailable)."""
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def check_fits_in_memory(needed: int, what: str) -> None:
+    """Refuse, before allocating, what cannot fit in this machine's memory."""
+    from mindspeed_core.errors import MindSpeedError
+
+    available = host_memory_available()
+    if available is not None and needed > available:
+        raise MindSpeedError(f"{what} needs about {needed / 2**30:.1f} GiB but this machine has "
+                             f"{available / 2**30:.1f} GiB available")
+
+
 def measure_matmul_rate(ops, synchronize, n: int = 1024, dtype: str = "float32",
                         min_seconds: float = 0.5) -> float:
     """Floating-point operations per second of an n x n matmul on the bound device.

@@ -13,6 +13,7 @@ import os
 import numpy as np
 
 from mindspeed_core import tensor_files
+from mindspeed_core.backends.common import check_fits_in_memory
 from mindspeed_core.errors import CheckpointError
 from mindspeed_core.models.config import ModelConfig
 
@@ -35,6 +36,19 @@ def _rope(hf: dict) -> tuple[float, dict | None]:
 
 
 def config_from_hf(hf: dict) -> ModelConfig:
+    """Our config from a Hugging Face config.json; anything missing, malformed or not
+    supported is a CheckpointError naming the key."""
+    if not isinstance(hf, dict):
+        raise CheckpointError(f"config.json is a JSON {type(hf).__name__}, not an object")
+    try:
+        return _config_from_hf(hf)
+    except KeyError as exc:
+        raise CheckpointError(f"config.json has no {exc.args[0]!r}") from None
+    except (TypeError, ValueError, ZeroDivisionError) as exc:
+        raise CheckpointError(f"config.json: {exc}") from None
+
+
+def _config_from_hf(hf: dict) -> ModelConfig:
     kind = hf.get("model_type")
     if kind not in SUPPORTED:
         raise CheckpointError(f"model_type {kind!r} is not supported; supported: {', '.join(SUPPORTED)}")
@@ -223,22 +237,37 @@ def to_hf_state(cfg: ModelConfig, ours: dict) -> dict:
 def _read_tensors(folder: str) -> dict:
     index = os.path.join(folder, "model.safetensors.index.json")
     if os.path.exists(index):
-        with open(index) as fh:
-            shards = sorted(set(json.load(fh)["weight_map"].values()))
+        try:
+            with open(index) as fh:
+                weight_map = json.load(fh)["weight_map"]
+            shards = sorted(set(weight_map.values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            raise CheckpointError(f"{index} is not a valid index (a JSON object with a weight_map of file names)") from None
     elif os.path.exists(os.path.join(folder, "model.safetensors")):
         shards = ["model.safetensors"]
     else:
         raise CheckpointError(f"{folder} has neither model.safetensors nor model.safetensors.index.json")
     state = {}
     for shard in shards:
-        tensors, _ = tensor_files.load(os.path.join(folder, shard))
+        tensors, _ = tensor_files.load(_inside(folder, shard))
         for name, t in tensors.items():
             state[name] = (t.array.astype(np.uint32) << 16).view(np.float32) if t.dtype == "bfloat16" else t.array
     return state
 
 
-def load_folder(folder: str) -> tuple[ModelConfig, dict]:
-    """A Hugging Face model folder -> (our config, our numpy state dict, float32)."""
+def _inside(folder: str, name) -> str:
+    """A shard named by the index, refused unless it is a plain file name inside the folder
+    (an absolute path or ../ in a downloaded index must not read elsewhere)."""
+    if not isinstance(name, str) or not name or os.path.isabs(name) or os.path.normpath(name).startswith(".."):
+        raise CheckpointError(f"the index of {folder} names {name!r}, which is not a file inside that folder")
+    path = os.path.join(folder, name)
+    if os.path.commonpath([os.path.realpath(folder), os.path.realpath(path)]) != os.path.realpath(folder):
+        raise CheckpointError(f"the index of {folder} names {name!r}, which leads outside that folder")
+    return path
+
+
+def load_config(folder: str) -> ModelConfig:
+    """Only the config of a Hugging Face model folder (reads no weights)."""
     path = os.path.join(folder, "config.json")
     try:
         with open(path) as fh:
@@ -247,8 +276,18 @@ def load_folder(folder: str) -> tuple[ModelConfig, dict]:
         raise CheckpointError(f"cannot read {path}: {exc.strerror or exc}") from None
     except ValueError:
         raise CheckpointError(f"{path} is not valid JSON") from None
-    cfg = config_from_hf(hf)
-    state = from_hf_state(cfg, _read_tensors(folder))
+    return config_from_hf(hf)
+
+
+def load_folder(folder: str) -> tuple[ModelConfig, dict]:
+    """A Hugging Face model folder -> (our config, our numpy state dict, float32). A config
+    too large for this machine is refused before any weight is read."""
+    cfg = load_config(folder)
+    check_fits_in_memory(4 * cfg.num_parameters(), f"the model in {folder} ({cfg.num_parameters():,} parameters)")
+    try:
+        state = from_hf_state(cfg, _read_tensors(folder))
+    except ValueError as exc:  # a tensor whose shape its config.json does not describe
+        raise CheckpointError(f"the weights in {folder} do not fit its config.json ({exc})") from None
     return cfg, {k: np.asarray(v, dtype=np.float32) for k, v in state.items()}
 
 

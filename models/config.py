@@ -4,6 +4,7 @@ Qwen2/2.5, Qwen3 and GPT-2 through a handful of switches, plus named presets."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 
@@ -34,6 +35,19 @@ class ModelConfig:
     extra: dict = field(default_factory=dict)  # family-specific fields kept for export
 
     def __post_init__(self):
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "num_query_groups",
+                     "ffn_hidden_size", "kv_channels", "max_position_embeddings"):
+            value = getattr(self, name)
+            if value is not None and (type(value) is not int or value <= 0):
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        for name, low, high in (("attention_dropout", 0, 1), ("hidden_dropout", 0, 1)):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not low <= value < high:
+                raise ValueError(f"{name} must be in [{low}, {high}), got {value!r}")
+        for name in ("norm_epsilon", "rotary_base", "init_method_std"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                raise ValueError(f"{name} must be a finite non-negative number, got {value!r}")
         if self.num_query_groups is None:
             self.num_query_groups = self.num_attention_heads
         if self.kv_channels is None:
@@ -81,6 +95,11 @@ class ModelConfig:
         total += 0 if not self.untie_embeddings_and_output_weights else v * h
         total += self.max_position_embeddings * h if self.position_embedding_type == "learned" else 0
         return total
+
+    def training_bytes(self) -> int:
+        """Host/device bytes one unsharded fp32 training process needs at least: parameters,
+        gradients and two AdamW moments (activations come on top)."""
+        return 16 * self.num_parameters()
 
     def flops_per_token(self, seq_length: int) -> float:
         """Training FLOPs per token (forward + backward = 3x forward), matmuls and attention."""
