@@ -141,30 +141,39 @@ def _model_parallel_rng():
     return random.tracker().fork(MODEL_PARALLEL_RNG)
 
 
+def check_layout(cfg, tp: int, sequence_parallel: bool = False) -> None:
+    """Refuse a tensor-parallel size the model cannot be cut by (from the config alone, so
+    that the launcher can say so before any rank starts)."""
+    if tp == 1:
+        if sequence_parallel:
+            raise MindSpeedError("--sequence-parallel needs --tensor-model-parallel-size > 1")
+        return
+    for what, value in (("attention heads", cfg.num_attention_heads), ("ffn hidden size", cfg.ffn_hidden_size),
+                        ("padded vocabulary", cfg.vocab_size)):
+        if value % tp:
+            raise MindSpeedError(f"tensor parallel size {tp} does not divide the {what} ({value})")
+    groups = cfg.num_query_groups
+    if groups % tp and tp % groups:
+        raise MindSpeedError(f"tensor parallel size {tp} and {groups} query groups: one must divide the other")
+
+
 def parallelize(model, ps, sequence_parallel: bool = False) -> dict:
     """Turn a freshly built (or freshly loaded) full GPTModel into this rank's TP shard.
 
     Returns the shard spec {parameter name: spec} (see shard()) of the sharded parameters;
     every other parameter is replicated across the tensor-parallel group."""
     cfg, tp, group = model.cfg, ps.tp, ps.group("tp")
+    check_layout(cfg, tp, sequence_parallel)
     if tp == 1:
-        if sequence_parallel:
-            raise MindSpeedError("--sequence-parallel needs --tensor-model-parallel-size > 1")
         return {}
-    for what, value in (("attention heads", cfg.num_attention_heads), ("ffn hidden size", cfg.ffn_hidden_size),
-                        ("padded vocabulary", cfg.vocab_size)):
-        if value % tp:
-            raise MindSpeedError(f"tensor parallel size {tp} does not divide the {what} ({value})")
     groups, per = cfg.num_query_groups, cfg.num_attention_heads // cfg.num_query_groups
     if groups % tp == 0:
         qkv_spec = ("split", 0)
-    elif tp % groups == 0:  # fewer key/value heads than ranks: each is copied to tp/groups ranks
+    else:  # fewer key/value heads than ranks: each is copied to tp/groups ranks
         qkv_spec = ("qkv", groups, per, cfg.kv_channels)
         rep = tp // groups
         # the copies' gradients are summed over the ranks that share a key/value head
         model.kv_copies = (ps.subgroup("tp", rep), (per // rep) * cfg.kv_channels, ps.local_rank("tp") % rep)
-    else:
-        raise MindSpeedError(f"tensor parallel size {tp} and {groups} query groups: one must divide the other")
     swiglu = ("swiglu",) if cfg.activation == "swiglu" else ("split", 0)
     spec = {}
     for i, layer in enumerate(model.decoder.layers):

@@ -17,9 +17,10 @@ import time
 
 import numpy as np
 
-from mindspeed_core import autograd, device, dist, nn, ops, random, runtime
+from mindspeed_core import autograd, device, dist, files, nn, ops, random, runtime
+from mindspeed_core.backends.common import check_fits_in_memory
 from mindspeed_core.data import gpt_dataset
-from mindspeed_core.data.tokenizer import build_tokenizer, padded_vocab_size
+from mindspeed_core.data.tokenizer import build_tokenizer, padded_vocab_size, tokenizer_args
 from mindspeed_core.errors import CheckpointError, MindSpeedError
 from mindspeed_core.models.config import PRESETS, ModelConfig
 from mindspeed_core.models.gpt import GPTModel
@@ -60,9 +61,8 @@ def apply_defaults(args) -> bool:
                 args.make_vocab_size_divisible_by = value
         elif getattr(args, key, None) is None and value is not None:
             setattr(args, key, value)
-    for name in ("seq_length", "micro_batch_size", "train_iters", "log_interval"):
-        if getattr(args, name) <= 0:
-            raise MindSpeedError(f"--{name.replace('_', '-')} must be positive")
+    if embedded:
+        args.tokenizer_type, args.tokenizer_name_or_path = "ByteLevel", None
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.train_iters
     return embedded
@@ -72,8 +72,7 @@ def model_config(args, vocab_size: int) -> ModelConfig:
     if args.load_hf:
         from mindspeed_core.compat import hf
 
-        cfg, _ = hf.load_folder(args.load_hf)
-        return cfg
+        return hf.load_config(args.load_hf)
     if args.model_name and args.model_name not in PRESETS:
         raise MindSpeedError(f"unknown --model-name {args.model_name!r}; presets: {', '.join(sorted(PRESETS))}")
     base = dict(PRESETS[args.model_name]) if args.model_name else {}
@@ -98,29 +97,65 @@ def model_config(args, vocab_size: int) -> ModelConfig:
         raise MindSpeedError(f"model configuration: {exc}") from None
 
 
+def check_configuration(args, world: int):
+    """Every check that needs no process group, no data and no weights: the launcher runs it
+    once before starting any rank, and each rank again. Returns (tokenizer, model config)."""
+    tokenizer = build_tokenizer(*tokenizer_args(args))
+    cfg = model_config(args, tokenizer.vocab_size)
+    if tokenizer.vocab_size > cfg.vocab_size:
+        raise MindSpeedError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model's vocabulary "
+                             f"has {cfg.vocab_size}: use the tokenizer the model was trained with")
+    if args.seq_length > cfg.max_position_embeddings:
+        raise MindSpeedError(f"--seq-length {args.seq_length} exceeds the model's max_position_embeddings "
+                             f"{cfg.max_position_embeddings}")
+    if args.bf16 and args.fp16:
+        raise MindSpeedError("--bf16 and --fp16 exclude each other")
+    dtype = "bfloat16" if args.bf16 else "float16" if args.fp16 else "float32"
+    if not device.supports_dtype(dtype):
+        raise MindSpeedError(f"{dtype} training is not available on {runtime.bound().NAME} "
+                             f"({device.current()}); drop --bf16/--fp16")
+    tp = args.tensor_model_parallel_size
+    if world % tp:
+        raise MindSpeedError(f"world size {world} is not divisible by the tensor parallel size {tp}")
+    parallel_layers.check_layout(cfg, tp, args.sequence_parallel)
+    dp = world // tp
+    if args.global_batch_size is not None and args.global_batch_size % (args.micro_batch_size * dp):
+        raise MindSpeedError(f"--global-batch-size {args.global_batch_size} is not a multiple of "
+                             f"--micro-batch-size x data-parallel size ({args.micro_batch_size} x {dp})")
+    if args.save:
+        check_save_folder(args)
+    return tokenizer, cfg
+
+
+def check_save_folder(args) -> None:
+    """--save must be writable, and must not silently take over another run's checkpoints."""
+    files.check_writable(args.save, f"--save {args.save}")
+    latest = checkpoint.holds_checkpoints(args.save)
+    same = args.load and os.path.realpath(args.load) == os.path.realpath(args.save)
+    if latest is not None and not same and not args.overwrite_checkpoints:
+        held = f"up to iteration {latest}" if latest >= 0 else "iteration folders"
+        raise MindSpeedError(f"--save {args.save} already holds another run's checkpoints ({held}): pass "
+                             f"--load {args.save} to resume that run, choose a new --save folder, or add "
+                             f"--overwrite-checkpoints to replace them")
+
+
+def memory_needed(cfg: ModelConfig, tp: int) -> int:
+    """Bytes one rank needs at least: the full fp32 model (built on every rank, then cut),
+    plus gradients and AdamW moments for its tensor-parallel shard."""
+    params = cfg.num_parameters()
+    return 4 * params + 12 * params // tp
+
+
 class Trainer:
     def __init__(self, args, out=None):
         self.args, self._out = args, out
         self.embedded = apply_defaults(args)
+        self.tokenizer, self.cfg = check_configuration(args, dist.launched_world_size())
         if self.embedded:
             from mindspeed_core.data.corpus import build_stdlib_corpus
 
             args.data_path = [build_stdlib_corpus()]
-            args.tokenizer_type, args.tokenizer_name_or_path = "ByteLevel", None
-        self.tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_name_or_path)
-        self.cfg = model_config(args, self.tokenizer.vocab_size)
-        if self.tokenizer.vocab_size > self.cfg.vocab_size:
-            raise MindSpeedError(f"the tokenizer has {self.tokenizer.vocab_size} tokens but the model's vocabulary "
-                                 f"has {self.cfg.vocab_size}: use the tokenizer the model was trained with")
-        if args.seq_length > self.cfg.max_position_embeddings:
-            raise MindSpeedError(f"--seq-length {args.seq_length} exceeds the model's max_position_embeddings "
-                                 f"{self.cfg.max_position_embeddings}")
-        if args.bf16 and args.fp16:
-            raise MindSpeedError("--bf16 and --fp16 exclude each other")
         self.dtype = "bfloat16" if args.bf16 else "float16" if args.fp16 else "float32"
-        if not device.supports_dtype(self.dtype):
-            raise MindSpeedError(f"{self.dtype} training is not available on {runtime.bound().NAME} "
-                                 f"({device.current()}); drop --bf16/--fp16")
         # fp16 needs dynamic loss scaling (Megatron's defaults: start at 2**16 here, halve on
         # overflow and skip the step, double after 1000 clean steps); bf16 and fp32 do not.
         self.loss_scale = 2.0 ** 16 if args.fp16 else 1.0
@@ -129,11 +164,7 @@ class Trainer:
         self.ps = parallel_state.initialize(tp=args.tensor_model_parallel_size)
         if args.global_batch_size is None:  # one micro-batch per data-parallel rank
             args.global_batch_size = args.micro_batch_size * self.ps.dp
-        per_rank = args.global_batch_size // self.ps.dp
-        if args.global_batch_size % (args.micro_batch_size * self.ps.dp):
-            raise MindSpeedError(f"--global-batch-size {args.global_batch_size} is not a multiple of "
-                                 f"--micro-batch-size x data-parallel size ({args.micro_batch_size} x {self.ps.dp})")
-        self.grad_accum = per_rank // args.micro_batch_size
+        self.grad_accum = args.global_batch_size // self.ps.dp // args.micro_batch_size
         self.tokens_per_step = args.global_batch_size * args.seq_length
 
     # -- set-up ------------------------------------------------------------------------------
@@ -156,19 +187,27 @@ class Trainer:
         if args.eval_iters and args.eval_interval and self.data["valid"] is None:
             raise MindSpeedError("the validation split is empty: give --split a larger second part or use --eval-iters 0")
         random.seed(args.seed)
+        if device.type() == "cpu":
+            check_fits_in_memory(memory_needed(self.cfg, self.ps.tp),
+                                 f"training this {self.cfg.num_parameters():,}-parameter model")
         # The full model is built (and loaded) on every rank, then cut for this rank: a
         # parallel run starts from exactly the single-process weights.
-        self.model = GPTModel(self.cfg)
+        hf_state = None
         if args.load_hf:
             from mindspeed_core.compat import hf
 
-            nn.load_state_dict(self.model, hf.load_folder(args.load_hf)[1])
+            hf_state = hf.load_folder(args.load_hf)[1]  # checked against its config before the model is built
+        self.model = GPTModel(self.cfg)
+        if hf_state is not None:
+            nn.load_state_dict(self.model, hf_state)
         self.iteration, saved_optimizer = 0, None
         if args.load:
             saved_optimizer = self._resume_model(args.load)
         self.spec = parallel_layers.parallelize(self.model, self.ps, args.sequence_parallel)
         if self.ps.tp > 1:
             parallel_layers.seed_model_parallel_rng(args.seed, self.ps)
+        if saved_optimizer is not None:  # after the tracker is seeded: its streams are restored too
+            self._restore_trainer_state(checkpoint.load_trainer_state(args.load, self.iteration))
         if self.dtype != "float32":
             nn.cast_parameters(self.model, self.dtype)  # the optimizer keeps fp32 masters
         named = nn.named_parameters(self.model)
@@ -217,6 +256,35 @@ class Trainer:
                  f"TP={layout.get('tp', 1)} DP={layout.get('dp', 1)})")
         return optimizer_arrays, steps
 
+    def _trainer_state(self) -> dict:
+        """What exact resumption needs beyond the tensors (collective: every rank calls it):
+        each rank's generator states (dropout draws, the tracker's tensor-parallel streams)
+        and the fp16 loss scale with its clean-step counter."""
+        mine = {"default": random.get_state(), "tracker": random.tracker().get_states()}
+        return {"loss_scale": self.loss_scale, "clean_steps": self._clean_steps,
+                "layout": {"world": self.ps.world, "tp": self.ps.tp, "dp": self.ps.dp},
+                "rng": distributed.gather_json(mine, self.ps)}
+
+    def _restore_trainer_state(self, state: dict) -> None:
+        if not state:  # a checkpoint from before trainer states were saved
+            self.say("this checkpoint holds no RNG states or loss scale: dropout and fp16 resume approximately")
+            return
+        try:
+            if self.args.fp16:
+                self.loss_scale, self._clean_steps = float(state["loss_scale"]), int(state["clean_steps"])
+            ranks, layout = state["rng"], state["layout"]
+            here = {"world": self.ps.world, "tp": self.ps.tp, "dp": self.ps.dp}
+            if layout == here:
+                random.set_state(ranks[self.ps.rank]["default"])
+                random.tracker().set_states(ranks[self.ps.rank]["tracker"])
+            else:  # the shared stream carries over; per-rank tensor-parallel streams start afresh
+                random.set_state(ranks[0]["default"])
+                if any(r["tracker"] for r in ranks):
+                    self.say(f"saved at TP={layout.get('tp')} DP={layout.get('dp')}, resumed at TP={self.ps.tp} "
+                             f"DP={self.ps.dp}: tensor-parallel dropout streams are reseeded")
+        except (KeyError, IndexError, TypeError, ValueError) as exc:
+            raise CheckpointError(f"the checkpoint's {checkpoint.STATE_FILE} is malformed ({exc!r})") from None
+
     # -- the loop ----------------------------------------------------------------------------
     def say(self, text: str) -> None:
         if self.ps.rank == 0:
@@ -224,6 +292,12 @@ class Trainer:
 
     def _batch(self, split: str, start: int, size: int):
         tokens = gpt_dataset.batch(self.data[split], start, size)
+        low, high = int(tokens.min()), int(tokens.max())  # cheap: one micro-batch
+        if low < 0 or high >= self.tokenizer.vocab_size:
+            bad = low if low < 0 else high
+            raise MindSpeedError(f"the {split} data holds token id {bad}, outside the {self.tokenizer.name} tokenizer's "
+                                 f"{self.tokenizer.vocab_size} ids: it seems to have been tokenized with a vocabulary of "
+                                 f"at least {high + 1} tokens; train with the tokenizer it was preprocessed with")
         return ops.tensor(tokens[:, :-1]), ops.tensor(tokens[:, 1:])
 
     def train_step(self, iteration: int) -> tuple[float, float, float]:
@@ -298,15 +372,20 @@ class Trainer:
         opt = self.optimizer.state()
         opt_spec = {k: self.spec[k.split(".", 1)[1]] for k in opt if k.split(".", 1)[1] in self.spec}
         optimizer_arrays = distributed.full_tensors(opt, opt_spec, self.ps)
+        trainer_state = self._trainer_state()  # collective: every rank
         if self.ps.rank == 0:
             path = checkpoint.save(self.args.save, self.iteration, model_arrays, optimizer_arrays, self.optimizer.steps,
-                                   meta, {n: ops.dtype_of(p) for n, p in named.items()})
+                                   meta, {n: ops.dtype_of(p) for n, p in named.items()}, trainer_state)
             self.say(f"saved checkpoint {path}")
         dist.barrier()
 
     def run(self) -> dict:
         args = self.args
         self.build()
+        if args.save and self.ps.rank == 0:
+            removed = checkpoint.remove_stale_temporaries(args.save)
+            if removed:
+                self.say(f"removed what interrupted saves left in {args.save}: {', '.join(removed)}")
         peak = device.matmul_rate(n=512, min_seconds=0.3)
         flops_per_token = self.cfg.flops_per_token(args.seq_length)
         metrics_path = args.metrics_file or (os.path.join(args.save, "metrics.jsonl") if args.save else None)
