@@ -1,0 +1,297 @@
+"""`mindspeed launch`: run `mindspeed train` on several ranks with torchrun (PyTorch) or
+msrun (MindSpore), and behave as a job scheduler expects.
+
+- The training flags are checked once here, before any rank starts: a bad flag is one
+  line and exit 2, as without `launch`.
+- The launcher and every process it starts (torchrun puts its workers in sessions of their
+  own, msrun adds a scheduler and log tails) are watched through /proc; SIGTERM, SIGINT or
+  SIGHUP to `mindspeed launch` is passed to all of them, and whatever still runs after a
+  grace period is killed, so nothing is left training as an orphan.
+- When the job fails, the process that died first is named: a rank, or msrun's scheduler.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+from mindspeed_core import runtime
+from mindspeed_core.compat import megatron_args
+from mindspeed_core.errors import MindSpeedError
+
+GRACE_SECONDS = 15.0  # after the forwarded signal, before SIGKILL (a scheduler's own grace is ~30 s)
+POLL_SECONDS = 0.5
+
+
+def parser():
+    p = megatron_args.ArgumentParser(prog="mindspeed launch", description="run `mindspeed train` on several ranks "
+                                     "with torchrun (pytorch) or msrun (mindspore)")
+    p.add_argument("--nproc-per-node", type=megatron_args.POSITIVE_INT, required=True)
+    p.add_argument("--nnodes", type=megatron_args.POSITIVE_INT, default=1)
+    p.add_argument("--node-rank", type=megatron_args.COUNT, default=0)
+    p.add_argument("--master-addr", default="127.0.0.1")
+    p.add_argument("--master-port", type=megatron_args.PORT, default=29500)
+    p.add_argument("--log-dir", default="msrun_log", help="msrun's per-worker logs")
+    p.add_argument("--ai-framework", choices=("pytorch", "mindspore"), default=None,
+                   help="may also stand after --, with the training flags")
+    p.add_argument("--print-command", action="store_true", help="show the launcher command and exit")
+    return p
+
+
+def launch_command(args, train_argv: list[str], framework: str) -> tuple[list[str], dict]:
+    """The torchrun or msrun command line (and environment) that runs `train` on every rank."""
+    env = dict(os.environ, MINDSPEED_AI_FRAMEWORK=framework)
+    # msrun starts its workers with the "python" on PATH: make it this interpreter
+    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
+    if framework == "pytorch":
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.nproc_per_node}",
+               f"--nnodes={args.nnodes}", f"--node-rank={args.node_rank}", f"--master-addr={args.master_addr}",
+               f"--master-port={args.master_port}", "-m", "mindspeed_core.cli", "train", *train_argv]
+    else:
+        msrun = os.path.join(os.path.dirname(sys.executable), "msrun")
+        cli = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cli.py")
+        cmd = [msrun if os.path.exists(msrun) else "msrun", f"--worker_num={args.nproc_per_node * args.nnodes}",
+               f"--local_worker_num={args.nproc_per_node}", f"--master_addr={args.master_addr}",
+               f"--master_port={args.master_port}", f"--node_rank={args.node_rank}", "--join=True",
+               f"--log_dir={args.log_dir}", cli, "train", *train_argv]
+    return cmd, env
+
+
+def _split(argv: list[str]) -> tuple[list[str], list[str]]:
+    if "--" in argv:
+        cut = argv.index("--")
+        return argv[:cut], argv[cut + 1:]
+    return argv, []
+
+
+def _check_training_flags(args, train_argv: list[str], framework: str) -> None:
+    """What each rank would refuse, refused here once: one line, exit 2, no rank started."""
+    targs = megatron_args.training_parser().parse_args(train_argv)
+    backend = runtime.bind(framework, targs.device)  # before the trainer's import binds the default
+    from mindspeed_core import features
+    from mindspeed_core.training import trainer
+
+    features.validate(targs, backend.NAME, backend.device.type())
+    trainer.apply_defaults(targs)
+    world = args.nproc_per_node * args.nnodes
+    _, cfg = trainer.check_configuration(targs, world)
+    if not targs.dry_run and backend.device.type() == "cpu":
+        from mindspeed_core.backends.common import check_fits_in_memory
+
+        check_fits_in_memory(args.nproc_per_node * trainer.memory_needed(cfg, targs.tensor_model_parallel_size),
+                             f"{args.nproc_per_node} ranks of this {cfg.num_parameters():,}-parameter model")
+
+
+def _check_port(args) -> None:
+    """On the node that hosts the rendezvous, the port must be free (a listener holds it;
+    TIME_WAIT leftovers do not count, as the launchers reuse the address)."""
+    if args.node_rank != 0:
+        return
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("", args.master_port))
+        except OSError as exc:
+            raise MindSpeedError(f"--master-port {args.master_port} is already in use ({exc.strerror}): "
+                                 f"choose another port with --master-port") from None
+
+
+def run(argv: list[str]) -> int:
+    own, train_argv = _split(argv)
+    args = parser().parse_args(own)
+    if args.node_rank >= args.nnodes:
+        raise MindSpeedError(f"--node-rank {args.node_rank} must be below --nnodes {args.nnodes}")
+    flag, _ = runtime.framework_flag(train_argv)
+    if args.ai_framework and flag and flag != args.ai_framework:
+        raise MindSpeedError(f"--ai-framework {args.ai_framework} before -- and --ai-framework {flag} after it disagree")
+    if args.ai_framework and not flag:
+        train_argv = ["--ai-framework", args.ai_framework, *train_argv]
+    framework = runtime.resolve(args.ai_framework or flag)
+    cmd, env = launch_command(args, train_argv, framework)
+    if args.print_command:
+        print(" ".join(cmd))
+        return 0
+    _check_training_flags(args, train_argv, framework)
+    _check_port(args)
+    job = Job(cmd, env, "torchrun" if framework == "pytorch" else "msrun")
+    code = job.run()
+    if job.stopped_by is not None:
+        name = signal.Signals(job.stopped_by).name
+        print(f"mindspeed launch: {name} received: the job's {job.stopped_count} processes were stopped "
+              f"(the last checkpoint on disk is intact)", file=sys.stderr)
+        return 128 + job.stopped_by
+    if code != 0:
+        hint = ""
+        if "--save" in train_argv and train_argv.index("--save") + 1 < len(train_argv):
+            hint = f"; rerun with --load {train_argv[train_argv.index('--save') + 1]} to resume from its last checkpoint"
+        print(f"mindspeed launch: {job.culprit()}; the job stopped (exit code {code}){hint}", file=sys.stderr)
+    return code if code >= 0 else 128 - code  # killed by signal N: the shell's 128 + N
+
+
+def _stat(pid: int):
+    """(parent pid, start time) of a running process; None once it is gone or a zombie (msrun
+    reaps a dead scheduler only when the job ends, so it lingers as one)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            fields = fh.read().rsplit(")", 1)[1].split()
+        return None if fields[0] in "ZX" else (int(fields[1]), int(fields[19]))
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _environ(pid: int) -> dict:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as fh:
+            return dict(e.split(b"=", 1) for e in fh.read().split(b"\0") if b"=" in e)
+    except (OSError, ValueError):
+        return {}
+
+
+class Watch:
+    """The job's process tree, followed through /proc: which processes belong to it (kept
+    even once re-parented, with their start times so a reused pid is never signalled), what
+    role each has (a torchrun/msrun rank, msrun's scheduler), and which died first."""
+
+    def __init__(self, root: int):
+        self.root = root
+        self.members: dict[int, int] = {}  # pid -> start time
+        self.roles: dict[int, str] = {}  # pid -> "rank N" | "the msrun scheduler"
+        self.first_deaths: set[str] = set()  # the roles found gone in the first scan that found any
+        self.torchrun_rank: int | None = None
+        self.msrun_failed: str | None = None
+        self._in_root = False
+        self._lock = threading.RLock()  # the signal handler may scan while the main thread does
+
+    def scan(self) -> None:
+        parents = {}
+        for name in os.listdir("/proc"):
+            if name.isdigit():
+                st = _stat(int(name))
+                if st:
+                    parents[int(name)] = st
+        with self._lock:
+            grown = True
+            while grown:  # the root's descendants, plus anything whose parent we already know
+                grown = False
+                for pid, (ppid, start) in parents.items():
+                    if pid not in self.members and (ppid == self.root or ppid in self.members or pid == self.root):
+                        self.members[pid] = start
+                        self._classify(pid)
+                        grown = True
+            if not self.first_deaths:
+                self.first_deaths = {role for pid, role in self.roles.items()
+                                     if not (pid in parents and parents[pid][1] == self.members[pid])}
+
+    def _classify(self, pid: int) -> None:
+        env = _environ(pid)
+        if env.get(b"MS_ROLE") == b"MS_SCHED":
+            self.roles[pid] = "the msrun scheduler"
+        elif b"RANK_ID" in env and b"MS_NODE_ID" in env:
+            self.roles[pid] = f"rank {int(env[b'RANK_ID'])}"
+
+    def alive(self) -> list[int]:
+        with self._lock:
+            return [pid for pid, start in self.members.items() if (_stat(pid) or (0, None))[1] == start]
+
+    def signal_all(self, signum: int) -> int:
+        pids = self.alive()
+        for pid in pids:
+            try:
+                os.kill(pid, signum)
+            except ProcessLookupError:
+                pass
+        return len(pids)
+
+    def feed(self, line: str) -> None:
+        """The launchers' own words: torchrun lists the first failure under "Root Cause (first
+        observed failure)"; msrun reports the first worker that exited by its pid (its
+        "first one timed out" can name a survivor blocked in a collective, so it is unused)."""
+        if "Root Cause" in line:
+            self._in_root = True
+        m = re.search(r"^\s*rank\s*:\s*(\d+)", line)
+        if m and self._in_root and self.torchrun_rank is None:
+            self.torchrun_rank = int(m.group(1))
+        m = re.search(r"Worker process (\d+) exit with exception", line)
+        if m and self.msrun_failed is None:
+            self.msrun_failed = self.roles.get(int(m.group(1)))
+
+    def culprit(self) -> str:
+        if self.torchrun_rank is not None:
+            return f"rank {self.torchrun_rank} failed first"
+        if self.first_deaths == {"the msrun scheduler"}:
+            return "the msrun scheduler died first (not a rank)"
+        if self.msrun_failed:
+            return f"{self.msrun_failed} failed first"
+        if len(self.first_deaths) == 1:
+            return f"{next(iter(self.first_deaths))} failed first"
+        return "a rank failed"
+
+
+class Job:
+    def __init__(self, cmd: list[str], env: dict, name: str):
+        self.cmd, self.env, self.name = cmd, env, name
+        self.launcher_died: int | None = None  # torchrun/msrun's exit code when it went before its ranks
+        self.stopped_by: int | None = None
+        self.stopped_count = 0
+        self._done = threading.Event()
+
+    def run(self) -> int:
+        proc = subprocess.Popen(self.cmd, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                bufsize=1, start_new_session=True)
+        self.proc, self.watch = proc, Watch(proc.pid)
+        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+        monitor = threading.Thread(target=self._monitor, daemon=True)
+        monitor.start()
+        try:
+            for line in proc.stdout:
+                sys.stdout.write(line)
+                self.watch.feed(line)
+            code = proc.wait()
+        finally:
+            self._done.set()
+            monitor.join(timeout=GRACE_SECONDS + 5)
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+        if self.stopped_by is not None:
+            self._reap(deadline=time.time() + GRACE_SECONDS)
+        return code
+
+    def culprit(self) -> str:
+        if self.launcher_died is not None:
+            return f"{self.name} itself died first (exit code {self.launcher_died}); its ranks were stopped"
+        return self.watch.culprit()
+
+    def _monitor(self) -> None:
+        while not self._done.wait(POLL_SECONDS):
+            self.watch.scan()
+            code = self.proc.poll()
+            if code is not None and self.launcher_died is None and self.stopped_by is None and self.watch.alive():
+                # torchrun or msrun itself is gone and its ranks are orphans (torchrun's run in
+                # sessions of their own and would train on, holding our output pipe open)
+                self.launcher_died = code
+                self.watch.signal_all(signal.SIGTERM)
+                self._reap(time.time() + GRACE_SECONDS)
+
+    def _on_signal(self, signum, frame) -> None:
+        if self.stopped_by is not None:  # a second signal: no more patience
+            self.watch.signal_all(signal.SIGKILL)
+            return
+        self.stopped_by = signum
+        self.watch.scan()
+        self.stopped_count = self.watch.signal_all(signum)
+        threading.Thread(target=self._reap, args=(time.time() + GRACE_SECONDS,), daemon=True).start()
+
+    def _reap(self, deadline: float) -> None:
+        """Wait for the job to leave after the forwarded signal; kill what remains at the deadline."""
+        while time.time() < deadline:
+            self.watch.scan()
+            if not self.watch.alive():
+                return
+            time.sleep(0.2)
+        self.watch.signal_all(signal.SIGKILL)
