@@ -35,11 +35,20 @@ def _rope(hf: dict) -> tuple[float, dict | None]:
     return theta, scaling or None
 
 
+# the sizes config_from_hf reads, checked before any arithmetic on them
+_SIZES = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+          "intermediate_size", "max_position_embeddings", "n_embd", "n_layer", "n_head", "n_inner", "n_positions")
+
+
 def config_from_hf(hf: dict) -> ModelConfig:
     """Our config from a Hugging Face config.json; anything missing, malformed or not
     supported is a CheckpointError naming the key."""
     if not isinstance(hf, dict):
         raise CheckpointError(f"config.json is a JSON {type(hf).__name__}, not an object")
+    for key in _SIZES:
+        value = hf.get(key)
+        if value is not None and (type(value) is not int or value <= 0):
+            raise CheckpointError(f"config.json: {key} must be a positive integer, got {value!r}")
     try:
         return _config_from_hf(hf)
     except KeyError as exc:

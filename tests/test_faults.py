@@ -69,18 +69,18 @@ def test_dead_rank_stops_the_job_and_the_run_resumes(framework, corpus, tmp_path
 
 
 def test_root_cause_parsing_prefers_the_process_that_exited():
-    from mindspeed_core.cli import _RootCause
+    from mindspeed_core.launcher import Watch
 
-    torchrun = _RootCause()
+    torchrun = Watch(root=1)
     for line in ["Failures:", "  rank      : 0 (local_rank: 0)", "Root Cause (first observed failure):",
                  "  rank      : 1 (local_rank: 1)"]:
         torchrun.feed(line)
-    assert torchrun.failed == 1
-    msrun = _RootCause()
-    msrun._pids = {4242: 1, 4241: 0}
+    assert torchrun.culprit() == "rank 1 failed first"
+    msrun = Watch(root=1)
+    msrun.roles = {4242: "rank 1", 4241: "rank 0", 4240: "the msrun scheduler"}
     msrun.feed("[ERROR] ... Worker process 4242 exit with exception. Error code: -9.")
     msrun.feed("RuntimeError: ... worker 0 is the first one timed out, please check its log.")
-    assert msrun.failed == 1  # the dead process, not the survivor that timed out waiting for it
-    fallback = _RootCause()
-    fallback.feed("RuntimeError: ... worker 3 is the first one timed out, please check its log.")
-    assert fallback.failed == 3
+    assert msrun.culprit() == "rank 1 failed first"  # the dead process, not the survivor that timed out
+    msrun.first_deaths = {"the msrun scheduler"}  # seen gone before any rank
+    assert msrun.culprit() == "the msrun scheduler died first (not a rank)"
+    assert Watch(root=1).culprit() == "a rank failed"

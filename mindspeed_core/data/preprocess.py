@@ -133,6 +133,11 @@ def run(args) -> dict:
     files.check_writable(folder, f"--output-prefix {args.output_prefix}")
     _files(args.input)  # a missing input fails here, before anything is written
     records = iter_records(args.input, args.json_keys)
+    created = []  # the folders this run makes, removed again if it fails
+    path = folder
+    while not os.path.isdir(path):
+        created.append(path)
+        path = os.path.dirname(path)
     os.makedirs(folder, exist_ok=True)
     prefixes = {k: f"{args.output_prefix}_{k}_document" for k in args.json_keys}
     for prefix in prefixes.values():
@@ -158,14 +163,17 @@ def run(args) -> dict:
             progress.update(1, f"{counts['tokens']} tokens")
         for w in writers.values():
             w.finalize()
+        progress.close()  # its last line only on success: a failure is the one error line
     except BaseException:
         for w in writers.values():
             w.abort()  # nothing half-written stays behind
         if pool is not None:
             pool.terminate()
+        for path in created:  # deepest first; only while empty
+            if not os.listdir(path):
+                os.rmdir(path)
         raise
     finally:
-        progress.close()
         if pool is not None:
             pool.close()
             pool.join()

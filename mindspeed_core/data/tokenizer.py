@@ -113,6 +113,9 @@ class GPT2BPETokenizer(HFTokenizer):
         vocab = self._tok.get_vocab()
         if self.EOD not in vocab:
             raise MindSpeedError(f"{vocab_file} has no {self.EOD} token, GPT-2's end of document")
+        # as in Megatron (transformers' GPT2Tokenizer underneath): the literal string in a
+        # text is the end-of-document token, not five byte-level pieces
+        self._tok.add_special_tokens([self.EOD])
         self.vocab_size, self.eod = len(vocab), vocab[self.EOD]
 
 

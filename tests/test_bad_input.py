@@ -1,0 +1,172 @@
+"""Every bad input a careless or hostile user can give: exit status 2, exactly one line on
+stderr, no traceback, and nothing written. The table runs on the selected framework (CI runs
+it under both)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from mindspeed_core import cli
+from test_training import SMALL, corpus  # noqa: F401  (corpus is a fixture)
+
+
+def _jsonl(tmp, raw: bytes):
+    (tmp / "in.jsonl").write_bytes(raw)
+    return ["preprocess", "--input", str(tmp / "in.jsonl"), "--output-prefix", str(tmp / "out" / "ds")]
+
+
+def _checkpoint(tmp, corpus, damage):  # noqa: F811
+    """A real checkpoint of SMALL, damaged by ``damage(folder)``; resuming it must fail."""
+    ckpt = tmp / "ckpt"
+    assert cli.main(["train", *SMALL, "--data-path", corpus, "--train-iters", "1", "--save", str(ckpt)]) == 0
+    damage(ckpt)
+    return ["train", *SMALL, "--data-path", corpus, "--train-iters", "2", "--load", str(ckpt)]
+
+
+def _flip_header_byte(ckpt):
+    path = ckpt / "iter_0000001" / "model.safetensors"
+    data = bytearray(path.read_bytes())
+    data[8 + data[8:].index(b'"shape":[') + 9] = ord("x")  # the first shape's first digit
+    path.write_bytes(bytes(data))
+
+
+def _hf(tmp, corpus, config, extra=None):  # noqa: F811
+    folder = tmp / "hf"
+    folder.mkdir()
+    (folder / "config.json").write_text(config if isinstance(config, str) else json.dumps(config))
+    for name, text in (extra or {}).items():
+        (folder / name).write_text(text)
+    return ["train", "--load-hf", str(folder), "--data-path", corpus, "--seq-length", "16", "--train-iters", "1",
+            "--eval-iters", "0"]
+
+
+LLAMA = {"model_type": "llama", "vocab_size": 300, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "intermediate_size": 128, "max_position_embeddings": 64}
+
+# (id, builder(tmp, corpus) -> argv, a fragment the one line must hold)
+CASES = [
+    # preprocessing
+    ("pre-binary", lambda t, c: _jsonl(t, b'{"text": "ok"}\n\xff\xfe\x00binary\n'), "in.jsonl:2 is not UTF-8"),
+    ("pre-surrogate", lambda t, c: _jsonl(t, b'{"text": "a\\ud800b"}\n'), "lone surrogate"),
+    ("pre-null-line", lambda t, c: _jsonl(t, b"null\n"), "is a JSON NoneType, not an object"),
+    ("pre-number-line", lambda t, c: _jsonl(t, b"42\n"), "is a JSON int, not an object"),
+    ("pre-list-line", lambda t, c: _jsonl(t, b'["text"]\n'), "is a JSON list, not an object"),
+    ("pre-null-text", lambda t, c: _jsonl(t, b'{"text": null}\n'), "'text' is null, not text"),
+    ("pre-number-text", lambda t, c: _jsonl(t, b'{"text": 7}\n'), "'text' is int, not text"),
+    ("pre-unwritable", lambda t, c: _jsonl(t, b'{"text": "a"}\n')[:-1] + ["/proc/nowhere/ds"], "not writable"),
+    ("pre-output-under-file", lambda t, c: _jsonl(t, b'{"text": "a"}\n')[:-1] + [str(t / "in.jsonl" / "ds")],
+     "not a folder"),
+    ("pre-workers-0", lambda t, c: _jsonl(t, b'{"text": "a"}\n') + ["--workers", "0"], "--workers"),
+    ("pre-null-tokenizer-text", lambda t, c: _jsonl(t, b'{"text": "1 two"}\n') + ["--tokenizer-type", "NullTokenizer",
+                                                                                  "--vocab-size", "10"],
+     "space-separated token ids"),
+    # training flags
+    *[(f"train-{flag}-{value}", (lambda flag, value: lambda t, c: ["train", *SMALL, "--data-path", c,
+                                                                    f"--{flag}", value, "--save", str(t / "ckpt")])(flag, value),
+       f"--{flag}")
+      for flag, value in (("num-attention-heads", "0"), ("num-attention-heads", "-4"), ("num-query-groups", "0"),
+                          ("make-vocab-size-divisible-by", "0"), ("hidden-size", "0"), ("ffn-hidden-size", "-1"),
+                          ("num-layers", "0"), ("global-batch-size", "0"), ("attention-dropout", "1"),
+                          ("attention-dropout", "-0.1"), ("hidden-dropout", "nan"), ("seed", "-1"),
+                          ("seed", "99999999999"), ("lr", "-1e-3"), ("lr", "inf"), ("eval-iters", "-1"),
+                          ("micro-batch-size", "0"), ("seq-length", "0"), ("tensor-model-parallel-size", "0"),
+                          ("adam-beta2", "1"), ("clip-grad", "-1"))],
+    ("train-unknown-flag", lambda t, c: ["train", *SMALL, "--data-path", c, "--no-such-flag"], "unrecognized"),
+    ("train-blend-nan", lambda t, c: ["train", *SMALL, "--data-path", "nan", c, "1", c], "must be a positive number"),
+    ("train-blend-inf", lambda t, c: ["train", *SMALL, "--data-path", "inf", c, "1", c], "must be a positive number"),
+    ("train-split-negative", lambda t, c: ["train", *SMALL, "--data-path", c, "--split", "100,-10,10"],
+     "each zero or positive"),
+    ("train-save-under-file", lambda t, c: ["train", *SMALL, "--data-path", c, "--save", str(t / "f" / "ckpt")],
+     "is not a folder"),
+    ("train-save-is-file", lambda t, c: ["train", *SMALL, "--data-path", c, "--save", str(t / "f")], "is a file"),
+    ("train-save-readonly", lambda t, c: ["train", *SMALL, "--data-path", c, "--save", "/proc/ckpt"], "not writable"),
+    ("train-null-tokenizer-no-size", lambda t, c: ["train", *SMALL, "--data-path", c, "--tokenizer-type",
+                                                   "NullTokenizer"], "needs --vocab-size"),
+    ("train-gpt2-no-files", lambda t, c: ["train", *SMALL, "--data-path", c, "--tokenizer-type", "GPT2BPETokenizer"],
+     "needs --vocab-file"),
+    # checkpoints
+    ("ckpt-binary-tracker", lambda t, c: _checkpoint(t, c, lambda k: (k / "latest_checkpointed_iteration.txt")
+                                                     .write_bytes(b"\x00\xff1")), "does not hold an iteration number"),
+    ("ckpt-non-ascii-tracker", lambda t, c: _checkpoint(t, c, lambda k: (k / "latest_checkpointed_iteration.txt")
+                                                        .write_text("١")), "does not hold an iteration number"),
+    ("ckpt-meta-list", lambda t, c: _checkpoint(t, c, lambda k: (k / "iter_0000001" / "meta.json").write_text("[1]")),
+     "not a JSON object"),
+    ("ckpt-meta-binary", lambda t, c: _checkpoint(t, c, lambda k: (k / "iter_0000001" / "meta.json")
+                                                  .write_bytes(b"\xff\xfe")), "not JSON"),
+    ("ckpt-header-byte", lambda t, c: _checkpoint(t, c, _flip_header_byte), "corrupt"),
+    ("ckpt-state-garbled", lambda t, c: _checkpoint(t, c, lambda k: (k / "iter_0000001" / "trainer_state.json")
+                                                    .write_text("{}")), "SHA-256"),
+    # Hugging Face folders
+    ("hf-not-object", lambda t, c: _hf(t, c, "[1, 2]"), "not an object"),
+    ("hf-missing-key", lambda t, c: _hf(t, c, {k: v for k, v in LLAMA.items() if k != "hidden_size"}), "'hidden_size'"),
+    ("hf-zero-heads", lambda t, c: _hf(t, c, {**LLAMA, "num_attention_heads": 0}), "num_attention_heads"),
+    ("hf-string-size", lambda t, c: _hf(t, c, {**LLAMA, "hidden_size": "64"}), "hidden_size"),
+    ("hf-huge", lambda t, c: _hf(t, c, {**LLAMA, "hidden_size": 65536, "intermediate_size": 262144,
+                                     "num_hidden_layers": 64}), "GiB available"),
+    ("hf-index-absolute", lambda t, c: _hf(t, c, LLAMA, {"model.safetensors.index.json": json.dumps(
+        {"weight_map": {"model.embed_tokens.weight": "/etc/passwd"}})}), "not a file inside that folder"),
+    ("hf-index-parent", lambda t, c: _hf(t, c, LLAMA, {"model.safetensors.index.json": json.dumps(
+        {"weight_map": {"model.embed_tokens.weight": "../x.safetensors"}})}), "not a file inside that folder"),
+]
+
+
+def _tree(root):
+    return {os.path.relpath(os.path.join(d, f), root) for d, dirs, fs in os.walk(root) for f in fs + dirs}
+
+
+@pytest.mark.parametrize("case, build, fragment", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_is_one_line_exit_2_and_writes_nothing(capsys, corpus, tmp_path, case, build, fragment):  # noqa: F811
+    (tmp_path / "f").write_text("a file where a folder would go")
+    argv = build(tmp_path, corpus)
+    capsys.readouterr()
+    before = _tree(tmp_path)
+    code = cli.main(argv)
+    out = capsys.readouterr()
+    assert code == 2, (out.out[-2000:], out.err)
+    assert out.err.count("\n") == 1 and "Traceback" not in out.err, out.err
+    assert fragment in out.err, out.err
+    assert _tree(tmp_path) == before, _tree(tmp_path) - before
+
+
+def test_token_ids_beyond_the_tokenizer_stop_at_the_first_batch(capsys, corpus, tmp_path):  # noqa: F811
+    from mindspeed_core.data import indexed
+
+    writer = indexed.IndexedDatasetWriter(str(tmp_path / "wide"), np.uint16)
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        writer.add_document(rng.integers(0, 1000, 200))  # made with a 1000-token vocabulary
+    writer.finalize()
+    code = cli.main(["train", *SMALL, "--data-path", str(tmp_path / "wide"), "--train-iters", "2"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1
+    assert "outside the ByteLevel tokenizer's 257 ids" in err and "vocabulary of at least" in err
+
+
+def test_safetensors_header_bit_flips_are_all_clear_errors(tmp_path):
+    """Every single-bit flip in a header either still parses to the same tensors or is a
+    CheckpointError: never another exception type (24% were before)."""
+    from mindspeed_core import tensor_files
+    from mindspeed_core.errors import CheckpointError
+
+    path = tmp_path / "t.safetensors"
+    tensor_files.save(str(path), {"a.weight": tensor_files.HostTensor(np.arange(12, dtype=np.float32).reshape(3, 4)),
+                                  "b": tensor_files.HostTensor(np.ones(5, np.float16))}, {"k": 1})
+    good = path.read_bytes()
+    header_len = int.from_bytes(good[:8], "little")
+    rng = np.random.default_rng(0)
+    outcomes = {"error": 0, "same": 0}
+    for bit in rng.choice((8 + header_len) * 8, 400, replace=False):
+        data = bytearray(good)
+        data[bit // 8] ^= 1 << (bit % 8)
+        path.write_bytes(bytes(data))
+        try:
+            tensors, _ = tensor_files.load(str(path))
+        except CheckpointError:
+            outcomes["error"] += 1
+            continue
+        outcomes["same"] += 1  # a flip in padding or in a name: the file still describes valid tensors
+    assert outcomes["error"] > 300, outcomes
