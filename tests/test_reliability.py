@@ -167,8 +167,8 @@ def test_resume_under_tp2_dp2_with_dropout_is_exact(framework, corpus, tmp_path)
 
 # ---- the launcher ---------------------------------------------------------------------------
 
-def _tagged(tag: str) -> list[str]:
-    """Command lines of the processes started with this tag in their environment."""
+def _tagged(tag: str, also: bytes = b"") -> list[str]:
+    """"pid: command line" of the processes started with this tag (and ``also``) in their environment."""
     found = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
@@ -176,7 +176,7 @@ def _tagged(tag: str) -> list[str]:
             cmd = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode(errors="replace")
         except OSError:
             continue
-        if f"MINDSPEED_TEST_TAG={tag}".encode() in env and int(pid) != os.getpid():
+        if f"MINDSPEED_TEST_TAG={tag}".encode() in env and also in env and int(pid) != os.getpid():
             found.append(f"{pid}: {cmd[:120]}")
     return found
 
@@ -236,9 +236,7 @@ def test_the_framework_launcher_dying_is_named_and_its_ranks_stopped(framework, 
             victim = next(int(x.split(":")[0]) for x in _tagged(tag) if "torch.distributed.run" in x)
             named = "torchrun itself died first"
         else:
-            victim = next(int(p) for p in filter(str.isdigit, os.listdir("/proc"))
-                          if b"MS_ROLE=MS_SCHED" in open(f"/proc/{p}/environ", "rb").read()
-                          and f"MINDSPEED_TEST_TAG={tag}".encode() in open(f"/proc/{p}/environ", "rb").read())
+            victim = next(int(x.split(":")[0]) for x in _tagged(tag, b"MS_ROLE=MS_SCHED"))
             named = "the msrun scheduler died first (not a rank)"
         os.kill(victim, signal.SIGKILL)
         out, err = proc.communicate(timeout=120)

@@ -261,7 +261,7 @@ class Trainer:
         each rank's generator states (dropout draws, the tracker's tensor-parallel streams)
         and the fp16 loss scale with its clean-step counter."""
         mine = {"default": random.get_state(), "tracker": random.tracker().get_states()}
-        return {"loss_scale": self.loss_scale, "clean_steps": self._clean_steps,
+        return {"framework": runtime.bound().NAME, "loss_scale": self.loss_scale, "clean_steps": self._clean_steps,
                 "layout": {"world": self.ps.world, "tp": self.ps.tp, "dp": self.ps.dp},
                 "rng": distributed.gather_json(mine, self.ps)}
 
@@ -274,7 +274,10 @@ class Trainer:
                 self.loss_scale, self._clean_steps = float(state["loss_scale"]), int(state["clean_steps"])
             ranks, layout = state["rng"], state["layout"]
             here = {"world": self.ps.world, "tp": self.ps.tp, "dp": self.ps.dp}
-            if layout == here:
+            if state["framework"] != runtime.bound().NAME:  # generator states are framework-specific
+                self.say(f"RNG states were saved on {state['framework']}: dropout draws start afresh on "
+                         f"{runtime.bound().NAME}")
+            elif layout == here:
                 random.set_state(ranks[self.ps.rank]["default"])
                 random.tracker().set_states(ranks[self.ps.rank]["tracker"])
             else:  # the shared stream carries over; per-rank tensor-parallel streams start afresh
