@@ -13,7 +13,6 @@ code is imported. Errors the user can act on print one line and exit with status
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 
