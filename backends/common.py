@@ -143,6 +143,9 @@ class CommStats:
         self.ops: dict = {}
 
     def record(self, op: str, nbytes: int, wire: int | None = None) -> None:
+        from mindspeed_core import features
+
+        features.note_used("collectives")  # a collective over more than one rank ran
         entry = self.ops.setdefault(op, {"calls": 0, "bytes": 0, "wire_bytes": 0})
         entry["calls"] += 1
         entry["bytes"] += int(nbytes)

@@ -57,7 +57,9 @@ def worker_ours(framework: str, steps: int, warmup: int) -> dict:
             "--ffn-hidden-size", str(b["ffn_hidden_size"]), "--seq-length", str(b["seq_length"]),
             "--micro-batch-size", str(b["micro_batch_size"]), "--train-iters", str(warmup + steps),
             "--log-interval", str(warmup), "--make-vocab-size-divisible-by", str(b["vocab_size"]),
-            "--lr", "1e-4", "--no-progress", "--metrics-file", metrics]
+            "--lr", "1e-4", "--no-progress", "--metrics-file", metrics,
+            # every fused kernel the device has, as MindSpeed-LLM's scripts do
+            "--use-flash-attn", "--use-fused-rmsnorm", "--use-fused-swiglu", "--use-fused-rotary-pos-emb"]
     if steps % warmup:
         raise SystemExit("--steps must be a multiple of --warmup (the log windows)")
     with open(os.devnull, "w") as null:

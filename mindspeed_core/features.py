@@ -21,6 +21,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Callable
 
+from mindspeed_core import usage
 from mindspeed_core.errors import FeatureNotAvailable
 
 STATUSES = ("supported", "emulated", "unsupported", "planned")
@@ -86,6 +87,8 @@ def _cp(algo):
 
 
 _NPU_ONLY = "fuses matmul with communication in Ascend kernels; NPU only"
+# a kernel binding that exists in the code but has never run: no such device on these machines
+_UNTESTED = "bound, untested (no such device here)"
 
 FEATURES: tuple[Feature, ...] = (
     # ---- parallelism --------------------------------------------------------------------
@@ -112,6 +115,8 @@ FEATURES: tuple[Feature, ...] = (
     Feature("hybrid-cp", "Context parallel: hybrid (Ulysses + ring)", "parallelism",
             ("--context-parallel-size", "--context-parallel-algo hybrid_cp_algo"),
             planned(), planned(), _cp("hybrid_cp_algo")),
+    Feature("moe", "Mixture of experts (MoE layers)", "parallelism", ("--num-experts",),
+            planned(), planned(), lambda a: a.num_experts is not None),
     Feature("expert-parallel", "MoE expert parallelism", "parallelism", ("--expert-model-parallel-size",),
             planned(), planned(), _gt1("expert_model_parallel_size")),
     Feature("moe-alltoall-dispatcher", "MoE all-to-all token dispatcher", "parallelism",
@@ -152,30 +157,38 @@ FEATURES: tuple[Feature, ...] = (
             _on("fp16")),
     # ---- fused operators ------------------------------------------------------------------
     Feature("flash-attention", "Fused attention (flash attention)", "fused-ops", ("--use-flash-attn",),
-            supported("torch scaled_dot_product_attention (flash/efficient kernels on CUDA, math on CPU)"),
-            supported("composite softmax(QK^T)V; FlashAttentionScore has no CPU kernel"),
+            supported("torch scaled_dot_product_attention (math kernel on CPU)",
+                      cuda=supported(f"torch scaled_dot_product_attention flash/efficient kernels; {_UNTESTED}"),
+                      npu=emulated(f"torch scaled_dot_product_attention as torch_npu provides it; {_UNTESTED}")),
+            emulated("composite softmax(QK^T)V: MindSpore's FlashAttentionScore is not bound (it has no CPU "
+                     "kernel, and the Ascend binding has had no device to run on)"),
             _on("use_flash_attn")),
     Feature("flash-attention-varlen", "Flash attention on packed variable-length sequences", "fused-ops",
             ("--reset-attention-mask",), planned(), planned(), _on("reset_attention_mask")),
     Feature("fused-rmsnorm", "Fused RMSNorm", "fused-ops", ("--use-fused-rmsnorm",),
-            supported("torch F.rms_norm; torch_npu npu_rms_norm on Ascend"),
-            supported("composite on CPU (RmsNorm has no CPU kernel); ops.rms_norm on Ascend"),
+            supported("torch F.rms_norm", npu=supported(f"torch_npu npu_rms_norm; {_UNTESTED}")),
+            emulated("composite: RmsNorm has no CPU/GPU kernel", npu=supported(f"ops.rms_norm; {_UNTESTED}")),
             _on("use_fused_rmsnorm")),
+    Feature("fused-layernorm", "Fused LayerNorm (always on, as in Megatron)", "fused-ops", (),
+            supported("torch F.layer_norm"), emulated("composite: not bound to a MindSpore LayerNorm kernel yet")),
     Feature("fused-swiglu", "Fused SwiGLU", "fused-ops", ("--use-fused-swiglu",),
-            supported("composite on CPU/CUDA; torch_npu npu_swiglu on Ascend"),
-            supported("composite on CPU (Swiglu has no CPU kernel); ops.swiglu on Ascend"),
+            emulated("composite: torch has no SwiGLU kernel on CPU/CUDA",
+                     npu=supported(f"torch_npu npu_swiglu; {_UNTESTED}")),
+            emulated("composite: Swiglu has no CPU/GPU kernel", npu=supported(f"ops.swiglu; {_UNTESTED}")),
             _on("use_fused_swiglu")),
     Feature("fused-rope", "Fused rotary position embedding", "fused-ops", ("--use-fused-rotary-pos-emb",),
-            supported("composite on CPU/CUDA; torch_npu npu_rotary_mul on Ascend"),
-            supported("composite (RotaryPositionEmbedding has no CPU kernel)"),
+            emulated("composite: torch has no rotary kernel on CPU/CUDA",
+                     npu=supported(f"torch_npu npu_rotary_mul; {_UNTESTED}")),
+            emulated("composite: RotaryPositionEmbedding is not bound (no CPU kernel; Ascend untested)"),
             _on("use_fused_rotary_pos_emb")),
     Feature("gmm", "Grouped matmul for MoE experts", "fused-ops", ("--moe-grouped-gemm",),
-            supported("composite: one matmul per expert group"),
-            supported("composite: one matmul per expert group"),
+            planned("the facade's ops.grouped_matmul (composite) exists; MoE layers to use it do not"),
+            planned("the facade's ops.grouped_matmul (composite) exists; MoE layers to use it do not"),
             _on("moe_grouped_gemm")),
-    Feature("matmul-add", "Fused matmul + add in fp32 (gradient accumulation)", "fused-ops",
+    Feature("matmul-add", "Fused weight-gradient accumulation (matmul + add in fp32)", "fused-ops",
             ("--gemm-gradient-accumulation-fusion",),
-            supported("torch addmm in fp32"), supported("composite fp32 matmul + add"),
+            planned("the facade's ops.matmul_add exists; the linear layers' backward does not accumulate with it"),
+            planned("the facade's ops.matmul_add exists; the linear layers' backward does not accumulate with it"),
             _on("gemm_gradient_accumulation_fusion")),
     # ---- communication ----------------------------------------------------------------------
     Feature("collectives", "Collectives: all-reduce, all-gather, reduce-scatter, all-to-all, broadcast, send/recv",
@@ -214,7 +227,18 @@ FEATURES: tuple[Feature, ...] = (
             supported(), supported()),
     # ---- inference ----------------------------------------------------------------------------
     Feature("streaming-inference", "Streaming generation", "inference", ("--stream",), planned(), planned(), _on("stream")),
+    Feature("greedy-generation", "Generation tasks (greedy decoding)", "inference", ("--task greedy",),
+            planned("`mindspeed train` trains; a generation command arrives with the inference issue"),
+            planned("`mindspeed train` trains; a generation command arrives with the inference issue"),
+            _eq("task", "greedy")),
     Feature("chat", "Chat (multi-turn, chat templates)", "inference", ("--task chat",), planned(), planned(), _eq("task", "chat")),
+    Feature("rope-scaling-flags", "RoPE scaling set by flags (linear, llama3)", "inference",
+            ("--rope-scaling-type linear", "--rope-scaling-type llama3"),
+            planned("Hugging Face configs' rope_scaling (linear, llama3) is applied; the flags and their factors "
+                    "are not wired yet", instead="--load-hf with a config that carries rope_scaling"),
+            planned("Hugging Face configs' rope_scaling (linear, llama3) is applied; the flags and their factors "
+                    "are not wired yet", instead="--load-hf with a config that carries rope_scaling"),
+            lambda a: a.rope_scaling_type in ("linear", "llama3")),
     Feature("yarn", "YaRN RoPE scaling", "inference", ("--rope-scaling-type yarn",), planned(), planned(),
             _eq("rope_scaling_type", "yarn")),
     # ---- data and tools -------------------------------------------------------------------
@@ -243,6 +267,15 @@ def get(feature_id: str) -> Feature:
         return BY_ID[feature_id]
     except KeyError:
         raise KeyError(f"no feature {feature_id!r} in the matrix") from None
+
+
+def note_used(feature_id: str) -> None:
+    """Called where a feature takes effect (the kernel is chosen, the collective runs, the
+    parallel layer is built): the test harness counts a cell as proved only when this ran
+    during a passing test marked with it. Free unless recording is on (mindspeed_core.usage)."""
+    if feature_id not in BY_ID:
+        raise KeyError(f"no feature {feature_id!r} in the matrix")
+    usage.note("feature:" + feature_id)
 
 
 def active_features(args) -> list[Feature]:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import contextlib
 
+from mindspeed_core import features
+
 
 class RNGStatesTracker:
     def __init__(self, get_state, set_state, seed, encode=lambda s: s, decode=lambda s: s):
@@ -45,6 +47,7 @@ class RNGStatesTracker:
     def fork(self, name: str):
         if name not in self._states:
             raise KeyError(f"RNG state {name!r} is not tracked; add it first (known: {sorted(self._states)})")
+        features.note_used("rng-tracker")
         outer = self._get()
         self._set(self._states[name])
         try:

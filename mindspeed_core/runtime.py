@@ -14,6 +14,7 @@ import importlib
 import os
 import threading
 
+from mindspeed_core import usage
 from mindspeed_core.errors import BackendError
 
 ENV_VAR = "MINDSPEED_AI_FRAMEWORK"
@@ -26,6 +27,7 @@ FRAMEWORKS = {
     "mindspore": ("mindspeed_core.backends.mindspore", "mindspore", "mindspore"),
 }
 DEVICES = ("auto", "cpu", "cuda", "npu", "gpu", "ascend")
+_DEVICE_ALIASES = {"gpu": "cuda", "ascend": "npu"}
 
 _lock = threading.Lock()
 _requested: str | None = None  # set_backend()
@@ -79,6 +81,10 @@ def bind(flag: str | None = None, device: str | None = None):
                     f"the facade is already bound to {_bound.NAME} in this process; a second "
                     f"framework ({name}) cannot be bound (start a new process)"
                 )
+            wanted = _DEVICE_ALIASES.get((device or "auto").lower(), (device or "auto").lower())
+            if wanted != "auto" and wanted != _bound.device.type():
+                raise BackendError(f"the facade is already bound to {_bound.device.type()} in this process; "
+                                   f"--device {device} needs a new process")
             return _bound
         module_name, import_name, extra = FRAMEWORKS[name]
         try:
@@ -94,7 +100,7 @@ def bind(flag: str | None = None, device: str | None = None):
         if wanted.lower() not in DEVICES:
             raise BackendError(f"unknown device {wanted!r}; choose one of: {', '.join(DEVICES)}")
         backend.ops.bind_fused(backend.device.select(wanted.lower()))
-        _bound = backend
+        _bound = usage.traced(backend)  # the backend itself unless a harness records what runs
         return backend
 
 

@@ -16,6 +16,7 @@ import struct
 
 import numpy as np
 
+from mindspeed_core import features
 from mindspeed_core.errors import CheckpointError
 
 # safetensors dtype tag <-> numpy dtype; BF16 is carried as uint16 bit patterns.
@@ -44,6 +45,7 @@ def save(path: str, tensors: dict[str, HostTensor], metadata: dict | None = None
     """``metadata`` travels as JSON under one key; ``raw_metadata`` are plain string entries
     other readers look for (Hugging Face transformers wants {"format": "pt"}). Returns the
     SHA-256 of the bytes written, for the caller to record and ``load`` to verify."""
+    features.note_used("safetensors-io")
     header: dict = {}
     entries = dict(raw_metadata or {})
     if metadata is not None:
@@ -75,6 +77,7 @@ def save(path: str, tensors: dict[str, HostTensor], metadata: dict | None = None
 
 def load(path: str, sha256: str | None = None) -> tuple[dict[str, HostTensor], dict | None]:
     """Read a file; with ``sha256`` (recorded by ``save``) a file whose bytes changed is refused."""
+    features.note_used("safetensors-io")
     try:
         with open(path, "rb") as fh:
             data = fh.read()

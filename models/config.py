@@ -8,6 +8,9 @@ import math
 from dataclasses import dataclass, field
 
 
+FUSED_KERNELS = ("attention", "rms_norm", "swiglu", "rope")
+
+
 @dataclass
 class ModelConfig:
     vocab_size: int = 256
@@ -33,6 +36,10 @@ class ModelConfig:
     hidden_dropout: float = 0.0
     family: str = "llama"  # llama | mistral | qwen2 | qwen3 | gpt2 (Hugging Face export)
     extra: dict = field(default_factory=dict)  # family-specific fields kept for export
+    # Which fused kernels the layers call (ops.<op>: the device's native kernel, or the
+    # composite where it has none; the flags --use-flash-attn, --use-fused-*); the others
+    # run mindspeed_core.composite. How the math runs, not what it is: not saved, not compared.
+    fused: frozenset = field(default_factory=frozenset, compare=False)
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "num_query_groups",
@@ -62,6 +69,9 @@ class ModelConfig:
                 self.ffn_hidden_size = 64 * ((int(8 * self.hidden_size / 3) + 63) // 64)
             else:
                 self.ffn_hidden_size = 4 * self.hidden_size
+        self.fused = frozenset(self.fused)
+        if not self.fused <= set(FUSED_KERNELS):
+            raise ValueError(f"fused kernels must be among {FUSED_KERNELS}, got {sorted(self.fused)}")
         for name, allowed in (("normalization", ("rmsnorm", "layernorm")), ("activation", ("swiglu", "gelu", "gelu_tanh")),
                               ("position_embedding_type", ("rope", "learned"))):
             if getattr(self, name) not in allowed:
@@ -72,7 +82,9 @@ class ModelConfig:
         return (self.num_attention_heads + 2 * self.num_query_groups) * self.kv_channels
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        out = dataclasses.asdict(self)
+        del out["fused"]
+        return out
 
     @classmethod
     def from_dict(cls, values: dict) -> "ModelConfig":

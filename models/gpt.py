@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import math
 
-from mindspeed_core import nn, ops
+from mindspeed_core import composite, features, nn, ops
 from mindspeed_core.models import rope
 from mindspeed_core.models.config import ModelConfig
 from mindspeed_core.models.layers import Embedding, Linear, make_norm
@@ -32,8 +32,8 @@ class SelfAttention(nn.Module):
         self.linear_qkv = Linear(cfg.hidden_size, cfg.qkv_width, cfg.add_qkv_bias, cfg.init_method_std)
         self.linear_proj = Linear(cfg.num_attention_heads * cfg.kv_channels, cfg.hidden_size, cfg.add_bias_linear, out_std)
         if cfg.qk_layernorm:
-            self.q_layernorm = make_norm(cfg.normalization, cfg.kv_channels, cfg.norm_epsilon)
-            self.k_layernorm = make_norm(cfg.normalization, cfg.kv_channels, cfg.norm_epsilon)
+            self.q_layernorm = make_norm(cfg, cfg.kv_channels)
+            self.k_layernorm = make_norm(cfg, cfg.kv_channels)
         # on this rank: tensor parallelism divides the groups, or the heads of a group
         self.num_groups = cfg.num_query_groups
         self.heads_per_group = cfg.num_attention_heads // cfg.num_query_groups
@@ -50,10 +50,18 @@ class SelfAttention(nn.Module):
         if cfg.qk_layernorm:
             q, k = self.q_layernorm(q), self.k_layernorm(k)
         if cos is not None:
-            q, k = ops.apply_rotary(q, cos, sin), ops.apply_rotary(k, cos, sin)
+            rotary = composite.apply_rotary
+            if "rope" in cfg.fused:
+                features.note_used("fused-rope")
+                rotary = ops.apply_rotary
+            q, k = rotary(q, cos, sin), rotary(k, cos, sin)
         p = cfg.attention_dropout if nn.is_training(self) else 0.0
+        attention = composite.attention
+        if "attention" in cfg.fused:
+            features.note_used("flash-attention")
+            attention = ops.attention
         with self.rng_region():
-            out = ops.attention(q, k, v, causal=True, dropout_p=p)
+            out = attention(q, k, v, causal=True, dropout_p=p)
         return self.linear_proj(ops.reshape(out, (b, s, groups * per_group * d)))
 
 
@@ -61,6 +69,7 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.activation = cfg.activation
+        self.fused_swiglu = "swiglu" in cfg.fused
         width = 2 * cfg.ffn_hidden_size if cfg.activation == "swiglu" else cfg.ffn_hidden_size
         out_std = cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers)
         self.linear_fc1 = Linear(cfg.hidden_size, width, cfg.add_bias_linear, cfg.init_method_std)
@@ -68,8 +77,12 @@ class MLP(nn.Module):
 
     def forward(self, x):
         h = self.linear_fc1(x)
-        if self.activation == "swiglu":
-            h = ops.swiglu(h)  # gate rows first, then up rows (mcore's fc1 layout)
+        if self.activation == "swiglu":  # gate rows first, then up rows (mcore's fc1 layout)
+            if self.fused_swiglu:
+                features.note_used("fused-swiglu")
+                h = ops.swiglu(h)
+            else:
+                h = composite.swiglu(h)
         else:
             h = ops.gelu(h, approximate="tanh" if self.activation == "gelu_tanh" else "none")
         return self.linear_fc2(h)
@@ -84,9 +97,9 @@ class TransformerLayer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.hidden_dropout = cfg.hidden_dropout
-        self.input_layernorm = make_norm(cfg.normalization, cfg.hidden_size, cfg.norm_epsilon)
+        self.input_layernorm = make_norm(cfg, cfg.hidden_size)
         self.self_attention = SelfAttention(cfg)
-        self.pre_mlp_layernorm = make_norm(cfg.normalization, cfg.hidden_size, cfg.norm_epsilon)
+        self.pre_mlp_layernorm = make_norm(cfg, cfg.hidden_size)
         self.mlp = MLP(cfg)
 
     def _dropout(self, x):
@@ -104,7 +117,7 @@ class Decoder(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.layers = nn.ModuleList([TransformerLayer(cfg) for _ in range(cfg.num_layers)])
-        self.final_layernorm = make_norm(cfg.normalization, cfg.hidden_size, cfg.norm_epsilon)
+        self.final_layernorm = make_norm(cfg, cfg.hidden_size)
 
     def forward(self, x, cos, sin):
         for layer in self.layers:

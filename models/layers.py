@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from mindspeed_core import nn, ops
+from mindspeed_core import composite, features, nn, ops
 
 
 def _param(shape, std=None, value=None):
@@ -40,12 +40,15 @@ class Embedding(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, fused: bool = False):
         super().__init__()
-        self.eps = eps
+        self.eps, self.fused = eps, fused
         self.weight = _param((dim,), value=1.0)
 
     def forward(self, x):
+        if not self.fused:
+            return composite.rms_norm(x, self.weight, self.eps)
+        features.note_used("fused-rmsnorm")
         return ops.rms_norm(x, self.weight, self.eps)
 
 
@@ -57,8 +60,13 @@ class LayerNorm(nn.Module):
         self.bias = _param((dim,), value=0.0)
 
     def forward(self, x):
+        # no switch, as in Megatron (LayerNorm is always its fused kernel where there is one)
+        features.note_used("fused-layernorm")
         return ops.layer_norm(x, self.weight, self.bias, self.eps)
 
 
-def make_norm(kind: str, dim: int, eps: float):
-    return RMSNorm(dim, eps) if kind == "rmsnorm" else LayerNorm(dim, eps)
+def make_norm(cfg, dim: int):
+    """The configured normalisation over ``dim`` features."""
+    if cfg.normalization == "rmsnorm":
+        return RMSNorm(dim, cfg.norm_epsilon, "rms_norm" in cfg.fused)
+    return LayerNorm(dim, cfg.norm_epsilon)

@@ -1,27 +1,54 @@
 """One suite for both frameworks: the backend comes from MINDSPEED_AI_FRAMEWORK.
 
-Also enforces the feature matrix's promise: with ``--feature-coverage`` (the README's test
-command passes it), the run fails when a feature the matrix calls supported or emulated on
-the selected framework/device has no passing test marked ``@pytest.mark.feature(id)``.
+With ``--feature-coverage`` (the README's test command passes it) the run also fails when
+
+* a feature the matrix calls supported or emulated on this framework/device was not *run*
+  by a passing test marked ``@pytest.mark.feature(id)``: the code where a feature takes
+  effect records it (mindspeed_core.features.note_used), in this process or in the ranks
+  and subprocesses a test launches, through the file MINDSPEED_USAGE_FILE names;
+* a passing test carries a feature marker whose feature it never ran;
+* a name of the facade (mindspeed_core.facade.SPEC) was never used during the run.
+
+Under CI (``CI`` or ``MINDSPEED_CI`` set) a skip outside coverage_check.ALLOWED_SKIPS fails
+the run, and the skip count is printed for .ci/run to report.
 """
 
 from __future__ import annotations
 
+import os
+import tempfile
+
 import pytest
 
-from mindspeed_core import features, runtime
+from mindspeed_core import usage
+
+# Before binding: the bound facade then records its use, and every process the tests start
+# inherits the file to report to.
+_usage_dir = tempfile.mkdtemp(prefix="mindspeed-usage-")
+USAGE_FILE = os.environ[usage.ENV_VAR] = os.path.join(_usage_dir, "used.txt")
+open(USAGE_FILE, "w").close()
+
+from mindspeed_core import facade, features, runtime  # noqa: E402
+
+import coverage_check  # noqa: E402
 
 BACKEND = runtime.bind()
 FRAMEWORK = BACKEND.NAME
 DEVICE = BACKEND.device.type()
+IN_CI = bool(os.environ.get("CI") or os.environ.get("MINDSPEED_CI"))
 
-_features_of: dict[str, set] = {}
-_proved: set = set()
+_marked: dict[str, set] = {}  # test id -> feature ids of its markers
+_passed: set = set()
+_used: dict[str, set] = {}  # test id -> feature ids recorded while it and its fixtures ran
+_start: dict[str, int] = {}  # test id -> usage file offset when its setup began
+_fixture_used: dict[int, set] = {}  # id(fixturedef) -> features recorded while it was set up
+_skips: list[tuple[str, str]] = []
 
 
 def pytest_addoption(parser):
     parser.addoption("--feature-coverage", action="store_true",
-                     help="fail unless every supported/emulated matrix cell of this framework has a passing marked test")
+                     help="fail unless every supported/emulated matrix cell of this framework was run by a passing "
+                          "marked test, every marker was honoured, and every facade name was used")
 
 
 def pytest_report_header(config):
@@ -34,35 +61,97 @@ def pytest_collection_modifyitems(config, items):
         for fid in ids:
             features.get(fid)  # an unknown id is a typo: fail collection loudly
         if ids:
-            _features_of[item.nodeid] = ids
+            _marked[item.nodeid] = ids
+
+
+def _size() -> int:
+    return os.path.getsize(USAGE_FILE)
+
+
+def _features(names: set) -> set:
+    return {n.split(":", 1)[1] for n in names if n.startswith("feature:")}
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_setup(item):
+    usage.reset()  # this test's uses are written again, within its window of the file
+    _start[item.nodeid] = _size()
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_fixture_setup(fixturedef, request):
+    before = _size()
+    yield
+    _fixture_used.setdefault(id(fixturedef), set()).update(_features(usage.read(USAGE_FILE, before)[0]))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    yield
+    used = _features(usage.read(USAGE_FILE, _start.get(item.nodeid, 0))[0])
+    # a module-scoped fixture set up for an earlier test (one shared launch) counts for
+    # every test that uses it
+    for name in item.fixturenames:
+        for fixturedef in item._fixtureinfo.name2fixturedefs.get(name, ()):
+            used |= _fixture_used.get(id(fixturedef), set())
+    _used[item.nodeid] = used
 
 
 def pytest_runtest_logreport(report):
     if report.when == "call" and report.passed:
-        _proved.update(_features_of.get(report.nodeid, ()))
+        _passed.add(report.nodeid)
+    if report.skipped:
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        _skips.append((report.nodeid, reason))
 
 
 def required_features() -> set:
     return {f.id for f in features.FEATURES if f.status(FRAMEWORK, DEVICE).kind in ("supported", "emulated")}
 
 
+def _facade_called() -> set:
+    names, _ = usage.read(USAGE_FILE)
+    return {n.split(":", 1)[1] for n in names if n.startswith("facade:")}
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_sessionfinish(session, exitstatus):
-    if not session.config.getoption("--feature-coverage"):
-        return
-    missing = sorted(required_features() - _proved)
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
-    if reporter:
-        reporter.write_sep("-", "feature coverage")
-    if missing:
+
+    def fail(title, problems):
         if reporter:
-            reporter.write_line(
-                f"FEATURE COVERAGE: the matrix calls these supported/emulated on {FRAMEWORK}/{DEVICE} but no "
-                f"marked test passed: {', '.join(missing)}", red=True)
+            reporter.write_line(f"{title}:", red=True)
+            for p in problems:
+                reporter.write_line(f"  {p}", red=True)
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
-    elif reporter:
-        reporter.write_line(f"feature coverage: {len(required_features())} supported/emulated features of "
-                            f"{FRAMEWORK}/{DEVICE} each have a passing marked test")
+
+    if session.config.getoption("--feature-coverage"):
+        if reporter:
+            reporter.write_sep("-", "feature coverage")
+        marked = {t: ids for t, ids in _marked.items()}
+        problems = coverage_check.feature_problems(required_features(), marked, _passed, _used)
+        problems += coverage_check.facade_problems(facade.SPEC, _facade_called())
+        if problems:
+            fail(f"FEATURE COVERAGE on {FRAMEWORK}/{DEVICE}", problems)
+        elif reporter:
+            reporter.write_line(f"feature coverage: each of the {len(required_features())} supported/emulated features "
+                                f"of {FRAMEWORK}/{DEVICE} ran in a passing marked test; every marker was honoured; "
+                                f"all {sum(len(v) for v in facade.SPEC.values())} facade names were used")
+    if reporter:
+        reporter.write_line(f"skips on {FRAMEWORK}: {len(_skips)}")
+    if IN_CI:
+        bad = [f"{t}: {r}" for t, r in _skips if coverage_check.skip_problems([r])]
+        if bad:
+            fail("SKIPS OUTSIDE THE ALLOW-LIST (tests/coverage_check.py) fail CI", bad)
+
+
+def pytest_unconfigure(config):
+    try:
+        os.remove(USAGE_FILE)
+        os.rmdir(_usage_dir)
+    except OSError:
+        pass
 
 
 @pytest.fixture

@@ -76,9 +76,12 @@ CASES = [  # (id, ranks, model, flags)
 ]
 
 
-def _marks(flags):
-    marks = [pytest.mark.multiprocess, pytest.mark.feature("data-parallel")]
-    if "--tensor-model-parallel-size" in flags:
+def _marks(ranks, flags):
+    marks = [pytest.mark.multiprocess, pytest.mark.feature("collectives")]
+    tp = int(flags[flags.index("--tensor-model-parallel-size") + 1]) if "--tensor-model-parallel-size" in flags else 1
+    if ranks // tp > 1:
+        marks.append(pytest.mark.feature("data-parallel"))
+    if tp > 1:
         marks.append(pytest.mark.feature("tensor-parallel"))
     if "--sequence-parallel" in flags:
         marks.append(pytest.mark.feature("sequence-parallel"))
@@ -88,7 +91,7 @@ def _marks(flags):
 
 
 @pytest.mark.parametrize("case, ranks, model, flags",
-                         [pytest.param(*c, marks=_marks(c[3]), id=c[0]) for c in CASES])
+                         [pytest.param(*c, marks=_marks(c[1], c[3]), id=c[0]) for c in CASES])
 def test_loss_curve_equals_single_process(framework, corpus, reference, tmp_path, case, ranks, model, flags):  # noqa: F811
     metrics = tmp_path / "m.jsonl"
     argv = (GQA if model == "gqa" else MHA) + flags

@@ -15,7 +15,7 @@ nothing.
 
 from __future__ import annotations
 
-from mindspeed_core import autograd, dist, ops
+from mindspeed_core import features, autograd, dist, ops
 
 
 def _size(group) -> int:
@@ -44,6 +44,9 @@ _CLASSES: dict = {}
 def _apply(kind: str, x, group, dim=0):
     if _size(group) == 1:
         return x
+    features.note_used("tensor-parallel")
+    if kind.endswith("_seq"):
+        features.note_used("sequence-parallel")
     # One Function class per (kind, group, dim): torch Functions and MindSpore bprop Cells
     # see only tensors, so the group and dim are closed over by the class.
     key = (kind, group.ranks, dim)

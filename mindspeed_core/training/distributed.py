@@ -8,7 +8,7 @@ import json
 
 import numpy as np
 
-from mindspeed_core import dist, ops
+from mindspeed_core import dist, features, ops
 from mindspeed_core.parallel.layers import shard, unshard
 
 BUCKET_ELEMENTS = 4 * 2**20  # float32 elements per all-reduce (16 MiB), Megatron's order of size
@@ -86,6 +86,7 @@ def average_over_dp(grads: list, ps) -> list:
     """Average gradients over the data-parallel group, one all-reduce per bucket."""
     grads = list(grads)
     if ps.dp > 1:
+        features.note_used("data-parallel")
         for bucket in _buckets(grads):
             _all_reduce_flat(grads, bucket, ps.group("dp"), 1.0 / ps.dp)
     return grads

@@ -21,7 +21,7 @@ import math
 
 import numpy as np
 
-from mindspeed_core import autograd, dist, nn, ops
+from mindspeed_core import autograd, dist, features, nn, ops
 from mindspeed_core.errors import CheckpointError
 from mindspeed_core.training.optimizer import adam_update, no_weight_decay
 
@@ -77,6 +77,7 @@ class DistributedAdamW:
         flat = self._flatten(grads)
         if self.ps.dp == 1:
             return flat
+        features.note_used("data-parallel")
         return dist.reduce_scatter(flat, group=self.ps.group("dp")) * (1.0 / self.ps.dp)
 
     def grad_norm(self, g) -> float:
@@ -91,6 +92,7 @@ class DistributedAdamW:
         return math.sqrt(sharded + replicated)
 
     def step(self, g, lr: float, scale: float = 1.0) -> None:
+        features.note_used("distributed-optimizer")
         self.steps += 1
         b1, b2 = self.betas
         c1, c2 = 1 - b1 ** self.steps, 1 - b2 ** self.steps

@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 
-from mindspeed_core import autograd, device, dist, files, nn, ops, random, runtime
+from mindspeed_core import autograd, device, dist, features, files, nn, ops, random, runtime
 from mindspeed_core.backends.common import check_fits_in_memory
 from mindspeed_core.data import gpt_dataset
 from mindspeed_core.data.tokenizer import build_tokenizer, padded_vocab_size, tokenizer_args
@@ -42,6 +42,14 @@ EMBEDDED_DEFAULTS = dict(model_name="tiny-llama", seq_length=128, micro_batch_si
 TRAINING_DEFAULTS = dict(seq_length=256, micro_batch_size=4, global_batch_size=None, train_iters=100, lr=1e-3,
                          eval_interval=1000, eval_iters=100, log_interval=100)
 
+# flag -> the fused kernel it switches on (ModelConfig.fused); Megatron's defaults: all off
+FUSED_FLAGS = {"use_flash_attn": "attention", "use_fused_rmsnorm": "rms_norm", "use_fused_swiglu": "swiglu",
+               "use_fused_rotary_pos_emb": "rope"}
+
+# what a run does besides training, shown by --dry-run with the rest of the configuration
+_RUN_SETTINGS = ("split", "save", "save_interval", "load", "load_hf", "overwrite_checkpoints", "eval_interval",
+                 "eval_iters", "log_interval", "exit_interval", "metrics_file", "sample_tokens")
+
 _MODEL_FLAGS = {  # flag -> ModelConfig field
     "num_layers": "num_layers", "hidden_size": "hidden_size", "ffn_hidden_size": "ffn_hidden_size",
     "num_attention_heads": "num_attention_heads", "num_query_groups": "num_query_groups",
@@ -63,12 +71,29 @@ def apply_defaults(args) -> bool:
             setattr(args, key, value)
     if embedded:
         args.tokenizer_type, args.tokenizer_name_or_path = "ByteLevel", None
+    if embedded:  # our own run: every fused kernel the device has
+        for flag in FUSED_FLAGS:
+            setattr(args, flag, True)
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.train_iters
     return embedded
 
 
 def model_config(args, vocab_size: int) -> ModelConfig:
+    cfg = _model_config(args, vocab_size)
+    cfg.fused = frozenset(op for flag, op in FUSED_FLAGS.items() if getattr(args, flag, False))
+    return cfg
+
+
+def kernels(cfg: ModelConfig) -> dict:
+    """What runs for each fused operator: the device's native kernel, the composite standing
+    in for a fused op the device lacks, or the composite because its flag is off."""
+    bound = ops.implementations()
+    names = {"attention": "attention", "rms_norm": "rms_norm", "swiglu": "swiglu", "rope": "apply_rotary"}
+    return {op: (bound[names[op]] if op in cfg.fused else "composite (flag off)") for op in names}
+
+
+def _model_config(args, vocab_size: int) -> ModelConfig:
     if args.load_hf:
         from mindspeed_core.compat import hf
 
@@ -171,14 +196,20 @@ class Trainer:
     def describe(self) -> dict:
         return {
             "framework": runtime.bound().NAME, "device": device.current(),
-            "model": self.cfg.to_dict(), "parameters": self.cfg.num_parameters(),
+            "model": self.cfg.to_dict(), "kernels": kernels(self.cfg), "parameters": self.cfg.num_parameters(),
             "flops_per_token": self.cfg.flops_per_token(self.args.seq_length),
             "tokenizer": self.tokenizer.name, "data_path": self.args.data_path,
             "seq_length": self.args.seq_length, "micro_batch_size": self.args.micro_batch_size,
             "global_batch_size": self.args.global_batch_size, "gradient_accumulation": self.grad_accum,
             "train_iters": self.args.train_iters, "lr": self.args.lr, "min_lr": self.args.min_lr,
             "lr_warmup_iters": self.args.lr_warmup_iters, "lr_decay_style": self.args.lr_decay_style,
+            "lr_decay_iters": self.args.lr_decay_iters,
             "weight_decay": self.args.weight_decay, "clip_grad": self.args.clip_grad, "seed": self.args.seed,
+            "adam": {"beta1": self.args.adam_beta1, "beta2": self.args.adam_beta2, "eps": self.args.adam_eps},
+            "precision": self.dtype, "loss_scale": self.loss_scale if self.args.fp16 else None,
+            "parallel": {"tp": self.ps.tp, "dp": self.ps.dp, "sequence_parallel": bool(self.args.sequence_parallel),
+                         "distributed_optimizer": bool(self.args.use_distributed_optimizer)},
+            "run": {key: getattr(self.args, key) for key in _RUN_SETTINGS} | {"progress": not self.args.no_progress},
         }
 
     def build(self):
@@ -310,6 +341,8 @@ class Trainer:
         # this data-parallel rank's share of the global batch
         first = iteration * args.global_batch_size + self.ps.local_rank("dp") * self.grad_accum * args.micro_batch_size
         total_loss, grads = 0.0, None
+        if self.dtype != "float32":
+            features.note_used("bf16" if self.dtype == "bfloat16" else "fp16")
         for k in range(self.grad_accum):
             ids, labels = self._batch("train", first + k * args.micro_batch_size, args.micro_batch_size)
             loss, g = self.grad_fn(ids, labels)

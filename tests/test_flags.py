@@ -1,0 +1,132 @@
+"""No accepted flag is silently ignored: each flag of `mindspeed train` is gated by a row of
+the feature matrix, or changes what `--dry-run` prints (the resolved configuration, or the
+one-line refusal when the value cannot be used here), or is on the short list below."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from mindspeed_core import cli, features
+from mindspeed_core.compat import megatron_args
+
+# Accepted and deliberately without effect, kept so that Megatron / MindSpeed-LLM scripts run
+# unchanged. Each entry says why.
+ACCEPTED_NO_OPS = {
+    # Megatron honours --num-query-groups only together with this switch; here
+    # --num-query-groups takes effect on its own, so the switch adds nothing.
+    "--group-query-attention",
+}
+# The walk's own instrument: every run below passes it.
+INSTRUMENT = {"--dry-run"}
+
+# Two models, so that a switch that is already the default of one shows on the other:
+# the LLaMA-style default and GPT-2 (LayerNorm, GELU, learned positions, tied, biases).
+BASES = (
+    ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
+     "--micro-batch-size", "2", "--train-iters", "2", "--data-path", "/nonexistent/corpus"],
+    ["--model-name", "tiny-gpt2", "--seq-length", "16", "--micro-batch-size", "2", "--train-iters", "2",
+     "--data-path", "/nonexistent/corpus"],
+)
+
+# Values for flags whose type gives no obvious probe value.
+VALUES = {
+    "--data-path": ["/elsewhere/corpus"], "--split": ["90,10,0"], "--noop-layers": ["1"],
+    "--tokenizer-type": ["NullTokenizer"], "--tokenizer-name-or-path": ["/nonexistent/tokenizer"],
+    "--vocab-file": ["/nonexistent/vocab.json"], "--merge-file": ["/nonexistent/merges.txt"],
+    "--model-name": ["tiny-qwen3"], "--load-hf": ["/nonexistent/hf"], "--device": ["npu"],
+    "--num-query-groups": ["2"], "--kv-channels": ["16"], "--seq-length": ["8"],
+    "--max-position-embeddings": ["64"], "--num-attention-heads": ["2"], "--hidden-size": ["64"],
+}
+
+
+# Flags that qualify another one (as in Megatron): probed with the flag they qualify.
+REQUIRES = {
+    "--context-parallel-algo": ["--context-parallel-size", "2"],
+    "--recompute-method": ["--recompute-granularity", "full"],
+    "--recompute-num-layers": ["--recompute-granularity", "full"],
+    "--vocab-file": ["--tokenizer-type", "GPT2BPETokenizer"],
+    "--merge-file": ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", "{where}/vocab.json"],
+    "--vocab-size": ["--tokenizer-type", "NullTokenizer"],
+}
+
+
+def _probes(action: argparse.Action, framework: str, where: str) -> list[list[str]]:
+    """Values to try: every non-default choice, else one valid value."""
+    flag = action.option_strings[0]
+    if isinstance(action, argparse._StoreTrueAction):
+        return [[flag]]
+    if flag == "--ai-framework":
+        return [[flag, "mindspore" if framework == "pytorch" else "pytorch"]]
+    if flag in VALUES:
+        return [[flag, *VALUES[flag]]]
+    if action.choices:
+        return [[flag, str(c)] for c in action.choices if c != action.default]
+    if action.type is megatron_args.PROBABILITY:
+        return [[flag, "0.25"]]
+    if action.type is not None and action.type.__name__ == "parse":  # the parser's typed numbers
+        return [[flag, "3"]]
+    return [[flag, f"{where}/{flag.strip('-')}"]]
+
+
+def _dry_run(capsys, argv, progress=False):
+    code = cli.main(["train", "--dry-run", *([] if progress else ["--no-progress"]), *argv])
+    out, err = capsys.readouterr()
+    return code, json.loads(out) if code == 0 else None, err.strip()
+
+
+def _flags():
+    parser = megatron_args.training_parser()
+    return [a for a in parser._actions if a.option_strings and a.option_strings[0] != "-h"]
+
+
+def _gates(flag: str, argv: list[str]) -> list[str]:
+    args = megatron_args.training_parser().parse_args(argv)
+    return [f.id for f in features.active_features(args) if any(x.split()[0] == flag for x in f.flags)]
+
+
+def _effects(capsys, flag, probe, where) -> list[str]:
+    effects = []
+    for base in BASES:
+        base = [*base, *(a.format(where=where) for a in REQUIRES.get(flag, []))]
+        gates = _gates(flag, [*base, *probe])
+        if gates:
+            effects.append(f"gated by {gates}")
+        if flag == "--no-progress":  # every run of the walk passes it: compare with its absence
+            changed = _dry_run(capsys, base) != _dry_run(capsys, base, progress=True)
+        else:
+            changed = _dry_run(capsys, base) != _dry_run(capsys, [*base, *probe])
+        if changed:
+            effects.append("changes the dry run")
+    return effects
+
+
+@pytest.mark.parametrize("action", _flags(), ids=lambda a: a.option_strings[0])
+def test_every_flag_is_gated_or_takes_effect_or_is_a_listed_no_op(capsys, framework, tmp_path, action):
+    flag = action.option_strings[0]
+    if flag in INSTRUMENT:
+        return
+    (tmp_path / "vocab.json").write_text("{}")
+    for probe in _probes(action, framework, str(tmp_path)):
+        effects = _effects(capsys, flag, probe, str(tmp_path))
+        if flag in ACCEPTED_NO_OPS:
+            assert not effects, f"{flag} is listed as a no-op but {effects}: take it off the list"
+        else:
+            assert effects, f"{' '.join(probe)} is accepted but changes nothing: make it take effect, gate it in " \
+                            f"the matrix, or list it (with the reason) in ACCEPTED_NO_OPS"
+
+
+def test_the_walk_catches_a_flag_that_does_nothing(capsys, monkeypatch, tmp_path):
+    """A flag the parser accepts and nothing reads fails the walk."""
+    original = megatron_args.add_training_args
+
+    def with_dead_flag(parser):
+        original(parser)
+        parser.add_argument("--dead-flag", action="store_true")
+
+    monkeypatch.setattr(megatron_args, "add_training_args", with_dead_flag)
+    dead = next(a for a in _flags() if a.option_strings[0] == "--dead-flag")
+    with pytest.raises(AssertionError, match="changes nothing"):
+        test_every_flag_is_gated_or_takes_effect_or_is_a_listed_no_op(capsys, "pytorch", tmp_path, dead)
