@@ -24,15 +24,40 @@ _ACTS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gel
 
 # ---- configs ---------------------------------------------------------------------------------
 
+# rope_scaling types models/rope.py implements, with the keys each needs
+_ROPE_SCALING = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor",
+                                                  "original_max_position_embeddings")}
+
+
 def _rope(hf: dict) -> tuple[float, dict | None]:
     params = dict(hf.get("rope_parameters") or {})
     theta = float(params.pop("rope_theta", hf.get("rope_theta", 10000.0)))
+    key = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
     scaling = hf.get("rope_scaling") or (params if params.get("rope_type", "default") != "default" else None)
     if scaling:
+        if not isinstance(scaling, dict):
+            raise CheckpointError(f"config.json: {key} must be an object, got {scaling!r}")
         scaling = {k: v for k, v in scaling.items() if k != "rope_theta"}
         if "type" in scaling and "rope_type" not in scaling:
             scaling["rope_type"] = scaling.pop("type")
+        kind = scaling.get("rope_type")
+        if kind not in _ROPE_SCALING:
+            raise CheckpointError(f"config.json: {key}.rope_type {kind!r} is not supported (supported: "
+                                  f"{', '.join(_ROPE_SCALING)}; yarn is planned)")
+        for need in _ROPE_SCALING[kind]:
+            if not isinstance(scaling.get(need), (int, float)) or scaling[need] <= 0:
+                raise CheckpointError(f"config.json: {key}.{need} must be a positive number for rope_type {kind!r}, "
+                                      f"got {scaling.get(need)!r}")
     return theta, scaling or None
+
+
+def _refuse_unsupported(hf: dict, kind: str) -> None:
+    """Settings that change the math and that our model does not implement."""
+    window = hf.get("sliding_window")
+    windowed = hf.get("use_sliding_window") if kind in ("qwen2", "qwen3") else kind == "mistral"
+    if windowed and window is not None and window < hf.get("max_position_embeddings", 2048):
+        raise CheckpointError(f"config.json: sliding-window attention (sliding_window {window!r} below "
+                              f"max_position_embeddings) is not supported; set sliding_window to null")
 
 
 # the sizes config_from_hf reads, checked before any arithmetic on them
@@ -72,15 +97,20 @@ def _config_from_hf(hf: dict) -> ModelConfig:
             untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", True))
     if hf.get("hidden_act", "silu") != "silu":
         raise CheckpointError(f"hidden_act {hf.get('hidden_act')!r} is not supported for {kind} (silu only)")
+    _refuse_unsupported(hf, kind)
     theta, scaling = _rope(hf)
     heads = hf["num_attention_heads"]
+    # Llama and Qwen3's attention_bias: q, k, v and o projections; mlp_bias: the MLP's three.
+    # Qwen2 has q/k/v biases and no others; Mistral's attention has none (transformers
+    # ignores attention_bias there, and so do we).
+    attention_bias = bool(hf.get("attention_bias")) and kind in ("llama", "qwen3")
     return ModelConfig(
         family=kind, vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], num_layers=hf["num_hidden_layers"],
         num_attention_heads=heads, num_query_groups=hf.get("num_key_value_heads") or heads,
         kv_channels=hf.get("head_dim") or hf["hidden_size"] // heads, ffn_hidden_size=hf["intermediate_size"],
         max_position_embeddings=hf.get("max_position_embeddings", 2048), norm_epsilon=hf.get("rms_norm_eps", 1e-6),
-        rotary_base=theta, rope_scaling=scaling, add_qkv_bias=kind == "qwen2" or bool(hf.get("attention_bias")),
-        add_bias_linear=bool(hf.get("mlp_bias")) or (bool(hf.get("attention_bias")) and kind != "qwen2"),
+        rotary_base=theta, rope_scaling=scaling, add_qkv_bias=kind == "qwen2" or attention_bias,
+        add_bias_linear=bool(hf.get("mlp_bias")) and kind == "llama", attention_output_bias=attention_bias,
         qk_layernorm=kind == "qwen3", untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False))
 
 
@@ -105,7 +135,10 @@ def hf_config(cfg: ModelConfig) -> dict:
            "max_position_embeddings": cfg.max_position_embeddings, "rms_norm_eps": cfg.norm_epsilon,
            "hidden_act": "silu", "rope_theta": cfg.rotary_base, "rope_parameters": rope,
            "tie_word_embeddings": not cfg.untie_embeddings_and_output_weights}
-    if cfg.family != "qwen2":
+    if cfg.family in ("llama", "qwen3"):
+        if cfg.add_qkv_bias != cfg.attention_output_bias:
+            raise CheckpointError(f"{cfg.family} has one attention_bias for q, k, v and o: this model has "
+                                  f"q/k/v biases {cfg.add_qkv_bias} but an output bias {cfg.attention_output_bias}")
         out["attention_bias"] = cfg.add_qkv_bias
     if cfg.family == "llama":
         out["mlp_bias"] = cfg.add_bias_linear

@@ -150,7 +150,7 @@ FEATURES: tuple[Feature, ...] = (
             planned("not yet run on a MindSpore GPU/Ascend device",
                     cpu=unsupported("MindSpore's CPU MatMul has no bfloat16 kernel", instead="fp32 (drop --bf16)")),
             _on("bf16")),
-    Feature("fp16", "float16 training with loss scaling", "precision", ("--fp16",),
+    Feature("fp16", "float16 training with loss scaling", "precision", ("--fp16", "--initial-loss-scale"),
             supported("fp16 parameters with dynamic loss scaling and fp32 master weights"),
             planned("not yet run on a MindSpore GPU/Ascend device",
                     cpu=unsupported("MindSpore's CPU MatMul has no float16 kernel", instead="fp32 (drop --fp16)")),

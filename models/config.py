@@ -28,7 +28,8 @@ class ModelConfig:
     rotary_base: float = 10000.0
     rope_scaling: dict | None = None  # {"rope_type": "linear"|"llama3", "factor": ..., ...}
     add_qkv_bias: bool = False
-    add_bias_linear: bool = False  # biases on the attention output and the MLP
+    add_bias_linear: bool = False  # biases on the attention output and the MLP (Megatron's switch)
+    attention_output_bias: bool | None = None  # None: as add_bias_linear (Llama's attention_bias without mlp_bias)
     qk_layernorm: bool = False
     untie_embeddings_and_output_weights: bool = True
     init_method_std: float = 0.02
@@ -57,6 +58,8 @@ class ModelConfig:
                 raise ValueError(f"{name} must be a finite non-negative number, got {value!r}")
         if self.num_query_groups is None:
             self.num_query_groups = self.num_attention_heads
+        if self.attention_output_bias is None:
+            self.attention_output_bias = self.add_bias_linear
         if self.kv_channels is None:
             if self.hidden_size % self.num_attention_heads:
                 raise ValueError(f"hidden size {self.hidden_size} is not divisible by {self.num_attention_heads} heads")
@@ -99,7 +102,7 @@ class ModelConfig:
         norm = h * (2 if self.normalization == "layernorm" else 1)
         attn = h * self.qkv_width + self.num_attention_heads * self.kv_channels * h
         attn += self.qkv_width if self.add_qkv_bias else 0
-        attn += h if self.add_bias_linear else 0
+        attn += h if self.attention_output_bias else 0
         attn += 2 * self.kv_channels if self.qk_layernorm else 0
         fc1 = (2 * f if self.activation == "swiglu" else f)
         mlp = h * fc1 + f * h + ((fc1 + h) if self.add_bias_linear else 0)

@@ -30,7 +30,8 @@ class SelfAttention(nn.Module):
         self.cfg = cfg
         out_std = cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers)
         self.linear_qkv = Linear(cfg.hidden_size, cfg.qkv_width, cfg.add_qkv_bias, cfg.init_method_std)
-        self.linear_proj = Linear(cfg.num_attention_heads * cfg.kv_channels, cfg.hidden_size, cfg.add_bias_linear, out_std)
+        self.linear_proj = Linear(cfg.num_attention_heads * cfg.kv_channels, cfg.hidden_size, cfg.attention_output_bias,
+                                  out_std)
         if cfg.qk_layernorm:
             self.q_layernorm = make_norm(cfg, cfg.kv_channels)
             self.k_layernorm = make_norm(cfg, cfg.kv_channels)

@@ -21,10 +21,11 @@ def feature_problems(required: set, marked: dict, passed: set, used: dict) -> li
     ``used``: test id -> feature ids recorded while it ran (with its fixtures).
 
     A cell is proved by a passing test marked with it that ran it; a passing marked test
-    that never ran a feature it names is itself a problem (the marker is wrong)."""
+    that never ran a required feature it names is itself a problem (the marker is wrong).
+    (A marked test of a cell that is unsupported here checks the refusal instead.)"""
     problems, proved = [], set()
     for test in sorted(passed):
-        for fid in sorted(marked.get(test, ())):
+        for fid in sorted(set(marked.get(test, ())) & required):
             if fid in used.get(test, ()):
                 proved.add(fid)
             else:

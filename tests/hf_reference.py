@@ -27,6 +27,8 @@ MODELS = {
     "llama-linear-rope-tied": (T.LlamaConfig, dict(COMMON, num_key_value_heads=4, tie_word_embeddings=True,
                                                    rope_parameters={"rope_type": "linear", "rope_theta": 500.0,
                                                                     "factor": 2.0})),
+    # q, k, v and o biases without MLP biases
+    "llama-attention-bias": (T.LlamaConfig, dict(COMMON, num_key_value_heads=2, attention_bias=True)),
     "mistral": (T.MistralConfig, dict(COMMON, num_key_value_heads=1, sliding_window=None, head_dim=16)),
     "qwen2": (T.Qwen2Config, dict(COMMON, num_key_value_heads=2, tie_word_embeddings=True)),
     "qwen3": (T.Qwen3Config, dict(COMMON, num_key_value_heads=2, head_dim=32)),

@@ -50,6 +50,7 @@ REQUIRES = {
     "--vocab-file": ["--tokenizer-type", "GPT2BPETokenizer"],
     "--merge-file": ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", "{where}/vocab.json"],
     "--vocab-size": ["--tokenizer-type", "NullTokenizer"],
+    "--initial-loss-scale": ["--fp16"],
 }
 
 

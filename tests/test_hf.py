@@ -17,7 +17,7 @@ from mindspeed_core.errors import CheckpointError
 
 HERE = pathlib.Path(__file__).resolve().parent
 pytest.importorskip("transformers")
-NAMES = ["llama", "llama3-rope", "llama-linear-rope-tied", "mistral", "qwen2", "qwen3", "gpt2"]
+NAMES = ["llama", "llama3-rope", "llama-linear-rope-tied", "llama-attention-bias", "mistral", "qwen2", "qwen3", "gpt2"]
 
 
 def _reference_process(*args):
@@ -42,7 +42,7 @@ def test_logits_match_transformers(references, name):
     np.testing.assert_allclose(logits, ref["logits"], rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen3", "gpt2"])
+@pytest.mark.parametrize("name", ["llama", "llama-attention-bias", "qwen3", "gpt2"])
 def test_export_round_trip_is_exact_and_loads_in_transformers(references, name, tmp_path):
     cfg, state = hf.load_folder(str(references / name))
     model = hf.load_model(str(references / name))
@@ -74,3 +74,22 @@ def test_bad_folders_are_clear_errors(references, tmp_path):
     (partial / "config.json").write_text((references / "gpt2" / "config.json").read_text())
     with pytest.raises(CheckpointError, match="neither model.safetensors"):
         hf.load_folder(str(partial))
+
+
+@pytest.mark.parametrize("change, key", [
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling.rope_type 'yarn'"),
+    ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope_scaling.rope_type 'dynamic'"),
+    ({"rope_scaling": {"rope_type": "linear"}}, "rope_scaling.factor must be a positive number"),
+    ({"use_sliding_window": True, "sliding_window": 16, "model_type": "qwen2"}, "sliding_window 16"),
+])
+def test_unsupported_configs_are_refused_naming_the_key(references, tmp_path, change, key):
+    """From the command line: exit 2 and one line naming the config key and its value."""
+    folder = tmp_path / "model"
+    folder.mkdir()
+    config = {**json.loads((references / "llama" / "config.json").read_text()), **change}
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=key.replace("(", "\\(")):
+        hf.load_config(str(folder))
+    out = subprocess.run([sys.executable, "-m", "mindspeed_core.cli", "train", "--load-hf", str(folder), "--dry-run"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and key in out.stderr and out.stderr.count("\n") == 1, out.stderr

@@ -98,9 +98,17 @@ def test_loss_curve_equals_single_process(framework, corpus, reference, tmp_path
     out = launch_train(framework, ranks, [*argv, "--data-path", corpus, "--train-iters", str(ITERS),
                                           "--metrics-file", str(metrics)], tmp_path)
     assert_same_curve(losses(metrics), reference[model])
+    tp = int(flags[flags.index("--tensor-model-parallel-size") + 1]) if "--tensor-model-parallel-size" in flags else 1
+    dp = ranks // tp
+    # the layout really ran: each data-parallel rank took its share of the global batch of 8 ...
+    assert f"TP={tp} DP={dp}" in out and f"each data-parallel rank: {8 // (2 * dp)} micro-batches of 2" in out, out
+    if dp > 1 and tp == 1:  # ... and the whole gradient was reduced over the data-parallel ranks, every step
+        import json
+
+        record = [json.loads(x) for x in open(metrics)][-1]
+        measured = {op: v["bytes"] for op, v in record["comm"].items() if v["bytes"]}
+        assert measured == expected_traffic(ranks, flags)
     if "--use-distributed-optimizer" in flags:  # the state really is sharded over DP
-        dp = ranks // (int(flags[flags.index("--tensor-model-parallel-size") + 1])
-                       if "--tensor-model-parallel-size" in flags else 1)
         line = next(x for x in out.splitlines() if "optimizer state" in x)
         mine, full = (float(w) for w in re.findall(r"([0-9.]+) MiB", line))
         assert abs(mine / full - 3 / (2 * dp)) < 0.05, line  # 3 fp32 copies / DP ranks vs 2 copies
@@ -151,6 +159,22 @@ def test_launch_builds_the_framework_launcher_command():
     assert "torch.distributed.run" in out.stdout and "--nproc-per-node=2" in out.stdout
 
 
+def expected_traffic(ranks, flags) -> dict:
+    """Bytes per step and collective on rank 0 for the GQA model of these tests (parallel/traffic.py)."""
+    from mindspeed_core.models.config import ModelConfig
+    from mindspeed_core.parallel.traffic import step_bytes
+
+    tp = int(flags[flags.index("--tensor-model-parallel-size") + 1]) if "--tensor-model-parallel-size" in flags else 1
+    dp = ranks // tp
+    cfg = ModelConfig(vocab_size=264, hidden_size=64, num_layers=2, num_attention_heads=4, num_query_groups=2,
+                      ffn_hidden_size=128, max_position_embeddings=32)
+    norms = (2 * cfg.num_layers + 1) * cfg.hidden_size  # replicated; every other weight is split over TP
+    local = (cfg.num_parameters() - norms) // tp + norms
+    return step_bytes(cfg, micro_batch=2, seq_length=32, grad_accum=8 // (2 * dp), tp=tp, dp=dp,
+                      sp="--sequence-parallel" in flags, distributed_optimizer="--use-distributed-optimizer" in flags,
+                      local_params=local, sp_partial_params=norms)
+
+
 TRAFFIC_CASES = [("tp2", 2, ["--tensor-model-parallel-size", "2"]),
                  ("tp2-sp", 2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
                  ("dp2-distopt", 2, ["--use-distributed-optimizer"]),
@@ -163,25 +187,12 @@ TRAFFIC_CASES = [("tp2", 2, ["--tensor-model-parallel-size", "2"]),
 def test_collective_bytes_match_the_analytical_count(framework, corpus, tmp_path, case, ranks, flags):  # noqa: F811
     import json
 
-    from mindspeed_core import nn
-    from mindspeed_core.models.config import ModelConfig
-    from mindspeed_core.parallel.traffic import step_bytes
-
     metrics = tmp_path / "m.jsonl"
     launch_train(framework, ranks, [*GQA, *flags, "--data-path", corpus, "--train-iters", "2",
                                     "--log-interval", "2", "--metrics-file", str(metrics)], tmp_path)
     record = [json.loads(x) for x in open(metrics)][-1]
-    tp = 2 if "--tensor-model-parallel-size" in flags else 1
-    dp = ranks // tp
-    cfg = ModelConfig(vocab_size=264, hidden_size=64, num_layers=2, num_attention_heads=4, num_query_groups=2,
-                      ffn_hidden_size=128, max_position_embeddings=32)
-    norms = (2 * cfg.num_layers + 1) * cfg.hidden_size  # replicated; every other weight is split over TP
-    local = (cfg.num_parameters() - norms) // tp + norms
-    expected = step_bytes(cfg, micro_batch=2, seq_length=32, grad_accum=8 // (2 * dp), tp=tp, dp=dp,
-                          sp="--sequence-parallel" in flags, distributed_optimizer="--use-distributed-optimizer" in flags,
-                          local_params=local, sp_partial_params=(2 * cfg.num_layers + 1) * cfg.hidden_size)
     measured = {op: v["bytes"] / 2 for op, v in record["comm"].items() if v["bytes"]}
-    assert measured == expected
+    assert measured == expected_traffic(ranks, flags)
     for op, v in record["comm"].items():
         assert v["wire_bytes"] >= v["bytes"]
         if framework == "pytorch" and op != "reduce_scatter":  # native on gloo: wire is payload
@@ -190,11 +201,19 @@ def test_collective_bytes_match_the_analytical_count(framework, corpus, tmp_path
 
 @pytest.mark.multiprocess
 @pytest.mark.feature("sequence-parallel")
-def test_text_sample_under_tensor_and_sequence_parallelism(framework, corpus, tmp_path):  # noqa: F811
+def test_text_sample_under_tensor_and_sequence_parallelism(capsys, framework, corpus, tmp_path):  # noqa: F811
+    """The TP2+SP run samples the same continuation, token for token, as one process."""
+    import json
+
     argv = [a if a != "0" or i == 0 or GQA[i - 1] != "--sample-tokens" else "12" for i, a in enumerate(GQA)]
-    out = launch_train(framework, 2, [*argv, "--tensor-model-parallel-size", "2", "--sequence-parallel",
-                                      "--data-path", corpus, "--train-iters", "2"], tmp_path)
-    assert "sample:\ndef " in out
+    argv += ["--data-path", corpus, "--train-iters", "2"]
+    code, _, err = train(capsys, *argv, "--metrics-file", str(tmp_path / "one.jsonl"))
+    assert code == 0, err
+    launch_train(framework, 2, [*argv, "--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                "--metrics-file", str(tmp_path / "tp.jsonl")], tmp_path)
+    one, tp = ([json.loads(x) for x in open(tmp_path / name)][-1] for name in ("one.jsonl", "tp.jsonl"))
+    assert len(one["sample_ids"]) == 12 and one["sample_prompt"] == "def "
+    assert tp["sample_ids"] == one["sample_ids"] and tp["sample"] == one["sample"]
 
 
 @pytest.mark.multiprocess

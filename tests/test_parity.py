@@ -39,7 +39,7 @@ def test_twenty_steps_match_across_frameworks(capsys, corpus, framework, tmp_pat
     a, b = losses(here), losses(there)
     assert sorted(a) == sorted(b) == list(range(1, 21))
     worst = max(rel(a[i], b[i]) for i in a)
-    assert worst < 1e-4, {i: (a[i], b[i]) for i in a}
+    assert worst < 2e-6, {i: (a[i], b[i]) for i in a}  # fp32; measured 4.7e-7
 
 
 def test_checkpoint_resumes_on_the_other_framework(capsys, corpus, framework, tmp_path):  # noqa: F811

@@ -7,8 +7,6 @@ import pytest
 
 from mindspeed_core import ops, random
 
-pytestmark = pytest.mark.feature("rng-tracker")
-
 
 def _draw():
     return np.concatenate([ops.to_numpy(ops.rand((6,))), ops.to_numpy(ops.randn((6,))),
@@ -48,6 +46,7 @@ def test_get_and_set_state_replays():
     np.testing.assert_array_equal(random.host_generator().standard_normal(3), host_a)
 
 
+@pytest.mark.feature("rng-tracker")
 def test_tracker_forks_named_states():
     tracker = random.tracker()
     tracker.reset()

@@ -186,6 +186,9 @@ def test_gate_stops_before_anything_heavy():
     assert "training" not in out.stdout  # nothing was built
 
 
+BF16_TOLERANCE = 2e-3  # worst relative loss difference to fp32 over 20 steps
+
+
 @pytest.mark.feature("bf16")
 def test_bf16_training_where_the_matrix_allows_it(capsys, corpus, tmp_path, framework):
     from mindspeed_core import device, features
@@ -200,6 +203,14 @@ def test_bf16_training_where_the_matrix_allows_it(capsys, corpus, tmp_path, fram
     assert code == 0, err
     got = losses(tmp_path / "m.jsonl")
     assert got[20] < got[1] - 0.5
+    # against fp32 from the same seed: bf16 keeps 8 bits of mantissa, so the losses drift
+    # apart a little over these 20 steps (measured: worst 4.2e-4 relative)
+    code, _, err = train(capsys, *SMALL, "--data-path", corpus, "--train-iters", "20",
+                         "--metrics-file", str(tmp_path / "fp32.jsonl"))
+    assert code == 0, err
+    fp32 = losses(tmp_path / "fp32.jsonl")
+    worst = max(abs(got[i] - fp32[i]) / fp32[i] for i in fp32)
+    assert 0 < worst < BF16_TOLERANCE, worst
     tensors, _ = io.load(str(ckpt / "iter_0000020" / "model.safetensors"))
     from mindspeed_core import ops
 
@@ -223,6 +234,38 @@ def test_fp16_training_with_loss_scaling(capsys, corpus, tmp_path, framework):
     assert code == 0, err
     got = losses(tmp_path / "m.jsonl")
     assert got[20] < got[1] - 0.5
+
+
+@pytest.mark.feature("fp16")
+def test_fp16_overflow_skips_the_step_halves_the_scale_and_training_continues(corpus, framework):
+    import math
+
+    from mindspeed_core import device, ops
+    from mindspeed_core.compat import megatron_args
+    from mindspeed_core.training.trainer import Trainer
+
+    if not device.supports_dtype("float16"):
+        pytest.skip("float16 math is not available on this device (the matrix marks it unsupported)")
+    start = 2.0 ** 40  # fp16 holds at most 65504: the scaled gradients overflow at once
+    args = megatron_args.training_parser().parse_args([*SMALL, "--data-path", corpus, "--train-iters", "40", "--fp16",
+                                                       "--initial-loss-scale", str(start)])
+    trainer = Trainer(args)
+    trainer.build()
+    before = [ops.to_numpy(p).copy() for p in trainer.params]
+    loss, _, norm = trainer.train_step(0)
+    assert math.isnan(norm) and math.isfinite(loss)  # skipped, with the loss still reported
+    assert trainer.loss_scale == start / 2 and trainer.optimizer.steps == 0
+    for a, p in zip(before, trainer.params):
+        np.testing.assert_array_equal(ops.to_numpy(p), a)
+    halvings = 1
+    for it in range(1, 40):
+        _, _, norm = trainer.train_step(it)
+        if math.isfinite(norm):
+            break
+        halvings += 1
+    assert math.isfinite(norm) and trainer.loss_scale == start / 2 ** halvings, (halvings, trainer.loss_scale)
+    assert trainer.optimizer.steps == 1
+    assert any(not np.array_equal(ops.to_numpy(p), a) for a, p in zip(before, trainer.params))
 
 
 def test_megatron_entry_script_dry_run(corpus):

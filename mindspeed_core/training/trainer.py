@@ -164,6 +164,15 @@ def check_save_folder(args) -> None:
                              f"--overwrite-checkpoints to replace them")
 
 
+def _same_model(saved, cfg: ModelConfig) -> bool:
+    """Whether a checkpoint's model config is ``cfg`` (fields added since it was saved take
+    their defaults)."""
+    try:
+        return ModelConfig.from_dict(saved) == cfg
+    except (TypeError, ValueError, AttributeError):
+        return False
+
+
 def memory_needed(cfg: ModelConfig, tp: int) -> int:
     """Bytes one rank needs at least: the full fp32 model (built on every rank, then cut),
     plus gradients and AdamW moments for its tensor-parallel shard."""
@@ -183,7 +192,7 @@ class Trainer:
         self.dtype = "bfloat16" if args.bf16 else "float16" if args.fp16 else "float32"
         # fp16 needs dynamic loss scaling (Megatron's defaults: start at 2**16 here, halve on
         # overflow and skip the step, double after 1000 clean steps); bf16 and fp32 do not.
-        self.loss_scale = 2.0 ** 16 if args.fp16 else 1.0
+        self.loss_scale = (args.initial_loss_scale or 2.0 ** 16) if args.fp16 else 1.0
         self._clean_steps = 0
         dist.init()
         self.ps = parallel_state.initialize(tp=args.tensor_model_parallel_size)
@@ -276,7 +285,7 @@ class Trainer:
             self.say(f"no checkpoint in {root} yet: starting from scratch")
             return None
         meta = checkpoint.read_meta(root, it)
-        if meta.get("model") != self.cfg.to_dict():
+        if not _same_model(meta.get("model"), self.cfg):
             raise CheckpointError(f"the checkpoint in {root} (iteration {it}) was saved for a different model "
                                   f"configuration; pass the same model flags as when it was saved")
         model_arrays, optimizer_arrays, steps = checkpoint.load(root, it)
@@ -435,6 +444,7 @@ class Trainer:
                  f"measured matmul peak {peak / 1e9:.1f} GFLOP/s")
         if self.ps.world > 1:
             self.say(f"parallel layout: TP={self.ps.tp} DP={self.ps.dp}{' +SP' if args.sequence_parallel else ''}; "
+                     f"each data-parallel rank: {self.grad_accum} micro-batches of {args.micro_batch_size} per step; "
                      f"optimizer state {self.optimizer.state_bytes() / 2**20:.2f} MiB on this rank "
                      f"({self.optimizer_bytes_unsharded() / 2**20:.2f} MiB without --use-distributed-optimizer)")
         progress = None if args.no_progress or self.ps.rank else Progress(args.train_iters, "train", min_interval=1.0)
@@ -502,4 +512,8 @@ class Trainer:
             text = self.tokenizer.decode(ids)
             self.say("sample:\n" + prompt + text)
             result["sample"] = text
+            if metrics_path:
+                with open(metrics_path, "a") as fh:
+                    fh.write(json.dumps({"iteration": self.iteration, "sample_prompt": prompt, "sample_ids": ids,
+                                         "sample": text}) + "\n")
         return result
