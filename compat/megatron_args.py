@@ -87,6 +87,8 @@ def add_feature_args(parser: argparse.ArgumentParser) -> None:
     m.add_argument("--o2-optimizer", action="store_true")
     m.add_argument("--bf16", action="store_true")
     m.add_argument("--fp16", action="store_true")
+    m.add_argument("--initial-loss-scale", type=POSITIVE, default=None,
+                   help="--fp16: the dynamic loss scale to start from (default 65536)")
 
     f = parser.add_argument_group("fused operators")
     f.add_argument("--use-flash-attn", action="store_true")
@@ -163,8 +165,6 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
     t.add_argument("--adam-beta2", type=PROBABILITY, default=0.999)
     t.add_argument("--adam-eps", type=POSITIVE, default=1e-8)
     t.add_argument("--clip-grad", type=NON_NEGATIVE, default=1.0)
-    t.add_argument("--initial-loss-scale", type=POSITIVE, default=None,
-                   help="--fp16: the dynamic loss scale to start from (default 65536)")
     t.add_argument("--seed", type=SEED, default=1234)
 
     d = parser.add_argument_group("data")
