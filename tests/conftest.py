@@ -129,8 +129,7 @@ def pytest_sessionfinish(session, exitstatus):
     if session.config.getoption("--feature-coverage"):
         if reporter:
             reporter.write_sep("-", "feature coverage")
-        marked = {t: ids for t, ids in _marked.items()}
-        problems = coverage_check.feature_problems(required_features(), marked, _passed, _used)
+        problems = coverage_check.feature_problems(required_features(), _marked, _passed, _used)
         problems += coverage_check.facade_problems(facade.SPEC, _facade_called())
         if problems:
             fail(f"FEATURE COVERAGE on {FRAMEWORK}/{DEVICE}", problems)

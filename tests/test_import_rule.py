@@ -8,7 +8,8 @@ import pathlib
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 FRAMEWORK_FREE = ["models", "mindspeed_core/parallel", "mindspeed_core/training", "mindspeed_core/data",
                   "mindspeed_core/composite.py", "mindspeed_core/features.py", "mindspeed_core/rng_tracker.py",
-                  "mindspeed_core/tensor_files.py", "backends/emulated_collectives.py", "backends/common.py",
+                  "mindspeed_core/tensor_files.py", "mindspeed_core/usage.py", "backends/emulated_collectives.py",
+                  "backends/common.py",
                   "backends/initializers.py", "backends/state.py"]
 FORBIDDEN = {"torch", "mindspore", "torch_npu"}
 
