@@ -76,9 +76,13 @@ CASES = [  # (id, ranks, model, flags)
 ]
 
 
+def tp_size(flags) -> int:
+    return int(flags[flags.index("--tensor-model-parallel-size") + 1]) if "--tensor-model-parallel-size" in flags else 1
+
+
 def _marks(ranks, flags):
     marks = [pytest.mark.multiprocess, pytest.mark.feature("collectives")]
-    tp = int(flags[flags.index("--tensor-model-parallel-size") + 1]) if "--tensor-model-parallel-size" in flags else 1
+    tp = tp_size(flags)
     if ranks // tp > 1:
         marks.append(pytest.mark.feature("data-parallel"))
     if tp > 1:
@@ -98,7 +102,7 @@ def test_loss_curve_equals_single_process(framework, corpus, reference, tmp_path
     out = launch_train(framework, ranks, [*argv, "--data-path", corpus, "--train-iters", str(ITERS),
                                           "--metrics-file", str(metrics)], tmp_path)
     assert_same_curve(losses(metrics), reference[model])
-    tp = int(flags[flags.index("--tensor-model-parallel-size") + 1]) if "--tensor-model-parallel-size" in flags else 1
+    tp = tp_size(flags)
     dp = ranks // tp
     # the layout really ran: each data-parallel rank took its share of the global batch of 8 ...
     assert f"TP={tp} DP={dp}" in out and f"each data-parallel rank: {8 // (2 * dp)} micro-batches of 2" in out, out
@@ -164,7 +168,7 @@ def expected_traffic(ranks, flags) -> dict:
     from mindspeed_core.models.config import ModelConfig
     from mindspeed_core.parallel.traffic import step_bytes
 
-    tp = int(flags[flags.index("--tensor-model-parallel-size") + 1]) if "--tensor-model-parallel-size" in flags else 1
+    tp = tp_size(flags)
     dp = ranks // tp
     cfg = ModelConfig(vocab_size=264, hidden_size=64, num_layers=2, num_attention_heads=4, num_query_groups=2,
                       ffn_hidden_size=128, max_position_embeddings=32)
