@@ -112,8 +112,9 @@ def env_int(*names: str, default: int | None = None) -> int | None:
 
 @dataclass(frozen=True)
 class Group:
-    """A process group: its global ranks, in group-rank order, and the framework's handle
-    (a torch ProcessGroup or a MindSpore group name; None for the world group)."""
+    """A process group: its global ranks, in group-rank order, and the backend's handle
+    (a key of the torch backend's group table, or a MindSpore group name; None for the
+    world group)."""
 
     ranks: tuple
     handle: object = field(default=None, compare=False)

@@ -107,8 +107,10 @@ def _cmd_train(argv: list[str]) -> int:
         return 0
     try:
         trainer.run()
-    finally:
-        backend.dist.shutdown()
+    except BaseException:
+        backend.dist.shutdown(wait=False)  # the peers may be gone: do not wait for them
+        raise
+    backend.dist.shutdown()
     return 0
 
 

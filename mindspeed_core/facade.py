@@ -116,7 +116,7 @@ SPEC = {
     "dist": {
         "init": "init(): join the torchrun/msrun job from the environment; alone, a no-op",
         "is_initialized": "is_initialized()",
-        "shutdown": "shutdown()",
+        "shutdown": "shutdown(wait=True): leave the job (after a barrier unless wait=False) and free its groups",
         "launched_world_size": "launched_world_size(): world size the launcher announced (1 with no launcher)",
         "world_size": "world_size(group=None)",
         "rank": "rank(group=None): rank in the group (-1 for a non-member)",

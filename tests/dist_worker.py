@@ -171,12 +171,31 @@ def main(out_dir):
             if "not a member" not in str(exc):
                 failures.append(f"{name} refused a non-member with the wrong message: {exc}")
     dist.barrier()
-    result = {"rank": R, "world": N, "checks": len(checks), "failures": failures,
-              "implementations": dist.implementations()}
+    implementations = dist.implementations()
+    handles = torch_process_groups()
+    dist.shutdown()
+    # gloo's worker threads must be gone before the interpreter exits (see shutdown()):
+    # nothing may keep a torch ProcessGroup alive past it
+    checks.append("shutdown frees every process group")
+    if any(ref() is not None for ref in handles):
+        failures.append(f"{sum(ref() is not None for ref in handles)} of {len(handles)} torch process groups "
+                        "outlived dist.shutdown()")
+    result = {"rank": R, "world": N, "checks": len(checks), "failures": failures, "implementations": implementations}
     with open(os.path.join(out_dir, f"rank{R}.json"), "w") as fh:
         json.dump(result, fh)
-    dist.shutdown()
     return 1 if failures else 0
+
+
+def torch_process_groups() -> list:
+    """Weak references to the torch ProcessGroups of this job (none on MindSpore)."""
+    if runtime.bound().NAME != "pytorch":
+        return []
+    import weakref
+
+    import torch.distributed as tdist
+
+    groups = [tdist.group.WORLD, *runtime.bound().dist._groups.values()]
+    return [weakref.ref(pg) for pg in groups if isinstance(pg, tdist.ProcessGroup)]  # not the non-member marker
 
 
 if __name__ == "__main__":

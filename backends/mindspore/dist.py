@@ -49,8 +49,11 @@ def is_initialized() -> bool:
     return _state["initialized"]
 
 
-def shutdown() -> None:
+def shutdown(wait: bool = True) -> None:
+    """Leave the job; ``wait``: first meet every rank at a barrier (False on a failing rank)."""
     if _state["initialized"]:
+        if wait:
+            barrier()
         comm.release()
         _state["initialized"] = False
 

@@ -10,6 +10,8 @@ torch.distributed. gloo has no reduce-scatter, so there it is an all-reduce and 
 from __future__ import annotations
 
 import datetime
+import gc
+import itertools
 
 import torch
 import torch.distributed as tdist
@@ -19,6 +21,10 @@ from mindspeed_core.backends.common import ITEMSIZE, CommStats, Group, check_mem
 from . import device
 
 _stats = CommStats()
+# The only references to the torch ProcessGroups this module makes (Group.handle holds a key
+# into it), so that shutdown() can really free them: see there.
+_groups: dict[int, object] = {}
+_keys = itertools.count(1)  # never reused: a group from before shutdown() finds nothing
 _REDUCE_OPS = {"sum": tdist.ReduceOp.SUM, "max": tdist.ReduceOp.MAX, "min": tdist.ReduceOp.MIN}
 
 
@@ -43,13 +49,32 @@ def is_initialized() -> bool:
     return tdist.is_initialized()
 
 
-def shutdown() -> None:
-    if tdist.is_initialized():
-        tdist.destroy_process_group()
+def shutdown(wait: bool = True) -> None:
+    """Leave the job, and free the process groups while Python is still fully alive.
+    ``wait``: first meet every rank at a barrier (a rank that is failing passes False: its
+    peers may be gone).
+
+    gloo's worker threads drop a finished collective's tensors after the caller has moved on;
+    when a tensor's Python object is already gone that needs the GIL, and during interpreter
+    exit it aborts the process ("terminate called without an active exception", about one
+    run in fifteen with torch 2.6). Freeing a ProcessGroup joins those threads (torch
+    releases the GIL for it), so nothing of theirs is left for the exit."""
+    if not tdist.is_initialized():
+        return
+    if wait:
+        tdist.barrier()  # no rank tears its connections down while a peer still talks to it
+    tdist.destroy_process_group()
+    _groups.clear()
+    gc.collect()
 
 
 def _h(group):
-    return None if group is None else group.handle
+    if group is None or group.handle is None:
+        return None
+    try:
+        return _groups[group.handle]
+    except KeyError:
+        raise RuntimeError(f"group {group.ranks} belongs to a job this process has left (dist.shutdown)") from None
 
 
 def world_size(group: Group | None = None) -> int:
@@ -68,8 +93,11 @@ def rank(group: Group | None = None) -> int:
 def new_group(ranks) -> Group:
     """A group of the given global ranks. Every process must call it, members or not."""
     ranks = tuple(int(r) for r in ranks)
-    handle = tdist.new_group(list(ranks)) if tdist.is_initialized() else None
-    return Group(ranks, handle)
+    if not tdist.is_initialized():
+        return Group(ranks, None)
+    key = next(_keys)
+    _groups[key] = tdist.new_group(list(ranks))
+    return Group(ranks, key)
 
 
 def _alone(group) -> bool:
