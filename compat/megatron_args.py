@@ -194,7 +194,14 @@ def add_tokenizer_args(group) -> None:
     """Megatron's tokenizer flags (shared by training and preprocessing)."""
     group.add_argument("--tokenizer-type", default=None,
                        help="ByteLevel, PretrainedFromHF (HuggingFaceTokenizer), GPT2BPETokenizer or NullTokenizer")
-    group.add_argument("--tokenizer-name-or-path", default=None, help="a Hugging Face tokenizer folder or tokenizer.json")
+    group.add_argument("--tokenizer-name-or-path", "--tokenizer-model", default=None,
+                       help="a Hugging Face tokenizer folder or tokenizer.json")
+    # Megatron encodes with the tokenizer's post-processor (BOS and the like) unless told not to
+    group.add_argument("--tokenizer-hf-no-include-special-tokens", dest="tokenizer_hf_include_special_tokens",
+                       action="store_false", default=True,
+                       help="encode text without the tokenizer's special tokens (no BOS before each document)")
+    group.add_argument("--tokenizer-hf-include-special-tokens", dest="tokenizer_hf_include_special_tokens",
+                       action="store_true", help="the default; Megatron-core 0.16's spelling of it")
     group.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer: vocab.json")
     group.add_argument("--merge-file", default=None, help="GPT2BPETokenizer: merges.txt")
     group.add_argument("--vocab-size", type=POSITIVE_INT, default=None,

@@ -121,6 +121,8 @@ def _cmd_preprocess(argv: list[str]) -> int:
     preprocess.add_args(parser)
     counts = preprocess.run(parser.parse_args(argv))
     print(f"wrote {counts['documents']} documents, {counts['tokens']} tokens: {', '.join(counts['outputs'])}")
+    if counts["end_of_document"]:
+        print(f"end of document: {counts['end_of_document']}")
     return 0
 
 

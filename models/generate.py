@@ -9,8 +9,9 @@ from mindspeed_core import autograd, ops
 
 
 def generate(model, prompt_ids, max_new_tokens: int, window: int, temperature: float = 0.8, top_k: int = 20,
-             seed: int = 0) -> list[int]:
-    """Sample max_new_tokens continuation ids (top-k, temperature; greedy at temperature 0).
+             seed: int = 0, stop_ids=()) -> list[int]:
+    """Sample up to max_new_tokens continuation ids (top-k, temperature; greedy at temperature
+    0), ending before the first of ``stop_ids`` drawn (the end of document).
 
     Under tensor parallelism every rank of the group must call it (the logits are gathered);
     all ranks draw the same tokens from the same seed."""
@@ -32,6 +33,8 @@ def generate(model, prompt_ids, max_new_tokens: int, window: int, temperature: f
                 top = np.argsort(-logits)[:top_k]
                 p = np.exp((logits[top] - logits[top].max()) / temperature)
                 nxt = int(rng.choice(top, p=p / p.sum()))
+            if nxt in stop_ids:
+                break
             ids.append(nxt)
             out.append(nxt)
     return out

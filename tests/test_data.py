@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -29,8 +30,8 @@ def preprocess_args(inp, prefix, workers=1, **extra):
     parser = argparse.ArgumentParser()
     preprocess.add_args(parser)
     argv = ["--input", str(inp), "--output-prefix", str(prefix), "--append-eod", "--workers", str(workers)]
-    for k, v in extra.items():
-        argv += [f"--{k.replace('_', '-')}", str(v)]
+    for k, v in extra.items():  # a value of "" is a switch
+        argv += [f"--{k.replace('_', '-')}"] + ([str(v)] if v != "" else [])
     return parser.parse_args(argv)
 
 
@@ -67,11 +68,11 @@ def test_indexed_dataset_round_trip(tmp_path):
         w.add_document(d)
     w.finalize()
     ds = indexed.IndexedDataset(prefix)
-    assert len(ds) == 4 and ds.dtype == np.uint16
-    for i, d in enumerate(docs):
+    assert len(ds) == 3 and ds.dtype == np.uint16  # the empty document adds no sequence
+    for i, d in enumerate(d for d in docs if d):
         assert ds[i].tolist() == d
-    assert ds.tokens(1, 4).tolist() == [7] * 5 + [65000, 4]
-    assert ds.document_indices.tolist() == [0, 1, 2, 3, 4]
+    assert ds.tokens(1, 3).tolist() == [7] * 5 + [65000, 4]
+    assert ds.document_indices.tolist() == [0, 1, 1, 2, 3]
 
 
 def test_megatron_core_reads_our_files(tmp_path):
@@ -166,3 +167,101 @@ def test_truncated_index_is_a_clear_error(tmp_path):
         fh.write(b"garbage!" * 8)
     with pytest.raises(MindSpeedError, match="bad magic"):
         indexed.IndexedDataset(prefix)
+
+
+# Megatron parity: the documents a careful reviewer would try, and a tokenizer whose config
+# names </s> the end of document while <|endoftext|> is in the vocabulary too, and whose
+# post-processor puts <s> before every document (as Llama's does).
+PARITY_DOCS = [
+    "def add(a, b):\n    \"\"\"Sum.\"\"\"\n    return a + b\n",
+    "中文的句子，日本語の文、한국어 문장.",
+    "family 👩‍👩‍👧‍👦 and flags 🇯🇵 with ZWJ",
+    "שלום עולם مرحبا بالعالم",
+    "line one\u2028line two\u2029para",
+    "literal </s> and <|endoftext|> and <s> inside the text",
+    "   \t  ",
+    "",
+    "the long one " * 400,
+    "",
+    "last",
+]
+
+
+def _llama_style_tokenizer(folder):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    special = ["<unk>", "<s>", "</s>", "<|endoftext|>"]
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(PARITY_DOCS * 5, trainers.BpeTrainer(
+        vocab_size=500, special_tokens=special, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))])
+    folder.mkdir(exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "unk_token": "<unk>",
+        # an AddedToken object, as transformers writes it
+        "eos_token": {"__type": "AddedToken", "content": "</s>", "special": True}}))
+    return {t: tok.token_to_id(t) for t in special}
+
+
+@pytest.mark.parametrize("special_tokens", [True, False], ids=["special-tokens", "no-special-tokens"])
+def test_preprocess_writes_what_megatron_writes(tmp_path, special_tokens):
+    pytest.importorskip("megatron.core")
+    pytest.importorskip("transformers")
+    ids = _llama_style_tokenizer(tmp_path / "tok")
+    src = tmp_path / "docs.jsonl"
+    write_jsonl(src, PARITY_DOCS)
+    extra = {} if special_tokens else {"tokenizer_hf_no_include_special_tokens": ""}
+    args = preprocess_args(src, tmp_path / "ours", tokenizer_name_or_path=tmp_path / "tok", **extra)
+    counts = preprocess.run(args)
+    assert counts["end_of_document"] == "'</s>', the eos_token of tokenizer_config.json, id %d" % ids["</s>"]
+    # megatron-core imports torch: keep it out of this process (it may be bound to MindSpore)
+    out = subprocess.run([sys.executable, str(Path(__file__).parent / "megatron_preprocess.py"), str(src),
+                          str(tmp_path / "tok"), str(tmp_path / "megatron")] + ([] if special_tokens else
+                                                                                ["--no-special-tokens"]),
+                         capture_output=True, text=True, timeout=300,
+                         env={k: v for k, v in os.environ.items() if k != "MINDSPEED_AI_FRAMEWORK"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == {"eod": ids["</s>"], "bos": ids["<s>"]}
+    for ext in (".bin", ".idx"):
+        assert (tmp_path / f"ours_text_document{ext}").read_bytes() == \
+            (tmp_path / f"megatron_text_document{ext}").read_bytes(), ext
+
+    # the three rules, read back from our files
+    ds = indexed.IndexedDataset(str(tmp_path / "ours_text_document"))
+    sequences = [ds[i].tolist() for i in range(len(ds))]
+    assert all(s[-1] == ids["</s>"] and ids["<|endoftext|>"] not in (s[0], s[-1]) for s in sequences)
+    assert all((s[0] == ids["<s>"]) == special_tokens for s in sequences)
+    empty = PARITY_DOCS.count("")
+    if special_tokens:  # "" encodes to <s>: a document with a token, so it ends with </s>
+        assert len(ds) == len(PARITY_DOCS) and [ids["<s>"], ids["</s>"]] in sequences
+    else:  # "" has no tokens: no sequence, and its document repeats the next start index
+        assert len(ds) == len(PARITY_DOCS) - empty
+        starts = ds.document_indices.tolist()
+        assert len(starts) == len(PARITY_DOCS) + 1 and len(set(starts)) == len(starts) - empty
+    # the literal strings in the text are the special tokens, as in Megatron (HF's added tokens)
+    literal = sequences[PARITY_DOCS.index("literal </s> and <|endoftext|> and <s> inside the text")]
+    assert literal.count(ids["</s>"]) == 2 and ids["<|endoftext|>"] in literal
+
+
+def test_tokenizer_end_of_document_comes_from_its_config(tmp_path):
+    pytest.importorskip("tokenizers")
+    ids = _llama_style_tokenizer(tmp_path)
+    tok = build_tokenizer("PretrainedFromHF", str(tmp_path))
+    assert (tok.eod, tok.bos) == (ids["</s>"], ids["<s>"])
+    assert tok.encode("last")[0] == ids["<s>"]
+    assert build_tokenizer("PretrainedFromHF", str(tmp_path), include_special_tokens=False).encode("last")[0] != ids["<s>"]
+    config = tmp_path / "tokenizer_config.json"
+    config.write_text(json.dumps({"sep_token": "<|endoftext|>"}))  # no eos_token: Megatron takes sep_token
+    assert build_tokenizer("PretrainedFromHF", str(tmp_path)).eod == ids["<|endoftext|>"]
+    config.write_text(json.dumps({"eos_token": "<|im_end|>"}))
+    with pytest.raises(MindSpeedError, match="names '<|im_end|>' as the end of document"):
+        build_tokenizer("PretrainedFromHF", str(tmp_path))
+    config.write_text("{broken")
+    with pytest.raises(MindSpeedError, match="cannot read .*tokenizer_config.json"):
+        build_tokenizer("PretrainedFromHF", str(tmp_path))
+    config.unlink()  # no config at all: the usual names, and the choice is said
+    tok = build_tokenizer("PretrainedFromHF", str(tmp_path))
+    assert tok.eod == ids["<|endoftext|>"] and "no eos_token" in tok.eod_source

@@ -18,6 +18,9 @@ ACCEPTED_NO_OPS = {
     # Megatron honours --num-query-groups only together with this switch; here
     # --num-query-groups takes effect on its own, so the switch adds nothing.
     "--group-query-attention",
+    # Megatron-core 0.16's switch for what is now Megatron's default (and ours): encoding
+    # with the tokenizer's special tokens; --tokenizer-hf-no-include-special-tokens turns it off.
+    "--tokenizer-hf-include-special-tokens",
 }
 # The walk's own instrument: every run below passes it.
 INSTRUMENT = {"--dry-run"}
@@ -51,13 +54,15 @@ REQUIRES = {
     "--merge-file": ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", "{where}/vocab.json"],
     "--vocab-size": ["--tokenizer-type", "NullTokenizer"],
     "--initial-loss-scale": ["--fp16"],
+    "--tokenizer-hf-no-include-special-tokens": ["--tokenizer-type", "PretrainedFromHF", "--tokenizer-name-or-path",
+                                                 "{where}/tokenizer.json"],
 }
 
 
 def _probes(action: argparse.Action, framework: str, where: str) -> list[list[str]]:
     """Values to try: every non-default choice, else one valid value."""
     flag = action.option_strings[0]
-    if isinstance(action, argparse._StoreTrueAction):
+    if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
         return [[flag]]
     if flag == "--ai-framework":
         return [[flag, "mindspore" if framework == "pytorch" else "pytorch"]]
@@ -70,6 +75,17 @@ def _probes(action: argparse.Action, framework: str, where: str) -> list[list[st
     if action.type is not None and action.type.__name__ == "parse":  # the parser's typed numbers
         return [[flag, "3"]]
     return [[flag, f"{where}/{flag.strip('-')}"]]
+
+
+def _tiny_hf_tokenizer(path):
+    """A tokenizer.json whose post-processor puts <s> first (the flags about special tokens)."""
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers import models, processors
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "a": 3}
+    tok = tokenizers.Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    tok.save(str(path))
 
 
 def _dry_run(capsys, argv, progress=False):
@@ -110,6 +126,7 @@ def test_every_flag_is_gated_or_takes_effect_or_is_a_listed_no_op(capsys, framew
     if flag in INSTRUMENT:
         return
     (tmp_path / "vocab.json").write_text("{}")
+    _tiny_hf_tokenizer(tmp_path / "tokenizer.json")
     for probe in _probes(action, framework, str(tmp_path)):
         effects = _effects(capsys, flag, probe, str(tmp_path))
         if flag in ACCEPTED_NO_OPS:

@@ -12,7 +12,10 @@ import os
 import sysconfig
 
 from mindspeed_core.data import indexed
+from mindspeed_core.data.preprocess import document_ids
 from mindspeed_core.data.tokenizer import ByteTokenizer
+
+FORMAT = 2  # part of the cache key: 2 = empty files add no sequence (Megatron's rule)
 
 
 def stdlib_files(limit_bytes: int) -> list[str]:
@@ -38,7 +41,8 @@ def cache_dir() -> str:
 def build_stdlib_corpus(limit_bytes: int = 4 * 2**20, folder: str | None = None) -> str:
     """Returns the dataset prefix, building it when missing."""
     files = stdlib_files(limit_bytes)
-    key = hashlib.sha1("\n".join(f"{f}:{os.path.getsize(f)}" for f in files).encode()).hexdigest()[:12]
+    listing = [f"format {FORMAT}"] + [f"{f}:{os.path.getsize(f)}" for f in files]
+    key = hashlib.sha1("\n".join(listing).encode()).hexdigest()[:12]
     folder = folder or cache_dir()
     prefix = os.path.join(folder, f"stdlib-bytes-{key}_text_document")
     if os.path.exists(prefix + ".idx") and os.path.exists(prefix + ".bin"):
@@ -48,6 +52,6 @@ def build_stdlib_corpus(limit_bytes: int = 4 * 2**20, folder: str | None = None)
     writer = indexed.IndexedDatasetWriter(prefix, indexed.token_dtype(tok.vocab_size))
     for path in files:
         with open(path, encoding="utf-8", errors="replace") as fh:
-            writer.add_document(tok.encode(fh.read()) + [tok.eod])
+            writer.add_document(document_ids(tok, fh.read(), append_eod=True))
     writer.finalize()
     return prefix

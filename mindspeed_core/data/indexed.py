@@ -4,7 +4,8 @@ Layout of the .idx, little-endian, as megatron-core's IndexedDataset reads it:
     b"MMIDIDX\\x00\\x00", version <Q> = 1, dtype code <B>, sequence count <Q>,
     document count <Q>, sequence lengths int32[count], sequence byte offsets int64[count],
     document indices int64[documents] (sequence index where each document starts, plus the end).
-Here one sequence is one document.
+Here a document is one sequence, or none when it has no tokens (as Megatron's builder
+writes it: the empty document repeats its neighbour's entry in the document indices).
 """
 
 from __future__ import annotations
@@ -34,11 +35,14 @@ class IndexedDatasetWriter:
         self._tmp = f"{prefix}.tmp-{os.getpid()}"
         self._bin = open(self._tmp + ".bin", "wb")
         self._lengths: list[int] = []
+        self._documents: list[int] = [0]
 
     def add_document(self, tokens) -> None:
         arr = np.asarray(tokens, dtype=self.dtype)
-        self._bin.write(arr.tobytes())
-        self._lengths.append(int(arr.size))
+        if arr.size:
+            self._bin.write(arr.tobytes())
+            self._lengths.append(int(arr.size))
+        self._documents.append(len(self._lengths))
 
     def abort(self) -> None:
         """Drop what was written (the temporary files); the final names are untouched."""
@@ -53,7 +57,7 @@ class IndexedDatasetWriter:
         pointers = np.zeros(len(lengths), np.int64)
         if len(lengths) > 1:
             pointers[1:] = np.cumsum(lengths[:-1], dtype=np.int64) * self.dtype.itemsize
-        documents = np.arange(len(lengths) + 1, dtype=np.int64)
+        documents = np.asarray(self._documents, np.int64)
         with open(self._tmp + ".idx", "wb") as fh:
             fh.write(MAGIC)
             fh.write(struct.pack("<Q", 1))

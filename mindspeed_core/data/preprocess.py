@@ -3,7 +3,11 @@
     mindspeed preprocess --input data.jsonl --output-prefix out/corpus \\
         --tokenizer-type PretrainedFromHF --tokenizer-name-or-path tok/ --append-eod --workers 2
 
-writes out/corpus_text_document.bin/.idx (one file pair per --json-keys key).
+writes out/corpus_text_document.bin/.idx (one file pair per --json-keys key), byte for byte
+what Megatron-LM's tools/preprocess_data.py writes from the same input and tokenizer: text
+encoded with the tokenizer's special tokens (--tokenizer-hf-no-include-special-tokens turns
+them off), the tokenizer's own end of document after each document that has tokens, and
+an empty document recorded with no sequence.
 """
 
 from __future__ import annotations
@@ -111,15 +115,16 @@ def _init_worker(tokenizer, keys, append_eod):
     _worker_state.update(tok=build_tokenizer(*tokenizer), keys=keys, eod=append_eod)
 
 
+def document_ids(tok, text: str, append_eod: bool) -> list[int]:
+    """A document's tokens as Megatron's preprocess_data.py writes them: the end of document
+    follows only a document that has tokens (an empty one stays empty and adds no sequence)."""
+    ids = tok.encode(text)
+    return ids + [tok.eod] if ids and append_eod else ids
+
+
 def _encode(record):
     tok = _worker_state["tok"]
-    out = {}
-    for key in _worker_state["keys"]:
-        ids = tok.encode(record[key])
-        if _worker_state["eod"]:
-            ids.append(tok.eod)
-        out[key] = ids
-    return out
+    return {key: document_ids(tok, record[key], _worker_state["eod"]) for key in _worker_state["keys"]}
 
 
 def _stale(prefix: str) -> re.Pattern:
@@ -178,4 +183,5 @@ def run(args) -> dict:
             pool.close()
             pool.join()
     counts["outputs"] = list(prefixes.values())
+    counts["end_of_document"] = f"{tok.eod_source}, id {tok.eod}" if args.append_eod else None
     return counts

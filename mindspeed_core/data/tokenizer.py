@@ -1,16 +1,21 @@
 """Tokenizers, by Megatron's ``--tokenizer-type``:
 
 - ``ByteLevel``: UTF-8 bytes, needs no files;
-- ``PretrainedFromHF`` / ``HuggingFaceTokenizer`` with ``--tokenizer-name-or-path DIR`` (a
-  folder with tokenizer.json, or the file itself);
+- ``PretrainedFromHF`` / ``HuggingFaceTokenizer`` with ``--tokenizer-name-or-path DIR`` (or
+  Megatron's ``--tokenizer-model DIR``: a folder with tokenizer.json and usually
+  tokenizer_config.json, or the tokenizer.json itself);
 - ``GPT2BPETokenizer`` with ``--vocab-file vocab.json --merge-file merges.txt`` (GPT-2's
   byte-level BPE, end of document ``<|endoftext|>``);
 - ``NullTokenizer`` with ``--vocab-size N``: text is space-separated ids, N is the end of
   document (benchmarks and data tokenized elsewhere).
+
+Each has ``eod`` (the end-of-document id), ``eod_source`` (where that choice came from, for
+messages) and ``bos`` (the beginning-of-sequence id, or None).
 """
 
 from __future__ import annotations
 
+import json
 import os
 
 from mindspeed_core.errors import MindSpeedError
@@ -24,6 +29,7 @@ class ByteTokenizer:
     def __init__(self):
         self.eod = 256
         self.vocab_size = 257
+        self.eod_source, self.bos = "256, after the 256 byte values", None
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
@@ -33,11 +39,21 @@ class ByteTokenizer:
 
 
 class HFTokenizer:
-    """A tokenizer.json through the ``tokenizers`` library (no transformers needed)."""
+    """A tokenizer.json through the ``tokenizers`` library (no transformers needed), read as
+    Megatron's HuggingFaceTokenizer reads the folder:
+
+    - text is encoded with the tokenizer's post-processor (a Llama tokenizer puts ``<s>``
+      before every document) unless ``include_special_tokens`` is off
+      (``--tokenizer-hf-no-include-special-tokens``);
+    - the end of document is the ``eos_token`` that tokenizer_config.json names (its
+      ``sep_token`` when it names no eos_token).
+    """
 
     name = "PretrainedFromHF"
+    # when tokenizer_config.json names no end of document: the usual names, in this order
+    EOD_NAMES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|im_end|>")
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, include_special_tokens: bool = True):
         try:
             from tokenizers import Tokenizer
         except ImportError:
@@ -50,19 +66,52 @@ class HFTokenizer:
             self._tok = Tokenizer.from_file(file)
         except Exception as exc:  # noqa: BLE001 - the library's own parse errors vary
             raise MindSpeedError(f"cannot read tokenizer {file}: {exc}") from None
+        self.include_special_tokens = include_special_tokens
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         vocab = self._tok.get_vocab(with_added_tokens=True)
-        eod = next((vocab[t] for t in ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|im_end|>") if t in vocab),
-                   None)
-        if eod is None:
-            raise MindSpeedError(f"tokenizer {file} has no end-of-document token (</s>, <|endoftext|>, ...)")
-        self.eod = eod
+        config_file = os.path.join(os.path.dirname(os.path.abspath(file)), "tokenizer_config.json")
+        config = _read_config(config_file)
+        eos = _token_text(config.get("eos_token")) or _token_text(config.get("sep_token"))
+        if eos is not None:
+            if eos not in vocab:
+                raise MindSpeedError(f"{config_file} names {eos!r} as the end of document, but {file} has no such "
+                                     "token")
+            self.eod, self.eod_source = vocab[eos], f"{eos!r}, the eos_token of tokenizer_config.json"
+        else:
+            found = next((t for t in self.EOD_NAMES if t in vocab), None)
+            if found is None:
+                raise MindSpeedError(f"tokenizer {file} has no end-of-document token: name one as eos_token in "
+                                     f"{config_file}")
+            self.eod, self.eod_source = vocab[found], f"{found!r} (no eos_token in tokenizer_config.json)"
+        bos = _token_text(config.get("bos_token"))
+        self.bos = vocab.get(bos) if bos is not None else None
 
     def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
+        return self._tok.encode(text, add_special_tokens=self.include_special_tokens).ids
 
     def decode(self, ids) -> str:
         return self._tok.decode([int(i) for i in ids])
+
+
+def _read_config(file: str) -> dict:
+    """tokenizer_config.json as a dict ({} when the folder has none)."""
+    if not os.path.isfile(file):
+        return {}
+    try:
+        with open(file, encoding="utf-8") as fh:
+            config = json.load(fh)
+    except (OSError, ValueError) as exc:
+        raise MindSpeedError(f"cannot read {file}: {exc}") from None
+    if not isinstance(config, dict):
+        raise MindSpeedError(f"{file} holds a JSON {type(config).__name__}, not an object")
+    return config
+
+
+def _token_text(value) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string, or an AddedToken object."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) and value else None
 
 
 class NullTokenizer:
@@ -74,6 +123,7 @@ class NullTokenizer:
     def __init__(self, vocab_size: int):
         self.eod = int(vocab_size)
         self.vocab_size = self.eod + 1
+        self.eod_source, self.bos = f"{self.eod} (--vocab-size)", None
 
     def encode(self, text: str) -> list[int]:
         try:
@@ -117,17 +167,18 @@ class GPT2BPETokenizer(HFTokenizer):
         # text is the end-of-document token, not five byte-level pieces
         self._tok.add_special_tokens([self.EOD])
         self.vocab_size, self.eod = len(vocab), vocab[self.EOD]
+        self.eod_source, self.bos, self.include_special_tokens = repr(self.EOD), None, True
 
 
 def build_tokenizer(tokenizer_type: str | None, name_or_path: str | None = None, vocab_file: str | None = None,
-                    merge_file: str | None = None, vocab_size: int | None = None):
+                    merge_file: str | None = None, vocab_size: int | None = None, include_special_tokens: bool = True):
     kind = tokenizer_type or ("PretrainedFromHF" if name_or_path else "ByteLevel")
     if kind == "ByteLevel":
         return ByteTokenizer()
     if kind in ("PretrainedFromHF", "HuggingFaceTokenizer"):
         if not name_or_path:
             raise MindSpeedError(f"--tokenizer-type {kind} needs --tokenizer-name-or-path")
-        return HFTokenizer(name_or_path)
+        return HFTokenizer(name_or_path, include_special_tokens)
     if kind == "GPT2BPETokenizer":
         return GPT2BPETokenizer(vocab_file, merge_file)
     if kind == "NullTokenizer":
@@ -141,7 +192,8 @@ def build_tokenizer(tokenizer_type: str | None, name_or_path: str | None = None,
 def tokenizer_args(args) -> tuple:
     """The tokenizer flags of parsed arguments, as build_tokenizer's positional arguments."""
     return (args.tokenizer_type, args.tokenizer_name_or_path, getattr(args, "vocab_file", None),
-            getattr(args, "merge_file", None), getattr(args, "vocab_size", None))
+            getattr(args, "merge_file", None), getattr(args, "vocab_size", None),
+            getattr(args, "tokenizer_hf_include_special_tokens", True))
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int = 128, tp: int = 1) -> int:

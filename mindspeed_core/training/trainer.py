@@ -207,7 +207,10 @@ class Trainer:
             "framework": runtime.bound().NAME, "device": device.current(),
             "model": self.cfg.to_dict(), "kernels": kernels(self.cfg), "parameters": self.cfg.num_parameters(),
             "flops_per_token": self.cfg.flops_per_token(self.args.seq_length),
-            "tokenizer": self.tokenizer.name, "data_path": self.args.data_path,
+            "tokenizer": {"type": self.tokenizer.name, "end_of_document": self.tokenizer.eod,
+                          "end_of_document_from": self.tokenizer.eod_source, "bos": self.tokenizer.bos,
+                          "encodes_special_tokens": getattr(self.tokenizer, "include_special_tokens", None)},
+            "data_path": self.args.data_path,
             "seq_length": self.args.seq_length, "micro_batch_size": self.args.micro_batch_size,
             "global_batch_size": self.args.global_batch_size, "gradient_accumulation": self.grad_accum,
             "train_iters": self.args.train_iters, "lr": self.args.lr, "min_lr": self.args.min_lr,
@@ -508,7 +511,10 @@ class Trainer:
 
             prompt = "def "
             nn.set_training(self.model, False)
-            ids = generate(self.model, self.tokenizer.encode(prompt), args.sample_tokens, args.seq_length, seed=args.seed)
+            # the prompt is encoded as the training documents were (BOS first where the tokenizer
+            # adds one); the sample ends where the model ends the document
+            ids = generate(self.model, self.tokenizer.encode(prompt), args.sample_tokens, args.seq_length,
+                           seed=args.seed, stop_ids=(self.tokenizer.eod,))
             text = self.tokenizer.decode(ids)
             self.say("sample:\n" + prompt + text)
             result["sample"] = text
