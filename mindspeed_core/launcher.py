@@ -8,6 +8,9 @@ msrun (MindSpore), and behave as a job scheduler expects.
   SIGHUP to `mindspeed launch` is passed to all of them, and whatever still runs after a
   grace period is killed, so nothing is left training as an orphan.
 - When the job fails, the process that died first is named: a rank, or msrun's scheduler.
+- Across nodes, gloo (the CPU collectives of torch and MindSpore) would listen on the address
+  the hostname resolves to, often a loopback one that the other nodes cannot reach: unless
+  GLOO_SOCKET_IFNAME is set, it is set to the interface that routes to --master-addr.
 """
 
 from __future__ import annotations
@@ -44,9 +47,42 @@ def parser():
     return p
 
 
+def interface_towards(address: str) -> str | None:
+    """The name of the network interface this machine reaches ``address`` through (Linux),
+    or None when that cannot be told."""
+    try:
+        target = socket.gethostbyname(address)
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((target, 9))  # a datagram socket sends nothing: the kernel just picks the route
+            local = s.getsockname()[0]
+    except OSError:
+        return None
+    try:
+        names = [name for _, name in socket.if_nameindex()]
+    except OSError:
+        return None
+    return next((name for name in names if _ipv4_address(name) == local), None)
+
+
+def _ipv4_address(interface: str) -> str | None:
+    import fcntl
+    import struct
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            request = struct.pack("256s", interface.encode()[:15])
+            return socket.inet_ntoa(fcntl.ioctl(s.fileno(), 0x8915, request)[20:24])  # SIOCGIFADDR
+        except OSError:  # no IPv4 address on it
+            return None
+
+
 def launch_command(args, train_argv: list[str], framework: str) -> tuple[list[str], dict]:
     """The torchrun or msrun command line (and environment) that runs `train` on every rank."""
     env = dict(os.environ, MINDSPEED_AI_FRAMEWORK=framework)
+    if args.nnodes > 1 and not env.get("GLOO_SOCKET_IFNAME"):
+        interface = interface_towards(args.master_addr)
+        if interface:
+            env["GLOO_SOCKET_IFNAME"] = interface
     # msrun starts its workers with the "python" on PATH: make it this interpreter
     env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
     if framework == "pytorch":
@@ -102,6 +138,16 @@ def _check_port(args) -> None:
                                  f"choose another port with --master-port") from None
 
 
+def _say_interface(args, env: dict) -> None:
+    chosen = env.get("GLOO_SOCKET_IFNAME")
+    if chosen and chosen != os.environ.get("GLOO_SOCKET_IFNAME"):
+        print(f"mindspeed launch: GLOO_SOCKET_IFNAME={chosen}, the interface that reaches --master-addr "
+              f"{args.master_addr} (set GLOO_SOCKET_IFNAME to choose another)", file=sys.stderr)
+    elif not chosen:
+        print(f"mindspeed launch: cannot tell which network interface reaches --master-addr {args.master_addr}; "
+              f"if the nodes fail to connect, set GLOO_SOCKET_IFNAME to it", file=sys.stderr)
+
+
 def run(argv: list[str]) -> int:
     own, train_argv = _split(argv)
     args = parser().parse_args(own)
@@ -119,6 +165,8 @@ def run(argv: list[str]) -> int:
         return 0
     _check_training_flags(args, train_argv, framework)
     _check_port(args)
+    if args.nnodes > 1:
+        _say_interface(args, env)
     job = Job(cmd, env, "torchrun" if framework == "pytorch" else "msrun")
     code = job.run()
     if job.stopped_by is not None:

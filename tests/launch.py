@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import time
 
 
 def free_port() -> int:
@@ -44,3 +46,64 @@ def launch(framework: str, nproc: int, script: str, args: list[str], log_dir: st
             with open(os.path.join(log_dir, name), errors="replace") as fh:
                 logs += f"\n--- {name} ---\n" + fh.read()[-4000:]
     return proc.returncode, out + logs
+
+
+class TwoNodes:
+    """Two "nodes" on this machine: network namespaces joined by a veth pair, each with its
+    own address and loopback, so a job across them meets what a job across hosts meets
+    (the hostname resolves to a loopback address the other node cannot reach).
+    ``nodes`` is [(namespace, interface, address)] for node 0 and node 1; needs root and
+    iproute2, and says why not in ``unavailable`` otherwise."""
+
+    SUBNET = "10.77.0"
+
+    def __init__(self):
+        tag = f"ms{os.getpid()}"
+        self.nodes = [(f"{tag}a", f"{tag}a0", f"{self.SUBNET}.1"), (f"{tag}b", f"{tag}b0", f"{self.SUBNET}.2")]
+        self.unavailable = None
+        if os.geteuid() != 0 or shutil.which("ip") is None:
+            self.unavailable = "network namespaces are not available here (they need root and iproute2's 'ip')"
+            return
+        (a, ia, _), (b, ib, _) = self.nodes
+        steps = [["netns", "add", a], ["netns", "add", b],
+                 ["link", "add", ia, "netns", a, "type", "veth", "peer", "name", ib, "netns", b]]
+        for ns, interface, address in self.nodes:
+            steps += [["-n", ns, "addr", "add", f"{address}/24", "dev", interface],
+                      ["-n", ns, "link", "set", interface, "up"], ["-n", ns, "link", "set", "lo", "up"]]
+        for step in steps:
+            done = subprocess.run(["ip", *step], capture_output=True, text=True)
+            if done.returncode != 0:
+                self.close()
+                self.unavailable = (f"network namespaces are not available here: 'ip {' '.join(step)}' said "
+                                    f"{done.stderr.strip()!r}")
+                return
+
+    def run(self, commands: list[list[str]], env: dict, log_dir, timeout: float) -> list[tuple[int, str]]:
+        """Run commands[k] in node k's namespace, all at once; (exit code, output) of each.
+        When one fails the others get 30 s to notice before they are stopped (a node left
+        waiting for a peer that is gone would otherwise sit out the whole timeout)."""
+        procs, logs = [], []
+        for k, argv in enumerate(commands):
+            logs.append(open(os.path.join(log_dir, f"node{k}.out"), "w+"))
+            procs.append(subprocess.Popen(["ip", "netns", "exec", self.nodes[k][0], *argv], stdout=logs[-1],
+                                          stderr=subprocess.STDOUT, env=env, start_new_session=True))
+        deadline, first_failure = time.time() + timeout, None
+        while None in [p.poll() for p in procs]:  # a list: every process polled each round
+            if first_failure is None and any(p.returncode not in (None, 0) for p in procs):
+                first_failure = time.time()
+            if time.time() > deadline or (first_failure and time.time() > first_failure + 30):
+                for p in procs:
+                    if p.poll() is None:
+                        os.killpg(p.pid, signal.SIGKILL)
+                        p.wait()
+            time.sleep(0.5)
+        results = []
+        for p, log in zip(procs, logs):
+            log.seek(0)
+            results.append((p.returncode, log.read()))
+            log.close()
+        return results
+
+    def close(self) -> None:
+        for ns, _, _ in self.nodes:  # deleting a namespace takes its end of the veth pair along
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)

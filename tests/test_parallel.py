@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from launch import free_port
+from launch import TwoNodes, free_port
 from test_training import corpus, losses, train  # noqa: F401  (corpus is a fixture)
 
 BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--ffn-hidden-size", "128",
@@ -163,6 +163,26 @@ def test_launch_builds_the_framework_launcher_command():
     assert "torch.distributed.run" in out.stdout and "--nproc-per-node=2" in out.stdout
 
 
+def test_launch_sets_the_gloo_interface_only_across_nodes(monkeypatch):
+    import argparse
+
+    from mindspeed_core import launcher
+
+    assert launcher.interface_towards("127.0.0.1") == "lo"
+    assert launcher.interface_towards("no-such-host.invalid") is None
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+
+    def env(nnodes):
+        args = argparse.Namespace(nproc_per_node=1, nnodes=nnodes, node_rank=0, master_addr="127.0.0.1",
+                                  master_port=29500, log_dir="logs")
+        return launcher.launch_command(args, [], "pytorch")[1]
+
+    assert "GLOO_SOCKET_IFNAME" not in env(1)  # one machine: gloo's own choice works
+    assert env(2)["GLOO_SOCKET_IFNAME"] == "lo"
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth7")  # the user's choice stands
+    assert env(2)["GLOO_SOCKET_IFNAME"] == "eth7"
+
+
 def expected_traffic(ranks, flags) -> dict:
     """Bytes per step and collective on rank 0 for the GQA model of these tests (parallel/traffic.py)."""
     from mindspeed_core.models.config import ModelConfig
@@ -269,3 +289,32 @@ def test_distributed_optimizer_checkpoint_resumes_on_other_layouts(capsys, frame
     code, out, err = train(capsys, *common, "--load", str(ckpt), "--metrics-file", str(tmp_path / "tp1.jsonl"))
     assert code == 0 and "DP=2" in out, err
     assert_same_curve(losses(tmp_path / "tp1.jsonl"), {i: reference["gqa"][i] for i in range(6, ITERS + 1)})
+
+
+@pytest.mark.multiprocess
+@pytest.mark.feature("tensor-parallel")
+def test_two_nodes_train_as_one_process(framework, corpus, reference, tmp_path):  # noqa: F811
+    """TP=2 across two "nodes" (network namespaces), launched as on two hosts and with no
+    GLOO_SOCKET_IFNAME: the launcher finds the interface, and the losses are the
+    single-process ones."""
+    nodes = TwoNodes()
+    if nodes.unavailable:
+        pytest.skip(nodes.unavailable)
+    # a rank that cannot reach its peers gives up after a minute instead of five
+    env = {k: v for k, v in os.environ.items() if k != "GLOO_SOCKET_IFNAME"} | {"OMP_NUM_THREADS": "1",
+                                                                              "MINDSPEED_DIST_TIMEOUT": "60"}
+    master = nodes.nodes[0][2]
+    metrics = tmp_path / "m.jsonl"
+    commands = [[sys.executable, "-m", "mindspeed_core.cli", "launch", "--nnodes", "2", "--node-rank", str(k),
+                 "--nproc-per-node", "1", "--master-addr", master, "--master-port", "29500",
+                 "--log-dir", str(tmp_path / f"node{k}_log"), "--", "--ai-framework", framework, *GQA,
+                 "--tensor-model-parallel-size", "2", "--data-path", corpus, "--train-iters", str(ITERS),
+                 "--metrics-file", str(metrics)] for k in range(2)]
+    try:
+        results = nodes.run(commands, env, str(tmp_path), timeout=300)
+    finally:
+        nodes.close()
+    for k, (code, out) in enumerate(results):
+        assert code == 0, f"node {k}:\n{out[-4000:]}"
+        assert f"GLOO_SOCKET_IFNAME={nodes.nodes[k][1]}, the interface that reaches --master-addr {master}" in out
+    assert_same_curve(losses(metrics), reference["gqa"])
