@@ -265,3 +265,17 @@ def test_tokenizer_end_of_document_comes_from_its_config(tmp_path):
     config.unlink()  # no config at all: the usual names, and the choice is said
     tok = build_tokenizer("PretrainedFromHF", str(tmp_path))
     assert tok.eod == ids["<|endoftext|>"] and "no eos_token" in tok.eod_source
+
+
+def test_sampler_splits_each_global_batch_into_contiguous_data_parallel_shares():
+    from mindspeed_core.data.sampler import PretrainingSampler
+
+    for dp in (1, 2, 4):
+        samplers = [PretrainingSampler(16, 2, dp, r) for r in range(dp)]
+        for it in (0, 3):
+            starts = [s.micro_batch_starts(it) for s in samplers]
+            samples = [i for rank in starts for start in rank for i in range(start, start + 2)]
+            assert samples == list(range(16 * it, 16 * it + 16))  # rank order, no gap, no overlap
+            assert all(len(rank) == 8 // dp for rank in starts)
+    with pytest.raises(ValueError, match="not a multiple"):
+        PretrainingSampler(12, 4, 2, 0)

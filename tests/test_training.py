@@ -254,7 +254,7 @@ def test_fp16_overflow_skips_the_step_halves_the_scale_and_training_continues(co
     before = [ops.to_numpy(p).copy() for p in trainer.params]
     loss, _, norm = trainer.train_step(0)
     assert math.isnan(norm) and math.isfinite(loss)  # skipped, with the loss still reported
-    assert trainer.loss_scale == start / 2 and trainer.optimizer.steps == 0
+    assert trainer.scaler.scale == start / 2 and trainer.optimizer.steps == 0
     for a, p in zip(before, trainer.params):
         np.testing.assert_array_equal(ops.to_numpy(p), a)
     halvings = 1
@@ -263,9 +263,23 @@ def test_fp16_overflow_skips_the_step_halves_the_scale_and_training_continues(co
         if math.isfinite(norm):
             break
         halvings += 1
-    assert math.isfinite(norm) and trainer.loss_scale == start / 2 ** halvings, (halvings, trainer.loss_scale)
+    assert math.isfinite(norm) and trainer.scaler.scale == start / 2 ** halvings, (halvings, trainer.scaler.scale)
     assert trainer.optimizer.steps == 1
     assert any(not np.array_equal(ops.to_numpy(p), a) for a, p in zip(before, trainer.params))
+
+
+def test_loss_scaler_grows_after_clean_steps_and_restarts_the_count_on_overflow():
+    from mindspeed_core.training.loss_scale import GROWTH_INTERVAL, LossScaler
+
+    scaler = LossScaler(dynamic=True, initial=8.0)
+    assert all(scaler.step_allowed(True) for _ in range(GROWTH_INTERVAL - 1)) and scaler.scale == 8.0
+    assert scaler.step_allowed(True) and scaler.scale == 16.0
+    assert not scaler.step_allowed(False) and (scaler.scale, scaler.clean_steps) == (8.0, 0)
+    restored = LossScaler(dynamic=True)
+    restored.load_state(scaler.state())
+    assert restored.state() == {"loss_scale": 8.0, "clean_steps": 0}
+    fixed = LossScaler(dynamic=False)  # bf16 / fp32: scale 1, never a skipped step
+    assert fixed.step_allowed(False) and fixed.scale == 1.0 and fixed.scale_loss(3.0) == 3.0
 
 
 def test_megatron_entry_script_dry_run(corpus):

@@ -9,17 +9,16 @@ accumulated over global_batch / micro_batch micro-batches, averaged, clipped, th
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import sys
-import time
 
 import numpy as np
 
 from mindspeed_core import autograd, device, dist, features, files, nn, ops, random, runtime
 from mindspeed_core.backends.common import check_fits_in_memory
 from mindspeed_core.data import gpt_dataset
+from mindspeed_core.data.sampler import PretrainingSampler
 from mindspeed_core.data.tokenizer import build_tokenizer, padded_vocab_size, tokenizer_args
 from mindspeed_core.errors import CheckpointError, MindSpeedError
 from mindspeed_core.models.config import PRESETS, ModelConfig
@@ -27,8 +26,10 @@ from mindspeed_core.models.gpt import GPTModel
 from mindspeed_core.progress import Progress
 from mindspeed_core.parallel import layers as parallel_layers
 from mindspeed_core.parallel import state as parallel_state
-from mindspeed_core.training import checkpoint, distributed
+from mindspeed_core.training import checkpoint, distributed, schedules
 from mindspeed_core.training.distributed_optimizer import DistributedAdamW
+from mindspeed_core.training.loss_scale import LossScaler
+from mindspeed_core.training.metrics import MetricsLog
 from mindspeed_core.training.optimizer import AdamW, learning_rate
 
 # What `mindspeed train` does with no data flags: a small LLaMA on the standard library's
@@ -190,15 +191,14 @@ class Trainer:
 
             args.data_path = [build_stdlib_corpus()]
         self.dtype = "bfloat16" if args.bf16 else "float16" if args.fp16 else "float32"
-        # fp16 needs dynamic loss scaling (Megatron's defaults: start at 2**16 here, halve on
-        # overflow and skip the step, double after 1000 clean steps); bf16 and fp32 do not.
-        self.loss_scale = (args.initial_loss_scale or 2.0 ** 16) if args.fp16 else 1.0
-        self._clean_steps = 0
+        self.scaler = LossScaler(dynamic=bool(args.fp16), initial=args.initial_loss_scale)
         dist.init()
         self.ps = parallel_state.initialize(tp=args.tensor_model_parallel_size)
         if args.global_batch_size is None:  # one micro-batch per data-parallel rank
             args.global_batch_size = args.micro_batch_size * self.ps.dp
-        self.grad_accum = args.global_batch_size // self.ps.dp // args.micro_batch_size
+        self.sampler = PretrainingSampler(args.global_batch_size, args.micro_batch_size, self.ps.dp,
+                                          self.ps.local_rank("dp"))
+        self.grad_accum = self.sampler.micro_batches_per_step
         self.tokens_per_step = args.global_batch_size * args.seq_length
 
     # -- set-up ------------------------------------------------------------------------------
@@ -218,7 +218,7 @@ class Trainer:
             "lr_decay_iters": self.args.lr_decay_iters,
             "weight_decay": self.args.weight_decay, "clip_grad": self.args.clip_grad, "seed": self.args.seed,
             "adam": {"beta1": self.args.adam_beta1, "beta2": self.args.adam_beta2, "eps": self.args.adam_eps},
-            "precision": self.dtype, "loss_scale": self.loss_scale if self.args.fp16 else None,
+            "precision": self.dtype, "loss_scale": self.scaler.scale if self.args.fp16 else None,
             "parallel": {"tp": self.ps.tp, "dp": self.ps.dp, "sequence_parallel": bool(self.args.sequence_parallel),
                          "distributed_optimizer": bool(self.args.use_distributed_optimizer)},
             "run": {key: getattr(self.args, key) for key in _RUN_SETTINGS} | {"progress": not self.args.no_progress},
@@ -278,8 +278,7 @@ class Trainer:
         return 4 * (2 * elements + masters)
 
     def _loss(self, ids, labels):
-        loss = self.model.loss(ids, labels)
-        return loss * self.loss_scale if self.loss_scale != 1.0 else loss
+        return self.scaler.scale_loss(self.model.loss(ids, labels))
 
     def _resume_model(self, root: str):
         """Load the full model from the newest checkpoint; returns its optimizer arrays."""
@@ -304,7 +303,7 @@ class Trainer:
         each rank's generator states (dropout draws, the tracker's tensor-parallel streams)
         and the fp16 loss scale with its clean-step counter."""
         mine = {"default": random.get_state(), "tracker": random.tracker().get_states()}
-        return {"framework": runtime.bound().NAME, "loss_scale": self.loss_scale, "clean_steps": self._clean_steps,
+        return {"framework": runtime.bound().NAME, **self.scaler.state(),
                 "layout": {"world": self.ps.world, "tp": self.ps.tp, "dp": self.ps.dp},
                 "rng": distributed.gather_json(mine, self.ps)}
 
@@ -313,8 +312,7 @@ class Trainer:
             self.say("this checkpoint holds no RNG states or loss scale: dropout and fp16 resume approximately")
             return
         try:
-            if self.args.fp16:
-                self.loss_scale, self._clean_steps = float(state["loss_scale"]), int(state["clean_steps"])
+            self.scaler.load_state(state)
             ranks, layout = state["rng"], state["layout"]
             here = {"world": self.ps.world, "tp": self.ps.tp, "dp": self.ps.dp}
             if state["framework"] != runtime.bound().NAME:  # generator states are framework-specific
@@ -350,30 +348,20 @@ class Trainer:
         args = self.args
         lr = learning_rate(iteration, args.lr, args.min_lr, args.lr_warmup_iters, args.lr_decay_iters,
                            args.lr_decay_style)
-        # this data-parallel rank's share of the global batch
-        first = iteration * args.global_batch_size + self.ps.local_rank("dp") * self.grad_accum * args.micro_batch_size
-        total_loss, grads = 0.0, None
         if self.dtype != "float32":
             features.note_used("bf16" if self.dtype == "bfloat16" else "fp16")
-        for k in range(self.grad_accum):
-            ids, labels = self._batch("train", first + k * args.micro_batch_size, args.micro_batch_size)
-            loss, g = self.grad_fn(ids, labels)
-            total_loss += float(ops.to_numpy(loss)) / self.loss_scale
-            g = [ops.cast(x, "float32") for x in g] if self.dtype != "float32" else g
-            grads = g if grads is None else [a + b for a, b in zip(grads, g)]
-        if self.grad_accum > 1 or self.loss_scale != 1.0:
-            grads = [g / (self.grad_accum * self.loss_scale) for g in grads]
+        micro_batches = (self._batch("train", start, args.micro_batch_size)
+                         for start in self.sampler.micro_batch_starts(iteration))
+        loss, grads = schedules.forward_backward_no_pipelining(self.grad_fn, micro_batches, self.scaler.scale,
+                                                               float32_grads=self.dtype != "float32")
         grads = distributed.sum_kv_copies(distributed.sum_partial_over_tp(grads, self.ps, self.partial), self.names,
                                           self.model)
         grads = self.optimizer.prepare(grads)
-        loss = total_loss / self.grad_accum
         if self.ps.dp > 1:
             loss = float(ops.to_numpy(dist.all_reduce(ops.tensor([loss]), group=self.ps.group("dp")))[0]) / self.ps.dp
         norm = self.optimizer.grad_norm(grads)
-        if self.loss_scale != 1.0 and not (math.isfinite(loss) and math.isfinite(norm)):
-            self.loss_scale /= 2.0  # overflow: skip this step with a smaller scale
-            self._clean_steps = 0
-            return loss, lr, float("nan")
+        if not self.scaler.step_allowed(math.isfinite(loss) and math.isfinite(norm)):
+            return loss, lr, float("nan")  # fp16 overflow: step skipped, the scale halved
         if not math.isfinite(loss):
             raise MindSpeedError(f"the loss became {loss} at iteration {iteration + 1}; stopping without saving "
                                  f"(the last checkpoint on disk is intact); lower --lr or check the data")
@@ -381,10 +369,6 @@ class Trainer:
             raise MindSpeedError(f"the gradient norm became {norm} at iteration {iteration + 1}; stopping without "
                                  f"saving (the last checkpoint on disk is intact); lower --lr or check the data")
         self.optimizer.step(grads, lr, distributed.clip_coefficient(norm, args.clip_grad))
-        if self.loss_scale != 1.0:
-            self._clean_steps += 1
-            if self._clean_steps % 1000 == 0:
-                self.loss_scale *= 2.0
         return loss, lr, norm
 
     def evaluate(self) -> float:
@@ -437,11 +421,6 @@ class Trainer:
         peak = device.matmul_rate(n=512, min_seconds=0.3)
         flops_per_token = self.cfg.flops_per_token(args.seq_length)
         metrics_path = args.metrics_file or (os.path.join(args.save, "metrics.jsonl") if args.save else None)
-        if self.ps.rank != 0:
-            metrics_path = None  # one writer
-        if metrics_path:
-            os.makedirs(os.path.dirname(os.path.abspath(metrics_path)), exist_ok=True)
-        metrics = open(metrics_path, "a") if metrics_path else None
         self.say(f"training {self.cfg.num_parameters() / 1e6:.2f}M parameters on {runtime.bound().NAME} "
                  f"({device.current()}), {args.train_iters} iterations of {self.tokens_per_step} tokens; "
                  f"measured matmul peak {peak / 1e9:.1f} GFLOP/s")
@@ -453,56 +432,34 @@ class Trainer:
         progress = None if args.no_progress or self.ps.rank else Progress(args.train_iters, "train", min_interval=1.0)
         if progress:
             progress.n = self.iteration
-        history, window_start, window_tokens, window_steps = [], time.perf_counter(), 0, 0
-        dist.reset_comm_stats()
+        history = []
+        log = MetricsLog(metrics_path if self.ps.rank == 0 else None, self.say, flops_per_token, peak, self.ps.world)
         try:
             while self.iteration < args.train_iters:
                 loss, lr, norm = self.train_step(self.iteration)
                 self.iteration += 1
-                window_tokens += self.tokens_per_step
-                window_steps += 1
+                log.step(self.tokens_per_step)
                 history.append(loss)
                 if progress:
                     progress.update(1, f"loss {loss:.3f}")
                 if self.iteration % args.log_interval == 0 or self.iteration == args.train_iters:
-                    elapsed = time.perf_counter() - window_start
-                    tps = window_tokens / elapsed
-                    tflops = tps * flops_per_token / 1e12
-                    # MFU per device: the job's FLOP rate over the sum of the devices' peaks
-                    comm = dist.comm_stats()
-                    record = {"iteration": self.iteration, "loss": loss, "lr": lr, "grad_norm": norm,
-                              "tokens_per_s": tps, "tflops": tflops, "mfu": tps * flops_per_token / (peak * self.ps.world),
-                              # this rank's collective traffic per step: the payload handed in, and
-                              # what reached the framework's primitives (more where emulated)
-                              "comm_bytes_per_step": sum(v["bytes"] for v in comm.values()) / window_steps,
-                              "comm_wire_bytes_per_step": sum(v["wire_bytes"] for v in comm.values()) / window_steps,
-                              "comm": comm}
-                    self.say(f" iteration {self.iteration:6d}/{args.train_iters} | lm loss {loss:.4f} | lr {lr:.3e} | "
-                             f"grad norm {norm:.3f} | tokens/s {tps:,.0f} | TFLOP/s {tflops:.3f} | "
-                             f"MFU {100 * record['mfu']:.1f}%")
-                    if metrics:
-                        metrics.write(json.dumps(record) + "\n")
-                        metrics.flush()
-                    window_start, window_tokens, window_steps = time.perf_counter(), 0, 0
-                    dist.reset_comm_stats()
+                    log.report(self.iteration, args.train_iters, loss, lr, norm)
                 if args.eval_iters and args.eval_interval and self.iteration % args.eval_interval == 0:
                     eval_loss = self.evaluate()
                     self.say(f" validation at iteration {self.iteration} | lm loss {eval_loss:.4f} | "
                              f"ppl {math.exp(min(eval_loss, 50)):.2f}")
-                    if metrics:
-                        metrics.write(json.dumps({"iteration": self.iteration, "eval_loss": eval_loss}) + "\n")
-                    window_start = time.perf_counter()
+                    log.write({"iteration": self.iteration, "eval_loss": eval_loss})
+                    log.restart_clock()
                 if args.save and args.save_interval and self.iteration % args.save_interval == 0:
                     self.save()
-                    window_start = time.perf_counter()
+                    log.restart_clock()
                 if args.exit_interval and self.iteration % args.exit_interval == 0 and self.iteration < args.train_iters:
                     self.say(f"exiting at iteration {self.iteration} (--exit-interval)")
                     break
         finally:
             if progress:
                 progress.close()
-            if metrics:
-                metrics.close()
+            log.close()
         if args.save and (not args.save_interval or self.iteration % args.save_interval) and history:
             self.save()
         result = {"iterations": self.iteration, "losses": history}
@@ -518,8 +475,6 @@ class Trainer:
             text = self.tokenizer.decode(ids)
             self.say("sample:\n" + prompt + text)
             result["sample"] = text
-            if metrics_path:
-                with open(metrics_path, "a") as fh:
-                    fh.write(json.dumps({"iteration": self.iteration, "sample_prompt": prompt, "sample_ids": ids,
-                                         "sample": text}) + "\n")
+            log.write({"iteration": self.iteration, "sample_prompt": prompt, "sample_ids": ids, "sample": text})
+            log.close()
         return result
