@@ -68,7 +68,10 @@ def add_feature_args(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--pipeline-model-parallel-size", type=POSITIVE_INT, default=1)
     p.add_argument("--num-layers-per-virtual-pipeline-stage", type=POSITIVE_INT, default=None)
     p.add_argument("--sequence-parallel", action="store_true")
-    p.add_argument("--noop-layers", type=str, default=None)
+    p.add_argument("--noop-layers", type=str, default=None,
+                   help="comma-separated layer numbers (from 0) that hold an identity layer, to balance pipeline stages")
+    p.add_argument("--num-layer-list", type=str, default=None,
+                   help="comma-separated layer counts, one per pipeline stage (uneven split)")
     p.add_argument("--context-parallel-size", type=POSITIVE_INT, default=1)
     p.add_argument("--context-parallel-algo", choices=CONTEXT_PARALLEL_ALGOS, default="megatron_cp_algo")
     p.add_argument("--expert-model-parallel-size", type=POSITIVE_INT, default=1)

@@ -90,6 +90,11 @@ _NPU_ONLY = "fuses matmul with communication in Ascend kernels; NPU only"
 # a kernel binding that exists in the code but has never run: no such device on these machines
 _UNTESTED = "bound, untested (no such device here)"
 
+# MindSpore's CPU runtime has no Send/Receive: a transfer is a sum all-reduce over the pair's
+# group with the receiver's slot zero (exact), carrying the bytes as 16-bit lanes in float32
+_P2P_EMULATED = ("send/recv emulated by a sum all-reduce over the two ranks' group (exact; 2x the payload "
+                 "on the wire)")
+
 FEATURES: tuple[Feature, ...] = (
     # ---- parallelism --------------------------------------------------------------------
     Feature("data-parallel", "Data parallelism (gradients averaged over ranks in buckets)", "parallelism", (),
@@ -97,15 +102,20 @@ FEATURES: tuple[Feature, ...] = (
     Feature("tensor-parallel", "Tensor parallelism", "parallelism", ("--tensor-model-parallel-size",),
             supported("column/row-parallel linears, vocab-parallel embedding and loss"),
             supported("as on PyTorch; CPU collectives emulated"), _gt1("tensor_model_parallel_size")),
-    Feature("pipeline-parallel", "Pipeline parallelism (1F1B)", "parallelism", ("--pipeline-model-parallel-size",),
-            planned(), planned(), _gt1("pipeline_model_parallel_size")),
+    Feature("pipeline-parallel", "Pipeline parallelism (1F1B)", "parallelism",
+            ("--pipeline-model-parallel-size", "--num-layer-list"),
+            supported("1F1B over send/recv between neighbouring stages; uneven splits with --num-layer-list"),
+            emulated(_P2P_EMULATED), _gt1("pipeline_model_parallel_size")),
     Feature("virtual-pipeline", "Virtual (interleaved) pipeline", "parallelism", ("--num-layers-per-virtual-pipeline-stage",),
-            planned(), planned(), lambda a: a.num_layers_per_virtual_pipeline_stage is not None),
+            supported("Megatron's interleaved 1F1B over the model chunks of each rank"), emulated(_P2P_EMULATED),
+            lambda a: a.num_layers_per_virtual_pipeline_stage is not None),
     Feature("sequence-parallel", "Sequence parallelism", "parallelism", ("--sequence-parallel",),
             supported("all-gather / reduce-scatter along the sequence around TP regions"),
             supported("as on PyTorch; CPU collectives emulated"), _on("sequence_parallel")),
     Feature("noop-layers", "No-op layers for uneven pipeline splits", "parallelism", ("--noop-layers",),
-            planned(), planned(), lambda a: a.noop_layers is not None),
+            supported("identity layers without parameters at the given positions"),
+            supported("identity layers without parameters at the given positions"),
+            lambda a: a.noop_layers is not None),
     Feature("ring-attention-cp", "Context parallel: ring attention", "parallelism",
             ("--context-parallel-size", "--context-parallel-algo megatron_cp_algo"),
             planned(), planned(), _cp("megatron_cp_algo")),

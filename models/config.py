@@ -35,6 +35,9 @@ class ModelConfig:
     init_method_std: float = 0.02
     attention_dropout: float = 0.0
     hidden_dropout: float = 0.0
+    # MindSpeed's --noop-layers: positions among the num_layers that hold an identity layer
+    # (no parameters), so that the layer count divides over pipeline stages
+    noop_layers: tuple = ()
     family: str = "llama"  # llama | mistral | qwen2 | qwen3 | gpt2 (Hugging Face export)
     extra: dict = field(default_factory=dict)  # family-specific fields kept for export
     # Which fused kernels the layers call (ops.<op>: the device's native kernel, or the
@@ -56,6 +59,13 @@ class ModelConfig:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
                 raise ValueError(f"{name} must be a finite non-negative number, got {value!r}")
+        try:
+            self.noop_layers = tuple(sorted({int(i) for i in self.noop_layers}))
+        except (TypeError, ValueError):
+            raise ValueError(f"noop_layers must be layer numbers, got {self.noop_layers!r}") from None
+        if any(not 0 <= i < self.num_layers for i in self.noop_layers) or len(self.noop_layers) >= self.num_layers:
+            raise ValueError(f"noop_layers {list(self.noop_layers)} must be some, not all, of the layers "
+                             f"0..{self.num_layers - 1}")
         if self.num_query_groups is None:
             self.num_query_groups = self.num_attention_heads
         if self.attention_output_bias is None:
@@ -97,8 +107,13 @@ class ModelConfig:
             raise ValueError(f"unknown model config fields: {', '.join(unknown)}")
         return cls(**values)
 
+    @property
+    def real_layers(self) -> int:
+        """Layers that compute something (no-op layers excluded)."""
+        return self.num_layers - len(self.noop_layers)
+
     def num_parameters(self) -> int:
-        h, f, L, v = self.hidden_size, self.ffn_hidden_size, self.num_layers, self.vocab_size
+        h, f, L, v = self.hidden_size, self.ffn_hidden_size, self.real_layers, self.vocab_size
         norm = h * (2 if self.normalization == "layernorm" else 1)
         attn = h * self.qkv_width + self.num_attention_heads * self.kv_channels * h
         attn += self.qkv_width if self.add_qkv_bias else 0
@@ -118,7 +133,7 @@ class ModelConfig:
 
     def flops_per_token(self, seq_length: int) -> float:
         """Training FLOPs per token (forward + backward = 3x forward), matmuls and attention."""
-        h, L = self.hidden_size, self.num_layers
+        h, L = self.hidden_size, self.real_layers
         attn_width = self.num_attention_heads * self.kv_channels
         fc1 = (2 if self.activation == "swiglu" else 1) * self.ffn_hidden_size
         per_layer = 2 * (h * self.qkv_width + attn_width * h + h * fc1 + self.ffn_hidden_size * h)

@@ -6,6 +6,12 @@ One class covers LLaMA 2/3, Mistral, Qwen2/2.5 (qkv bias), Qwen3 (q/k norm) and 
 The fused qkv projection uses Megatron-core's layout: for each query group, its query heads,
 then its key head, then its value head, so that tensor parallelism can later split the rows
 by query group.
+
+What parallelism may change in the model is declared in one place, ``Seams``: the model
+calls it at the decoder's input and output, for the per-token loss, for the heads a rank
+holds and around dropout; a parallel plan supplies its own (``GPTModel.use_seams``), and
+nothing else of the model is touched from outside. A pipeline stage is a GPTModel built with
+a subset of the layers and without the embedding (not first) or the head (not last).
 """
 
 from __future__ import annotations
@@ -13,18 +19,52 @@ from __future__ import annotations
 import contextlib
 import math
 
-from mindspeed_core import composite, features, nn, ops
+from mindspeed_core import composite, features, nn, ops, random
 from mindspeed_core.models import rope
 from mindspeed_core.models.config import ModelConfig
 from mindspeed_core.models.layers import Embedding, Linear, make_norm
 
 
-class SelfAttention(nn.Module):
-    # Random state for dropout on this rank's heads: tensor parallelism swaps in a fork of
-    # the tracker's "model-parallel" stream, so ranks holding different heads draw different
-    # masks (mindspeed_core.parallel.layers).
-    rng_region = staticmethod(contextlib.nullcontext)
+class Seams:
+    """The single-device behaviour of everything a parallel plan may replace."""
 
+    # sequences are split into this many equal pieces between the decoder's input and output
+    # (sequence parallelism)
+    sequence_shards = 1
+
+    def heads(self, cfg: ModelConfig) -> tuple[int, int]:
+        """(query groups, query heads per group) that this rank computes."""
+        return cfg.num_query_groups, cfg.num_attention_heads // cfg.num_query_groups
+
+    def attention_rng(self):
+        """Random state for attention dropout on this rank's heads."""
+        return contextlib.nullcontext()
+
+    def hidden_rng(self):
+        """Random state for dropout on the hidden states between layers."""
+        return contextlib.nullcontext()
+
+    def decoder_input(self, x):
+        """What the first layer sees, from the embedding's output."""
+        return x
+
+    def output_input(self, x):
+        """What the output layer sees, from the final norm's output."""
+        return x
+
+    def gather_logits(self, logits):
+        """Full-vocabulary logits from the output layer's."""
+        return logits
+
+    def token_losses(self, logits, labels):
+        """Per-token cross entropy [N] from logits [N, vocab]."""
+        return ops.cross_entropy(logits, labels, reduction="none")
+
+
+SINGLE_DEVICE = Seams()
+
+
+class SelfAttention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
@@ -35,13 +75,10 @@ class SelfAttention(nn.Module):
         if cfg.qk_layernorm:
             self.q_layernorm = make_norm(cfg, cfg.kv_channels)
             self.k_layernorm = make_norm(cfg, cfg.kv_channels)
-        # on this rank: tensor parallelism divides the groups, or the heads of a group
-        self.num_groups = cfg.num_query_groups
-        self.heads_per_group = cfg.num_attention_heads // cfg.num_query_groups
 
-    def forward(self, x, cos, sin):
+    def forward(self, x, cos, sin, seams=SINGLE_DEVICE):
         cfg = self.cfg
-        groups, per_group, d = self.num_groups, self.heads_per_group, cfg.kv_channels
+        (groups, per_group), d = seams.heads(cfg), cfg.kv_channels
         qkv = self.linear_qkv(x)
         b, s = qkv.shape[0], qkv.shape[1]  # the full sequence, also under sequence parallelism
         qkv = ops.reshape(qkv, (b, s, groups, per_group + 2, d))
@@ -61,7 +98,7 @@ class SelfAttention(nn.Module):
         if "attention" in cfg.fused:
             features.note_used("flash-attention")
             attention = ops.attention
-        with self.rng_region():
+        with seams.attention_rng():
             out = attention(q, k, v, causal=True, dropout_p=p)
         return self.linear_proj(ops.reshape(out, (b, s, groups * per_group * d)))
 
@@ -90,11 +127,6 @@ class MLP(nn.Module):
 
 
 class TransformerLayer(nn.Module):
-    # Hidden dropout acts on replicated activations, which must draw the same mask on every
-    # tensor-parallel rank (the default stream); under sequence parallelism each rank holds
-    # other tokens and the tracker's fork is swapped in.
-    rng_region = staticmethod(contextlib.nullcontext)
-
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.hidden_dropout = cfg.hidden_dropout
@@ -103,27 +135,33 @@ class TransformerLayer(nn.Module):
         self.pre_mlp_layernorm = make_norm(cfg, cfg.hidden_size)
         self.mlp = MLP(cfg)
 
-    def _dropout(self, x):
+    def _dropout(self, x, seams):
         if not self.hidden_dropout or not nn.is_training(self):
             return x
-        with self.rng_region():
+        with seams.hidden_rng():
             return ops.dropout(x, self.hidden_dropout)
 
-    def forward(self, x, cos, sin):
-        x = x + self._dropout(self.self_attention(self.input_layernorm(x), cos, sin))
-        return x + self._dropout(self.mlp(self.pre_mlp_layernorm(x)))
+    def forward(self, x, cos, sin, seams=SINGLE_DEVICE):
+        x = x + self._dropout(self.self_attention(self.input_layernorm(x), cos, sin, seams), seams)
+        return x + self._dropout(self.mlp(self.pre_mlp_layernorm(x)), seams)
 
 
 class Decoder(nn.Module):
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.layers = nn.ModuleList([TransformerLayer(cfg) for _ in range(cfg.num_layers)])
-        self.final_layernorm = make_norm(cfg, cfg.hidden_size)
+    """The layers with the given global numbers (no-op layers are simply absent), and the
+    final norm when this is the last stage."""
 
-    def forward(self, x, cos, sin):
+    def __init__(self, cfg: ModelConfig, numbers: tuple, final_norm: bool = True):
+        super().__init__()
+        self.numbers = tuple(numbers)
+        self.layers = nn.ModuleList([TransformerLayer(cfg) for _ in self.numbers])
+        if final_norm:
+            self.final_layernorm = make_norm(cfg, cfg.hidden_size)
+        self.has_final_norm = final_norm
+
+    def forward(self, x, cos, sin, seams=SINGLE_DEVICE):
         for layer in self.layers:
-            x = layer(x, cos, sin)
-        return self.final_layernorm(x)
+            x = layer(x, cos, sin, seams)
+        return self.final_layernorm(x) if self.has_final_norm else x
 
 
 class LanguageEmbedding(nn.Module):
@@ -142,12 +180,30 @@ class LanguageEmbedding(nn.Module):
 
 
 class GPTModel(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """The whole model, or one pipeline stage of it: ``layers`` are the global numbers of the
+    transformer layers it holds (default: every layer that is not a no-op), ``pre_process``
+    whether it starts with the embedding (else it takes the previous stage's hidden states),
+    ``post_process`` whether it ends with the final norm and the output layer (else it
+    returns hidden states). Parameter names are the whole model's (``decoder.layers.<global
+    number>``: ``parameter_names``), so checkpoints do not depend on the layout."""
+
+    def __init__(self, cfg: ModelConfig, layers: tuple | None = None, pre_process: bool = True,
+                 post_process: bool = True):
         super().__init__()
         self.cfg = cfg
-        self.embedding = LanguageEmbedding(cfg)
-        self.decoder = Decoder(cfg)
-        if cfg.untie_embeddings_and_output_weights:
+        self.pre_process, self.post_process = pre_process, post_process
+        if layers is None:
+            layers = tuple(i for i in range(cfg.num_layers) if i not in cfg.noop_layers)
+        if cfg.noop_layers:
+            features.note_used("noop-layers")
+        if pre_process:
+            self.embedding = LanguageEmbedding(cfg)
+        self.decoder = Decoder(cfg, layers, final_norm=post_process)
+        if post_process and cfg.untie_embeddings_and_output_weights:
+            self.output_layer = Linear(cfg.hidden_size, cfg.vocab_size, False, cfg.init_method_std)
+        elif post_process and not pre_process:
+            # tied weights on a stage without the embedding: a copy of the word embeddings,
+            # whose gradient the pipeline sums with the first stage's (Megatron's embedding group)
             self.output_layer = Linear(cfg.hidden_size, cfg.vocab_size, False, cfg.init_method_std)
         if cfg.position_embedding_type == "rope":
             cos, sin = rope.tables(cfg.max_position_embeddings, cfg.kv_channels, cfg.rotary_base, cfg.rope_scaling)
@@ -155,7 +211,34 @@ class GPTModel(nn.Module):
         else:
             self._rope = None
         self._rope_cache = {}
-        self.sequence_multiple = 1  # sequence parallelism raises it to the TP size
+        self.seams = SINGLE_DEVICE
+
+    def use_seams(self, seams: Seams) -> None:
+        """Run with a parallel plan's seams (mindspeed_core.parallel.layers)."""
+        self.seams = seams
+
+    @property
+    def sequence_multiple(self) -> int:
+        """Sequence lengths must be a multiple of this (sequence parallelism splits them)."""
+        return self.seams.sequence_shards
+
+    def parameter_names(self) -> list[str]:
+        """The whole model's name of each parameter, in nn.named_parameters order."""
+        return [self.global_name(n) for n, _ in nn.named_parameters(self)]
+
+    def global_name(self, name: str) -> str:
+        if name.startswith("decoder.layers."):
+            local, rest = name[len("decoder.layers."):].split(".", 1)
+            return f"decoder.layers.{self.decoder.numbers[int(local)]}.{rest}"
+        if name.startswith("output_layer.") and not self.cfg.untie_embeddings_and_output_weights:
+            return "embedding.word_embeddings." + name[len("output_layer."):]
+        return name
+
+    def local_state(self, full: dict) -> dict:
+        """The entries of a whole-model state dict {name: array} that this stage holds, under
+        its own parameter names."""
+        return {n: full[g] for n, g in zip((n for n, _ in nn.named_parameters(self)), self.parameter_names())
+                if g in full}
 
     def _rotary(self, seq_len: int, dtype: str):
         if self._rope is None:
@@ -169,44 +252,74 @@ class GPTModel(nn.Module):
                                                 ops.tensor(sin[:seq_len], dtype=dtype))
         return self._rope_cache[seq_len, dtype]
 
-    def forward(self, ids):
-        """ids [batch, seq] int -> logits [batch, seq, vocab], in the parameters' dtype.
+    def output_weight(self):
+        if self.pre_process and not self.cfg.untie_embeddings_and_output_weights:
+            return self.embedding.word_embeddings.weight
+        return self.output_layer.weight
 
-        Under tensor parallelism the logits are this rank's vocabulary shard (see
-        mindspeed_core.parallel.layers, which also swaps in the vocab-parallel loss)."""
-        x = self.embedding(ids)
-        cos, sin = self._rotary(ids.shape[1], ops.dtype_of(x))
-        x = self.decoder(self.decoder_input(x), cos, sin)
-        weight = (self.output_layer.weight if self.cfg.untie_embeddings_and_output_weights
-                  else self.embedding.word_embeddings.weight)
-        return ops.linear(self.output_input(x), weight)
+    def forward(self, x):
+        """ids [batch, seq] int -> logits [batch, seq, vocab], in the parameters' dtype; a
+        stage without the embedding takes, and one without the head returns, the hidden
+        states between layers ([batch, seq / sequence shards, hidden]).
 
-    @staticmethod
-    def decoder_input(x):
-        """What the first layer sees (sequence parallelism keeps this rank's slice)."""
-        return x
+        Under tensor parallelism the logits are this rank's vocabulary shard."""
+        seams = self.seams
+        if self.pre_process:
+            seq_len = x.shape[1]
+            x = seams.decoder_input(self.embedding(x))
+        else:
+            seq_len = x.shape[1] * seams.sequence_shards
+        cos, sin = self._rotary(seq_len, ops.dtype_of(x))
+        x = self.decoder(x, cos, sin, seams)
+        if not self.post_process:
+            return x
+        return ops.linear(seams.output_input(x), self.output_weight())
 
-    @staticmethod
-    def output_input(x):
-        """What the output layer sees (parallelisation replaces this: gather, copy)."""
-        return x
+    def gather_logits(self, logits):
+        """Full-vocabulary logits from forward's output."""
+        return self.seams.gather_logits(logits)
 
-    @staticmethod
-    def gather_logits(logits):
-        """Full-vocabulary logits from forward's output (tensor parallelism gathers shards)."""
-        return logits
-
-    @staticmethod
-    def token_losses(logits, labels):
-        """Per-token cross entropy [N] from logits [N, vocab] (replaced under TP)."""
-        return ops.cross_entropy(logits, labels, reduction="none")
-
-    def loss(self, ids, labels, loss_mask=None):
+    def loss_from_logits(self, logits, labels, loss_mask=None):
         """Mean next-token cross entropy over the positions loss_mask keeps (all if None)."""
-        logits = ops.cast(self(ids), "float32")  # the softmax in fp32 whatever the model dtype
+        logits = ops.cast(logits, "float32")  # the softmax in fp32 whatever the model dtype
         flat = ops.reshape(logits, (-1, logits.shape[-1]))
-        per_token = self.token_losses(flat, ops.reshape(labels, (-1,)))
+        per_token = self.seams.token_losses(flat, ops.reshape(labels, (-1,)))
         if loss_mask is None:
             return ops.mean(per_token)
         mask = ops.cast(ops.reshape(loss_mask, (-1,)), "float32")
         return ops.sum(per_token * mask) / ops.maximum(ops.sum(mask), ops.full((), 1.0))
+
+    def loss(self, ids, labels, loss_mask=None):
+        """The whole model's loss (see loss_from_logits)."""
+        return self.loss_from_logits(self(ids), labels, loss_mask)
+
+
+def whole_state(model: GPTModel) -> dict:
+    """{whole-model parameter name: numpy array} of this model or stage."""
+    return dict(zip(model.parameter_names(), nn.state_dict(model).values()))
+
+
+def load_whole_state(model: GPTModel, arrays: dict) -> None:
+    """Load a whole model's {name: array} into this whole model (strict both ways)."""
+    from mindspeed_core.errors import CheckpointError
+
+    unexpected = sorted(set(arrays) - set(model.parameter_names()))
+    if unexpected:
+        raise CheckpointError(f"unexpected tensors for this model: {', '.join(unexpected[:5])}")
+    nn.load_state_dict(model, model.local_state(arrays))
+
+
+def pipeline_chunks(model: GPTModel, layout, pp_rank: int) -> list:
+    """This pipeline rank's model chunks of a whole ``model``, holding its values (a tied
+    output copy starts as the word embeddings). Building them draws no random numbers."""
+    state = whole_state(model)
+    saved = random.get_state()  # construction initialises weights, which are replaced at once
+    chunks = []
+    for chunk in range(layout.chunks):
+        stage = layout.stage(pp_rank, chunk)
+        part = GPTModel(model.cfg, layout.layers(stage), pre_process=stage == 0,
+                        post_process=stage == layout.virtual_stages - 1)
+        nn.load_state_dict(part, part.local_state(state))
+        chunks.append(part)
+    random.set_state(saved)
+    return chunks

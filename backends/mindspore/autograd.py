@@ -7,6 +7,23 @@ from mindspore import ops as P
 
 _FLOATS = (ms.float16, ms.float32, ms.float64, ms.bfloat16)
 
+# PyNative keeps only the newest forward recorded for gradients: a vjp whose backward comes
+# after another forward was recorded (pipeline schedules hold several) must replay its own.
+_recorded = [0]
+
+
+def _rng_snapshot():
+    from . import random
+
+    return random.device_generator().bit_generator.state, random.tracker().get_states()
+
+
+def _rng_restore(snapshot) -> None:
+    from . import random
+
+    random.device_generator().bit_generator.state = snapshot[0]
+    random.tracker().set_states(snapshot[1])
+
 
 def value_and_grad(fn, params, has_aux: bool = False):
     """``fn(*args)`` -> (value, [d value / d p for p in params]); see the torch backend."""
@@ -18,6 +35,7 @@ def value_and_grad(fn, params, has_aux: bool = False):
     grad_fn = ms.value_and_grad(fn, None, params, has_aux=has_aux)
 
     def run(*args, **kwargs):
+        _recorded[0] += 1
         value, grads = grad_fn(*args, **kwargs)
         if has_aux:
             loss, aux = value
@@ -28,15 +46,28 @@ def value_and_grad(fn, params, has_aux: bool = False):
 
 
 def vjp(fn, inputs, params=()):
-    """Run ``fn(*inputs)`` and return (outputs, backward); see the torch backend."""
+    """Run ``fn(*inputs)`` and return (outputs, backward); see the torch backend.
+
+    If another forward was recorded in between, ``backward`` first replays ``fn`` with the
+    random state it had (same dropout draws, same values) and pulls back through the replay:
+    correct, at the cost of one more forward."""
     params = list(params)
     inputs = list(inputs)
+    _recorded[0] += 1
+    mine, snapshot = _recorded[0], _rng_snapshot()
     out, pullback = ms.vjp(fn, *inputs, weights=params or None)
     floating = [x.dtype in _FLOATS for x in inputs]
 
     def backward(cotangents):
         cots = tuple(cotangents) if isinstance(cotangents, (tuple, list)) else cotangents
-        grads = pullback(cots)
+        replay = pullback
+        if _recorded[0] != mine:
+            now = _rng_snapshot()
+            _rng_restore(snapshot)
+            _recorded[0] += 1
+            _, replay = ms.vjp(fn, *inputs, weights=params or None)
+            _rng_restore(now)
+        grads = replay(cots)
         in_grads, p_grads = (grads if params else (grads, ()))
         in_grads = list(in_grads) if isinstance(in_grads, (tuple, list)) else [in_grads]
         in_grads = [g if f else None for g, f in zip(in_grads, floating)]

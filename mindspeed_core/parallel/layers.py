@@ -1,8 +1,9 @@
 """Tensor and sequence parallelism applied to a built model (torchtitan's way: the model
 code stays single-device; this module swaps its layers for parallel ones).
 
-``parallelize(model, ps, sequence_parallel)`` slices the full weights of a GPTModel for this
-rank, so a parallel run starts from exactly the single-process initialisation:
+``parallelize(model, ps, sequence_parallel)`` slices the full weights of a GPTModel (or of
+one pipeline stage) for this rank, so a parallel run starts from exactly the single-process
+initialisation:
 
     self_attention.linear_qkv   column-parallel, rows split by query group (mcore layout); with
                                 fewer query groups than ranks, key/value heads are copied
@@ -15,17 +16,22 @@ With --sequence-parallel the activations between those regions are split along t
 sequence: column layers all-gather them, row layers reduce-scatter, and the norms (whose
 weights then see only part of the sequence) get their gradients summed over the group.
 The embedding output is all-reduced and then sliced (Megatron reduce-scatters it: the same
-result with less traffic; left for later). parallelize() returns how each sharded parameter
-was cut (the shard specs below), for checkpoints and the gradient norm.
+result with less traffic; left for later). What changes in the model's computation goes
+through its declared seams (TensorParallelSeams); parallelize() returns the parallel plan
+(parallel/plan.py): how each parameter was cut and what its gradient needs.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import numpy as np
 
 from mindspeed_core import autograd, dist, nn, ops, random
 from mindspeed_core.errors import MindSpeedError
+from mindspeed_core.models.gpt import Seams
 from mindspeed_core.parallel import mappings
+from mindspeed_core.parallel.plan import KVCopies, ParallelPlan, ParamPlan
 
 
 # A shard spec says how a parameter is cut over the tensor-parallel group:
@@ -157,35 +163,76 @@ def check_layout(cfg, tp: int, sequence_parallel: bool = False) -> None:
         raise MindSpeedError(f"tensor parallel size {tp} and {groups} query groups: one must divide the other")
 
 
-def parallelize(model, ps, sequence_parallel: bool = False) -> dict:
-    """Turn a freshly built (or freshly loaded) full GPTModel into this rank's TP shard.
+class TensorParallelSeams(Seams):
+    """The model's seams (models/gpt.py) under tensor (and sequence) parallelism."""
 
-    Returns the shard spec {parameter name: spec} (see shard()) of the sharded parameters;
-    every other parameter is replicated across the tensor-parallel group."""
+    def __init__(self, cfg, ps, sequence_parallel: bool):
+        tp, self.group, self.sp = ps.tp, ps.group("tp"), sequence_parallel
+        self.sequence_shards = tp if sequence_parallel else 1
+        self.vocab_start = ps.local_rank("tp") * cfg.vocab_size // tp
+        self._groups = max(cfg.num_query_groups // tp, 1)  # fewer groups than ranks: one, copied
+        self._per_group = cfg.num_attention_heads // tp // self._groups
+
+    def heads(self, cfg):
+        return self._groups, self._per_group
+
+    def attention_rng(self):
+        # ranks holding different heads draw different masks
+        return _model_parallel_rng()
+
+    def hidden_rng(self):
+        # hidden dropout acts on replicated activations (the same mask on every rank), except
+        # under sequence parallelism, where each rank holds other tokens
+        return _model_parallel_rng() if self.sp else contextlib.nullcontext()
+
+    def decoder_input(self, x):
+        return mappings.scatter_to_region(x, self.group, dim=1) if self.sp else x
+
+    def output_input(self, x):
+        return mappings.gather_from_sequence(x, self.group, dim=1) if self.sp else mappings.copy_to_region(x, self.group)
+
+    def gather_logits(self, logits):
+        return dist.all_gather(logits, group=self.group, dim=-1)
+
+    def token_losses(self, logits, labels):
+        return vocab_parallel_cross_entropy(logits, labels, self.group, self.vocab_start)
+
+
+def parallelize(model, ps, sequence_parallel: bool = False) -> ParallelPlan:
+    """Turn a freshly built (or freshly loaded) GPTModel, whole or one pipeline stage, into
+    this rank's tensor-parallel shard, and return its parallel plan (parallel/plan.py)."""
     cfg, tp, group = model.cfg, ps.tp, ps.group("tp")
     check_layout(cfg, tp, sequence_parallel)
-    if tp == 1:
-        return {}
+    spec, kv = {}, None
+    if tp > 1:
+        kv = _shard_layers(model, ps, group, sequence_parallel, spec)
+        model.use_seams(TensorParallelSeams(cfg, ps, sequence_parallel))
+    params = []
+    for local, name in zip((n for n, _ in nn.named_parameters(model)), model.parameter_names()):
+        params.append(ParamPlan(
+            name, shard=spec.get(local), partial=sequence_parallel and local not in spec and local.startswith("decoder."),
+            kv_copies=kv is not None and ".self_attention.linear_qkv." in local,
+            tied_copy=local.startswith("output_layer.") and name.startswith("embedding.")))
+    return ParallelPlan(params, kv)
+
+
+def _shard_layers(model, ps, group, sequence_parallel, spec) -> KVCopies | None:
+    """Replace the layers by their tensor-parallel versions; fills spec {local name: spec}."""
+    cfg, tp = model.cfg, ps.tp
     groups, per = cfg.num_query_groups, cfg.num_attention_heads // cfg.num_query_groups
+    kv = None
     if groups % tp == 0:
         qkv_spec = ("split", 0)
     else:  # fewer key/value heads than ranks: each is copied to tp/groups ranks
         qkv_spec = ("qkv", groups, per, cfg.kv_channels)
         rep = tp // groups
-        # the copies' gradients are summed over the ranks that share a key/value head
-        model.kv_copies = (ps.subgroup("tp", rep), (per // rep) * cfg.kv_channels, ps.local_rank("tp") % rep)
+        kv = KVCopies(ps.subgroup("tp", rep), (per // rep) * cfg.kv_channels, ps.local_rank("tp") % rep)
     swiglu = ("swiglu",) if cfg.activation == "swiglu" else ("split", 0)
-    spec = {}
     for i, layer in enumerate(model.decoder.layers):
         attn, mlp = layer.self_attention, layer.mlp
         prefix = f"decoder.layers.{i}."
-        attn.rng_region = _model_parallel_rng
-        if sequence_parallel:
-            layer.rng_region = _model_parallel_rng
         attn.linear_qkv = ColumnParallelLinear(attn.linear_qkv, group, sequence_parallel, qkv_spec)
         attn.linear_proj = RowParallelLinear(attn.linear_proj, group, sequence_parallel)
-        attn.num_groups = max(groups // tp, 1)
-        attn.heads_per_group = cfg.num_attention_heads // tp // attn.num_groups
         mlp.linear_fc1 = ColumnParallelLinear(mlp.linear_fc1, group, sequence_parallel, swiglu)
         mlp.linear_fc2 = RowParallelLinear(mlp.linear_fc2, group, sequence_parallel)
         spec[prefix + "self_attention.linear_qkv.weight"] = qkv_spec
@@ -196,25 +243,10 @@ def parallelize(model, ps, sequence_parallel: bool = False) -> dict:
             spec[prefix + "self_attention.linear_qkv.bias"] = qkv_spec
         if cfg.add_bias_linear:
             spec[prefix + "mlp.linear_fc1.bias"] = swiglu
-    emb = VocabParallelEmbedding(model.embedding.word_embeddings, group)
-    model.embedding.word_embeddings = emb
-    spec["embedding.word_embeddings.weight"] = ("split", 0)
-    if cfg.untie_embeddings_and_output_weights:
+    if model.pre_process:
+        model.embedding.word_embeddings = VocabParallelEmbedding(model.embedding.word_embeddings, group)
+        spec["embedding.word_embeddings.weight"] = ("split", 0)
+    if model.post_process and hasattr(model, "output_layer"):
         model.output_layer = ColumnParallelLinear(model.output_layer, group, False)
         spec["output_layer.weight"] = ("split", 0)
-    if sequence_parallel:
-        model.sequence_multiple = tp  # sequences must split evenly over the group
-        model.decoder_input = lambda x: mappings.scatter_to_region(x, group, dim=1)
-        model.output_input = lambda x: mappings.gather_from_sequence(x, group, dim=1)
-    else:
-        model.output_input = lambda x: mappings.copy_to_region(x, group)
-    model.token_losses = lambda logits, labels: vocab_parallel_cross_entropy(logits, labels, group, emb.start)
-    model.gather_logits = lambda logits: dist.all_gather(logits, group=group, dim=-1)
-    return spec
-
-
-def sequence_parallel_partial(model, spec: dict) -> list[str]:
-    """Replicated parameters whose gradients are partial under sequence parallelism: the
-    ones inside the decoder (norms, row-parallel biases), which see one slice of the
-    sequence. Embeddings run on the whole sequence before it is split."""
-    return [n for n, _ in nn.named_parameters(model) if n not in spec and n.startswith("decoder.")]
+    return kv

@@ -99,6 +99,11 @@ def initialize(tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1) -> ParallelSt
             g = dist.new_group(ranks)
             if rank in ranks:
                 ps.groups[kind] = g
+    if pp > 1:  # the first and last stage: tied embeddings' gradients are summed here
+        for ranks in _group_ranks(ps, "pp"):
+            g = dist.new_group([ranks[0], ranks[-1]])
+            if rank in (ranks[0], ranks[-1]):
+                ps.groups["embedding"] = g
     for ranks in _group_ranks(ps, "dp"):
         for start in range(0, len(ranks), ep):
             g = dist.new_group(ranks[start:start + ep])

@@ -1,6 +1,8 @@
 """What the training step does differently when it runs on several ranks: gradient
-reduction over data-parallel ranks (in buckets), the tensor-parallel-aware gradient norm,
-and full (unsharded) state for checkpoints, so a checkpoint loads at any layout."""
+reduction over data-parallel ranks (in buckets), the sums the parallel plan asks for
+(sequence-parallel partial gradients, key/value copies, tied embeddings across pipeline
+stages), the global gradient norm, and full (unsharded, all stages) state for checkpoints,
+so a checkpoint loads at any layout."""
 
 from __future__ import annotations
 
@@ -45,41 +47,32 @@ def sum_partial_over_tp(grads: list, ps, partial: list[int]) -> list:
     return grads
 
 
-def _kv_params(named_names: list[str], model):
-    info = getattr(model, "kv_copies", None)
-    if info is None:
-        return None, []
-    return info, [i for i, n in enumerate(named_names) if ".self_attention.linear_qkv." in n]
-
-
-def sum_kv_copies(grads: list, names: list[str], model) -> list:
+def sum_kv_copies(grads: list, plan) -> list:
     """When key/value heads are copied to several TP ranks, each copy's gradient only saw
     that rank's query heads: sum the copies' rows over the ranks sharing them."""
-    info, indices = _kv_params(names, model)
-    if info is None:
+    if plan.kv is None:
         return grads
-    group, q_rows, _ = info
     grads = list(grads)
-    for i in indices:
-        q, kv = grads[i][:q_rows], grads[i][q_rows:]
-        grads[i] = ops.cat([q, dist.all_reduce(kv, group=group)], dim=0)
+    for i in plan.indices("kv_copies"):
+        q, kv = grads[i][:plan.kv.q_rows], grads[i][plan.kv.q_rows:]
+        grads[i] = ops.cat([q, dist.all_reduce(kv, group=plan.kv.group)], dim=0)
     return grads
 
 
-def norm_weights(names: list[str], params: list, model) -> list:
-    """Per parameter: None, or a 0/1 mask of the elements the global norm counts (the
-    key/value copies count on one rank of the ranks sharing them)."""
-    info, indices = _kv_params(names, model)
-    out = [None] * len(names)
-    if info is None:
-        return out
-    _, q_rows, copy_index = info
-    for i in indices:
-        mask = np.ones(tuple(params[i].shape), np.float32)
-        if copy_index:
-            mask[q_rows:] = 0.0
-        out[i] = mask
-    return out
+TIED_EMBEDDING = "embedding.word_embeddings.weight"
+
+
+def sum_tied_embeddings(grads: list, plan, ps, tied: bool) -> list:
+    """With tied input and output embeddings and several pipeline stages, the first stage's
+    word embeddings and the last stage's copy each got part of the gradient: sum the two
+    over the embedding group (the first and last pipeline rank), so the copies stay equal."""
+    if ps.pp == 1 or not tied:
+        return grads
+    grads = list(grads)
+    for i, p in enumerate(plan.params):
+        if p.tied_copy or (p.name == TIED_EMBEDDING and ps.local_rank("pp") == 0):
+            grads[i] = dist.all_reduce(grads[i], group=ps.group("embedding"))
+    return grads
 
 
 def average_over_dp(grads: list, ps) -> list:
@@ -94,7 +87,8 @@ def average_over_dp(grads: list, ps) -> list:
 
 def grad_norm_squared(grads: list, sharded: list[bool], ps, weights: list | None = None) -> float:
     """Squared global L2 norm: sharded pieces summed over tensor-parallel ranks, replicated
-    ones counted once; ``weights`` masks elements that another rank counts."""
+    ones counted once, every pipeline stage's part summed; ``weights`` masks elements that
+    another rank counts."""
     if weights is not None:
         grads = [g if w is None else g * w for g, w in zip(grads, weights)]
 
@@ -104,7 +98,14 @@ def grad_norm_squared(grads: list, sharded: list[bool], ps, weights: list | None
     local = sumsq([g for g, s in zip(grads, sharded) if s])
     total = float(ops.to_numpy(dist.all_reduce(local, group=ps.group("tp")))) if local is not None else 0.0
     rest = sumsq([g for g, s in zip(grads, sharded) if not s])
-    return total + (float(ops.to_numpy(rest)) if rest is not None else 0.0)
+    return over_pipeline(total + (float(ops.to_numpy(rest)) if rest is not None else 0.0), ps)
+
+
+def over_pipeline(value: float, ps) -> float:
+    """A per-stage sum summed over the pipeline stages."""
+    if ps.pp == 1:
+        return value
+    return float(ops.to_numpy(dist.all_reduce(ops.tensor(np.array([value], np.float32)), group=ps.group("pp")))[0])
 
 
 def clip_coefficient(norm: float, max_norm: float) -> float:
@@ -120,6 +121,29 @@ def full_tensors(named: dict, spec: dict, ps) -> dict:
             out[name] = unshard(list(gathered), spec[name])
         else:
             out[name] = ops.to_numpy(value)
+    return out
+
+
+def gather_pipeline(arrays: dict, ps) -> dict:
+    """{name: numpy} of every pipeline stage, on global rank 0 (a collective: every rank
+    calls it with its stage's full tensors). The first rank of each later stage in rank 0's
+    pipeline group sends its arrays to rank 0; other ranks get their own arrays back."""
+    if ps.pp == 1:
+        return arrays
+    coords = ps.coords(ps.rank)
+    sender = coords["pp"] > 0 and coords["tp"] == 0 and coords["cp"] == 0 and coords["dp"] == 0
+    listing = gather_json([[n, list(a.shape), str(a.dtype)] for n, a in sorted(arrays.items())] if sender else [], ps)
+    if sender:
+        for name, value in sorted(arrays.items()):
+            dist.send(ops.tensor(np.ascontiguousarray(value), dtype=str(value.dtype)), 0)
+        return arrays
+    if ps.rank != 0:
+        return arrays
+    out = dict(arrays)
+    for src, entries in enumerate(listing):
+        for name, shape, dtype in entries:
+            value = ops.to_numpy(dist.recv(tuple(shape), dtype, src))
+            out.setdefault(name, value)  # a tied embedding copy arrives twice, equal
     return out
 
 

@@ -23,13 +23,15 @@ import numpy as np
 
 from mindspeed_core import autograd, dist, features, nn, ops
 from mindspeed_core.errors import CheckpointError
+from mindspeed_core.training.distributed import over_pipeline
 from mindspeed_core.training.optimizer import adam_update, no_weight_decay
 
 
 class DistributedAdamW:
-    def __init__(self, named_params, lr: float, weight_decay: float, betas, eps: float, ps, sharded,
-                 norm_weights=None):
-        pairs = [(n, p, s) for (n, p), s in zip(named_params, sharded) if nn.requires_grad(p)]
+    def __init__(self, named_params, lr: float, weight_decay: float, betas, eps: float, ps, plan):
+        named_params = list(named_params)
+        pairs = [(n, p, s) for (n, p), s in zip(named_params, plan.sharded()) if nn.requires_grad(p)]
+        norm_weights = plan.norm_weights([p.shape for _, p in named_params])
         self.named = [(n, p) for n, p, _ in pairs]
         self.lr, self.weight_decay, self.betas, self.eps, self.ps = lr, weight_decay, betas, eps, ps
         self.sizes = [ops.numel(p) for _, p in self.named]
@@ -89,7 +91,7 @@ class DistributedAdamW:
         sharded, replicated = (float(x) for x in ops.to_numpy(both))
         if self.ps.tp > 1:
             sharded = float(ops.to_numpy(dist.all_reduce(ops.tensor([sharded]), group=self.ps.group("tp")))[0])
-        return math.sqrt(sharded + replicated)
+        return math.sqrt(over_pipeline(sharded + replicated, self.ps))
 
     def step(self, g, lr: float, scale: float = 1.0) -> None:
         features.note_used("distributed-optimizer")

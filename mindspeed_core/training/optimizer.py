@@ -31,11 +31,14 @@ class AdamW:
     optimizer shards the same work (training/distributed_optimizer.py)."""
 
     def __init__(self, named_params, lr: float, weight_decay: float = 0.0, betas=(0.9, 0.999), eps: float = 1e-8,
-                 ps=None, sharded=None, norm_weights=None):
+                 ps=None, plan=None):
+        """``plan``: the parallel plan of these parameters (which are sharded over TP, which
+        elements the global norm counts); None on one process."""
         self.named = [(n, p) for n, p in named_params if nn.requires_grad(p)]
         self.ps = ps
-        self.sharded = list(sharded) if sharded is not None else [False] * len(self.named)
-        self.norm_weights = [None if w is None else ops.tensor(w) for w in (norm_weights or [None] * len(self.named))]
+        self.sharded = plan.sharded() if plan is not None else [False] * len(self.named)
+        weights = plan.norm_weights([p.shape for _, p in self.named]) if plan is not None else [None] * len(self.named)
+        self.norm_weights = [None if w is None else ops.tensor(w) for w in weights]
         self.lr, self.weight_decay, self.betas, self.eps = lr, weight_decay, betas, eps
         self.decay = [not no_weight_decay(n, p) for n, p in self.named]
         # fp32 moments always; fp32 master weights only for low-precision parameters (an fp32

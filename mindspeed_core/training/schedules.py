@@ -3,12 +3,15 @@
 A schedule takes the gradient function of one micro-batch (``grad_fn(ids, labels) ->
 (scaled loss, gradients)``) and the step's micro-batches, and returns the step's mean loss
 and mean gradients, unscaled. The optimizer, gradient reduction and logging do not care
-which schedule ran. The first one is the plain loop; pipeline schedules come next to it.
+which schedule ran: the plain loop, or a pipeline schedule (1F1B, interleaved) below.
 """
 
 from __future__ import annotations
 
-from mindspeed_core import ops
+from dataclasses import dataclass
+from typing import Callable
+
+from mindspeed_core import autograd, features, ops
 
 
 def forward_backward_no_pipelining(grad_fn, micro_batches, scale: float = 1.0,
@@ -27,3 +30,168 @@ def forward_backward_no_pipelining(grad_fn, micro_batches, scale: float = 1.0,
     if count > 1 or scale != 1.0:
         grads = [g / (count * scale) for g in grads]
     return total_loss / count, grads
+
+
+# -- pipeline parallelism -------------------------------------------------------------------
+#
+# A pipeline schedule is worked out in full on every rank before a step runs, without any
+# framework: first each rank's order of compute actions (Megatron's 1F1B or interleaved
+# order), then, by stepping all ranks together in unit ticks, where each activation and
+# gradient crosses between neighbouring stages. Every transfer is a blocking rendezvous of
+# its two ranks (MindSpore's CPU runtime has nothing else: see backends/emulated_collectives),
+# so the program lists the transfers of each tick in one global order that every rank
+# follows: the earliest unfinished transfer always has both its ranks waiting for it, so a
+# program cannot deadlock (tests/test_pipeline.py also runs the blocking protocol over a grid).
+
+FORWARD, BACKWARD, SEND, RECV = "F", "B", "send", "recv"
+
+
+def pipeline_order(pp: int, chunks: int, micro_batches: int, rank: int, forward_only: bool = False) -> list:
+    """The compute actions of pipeline rank ``rank``: (F|B, model chunk, micro-batch).
+
+    Without interleaving (chunks == 1): P - rank - 1 warm-up forwards, then one forward and
+    one backward in turn, then the remaining backwards (1F1B). Interleaved: micro-batches
+    go through the chunks in groups of P, and the warm-up is (P - rank - 1) * 2 + (V - 1) * P
+    forwards (Megatron's interleaved 1F1B)."""
+    total = micro_batches * chunks
+
+    def forward_at(k):
+        group, within = divmod(k, pp * chunks)
+        return FORWARD, within // pp, group * pp + within % pp
+
+    def backward_at(k):
+        _, chunk, mb = forward_at(k)
+        return BACKWARD, chunks - 1 - chunk, mb
+
+    if forward_only:
+        return [forward_at(k) for k in range(total)]
+    if chunks == 1:
+        warmup = min(pp - rank - 1, total)
+    else:
+        warmup = min((pp - rank - 1) * 2 + (chunks - 1) * pp, total)
+    order = [forward_at(k) for k in range(warmup)]
+    for k in range(total - warmup):
+        order += [forward_at(warmup + k), backward_at(k)]
+    order += [backward_at(k) for k in range(total - warmup, total)]
+    return order
+
+
+def pipeline_program(pp: int, chunks: int, micro_batches: int, forward_only: bool = False) -> dict:
+    """{pipeline rank: [instruction]} for one step. Instructions: (F|B, chunk, micro-batch),
+    and (send|recv, peer pipeline rank, message) with message = ("activation"|"gradient",
+    receiving virtual stage, micro-batch)."""
+    last = pp * chunks - 1
+    orders = {r: pipeline_order(pp, chunks, micro_batches, r, forward_only) for r in range(pp)}
+    position = {r: 0 for r in range(pp)}
+    arrived = {r: set() for r in range(pp)}
+    program = {r: [] for r in range(pp)}
+    while any(position[r] < len(orders[r]) for r in range(pp)):
+        messages, progressed = [], False
+        for r in range(pp):
+            if position[r] == len(orders[r]):
+                continue
+            kind, chunk, mb = orders[r][position[r]]
+            stage = chunk * pp + r
+            if kind == FORWARD:
+                needs = ("activation", stage, mb) if stage > 0 else None
+                sends = ("activation", stage + 1, mb) if stage < last else None
+            else:
+                needs = ("gradient", stage, mb) if stage < last else None
+                sends = ("gradient", stage - 1, mb) if stage > 0 else None
+            if needs is not None and needs not in arrived[r]:
+                continue  # waits for a neighbour this tick
+            program[r].append(orders[r][position[r]])
+            position[r] += 1
+            progressed = True
+            if sends is not None:
+                messages.append((r, sends[1] % pp, sends))
+        if not progressed:
+            raise RuntimeError("pipeline order cannot make progress")  # an order bug, never bad input
+        for src, dst, message in sorted(messages, key=lambda m: (min(m[0], m[1]), max(m[0], m[1]), m[2])):
+            program[src].append((SEND, dst, message))
+            program[dst].append((RECV, src, message))
+            arrived[dst].add(message)
+    return program
+
+
+@dataclass
+class PipelineStage:
+    """What a pipeline schedule needs from the rank it runs on.
+
+    ``forward(chunk, x, labels)``: model chunk ``chunk`` on ``x`` (token ids on the first
+    virtual stage, the previous stage's hidden states otherwise); on the last virtual stage,
+    given the labels, it returns the micro-batch's (scaled) loss, else hidden states.
+    ``send(x, peer)`` / ``recv(peer)``: point-to-point with pipeline rank ``peer`` (recv knows
+    the hidden states' shape and dtype)."""
+
+    pp: int
+    rank: int
+    chunks: int
+    forward: Callable
+    params: list  # per model chunk, the parameters gradients are taken of
+    send: Callable
+    recv: Callable
+
+
+def forward_backward_pipelining(stage: PipelineStage, program: list, micro_batches, scale: float = 1.0,
+                                float32_grads: bool = False, forward_only: bool = False) -> tuple[float, list]:
+    """Run this rank's part of a pipeline program (pipeline_program()[stage.rank]).
+
+    Returns the mean unscaled loss over the micro-batches (0.0 on ranks without the last
+    stage: the caller sums it over the pipeline group) and the mean gradients of every
+    chunk's parameters, chunk after chunk ([] when forward_only). The loss of a micro-batch
+    is normalised as without pipelining: the step's loss is the mean of the micro-batches'."""
+    features.note_used("pipeline-parallel")
+    if stage.chunks > 1:
+        features.note_used("virtual-pipeline")
+    batches = list(micro_batches)
+    last = stage.pp * stage.chunks - 1
+    inbox, outbox, pending = {}, {}, {}
+    grads = [None] * stage.chunks
+    total_loss = 0.0
+    for instruction in program:
+        kind = instruction[0]
+        if kind == RECV:
+            inbox[instruction[2]] = stage.recv(instruction[1])
+            continue
+        if kind == SEND:
+            stage.send(outbox.pop(instruction[2]), instruction[1])
+            continue
+        _, chunk, mb = instruction
+        virtual = chunk * stage.pp + stage.rank
+        if kind == FORWARD:
+            ids, labels = batches[mb]
+            x = ids if virtual == 0 else inbox.pop(("activation", virtual, mb))
+            target = labels if virtual == last else None
+
+            def run(x, chunk=chunk, target=target):
+                return stage.forward(chunk, x, target)
+
+            if forward_only:
+                with autograd.no_grad():
+                    out = run(x)
+            else:
+                out, pending[chunk, mb] = autograd.vjp(run, [x], stage.params[chunk])
+            if virtual == last:
+                total_loss += float(ops.to_numpy(out)) / scale
+            else:
+                outbox["activation", virtual + 1, mb] = out
+            continue
+        # backward: the loss's own cotangent is one (it is already scaled), else the gradient
+        # the next stage sent back
+        cotangent = ops.ones(()) if virtual == last else inbox.pop(("gradient", virtual, mb))
+        input_grads, param_grads = pending.pop((chunk, mb))(cotangent)
+        if virtual > 0:
+            outbox["gradient", virtual - 1, mb] = input_grads[0]
+        if float32_grads:
+            param_grads = [ops.cast(g, "float32") for g in param_grads]
+        grads[chunk] = param_grads if grads[chunk] is None else [a + b for a, b in zip(grads[chunk], param_grads)]
+    if inbox or outbox or pending:  # a program bug, never bad input
+        raise RuntimeError(f"pipeline step left work behind: {sorted(inbox)} {sorted(outbox)} {sorted(pending)}")
+    count = len(batches)
+    if forward_only:
+        return total_loss / count, []
+    flat = [g for chunk_grads in grads for g in (chunk_grads or [])]
+    if count > 1 or scale != 1.0:
+        flat = [g / (count * scale) for g in flat]
+    return total_loss / count, flat

@@ -1,10 +1,13 @@
-"""Single-device pre-training, Megatron flags, both frameworks.
+"""Pre-training with Megatron flags, both frameworks, on one process or many.
 
-The step is one gradient call per micro-batch (the same on PyTorch and MindSpore):
+A step runs the step's micro-batches through a schedule (training/schedules.py): without
+pipelining, one gradient call per micro-batch (the same on PyTorch and MindSpore),
 
     loss, grads = value_and_grad(model.loss, params)(ids, labels)
 
-accumulated over global_batch / micro_batch micro-batches, averaged, clipped, then AdamW.
+and with pipeline parallelism the 1F1B or interleaved schedule over this rank's model
+chunks. The gradients are then completed as the parallel plan says (parallel/plan.py),
+averaged over data-parallel ranks, clipped by the global norm, and AdamW takes the step.
 """
 
 from __future__ import annotations
@@ -21,11 +24,14 @@ from mindspeed_core.data import gpt_dataset
 from mindspeed_core.data.sampler import PretrainingSampler
 from mindspeed_core.data.tokenizer import build_tokenizer, padded_vocab_size, tokenizer_args
 from mindspeed_core.errors import CheckpointError, MindSpeedError
+from mindspeed_core.models import registry
 from mindspeed_core.models.config import PRESETS, ModelConfig
-from mindspeed_core.models.gpt import GPTModel
+from mindspeed_core.models.gpt import load_whole_state
 from mindspeed_core.progress import Progress
 from mindspeed_core.parallel import layers as parallel_layers
+from mindspeed_core.parallel import pipeline
 from mindspeed_core.parallel import state as parallel_state
+from mindspeed_core.parallel.plan import ParallelPlan
 from mindspeed_core.training import checkpoint, distributed, schedules
 from mindspeed_core.training.distributed_optimizer import DistributedAdamW
 from mindspeed_core.training.loss_scale import LossScaler
@@ -98,6 +104,9 @@ def _model_config(args, vocab_size: int) -> ModelConfig:
     if args.load_hf:
         from mindspeed_core.compat import hf
 
+        if args.noop_layers:
+            raise MindSpeedError("--noop-layers cannot be combined with --load-hf: a Hugging Face model has no "
+                                 "no-op layers")
         return hf.load_config(args.load_hf)
     if args.model_name and args.model_name not in PRESETS:
         raise MindSpeedError(f"unknown --model-name {args.model_name!r}; presets: {', '.join(sorted(PRESETS))}")
@@ -114,6 +123,8 @@ def _model_config(args, vocab_size: int) -> ModelConfig:
     for flag in ("untie_embeddings_and_output_weights", "add_qkv_bias", "qk_layernorm"):
         if getattr(args, flag):
             base[flag] = True
+    if args.noop_layers:
+        base["noop_layers"] = pipeline.parse_layer_numbers(args.noop_layers, "--noop-layers")
     base["vocab_size"] = padded_vocab_size(vocab_size, args.make_vocab_size_divisible_by)
     base["max_position_embeddings"] = max(args.max_position_embeddings or 0, args.seq_length,
                                           base.get("max_position_embeddings", 0))
@@ -140,17 +151,28 @@ def check_configuration(args, world: int):
     if not device.supports_dtype(dtype):
         raise MindSpeedError(f"{dtype} training is not available on {runtime.bound().NAME} "
                              f"({device.current()}); drop --bf16/--fp16")
-    tp = args.tensor_model_parallel_size
-    if world % tp:
-        raise MindSpeedError(f"world size {world} is not divisible by the tensor parallel size {tp}")
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     parallel_layers.check_layout(cfg, tp, args.sequence_parallel)
-    dp = world // tp
+    layout = pipeline_layout(args, cfg)
+    if world % (tp * pp):
+        raise MindSpeedError(f"world size {world} is not divisible by the tensor parallel size {tp}"
+                             + (f" x the pipeline parallel size {pp}" if pp > 1 else ""))
+    dp = world // (tp * pp)
     if args.global_batch_size is not None and args.global_batch_size % (args.micro_batch_size * dp):
         raise MindSpeedError(f"--global-batch-size {args.global_batch_size} is not a multiple of "
                              f"--micro-batch-size x data-parallel size ({args.micro_batch_size} x {dp})")
+    pipeline.check_micro_batches(layout, (args.global_batch_size or args.micro_batch_size * dp)
+                                 // (args.micro_batch_size * dp))
     if args.save:
         check_save_folder(args)
     return tokenizer, cfg
+
+
+def pipeline_layout(args, cfg: ModelConfig) -> pipeline.PipelineLayout:
+    """Which layers each pipeline stage holds (parallel/pipeline.py)."""
+    return pipeline.plan_layout(cfg.num_layers, args.pipeline_model_parallel_size,
+                                args.num_layers_per_virtual_pipeline_stage, args.num_layer_list,
+                                ",".join(map(str, cfg.noop_layers)) or None)
 
 
 def check_save_folder(args) -> None:
@@ -193,11 +215,13 @@ class Trainer:
         self.dtype = "bfloat16" if args.bf16 else "float16" if args.fp16 else "float32"
         self.scaler = LossScaler(dynamic=bool(args.fp16), initial=args.initial_loss_scale)
         dist.init()
-        self.ps = parallel_state.initialize(tp=args.tensor_model_parallel_size)
+        self.ps = parallel_state.initialize(tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size)
+        self.layout = pipeline_layout(args, self.cfg)
+        self.model_spec = registry.for_config(self.cfg)
         if args.global_batch_size is None:  # one micro-batch per data-parallel rank
             args.global_batch_size = args.micro_batch_size * self.ps.dp
         self.sampler = PretrainingSampler(args.global_batch_size, args.micro_batch_size, self.ps.dp,
-                                          self.ps.local_rank("dp"))
+                                          self.ps.local_rank("dp"), self.ps.pp, self.ps.local_rank("pp"))
         self.grad_accum = self.sampler.micro_batches_per_step
         self.tokens_per_step = args.global_batch_size * args.seq_length
 
@@ -219,8 +243,11 @@ class Trainer:
             "weight_decay": self.args.weight_decay, "clip_grad": self.args.clip_grad, "seed": self.args.seed,
             "adam": {"beta1": self.args.adam_beta1, "beta2": self.args.adam_beta2, "eps": self.args.adam_eps},
             "precision": self.dtype, "loss_scale": self.scaler.scale if self.args.fp16 else None,
-            "parallel": {"tp": self.ps.tp, "dp": self.ps.dp, "sequence_parallel": bool(self.args.sequence_parallel),
-                         "distributed_optimizer": bool(self.args.use_distributed_optimizer)},
+            "parallel": {"tp": self.ps.tp, "dp": self.ps.dp, "pp": self.ps.pp,
+                         "sequence_parallel": bool(self.args.sequence_parallel),
+                         "distributed_optimizer": bool(self.args.use_distributed_optimizer),
+                         "model_chunks_per_pipeline_rank": self.layout.chunks,
+                         "layers_per_virtual_stage": self.layout.describe()},
             "run": {key: getattr(self.args, key) for key in _RUN_SETTINGS} | {"progress": not self.args.no_progress},
         }
 
@@ -240,35 +267,66 @@ class Trainer:
             from mindspeed_core.compat import hf
 
             hf_state = hf.load_folder(args.load_hf)[1]  # checked against its config before the model is built
-        self.model = GPTModel(self.cfg)
+        self.model = self.model_spec.build(self.cfg)  # the whole model
         if hf_state is not None:
             nn.load_state_dict(self.model, hf_state)
         self.iteration, saved_optimizer = 0, None
         if args.load:
             saved_optimizer = self._resume_model(args.load)
-        self.spec = parallel_layers.parallelize(self.model, self.ps, args.sequence_parallel)
-        if self.ps.tp > 1:
-            parallel_layers.seed_model_parallel_rng(args.seed, self.ps)
+        ps = self.ps
+        if ps.pp > 1:  # keep this rank's stages only
+            self.chunks = self.model_spec.pipeline_chunks(self.model, self.layout, ps.local_rank("pp"))
+            self.model = None
+        else:
+            self.chunks = [self.model]
+        self.plan = ParallelPlan.join(self.model_spec.parallelize(c, ps, args.sequence_parallel) for c in self.chunks)
+        if ps.tp > 1:
+            parallel_layers.seed_model_parallel_rng(args.seed, ps)
         if saved_optimizer is not None:  # after the tracker is seeded: its streams are restored too
             self._restore_trainer_state(checkpoint.load_trainer_state(args.load, self.iteration))
         if self.dtype != "float32":
-            nn.cast_parameters(self.model, self.dtype)  # the optimizer keeps fp32 masters
-        named = nn.named_parameters(self.model)
-        self.params = [p for _, p in named]
-        self.sharded = [n in self.spec for n, _ in named]
-        partial = set(parallel_layers.sequence_parallel_partial(self.model, self.spec)) if args.sequence_parallel else ()
-        self.partial = [i for i, (n, _) in enumerate(named) if n in partial]
-        self.names = [n for n, _ in named]
+            for chunk in self.chunks:
+                nn.cast_parameters(chunk, self.dtype)  # the optimizer keeps fp32 masters
+        chunk_params = [nn.parameters(c) for c in self.chunks]
+        self.params = [p for params in chunk_params for p in params]
+        self.names = self.plan.names
+        named = list(zip(self.names, self.params))
         opt_cls = DistributedAdamW if args.use_distributed_optimizer else AdamW
         self.optimizer = opt_cls(named, args.lr, args.weight_decay, (args.adam_beta1, args.adam_beta2), args.adam_eps,
-                                 ps=self.ps, sharded=self.sharded,
-                                 norm_weights=distributed.norm_weights(self.names, self.params, self.model))
+                                 ps=ps, plan=self.plan)
         if saved_optimizer is not None:
             arrays, steps = saved_optimizer
-            local = {k: ops.tensor(distributed.local_array(k.split(".", 1)[1], v, self.spec, self.ps))
-                     for k, v in arrays.items()}
+            mine, specs = set(self.names), self.plan.shard_specs
+            local = {k: ops.tensor(distributed.local_array(k.split(".", 1)[1], v, specs, ps))
+                     for k, v in arrays.items() if k.split(".", 1)[1] in mine}
             self.optimizer.load_state(local, steps)
-        self.grad_fn = autograd.value_and_grad(self._loss, self.params)
+        if ps.pp == 1:
+            self.grad_fn = autograd.value_and_grad(self._loss, self.params)
+            return
+        hidden = (args.micro_batch_size, args.seq_length // self.chunks[0].sequence_multiple, self.cfg.hidden_size)
+        me = ps.coords(ps.rank)
+
+        def peer(pp_rank):
+            return ps.rank_of(tp=me["tp"], cp=me["cp"], dp=me["dp"], pp=pp_rank)
+
+        def stage(forward):
+            return schedules.PipelineStage(ps.pp, ps.local_rank("pp"), self.layout.chunks, forward, chunk_params,
+                                           send=lambda x, to: dist.send(x, peer(to)),
+                                           recv=lambda src: dist.recv(hidden, self.dtype, peer(src)))
+
+        self.stage, self.eval_stage = stage(self._stage_forward), stage(self._stage_eval_forward)
+        pp_rank = ps.local_rank("pp")
+        self.program = schedules.pipeline_program(ps.pp, self.layout.chunks, self.grad_accum)[pp_rank]
+        self.eval_program = schedules.pipeline_program(ps.pp, self.layout.chunks, max(args.eval_iters, 1),
+                                                       forward_only=True)[pp_rank]
+
+    def _stage_forward(self, chunk: int, x, labels):
+        out = self.chunks[chunk](x)
+        return out if labels is None else self.scaler.scale_loss(self.chunks[chunk].loss_from_logits(out, labels))
+
+    def _stage_eval_forward(self, chunk: int, x, labels):
+        out = self.chunks[chunk](x)
+        return out if labels is None else self.chunks[chunk].loss_from_logits(out, labels)
 
     def optimizer_bytes_unsharded(self) -> int:
         """What plain AdamW would hold on this rank: two fp32 moments per local parameter,
@@ -291,11 +349,11 @@ class Trainer:
             raise CheckpointError(f"the checkpoint in {root} (iteration {it}) was saved for a different model "
                                   f"configuration; pass the same model flags as when it was saved")
         model_arrays, optimizer_arrays, steps = checkpoint.load(root, it)
-        nn.load_state_dict(self.model, model_arrays)
+        load_whole_state(self.model, model_arrays)
         self.iteration = it
         layout = meta.get("parallel", {})
         self.say(f"resumed from {checkpoint.iteration_dir(root, it)} (saved on {meta.get('framework')}, "
-                 f"TP={layout.get('tp', 1)} DP={layout.get('dp', 1)})")
+                 f"TP={layout.get('tp', 1)} DP={layout.get('dp', 1)} PP={layout.get('pp', 1)})")
         return optimizer_arrays, steps
 
     def _trainer_state(self) -> dict:
@@ -304,8 +362,11 @@ class Trainer:
         and the fp16 loss scale with its clean-step counter."""
         mine = {"default": random.get_state(), "tracker": random.tracker().get_states()}
         return {"framework": runtime.bound().NAME, **self.scaler.state(),
-                "layout": {"world": self.ps.world, "tp": self.ps.tp, "dp": self.ps.dp},
+                "layout": self._layout(),
                 "rng": distributed.gather_json(mine, self.ps)}
+
+    def _layout(self) -> dict:
+        return {"world": self.ps.world, "tp": self.ps.tp, "dp": self.ps.dp, "pp": self.ps.pp}
 
     def _restore_trainer_state(self, state: dict) -> None:
         if not state:  # a checkpoint from before trainer states were saved
@@ -314,18 +375,20 @@ class Trainer:
         try:
             self.scaler.load_state(state)
             ranks, layout = state["rng"], state["layout"]
-            here = {"world": self.ps.world, "tp": self.ps.tp, "dp": self.ps.dp}
+            here = self._layout()
             if state["framework"] != runtime.bound().NAME:  # generator states are framework-specific
                 self.say(f"RNG states were saved on {state['framework']}: dropout draws start afresh on "
                          f"{runtime.bound().NAME}")
-            elif layout == here:
+            elif {"pp": 1, **layout} == here:
                 random.set_state(ranks[self.ps.rank]["default"])
                 random.tracker().set_states(ranks[self.ps.rank]["tracker"])
             else:  # the shared stream carries over; per-rank tensor-parallel streams start afresh
+                layout = {"pp": 1, **layout}
                 random.set_state(ranks[0]["default"])
                 if any(r["tracker"] for r in ranks):
-                    self.say(f"saved at TP={layout.get('tp')} DP={layout.get('dp')}, resumed at TP={self.ps.tp} "
-                             f"DP={self.ps.dp}: tensor-parallel dropout streams are reseeded")
+                    self.say(f"saved at TP={layout.get('tp')} DP={layout.get('dp')} PP={layout.get('pp')}, resumed at "
+                             f"TP={self.ps.tp} DP={self.ps.dp} PP={self.ps.pp}: tensor-parallel dropout streams are "
+                             f"reseeded")
         except (KeyError, IndexError, TypeError, ValueError) as exc:
             raise CheckpointError(f"the checkpoint's {checkpoint.STATE_FILE} is malformed ({exc!r})") from None
 
@@ -344,18 +407,32 @@ class Trainer:
                                  f"at least {high + 1} tokens; train with the tokenizer it was preprocessed with")
         return ops.tensor(tokens[:, :-1]), ops.tensor(tokens[:, 1:])
 
+    def gradients(self, iteration: int) -> tuple[float, list]:
+        """The step's mean loss (on every rank) and this rank's gradients, complete as the
+        parallel plan asks but not yet reduced over data-parallel ranks."""
+        args = self.args
+        micro_batches = (self._batch("train", start, args.micro_batch_size) if self.sampler.reads_data else (None, None)
+                         for start in self.sampler.micro_batch_starts(iteration))
+        if self.ps.pp == 1:
+            loss, grads = schedules.forward_backward_no_pipelining(self.grad_fn, micro_batches, self.scaler.scale,
+                                                                   float32_grads=self.dtype != "float32")
+        else:
+            loss, grads = schedules.forward_backward_pipelining(self.stage, self.program, micro_batches,
+                                                                self.scaler.scale, float32_grads=self.dtype != "float32")
+            loss = distributed.over_pipeline(loss, self.ps)  # the last stage's; zero elsewhere
+        grads = distributed.sum_partial_over_tp(grads, self.ps, self.plan.indices("partial"))
+        grads = distributed.sum_kv_copies(grads, self.plan)
+        grads = distributed.sum_tied_embeddings(grads, self.plan, self.ps,
+                                                not self.cfg.untie_embeddings_and_output_weights)
+        return loss, grads
+
     def train_step(self, iteration: int) -> tuple[float, float, float]:
         args = self.args
         lr = learning_rate(iteration, args.lr, args.min_lr, args.lr_warmup_iters, args.lr_decay_iters,
                            args.lr_decay_style)
         if self.dtype != "float32":
             features.note_used("bf16" if self.dtype == "bfloat16" else "fp16")
-        micro_batches = (self._batch("train", start, args.micro_batch_size)
-                         for start in self.sampler.micro_batch_starts(iteration))
-        loss, grads = schedules.forward_backward_no_pipelining(self.grad_fn, micro_batches, self.scaler.scale,
-                                                               float32_grads=self.dtype != "float32")
-        grads = distributed.sum_kv_copies(distributed.sum_partial_over_tp(grads, self.ps, self.partial), self.names,
-                                          self.model)
+        loss, grads = self.gradients(iteration)
         grads = self.optimizer.prepare(grads)
         if self.ps.dp > 1:
             loss = float(ops.to_numpy(dist.all_reduce(ops.tensor([loss]), group=self.ps.group("dp")))[0]) / self.ps.dp
@@ -373,23 +450,33 @@ class Trainer:
 
     def evaluate(self) -> float:
         args = self.args
-        losses = []
-        nn.set_training(self.model, False)  # no dropout
+        batches = [self._batch("valid", k * args.micro_batch_size, args.micro_batch_size) if self.sampler.reads_data
+                   else (None, None) for k in range(args.eval_iters)]
+        for chunk in self.chunks:
+            nn.set_training(chunk, False)  # no dropout
         try:
+            if self.ps.pp > 1:
+                loss, _ = schedules.forward_backward_pipelining(self.eval_stage, self.eval_program, batches,
+                                                                forward_only=True)
+                return distributed.over_pipeline(loss, self.ps)
             with autograd.no_grad():
-                for k in range(args.eval_iters):
-                    ids, labels = self._batch("valid", k * args.micro_batch_size, args.micro_batch_size)
-                    losses.append(float(ops.to_numpy(self.model.loss(ids, labels))))
+                losses = [float(ops.to_numpy(self.model.loss(ids, labels))) for ids, labels in batches]
         finally:
-            nn.set_training(self.model, True)
+            for chunk in self.chunks:
+                nn.set_training(chunk, True)
         return float(np.mean(losses))
 
     def _first_non_finite_parameter(self):
-        for name, p in nn.named_parameters(self.model):
+        for name, p in zip(self.names, self.params):
             bad = ops.sum(ops.cast(ops.logical_not(ops.isfinite(p)), "float32"))
             if float(ops.to_numpy(bad)):
                 return name
         return None
+
+    def full_model_arrays(self) -> dict:
+        """{name: numpy} of the whole model on rank 0 (a collective: every rank calls it)."""
+        named = dict(zip(self.names, self.params))
+        return distributed.gather_pipeline(distributed.full_tensors(named, self.plan.shard_specs, self.ps), self.ps)
 
     def save(self) -> None:
         bad = self._first_non_finite_parameter()
@@ -398,16 +485,16 @@ class Trainer:
                                  f"(the last checkpoint on disk is intact); lower --lr or check the data")
         meta = {"framework": runtime.bound().NAME, "model": self.cfg.to_dict(), "tokenizer": self.tokenizer.name,
                 "consumed_samples": self.iteration * self.args.global_batch_size,
-                "parallel": {"tp": self.ps.tp, "dp": self.ps.dp, "sequence_parallel": bool(self.args.sequence_parallel)}}
-        named = dict(nn.named_parameters(self.model))
-        model_arrays = distributed.full_tensors(named, self.spec, self.ps)  # collective: every rank
-        opt = self.optimizer.state()
-        opt_spec = {k: self.spec[k.split(".", 1)[1]] for k in opt if k.split(".", 1)[1] in self.spec}
-        optimizer_arrays = distributed.full_tensors(opt, opt_spec, self.ps)
+                "parallel": {"tp": self.ps.tp, "dp": self.ps.dp, "pp": self.ps.pp, "chunks": self.layout.chunks,
+                             "sequence_parallel": bool(self.args.sequence_parallel)}}
+        model_arrays = self.full_model_arrays()  # collective: every rank
+        opt, specs = self.optimizer.state(), self.plan.shard_specs
+        opt_spec = {k: specs[k.split(".", 1)[1]] for k in opt if k.split(".", 1)[1] in specs}
+        optimizer_arrays = distributed.gather_pipeline(distributed.full_tensors(opt, opt_spec, self.ps), self.ps)
         trainer_state = self._trainer_state()  # collective: every rank
         if self.ps.rank == 0:
             path = checkpoint.save(self.args.save, self.iteration, model_arrays, optimizer_arrays, self.optimizer.steps,
-                                   meta, {n: ops.dtype_of(p) for n, p in named.items()}, trainer_state)
+                                   meta, {n: self.dtype for n in model_arrays}, trainer_state)
             self.say(f"saved checkpoint {path}")
         dist.barrier()
 
@@ -425,7 +512,9 @@ class Trainer:
                  f"({device.current()}), {args.train_iters} iterations of {self.tokens_per_step} tokens; "
                  f"measured matmul peak {peak / 1e9:.1f} GFLOP/s")
         if self.ps.world > 1:
-            self.say(f"parallel layout: TP={self.ps.tp} DP={self.ps.dp}{' +SP' if args.sequence_parallel else ''}; "
+            pp = f" PP={self.ps.pp}" + (f" x {self.layout.chunks} chunks" if self.layout.chunks > 1 else "")
+            self.say(f"parallel layout: TP={self.ps.tp} DP={self.ps.dp}{pp if self.ps.pp > 1 else ''}"
+                     f"{' +SP' if args.sequence_parallel else ''}; "
                      f"each data-parallel rank: {self.grad_accum} micro-batches of {args.micro_batch_size} per step; "
                      f"optimizer state {self.optimizer.state_bytes() / 2**20:.2f} MiB on this rank "
                      f"({self.optimizer_bytes_unsharded() / 2**20:.2f} MiB without --use-distributed-optimizer)")
@@ -467,14 +556,24 @@ class Trainer:
             from mindspeed_core.models.generate import generate
 
             prompt = "def "
-            nn.set_training(self.model, False)
-            # the prompt is encoded as the training documents were (BOS first where the tokenizer
-            # adds one); the sample ends where the model ends the document
-            ids = generate(self.model, self.tokenizer.encode(prompt), args.sample_tokens, args.seq_length,
-                           seed=args.seed, stop_ids=(self.tokenizer.eod,))
-            text = self.tokenizer.decode(ids)
-            self.say("sample:\n" + prompt + text)
-            result["sample"] = text
-            log.write({"iteration": self.iteration, "sample_prompt": prompt, "sample_ids": ids, "sample": text})
-            log.close()
+            model = self.model
+            if self.ps.pp > 1:  # the stages are gathered into one whole model on rank 0
+                arrays = self.full_model_arrays()
+                model = None
+                if self.ps.rank == 0:
+                    model = self.model_spec.build(self.cfg)
+                    load_whole_state(model, arrays)
+            if model is not None:
+                nn.set_training(model, False)
+                # the prompt is encoded as the training documents were (BOS first where the tokenizer
+                # adds one); the sample ends where the model ends the document
+                ids = generate(model, self.tokenizer.encode(prompt), args.sample_tokens, args.seq_length,
+                               seed=args.seed, stop_ids=(self.tokenizer.eod,))
+                text = self.tokenizer.decode(ids)
+                self.say("sample:\n" + prompt + text)
+                result["sample"] = text
+                log.write({"iteration": self.iteration, "sample_prompt": prompt, "sample_ids": ids, "sample": text})
+                log.close()
+            if self.ps.pp > 1:
+                dist.barrier()
         return result

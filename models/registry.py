@@ -1,0 +1,44 @@
+"""Model families and what the trainer needs of each (torchtitan's ModelSpec, in small):
+how to build the whole model, how to cut it into pipeline stages, its tensor-parallel plan,
+and its Hugging Face adapter. The trainer asks here instead of importing a model class.
+
+Every dense decoder-only family (LLaMA, Mistral, Qwen2/3, GPT-2) is the one GPTModel with
+config switches; mixture-of-experts models will be the next entry.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from mindspeed_core.models import gpt
+from mindspeed_core.models.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    families: tuple  # ModelConfig.family values it covers
+    build: Callable  # (cfg) -> the whole model
+    pipeline_chunks: Callable  # (whole model, PipelineLayout, pipeline rank) -> [model chunk]
+    parallelize: Callable  # (model chunk, ParallelState, sequence_parallel) -> ParallelPlan
+    hf_adapter: str  # module with load_config / load_folder / save_folder
+
+
+def _parallelize_dense(chunk, ps, sequence_parallel):
+    from mindspeed_core.parallel import layers  # parallel layers import the model's seams
+
+    return layers.parallelize(chunk, ps, sequence_parallel)
+
+
+SPECS = (
+    ModelSpec("gpt", ("llama", "mistral", "qwen2", "qwen3", "gpt2"), gpt.GPTModel, gpt.pipeline_chunks,
+              _parallelize_dense, "mindspeed_core.compat.hf"),
+)
+
+
+def for_config(cfg: ModelConfig) -> ModelSpec:
+    for spec in SPECS:
+        if cfg.family in spec.families:
+            return spec
+    raise ValueError(f"no model spec covers the family {cfg.family!r}")

@@ -1,0 +1,48 @@
+"""One rank of the pipeline parity runs: several training configurations in one launch
+(starting a job costs more than a tiny model's ten steps, above all under msrun).
+
+For each configuration (name, flags) it records on rank 0: <out>/<name>.jsonl (the metrics
+of a --train-iters run) and <out>/<name>-grads.npz (the whole model's gradients of the first
+step, averaged over data-parallel ranks, before any optimizer step).
+
+usage: pipeline_worker.py OUT_DIR CONFIGS_JSON
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import sys
+
+import numpy as np
+
+from mindspeed_core import dist, features, runtime
+
+backend = runtime.bind()
+
+from mindspeed_core.compat.megatron_args import training_parser  # noqa: E402
+from mindspeed_core.training import distributed  # noqa: E402
+from mindspeed_core.training.trainer import Trainer  # noqa: E402
+
+out_dir, configs = sys.argv[1], json.loads(open(sys.argv[2]).read())
+for name, flags in configs:
+    args = training_parser().parse_args([*flags, "--metrics-file", os.path.join(out_dir, f"{name}.jsonl")])
+    features.validate(args, backend.NAME, backend.device.type())
+    log = io.StringIO()
+    with contextlib.redirect_stdout(log):
+        trainer = Trainer(args)
+        trainer.build()
+        _, grads = trainer.gradients(0)  # the first step's, from the initial weights
+        grads = distributed.average_over_dp(grads, trainer.ps)
+        whole = distributed.gather_pipeline(
+            distributed.full_tensors(dict(zip(trainer.names, grads)), trainer.plan.shard_specs, trainer.ps), trainer.ps)
+        trainer = Trainer(training_parser().parse_args([*flags, "--metrics-file",
+                                                        os.path.join(out_dir, f"{name}.jsonl")]))
+        trainer.run()
+    if dist.rank() == 0:
+        np.savez(os.path.join(out_dir, f"{name}-grads.npz"), **whole)
+        with open(os.path.join(out_dir, f"{name}.log"), "w") as fh:
+            fh.write(log.getvalue())
+dist.shutdown()

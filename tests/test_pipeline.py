@@ -1,0 +1,275 @@
+"""Pipeline parallelism: the schedules (no processes), the layout and its bad inputs, and
+multi-process runs whose losses and first-step gradients equal the single-process run's,
+with checkpoints crossing pipeline sizes."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import shutil
+
+import numpy as np
+import pytest
+
+from launch import launch
+from test_parallel import assert_same_curve
+from test_training import corpus, losses, train  # noqa: F401  (corpus is a fixture)
+
+from mindspeed_core.errors import MindSpeedError
+from mindspeed_core.parallel.pipeline import plan_layout
+from mindspeed_core.training.schedules import BACKWARD, FORWARD, RECV, SEND, pipeline_program
+
+# -- the schedules -------------------------------------------------------------------------
+
+GRID = [(p, v, m) for p in (2, 3, 4) for v in (1, 2, 3) for m in range(1, 13) if v == 1 or m % p == 0]
+
+
+def run_blocking(program: dict, chunks: int) -> dict:
+    """Execute a program as the ranks do: compute never waits, a transfer completes only when
+    its sender and receiver both have it next. Returns per rank the peak number of micro-
+    batches whose forward ran and whose backward did not; fails on a deadlock or on a
+    compute action whose input has not arrived."""
+    pp = len(program)
+    pos = {r: 0 for r in program}
+    arrived = {r: set() for r in program}
+    live = {r: 0 for r in program}
+    peak = {r: 0 for r in program}
+    total = pp * chunks
+    while any(pos[r] < len(program[r]) for r in program):
+        moved = False
+        for r in program:
+            while pos[r] < len(program[r]) and program[r][pos[r]][0] in (FORWARD, BACKWARD):
+                kind, chunk, mb = program[r][pos[r]]
+                stage = chunk * pp + r
+                if kind == FORWARD and stage > 0:
+                    assert ("activation", stage, mb) in arrived[r], (r, program[r][pos[r]])
+                if kind == BACKWARD and stage < total - 1:
+                    assert ("gradient", stage, mb) in arrived[r], (r, program[r][pos[r]])
+                live[r] += 1 if kind == FORWARD else -1
+                peak[r] = max(peak[r], live[r])
+                pos[r] += 1
+                moved = True
+            if pos[r] == len(program[r]):
+                continue
+            kind, peer, message = program[r][pos[r]]
+            if kind == SEND and pos[peer] < len(program[peer]) and program[peer][pos[peer]] == (RECV, r, message):
+                arrived[peer].add(message)
+                pos[r] += 1
+                pos[peer] += 1
+                moved = True
+        assert moved, f"deadlock: {[program[r][pos[r]] if pos[r] < len(program[r]) else None for r in program]}"
+    return peak
+
+
+@pytest.mark.parametrize("pp, chunks, micro_batches", GRID, ids=[f"p{p}-v{v}-m{m}" for p, v, m in GRID])
+def test_pipeline_programs_run_to_the_end_with_1f1b_memory(pp, chunks, micro_batches):
+    program = pipeline_program(pp, chunks, micro_batches)
+    peak = run_blocking(program, chunks)
+    every = {(c, mb) for c in range(chunks) for mb in range(micro_batches)}
+    for r, prog in program.items():
+        forwards = [(i[1], i[2]) for i in prog if i[0] == FORWARD]
+        backwards = [(i[1], i[2]) for i in prog if i[0] == BACKWARD]
+        assert sorted(forwards) == sorted(every) and sorted(backwards) == sorted(every)
+        assert all(prog.index((BACKWARD, *x)) > prog.index((FORWARD, *x)) for x in every)
+        # the warm-up bounds what a stage holds: P - rank micro-batches for 1F1B, Megatron's
+        # interleaved warm-up + 1 chunk-micro-batches when interleaved; never everything at
+        # once when there are more micro-batches than that
+        if chunks == 1:
+            bound = min(pp - r, micro_batches)
+        else:
+            bound = min((pp - r - 1) * 2 + (chunks - 1) * pp + 1, micro_batches * chunks)
+        assert peak[r] <= bound, (r, peak[r], bound)
+    for a in range(pp):  # each link carries the same messages in the same order at both ends
+        for b in range(pp):
+            sent = [i[2] for i in program[a] if i[0] == SEND and i[1] == b]
+            received = [i[2] for i in program[b] if i[0] == RECV and i[1] == a]
+            assert sent == received
+    if chunks == 1 and micro_batches >= pp:
+        assert peak[0] == pp  # the bound is reached, so it is what limits memory
+    forward_only = pipeline_program(pp, chunks, micro_batches, forward_only=True)
+    run_blocking(forward_only, chunks)
+    assert all(i[0] != BACKWARD for prog in forward_only.values() for i in prog)
+
+
+# -- the layout ----------------------------------------------------------------------------
+
+def test_layouts_split_the_layers_as_megatron_and_mindspeed_do():
+    assert plan_layout(8, 2).stages == ((0, 1, 2, 3), (4, 5, 6, 7))
+    interleaved = plan_layout(8, 2, layers_per_virtual_stage=2)
+    assert interleaved.chunks == 2 and interleaved.stages == ((0, 1), (2, 3), (4, 5), (6, 7))
+    assert [interleaved.rank_of_stage(s) for s in range(4)] == [0, 1, 0, 1]  # rank 0 holds stages 0 and 2
+    assert plan_layout(8, 2, num_layer_list="3,5").stages == ((0, 1, 2), (3, 4, 5, 6, 7))
+    noop = plan_layout(8, 2, noop_layers="7")
+    assert noop.layers(1) == (4, 5, 6) and noop.layers(0) == (0, 1, 2, 3)
+    with pytest.raises(MindSpeedError, match="does not divide the 5 layers"):
+        plan_layout(5, 2)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--pipeline-model-parallel-size", "3"], "pipeline parallel size 3 does not divide the 4 layers"),
+    (["--pipeline-model-parallel-size", "2", "--num-layer-list", "1,2"], "sums to 3, not to the model's 4 layers"),
+    (["--pipeline-model-parallel-size", "2", "--num-layer-list", "1,1,2"], "has 3 entries; it needs one per"),
+    (["--pipeline-model-parallel-size", "2", "--num-layer-list", "a,b"], "expected comma-separated integers"),
+    (["--pipeline-model-parallel-size", "2", "--num-layer-list", "0,4"], "every stage needs at least one layer"),
+    (["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "3"],
+     "does not divide the 2 layers of each pipeline stage"),
+    (["--num-layers-per-virtual-pipeline-stage", "1"], "needs --pipeline-model-parallel-size > 1"),
+    (["--noop-layers", "4"], "noop_layers [4] must be some, not all, of the layers 0..3"),
+    (["--noop-layers", "0,1,2,3"], "must be some, not all"),
+])
+def test_bad_pipeline_layouts_are_one_line_before_any_model_is_built(capsys, corpus, tmp_path, flags, message):  # noqa: F811
+    code, out, err = train(capsys, *SMALL4, "--data-path", corpus, "--train-iters", "1", *flags)
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+    assert "Traceback" not in err and "training" not in out
+
+
+def test_interleaving_needs_micro_batches_in_groups_of_the_pipeline_size(corpus, tmp_path):  # noqa: F811
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "mindspeed_core.cli", "launch", "--nproc-per-node", "2", "--",
+                          *SMALL4, "--data-path", corpus, "--train-iters", "1", "--pipeline-model-parallel-size", "2",
+                          "--num-layers-per-virtual-pipeline-stage", "1", "--global-batch-size", "6"],
+                         capture_output=True, text=True, timeout=120, cwd=str(tmp_path))
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "needs the micro-batches per step (3" in out.stderr and "multiple of the pipeline parallel size 2" in out.stderr
+    assert "Traceback" not in out.stderr and not (tmp_path / "msrun_log").exists()
+
+
+# -- multi-process parity ------------------------------------------------------------------
+
+SMALL4 = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--num-query-groups", "2",
+          "--ffn-hidden-size", "128", "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
+          "--lr", "3e-3", "--min-lr", "3e-4", "--lr-warmup-iters", "2", "--eval-iters", "0", "--log-interval", "1",
+          "--make-vocab-size-divisible-by", "8", "--no-progress", "--seed", "7", "--sample-tokens", "0"]
+MODELS = {"base": SMALL4, "noop": SMALL4 + ["--noop-layers", "3"],
+          "tied": SMALL4 + ["--model-name", "tiny-gpt2", "--num-query-groups", "4"]}
+ITERS = 10
+PP = ["--pipeline-model-parallel-size"]
+TWO = [  # (name, model, flags), on two ranks
+    ("pp2", "base", PP + ["2", "--save", "{out}/ckpt-pp2", "--save-interval", "5"]),
+    ("pp2-interleaved", "base", PP + ["2", "--num-layers-per-virtual-pipeline-stage", "1"]),
+    ("pp2-noop", "noop", PP + ["2"]),
+    ("pp2-uneven", "base", PP + ["2", "--num-layer-list", "1,3"]),
+    ("pp2-tied", "tied", PP + ["2"]),
+]
+FOUR = [
+    ("pp4", "base", PP + ["4", "--save", "{out}/ckpt-pp4", "--save-interval", "5"]),
+    ("tp2-pp2-sp-tied", "tied", PP + ["2", "--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+    ("pp2-dp2-distopt", "base", PP + ["2", "--use-distributed-optimizer"]),
+]
+
+
+@pytest.fixture(scope="module")
+def single(corpus, tmp_path_factory):  # noqa: F811
+    """Per model: the single-process loss curve, first-step gradients, and a checkpoint of
+    iteration 5 (run in this process)."""
+    import contextlib
+    import io
+
+    from mindspeed_core import cli
+    from mindspeed_core.compat.megatron_args import training_parser
+    from mindspeed_core.training.trainer import Trainer
+
+    root = tmp_path_factory.mktemp("single")
+    out = {}
+    for name, argv in MODELS.items():
+        flags = [*argv, "--data-path", corpus, "--train-iters", str(ITERS)]
+        with contextlib.redirect_stdout(io.StringIO()):
+            trainer = Trainer(training_parser().parse_args(flags))
+            trainer.build()
+            _, grads = trainer.gradients(0)
+            ckpt = root / f"ckpt-{name}"
+            assert cli.main(["train", *flags, "--metrics-file", str(root / f"{name}.jsonl"), "--save", str(ckpt),
+                             "--save-interval", "5"]) == 0
+        out[name] = {"losses": losses(root / f"{name}.jsonl"),
+                     "grads": {n: np.asarray(g) for n, g in zip(trainer.names, map(_numpy, grads))},
+                     "ckpt5": iteration_only(ckpt, 5, root / f"ckpt5-{name}")}
+    return out
+
+
+def _numpy(x):
+    from mindspeed_core import ops
+
+    return ops.to_numpy(x)
+
+
+def iteration_only(root, iteration, dest):
+    """A checkpoint folder holding only ``iteration`` of ``root`` (to resume from it)."""
+    name = f"iter_{iteration:07d}"
+    shutil.copytree(root / name, dest / name)
+    (dest / "latest_checkpointed_iteration.txt").write_text(str(iteration))
+    return dest
+
+
+def run_configs(framework, nproc, configs, corpus, tmp_path, extra=()):  # noqa: F811
+    out = tmp_path / "out"
+    out.mkdir(exist_ok=True)
+    spec = [[name, [*MODELS[model], *(f.format(out=out) for f in flags), "--data-path", corpus, "--train-iters",
+                    str(ITERS)]] for name, model, flags in configs] + list(extra)
+    (tmp_path / "configs.json").write_text(json.dumps(spec))
+    code, output = launch(framework, nproc, str(pathlib.Path(__file__).with_name("pipeline_worker.py")),
+                          [str(out), str(tmp_path / "configs.json")], str(tmp_path / "logs"), timeout=900)
+    assert code == 0, output[-8000:]
+    return out
+
+
+def check_parity(out, configs, single, table):
+    for name, model, _ in configs:
+        want = single[model]
+        got = losses(out / f"{name}.jsonl")
+        assert_same_curve(got, want["losses"])
+        grads = np.load(out / f"{name}-grads.npz")
+        assert sorted(grads.files) == sorted(want["grads"])
+        worst = max(float(np.max(np.abs(grads[n] - g)) / max(float(np.max(np.abs(g))), 1e-12))
+                    for n, g in want["grads"].items())
+        assert worst < 1e-5, (name, worst)
+        table[name] = max(abs(got[i] - want["losses"][i]) / abs(want["losses"][i]) for i in got)
+
+
+def resume_single(capsys, corpus, ckpt, model, tmp_path, want, first):  # noqa: F811
+    metrics = tmp_path / f"resume-{first}.jsonl"
+    code, out, err = train(capsys, *MODELS[model], "--data-path", corpus, "--train-iters", str(ITERS), "--load",
+                           str(ckpt), "--metrics-file", str(metrics))
+    assert code == 0, err
+    assert_same_curve(losses(metrics), {i: want[i] for i in range(first, ITERS + 1)})
+    return out
+
+
+@pytest.mark.multiprocess
+@pytest.mark.feature("pipeline-parallel")
+@pytest.mark.feature("virtual-pipeline")
+@pytest.mark.feature("noop-layers")
+def test_pipelines_on_two_ranks_equal_one_process(capsys, framework, corpus, single, tmp_path):  # noqa: F811
+    """PP2 (saving), interleaved, no-op layers, an uneven split, tied embeddings, and a PP2 run
+    started from a single-process checkpoint: one launch."""
+    from_single = ["pp2-from-single", [*MODELS["base"], *PP, "2", "--data-path", corpus, "--train-iters", str(ITERS),
+                                       "--load", str(single["base"]["ckpt5"])]]
+    table = {}
+    out = run_configs(framework, 2, TWO, corpus, tmp_path, extra=[from_single])
+    check_parity(out, TWO, single, table)
+    # a PP2 checkpoint continues on one process
+    text = resume_single(capsys, corpus, iteration_only(out / "ckpt-pp2", 5, tmp_path / "pp2-5"), "base", tmp_path,
+                         single["base"]["losses"], 6)
+    assert "PP=2" in text
+    # and a single-process checkpoint started a PP2 run from the same weights
+    assert_same_curve(losses(out / "pp2-from-single.jsonl"), {i: single["base"]["losses"][i] for i in range(6, 11)})
+    print("parity (max relative loss difference):", json.dumps(table))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.feature("pipeline-parallel")
+@pytest.mark.feature("tensor-parallel")
+@pytest.mark.feature("sequence-parallel")
+@pytest.mark.feature("data-parallel")
+@pytest.mark.feature("distributed-optimizer")
+def test_pipelines_on_four_ranks_equal_one_process(capsys, framework, corpus, single, tmp_path):  # noqa: F811
+    """PP4 (saving), TP2xPP2 with sequence parallelism and tied embeddings, PP2xDP2 with the
+    distributed optimizer: one launch; the PP4 checkpoint continues on one process."""
+    table = {}
+    out = run_configs(framework, 4, FOUR, corpus, tmp_path)
+    check_parity(out, FOUR, single, table)
+    text = resume_single(capsys, corpus, iteration_only(out / "ckpt-pp4", 5, tmp_path / "pp4-5"), "base", tmp_path,
+                         single["base"]["losses"], 6)
+    assert "PP=4" in text
+    print("parity (max relative loss difference):", json.dumps(table))
