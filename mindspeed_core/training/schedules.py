@@ -8,6 +8,7 @@ which schedule ran: the plain loop, or a pipeline schedule (1F1B, interleaved) b
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -134,13 +135,16 @@ class PipelineStage:
 
 
 def forward_backward_pipelining(stage: PipelineStage, program: list, micro_batches, scale: float = 1.0,
-                                float32_grads: bool = False, forward_only: bool = False) -> tuple[float, list]:
+                                float32_grads: bool = False, forward_only: bool = False,
+                                timeline: list | None = None) -> tuple[float, list]:
     """Run this rank's part of a pipeline program (pipeline_program()[stage.rank]).
 
     Returns the mean unscaled loss over the micro-batches (0.0 on ranks without the last
     stage: the caller sums it over the pipeline group) and the mean gradients of every
     chunk's parameters, chunk after chunk ([] when forward_only). The loss of a micro-batch
-    is normalised as without pipelining: the step's loss is the mean of the micro-batches'."""
+    is normalised as without pipelining: the step's loss is the mean of the micro-batches'.
+    ``timeline``: when a list, gets (F|B, start, end) per compute action and ("step", start,
+    end) for the whole program, in time.perf_counter seconds (benchmarks/bench_pipeline.py)."""
     features.note_used("pipeline-parallel")
     if stage.chunks > 1:
         features.note_used("virtual-pipeline")
@@ -149,6 +153,7 @@ def forward_backward_pipelining(stage: PipelineStage, program: list, micro_batch
     inbox, outbox, pending = {}, {}, {}
     grads = [None] * stage.chunks
     total_loss = 0.0
+    began = time.perf_counter()
     for instruction in program:
         kind = instruction[0]
         if kind == RECV:
@@ -159,6 +164,7 @@ def forward_backward_pipelining(stage: PipelineStage, program: list, micro_batch
             continue
         _, chunk, mb = instruction
         virtual = chunk * stage.pp + stage.rank
+        start = time.perf_counter()
         if kind == FORWARD:
             ids, labels = batches[mb]
             x = ids if virtual == 0 else inbox.pop(("activation", virtual, mb))
@@ -176,6 +182,8 @@ def forward_backward_pipelining(stage: PipelineStage, program: list, micro_batch
                 total_loss += float(ops.to_numpy(out)) / scale
             else:
                 outbox["activation", virtual + 1, mb] = out
+            if timeline is not None:
+                timeline.append((FORWARD, start, time.perf_counter()))
             continue
         # backward: the loss's own cotangent is one (it is already scaled), else the gradient
         # the next stage sent back
@@ -186,6 +194,10 @@ def forward_backward_pipelining(stage: PipelineStage, program: list, micro_batch
         if float32_grads:
             param_grads = [ops.cast(g, "float32") for g in param_grads]
         grads[chunk] = param_grads if grads[chunk] is None else [a + b for a, b in zip(grads[chunk], param_grads)]
+        if timeline is not None:
+            timeline.append((BACKWARD, start, time.perf_counter()))
+    if timeline is not None:
+        timeline.append(("step", began, time.perf_counter()))
     if inbox or outbox or pending:  # a program bug, never bad input
         raise RuntimeError(f"pipeline step left work behind: {sorted(inbox)} {sorted(outbox)} {sorted(pending)}")
     count = len(batches)

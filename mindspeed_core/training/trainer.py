@@ -224,6 +224,7 @@ class Trainer:
                                           self.ps.local_rank("dp"), self.ps.pp, self.ps.local_rank("pp"))
         self.grad_accum = self.sampler.micro_batches_per_step
         self.tokens_per_step = args.global_batch_size * args.seq_length
+        self.timeline = None  # a list to receive the pipeline schedule's timings (benchmarks)
 
     # -- set-up ------------------------------------------------------------------------------
     def describe(self) -> dict:
@@ -418,7 +419,8 @@ class Trainer:
                                                                    float32_grads=self.dtype != "float32")
         else:
             loss, grads = schedules.forward_backward_pipelining(self.stage, self.program, micro_batches,
-                                                                self.scaler.scale, float32_grads=self.dtype != "float32")
+                                                                self.scaler.scale, float32_grads=self.dtype != "float32",
+                                                                timeline=self.timeline)
             loss = distributed.over_pipeline(loss, self.ps)  # the last stage's; zero elsewhere
         grads = distributed.sum_partial_over_tp(grads, self.ps, self.plan.indices("partial"))
         grads = distributed.sum_kv_copies(grads, self.plan)

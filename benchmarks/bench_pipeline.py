@@ -1,0 +1,120 @@
+"""Pipeline bubble: measured idle fraction of each stage vs the analytical one.
+
+For each framework, P in {2, 4} pipeline ranks and m in {4, 8} micro-batches (and the
+interleaved schedule with V = 2 model chunks per rank), a tiny LLaMA trains a few steps.
+The schedule records when each forward and backward ran (training/schedules.py,
+``timeline``); a stage's bubble is 1 - (time computing) / (time of the schedule), averaged
+over the steps after the first and over the stages. Analytical: (P - 1) / (m + P - 1) for
+1F1B, (P - 1) / (V * m + P - 1) interleaved (a backward costing twice a forward does not
+change these fractions).
+
+On this machine all ranks share two CPU cores: with P = 4 two ranks compute at a time, so
+a "computing" stage may be waiting for a core and measured bubbles come out low. The figures
+are what this machine measures, printed as they are.
+
+usage: python benchmarks/bench_pipeline.py [--frameworks pytorch mindspore] [--steps 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+
+MODEL = ["--num-layers", "8", "--hidden-size", "128", "--num-attention-heads", "4", "--ffn-hidden-size", "352",
+         "--seq-length", "64", "--micro-batch-size", "2", "--lr", "1e-3", "--eval-iters", "0", "--no-progress",
+         "--sample-tokens", "0", "--log-interval", "1000"]
+
+
+def worker(argv: list[str]) -> None:
+    """One rank: train ``steps`` steps recording the schedule; rank 0 writes the bubbles."""
+    import contextlib
+    import io
+
+    from mindspeed_core import dist, runtime
+
+    runtime.bind()
+    from mindspeed_core.compat.megatron_args import training_parser
+    from mindspeed_core.training import distributed
+    from mindspeed_core.training.trainer import Trainer
+
+    out_file, steps, flags = argv[0], int(argv[1]), argv[2:]
+    with contextlib.redirect_stdout(io.StringIO()):
+        trainer = Trainer(training_parser().parse_args(flags))
+        trainer.build()
+        bubbles = []
+        for i in range(steps):
+            trainer.timeline = []
+            trainer.train_step(i)
+            if i == 0:
+                continue  # first step: allocation, group set-up
+            begin, end = next((t0, t1) for kind, t0, t1 in trainer.timeline if kind == "step")
+            busy = sum(t1 - t0 for kind, t0, t1 in trainer.timeline if kind != "step")
+            bubbles.append(1.0 - busy / (end - begin))
+    per_rank = distributed.gather_json(sum(bubbles) / len(bubbles), trainer.ps)
+    if dist.rank() == 0:
+        with open(out_file, "w") as fh:
+            json.dump(per_rank, fh)
+    dist.shutdown()
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(framework: str, pp: int, chunks: int, micro_batches: int, steps: int, data: str) -> float:
+    flags = [*MODEL, "--data-path", data, "--pipeline-model-parallel-size", str(pp), "--global-batch-size",
+             str(2 * micro_batches), "--train-iters", str(steps)]
+    if chunks > 1:
+        flags += ["--num-layers-per-virtual-pipeline-stage", str(8 // (pp * chunks))]
+    env = dict(os.environ, MINDSPEED_AI_FRAMEWORK=framework, OMP_NUM_THREADS="1")
+    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "bubbles.json")
+        script = [os.path.abspath(__file__), "--worker", out, str(steps), *flags]
+        if framework == "pytorch":
+            cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={pp}", f"--master-port={_port()}",
+                   *script]
+        else:
+            cmd = [os.path.join(os.path.dirname(sys.executable), "msrun"), f"--worker_num={pp}",
+                   f"--local_worker_num={pp}", f"--master_port={_port()}", "--join=True",
+                   f"--log_dir={os.path.join(tmp, 'logs')}", *script]
+        done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp)
+        if done.returncode:
+            raise SystemExit(f"{framework} P={pp} V={chunks} m={micro_batches} failed:\n{done.stdout[-3000:]}"
+                             f"{done.stderr[-3000:]}")
+        with open(out) as fh:
+            per_rank = json.load(fh)
+    return sum(per_rank) / len(per_rank)
+
+
+def main() -> None:
+    if sys.argv[1:2] == ["--worker"]:
+        worker(sys.argv[2:])
+        return
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--frameworks", nargs="+", default=["pytorch", "mindspore"])
+    parser.add_argument("--steps", type=int, default=4)
+    args = parser.parse_args()
+    from mindspeed_core.data.corpus import build_stdlib_corpus
+
+    data = build_stdlib_corpus()
+    print("| framework | P | V | m | measured bubble | analytical |")
+    print("|---|---|---|---|---|---|")
+    for framework in args.frameworks:
+        for pp in (2, 4):
+            for chunks in (1, 2):
+                for m in (4, 8):
+                    measured = run(framework, pp, chunks, m, args.steps, data)
+                    analytical = (pp - 1) / (chunks * m + pp - 1)
+                    print(f"| {framework} | {pp} | {chunks} | {m} | {measured:.3f} | {analytical:.3f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
