@@ -7,6 +7,7 @@ transformers loads. Supported model types: llama, mistral, qwen2, qwen3, gpt2.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -333,8 +334,26 @@ def load_folder(folder: str) -> tuple[ModelConfig, dict]:
     return cfg, {k: np.asarray(v, dtype=np.float32) for k, v in state.items()}
 
 
+def _without_noop_layers(cfg: ModelConfig, state: dict) -> tuple[ModelConfig, dict]:
+    """A Hugging Face model has no no-op layers: number the real ones 0, 1, ... (as
+    MindSpeed-LLM's converter drops them)."""
+    if not cfg.noop_layers:
+        return cfg, state
+    real = [i for i in range(cfg.num_layers) if i not in cfg.noop_layers]
+    index = {layer: j for j, layer in enumerate(real)}
+    renamed = {}
+    for name, value in state.items():
+        if name.startswith("decoder.layers."):
+            layer, rest = name[len("decoder.layers."):].split(".", 1)
+            name = f"decoder.layers.{index[int(layer)]}.{rest}"
+        renamed[name] = value
+    return dataclasses.replace(cfg, num_layers=len(real), noop_layers=()), renamed
+
+
 def save_folder(folder: str, cfg: ModelConfig, state: dict, max_shard_bytes: int | None = None) -> None:
-    """Write config.json and safetensors (sharded with an index past max_shard_bytes)."""
+    """Write config.json and safetensors (sharded with an index past max_shard_bytes) from a
+    whole model's state in our names."""
+    cfg, state = _without_noop_layers(cfg, state)
     os.makedirs(folder, exist_ok=True)
     hf = {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in to_hf_state(cfg, state).items()}
     with open(os.path.join(folder, "config.json"), "w") as fh:
@@ -375,6 +394,6 @@ def load_model(folder: str):
 
 
 def save_model(model, folder: str, max_shard_bytes: int | None = None) -> None:
-    from mindspeed_core import nn
+    from mindspeed_core.models.gpt import whole_state
 
-    save_folder(folder, model.cfg, nn.state_dict(model), max_shard_bytes)
+    save_folder(folder, model.cfg, whole_state(model), max_shard_bytes)

@@ -93,3 +93,22 @@ def test_unsupported_configs_are_refused_naming_the_key(references, tmp_path, ch
     out = subprocess.run([sys.executable, "-m", "mindspeed_core.cli", "train", "--load-hf", str(folder), "--dry-run"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and key in out.stderr and out.stderr.count("\n") == 1, out.stderr
+
+
+@pytest.mark.feature("noop-layers")
+def test_noop_layers_are_dropped_on_export_and_the_function_is_kept(tmp_path):
+    from mindspeed_core import random
+    from mindspeed_core.models.config import ModelConfig
+    from mindspeed_core.models.gpt import GPTModel
+
+    random.seed(3)
+    cfg = ModelConfig(vocab_size=64, hidden_size=32, num_layers=4, num_attention_heads=4, ffn_hidden_size=64,
+                      max_position_embeddings=16, noop_layers=(1, 3))
+    model = GPTModel(cfg)
+    assert model.parameter_names()[2].startswith("decoder.layers.0.") and any(
+        n.startswith("decoder.layers.2.") for n in model.parameter_names())  # real layers keep their positions
+    hf.save_model(model, str(tmp_path))
+    loaded_cfg, _ = hf.load_folder(str(tmp_path))
+    assert loaded_cfg.num_layers == 2 and loaded_cfg.noop_layers == ()
+    ids = ops.tensor(np.arange(12).reshape(1, 12) % 64)
+    np.testing.assert_array_equal(ops.to_numpy(hf.load_model(str(tmp_path))(ids)), ops.to_numpy(model(ids)))
