@@ -77,7 +77,7 @@ def run(framework: str, pp: int, chunks: int, micro_batches: int, steps: int, da
     env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "bubbles.json")
-        script = [os.path.abspath(__file__), "--worker", out, str(steps), *flags]
+        script = [os.path.abspath(__file__), "rank-worker", out, str(steps), *flags]  # msrun owns --options
         if framework == "pytorch":
             cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={pp}", f"--master-port={_port()}",
                    *script]
@@ -95,7 +95,7 @@ def run(framework: str, pp: int, chunks: int, micro_batches: int, steps: int, da
 
 
 def main() -> None:
-    if sys.argv[1:2] == ["--worker"]:
+    if sys.argv[1:2] == ["rank-worker"]:
         worker(sys.argv[2:])
         return
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
