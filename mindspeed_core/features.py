@@ -91,9 +91,10 @@ _NPU_ONLY = "fuses matmul with communication in Ascend kernels; NPU only"
 _UNTESTED = "bound, untested (no such device here)"
 
 # MindSpore's CPU runtime has no Send/Receive: a transfer is a sum all-reduce over the pair's
-# group with the receiver's slot zero (exact), carrying the bytes as 16-bit lanes in float32
+# group with the receiver's slot zero (exact), carrying the bytes as 16-bit lanes in float32;
+# and PyNative keeps one recorded forward, so a pipeline backward may replay its forward
 _P2P_EMULATED = ("send/recv emulated by a sum all-reduce over the two ranks' group (exact; 2x the payload "
-                 "on the wire)")
+                 "on the wire); a backward whose forward is not the newest replays it first")
 
 FEATURES: tuple[Feature, ...] = (
     # ---- parallelism --------------------------------------------------------------------
