@@ -12,6 +12,7 @@ averaged over data-parallel ranks, clipped by the global norm, and AdamW takes t
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import sys
@@ -315,19 +316,20 @@ class Trainer:
                                            send=lambda x, to: dist.send(x, peer(to)),
                                            recv=lambda src: dist.recv(hidden, self.dtype, peer(src)))
 
-        self.stage, self.eval_stage = stage(self._stage_forward), stage(self._stage_eval_forward)
+        self.stage = stage(self._stage_forward)
+        self.eval_stage = stage(functools.partial(self._stage_forward, scaled=False))
         pp_rank = ps.local_rank("pp")
         self.program = schedules.pipeline_program(ps.pp, self.layout.chunks, self.grad_accum)[pp_rank]
         self.eval_program = schedules.pipeline_program(ps.pp, self.layout.chunks, max(args.eval_iters, 1),
                                                        forward_only=True)[pp_rank]
 
-    def _stage_forward(self, chunk: int, x, labels):
+    def _stage_forward(self, chunk: int, x, labels, scaled: bool = True):
+        """One model chunk; with labels (the last stage) the loss, scaled for training."""
         out = self.chunks[chunk](x)
-        return out if labels is None else self.scaler.scale_loss(self.chunks[chunk].loss_from_logits(out, labels))
-
-    def _stage_eval_forward(self, chunk: int, x, labels):
-        out = self.chunks[chunk](x)
-        return out if labels is None else self.chunks[chunk].loss_from_logits(out, labels)
+        if labels is None:
+            return out
+        loss = self.chunks[chunk].loss_from_logits(out, labels)
+        return self.scaler.scale_loss(loss) if scaled else loss
 
     def optimizer_bytes_unsharded(self) -> int:
         """What plain AdamW would hold on this rank: two fp32 moments per local parameter,
@@ -375,16 +377,15 @@ class Trainer:
             return
         try:
             self.scaler.load_state(state)
-            ranks, layout = state["rng"], state["layout"]
+            ranks, layout = state["rng"], {"pp": 1, **state["layout"]}  # saved before PP: one stage
             here = self._layout()
             if state["framework"] != runtime.bound().NAME:  # generator states are framework-specific
                 self.say(f"RNG states were saved on {state['framework']}: dropout draws start afresh on "
                          f"{runtime.bound().NAME}")
-            elif {"pp": 1, **layout} == here:
+            elif layout == here:
                 random.set_state(ranks[self.ps.rank]["default"])
                 random.tracker().set_states(ranks[self.ps.rank]["tracker"])
             else:  # the shared stream carries over; per-rank tensor-parallel streams start afresh
-                layout = {"pp": 1, **layout}
                 random.set_state(ranks[0]["default"])
                 if any(r["tracker"] for r in ranks):
                     self.say(f"saved at TP={layout.get('tp')} DP={layout.get('dp')} PP={layout.get('pp')}, resumed at "
