@@ -142,7 +142,8 @@ SMALL4 = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "
           "--ffn-hidden-size", "128", "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
           "--lr", "3e-3", "--min-lr", "3e-4", "--lr-warmup-iters", "2", "--eval-iters", "0", "--log-interval", "1",
           "--make-vocab-size-divisible-by", "8", "--no-progress", "--seed", "7", "--sample-tokens", "0"]
-MODELS = {"base": SMALL4, "noop": SMALL4 + ["--noop-layers", "3"],
+MODELS = {"base": SMALL4 + ["--eval-iters", "2", "--eval-interval", "5", "--split", "90,10,0"],  # evaluation runs forward-only too
+          "noop": SMALL4 + ["--noop-layers", "3"],
           "tied": SMALL4 + ["--model-name", "tiny-gpt2", "--num-query-groups", "4"]}
 ITERS = 10
 PP = ["--pipeline-model-parallel-size"]
@@ -182,10 +183,15 @@ def single(corpus, tmp_path_factory):  # noqa: F811
             ckpt = root / f"ckpt-{name}"
             assert cli.main(["train", *flags, "--metrics-file", str(root / f"{name}.jsonl"), "--save", str(ckpt),
                              "--save-interval", "5"]) == 0
-        out[name] = {"losses": losses(root / f"{name}.jsonl"),
+        out[name] = {"losses": losses(root / f"{name}.jsonl"), "eval": eval_losses(root / f"{name}.jsonl"),
                      "grads": {n: np.asarray(g) for n, g in zip(trainer.names, map(_numpy, grads))},
                      "ckpt5": iteration_only(ckpt, 5, root / f"ckpt5-{name}")}
+    assert sorted(out["base"]["eval"]) == [5, 10]  # so the pipelined evaluation is compared
     return out
+
+
+def eval_losses(path):
+    return {r["iteration"]: r["eval_loss"] for r in map(json.loads, open(path)) if "eval_loss" in r}
 
 
 def _numpy(x):
@@ -219,6 +225,8 @@ def check_parity(out, configs, single, table):
         want = single[model]
         got = losses(out / f"{name}.jsonl")
         assert_same_curve(got, want["losses"])
+        if want["eval"]:
+            assert_same_curve(eval_losses(out / f"{name}.jsonl"), want["eval"])
         grads = np.load(out / f"{name}-grads.npz")
         assert sorted(grads.files) == sorted(want["grads"])
         worst = max(float(np.max(np.abs(grads[n] - g)) / max(float(np.max(np.abs(g))), 1e-12))
