@@ -125,7 +125,27 @@ def grouped_matmul(x, weight, group_sizes):
     return outs[0] if len(outs) == 1 else ops.cat(outs, dim=0)
 
 
-FUSED = ("rms_norm", "layer_norm", "swiglu", "apply_rotary", "attention", "matmul_add", "grouped_matmul")
+def adamw_step(weights, grads, exp_avgs, exp_avg_sqs, lr, beta1, beta2, eps, weight_decays, step):
+    """One AdamW step (decoupled weight decay, bias correction; torch.optim.AdamW's formula)
+    on lists of float32 tensors; returns the new (weights, exp_avgs, exp_avg_sqs)."""
+    ops = _ops()
+    c1, c2 = 1.0 - beta1 ** step, 1.0 - beta2 ** step
+    step_size, root_c2 = lr / c1, math.sqrt(c2)
+    new_w, new_m, new_v = [], [], []
+    for w, g, m, v, wd in zip(weights, grads, exp_avgs, exp_avg_sqs, weight_decays):
+        m = m * beta1 + g * (1.0 - beta1)
+        v = v * beta2 + g * g * (1.0 - beta2)
+        if wd:
+            w = w * (1.0 - lr * wd)
+        denom = ops.sqrt(v) * (1.0 / root_c2) + eps
+        new_w.append(w - m * step_size / denom)
+        new_m.append(m)
+        new_v.append(v)
+    return new_w, new_m, new_v
+
+
+FUSED = ("rms_norm", "layer_norm", "swiglu", "apply_rotary", "attention", "matmul_add", "grouped_matmul",
+         "adamw_step")
 
 
 def bind_fused(namespace: dict, native: dict) -> dict:

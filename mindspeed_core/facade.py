@@ -5,7 +5,7 @@ arithmetic operators ``+ - * / @``, comparison-free indexing/slicing, ``.shape``
 ``len``), so they run unchanged on PyTorch and MindSpore. Dtypes are named by strings:
 float32, float64, float16, bfloat16, int32, int64, int8, uint8, bool. Tensors are the
 framework's own; the facade is functional (no in-place updates) except where a name ends
-in ``_`` (initializers) or is ``nn.assign``.
+in ``_`` (initializers), ``nn.assign``, and ``ops.adamw_step``, whose inputs are consumed.
 
 The conformance suite (tests/) checks that both backends provide every name below and that
 each one is exercised by a test; the one-line contracts are the documentation.
@@ -78,6 +78,10 @@ SPEC = {
                       "added; causal aligned bottom-right"),
         "matmul_add": "matmul_add(a, b, acc): acc + a @ b computed in float32 (gradient accumulation)",
         "grouped_matmul": "grouped_matmul(x [T, in], weight [E, in, out], group_sizes [E]): rows of each group times its weight",
+        "adamw_step": ("adamw_step(weights, grads, exp_avgs, exp_avg_sqs, lr, beta1, beta2, eps, weight_decays, "
+                       "step) -> (weights, exp_avgs, exp_avg_sqs): one AdamW step (torch's formula, bias-corrected) "
+                       "over lists of float32 tensors, weight_decays one float per tensor; the inputs are consumed "
+                       "(a fused kernel updates them in place and returns them)"),
         "implementations": "implementations() -> {fused op: 'native' | 'composite'} on the selected device",
     },
     "nn": {

@@ -201,6 +201,11 @@ FEATURES: tuple[Feature, ...] = (
             planned("the facade's ops.matmul_add exists; the linear layers' backward does not accumulate with it"),
             planned("the facade's ops.matmul_add exists; the linear layers' backward does not accumulate with it"),
             _on("gemm_gradient_accumulation_fusion")),
+    Feature("fused-adamw", "Fused AdamW step (always on, as MindSpeed's fused Adam)", "fused-ops", (),
+            supported("torch._fused_adamw_ (CPU and CUDA kernel)",
+                      npu=supported(f"torch._fused_adamw_ as torch_npu provides it; {_UNTESTED}")),
+            supported("AdamWeightDecay kernel, bias correction folded into its learning rate and epsilon",
+                      npu=supported(f"AdamWeightDecay; {_UNTESTED}"))),
     # ---- communication ----------------------------------------------------------------------
     Feature("collectives", "Collectives: all-reduce, all-gather, reduce-scatter, all-to-all, broadcast, send/recv",
             "communication", (),

@@ -325,8 +325,23 @@ def _npu_kernels():
     }
 
 
+def _native_adamw_step(weights, grads, exp_avgs, exp_avg_sqs, lr, beta1, beta2, eps, weight_decays, step):
+    # torch's fused AdamW kernel (CPU and CUDA): one call per weight-decay value, in place
+    groups: dict = {}
+    for i, wd in enumerate(weight_decays):
+        groups.setdefault(float(wd), []).append(i)
+    with torch.no_grad():
+        for wd, idx in groups.items():
+            torch._fused_adamw_([weights[i] for i in idx], [grads[i] for i in idx], [exp_avgs[i] for i in idx],
+                                [exp_avg_sqs[i] for i in idx], [],
+                                [torch.tensor(float(step)) for _ in idx], lr=lr, beta1=beta1,
+                                beta2=beta2, weight_decay=wd, eps=eps, amsgrad=False, maximize=False)
+    return weights, exp_avgs, exp_avg_sqs
+
+
 def _native_kernels(device_type: str) -> dict:
     native = {
+        "adamw_step": _native_adamw_step,
         "rms_norm": _native_rms_norm,
         "layer_norm": _native_layer_norm,
         "attention": _native_attention,

@@ -24,7 +24,7 @@ import numpy as np
 from mindspeed_core import autograd, dist, features, nn, ops
 from mindspeed_core.errors import CheckpointError
 from mindspeed_core.training.distributed import over_pipeline
-from mindspeed_core.training.optimizer import adam_update, no_weight_decay
+from mindspeed_core.training.optimizer import adamw, no_weight_decay
 
 
 class DistributedAdamW:
@@ -96,13 +96,15 @@ class DistributedAdamW:
     def step(self, g, lr: float, scale: float = 1.0) -> None:
         features.note_used("distributed-optimizer")
         self.steps += 1
-        b1, b2 = self.betas
-        c1, c2 = 1 - b1 ** self.steps, 1 - b2 ** self.steps
         with autograd.no_grad():
             if scale != 1.0:
                 g = g * scale
-            self.master, self.exp_avg, self.exp_avg_sq = adam_update(
-                self.master, g, self.exp_avg, self.exp_avg_sq, lr, self.decay, self.betas, self.eps, c1, c2)
+            # decoupled weight decay first (per element: the flat shard mixes decayed and
+            # undecayed parameters), then the fused step without decay: the same update, as
+            # Adam's term does not read the weights
+            master = self.master - self.master * (self.decay * lr)
+            (self.master,), (self.exp_avg,), (self.exp_avg_sq,) = adamw(
+                [master], [g], [self.exp_avg], [self.exp_avg_sq], lr, [0.0], self.betas, self.eps, self.steps)
             for (_, p), value in zip(self.named, self._unflatten(self._gather(self.master))):
                 nn.assign(p, value)
 

@@ -4,18 +4,16 @@ from __future__ import annotations
 
 import math
 
-from mindspeed_core import autograd, nn, ops
+from mindspeed_core import autograd, features, nn, ops
 
 
-def adam_update(w, g, m, v, lr, weight_decay, betas, eps, c1, c2):
-    """One decoupled-weight-decay Adam update; ``weight_decay`` is a number or a per-element
-    tensor (the distributed optimizer's flat shards mix decayed and undecayed parameters)."""
-    b1, b2 = betas
-    m = m * b1 + g * (1 - b1)
-    v = v * b2 + g * g * (1 - b2)
-    if not isinstance(weight_decay, (int, float)) or weight_decay:
-        w = w - w * (weight_decay * lr)
-    return w - (m / c1) / (ops.sqrt(v / c2) + eps) * lr, m, v
+def adamw(weights, grads, exp_avgs, exp_avg_sqs, lr: float, weight_decays, betas, eps: float, step: int):
+    """One AdamW step through the facade's fused op (the device's kernel where one is bound);
+    returns the new (weights, exp_avgs, exp_avg_sqs); the inputs are consumed."""
+    if ops.implementations()["adamw_step"] == "native":
+        features.note_used("fused-adamw")
+    return ops.adamw_step(weights, [ops.cast(g, "float32") for g in grads], exp_avgs, exp_avg_sqs, lr, betas[0],
+                          betas[1], eps, weight_decays, step)
 
 
 def no_weight_decay(name: str, param) -> bool:
@@ -71,20 +69,20 @@ class AdamW:
         return 4 * sum(ops.numel(t) for t in tensors)
 
     def step(self, grads, lr: float, scale: float = 1.0) -> None:
-        if scale != 1.0:
-            grads = [g * scale for g in grads]
         self.steps += 1
-        b1, b2 = self.betas
-        c1, c2 = 1 - b1 ** self.steps, 1 - b2 ** self.steps
         with autograd.no_grad():
-            for i, (_, p) in enumerate(self.named):
-                w = autograd.detach(p) if self.master[i] is None else self.master[i]
-                w, m, v = adam_update(w, ops.cast(grads[i], "float32"), self.exp_avg[i], self.exp_avg_sq[i], lr,
-                                      self.weight_decay if self.decay[i] else 0.0, self.betas, self.eps, c1, c2)
-                self.exp_avg[i], self.exp_avg_sq[i] = m, v
+            if scale != 1.0:
+                grads = [g * scale for g in grads]
+            # an fp32 parameter is updated itself (in place where the kernel is fused)
+            weights = [p if w is None else w for (_, p), w in zip(self.named, self.master)]
+            decays = [self.weight_decay if d else 0.0 for d in self.decay]
+            weights, self.exp_avg, self.exp_avg_sq = adamw(weights, grads, self.exp_avg, self.exp_avg_sq, lr,
+                                                           decays, self.betas, self.eps, self.steps)
+            for i, ((_, p), w) in enumerate(zip(self.named, weights)):
                 if self.master[i] is not None:
                     self.master[i] = w
-                nn.assign(p, w)
+                if w is not p:
+                    nn.assign(p, w)
 
     def state(self) -> dict:
         out = {}
