@@ -102,6 +102,10 @@ def add_feature_args(parser: argparse.ArgumentParser) -> None:
     f.add_argument("--moe-grouped-gemm", action="store_true")
     f.add_argument("--gemm-gradient-accumulation-fusion", action="store_true")
 
+    f.add_argument("--compile", action="store_true",
+                   help="compile the loss and its gradient (torch.compile / mindspore.jit); the first step pays "
+                        "the compilation")
+
     c = parser.add_argument_group("communication")
     c.add_argument("--overlap-grad-reduce", action="store_true")
     c.add_argument("--overlap-param-gather", action="store_true")

@@ -104,6 +104,10 @@ SPEC = {
     "autograd": {
         "value_and_grad": "value_and_grad(fn, params, has_aux=False) -> f(*args) -> (value, [grad per param])",
         "vjp": "vjp(fn, inputs, params=()) -> (outputs, backward(cotangents) -> (input grads, param grads))",
+        "compiled_value_and_grad": ("compiled_value_and_grad(fn, params, module) -> f(*tensors) -> (value, [grad per "
+                                    "param]): value_and_grad with fn's forward and backward compiled (torch.compile; "
+                                    "mindspore.jit trace capture); fn reads params from module; compiled once per "
+                                    "input shape, the first call pays the compilation"),
         "Function": "Function: subclass with static forward(ctx, *args) and backward(ctx, *grads); call .apply(*args)",
         "no_grad": "no_grad(): context manager without gradient recording",
         "detach": "detach(x): the same values, cut from the graph",

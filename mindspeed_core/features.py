@@ -206,6 +206,26 @@ FEATURES: tuple[Feature, ...] = (
                       npu=supported(f"torch._fused_adamw_ as torch_npu provides it; {_UNTESTED}")),
             supported("AdamWeightDecay kernel, bias correction folded into its learning rate and epsilon",
                       npu=supported(f"AdamWeightDecay; {_UNTESTED}"))),
+    # ---- compilation --------------------------------------------------------------------------
+    Feature("compile", "Compiled training step (--compile)", "compilation", ("--compile",),
+            supported("torch.compile (Inductor) of the loss; AOTAutograd compiles its backward"),
+            supported("mindspore.jit trace capture of the loss, parameters as graph inputs; the backward is "
+                      "MindSpore's autodiff of the traced graph; no dropout (the masks would be frozen)"),
+            _on("compile")),
+    Feature("compile-tensor-parallel", "Compiled step with tensor (and sequence) parallelism", "compilation",
+            ("--compile", "--tensor-model-parallel-size"),
+            supported("the collectives' autograd Functions run inside the compiled graph"),
+            unsupported("trace capture ignores a Cell's hand-written bprop, so the tensor-parallel collectives "
+                        "would get the wrong backward", instead="--compile with data parallelism only, or tensor "
+                        "parallelism without --compile"),
+            lambda a: bool(getattr(a, "compile", False)) and (a.tensor_model_parallel_size or 1) > 1),
+    Feature("compile-pipeline", "Compiled step with pipeline parallelism", "compilation",
+            ("--compile", "--pipeline-model-parallel-size"),
+            planned("the pipeline schedule runs each stage through vjp; compiled stages are not built yet",
+                    instead="pipeline parallelism without --compile"),
+            planned("the pipeline schedule runs each stage through vjp; compiled stages are not built yet",
+                    instead="pipeline parallelism without --compile"),
+            lambda a: bool(getattr(a, "compile", False)) and (a.pipeline_model_parallel_size or 1) > 1),
     # ---- communication ----------------------------------------------------------------------
     Feature("collectives", "Collectives: all-reduce, all-gather, reduce-scatter, all-to-all, broadcast, send/recv",
             "communication", (),

@@ -45,6 +45,49 @@ def value_and_grad(fn, params, has_aux: bool = False):
     return run
 
 
+def compiled_value_and_grad(fn, params, module):
+    """value_and_grad of ``mindspore.jit(fn, capture_mode="trace")``.
+
+    Two things trace capture gets wrong, measured (tests/test_compile.py):
+    - parameters that fn reads from cells become constants of the graph, so later updates
+      (in place or by set_data) are not seen: here each parameter is passed to the graph as
+      an input, substituted into its cell while fn is traced;
+    - a Cell's hand-written ``bprop`` is ignored (the forward is differentiated instead):
+      the trainer refuses --compile where the model relies on one (collectives' adjoints
+      under tensor parallelism), and compares compiled with eager gradients on the first
+      step of every compiled run.
+    """
+    params = list(params)
+    position = {id(p): i for i, p in enumerate(params)}
+    slots = [(cell, name, position[id(p)]) for _, cell in module.cells_and_names()
+             for name, p in cell._params.items() if p is not None and id(p) in position]
+    if {i for _, _, i in slots} != set(range(len(params))):
+        raise ValueError("compiled_value_and_grad: some params are not parameters of module")
+
+    def with_weights(*args):
+        inputs, weights = args[:len(args) - len(params)], args[len(args) - len(params):]
+        for cell, name, i in slots:
+            cell._params[name] = weights[i]
+        try:
+            return fn(*inputs)
+        finally:
+            for cell, name, i in slots:
+                cell._params[name] = params[i]
+
+    compiled = ms.jit(with_weights, capture_mode="trace")
+    cache: dict = {}
+
+    def run(*args):
+        n = len(args)
+        if n not in cache:
+            cache[n] = ms.value_and_grad(compiled, tuple(range(n, n + len(params))))
+        _recorded[0] += 1
+        value, grads = cache[n](*args, *params)
+        return value, list(grads) if isinstance(grads, (tuple, list)) else [grads]  # one position: a bare tensor
+
+    return run
+
+
 def vjp(fn, inputs, params=()):
     """Run ``fn(*inputs)`` and return (outputs, backward); see the torch backend.
 

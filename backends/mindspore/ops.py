@@ -85,7 +85,9 @@ def ones_like(x, dtype=None):
 def arange(start, end=None, step=1, dtype="int64"):
     if end is None:
         start, end = 0, start
-    return P.arange(start, end, step, dtype=_dt(dtype))
+    # built on the host: the bounds are Python numbers, and P.arange fails under jit's trace
+    # capture (--compile)
+    return ms.Tensor(np.arange(start, end, step), dtype=_dt(dtype))
 
 
 def cast(x, dtype):

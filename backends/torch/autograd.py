@@ -32,6 +32,17 @@ def value_and_grad(fn, params, has_aux: bool = False):
     return run
 
 
+def compiled_value_and_grad(fn, params, module):
+    """value_and_grad of ``torch.compile(fn)``: Inductor compiles the forward, AOTAutograd
+    the backward. ``module`` is not needed on PyTorch (parameters are graph inputs)."""
+    import torch._inductor.config as inductor
+
+    # random ops draw from the eager generator, so a compiled step with dropout makes the
+    # same draws as an eager one (the trainer compares the two on the first step)
+    inductor.fallback_random = True
+    return value_and_grad(torch.compile(fn, dynamic=False), params)
+
+
 def vjp(fn, inputs, params=()):
     """Run ``fn(*inputs)`` and return (outputs, backward).
 

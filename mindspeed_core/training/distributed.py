@@ -85,6 +85,14 @@ def average_over_dp(grads: list, ps) -> list:
     return grads
 
 
+def sum_of_squares(x):
+    """sum(x * x) in float32, as a scalar tensor. Written as a [1, n] x [n, 1] matmul: a
+    plain reduction over 26M elements takes ~150-200 ms on MindSpore's CPU kernels, the
+    matmul 46 ms (torch: equal either way)."""
+    flat = ops.reshape(ops.cast(x, "float32"), (1, -1))
+    return ops.reshape(ops.matmul(flat, ops.transpose(flat, 0, 1)), ())
+
+
 def grad_norm_squared(grads: list, sharded: list[bool], ps, weights: list | None = None) -> float:
     """Squared global L2 norm: sharded pieces summed over tensor-parallel ranks, replicated
     ones counted once, every pipeline stage's part summed; ``weights`` masks elements that
@@ -93,7 +101,7 @@ def grad_norm_squared(grads: list, sharded: list[bool], ps, weights: list | None
         grads = [g if w is None else g * w for g, w in zip(grads, weights)]
 
     def sumsq(items):
-        return ops.sum(ops.stack([ops.sum(ops.cast(g, "float32") ** 2) for g in items])) if items else None
+        return ops.sum(ops.stack([sum_of_squares(g) for g in items])) if items else None
 
     local = sumsq([g for g, s in zip(grads, sharded) if s])
     total = float(ops.to_numpy(dist.all_reduce(local, group=ps.group("tp")))) if local is not None else 0.0

@@ -23,7 +23,7 @@ import numpy as np
 
 from mindspeed_core import autograd, dist, features, nn, ops
 from mindspeed_core.errors import CheckpointError
-from mindspeed_core.training.distributed import over_pipeline
+from mindspeed_core.training.distributed import over_pipeline, sum_of_squares
 from mindspeed_core.training.optimizer import adamw, no_weight_decay
 
 
@@ -83,9 +83,9 @@ class DistributedAdamW:
         return dist.reduce_scatter(flat, group=self.ps.group("dp")) * (1.0 / self.ps.dp)
 
     def grad_norm(self, g) -> float:
-        sq = g * g * self.counted
-        on_tp = ops.sum(sq * self.tp_mask)
-        both = ops.stack([on_tp, ops.sum(sq) - on_tp])
+        counted = g * self.counted  # masks are 0/1, so squares of the masked gradient are the counted squares
+        on_tp = sum_of_squares(counted * self.tp_mask)
+        both = ops.stack([on_tp, sum_of_squares(counted) - on_tp])
         if self.ps.dp > 1:
             both = dist.all_reduce(both, group=self.ps.group("dp"))
         sharded, replicated = (float(x) for x in ops.to_numpy(both))

@@ -60,7 +60,7 @@ class AdamW:
         from mindspeed_core.training import distributed
 
         if self.ps is None:
-            return math.sqrt(float(ops.to_numpy(ops.sum(ops.stack([ops.sum(ops.cast(g, "float32") ** 2) for g in grads])))))
+            return math.sqrt(float(ops.to_numpy(ops.sum(ops.stack([distributed.sum_of_squares(g) for g in grads])))))
         return math.sqrt(distributed.grad_norm_squared(grads, self.sharded, self.ps, self.norm_weights))
 
     def state_bytes(self) -> int:

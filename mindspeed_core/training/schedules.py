@@ -29,7 +29,7 @@ def forward_backward_no_pipelining(grad_fn, micro_batches, scale: float = 1.0,
     if count == 0:
         raise ValueError("a step needs at least one micro-batch")
     if count > 1 or scale != 1.0:
-        grads = [g / (count * scale) for g in grads]
+        grads = [g * (1.0 / (count * scale)) for g in grads]  # a multiply: MindSpore's CPU Div is ~20x slower
     return total_loss / count, grads
 
 

@@ -1,0 +1,138 @@
+"""--compile: the compiled training step (torch.compile / mindspore.jit trace capture) gives
+the eager losses over 20 steps, on one process and with data and tensor parallelism; its
+first step is checked against eager gradients, and a wrong compiled gradient stops the run."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mindspeed_core import autograd, features, nn, ops, runtime
+from test_parallel import GQA, assert_same_curve, launch_train
+from test_training import corpus, losses, train  # noqa: F401  (corpus is a fixture)
+
+ITERS = 20
+FLAGS = [*GQA, "--use-flash-attn", "--use-fused-rmsnorm", "--use-fused-rotary-pos-emb", "--train-iters", str(ITERS)]
+FRAMEWORK = runtime.bound().NAME
+
+
+@pytest.fixture(scope="module")
+def eager(corpus, tmp_path_factory):  # noqa: F811
+    """The eager loss curve, one process."""
+    import contextlib
+    import io
+
+    from mindspeed_core import cli
+
+    path = tmp_path_factory.mktemp("eager") / "m.jsonl"
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert cli.main(["train", *FLAGS, "--data-path", corpus, "--metrics-file", str(path)]) == 0
+    return losses(path)
+
+
+@pytest.mark.feature("compile")
+def test_compiled_losses_equal_eager(capsys, corpus, eager, tmp_path):  # noqa: F811
+    metrics = tmp_path / "m.jsonl"
+    code, out, err = train(capsys, *FLAGS, "--compile", "--data-path", corpus, "--metrics-file", str(metrics))
+    assert code == 0, err
+    assert "first-step gradients match eager" in out, out
+    assert_same_curve(losses(metrics), eager)
+
+
+def _marks(*ids):
+    return [pytest.mark.multiprocess, *(pytest.mark.feature(i) for i in ids)]
+
+
+# One launch per framework: TP2 x DP2 with sequence parallelism and the distributed optimizer
+# on PyTorch; on MindSpore, where the matrix refuses --compile with tensor parallelism, DP2
+# with the distributed optimizer (and the refusal is tested below).
+if FRAMEWORK == "pytorch":
+    LAYOUT, RANKS, SAYS = ["--tensor-model-parallel-size", "2", "--sequence-parallel"], 4, "TP=2 DP=2"
+    MARKS = _marks("compile", "compile-tensor-parallel", "collectives", "tensor-parallel", "sequence-parallel",
+                   "data-parallel", "distributed-optimizer")
+else:
+    LAYOUT, RANKS, SAYS = [], 2, "TP=1 DP=2"
+    MARKS = _marks("compile", "collectives", "data-parallel", "distributed-optimizer")
+
+
+@pytest.mark.parametrize("layout", [pytest.param(LAYOUT, marks=MARKS, id=SAYS.replace(" ", "-"))])
+def test_compiled_parallel_run_equals_eager(framework, corpus, eager, tmp_path, layout):  # noqa: F811
+    metrics = tmp_path / "m.jsonl"
+    out = launch_train(framework, RANKS, [*FLAGS, *layout, "--compile", "--use-distributed-optimizer",
+                                          "--data-path", corpus, "--metrics-file", str(metrics)], tmp_path)
+    assert SAYS in out and "first-step gradients match eager" in out, out
+    assert_same_curve(losses(metrics), eager)
+
+
+def test_compiled_tensor_parallel_is_refused_exactly_where_the_matrix_says(capsys):
+    from mindspeed_core import cli
+
+    code = cli.main(["check-args", "--ai-framework", FRAMEWORK, "--compile", "--tensor-model-parallel-size", "2"])
+    err = capsys.readouterr().err
+    if features.get("compile-tensor-parallel").status(FRAMEWORK).kind == "supported":
+        assert code == 0, err
+    else:
+        assert code == 2 and "compile-tensor-parallel" in err and "bprop" in err, err
+
+
+def test_compiled_dropout_is_refused_where_trace_capture_would_freeze_it(capsys, corpus):  # noqa: F811
+    code, out, err = train(capsys, *FLAGS, "--compile", "--attention-dropout", "0.1", "--data-path", corpus,
+                           "--dry-run")
+    if FRAMEWORK == "mindspore":
+        assert code == 2 and "freeze the dropout masks" in err, err
+    else:
+        assert code == 0 and '"compile": true' in out, err
+
+
+class _Doubled(autograd.Function):
+    """Identity forward, doubled backward: what the tensor-parallel collectives look like to
+    a compiler (their backward is not the derivative of their forward)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 1.0
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * 2.0
+
+
+class _Scale(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(np.full(3, 3.0, np.float32))
+
+    def forward(self, x):
+        return ops.sum(_Doubled.apply(x * self.weight))
+
+
+def test_hand_written_backward_under_compile_is_what_the_matrix_says():
+    """The minimal reproduction behind the compile-tensor-parallel row: torch.compile keeps
+    a Function's backward; MindSpore's trace capture differentiates the forward instead."""
+    model = _Scale()
+    x = ops.ones((3,))
+    _, (eager,) = autograd.value_and_grad(model, [model.weight])(x)
+    _, (compiled,) = autograd.compiled_value_and_grad(model, [model.weight], model)(x)
+    np.testing.assert_allclose(ops.to_numpy(eager), [2.0, 2.0, 2.0])
+    honoured = np.allclose(ops.to_numpy(compiled), [2.0, 2.0, 2.0])
+    assert honoured == (features.get("compile-tensor-parallel").status(FRAMEWORK).kind == "supported"), \
+        ops.to_numpy(compiled)
+
+
+def test_a_wrong_compiled_gradient_stops_the_run(capsys, corpus, monkeypatch):  # noqa: F811
+    """A compiler whose gradients are off by 0.1% (an eager stand-in, so nothing is compiled)."""
+    from mindspeed_core.training import trainer
+
+    def slightly_wrong(fn, params, module):
+        run = autograd.value_and_grad(fn, params)
+
+        def wrapped(*args):
+            value, grads = run(*args)
+            return value, [g * 1.001 for g in grads]
+        return wrapped
+
+    shim = type("Autograd", (), {"__getattr__": lambda self, name: getattr(autograd, name),
+                                 "compiled_value_and_grad": staticmethod(slightly_wrong)})()
+    monkeypatch.setattr(trainer, "autograd", shim)
+    code, out, err = train(capsys, *FLAGS, "--compile", "--train-iters", "2", "--data-path", corpus)
+    assert code != 0 and "disagrees with eager" in err and "run without --compile" in err, (out, err)
