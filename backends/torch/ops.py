@@ -326,7 +326,12 @@ def _npu_kernels():
 
 
 def _native_adamw_step(weights, grads, exp_avgs, exp_avg_sqs, lr, beta1, beta2, eps, weight_decays, step):
-    # torch's fused AdamW kernel (CPU and CUDA): one call per weight-decay value, in place
+    # torch's fused AdamW kernel (CPU and CUDA): one call per weight-decay value, in place.
+    # The CPU kernel walks every tensor as if it were laid out like a contiguous one (a
+    # transposed gradient or a column slice of a loaded moment gives silently wrong
+    # updates; torch.optim checks layouts before calling it, we call it directly), so all
+    # inputs are made contiguous first and the contiguous tensors are what is returned.
+    weights, grads, exp_avgs, exp_avg_sqs = ([t.contiguous() for t in ts] for ts in (weights, grads, exp_avgs, exp_avg_sqs))
     groups: dict = {}
     for i, wd in enumerate(weight_decays):
         groups.setdefault(float(wd), []).append(i)
