@@ -39,7 +39,10 @@ def test_twenty_steps_match_across_frameworks(capsys, corpus, framework, tmp_pat
     a, b = losses(here), losses(there)
     assert sorted(a) == sorted(b) == list(range(1, 21))
     worst = max(rel(a[i], b[i]) for i in a)
-    assert worst < 2e-6, {i: (a[i], b[i]) for i in a}  # fp32; measured 4.7e-7
+    # fp32. Measured 2.5e-6: MindSpore's AdamWeightDecay kernel takes the bias corrections
+    # folded into lr and eps (same math, other rounding: 4.4e-7 with the composite step), and
+    # AdamW turns ulp-sized differences in small gradients into whole-step differences.
+    assert worst < 5e-6, {i: (a[i], b[i]) for i in a}
 
 
 def test_checkpoint_resumes_on_the_other_framework(capsys, corpus, framework, tmp_path):  # noqa: F811
