@@ -1,13 +1,24 @@
 #!/usr/bin/env python
-"""Training throughput: our trainer on PyTorch and on MindSpore, against Hugging Face
-transformers' LlamaForCausalLM with torch's AdamW, on one bench configuration.
+"""Training throughput, both frameworks, eager and compiled, against peers, in one run.
 
-Each contender runs in its own process; all figures come from this one run:
+    python benchmarks/bench_train.py [--models tiny,medium] [--rounds 3] [--steps 5] [--warmup 2]
+                                     [--only ours-pytorch,ours-pytorch-compile,...]
 
-    python benchmarks/bench_train.py [--steps 20] [--warmup 5] [--only pytorch,mindspore,transformers]
+Contenders (each run in its own process, every round, in alternating order):
+  ours-pytorch, ours-pytorch-compile      our trainer's step on PyTorch, eager / --compile
+  ours-mindspore, ours-mindspore-compile  the same on MindSpore
+  raw-torch                               the same LLaMA written in plain torch (facade overhead)
+  transformers, transformers-compile      LlamaForCausalLM + torch fused AdamW, eager / torch.compile
 
-Prints tokens/s, TFLOP/s, and MFU against each framework's own measured float32 matmul
-rate (n=1024), then the ratio ours / transformers.
+With --baseline DIR, ours-pytorch and ours-mindspore also run from an older version installed
+in DIR (`pip install --no-deps --target DIR <checkout>`), as ours-pytorch@baseline and
+ours-mindspore@baseline: a before/after in the same run.
+
+A step is forward, backward, gradient clipping and AdamW on one micro-batch. Each process
+times its first step (compilation included) apart from the rest, then measures its own
+framework's float32 matmul peak (n = 1024) after the timed steps. The table gives the median
+over rounds of tokens/s, of MFU (model FLOP/s over that process's own peak), and of the time
+to the first step; then the ratios the performance targets are stated in.
 """
 
 from __future__ import annotations
@@ -15,143 +26,247 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 
-BENCH = dict(num_layers=4, hidden_size=256, num_attention_heads=8, num_query_groups=4, ffn_hidden_size=704,
-             seq_length=256, micro_batch_size=8, vocab_size=512)
+MODELS = {
+    "tiny": dict(num_layers=4, hidden_size=256, num_attention_heads=8, num_query_groups=4, ffn_hidden_size=704,
+                 seq_length=256, micro_batch_size=8, vocab_size=512),
+    "medium": dict(num_layers=6, hidden_size=512, num_attention_heads=8, num_query_groups=4, ffn_hidden_size=1408,
+                   seq_length=256, micro_batch_size=8, vocab_size=8192),
+}
+CONTENDERS = ("ours-pytorch", "ours-pytorch-compile", "ours-mindspore", "ours-mindspore-compile", "raw-torch",
+              "transformers", "transformers-compile")
+LR = 1e-4
 
 
-def _cfg():
+def model_config(b):
     from mindspeed_core.models.config import ModelConfig
 
-    b = BENCH
     return ModelConfig(vocab_size=b["vocab_size"], hidden_size=b["hidden_size"], num_layers=b["num_layers"],
                        num_attention_heads=b["num_attention_heads"], num_query_groups=b["num_query_groups"],
-                       ffn_hidden_size=b["ffn_hidden_size"], max_position_embeddings=b["seq_length"])
+                       ffn_hidden_size=b["ffn_hidden_size"], max_position_embeddings=b["seq_length"],
+                       untie_embeddings_and_output_weights=True)
 
 
-def worker_ours(framework: str, steps: int, warmup: int) -> dict:
-    import numpy as np
-
-    from mindspeed_core import runtime
-
-    runtime.bind(framework)
-    from mindspeed_core import cli, device
-    from mindspeed_core.data import indexed
-
-    b = BENCH
-    tmp = tempfile.mkdtemp()
-    prefix = os.path.join(tmp, "random")
-    w = indexed.IndexedDatasetWriter(prefix, np.uint16)
-    rng = np.random.default_rng(0)
-    for _ in range(64):
-        w.add_document(rng.integers(0, 256, 4096))
-    w.finalize()
-    metrics = os.path.join(tmp, "m.jsonl")
-    argv = ["train", "--ai-framework", framework, "--data-path", prefix, "--split", "100,0,0", "--eval-iters", "0",
-            "--num-layers", str(b["num_layers"]), "--hidden-size", str(b["hidden_size"]),
-            "--num-attention-heads", str(b["num_attention_heads"]), "--num-query-groups", str(b["num_query_groups"]),
-            "--ffn-hidden-size", str(b["ffn_hidden_size"]), "--seq-length", str(b["seq_length"]),
-            "--micro-batch-size", str(b["micro_batch_size"]), "--train-iters", str(warmup + steps),
-            "--log-interval", str(warmup), "--make-vocab-size-divisible-by", str(b["vocab_size"]),
-            "--lr", "1e-4", "--no-progress", "--metrics-file", metrics,
-            # every fused kernel the device has, as MindSpeed-LLM's scripts do
-            "--use-flash-attn", "--use-fused-rmsnorm", "--use-fused-swiglu", "--use-fused-rotary-pos-emb"]
-    if steps % warmup:
-        raise SystemExit("--steps must be a multiple of --warmup (the log windows)")
-    with open(os.devnull, "w") as null:
-        stdout, sys.stdout = sys.stdout, null
-        try:
-            code = cli.main(argv)
-        finally:
-            sys.stdout = stdout
-    if code:
-        raise SystemExit(f"training failed with exit code {code}")
-    windows = [json.loads(line) for line in open(metrics)][1:]  # the first window is warm-up
-    tps = sum(r["tokens_per_s"] for r in windows) / len(windows)
-    return {"tokens_per_s": tps, "peak_flops": device.matmul_rate(n=1024, min_seconds=1.0)}
-
-
-def worker_transformers(steps: int, warmup: int) -> dict:
-    import torch
-    import transformers as T
-
-    from mindspeed_core import runtime
-
-    runtime.bind("pytorch")
-    from mindspeed_core import device
-
-    b = BENCH
-    T.logging.set_verbosity_error()
-    torch.manual_seed(0)
-    config = T.LlamaConfig(vocab_size=b["vocab_size"], hidden_size=b["hidden_size"], intermediate_size=b["ffn_hidden_size"],
-                           num_hidden_layers=b["num_layers"], num_attention_heads=b["num_attention_heads"],
-                           num_key_value_heads=b["num_query_groups"], max_position_embeddings=b["seq_length"])
-    model = T.LlamaForCausalLM(config).float().train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
-    ids = torch.randint(0, 256, (b["micro_batch_size"], b["seq_length"] + 1))
-
-    def step():
-        logits = model(input_ids=ids[:, :-1]).logits
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, b["vocab_size"]), ids[:, 1:].reshape(-1))
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return float(loss)
-
+def _timed(step, steps: int, warmup: int) -> dict:
+    """First step (compilation included), then warm-up, then the timed steps."""
+    start = time.perf_counter()
+    step()
+    first = time.perf_counter() - start
     for _ in range(warmup):
         step()
     start = time.perf_counter()
     for _ in range(steps):
         step()
-    elapsed = time.perf_counter() - start
-    return {"tokens_per_s": steps * b["micro_batch_size"] * b["seq_length"] / elapsed,
-            "peak_flops": device.matmul_rate(n=1024, min_seconds=1.0)}
+    return {"seconds_per_step": (time.perf_counter() - start) / steps, "first_step_seconds": first}
 
 
-def run(name: str, steps: int, warmup: int) -> dict:
+# ---- contenders ----------------------------------------------------------------------------
+
+def worker_ours(framework: str, compiled: bool, b: dict, steps: int, warmup: int) -> dict:
+    import numpy as np
+
+    from mindspeed_core import runtime
+
+    runtime.bind(framework)
+    from mindspeed_core import device
+    from mindspeed_core.compat import megatron_args
+    from mindspeed_core.data import indexed
+    from mindspeed_core.training.trainer import Trainer
+
+    prefix = os.path.join(tempfile.mkdtemp(), "random")
+    w = indexed.IndexedDatasetWriter(prefix, np.uint16)
+    rng = np.random.default_rng(0)
+    for _ in range(64):
+        w.add_document(rng.integers(0, b["vocab_size"], 4096))
+    w.finalize()
+    argv = ["--data-path", prefix, "--split", "100,0,0", "--eval-iters", "0", "--num-layers", str(b["num_layers"]),
+            "--hidden-size", str(b["hidden_size"]), "--num-attention-heads", str(b["num_attention_heads"]),
+            "--num-query-groups", str(b["num_query_groups"]), "--ffn-hidden-size", str(b["ffn_hidden_size"]),
+            "--seq-length", str(b["seq_length"]), "--micro-batch-size", str(b["micro_batch_size"]),
+            "--train-iters", "1000", "--tokenizer-type", "NullTokenizer", "--vocab-size", str(b["vocab_size"] - 1),
+            "--make-vocab-size-divisible-by", "1", "--untie-embeddings-and-output-weights", "--lr", str(LR), "--no-progress", "--weight-decay", "0.01",
+            # every fused kernel the device has, as MindSpeed-LLM's scripts do
+            "--use-flash-attn", "--use-fused-rmsnorm", "--use-fused-swiglu", "--use-fused-rotary-pos-emb"]
+    if compiled:
+        argv.append("--compile")
+    args = megatron_args.training_parser().parse_args(argv)
+    with open(os.devnull, "w") as null:
+        trainer = Trainer(args, out=null)
+        trainer.build()
+        it = iter(range(10 ** 6))
+        result = _timed(lambda: trainer.train_step(next(it)), steps, warmup)
+    return result | {"peak_flops": device.matmul_rate(n=1024, min_seconds=1.0)}
+
+
+def _torch_peak() -> float:
+    from mindspeed_core import runtime
+
+    runtime.bind("pytorch")
+    from mindspeed_core import device
+
+    return device.matmul_rate(n=1024, min_seconds=1.0)
+
+
+def _torch_step(model, params, ids, vocab):
+    import torch
+
+    opt = torch.optim.AdamW(params, lr=LR, weight_decay=0.01, fused=True)
+
+    def step():
+        logits = model(ids[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, vocab).float(), ids[:, 1:].reshape(-1))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return float(loss)
+
+    return step
+
+
+def worker_transformers(compiled: bool, b: dict, steps: int, warmup: int) -> dict:
+    import torch
+    import transformers as T
+
+    T.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    config = T.LlamaConfig(vocab_size=b["vocab_size"], hidden_size=b["hidden_size"],
+                           intermediate_size=b["ffn_hidden_size"], num_hidden_layers=b["num_layers"],
+                           num_attention_heads=b["num_attention_heads"], num_key_value_heads=b["num_query_groups"],
+                           max_position_embeddings=b["seq_length"], tie_word_embeddings=False)
+    hf = T.LlamaForCausalLM(config).float().train()
+
+    def forward(x):
+        return hf(input_ids=x).logits
+
+    model = torch.compile(forward) if compiled else forward
+    ids = torch.randint(0, b["vocab_size"], (b["micro_batch_size"], b["seq_length"] + 1))
+    result = _timed(_torch_step(model, list(hf.parameters()), ids, b["vocab_size"]), steps, warmup)
+    return result | {"peak_flops": _torch_peak()}
+
+
+def worker_raw_torch(b: dict, steps: int, warmup: int) -> dict:
+    """The model our GPTModel builds (fused qkv in Megatron's per-group layout, RoPE, GQA,
+    RMSNorm, SwiGLU, untied output), written directly in torch: what the facade costs."""
+    import torch
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    h, heads, groups, ffn = b["hidden_size"], b["num_attention_heads"], b["num_query_groups"], b["ffn_hidden_size"]
+    d, per = h // heads, heads // groups
+
+    def lin(n_out, n_in):
+        return torch.nn.Parameter(torch.randn(n_out, n_in) * 0.02)
+
+    layers = [dict(n1=torch.nn.Parameter(torch.ones(h)), qkv=lin(groups * (per + 2) * d, h), proj=lin(h, h),
+                   n2=torch.nn.Parameter(torch.ones(h)), fc1=lin(2 * ffn, h), fc2=lin(h, ffn))
+              for _ in range(b["num_layers"])]
+    emb, final, out = lin(b["vocab_size"], h), torch.nn.Parameter(torch.ones(h)), lin(b["vocab_size"], h)
+    s = b["seq_length"]
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    angles = torch.outer(torch.arange(s).float(), inv)
+    cos, sin = torch.cat([angles.cos()] * 2, -1)[None, :, None], torch.cat([angles.sin()] * 2, -1)[None, :, None]
+
+    def rope(x):
+        x1, x2 = x.chunk(2, -1)
+        return x * cos + torch.cat([-x2, x1], -1) * sin
+
+    def model(ids):
+        x = F.embedding(ids, emb)
+        bsz = ids.shape[0]
+        for p in layers:
+            y = F.rms_norm(x, (h,), p["n1"], 1e-5)
+            q, k, v = F.linear(y, p["qkv"]).view(bsz, s, groups, per + 2, d).split([per, 1, 1], dim=3)
+            q, k, v = rope(q.reshape(bsz, s, heads, d)), rope(k.squeeze(3)), v.squeeze(3)
+            a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                               is_causal=True, enable_gqa=True)
+            x = x + F.linear(a.transpose(1, 2).reshape(bsz, s, h), p["proj"])
+            gate, up = F.linear(F.rms_norm(x, (h,), p["n2"], 1e-5), p["fc1"]).chunk(2, -1)
+            x = x + F.linear(F.silu(gate) * up, p["fc2"])
+        return F.linear(F.rms_norm(x, (h,), final, 1e-5), out)
+
+    params = [emb, final, out] + [t for p in layers for t in p.values()]
+    ids = torch.randint(0, b["vocab_size"], (b["micro_batch_size"], s + 1))
+    result = _timed(_torch_step(model, params, ids, b["vocab_size"]), steps, warmup)
+    return result | {"peak_flops": _torch_peak()}
+
+
+def worker(name: str, b: dict, steps: int, warmup: int) -> dict:
+    if name.startswith("ours-"):
+        return worker_ours(name.split("-")[1], name.endswith("-compile"), b, steps, warmup)
+    if name.startswith("transformers"):
+        return worker_transformers(name.endswith("-compile"), b, steps, warmup)
+    return worker_raw_torch(b, steps, warmup)
+
+
+# ---- the run -------------------------------------------------------------------------------
+
+def run(name: str, model: str, steps: int, warmup: int, baseline: str | None = None) -> dict:
     env = dict(os.environ)
     env.pop("MINDSPEED_AI_FRAMEWORK", None)
-    out = subprocess.run([sys.executable, __file__, "--worker", name, "--steps", str(steps), "--warmup", str(warmup)],
-                         capture_output=True, text=True, env=env, timeout=1800)
+    if name.endswith("@baseline"):
+        env["PYTHONPATH"] = baseline
+        name = name[: -len("@baseline")]
+    out = subprocess.run([sys.executable, __file__, "--worker", name, "--models", model, "--steps", str(steps),
+                          "--warmup", str(warmup)], capture_output=True, text=True, env=env, timeout=3600)
     if out.returncode:
-        raise SystemExit(f"{name} failed:\n{out.stderr[-3000:]}")
+        raise SystemExit(f"{name} on {model} failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--only", default="pytorch,mindspore,transformers")
+    parser.add_argument("--models", default="tiny,medium")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--only", default=",".join(CONTENDERS))
+    parser.add_argument("--baseline", default=None, metavar="DIR")
     parser.add_argument("--worker", default=None)
     args = parser.parse_args()
     if args.worker:
-        result = (worker_transformers(args.steps, args.warmup) if args.worker == "transformers"
-                  else worker_ours(args.worker, args.steps, args.warmup))
-        print(json.dumps(result))
+        print(json.dumps(worker(args.worker, MODELS[args.models], args.steps, args.warmup)))
         return 0
-    flops_per_token = _cfg().flops_per_token(BENCH["seq_length"])
-    print(f"bench model: {json.dumps(BENCH)}; {_cfg().num_parameters() / 1e6:.2f}M parameters; "
-          f"{flops_per_token / 1e6:.1f} MFLOP per token (fwd+bwd); {args.steps} timed steps after {args.warmup} warm-up")
-    results = {}
-    for name in args.only.split(","):
-        r = run(name, args.steps, args.warmup)
-        r["tflops"] = r["tokens_per_s"] * flops_per_token / 1e12
-        r["mfu"] = r["tokens_per_s"] * flops_per_token / r["peak_flops"]
-        results[name] = r
-        label = {"pytorch": "ours, pytorch", "mindspore": "ours, mindspore", "transformers": "transformers + torch AdamW"}[name]
-        print(f"{label:28s} tokens/s {r['tokens_per_s']:9.0f} | TFLOP/s {r['tflops']:.3f} | "
-              f"peak {r['peak_flops'] / 1e9:6.1f} GFLOP/s | MFU {100 * r['mfu']:5.1f}%")
-    if "transformers" in results:
-        for name in ("pytorch", "mindspore"):
-            if name in results:
-                print(f"ratio ours ({name}) / transformers tokens/s: "
-                      f"{results[name]['tokens_per_s'] / results['transformers']['tokens_per_s']:.2f}")
+    names = args.only.split(",")
+    if args.baseline:
+        names += [f"{n}@baseline" for n in ("ours-pytorch", "ours-mindspore") if n in names]
+    for model in args.models.split(","):
+        b = MODELS[model]
+        cfg = model_config(b)
+        tokens = b["micro_batch_size"] * b["seq_length"]
+        flops_per_token = cfg.flops_per_token(b["seq_length"])
+        print(f"\n{model} model: {json.dumps(b)}; {cfg.num_parameters() / 1e6:.1f}M parameters; "
+              f"{flops_per_token / 1e6:.1f} MFLOP per token (fwd+bwd); median of {args.rounds} rounds, "
+              f"{args.steps} timed steps after {args.warmup} warm-up", flush=True)
+        runs = {n: [] for n in names}
+        for r in range(args.rounds):
+            order = names if r % 2 == 0 else names[::-1]  # alternate, so drift hits every contender
+            for name in order:
+                runs[name].append(run(name, model, args.steps, args.warmup, args.baseline))
+        print("| contender | tokens/s | MFU (own peak) | own matmul peak GFLOP/s | first step s |")
+        print("|---|---|---|---|---|")
+        table = {}
+        for name in names:
+            tps = [tokens / x["seconds_per_step"] for x in runs[name]]
+            mfu = [t * flops_per_token / x["peak_flops"] for t, x in zip(tps, runs[name])]
+            row = {"tokens_per_s": statistics.median(tps), "mfu": statistics.median(mfu),
+                   "peak": statistics.median(x["peak_flops"] for x in runs[name]),
+                   "first": statistics.median(x["first_step_seconds"] for x in runs[name])}
+            table[name] = row
+            print(f"| {name} | {row['tokens_per_s']:,.0f} | {100 * row['mfu']:.1f}% | {row['peak'] / 1e9:.0f} | "
+                  f"{row['first']:.1f} |", flush=True)
+        ratios = [("ours-pytorch-compile", "ours-pytorch"), ("ours-pytorch", "transformers"),
+                  ("ours-pytorch-compile", "transformers-compile"), ("ours-pytorch", "raw-torch"),
+                  ("ours-mindspore-compile", "ours-mindspore"), ("ours-mindspore", "ours-pytorch"),
+                  ("ours-mindspore", "ours-mindspore@baseline"), ("ours-pytorch", "ours-pytorch@baseline")]
+        for a, c in ratios:
+            if a in table and c in table:
+                print(f"{a} / {c}: {table[a]['tokens_per_s'] / table[c]['tokens_per_s']:.2f}")
     return 0
 
 
