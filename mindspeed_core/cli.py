@@ -58,7 +58,7 @@ def _cmd_check_args(argv: list[str]) -> int:
     parser.description = "validate Megatron-style flags against the feature matrix for the selected framework"
     args = parser.parse_args(argv)
     backend, device = _bind(args)
-    active = features.validate(args, backend.NAME, device)
+    active = features.validate(args, backend.NAME, device, backend.FRAMEWORK_VERSION)
     names = ", ".join(f.id for f in active) or "none"
     print(f"ok: {backend.NAME} on {device}; features requested: {names}")
     return 0
@@ -97,7 +97,7 @@ def _cmd_info(argv: list[str]) -> int:
 def _cmd_train(argv: list[str]) -> int:
     args = megatron_args.training_parser().parse_args(argv)
     backend, device = _bind(args)
-    features.validate(args, backend.NAME, device)  # before anything heavy is built
+    features.validate(args, backend.NAME, device, backend.FRAMEWORK_VERSION)  # before anything heavy is built
     from mindspeed_core.training.trainer import Trainer
 
     trainer = Trainer(args)

@@ -35,13 +35,33 @@ class Status:
     note: str = ""
     instead: str | None = None
     devices: dict = field(default_factory=dict)  # device -> Status overriding this one
+    # the oldest framework release (major, minor) this holds for, and why older ones are
+    # refused: below it the cell reads as unsupported
+    since: tuple | None = None
+    older: str = ""
 
-    def on(self, device: str | None) -> "Status":
-        return self.devices.get(device, self) if device else self
+    def on(self, device: str | None, version: str | None = None) -> "Status":
+        st = self.devices.get(device, self) if device else self
+        if st.since and version and release(version) < st.since:
+            return Status("unsupported", f"needs release >= {_dotted(st.since)} ({version} is older: {st.older})",
+                          st.instead)
+        return st
 
 
-def supported(note: str = "", **devices) -> Status:
-    return Status("supported", note, None, devices)
+def release(version: str) -> tuple:
+    """(major, minor) of a framework version string such as '2.6.0+cu124'."""
+    return tuple(int(part) for part in version.split("+")[0].split(".")[:2])
+
+
+def _dotted(since: tuple) -> str:
+    return ".".join(map(str, since))
+
+
+def supported(note: str = "", since: tuple | None = None, older: str = "", instead: str | None = None,
+              **devices) -> Status:
+    """``since``/``older``/``instead``: the oldest release it holds for, why older ones fail and
+    what to use there."""
+    return Status("supported", note, instead, devices, since, older)
 
 
 def emulated(note: str, **devices) -> Status:
@@ -66,8 +86,9 @@ class Feature:
     mindspore: Status
     active: Callable | None = None  # args -> bool; None: a capability no flag turns on
 
-    def status(self, framework: str, device: str | None = None) -> Status:
-        return getattr(self, framework).on(device)
+    def status(self, framework: str, device: str | None = None, version: str | None = None) -> Status:
+        """``version``: the installed framework's (None: the newest, as the README shows)."""
+        return getattr(self, framework).on(device, version)
 
 
 def _on(name):
@@ -214,7 +235,10 @@ FEATURES: tuple[Feature, ...] = (
             _on("compile")),
     Feature("compile-tensor-parallel", "Compiled step with tensor (and sequence) parallelism", "compilation",
             ("--compile", "--tensor-model-parallel-size"),
-            supported("the collectives' autograd Functions run inside the compiled graph"),
+            supported("the collectives' autograd Functions run inside the compiled graph", since=(2, 13),
+                      older="torch 2.6's Inductor computes a wrong word-embedding gradient in the tensor-parallel "
+                            "model (the first-step check stops it); releases between are untested",
+                      instead="--compile with data parallelism only, or tensor parallelism without --compile"),
             unsupported("trace capture ignores a Cell's hand-written bprop, so the tensor-parallel collectives "
                         "would get the wrong backward", instead="--compile with data parallelism only, or tensor "
                         "parallelism without --compile"),
@@ -318,7 +342,7 @@ def active_features(args) -> list[Feature]:
     return [f for f in FEATURES if f.active is not None and f.active(args)]
 
 
-def validate(args, framework: str, device: str | None = None) -> list[Feature]:
+def validate(args, framework: str, device: str | None = None, version: str | None = None) -> list[Feature]:
     """Reject arguments that ask for a feature the framework/device cannot provide.
 
     Returns the active features when all are available; raises FeatureNotAvailable (exit
@@ -327,7 +351,7 @@ def validate(args, framework: str, device: str | None = None) -> list[Feature]:
     active = active_features(args)
     problems = []
     for f in active:
-        st = f.status(framework, device)
+        st = f.status(framework, device, version)
         if st.kind in ("unsupported", "planned"):
             where = framework + (f" on {device}" if device else "")
             msg = f"{f.id} ({' '.join(f.flags[:1])}) is {st.kind} for {where}: {st.note}"
@@ -342,7 +366,7 @@ def validate(args, framework: str, device: str | None = None) -> list[Feature]:
 # ---- rendering ------------------------------------------------------------------------------
 
 def _cell(st: Status) -> str:
-    text = st.kind
+    text = st.kind + (f" (>= {_dotted(st.since)})" if st.since else "")
     for dev in DEVICES:
         if dev in st.devices:
             text += f"; {dev}: {st.devices[dev].kind}"
@@ -358,6 +382,8 @@ def as_records(framework: str | None = None, device: str | None = None) -> list[
             base = getattr(f, fw)
             st = base.on(device)
             rec[fw] = {"status": st.kind, "note": st.note}
+            if st.since:
+                rec[fw]["since"] = _dotted(st.since)
             if st.instead:
                 rec[fw]["instead"] = st.instead
             if device is None and base.devices:

@@ -113,7 +113,7 @@ def _check_training_flags(args, train_argv: list[str], framework: str) -> None:
     from mindspeed_core import features
     from mindspeed_core.training import trainer
 
-    features.validate(targs, backend.NAME, backend.device.type())
+    features.validate(targs, backend.NAME, backend.device.type(), backend.FRAMEWORK_VERSION)
     trainer.apply_defaults(targs)
     world = args.nproc_per_node * args.nnodes
     _, cfg = trainer.check_configuration(targs, world)

@@ -107,7 +107,8 @@ def pytest_runtest_logreport(report):
 
 
 def required_features() -> set:
-    return {f.id for f in features.FEATURES if f.status(FRAMEWORK, DEVICE).kind in ("supported", "emulated")}
+    return {f.id for f in features.FEATURES
+            if f.status(FRAMEWORK, DEVICE, BACKEND.FRAMEWORK_VERSION).kind in ("supported", "emulated")}
 
 
 def _facade_called() -> set:

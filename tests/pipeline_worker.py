@@ -29,7 +29,7 @@ from mindspeed_core.training.trainer import Trainer  # noqa: E402
 out_dir, configs = sys.argv[1], json.loads(open(sys.argv[2]).read())
 for name, flags in configs:
     args = training_parser().parse_args([*flags, "--metrics-file", os.path.join(out_dir, f"{name}.jsonl")])
-    features.validate(args, backend.NAME, backend.device.type())
+    features.validate(args, backend.NAME, backend.device.type(), backend.FRAMEWORK_VERSION)
     log = io.StringIO()
     with contextlib.redirect_stdout(log):
         trainer = Trainer(args)

@@ -90,6 +90,19 @@ def test_gate_rejects_with_the_reason_and_the_alternative():
     assert [f.id for f in ok] == ["flash-attention", "fused-rmsnorm"]
 
 
+def test_a_cell_with_a_lowest_release_refuses_older_ones():
+    argv = parse("--compile", "--tensor-model-parallel-size", "2")
+    with pytest.raises(features.FeatureNotAvailable) as info:
+        features.validate(argv, "pytorch", "cpu", "2.6.0+cu124")
+    for part in ("compile-tensor-parallel", "needs release >= 2.13", "2.6.0+cu124 is older",
+                 "wrong word-embedding gradient", "instead use --compile with data parallelism only"):
+        assert part in str(info.value)
+    assert "compile-tensor-parallel" in [f.id for f in features.validate(argv, "pytorch", "cpu", "2.13.0")]
+    assert features.get("compile-tensor-parallel").status("pytorch").kind == "supported"  # no version: the newest
+    assert features.release("2.10.0rc1") == (2, 10)
+    assert "supported (>= 2.13)" in features.render_markdown("pytorch")
+
+
 def _cli(*argv, env=None):
     return subprocess.run([sys.executable, "-m", "mindspeed_core.cli", *argv], capture_output=True, text=True,
                           timeout=120, env={**os.environ, **(env or {})})
