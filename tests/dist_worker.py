@@ -95,11 +95,24 @@ def check_all_to_all(group, tag):
     even = np.concatenate([block(me, j, 2) for j in range(n)])
     expect(f"{tag} all_to_all even", dist.all_to_all(ops.tensor(even), group),
            np.concatenate([block(i, me, 2) for i in range(n)]))
+    view = ops.transpose(ops.tensor(np.ascontiguousarray(even.T)), 0, 1)  # a strided view of the same rows
+    expect(f"{tag} all_to_all of a strided view", dist.all_to_all(view, group),
+           np.concatenate([block(i, me, 2) for i in range(n)]))
     count = lambda i, j: (i + 2 * j) % 3  # noqa: E731 - uneven, zero-sized pieces included
     uneven = np.concatenate([block(me, j, count(me, j)) for j in range(n)])
     got = dist.all_to_all(ops.tensor(uneven), group, input_splits=[count(me, j) for j in range(n)],
                           output_splits=[count(i, me) for i in range(n)])
     expect(f"{tag} all_to_all uneven", got, np.concatenate([block(i, me, count(i, me)) for i in range(n)]))
+
+
+def check_shift(group, tag):
+    members = list(group.ranks) if group else list(range(N))
+    n, me = len(members), members.index(R)
+    for dtype in ("float32", "int64"):
+        arrays = {r: rank_value(r, (2, 3), dtype) for r in members}
+        for offset in (1, -1, 2):
+            expect(f"{tag} shift {dtype} by {offset}", dist.shift(ops.tensor(arrays[R]), offset, group),
+                   arrays[members[(me - offset) % n]])
 
 
 def check_broadcast(group, tag):
@@ -155,13 +168,14 @@ def main(out_dir):
     for tag, group in (("world", world), ("strided", mine), ("pair", pair if R in pair.ranks else None)):
         if tag == "pair" and group is None:
             continue
-        for fn in (check_all_reduce, check_all_gather, check_reduce_scatter, check_all_to_all, check_broadcast):
+        for fn in (check_all_reduce, check_all_gather, check_reduce_scatter, check_all_to_all, check_shift,
+                   check_broadcast):
             run(f"{tag} {fn.__name__}", lambda: fn(group, tag))
         dist.barrier(group)
     run("send/recv", check_send_recv)
     run("comm stats", check_comm_stats)
     outsider = [g for g in groups if R not in g.ranks][0]
-    for name in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast"):
+    for name in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "shift", "broadcast"):
         checks.append(f"{name} refuses a non-member")
         try:
             fn = getattr(dist, name)

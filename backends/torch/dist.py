@@ -175,6 +175,7 @@ def all_to_all(x, group: Group | None = None, input_splits=None, output_splits=N
     n = world_size(group)
     if n == 1:
         return x.clone()
+    x = x.contiguous()  # empty_like below keeps a view's strides, and the kernel writes row-major
     if input_splits is None:
         if x.shape[0] % n:
             raise ValueError(f"all_to_all: {x.shape[0]} rows do not split evenly over {n} ranks")
@@ -184,7 +185,7 @@ def all_to_all(x, group: Group | None = None, input_splits=None, output_splits=N
             raise ValueError("all_to_all with input_splits also needs output_splits")
         out = x.new_empty((int(sum(output_splits)),) + tuple(x.shape[1:]))
     _record("all_to_all", x)
-    tdist.all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=_h(group))
+    tdist.all_to_all_single(out, x, output_splits, input_splits, group=_h(group))
     return out
 
 
@@ -194,6 +195,24 @@ def broadcast(x, src: int, group: Group | None = None):
     if not _alone(group):
         _record("broadcast", x)
         tdist.broadcast(out, src, group=_h(group))
+    return out
+
+
+def shift(x, offset: int = 1, group: Group | None = None):
+    """Every member sends x to group rank (r + offset) % n and returns what (r - offset) % n
+    sent: a ring step, posted as one batch of isend/irecv so no rank waits on another's send."""
+    _member(group, "shift")
+    n = world_size(group)
+    if n == 1 or offset % n == 0:
+        return x.clone()
+    me = rank(group)
+    ranks = group.ranks if group is not None else tuple(range(n))
+    out = torch.empty_like(x)
+    _record("shift", x)
+    works = tdist.batch_isend_irecv([tdist.P2POp(tdist.isend, x.contiguous(), ranks[(me + offset) % n], _h(group)),
+                                     tdist.P2POp(tdist.irecv, out, ranks[(me - offset) % n], _h(group))])
+    for work in works:
+        work.wait()
     return out
 
 
@@ -223,7 +242,8 @@ def _native_reduce_scatter() -> bool:
 
 def implementations() -> dict:
     """native / emulated for each collective with the current process-group backend."""
-    kinds = {name: "native" for name in ("all_reduce", "all_gather", "all_to_all", "broadcast", "send", "recv", "barrier")}
+    kinds = {name: "native" for name in ("all_reduce", "all_gather", "all_to_all", "broadcast", "shift", "send", "recv",
+                                         "barrier")}
     gloo = (tdist.get_backend() if tdist.is_initialized() else "gloo") == "gloo"
     kinds["reduce_scatter"] = "emulated" if gloo else "native"
     return kinds
