@@ -113,6 +113,14 @@ class EmulatedCollectives:
         summed = self._sum(buf, group)
         return [self._unlanes(summed[i, me], chunks[0].dtype, (int(all_rows[i, me]),) + tail) for i in range(n)]
 
+    def shift(self, arr: np.ndarray, offset: int, group) -> np.ndarray:
+        """Every rank's array moves ``offset`` places along the group: one slot per rank, each
+        rank writes into its receiver's slot (a permutation: one writer per slot) and reads
+        its own. The group carries n times the payload, as an all-gather would."""
+        n, me = self._size(group), self._rank(group)
+        slots = self._exchange(n, (me + offset) % n, arr, group)
+        return self._unlanes(slots[me], arr.dtype, arr.shape)
+
     def send(self, arr: np.ndarray, pair_group) -> None:
         """Point-to-point over a two-rank group: the receiver's slot is zero, so the sum
         it gets is exactly the sender's lanes."""

@@ -74,8 +74,11 @@ SPEC = {
         "swiglu": "swiglu(x): silu(first half of the last dim) * second half",
         "apply_rotary": "apply_rotary(x [b, s, h, d], cos, sin [s, d] or broadcastable): rotary embedding, halves rotated",
         "attention": ("attention(q [b, sq, hq, d], k, v [b, sk, hk, d], causal=False, mask=None, dropout_p=0.0, "
-                      "scale=None) -> [b, sq, hq, d]; GQA when hk divides hq; bool mask keeps True, float mask is "
-                      "added; causal aligned bottom-right"),
+                      "scale=None, segment_ids=None, return_lse=False) -> out [b, sq, hq, d], and with return_lse "
+                      "also the float32 log-sum-exp of each query's scores [b, sq, hq] (differentiable; a row "
+                      "with no visible key gets about -1e30, never NaN); GQA when hk divides hq; bool mask keeps "
+                      "True, float mask is added; causal aligned bottom-right; segment_ids [b, s] (or a pair "
+                      "for queries and keys): packed documents, a query sees its own document only"),
         "matmul_add": "matmul_add(a, b, acc): acc + a @ b computed in float32 (gradient accumulation)",
         "grouped_matmul": "grouped_matmul(x [T, in], weight [E, in, out], group_sizes [E]): rows of each group times its weight",
         "adamw_step": ("adamw_step(weights, grads, exp_avgs, exp_avg_sqs, lr, beta1, beta2, eps, weight_decays, "
@@ -134,6 +137,8 @@ SPEC = {
         "reduce_scatter": "reduce_scatter(x, op='sum', group=None, dim=0) -> this rank's slice of the reduction",
         "all_to_all": "all_to_all(x, group=None, input_splits=None, output_splits=None): along dim 0",
         "broadcast": "broadcast(x, src, group=None): src is a global rank",
+        "shift": ("shift(x, offset=1, group=None): a ring step; each member sends x to group rank (r + offset) % n "
+                  "and returns what group rank (r - offset) % n sent"),
         "send": "send(x, dst): dst is a global rank",
         "recv": "recv(shape, dtype, src) -> tensor",
         "barrier": "barrier(group=None)",

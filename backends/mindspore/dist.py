@@ -214,6 +214,14 @@ def broadcast(x, src: int, group: Group | None = None):
         return _back(_emulated.broadcast(ops.to_numpy(x), src_in_group, group), x)
 
 
+def shift(x, offset: int = 1, group: Group | None = None):
+    _member(group, "shift")
+    if _alone(group) or offset % world_size(group) == 0:
+        return x.copy()
+    with _recording("shift", _nbytes(x)):
+        return _back(_emulated.shift(ops.to_numpy(x), offset, group), x)
+
+
 def _pair(a: int, b: int) -> Group:
     ranks = tuple(sorted((a, b)))
     return Group(ranks, _group_name(ranks))
@@ -238,6 +246,7 @@ def barrier(group: Group | None = None) -> None:
 
 
 def implementations() -> dict:
-    kinds = {name: "emulated" for name in ("all_gather", "reduce_scatter", "all_to_all", "broadcast", "send", "recv", "barrier")}
+    kinds = {name: "emulated" for name in ("all_gather", "reduce_scatter", "all_to_all", "broadcast", "shift", "send",
+                                           "recv", "barrier")}
     kinds["all_reduce"] = "native"
     return kinds
