@@ -73,7 +73,43 @@ def check_attention_shapes(q, k, v) -> None:
         raise ValueError(f"attention: {q.shape[2]} query heads are not a multiple of {k.shape[2]} key/value heads")
 
 
-def attention(q, k, v, causal: bool = False, mask=None, dropout_p: float = 0.0, scale=None):
+def segment_keep_mask(segment_ids, sq: int, sk: int):
+    """Boolean [b, 1, sq, sk] from packed-sequence document ids: a query sees the keys of its
+    own document only. ``segment_ids`` is [b, s] (self-attention, sq == sk == s) or a pair
+    (query ids [b, sq], key ids [b, sk])."""
+    ops = _ops()
+    q_seg, k_seg = segment_ids if isinstance(segment_ids, (tuple, list)) else (segment_ids, segment_ids)
+    if tuple(q_seg.shape[1:]) != (sq,) or tuple(k_seg.shape[1:]) != (sk,):
+        raise ValueError(f"attention: segment ids {tuple(q_seg.shape)} / {tuple(k_seg.shape)} do not fit "
+                         f"{sq} queries and {sk} keys")
+    return ops.unsqueeze(ops.eq(ops.unsqueeze(q_seg, 2), ops.unsqueeze(k_seg, 1)), 1)
+
+
+def attention_keep(sq: int, sk: int, causal: bool, mask, segment_ids):
+    """The one mask every attention path applies: bool (True keeps) or float (added), or
+    None; causal aligned bottom-right, packed documents kept apart."""
+    ops = _ops()
+    keep = causal_keep_mask(sq, sk) if causal else None
+    if segment_ids is not None:
+        seg = segment_keep_mask(segment_ids, sq, sk)
+        keep = seg if keep is None else ops.logical_and(seg, keep)
+    if mask is None:
+        return keep
+    if keep is None:
+        return mask
+    if ops.dtype_of(mask) == "bool":
+        return ops.logical_and(mask, keep)
+    return ops.where(keep, ops.cast(mask, "float32"), ops.full((), float("-inf")))
+
+
+# What a hidden score becomes when the log-sum-exp is returned: finite, so a row with no
+# visible key gets a log-sum-exp near -1e30 (weight exactly 0 when partial results are
+# merged) instead of NaN.
+MASKED_SCORE = -1e30
+
+
+def attention(q, k, v, causal: bool = False, mask=None, dropout_p: float = 0.0, scale=None, segment_ids=None,
+              return_lse: bool = False):
     ops = _ops()
     check_attention_shapes(q, k, v)
     b, sq, hq, d = q.shape
@@ -85,22 +121,24 @@ def attention(q, k, v, causal: bool = False, mask=None, dropout_p: float = 0.0, 
         kh = ops.reshape(ops.expand(ops.unsqueeze(kh, 2), (b, hk, rep, sk, d)), (b, hq, sk, d))
         vh = ops.reshape(ops.expand(ops.unsqueeze(vh, 2), (b, hk, rep, sk, v.shape[-1])), (b, hq, sk, v.shape[-1]))
     scores = ops.matmul(ops.cast(qh, "float32"), ops.cast(ops.transpose(kh, -2, -1), "float32")) * scale
-    # every mask becomes one additive bias (0 or -inf, plus any float mask), added once
-    bias = None
-    if mask is not None:
-        bias = (ops.where(mask, ops.zeros(mask.shape), ops.full(mask.shape, float("-inf")))
-                if ops.dtype_of(mask) == "bool" else ops.cast(mask, "float32"))
-    if causal:
-        keep = causal_keep_mask(sq, sk)
-        causal_bias = ops.where(keep, ops.zeros((sq, sk)), ops.full((sq, sk), float("-inf")))
-        bias = causal_bias if bias is None else ops.add(bias, causal_bias)
-    if bias is not None:
+    # every mask becomes one additive bias (0 or the masked score, plus any float mask), added once
+    keep = attention_keep(sq, sk, causal, mask, segment_ids)
+    if keep is not None:
+        hidden = MASKED_SCORE if return_lse else float("-inf")
+        if ops.dtype_of(keep) == "bool":
+            bias = ops.where(keep, ops.zeros(keep.shape), ops.full(keep.shape, hidden))
+        else:
+            bias = ops.maximum(ops.cast(keep, "float32"), ops.full((), hidden))
         scores = ops.add(scores, bias)
-    probs = ops.softmax(scores, dim=-1)
+    if return_lse:
+        lse = ops.logsumexp(scores, dim=-1)  # [b, h, sq]
+        probs = ops.exp(scores - ops.unsqueeze(lse, -1))
+    else:
+        probs = ops.softmax(scores, dim=-1)
     if dropout_p > 0.0:
         probs = ops.dropout(probs, dropout_p)
-    out = ops.matmul(ops.cast(probs, ops.dtype_of(v)), vh)
-    return ops.transpose(out, 1, 2)
+    out = ops.transpose(ops.matmul(ops.cast(probs, ops.dtype_of(v)), vh), 1, 2)
+    return (out, ops.transpose(lse, 1, 2)) if return_lse else out
 
 
 def matmul_add(a, b, acc):

@@ -129,7 +129,7 @@ def apply_rotary(x, cos, sin):
     return x * cos + np.concatenate([-b, a], axis=-1) * sin
 
 
-def attention(q, k, v, causal=False, mask=None, scale=None):
+def attention(q, k, v, causal=False, mask=None, scale=None, segment_ids=None, return_lse=False):
     b, sq, hq, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     rep = hq // hk
@@ -142,7 +142,14 @@ def attention(q, k, v, causal=False, mask=None, scale=None):
     if causal:
         keep = np.arange(sk)[None, :] <= np.arange(sq)[:, None] + (sk - sq)
         s = np.where(keep, s, -np.inf)
-    return np.einsum("bhqk,bkhd->bqhd", softmax(s), v)
+    if segment_ids is not None:
+        s = np.where((segment_ids[:, :, None] == segment_ids[:, None, :])[:, None], s, -np.inf)
+    out = np.einsum("bhqk,bkhd->bqhd", softmax(s), v)
+    if not return_lse:
+        return out
+    peak = s.max(axis=-1, keepdims=True)
+    lse = (np.log(np.exp(s - peak).sum(axis=-1, keepdims=True)) + peak)[..., 0]  # [b, h, q]
+    return out, lse.transpose(0, 2, 1)
 
 
 def rope_tables(s, d, base=10000.0):

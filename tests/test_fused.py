@@ -24,6 +24,16 @@ COS, SIN = R.rope_tables(5, 8)
 BOOL_MASK = g.uniform(size=(5, 5)) > 0.3
 np.fill_diagonal(BOOL_MASK, True)  # no fully masked row
 ADD_MASK = g.standard_normal((5, 5))
+SEGMENTS = np.array([[0, 0, 1, 1, 1], [0, 1, 1, 2, 2]])  # packed documents per batch row
+
+
+def _with_lse(out_and_lse, ops_=None):
+    """One tensor whose gradient checks both outputs: out + the log-sum-exp on every feature."""
+    out, lse = out_and_lse
+    if ops_ is None:
+        return out + lse[..., None]
+    return out + ops_.unsqueeze(lse, -1)
+
 
 # name -> (facade op name, call(fn, *tensors), reference, inputs, positions to differentiate)
 CASES = {
@@ -44,6 +54,17 @@ CASES = {
     "attention_causal_kv_prefix": (  # 2 new queries continuing a 5-key cache: bottom-right alignment
         "attention", lambda f, q, k, v: f(q, k, v, causal=True),
         lambda q, k, v: R.attention(q, k, v, causal=True), [Q[:, :2], K, V], (0, 1, 2)),
+    "attention_packed_causal_gqa": (
+        "attention", lambda f, q, k, v, s: f(q, k, v, causal=True, segment_ids=s),
+        lambda q, k, v, s: R.attention(q, k, v, causal=True, segment_ids=s), [Q, K, V, SEGMENTS], (0, 1, 2)),
+    "attention_lse_packed_causal_gqa": (
+        "attention", lambda f, q, k, v, s: _with_lse(f(q, k, v, causal=True, segment_ids=s, return_lse=True), ops),
+        lambda q, k, v, s: _with_lse(R.attention(q, k, v, causal=True, segment_ids=s, return_lse=True)),
+        [Q, K, V, SEGMENTS], (0, 1, 2)),
+    "attention_lse_bool_mask": (
+        "attention", lambda f, q, k, v, m: _with_lse(f(q, k, v, mask=m, return_lse=True, scale=0.3), ops),
+        lambda q, k, v, m: _with_lse(R.attention(q, k, v, mask=m, return_lse=True, scale=0.3)),
+        [Q, K, V, BOOL_MASK], (0, 1, 2)),
     "matmul_add": ("matmul_add", lambda f, a, b, c: f(a, b, c), lambda a, b, c: c + a @ b,
                    [g.standard_normal((3, 4)), g.standard_normal((4, 5)), g.standard_normal((3, 5))], (0, 1, 2)),
     "grouped_matmul": ("grouped_matmul", lambda f, x, w: f(x, w, [2, 0, 4]),
@@ -203,3 +224,25 @@ def test_grouped_matmul_rejects_bad_sizes():
 def test_attention_rejects_incompatible_heads():
     with pytest.raises(ValueError, match="multiple"):
         ops.attention(ops.tensor(Q[:, :, :3]), ops.tensor(K), ops.tensor(V))
+
+
+@pytest.mark.parametrize("impl", ["bound", "composite"])
+def test_attention_lse_of_a_row_that_sees_nothing_is_finite(impl):
+    """A query with no visible key (a key block from another document, in a merge) gets a
+    log-sum-exp near -1e30 and no NaN, in values or gradients."""
+    fn = ops.attention if impl == "bound" else composite.attention
+    mask = np.ones((5, 5), bool)
+    mask[1] = False
+    q, k, v = (nn.Parameter(ops.tensor(a)) for a in (Q, K, V))
+
+    def loss():
+        out, lse = fn(q, k, v, mask=ops.tensor(mask), return_lse=True)
+        weight = ops.exp(lse - ops.amax(lse, dim=1, keepdim=True))  # 0 for the hidden row, as in a merge
+        return ops.sum(out * ops.unsqueeze(weight, -1))
+
+    value, grads = autograd.value_and_grad(loss, [q, k, v])()
+    lse = ops.to_numpy(fn(ops.tensor(Q), ops.tensor(K), ops.tensor(V), mask=ops.tensor(mask), return_lse=True)[1])
+    assert (lse[:, 1] < -1e29).all() and np.isfinite(lse).all()
+    assert np.isfinite(float(ops.to_numpy(value)))
+    assert all(np.isfinite(ops.to_numpy(g)).all() for g in grads)
+    assert np.abs(ops.to_numpy(grads[0])[:, 1]).max() == 0.0  # the hidden row has no influence

@@ -190,11 +190,13 @@ class _Attention(ms.nn.Cell):
                 P.transpose(dv, (0, 2, 1, 3)).astype(v.dtype))
 
 
-def attention(q, k, v, causal=False, mask=None, dropout_p=0.0, scale=None):
+def attention(q, k, v, causal=False, mask=None, dropout_p=0.0, scale=None, segment_ids=None, return_lse=False):
     from mindspeed_core import composite
 
-    if mask is not None or dropout_p > 0.0:  # what this kernel does not cover: the reference
-        return composite.attention(q, k, v, causal=causal, mask=mask, dropout_p=dropout_p, scale=scale)
+    if mask is not None or dropout_p > 0.0 or segment_ids is not None or return_lse:
+        # what this kernel does not cover: the reference
+        return composite.attention(q, k, v, causal=causal, mask=mask, dropout_p=dropout_p, scale=scale,
+                                   segment_ids=segment_ids, return_lse=return_lse)
     composite.check_attention_shapes(q, k, v)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     return _Attention(causal, scale)(q, k, v)

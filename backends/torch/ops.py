@@ -287,21 +287,20 @@ def _native_layer_norm(x, weight, bias=None, eps=1e-5):
     return F.layer_norm(x.float(), (x.shape[-1],), None, None, eps).to(x.dtype) * weight + (0 if bias is None else bias)
 
 
-def _native_attention(q, k, v, causal=False, mask=None, dropout_p=0.0, scale=None):
+def _native_attention(q, k, v, causal=False, mask=None, dropout_p=0.0, scale=None, segment_ids=None,
+                      return_lse=False):
+    if return_lse:
+        # torch's CPU flash kernel returns the log-sum-exp but does not differentiate it (a
+        # merge of partial results would get wrong gradients): the composite gives both
+        return composite.attention(q, k, v, causal=causal, mask=mask, dropout_p=dropout_p, scale=scale,
+                                   segment_ids=segment_ids, return_lse=True)
     composite.check_attention_shapes(q, k, v)
     sq, sk = q.shape[1], k.shape[1]
     attn_mask, is_causal = mask, causal
-    if causal and (mask is not None or sq != sk):
+    if segment_ids is not None or (causal and (mask is not None or sq != sk)):
         # SDPA aligns its causal mask top-left and refuses a mask together with is_causal;
-        # the facade's causal mask is aligned bottom-right, so build it explicitly.
-        keep = composite.causal_keep_mask(sq, sk)
-        if mask is None:
-            attn_mask = keep
-        elif mask.dtype == torch.bool:
-            attn_mask = mask & keep
-        else:
-            attn_mask = mask.float().masked_fill(~keep, float("-inf"))
-        is_causal = False
+        # the facade's causal mask is aligned bottom-right: one explicit mask instead
+        attn_mask, is_causal = composite.attention_keep(sq, sk, causal, mask, segment_ids), False
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=attn_mask,
         dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=k.shape[2] != q.shape[2],
