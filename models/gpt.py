@@ -18,11 +18,31 @@ from __future__ import annotations
 
 import contextlib
 import math
+from dataclasses import dataclass, field
+
+import numpy as np
 
 from mindspeed_core import composite, features, nn, ops, random
 from mindspeed_core.models import rope
 from mindspeed_core.models.config import ModelConfig
 from mindspeed_core.models.layers import Embedding, Linear, make_norm
+
+
+@dataclass
+class Tokens:
+    """Where a micro-batch's tokens sit, over whole sequences (host numpy, [b, S] or [1, S]):
+    ``positions`` for the position embeddings (None: 0..S-1; reset per document with
+    --reset-position-ids) and ``documents``, the document each token belongs to in a packed
+    sequence (None: one per row; attention stays inside a document)."""
+
+    positions: np.ndarray | None = None
+    documents: np.ndarray | None = None
+    _documents: object = field(default=None, repr=False, compare=False)
+
+    def document_tensor(self):
+        if self._documents is None:
+            self._documents = ops.tensor(np.ascontiguousarray(self.documents, dtype=np.int64))
+        return self._documents
 
 
 class Seams:
@@ -31,6 +51,20 @@ class Seams:
     # sequences are split into this many equal pieces between the decoder's input and output
     # (sequence parallelism)
     sequence_shards = 1
+    # and into this many pieces over the whole model (context parallelism)
+    context_shards = 1
+
+    def local_tokens(self, whole):
+        """The columns of a whole-sequence array [b, S] that this rank's tokens are."""
+        return whole
+
+    def attention(self, q, k, v, dropout_p: float, fused: bool, tokens: Tokens | None):
+        """Causal self-attention of the local tokens (inside their documents when packed)."""
+        fn = ops.attention if fused else composite.attention
+        if tokens is None or tokens.documents is None:
+            return fn(q, k, v, causal=True, dropout_p=dropout_p)
+        features.note_used("flash-attention-varlen")
+        return fn(q, k, v, causal=True, dropout_p=dropout_p, segment_ids=tokens.document_tensor())
 
     def heads(self, cfg: ModelConfig) -> tuple[int, int]:
         """(query groups, query heads per group) that this rank computes."""
@@ -76,7 +110,7 @@ class SelfAttention(nn.Module):
             self.q_layernorm = make_norm(cfg, cfg.kv_channels)
             self.k_layernorm = make_norm(cfg, cfg.kv_channels)
 
-    def forward(self, x, cos, sin, seams=SINGLE_DEVICE):
+    def forward(self, x, cos, sin, seams=SINGLE_DEVICE, tokens=None):
         cfg = self.cfg
         (groups, per_group), d = seams.heads(cfg), cfg.kv_channels
         qkv = self.linear_qkv(x)
@@ -94,12 +128,11 @@ class SelfAttention(nn.Module):
                 rotary = ops.apply_rotary
             q, k = rotary(q, cos, sin), rotary(k, cos, sin)
         p = cfg.attention_dropout if nn.is_training(self) else 0.0
-        attention = composite.attention
-        if "attention" in cfg.fused:
+        fused = "attention" in cfg.fused
+        if fused:
             features.note_used("flash-attention")
-            attention = ops.attention
         with seams.attention_rng():
-            out = attention(q, k, v, causal=True, dropout_p=p)
+            out = seams.attention(q, k, v, p, fused, tokens)
         return self.linear_proj(ops.reshape(out, (b, s, groups * per_group * d)))
 
 
@@ -141,8 +174,8 @@ class TransformerLayer(nn.Module):
         with seams.hidden_rng():
             return ops.dropout(x, self.hidden_dropout)
 
-    def forward(self, x, cos, sin, seams=SINGLE_DEVICE):
-        x = x + self._dropout(self.self_attention(self.input_layernorm(x), cos, sin, seams), seams)
+    def forward(self, x, cos, sin, seams=SINGLE_DEVICE, tokens=None):
+        x = x + self._dropout(self.self_attention(self.input_layernorm(x), cos, sin, seams, tokens), seams)
         return x + self._dropout(self.mlp(self.pre_mlp_layernorm(x)), seams)
 
 
@@ -158,9 +191,9 @@ class Decoder(nn.Module):
             self.final_layernorm = make_norm(cfg, cfg.hidden_size)
         self.has_final_norm = final_norm
 
-    def forward(self, x, cos, sin, seams=SINGLE_DEVICE):
+    def forward(self, x, cos, sin, seams=SINGLE_DEVICE, tokens=None):
         for layer in self.layers:
-            x = layer(x, cos, sin, seams)
+            x = layer(x, cos, sin, seams, tokens)
         return self.final_layernorm(x) if self.has_final_norm else x
 
 
@@ -172,10 +205,11 @@ class LanguageEmbedding(nn.Module):
             self.position_embeddings = Embedding(cfg.max_position_embeddings, cfg.hidden_size, cfg.init_method_std)
         self.learned_positions = cfg.position_embedding_type == "learned"
 
-    def forward(self, ids):
+    def forward(self, ids, positions=None):
+        """``positions``: [b or 1, s] int tensor (None: 0..s-1)."""
         x = self.word_embeddings(ids)
         if self.learned_positions:
-            x = x + self.position_embeddings(ops.arange(ids.shape[1]))
+            x = x + self.position_embeddings(ops.arange(ids.shape[1]) if positions is None else positions)
         return x
 
 
@@ -240,14 +274,28 @@ class GPTModel(nn.Module):
         return {n: full[g] for n, g in zip((n for n, _ in nn.named_parameters(self)), self.parameter_names())
                 if g in full}
 
-    def _rotary(self, seq_len: int, dtype: str):
+    def _positions(self, seq_len: int, tokens):
+        """This rank's position ids [b or 1, s] (numpy), or None for 0..s-1 on every row."""
+        if (tokens is None or tokens.positions is None) and self.seams.context_shards == 1:
+            return None
+        whole = np.arange(seq_len)[None] if tokens is None or tokens.positions is None else tokens.positions
+        if whole.shape[1] != seq_len:
+            raise ValueError(f"positions cover {whole.shape[1]} tokens, the sequence has {seq_len}")
+        if int(whole.max()) >= self.cfg.max_position_embeddings:
+            raise ValueError(f"position {int(whole.max())} exceeds max_position_embeddings "
+                             f"{self.cfg.max_position_embeddings}")
+        return self.seams.local_tokens(whole)
+
+    def _rotary(self, seq_len: int, dtype: str, positions=None):
         if self._rope is None:
             return None, None
         if seq_len > self.cfg.max_position_embeddings:
             raise ValueError(f"sequence length {seq_len} exceeds max_position_embeddings "
                              f"{self.cfg.max_position_embeddings}")
+        cos, sin = self._rope
+        if positions is not None:  # per token: [b or 1, s, 1, d] gathered on the host
+            return tuple(ops.tensor(t[positions][:, :, None, :], dtype=dtype) for t in (cos, sin))
         if (seq_len, dtype) not in self._rope_cache:  # device tensors, built once per length
-            cos, sin = self._rope
             self._rope_cache[seq_len, dtype] = (ops.tensor(cos[:seq_len], dtype=dtype),
                                                 ops.tensor(sin[:seq_len], dtype=dtype))
         return self._rope_cache[seq_len, dtype]
@@ -257,20 +305,22 @@ class GPTModel(nn.Module):
             return self.embedding.word_embeddings.weight
         return self.output_layer.weight
 
-    def forward(self, x):
+    def forward(self, x, tokens: Tokens | None = None):
         """ids [batch, seq] int -> logits [batch, seq, vocab], in the parameters' dtype; a
         stage without the embedding takes, and one without the head returns, the hidden
-        states between layers ([batch, seq / sequence shards, hidden]).
+        states between layers ([batch, seq / sequence shards, hidden]). ``tokens``: positions
+        and documents of packed sequences (models/gpt.py Tokens).
 
-        Under tensor parallelism the logits are this rank's vocabulary shard."""
+        Under tensor parallelism the logits are this rank's vocabulary shard; under context
+        parallelism ids are this rank's columns of each sequence (Seams.local_tokens)."""
         seams = self.seams
+        local = x.shape[1] if self.pre_process else x.shape[1] * seams.sequence_shards
+        seq_len = local * seams.context_shards  # the whole sequence
+        positions = self._positions(seq_len, tokens)
         if self.pre_process:
-            seq_len = x.shape[1]
-            x = seams.decoder_input(self.embedding(x))
-        else:
-            seq_len = x.shape[1] * seams.sequence_shards
-        cos, sin = self._rotary(seq_len, ops.dtype_of(x))
-        x = self.decoder(x, cos, sin, seams)
+            x = seams.decoder_input(self.embedding(x, None if positions is None else ops.tensor(positions)))
+        cos, sin = self._rotary(seq_len, ops.dtype_of(x), positions)
+        x = self.decoder(x, cos, sin, seams, tokens)
         if not self.post_process:
             return x
         return ops.linear(seams.output_input(x), self.output_weight())
@@ -289,9 +339,9 @@ class GPTModel(nn.Module):
         mask = ops.cast(ops.reshape(loss_mask, (-1,)), "float32")
         return ops.sum(per_token * mask) / ops.maximum(ops.sum(mask), ops.full((), 1.0))
 
-    def loss(self, ids, labels, loss_mask=None):
+    def loss(self, ids, labels, loss_mask=None, tokens: Tokens | None = None):
         """The whole model's loss (see loss_from_logits)."""
-        return self.loss_from_logits(self(ids), labels, loss_mask)
+        return self.loss_from_logits(self(ids, tokens), labels, loss_mask)
 
 
 def whole_state(model: GPTModel) -> dict:

@@ -21,14 +21,18 @@ class ModelSpec:
     families: tuple  # ModelConfig.family values it covers
     build: Callable  # (cfg) -> the whole model
     pipeline_chunks: Callable  # (whole model, PipelineLayout, pipeline rank) -> [model chunk]
-    parallelize: Callable  # (model chunk, ParallelState, sequence_parallel) -> ParallelPlan
+    # (model chunk, ParallelState, sequence_parallel, cp_algo, ulysses_degree) -> ParallelPlan
+    parallelize: Callable
     hf_adapter: str  # module with load_config / load_folder / save_folder
 
 
-def _parallelize_dense(chunk, ps, sequence_parallel):
-    from mindspeed_core.parallel import layers  # parallel layers import the model's seams
+def _parallelize_dense(chunk, ps, sequence_parallel, cp_algo="megatron_cp_algo", ulysses_degree=None):
+    from mindspeed_core.parallel import context, layers  # parallel layers import the model's seams
 
-    return layers.parallelize(chunk, ps, sequence_parallel)
+    plan = layers.parallelize(chunk, ps, sequence_parallel)
+    if ps.cp > 1:  # around tensor parallelism's seams: attention across the CP ranks
+        chunk.use_seams(context.ContextParallelSeams(chunk.seams, ps, cp_algo, ulysses_degree))
+    return plan
 
 
 SPECS = (

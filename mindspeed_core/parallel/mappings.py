@@ -8,6 +8,9 @@ Each is a facade autograd.Function whose backward is the collective's adjoint:
     scatter_to_region       forward keep own slice    backward all-gather (dim)
     gather_from_sequence    forward all-gather dim 0  backward reduce-scatter dim 0
     reduce_scatter_to_sequence  forward reduce-scatter dim 0, backward all-gather dim 0
+    shift_ring              forward one step along the ring, backward one step back
+    sequence_to_heads       forward all-to-all [b, s, h, d] -> [b, n s, h / n, d], backward the inverse
+    heads_to_sequence       the inverse (Ulysses' second all-to-all)
 
 With a group of one rank they all reduce to the identity, so a model built for TP = 1 pays
 nothing.
@@ -38,14 +41,41 @@ _KINDS = {
     "scatter_seq": (lambda x, g, d: dist.reduce_scatter(x, group=g, dim=d),
                     lambda dy, g, d: dist.all_gather(dy, group=g, dim=d)),
 }
+
+
+def _sequence_to_heads(x, group):
+    """[b, s, h, d] holding this rank's tokens of every head -> [b, n s, h / n, d] holding
+    every rank's tokens (in group-rank order) of this rank's n-th of the heads."""
+    n = _size(group)
+    b, s, h, d = x.shape
+    parts = ops.permute(ops.reshape(x, (b, s, n, h // n, d)), (2, 0, 1, 3, 4))  # [n, b, s, h/n, d]
+    got = dist.all_to_all(parts, group=group)  # [source rank, b, s, h/n, d]
+    return ops.reshape(ops.permute(got, (1, 0, 2, 3, 4)), (b, n * s, h // n, d))
+
+
+def _heads_to_sequence(x, group):
+    n = _size(group)
+    b, ns, hn, d = x.shape
+    parts = ops.permute(ops.reshape(x, (b, n, ns // n, hn, d)), (1, 0, 2, 3, 4))  # [n, b, s, h/n, d]
+    got = dist.all_to_all(parts, group=group)  # [source rank (its heads), b, s, h/n, d]
+    return ops.reshape(ops.permute(got, (1, 2, 0, 3, 4)), (b, ns // n, n * hn, d))
+
+
+_KINDS.update({
+    "shift": (lambda x, g, d: dist.shift(x, 1, group=g), lambda dy, g, d: dist.shift(dy, -1, group=g)),
+    "seq_to_heads": (lambda x, g, d: _sequence_to_heads(x, g), lambda dy, g, d: _heads_to_sequence(dy, g)),
+    "heads_to_seq": (lambda x, g, d: _heads_to_sequence(x, g), lambda dy, g, d: _sequence_to_heads(dy, g)),
+})
+_CONTEXT_KINDS = ("shift", "seq_to_heads", "heads_to_seq")
 _CLASSES: dict = {}
 
 
 def _apply(kind: str, x, group, dim=0):
     if _size(group) == 1:
         return x
-    features.note_used("tensor-parallel")
-    if kind.endswith("_seq"):
+    if kind not in _CONTEXT_KINDS:  # context parallelism notes its algorithm itself
+        features.note_used("tensor-parallel")
+    if kind in ("gather_seq", "scatter_seq"):
         features.note_used("sequence-parallel")
     # One Function class per (kind, group, dim): torch Functions and MindSpore bprop Cells
     # see only tensors, so the group and dim are closed over by the class.
@@ -90,3 +120,15 @@ def gather_from_sequence(x, group, dim=1):
 
 def reduce_scatter_to_sequence(x, group, dim=1):
     return _apply("scatter_seq", x, group, dim)
+
+
+def shift_ring(x, group):
+    return _apply("shift", x, group)
+
+
+def sequence_to_heads(x, group):
+    return _apply("seq_to_heads", x, group)
+
+
+def heads_to_sequence(x, group):
+    return _apply("heads_to_seq", x, group)

@@ -8,7 +8,9 @@ A rank's coordinates, fastest-varying first (Megatron's default order "tp-cp-ep-
     pp = r // (TP * CP * DP)
 
 so tensor-parallel peers are neighbours (the fastest links on a node), and pipeline stages
-are outermost. Expert parallelism splits the data-parallel dimension into EP-sized groups of
+are outermost. Context-parallel ranks hold the same parameters as data-parallel ones (each
+sees other tokens), so gradients are averaged, and the distributed optimizer shards, over
+"dp_cp": the DP x CP ranks of one (tp, pp) position (Megatron's data-parallel group with CP). Expert parallelism splits the data-parallel dimension into EP-sized groups of
 consecutive DP ranks. Every process builds every group (torch requires it; the MindSpore
 backend creates only the groups it belongs to).
 """
@@ -46,30 +48,41 @@ class ParallelState:
         return self.groups[kind]
 
     def size(self, kind: str) -> int:
-        return {"tp": self.tp, "pp": self.pp, "dp": self.dp, "cp": self.cp, "ep": self.ep}[kind]
+        return {"tp": self.tp, "pp": self.pp, "dp": self.dp, "cp": self.cp, "ep": self.ep,
+                "dp_cp": self.dp * self.cp}[kind]
 
-    def subgroup(self, kind: str, size: int):
-        """This rank's group among consecutive ``size``-rank slices of its ``kind`` group.
-        Built for every such group of the job on first use (all ranks must ask)."""
-        key = f"{kind}/{size}"
+    def subgroup(self, kind: str, size: int, strided: bool = False):
+        """This rank's group among consecutive ``size``-rank slices of its ``kind`` group
+        (``strided``: among the groups of every ``size``-th rank instead, e.g. the ring
+        across Ulysses groups). Built for every such group of the job on first use (all
+        ranks must ask)."""
+        key = f"{kind}/{size}{'/strided' if strided else ''}"
         if key not in self.groups:
             for ranks in _group_ranks(self, kind):
-                for start in range(0, len(ranks), size):
-                    g = dist.new_group(ranks[start:start + size])
-                    if self.rank in ranks[start:start + size]:
+                slices = ([ranks[i::size] for i in range(size)] if strided
+                          else [ranks[i:i + size] for i in range(0, len(ranks), size)])
+                for members in slices:
+                    g = dist.new_group(members)
+                    if self.rank in members:
                         self.groups[key] = g
         return self.groups[key]
 
     def local_rank(self, kind: str) -> int:
+        c = self.coords(self.rank)
         if kind == "ep":
-            return self.coords(self.rank)["dp"] % self.ep
-        return self.coords(self.rank)[kind]
+            return c["dp"] % self.ep
+        if kind == "dp_cp":
+            return c["cp"] + self.cp * c["dp"]
+        return c[kind]
 
 
 def _group_ranks(ps: ParallelState, kind: str) -> list[list[int]]:
     """Every group of the given kind, as lists of global ranks."""
     out = []
     dims = {"tp": ps.tp, "cp": ps.cp, "dp": ps.dp, "pp": ps.pp}
+    if kind == "dp_cp":  # the ranks of one (tp, pp) position
+        return [[r for r in range(ps.world) if ps.coords(r)["tp"] == t and ps.coords(r)["pp"] == p]
+                for p in range(ps.pp) for t in range(ps.tp)]
     others = [k for k in ("tp", "cp", "dp", "pp") if k != kind]
     seen = set()
     for r in range(ps.world):
@@ -99,6 +112,13 @@ def initialize(tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1) -> ParallelSt
             g = dist.new_group(ranks)
             if rank in ranks:
                 ps.groups[kind] = g
+    if cp == 1:
+        ps.groups["dp_cp"] = ps.groups["dp"]
+    else:
+        for ranks in _group_ranks(ps, "dp_cp"):
+            g = dist.new_group(ranks)
+            if rank in ranks:
+                ps.groups["dp_cp"] = g
     if pp > 1:  # the first and last stage: tied embeddings' gradients are summed here
         for ranks in _group_ranks(ps, "pp"):
             g = dist.new_group([ranks[0], ranks[-1]])
@@ -116,7 +136,7 @@ def initialize(tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1) -> ParallelSt
 def get() -> ParallelState:
     """The job's parallel state (a single-process state when none was initialised)."""
     if "current" not in _STATE:
-        _STATE["current"] = ParallelState(1, 0, groups={k: None for k in ("tp", "cp", "dp", "pp", "ep")})
+        _STATE["current"] = ParallelState(1, 0, groups={k: None for k in ("tp", "cp", "dp", "pp", "ep", "dp_cp")})
     return _STATE["current"]
 
 
