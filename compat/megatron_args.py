@@ -74,6 +74,11 @@ def add_feature_args(parser: argparse.ArgumentParser) -> None:
                    help="comma-separated layer counts, one per pipeline stage (uneven split)")
     p.add_argument("--context-parallel-size", type=POSITIVE_INT, default=1)
     p.add_argument("--context-parallel-algo", choices=CONTEXT_PARALLEL_ALGOS, default="megatron_cp_algo")
+    p.add_argument("--ulysses-degree-in-cp", type=POSITIVE_INT, default=None,
+                   help="hybrid_cp_algo: CP ranks per Ulysses group (the ring runs across the groups)")
+    p.add_argument("--cp-attention-mask-type", choices=("causal", "general"), default="causal",
+                   help="accepted for MindSpeed-LLM scripts: every CP mask is built here from each token's column "
+                        "and document (packed sequences), so both values mean the same")
     p.add_argument("--expert-model-parallel-size", type=POSITIVE_INT, default=1)
     p.add_argument("--num-experts", type=POSITIVE_INT, default=None)
     p.add_argument("--moe-token-dispatcher-type", choices=("allgather", "alltoall"), default=None)
@@ -95,7 +100,10 @@ def add_feature_args(parser: argparse.ArgumentParser) -> None:
 
     f = parser.add_argument_group("fused operators")
     f.add_argument("--use-flash-attn", action="store_true")
-    f.add_argument("--reset-attention-mask", action="store_true")
+    f.add_argument("--reset-attention-mask", action="store_true",
+                   help="packed sequences: attention stays inside each document (documents end at EOD)")
+    f.add_argument("--reset-position-ids", action="store_true",
+                   help="packed sequences: position ids restart at 0 after each EOD")
     f.add_argument("--use-fused-rmsnorm", action="store_true")
     f.add_argument("--use-fused-swiglu", action="store_true")
     f.add_argument("--use-fused-rotary-pos-emb", action="store_true")

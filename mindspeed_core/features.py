@@ -140,13 +140,24 @@ FEATURES: tuple[Feature, ...] = (
             lambda a: a.noop_layers is not None),
     Feature("ring-attention-cp", "Context parallel: ring attention", "parallelism",
             ("--context-parallel-size", "--context-parallel-algo megatron_cp_algo"),
-            planned(), planned(), _cp("megatron_cp_algo")),
+            supported("load-balanced chunks (r, 2C-1-r); key/value blocks passed around the ring by batched "
+                      "isend/irecv; partial attentions merged through their log-sum-exp (composite: torch's CPU "
+                      "flash kernel does not differentiate it)"),
+            emulated("each ring step is a sum all-reduce over the CP group with one slot per rank (exact): C x the "
+                     "key/value bytes per step, (C-1) x C over the ring, against C for one all-gather"),
+            _cp("megatron_cp_algo")),
     Feature("ulysses-cp", "Context parallel: Ulysses", "parallelism",
             ("--context-parallel-size", "--context-parallel-algo ulysses_cp_algo"),
-            planned(), planned(), _cp("ulysses_cp_algo")),
+            supported("all-to-all sequence -> heads and back (gloo/nccl/hccl all_to_all); whole-sequence attention "
+                      "on 1/C of the heads"),
+            emulated("all-to-all as one sum all-reduce with C x C slots (exact): C x the bytes of a native "
+                     "all-to-all"),
+            _cp("ulysses_cp_algo")),
     Feature("hybrid-cp", "Context parallel: hybrid (Ulysses + ring)", "parallelism",
-            ("--context-parallel-size", "--context-parallel-algo hybrid_cp_algo"),
-            planned(), planned(), _cp("hybrid_cp_algo")),
+            ("--context-parallel-size", "--context-parallel-algo hybrid_cp_algo", "--ulysses-degree-in-cp"),
+            supported("Ulysses inside groups of --ulysses-degree-in-cp consecutive CP ranks, the ring across them"),
+            emulated("as Ulysses and ring attention on MindSpore's CPU: collectives emulated"),
+            _cp("hybrid_cp_algo")),
     Feature("moe", "Mixture of experts (MoE layers)", "parallelism", ("--num-experts",),
             planned(), planned(), lambda a: a.num_experts is not None),
     Feature("expert-parallel", "MoE expert parallelism", "parallelism", ("--expert-model-parallel-size",),
@@ -195,8 +206,12 @@ FEATURES: tuple[Feature, ...] = (
             emulated("composite softmax(QK^T)V: MindSpore's FlashAttentionScore is not bound (it has no CPU "
                      "kernel, and the Ascend binding has had no device to run on)"),
             _on("use_flash_attn")),
-    Feature("flash-attention-varlen", "Flash attention on packed variable-length sequences", "fused-ops",
-            ("--reset-attention-mask",), planned(), planned(), _on("reset_attention_mask")),
+    Feature("flash-attention-varlen", "Attention on packed variable-length sequences (document mask)", "fused-ops",
+            ("--reset-attention-mask", "--reset-position-ids"),
+            supported("SDPA (or the composite) with a block-diagonal causal mask from the documents' ids; no "
+                      "variable-length kernel is bound on CPU"),
+            emulated("the composite attention with a block-diagonal causal mask from the documents' ids"),
+            _on("reset_attention_mask")),
     Feature("fused-rmsnorm", "Fused RMSNorm", "fused-ops", ("--use-fused-rmsnorm",),
             supported("torch F.rms_norm", npu=supported(f"torch_npu npu_rms_norm; {_UNTESTED}")),
             emulated("composite: RmsNorm has no CPU/GPU kernel", npu=supported(f"ops.rms_norm; {_UNTESTED}")),

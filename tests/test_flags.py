@@ -21,6 +21,9 @@ ACCEPTED_NO_OPS = {
     # Megatron-core 0.16's switch for what is now Megatron's default (and ours): encoding
     # with the tokenizer's special tokens; --tokenizer-hf-no-include-special-tokens turns it off.
     "--tokenizer-hf-include-special-tokens",
+    # MindSpeed-LLM needs "general" for packed sequences under CP; here every CP mask is built
+    # from each token's column and document, so both values mean the same.
+    "--cp-attention-mask-type",
 }
 # The walk's own instrument: every run below passes it.
 INSTRUMENT = {"--dry-run"}
@@ -48,6 +51,7 @@ VALUES = {
 # Flags that qualify another one (as in Megatron): probed with the flag they qualify.
 REQUIRES = {
     "--context-parallel-algo": ["--context-parallel-size", "2"],
+    "--ulysses-degree-in-cp": ["--context-parallel-size", "2", "--context-parallel-algo", "hybrid_cp_algo"],
     "--recompute-method": ["--recompute-granularity", "full"],
     "--recompute-num-layers": ["--recompute-granularity", "full"],
     "--vocab-file": ["--tokenizer-type", "GPT2BPETokenizer"],

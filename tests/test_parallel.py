@@ -73,6 +73,15 @@ CASES = [  # (id, ranks, model, flags)
     ("dp2-distopt", 2, "gqa", ["--use-distributed-optimizer"]),
     ("tp2-dp2-sp-distopt", 4, "gqa", ["--tensor-model-parallel-size", "2", "--sequence-parallel",
                                       "--use-distributed-optimizer"]),
+    # context parallelism (rank order tp, cp, dp): ring at C=2 under TP2 + SP, ring at C=4,
+    # Ulysses at C=2 with DP2 and the distributed optimizer (sharded over DP x CP), hybrid 2 x 2
+    ("cp2-ring-tp2-sp", 4, "gqa", ["--context-parallel-size", "2", "--tensor-model-parallel-size", "2",
+                                   "--sequence-parallel"]),
+    ("cp4-ring", 4, "gqa", ["--context-parallel-size", "4"]),
+    ("cp2-ulysses-dp2-distopt", 4, "gqa", ["--context-parallel-size", "2", "--context-parallel-algo",
+                                           "ulysses_cp_algo", "--use-distributed-optimizer"]),
+    ("cp4-hybrid", 4, "gqa", ["--context-parallel-size", "4", "--context-parallel-algo", "hybrid_cp_algo",
+                              "--ulysses-degree-in-cp", "2"]),
 ]
 
 
@@ -80,11 +89,22 @@ def tp_size(flags) -> int:
     return int(flags[flags.index("--tensor-model-parallel-size") + 1]) if "--tensor-model-parallel-size" in flags else 1
 
 
+def cp_size(flags) -> int:
+    return int(flags[flags.index("--context-parallel-size") + 1]) if "--context-parallel-size" in flags else 1
+
+
+CP_FEATURE = {"megatron_cp_algo": "ring-attention-cp", "ulysses_cp_algo": "ulysses-cp", "hybrid_cp_algo": "hybrid-cp"}
+
+
 def _marks(ranks, flags):
     marks = [pytest.mark.multiprocess, pytest.mark.feature("collectives")]
-    tp = tp_size(flags)
-    if ranks // tp > 1:
+    tp, cp = tp_size(flags), cp_size(flags)
+    if ranks // (tp * cp) > 1:
         marks.append(pytest.mark.feature("data-parallel"))
+    if cp > 1:
+        algo = flags[flags.index("--context-parallel-algo") + 1] if "--context-parallel-algo" in flags else \
+            "megatron_cp_algo"
+        marks.append(pytest.mark.feature(CP_FEATURE[algo]))
     if tp > 1:
         marks.append(pytest.mark.feature("tensor-parallel"))
     if "--sequence-parallel" in flags:
@@ -102,11 +122,13 @@ def test_loss_curve_equals_single_process(framework, corpus, reference, tmp_path
     out = launch_train(framework, ranks, [*argv, "--data-path", corpus, "--train-iters", str(ITERS),
                                           "--metrics-file", str(metrics)], tmp_path)
     assert_same_curve(losses(metrics), reference[model])
-    tp = tp_size(flags)
-    dp = ranks // tp
+    tp, cp = tp_size(flags), cp_size(flags)
+    dp = ranks // (tp * cp)
     # the layout really ran: each data-parallel rank took its share of the global batch of 8 ...
     assert f"TP={tp} DP={dp}" in out and f"each data-parallel rank: {8 // (2 * dp)} micro-batches of 2" in out, out
-    if dp > 1 and tp == 1:  # ... and the whole gradient was reduced over the data-parallel ranks, every step
+    if cp > 1:
+        assert f"CP={cp}" in out, out
+    if dp > 1 and tp == 1 and cp == 1:  # ... and the whole gradient was reduced over the data-parallel ranks
         import json
 
         record = [json.loads(x) for x in open(metrics)][-1]
@@ -115,7 +137,7 @@ def test_loss_curve_equals_single_process(framework, corpus, reference, tmp_path
     if "--use-distributed-optimizer" in flags:  # the state really is sharded over DP
         line = next(x for x in out.splitlines() if "optimizer state" in x)
         mine, full = (float(w) for w in re.findall(r"([0-9.]+) MiB", line))
-        assert abs(mine / full - 3 / (2 * dp)) < 0.05, line  # 3 fp32 copies / DP ranks vs 2 copies
+        assert abs(mine / full - 3 / (2 * dp * cp)) < 0.05, line  # 3 fp32 copies / (DP x CP) ranks vs 2 copies
 
 
 @pytest.mark.multiprocess

@@ -120,3 +120,21 @@ def build_splits(data_path: list[str], split: str, seq_length: int, seed: int) -
 
 def batch(samples, start: int, size: int) -> np.ndarray:
     return np.stack([samples[start + i] for i in range(size)])
+
+
+def document_layout(ids: np.ndarray, eod: int, reset_position_ids: bool, reset_attention_mask: bool):
+    """Packed samples (Megatron's reset flags): documents end at each EOD token (the EOD
+    belongs to the document it ends). Returns (positions, documents) [b, s] int64 for ids
+    [b, s], each None when its flag is off: positions restart at 0 after an EOD, document
+    ids count the EODs before each token."""
+    if not (reset_position_ids or reset_attention_mask):
+        return None, None
+    ends = ids == eod
+    documents = np.zeros(ids.shape, np.int64)
+    documents[:, 1:] = np.cumsum(ends[:, :-1], axis=1)
+    positions = None
+    if reset_position_ids:
+        columns = np.broadcast_to(np.arange(ids.shape[1]), ids.shape)
+        starts = np.where(np.concatenate([np.ones((ids.shape[0], 1), bool), ends[:, :-1]], axis=1), columns, 0)
+        positions = (columns - np.maximum.accumulate(starts, axis=1)).astype(np.int64)
+    return positions, (documents if reset_attention_mask else None)

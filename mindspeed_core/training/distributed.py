@@ -76,12 +76,15 @@ def sum_tied_embeddings(grads: list, plan, ps, tied: bool) -> list:
 
 
 def average_over_dp(grads: list, ps) -> list:
-    """Average gradients over the data-parallel group, one all-reduce per bucket."""
+    """Average gradients over the data-parallel group (with context parallelism: the DP x CP
+    ranks, which hold the same parameters), one all-reduce per bucket."""
     grads = list(grads)
-    if ps.dp > 1:
-        features.note_used("data-parallel")
+    n = ps.size("dp_cp")
+    if n > 1:
+        if ps.dp > 1:
+            features.note_used("data-parallel")
         for bucket in _buckets(grads):
-            _all_reduce_flat(grads, bucket, ps.group("dp"), 1.0 / ps.dp)
+            _all_reduce_flat(grads, bucket, ps.group("dp_cp"), 1.0 / n)
     return grads
 
 

@@ -36,9 +36,11 @@ class DistributedAdamW:
         self.lr, self.weight_decay, self.betas, self.eps, self.ps = lr, weight_decay, betas, eps, ps
         self.sizes = [ops.numel(p) for _, p in self.named]
         total = sum(self.sizes)
-        self.shard = -(-total // ps.dp)
-        self.padded = self.shard * ps.dp
-        self.start = ps.local_rank("dp") * self.shard
+        # sharded over the ranks holding the same parameters: DP, times CP with context parallelism
+        self.ranks, self.group = ps.size("dp_cp"), ps.group("dp_cp")
+        self.shard = -(-total // self.ranks)
+        self.padded = self.shard * self.ranks
+        self.start = ps.local_rank("dp_cp") * self.shard
         window = slice(self.start, self.start + self.shard)
         decay = np.zeros(self.padded, np.float32)
         tp_sharded = np.zeros(self.padded, np.float32)
@@ -72,22 +74,23 @@ class DistributedAdamW:
         return [ops.reshape(x, tuple(p.shape)) for x, (_, p) in zip(pieces, self.named)]
 
     def _gather(self, part):
-        return dist.all_gather(part, group=self.ps.group("dp")) if self.ps.dp > 1 else part
+        return dist.all_gather(part, group=self.group) if self.ranks > 1 else part
 
     # -- the trainer's interface -------------------------------------------------------------
     def prepare(self, grads):
         flat = self._flatten(grads)
-        if self.ps.dp == 1:
+        if self.ranks == 1:
             return flat
-        features.note_used("data-parallel")
-        return dist.reduce_scatter(flat, group=self.ps.group("dp")) * (1.0 / self.ps.dp)
+        if self.ps.dp > 1:
+            features.note_used("data-parallel")
+        return dist.reduce_scatter(flat, group=self.group) * (1.0 / self.ranks)
 
     def grad_norm(self, g) -> float:
         counted = g * self.counted  # masks are 0/1, so squares of the masked gradient are the counted squares
         on_tp = sum_of_squares(counted * self.tp_mask)
         both = ops.stack([on_tp, sum_of_squares(counted) - on_tp])
-        if self.ps.dp > 1:
-            both = dist.all_reduce(both, group=self.ps.group("dp"))
+        if self.ranks > 1:
+            both = dist.all_reduce(both, group=self.group)
         sharded, replicated = (float(x) for x in ops.to_numpy(both))
         if self.ps.tp > 1:
             sharded = float(ops.to_numpy(dist.all_reduce(ops.tensor([sharded]), group=self.ps.group("tp")))[0])

@@ -20,8 +20,8 @@ def forward_backward_no_pipelining(grad_fn, micro_batches, scale: float = 1.0,
     """Each micro-batch's forward and backward in turn, the gradients summed as they come.
     ``float32_grads``: low-precision gradients are accumulated in float32."""
     total_loss, grads, count = 0.0, None, 0
-    for ids, labels in micro_batches:
-        loss, g = grad_fn(ids, labels)
+    for batch in micro_batches:  # (ids, labels) or (ids, labels, tokens)
+        loss, g = grad_fn(*batch)
         total_loss += float(ops.to_numpy(loss)) / scale
         g = [ops.cast(x, "float32") for x in g] if float32_grads else g
         grads = g if grads is None else [a + b for a, b in zip(grads, g)]
@@ -119,9 +119,10 @@ def pipeline_program(pp: int, chunks: int, micro_batches: int, forward_only: boo
 class PipelineStage:
     """What a pipeline schedule needs from the rank it runs on.
 
-    ``forward(chunk, x, labels)``: model chunk ``chunk`` on ``x`` (token ids on the first
+    ``forward(chunk, x, labels, tokens)``: model chunk ``chunk`` on ``x`` (token ids on the first
     virtual stage, the previous stage's hidden states otherwise); on the last virtual stage,
-    given the labels, it returns the micro-batch's (scaled) loss, else hidden states.
+    given the labels, it returns the micro-batch's (scaled) loss, else hidden states; ``tokens``:
+    the micro-batch's positions and documents (models/gpt.py Tokens) or None.
     ``send(x, peer)`` / ``recv(peer)``: point-to-point with pipeline rank ``peer`` (recv knows
     the hidden states' shape and dtype)."""
 
@@ -166,12 +167,13 @@ def forward_backward_pipelining(stage: PipelineStage, program: list, micro_batch
         virtual = chunk * stage.pp + stage.rank
         start = time.perf_counter()
         if kind == FORWARD:
-            ids, labels = batches[mb]
+            ids, labels, *extra = batches[mb]  # extra: the micro-batch's Tokens (packed sequences, CP)
             x = ids if virtual == 0 else inbox.pop(("activation", virtual, mb))
             target = labels if virtual == last else None
+            tokens = extra[0] if extra else None
 
-            def run(x, chunk=chunk, target=target):
-                return stage.forward(chunk, x, target)
+            def run(x, chunk=chunk, target=target, tokens=tokens):
+                return stage.forward(chunk, x, target, tokens)
 
             if forward_only:
                 with autograd.no_grad():

@@ -28,8 +28,9 @@ from mindspeed_core.data.tokenizer import build_tokenizer, padded_vocab_size, to
 from mindspeed_core.errors import CheckpointError, MindSpeedError
 from mindspeed_core.models import registry
 from mindspeed_core.models.config import PRESETS, ModelConfig
-from mindspeed_core.models.gpt import load_whole_state
+from mindspeed_core.models.gpt import Tokens, load_whole_state
 from mindspeed_core.progress import Progress
+from mindspeed_core.parallel import context
 from mindspeed_core.parallel import layers as parallel_layers
 from mindspeed_core.parallel import pipeline
 from mindspeed_core.parallel import state as parallel_state
@@ -153,13 +154,16 @@ def check_configuration(args, world: int):
     if not device.supports_dtype(dtype):
         raise MindSpeedError(f"{dtype} training is not available on {runtime.bound().NAME} "
                              f"({device.current()}); drop --bf16/--fp16")
-    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
     parallel_layers.check_layout(cfg, tp, args.sequence_parallel)
+    context.check_layout(cfg, cp, args.context_parallel_algo, args.ulysses_degree_in_cp, tp, args.seq_length,
+                         args.sequence_parallel)
     layout = pipeline_layout(args, cfg)
-    if world % (tp * pp):
+    if world % (tp * pp * cp):
         raise MindSpeedError(f"world size {world} is not divisible by the tensor parallel size {tp}"
-                             + (f" x the pipeline parallel size {pp}" if pp > 1 else ""))
-    dp = world // (tp * pp)
+                             + (f" x the pipeline parallel size {pp}" if pp > 1 else "")
+                             + (f" x the context parallel size {cp}" if cp > 1 else ""))
+    dp = world // (tp * pp * cp)
     if args.global_batch_size is not None and args.global_batch_size % (args.micro_batch_size * dp):
         raise MindSpeedError(f"--global-batch-size {args.global_batch_size} is not a multiple of "
                              f"--micro-batch-size x data-parallel size ({args.micro_batch_size} x {dp})")
@@ -169,6 +173,9 @@ def check_configuration(args, world: int):
         raise MindSpeedError(f"--compile on MindSpore needs dropout off (this model has attention dropout "
                              f"{cfg.attention_dropout}, hidden dropout {cfg.hidden_dropout}): trace capture would "
                              f"freeze the dropout masks; pass --attention-dropout 0 --hidden-dropout 0")
+    if args.compile and (cp > 1 or args.reset_attention_mask or args.reset_position_ids):
+        raise MindSpeedError("--compile with context parallelism or packed sequences (--reset-attention-mask, "
+                             "--reset-position-ids) is not built yet: drop --compile")
     if args.save:
         check_save_folder(args)
     return tokenizer, cfg
@@ -221,7 +228,8 @@ class Trainer:
         self.dtype = "bfloat16" if args.bf16 else "float16" if args.fp16 else "float32"
         self.scaler = LossScaler(dynamic=bool(args.fp16), initial=args.initial_loss_scale)
         dist.init()
-        self.ps = parallel_state.initialize(tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size)
+        self.ps = parallel_state.initialize(tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
+                                            cp=args.context_parallel_size)
         self.layout = pipeline_layout(args, self.cfg)
         self.model_spec = registry.for_config(self.cfg)
         if args.global_batch_size is None:  # one micro-batch per data-parallel rank
@@ -251,11 +259,17 @@ class Trainer:
             "adam": {"beta1": self.args.adam_beta1, "beta2": self.args.adam_beta2, "eps": self.args.adam_eps},
             "precision": self.dtype, "loss_scale": self.scaler.scale if self.args.fp16 else None,
             "compile": bool(self.args.compile),
-            "parallel": {"tp": self.ps.tp, "dp": self.ps.dp, "pp": self.ps.pp,
+            "parallel": {"tp": self.ps.tp, "dp": self.ps.dp, "pp": self.ps.pp, "cp": self.ps.cp,
+                         "context_parallel_algo": self.args.context_parallel_algo if self.ps.cp > 1 else None,
+                         "ulysses_degree": (context.ulysses_degree(self.ps.cp, self.args.context_parallel_algo,
+                                                                   self.args.ulysses_degree_in_cp)
+                                            if self.ps.cp > 1 else None),
                          "sequence_parallel": bool(self.args.sequence_parallel),
                          "distributed_optimizer": bool(self.args.use_distributed_optimizer),
                          "model_chunks_per_pipeline_rank": self.layout.chunks,
                          "layers_per_virtual_stage": self.layout.describe()},
+            "packed_sequences": {"reset_attention_mask": bool(self.args.reset_attention_mask),
+                                 "reset_position_ids": bool(self.args.reset_position_ids)},
             "run": {key: getattr(self.args, key) for key in _RUN_SETTINGS} | {"progress": not self.args.no_progress},
         }
 
@@ -287,7 +301,8 @@ class Trainer:
             self.model = None
         else:
             self.chunks = [self.model]
-        self.plan = ParallelPlan.join(self.model_spec.parallelize(c, ps, args.sequence_parallel) for c in self.chunks)
+        self.plan = ParallelPlan.join(self.model_spec.parallelize(c, ps, args.sequence_parallel, args.context_parallel_algo,
+                                                                  args.ulysses_degree_in_cp) for c in self.chunks)
         if ps.tp > 1:
             parallel_layers.seed_model_parallel_rng(args.seed, ps)
         if saved_optimizer is not None:  # after the tracker is seeded: its streams are restored too
@@ -313,7 +328,7 @@ class Trainer:
             if args.compile:
                 self._compile_step()
             return
-        hidden = (args.micro_batch_size, args.seq_length // self.chunks[0].sequence_multiple, self.cfg.hidden_size)
+        hidden = (args.micro_batch_size, args.seq_length // ps.cp // self.chunks[0].sequence_multiple, self.cfg.hidden_size)
         me = ps.coords(ps.rank)
 
         def peer(pp_rank):
@@ -331,9 +346,9 @@ class Trainer:
         self.eval_program = schedules.pipeline_program(ps.pp, self.layout.chunks, max(args.eval_iters, 1),
                                                        forward_only=True)[pp_rank]
 
-    def _stage_forward(self, chunk: int, x, labels, scaled: bool = True):
+    def _stage_forward(self, chunk: int, x, labels, tokens=None, scaled: bool = True):
         """One model chunk; with labels (the last stage) the loss, scaled for training."""
-        out = self.chunks[chunk](x)
+        out = self.chunks[chunk](x, tokens)
         if labels is None:
             return out
         loss = self.chunks[chunk].loss_from_logits(out, labels)
@@ -346,8 +361,8 @@ class Trainer:
         masters = sum(ops.numel(p) for p in self.params if ops.dtype_of(p) != "float32")
         return 4 * (2 * elements + masters)
 
-    def _loss(self, ids, labels):
-        return self.scaler.scale_loss(self.model.loss(ids, labels))
+    def _loss(self, ids, labels, tokens=None):
+        return self.scaler.scale_loss(self.model.loss(ids, labels, tokens=tokens))
 
     # -- --compile -----------------------------------------------------------------------------
     def _compile_step(self) -> None:
@@ -360,10 +375,11 @@ class Trainer:
         self.eager_grad_fn = self.grad_fn
         compiled = autograd.compiled_value_and_grad(lambda ids, labels, scale: self.model.loss(ids, labels) * scale,
                                                     self.params, self.model)
-        self.grad_fn = lambda ids, labels: compiled(ids, labels, ops.tensor(np.float32(self.scaler.scale)))
+        # (packed sequences and context parallelism are refused with --compile: no tokens argument)
+        self.grad_fn = lambda ids, labels, tokens=None: compiled(ids, labels, ops.tensor(np.float32(self.scaler.scale)))
         self.compile_seconds = None  # the first call's duration, compilation included
 
-    def _check_compiled(self, ids, labels) -> None:
+    def _check_compiled(self, ids, labels, tokens=None) -> None:
         """The first compiled step's gradients against eager ones on the same micro-batch and
         random state: a compiler that gets a gradient wrong stops the run here (one line),
         never silently."""
@@ -420,7 +436,7 @@ class Trainer:
                 "rng": distributed.gather_json(mine, self.ps)}
 
     def _layout(self) -> dict:
-        return {"world": self.ps.world, "tp": self.ps.tp, "dp": self.ps.dp, "pp": self.ps.pp}
+        return {"world": self.ps.world, "tp": self.ps.tp, "dp": self.ps.dp, "pp": self.ps.pp, "cp": self.ps.cp}
 
     def _restore_trainer_state(self, state: dict) -> None:
         if not state:  # a checkpoint from before trainer states were saved
@@ -458,13 +474,21 @@ class Trainer:
             raise MindSpeedError(f"the {split} data holds token id {bad}, outside the {self.tokenizer.name} tokenizer's "
                                  f"{self.tokenizer.vocab_size} ids: it seems to have been tokenized with a vocabulary of "
                                  f"at least {high + 1} tokens; train with the tokenizer it was preprocessed with")
-        return ops.tensor(tokens[:, :-1]), ops.tensor(tokens[:, 1:])
+        ids, labels = tokens[:, :-1], tokens[:, 1:]
+        positions, documents = gpt_dataset.document_layout(ids, self.tokenizer.eod, self.args.reset_position_ids,
+                                                           self.args.reset_attention_mask)
+        packed = None if positions is None and documents is None else Tokens(positions, documents)
+        if self.ps.cp > 1:  # this rank's chunks of each sequence; positions and documents stay whole
+            columns = context.local_columns(ids.shape[1], self.ps.cp, self.ps.local_rank("cp"))
+            ids, labels = ids[:, columns], labels[:, columns]
+        return ops.tensor(np.ascontiguousarray(ids)), ops.tensor(np.ascontiguousarray(labels)), packed
 
     def gradients(self, iteration: int) -> tuple[float, list]:
         """The step's mean loss (on every rank) and this rank's gradients, complete as the
         parallel plan asks but not yet reduced over data-parallel ranks."""
         args = self.args
-        micro_batches = (self._batch("train", start, args.micro_batch_size) if self.sampler.reads_data else (None, None)
+        micro_batches = (self._batch("train", start, args.micro_batch_size) if self.sampler.reads_data
+                         else (None, None, None)
                          for start in self.sampler.micro_batch_starts(iteration))
         if self.ps.pp == 1 and self.args.compile and self.compile_seconds is None:
             micro_batches = list(micro_batches)
@@ -491,8 +515,9 @@ class Trainer:
             features.note_used("bf16" if self.dtype == "bfloat16" else "fp16")
         loss, grads = self.gradients(iteration)
         grads = self.optimizer.prepare(grads)
-        if self.ps.dp > 1:
-            loss = float(ops.to_numpy(dist.all_reduce(ops.tensor([loss]), group=self.ps.group("dp")))[0]) / self.ps.dp
+        n = self.ps.size("dp_cp")  # CP ranks' losses are means over equal shares of each sequence
+        if n > 1:
+            loss = float(ops.to_numpy(dist.all_reduce(ops.tensor([loss]), group=self.ps.group("dp_cp")))[0]) / n
         norm = self.optimizer.grad_norm(grads)
         if not self.scaler.step_allowed(math.isfinite(loss) and math.isfinite(norm)):
             return loss, lr, float("nan")  # fp16 overflow: step skipped, the scale halved
@@ -508,20 +533,24 @@ class Trainer:
     def evaluate(self) -> float:
         args = self.args
         batches = [self._batch("valid", k * args.micro_batch_size, args.micro_batch_size) if self.sampler.reads_data
-                   else (None, None) for k in range(args.eval_iters)]
+                   else (None, None, None) for k in range(args.eval_iters)]
         for chunk in self.chunks:
             nn.set_training(chunk, False)  # no dropout
         try:
             if self.ps.pp > 1:
                 loss, _ = schedules.forward_backward_pipelining(self.eval_stage, self.eval_program, batches,
                                                                 forward_only=True)
-                return distributed.over_pipeline(loss, self.ps)
-            with autograd.no_grad():
-                losses = [float(ops.to_numpy(self.model.loss(ids, labels))) for ids, labels in batches]
+                loss = distributed.over_pipeline(loss, self.ps)
+            else:
+                with autograd.no_grad():
+                    loss = float(np.mean([float(ops.to_numpy(self.model.loss(ids, labels, tokens=tokens)))
+                                          for ids, labels, tokens in batches]))
         finally:
             for chunk in self.chunks:
                 nn.set_training(chunk, True)
-        return float(np.mean(losses))
+        if self.ps.cp > 1:  # each CP rank saw its share of every sequence
+            loss = float(ops.to_numpy(dist.all_reduce(ops.tensor([loss]), group=self.ps.group("cp")))[0]) / self.ps.cp
+        return loss
 
     def _first_non_finite_parameter(self):
         for name, p in zip(self.names, self.params):
@@ -542,7 +571,8 @@ class Trainer:
                                  f"(the last checkpoint on disk is intact); lower --lr or check the data")
         meta = {"framework": runtime.bound().NAME, "model": self.cfg.to_dict(), "tokenizer": self.tokenizer.name,
                 "consumed_samples": self.iteration * self.args.global_batch_size,
-                "parallel": {"tp": self.ps.tp, "dp": self.ps.dp, "pp": self.ps.pp, "chunks": self.layout.chunks,
+                "parallel": {"tp": self.ps.tp, "dp": self.ps.dp, "pp": self.ps.pp, "cp": self.ps.cp,
+                             "chunks": self.layout.chunks,
                              "sequence_parallel": bool(self.args.sequence_parallel)}}
         model_arrays = self.full_model_arrays()  # collective: every rank
         opt, specs = self.optimizer.state(), self.plan.shard_specs
@@ -570,7 +600,8 @@ class Trainer:
                  f"measured matmul peak {peak / 1e9:.1f} GFLOP/s")
         if self.ps.world > 1:
             pp = f" PP={self.ps.pp}" + (f" x {self.layout.chunks} chunks" if self.layout.chunks > 1 else "")
-            self.say(f"parallel layout: TP={self.ps.tp} DP={self.ps.dp}{pp if self.ps.pp > 1 else ''}"
+            cp = f" CP={self.ps.cp} ({args.context_parallel_algo})" if self.ps.cp > 1 else ""
+            self.say(f"parallel layout: TP={self.ps.tp} DP={self.ps.dp}{pp if self.ps.pp > 1 else ''}{cp}"
                      f"{' +SP' if args.sequence_parallel else ''}; "
                      f"each data-parallel rank: {self.grad_accum} micro-batches of {args.micro_batch_size} per step; "
                      f"optimizer state {self.optimizer.state_bytes() / 2**20:.2f} MiB on this rank "
@@ -614,7 +645,7 @@ class Trainer:
 
             prompt = "def "
             model = self.model
-            if self.ps.pp > 1:  # the stages are gathered into one whole model on rank 0
+            if self.ps.pp > 1 or self.ps.cp > 1:  # one whole single-device model on rank 0
                 arrays = self.full_model_arrays()
                 model = None
                 if self.ps.rank == 0:
@@ -631,6 +662,6 @@ class Trainer:
                 result["sample"] = text
                 log.write({"iteration": self.iteration, "sample_prompt": prompt, "sample_ids": ids, "sample": text})
                 log.close()
-            if self.ps.pp > 1:
+            if self.ps.pp > 1 or self.ps.cp > 1:
                 dist.barrier()
         return result
