@@ -10,8 +10,9 @@ A rank's coordinates, fastest-varying first (Megatron's default order "tp-cp-ep-
 so tensor-parallel peers are neighbours (the fastest links on a node), and pipeline stages
 are outermost. Context-parallel ranks hold the same parameters as data-parallel ones (each
 sees other tokens), so gradients are averaged, and the distributed optimizer shards, over
-"dp_cp": the DP x CP ranks of one (tp, pp) position (Megatron's data-parallel group with CP). Expert parallelism splits the data-parallel dimension into EP-sized groups of
-consecutive DP ranks. Every process builds every group (torch requires it; the MindSpore
+"dp_cp": the DP x CP ranks of one (tp, pp) position (Megatron's data-parallel group with CP).
+Expert parallelism splits the data-parallel dimension into EP-sized groups of consecutive DP
+ranks. Every process builds every group (torch requires it; the MindSpore
 backend creates only the groups it belongs to).
 """
 

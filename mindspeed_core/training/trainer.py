@@ -301,8 +301,9 @@ class Trainer:
             self.model = None
         else:
             self.chunks = [self.model]
-        self.plan = ParallelPlan.join(self.model_spec.parallelize(c, ps, args.sequence_parallel, args.context_parallel_algo,
-                                                                  args.ulysses_degree_in_cp) for c in self.chunks)
+        self.plan = ParallelPlan.join(self.model_spec.parallelize(c, ps, args.sequence_parallel,
+                                                                  args.context_parallel_algo, args.ulysses_degree_in_cp)
+                                      for c in self.chunks)
         if ps.tp > 1:
             parallel_layers.seed_model_parallel_rng(args.seed, ps)
         if saved_optimizer is not None:  # after the tracker is seeded: its streams are restored too
@@ -328,7 +329,8 @@ class Trainer:
             if args.compile:
                 self._compile_step()
             return
-        hidden = (args.micro_batch_size, args.seq_length // ps.cp // self.chunks[0].sequence_multiple, self.cfg.hidden_size)
+        hidden = (args.micro_batch_size, args.seq_length // ps.cp // self.chunks[0].sequence_multiple,
+                  self.cfg.hidden_size)
         me = ps.coords(ps.rank)
 
         def peer(pp_rank):
@@ -444,7 +446,7 @@ class Trainer:
             return
         try:
             self.scaler.load_state(state)
-            ranks, layout = state["rng"], {"pp": 1, **state["layout"]}  # saved before PP: one stage
+            ranks, layout = state["rng"], {"pp": 1, "cp": 1, **state["layout"]}  # saved before PP/CP: one of each
             here = self._layout()
             if state["framework"] != runtime.bound().NAME:  # generator states are framework-specific
                 self.say(f"RNG states were saved on {state['framework']}: dropout draws start afresh on "
