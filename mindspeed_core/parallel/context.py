@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from mindspeed_core import composite, features, ops
+from mindspeed_core import composite, dist, features, ops
 from mindspeed_core.errors import MindSpeedError
 from mindspeed_core.models.gpt import Seams
 from mindspeed_core.parallel import mappings
@@ -116,7 +116,7 @@ def ring_attention(q, k, v, q_cols, kv_cols, documents, group, attention, dropou
     member's keys/values; ``kv_cols[j]``: the columns ring rank j holds (sorted, this rank's
     k, v among them). ``documents`` [b, S] or None. ``attention``: the facade's attention."""
     n = len(kv_cols)
-    me = _rank(group)
+    me = dist.rank(group)
     kv = ops.cat([k, v], dim=-1)  # one message per step
     d = k.shape[-1]
     q_runs = _runs(q_cols)
@@ -144,12 +144,6 @@ def ring_attention(q, k, v, q_cols, kv_cols, documents, group, attention, dropou
                 acc[i] = _merge(*acc[i], o, l)
     out = ops.cat([ops.cast(o, ops.dtype_of(q)) for o, _ in acc], dim=1)
     return out if anchor is None else out + ops.cast(anchor, ops.dtype_of(out))
-
-
-def _rank(group) -> int:
-    from mindspeed_core import dist
-
-    return dist.rank(group) if group is not None else 0
 
 
 class ContextParallelSeams(Seams):
