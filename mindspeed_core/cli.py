@@ -123,6 +123,9 @@ def _cmd_preprocess(argv: list[str]) -> int:
     print(f"wrote {counts['documents']} documents, {counts['tokens']} tokens: {', '.join(counts['outputs'])}")
     if counts["end_of_document"]:
         print(f"end of document: {counts['end_of_document']}")
+    for key, p in counts.get("packing", {}).items():
+        print(f"{key}: packed into {p['packs']} samples ({100 * p['fill']:.1f}% filled, the rest padding left out "
+              f"of the loss); {p['split_documents']} documents longer than a sample cut into sample-long pieces")
     return 0
 
 

@@ -33,10 +33,12 @@ class Tokens:
     """Where a micro-batch's tokens sit, over whole sequences (host numpy, [b, S] or [1, S]):
     ``positions`` for the position embeddings (None: 0..S-1; reset per document with
     --reset-position-ids) and ``documents``, the document each token belongs to in a packed
-    sequence (None: one per row; attention stays inside a document)."""
+    sequence (None: one per row; attention stays inside a document); ``loss_mask``, 1 where
+    a label counts in the loss (None: everywhere; 0 on the padding of packed samples)."""
 
     positions: np.ndarray | None = None
     documents: np.ndarray | None = None
+    loss_mask: np.ndarray | None = None
     _documents: object = field(default=None, repr=False, compare=False)
 
     def document_tensor(self):
@@ -329,19 +331,24 @@ class GPTModel(nn.Module):
         """Full-vocabulary logits from forward's output."""
         return self.seams.gather_logits(logits)
 
-    def loss_from_logits(self, logits, labels, loss_mask=None):
-        """Mean next-token cross entropy over the positions loss_mask keeps (all if None)."""
+    def loss_from_logits(self, logits, labels, tokens: Tokens | None = None):
+        """Mean next-token cross entropy over the positions tokens.loss_mask keeps (all if
+        None), over whole sequences: under context parallelism each rank returns its share
+        times the shard count, so the mean over the context-parallel ranks is the loss."""
         logits = ops.cast(logits, "float32")  # the softmax in fp32 whatever the model dtype
         flat = ops.reshape(logits, (-1, logits.shape[-1]))
         per_token = self.seams.token_losses(flat, ops.reshape(labels, (-1,)))
-        if loss_mask is None:
+        if tokens is None or tokens.loss_mask is None:
             return ops.mean(per_token)
-        mask = ops.cast(ops.reshape(loss_mask, (-1,)), "float32")
-        return ops.sum(per_token * mask) / ops.maximum(ops.sum(mask), ops.full((), 1.0))
+        whole = np.asarray(tokens.loss_mask, np.float32)
+        # the denominator counts the whole sequences' kept labels (known on the host)
+        scale = self.seams.context_shards / max(float(whole.sum()), 1.0)
+        mask = ops.tensor(np.ascontiguousarray(self.seams.local_tokens(whole)).reshape(-1) * scale)
+        return ops.sum(per_token * mask)
 
-    def loss(self, ids, labels, loss_mask=None, tokens: Tokens | None = None):
+    def loss(self, ids, labels, tokens: Tokens | None = None):
         """The whole model's loss (see loss_from_logits)."""
-        return self.loss_from_logits(self(ids, tokens), labels, loss_mask)
+        return self.loss_from_logits(self(ids, tokens), labels, tokens)
 
 
 def whole_state(model: GPTModel) -> dict:

@@ -6,11 +6,14 @@ seq_length + 1 tokens; their order is a permutation drawn from the seed, drawn a
 epoch. Blends (``--data-path 0.7 a 0.3 b``) interleave datasets by weight with Megatron's
 greedy rule (always take the dataset furthest below its share), so sample i of a run is
 fixed by the seed alone: that is what makes resuming reproduce the uninterrupted run.
+A packed dataset (``mindspeed preprocess --pack``, named ``..._packed_<key>_document``)
+gives one sample per pack instead, padded with PAD.
 """
 
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 
@@ -55,31 +58,76 @@ def split_ranges(num_docs: int, split: str) -> dict:
     return {name: (bounds[i], bounds[i + 1]) for i, name in enumerate(SPLITS)}
 
 
-class TokenSamples:
+class _Shuffled:
+    """``count`` samples in a seeded order, drawn anew each epoch."""
+
+    def __init__(self, count: int, seed: int):
+        self.count, self.seed = count, seed
+        self._orders: dict[int, np.ndarray] = {}
+
+    def _sample(self, i: int) -> int:
+        epoch = i // self.count
+        if epoch not in self._orders:
+            self._orders = {epoch: np.random.RandomState((self.seed + 7919 * epoch) % 2**32).permutation(self.count)}
+        return int(self._orders[epoch][i % self.count])
+
+
+class TokenSamples(_Shuffled):
     """Samples of seq_length + 1 tokens cut from a token stream, in a seeded order."""
 
     def __init__(self, tokens: np.ndarray, seq_length: int, seed: int, name: str):
-        self.tokens, self.seq_length, self.seed = tokens, seq_length, seed
-        self.count = (len(tokens) - 1) // seq_length
-        if self.count <= 0:
+        self.tokens, self.seq_length = tokens, seq_length
+        count = (len(tokens) - 1) // seq_length
+        if count <= 0:
             raise MindSpeedError(f"{name} has {len(tokens)} tokens: too few for one sample of --seq-length "
                                  f"{seq_length} (+1)")
-        self._orders: dict[int, np.ndarray] = {}
-
-    def _order(self, epoch: int) -> np.ndarray:
-        if epoch not in self._orders:
-            self._orders = {epoch: np.random.RandomState((self.seed + 7919 * epoch) % 2**32).permutation(self.count)}
-        return self._orders[epoch]
+        super().__init__(count, seed)
 
     def __getitem__(self, i: int) -> np.ndarray:
-        j = int(self._order(i // self.count)[i % self.count])
-        start = j * self.seq_length
+        start = self._sample(i) * self.seq_length
         return self.tokens[start : start + self.seq_length + 1].astype(np.int64)
 
 
+# a packed sample's padding (not a token id: the trainer leaves it out of the loss)
+PAD = -1
+PACKED = re.compile(r"_packed_[^/\\]*_document$")
+
+
+class PackedSamples(_Shuffled):
+    """One sample per pack of a packed dataset (``mindspeed preprocess --pack``): the pack's
+    documents, then PAD up to seq_length + 1 tokens."""
+
+    def __init__(self, ds: IndexedDataset, first: int, last: int, seq_length: int, seed: int, name: str):
+        self.ds, self.first, self.seq_length = ds, first, seq_length
+        ends = np.concatenate([[0], np.cumsum(ds.lengths, dtype=np.int64)])[ds.document_indices[first : last + 1]]
+        sizes = np.diff(ends)
+        if sizes.max() > seq_length + 1:
+            raise MindSpeedError(f"{name} holds packs of up to {int(sizes.max())} tokens, longer than a sample of "
+                                 f"--seq-length {seq_length} (+1): train with the --seq-length it was packed for, or "
+                                 f"pack again")
+        super().__init__(last - first, seed)
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        out = np.full(self.seq_length + 1, PAD, np.int64)
+        pack = self.ds.document(self.first + self._sample(i))
+        out[: len(pack)] = pack
+        return out
+
+
+def unpad(tokens: np.ndarray, eod: int):
+    """Packed samples [b, S + 1] -> (tokens with each PAD an end of document, so that padding
+    is a document of its own under --reset-attention-mask; the loss mask [b, S] of the
+    labels, 0 where the label is padding), or (tokens, None) without padding."""
+    padding = tokens == PAD
+    if not padding.any():
+        return tokens, None
+    return np.where(padding, eod, tokens), ~padding[:, 1:]
+
+
 class BlendedSamples:
-    def __init__(self, parts: list[tuple[float, TokenSamples]]):
+    def __init__(self, parts: list[tuple[float, TokenSamples | PackedSamples]]):
         self.parts = parts
+        self.packed = any(isinstance(p, PackedSamples) for _, p in parts)  # samples may hold PAD
         self.weights = np.array([w for w, _ in parts], np.float64)
         self._cache_n = 0
         self._which = np.zeros(0, np.int64)
@@ -109,10 +157,15 @@ def build_splits(data_path: list[str], split: str, seq_length: int, seed: int) -
     blends = {name: [] for name in SPLITS}
     for weight, prefix in parse_data_path(data_path):
         ds = IndexedDataset(prefix)
+        packed = bool(PACKED.search(prefix))
         for k, name in enumerate(SPLITS):
-            a, b = split_ranges(len(ds), split)[name]
-            if b > a:
-                blends[name].append((weight, TokenSamples(ds.tokens(a, b), seq_length, seed + k, f"{prefix} ({name})")))
+            a, b = split_ranges(ds.document_count if packed else len(ds), split)[name]
+            if b <= a:
+                continue
+            where = f"{prefix} ({name})"
+            samples = (PackedSamples(ds, a, b, seq_length, seed + k, where) if packed
+                       else TokenSamples(ds.tokens(a, b), seq_length, seed + k, where))
+            blends[name].append((weight, samples))
     if not blends["train"]:
         raise MindSpeedError("the training split is empty: check --data-path and --split")
     return {name: (BlendedSamples(parts) if parts else None) for name, parts in blends.items()}

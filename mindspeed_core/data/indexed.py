@@ -5,7 +5,9 @@ Layout of the .idx, little-endian, as megatron-core's IndexedDataset reads it:
     document count <Q>, sequence lengths int32[count], sequence byte offsets int64[count],
     document indices int64[documents] (sequence index where each document starts, plus the end).
 Here a document is one sequence, or none when it has no tokens (as Megatron's builder
-writes it: the empty document repeats its neighbour's entry in the document indices).
+writes it: the empty document repeats its neighbour's entry in the document indices); a
+pack (``mindspeed preprocess --pack``) is one document of several sequences, each a whole
+document of the corpus or a piece of a long one.
 """
 
 from __future__ import annotations
@@ -42,6 +44,15 @@ class IndexedDatasetWriter:
         if arr.size:
             self._bin.write(arr.tobytes())
             self._lengths.append(int(arr.size))
+        self._documents.append(len(self._lengths))
+
+    def add_pack(self, parts) -> None:
+        """One document made of several sequences (their order kept)."""
+        for part in parts:
+            arr = np.asarray(part, dtype=self.dtype)
+            if arr.size:
+                self._bin.write(arr.tobytes())
+                self._lengths.append(int(arr.size))
         self._documents.append(len(self._lengths))
 
     def abort(self) -> None:
@@ -111,11 +122,19 @@ class IndexedDataset:
         start = int(self.pointers[i]) // self.dtype.itemsize
         return np.asarray(self._bin[start : start + int(self.lengths[i])])
 
-    def tokens(self, first_doc: int = 0, last_doc: int | None = None) -> np.ndarray:
-        """The documents [first_doc, last_doc) concatenated (they already end with EOD)."""
-        last_doc = len(self) if last_doc is None else last_doc
-        if first_doc >= last_doc:
+    def tokens(self, first: int = 0, last: int | None = None) -> np.ndarray:
+        """The sequences [first, last) concatenated (documents already end with EOD)."""
+        last = len(self) if last is None else last
+        if first >= last:
             return np.zeros(0, self.dtype)
-        start = int(self.pointers[first_doc]) // self.dtype.itemsize
-        end = start + int(self.lengths[first_doc:last_doc].sum())
+        start = int(self.pointers[first]) // self.dtype.itemsize
+        end = start + int(self.lengths[first:last].sum())
         return np.asarray(self._bin[start:end])
+
+    @property
+    def document_count(self) -> int:
+        return max(len(self.document_indices) - 1, 0)
+
+    def document(self, i: int) -> np.ndarray:
+        """Document i's tokens (all its sequences: a whole pack)."""
+        return self.tokens(int(self.document_indices[i]), int(self.document_indices[i + 1]))

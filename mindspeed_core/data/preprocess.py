@@ -8,6 +8,10 @@ what Megatron-LM's tools/preprocess_data.py writes from the same input and token
 encoded with the tokenizer's special tokens (--tokenizer-hf-no-include-special-tokens turns
 them off), the tokenizer's own end of document after each document that has tokens, and
 an empty document recorded with no sequence.
+
+With ``--pack --seq-length S`` it also writes out/corpus_packed_text_document: the same
+documents packed whole into samples of S + 1 tokens (see data/packing.py), which the
+trainer reads one pack per sample.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import re
 
 from mindspeed_core import files
 from mindspeed_core.compat.megatron_args import POSITIVE_INT, add_tokenizer_args
-from mindspeed_core.data import indexed
+from mindspeed_core.data import indexed, packing
 from mindspeed_core.data.tokenizer import build_tokenizer, tokenizer_args
 from mindspeed_core.errors import MindSpeedError
 from mindspeed_core.progress import Progress
@@ -34,6 +38,10 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--append-eod", action="store_true")
     parser.add_argument("--workers", type=POSITIVE_INT, default=1)
     parser.add_argument("--log-interval", type=POSITIVE_INT, default=1000)
+    parser.add_argument("--pack", action="store_true",
+                        help="also write the documents packed whole into samples of --seq-length + 1 tokens")
+    parser.add_argument("--seq-length", type=POSITIVE_INT, default=None,
+                        help="with --pack: the training --seq-length the packs are made for")
 
 
 def _files(path: str) -> list[str]:
@@ -132,7 +140,15 @@ def _stale(prefix: str) -> re.Pattern:
     return re.compile(re.escape(os.path.basename(prefix)) + r"\.tmp-(?P<pid>\d+)\.(bin|idx)$")
 
 
+def packed_prefix(output_prefix: str, key: str) -> str:
+    return f"{output_prefix}_packed_{key}_document"
+
+
 def run(args) -> dict:
+    if args.pack and (args.seq_length is None or not args.append_eod):
+        # the trainer finds a pack's document boundaries at the end-of-document tokens
+        raise MindSpeedError("--pack needs --seq-length (the training sequence length the packs are for) and "
+                             "--append-eod (documents in a pack end with the end-of-document token)")
     tok = build_tokenizer(*tokenizer_args(args))
     folder = os.path.dirname(os.path.abspath(args.output_prefix))
     files.check_writable(folder, f"--output-prefix {args.output_prefix}")
@@ -168,6 +184,10 @@ def run(args) -> dict:
             progress.update(1, f"{counts['tokens']} tokens")
         for w in writers.values():
             w.finalize()
+        if args.pack:
+            for key, prefix in prefixes.items():
+                counts.setdefault("packing", {})[key] = packing.pack_dataset(prefix, packed_prefix(args.output_prefix, key),
+                                                         args.seq_length + 1)
         progress.close()  # its last line only on success: a failure is the one error line
     except BaseException:
         for w in writers.values():
@@ -183,5 +203,7 @@ def run(args) -> dict:
             pool.close()
             pool.join()
     counts["outputs"] = list(prefixes.values())
+    if args.pack:
+        counts["outputs"] += [packed_prefix(args.output_prefix, k) for k in args.json_keys]
     counts["end_of_document"] = f"{tok.eod_source}, id {tok.eod}" if args.append_eod else None
     return counts

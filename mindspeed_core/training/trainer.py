@@ -353,7 +353,7 @@ class Trainer:
         out = self.chunks[chunk](x, tokens)
         if labels is None:
             return out
-        loss = self.chunks[chunk].loss_from_logits(out, labels)
+        loss = self.chunks[chunk].loss_from_logits(out, labels, tokens)
         return self.scaler.scale_loss(loss) if scaled else loss
 
     def optimizer_bytes_unsharded(self) -> int:
@@ -470,6 +470,9 @@ class Trainer:
 
     def _batch(self, split: str, start: int, size: int):
         tokens = gpt_dataset.batch(self.data[split], start, size)
+        loss_mask = None
+        if self.data[split].packed:
+            tokens, loss_mask = gpt_dataset.unpad(tokens, self.tokenizer.eod)
         low, high = int(tokens.min()), int(tokens.max())  # cheap: one micro-batch
         if low < 0 or high >= self.tokenizer.vocab_size:
             bad = low if low < 0 else high
@@ -479,7 +482,8 @@ class Trainer:
         ids, labels = tokens[:, :-1], tokens[:, 1:]
         positions, documents = gpt_dataset.document_layout(ids, self.tokenizer.eod, self.args.reset_position_ids,
                                                            self.args.reset_attention_mask)
-        packed = None if positions is None and documents is None else Tokens(positions, documents)
+        packed = (None if positions is None and documents is None and loss_mask is None
+                  else Tokens(positions, documents, loss_mask))
         if self.ps.cp > 1:  # this rank's chunks of each sequence; positions and documents stay whole
             columns = context.local_columns(ids.shape[1], self.ps.cp, self.ps.local_rank("cp"))
             ids, labels = ids[:, columns], labels[:, columns]
