@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import pathlib
 import shutil
 import signal
 import socket
@@ -46,6 +48,18 @@ def launch(framework: str, nproc: int, script: str, args: list[str], log_dir: st
             with open(os.path.join(log_dir, name), errors="replace") as fh:
                 logs += f"\n--- {name} ---\n" + fh.read()[-4000:]
     return proc.returncode, out + logs
+
+
+def run_configs(framework: str, nproc: int, spec: list, tmp_path: pathlib.Path, timeout: int = 900) -> pathlib.Path:
+    """Train each (name, flags) of ``spec`` in turn in one launch of ``nproc`` ranks
+    (parity_worker.py); returns the folder of their metrics, gradients and logs."""
+    out = tmp_path / "out"
+    out.mkdir(exist_ok=True)
+    (tmp_path / "configs.json").write_text(json.dumps(spec))
+    code, output = launch(framework, nproc, str(pathlib.Path(__file__).with_name("parity_worker.py")),
+                          [str(out), str(tmp_path / "configs.json")], str(tmp_path / "logs"), timeout=timeout)
+    assert code == 0, output[-8000:]
+    return out
 
 
 class TwoNodes:

@@ -1,11 +1,14 @@
-"""One rank of the pipeline parity runs: several training configurations in one launch
-(starting a job costs more than a tiny model's ten steps, above all under msrun).
+"""One rank of the parity runs (pipeline, context parallelism): several training
+configurations in one launch (starting a job costs more than a tiny model's ten steps,
+above all under msrun).
 
 For each configuration (name, flags) it records on rank 0: <out>/<name>.jsonl (the metrics
-of a --train-iters run) and <out>/<name>-grads.npz (the whole model's gradients of the first
-step, averaged over data-parallel ranks, before any optimizer step).
+of a --train-iters run), <out>/<name>-grads.npz (the whole model's gradients of the first
+step, averaged over data-parallel ranks, before any optimizer step) and <out>/<name>.log
+(what the trainer printed).
 
-usage: pipeline_worker.py OUT_DIR CONFIGS_JSON
+usage: parity_worker.py OUT_DIR CONFIGS_JSON
+(tests/launch.py run_configs)
 """
 
 from __future__ import annotations

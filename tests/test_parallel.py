@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from launch import TwoNodes, free_port
+from launch import TwoNodes, free_port, run_configs
 from test_training import corpus, losses, train  # noqa: F401  (corpus is a fixture)
 
 BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--ffn-hidden-size", "128",
@@ -19,6 +19,9 @@ BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"
         "--no-progress", "--seed", "7", "--sample-tokens", "0"]
 GQA = BASE + ["--num-query-groups", "2"]
 MHA = BASE + ["--num-query-groups", "4"]
+# packed samples of whole documents (lines of code), kept apart, padding out of the loss
+PACKED = GQA + ["--reset-attention-mask", "--reset-position-ids"]
+MODELS = {"gqa": GQA, "mha": MHA, "packed": PACKED}
 ITERS = 10
 
 
@@ -37,8 +40,30 @@ def launch_train(framework, nproc, argv, tmp_path, timeout=900):
 
 
 @pytest.fixture(scope="module")
-def reference(corpus, tmp_path_factory):  # noqa: F811
-    """Single-process loss curves of both model variants (run in this process)."""
+def packed_corpus(tmp_path_factory):
+    """The first 24 characters of each line of some library code, each a document, packed
+    (`mindspeed preprocess --pack`) into samples of 33 tokens with some padding."""
+    import json
+
+    from mindspeed_core import cli
+    from mindspeed_core.data.corpus import stdlib_files
+
+    root = tmp_path_factory.mktemp("packed")
+    with open(root / "lines.jsonl", "w") as fh:
+        for path in stdlib_files(20_000):
+            fh.writelines(json.dumps({"text": line.strip()[:24]}) + "\n" for line in open(path) if line.strip())
+    assert cli.main(["preprocess", "--input", str(root / "lines.jsonl"), "--output-prefix", str(root / "lines"),
+                     "--append-eod", "--pack", "--seq-length", "32"]) == 0
+    return str(root / "lines_packed_text_document")
+
+
+def data_path(model, corpus, packed_corpus):
+    return packed_corpus if model == "packed" else corpus
+
+
+@pytest.fixture(scope="module")
+def reference(corpus, packed_corpus, tmp_path_factory):  # noqa: F811
+    """Single-process loss curves of the model variants (run in this process)."""
     import io
     import contextlib
 
@@ -46,11 +71,11 @@ def reference(corpus, tmp_path_factory):  # noqa: F811
 
     out = {}
     root = tmp_path_factory.mktemp("reference")
-    for name, argv in (("gqa", GQA), ("mha", MHA)):
+    for name, argv in MODELS.items():
         path = root / f"{name}.jsonl"
         with contextlib.redirect_stdout(io.StringIO()):
-            assert cli.main(["train", *argv, "--data-path", corpus, "--train-iters", str(ITERS),
-                             "--metrics-file", str(path)]) == 0
+            assert cli.main(["train", *argv, "--data-path", data_path(name, corpus, packed_corpus),
+                             "--train-iters", str(ITERS), "--metrics-file", str(path)]) == 0
         out[name] = losses(path)
     return out
 
@@ -73,15 +98,20 @@ CASES = [  # (id, ranks, model, flags)
     ("dp2-distopt", 2, "gqa", ["--use-distributed-optimizer"]),
     ("tp2-dp2-sp-distopt", 4, "gqa", ["--tensor-model-parallel-size", "2", "--sequence-parallel",
                                       "--use-distributed-optimizer"]),
-    # context parallelism (rank order tp, cp, dp): ring at C=2 under TP2 + SP, ring at C=4,
-    # Ulysses at C=2 with DP2 and the distributed optimizer (sharded over DP x CP), hybrid 2 x 2
-    ("cp2-ring-tp2-sp", 4, "gqa", ["--context-parallel-size", "2", "--tensor-model-parallel-size", "2",
-                                   "--sequence-parallel"]),
-    ("cp4-ring", 4, "gqa", ["--context-parallel-size", "4"]),
-    ("cp2-ulysses-dp2-distopt", 4, "gqa", ["--context-parallel-size", "2", "--context-parallel-algo",
-                                           "ulysses_cp_algo", "--use-distributed-optimizer"]),
-    ("cp4-hybrid", 4, "gqa", ["--context-parallel-size", "4", "--context-parallel-algo", "hybrid_cp_algo",
-                              "--ulysses-degree-in-cp", "2"]),
+]
+
+
+# context parallelism (rank order tp, cp, dp), on four ranks in one launch: ring at C=2 under
+# TP2 + SP, ring at C=4 on packed samples, Ulysses at C=2 with DP2 and the distributed optimizer
+# (sharded over DP x CP), hybrid 2 x 2
+CP_CASES = [  # (id, model, flags)
+    ("cp2-ring-tp2-sp", "gqa", ["--context-parallel-size", "2", "--tensor-model-parallel-size", "2",
+                                "--sequence-parallel"]),
+    ("cp4-ring-packed", "packed", ["--context-parallel-size", "4"]),
+    ("cp2-ulysses-dp2-distopt", "gqa", ["--context-parallel-size", "2", "--context-parallel-algo", "ulysses_cp_algo",
+                                        "--use-distributed-optimizer"]),
+    ("cp4-hybrid", "gqa", ["--context-parallel-size", "4", "--context-parallel-algo", "hybrid_cp_algo",
+                           "--ulysses-degree-in-cp", "2"]),
 ]
 
 
@@ -93,18 +123,11 @@ def cp_size(flags) -> int:
     return int(flags[flags.index("--context-parallel-size") + 1]) if "--context-parallel-size" in flags else 1
 
 
-CP_FEATURE = {"megatron_cp_algo": "ring-attention-cp", "ulysses_cp_algo": "ulysses-cp", "hybrid_cp_algo": "hybrid-cp"}
-
-
 def _marks(ranks, flags):
     marks = [pytest.mark.multiprocess, pytest.mark.feature("collectives")]
-    tp, cp = tp_size(flags), cp_size(flags)
-    if ranks // (tp * cp) > 1:
+    tp = tp_size(flags)
+    if ranks // tp > 1:
         marks.append(pytest.mark.feature("data-parallel"))
-    if cp > 1:
-        algo = flags[flags.index("--context-parallel-algo") + 1] if "--context-parallel-algo" in flags else \
-            "megatron_cp_algo"
-        marks.append(pytest.mark.feature(CP_FEATURE[algo]))
     if tp > 1:
         marks.append(pytest.mark.feature("tensor-parallel"))
     if "--sequence-parallel" in flags:
@@ -118,26 +141,56 @@ def _marks(ranks, flags):
                          [pytest.param(*c, marks=_marks(c[1], c[3]), id=c[0]) for c in CASES])
 def test_loss_curve_equals_single_process(framework, corpus, reference, tmp_path, case, ranks, model, flags):  # noqa: F811
     metrics = tmp_path / "m.jsonl"
-    argv = (GQA if model == "gqa" else MHA) + flags
-    out = launch_train(framework, ranks, [*argv, "--data-path", corpus, "--train-iters", str(ITERS),
+    out = launch_train(framework, ranks, [*MODELS[model], *flags, "--data-path", corpus, "--train-iters", str(ITERS),
                                           "--metrics-file", str(metrics)], tmp_path)
     assert_same_curve(losses(metrics), reference[model])
+    check_layout(out, ranks, flags)
     tp, cp = tp_size(flags), cp_size(flags)
     dp = ranks // (tp * cp)
-    # the layout really ran: each data-parallel rank took its share of the global batch of 8 ...
-    assert f"TP={tp} DP={dp}" in out and f"each data-parallel rank: {8 // (2 * dp)} micro-batches of 2" in out, out
-    if cp > 1:
-        assert f"CP={cp}" in out, out
     if dp > 1 and tp == 1 and cp == 1:  # ... and the whole gradient was reduced over the data-parallel ranks
         import json
 
         record = [json.loads(x) for x in open(metrics)][-1]
         measured = {op: v["bytes"] for op, v in record["comm"].items() if v["bytes"]}
         assert measured == expected_traffic(ranks, flags)
-    if "--use-distributed-optimizer" in flags:  # the state really is sharded over DP
+
+
+def check_layout(out: str, ranks: int, flags: list) -> None:
+    """The layout really ran (from what rank 0 printed): each data-parallel rank took its share
+    of the global batch of 8, and the distributed optimizer's state is sharded over DP x CP."""
+    tp, cp = tp_size(flags), cp_size(flags)
+    dp = ranks // (tp * cp)
+    assert f"TP={tp} DP={dp}" in out and f"each data-parallel rank: {8 // (2 * dp)} micro-batches of 2" in out, out
+    if cp > 1:
+        assert f"CP={cp}" in out, out
+    if "--use-distributed-optimizer" in flags:
         line = next(x for x in out.splitlines() if "optimizer state" in x)
         mine, full = (float(w) for w in re.findall(r"([0-9.]+) MiB", line))
         assert abs(mine / full - 3 / (2 * dp * cp)) < 0.05, line  # 3 fp32 copies / (DP x CP) ranks vs 2 copies
+
+
+@pytest.mark.multiprocess
+@pytest.mark.feature("collectives")
+@pytest.mark.feature("ring-attention-cp")
+@pytest.mark.feature("ulysses-cp")
+@pytest.mark.feature("hybrid-cp")
+@pytest.mark.feature("tensor-parallel")
+@pytest.mark.feature("sequence-parallel")
+@pytest.mark.feature("data-parallel")
+@pytest.mark.feature("distributed-optimizer")
+def test_context_parallel_loss_curves_equal_single_process(framework, corpus, packed_corpus, reference,  # noqa: F811
+                                                           tmp_path):
+    """CP_CASES, one launch; each loss curve equals the single-process run's."""
+    spec = [[name, [*MODELS[model], *flags, "--data-path", data_path(model, corpus, packed_corpus), "--train-iters",
+                    str(ITERS)]] for name, model, flags in CP_CASES]
+    out = run_configs(framework, 4, spec, tmp_path)
+    table = {}
+    for name, model, flags in CP_CASES:
+        got = losses(out / f"{name}.jsonl")
+        assert_same_curve(got, reference[model])
+        check_layout((out / f"{name}.log").read_text(), 4, flags)
+        table[name] = max(abs(got[i] - reference[model][i]) / abs(reference[model][i]) for i in got)
+    print("parity (max relative loss difference):", table)
 
 
 @pytest.mark.multiprocess

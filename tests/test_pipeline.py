@@ -5,13 +5,12 @@ with checkpoints crossing pipeline sizes."""
 from __future__ import annotations
 
 import json
-import pathlib
 import shutil
 
 import numpy as np
 import pytest
 
-from launch import launch
+from launch import run_configs as launch_configs
 from test_parallel import assert_same_curve
 from test_training import corpus, losses, train  # noqa: F401  (corpus is a fixture)
 
@@ -158,6 +157,7 @@ FOUR = [
     ("pp4", "base", PP + ["4", "--save", "{out}/ckpt-pp4", "--save-interval", "5"]),
     ("tp2-pp2-sp-tied", "tied", PP + ["2", "--tensor-model-parallel-size", "2", "--sequence-parallel"]),
     ("pp2-dp2-distopt", "base", PP + ["2", "--use-distributed-optimizer"]),
+    ("cp2-pp2", "base", PP + ["2", "--context-parallel-size", "2"]),  # ring attention between stages
 ]
 
 
@@ -210,14 +210,9 @@ def iteration_only(root, iteration, dest):
 
 def run_configs(framework, nproc, configs, corpus, tmp_path, extra=()):  # noqa: F811
     out = tmp_path / "out"
-    out.mkdir(exist_ok=True)
     spec = [[name, [*MODELS[model], *(f.format(out=out) for f in flags), "--data-path", corpus, "--train-iters",
                     str(ITERS)]] for name, model, flags in configs] + list(extra)
-    (tmp_path / "configs.json").write_text(json.dumps(spec))
-    code, output = launch(framework, nproc, str(pathlib.Path(__file__).with_name("pipeline_worker.py")),
-                          [str(out), str(tmp_path / "configs.json")], str(tmp_path / "logs"), timeout=900)
-    assert code == 0, output[-8000:]
-    return out
+    return launch_configs(framework, nproc, spec, tmp_path)
 
 
 def check_parity(out, configs, single, table):
@@ -271,9 +266,10 @@ def test_pipelines_on_two_ranks_equal_one_process(capsys, framework, corpus, sin
 @pytest.mark.feature("sequence-parallel")
 @pytest.mark.feature("data-parallel")
 @pytest.mark.feature("distributed-optimizer")
+@pytest.mark.feature("ring-attention-cp")
 def test_pipelines_on_four_ranks_equal_one_process(capsys, framework, corpus, single, tmp_path):  # noqa: F811
     """PP4 (saving), TP2xPP2 with sequence parallelism and tied embeddings, PP2xDP2 with the
-    distributed optimizer: one launch; the PP4 checkpoint continues on one process."""
+    distributed optimizer, CP2xPP2: one launch; the PP4 checkpoint continues on one process."""
     table = {}
     out = run_configs(framework, 4, FOUR, corpus, tmp_path)
     check_parity(out, FOUR, single, table)
