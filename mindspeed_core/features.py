@@ -143,15 +143,16 @@ FEATURES: tuple[Feature, ...] = (
             supported("load-balanced chunks (r, 2C-1-r); key/value blocks passed around the ring by batched "
                       "isend/irecv; partial attentions merged through their log-sum-exp (composite: torch's CPU "
                       "flash kernel does not differentiate it)"),
-            emulated("each ring step is a sum all-reduce over the CP group with one slot per rank (exact): C x the "
-                     "key/value bytes per step, (C-1) x C over the ring, against C for one all-gather"),
+            emulated("no native point-to-point: the key/value blocks come by one all-gather (backward a "
+                     "reduce-scatter), itself a sum all-reduce with a slot per rank (exact); measured faster and "
+                     "fewer wire bytes than C-1 emulated ring steps (benchmarks/bench_context.py)"),
             _cp("megatron_cp_algo")),
     Feature("ulysses-cp", "Context parallel: Ulysses", "parallelism",
             ("--context-parallel-size", "--context-parallel-algo ulysses_cp_algo"),
             supported("all-to-all sequence -> heads and back (gloo/nccl/hccl all_to_all); whole-sequence attention "
                       "on 1/C of the heads"),
-            emulated("all-to-all as one sum all-reduce with C x C slots (exact): C x the bytes of a native "
-                     "all-to-all"),
+            emulated("all-to-all as one sum all-reduce with a slot per rank, 16-bit lanes carried in float32 "
+                     "(exact): 2C x the bytes of a native all-to-all"),
             _cp("ulysses_cp_algo")),
     Feature("hybrid-cp", "Context parallel: hybrid (Ulysses + ring)", "parallelism",
             ("--context-parallel-size", "--context-parallel-algo hybrid_cp_algo", "--ulysses-degree-in-cp"),

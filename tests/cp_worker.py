@@ -49,9 +49,14 @@ for packed in (False, True):
         for algo, degree in (("megatron_cp_algo", None), ("ulysses_cp_algo", None), ("hybrid_cp_algo", 2)):
             if algo == "hybrid_cp_algo" and cp == 2:
                 continue  # a 2-rank hybrid is one of the other two
-            for fused in (True, False):
+            # the ring's other form too (all-gather where point-to-point is native, and back)
+            forms = [(True, False), (False, False)] + ([(False, True)] if algo != "ulysses_cp_algo" else [])
+            for fused, other_form in forms:
                 seams = context.ContextParallelSeams(Seams(), ps, algo, degree)
-                tag = f"C={cp} {algo} {'packed' if packed else 'causal'} {'fused' if fused else 'composite'}"
+                if other_form:
+                    seams.ring_by_gather = not seams.ring_by_gather
+                tag = (f"C={cp} {algo} {'packed' if packed else 'causal'} {'fused' if fused else 'composite'}"
+                       f"{' ring by ' + ('all-gather' if seams.ring_by_gather else 'shift') if algo != 'ulysses_cp_algo' else ''}")
                 tokens = Tokens(documents=DOCS) if packed else None
                 got, grads = attend(lambda q, k, v: seams.attention(q, k, v, 0.0, fused, tokens),
                                     Q[:, cols], K[:, cols], V[:, cols], COT[:, cols])

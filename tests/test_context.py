@@ -1,6 +1,6 @@
 """Context parallelism: attention across CP ranks equals single-device attention (outputs and
-gradients of q, k, v), for every algorithm, C in {2, 4}, causal and packed documents; layout
-checks; and the load-balanced split."""
+gradients of q, k, v), for every algorithm, C in {2, 4}, causal and packed documents, the ring
+by point-to-point steps and by one all-gather; layout checks; and the load-balanced split."""
 
 from __future__ import annotations
 
@@ -29,8 +29,11 @@ def test_context_parallel_attention_equals_single_device(framework, tmp_path):
     assert len(results) == 4, output[-6000:]
     failures = [f"rank {r}: {f}" for r, res in enumerate(results) for f in res["failures"]]
     assert failures == [], "\n".join(failures)
-    # 2 masks x (C=2: ring, Ulysses; C=4: ring, Ulysses, hybrid) x fused/composite
-    assert all(len(res["checks"]) == 2 * 5 * 2 for res in results)
+    # 2 masks x (C=2: ring, Ulysses; C=4: ring, Ulysses, hybrid) x fused/composite, and the
+    # ring's other form (all-gather or shift) for ring and hybrid
+    assert all(len(res["checks"]) == 2 * (5 * 2 + 3) for res in results)
+    assert any("ring by all-gather" in c for c in results[0]["checks"])
+    assert any("ring by shift" in c for c in results[0]["checks"])
 
 
 def test_load_balanced_columns():

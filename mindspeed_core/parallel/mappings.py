@@ -65,8 +65,9 @@ _KINDS.update({
     "shift": (lambda x, g, d: dist.shift(x, 1, group=g), lambda dy, g, d: dist.shift(dy, -1, group=g)),
     "seq_to_heads": (lambda x, g, d: _sequence_to_heads(x, g), lambda dy, g, d: _heads_to_sequence(dy, g)),
     "heads_to_seq": (lambda x, g, d: _heads_to_sequence(x, g), lambda dy, g, d: _sequence_to_heads(dy, g)),
+    "gather_ring": _KINDS["gather_seq"],  # every ring member's key/value block at once
 })
-_CONTEXT_KINDS = ("shift", "seq_to_heads", "heads_to_seq")
+_CONTEXT_KINDS = ("shift", "seq_to_heads", "heads_to_seq", "gather_ring")
 _CLASSES: dict = {}
 
 
@@ -124,6 +125,10 @@ def reduce_scatter_to_sequence(x, group, dim=1):
 
 def shift_ring(x, group):
     return _apply("shift", x, group)
+
+
+def gather_ring(x, group, dim=1):
+    return _apply("gather_ring", x, group, dim)
 
 
 def sequence_to_heads(x, group):
