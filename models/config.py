@@ -12,6 +12,52 @@ FUSED_KERNELS = ("attention", "rms_norm", "swiglu", "rope")
 
 
 @dataclass
+class MoEConfig:
+    """A mixture-of-experts MLP (Megatron's --num-experts and --moe-* flags): the router
+    (models/router.py) sends each token to ``topk`` of ``num_experts`` experts."""
+
+    num_experts: int = 8
+    topk: int = 2
+    ffn_hidden_size: int | None = None  # each expert's; None: the model's ffn_hidden_size
+    score_function: str = "softmax"  # softmax | sigmoid
+    norm_topk_prob: bool = True  # the chosen experts' weights renormalised to sum to 1
+    num_groups: int | None = None  # group-limited routing (DeepSeek-V3): experts in groups,
+    group_topk: int | None = None  # tokens choose among the best group_topk groups
+    scaling_factor: float = 1.0  # routed weights times this (DeepSeek-V3's routed_scaling_factor)
+    load_balancing_type: str = "aux_loss"  # aux_loss | seq_aux_loss | none
+    aux_loss_coeff: float = 0.0
+    z_loss_coeff: float = 0.0
+    enable_expert_bias: bool = False  # aux-loss-free balancing: a bias on selection only
+    bias_update_rate: float = 1e-3
+    capacity_factor: float | None = None  # None: no token dropped
+    pad_to_capacity: bool = False
+    drop_policy: str = "probs"  # probs | position: which tokens over capacity are dropped
+
+    def __post_init__(self):
+        if type(self.num_experts) is not int or self.num_experts < 1:
+            raise ValueError(f"num_experts must be a positive integer, got {self.num_experts!r}")
+        if type(self.topk) is not int or not 1 <= self.topk <= self.num_experts:
+            raise ValueError(f"topk must be between 1 and num_experts {self.num_experts}, got {self.topk!r}")
+        for name, allowed in (("score_function", ("softmax", "sigmoid")),
+                              ("load_balancing_type", ("aux_loss", "seq_aux_loss", "none")),
+                              ("drop_policy", ("probs", "position"))):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        if (self.num_groups is None) != (self.group_topk is None):
+            raise ValueError("group-limited routing needs both num_groups and group_topk")
+        if self.num_groups is not None:
+            if self.num_experts % self.num_groups or not 1 <= self.group_topk <= self.num_groups:
+                raise ValueError(f"{self.num_experts} experts do not split into {self.num_groups} groups of which "
+                                 f"{self.group_topk} are chosen")
+            if self.group_topk * (self.num_experts // self.num_groups) < self.topk:
+                raise ValueError(f"the {self.group_topk} chosen groups hold fewer than topk {self.topk} experts")
+        if self.capacity_factor is not None and not self.capacity_factor > 0:
+            raise ValueError(f"capacity_factor must be positive, got {self.capacity_factor!r}")
+        if self.pad_to_capacity and self.capacity_factor is None:
+            raise ValueError("pad_to_capacity needs a capacity_factor")
+
+
+@dataclass
 class ModelConfig:
     vocab_size: int = 256
     hidden_size: int = 128

@@ -1,0 +1,147 @@
+"""Mixture-of-experts routing (Megatron's TopKRouter): which experts each token goes to, with
+what weight, and the losses that keep the experts evenly loaded.
+
+Scores are the softmax (Mixtral, Qwen-MoE) or the sigmoid (DeepSeek-V3) of the router's
+logits over all experts. Each token takes the top-k experts by score (plus, with
+aux-loss-free balancing, a per-expert bias that shifts the choice but not the weight; with
+group-limited routing only among the experts of its best groups, a group scoring the sum of
+its two best experts). The weights are the chosen scores, renormalised to sum to one when
+``norm_topk_prob``, times ``scaling_factor``.
+
+Losses, added to the language-model loss by the model:
+    aux_loss      coeff * E / k * sum_e f_e * P_e over the micro-batch: f_e the fraction of
+                  the tokens routed to expert e (each token counted k times), P_e its mean
+                  score (sigmoid scores normalised per token first)
+    seq_aux_loss  the same per sequence, averaged over the sequences (DeepSeek-V3)
+    z_loss        coeff * mean over tokens of logsumexp(logits)^2
+With a capacity factor each expert takes at most ceil(T k / E * factor) of the T tokens'
+assignments; the rest are dropped (weight 0): those of lowest weight ("probs") or the last
+in token order ("position").
+
+Selection (indices, capacity) is decided on the host: it has no gradient, and the
+dispatchers need the counts there anyway.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from mindspeed_core import ops
+from mindspeed_core.models.config import MoEConfig
+
+
+@dataclass
+class Routing:
+    weights: object  # [T, k] float32 tensor, 0 where dropped; differentiable to the logits
+    experts: np.ndarray  # [T, k] int64: the chosen experts
+    kept: np.ndarray  # [T, k] bool: False where the assignment was dropped over capacity
+    aux_loss: object  # scalar tensor (0 when not asked for)
+    z_loss: object  # scalar tensor (0 when not asked for)
+    tokens_per_expert: np.ndarray  # [E] int64: assignments each expert computes (after dropping)
+
+    @property
+    def dropped(self) -> int:
+        return int((~self.kept).sum())
+
+
+def scores_of(logits, moe: MoEConfig):
+    """[T, E] scores from the router's logits [T, E] (float32)."""
+    return ops.softmax(logits, dim=-1) if moe.score_function == "softmax" else ops.sigmoid(logits)
+
+
+def select(scores, moe: MoEConfig, expert_bias=None) -> np.ndarray:
+    """[T, k] chosen experts (host int64), by score plus the bias, within the best groups."""
+    choice = scores if expert_bias is None else ops.add(scores, expert_bias)
+    if moe.num_groups is not None:
+        t, e = choice.shape
+        per_group = e // moe.num_groups
+        grouped = ops.reshape(choice, (t, moe.num_groups, per_group))
+        best, _ = ops.topk(grouped, min(2, per_group), dim=-1)
+        _, groups = ops.topk(ops.sum(best, dim=-1), moe.group_topk, dim=-1)  # [T, group_topk]
+        allowed = np.zeros((t, moe.num_groups), bool)
+        np.put_along_axis(allowed, ops.to_numpy(groups).astype(np.int64), True, axis=1)
+        allowed = np.repeat(allowed, per_group, axis=1)
+        # experts outside the chosen groups can never win (every score is finite)
+        choice = ops.masked_fill(choice, ops.tensor(~allowed), float("-inf"))
+    _, idx = ops.topk(choice, moe.topk, dim=-1)
+    return ops.to_numpy(idx).astype(np.int64)
+
+
+def capacity(tokens: int, moe: MoEConfig) -> int | None:
+    """Assignments an expert may take, or None without a capacity factor."""
+    if moe.capacity_factor is None:
+        return None
+    return math.ceil(tokens * moe.topk / moe.num_experts * moe.capacity_factor)
+
+
+def keep_within_capacity(experts: np.ndarray, weights: np.ndarray, moe: MoEConfig, cap: int | None) -> np.ndarray:
+    """[T, k] bool: which assignments each expert keeps within ``cap``; by ``drop_policy``
+    the highest-weight ones (ties: earlier token first) or the first in token order."""
+    kept = np.ones(experts.shape, bool)
+    if cap is None:
+        return kept
+    flat_e, flat_w = experts.reshape(-1), weights.reshape(-1)
+    token = np.repeat(np.arange(experts.shape[0]), experts.shape[1])
+    for e in np.unique(flat_e):
+        rows = np.flatnonzero(flat_e == e)
+        if len(rows) <= cap:
+            continue
+        if moe.drop_policy == "probs":
+            order = rows[np.lexsort((token[rows], -flat_w[rows]))]
+        else:
+            order = rows[np.argsort(token[rows], kind="stable")]
+        kept.reshape(-1)[order[cap:]] = False
+    return kept
+
+
+def balance_loss(scores, experts: np.ndarray, moe: MoEConfig, sequences: int):
+    """The load-balancing loss (aux_loss or seq_aux_loss) before its coefficient."""
+    t, e = scores.shape
+    probs = scores if moe.score_function == "softmax" else scores / ops.sum(scores, dim=-1, keepdim=True)
+    groups = 1 if moe.load_balancing_type == "aux_loss" else sequences
+    if t % groups:
+        raise ValueError(f"{t} tokens do not split into {groups} sequences")
+    per = t // groups
+    counts = np.zeros((groups, e), np.float32)
+    for g in range(groups):
+        np.add.at(counts[g], experts[g * per:(g + 1) * per].reshape(-1), 1.0)
+    fraction = ops.tensor(counts / per)  # f_e per group: assignments / tokens
+    mean_probs = ops.mean(ops.reshape(probs, (groups, per, e)), dim=1)  # P_e per group
+    return ops.sum(mean_probs * fraction) * (e / moe.topk / groups)
+
+
+def z_loss(logits):
+    return ops.mean(ops.logsumexp(logits, dim=-1) ** 2)
+
+
+def route(logits, moe: MoEConfig, expert_bias=None, sequences: int = 1) -> Routing:
+    """Route T tokens from the router's logits [T, E] (float32). ``expert_bias`` [E] tensor
+    (aux-loss-free balancing) or None; ``sequences``: how many sequences the T tokens are,
+    consecutive rows each (seq_aux_loss)."""
+    scores = scores_of(logits, moe)
+    experts = select(scores, moe, expert_bias)
+    weights = ops.gather(scores, 1, ops.tensor(experts))
+    if moe.norm_topk_prob and moe.topk > 1:
+        weights = weights / ops.sum(weights, dim=-1, keepdim=True)
+    if moe.scaling_factor != 1.0:
+        weights = weights * moe.scaling_factor
+    kept = keep_within_capacity(experts, ops.to_numpy(weights), moe, capacity(logits.shape[0], moe))
+    if not kept.all():
+        weights = weights * ops.tensor(kept.astype(np.float32))
+    zero = ops.zeros(())
+    aux = zero
+    if moe.load_balancing_type != "none" and moe.aux_loss_coeff > 0:
+        aux = balance_loss(scores, experts, moe, sequences) * moe.aux_loss_coeff
+    z = z_loss(logits) * moe.z_loss_coeff if moe.z_loss_coeff > 0 else zero
+    tokens = np.bincount(experts[kept], minlength=moe.num_experts).astype(np.int64)
+    return Routing(weights, experts, kept, aux, z, tokens)
+
+
+def updated_expert_bias(bias: np.ndarray, tokens_per_expert: np.ndarray, rate: float) -> np.ndarray:
+    """Aux-loss-free balancing's step (DeepSeek-V3): raise the bias of experts below the mean
+    load by ``rate``, lower those above it."""
+    load = np.asarray(tokens_per_expert, np.float64)
+    return (np.asarray(bias, np.float32) + rate * np.sign(load.mean() - load)).astype(np.float32)

@@ -1,0 +1,148 @@
+"""Mixture-of-experts routing (models/router.py) against an independent numpy reference:
+softmax and sigmoid scores, top-k with and without renormalisation, group-limited choice
+with the aux-loss-free bias, scaling, both drop policies over capacity, the aux, sequence
+aux and z losses, their gradients, and the bias update."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from mindspeed_core import autograd, nn, ops
+from mindspeed_core.models import router
+from mindspeed_core.models.config import MoEConfig
+
+
+def reference(logits, moe: MoEConfig, bias=None, sequences=1):
+    """(weights [T, k], experts [T, k], kept, aux, z) in float64, token by token."""
+    x = logits.astype(np.float64)
+    t, e = x.shape
+    if moe.score_function == "softmax":
+        scores = np.exp(x - x.max(1, keepdims=True))
+        scores /= scores.sum(1, keepdims=True)
+    else:
+        scores = 1 / (1 + np.exp(-x))
+    experts = np.zeros((t, moe.topk), np.int64)
+    for i in range(t):
+        choice = scores[i] + (0 if bias is None else bias)
+        allowed = np.arange(e)
+        if moe.num_groups:
+            size = e // moe.num_groups
+            group_score = [np.sort(choice[g * size:(g + 1) * size])[-2:].sum() for g in range(moe.num_groups)]
+            best = sorted(range(moe.num_groups), key=lambda g: -group_score[g])[:moe.group_topk]
+            allowed = np.array(sorted(j for g in best for j in range(g * size, (g + 1) * size)))
+        experts[i] = sorted(allowed, key=lambda j: -choice[j])[:moe.topk]
+    weights = np.take_along_axis(scores, experts, 1)
+    if moe.norm_topk_prob and moe.topk > 1:
+        weights = weights / weights.sum(1, keepdims=True)
+    weights = weights * moe.scaling_factor
+    kept = np.ones(experts.shape, bool)
+    if moe.capacity_factor is not None:
+        cap = math.ceil(t * moe.topk / e * moe.capacity_factor)
+        for j in range(e):
+            slots = [(i, s) for i in range(t) for s in range(moe.topk) if experts[i, s] == j]
+            if moe.drop_policy == "probs":
+                slots.sort(key=lambda p: (-weights[p], p[0]))
+            for p in slots[cap:]:
+                kept[p] = False
+    weights = weights * kept
+    probs = scores if moe.score_function == "softmax" else scores / scores.sum(1, keepdims=True)
+    groups = sequences if moe.load_balancing_type == "seq_aux_loss" else 1
+    per = t // groups
+    aux = 0.0
+    for g in range(groups):
+        rows = slice(g * per, (g + 1) * per)
+        f = np.bincount(experts[rows].reshape(-1), minlength=e) / per
+        aux += (f * probs[rows].mean(0)).sum() * e / moe.topk
+    aux = aux / groups * moe.aux_loss_coeff if moe.load_balancing_type != "none" else 0.0
+    lse = np.log(np.exp(x - x.max(1, keepdims=True)).sum(1)) + x.max(1)
+    z = (lse ** 2).mean() * moe.z_loss_coeff
+    return weights, experts, kept, aux, z
+
+
+CASES = {
+    "mixtral": (16, MoEConfig(num_experts=8, topk=2, aux_loss_coeff=0.01, z_loss_coeff=1e-3), None, 1),
+    "qwen2-moe": (16, MoEConfig(num_experts=8, topk=4, norm_topk_prob=False, aux_loss_coeff=0.001), None, 1),
+    "qwen3-moe": (12, MoEConfig(num_experts=8, topk=2, load_balancing_type="seq_aux_loss", aux_loss_coeff=0.01), None,
+                  3),
+    "deepseek-v3": (16, MoEConfig(num_experts=16, topk=3, score_function="sigmoid", num_groups=4, group_topk=2,
+                                  scaling_factor=2.5, enable_expert_bias=True, load_balancing_type="seq_aux_loss",
+                                  aux_loss_coeff=1e-3), "bias", 2),
+    "capacity-probs": (16, MoEConfig(num_experts=4, topk=2, capacity_factor=0.5, drop_policy="probs",
+                                     aux_loss_coeff=0.01), None, 1),
+    "capacity-position": (16, MoEConfig(num_experts=4, topk=2, capacity_factor=0.75, drop_policy="position"), None,
+                          1),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_routing_equals_the_numpy_reference(case):
+    tokens, moe, bias, sequences = CASES[case]
+    g = np.random.default_rng(len(case))
+    logits = g.standard_normal((tokens, moe.num_experts)).astype(np.float32)
+    bias = g.standard_normal(moe.num_experts).astype(np.float32) * 0.1 if bias else None
+    got = router.route(ops.tensor(logits), moe, None if bias is None else ops.tensor(bias), sequences)
+    weights, experts, kept, aux, z = reference(logits, moe, bias, sequences)
+    np.testing.assert_array_equal(got.experts, experts)
+    np.testing.assert_array_equal(got.kept, kept)
+    np.testing.assert_allclose(ops.to_numpy(got.weights), weights, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(float(ops.to_numpy(got.aux_loss)), aux, rtol=1e-5, atol=1e-9)
+    np.testing.assert_allclose(float(ops.to_numpy(got.z_loss)), z, rtol=1e-5, atol=1e-9)
+    assert got.tokens_per_expert.tolist() == np.bincount(experts[kept], minlength=moe.num_experts).tolist()
+    if moe.capacity_factor is not None:
+        assert got.dropped > 0 and got.tokens_per_expert.max() <= router.capacity(tokens, moe)
+    if bias is not None:  # the bias moved the choice but not the weights
+        plain = router.route(ops.tensor(logits), moe, None, sequences)
+        assert (plain.experts != got.experts).any()
+
+
+@pytest.mark.parametrize("case", ["mixtral", "deepseek-v3", "capacity-probs"])
+def test_routing_gradients_equal_finite_differences(case):
+    """d/dlogits of sum(weights * c) + aux + z, against central differences of the reference
+    (the choice does not move for a small step)."""
+    tokens, moe, bias, sequences = CASES[case]
+    moe = MoEConfig(**{**moe.__dict__, "z_loss_coeff": 0.01})
+    g = np.random.default_rng(3)
+    logits = g.standard_normal((tokens, moe.num_experts)).astype(np.float32)
+    c = g.standard_normal((tokens, moe.topk))
+    bias = g.standard_normal(moe.num_experts).astype(np.float32) * 0.1 if bias else None
+
+    def objective(x):
+        w, _, _, aux, z = reference(x, moe, bias, sequences)
+        return (w * c).sum() + aux + z
+
+    param = nn.Parameter(ops.tensor(logits))
+
+    def loss():
+        r = router.route(param, moe, None if bias is None else ops.tensor(bias), sequences)
+        return ops.sum(r.weights * ops.tensor(c.astype(np.float32))) + r.aux_loss + r.z_loss
+
+    _, (grad,) = autograd.value_and_grad(loss, [param])()
+    eps, want = 1e-4, np.zeros(logits.shape)
+    for idx in np.ndindex(*logits.shape):
+        up, down = logits.astype(np.float64), logits.astype(np.float64)
+        up[idx] += eps
+        down[idx] -= eps
+        want[idx] = (objective(up) - objective(down)) / (2 * eps)
+    np.testing.assert_allclose(ops.to_numpy(grad), want, rtol=1e-3, atol=1e-5)
+
+
+def test_expert_bias_moves_towards_the_mean_load():
+    bias = np.zeros(4, np.float32)
+    new = router.updated_expert_bias(bias, np.array([10, 2, 4, 4]), 1e-3)
+    np.testing.assert_allclose(new, [-1e-3, 1e-3, 1e-3, 1e-3])
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(topk=9), "topk must be between 1 and num_experts"),
+    (dict(num_groups=3, group_topk=1), "do not split into 3 groups"),
+    (dict(num_groups=4, group_topk=1, topk=3), "fewer than topk"),
+    (dict(num_groups=4), "needs both num_groups and group_topk"),
+    (dict(score_function="relu"), "score_function must be one of"),
+    (dict(pad_to_capacity=True), "pad_to_capacity needs a capacity_factor"),
+])
+def test_bad_router_configs_are_clear_errors(bad, message):
+    with pytest.raises(ValueError, match=message):
+        MoEConfig(**{"num_experts": 8, **bad})
