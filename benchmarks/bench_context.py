@@ -32,9 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -145,8 +143,8 @@ def worker(argv: list[str]) -> None:
                 if i:  # the first step allocates and builds groups
                     times.append(elapsed)
             slowest = ops.to_numpy(dist.all_reduce(ops.tensor([statistics.median(times)]), op="max"))[0]
-            rows.append({"seq": seq, "cp": cp, "algo": algo, "degree": degree, "gather": getattr(seams, "ring_by_gather",
-                                                                                                  None),
+            rows.append({"seq": seq, "cp": cp, "algo": algo, "degree": degree,
+                         "gather": getattr(seams, "ring_by_gather", None),
                          "default": gather is None or gather == default, "seconds": float(slowest),
                          "saved": saved, "bytes": sum(v["bytes"] for v in comm.values()),
                          "wire": sum(v["wire_bytes"] for v in comm.values())})
@@ -175,32 +173,13 @@ def _saved_bytes(framework: str, loss) -> int | None:
     return sum(storages.values())
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run(framework: str, cp: int, seqs: list[int], steps: int) -> list[dict]:
-    env = dict(os.environ, MINDSPEED_AI_FRAMEWORK=framework, OMP_NUM_THREADS=str(max(1, 2 // cp)))
-    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
+    from ranks import launch
+
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rows.json")
-        script = [os.path.abspath(__file__), "rank-worker", out, str(steps), *map(str, seqs)]
-        if framework == "pytorch":
-            cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={cp}", f"--master-port={_port()}",
-                   *script]
-        else:
-            cmd = [os.path.join(os.path.dirname(sys.executable), "msrun"), f"--worker_num={cp}",
-                   f"--local_worker_num={cp}", f"--master_port={_port()}", "--join=True",
-                   f"--log_dir={os.path.join(tmp, 'logs')}", *script]
-        done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp)
-        if done.returncode:
-            logs = ""
-            if os.path.isdir(os.path.join(tmp, "logs")):
-                logs = "".join(open(os.path.join(tmp, "logs", f), errors="replace").read()[-2000:]
-                               for f in sorted(os.listdir(os.path.join(tmp, "logs"))))
-            raise SystemExit(f"{framework} C={cp} failed:\n{done.stdout[-3000:]}{done.stderr[-3000:]}{logs}")
+        launch(framework, cp, [os.path.abspath(__file__), "rank-worker", out, str(steps), *map(str, seqs)], tmp,
+               threads=max(1, 2 // cp))
         with open(out) as fh:
             return json.load(fh)
 
@@ -230,7 +209,8 @@ def main() -> None:
                 analytical = analytical_bytes(r["seq"], cp, r["algo"], r["degree"], r["gather"])
                 name = label(r["algo"], r["gather"]) + ("" if r["default"] else " (not the default here)")
                 print(f"| {framework} | {r['seq']} | {cp} | {name} | {_mib(r['saved'])} | {_mib(counted)} "
-                      f"| {r['seconds']:.3f} | {_mib(r['bytes'])} | {_mib(analytical)} | {_mib(r['wire'])} |", flush=True)
+                      f"| {r['seconds']:.3f} | {_mib(r['bytes'])} | {_mib(analytical)} | {_mib(r['wire'])} |",
+                      flush=True)
 
 
 if __name__ == "__main__":

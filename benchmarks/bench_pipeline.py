@@ -20,8 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
-import subprocess
 import sys
 import tempfile
 
@@ -62,33 +60,16 @@ def worker(argv: list[str]) -> None:
     dist.shutdown()
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run(framework: str, pp: int, chunks: int, micro_batches: int, steps: int, data: str) -> float:
     flags = [*MODEL, "--data-path", data, "--pipeline-model-parallel-size", str(pp), "--global-batch-size",
              str(2 * micro_batches), "--train-iters", str(steps)]
     if chunks > 1:
         flags += ["--num-layers-per-virtual-pipeline-stage", str(8 // (pp * chunks))]
-    env = dict(os.environ, MINDSPEED_AI_FRAMEWORK=framework, OMP_NUM_THREADS="1")
-    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
+    from ranks import launch
+
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "bubbles.json")
-        script = [os.path.abspath(__file__), "rank-worker", out, str(steps), *flags]  # msrun owns --options
-        if framework == "pytorch":
-            cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={pp}", f"--master-port={_port()}",
-                   *script]
-        else:
-            cmd = [os.path.join(os.path.dirname(sys.executable), "msrun"), f"--worker_num={pp}",
-                   f"--local_worker_num={pp}", f"--master_port={_port()}", "--join=True",
-                   f"--log_dir={os.path.join(tmp, 'logs')}", *script]
-        done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp)
-        if done.returncode:
-            raise SystemExit(f"{framework} P={pp} V={chunks} m={micro_batches} failed:\n{done.stdout[-3000:]}"
-                             f"{done.stderr[-3000:]}")
+        launch(framework, pp, [os.path.abspath(__file__), "rank-worker", out, str(steps), *flags], tmp)
         with open(out) as fh:
             per_rank = json.load(fh)
     return sum(per_rank) / len(per_rank)

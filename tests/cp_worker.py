@@ -55,8 +55,9 @@ for packed in (False, True):
                 seams = context.ContextParallelSeams(Seams(), ps, algo, degree)
                 if other_form:
                     seams.ring_by_gather = not seams.ring_by_gather
-                tag = (f"C={cp} {algo} {'packed' if packed else 'causal'} {'fused' if fused else 'composite'}"
-                       f"{' ring by ' + ('all-gather' if seams.ring_by_gather else 'shift') if algo != 'ulysses_cp_algo' else ''}")
+                tag = f"C={cp} {algo} {'packed' if packed else 'causal'} {'fused' if fused else 'composite'}"
+                if algo != "ulysses_cp_algo":
+                    tag += f" ring by {'all-gather' if seams.ring_by_gather else 'shift'}"
                 tokens = Tokens(documents=DOCS) if packed else None
                 got, grads = attend(lambda q, k, v: seams.attention(q, k, v, 0.0, fused, tokens),
                                     Q[:, cols], K[:, cols], V[:, cols], COT[:, cols])

@@ -101,10 +101,11 @@ CASES = [  # (id, ranks, model, flags)
 ]
 
 
-# context parallelism (rank order tp, cp, dp), on four ranks in one launch: ring at C=2 under
-# TP2 + SP, ring at C=4 on packed samples, Ulysses at C=2 with DP2 and the distributed optimizer
-# (sharded over DP x CP), hybrid 2 x 2
+# context parallelism (rank order tp, cp, dp), on four ranks in one launch: ring at C=2 with
+# DP2 and under TP2 + SP, ring at C=4 on packed samples, Ulysses at C=2 with DP2 and the
+# distributed optimizer (sharded over DP x CP), hybrid 2 x 2
 CP_CASES = [  # (id, model, flags)
+    ("cp2-ring-dp2", "gqa", ["--context-parallel-size", "2"]),
     ("cp2-ring-tp2-sp", "gqa", ["--context-parallel-size", "2", "--tensor-model-parallel-size", "2",
                                 "--sequence-parallel"]),
     ("cp4-ring-packed", "packed", ["--context-parallel-size", "4"]),

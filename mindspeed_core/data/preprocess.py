@@ -186,8 +186,8 @@ def run(args) -> dict:
             w.finalize()
         if args.pack:
             for key, prefix in prefixes.items():
-                counts.setdefault("packing", {})[key] = packing.pack_dataset(prefix, packed_prefix(args.output_prefix, key),
-                                                         args.seq_length + 1)
+                target = packed_prefix(args.output_prefix, key)
+                counts.setdefault("packing", {})[key] = packing.pack_dataset(prefix, target, args.seq_length + 1)
         progress.close()  # its last line only on success: a failure is the one error line
     except BaseException:
         for w in writers.values():
