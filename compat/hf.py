@@ -2,7 +2,9 @@
 
 Works on numpy state dicts, so it runs the same under either framework:
 ``load_folder`` -> (ModelConfig, state in our names); ``save_folder`` writes a folder that
-transformers loads. Supported model types: llama, mistral, qwen2, qwen3, gpt2.
+transformers loads. Supported model types: llama, mistral, qwen2, qwen3, gpt2, and the
+mixtures of experts mixtral, qwen2_moe, qwen3_moe (their experts written one by one, the
+layout every release of transformers reads).
 """
 
 from __future__ import annotations
@@ -16,10 +18,15 @@ import numpy as np
 from mindspeed_core import tensor_files
 from mindspeed_core.backends.common import check_fits_in_memory
 from mindspeed_core.errors import CheckpointError
-from mindspeed_core.models.config import ModelConfig
+from mindspeed_core.models.config import ModelConfig, MoEConfig
 
 LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3")
-SUPPORTED = LLAMA_LIKE + ("gpt2",)
+# each mixture of experts has the attention of a dense family
+MOE_BASE = {"mixtral": "mistral", "qwen2_moe": "qwen2", "qwen3_moe": "qwen3"}
+SUPPORTED = LLAMA_LIKE + ("gpt2",) + tuple(MOE_BASE)
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                  "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+                  "qwen3_moe": "Qwen3MoeForCausalLM"}
 _ACTS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
 
 
@@ -63,7 +70,8 @@ def _refuse_unsupported(hf: dict, kind: str) -> None:
 
 # the sizes config_from_hf reads, checked before any arithmetic on them
 _SIZES = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
-          "intermediate_size", "max_position_embeddings", "n_embd", "n_layer", "n_head", "n_inner", "n_positions")
+          "intermediate_size", "max_position_embeddings", "n_embd", "n_layer", "n_head", "n_inner", "n_positions",
+          "num_local_experts", "num_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step")
 
 
 def config_from_hf(hf: dict) -> ModelConfig:
@@ -98,21 +106,51 @@ def _config_from_hf(hf: dict) -> ModelConfig:
             untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", True))
     if hf.get("hidden_act", "silu") != "silu":
         raise CheckpointError(f"hidden_act {hf.get('hidden_act')!r} is not supported for {kind} (silu only)")
-    _refuse_unsupported(hf, kind)
+    base = MOE_BASE.get(kind, kind)
+    _refuse_unsupported(hf, base)
     theta, scaling = _rope(hf)
     heads = hf["num_attention_heads"]
     # Llama and Qwen3's attention_bias: q, k, v and o projections; mlp_bias: the MLP's three.
-    # Qwen2 has q/k/v biases and no others; Mistral's attention has none (transformers
-    # ignores attention_bias there, and so do we).
-    attention_bias = bool(hf.get("attention_bias")) and kind in ("llama", "qwen3")
+    # Qwen2 has q/k/v biases and no others (Qwen2-MoE: unless qkv_bias is false); Mistral's
+    # attention has none (transformers ignores attention_bias there, and so do we).
+    attention_bias = bool(hf.get("attention_bias")) and base in ("llama", "qwen3")
+    qwen2_bias = base == "qwen2" and hf.get("qkv_bias", True)
+    moe, moe_layers = _moe_from_hf(hf, kind) if kind in MOE_BASE else (None, None)
     return ModelConfig(
         family=kind, vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], num_layers=hf["num_hidden_layers"],
         num_attention_heads=heads, num_query_groups=hf.get("num_key_value_heads") or heads,
         kv_channels=hf.get("head_dim") or hf["hidden_size"] // heads, ffn_hidden_size=hf["intermediate_size"],
         max_position_embeddings=hf.get("max_position_embeddings", 2048), norm_epsilon=hf.get("rms_norm_eps", 1e-6),
-        rotary_base=theta, rope_scaling=scaling, add_qkv_bias=kind == "qwen2" or attention_bias,
+        rotary_base=theta, rope_scaling=scaling, add_qkv_bias=bool(qwen2_bias or attention_bias),
         add_bias_linear=bool(hf.get("mlp_bias")) and kind == "llama", attention_output_bias=attention_bias,
-        qk_layernorm=kind == "qwen3", untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False))
+        qk_layernorm=base == "qwen3", untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
+        moe=moe, moe_layers=moe_layers)
+
+
+def _moe_from_hf(hf: dict, kind: str) -> tuple[MoEConfig, tuple | None]:
+    if hf.get("router_jitter_noise"):
+        raise CheckpointError(f"config.json: router_jitter_noise {hf['router_jitter_noise']!r} is not supported "
+                              f"(set it to 0)")
+    topk = hf["num_experts_per_tok"]
+    # Mixtral's num_local_experts, Qwen's num_experts (transformers 5 writes either for both)
+    experts = hf.get("num_local_experts") or hf.get("num_experts")
+    if experts is None:
+        raise CheckpointError("config.json has no 'num_experts' (or 'num_local_experts')")
+    # transformers' aux loss is E * sum_e f_e P_e with f_e counting all k choices: k times
+    # Megatron's, whose coefficient ours is; it is only added with output_router_logits
+    aux = hf.get("router_aux_loss_coef", 0.0) * topk if hf.get("output_router_logits") else 0.0
+    if kind == "mixtral":
+        return MoEConfig(num_experts=experts, topk=topk, ffn_hidden_size=hf["intermediate_size"],
+                         norm_topk_prob=True, aux_loss_coeff=aux), None
+    shared = hf.get("shared_expert_intermediate_size") if kind == "qwen2_moe" else None
+    if kind == "qwen2_moe" and not shared:
+        raise CheckpointError("config.json: qwen2_moe needs a positive shared_expert_intermediate_size")
+    moe = MoEConfig(num_experts=experts, topk=topk, ffn_hidden_size=hf["moe_intermediate_size"],
+                    norm_topk_prob=bool(hf.get("norm_topk_prob", False)), aux_loss_coeff=aux,
+                    shared_expert_size=shared, shared_expert_gate=kind == "qwen2_moe")
+    step, dense = hf.get("decoder_sparse_step", 1), set(hf.get("mlp_only_layers") or ())
+    layers = tuple(i for i in range(hf["num_hidden_layers"]) if i not in dense and (i + 1) % step == 0)
+    return moe, None if len(layers) == hf["num_hidden_layers"] else layers
 
 
 def hf_config(cfg: ModelConfig) -> dict:
@@ -124,8 +162,8 @@ def hf_config(cfg: ModelConfig) -> dict:
                 "activation_function": "gelu_new" if cfg.activation == "gelu_tanh" else "gelu",
                 "tie_word_embeddings": not cfg.untie_embeddings_and_output_weights,
                 "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
-    arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-            "qwen3": "Qwen3ForCausalLM"}[cfg.family]
+    arch = _ARCHITECTURES[cfg.family]
+    base = MOE_BASE.get(cfg.family, cfg.family)
     rope = {"rope_type": "default", "rope_theta": cfg.rotary_base}
     if cfg.rope_scaling:
         rope.update(cfg.rope_scaling)
@@ -136,16 +174,49 @@ def hf_config(cfg: ModelConfig) -> dict:
            "max_position_embeddings": cfg.max_position_embeddings, "rms_norm_eps": cfg.norm_epsilon,
            "hidden_act": "silu", "rope_theta": cfg.rotary_base, "rope_parameters": rope,
            "tie_word_embeddings": not cfg.untie_embeddings_and_output_weights}
-    if cfg.family in ("llama", "qwen3"):
+    if base in ("llama", "qwen3"):
         if cfg.add_qkv_bias != cfg.attention_output_bias:
             raise CheckpointError(f"{cfg.family} has one attention_bias for q, k, v and o: this model has "
                                   f"q/k/v biases {cfg.add_qkv_bias} but an output bias {cfg.attention_output_bias}")
         out["attention_bias"] = cfg.add_qkv_bias
     if cfg.family == "llama":
         out["mlp_bias"] = cfg.add_bias_linear
-    if cfg.family in ("mistral", "qwen2", "qwen3"):
+    if base in ("mistral", "qwen2", "qwen3"):
         out["sliding_window"] = None
         out["use_sliding_window"] = False
+    if cfg.family in MOE_BASE:
+        out.update(_moe_to_hf(cfg))
+    return out
+
+
+def _moe_to_hf(cfg: ModelConfig) -> dict:
+    moe = cfg.moe
+    if moe is None:
+        raise CheckpointError(f"a {cfg.family} model needs its mixture-of-experts settings")
+    topk = moe.topk
+    # what transformers' MoE blocks compute: softmax scores, no groups, bias, scaling or capacity
+    if (moe.score_function != "softmax" or moe.num_groups or moe.scaling_factor != 1.0 or moe.enable_expert_bias
+            or moe.capacity_factor is not None):
+        raise CheckpointError(f"{cfg.family} routes by softmax top-k only: this model's router (score function "
+                              f"{moe.score_function}, groups {moe.num_groups}, scaling {moe.scaling_factor}, expert "
+                              f"bias {moe.enable_expert_bias}, capacity {moe.capacity_factor}) has no equivalent there")
+    out = {"num_experts_per_tok": topk, "output_router_logits": moe.aux_loss_coeff > 0,
+           "router_aux_loss_coef": moe.aux_loss_coeff / topk}
+    expert = moe.ffn_hidden_size or cfg.ffn_hidden_size
+    if cfg.family == "mixtral":
+        if cfg.moe_layers is not None or not moe.norm_topk_prob or moe.shared_expert_size:
+            raise CheckpointError("mixtral has an MoE MLP in every layer, renormalised top-k weights and no shared "
+                                  "expert")
+        out.update(num_local_experts=moe.num_experts, intermediate_size=expert)
+        return out
+    if (cfg.family == "qwen2_moe") != bool(moe.shared_expert_size and moe.shared_expert_gate):
+        raise CheckpointError(f"{cfg.family}: " + ("qwen2_moe needs a gated shared expert" if cfg.family == "qwen2_moe"
+                                                   else "qwen3_moe has no shared expert"))
+    out.update(num_experts=moe.num_experts, moe_intermediate_size=expert, norm_topk_prob=moe.norm_topk_prob,
+               decoder_sparse_step=1,
+               mlp_only_layers=[i for i in range(cfg.num_layers) if not cfg.is_moe_layer(i)])
+    if cfg.family == "qwen2_moe":
+        out.update(shared_expert_intermediate_size=moe.shared_expert_size, qkv_bias=cfg.add_qkv_bias)
     return out
 
 
@@ -179,6 +250,54 @@ def _layer_names_llama(i):
             a + "self_attn.k_norm.weight": b + "self_attention.k_layernorm.weight",
             a + "mlp.down_proj.weight": b + "mlp.linear_fc2.weight",
             a + "mlp.down_proj.bias": b + "mlp.linear_fc2.bias"}
+
+
+def _moe_names(cfg: ModelConfig, i: int) -> tuple[str, str, tuple]:
+    """(MoE block prefix, router name, (gate, up, down) names of an expert's projections)."""
+    if cfg.family == "mixtral":
+        return f"model.layers.{i}.block_sparse_moe.", "gate.weight", ("w1", "w3", "w2")
+    return f"model.layers.{i}.mlp.", "gate.weight", ("gate_proj", "up_proj", "down_proj")
+
+
+def _moe_from_hf_state(cfg: ModelConfig, i: int, take) -> dict:
+    """Layer i's router, experts (stacked: [E, h, 2f] gate then up columns, [E, f, h]) and
+    shared expert, from the experts written one by one."""
+    a, router, (g, u, d) = _moe_names(cfg, i)
+    b = f"decoder.layers.{i}.mlp."
+    out = {b + "router.weight": take(a + router)}
+    w1, w2 = [], []
+    for e in range(cfg.moe.num_experts):
+        gate, up = take(f"{a}experts.{e}.{g}.weight"), take(f"{a}experts.{e}.{u}.weight")
+        w1.append(np.concatenate([gate, up]).T)
+        w2.append(take(f"{a}experts.{e}.{d}.weight").T)
+    out[b + "experts.weight1"], out[b + "experts.weight2"] = np.stack(w1), np.stack(w2)
+    if cfg.moe.shared_expert_size:
+        s = a + "shared_expert."
+        out[b + "shared_experts.linear_fc1.weight"] = np.concatenate([take(s + "gate_proj.weight"),
+                                                                      take(s + "up_proj.weight")])
+        out[b + "shared_experts.linear_fc2.weight"] = take(s + "down_proj.weight")
+        if cfg.moe.shared_expert_gate:
+            out[b + "shared_experts.gate_weight"] = take(a + "shared_expert_gate.weight")
+    return out
+
+
+def _moe_to_hf_state(cfg: ModelConfig, i: int, ours: dict) -> dict:
+    a, router, (g, u, d) = _moe_names(cfg, i)
+    b = f"decoder.layers.{i}.mlp."
+    out = {a + router: ours[b + "router.weight"]}
+    for e in range(cfg.moe.num_experts):
+        gate, up = np.split(ours[b + "experts.weight1"][e].T, 2)
+        out[f"{a}experts.{e}.{g}.weight"] = np.ascontiguousarray(gate)
+        out[f"{a}experts.{e}.{u}.weight"] = np.ascontiguousarray(up)
+        out[f"{a}experts.{e}.{d}.weight"] = np.ascontiguousarray(ours[b + "experts.weight2"][e].T)
+    if cfg.moe.shared_expert_size:
+        s = a + "shared_expert."
+        out[s + "gate_proj.weight"], out[s + "up_proj.weight"] = np.split(ours[b + "shared_experts.linear_fc1.weight"],
+                                                                          2)
+        out[s + "down_proj.weight"] = ours[b + "shared_experts.linear_fc2.weight"]
+        if cfg.moe.shared_expert_gate:
+            out[a + "shared_expert_gate.weight"] = ours[b + "shared_experts.gate_weight"]
+    return out
 
 
 def from_hf_state(cfg: ModelConfig, hf: dict) -> dict:
@@ -217,11 +336,14 @@ def from_hf_state(cfg: ModelConfig, hf: dict) -> dict:
         out[b + "weight"] = _fuse_qkv(cfg, *(take(a + f"self_attn.{x}_proj.weight") for x in "qkv"))
         if cfg.add_qkv_bias:
             out[b + "bias"] = _fuse_qkv(cfg, *(take(a + f"self_attn.{x}_proj.bias") for x in "qkv"))
-        gate, up = take(a + "mlp.gate_proj.weight"), take(a + "mlp.up_proj.weight")
-        out[f"decoder.layers.{i}.mlp.linear_fc1.weight"] = np.concatenate([gate, up])
-        if cfg.add_bias_linear:
-            out[f"decoder.layers.{i}.mlp.linear_fc1.bias"] = np.concatenate([take(a + "mlp.gate_proj.bias"),
-                                                                             take(a + "mlp.up_proj.bias")])
+        if cfg.is_moe_layer(i):
+            out.update(_moe_from_hf_state(cfg, i, take))
+        else:
+            gate, up = take(a + "mlp.gate_proj.weight"), take(a + "mlp.up_proj.weight")
+            out[f"decoder.layers.{i}.mlp.linear_fc1.weight"] = np.concatenate([gate, up])
+            if cfg.add_bias_linear:
+                out[f"decoder.layers.{i}.mlp.linear_fc1.bias"] = np.concatenate([take(a + "mlp.gate_proj.bias"),
+                                                                                 take(a + "mlp.up_proj.bias")])
         for hf_n, ours in _layer_names_llama(i).items():
             if hf_n in hf:
                 out[ours] = take(hf_n)
@@ -261,11 +383,14 @@ def to_hf_state(cfg: ModelConfig, ours: dict) -> dict:
         if cfg.add_qkv_bias:
             for x, t in zip("qkv", _split_qkv(cfg, ours[b + "bias"])):
                 out[a + f"self_attn.{x}_proj.bias"] = t
-        gate, up = np.split(ours[f"decoder.layers.{i}.mlp.linear_fc1.weight"], 2)
-        out[a + "mlp.gate_proj.weight"], out[a + "mlp.up_proj.weight"] = gate, up
-        if cfg.add_bias_linear:
-            gate_b, up_b = np.split(ours[f"decoder.layers.{i}.mlp.linear_fc1.bias"], 2)
-            out[a + "mlp.gate_proj.bias"], out[a + "mlp.up_proj.bias"] = gate_b, up_b
+        if cfg.is_moe_layer(i):
+            out.update(_moe_to_hf_state(cfg, i, ours))
+        else:
+            gate, up = np.split(ours[f"decoder.layers.{i}.mlp.linear_fc1.weight"], 2)
+            out[a + "mlp.gate_proj.weight"], out[a + "mlp.up_proj.weight"] = gate, up
+            if cfg.add_bias_linear:
+                gate_b, up_b = np.split(ours[f"decoder.layers.{i}.mlp.linear_fc1.bias"], 2)
+                out[a + "mlp.gate_proj.bias"], out[a + "mlp.up_proj.bias"] = gate_b, up_b
         for hf_n, mine in _layer_names_llama(i).items():
             if mine in ours:
                 out[hf_n] = ours[mine]
@@ -347,7 +472,8 @@ def _without_noop_layers(cfg: ModelConfig, state: dict) -> tuple[ModelConfig, di
             layer, rest = name[len("decoder.layers."):].split(".", 1)
             name = f"decoder.layers.{index[int(layer)]}.{rest}"
         renamed[name] = value
-    return dataclasses.replace(cfg, num_layers=len(real), noop_layers=()), renamed
+    moe_layers = None if cfg.moe_layers is None else tuple(index[i] for i in cfg.moe_layers if i in index)
+    return dataclasses.replace(cfg, num_layers=len(real), noop_layers=(), moe_layers=moe_layers), renamed
 
 
 def save_folder(folder: str, cfg: ModelConfig, state: dict, max_shard_bytes: int | None = None) -> None:
@@ -383,12 +509,13 @@ def save_folder(folder: str, cfg: ModelConfig, state: dict, max_shard_bytes: int
 
 
 def load_model(folder: str):
-    """Build our GPTModel from a Hugging Face folder on the bound framework."""
+    """Build our model (the family's, models/registry.py) from a Hugging Face folder on the
+    bound framework."""
     from mindspeed_core import nn
-    from mindspeed_core.models.gpt import GPTModel
+    from mindspeed_core.models import registry
 
     cfg, state = load_folder(folder)
-    model = GPTModel(cfg)
+    model = registry.for_config(cfg).build(cfg)
     nn.load_state_dict(model, state)
     return model
 

@@ -32,6 +32,8 @@ class MoEConfig:
     capacity_factor: float | None = None  # None: no token dropped
     pad_to_capacity: bool = False
     drop_policy: str = "probs"  # probs | position: which tokens over capacity are dropped
+    shared_expert_size: int | None = None  # an MLP every token passes through (Qwen2-MoE, DeepSeek)
+    shared_expert_gate: bool = False  # scaled by sigmoid(x . gate) (Qwen2-MoE)
 
     def __post_init__(self):
         if type(self.num_experts) is not int or self.num_experts < 1:
@@ -55,6 +57,10 @@ class MoEConfig:
             raise ValueError(f"capacity_factor must be positive, got {self.capacity_factor!r}")
         if self.pad_to_capacity and self.capacity_factor is None:
             raise ValueError("pad_to_capacity needs a capacity_factor")
+        for name in ("ffn_hidden_size", "shared_expert_size"):
+            value = getattr(self, name)
+            if value is not None and (type(value) is not int or value <= 0):
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
 @dataclass
@@ -84,7 +90,10 @@ class ModelConfig:
     # MindSpeed's --noop-layers: positions among the num_layers that hold an identity layer
     # (no parameters), so that the layer count divides over pipeline stages
     noop_layers: tuple = ()
-    family: str = "llama"  # llama | mistral | qwen2 | qwen3 | gpt2 (Hugging Face export)
+    family: str = "llama"  # llama | mistral | qwen2 | qwen3 | gpt2 | mixtral | qwen2_moe | qwen3_moe
+    # mixture of experts: the MLP of the layers numbered in moe_layers (None: every layer)
+    moe: MoEConfig | None = None
+    moe_layers: tuple | None = None
     extra: dict = field(default_factory=dict)  # family-specific fields kept for export
     # Which fused kernels the layers call (ops.<op>: the device's native kernel, or the
     # composite where it has none; the flags --use-flash-attn, --use-fused-*); the others
@@ -112,6 +121,14 @@ class ModelConfig:
         if any(not 0 <= i < self.num_layers for i in self.noop_layers) or len(self.noop_layers) >= self.num_layers:
             raise ValueError(f"noop_layers {list(self.noop_layers)} must be some, not all, of the layers "
                              f"0..{self.num_layers - 1}")
+        if isinstance(self.moe, dict):  # from to_dict / a saved config
+            self.moe = MoEConfig(**self.moe)
+        if self.moe_layers is not None:
+            if self.moe is None:
+                raise ValueError("moe_layers without a moe config")
+            self.moe_layers = tuple(sorted({int(i) for i in self.moe_layers}))
+            if any(not 0 <= i < self.num_layers for i in self.moe_layers):
+                raise ValueError(f"moe_layers {list(self.moe_layers)} must be among the layers 0..{self.num_layers - 1}")
         if self.num_query_groups is None:
             self.num_query_groups = self.num_attention_heads
         if self.attention_output_bias is None:
@@ -135,6 +152,9 @@ class ModelConfig:
                               ("position_embedding_type", ("rope", "learned"))):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+
+    def is_moe_layer(self, number: int) -> bool:
+        return self.moe is not None and (self.moe_layers is None or number in self.moe_layers)
 
     @property
     def qkv_width(self) -> int:
@@ -168,6 +188,9 @@ class ModelConfig:
         fc1 = (2 * f if self.activation == "swiglu" else f)
         mlp = h * fc1 + f * h + ((fc1 + h) if self.add_bias_linear else 0)
         total = L * (attn + mlp + 2 * norm) + norm + v * h
+        moe_layers = sum(self.is_moe_layer(i) for i in range(self.num_layers) if i not in self.noop_layers)
+        if moe_layers:
+            total += moe_layers * (self._moe_mlp_parameters(active=False) - mlp)
         total += 0 if not self.untie_embeddings_and_output_weights else v * h
         total += self.max_position_embeddings * h if self.position_embedding_type == "learned" else 0
         return total
@@ -184,7 +207,24 @@ class ModelConfig:
         fc1 = (2 if self.activation == "swiglu" else 1) * self.ffn_hidden_size
         per_layer = 2 * (h * self.qkv_width + attn_width * h + h * fc1 + self.ffn_hidden_size * h)
         per_layer += 2 * 2 * seq_length * attn_width  # QK^T and PV
-        return 3.0 * (L * per_layer + 2 * h * self.vocab_size)
+        moe_layers = sum(self.is_moe_layer(i) for i in range(self.num_layers) if i not in self.noop_layers)
+        # an MoE layer computes its router and the k experts each token goes to, not the dense MLP
+        dense_mlp = h * fc1 + self.ffn_hidden_size * h
+        extra = 2 * moe_layers * (self._moe_mlp_parameters(active=True) - dense_mlp) if moe_layers else 0
+        return 3.0 * (L * per_layer + extra + 2 * h * self.vocab_size)
+
+    def _moe_mlp_parameters(self, active: bool) -> int:
+        """An MoE layer's MLP parameters (router, experts, shared expert); with ``active``
+        only the k experts a token uses."""
+        moe, h = self.moe, self.hidden_size
+        per_width = 2 if self.activation == "swiglu" else 1
+        f = moe.ffn_hidden_size or self.ffn_hidden_size
+        expert = h * per_width * f + f * h
+        total = h * moe.num_experts + (moe.topk if active else moe.num_experts) * expert
+        if moe.shared_expert_size:
+            s = moe.shared_expert_size
+            total += h * per_width * s + s * h + (h if moe.shared_expert_gate else 0)
+        return total
 
 
 PRESETS = {

@@ -162,13 +162,13 @@ class MLP(nn.Module):
 
 
 class TransformerLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, mlp: nn.Module | None = None):
         super().__init__()
         self.hidden_dropout = cfg.hidden_dropout
         self.input_layernorm = make_norm(cfg, cfg.hidden_size)
         self.self_attention = SelfAttention(cfg)
         self.pre_mlp_layernorm = make_norm(cfg, cfg.hidden_size)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg) if mlp is None else mlp
 
     def _dropout(self, x, seams):
         if not self.hidden_dropout or not nn.is_training(self):
@@ -185,10 +185,11 @@ class Decoder(nn.Module):
     """The layers with the given global numbers (no-op layers are simply absent), and the
     final norm when this is the last stage."""
 
-    def __init__(self, cfg: ModelConfig, numbers: tuple, final_norm: bool = True):
+    def __init__(self, cfg: ModelConfig, numbers: tuple, final_norm: bool = True, make_mlp=None):
         super().__init__()
         self.numbers = tuple(numbers)
-        self.layers = nn.ModuleList([TransformerLayer(cfg) for _ in self.numbers])
+        self.layers = nn.ModuleList([TransformerLayer(cfg, None if make_mlp is None else make_mlp(n))
+                                     for n in self.numbers])
         if final_norm:
             self.final_layernorm = make_norm(cfg, cfg.hidden_size)
         self.has_final_norm = final_norm
@@ -234,7 +235,7 @@ class GPTModel(nn.Module):
             features.note_used("noop-layers")
         if pre_process:
             self.embedding = LanguageEmbedding(cfg)
-        self.decoder = Decoder(cfg, layers, final_norm=post_process)
+        self.decoder = Decoder(cfg, layers, final_norm=post_process, make_mlp=self.make_mlp)
         if post_process and cfg.untie_embeddings_and_output_weights:
             self.output_layer = Linear(cfg.hidden_size, cfg.vocab_size, False, cfg.init_method_std)
         elif post_process and not pre_process:
@@ -248,6 +249,10 @@ class GPTModel(nn.Module):
             self._rope = None
         self._rope_cache = {}
         self.seams = SINGLE_DEVICE
+
+    def make_mlp(self, number: int) -> nn.Module:
+        """The MLP of layer ``number`` (a model family with other MLPs overrides this)."""
+        return MLP(self.cfg)
 
     def use_seams(self, seams: Seams) -> None:
         """Run with a parallel plan's seams (mindspeed_core.parallel.layers)."""
@@ -374,8 +379,8 @@ def pipeline_chunks(model: GPTModel, layout, pp_rank: int) -> list:
     chunks = []
     for chunk in range(layout.chunks):
         stage = layout.stage(pp_rank, chunk)
-        part = GPTModel(model.cfg, layout.layers(stage), pre_process=stage == 0,
-                        post_process=stage == layout.virtual_stages - 1)
+        part = type(model)(model.cfg, layout.layers(stage), pre_process=stage == 0,
+                           post_process=stage == layout.virtual_stages - 1)
         nn.load_state_dict(part, part.local_state(state))
         chunks.append(part)
     random.set_state(saved)

@@ -20,6 +20,7 @@ import numpy as np
 from mindspeed_core import composite, nn, ops
 from mindspeed_core.models import router
 from mindspeed_core.models.config import ModelConfig, MoEConfig
+from mindspeed_core.models.gpt import MLP, GPTModel, Tokens
 from mindspeed_core.models.layers import Linear, _param
 
 
@@ -77,12 +78,13 @@ class MoELayer(nn.Module):
     """x [b, s, hidden] -> [b, s, hidden]; ``self.routing`` keeps the last call's routing
     (its aux and z losses, tokens per expert) for the model's loss and the log."""
 
-    def __init__(self, cfg: ModelConfig, moe: MoEConfig, shared_size: int | None = None, shared_gate: bool = False):
+    def __init__(self, cfg: ModelConfig, moe: MoEConfig):
         super().__init__()
         self.moe = moe
         self.router = Linear(cfg.hidden_size, moe.num_experts, False, cfg.init_method_std)
         self.experts = Experts(cfg, moe)
-        self.shared_experts = SharedExpert(cfg, shared_size, shared_gate) if shared_size else None
+        self.shared_experts = (SharedExpert(cfg, moe.shared_expert_size, moe.shared_expert_gate)
+                               if moe.shared_expert_size else None)
         # aux-loss-free balancing: state, not a parameter (updated from the loads, not by the optimizer)
         self.expert_bias = np.zeros(moe.num_experts, np.float32) if moe.enable_expert_bias else None
         self.grouped = True
@@ -113,3 +115,24 @@ def combine(experts: Experts, tokens, routing: router.Routing, grouped: bool):
     h = tokens.shape[-1]
     index = ops.tensor(np.repeat((order // k).astype(np.int64)[:, None], h, axis=1))
     return ops.scatter_add(ops.zeros((t, h)), 0, index, weighted)
+
+
+class MoEModel(GPTModel):
+    """The decoder-only transformer whose layers in ``cfg.moe_layers`` (all by default) have
+    an MoE MLP: Mixtral, Qwen2-MoE, Qwen3-MoE. Its loss adds the routers' aux and z losses."""
+
+    def make_mlp(self, number: int) -> nn.Module:
+        return MoELayer(self.cfg, self.cfg.moe) if self.cfg.is_moe_layer(number) else MLP(self.cfg)
+
+    def moe_layers(self) -> list:
+        return [layer.mlp for layer in self.decoder.layers if isinstance(layer.mlp, MoELayer)]
+
+    def router_losses(self):
+        """The sum of this model's MoE layers' aux and z losses from its last forward."""
+        total = ops.zeros(())
+        for layer in self.moe_layers():
+            total = total + layer.routing.aux_loss + layer.routing.z_loss
+        return total
+
+    def loss_from_logits(self, logits, labels, tokens: Tokens | None = None):
+        return super().loss_from_logits(logits, labels, tokens) + self.router_losses()

@@ -34,6 +34,15 @@ MODELS = {
     "qwen3": (T.Qwen3Config, dict(COMMON, num_key_value_heads=2, head_dim=32)),
     "gpt2": (T.GPT2Config, dict(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64,
                                 resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)),
+    # mixtures of experts: top-2 of 4, renormalised (Mixtral); a dense first layer, raw top-k
+    # weights and a gated shared expert (Qwen2-MoE); q/k norms, renormalised (Qwen3-MoE)
+    "mixtral": (T.MixtralConfig, dict(COMMON, num_key_value_heads=2, sliding_window=None, num_local_experts=4,
+                                      num_experts_per_tok=2)),
+    "qwen2-moe": (T.Qwen2MoeConfig, dict(COMMON, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+                                         moe_intermediate_size=48, shared_expert_intermediate_size=80,
+                                         norm_topk_prob=False, mlp_only_layers=[0])),
+    "qwen3-moe": (T.Qwen3MoeConfig, dict(COMMON, num_key_value_heads=2, head_dim=32, num_experts=4,
+                                         num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True)),
 }
 
 

@@ -17,7 +17,8 @@ from mindspeed_core.errors import CheckpointError
 
 HERE = pathlib.Path(__file__).resolve().parent
 pytest.importorskip("transformers")
-NAMES = ["llama", "llama3-rope", "llama-linear-rope-tied", "llama-attention-bias", "mistral", "qwen2", "qwen3", "gpt2"]
+NAMES = ["llama", "llama3-rope", "llama-linear-rope-tied", "llama-attention-bias", "mistral", "qwen2", "qwen3", "gpt2",
+         "mixtral", "qwen2-moe", "qwen3-moe"]
 
 
 def _reference_process(*args):
@@ -42,7 +43,7 @@ def test_logits_match_transformers(references, name):
     np.testing.assert_allclose(logits, ref["logits"], rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("name", ["llama", "llama-attention-bias", "qwen3", "gpt2"])
+@pytest.mark.parametrize("name", ["llama", "llama-attention-bias", "qwen3", "gpt2", "mixtral", "qwen2-moe"])
 def test_export_round_trip_is_exact_and_loads_in_transformers(references, name, tmp_path):
     cfg, state = hf.load_folder(str(references / name))
     model = hf.load_model(str(references / name))
@@ -59,6 +60,13 @@ def test_export_round_trip_is_exact_and_loads_in_transformers(references, name, 
     np.save(tmp_path / "ids.npy", ref["ids"])
     _reference_process("--check", str(out), str(tmp_path / "ids.npy"), str(tmp_path / "logits.npy"))
     np.testing.assert_allclose(np.load(tmp_path / "logits.npy"), ref["logits"], rtol=1e-5, atol=1e-5)
+
+
+def test_training_a_mixture_of_experts_is_refused_until_the_trainer_supports_it(references, capsys):
+    from mindspeed_core import cli
+
+    assert cli.main(["train", "--load-hf", str(references / "mixtral"), "--train-iters", "1"]) == 2
+    assert "training a mixture-of-experts model (mixtral) is not supported yet" in capsys.readouterr().err
 
 
 def test_bad_folders_are_clear_errors(references, tmp_path):
@@ -93,6 +101,31 @@ def test_unsupported_configs_are_refused_naming_the_key(references, tmp_path, ch
     out = subprocess.run([sys.executable, "-m", "mindspeed_core.cli", "train", "--load-hf", str(folder), "--dry-run"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and key in out.stderr and out.stderr.count("\n") == 1, out.stderr
+
+
+@pytest.mark.parametrize("name, change, key", [
+    ("mixtral", {"router_jitter_noise": 0.1}, "router_jitter_noise 0.1 is not supported"),
+    ("qwen2-moe", {"shared_expert_intermediate_size": 0}, "needs a positive shared_expert_intermediate_size"),
+    ("qwen3-moe", {"num_local_experts": None}, "has no 'num_experts'"),
+])
+def test_unsupported_moe_configs_are_refused(references, tmp_path, name, change, key):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    config = {**json.loads((references / name / "config.json").read_text()), **change}
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=key):
+        hf.load_config(str(folder))
+
+
+def test_routers_transformers_cannot_express_are_not_exported():
+    from mindspeed_core.models.config import ModelConfig, MoEConfig
+
+    cfg = ModelConfig(family="qwen3_moe", moe=MoEConfig(num_experts=4, score_function="sigmoid"))
+    with pytest.raises(CheckpointError, match="routes by softmax top-k only"):
+        hf.hf_config(cfg)
+    cfg = ModelConfig(family="mixtral", moe=MoEConfig(num_experts=4), moe_layers=[1])
+    with pytest.raises(CheckpointError, match="MoE MLP in every layer"):
+        hf.hf_config(cfg)
 
 
 @pytest.mark.feature("noop-layers")

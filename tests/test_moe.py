@@ -44,16 +44,16 @@ def reference(layer: MoELayer, x: np.ndarray) -> np.ndarray:
 
 
 LAYERS = {
-    "mixtral": (MoEConfig(num_experts=4, topk=2), None, False),
-    "qwen2-moe-shared-gated": (MoEConfig(num_experts=4, topk=2, norm_topk_prob=False), 20, True),
-    "capacity": (MoEConfig(num_experts=4, topk=2, capacity_factor=0.5), None, False),
+    "mixtral": MoEConfig(num_experts=4, topk=2),
+    "qwen2-moe-shared-gated": MoEConfig(num_experts=4, topk=2, norm_topk_prob=False, shared_expert_size=20,
+                                        shared_expert_gate=True),
+    "capacity": MoEConfig(num_experts=4, topk=2, capacity_factor=0.5),
 }
 
 
 def _layer(name):
     random.seed(5)
-    moe, shared, gate = LAYERS[name]
-    return MoELayer(CFG, moe, shared, gate)
+    return MoELayer(CFG, LAYERS[name])
 
 
 @pytest.mark.parametrize("name", list(LAYERS))

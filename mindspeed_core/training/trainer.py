@@ -142,6 +142,9 @@ def check_configuration(args, world: int):
     once before starting any rank, and each rank again. Returns (tokenizer, model config)."""
     tokenizer = build_tokenizer(*tokenizer_args(args))
     cfg = model_config(args, tokenizer.vocab_size)
+    if cfg.moe is not None:  # e.g. --load-hf of a Mixtral folder (the --num-experts flags are gated as planned)
+        raise MindSpeedError(f"training a mixture-of-experts model ({cfg.family}) is not supported yet: the "
+                             f"feature matrix's moe row is planned (`mindspeed features`)")
     if tokenizer.vocab_size > cfg.vocab_size:
         raise MindSpeedError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model's vocabulary "
                              f"has {cfg.vocab_size}: use the tokenizer the model was trained with")
