@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass, field
 
 
-FUSED_KERNELS = ("attention", "rms_norm", "swiglu", "rope")
+FUSED_KERNELS = ("attention", "rms_norm", "swiglu", "rope", "grouped_matmul")
 
 
 @dataclass

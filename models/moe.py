@@ -17,7 +17,7 @@ import math
 
 import numpy as np
 
-from mindspeed_core import composite, nn, ops
+from mindspeed_core import composite, features, nn, ops
 from mindspeed_core.models import router
 from mindspeed_core.models.config import ModelConfig, MoEConfig
 from mindspeed_core.models.gpt import MLP, GPTModel, Tokens
@@ -76,7 +76,8 @@ class SharedExpert(nn.Module):
 
 class MoELayer(nn.Module):
     """x [b, s, hidden] -> [b, s, hidden]; ``self.routing`` keeps the last call's routing
-    (its aux and z losses, tokens per expert) for the model's loss and the log."""
+    (its aux and z losses, tokens per expert) for the model's loss, and ``self.stats`` sums
+    them over the calls since ``reset_stats()`` for the log."""
 
     def __init__(self, cfg: ModelConfig, moe: MoEConfig):
         super().__init__()
@@ -87,8 +88,13 @@ class MoELayer(nn.Module):
                                if moe.shared_expert_size else None)
         # aux-loss-free balancing: state, not a parameter (updated from the loads, not by the optimizer)
         self.expert_bias = np.zeros(moe.num_experts, np.float32) if moe.enable_expert_bias else None
-        self.grouped = True
+        self.grouped = "grouped_matmul" in cfg.fused  # --moe-grouped-gemm; else expert by expert
         self.routing = None
+        self.reset_stats()
+
+    def reset_stats(self) -> None:
+        self.stats = {"calls": 0, "aux_loss": 0.0, "z_loss": 0.0, "dropped": 0,
+                      "tokens_per_expert": np.zeros(self.moe.num_experts, np.int64)}
 
     def forward(self, x):
         b, s, h = x.shape
@@ -96,24 +102,48 @@ class MoELayer(nn.Module):
         logits = ops.cast(self.router(flat), "float32")
         bias = None if self.expert_bias is None else ops.tensor(self.expert_bias)
         routing = self.routing = router.route(logits, self.moe, bias, sequences=b)
-        y = ops.cast(combine(self.experts, flat, routing, self.grouped), ops.dtype_of(x))
+        features.note_used("moe")
+        if self.grouped:
+            features.note_used("gmm")
+        stats = self.stats
+        stats["calls"] += 1
+        stats["aux_loss"] += float(ops.to_numpy(routing.aux_loss))
+        stats["z_loss"] += float(ops.to_numpy(routing.z_loss))
+        stats["dropped"] += routing.dropped
+        stats["tokens_per_expert"] += routing.tokens_per_expert
+        pad_to = router.capacity(b * s, self.moe) if self.moe.pad_to_capacity else None
+        y = ops.cast(combine(self.experts, flat, routing, self.grouped, pad_to), ops.dtype_of(x))
         if self.shared_experts is not None:
             y = y + self.shared_experts(flat)
         return ops.reshape(y, (b, s, h))
 
 
-def combine(experts: Experts, tokens, routing: router.Routing, grouped: bool):
+def combine(experts: Experts, tokens, routing: router.Routing, grouped: bool, pad_to: int | None = None):
     """Each kept (token, expert) assignment through its expert, summed back per token with
-    its weight: tokens [T, hidden] -> [T, hidden] float32."""
+    its weight: tokens [T, hidden] -> [T, hidden] float32. ``pad_to``: every expert takes
+    exactly this many rows, zero rows after its own (--moe-pad-expert-input-to-capacity: fixed
+    shapes for kernels that want them), whose outputs are dropped."""
     t, k = routing.experts.shape
     slots = np.flatnonzero(routing.kept.reshape(-1))  # assignment ids t * k + j
     order = slots[np.argsort(routing.experts.reshape(-1)[slots], kind="stable")]
-    token_of = ops.tensor((order // k).astype(np.int64))
-    rows = experts(ops.index_select(tokens, 0, token_of), routing.tokens_per_expert, grouped)
+    token_of = (order // k).astype(np.int64)
+    counts = routing.tokens_per_expert
+    if pad_to is None:
+        rows = experts(ops.index_select(tokens, 0, ops.tensor(token_of)), counts, grouped)
+    else:  # row t of [tokens; 0] is the zero row
+        starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+        padded = np.full((len(counts), pad_to), t, np.int64)
+        for e, (start, n) in enumerate(zip(starts, counts)):
+            padded[e, :n] = token_of[start:start + n]
+        source = ops.cat([tokens, ops.zeros((1, tokens.shape[-1]), dtype=ops.dtype_of(tokens))], dim=0)
+        out = experts(ops.index_select(source, 0, ops.tensor(padded.reshape(-1))), np.full(len(counts), pad_to),
+                      grouped)
+        real = np.concatenate([e * pad_to + np.arange(n) for e, n in enumerate(counts)]).astype(np.int64)
+        rows = ops.index_select(out, 0, ops.tensor(real))
     weights = ops.index_select(ops.reshape(routing.weights, (t * k,)), 0, ops.tensor(order.astype(np.int64)))
     weighted = ops.cast(rows, "float32") * ops.unsqueeze(weights, -1)
     h = tokens.shape[-1]
-    index = ops.tensor(np.repeat((order // k).astype(np.int64)[:, None], h, axis=1))
+    index = ops.tensor(np.repeat(token_of[:, None], h, axis=1))
     return ops.scatter_add(ops.zeros((t, h)), 0, index, weighted)
 
 

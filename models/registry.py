@@ -38,10 +38,10 @@ def _parallelize_dense(chunk, ps, sequence_parallel, cp_algo="megatron_cp_algo",
 
 
 def _parallelize_moe(chunk, ps, sequence_parallel, cp_algo="megatron_cp_algo", ulysses_degree=None):
+    # the trainer refuses MoE with TP, CP or PP before any rank starts (check_configuration):
+    # their plans for MoE layers (and expert parallelism) are not built yet
     if ps.tp > 1 or ps.cp > 1 or ps.pp > 1:
-        # expert parallelism and the MoE layer's tensor-parallel plan are not built yet (#14)
-        raise MindSpeedError("a mixture-of-experts model trains on data parallelism only for now (tensor, "
-                             "context and pipeline parallelism for MoE are planned)")
+        raise MindSpeedError("a mixture-of-experts model trains on data parallelism only for now")
     return _parallelize_dense(chunk, ps, sequence_parallel, cp_algo, ulysses_degree)
 
 
@@ -54,6 +54,8 @@ SPECS = (
 
 
 def for_config(cfg: ModelConfig) -> ModelSpec:
+    if cfg.moe is not None:  # --num-experts on any dense family, or an MoE family
+        return SPECS[1]
     for spec in SPECS:
         if cfg.family in spec.families:
             return spec

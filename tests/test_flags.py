@@ -24,6 +24,9 @@ ACCEPTED_NO_OPS = {
     # MindSpeed-LLM needs "general" for packed sequences under CP; here every CP mask is built
     # from each token's column and document, so both values mean the same.
     "--cp-attention-mask-type",
+    # The aux-loss-free bias's step size: --moe-router-enable-expert-bias, which it tunes, is
+    # refused by the trainer until checkpoints carry the bias.
+    "--moe-router-bias-update-rate",
 }
 # The walk's own instrument: every run below passes it.
 INSTRUMENT = {"--dry-run"}
@@ -58,6 +61,18 @@ REQUIRES = {
     "--merge-file": ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", "{where}/vocab.json"],
     "--vocab-size": ["--tokenizer-type", "NullTokenizer"],
     "--initial-loss-scale": ["--fp16"],
+    # the --moe-* flags qualify --num-experts (Megatron ignores them without it)
+    **{flag: ["--num-experts", "4"] for flag in (
+        "--moe-router-topk", "--moe-ffn-hidden-size", "--moe-shared-expert-intermediate-size",
+        "--moe-router-score-function", "--moe-router-pre-softmax", "--moe-router-topk-scaling-factor",
+        "--moe-router-num-groups", "--moe-router-load-balancing-type", "--moe-aux-loss-coeff", "--moe-z-loss-coeff",
+        "--moe-router-enable-expert-bias", "--moe-expert-capacity-factor", "--moe-layer-freq",
+        "--first-k-dense-replace")},
+    "--shared-expert-gate": ["--num-experts", "4", "--moe-shared-expert-intermediate-size", "8"],
+    "--moe-router-group-topk": ["--num-experts", "4", "--moe-router-num-groups", "2"],
+    "--moe-router-bias-update-rate": ["--num-experts", "4", "--moe-router-enable-expert-bias"],
+    "--moe-token-drop-policy": ["--num-experts", "4", "--moe-expert-capacity-factor", "1.0"],
+    "--moe-pad-expert-input-to-capacity": ["--num-experts", "4", "--moe-expert-capacity-factor", "1.0"],
     "--tokenizer-hf-no-include-special-tokens": ["--tokenizer-type", "PretrainedFromHF", "--tokenizer-name-or-path",
                                                  "{where}/tokenizer.json"],
 }

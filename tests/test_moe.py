@@ -48,6 +48,7 @@ LAYERS = {
     "qwen2-moe-shared-gated": MoEConfig(num_experts=4, topk=2, norm_topk_prob=False, shared_expert_size=20,
                                         shared_expert_gate=True),
     "capacity": MoEConfig(num_experts=4, topk=2, capacity_factor=0.5),
+    "capacity-padded": MoEConfig(num_experts=4, topk=2, capacity_factor=1.5, pad_to_capacity=True),
 }
 
 
@@ -73,7 +74,7 @@ def _run(layer, x, grouped):
     return ops.to_numpy(layer(ops.tensor(x))), [ops.to_numpy(g) for g in grads]
 
 
-@pytest.mark.parametrize("name", ["mixtral", "capacity"])
+@pytest.mark.parametrize("name", ["mixtral", "capacity", "capacity-padded"])
 def test_grouped_and_sequential_experts_agree(name):
     layer = _layer(name)
     x = np.random.default_rng(1).standard_normal((2, 6, 16)).astype(np.float32)
@@ -99,3 +100,72 @@ def test_an_expert_without_tokens_gets_zero_gradient():
         g1 = grads[names.index("experts.weight1")]
         assert np.abs(g1[2:]).max() == 0 and np.abs(g1[:2]).max() > 0
         np.testing.assert_allclose(out, reference(layer, x), rtol=1e-4, atol=1e-5)
+
+
+# ---- training ------------------------------------------------------------------------------
+
+from test_training import corpus, losses, train  # noqa: E402,F401  (corpus is a fixture)
+
+MOE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--num-query-groups", "2",
+       "--ffn-hidden-size", "64", "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "4",
+       "--lr", "3e-3", "--lr-warmup-iters", "1", "--eval-iters", "0", "--log-interval", "1",
+       "--make-vocab-size-divisible-by", "8", "--no-progress", "--seed", "7", "--sample-tokens", "0",
+       "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "48", "--moe-aux-loss-coeff", "0.01",
+       "--moe-z-loss-coeff", "0.001", "--first-k-dense-replace", "1"]
+
+
+def _records(path):
+    import json
+
+    return [r for r in map(json.loads, open(path)) if "loss" in r]
+
+
+@pytest.mark.feature("moe")
+def test_moe_training_reports_its_routing(capsys, corpus, tmp_path):  # noqa: F811
+    metrics = tmp_path / "m.jsonl"
+    code, out, err = train(capsys, *MOE, "--data-path", corpus, "--train-iters", "8", "--metrics-file", str(metrics))
+    assert code == 0, err
+    records = _records(metrics)
+    assert records[-1]["loss"] < records[0]["loss"]
+    for r in records:  # layer 0 dense, layer 1 MoE: 4 sequences x 32 tokens, 2 experts each
+        moe = r["moe"]
+        assert len(moe["tokens_per_expert"]) == 1 and sum(moe["tokens_per_expert"][0]) == 4 * 32 * 2
+        assert moe["aux_loss"] > 0 and moe["z_loss"] > 0 and moe["dropped"] == 0
+        assert moe["load_balance"][0] == max(moe["tokens_per_expert"][0]) / (4 * 32 * 2 / 4)
+    assert "aux loss" in out and "expert load max/mean" in out
+
+
+@pytest.mark.feature("moe")
+@pytest.mark.feature("gmm")
+def test_grouped_gemm_trains_as_expert_by_expert(capsys, corpus, tmp_path):  # noqa: F811
+    runs = {}
+    for name, extra in (("sequential", []), ("grouped", ["--moe-grouped-gemm"])):
+        code, _, err = train(capsys, *MOE, "--data-path", corpus, "--train-iters", "4", *extra,
+                             "--metrics-file", str(tmp_path / f"{name}.jsonl"))
+        assert code == 0, err
+        runs[name] = losses(tmp_path / f"{name}.jsonl")
+    for i in runs["sequential"]:
+        assert abs(runs["grouped"][i] - runs["sequential"][i]) <= 1e-5 * abs(runs["sequential"][i])
+
+
+@pytest.mark.feature("moe")
+def test_capacity_drops_are_counted(capsys, corpus, tmp_path):  # noqa: F811
+    metrics = tmp_path / "m.jsonl"
+    code, out, err = train(capsys, *MOE, "--data-path", corpus, "--train-iters", "2", "--moe-expert-capacity-factor",
+                           "0.5", "--moe-pad-expert-input-to-capacity", "--metrics-file", str(metrics))
+    assert code == 0, err
+    for r in _records(metrics):  # capacity ceil(64 x 2 / 4 x 0.5) = 16 per expert and micro-batch, 2 of them
+        assert r["moe"]["dropped"] > 0 and max(max(t) for t in r["moe"]["tokens_per_expert"]) <= 2 * 16
+    assert "dropped" in out
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--tensor-model-parallel-size", "2"], "data parallelism only for now"),
+    (["--moe-router-enable-expert-bias"], "checkpoints would not carry the expert bias"),
+    (["--compile"], "routing decides on the host"),
+    (["--moe-layer-freq", "4", "--first-k-dense-replace", "1"], "leave none of the 2 layers an MoE layer"),
+    (["--moe-router-topk", "5"], "topk must be between 1 and num_experts"),
+])
+def test_moe_layouts_this_trainer_cannot_run_are_refused(capsys, corpus, extra, message):  # noqa: F811
+    code, _, err = train(capsys, *MOE, "--data-path", corpus, "--train-iters", "1", "--dry-run", *extra)
+    assert code == 2 and message in err, err

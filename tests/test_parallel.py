@@ -21,7 +21,10 @@ GQA = BASE + ["--num-query-groups", "2"]
 MHA = BASE + ["--num-query-groups", "4"]
 # packed samples of whole documents (lines of code), kept apart, padding out of the loss
 PACKED = GQA + ["--reset-attention-mask", "--reset-position-ids"]
-MODELS = {"gqa": GQA, "mha": MHA, "packed": PACKED}
+# a mixture of experts in the second layer: top-2 of 4, aux and z losses
+MOE = GQA + ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "64", "--moe-aux-loss-coeff",
+             "0.01", "--moe-z-loss-coeff", "0.001", "--first-k-dense-replace", "1"]
+MODELS = {"gqa": GQA, "mha": MHA, "packed": PACKED, "moe": MOE}
 ITERS = 10
 
 
@@ -77,7 +80,15 @@ def reference(corpus, packed_corpus, tmp_path_factory):  # noqa: F811
             assert cli.main(["train", *argv, "--data-path", data_path(name, corpus, packed_corpus),
                              "--train-iters", str(ITERS), "--metrics-file", str(path)]) == 0
         out[name] = losses(path)
+        if name == "moe":
+            out["moe-aux"] = aux_losses(path)
     return out
+
+
+def aux_losses(path):
+    import json
+
+    return {r["iteration"]: r["moe"]["aux_loss"] for r in map(json.loads, open(path)) if "moe" in r}
 
 
 def assert_same_curve(got, want, tol=1e-5):
@@ -98,6 +109,7 @@ CASES = [  # (id, ranks, model, flags)
     ("dp2-distopt", 2, "gqa", ["--use-distributed-optimizer"]),
     ("tp2-dp2-sp-distopt", 4, "gqa", ["--tensor-model-parallel-size", "2", "--sequence-parallel",
                                       "--use-distributed-optimizer"]),
+    ("moe-dp2", 2, "moe", []),  # the routers' aux losses averaged as the loss is
 ]
 
 
@@ -124,8 +136,10 @@ def cp_size(flags) -> int:
     return int(flags[flags.index("--context-parallel-size") + 1]) if "--context-parallel-size" in flags else 1
 
 
-def _marks(ranks, flags):
+def _marks(ranks, model, flags):
     marks = [pytest.mark.multiprocess, pytest.mark.feature("collectives")]
+    if model == "moe":
+        marks.append(pytest.mark.feature("moe"))
     tp = tp_size(flags)
     if ranks // tp > 1:
         marks.append(pytest.mark.feature("data-parallel"))
@@ -139,12 +153,14 @@ def _marks(ranks, flags):
 
 
 @pytest.mark.parametrize("case, ranks, model, flags",
-                         [pytest.param(*c, marks=_marks(c[1], c[3]), id=c[0]) for c in CASES])
+                         [pytest.param(*c, marks=_marks(c[1], c[2], c[3]), id=c[0]) for c in CASES])
 def test_loss_curve_equals_single_process(framework, corpus, reference, tmp_path, case, ranks, model, flags):  # noqa: F811
     metrics = tmp_path / "m.jsonl"
     out = launch_train(framework, ranks, [*MODELS[model], *flags, "--data-path", corpus, "--train-iters", str(ITERS),
                                           "--metrics-file", str(metrics)], tmp_path)
     assert_same_curve(losses(metrics), reference[model])
+    if model == "moe":
+        assert_same_curve(aux_losses(metrics), reference["moe-aux"])
     check_layout(out, ranks, flags)
     tp, cp = tp_size(flags), cp_size(flags)
     dp = ranks // (tp * cp)
@@ -153,7 +169,7 @@ def test_loss_curve_equals_single_process(framework, corpus, reference, tmp_path
 
         record = [json.loads(x) for x in open(metrics)][-1]
         measured = {op: v["bytes"] for op, v in record["comm"].items() if v["bytes"]}
-        assert measured == expected_traffic(ranks, flags)
+        assert measured == expected_traffic(ranks, flags, model)
 
 
 def check_layout(out: str, ranks: int, flags: list) -> None:
@@ -259,20 +275,22 @@ def test_launch_sets_the_gloo_interface_only_across_nodes(monkeypatch):
     assert env(2)["GLOO_SOCKET_IFNAME"] == "eth7"
 
 
-def expected_traffic(ranks, flags) -> dict:
-    """Bytes per step and collective on rank 0 for the GQA model of these tests (parallel/traffic.py)."""
-    from mindspeed_core.models.config import ModelConfig
+def expected_traffic(ranks, flags, model: str = "gqa") -> dict:
+    """Bytes per step and collective on rank 0 for the GQA model of these tests, or its MoE
+    variant (parallel/traffic.py)."""
+    from mindspeed_core.models.config import ModelConfig, MoEConfig
     from mindspeed_core.parallel.traffic import step_bytes
 
     tp = tp_size(flags)
     dp = ranks // tp
+    moe = dict(moe=MoEConfig(num_experts=4, topk=2, ffn_hidden_size=64), moe_layers=(1,)) if model == "moe" else {}
     cfg = ModelConfig(vocab_size=264, hidden_size=64, num_layers=2, num_attention_heads=4, num_query_groups=2,
-                      ffn_hidden_size=128, max_position_embeddings=32)
+                      ffn_hidden_size=128, max_position_embeddings=32, **moe)
     norms = (2 * cfg.num_layers + 1) * cfg.hidden_size  # replicated; every other weight is split over TP
     local = (cfg.num_parameters() - norms) // tp + norms
     return step_bytes(cfg, micro_batch=2, seq_length=32, grad_accum=8 // (2 * dp), tp=tp, dp=dp,
                       sp="--sequence-parallel" in flags, distributed_optimizer="--use-distributed-optimizer" in flags,
-                      local_params=local, sp_partial_params=norms)
+                      local_params=local, sp_partial_params=norms, moe_layers=1 if model == "moe" else 0)
 
 
 TRAFFIC_CASES = [("tp2", 2, ["--tensor-model-parallel-size", "2"]),

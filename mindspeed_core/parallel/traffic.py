@@ -15,14 +15,16 @@ overhead. Per micro-batch of T tokens, hidden size h, L layers, tensor-parallel 
     per step: DP all-reduce of the rank's gradients (or, with the distributed optimizer, a
              reduce-scatter of them, an all-gather of the updated slice, and the norm's two
              partial sums), the loss averaged over DP, the gradient norm's sharded part
-             summed over TP, and under SP the decoder's replicated gradients summed over TP.
+             summed over TP, and under SP the decoder's replicated gradients summed over TP;
+             with MoE layers, their routing statistics summed over DP for the log (aux and z
+             loss, dropped count, tokens per expert of each MoE layer).
 """
 
 from __future__ import annotations
 
 
 def step_bytes(cfg, *, micro_batch: int, seq_length: int, grad_accum: int, tp: int, dp: int, sp: bool,
-               distributed_optimizer: bool, local_params: int, sp_partial_params: int) -> dict:
+               distributed_optimizer: bool, local_params: int, sp_partial_params: int, moe_layers: int = 0) -> dict:
     """{collective: bytes} expected on one rank per training step (fp32 training)."""
     f = 4
     T, h, L = micro_batch * seq_length, cfg.hidden_size, cfg.num_layers
@@ -48,6 +50,8 @@ def step_bytes(cfg, *, micro_batch: int, seq_length: int, grad_accum: int, tp: i
             add("all_reduce", sp_partial_params * f)
     if dp > 1:
         add("all_reduce", f)  # the loss, averaged for the log
+        if moe_layers:
+            add("all_reduce", (3 + moe_layers * cfg.moe.num_experts) * f)
         if distributed_optimizer:
             padded = -(-local_params // dp) * dp
             add("reduce_scatter", padded * f)

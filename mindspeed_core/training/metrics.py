@@ -32,8 +32,9 @@ class MetricsLog:
         self._tokens += tokens
         self._steps += 1
 
-    def report(self, iteration: int, total: int, loss: float, lr: float, norm: float) -> dict:
-        """Print the line, write the record, and start the next interval."""
+    def report(self, iteration: int, total: int, loss: float, lr: float, norm: float, moe: dict | None = None) -> dict:
+        """Print the line, write the record, and start the next interval. ``moe``: the last
+        step's routing statistics (Trainer._moe_step_stats), when the model has MoE layers."""
         tps = self._tokens / (time.perf_counter() - self._start)
         comm = dist.comm_stats()
         record = {"iteration": iteration, "loss": loss, "lr": lr, "grad_norm": norm, "tokens_per_s": tps,
@@ -42,8 +43,13 @@ class MetricsLog:
                   "comm_bytes_per_step": sum(v["bytes"] for v in comm.values()) / self._steps,
                   "comm_wire_bytes_per_step": sum(v["wire_bytes"] for v in comm.values()) / self._steps,
                   "comm": comm}
-        self.say(f" iteration {iteration:6d}/{total} | lm loss {loss:.4f} | lr {lr:.3e} | grad norm {norm:.3f} | "
-                 f"tokens/s {tps:,.0f} | TFLOP/s {record['tflops']:.3f} | MFU {100 * record['mfu']:.1f}%")
+        line = (f" iteration {iteration:6d}/{total} | lm loss {loss:.4f} | lr {lr:.3e} | grad norm {norm:.3f} | "
+                f"tokens/s {tps:,.0f} | TFLOP/s {record['tflops']:.3f} | MFU {100 * record['mfu']:.1f}%")
+        if moe is not None:
+            record["moe"] = moe
+            line += (f" | aux loss {moe['aux_loss']:.4g} | z loss {moe['z_loss']:.4g} | expert load max/mean "
+                     f"{max(moe['load_balance']):.2f}" + (f" | dropped {moe['dropped']}" if moe["dropped"] else ""))
+        self.say(line)
         self.write(record)
         self._start, self._tokens, self._steps = time.perf_counter(), 0, 0
         dist.reset_comm_stats()

@@ -27,7 +27,7 @@ from mindspeed_core.data.sampler import PretrainingSampler
 from mindspeed_core.data.tokenizer import build_tokenizer, padded_vocab_size, tokenizer_args
 from mindspeed_core.errors import CheckpointError, MindSpeedError
 from mindspeed_core.models import registry
-from mindspeed_core.models.config import PRESETS, ModelConfig
+from mindspeed_core.models.config import PRESETS, ModelConfig, MoEConfig
 from mindspeed_core.models.gpt import Tokens, load_whole_state
 from mindspeed_core.progress import Progress
 from mindspeed_core.parallel import context
@@ -54,7 +54,7 @@ TRAINING_DEFAULTS = dict(seq_length=256, micro_batch_size=4, global_batch_size=N
 
 # flag -> the fused kernel it switches on (ModelConfig.fused); Megatron's defaults: all off
 FUSED_FLAGS = {"use_flash_attn": "attention", "use_fused_rmsnorm": "rms_norm", "use_fused_swiglu": "swiglu",
-               "use_fused_rotary_pos_emb": "rope"}
+               "use_fused_rotary_pos_emb": "rope", "moe_grouped_gemm": "grouped_matmul"}
 
 # what a run does besides training, shown by --dry-run with the rest of the configuration
 _RUN_SETTINGS = ("split", "save", "save_interval", "load", "load_hf", "overwrite_checkpoints", "eval_interval",
@@ -99,7 +99,8 @@ def kernels(cfg: ModelConfig) -> dict:
     """What runs for each fused operator: the device's native kernel, the composite standing
     in for a fused op the device lacks, or the composite because its flag is off."""
     bound = ops.implementations()
-    names = {"attention": "attention", "rms_norm": "rms_norm", "swiglu": "swiglu", "rope": "apply_rotary"}
+    names = {"attention": "attention", "rms_norm": "rms_norm", "swiglu": "swiglu", "rope": "apply_rotary",
+             "grouped_matmul": "grouped_matmul"}
     return {op: (bound[names[op]] if op in cfg.fused else "composite (flag off)") for op in names}
 
 
@@ -128,6 +129,8 @@ def _model_config(args, vocab_size: int) -> ModelConfig:
             base[flag] = True
     if args.noop_layers:
         base["noop_layers"] = pipeline.parse_layer_numbers(args.noop_layers, "--noop-layers")
+    if args.num_experts is not None:
+        base["moe"], base["moe_layers"] = _moe_config(args, base.get("num_layers", ModelConfig.num_layers))
     base["vocab_size"] = padded_vocab_size(vocab_size, args.make_vocab_size_divisible_by)
     base["max_position_embeddings"] = max(args.max_position_embeddings or 0, args.seq_length,
                                           base.get("max_position_embeddings", 0))
@@ -137,14 +140,53 @@ def _model_config(args, vocab_size: int) -> ModelConfig:
         raise MindSpeedError(f"model configuration: {exc}") from None
 
 
+def _moe_config(args, num_layers: int) -> tuple[MoEConfig, tuple | None]:
+    """MoEConfig and MoE layer numbers from Megatron's --num-experts / --moe-* flags."""
+    try:
+        moe = MoEConfig(
+            num_experts=args.num_experts, topk=args.moe_router_topk, ffn_hidden_size=args.moe_ffn_hidden_size,
+            score_function=args.moe_router_score_function, norm_topk_prob=not args.moe_router_pre_softmax,
+            num_groups=args.moe_router_num_groups, group_topk=args.moe_router_group_topk,
+            scaling_factor=args.moe_router_topk_scaling_factor or 1.0,
+            load_balancing_type=args.moe_router_load_balancing_type, aux_loss_coeff=args.moe_aux_loss_coeff,
+            z_loss_coeff=args.moe_z_loss_coeff or 0.0, enable_expert_bias=args.moe_router_enable_expert_bias,
+            bias_update_rate=args.moe_router_bias_update_rate, capacity_factor=args.moe_expert_capacity_factor,
+            pad_to_capacity=args.moe_pad_expert_input_to_capacity, drop_policy=args.moe_token_drop_policy,
+            shared_expert_size=args.moe_shared_expert_intermediate_size, shared_expert_gate=args.shared_expert_gate)
+    except ValueError as exc:
+        raise MindSpeedError(f"mixture of experts: {exc}") from None
+    layers = tuple(i for i in range(num_layers) if i >= args.first_k_dense_replace and i % args.moe_layer_freq == 0)
+    if not layers:
+        raise MindSpeedError(f"--moe-layer-freq {args.moe_layer_freq} and --first-k-dense-replace "
+                             f"{args.first_k_dense_replace} leave none of the {num_layers} layers an MoE layer")
+    return moe, None if len(layers) == num_layers else layers
+
+
+def _check_moe(args, cfg: ModelConfig) -> None:
+    """What the MoE layers cannot do here yet, refused before any rank starts."""
+    parallel = {"--tensor-model-parallel-size": args.tensor_model_parallel_size,
+                "--pipeline-model-parallel-size": args.pipeline_model_parallel_size,
+                "--context-parallel-size": args.context_parallel_size}
+    for flag, size in parallel.items():
+        if size > 1:
+            raise MindSpeedError(f"a mixture-of-experts model trains with data parallelism only for now: {flag} "
+                                 f"{size} with MoE layers is planned")
+    if cfg.moe.enable_expert_bias:
+        # the bias is state outside the parameters: checkpoints do not carry it yet
+        raise MindSpeedError("--moe-router-enable-expert-bias (aux-loss-free balancing) is not supported by the "
+                             "trainer yet: checkpoints would not carry the expert bias")
+    if args.compile:
+        raise MindSpeedError("--compile with MoE layers: routing decides on the host, which graph capture cannot "
+                             "follow; drop --compile")
+
+
 def check_configuration(args, world: int):
     """Every check that needs no process group, no data and no weights: the launcher runs it
     once before starting any rank, and each rank again. Returns (tokenizer, model config)."""
     tokenizer = build_tokenizer(*tokenizer_args(args))
     cfg = model_config(args, tokenizer.vocab_size)
-    if cfg.moe is not None:  # e.g. --load-hf of a Mixtral folder (the --num-experts flags are gated as planned)
-        raise MindSpeedError(f"training a mixture-of-experts model ({cfg.family}) is not supported yet: the "
-                             f"feature matrix's moe row is planned (`mindspeed features`)")
+    if cfg.moe is not None:
+        _check_moe(args, cfg)
     if tokenizer.vocab_size > cfg.vocab_size:
         raise MindSpeedError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model's vocabulary "
                              f"has {cfg.vocab_size}: use the tokenizer the model was trained with")
@@ -304,6 +346,9 @@ class Trainer:
             self.model = None
         else:
             self.chunks = [self.model]
+        # MoE layers report their routing (aux and z losses, tokens per expert) each step
+        self.moe_layers = [layer for chunk in self.chunks for layer in getattr(chunk, "moe_layers", list)()]
+        self.moe_stats = None
         self.plan = ParallelPlan.join(self.model_spec.parallelize(c, ps, args.sequence_parallel,
                                                                   args.context_parallel_algo, args.ulysses_degree_in_cp)
                                       for c in self.chunks)
@@ -522,11 +567,16 @@ class Trainer:
                            args.lr_decay_style)
         if self.dtype != "float32":
             features.note_used("bf16" if self.dtype == "bfloat16" else "fp16")
+        for layer in self.moe_layers:
+            layer.reset_stats()
         loss, grads = self.gradients(iteration)
         grads = self.optimizer.prepare(grads)
         n = self.ps.size("dp_cp")  # CP ranks' losses are means over equal shares of each sequence
         if n > 1:
             loss = float(ops.to_numpy(dist.all_reduce(ops.tensor([loss]), group=self.ps.group("dp_cp")))[0]) / n
+        if self.moe_layers:
+            self.moe_stats = self._moe_step_stats()
+            loss -= self.moe_stats["aux_loss"] + self.moe_stats["z_loss"]  # the log's lm loss, as Megatron's
         norm = self.optimizer.grad_norm(grads)
         if not self.scaler.step_allowed(math.isfinite(loss) and math.isfinite(norm)):
             return loss, lr, float("nan")  # fp16 overflow: step skipped, the scale halved
@@ -538,6 +588,24 @@ class Trainer:
                                  f"saving (the last checkpoint on disk is intact); lower --lr or check the data")
         self.optimizer.step(grads, lr, distributed.clip_coefficient(norm, args.clip_grad))
         return loss, lr, norm
+
+    def _moe_step_stats(self) -> dict:
+        """The step's routing over every MoE layer and data-parallel rank: aux and z losses
+        (summed over layers, mean over micro-batches as the loss), tokens per expert per layer,
+        dropped assignments, and each layer's load balance (busiest expert / mean)."""
+        layers = self.moe_layers
+        losses = np.array([[layer.stats["aux_loss"], layer.stats["z_loss"]] for layer in layers], np.float64).sum(0)
+        losses /= max(layers[0].stats["calls"], 1)
+        counts = np.stack([layer.stats["tokens_per_expert"] for layer in layers]).astype(np.float64)
+        dropped = float(sum(layer.stats["dropped"] for layer in layers))
+        flat = np.concatenate([losses, [dropped], counts.reshape(-1)]).astype(np.float32)
+        if self.ps.dp > 1:  # counts are exact in float32 up to 2**24
+            flat = ops.to_numpy(dist.all_reduce(ops.tensor(flat), group=self.ps.group("dp")))
+            flat[:2] /= self.ps.dp
+        counts = np.rint(flat[3:]).astype(np.int64).reshape(counts.shape)
+        balance = [float(c.max() / c.mean()) if c.sum() else 0.0 for c in counts]
+        return {"aux_loss": float(flat[0]), "z_loss": float(flat[1]), "dropped": int(round(float(flat[2]))),
+                "tokens_per_expert": counts.tolist(), "load_balance": balance}
 
     def evaluate(self) -> float:
         args = self.args
@@ -629,7 +697,7 @@ class Trainer:
                 if progress:
                     progress.update(1, f"loss {loss:.3f}")
                 if self.iteration % args.log_interval == 0 or self.iteration == args.train_iters:
-                    log.report(self.iteration, args.train_iters, loss, lr, norm)
+                    log.report(self.iteration, args.train_iters, loss, lr, norm, moe=self.moe_stats)
                 if args.eval_iters and args.eval_interval and self.iteration % args.eval_interval == 0:
                     eval_loss = self.evaluate()
                     self.say(f" validation at iteration {self.iteration} | lm loss {eval_loss:.4f} | "
