@@ -154,6 +154,9 @@ def _moe_from_hf(hf: dict, kind: str) -> tuple[MoEConfig, tuple | None]:
 
 
 def hf_config(cfg: ModelConfig) -> dict:
+    if cfg.moe is not None and cfg.family not in MOE_BASE:
+        raise CheckpointError(f"a {cfg.family} model with MoE layers has no Hugging Face architecture: export MoE "
+                              f"models as {', '.join(MOE_BASE)} (their attention is mistral's, qwen2's, qwen3's)")
     if cfg.family == "gpt2":
         return {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size": cfg.vocab_size,
                 "n_embd": cfg.hidden_size, "n_layer": cfg.num_layers, "n_head": cfg.num_attention_heads,

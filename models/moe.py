@@ -140,16 +140,20 @@ def combine(experts: Experts, tokens, routing: router.Routing, grouped: bool, pa
                       grouped)
         real = np.concatenate([e * pad_to + np.arange(n) for e, n in enumerate(counts)]).astype(np.int64)
         rows = ops.index_select(out, 0, ops.tensor(real))
-    weights = ops.index_select(ops.reshape(routing.weights, (t * k,)), 0, ops.tensor(order.astype(np.int64)))
-    weighted = ops.cast(rows, "float32") * ops.unsqueeze(weights, -1)
+    # back to (token, slot) order by a gather (a scatter-add with repeated indices is not
+    # deterministic on every CPU backend); dropped slots read a zero row and have weight 0
     h = tokens.shape[-1]
-    index = ops.tensor(np.repeat(token_of[:, None], h, axis=1))
-    return ops.scatter_add(ops.zeros((t, h)), 0, index, weighted)
+    where = np.full(t * k, len(order), np.int64)
+    where[order] = np.arange(len(order))
+    rows = ops.cat([ops.cast(rows, "float32"), ops.zeros((1, h))], dim=0)
+    per_slot = ops.reshape(ops.index_select(rows, 0, ops.tensor(where)), (t, k, h))
+    return ops.sum(per_slot * ops.unsqueeze(routing.weights, -1), dim=1)
 
 
 class MoEModel(GPTModel):
     """The decoder-only transformer whose layers in ``cfg.moe_layers`` (all by default) have
-    an MoE MLP: Mixtral, Qwen2-MoE, Qwen3-MoE. Its loss adds the routers' aux and z losses."""
+    an MoE MLP: Mixtral, Qwen2-MoE, Qwen3-MoE. In training its loss adds the routers' aux and
+    z losses (regularisers: evaluation reports the language-model loss alone)."""
 
     def make_mlp(self, number: int) -> nn.Module:
         return MoELayer(self.cfg, self.cfg.moe) if self.cfg.is_moe_layer(number) else MLP(self.cfg)
@@ -165,4 +169,5 @@ class MoEModel(GPTModel):
         return total
 
     def loss_from_logits(self, logits, labels, tokens: Tokens | None = None):
-        return super().loss_from_logits(logits, labels, tokens) + self.router_losses()
+        loss = super().loss_from_logits(logits, labels, tokens)
+        return loss + self.router_losses() if nn.is_training(self) else loss

@@ -55,7 +55,7 @@ SPECS = (
 
 def for_config(cfg: ModelConfig) -> ModelSpec:
     if cfg.moe is not None:  # --num-experts on any dense family, or an MoE family
-        return SPECS[1]
+        return next(spec for spec in SPECS if spec.name == "moe")
     for spec in SPECS:
         if cfg.family in spec.families:
             return spec

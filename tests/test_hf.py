@@ -126,6 +126,9 @@ def test_routers_transformers_cannot_express_are_not_exported():
     cfg = ModelConfig(family="mixtral", moe=MoEConfig(num_experts=4), moe_layers=[1])
     with pytest.raises(CheckpointError, match="MoE MLP in every layer"):
         hf.hf_config(cfg)
+    cfg = ModelConfig(family="llama", moe=MoEConfig(num_experts=4))  # e.g. --num-experts on a llama preset
+    with pytest.raises(CheckpointError, match="a llama model with MoE layers has no Hugging Face architecture"):
+        hf.hf_config(cfg)
 
 
 @pytest.mark.feature("noop-layers")
