@@ -62,11 +62,13 @@ def test_export_round_trip_is_exact_and_loads_in_transformers(references, name, 
     np.testing.assert_allclose(np.load(tmp_path / "logits.npy"), ref["logits"], rtol=1e-5, atol=1e-5)
 
 
-def test_training_a_mixture_of_experts_is_refused_until_the_trainer_supports_it(references, capsys):
+def test_a_mixtral_folder_starts_a_training_run_with_its_experts(references, capsys):
     from mindspeed_core import cli
 
-    assert cli.main(["train", "--load-hf", str(references / "mixtral"), "--train-iters", "1"]) == 2
-    assert "training a mixture-of-experts model (mixtral) is not supported yet" in capsys.readouterr().err
+    assert cli.main(["train", "--load-hf", str(references / "mixtral"), "--tokenizer-type", "NullTokenizer",
+                     "--vocab-size", "95", "--seq-length", "16", "--data-path", "/nonexistent/corpus", "--dry-run"]) == 0
+    described = json.loads(capsys.readouterr().out)
+    assert described["model"]["family"] == "mixtral" and described["model"]["moe"]["num_experts"] == 4
 
 
 def test_bad_folders_are_clear_errors(references, tmp_path):
