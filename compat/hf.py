@@ -255,19 +255,20 @@ def _layer_names_llama(i):
             a + "mlp.down_proj.bias": b + "mlp.linear_fc2.bias"}
 
 
-def _moe_names(cfg: ModelConfig, i: int) -> tuple[str, str, tuple]:
-    """(MoE block prefix, router name, (gate, up, down) names of an expert's projections)."""
+def _moe_names(cfg: ModelConfig, i: int) -> tuple[str, tuple]:
+    """(MoE block prefix, (gate, up, down) names of an expert's projections); the router is
+    the block's gate.weight in every family."""
     if cfg.family == "mixtral":
-        return f"model.layers.{i}.block_sparse_moe.", "gate.weight", ("w1", "w3", "w2")
-    return f"model.layers.{i}.mlp.", "gate.weight", ("gate_proj", "up_proj", "down_proj")
+        return f"model.layers.{i}.block_sparse_moe.", ("w1", "w3", "w2")
+    return f"model.layers.{i}.mlp.", ("gate_proj", "up_proj", "down_proj")
 
 
 def _moe_from_hf_state(cfg: ModelConfig, i: int, take) -> dict:
     """Layer i's router, experts (stacked: [E, h, 2f] gate then up columns, [E, f, h]) and
     shared expert, from the experts written one by one."""
-    a, router, (g, u, d) = _moe_names(cfg, i)
+    a, (g, u, d) = _moe_names(cfg, i)
     b = f"decoder.layers.{i}.mlp."
-    out = {b + "router.weight": take(a + router)}
+    out = {b + "router.weight": take(a + "gate.weight")}
     w1, w2 = [], []
     for e in range(cfg.moe.num_experts):
         gate, up = take(f"{a}experts.{e}.{g}.weight"), take(f"{a}experts.{e}.{u}.weight")
@@ -285,9 +286,9 @@ def _moe_from_hf_state(cfg: ModelConfig, i: int, take) -> dict:
 
 
 def _moe_to_hf_state(cfg: ModelConfig, i: int, ours: dict) -> dict:
-    a, router, (g, u, d) = _moe_names(cfg, i)
+    a, (g, u, d) = _moe_names(cfg, i)
     b = f"decoder.layers.{i}.mlp."
-    out = {a + router: ours[b + "router.weight"]}
+    out = {a + "gate.weight": ours[b + "router.weight"]}
     for e in range(cfg.moe.num_experts):
         gate, up = np.split(ours[b + "experts.weight1"][e].T, 2)
         out[f"{a}experts.{e}.{g}.weight"] = np.ascontiguousarray(gate)
