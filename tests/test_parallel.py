@@ -97,7 +97,7 @@ def assert_same_curve(got, want, tol=1e-5):
     assert worst < tol, {i: (got[i], want[i]) for i in want}
 
 
-CASES = [  # (id, ranks, model, flags)
+CASES = [  # (id, ranks, model, flags): the cases of each rank count share one launch
     ("tp2", 2, "gqa", ["--tensor-model-parallel-size", "2"]),
     ("tp2-sp", 2, "gqa", ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
     ("dp2", 2, "gqa", []),
@@ -110,7 +110,10 @@ CASES = [  # (id, ranks, model, flags)
     ("tp2-dp2-sp-distopt", 4, "gqa", ["--tensor-model-parallel-size", "2", "--sequence-parallel",
                                       "--use-distributed-optimizer"]),
     ("moe-dp2", 2, "moe", []),  # the routers' aux losses averaged as the loss is
+    ("tp2-dp2", 4, "gqa", ["--tensor-model-parallel-size", "2"]),
 ]
+# cases whose collective bytes are checked against parallel/traffic.py (besides every pure DP one)
+TRAFFIC = ("tp2", "tp2-sp", "dp2-distopt", "tp2-dp2")
 
 
 # context parallelism (rank order tp, cp, dp), on four ranks in one launch: ring at C=2 with
@@ -136,40 +139,52 @@ def cp_size(flags) -> int:
     return int(flags[flags.index("--context-parallel-size") + 1]) if "--context-parallel-size" in flags else 1
 
 
-def _marks(ranks, model, flags):
-    marks = [pytest.mark.multiprocess, pytest.mark.feature("collectives")]
-    if model == "moe":
-        marks.append(pytest.mark.feature("moe"))
-    tp = tp_size(flags)
-    if ranks // tp > 1:
-        marks.append(pytest.mark.feature("data-parallel"))
-    if tp > 1:
-        marks.append(pytest.mark.feature("tensor-parallel"))
-    if "--sequence-parallel" in flags:
-        marks.append(pytest.mark.feature("sequence-parallel"))
-    if "--use-distributed-optimizer" in flags:
-        marks.append(pytest.mark.feature("distributed-optimizer"))
-    return marks
+def run_cases(framework, ranks, corpus, reference, tmp_path):  # noqa: F811
+    """The CASES on ``ranks`` ranks, one launch: each loss curve (and the MoE aux losses) equals
+    the single process's, the layout ran as asked, and where TRAFFIC names the case, each
+    collective moved the analytical bytes."""
+    import json
+
+    cases = [c for c in CASES if c[1] == ranks]
+    spec = [[name, [*MODELS[model], *flags, "--data-path", corpus, "--train-iters", str(ITERS)]]
+            for name, _, model, flags in cases]
+    out = run_configs(framework, ranks, spec, tmp_path)
+    for name, _, model, flags in cases:
+        metrics = out / f"{name}.jsonl"
+        assert_same_curve(losses(metrics), reference[model])
+        if model == "moe":
+            assert_same_curve(aux_losses(metrics), reference["moe-aux"])
+        check_layout((out / f"{name}.log").read_text(), ranks, flags)
+        tp = tp_size(flags)
+        if name in TRAFFIC or (ranks // tp > 1 and tp == 1):  # the whole gradient reduced over DP
+            record = [json.loads(x) for x in open(metrics)][-1]  # one step: the last log interval
+            measured = {op: v["bytes"] for op, v in record["comm"].items() if v["bytes"]}
+            assert measured == expected_traffic(ranks, flags, model), name
+            for op, v in record["comm"].items():
+                assert v["wire_bytes"] >= v["bytes"]
+                if framework == "pytorch" and op != "reduce_scatter":  # native on gloo: wire is payload
+                    assert v["wire_bytes"] == v["bytes"], (name, op)
 
 
-@pytest.mark.parametrize("case, ranks, model, flags",
-                         [pytest.param(*c, marks=_marks(c[1], c[2], c[3]), id=c[0]) for c in CASES])
-def test_loss_curve_equals_single_process(framework, corpus, reference, tmp_path, case, ranks, model, flags):  # noqa: F811
-    metrics = tmp_path / "m.jsonl"
-    out = launch_train(framework, ranks, [*MODELS[model], *flags, "--data-path", corpus, "--train-iters", str(ITERS),
-                                          "--metrics-file", str(metrics)], tmp_path)
-    assert_same_curve(losses(metrics), reference[model])
-    if model == "moe":
-        assert_same_curve(aux_losses(metrics), reference["moe-aux"])
-    check_layout(out, ranks, flags)
-    tp, cp = tp_size(flags), cp_size(flags)
-    dp = ranks // (tp * cp)
-    if dp > 1 and tp == 1 and cp == 1:  # ... and the whole gradient was reduced over the data-parallel ranks
-        import json
+@pytest.mark.multiprocess
+@pytest.mark.feature("collectives")
+@pytest.mark.feature("tensor-parallel")
+@pytest.mark.feature("sequence-parallel")
+@pytest.mark.feature("data-parallel")
+@pytest.mark.feature("distributed-optimizer")
+@pytest.mark.feature("moe")
+def test_two_rank_layouts_equal_single_process(framework, corpus, reference, tmp_path):  # noqa: F811
+    run_cases(framework, 2, corpus, reference, tmp_path)
 
-        record = [json.loads(x) for x in open(metrics)][-1]
-        measured = {op: v["bytes"] for op, v in record["comm"].items() if v["bytes"]}
-        assert measured == expected_traffic(ranks, flags, model)
+
+@pytest.mark.multiprocess
+@pytest.mark.feature("collectives")
+@pytest.mark.feature("tensor-parallel")
+@pytest.mark.feature("sequence-parallel")
+@pytest.mark.feature("data-parallel")
+@pytest.mark.feature("distributed-optimizer")
+def test_four_rank_layouts_equal_single_process(framework, corpus, reference, tmp_path):  # noqa: F811
+    run_cases(framework, 4, corpus, reference, tmp_path)
 
 
 def check_layout(out: str, ranks: int, flags: list) -> None:
@@ -291,30 +306,6 @@ def expected_traffic(ranks, flags, model: str = "gqa") -> dict:
     return step_bytes(cfg, micro_batch=2, seq_length=32, grad_accum=8 // (2 * dp), tp=tp, dp=dp,
                       sp="--sequence-parallel" in flags, distributed_optimizer="--use-distributed-optimizer" in flags,
                       local_params=local, sp_partial_params=norms, moe_layers=1 if model == "moe" else 0)
-
-
-TRAFFIC_CASES = [("tp2", 2, ["--tensor-model-parallel-size", "2"]),
-                 ("tp2-sp", 2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
-                 ("dp2-distopt", 2, ["--use-distributed-optimizer"]),
-                 ("tp2-dp2", 4, ["--tensor-model-parallel-size", "2"])]
-
-
-@pytest.mark.multiprocess
-@pytest.mark.feature("collectives")
-@pytest.mark.parametrize("case, ranks, flags", TRAFFIC_CASES, ids=[c[0] for c in TRAFFIC_CASES])
-def test_collective_bytes_match_the_analytical_count(framework, corpus, tmp_path, case, ranks, flags):  # noqa: F811
-    import json
-
-    metrics = tmp_path / "m.jsonl"
-    launch_train(framework, ranks, [*GQA, *flags, "--data-path", corpus, "--train-iters", "2",
-                                    "--log-interval", "2", "--metrics-file", str(metrics)], tmp_path)
-    record = [json.loads(x) for x in open(metrics)][-1]
-    measured = {op: v["bytes"] / 2 for op, v in record["comm"].items() if v["bytes"]}
-    assert measured == expected_traffic(ranks, flags)
-    for op, v in record["comm"].items():
-        assert v["wire_bytes"] >= v["bytes"]
-        if framework == "pytorch" and op != "reduce_scatter":  # native on gloo: wire is payload
-            assert v["wire_bytes"] == v["bytes"]
 
 
 @pytest.mark.multiprocess
