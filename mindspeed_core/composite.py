@@ -158,8 +158,8 @@ def grouped_matmul(x, weight, group_sizes):
         if n:
             outs.append(ops.matmul(x[start : start + n], weight[e]))
         start += n
-    if not outs:
-        return ops.zeros((0, weight.shape[-1]), dtype=ops.dtype_of(x))
+    if not outs:  # no rows: still a product of x, so a backward pass reaches x (and whatever sent it)
+        return ops.matmul(x, weight[0])
     return outs[0] if len(outs) == 1 else ops.cat(outs, dim=0)
 
 

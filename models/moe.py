@@ -17,10 +17,10 @@ import math
 
 import numpy as np
 
-from mindspeed_core import composite, features, nn, ops
+from mindspeed_core import autograd, composite, features, nn, ops
 from mindspeed_core.models import router
 from mindspeed_core.models.config import ModelConfig, MoEConfig
-from mindspeed_core.models.gpt import MLP, GPTModel, Tokens
+from mindspeed_core.models.gpt import MLP, GPTModel
 from mindspeed_core.models.layers import Linear, _param
 
 
@@ -51,8 +51,8 @@ class Experts(nn.Module):
                 h = _activate(ops.matmul(rows[start:start + n], self.weight1[e]), self.activation)
                 outs.append(ops.matmul(h, self.weight2[e]))
             start += n
-        if not outs:
-            return ops.zeros((0, self.weight2.shape[-1]), dtype=ops.dtype_of(rows))
+        if not outs:  # no rows: still a product of them, so a backward pass reaches whatever sent them
+            return ops.matmul(_activate(ops.matmul(rows, self.weight1[0]), self.activation), self.weight2[0])
         return outs[0] if len(outs) == 1 else ops.cat(outs, dim=0)
 
 
@@ -74,14 +74,46 @@ class SharedExpert(nn.Module):
         return y
 
 
+class MoESeams:
+    """Where parallelism changes an MoE layer (parallel/experts.py fills them in); on one
+    device each is the identity and dispatching keeps every token here.
+
+    layer_input(x)      [b, s, h] as the layer receives it -> the tokens it routes
+    expert_input(flat)  the routed tokens before they reach the experts
+    expert_output(rows) the experts' output rows (partial sums under tensor parallelism)
+    layer_output(y)     the layer's output -> as the next layer expects it
+    dispatch(experts, tokens, routing, grouped, pad_to)
+                        every kept assignment through its expert, weighted back to its
+                        token: [T, h] -> [T, h] float32 (the token dispatcher)
+    """
+
+    def layer_input(self, x):
+        return x
+
+    def expert_input(self, flat):
+        return flat
+
+    def expert_output(self, rows):
+        return rows
+
+    def layer_output(self, y):
+        return y
+
+    def dispatch(self, experts, tokens, routing, grouped: bool, pad_to: int | None):
+        order = assignment_order(routing)
+        rows = ops.index_select(tokens, 0, ops.tensor(order // routing.experts.shape[1]))
+        out = run_experts(experts, rows, routing.tokens_per_expert, grouped, pad_to)
+        return weigh_back(self.expert_output(out), order, routing.weights)
+
+
 class MoELayer(nn.Module):
     """x [b, s, hidden] -> [b, s, hidden]; ``self.routing`` keeps the last call's routing
     (its aux and z losses, tokens per expert) for the model's loss, and ``self.stats`` sums
     them over the calls since ``reset_stats()`` for the log."""
 
-    def __init__(self, cfg: ModelConfig, moe: MoEConfig):
+    def __init__(self, cfg: ModelConfig, moe: MoEConfig, number: int = 0):
         super().__init__()
-        self.moe = moe
+        self.moe, self.number = moe, number  # number: the layer's place in the whole model
         self.router = Linear(cfg.hidden_size, moe.num_experts, False, cfg.init_method_std)
         self.experts = Experts(cfg, moe)
         self.shared_experts = (SharedExpert(cfg, moe.shared_expert_size, moe.shared_expert_gate)
@@ -89,14 +121,20 @@ class MoELayer(nn.Module):
         # aux-loss-free balancing: state, not a parameter (updated from the loads, not by the optimizer)
         self.expert_bias = np.zeros(moe.num_experts, np.float32) if moe.enable_expert_bias else None
         self.grouped = "grouped_matmul" in cfg.fused  # --moe-grouped-gemm; else expert by expert
+        self.seams = MoESeams()
         self.routing = None
         self.reset_stats()
+
+    def use_seams(self, seams: MoESeams) -> None:
+        self.seams = seams
 
     def reset_stats(self) -> None:
         self.stats = {"calls": 0, "aux_loss": 0.0, "z_loss": 0.0, "dropped": 0,
                       "tokens_per_expert": np.zeros(self.moe.num_experts, np.int64)}
 
     def forward(self, x):
+        seams = self.seams
+        x = seams.layer_input(x)
         b, s, h = x.shape
         flat = ops.reshape(x, (b * s, h))
         logits = ops.cast(self.router(flat), "float32")
@@ -112,62 +150,88 @@ class MoELayer(nn.Module):
         stats["dropped"] += routing.dropped
         stats["tokens_per_expert"] += routing.tokens_per_expert
         pad_to = router.capacity(b * s, self.moe) if self.moe.pad_to_capacity else None
-        y = ops.cast(combine(self.experts, flat, routing, self.grouped, pad_to), ops.dtype_of(x))
+        y = seams.dispatch(self.experts, seams.expert_input(flat), routing, self.grouped, pad_to)
+        y = ops.cast(y, ops.dtype_of(x))
         if self.shared_experts is not None:
             y = y + self.shared_experts(flat)
-        return ops.reshape(y, (b, s, h))
+        return seams.layer_output(ops.reshape(y, (b, s, h)))
 
 
-def combine(experts: Experts, tokens, routing: router.Routing, grouped: bool, pad_to: int | None = None):
-    """Each kept (token, expert) assignment through its expert, summed back per token with
-    its weight: tokens [T, hidden] -> [T, hidden] float32. ``pad_to``: every expert takes
-    exactly this many rows, zero rows after its own (--moe-pad-expert-input-to-capacity: fixed
-    shapes for kernels that want them), whose outputs are dropped."""
-    t, k = routing.experts.shape
-    slots = np.flatnonzero(routing.kept.reshape(-1))  # assignment ids t * k + j
-    order = slots[np.argsort(routing.experts.reshape(-1)[slots], kind="stable")]
-    token_of = (order // k).astype(np.int64)
-    counts = routing.tokens_per_expert
+def assignment_order(routing: router.Routing) -> np.ndarray:
+    """The kept assignments, as ids t * k + j, sorted by expert (token order within one)."""
+    slots = np.flatnonzero(routing.kept.reshape(-1))
+    return slots[np.argsort(routing.experts.reshape(-1)[slots], kind="stable")].astype(np.int64)
+
+
+def run_experts(experts: Experts, rows, counts, grouped: bool, pad_to: int | None = None):
+    """rows [N, h] sorted by expert, ``counts[e]`` of them for local expert e -> their
+    outputs. ``pad_to``: every expert takes exactly this many rows, zero rows after its own
+    (--moe-pad-expert-input-to-capacity: fixed shapes for kernels that want them), whose
+    outputs are dropped."""
+    counts = np.asarray(counts, np.int64)
     if pad_to is None:
-        rows = experts(ops.index_select(tokens, 0, ops.tensor(token_of)), counts, grouped)
-    else:  # row t of [tokens; 0] is the zero row
-        starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
-        padded = np.full((len(counts), pad_to), t, np.int64)
-        for e, (start, n) in enumerate(zip(starts, counts)):
-            padded[e, :n] = token_of[start:start + n]
-        source = ops.cat([tokens, ops.zeros((1, tokens.shape[-1]), dtype=ops.dtype_of(tokens))], dim=0)
-        out = experts(ops.index_select(source, 0, ops.tensor(padded.reshape(-1))), np.full(len(counts), pad_to),
-                      grouped)
-        real = np.concatenate([e * pad_to + np.arange(n) for e, n in enumerate(counts)]).astype(np.int64)
-        rows = ops.index_select(out, 0, ops.tensor(real))
-    # back to (token, slot) order by a gather (a scatter-add with repeated indices is not
-    # deterministic on every CPU backend); dropped slots read a zero row and have weight 0
-    h = tokens.shape[-1]
+        return experts(rows, counts, grouped)
+    n = rows.shape[0]
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+    padded = np.full((len(counts), pad_to), n, np.int64)  # row n of [rows; 0] is the zero row
+    for e, (start, c) in enumerate(zip(starts, counts)):
+        padded[e, :c] = np.arange(start, start + c)
+    source = ops.cat([rows, ops.zeros((1, rows.shape[-1]), dtype=ops.dtype_of(rows))], dim=0)
+    out = experts(ops.index_select(source, 0, ops.tensor(padded.reshape(-1))), np.full(len(counts), pad_to),
+                  grouped)
+    real = np.concatenate([e * pad_to + np.arange(c) for e, c in enumerate(counts)] + [np.zeros(0)])
+    return ops.index_select(out, 0, ops.tensor(real.astype(np.int64)))
+
+
+def weigh_back(rows, order: np.ndarray, weights):
+    """rows [N, h], the expert outputs of the assignments ``order`` -> [T, h] float32: per
+    token the sum over its slots of weight x row (``weights`` [T, k]). Back to (token, slot) order by a gather (a
+    scatter-add with repeated indices is not deterministic on every CPU backend); dropped
+    slots read a zero row and have weight 0."""
+    t, k = weights.shape
+    h = rows.shape[-1]
     where = np.full(t * k, len(order), np.int64)
     where[order] = np.arange(len(order))
     rows = ops.cat([ops.cast(rows, "float32"), ops.zeros((1, h))], dim=0)
     per_slot = ops.reshape(ops.index_select(rows, 0, ops.tensor(where)), (t, k, h))
-    return ops.sum(per_slot * ops.unsqueeze(routing.weights, -1), dim=1)
+    return ops.sum(per_slot * ops.unsqueeze(weights, -1), dim=1)
+
+
+class _CarryLoss(autograd.Function):
+    @staticmethod
+    def forward(ctx, x, side):
+        return x * 1
+
+    @staticmethod
+    def backward(ctx, dx):
+        return dx, ops.ones(())
+
+
+def with_router_losses(x, losses):
+    """``x`` unchanged, with the scalar ``losses`` riding on it: the backward pass gives them
+    the gradient one, as a term of the (scaled) loss being differentiated. Megatron's
+    MoEAuxLossAutoScaler in spirit: a pipeline stage whose output is an activation, not a
+    loss, still trains its routers, and the loss the trainer reports stays the
+    language-model loss."""
+    return _CarryLoss.apply(x, losses)
 
 
 class MoEModel(GPTModel):
     """The decoder-only transformer whose layers in ``cfg.moe_layers`` (all by default) have
-    an MoE MLP: Mixtral, Qwen2-MoE, Qwen3-MoE. In training its loss adds the routers' aux and
-    z losses (regularisers: evaluation reports the language-model loss alone)."""
+    an MoE MLP: Mixtral, Qwen2-MoE, Qwen3-MoE. Its loss is the language-model loss; training
+    adds the routers' aux and z losses to the gradient (router_losses, with_router_losses)."""
 
     def make_mlp(self, number: int) -> nn.Module:
-        return MoELayer(self.cfg, self.cfg.moe) if self.cfg.is_moe_layer(number) else MLP(self.cfg)
+        return MoELayer(self.cfg, self.cfg.moe, number) if self.cfg.is_moe_layer(number) else MLP(self.cfg)
 
     def moe_layers(self) -> list:
         return [layer.mlp for layer in self.decoder.layers if isinstance(layer.mlp, MoELayer)]
 
     def router_losses(self):
-        """The sum of this model's MoE layers' aux and z losses from its last forward."""
+        """The sum of this model's (or pipeline chunk's) MoE layers' aux and z losses from
+        its last forward: regularisers the trainer adds to the gradient (with_router_losses),
+        not to the reported loss."""
         total = ops.zeros(())
         for layer in self.moe_layers():
             total = total + layer.routing.aux_loss + layer.routing.z_loss
         return total
-
-    def loss_from_logits(self, logits, labels, tokens: Tokens | None = None):
-        loss = super().loss_from_logits(logits, labels, tokens)
-        return loss + self.router_losses() if nn.is_training(self) else loss

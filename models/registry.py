@@ -23,26 +23,32 @@ class ModelSpec:
     families: tuple  # ModelConfig.family values it covers
     build: Callable  # (cfg) -> the whole model
     pipeline_chunks: Callable  # (whole model, PipelineLayout, pipeline rank) -> [model chunk]
-    # (model chunk, ParallelState, sequence_parallel, cp_algo, ulysses_degree) -> ParallelPlan
+    # (model chunk, ParallelState, sequence_parallel, cp_algo, ulysses_degree, moe_dispatcher)
+    #   -> ParallelPlan
     parallelize: Callable
     hf_adapter: str  # module with load_config / load_folder / save_folder
 
 
-def _parallelize_dense(chunk, ps, sequence_parallel, cp_algo="megatron_cp_algo", ulysses_degree=None):
+def _parallelize_dense(chunk, ps, sequence_parallel, cp_algo="megatron_cp_algo", ulysses_degree=None,
+                       moe_dispatcher=None, overrides=None):
     from mindspeed_core.parallel import context, layers  # parallel layers import the model's seams
 
-    plan = layers.parallelize(chunk, ps, sequence_parallel)
+    plan = layers.parallelize(chunk, ps, sequence_parallel, overrides)
     if ps.cp > 1:  # around tensor parallelism's seams: attention across the CP ranks
         chunk.use_seams(context.ContextParallelSeams(chunk.seams, ps, cp_algo, ulysses_degree))
     return plan
 
 
-def _parallelize_moe(chunk, ps, sequence_parallel, cp_algo="megatron_cp_algo", ulysses_degree=None):
-    # the trainer refuses MoE with TP, CP or PP before any rank starts (check_configuration):
-    # their plans for MoE layers (and expert parallelism) are not built yet
-    if ps.tp > 1 or ps.cp > 1 or ps.pp > 1:
-        raise MindSpeedError("a mixture-of-experts model trains on data parallelism only for now")
-    return _parallelize_dense(chunk, ps, sequence_parallel, cp_algo, ulysses_degree)
+def _parallelize_moe(chunk, ps, sequence_parallel, cp_algo="megatron_cp_algo", ulysses_degree=None,
+                     moe_dispatcher="allgather"):
+    # the trainer refuses MoE with CP before any rank starts (check_configuration): the aux
+    # loss over a sequence cut into CP chunks is not summed across the CP group yet
+    if ps.cp > 1:
+        raise MindSpeedError("a mixture-of-experts model cannot use context parallelism yet")
+    from mindspeed_core.parallel import experts
+
+    overrides = experts.parallelize_moe_layers(chunk, ps, sequence_parallel, moe_dispatcher)
+    return _parallelize_dense(chunk, ps, sequence_parallel, overrides=overrides)
 
 
 SPECS = (

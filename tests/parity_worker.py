@@ -38,9 +38,10 @@ for name, flags in configs:
         trainer = Trainer(args)
         trainer.build()
         _, grads = trainer.gradients(0)  # the first step's, from the initial weights
-        grads = distributed.average_over_dp(grads, trainer.ps)
+        grads = distributed.average_over_dp(grads, trainer.ps, trainer.plan.flags("expert"))
         whole = distributed.gather_pipeline(
-            distributed.full_tensors(dict(zip(trainer.names, grads)), trainer.plan.shard_specs, trainer.ps), trainer.ps)
+            distributed.full_tensors(dict(zip(trainer.names, grads)), trainer.plan.shard_specs, trainer.ps,
+                                     trainer.plan.expert_names), trainer.ps)
         trainer = Trainer(training_parser().parse_args([*flags, "--metrics-file",
                                                         os.path.join(out_dir, f"{name}.jsonl")]))
         trainer.run()

@@ -108,6 +108,30 @@ def test_an_expert_without_tokens_gets_zero_gradient():
         np.testing.assert_allclose(out, reference(layer, x), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.multiprocess
+@pytest.mark.feature("expert-parallel", "moe-alltoall-dispatcher", "moe-allgather-dispatcher", "collectives")
+def test_expert_parallel_dispatch_equals_one_device(framework, tmp_path):
+    import json
+    import pathlib
+
+    from launch import launch
+
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    code, output = launch(framework, 4, str(pathlib.Path(__file__).with_name("moe_worker.py")), [str(out_dir)],
+                          str(tmp_path / "logs"), timeout=600)
+    assert code == 0, output[-6000:]
+    results = [json.loads(p.read_text()) for p in sorted(out_dir.glob("rank*.json"))]
+    assert len(results) == 4, output[-6000:]
+    failures = [f"rank {r}: {f}" for r, res in enumerate(results) for f in res["failures"]]
+    assert failures == [], "\n".join(failures)
+    # EP 2 and 4 x 2 dispatchers x 3 routings x (output, 2 gradients, 2 expert gradients, identity)
+    assert all(sum(" got " not in c for c in res["checks"]) == 2 * 2 * 3 * 6 for res in results)
+    # the skewed routing left ranks without a single row (EP=4: ranks 2 and 3, EP=2: rank 1)
+    empty = [c for res in results for c in res["checks"] if c.endswith("got 0 rows")]
+    assert len(empty) == 2 * (2 + 2 * 1), empty
+
+
 # ---- training ------------------------------------------------------------------------------
 
 from test_training import corpus, losses, train  # noqa: E402,F401  (corpus is a fixture)
@@ -170,19 +194,29 @@ def test_a_resumed_moe_run_continues_the_uninterrupted_one(capsys, corpus, tmp_p
     assert sorted(rest) == [4, 5, 6] and all(rest[i] == pytest.approx(whole[i], rel=1e-6) for i in rest)
 
 
-def test_router_losses_count_in_training_only():
-    from mindspeed_core.models.moe import MoEModel
+def test_router_losses_join_the_gradient_not_the_reported_loss():
+    from mindspeed_core.models.moe import MoEModel, with_router_losses
 
     random.seed(2)
     cfg = ModelConfig(vocab_size=32, hidden_size=16, num_layers=2, num_attention_heads=2, ffn_hidden_size=24,
                       moe=MoEConfig(num_experts=4, topk=2, aux_loss_coeff=0.1, z_loss_coeff=0.01), moe_layers=[1])
     model = MoEModel(cfg)
     ids = ops.tensor(np.random.default_rng(0).integers(0, 32, (2, 8)))
-    trained = float(ops.to_numpy(model.loss(ids, ids)))
+    params = nn.parameters(model)
+
+    def grads_of(fn):
+        value, grads = autograd.value_and_grad(fn, params)()
+        return float(ops.to_numpy(value)), [ops.to_numpy(g) for g in grads]
+
+    carried, g_carried = grads_of(lambda: with_router_losses(model.loss(ids, ids), model.router_losses()))
     extra = float(ops.to_numpy(model.router_losses()))
-    nn.set_training(model, False)
-    evaluated = float(ops.to_numpy(model.loss(ids, ids)))
-    assert extra > 0 and trained == pytest.approx(evaluated + extra, rel=1e-6)
+    summed, g_summed = grads_of(lambda: model.loss(ids, ids) + model.router_losses())
+    plain, g_plain = grads_of(lambda: model.loss(ids, ids))
+    assert extra > 0 and carried == plain and summed == pytest.approx(plain + extra, rel=1e-6)
+    for a, b in zip(g_carried, g_summed):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    router = [n for n, _ in nn.named_parameters(model)].index("decoder.layers.1.mlp.router.weight")
+    assert np.abs(g_carried[router] - g_plain[router]).max() > 1e-4  # the router losses did reach the router
 
 
 @pytest.mark.feature("moe")
@@ -197,7 +231,9 @@ def test_capacity_drops_are_counted(capsys, corpus, tmp_path):  # noqa: F811
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--tensor-model-parallel-size", "2"], "data parallelism only for now"),
+    (["--context-parallel-size", "2"], "with MoE layers is planned"),
+    (["--expert-model-parallel-size", "3"], "does not divide the number of experts (4)"),
+    (["--expert-model-parallel-size", "4"], "does not divide the data-parallel size 1"),
     (["--moe-router-enable-expert-bias"], "checkpoints would not carry the expert bias"),
     (["--compile"], "routing decides on the host"),
     (["--moe-layer-freq", "4", "--first-k-dense-replace", "1"], "leave none of the 2 layers an MoE layer"),

@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from launch import TwoNodes, free_port, run_configs
@@ -66,19 +67,26 @@ def data_path(model, corpus, packed_corpus):
 
 @pytest.fixture(scope="module")
 def reference(corpus, packed_corpus, tmp_path_factory):  # noqa: F811
-    """Single-process loss curves of the model variants (run in this process)."""
+    """Single-process loss curves of the model variants, and the MoE model's first-step
+    gradients (run in this process)."""
     import io
     import contextlib
 
-    from mindspeed_core import cli
+    from mindspeed_core import cli, ops
+    from mindspeed_core.compat.megatron_args import training_parser
+    from mindspeed_core.training.trainer import Trainer
 
     out = {}
     root = tmp_path_factory.mktemp("reference")
     for name, argv in MODELS.items():
         path = root / f"{name}.jsonl"
+        flags = [*argv, "--data-path", data_path(name, corpus, packed_corpus), "--train-iters", str(ITERS)]
         with contextlib.redirect_stdout(io.StringIO()):
-            assert cli.main(["train", *argv, "--data-path", data_path(name, corpus, packed_corpus),
-                             "--train-iters", str(ITERS), "--metrics-file", str(path)]) == 0
+            assert cli.main(["train", *flags, "--metrics-file", str(path)]) == 0
+            if name == "moe":  # Adam hides a gradient's scale from the loss curve: compare them too
+                trainer = Trainer(training_parser().parse_args(flags))
+                trainer.build()
+                out["moe-grads"] = dict(zip(trainer.names, map(ops.to_numpy, trainer.gradients(0)[1])))
         out[name] = losses(path)
         if name == "moe":
             out["moe-aux"] = aux_losses(path)
@@ -111,6 +119,18 @@ CASES = [  # (id, ranks, model, flags): the cases of each rank count share one l
                                       "--use-distributed-optimizer"]),
     ("moe-dp2", 2, "moe", []),  # the routers' aux losses averaged as the loss is
     ("tp2-dp2", 4, "gqa", ["--tensor-model-parallel-size", "2"]),
+    # expert parallelism: each dispatcher at EP2 and EP4, with TP2 + SP, with the distributed
+    # optimizer (expert state sharded over the expert-data-parallel pair), across two stages
+    ("moe-ep2-alltoall", 2, "moe", ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall"]),
+    ("moe-ep2-allgather", 2, "moe", ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "allgather"]),
+    ("moe-ep4-alltoall", 4, "moe", ["--expert-model-parallel-size", "4", "--moe-token-dispatcher-type", "alltoall"]),
+    ("moe-ep4-allgather", 4, "moe", ["--expert-model-parallel-size", "4"]),
+    ("moe-ep2-tp2-sp", 4, "moe", ["--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "2",
+                                  "--sequence-parallel", "--moe-token-dispatcher-type", "alltoall"]),
+    ("moe-ep2-dp4-distopt", 4, "moe", ["--expert-model-parallel-size", "2", "--use-distributed-optimizer",
+                                       "--moe-token-dispatcher-type", "alltoall"]),
+    ("moe-ep2-pp2", 4, "moe", ["--expert-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                               "--moe-token-dispatcher-type", "alltoall"]),
 ]
 # cases whose collective bytes are checked against parallel/traffic.py (besides every pure DP one)
 TRAFFIC = ("tp2", "tp2-sp", "dp2-distopt", "tp2-dp2")
@@ -139,6 +159,11 @@ def cp_size(flags) -> int:
     return int(flags[flags.index("--context-parallel-size") + 1]) if "--context-parallel-size" in flags else 1
 
 
+def pp_size(flags) -> int:
+    return (int(flags[flags.index("--pipeline-model-parallel-size") + 1])
+            if "--pipeline-model-parallel-size" in flags else 1)
+
+
 def run_cases(framework, ranks, corpus, reference, tmp_path):  # noqa: F811
     """The CASES on ``ranks`` ranks, one launch: each loss curve (and the MoE aux losses) equals
     the single process's, the layout ran as asked, and where TRAFFIC names the case, each
@@ -154,9 +179,15 @@ def run_cases(framework, ranks, corpus, reference, tmp_path):  # noqa: F811
         assert_same_curve(losses(metrics), reference[model])
         if model == "moe":
             assert_same_curve(aux_losses(metrics), reference["moe-aux"])
+            grads, want = np.load(out / f"{name}-grads.npz"), reference["moe-grads"]
+            assert sorted(grads.files) == sorted(want)
+            worst = max(float(np.max(np.abs(grads[n] - g)) / max(float(np.max(np.abs(g))), 1e-12))
+                        for n, g in want.items())
+            assert worst < 1e-5, (name, worst)
         check_layout((out / f"{name}.log").read_text(), ranks, flags)
         tp = tp_size(flags)
-        if name in TRAFFIC or (ranks // tp > 1 and tp == 1):  # the whole gradient reduced over DP
+        pure_dp = tp == 1 and pp_size(flags) == 1 and "--expert-model-parallel-size" not in flags
+        if name in TRAFFIC or (ranks > 1 and pure_dp):  # the whole gradient reduced over DP
             record = [json.loads(x) for x in open(metrics)][-1]  # one step: the last log interval
             measured = {op: v["bytes"] for op, v in record["comm"].items() if v["bytes"]}
             assert measured == expected_traffic(ranks, flags, model), name
@@ -173,6 +204,9 @@ def run_cases(framework, ranks, corpus, reference, tmp_path):  # noqa: F811
 @pytest.mark.feature("data-parallel")
 @pytest.mark.feature("distributed-optimizer")
 @pytest.mark.feature("moe")
+@pytest.mark.feature("expert-parallel")
+@pytest.mark.feature("moe-alltoall-dispatcher")
+@pytest.mark.feature("moe-allgather-dispatcher")
 def test_two_rank_layouts_equal_single_process(framework, corpus, reference, tmp_path):  # noqa: F811
     run_cases(framework, 2, corpus, reference, tmp_path)
 
@@ -183,6 +217,11 @@ def test_two_rank_layouts_equal_single_process(framework, corpus, reference, tmp
 @pytest.mark.feature("sequence-parallel")
 @pytest.mark.feature("data-parallel")
 @pytest.mark.feature("distributed-optimizer")
+@pytest.mark.feature("moe")
+@pytest.mark.feature("expert-parallel")
+@pytest.mark.feature("moe-alltoall-dispatcher")
+@pytest.mark.feature("moe-allgather-dispatcher")
+@pytest.mark.feature("pipeline-parallel")
 def test_four_rank_layouts_equal_single_process(framework, corpus, reference, tmp_path):  # noqa: F811
     run_cases(framework, 4, corpus, reference, tmp_path)
 
@@ -190,15 +229,21 @@ def test_four_rank_layouts_equal_single_process(framework, corpus, reference, tm
 def check_layout(out: str, ranks: int, flags: list) -> None:
     """The layout really ran (from what rank 0 printed): each data-parallel rank took its share
     of the global batch of 8, and the distributed optimizer's state is sharded over DP x CP."""
-    tp, cp = tp_size(flags), cp_size(flags)
-    dp = ranks // (tp * cp)
+    tp, cp, pp = tp_size(flags), cp_size(flags), pp_size(flags)
+    dp = ranks // (tp * cp * pp)
     assert f"TP={tp} DP={dp}" in out and f"each data-parallel rank: {8 // (2 * dp)} micro-batches of 2" in out, out
     if cp > 1:
         assert f"CP={cp}" in out, out
+    ep = int(flags[flags.index("--expert-model-parallel-size") + 1]) if "--expert-model-parallel-size" in flags else 1
+    if ep > 1:
+        assert f"EP={ep}" in out, out
     if "--use-distributed-optimizer" in flags:
         line = next(x for x in out.splitlines() if "optimizer state" in x)
         mine, full = (float(w) for w in re.findall(r"([0-9.]+) MiB", line))
-        assert abs(mine / full - 3 / (2 * dp * cp)) < 0.05, line  # 3 fp32 copies / (DP x CP) ranks vs 2 copies
+        if ep == 1:
+            assert abs(mine / full - 3 / (2 * dp * cp)) < 0.05, line  # 3 fp32 copies / (DP x CP) ranks vs 2 copies
+        else:  # expert state over the DP / EP ranks holding the same experts, the rest over DP
+            assert 3 / (2 * dp) < mine / full < 3 / (2 * dp // ep), line
 
 
 @pytest.mark.multiprocess

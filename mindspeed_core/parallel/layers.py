@@ -29,14 +29,14 @@ import numpy as np
 
 from mindspeed_core import autograd, dist, nn, ops, random
 from mindspeed_core.errors import MindSpeedError
-from mindspeed_core.models.gpt import Seams
+from mindspeed_core.models.gpt import MLP, Seams
 from mindspeed_core.parallel import mappings
 from mindspeed_core.parallel.plan import KVCopies, ParallelPlan, ParamPlan
 
 
 # A shard spec says how a parameter is cut over the tensor-parallel group:
 #   ("split", dim)            equal slices along dim
-#   ("swiglu",)               rows [gate; up] -> [gate_r; up_r]
+#   ("swiglu", dim=0)         [gate; up] along dim -> [gate_r; up_r]
 #   ("qkv", groups, per, d)   fused qkv rows when the query groups are fewer than the TP
 #                             ranks: each rank keeps a slice of its group's query heads and a
 #                             copy of the group's key and value heads
@@ -47,8 +47,9 @@ def shard(full: np.ndarray, spec: tuple, n: int, r: int) -> np.ndarray:
     if kind == "split":
         return np.split(full, n, axis=spec[1])[r]
     if kind == "swiglu":
-        gate, up = np.split(full, 2, axis=0)
-        return np.concatenate([np.split(gate, n, axis=0)[r], np.split(up, n, axis=0)[r]])
+        axis = spec[1] if len(spec) > 1 else 0
+        gate, up = np.split(full, 2, axis=axis)
+        return np.concatenate([np.split(gate, n, axis=axis)[r], np.split(up, n, axis=axis)[r]], axis=axis)
     _, groups, per, d = spec
     rep = n // groups
     g, j = divmod(r, rep)
@@ -62,8 +63,9 @@ def unshard(parts: list, spec: tuple) -> np.ndarray:
     if kind == "split":
         return np.concatenate(parts, axis=spec[1])
     if kind == "swiglu":
-        halves = [np.split(p, 2, axis=0) for p in parts]
-        return np.concatenate([h[0] for h in halves] + [h[1] for h in halves])
+        axis = spec[1] if len(spec) > 1 else 0
+        halves = [np.split(p, 2, axis=axis) for p in parts]
+        return np.concatenate([h[0] for h in halves] + [h[1] for h in halves], axis=axis)
     _, groups, per, d = spec
     rep = len(parts) // groups
     tail = parts[0].shape[1:]
@@ -154,8 +156,13 @@ def check_layout(cfg, tp: int, sequence_parallel: bool = False) -> None:
         if sequence_parallel:
             raise MindSpeedError("--sequence-parallel needs --tensor-model-parallel-size > 1")
         return
-    for what, value in (("attention heads", cfg.num_attention_heads), ("ffn hidden size", cfg.ffn_hidden_size),
-                        ("padded vocabulary", cfg.vocab_size)):
+    sizes = [("attention heads", cfg.num_attention_heads), ("ffn hidden size", cfg.ffn_hidden_size),
+             ("padded vocabulary", cfg.vocab_size)]
+    if cfg.moe is not None:
+        sizes.append(("experts' ffn hidden size", cfg.moe.ffn_hidden_size or cfg.ffn_hidden_size))
+        if cfg.moe.shared_expert_size:
+            sizes.append(("shared expert's ffn hidden size", cfg.moe.shared_expert_size))
+    for what, value in sizes:
         if value % tp:
             raise MindSpeedError(f"tensor parallel size {tp} does not divide the {what} ({value})")
     groups = cfg.num_query_groups
@@ -198,9 +205,11 @@ class TensorParallelSeams(Seams):
         return vocab_parallel_cross_entropy(logits, labels, self.group, self.vocab_start)
 
 
-def parallelize(model, ps, sequence_parallel: bool = False) -> ParallelPlan:
+def parallelize(model, ps, sequence_parallel: bool = False, overrides: dict | None = None) -> ParallelPlan:
     """Turn a freshly built (or freshly loaded) GPTModel, whole or one pipeline stage, into
-    this rank's tensor-parallel shard, and return its parallel plan (parallel/plan.py)."""
+    this rank's tensor-parallel shard, and return its parallel plan (parallel/plan.py).
+    ``overrides``: {local parameter name: ParamPlan fields} for layers cut elsewhere (the MoE
+    layers: parallel/experts.py)."""
     cfg, tp, group = model.cfg, ps.tp, ps.group("tp")
     check_layout(cfg, tp, sequence_parallel)
     spec, kv = {}, None
@@ -209,10 +218,12 @@ def parallelize(model, ps, sequence_parallel: bool = False) -> ParallelPlan:
         model.use_seams(TensorParallelSeams(cfg, ps, sequence_parallel))
     params = []
     for local, name in zip((n for n, _ in nn.named_parameters(model)), model.parameter_names()):
-        params.append(ParamPlan(
-            name, shard=spec.get(local), partial=sequence_parallel and local not in spec and local.startswith("decoder."),
-            kv_copies=kv is not None and ".self_attention.linear_qkv." in local,
-            tied_copy=local.startswith("output_layer.") and name.startswith("embedding.")))
+        fields = dict(shard=spec.get(local),
+                      partial=sequence_parallel and local not in spec and local.startswith("decoder."),
+                      kv_copies=kv is not None and ".self_attention.linear_qkv." in local,
+                      tied_copy=local.startswith("output_layer.") and name.startswith("embedding."))
+        fields.update((overrides or {}).get(local, {}))
+        params.append(ParamPlan(name, **fields))
     return ParallelPlan(params, kv)
 
 
@@ -233,16 +244,17 @@ def _shard_layers(model, ps, group, sequence_parallel, spec) -> KVCopies | None:
         prefix = f"decoder.layers.{i}."
         attn.linear_qkv = ColumnParallelLinear(attn.linear_qkv, group, sequence_parallel, qkv_spec)
         attn.linear_proj = RowParallelLinear(attn.linear_proj, group, sequence_parallel)
-        mlp.linear_fc1 = ColumnParallelLinear(mlp.linear_fc1, group, sequence_parallel, swiglu)
-        mlp.linear_fc2 = RowParallelLinear(mlp.linear_fc2, group, sequence_parallel)
         spec[prefix + "self_attention.linear_qkv.weight"] = qkv_spec
         spec[prefix + "self_attention.linear_proj.weight"] = ("split", 1)
-        spec[prefix + "mlp.linear_fc1.weight"] = swiglu
-        spec[prefix + "mlp.linear_fc2.weight"] = ("split", 1)
         if cfg.add_qkv_bias:
             spec[prefix + "self_attention.linear_qkv.bias"] = qkv_spec
-        if cfg.add_bias_linear:
-            spec[prefix + "mlp.linear_fc1.bias"] = swiglu
+        if isinstance(mlp, MLP):  # an MoE layer's MLP is cut by parallel/experts.py
+            mlp.linear_fc1 = ColumnParallelLinear(mlp.linear_fc1, group, sequence_parallel, swiglu)
+            mlp.linear_fc2 = RowParallelLinear(mlp.linear_fc2, group, sequence_parallel)
+            spec[prefix + "mlp.linear_fc1.weight"] = swiglu
+            spec[prefix + "mlp.linear_fc2.weight"] = ("split", 1)
+            if cfg.add_bias_linear:
+                spec[prefix + "mlp.linear_fc1.bias"] = swiglu
     if model.pre_process:
         model.embedding.word_embeddings = VocabParallelEmbedding(model.embedding.word_embeddings, group)
         spec["embedding.word_embeddings.weight"] = ("split", 0)

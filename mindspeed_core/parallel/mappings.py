@@ -11,6 +11,9 @@ Each is a facade autograd.Function whose backward is the collective's adjoint:
     shift_ring              forward one step along the ring, backward one step back
     sequence_to_heads       forward all-to-all [b, s, h, d] -> [b, n s, h / n, d], backward the inverse
     heads_to_sequence       the inverse (Ulysses' second all-to-all)
+    gather_tokens           forward all-gather dim 0  backward reduce-scatter dim 0 (expert parallelism)
+    reduce_scatter_tokens   forward reduce-scatter dim 0, backward all-gather dim 0 (expert parallelism)
+    all_to_all_rows         forward uneven all-to-all of rows, backward the reverse exchange
 
 With a group of one rank they all reduce to the identity, so a model built for TP = 1 pays
 nothing.
@@ -67,14 +70,19 @@ _KINDS.update({
     "heads_to_seq": (lambda x, g, d: _heads_to_sequence(x, g), lambda dy, g, d: _sequence_to_heads(dy, g)),
     "gather_ring": _KINDS["gather_seq"],  # every ring member's key/value block at once
 })
-_CONTEXT_KINDS = ("shift", "seq_to_heads", "heads_to_seq", "gather_ring")
+_KINDS.update({  # expert parallelism's all-gather token dispatcher: the same adjoint pair
+    "gather_tokens": _KINDS["gather_seq"],
+    "scatter_tokens": _KINDS["scatter_seq"],
+})
+# context and expert parallelism note their algorithms themselves
+_CONTEXT_KINDS = ("shift", "seq_to_heads", "heads_to_seq", "gather_ring", "gather_tokens", "scatter_tokens")
 _CLASSES: dict = {}
 
 
 def _apply(kind: str, x, group, dim=0):
     if _size(group) == 1:
         return x
-    if kind not in _CONTEXT_KINDS:  # context parallelism notes its algorithm itself
+    if kind not in _CONTEXT_KINDS:
         features.note_used("tensor-parallel")
     if kind in ("gather_seq", "scatter_seq"):
         features.note_used("sequence-parallel")
@@ -131,9 +139,39 @@ def gather_ring(x, group, dim=1):
     return _apply("gather_ring", x, group, dim)
 
 
+def gather_tokens(x, group):
+    """Every expert-parallel rank's tokens [T, h] -> [n T, h]; backward reduce-scatter."""
+    return _apply("gather_tokens", x, group, 0)
+
+
+def reduce_scatter_tokens(x, group):
+    """[n T, h] partial sums -> this rank's [T, h] summed over the group; backward all-gather."""
+    return _apply("scatter_tokens", x, group, 0)
+
+
 def sequence_to_heads(x, group):
     return _apply("seq_to_heads", x, group)
 
 
 def heads_to_sequence(x, group):
     return _apply("heads_to_seq", x, group)
+
+
+def all_to_all_rows(x, group, send_splits, recv_splits):
+    """Rows of ``x`` go out ``send_splits[j]`` to group rank j, in order; ``recv_splits[i]``
+    arrive from rank i (uneven, zero allowed). The backward sends the gradients back the same
+    way reversed. Expert parallelism's token exchange."""
+    if _size(group) == 1:
+        return x
+    send, recv = [int(n) for n in send_splits], [int(n) for n in recv_splits]
+
+    class _AllToAllRows(autograd.Function):  # a class per call: the splits change every step
+        @staticmethod
+        def forward(ctx, t):
+            return dist.all_to_all(t, group=group, input_splits=send, output_splits=recv)
+
+        @staticmethod
+        def backward(ctx, grad):
+            return dist.all_to_all(grad, group=group, input_splits=recv, output_splits=send)
+
+    return _AllToAllRows.apply(x)

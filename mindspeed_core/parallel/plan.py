@@ -15,6 +15,9 @@ Per parameter (``ParamPlan``):
                 their gradients are summed over ``kv.group``, and the norm counts them on one
     tied_copy   the last pipeline stage's copy of the tied word embeddings: its gradient is
                 summed with the first stage's (the embedding group); the norm counts it there
+    expert      an MoE layer's stacked expert weights: this rank holds 1/EP of the experts
+                (dim 0, cut over the expert-parallel group before any TP cut); its gradient
+                is averaged over the expert-data-parallel group, the norm sums it over EP
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ class ParamPlan:
     partial: bool = False
     kv_copies: bool = False
     tied_copy: bool = False
+    expert: bool = False
 
 
 @dataclass(frozen=True)
@@ -59,6 +63,14 @@ class ParallelPlan:
     def shard_specs(self) -> dict:
         """{whole-model name: shard spec} of the parameters tensor parallelism cuts."""
         return {p.name: p.shard for p in self.params if p.shard is not None}
+
+    @property
+    def expert_names(self) -> set:
+        """Whole-model names of the parameters cut over the expert-parallel group."""
+        return {p.name for p in self.params if p.expert}
+
+    def flags(self, what: str) -> list[bool]:
+        return [bool(getattr(p, what)) for p in self.params]
 
     def indices(self, what: str) -> list[int]:
         return [i for i, p in enumerate(self.params) if getattr(p, what)]

@@ -12,7 +12,9 @@ are outermost. Context-parallel ranks hold the same parameters as data-parallel 
 sees other tokens), so gradients are averaged, and the distributed optimizer shards, over
 "dp_cp": the DP x CP ranks of one (tp, pp) position (Megatron's data-parallel group with CP).
 Expert parallelism splits the data-parallel dimension into EP-sized groups of consecutive DP
-ranks. Every process builds every group (torch requires it; the MindSpore
+ranks ("ep": each holds 1/EP of every MoE layer's experts, and tokens travel between them);
+the DP ranks holding the same experts, every EP-th one, form the expert-data-parallel group
+("edp"), over which expert gradients are reduced. Every process builds every group (torch requires it; the MindSpore
 backend creates only the groups it belongs to).
 """
 
@@ -50,7 +52,7 @@ class ParallelState:
 
     def size(self, kind: str) -> int:
         return {"tp": self.tp, "pp": self.pp, "dp": self.dp, "cp": self.cp, "ep": self.ep,
-                "dp_cp": self.dp * self.cp}[kind]
+                "dp_cp": self.dp * self.cp, "edp": self.dp // self.ep}[kind]
 
     def subgroup(self, kind: str, size: int, strided: bool = False):
         """This rank's group among consecutive ``size``-rank slices of its ``kind`` group
@@ -72,6 +74,8 @@ class ParallelState:
         c = self.coords(self.rank)
         if kind == "ep":
             return c["dp"] % self.ep
+        if kind == "edp":
+            return c["dp"] // self.ep
         if kind == "dp_cp":
             return c["cp"] + self.cp * c["dp"]
         return c[kind]
@@ -126,10 +130,12 @@ def initialize(tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1) -> ParallelSt
             if rank in (ranks[0], ranks[-1]):
                 ps.groups["embedding"] = g
     for ranks in _group_ranks(ps, "dp"):
-        for start in range(0, len(ranks), ep):
-            g = dist.new_group(ranks[start:start + ep])
-            if rank in ranks[start:start + ep]:
-                ps.groups["ep"] = g
+        for kind, groups in (("ep", [ranks[i:i + ep] for i in range(0, len(ranks), ep)]),
+                             ("edp", [ranks[i::ep] for i in range(ep)])):
+            for members in groups:
+                g = dist.new_group(members)
+                if rank in members:
+                    ps.groups[kind] = g
     _STATE["current"] = ps
     return ps
 
@@ -137,7 +143,7 @@ def initialize(tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1) -> ParallelSt
 def get() -> ParallelState:
     """The job's parallel state (a single-process state when none was initialised)."""
     if "current" not in _STATE:
-        _STATE["current"] = ParallelState(1, 0, groups={k: None for k in ("tp", "cp", "dp", "pp", "ep", "dp_cp")})
+        _STATE["current"] = ParallelState(1, 0, groups={k: None for k in ("tp", "cp", "dp", "pp", "ep", "edp", "dp_cp")})
     return _STATE["current"]
 
 

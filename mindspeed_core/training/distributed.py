@@ -75,16 +75,30 @@ def sum_tied_embeddings(grads: list, plan, ps, tied: bool) -> list:
     return grads
 
 
-def average_over_dp(grads: list, ps) -> list:
+def average_over_dp(grads: list, ps, expert: list[bool] | None = None) -> list:
     """Average gradients over the data-parallel group (with context parallelism: the DP x CP
-    ranks, which hold the same parameters), one all-reduce per bucket."""
+    ranks, which hold the same parameters), one all-reduce per bucket. ``expert`` marks
+    expert weights cut over expert parallelism: their gradients already sum the tokens of
+    the EP group, so they are summed over the expert-data-parallel group and divided by the
+    whole data-parallel size."""
     grads = list(grads)
     n = ps.size("dp_cp")
-    if n > 1:
-        if ps.dp > 1:
-            features.note_used("data-parallel")
-        for bucket in _buckets(grads):
-            _all_reduce_flat(grads, bucket, ps.group("dp_cp"), 1.0 / n)
+    if n == 1:
+        return grads
+    if ps.dp > 1:
+        features.note_used("data-parallel")
+    expert = expert if expert is not None and ps.ep > 1 else [False] * len(grads)
+    dense = [i for i, e in enumerate(expert) if not e]
+    for bucket in _buckets([grads[i] for i in dense]):
+        _all_reduce_flat(grads, [dense[j] for j in bucket], ps.group("dp_cp"), 1.0 / n)
+    experts = [i for i, e in enumerate(expert) if e]
+    for bucket in _buckets([grads[i] for i in experts]):
+        indices = [experts[j] for j in bucket]
+        if ps.size("edp") > 1:
+            _all_reduce_flat(grads, indices, ps.group("edp"), 1.0 / n)
+        else:
+            for i in indices:
+                grads[i] = grads[i] * (1.0 / n)
     return grads
 
 
@@ -96,20 +110,27 @@ def sum_of_squares(x):
     return ops.reshape(ops.matmul(flat, ops.transpose(flat, 0, 1)), ())
 
 
-def grad_norm_squared(grads: list, sharded: list[bool], ps, weights: list | None = None) -> float:
-    """Squared global L2 norm: sharded pieces summed over tensor-parallel ranks, replicated
-    ones counted once, every pipeline stage's part summed; ``weights`` masks elements that
-    another rank counts."""
+def grad_norm_squared(grads: list, sharded: list[bool], ps, weights: list | None = None,
+                      expert: list[bool] | None = None) -> float:
+    """Squared global L2 norm: sharded pieces summed over tensor-parallel ranks, expert
+    weights over expert-parallel ranks, replicated ones counted once, every pipeline stage's
+    part summed; ``weights`` masks elements that another rank counts."""
     if weights is not None:
         grads = [g if w is None else g * w for g, w in zip(grads, weights)]
+    expert = expert if expert is not None and ps.ep > 1 else [False] * len(grads)
 
-    def sumsq(items):
-        return ops.sum(ops.stack([sum_of_squares(g) for g in items])) if items else None
+    def sumsq(on_tp: bool, of_experts: bool):
+        items = [g for g, s, e in zip(grads, sharded, expert) if s == on_tp and e == of_experts]
+        return ops.sum(ops.stack([sum_of_squares(g) for g in items])) if items else ops.zeros(())
 
-    local = sumsq([g for g, s in zip(grads, sharded) if s])
-    total = float(ops.to_numpy(dist.all_reduce(local, group=ps.group("tp")))) if local is not None else 0.0
-    rest = sumsq([g for g, s in zip(grads, sharded) if not s])
-    return over_pipeline(total + (float(ops.to_numpy(rest)) if rest is not None else 0.0), ps)
+    if any(expert):  # [TP-sharded, replicated] sums of the experts here, summed over EP first
+        experts = dist.all_reduce(ops.stack([sumsq(True, True), sumsq(False, True)]), group=ps.group("ep"))
+    else:
+        experts = ops.zeros((2,))
+    on_tp = sumsq(True, False) + experts[0]
+    total = float(ops.to_numpy(dist.all_reduce(on_tp, group=ps.group("tp")))) if any(sharded) else 0.0
+    rest = float(ops.to_numpy(sumsq(False, False) + experts[1]))
+    return over_pipeline(total + rest, ps)
 
 
 def over_pipeline(value: float, ps) -> float:
@@ -123,8 +144,9 @@ def clip_coefficient(norm: float, max_norm: float) -> float:
     return max_norm / (norm + 1e-6) if max_norm and max_norm > 0 and norm > max_norm else 1.0
 
 
-def full_tensors(named: dict, spec: dict, ps) -> dict:
-    """{name: numpy} of full (unsharded) values: sharded ones gathered over TP."""
+def full_tensors(named: dict, spec: dict, ps, experts: set = frozenset()) -> dict:
+    """{name: numpy} of full (unsharded) values: sharded ones gathered over TP, then those
+    named in ``experts`` over EP (their experts, dim 0)."""
     out = {}
     for name, value in named.items():
         if name in spec and ps.tp > 1:
@@ -132,6 +154,8 @@ def full_tensors(named: dict, spec: dict, ps) -> dict:
             out[name] = unshard(list(gathered), spec[name])
         else:
             out[name] = ops.to_numpy(value)
+        if name in experts and ps.ep > 1:
+            out[name] = ops.to_numpy(dist.all_gather(ops.tensor(out[name]), group=ps.group("ep"), dim=0))
     return out
 
 
@@ -158,8 +182,10 @@ def gather_pipeline(arrays: dict, ps) -> dict:
     return out
 
 
-def local_array(name: str, full: np.ndarray, spec: dict, ps) -> np.ndarray:
-    """This rank's piece of a full array."""
+def local_array(name: str, full: np.ndarray, spec: dict, ps, experts: set = frozenset()) -> np.ndarray:
+    """This rank's piece of a full array (its experts first, then its TP slice)."""
+    if name in experts and ps.ep > 1:
+        full = np.split(full, ps.ep, axis=0)[ps.local_rank("ep")]
     if name in spec and ps.tp > 1:
         return shard(full, spec[name], ps.tp, ps.local_rank("tp"))
     return full

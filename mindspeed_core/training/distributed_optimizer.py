@@ -3,6 +3,8 @@ over the data-parallel ranks (ZeRO stage 1, Megatron's DistributedOptimizer).
 
 All trainable parameters of this rank are laid end to end in one flat float32 vector,
 padded to a multiple of the data-parallel size; data-parallel rank r owns the r-th slice.
+With expert parallelism the expert weights form a second vector, sharded over the
+expert-data-parallel group (the DP ranks holding the same experts).
 Per step:
 
     gradients   reduce-scattered (and averaged): each rank receives its slice only
@@ -27,27 +29,24 @@ from mindspeed_core.training.distributed import over_pipeline, sum_of_squares
 from mindspeed_core.training.optimizer import adamw, no_weight_decay
 
 
-class DistributedAdamW:
-    def __init__(self, named_params, lr: float, weight_decay: float, betas, eps: float, ps, plan):
-        named_params = list(named_params)
-        pairs = [(n, p, s) for (n, p), s in zip(named_params, plan.sharded()) if nn.requires_grad(p)]
-        norm_weights = plan.norm_weights([p.shape for _, p in named_params])
-        self.named = [(n, p) for n, p, _ in pairs]
-        self.lr, self.weight_decay, self.betas, self.eps, self.ps = lr, weight_decay, betas, eps, ps
-        self.sizes = [ops.numel(p) for _, p in self.named]
+class _Partition:
+    """Some of the parameters, laid end to end in one flat float32 vector sharded over
+    ``group`` (``ranks`` ranks, this one the ``index``-th); gradients arrive summed over the
+    group and are multiplied by ``grad_scale``."""
+
+    def __init__(self, named, sharded, weights, weight_decay, group, ranks: int, index: int, grad_scale: float):
+        self.named, self.group, self.ranks, self.grad_scale = named, group, ranks, grad_scale
+        self.sizes = [ops.numel(p) for _, p in named]
         total = sum(self.sizes)
-        # sharded over the ranks holding the same parameters: DP, times CP with context parallelism
-        self.ranks, self.group = ps.size("dp_cp"), ps.group("dp_cp")
-        self.shard = -(-total // self.ranks)
-        self.padded = self.shard * self.ranks
-        self.start = ps.local_rank("dp_cp") * self.shard
+        self.shard = -(-total // ranks)
+        self.padded = self.shard * ranks
+        self.start = index * self.shard
         window = slice(self.start, self.start + self.shard)
         decay = np.zeros(self.padded, np.float32)
         tp_sharded = np.zeros(self.padded, np.float32)
         counted = np.zeros(self.padded, np.float32)  # elements the global norm counts on this rank
-        weights = norm_weights or [None] * len(self.named)
         offset = 0
-        for (name, p), (_, _, is_sharded), size, w in zip(self.named, pairs, self.sizes, weights):
+        for (name, p), is_sharded, size, w in zip(named, sharded, self.sizes, weights):
             decay[offset:offset + size] = 0.0 if no_weight_decay(name, p) else weight_decay
             tp_sharded[offset:offset + size] = 1.0 if is_sharded else 0.0
             counted[offset:offset + size] = 1.0 if w is None else np.asarray(w, np.float32).reshape(-1)
@@ -55,43 +54,76 @@ class DistributedAdamW:
         self.decay = ops.tensor(decay[window])
         self.tp_mask = ops.tensor(tp_sharded[window])
         self.counted = ops.tensor(counted[window])
-        self.master = self._my_slice(self._flatten([autograd.detach(p) for _, p in self.named]))
+        self.master = self.my_slice(self.flatten([autograd.detach(p) for _, p in named]))
         self.exp_avg = ops.zeros((self.shard,))
         self.exp_avg_sq = ops.zeros((self.shard,))
-        self.steps = 0
 
-    # -- flat layout ------------------------------------------------------------------------
-    def _flatten(self, tensors):
+    def flatten(self, tensors):
         flat = ops.cat([ops.reshape(ops.cast(t, "float32"), (-1,)) for t in tensors])
         pad = self.padded - sum(self.sizes)
         return ops.cat([flat, ops.zeros((pad,))]) if pad else flat
 
-    def _my_slice(self, flat):
+    def my_slice(self, flat):
         return flat[self.start:self.start + self.shard]
 
-    def _unflatten(self, flat) -> list:
+    def unflatten(self, flat) -> list:
         pieces = ops.split(flat[: sum(self.sizes)], self.sizes)
         return [ops.reshape(x, tuple(p.shape)) for x, (_, p) in zip(pieces, self.named)]
 
-    def _gather(self, part):
+    def gather(self, part):
         return dist.all_gather(part, group=self.group) if self.ranks > 1 else part
 
-    # -- the trainer's interface -------------------------------------------------------------
-    def prepare(self, grads):
-        flat = self._flatten(grads)
-        if self.ranks == 1:
-            return flat
-        if self.ps.dp > 1:
-            features.note_used("data-parallel")
-        return dist.reduce_scatter(flat, group=self.group) * (1.0 / self.ranks)
+    def reduce(self, grads):
+        flat = self.flatten(grads)
+        if self.ranks > 1:
+            flat = dist.reduce_scatter(flat, group=self.group)
+        return flat * self.grad_scale if self.grad_scale != 1.0 else flat
 
-    def grad_norm(self, g) -> float:
+    def norm_parts(self, g):
+        """[TP-sharded, replicated] sums of squares of this partition's counted gradient,
+        summed over its group."""
         counted = g * self.counted  # masks are 0/1, so squares of the masked gradient are the counted squares
         on_tp = sum_of_squares(counted * self.tp_mask)
         both = ops.stack([on_tp, sum_of_squares(counted) - on_tp])
-        if self.ranks > 1:
-            both = dist.all_reduce(both, group=self.group)
-        sharded, replicated = (float(x) for x in ops.to_numpy(both))
+        return dist.all_reduce(both, group=self.group) if self.ranks > 1 else both
+
+
+class DistributedAdamW:
+    def __init__(self, named_params, lr: float, weight_decay: float, betas, eps: float, ps, plan):
+        named_params = list(named_params)
+        trainable = [i for i, (_, p) in enumerate(named_params) if nn.requires_grad(p)]
+        sharded, expert = plan.sharded(), plan.flags("expert") if ps.ep > 1 else [False] * len(named_params)
+        weights = plan.norm_weights([p.shape for _, p in named_params]) or [None] * len(named_params)
+        self.named = [named_params[i] for i in trainable]
+        self.lr, self.weight_decay, self.betas, self.eps, self.ps = lr, weight_decay, betas, eps, ps
+        self.steps = 0
+        # the dense parameters sharded over the ranks holding them: DP, times CP with context
+        # parallelism; expert weights over the DP ranks holding the same experts (their
+        # gradients are already sums over the EP group: divided by the whole DP size)
+        self.members, self.partitions = [], []
+        for of_experts in (False, True):
+            mine = [k for k, i in enumerate(trainable) if expert[i] == of_experts]
+            if not mine and of_experts:
+                continue
+            kind = "edp" if of_experts else "dp_cp"
+            self.members.append(mine)
+            self.partitions.append(_Partition(
+                [self.named[k] for k in mine], [sharded[trainable[k]] for k in mine],
+                [weights[trainable[k]] for k in mine], weight_decay, ps.group(kind), ps.size(kind),
+                ps.local_rank(kind), 1.0 / ps.size("dp_cp")))
+
+    # -- the trainer's interface -------------------------------------------------------------
+    def prepare(self, grads) -> list:
+        """Per partition, this rank's slice of the averaged gradient."""
+        if self.ps.dp > 1:
+            features.note_used("data-parallel")
+        return [part.reduce([grads[k] for k in mine]) for part, mine in zip(self.partitions, self.members)]
+
+    def grad_norm(self, g) -> float:
+        sums = [part.norm_parts(x) for part, x in zip(self.partitions, g)]
+        if len(sums) > 1:  # expert weights: each EP rank holds other experts
+            sums[1] = dist.all_reduce(sums[1], group=self.ps.group("ep"))
+        sharded, replicated = (float(x) for x in ops.to_numpy(sums[0] + sums[1] if len(sums) > 1 else sums[0]))
         if self.ps.tp > 1:
             sharded = float(ops.to_numpy(dist.all_reduce(ops.tensor([sharded]), group=self.ps.group("tp")))[0])
         return math.sqrt(over_pipeline(sharded + replicated, self.ps))
@@ -100,43 +132,44 @@ class DistributedAdamW:
         features.note_used("distributed-optimizer")
         self.steps += 1
         with autograd.no_grad():
-            if scale != 1.0:
-                g = g * scale
-            # decoupled weight decay first (per element: the flat shard mixes decayed and
-            # undecayed parameters), then the fused step without decay: the same update, as
-            # Adam's term does not read the weights
-            master = self.master - self.master * (self.decay * lr)
-            (self.master,), (self.exp_avg,), (self.exp_avg_sq,) = adamw(
-                [master], [g], [self.exp_avg], [self.exp_avg_sq], lr, [0.0], self.betas, self.eps, self.steps)
-            for (_, p), value in zip(self.named, self._unflatten(self._gather(self.master))):
-                nn.assign(p, value)
+            for part, grad in zip(self.partitions, g):
+                if scale != 1.0:
+                    grad = grad * scale
+                # decoupled weight decay first (per element: the flat shard mixes decayed and
+                # undecayed parameters), then the fused step without decay: the same update, as
+                # Adam's term does not read the weights
+                master = part.master - part.master * (part.decay * lr)
+                (part.master,), (part.exp_avg,), (part.exp_avg_sq,) = adamw(
+                    [master], [grad], [part.exp_avg], [part.exp_avg_sq], lr, [0.0], self.betas, self.eps, self.steps)
+                for (_, p), value in zip(part.named, part.unflatten(part.gather(part.master))):
+                    nn.assign(p, value)
 
     def state_bytes(self) -> int:
-        return 4 * 3 * self.shard
+        return sum(4 * 3 * part.shard for part in self.partitions)
 
     # -- checkpoints: the same per-parameter state as plain AdamW ----------------------------
     def state(self) -> dict:
         out = {}
-        for key, part in (("exp_avg", self.exp_avg), ("exp_avg_sq", self.exp_avg_sq), ("master", self.master)):
-            for (name, p), value in zip(self.named, self._unflatten(self._gather(part))):
-                if key != "master" or ops.dtype_of(p) != "float32":
-                    out[f"{key}.{name}"] = value
+        for part in self.partitions:
+            for key in ("exp_avg", "exp_avg_sq", "master"):
+                for (name, p), value in zip(part.named, part.unflatten(part.gather(getattr(part, key)))):
+                    if key != "master" or ops.dtype_of(p) != "float32":
+                        out[f"{key}.{name}"] = value
         return out
 
     def load_state(self, tensors: dict, steps: int) -> None:
-        parts = {}
-        for key in ("exp_avg", "exp_avg_sq", "master"):
-            values = []
-            for name, p in self.named:
-                t = tensors.get(f"{key}.{name}")
-                if t is None and key == "master":
-                    t = autograd.detach(p)  # an fp32 parameter is its own master
-                if t is None:
-                    raise CheckpointError(f"optimizer state has no {key} for {name}")
-                if tuple(t.shape) != tuple(p.shape):
-                    raise CheckpointError(f"optimizer {key} of {name} has shape {tuple(t.shape)}, "
-                                          f"the model's is {tuple(p.shape)}")
-                values.append(t)
-            parts[key] = self._my_slice(self._flatten(values))
-        self.exp_avg, self.exp_avg_sq, self.master = parts["exp_avg"], parts["exp_avg_sq"], parts["master"]
+        for part in self.partitions:
+            for key in ("exp_avg", "exp_avg_sq", "master"):
+                values = []
+                for name, p in part.named:
+                    t = tensors.get(f"{key}.{name}")
+                    if t is None and key == "master":
+                        t = autograd.detach(p)  # an fp32 parameter is its own master
+                    if t is None:
+                        raise CheckpointError(f"optimizer state has no {key} for {name}")
+                    if tuple(t.shape) != tuple(p.shape):
+                        raise CheckpointError(f"optimizer {key} of {name} has shape {tuple(t.shape)}, "
+                                              f"the model's is {tuple(p.shape)}")
+                    values.append(t)
+                setattr(part, key, part.my_slice(part.flatten(values)))
         self.steps = steps

@@ -35,6 +35,7 @@ class AdamW:
         self.named = [(n, p) for n, p in named_params if nn.requires_grad(p)]
         self.ps = ps
         self.sharded = plan.sharded() if plan is not None else [False] * len(self.named)
+        self.expert = plan.flags("expert") if plan is not None else [False] * len(self.named)
         weights = plan.norm_weights([p.shape for _, p in self.named]) if plan is not None else [None] * len(self.named)
         self.norm_weights = [None if w is None else ops.tensor(w) for w in weights]
         self.lr, self.weight_decay, self.betas, self.eps = lr, weight_decay, betas, eps
@@ -54,14 +55,14 @@ class AdamW:
     def prepare(self, grads) -> list:
         from mindspeed_core.training import distributed
 
-        return distributed.average_over_dp(grads, self.ps) if self.ps is not None else list(grads)
+        return distributed.average_over_dp(grads, self.ps, self.expert) if self.ps is not None else list(grads)
 
     def grad_norm(self, grads) -> float:
         from mindspeed_core.training import distributed
 
         if self.ps is None:
             return math.sqrt(float(ops.to_numpy(ops.sum(ops.stack([distributed.sum_of_squares(g) for g in grads])))))
-        return math.sqrt(distributed.grad_norm_squared(grads, self.sharded, self.ps, self.norm_weights))
+        return math.sqrt(distributed.grad_norm_squared(grads, self.sharded, self.ps, self.norm_weights, self.expert))
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state held by this rank (moments and fp32 masters)."""

@@ -29,8 +29,9 @@ from mindspeed_core.errors import CheckpointError, MindSpeedError
 from mindspeed_core.models import registry
 from mindspeed_core.models.config import PRESETS, ModelConfig, MoEConfig
 from mindspeed_core.models.gpt import Tokens, load_whole_state
+from mindspeed_core.models.moe import with_router_losses
 from mindspeed_core.progress import Progress
-from mindspeed_core.parallel import context
+from mindspeed_core.parallel import context, experts
 from mindspeed_core.parallel import layers as parallel_layers
 from mindspeed_core.parallel import pipeline
 from mindspeed_core.parallel import state as parallel_state
@@ -164,13 +165,10 @@ def _moe_config(args, num_layers: int) -> tuple[MoEConfig, tuple | None]:
 
 def _check_moe(args, cfg: ModelConfig) -> None:
     """What the MoE layers cannot do here yet, refused before any rank starts."""
-    parallel = {"--tensor-model-parallel-size": args.tensor_model_parallel_size,
-                "--pipeline-model-parallel-size": args.pipeline_model_parallel_size,
-                "--context-parallel-size": args.context_parallel_size}
-    for flag, size in parallel.items():
-        if size > 1:
-            raise MindSpeedError(f"a mixture-of-experts model trains with data parallelism only for now: {flag} "
-                                 f"{size} with MoE layers is planned")
+    if args.context_parallel_size > 1:
+        # a sequence cut into CP chunks: the aux loss would need its statistics summed over CP
+        raise MindSpeedError(f"--context-parallel-size {args.context_parallel_size} with MoE layers is planned: a "
+                             f"mixture-of-experts model trains with TP, SP, PP, DP and EP here")
     if cfg.moe.enable_expert_bias:
         # the bias is state outside the parameters: checkpoints do not carry it yet
         raise MindSpeedError("--moe-router-enable-expert-bias (aux-loss-free balancing) is not supported by the "
@@ -209,6 +207,7 @@ def check_configuration(args, world: int):
                              + (f" x the pipeline parallel size {pp}" if pp > 1 else "")
                              + (f" x the context parallel size {cp}" if cp > 1 else ""))
     dp = world // (tp * pp * cp)
+    experts.check_layout(cfg, args.expert_model_parallel_size, dp)
     if args.global_batch_size is not None and args.global_batch_size % (args.micro_batch_size * dp):
         raise MindSpeedError(f"--global-batch-size {args.global_batch_size} is not a multiple of "
                              f"--micro-batch-size x data-parallel size ({args.micro_batch_size} x {dp})")
@@ -274,7 +273,7 @@ class Trainer:
         self.scaler = LossScaler(dynamic=bool(args.fp16), initial=args.initial_loss_scale)
         dist.init()
         self.ps = parallel_state.initialize(tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
-                                            cp=args.context_parallel_size)
+                                            cp=args.context_parallel_size, ep=args.expert_model_parallel_size)
         self.layout = pipeline_layout(args, self.cfg)
         self.model_spec = registry.for_config(self.cfg)
         if args.global_batch_size is None:  # one micro-batch per data-parallel rank
@@ -350,7 +349,8 @@ class Trainer:
         self.moe_layers = [layer for chunk in self.chunks for layer in getattr(chunk, "moe_layers", list)()]
         self.moe_stats = None
         self.plan = ParallelPlan.join(self.model_spec.parallelize(c, ps, args.sequence_parallel,
-                                                                  args.context_parallel_algo, args.ulysses_degree_in_cp)
+                                                                  args.context_parallel_algo, args.ulysses_degree_in_cp,
+                                                                  args.moe_token_dispatcher_type or "allgather")
                                       for c in self.chunks)
         if ps.tp > 1:
             parallel_layers.seed_model_parallel_rng(args.seed, ps)
@@ -368,8 +368,8 @@ class Trainer:
                                  ps=ps, plan=self.plan)
         if saved_optimizer is not None:
             arrays, steps = saved_optimizer
-            mine, specs = set(self.names), self.plan.shard_specs
-            local = {k: ops.tensor(distributed.local_array(k.split(".", 1)[1], v, specs, ps))
+            mine, specs, experts_here = set(self.names), self.plan.shard_specs, self.plan.expert_names
+            local = {k: ops.tensor(distributed.local_array(k.split(".", 1)[1], v, specs, ps, experts_here))
                      for k, v in arrays.items() if k.split(".", 1)[1] in mine}
             self.optimizer.load_state(local, steps)
         if ps.pp == 1:
@@ -398,11 +398,22 @@ class Trainer:
 
     def _stage_forward(self, chunk: int, x, labels, tokens=None, scaled: bool = True):
         """One model chunk; with labels (the last stage) the loss, scaled for training."""
-        out = self.chunks[chunk](x, tokens)
-        if labels is None:
+        model = self.chunks[chunk]
+        out = model(x, tokens)
+        if labels is not None:
+            out = model.loss_from_logits(out, labels, tokens)
+        if not scaled:
             return out
-        loss = self.chunks[chunk].loss_from_logits(out, labels, tokens)
-        return self.scaler.scale_loss(loss) if scaled else loss
+        if labels is not None:
+            out = self.scaler.scale_loss(out)
+        return self._with_router_losses(model, out)
+
+    def _with_router_losses(self, model, out):
+        """MoE: the chunk's router losses (scaled as the loss) join the gradient through its
+        output, an activation or the loss (models/moe.py with_router_losses)."""
+        if not getattr(model, "moe_layers", list)():
+            return out
+        return with_router_losses(out, self.scaler.scale_loss(model.router_losses()))
 
     def optimizer_bytes_unsharded(self) -> int:
         """What plain AdamW would hold on this rank: two fp32 moments per local parameter,
@@ -412,7 +423,7 @@ class Trainer:
         return 4 * (2 * elements + masters)
 
     def _loss(self, ids, labels, tokens=None):
-        return self.scaler.scale_loss(self.model.loss(ids, labels, tokens=tokens))
+        return self._with_router_losses(self.model, self.scaler.scale_loss(self.model.loss(ids, labels, tokens=tokens)))
 
     # -- --compile -----------------------------------------------------------------------------
     def _compile_step(self) -> None:
@@ -574,9 +585,8 @@ class Trainer:
         n = self.ps.size("dp_cp")  # CP ranks' losses are means over equal shares of each sequence
         if n > 1:
             loss = float(ops.to_numpy(dist.all_reduce(ops.tensor([loss]), group=self.ps.group("dp_cp")))[0]) / n
-        if self.moe_layers:
+        if self.cfg.moe is not None:
             self.moe_stats = self._moe_step_stats()
-            loss -= self.moe_stats["aux_loss"] + self.moe_stats["z_loss"]  # the log's lm loss, as Megatron's
         norm = self.optimizer.grad_norm(grads)
         if not self.scaler.step_allowed(math.isfinite(loss) and math.isfinite(norm)):
             return loss, lr, float("nan")  # fp16 overflow: step skipped, the scale halved
@@ -590,18 +600,24 @@ class Trainer:
         return loss, lr, norm
 
     def _moe_step_stats(self) -> dict:
-        """The step's routing over every MoE layer and data-parallel rank: aux and z losses
-        (summed over layers, mean over micro-batches as the loss), tokens per expert per layer,
-        dropped assignments, and each layer's load balance (busiest expert / mean)."""
-        layers = self.moe_layers
-        losses = np.array([[layer.stats["aux_loss"], layer.stats["z_loss"]] for layer in layers], np.float64).sum(0)
-        losses /= max(layers[0].stats["calls"], 1)
-        counts = np.stack([layer.stats["tokens_per_expert"] for layer in layers]).astype(np.float64)
-        dropped = float(sum(layer.stats["dropped"] for layer in layers))
+        """The step's routing over every MoE layer (of every pipeline stage) and data-parallel
+        rank: aux and z losses (summed over layers, mean over micro-batches as the loss),
+        tokens per expert per layer, dropped assignments, and each layer's load balance
+        (busiest expert / mean). A collective over DP and PP."""
+        cfg = self.cfg
+        numbers = [i for i in range(cfg.num_layers) if cfg.is_moe_layer(i) and i not in cfg.noop_layers]
+        row = {n: k for k, n in enumerate(numbers)}
+        losses, dropped = np.zeros(2), 0.0
+        counts = np.zeros((len(numbers), cfg.moe.num_experts))
+        for layer in self.moe_layers:  # this rank's stages' layers
+            losses += [layer.stats["aux_loss"] / self.grad_accum, layer.stats["z_loss"] / self.grad_accum]
+            dropped += layer.stats["dropped"]
+            counts[row[layer.number]] = layer.stats["tokens_per_expert"]
         flat = np.concatenate([losses, [dropped], counts.reshape(-1)]).astype(np.float32)
-        if self.ps.dp > 1:  # counts are exact in float32 up to 2**24
-            flat = ops.to_numpy(dist.all_reduce(ops.tensor(flat), group=self.ps.group("dp")))
-            flat[:2] /= self.ps.dp
+        for kind in ("dp", "pp"):  # counts are exact in float32 up to 2**24
+            if self.ps.size(kind) > 1:  # DP ranks routed other tokens; PP ranks hold other layers
+                flat = ops.to_numpy(dist.all_reduce(ops.tensor(flat), group=self.ps.group(kind)))
+        flat[:2] /= self.ps.dp
         counts = np.rint(flat[3:]).astype(np.int64).reshape(counts.shape)
         balance = [float(c.max() / c.mean()) if c.sum() else 0.0 for c in counts]
         return {"aux_loss": float(flat[0]), "z_loss": float(flat[1]), "dropped": int(round(float(flat[2]))),
@@ -639,7 +655,8 @@ class Trainer:
     def full_model_arrays(self) -> dict:
         """{name: numpy} of the whole model on rank 0 (a collective: every rank calls it)."""
         named = dict(zip(self.names, self.params))
-        return distributed.gather_pipeline(distributed.full_tensors(named, self.plan.shard_specs, self.ps), self.ps)
+        return distributed.gather_pipeline(distributed.full_tensors(named, self.plan.shard_specs, self.ps,
+                                                                    self.plan.expert_names), self.ps)
 
     def save(self) -> None:
         bad = self._first_non_finite_parameter()
@@ -648,13 +665,15 @@ class Trainer:
                                  f"(the last checkpoint on disk is intact); lower --lr or check the data")
         meta = {"framework": runtime.bound().NAME, "model": self.cfg.to_dict(), "tokenizer": self.tokenizer.name,
                 "consumed_samples": self.iteration * self.args.global_batch_size,
-                "parallel": {"tp": self.ps.tp, "dp": self.ps.dp, "pp": self.ps.pp, "cp": self.ps.cp,
+                "parallel": {"tp": self.ps.tp, "dp": self.ps.dp, "pp": self.ps.pp, "cp": self.ps.cp, "ep": self.ps.ep,
                              "chunks": self.layout.chunks,
                              "sequence_parallel": bool(self.args.sequence_parallel)}}
         model_arrays = self.full_model_arrays()  # collective: every rank
         opt, specs = self.optimizer.state(), self.plan.shard_specs
         opt_spec = {k: specs[k.split(".", 1)[1]] for k in opt if k.split(".", 1)[1] in specs}
-        optimizer_arrays = distributed.gather_pipeline(distributed.full_tensors(opt, opt_spec, self.ps), self.ps)
+        opt_experts = {k for k in opt if k.split(".", 1)[1] in self.plan.expert_names}
+        optimizer_arrays = distributed.gather_pipeline(distributed.full_tensors(opt, opt_spec, self.ps, opt_experts),
+                                                       self.ps)
         trainer_state = self._trainer_state()  # collective: every rank
         if self.ps.rank == 0:
             path = checkpoint.save(self.args.save, self.iteration, model_arrays, optimizer_arrays, self.optimizer.steps,
@@ -678,6 +697,8 @@ class Trainer:
         if self.ps.world > 1:
             pp = f" PP={self.ps.pp}" + (f" x {self.layout.chunks} chunks" if self.layout.chunks > 1 else "")
             cp = f" CP={self.ps.cp} ({args.context_parallel_algo})" if self.ps.cp > 1 else ""
+            if self.ps.ep > 1:
+                cp += f" EP={self.ps.ep} ({args.moe_token_dispatcher_type or 'allgather'} dispatcher)"
             self.say(f"parallel layout: TP={self.ps.tp} DP={self.ps.dp}{pp if self.ps.pp > 1 else ''}{cp}"
                      f"{' +SP' if args.sequence_parallel else ''}; "
                      f"each data-parallel rank: {self.grad_accum} micro-batches of {args.micro_batch_size} per step; "

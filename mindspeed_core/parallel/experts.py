@@ -1,0 +1,176 @@
+"""Expert parallelism, and tensor parallelism inside MoE layers (models/moe.py).
+
+Expert parallelism (--expert-model-parallel-size EP) cuts every MoE layer's experts over the
+EP group, EP consecutive data-parallel ranks: group rank j holds experts [j E/EP, (j+1) E/EP).
+Each rank routes its own tokens as on one device (same capacity, drops and aux loss), then
+a token dispatcher (--moe-token-dispatcher-type) brings the rows to their experts' ranks:
+
+    alltoall   the rows (sorted by expert) go straight to the rank holding their expert in
+               one uneven all-to-all; the outputs come back the same way and are weighted
+               on the token's own rank. Traffic: the routed rows, twice.
+    allgather  every rank gathers all the group's tokens and routing, runs its experts on
+               the assignments that chose them, weights them, and a reduce-scatter sums each
+               token's output back to its rank. Traffic: EP x the tokens, twice; no
+               token-count exchange, fixed shapes.
+
+The dispatchers' backward passes send the gradients back along the same paths, so an expert's
+weight gradient already sums the contributions of every token of its EP group; the trainer
+then averages it over the expert-data-parallel group (the DP ranks holding the same experts)
+with the data-parallel scale (parallel/plan.py ``expert``).
+
+Tensor parallelism cuts the experts like the dense MLP (weight1's columns, SwiGLU's gate and
+up halves apart; weight2's rows) and the shared expert as the dense MLP; the layer works on
+the whole sequence on every TP rank (gathered under --sequence-parallel), so routing is the
+one-device routing, and the experts' partial rows are summed over TP before the weighting.
+Router and shared-expert gate thus see every token on every TP rank: their gradients are
+whole, not partial, even under sequence parallelism.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from mindspeed_core import dist, features, nn, ops
+from mindspeed_core.errors import MindSpeedError
+from mindspeed_core.models.moe import MoELayer, MoESeams, assignment_order, run_experts, weigh_back
+from mindspeed_core.parallel import mappings
+from mindspeed_core.parallel.layers import ColumnParallelLinear, RowParallelLinear, shard
+
+DISPATCHERS = ("alltoall", "allgather")
+
+
+def check_layout(cfg, ep: int, dp: int | None = None) -> None:
+    """Refuse an expert-parallel size the model or the job cannot be cut by."""
+    if ep == 1:
+        return
+    if cfg.moe is None:
+        raise MindSpeedError(f"--expert-model-parallel-size {ep} needs MoE layers (--num-experts)")
+    if cfg.moe.num_experts % ep:
+        raise MindSpeedError(f"expert parallel size {ep} does not divide the number of experts "
+                             f"({cfg.moe.num_experts})")
+    if dp is not None and dp % ep:
+        raise MindSpeedError(f"expert parallel size {ep} does not divide the data-parallel size {dp}: expert "
+                             f"parallelism is carved out of the data-parallel ranks")
+
+
+def _host_all_gather(array: np.ndarray, group) -> np.ndarray:
+    """[n, ...] of every group rank's host array (same shape on each)."""
+    return ops.to_numpy(dist.all_gather(ops.unsqueeze(ops.tensor(np.ascontiguousarray(array)), 0), group=group))
+
+
+def _take(rows, index: np.ndarray):
+    """rows[index]; no rows stay as they are (MindSpore's gradient of a gather from an empty
+    tensor fails: a rank that receives no token must still run its backward pass)."""
+    return rows if rows.shape[0] == 0 else ops.index_select(rows, 0, ops.tensor(index))
+
+
+class ExpertParallelSeams(MoESeams):
+    """An MoE layer's seams under TP (with or without SP) and EP."""
+
+    def __init__(self, ps, sequence_parallel: bool, dispatcher: str, num_experts: int):
+        self.tp = ps.group("tp") if ps.tp > 1 else None
+        self.sp = sequence_parallel
+        self.ep = ps.group("ep") if ps.ep > 1 else None
+        self.ep_size, self.ep_rank = ps.ep, ps.local_rank("ep")
+        self.dispatcher, self.local = dispatcher, num_experts // ps.ep
+
+    def layer_input(self, x):  # the whole sequence; its gradient is whole on every rank
+        return mappings.gather_from_region(x, self.tp, dim=1) if self.sp else x
+
+    def expert_input(self, flat):  # the experts' input gradients are partial over TP: summed
+        return mappings.copy_to_region(flat, self.tp)
+
+    def expert_output(self, rows):
+        return mappings.reduce_from_region(rows, self.tp)
+
+    def layer_output(self, y):
+        return mappings.scatter_to_region(y, self.tp, dim=1) if self.sp else y
+
+    def dispatch(self, experts, tokens, routing, grouped, pad_to):
+        if self.ep is None:
+            return super().dispatch(experts, tokens, routing, grouped, pad_to)
+        features.note_used("expert-parallel")
+        features.note_used(f"moe-{self.dispatcher}-dispatcher")
+        pad = None if pad_to is None else pad_to * self.ep_size  # each source rank fills up to pad_to
+        if self.dispatcher == "alltoall":
+            return self._all_to_all(experts, tokens, routing, grouped, pad)
+        return self._all_gather(experts, tokens, routing, grouped, pad)
+
+    def _all_to_all(self, experts, tokens, routing, grouped, pad):
+        n, me, local = self.ep_size, self.ep_rank, self.local
+        order = assignment_order(routing)
+        rows = ops.index_select(tokens, 0, ops.tensor(order // routing.experts.shape[1]))
+        table = _host_all_gather(routing.tokens_per_expert, self.ep)  # [source rank, expert]
+        send = routing.tokens_per_expert.reshape(n, local).sum(1)
+        mine = table[:, me * local:(me + 1) * local]  # [source rank, local expert]
+        got = mappings.all_to_all_rows(rows, self.ep, send, mine.sum(1))  # source-major, then expert
+        # regroup expert-major (then source), as the experts want their rows together
+        starts = np.concatenate([[0], np.cumsum(mine.reshape(-1))[:-1]]).reshape(mine.shape)
+        perm = np.concatenate([np.arange(starts[i, e], starts[i, e] + mine[i, e])
+                               for e in range(local) for i in range(n)] + [np.zeros(0)]).astype(np.int64)
+        out = run_experts(experts, _take(got, perm), mine.sum(0), grouped, pad)
+        back = _take(self.expert_output(out), np.argsort(perm).astype(np.int64))
+        returned = mappings.all_to_all_rows(back, self.ep, mine.sum(1), send)
+        return weigh_back(returned, order, routing.weights)
+
+    def _all_gather(self, experts, tokens, routing, grouped, pad):
+        me, local = self.ep_rank, self.local
+        everyone = mappings.gather_tokens(tokens, self.ep)  # [n T, h]
+        weights = mappings.gather_tokens(routing.weights, self.ep)  # [n T, k]
+        chosen = np.where(routing.kept, routing.experts, -1)  # dropped: -1
+        chosen = _host_all_gather(chosen, self.ep).reshape(-1, chosen.shape[1])
+        k = chosen.shape[1]
+        slots = np.flatnonzero((chosen.reshape(-1) // local == me) & (chosen.reshape(-1) >= 0))
+        order = slots[np.argsort(chosen.reshape(-1)[slots], kind="stable")].astype(np.int64)
+        if order.size == 0:
+            # none of the group's tokens chose this rank's experts: a zero contribution, still
+            # a function of both gathers, so their backward collectives run here as elsewhere
+            # (and no empty gather, whose gradient MindSpore cannot take)
+            partial = everyone * 0.0 + ops.sum(weights) * 0.0
+            return mappings.reduce_scatter_tokens(ops.cast(partial, "float32"), self.ep)
+        counts = np.bincount(chosen.reshape(-1)[order] - me * local, minlength=local)
+        rows = ops.index_select(everyone, 0, ops.tensor(order // k))
+        out = self.expert_output(run_experts(experts, rows, counts, grouped, pad))
+        return mappings.reduce_scatter_tokens(weigh_back(out, order, weights), self.ep)
+
+
+def parallelize_moe_layers(model, ps, sequence_parallel: bool, dispatcher: str) -> dict:
+    """Cut the MoE layers of ``model`` (a whole MoEModel or a pipeline chunk) for this rank
+    and install their seams; returns {local parameter name: ParamPlan fields} for
+    parallel.layers.parallelize."""
+    if dispatcher not in DISPATCHERS:
+        raise MindSpeedError(f"unknown MoE token dispatcher {dispatcher!r}: choose one of {', '.join(DISPATCHERS)}")
+    check_layout(model.cfg, ps.ep)
+    overrides = {}
+    for i, layer in enumerate(model.decoder.layers):
+        if isinstance(layer.mlp, MoELayer):
+            fields = parallelize_moe_layer(layer.mlp, ps, sequence_parallel, dispatcher, model.cfg.activation)
+            overrides.update({f"decoder.layers.{i}.mlp.{name}": f for name, f in fields.items()})
+    return overrides
+
+
+def parallelize_moe_layer(mlp: MoELayer, ps, sequence_parallel: bool, dispatcher: str, activation: str) -> dict:
+    """One MoE layer: keep this rank's experts (and their TP slices), cut the shared expert
+    over TP, install the seams; returns {parameter name in the layer: ParamPlan fields}."""
+    tp, tp_rank, ep, ep_rank = ps.tp, ps.local_rank("tp"), ps.ep, ps.local_rank("ep")
+    swiglu = activation == "swiglu"
+    fields = {}
+    specs = {"weight1": ("swiglu", 2) if swiglu else ("split", 2), "weight2": ("split", 1)}
+    for name, spec in specs.items():
+        full = np.split(ops.to_numpy(getattr(mlp.experts, name)), ep, axis=0)[ep_rank]
+        setattr(mlp.experts, name, nn.Parameter(shard(full, spec, tp, tp_rank) if tp > 1 else full))
+        fields["experts." + name] = {"shard": spec if tp > 1 else None, "expert": True, "partial": False}
+    fields["router.weight"] = {"partial": False}  # sees every token on every TP rank
+    shared = mlp.shared_experts
+    if shared is not None:
+        if shared.gate_weight is not None:
+            fields["shared_experts.gate_weight"] = {"partial": False}
+        if tp > 1:
+            group, fc1_spec = ps.group("tp"), ("swiglu",) if swiglu else ("split", 0)
+            shared.linear_fc1 = ColumnParallelLinear(shared.linear_fc1, group, False, fc1_spec)
+            shared.linear_fc2 = RowParallelLinear(shared.linear_fc2, group, False)
+            fields["shared_experts.linear_fc1.weight"] = {"shard": fc1_spec, "partial": False}
+            fields["shared_experts.linear_fc2.weight"] = {"shard": ("split", 1), "partial": False}
+    if tp > 1 or ep > 1:
+        mlp.use_seams(ExpertParallelSeams(ps, sequence_parallel, dispatcher, mlp.moe.num_experts))
+    return fields
