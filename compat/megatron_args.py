@@ -80,7 +80,7 @@ def add_feature_args(parser: argparse.ArgumentParser) -> None:
                    help="accepted for MindSpeed-LLM scripts: every CP mask is built here from each token's column "
                         "and document (packed sequences), so both values mean the same")
     p.add_argument("--expert-model-parallel-size", type=POSITIVE_INT, default=1)
-    p.add_argument("--moe-token-dispatcher-type", choices=("allgather", "alltoall"), default=None)
+    p.add_argument("--moe-token-dispatcher-type", choices=("allgather", "alltoall"), default="allgather")
     e = parser.add_argument_group("mixture of experts (models/router.py, models/moe.py)")
     e.add_argument("--num-experts", type=POSITIVE_INT, default=None)
     e.add_argument("--moe-router-topk", type=POSITIVE_INT, default=2)

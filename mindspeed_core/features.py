@@ -178,7 +178,7 @@ FEATURES: tuple[Feature, ...] = (
             ("--moe-token-dispatcher-type allgather",),
             supported("all-gather of the EP group's tokens and routing, reduce-scatter of the weighted outputs"),
             emulated("sub-group all-gather and reduce-scatter built on all-reduce (exact)"),
-            lambda a: a.expert_model_parallel_size > 1 and a.moe_token_dispatcher_type in (None, "allgather")),
+            lambda a: a.expert_model_parallel_size > 1 and a.moe_token_dispatcher_type == "allgather"),
     # ---- memory and optimizer -------------------------------------------------------------
     Feature("distributed-optimizer", "Distributed optimizer (ZeRO-1 style sharding over DP)", "memory",
             ("--use-distributed-optimizer",),

@@ -240,6 +240,27 @@ PRESETS = {
     "tiny-gpt2": dict(family="gpt2", hidden_size=128, num_layers=4, num_attention_heads=4, normalization="layernorm",
                       activation="gelu_tanh", position_embedding_type="learned", add_qkv_bias=True,
                       add_bias_linear=True, untie_embeddings_and_output_weights=False),
+    # tiny mixtures of experts: Mixtral's top-2 of 8 (softmax, renormalised), Qwen2-MoE's gated
+    # shared expert beside raw softmax weights, Qwen3-MoE's renormalised top-k without one, and
+    # DeepSeek-V3's routing on this decoder (sigmoid scores, 4 groups of which each token may
+    # use 2, weights renormalised and scaled, aux-loss-free bias, a tiny sequence aux loss,
+    # one shared expert, the first layer dense). DeepSeek-V3's multi-head latent attention is
+    # not here: its attention is this decoder's.
+    "tiny-mixtral": dict(family="mixtral", hidden_size=128, num_layers=4, num_attention_heads=4, num_query_groups=2,
+                         ffn_hidden_size=256, moe=dict(num_experts=8, topk=2)),
+    "tiny-qwen2-moe": dict(family="qwen2_moe", hidden_size=128, num_layers=4, num_attention_heads=4,
+                           num_query_groups=2, ffn_hidden_size=352, add_qkv_bias=True, norm_epsilon=1e-6,
+                           moe=dict(num_experts=8, topk=2, ffn_hidden_size=96, norm_topk_prob=False,
+                                    shared_expert_size=256, shared_expert_gate=True)),
+    "tiny-qwen3-moe": dict(family="qwen3_moe", hidden_size=128, num_layers=4, num_attention_heads=4,
+                           num_query_groups=2, kv_channels=32, ffn_hidden_size=352, qk_layernorm=True,
+                           norm_epsilon=1e-6, moe=dict(num_experts=8, topk=2, ffn_hidden_size=96)),
+    "tiny-deepseek-v3": dict(family="llama", hidden_size=128, num_layers=4, num_attention_heads=4, num_query_groups=4,
+                             ffn_hidden_size=352, moe_layers=(1, 2, 3),
+                             moe=dict(num_experts=8, topk=2, ffn_hidden_size=64, score_function="sigmoid",
+                                      num_groups=4, group_topk=2, scaling_factor=2.5, enable_expert_bias=True,
+                                      load_balancing_type="seq_aux_loss", aux_loss_coeff=1e-4,
+                                      shared_expert_size=64)),
     # the real shapes, for --dry-run arithmetic and conversion
     "llama2-7b": dict(family="llama", hidden_size=4096, num_layers=32, num_attention_heads=32, ffn_hidden_size=11008,
                       vocab_size=32000, max_position_embeddings=4096, norm_epsilon=1e-5),

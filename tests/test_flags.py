@@ -24,9 +24,6 @@ ACCEPTED_NO_OPS = {
     # MindSpeed-LLM needs "general" for packed sequences under CP; here every CP mask is built
     # from each token's column and document, so both values mean the same.
     "--cp-attention-mask-type",
-    # The aux-loss-free bias's step size: --moe-router-enable-expert-bias, which it tunes, is
-    # refused by the trainer until checkpoints carry the bias.
-    "--moe-router-bias-update-rate",
 }
 # The walk's own instrument: every run below passes it.
 INSTRUMENT = {"--dry-run"}

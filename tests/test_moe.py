@@ -179,9 +179,12 @@ def test_grouped_gemm_trains_as_expert_by_expert(capsys, corpus, tmp_path):  # n
 
 
 @pytest.mark.feature("moe")
-def test_a_resumed_moe_run_continues_the_uninterrupted_one(capsys, corpus, tmp_path):  # noqa: F811
-    """Checkpoints carry the router and the stacked experts."""
-    common = [*MOE, "--data-path", corpus, "--train-iters", "6", "--split", "90,10,0"]
+@pytest.mark.parametrize("balancing", [[], ["--moe-router-enable-expert-bias", "--moe-router-bias-update-rate",
+                                              "0.05", "--moe-aux-loss-coeff", "0"]], ids=["aux-loss", "expert-bias"])
+def test_a_resumed_moe_run_continues_the_uninterrupted_one(capsys, corpus, tmp_path, balancing):  # noqa: F811
+    """Checkpoints carry the router and the stacked experts, and aux-loss-free balancing's
+    per-layer bias (which moves every step and decides the routing)."""
+    common = [*MOE, "--data-path", corpus, "--train-iters", "6", "--split", "90,10,0", *balancing]
     code, _, err = train(capsys, *common, "--metrics-file", str(tmp_path / "whole.jsonl"))
     assert code == 0, err
     code, _, err = train(capsys, *common, "--save", str(tmp_path / "ckpt"), "--save-interval", "3", "--exit-interval",
@@ -192,6 +195,18 @@ def test_a_resumed_moe_run_continues_the_uninterrupted_one(capsys, corpus, tmp_p
     assert code == 0, err
     whole, rest = losses(tmp_path / "whole.jsonl"), losses(tmp_path / "rest.jsonl")
     assert sorted(rest) == [4, 5, 6] and all(rest[i] == pytest.approx(whole[i], rel=1e-6) for i in rest)
+    routed = [r["moe"]["tokens_per_expert"] for r in _records(tmp_path / "whole.jsonl")]
+    assert [r["moe"]["tokens_per_expert"] for r in _records(tmp_path / "rest.jsonl")] == routed[3:]
+    if balancing:  # the saved bias is the update rule replayed on the logged loads of steps 1-3
+        from mindspeed_core.training import checkpoint
+
+        state = checkpoint.load_trainer_state(str(tmp_path / "ckpt"), 3)
+        bias = np.zeros(4, np.float32)
+        for load in routed[:3]:
+            counts = np.asarray(load[0], np.float64)  # the one MoE layer (layer 1)
+            bias = (bias + 0.05 * np.sign(counts.mean() - counts)).astype(np.float32)
+        assert np.abs(bias).max() > 0
+        np.testing.assert_array_equal(np.asarray(state["rng"][0]["expert_bias"]["1"], np.float32), bias)
 
 
 def test_router_losses_join_the_gradient_not_the_reported_loss():
@@ -230,11 +245,27 @@ def test_capacity_drops_are_counted(capsys, corpus, tmp_path):  # noqa: F811
     assert "dropped" in out
 
 
+@pytest.mark.feature("moe")
+@pytest.mark.parametrize("name", ["tiny-mixtral", "tiny-qwen2-moe", "tiny-qwen3-moe", "tiny-deepseek-v3"])
+def test_moe_presets_train(capsys, corpus, tmp_path, name):  # noqa: F811
+    from mindspeed_core.models.config import preset
+
+    metrics = tmp_path / "m.jsonl"
+    code, out, err = train(capsys, "--model-name", name, "--data-path", corpus, "--train-iters", "2", "--seq-length",
+                           "32", "--micro-batch-size", "2", "--eval-iters", "0", "--log-interval", "1", "--no-progress",
+                           "--sample-tokens", "0", "--metrics-file", str(metrics))
+    assert code == 0, err
+    cfg = preset(name)
+    moe_layers = [i for i in range(cfg.num_layers) if cfg.is_moe_layer(i)]
+    for r in _records(metrics):
+        assert np.isfinite(r["loss"]) and len(r["moe"]["tokens_per_expert"]) == len(moe_layers)
+        assert all(sum(t) == 2 * 32 * cfg.moe.topk for t in r["moe"]["tokens_per_expert"])
+
+
 @pytest.mark.parametrize("extra, message", [
     (["--context-parallel-size", "2"], "with MoE layers is planned"),
     (["--expert-model-parallel-size", "3"], "does not divide the number of experts (4)"),
     (["--expert-model-parallel-size", "4"], "does not divide the data-parallel size 1"),
-    (["--moe-router-enable-expert-bias"], "checkpoints would not carry the expert bias"),
     (["--compile"], "routing decides on the host"),
     (["--moe-layer-freq", "4", "--first-k-dense-replace", "1"], "leave none of the 2 layers an MoE layer"),
     (["--moe-router-topk", "5"], "topk must be between 1 and num_experts"),

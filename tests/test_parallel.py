@@ -121,7 +121,8 @@ CASES = [  # (id, ranks, model, flags): the cases of each rank count share one l
     ("tp2-dp2", 4, "gqa", ["--tensor-model-parallel-size", "2"]),
     # expert parallelism: each dispatcher at EP2 and EP4, with TP2 + SP, with the distributed
     # optimizer (expert state sharded over the expert-data-parallel pair), across two stages
-    ("moe-ep2-alltoall", 2, "moe", ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall"]),
+    ("moe-ep2-alltoall", 2, "moe", ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall",
+                                    "--save", "{tmp}/ep2-ckpt", "--save-interval", "5"]),  # resumed at EP1 below
     ("moe-ep2-allgather", 2, "moe", ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "allgather"]),
     ("moe-ep4-alltoall", 4, "moe", ["--expert-model-parallel-size", "4", "--moe-token-dispatcher-type", "alltoall"]),
     ("moe-ep4-allgather", 4, "moe", ["--expert-model-parallel-size", "4"]),
@@ -171,8 +172,8 @@ def run_cases(framework, ranks, corpus, reference, tmp_path):  # noqa: F811
     import json
 
     cases = [c for c in CASES if c[1] == ranks]
-    spec = [[name, [*MODELS[model], *flags, "--data-path", corpus, "--train-iters", str(ITERS)]]
-            for name, _, model, flags in cases]
+    spec = [[name, [*MODELS[model], *(f.format(tmp=tmp_path) for f in flags), "--data-path", corpus,
+                    "--train-iters", str(ITERS)]] for name, _, model, flags in cases]
     out = run_configs(framework, ranks, spec, tmp_path)
     for name, _, model, flags in cases:
         metrics = out / f"{name}.jsonl"
@@ -207,8 +208,16 @@ def run_cases(framework, ranks, corpus, reference, tmp_path):  # noqa: F811
 @pytest.mark.feature("expert-parallel")
 @pytest.mark.feature("moe-alltoall-dispatcher")
 @pytest.mark.feature("moe-allgather-dispatcher")
-def test_two_rank_layouts_equal_single_process(framework, corpus, reference, tmp_path):  # noqa: F811
+def test_two_rank_layouts_equal_single_process(capsys, framework, corpus, reference, tmp_path):  # noqa: F811
     run_cases(framework, 2, corpus, reference, tmp_path)
+    # the EP2 checkpoint of iteration 5 (all experts, optimizer state too) continues in one process
+    from test_pipeline import iteration_only
+
+    ckpt = iteration_only(tmp_path / "ep2-ckpt", 5, tmp_path / "ep2-ckpt5")
+    code, out, err = train(capsys, *MOE, "--data-path", corpus, "--train-iters", str(ITERS), "--load", str(ckpt),
+                           "--metrics-file", str(tmp_path / "ep1.jsonl"))
+    assert code == 0 and "resumed" in out, err
+    assert_same_curve(losses(tmp_path / "ep1.jsonl"), {i: reference["moe"][i] for i in range(6, ITERS + 1)})
 
 
 @pytest.mark.multiprocess

@@ -26,7 +26,7 @@ from mindspeed_core.data import gpt_dataset
 from mindspeed_core.data.sampler import PretrainingSampler
 from mindspeed_core.data.tokenizer import build_tokenizer, padded_vocab_size, tokenizer_args
 from mindspeed_core.errors import CheckpointError, MindSpeedError
-from mindspeed_core.models import registry
+from mindspeed_core.models import registry, router
 from mindspeed_core.models.config import PRESETS, ModelConfig, MoEConfig
 from mindspeed_core.models.gpt import Tokens, load_whole_state
 from mindspeed_core.models.moe import with_router_losses
@@ -169,10 +169,6 @@ def _check_moe(args, cfg: ModelConfig) -> None:
         # a sequence cut into CP chunks: the aux loss would need its statistics summed over CP
         raise MindSpeedError(f"--context-parallel-size {args.context_parallel_size} with MoE layers is planned: a "
                              f"mixture-of-experts model trains with TP, SP, PP, DP and EP here")
-    if cfg.moe.enable_expert_bias:
-        # the bias is state outside the parameters: checkpoints do not carry it yet
-        raise MindSpeedError("--moe-router-enable-expert-bias (aux-loss-free balancing) is not supported by the "
-                             "trainer yet: checkpoints would not carry the expert bias")
     if args.compile:
         raise MindSpeedError("--compile with MoE layers: routing decides on the host, which graph capture cannot "
                              "follow; drop --compile")
@@ -350,7 +346,7 @@ class Trainer:
         self.moe_stats = None
         self.plan = ParallelPlan.join(self.model_spec.parallelize(c, ps, args.sequence_parallel,
                                                                   args.context_parallel_algo, args.ulysses_degree_in_cp,
-                                                                  args.moe_token_dispatcher_type or "allgather")
+                                                                  args.moe_token_dispatcher_type)
                                       for c in self.chunks)
         if ps.tp > 1:
             parallel_layers.seed_model_parallel_rng(args.seed, ps)
@@ -491,7 +487,10 @@ class Trainer:
         """What exact resumption needs beyond the tensors (collective: every rank calls it):
         each rank's generator states (dropout draws, the tracker's tensor-parallel streams)
         and the fp16 loss scale with its clean-step counter."""
-        mine = {"default": random.get_state(), "tracker": random.tracker().get_states()}
+        mine = {"default": random.get_state(), "tracker": random.tracker().get_states(),
+                # aux-loss-free balancing's biases, by layer number (float32 survives JSON exactly)
+                "expert_bias": {str(layer.number): [float(b) for b in layer.expert_bias]
+                                for layer in self.moe_layers if layer.expert_bias is not None}}
         return {"framework": runtime.bound().NAME, **self.scaler.state(),
                 "layout": self._layout(),
                 "rng": distributed.gather_json(mine, self.ps)}
@@ -506,6 +505,7 @@ class Trainer:
         try:
             self.scaler.load_state(state)
             ranks, layout = state["rng"], {"pp": 1, "cp": 1, **state["layout"]}  # saved before PP/CP: one of each
+            self._restore_expert_bias(ranks)
             here = self._layout()
             if state["framework"] != runtime.bound().NAME:  # generator states are framework-specific
                 self.say(f"RNG states were saved on {state['framework']}: dropout draws start afresh on "
@@ -521,6 +521,16 @@ class Trainer:
                              f"reseeded")
         except (KeyError, IndexError, TypeError, ValueError) as exc:
             raise CheckpointError(f"the checkpoint's {checkpoint.STATE_FILE} is malformed ({exc!r})") from None
+
+    def _restore_expert_bias(self, ranks: list) -> None:
+        saved = {int(n): b for r in ranks for n, b in r.get("expert_bias", {}).items()}  # any stage's rank
+        for layer in self.moe_layers:
+            if layer.expert_bias is None:
+                continue
+            if layer.number not in saved:
+                raise CheckpointError(f"the checkpoint holds no expert bias for MoE layer {layer.number}: it was "
+                                      f"saved without --moe-router-enable-expert-bias")
+            layer.expert_bias = np.asarray(saved[layer.number], np.float32)
 
     # -- the loop ----------------------------------------------------------------------------
     def say(self, text: str) -> None:
@@ -597,7 +607,21 @@ class Trainer:
             raise MindSpeedError(f"the gradient norm became {norm} at iteration {iteration + 1}; stopping without "
                                  f"saving (the last checkpoint on disk is intact); lower --lr or check the data")
         self.optimizer.step(grads, lr, distributed.clip_coefficient(norm, args.clip_grad))
+        if self.moe_stats is not None:
+            self._update_expert_bias(self.moe_stats["tokens_per_expert"])
         return loss, lr, norm
+
+    def _update_expert_bias(self, tokens_per_expert: list) -> None:
+        """Aux-loss-free balancing (--moe-router-enable-expert-bias): once per step, each
+        layer's bias moves by the update rate towards the mean load, from the step's tokens
+        per expert over every data-parallel rank (the same on every rank)."""
+        cfg = self.cfg
+        numbers = [i for i in range(cfg.num_layers) if cfg.is_moe_layer(i) and i not in cfg.noop_layers]
+        for layer in self.moe_layers:
+            if layer.expert_bias is not None:
+                layer.expert_bias = router.updated_expert_bias(
+                    layer.expert_bias, np.asarray(tokens_per_expert[numbers.index(layer.number)]),
+                    cfg.moe.bias_update_rate)
 
     def _moe_step_stats(self) -> dict:
         """The step's routing over every MoE layer (of every pipeline stage) and data-parallel
@@ -698,7 +722,7 @@ class Trainer:
             pp = f" PP={self.ps.pp}" + (f" x {self.layout.chunks} chunks" if self.layout.chunks > 1 else "")
             cp = f" CP={self.ps.cp} ({args.context_parallel_algo})" if self.ps.cp > 1 else ""
             if self.ps.ep > 1:
-                cp += f" EP={self.ps.ep} ({args.moe_token_dispatcher_type or 'allgather'} dispatcher)"
+                cp += f" EP={self.ps.ep} ({args.moe_token_dispatcher_type} dispatcher)"
             self.say(f"parallel layout: TP={self.ps.tp} DP={self.ps.dp}{pp if self.ps.pp > 1 else ''}{cp}"
                      f"{' +SP' if args.sequence_parallel else ''}; "
                      f"each data-parallel rank: {self.grad_accum} micro-batches of {args.micro_batch_size} per step; "
