@@ -9,6 +9,10 @@ The experts' weights are stacked, ``experts.weight1`` [E, hidden, 2 x ffn] (gate
 then up columns for SwiGLU) and ``experts.weight2`` [E, ffn, hidden], so one grouped matmul
 (``ops.grouped_matmul``: the device's kernel where one is bound) runs every expert; the
 sequential path runs them one by one with plain matmuls and is the reference.
+
+Parallelism reaches the layer only through its seams (MoESeams: where the tokens come from
+and go, and how they travel to the experts): parallel/experts.py fills them in for tensor
+and expert parallelism.
 """
 
 from __future__ import annotations
