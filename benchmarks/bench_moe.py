@@ -19,7 +19,7 @@ aux loss 0.01) trained by the trainer itself on the embedded corpus:
   and the layers (1.0 is perfect balance, 8 / 2 = 4 the worst for top-2 of 8).
 
 usage: python benchmarks/bench_moe.py [--frameworks pytorch mindspore] [--iters 12]
-       [--balance-iters 200]
+       [--balance-iters 200] [--parts speed balance]
 """
 
 from __future__ import annotations
@@ -99,11 +99,14 @@ def main() -> None:
     parser.add_argument("--frameworks", nargs="+", default=["pytorch", "mindspore"])
     parser.add_argument("--iters", type=int, default=12)
     parser.add_argument("--balance-iters", type=int, default=200)
+    parser.add_argument("--parts", nargs="+", choices=("speed", "balance"), default=["speed", "balance"])
     args = parser.parse_args()
     table, balanced = [], {}
     for fw in args.frameworks:
-        table += speed(fw, args.iters)
-        balanced[fw] = balance(fw, args.balance_iters)
+        if "speed" in args.parts:
+            table += speed(fw, args.iters)
+        if "balance" in args.parts:
+            balanced[fw] = balance(fw, args.balance_iters)
     print("\n| framework | EP | dispatcher | tokens/s (4 ranks) | rank 0 payload / step | wire / step "
           "| balanced all-to-all | measured / balanced |")
     print("|---|---|---|---|---|---|---|---|")

@@ -39,7 +39,9 @@ def launched_world_size() -> int:
 
 
 def init() -> None:
-    if _state["initialized"] or launched_world_size() <= 1:
+    # under msrun even one worker joins the cluster: msrun also starts the script as its
+    # scheduler, which must become the scheduler (in comm.init), not a second trainer
+    if _state["initialized"] or not os.environ.get("MS_ROLE"):
         return
     comm.init({"cpu": "mccl", "cuda": "nccl", "npu": "hccl"}[device.type()])
     _state["initialized"] = True
