@@ -39,8 +39,12 @@ def launch(framework: str, nproc: int, script: str, args: list[str], log_dir: st
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # the launcher and every rank it started
-        out, _ = proc.communicate()
+        os.killpg(proc.pid, signal.SIGKILL)  # the launcher and every rank still in its group
+        _kill_ranks(script, args)  # torchrun starts ranks in sessions of their own
+        try:
+            out, _ = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:  # a rank we could not find still holds the pipe
+            out = ""
         return -1, out + f"\n[timed out after {timeout}s]"
     logs = ""
     if os.path.isdir(log_dir):
@@ -48,6 +52,23 @@ def launch(framework: str, nproc: int, script: str, args: list[str], log_dir: st
             with open(os.path.join(log_dir, name), errors="replace") as fh:
                 logs += f"\n--- {name} ---\n" + fh.read()[-4000:]
     return proc.returncode, out + logs
+
+
+def _kill_ranks(script: str, args: list[str]) -> None:
+    """Kill every process running ``script`` with ``args`` (a rank left behind by its
+    launcher keeps the output pipe open, and reading it would wait for ever)."""
+    wanted = [script, *args]
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                argv = fh.read().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        if any(argv[i:i + len(wanted)] == wanted for i in range(len(argv))):
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except OSError:
+                pass
 
 
 def run_configs(framework: str, nproc: int, spec: list, tmp_path: pathlib.Path, timeout: int = 900) -> pathlib.Path:

@@ -94,7 +94,6 @@ def reference(corpus, packed_corpus, tmp_path_factory):  # noqa: F811
 
 
 def aux_losses(path):
-
     return {r["iteration"]: r["moe"]["aux_loss"] for r in map(json.loads, open(path)) if "moe" in r}
 
 
@@ -395,7 +394,6 @@ def test_text_sample_under_tensor_and_sequence_parallelism(capsys, framework, co
 @pytest.mark.feature("rng-tracker")
 @pytest.mark.feature("tensor-parallel")
 def test_dropout_differs_across_tp_ranks_where_it_must(framework, tmp_path):
-
     import pathlib
 
     from launch import launch
