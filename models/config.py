@@ -156,6 +156,10 @@ class ModelConfig:
     def is_moe_layer(self, number: int) -> bool:
         return self.moe is not None and (self.moe_layers is None or number in self.moe_layers)
 
+    def moe_layer_numbers(self) -> list[int]:
+        """The numbers of the layers that run an MoE MLP (no-op layers run none)."""
+        return [i for i in range(self.num_layers) if self.is_moe_layer(i) and i not in self.noop_layers]
+
     @property
     def qkv_width(self) -> int:
         return (self.num_attention_heads + 2 * self.num_query_groups) * self.kv_channels

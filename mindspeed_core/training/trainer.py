@@ -616,7 +616,7 @@ class Trainer:
         layer's bias moves by the update rate towards the mean load, from the step's tokens
         per expert over every data-parallel rank (the same on every rank)."""
         cfg = self.cfg
-        numbers = [i for i in range(cfg.num_layers) if cfg.is_moe_layer(i) and i not in cfg.noop_layers]
+        numbers = cfg.moe_layer_numbers()
         for layer in self.moe_layers:
             if layer.expert_bias is not None:
                 layer.expert_bias = router.updated_expert_bias(
@@ -629,7 +629,7 @@ class Trainer:
         tokens per expert per layer, dropped assignments, and each layer's load balance
         (busiest expert / mean). A collective over DP and PP."""
         cfg = self.cfg
-        numbers = [i for i in range(cfg.num_layers) if cfg.is_moe_layer(i) and i not in cfg.noop_layers]
+        numbers = cfg.moe_layer_numbers()
         row = {n: k for k, n in enumerate(numbers)}
         losses, dropped = np.zeros(2), 0.0
         counts = np.zeros((len(numbers), cfg.moe.num_experts))
