@@ -112,6 +112,8 @@ def add_feature_args(parser: argparse.ArgumentParser) -> None:
     m.add_argument("--recompute-granularity", choices=("full", "selective"), default=None)
     m.add_argument("--recompute-method", choices=("uniform", "block"), default=None)
     m.add_argument("--recompute-num-layers", type=POSITIVE_INT, default=None)
+    m.add_argument("--recompute-activations", action="store_true",
+                   help="Megatron's shorthand for --recompute-granularity selective")
     m.add_argument("--recompute-norm", action="store_true")
     m.add_argument("--recompute-in-advance", action="store_true")
     m.add_argument("--o2-optimizer", action="store_true")

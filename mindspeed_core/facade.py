@@ -115,6 +115,10 @@ SPEC = {
         "no_grad": "no_grad(): context manager without gradient recording",
         "detach": "detach(x): the same values, cut from the graph",
         "recompute": "recompute(fn, *args): drop fn's activations in forward, recompute them in backward",
+        "saved_tensors_hooks": ("saved_tensors_hooks(pack, unpack): context manager; tensors autograd saves for "
+                                "backward inside go through pack(x, (storage key, storage bytes)) -> object and come "
+                                "back through unpack(object) -> tensor; parameters are kept as they are. "
+                                "NotImplementedError where the framework has no such hook (MindSpore)"),
     },
     "random": {
         "seed": "seed(value): seed every generator (framework, host initializers, numpy, Python)",
@@ -154,6 +158,8 @@ SPEC = {
         "synchronize": "synchronize(): wait for queued work",
         "supports_dtype": "supports_dtype(name) -> whether training math runs in that dtype here",
         "memory_stats": "memory_stats() -> bytes: host RSS always; device allocator figures where the framework has them",
+        "to_host": "to_host(x) -> a copy of x in host memory (page-locked where a device copies it back)",
+        "to_device": "to_device(x) -> x on the current device (asynchronous where the device allows)",
         "matmul_rate": "matmul_rate(n=1024, dtype='float32', min_seconds=0.5) -> measured FLOP/s (the MFU peak)",
     },
     "io": {

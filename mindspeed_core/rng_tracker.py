@@ -43,6 +43,13 @@ class RNGStatesTracker:
     def set_states(self, states: dict) -> None:
         self._states = {name: self._decode(state) for name, state in states.items()}
 
+    def snapshot(self) -> dict:
+        """The tracked states as they are now, for ``restore`` (not serialisable)."""
+        return dict(self._states)  # fork replaces entries, never mutates one
+
+    def restore(self, snapshot: dict) -> None:
+        self._states = dict(snapshot)
+
     @contextlib.contextmanager
     def fork(self, name: str):
         if name not in self._states:

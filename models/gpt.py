@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from mindspeed_core import composite, features, nn, ops, random
+from mindspeed_core.memory import recompute
 from mindspeed_core.models import rope
 from mindspeed_core.models.config import ModelConfig
 from mindspeed_core.models.layers import Embedding, Linear, make_norm
@@ -101,6 +102,9 @@ SINGLE_DEVICE = Seams()
 
 
 class SelfAttention(nn.Module):
+    # what to recompute in backward (GPTModel.use_recompute; not `recompute`: a MindSpore Cell method)
+    recompute_policy = recompute.NONE
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
@@ -122,7 +126,8 @@ class SelfAttention(nn.Module):
         q = ops.reshape(q, (b, s, groups * per_group, d))
         k, v = ops.squeeze(k, 3), ops.squeeze(v, 3)
         if cfg.qk_layernorm:
-            q, k = self.q_layernorm(q), self.k_layernorm(k)
+            norm = self.recompute_policy.norm_of
+            q, k = norm(self.q_layernorm, q), norm(self.k_layernorm, k)
         if cos is not None:
             rotary = composite.apply_rotary
             if "rope" in cfg.fused:
@@ -133,8 +138,11 @@ class SelfAttention(nn.Module):
         fused = "attention" in cfg.fused
         if fused:
             features.note_used("flash-attention")
-        with seams.attention_rng():
-            out = seams.attention(q, k, v, p, fused, tokens)
+        def core(q, k, v):
+            with seams.attention_rng():
+                return seams.attention(q, k, v, p, fused, tokens)
+
+        out = self.recompute_policy.attention(core, q, k, v)
         return self.linear_proj(ops.reshape(out, (b, s, groups * per_group * d)))
 
 
@@ -162,6 +170,9 @@ class MLP(nn.Module):
 
 
 class TransformerLayer(nn.Module):
+    recompute_policy = recompute.NONE
+    swap = contextlib.nullcontext  # GPTModel.use_memory
+
     def __init__(self, cfg: ModelConfig, mlp: nn.Module | None = None):
         super().__init__()
         self.hidden_dropout = cfg.hidden_dropout
@@ -177,13 +188,18 @@ class TransformerLayer(nn.Module):
             return ops.dropout(x, self.hidden_dropout)
 
     def forward(self, x, cos, sin, seams=SINGLE_DEVICE, tokens=None):
-        x = x + self._dropout(self.self_attention(self.input_layernorm(x), cos, sin, seams, tokens), seams)
-        return x + self._dropout(self.mlp(self.pre_mlp_layernorm(x)), seams)
+        norm = self.recompute_policy.norm_of
+        with self.swap():  # --swap-attention: what this block saves waits in host memory
+            attended = self.self_attention(norm(self.input_layernorm, x), cos, sin, seams, tokens)
+        x = x + self._dropout(attended, seams)
+        return x + self._dropout(self.mlp(norm(self.pre_mlp_layernorm, x)), seams)
 
 
 class Decoder(nn.Module):
     """The layers with the given global numbers (no-op layers are simply absent), and the
     final norm when this is the last stage."""
+
+    recompute_policy = recompute.NONE
 
     def __init__(self, cfg: ModelConfig, numbers: tuple, final_norm: bool = True, make_mlp=None):
         super().__init__()
@@ -195,8 +211,15 @@ class Decoder(nn.Module):
         self.has_final_norm = final_norm
 
     def forward(self, x, cos, sin, seams=SINGLE_DEVICE, tokens=None):
-        for layer in self.layers:
-            x = layer(x, cos, sin, seams, tokens)
+        for start, stop, recomputed in self.recompute_policy.groups(len(self.layers)):
+            layers = [self.layers[i] for i in range(start, stop)]
+
+            def run(x, layers=layers):
+                for layer in layers:
+                    x = layer(x, cos, sin, seams, tokens)
+                return x
+
+            x = recompute.checkpoint(run, x) if recomputed else run(x)
         return self.final_layernorm(x) if self.has_final_norm else x
 
 
@@ -257,6 +280,20 @@ class GPTModel(nn.Module):
     def use_seams(self, seams: Seams) -> None:
         """Run with a parallel plan's seams (mindspeed_core.parallel.layers)."""
         self.seams = seams
+
+    def use_memory(self, policy: recompute.Recompute, swap=None) -> None:
+        """Recompute in backward what ``policy`` says instead of keeping it
+        (memory/recompute.py); with ``swap`` (memory/swap.py HostSwap), the attention block
+        of every layer that full recompute leaves alone keeps its saved tensors in host memory."""
+        self.decoder.recompute_policy = policy
+        layers = self.decoder.layers
+        for layer in layers:
+            layer.recompute_policy = layer.self_attention.recompute_policy = policy
+        if swap is not None:
+            for start, stop, recomputed in policy.groups(len(layers)):
+                for i in range(start, stop):
+                    if not recomputed:
+                        layers[i].swap = swap.block
 
     @property
     def sequence_multiple(self) -> int:

@@ -22,6 +22,7 @@ import math
 import numpy as np
 
 from mindspeed_core import autograd, composite, features, nn, ops
+from mindspeed_core.memory import recompute
 from mindspeed_core.models import router
 from mindspeed_core.models.config import ModelConfig, MoEConfig
 from mindspeed_core.models.gpt import MLP, GPTModel
@@ -147,12 +148,13 @@ class MoELayer(nn.Module):
         features.note_used("moe")
         if self.grouped:
             features.note_used("gmm")
-        stats = self.stats
-        stats["calls"] += 1
-        stats["aux_loss"] += float(ops.to_numpy(routing.aux_loss))
-        stats["z_loss"] += float(ops.to_numpy(routing.z_loss))
-        stats["dropped"] += routing.dropped
-        stats["tokens_per_expert"] += routing.tokens_per_expert
+        if not recompute.recomputing():  # a recomputation in backward routes the same tokens again
+            stats = self.stats
+            stats["calls"] += 1
+            stats["aux_loss"] += float(ops.to_numpy(routing.aux_loss))
+            stats["z_loss"] += float(ops.to_numpy(routing.z_loss))
+            stats["dropped"] += routing.dropped
+            stats["tokens_per_expert"] += routing.tokens_per_expert
         pad_to = router.capacity(b * s, self.moe) if self.moe.pad_to_capacity else None
         y = seams.dispatch(self.experts, seams.expert_input(flat), routing, self.grouped, pad_to)
         y = ops.cast(y, ops.dtype_of(x))

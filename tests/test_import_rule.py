@@ -1,4 +1,4 @@
-"""Model, parallel, training and data code reach a framework only through the facade."""
+"""Model, parallel, training, memory and data code reach a framework only through the facade."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 FRAMEWORK_FREE = ["models", "mindspeed_core/parallel", "mindspeed_core/training", "mindspeed_core/data",
+                  "mindspeed_core/memory",
                   "mindspeed_core/composite.py", "mindspeed_core/features.py", "mindspeed_core/rng_tracker.py",
                   "mindspeed_core/tensor_files.py", "mindspeed_core/usage.py", "backends/emulated_collectives.py",
                   "backends/common.py",

@@ -107,7 +107,10 @@ CASES = [  # (id, ranks, model, flags): the cases of each rank count share one l
     ("tp2", 2, "gqa", ["--tensor-model-parallel-size", "2"]),
     ("tp2-sp", 2, "gqa", ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
     ("dp2", 2, "gqa", []),
-    ("tp2-dp2-sp", 4, "gqa", ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+    # recompute (memory/recompute.py) rides on three of the layouts: the same curves
+    ("tp2-dp2-sp-recompute-full-norm", 4, "gqa", ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                                  "--recompute-granularity", "full", "--recompute-method", "uniform",
+                                                  "--recompute-num-layers", "1", "--recompute-norm"]),
     ("tp4", 4, "mha", ["--tensor-model-parallel-size", "4"]),
     ("tp4-kv-copies", 4, "gqa", ["--tensor-model-parallel-size", "4"]),  # 2 key/value heads on 4 ranks
     ("tp4-kv-copies-sp-distopt", 4, "gqa", ["--tensor-model-parallel-size", "4", "--sequence-parallel",
@@ -124,12 +127,14 @@ CASES = [  # (id, ranks, model, flags): the cases of each rank count share one l
     ("moe-ep2-allgather", 2, "moe", ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "allgather"]),
     ("moe-ep4-alltoall", 4, "moe", ["--expert-model-parallel-size", "4", "--moe-token-dispatcher-type", "alltoall"]),
     ("moe-ep4-allgather", 4, "moe", ["--expert-model-parallel-size", "4"]),
-    ("moe-ep2-tp2-sp", 4, "moe", ["--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "2",
-                                  "--sequence-parallel", "--moe-token-dispatcher-type", "alltoall"]),
+    ("moe-ep2-tp2-sp-selective", 4, "moe", ["--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "2",
+                                            "--sequence-parallel", "--moe-token-dispatcher-type", "alltoall",
+                                            "--recompute-activations"]),
     ("moe-ep2-dp4-distopt", 4, "moe", ["--expert-model-parallel-size", "2", "--use-distributed-optimizer",
                                        "--moe-token-dispatcher-type", "alltoall"]),
-    ("moe-ep2-pp2", 4, "moe", ["--expert-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
-                               "--moe-token-dispatcher-type", "alltoall"]),
+    ("moe-ep2-pp2-recompute-block", 4, "moe", ["--expert-model-parallel-size", "2", "--pipeline-model-parallel-size",
+                                               "2", "--moe-token-dispatcher-type", "alltoall", "--recompute-granularity",
+                                               "full", "--recompute-method", "block", "--recompute-num-layers", "1"]),
 ]
 # cases whose collective bytes are checked against parallel/traffic.py (besides every pure DP one)
 TRAFFIC = ("tp2", "tp2-sp", "dp2-distopt", "tp2-dp2")
@@ -233,6 +238,8 @@ def test_two_rank_layouts_equal_single_process(capsys, framework, corpus, refere
 @pytest.mark.feature("moe-alltoall-dispatcher")
 @pytest.mark.feature("moe-allgather-dispatcher")
 @pytest.mark.feature("pipeline-parallel")
+@pytest.mark.feature("recompute")
+@pytest.mark.feature("norm-recompute")
 def test_four_rank_layouts_equal_single_process(framework, corpus, reference, tmp_path):  # noqa: F811
     run_cases(framework, 4, corpus, reference, tmp_path)
 
@@ -393,6 +400,8 @@ def test_text_sample_under_tensor_and_sequence_parallelism(capsys, framework, co
 @pytest.mark.multiprocess
 @pytest.mark.feature("rng-tracker")
 @pytest.mark.feature("tensor-parallel")
+@pytest.mark.feature("recompute")
+@pytest.mark.feature("norm-recompute")
 def test_dropout_differs_across_tp_ranks_where_it_must(framework, tmp_path):
     import pathlib
 
@@ -403,9 +412,11 @@ def test_dropout_differs_across_tp_ranks_where_it_must(framework, tmp_path):
     code, output = launch(framework, 2, str(pathlib.Path(__file__).parent / "tp_dropout_worker.py"), [str(out_dir)],
                           str(tmp_path / "logs"))
     assert code == 0, output[-4000:]
-    result = json.loads((out_dir / "rank0.json").read_text())
-    assert result["sp=False"] == {"attention_differs": True, "hidden_differs": False, "loss_finite": True}
-    assert result["sp=True"] == {"attention_differs": True, "hidden_differs": True, "loss_finite": True}
+    exact = {f"recompute {name} exact": True for name in ("full", "selective", "norm-block")}
+    for rank in (0, 1):
+        result = json.loads((out_dir / f"rank{rank}.json").read_text())
+        assert result["sp=False"] == {"attention_differs": True, "hidden_differs": False, "loss_finite": True, **exact}
+        assert result["sp=True"] == {"attention_differs": True, "hidden_differs": True, "loss_finite": True, **exact}
 
 
 def test_dropout_is_off_in_evaluation_and_on_in_training(capsys, corpus, tmp_path):  # noqa: F811

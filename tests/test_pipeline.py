@@ -148,14 +148,17 @@ ITERS = 10
 PP = ["--pipeline-model-parallel-size"]
 TWO = [  # (name, model, flags), on two ranks
     ("pp2", "base", PP + ["2", "--save", "{out}/ckpt-pp2", "--save-interval", "5"]),
-    ("pp2-interleaved", "base", PP + ["2", "--num-layers-per-virtual-pipeline-stage", "1"]),
+    ("pp2-interleaved-recompute", "base", PP + ["2", "--num-layers-per-virtual-pipeline-stage", "1",
+                                                "--recompute-granularity", "full", "--recompute-method", "uniform",
+                                                "--recompute-num-layers", "1"]),
     ("pp2-noop", "noop", PP + ["2"]),
     ("pp2-uneven", "base", PP + ["2", "--num-layer-list", "1,3"]),
     ("pp2-tied", "tied", PP + ["2"]),
 ]
 FOUR = [
     ("pp4", "base", PP + ["4", "--save", "{out}/ckpt-pp4", "--save-interval", "5"]),
-    ("tp2-pp2-sp-tied", "tied", PP + ["2", "--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+    ("tp2-pp2-sp-tied-selective-norm", "tied", PP + ["2", "--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                                     "--recompute-activations", "--recompute-norm"]),
     ("pp2-dp2-distopt", "base", PP + ["2", "--use-distributed-optimizer"]),
     ("cp2-pp2", "base", PP + ["2", "--context-parallel-size", "2"]),  # ring attention between stages
 ]
@@ -243,6 +246,7 @@ def resume_single(capsys, corpus, ckpt, model, tmp_path, want, first):  # noqa: 
 @pytest.mark.feature("pipeline-parallel")
 @pytest.mark.feature("virtual-pipeline")
 @pytest.mark.feature("noop-layers")
+@pytest.mark.feature("recompute")
 def test_pipelines_on_two_ranks_equal_one_process(capsys, framework, corpus, single, tmp_path):  # noqa: F811
     """PP2 (saving), interleaved, no-op layers, an uneven split, tied embeddings, and a PP2 run
     started from a single-process checkpoint: one launch."""
@@ -267,6 +271,8 @@ def test_pipelines_on_two_ranks_equal_one_process(capsys, framework, corpus, sin
 @pytest.mark.feature("data-parallel")
 @pytest.mark.feature("distributed-optimizer")
 @pytest.mark.feature("ring-attention-cp")
+@pytest.mark.feature("recompute")
+@pytest.mark.feature("norm-recompute")
 def test_pipelines_on_four_ranks_equal_one_process(capsys, framework, corpus, single, tmp_path):  # noqa: F811
     """PP4 (saving), TP2xPP2 with sequence parallelism and tied embeddings, PP2xDP2 with the
     distributed optimizer, CP2xPP2: one launch; the PP4 checkpoint continues on one process."""

@@ -161,5 +161,9 @@ def detach(x):
     return P.stop_gradient(x)
 
 
+def saved_tensors_hooks(pack, unpack):
+    raise NotImplementedError("MindSpore has no hook on the tensors autograd saves for backward")
+
+
 def recompute(fn, *args):
     return ms.recompute(fn, *args, use_reentrant=False)

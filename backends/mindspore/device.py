@@ -73,6 +73,15 @@ def memory_stats() -> dict:
     return stats
 
 
+def to_host(x):
+    """A copy of x in host memory."""
+    return x.copy() if _selected["type"] == "cpu" else x.move_to("CPU")
+
+
+def to_device(x):
+    return x if _selected["type"] == "cpu" else x.move_to("Ascend" if _selected["type"] == "npu" else "GPU")
+
+
 def matmul_rate(n: int = 1024, dtype: str = "float32", min_seconds: float = 0.5) -> float:
     from . import ops
 

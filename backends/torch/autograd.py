@@ -127,6 +127,24 @@ def detach(x):
     return x.detach()
 
 
+def saved_tensors_hooks(pack, unpack):
+    """Tensors autograd saves for backward inside the block go through ``pack(x, storage)``
+    (``storage``: (key, bytes) of the memory x views, one key per buffer) and come back
+    through ``unpack``. Parameters are kept as they are: they stay in memory anyway."""
+
+    def _pack(x):
+        if x.is_leaf and x.requires_grad:
+            return True, x
+        buffer = x.untyped_storage()
+        return False, pack(x, (buffer.data_ptr(), buffer.nbytes()))
+
+    def _unpack(packed):
+        kept, value = packed
+        return value if kept else unpack(value)
+
+    return torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)
+
+
 def recompute(fn, *args):
     """Run fn without keeping its activations; recompute them during the backward pass."""
     return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)

@@ -86,6 +86,16 @@ def memory_stats() -> dict:
     return stats
 
 
+def to_host(x):
+    """A copy of x in host memory (page-locked when a device will copy it back)."""
+    host = x.detach().to("cpu", copy=True)
+    return host.pin_memory() if _selected["type"] in ("cuda", "npu") else host
+
+
+def to_device(x):
+    return x.to(torch_device(), non_blocking=True)
+
+
 def matmul_rate(n: int = 1024, dtype: str = "float32", min_seconds: float = 0.5) -> float:
     """Measured matmul FLOP/s of the device (the peak that MFU is reported against)."""
     from . import ops

@@ -25,6 +25,8 @@ from mindspeed_core.backends.common import check_fits_in_memory
 from mindspeed_core.data import gpt_dataset
 from mindspeed_core.data.sampler import PretrainingSampler
 from mindspeed_core.data.tokenizer import build_tokenizer, padded_vocab_size, tokenizer_args
+from mindspeed_core.memory import recompute
+from mindspeed_core.memory.swap import HostSwap
 from mindspeed_core.errors import CheckpointError, MindSpeedError
 from mindspeed_core.models import registry, router
 from mindspeed_core.models.config import PRESETS, ModelConfig, MoEConfig
@@ -198,6 +200,7 @@ def check_configuration(args, world: int):
     context.check_layout(cfg, cp, args.context_parallel_algo, args.ulysses_degree_in_cp, tp, args.seq_length,
                          args.sequence_parallel)
     layout = pipeline_layout(args, cfg)
+    recompute.check(args, [len(layout.layers(stage)) for stage in range(layout.virtual_stages)])
     if world % (tp * pp * cp):
         raise MindSpeedError(f"world size {world} is not divisible by the tensor parallel size {tp}"
                              + (f" x the pipeline parallel size {pp}" if pp > 1 else "")
@@ -216,6 +219,10 @@ def check_configuration(args, world: int):
     if args.compile and (cp > 1 or args.reset_attention_mask or args.reset_position_ids):
         raise MindSpeedError("--compile with context parallelism or packed sequences (--reset-attention-mask, "
                              "--reset-position-ids) is not built yet: drop --compile")
+    if args.compile and (args.recompute_granularity or args.recompute_activations or args.recompute_norm
+                         or args.swap_attention):
+        raise MindSpeedError("--compile with activation recompute or --swap-attention is not built yet: drop "
+                             "--compile or the memory flags")
     if args.save:
         check_save_folder(args)
     return tokenizer, cfg
@@ -348,6 +355,11 @@ class Trainer:
                                                                   args.context_parallel_algo, args.ulysses_degree_in_cp,
                                                                   args.moe_token_dispatcher_type)
                                       for c in self.chunks)
+        memory_policy = recompute.from_args(args)
+        self.swap = HostSwap() if args.swap_attention else None
+        if memory_policy.active or self.swap:
+            for chunk in self.chunks:
+                chunk.use_memory(memory_policy, self.swap)
         if ps.tp > 1:
             parallel_layers.seed_model_parallel_rng(args.seed, ps)
         if saved_optimizer is not None:  # after the tracker is seeded: its streams are restored too

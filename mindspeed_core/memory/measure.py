@@ -1,0 +1,167 @@
+"""What a training step holds in memory, measured, and what the literature predicts.
+
+* ``SavedBytes``: the bytes autograd keeps for backward (distinct buffers, parameters
+  excluded), counted through the framework's saved-tensor hooks: the live activations at
+  the end of the forward pass. PyTorch only (MindSpore has no such hook).
+* ``host_peak_during``: the peak of the process's resident memory above where it started,
+  over a call (Linux VmHWM, reset through /proc/self/clear_refs): what the step really
+  needed, activations and temporaries included, on any framework. Run it in a fresh process
+  with MALLOC_MMAP_THRESHOLD_ fixed (``MALLOC_ENV``): then every large buffer is mapped
+  when allocated and unmapped when freed, and memory an earlier step freed cannot hide a peak.
+* ``layer_activation_bytes``: Korthikanti et al. (2022, section 4.1), per transformer layer,
+  generalised to this model's widths, element size and gated MLP.
+
+``python -m mindspeed_core.memory.measure [train flags]`` trains a few steps on random
+tokens and prints one JSON line with the figures of the last one (benchmarks/bench_memory.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import tempfile
+import time
+
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "65536"}
+
+
+class SavedBytes:
+    """Counts what autograd keeps for backward of the code run under ``counting()``, as
+    distinct buffers (views of one buffer count once), parameters excluded. Tensors that
+    another mechanism takes over (recompute drops them, swap moves them) are not seen."""
+
+    def __init__(self):
+        self._buffers = {}
+
+    @property
+    def bytes(self) -> int:
+        return sum(self._buffers.values())
+
+    def _pack(self, x, storage):
+        key, size = storage
+        self._buffers[key] = max(size, self._buffers.get(key, 0))
+        return x
+
+    def counting(self):
+        from mindspeed_core import autograd  # binding the facade waits for main's --ai-framework
+
+        return autograd.saved_tensors_hooks(self._pack, lambda x: x)
+
+
+def _status(key: str) -> int:
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    raise OSError(f"no {key} in /proc/self/status")
+
+
+def host_peak_during(fn):
+    """(fn(), peak resident bytes above the resident bytes at the start)."""
+    start = _status("VmRSS")
+    with open("/proc/self/clear_refs", "w") as fh:  # the peak (VmHWM) restarts from now
+        fh.write("5")
+    result = fn()
+    return result, _status("VmHWM") - start
+
+
+def layer_activation_bytes(s: int, b: int, h: int, a: int, f: int, element: int, dropout: bool,
+                           gated: bool, part: str = "all") -> int:
+    """Activations one transformer layer keeps for backward (Korthikanti et al. 2022, 4.1):
+    sbh(34 + 5as/h) bytes for their 16-bit GPT layer with dropout; here with element size
+    ``element``, MLP width ``f`` (gated: fc1 gives 2f), 1-byte dropout masks only with
+    dropout. ``part``: "all", "attention" (input norm and self attention), "scores" (the
+    a s^2 b terms: what selective recompute drops)."""
+    sbh, as2b = s * b * h, a * s * s * b
+    mask = 1 if dropout else 0
+    scores = element * as2b + (mask + element) * as2b * mask  # softmax out; with dropout: mask and output
+    attention = element * sbh + element * 5 * sbh + scores + mask * sbh  # norm in, qkv in, q k v, proj in
+    if part == "scores":
+        return scores
+    if part == "attention":
+        return attention
+    mlp = element * sbh + element * sbh + element * s * b * f * (3 if gated else 2) + mask * sbh
+    return attention + mlp
+
+
+def estimated_peak_bytes(policy, layers: int, swap: bool = False, **size) -> int:
+    """Activation bytes the transformer layers hold at the step's peak under ``policy``
+    (memory/recompute.py Recompute), from ``layer_activation_bytes(**size)``: full recompute
+    keeps each group's input and, in backward, one group's recomputed activations at a time;
+    swap moves the attention blocks of the layers it covers to the host. The norm recompute
+    built here saves nothing this formula counts (the norm's output stays; its internals,
+    which the formula leaves out, go)."""
+    whole = layer_activation_bytes(**size)
+    if policy.granularity == "selective":
+        whole -= layer_activation_bytes(**size, part="scores")
+    group_input = size["element"] * size["s"] * size["b"] * size["h"]
+    groups = policy.groups(layers)
+    kept = sum(group_input if recomputed else (stop - start) * whole for start, stop, recomputed in groups)
+    if swap:
+        kept -= sum(stop - start for start, stop, recomputed in groups if not recomputed) * layer_activation_bytes(
+            **size, part="attention")
+    biggest = max((stop - start for start, stop, recomputed in groups if recomputed), default=0)
+    return max(kept, sum(group_input for *_, r in groups if r) + biggest * whole)
+
+
+def _random_data(vocab: int) -> str:
+    import numpy as np
+
+    from mindspeed_core.data import indexed
+
+    prefix = os.path.join(tempfile.mkdtemp(), "random")
+    writer = indexed.IndexedDatasetWriter(prefix, np.uint16)
+    rng = np.random.default_rng(0)
+    for _ in range(32):
+        writer.add_document(rng.integers(0, vocab, 2048))
+    writer.finalize()
+    return prefix
+
+
+def main(argv=None) -> int:
+    """Train --train-iters steps (at least 3) and report the last one."""
+    from mindspeed_core import runtime
+    from mindspeed_core.compat import megatron_args
+
+    args = megatron_args.training_parser().parse_args(argv)
+    backend = runtime.bind(args.ai_framework)
+    from mindspeed_core import device, features, ops
+    from mindspeed_core.errors import MindSpeedError
+    from mindspeed_core.training.trainer import Trainer
+
+    try:
+        features.validate(args, backend.NAME, device.type(), backend.FRAMEWORK_VERSION)
+    except MindSpeedError as e:
+        print(f"measure: error: {e}", file=sys.stderr)
+        return 2
+    if not args.data_path:
+        args.data_path = [_random_data(args.vocab_size or 512)]
+    steps = max(args.train_iters or 3, 3)
+    with open(os.devnull, "w") as null:
+        trainer = Trainer(args, out=null)
+        trainer.build()
+        # A framework that keeps freed memory in a pool of its own (MindSpore on CPU) grows
+        # the pool to its peak once, in the first full-size step, and never gives it back:
+        # so warm every operator up on a short sequence, then measure the first full step.
+        ids, labels, _ = trainer._batch("train", 0, args.micro_batch_size)
+        short = [ops.tensor(ops.to_numpy(t)[:, :16].copy()) for t in (ids, labels)]
+        trainer.grad_fn(*short)
+        _, first_peak = host_peak_during(lambda: trainer.gradients(0))
+        for i in range(steps - 1):  # then whole steps, until every buffer kept across steps exists
+            trainer.train_step(i)
+        counter = SavedBytes() if runtime.bound().NAME == "pytorch" else None
+        start = time.perf_counter()
+        with counter.counting() if counter else contextlib.nullcontext():
+            (loss, _, _), peak = host_peak_during(lambda: trainer.train_step(steps - 1))
+        seconds = time.perf_counter() - start
+    swap = trainer.swap
+    print(json.dumps({"loss": loss, "host_peak_bytes": peak, "first_host_peak_bytes": first_peak, "saved_bytes": counter.bytes if counter else None,
+                      "swapped_peak_host_bytes": swap.peak_host_bytes if swap else 0,
+                      "swapped_tensors": swap.swapped if swap else 0, "step_seconds": seconds}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,141 @@
+"""Activation recompute: which parts of the decoder drop their activations in forward and
+compute them again in backward (Megatron's --recompute-granularity / --recompute-method /
+--recompute-num-layers, MindSpeed's --recompute-norm).
+
+* full, uniform: the layers of each model chunk in groups of N; only a group's input is kept.
+* full, block: the first N layers of each model chunk (so, per pipeline stage and per
+  virtual stage), one at a time; the rest keep their activations.
+* selective: the core attention of every layer (scores, softmax, dropout, weighted sum),
+  the largest activations per byte of compute (Korthikanti et al.).
+* norm: every norm of every layer; its output stays (the next projection keeps it), what
+  goes is what the norm kept for its own backward.
+
+The model asks this policy (``Recompute``) at each of those places; ``checkpoint`` is the
+facade's recompute plus two things a training step needs of it: the random numbers of the
+recomputation are those of the forward pass (dropout masks, also those of the tensor-parallel
+RNG tracker), and code with side effects can tell the two passes apart (``recomputing``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+from mindspeed_core import autograd, features, random
+from mindspeed_core.errors import MindSpeedError
+
+_replaying = [0]  # > 0 while a recomputation runs
+
+
+def recomputing() -> bool:
+    """Whether the code running now is a recomputation in the backward pass (counters and
+    statistics collected in forward must not count it twice)."""
+    return _replaying[0] > 0
+
+
+def _states():
+    return random.get_state(), random.tracker().snapshot()
+
+
+def _set_states(states) -> None:
+    random.set_state(states[0])
+    random.tracker().restore(states[1])
+
+
+@contextlib.contextmanager
+def _replay(states):
+    now = _states()
+    _set_states(states)
+    _replaying[0] += 1
+    try:
+        yield
+    finally:
+        _replaying[0] -= 1
+        _set_states(now)
+
+
+def checkpoint(fn, *args):
+    """fn(*args) keeping only its inputs; in backward fn runs again from the random state it
+    first ran with."""
+    seen = []
+
+    def run(*a):
+        if not seen:
+            seen.append(_states())
+            return fn(*a)
+        with _replay(seen[0]):
+            return fn(*a)
+
+    return autograd.recompute(run, *args)
+
+
+@dataclass(frozen=True)
+class Recompute:
+    """What the decoder recomputes. ``granularity``: None, "full" or "selective"; ``method``
+    and ``num_layers`` for full; ``norm``: the norms, with any granularity."""
+
+    granularity: str | None = None
+    method: str | None = None
+    num_layers: int | None = None
+    norm: bool = False
+
+    @property
+    def active(self) -> bool:
+        return self.granularity is not None or self.norm
+
+    def groups(self, n: int) -> list:
+        """The decoder's ``n`` layers as runs (start, stop, recomputed as one)."""
+        if self.granularity != "full":
+            return [(0, n, False)] if n else []
+        k = self.num_layers
+        if self.method == "uniform":
+            return [(i, min(i + k, n), True) for i in range(0, n, k)]
+        return [(i, i + 1, i < k) for i in range(n)]  # block
+
+    def attention(self, fn, *args):
+        """The core attention fn(*args), recomputed under selective granularity."""
+        if self.granularity != "selective":
+            return fn(*args)
+        return checkpoint(fn, *args)
+
+    def norm_of(self, norm, x):
+        if not self.norm:
+            return norm(x)
+        return checkpoint(norm, x)
+
+
+NONE = Recompute()
+
+
+def from_args(args) -> Recompute:
+    """The policy the flags ask for (after ``check``)."""
+    granularity = "selective" if getattr(args, "recompute_activations", False) else args.recompute_granularity
+    if granularity is not None:
+        features.note_used("recompute")
+    if args.recompute_norm:
+        features.note_used("norm-recompute")
+    return Recompute(granularity, args.recompute_method, args.recompute_num_layers, args.recompute_norm)
+
+
+def check(args, chunk_layers: list) -> None:
+    """Flag combinations Megatron refuses, refused the same way before any rank starts.
+    ``chunk_layers``: how many layers each model chunk (pipeline stage, virtual stage) holds."""
+    if getattr(args, "recompute_activations", False):
+        if args.recompute_granularity not in (None, "selective"):
+            raise MindSpeedError("--recompute-activations is --recompute-granularity selective; it cannot be "
+                                 f"combined with --recompute-granularity {args.recompute_granularity}")
+        granularity = "selective"
+    else:
+        granularity = args.recompute_granularity
+    if granularity == "full":
+        if args.recompute_method is None or args.recompute_num_layers is None:
+            raise MindSpeedError("--recompute-granularity full needs --recompute-method (uniform or block) and "
+                                 "--recompute-num-layers N")
+        most = max(chunk_layers, default=0)
+        if args.recompute_num_layers > most:
+            raise MindSpeedError(f"--recompute-num-layers {args.recompute_num_layers} exceeds the {most} layers a "
+                                 "model chunk holds (the count is per pipeline stage and virtual stage)")
+    elif args.recompute_method is not None or args.recompute_num_layers is not None:
+        given = "--recompute-method" if args.recompute_method is not None else "--recompute-num-layers"
+        raise MindSpeedError(f"{given} applies to --recompute-granularity full only"
+                             + ("" if granularity is None else f" (this run asks for {granularity})"))

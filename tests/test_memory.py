@@ -1,0 +1,168 @@
+"""Memory features (recompute, swap attention): exactly the same training, less memory held.
+
+Tensor- and pipeline-parallel runs with recompute are cases of the layout tests
+(test_parallel.py, test_pipeline.py); the RNG replay under tensor parallelism is checked by
+tests/tp_dropout_worker.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from mindspeed_core.memory import measure
+from test_training import SMALL, corpus, train  # noqa: F401  (corpus is a fixture)
+
+# three layers (uniform groups of 2 leave one over), q/k norms, dropout everywhere: the
+# recomputation must replay every dropout mask
+MODEL = [*SMALL, "--num-layers", "3", "--qk-layernorm", "--attention-dropout", "0.2", "--hidden-dropout", "0.2"]
+STEPS = 5
+
+VARIANTS = {
+    "full-uniform-2": ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "2"],
+    "full-block-1": ["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "1"],
+    "selective": ["--recompute-activations"],
+    "norm": ["--recompute-norm"],
+    "selective-norm": ["--recompute-granularity", "selective", "--recompute-norm"],
+    "swap-attention": ["--swap-attention"],
+    "swap-block-2": ["--swap-attention", "--recompute-granularity", "full", "--recompute-method", "block",
+                     "--recompute-num-layers", "2"],
+}
+
+
+def run(corpus, flags):  # noqa: F811
+    """First-step gradients and the losses of STEPS steps, in this process."""
+    import contextlib
+    import io
+
+    from mindspeed_core import ops
+    from mindspeed_core.compat.megatron_args import training_parser
+    from mindspeed_core.training.trainer import Trainer
+
+    args = training_parser().parse_args([*MODEL, *flags, "--data-path", corpus, "--train-iters", str(STEPS)])
+    with contextlib.redirect_stdout(io.StringIO()):
+        trainer = Trainer(args)
+        trainer.build()
+        grads = dict(zip(trainer.names, map(ops.to_numpy, trainer.gradients(0)[1])))
+        curve = [trainer.train_step(i)[0] for i in range(STEPS)]
+    return grads, curve, trainer
+
+
+@pytest.fixture(scope="module")
+def plain(corpus):  # noqa: F811
+    return run(corpus, [])
+
+
+@pytest.mark.feature("recompute")
+@pytest.mark.feature("norm-recompute")
+@pytest.mark.feature("swap-attention")
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_memory_features_train_bit_identically(capsys, framework, corpus, plain, variant):  # noqa: F811
+    if "swap" in variant and framework == "mindspore":
+        assert_swap_refused(capsys, corpus)
+        return
+    grads, curve, trainer = run(corpus, VARIANTS[variant])
+    want_grads, want_curve, _ = plain
+    assert sorted(grads) == sorted(want_grads)
+    for name, g in want_grads.items():
+        assert np.array_equal(grads[name], g), (variant, name, float(np.max(np.abs(grads[name] - g))))
+    assert curve == want_curve, (variant, curve, want_curve)
+    if "swap" in variant:  # the tensors really went to the host and came back
+        assert trainer.swap.swapped > 0 and trainer.swap.host_bytes == 0
+
+
+def assert_swap_refused(capsys, corpus):  # noqa: F811
+    """MindSpore: the matrix refuses --swap-attention (exit 2, what to use instead), and the
+    facade's hook says why."""
+    code, out, err = train(capsys, *MODEL, "--data-path", corpus, "--train-iters", "1", "--swap-attention")
+    assert code == 2 and "swap-attention" in err and "--recompute-granularity full" in err, err
+    from mindspeed_core import autograd
+
+    with pytest.raises(NotImplementedError, match="no hook"):
+        autograd.saved_tensors_hooks(lambda x, s: x, lambda x: x)
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--recompute-granularity", "full"], "needs --recompute-method"),
+    (["--recompute-granularity", "full", "--recompute-method", "block"], "needs --recompute-method"),
+    (["--recompute-granularity", "selective", "--recompute-method", "block"], "applies to --recompute-granularity full"),
+    (["--recompute-num-layers", "1"], "applies to --recompute-granularity full only"),
+    (["--recompute-activations", "--recompute-granularity", "full"], "cannot be combined"),
+    (["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "4"],
+     "exceeds the 3 layers"),
+    (["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "3",
+      "--pipeline-model-parallel-size", "2", "--num-layer-list", "2,1"], "exceeds the 2 layers"),
+    (["--recompute-activations", "--compile", "--attention-dropout", "0", "--hidden-dropout", "0"],
+     "--compile with activation recompute"),
+    (["--recompute-norm", "--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers",
+      "0"], "must be a positive integer"),
+])
+def test_bad_recompute_flags_are_clear_errors(capsys, corpus, flags, message):  # noqa: F811
+    code, out, err = train(capsys, *MODEL, "--data-path", corpus, "--train-iters", "1", *flags)
+    assert code == 2 and message in err and "Traceback" not in err, err
+
+
+# ---- measured savings ------------------------------------------------------------------------
+
+# big enough that activations dwarf the framework's own allocations; no dropout, fp32
+SIZE = {"s": 512, "b": 4, "h": 128, "a": 4, "f": 384, "layers": 4}
+MEASURED_MODEL = ["--num-layers", str(SIZE["layers"]), "--hidden-size", str(SIZE["h"]), "--num-attention-heads",
+                  str(SIZE["a"]), "--ffn-hidden-size", str(SIZE["f"]), "--seq-length", str(SIZE["s"]),
+                  "--micro-batch-size", str(SIZE["b"]), "--tokenizer-type", "NullTokenizer", "--vocab-size", "511",
+                  "--make-vocab-size-divisible-by", "1", "--attention-dropout", "0", "--hidden-dropout", "0",
+                  "--eval-iters", "0", "--split", "100,0,0", "--no-progress", "--train-iters", "3"]
+
+
+def measured(framework, flags) -> dict:
+    """memory/measure.py's figures of a fresh process."""
+    env = {**os.environ, **measure.MALLOC_ENV}
+    out = subprocess.run([sys.executable, "-m", "mindspeed_core.memory.measure", "--ai-framework", framework,
+                          *MEASURED_MODEL, *flags], capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+ESTIMATE_SIZE = {"s": SIZE["s"], "b": SIZE["b"], "h": SIZE["h"], "a": SIZE["a"], "f": SIZE["f"], "element": 4,
+                 "dropout": False, "gated": True}
+
+
+@pytest.mark.feature("recompute")
+def test_full_recompute_lowers_the_measured_peak(framework):
+    from mindspeed_core.memory.recompute import NONE, Recompute
+
+    full_policy = Recompute("full", "uniform", 1)
+    none = measured(framework, [])
+    full = measured(framework, ["--recompute-granularity", "full", "--recompute-method", "uniform",
+                                "--recompute-num-layers", "1"])
+    n = SIZE["layers"]
+    saving = (measure.estimated_peak_bytes(NONE, n, **ESTIMATE_SIZE)
+              - measure.estimated_peak_bytes(full_policy, n, **ESTIMATE_SIZE))
+    assert full["loss"] == none["loss"]
+    got = none["first_host_peak_bytes"] - full["first_host_peak_bytes"]
+    print(f"{framework}: measured peak {none['first_host_peak_bytes'] / 2**20:.1f} -> "
+          f"{full['first_host_peak_bytes'] / 2**20:.1f} MiB, saving {got / 2**20:.1f} MiB; analytical saving "
+          f"{saving / 2**20:.1f} MiB")
+    assert got >= saving / 2, (got, saving)
+    if framework == "pytorch":  # what autograd holds at the end of forward, counted: all but the group inputs
+        kept = n * 4 * SIZE["s"] * SIZE["b"] * SIZE["h"]
+        assert none["saved_bytes"] - full["saved_bytes"] >= (measure.estimated_peak_bytes(NONE, n, **ESTIMATE_SIZE)
+                                                             - kept) / 2, (none, full)
+
+
+@pytest.mark.feature("swap-attention")
+def test_swap_attention_lowers_what_the_device_holds(capsys, framework, corpus):  # noqa: F811
+    if framework == "mindspore":
+        assert_swap_refused(capsys, corpus)
+        return
+    none, swap = measured(framework, []), measured(framework, ["--swap-attention"])
+    assert swap["loss"] == none["loss"]
+    moved = SIZE["layers"] * measure.layer_activation_bytes(**ESTIMATE_SIZE, part="attention")  # analytically
+    assert none["saved_bytes"] - swap["saved_bytes"] >= moved / 2, (none, swap, moved)
+    # on this CPU-only machine host and device are the same memory: what left autograd's
+    # hands is now held by the swap, about as many bytes
+    assert swap["swapped_peak_host_bytes"] >= (none["saved_bytes"] - swap["saved_bytes"]) / 2, swap
