@@ -203,7 +203,12 @@ FEATURES: tuple[Feature, ...] = (
     Feature("recompute-in-advance", "Recompute in advance (overlapped with pipeline bubbles)", "memory",
             ("--recompute-in-advance",), planned(), planned(), _on("recompute_in_advance")),
     Feature("o2-bf16-optimizer", "O2 BF16 optimizer (bf16 optimizer states)", "memory", ("--o2-optimizer",),
-            planned(), planned(), _on("o2_optimizer")),
+            supported("Adam moments kept in bf16, widened to fp32 for each update (with --bf16; also sharded by the "
+                      "distributed optimizer)"),
+            planned("needs --bf16, not yet run on a MindSpore GPU/Ascend device",
+                    cpu=unsupported("needs --bf16: MindSpore's CPU MatMul has no bfloat16 kernel",
+                                    instead="fp32 moments (drop --o2-optimizer)")),
+            _on("o2_optimizer")),
     Feature("bf16", "bfloat16 training", "precision", ("--bf16",),
             supported("bf16 parameters and activations, fp32 master weights, moments and softmax"),
             planned("not yet run on a MindSpore GPU/Ascend device",

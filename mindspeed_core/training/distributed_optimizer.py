@@ -13,7 +13,7 @@ Per step:
     parameters  the updated slices all-gathered and copied back into the parameters
 
 so each rank keeps 3/DP of the fp32 state (masters, two moments) instead of the full two
-or three copies. Checkpoints hold the same full per-parameter state as plain AdamW, so a
+or three copies (the moments in bf16 under --o2-optimizer). Checkpoints hold the same full per-parameter state as plain AdamW, so a
 run can switch optimizers or layouts when it resumes.
 """
 
@@ -26,7 +26,7 @@ import numpy as np
 from mindspeed_core import autograd, dist, features, nn, ops
 from mindspeed_core.errors import CheckpointError
 from mindspeed_core.training.distributed import over_pipeline, sum_of_squares
-from mindspeed_core.training.optimizer import adamw, no_weight_decay
+from mindspeed_core.training.optimizer import adamw, moment_bytes, narrow, no_weight_decay, widen
 
 
 class _Partition:
@@ -34,7 +34,8 @@ class _Partition:
     ``group`` (``ranks`` ranks, this one the ``index``-th); gradients arrive summed over the
     group and are multiplied by ``grad_scale``."""
 
-    def __init__(self, named, sharded, weights, weight_decay, group, ranks: int, index: int, grad_scale: float):
+    def __init__(self, named, sharded, weights, weight_decay, group, ranks: int, index: int, grad_scale: float,
+                 moment_dtype: str = "float32"):
         self.named, self.group, self.ranks, self.grad_scale = named, group, ranks, grad_scale
         self.sizes = [ops.numel(p) for _, p in named]
         total = sum(self.sizes)
@@ -55,8 +56,9 @@ class _Partition:
         self.tp_mask = ops.tensor(tp_sharded[window])
         self.counted = ops.tensor(counted[window])
         self.master = self.my_slice(self.flatten([autograd.detach(p) for _, p in named]))
-        self.exp_avg = ops.zeros((self.shard,))
-        self.exp_avg_sq = ops.zeros((self.shard,))
+        self.moment_dtype = moment_dtype  # bfloat16 under --o2-optimizer
+        self.exp_avg = ops.zeros((self.shard,), dtype=moment_dtype)
+        self.exp_avg_sq = ops.zeros((self.shard,), dtype=moment_dtype)
 
     def flatten(self, tensors):
         flat = ops.cat([ops.reshape(ops.cast(t, "float32"), (-1,)) for t in tensors])
@@ -89,7 +91,8 @@ class _Partition:
 
 
 class DistributedAdamW:
-    def __init__(self, named_params, lr: float, weight_decay: float, betas, eps: float, ps, plan):
+    def __init__(self, named_params, lr: float, weight_decay: float, betas, eps: float, ps, plan,
+                 moment_dtype: str = "float32"):
         named_params = list(named_params)
         trainable = [i for i, (_, p) in enumerate(named_params) if nn.requires_grad(p)]
         sharded, expert = plan.sharded(), plan.flags("expert") if ps.ep > 1 else [False] * len(named_params)
@@ -110,7 +113,7 @@ class DistributedAdamW:
             self.partitions.append(_Partition(
                 [self.named[k] for k in mine], [sharded[trainable[k]] for k in mine],
                 [weights[trainable[k]] for k in mine], weight_decay, ps.group(kind), ps.size(kind),
-                ps.local_rank(kind), 1.0 / ps.size("dp_cp")))
+                ps.local_rank(kind), 1.0 / ps.size("dp_cp"), moment_dtype))
 
     # -- the trainer's interface -------------------------------------------------------------
     def prepare(self, grads) -> list:
@@ -139,20 +142,24 @@ class DistributedAdamW:
                 # undecayed parameters), then the fused step without decay: the same update, as
                 # Adam's term does not read the weights
                 master = part.master - part.master * (part.decay * lr)
-                (part.master,), (part.exp_avg,), (part.exp_avg_sq,) = adamw(
-                    [master], [grad], [part.exp_avg], [part.exp_avg_sq], lr, [0.0], self.betas, self.eps, self.steps)
+                (part.master,), exp_avg, exp_avg_sq = adamw(
+                    [master], [grad], widen([part.exp_avg]), widen([part.exp_avg_sq]), lr, [0.0], self.betas, self.eps,
+                    self.steps)
+                (part.exp_avg,), (part.exp_avg_sq,) = narrow(exp_avg, part.moment_dtype), narrow(exp_avg_sq,
+                                                                                                   part.moment_dtype)
                 for (_, p), value in zip(part.named, part.unflatten(part.gather(part.master))):
                     nn.assign(p, value)
 
     def state_bytes(self) -> int:
-        return sum(4 * 3 * part.shard for part in self.partitions)
+        return sum((4 + 2 * moment_bytes(part.moment_dtype)) * part.shard for part in self.partitions)
 
     # -- checkpoints: the same per-parameter state as plain AdamW ----------------------------
     def state(self) -> dict:
         out = {}
         for part in self.partitions:
             for key in ("exp_avg", "exp_avg_sq", "master"):
-                for (name, p), value in zip(part.named, part.unflatten(part.gather(getattr(part, key)))):
+                mine = widen([getattr(part, key)])[0]  # gathered in fp32: every backend's collectives have it
+                for (name, p), value in zip(part.named, part.unflatten(part.gather(mine))):
                     if key != "master" or ops.dtype_of(p) != "float32":
                         out[f"{key}.{name}"] = value
         return out
@@ -171,5 +178,6 @@ class DistributedAdamW:
                         raise CheckpointError(f"optimizer {key} of {name} has shape {tuple(t.shape)}, "
                                               f"the model's is {tuple(p.shape)}")
                     values.append(t)
-                setattr(part, key, part.my_slice(part.flatten(values)))
+                flat = part.my_slice(part.flatten(values))
+                setattr(part, key, flat if key == "master" else narrow([flat], part.moment_dtype)[0])
         self.steps = steps

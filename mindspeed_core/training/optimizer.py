@@ -16,6 +16,21 @@ def adamw(weights, grads, exp_avgs, exp_avg_sqs, lr: float, weight_decays, betas
                           betas[1], eps, weight_decays, step)
 
 
+def moment_bytes(dtype: str) -> int:
+    return 2 if dtype == "bfloat16" else 4
+
+
+def widen(moments: list) -> list:
+    """Moments as the fp32 the update computes in (--o2-optimizer keeps them in bf16)."""
+    return [m if ops.dtype_of(m) == "float32" else ops.cast(m, "float32") for m in moments]
+
+
+def narrow(moments: list, dtype: str) -> list:
+    if dtype != "float32":
+        features.note_used("o2-bf16-optimizer")
+    return [m if dtype == "float32" else ops.cast(m, dtype) for m in moments]
+
+
 def no_weight_decay(name: str, param) -> bool:
     """Megatron's rule: norms and biases (one-dimensional parameters) are not decayed."""
     return len(param.shape) == 1 or name.endswith(".bias")
@@ -29,9 +44,11 @@ class AdamW:
     optimizer shards the same work (training/distributed_optimizer.py)."""
 
     def __init__(self, named_params, lr: float, weight_decay: float = 0.0, betas=(0.9, 0.999), eps: float = 1e-8,
-                 ps=None, plan=None):
+                 ps=None, plan=None, moment_dtype: str = "float32"):
         """``plan``: the parallel plan of these parameters (which are sharded over TP, which
-        elements the global norm counts); None on one process."""
+        elements the global norm counts); None on one process. ``moment_dtype``: bfloat16 for
+        MindSpeed's O2 optimizer (--o2-optimizer): the moments are kept in bf16 and widened
+        to fp32 for each update."""
         self.named = [(n, p) for n, p in named_params if nn.requires_grad(p)]
         self.ps = ps
         self.sharded = plan.sharded() if plan is not None else [False] * len(self.named)
@@ -40,12 +57,13 @@ class AdamW:
         self.norm_weights = [None if w is None else ops.tensor(w) for w in weights]
         self.lr, self.weight_decay, self.betas, self.eps = lr, weight_decay, betas, eps
         self.decay = [not no_weight_decay(n, p) for n, p in self.named]
-        # fp32 moments always; fp32 master weights only for low-precision parameters (an fp32
-        # parameter is its own master)
+        # fp32 master weights only for low-precision parameters (an fp32 parameter is its own
+        # master); fp32 moments unless --o2-optimizer
         self.master = [None if ops.dtype_of(p) == "float32" else autograd.detach(ops.cast(p, "float32"))
                        for _, p in self.named]
-        self.exp_avg = [ops.zeros(p.shape) for _, p in self.named]
-        self.exp_avg_sq = [ops.zeros(p.shape) for _, p in self.named]
+        self.moment_dtype = moment_dtype
+        self.exp_avg = [ops.zeros(p.shape, dtype=moment_dtype) for _, p in self.named]
+        self.exp_avg_sq = [ops.zeros(p.shape, dtype=moment_dtype) for _, p in self.named]
         self.steps = 0
 
     @property
@@ -66,8 +84,8 @@ class AdamW:
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state held by this rank (moments and fp32 masters)."""
-        tensors = self.exp_avg + self.exp_avg_sq + [w for w in self.master if w is not None]
-        return 4 * sum(ops.numel(t) for t in tensors)
+        moments = sum(ops.numel(t) for t in self.exp_avg + self.exp_avg_sq)
+        return 4 * sum(ops.numel(w) for w in self.master if w is not None) + moment_bytes(self.moment_dtype) * moments
 
     def step(self, grads, lr: float, scale: float = 1.0) -> None:
         self.steps += 1
@@ -77,8 +95,9 @@ class AdamW:
             # an fp32 parameter is updated itself (in place where the kernel is fused)
             weights = [p if w is None else w for (_, p), w in zip(self.named, self.master)]
             decays = [self.weight_decay if d else 0.0 for d in self.decay]
-            weights, self.exp_avg, self.exp_avg_sq = adamw(weights, grads, self.exp_avg, self.exp_avg_sq, lr,
-                                                           decays, self.betas, self.eps, self.steps)
+            weights, exp_avg, exp_avg_sq = adamw(weights, grads, widen(self.exp_avg), widen(self.exp_avg_sq), lr,
+                                                 decays, self.betas, self.eps, self.steps)
+            self.exp_avg, self.exp_avg_sq = narrow(exp_avg, self.moment_dtype), narrow(exp_avg_sq, self.moment_dtype)
             for i, ((_, p), w) in enumerate(zip(self.named, weights)):
                 if self.master[i] is not None:
                     self.master[i] = w
@@ -107,7 +126,7 @@ class AdamW:
                 if tuple(t.shape) != tuple(p.shape):
                     raise CheckpointError(f"optimizer {key} of {name} has shape {tuple(t.shape)}, "
                                           f"the model's is {tuple(p.shape)}")
-                store[i] = ops.cast(t, "float32")
+                store[i] = ops.cast(t, "float32" if key == "master" else self.moment_dtype)
         self.steps = steps
 
 

@@ -191,6 +191,9 @@ def check_configuration(args, world: int):
                              f"{cfg.max_position_embeddings}")
     if args.bf16 and args.fp16:
         raise MindSpeedError("--bf16 and --fp16 exclude each other")
+    if args.o2_optimizer and not args.bf16:
+        raise MindSpeedError("--o2-optimizer keeps the Adam moments in bf16 and needs bf16 training: add --bf16 "
+                             "(as MindSpeed-LLM's O2, it supports bf16 parameters only)")
     dtype = "bfloat16" if args.bf16 else "float16" if args.fp16 else "float32"
     if not device.supports_dtype(dtype):
         raise MindSpeedError(f"{dtype} training is not available on {runtime.bound().NAME} "
@@ -373,7 +376,7 @@ class Trainer:
         named = list(zip(self.names, self.params))
         opt_cls = DistributedAdamW if args.use_distributed_optimizer else AdamW
         self.optimizer = opt_cls(named, args.lr, args.weight_decay, (args.adam_beta1, args.adam_beta2), args.adam_eps,
-                                 ps=ps, plan=self.plan)
+                                 ps=ps, plan=self.plan, moment_dtype="bfloat16" if args.o2_optimizer else "float32")
         if saved_optimizer is not None:
             arrays, steps = saved_optimizer
             mine, specs, experts_here = set(self.names), self.plan.shard_specs, self.plan.expert_names
