@@ -185,7 +185,11 @@ FEATURES: tuple[Feature, ...] = (
             supported("fp32 masters and moments sharded over DP; reduce-scatter gradients, all-gather parameters"),
             supported("as on PyTorch; CPU collectives emulated"), _on("use_distributed_optimizer")),
     Feature("reuse-fp32-param", "Parameter-copy reuse (bf16 params share fp32 master memory)", "memory",
-            ("--reuse-fp32-param",), planned(), planned(), _on("reuse_fp32_param")),
+            ("--reuse-fp32-param",),
+            planned("not built: bf16 parameters must alias the distributed optimizer's fp32 master memory",
+                    instead="--use-distributed-optimizer --o2-optimizer"),
+            planned("not built", cpu=unsupported("needs --bf16: MindSpore's CPU MatMul has no bfloat16 kernel")),
+            _on("reuse_fp32_param")),
     Feature("swap-attention", "Swap attention activations to host memory", "memory", ("--swap-attention",),
             supported("saved-tensor hooks: the input norm's and self attention's saved tensors copied to host "
                       "memory in forward, back on demand in backward (layers full recompute leaves alone)"),
@@ -201,7 +205,11 @@ FEATURES: tuple[Feature, ...] = (
             supported("each norm's internals recomputed; its output stays, kept by the next projection"),
             supported("as on PyTorch, with mindspore.recompute"), _on("recompute_norm")),
     Feature("recompute-in-advance", "Recompute in advance (overlapped with pipeline bubbles)", "memory",
-            ("--recompute-in-advance",), planned(), planned(), _on("recompute_in_advance")),
+            ("--recompute-in-advance",),
+            planned("not built: recompute runs inside each backward; running it ahead needs an asynchronous "
+                    "pipeline schedule", instead="--recompute-granularity full"),
+            planned("not built: as on PyTorch", instead="--recompute-granularity full"),
+            _on("recompute_in_advance")),
     Feature("o2-bf16-optimizer", "O2 BF16 optimizer (bf16 optimizer states)", "memory", ("--o2-optimizer",),
             supported("Adam moments kept in bf16, widened to fp32 for each update (with --bf16; also sharded by the "
                       "distributed optimizer)"),

@@ -209,3 +209,13 @@ def test_o2_optimizer_keeps_bf16_moments_and_resumes_exactly(capsys, framework, 
     whole, resumed = losses(metrics), losses(tmp_path / "resumed.jsonl")
     assert resumed == {i: whole[i] for i in range(4, 7)}, (resumed, whole)
     assert [whole[i] for i in range(1, 7)] == pytest.approx(o2_curve, rel=0, abs=0)
+
+
+@pytest.mark.parametrize("flags,feature", [
+    (["--reuse-fp32-param"], "reuse-fp32-param"),
+    (["--reuse-fp32-param", "--use-distributed-optimizer", "--bf16"], "reuse-fp32-param"),
+    (["--recompute-in-advance"], "recompute-in-advance"),
+])
+def test_memory_features_not_built_are_refused(capsys, corpus, flags, feature):  # noqa: F811
+    code, out, err = train(capsys, *MODEL, "--data-path", corpus, "--train-iters", "1", *flags)
+    assert code == 2 and feature in err and "Traceback" not in err, err

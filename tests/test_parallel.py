@@ -18,7 +18,7 @@ from test_training import corpus, losses, train  # noqa: F401  (corpus is a fixt
 BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--ffn-hidden-size", "128",
         "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "8", "--lr", "3e-3", "--min-lr", "3e-4",
         "--lr-warmup-iters", "2", "--eval-iters", "0", "--log-interval", "1", "--make-vocab-size-divisible-by", "8",
-        "--no-progress", "--seed", "7", "--sample-tokens", "0"]
+        "--no-progress", "--seed", "7", "--sample-tokens", "0", "--lr-decay-iters", "10"]
 GQA = BASE + ["--num-query-groups", "2"]
 MHA = BASE + ["--num-query-groups", "4"]
 # packed samples of whole documents (lines of code), kept apart, padding out of the loss
@@ -27,7 +27,10 @@ PACKED = GQA + ["--reset-attention-mask", "--reset-position-ids"]
 MOE = GQA + ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "64", "--moe-aux-loss-coeff",
              "0.01", "--moe-z-loss-coeff", "0.001", "--first-k-dense-replace", "1"]
 MODELS = {"gqa": GQA, "mha": MHA, "packed": PACKED, "moe": MOE}
-ITERS = 10
+ITERS = 10  # the single-process reference curves
+# the layout launches run the first steps of the same schedule (--lr-decay-iters above): their
+# first-step gradients (MoE) and these losses are compared, which is where an error shows
+LAYOUT_ITERS = 6
 
 
 def launch_train(framework, nproc, argv, tmp_path, timeout=900):
@@ -95,6 +98,10 @@ def reference(corpus, packed_corpus, tmp_path_factory):  # noqa: F811
 
 def aux_losses(path):
     return {r["iteration"]: r["moe"]["aux_loss"] for r in map(json.loads, open(path)) if "moe" in r}
+
+
+def first(curve: dict, n: int = LAYOUT_ITERS) -> dict:
+    return {i: curve[i] for i in range(1, n + 1)}
 
 
 def assert_same_curve(got, want, tol=1e-5):
@@ -175,16 +182,16 @@ def run_cases(framework, ranks, corpus, reference, tmp_path):  # noqa: F811
 
     cases = [c for c in CASES if c[1] == ranks]
     spec = [[name, [*MODELS[model], *(f.format(tmp=tmp_path) for f in flags), "--data-path", corpus,
-                    "--train-iters", str(ITERS)]] for name, _, model, flags in cases]
+                    "--train-iters", str(LAYOUT_ITERS)]] for name, _, model, flags in cases]
     out = run_configs(framework, ranks, spec, tmp_path)
     table = {}
     for name, _, model, flags in cases:
         metrics = out / f"{name}.jsonl"
         got = losses(metrics)
-        assert_same_curve(got, reference[model])
+        assert_same_curve(got, first(reference[model]))
         table[name] = max(abs(got[i] - reference[model][i]) / abs(reference[model][i]) for i in got)
         if model == "moe":
-            assert_same_curve(aux_losses(metrics), reference["moe-aux"])
+            assert_same_curve(aux_losses(metrics), first(reference["moe-aux"]))
             grads, want = np.load(out / f"{name}-grads.npz"), reference["moe-grads"]
             assert sorted(grads.files) == sorted(want)
             worst = max(float(np.max(np.abs(grads[n] - g)) / max(float(np.max(np.abs(g))), 1e-12))
@@ -277,12 +284,12 @@ def test_context_parallel_loss_curves_equal_single_process(framework, corpus, pa
                                                            tmp_path):
     """CP_CASES, one launch; each loss curve equals the single-process run's."""
     spec = [[name, [*MODELS[model], *flags, "--data-path", data_path(model, corpus, packed_corpus), "--train-iters",
-                    str(ITERS)]] for name, model, flags in CP_CASES]
+                    str(LAYOUT_ITERS)]] for name, model, flags in CP_CASES]
     out = run_configs(framework, 4, spec, tmp_path)
     table = {}
     for name, model, flags in CP_CASES:
         got = losses(out / f"{name}.jsonl")
-        assert_same_curve(got, reference[model])
+        assert_same_curve(got, first(reference[model]))
         check_layout((out / f"{name}.log").read_text(), 4, flags)
         table[name] = max(abs(got[i] - reference[model][i]) / abs(reference[model][i]) for i in got)
     print("parity (max relative loss difference):", table)
