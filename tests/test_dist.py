@@ -15,6 +15,7 @@ from mindspeed_core import dist, ops
 HERE = pathlib.Path(__file__).resolve().parent
 
 
+@pytest.mark.every_torch
 @pytest.mark.multiprocess
 @pytest.mark.feature("collectives")
 @pytest.mark.parametrize("nproc", [2, 4])

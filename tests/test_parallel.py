@@ -212,6 +212,7 @@ def run_cases(framework, ranks, corpus, reference, tmp_path):  # noqa: F811
     print("parity (max relative loss difference; MoE: and first-step gradient difference):", table)
 
 
+@pytest.mark.every_torch
 @pytest.mark.multiprocess
 @pytest.mark.feature("collectives")
 @pytest.mark.feature("tensor-parallel")

@@ -166,4 +166,6 @@ def saved_tensors_hooks(pack, unpack):
 
 
 def recompute(fn, *args):
-    return ms.recompute(fn, *args, use_reentrant=False)
+    # early_stop off: stopping raises out of our custom-backward Cells (TP, CP, EP operators)
+    # in the middle of their bprop recording, which PyNative cannot unwind
+    return ms.recompute(fn, *args, use_reentrant=False, early_stop=False)
