@@ -1,4 +1,4 @@
-"""Device selection, synchronisation, memory statistics and the matmul-rate helper."""
+"""Device selection, synchronisation, memory statistics, host copies and the matmul-rate helper."""
 
 from __future__ import annotations
 
@@ -35,6 +35,15 @@ def test_synchronize_and_memory_stats():
     assert stats["host_peak_rss_bytes"] >= stats["host_rss_bytes"]
     if device.type() != "cpu":
         assert stats["allocated_bytes"] > 0
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int64"])
+def test_a_copy_to_the_host_and_back_is_exact(dtype):
+    x = ops.cast(ops.tensor(np.arange(12, dtype=np.float32).reshape(3, 4) - 5.5), dtype)
+    host = device.to_host(x)
+    back = device.to_device(host)
+    assert ops.dtype_of(back) == dtype and tuple(back.shape) == (3, 4)
+    np.testing.assert_array_equal(ops.to_numpy(back), ops.to_numpy(x))
 
 
 def test_float32_is_always_supported():

@@ -15,6 +15,7 @@ import sys
 import numpy as np
 import pytest
 
+from mindspeed_core import runtime
 from mindspeed_core.memory import measure
 from test_training import SMALL, corpus, train  # noqa: F401  (corpus is a fixture)
 
@@ -22,6 +23,7 @@ from test_training import SMALL, corpus, train  # noqa: F401  (corpus is a fixtu
 # recomputation must replay every dropout mask
 MODEL = [*SMALL, "--num-layers", "3", "--qk-layernorm", "--attention-dropout", "0.2", "--hidden-dropout", "0.2"]
 STEPS = 5
+FRAMEWORK = runtime.bound().NAME
 
 VARIANTS = {
     "full-uniform-2": ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "2"],
@@ -58,10 +60,18 @@ def plain(corpus):  # noqa: F811
     return run(corpus, [])
 
 
-@pytest.mark.feature("recompute")
-@pytest.mark.feature("norm-recompute")
-@pytest.mark.feature("swap-attention")
-@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def _variant(name):
+    """The variant with the features it really runs on this framework marked (on MindSpore the
+    swap variants check the refusal instead)."""
+    flags = VARIANTS[name]
+    if "--swap-attention" in flags and FRAMEWORK == "mindspore":
+        return pytest.param(name, id=name)
+    ids = [("recompute", "--recompute-granularity" in flags or "--recompute-activations" in flags),
+           ("norm-recompute", "--recompute-norm" in flags), ("swap-attention", "--swap-attention" in flags)]
+    return pytest.param(name, id=name, marks=[pytest.mark.feature(i) for i, on in ids if on])
+
+
+@pytest.mark.parametrize("variant", [_variant(v) for v in sorted(VARIANTS)])
 def test_memory_features_train_bit_identically(capsys, framework, corpus, plain, variant):  # noqa: F811
     if "swap" in variant and framework == "mindspore":
         assert_swap_refused(capsys, corpus)
@@ -211,6 +221,13 @@ def test_o2_optimizer_keeps_bf16_moments_and_resumes_exactly(capsys, framework, 
     assert [whole[i] for i in range(1, 7)] == pytest.approx(o2_curve, rel=0, abs=0)
 
 
+def test_o2_optimizer_needs_bf16(capsys, framework, corpus):  # noqa: F811
+    code, out, err = train(capsys, *MODEL, "--data-path", corpus, "--train-iters", "1", "--o2-optimizer")
+    # MindSpore: the matrix refuses O2 first (no bf16 on its CPU kernels)
+    want = "o2-bf16-optimizer" if framework == "mindspore" else "needs bf16 training: add --bf16"
+    assert code == 2 and want in err and "Traceback" not in err, err
+
+
 @pytest.mark.parametrize("flags,feature", [
     (["--reuse-fp32-param"], "reuse-fp32-param"),
     (["--reuse-fp32-param", "--use-distributed-optimizer", "--bf16"], "reuse-fp32-param"),
@@ -219,3 +236,8 @@ def test_o2_optimizer_keeps_bf16_moments_and_resumes_exactly(capsys, framework, 
 def test_memory_features_not_built_are_refused(capsys, corpus, flags, feature):  # noqa: F811
     code, out, err = train(capsys, *MODEL, "--data-path", corpus, "--train-iters", "1", *flags)
     assert code == 2 and feature in err and "Traceback" not in err, err
+
+
+def test_measure_refuses_what_it_cannot_measure(capsys, framework):
+    code = measure.main(["--ai-framework", framework, *MEASURED_MODEL, "--pipeline-model-parallel-size", "2"])
+    assert code == 2 and "one process without pipeline stages" in capsys.readouterr().err

@@ -11,8 +11,9 @@
 * ``layer_activation_bytes``: Korthikanti et al. (2022, section 4.1), per transformer layer,
   generalised to this model's widths, element size and gated MLP.
 
-``python -m mindspeed_core.memory.measure [train flags]`` trains a few steps on random
-tokens and prints one JSON line with the figures of the last one (benchmarks/bench_memory.py).
+``python -m mindspeed_core.memory.measure [train flags]`` (one process, no pipeline stages)
+trains a few steps on random tokens and prints one JSON line: the first full-size step's
+peak, and the last step's peak, saved bytes and time (benchmarks/bench_memory.py).
 """
 
 from __future__ import annotations
@@ -127,7 +128,7 @@ def main(argv=None) -> int:
 
     args = megatron_args.training_parser().parse_args(argv)
     backend = runtime.bind(args.ai_framework)
-    from mindspeed_core import device, features, ops
+    from mindspeed_core import device, dist, features, ops
     from mindspeed_core.errors import MindSpeedError
     from mindspeed_core.training.trainer import Trainer
 
@@ -135,6 +136,10 @@ def main(argv=None) -> int:
         features.validate(args, backend.NAME, device.type(), backend.FRAMEWORK_VERSION)
     except MindSpeedError as e:
         print(f"measure: error: {e}", file=sys.stderr)
+        return 2
+    if args.pipeline_model_parallel_size > 1 or dist.launched_world_size() > 1:
+        print("measure: error: it measures one process without pipeline stages (drop the parallel flags)",
+              file=sys.stderr)
         return 2
     if not args.data_path:
         args.data_path = [_random_data(args.vocab_size or 512)]
@@ -157,7 +162,8 @@ def main(argv=None) -> int:
             (loss, _, _), peak = host_peak_during(lambda: trainer.train_step(steps - 1))
         seconds = time.perf_counter() - start
     swap = trainer.swap
-    print(json.dumps({"loss": loss, "host_peak_bytes": peak, "first_host_peak_bytes": first_peak, "saved_bytes": counter.bytes if counter else None,
+    print(json.dumps({"loss": loss, "first_host_peak_bytes": first_peak, "host_peak_bytes": peak,
+                      "saved_bytes": counter.bytes if counter else None,
                       "swapped_peak_host_bytes": swap.peak_host_bytes if swap else 0,
                       "swapped_tensors": swap.swapped if swap else 0, "step_seconds": seconds}))
     return 0

@@ -87,6 +87,7 @@ class Recompute:
         """The decoder's ``n`` layers as runs (start, stop, recomputed as one)."""
         if self.granularity != "full":
             return [(0, n, False)] if n else []
+        features.note_used("recompute")
         k = self.num_layers
         if self.method == "uniform":
             return [(i, min(i + k, n), True) for i in range(0, n, k)]
@@ -96,11 +97,13 @@ class Recompute:
         """The core attention fn(*args), recomputed under selective granularity."""
         if self.granularity != "selective":
             return fn(*args)
+        features.note_used("recompute")
         return checkpoint(fn, *args)
 
     def norm_of(self, norm, x):
         if not self.norm:
             return norm(x)
+        features.note_used("norm-recompute")
         return checkpoint(norm, x)
 
 
@@ -110,10 +113,6 @@ NONE = Recompute()
 def from_args(args) -> Recompute:
     """The policy the flags ask for (after ``check``)."""
     granularity = "selective" if getattr(args, "recompute_activations", False) else args.recompute_granularity
-    if granularity is not None:
-        features.note_used("recompute")
-    if args.recompute_norm:
-        features.note_used("norm-recompute")
     return Recompute(granularity, args.recompute_method, args.recompute_num_layers, args.recompute_norm)
 
 

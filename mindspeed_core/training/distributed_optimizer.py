@@ -12,9 +12,9 @@ Per step:
     update      Adam on the slice, with fp32 master weights and moments for the slice only
     parameters  the updated slices all-gathered and copied back into the parameters
 
-so each rank keeps 3/DP of the fp32 state (masters, two moments) instead of the full two
-or three copies (the moments in bf16 under --o2-optimizer). Checkpoints hold the same full per-parameter state as plain AdamW, so a
-run can switch optimizers or layouts when it resumes.
+so each rank keeps 3/DP of the fp32 state (masters, two moments; the moments in bf16 under
+--o2-optimizer) instead of the full two or three copies. Checkpoints hold the same full
+per-parameter state as plain AdamW, so a run can switch optimizers or layouts when it resumes.
 """
 
 from __future__ import annotations
@@ -145,8 +145,7 @@ class DistributedAdamW:
                 (part.master,), exp_avg, exp_avg_sq = adamw(
                     [master], [grad], widen([part.exp_avg]), widen([part.exp_avg_sq]), lr, [0.0], self.betas, self.eps,
                     self.steps)
-                (part.exp_avg,), (part.exp_avg_sq,) = narrow(exp_avg, part.moment_dtype), narrow(exp_avg_sq,
-                                                                                                   part.moment_dtype)
+                (part.exp_avg,), (part.exp_avg_sq,) = (narrow(m, part.moment_dtype) for m in (exp_avg, exp_avg_sq))
                 for (_, p), value in zip(part.named, part.unflatten(part.gather(part.master))):
                     nn.assign(p, value)
 
