@@ -219,7 +219,11 @@ class Decoder(nn.Module):
                     x = layer(x, cos, sin, seams, tokens)
                 return x
 
-            x = recompute.checkpoint(run, x) if recomputed else run(x)
+            if recomputed:
+                features.note_used("recompute")
+                x = recompute.checkpoint(run, x)
+            else:
+                x = run(x)
         return self.final_layernorm(x) if self.has_final_norm else x
 
 

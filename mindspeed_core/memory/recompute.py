@@ -87,7 +87,6 @@ class Recompute:
         """The decoder's ``n`` layers as runs (start, stop, recomputed as one)."""
         if self.granularity != "full":
             return [(0, n, False)] if n else []
-        features.note_used("recompute")
         k = self.num_layers
         if self.method == "uniform":
             return [(i, min(i + k, n), True) for i in range(0, n, k)]
@@ -110,22 +109,25 @@ class Recompute:
 NONE = Recompute()
 
 
+def _granularity(args) -> str | None:
+    """--recompute-granularity, with Megatron's --recompute-activations shorthand for selective."""
+    if not getattr(args, "recompute_activations", False):
+        return args.recompute_granularity
+    if args.recompute_granularity not in (None, "selective"):
+        raise MindSpeedError("--recompute-activations is --recompute-granularity selective; it cannot be "
+                             f"combined with --recompute-granularity {args.recompute_granularity}")
+    return "selective"
+
+
 def from_args(args) -> Recompute:
     """The policy the flags ask for (after ``check``)."""
-    granularity = "selective" if getattr(args, "recompute_activations", False) else args.recompute_granularity
-    return Recompute(granularity, args.recompute_method, args.recompute_num_layers, args.recompute_norm)
+    return Recompute(_granularity(args), args.recompute_method, args.recompute_num_layers, args.recompute_norm)
 
 
 def check(args, chunk_layers: list) -> None:
     """Flag combinations Megatron refuses, refused the same way before any rank starts.
     ``chunk_layers``: how many layers each model chunk (pipeline stage, virtual stage) holds."""
-    if getattr(args, "recompute_activations", False):
-        if args.recompute_granularity not in (None, "selective"):
-            raise MindSpeedError("--recompute-activations is --recompute-granularity selective; it cannot be "
-                                 f"combined with --recompute-granularity {args.recompute_granularity}")
-        granularity = "selective"
-    else:
-        granularity = args.recompute_granularity
+    granularity = _granularity(args)
     if granularity == "full":
         if args.recompute_method is None or args.recompute_num_layers is None:
             raise MindSpeedError("--recompute-granularity full needs --recompute-method (uniform or block) and "
