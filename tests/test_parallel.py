@@ -119,7 +119,7 @@ CASES = [  # (id, ranks, model, flags): the cases of each rank count share one l
                                                   "--recompute-granularity", "full", "--recompute-method", "uniform",
                                                   "--recompute-num-layers", "1", "--recompute-norm"]),
     ("tp4", 4, "mha", ["--tensor-model-parallel-size", "4"]),
-    ("tp4-kv-copies", 4, "gqa", ["--tensor-model-parallel-size", "4"]),  # 2 key/value heads on 4 ranks
+    # 2 key/value heads copied to 4 ranks (with SP and the distributed optimizer on top)
     ("tp4-kv-copies-sp-distopt", 4, "gqa", ["--tensor-model-parallel-size", "4", "--sequence-parallel",
                                              "--use-distributed-optimizer"]),
     ("dp2-distopt", 2, "gqa", ["--use-distributed-optimizer"]),
@@ -175,17 +175,19 @@ def pp_size(flags) -> int:
             if "--pipeline-model-parallel-size" in flags else 1)
 
 
-def run_cases(framework, ranks, corpus, reference, tmp_path):  # noqa: F811
-    """The CASES on ``ranks`` ranks, one launch: each loss curve (and the MoE aux losses) equals
-    the single process's, the layout ran as asked, and where TRAFFIC names the case, each
-    collective moved the analytical bytes."""
+def case_spec(cases, corpus, packed_corpus, tmp_path):
+    """run_configs' spec of (id, model, flags) cases, each running LAYOUT_ITERS steps."""
+    return [[name, [*MODELS[model], *(f.format(tmp=tmp_path) for f in flags), "--data-path",
+                    data_path(model, corpus, packed_corpus), "--train-iters", str(LAYOUT_ITERS)]]
+            for name, model, flags in cases]
 
-    cases = [c for c in CASES if c[1] == ranks]
-    spec = [[name, [*MODELS[model], *(f.format(tmp=tmp_path) for f in flags), "--data-path", corpus,
-                    "--train-iters", str(LAYOUT_ITERS)]] for name, _, model, flags in cases]
-    out = run_configs(framework, ranks, spec, tmp_path)
+
+def check_cases(framework, out, ranks, cases, reference):
+    """Each case's loss curve (and the MoE aux losses and first-step gradients) equals the
+    single process's, the layout ran as asked, and where TRAFFIC names the case, each
+    collective moved the analytical bytes."""
     table = {}
-    for name, _, model, flags in cases:
+    for name, model, flags in cases:
         metrics = out / f"{name}.jsonl"
         got = losses(metrics)
         assert_same_curve(got, first(reference[model]))
@@ -200,7 +202,7 @@ def run_cases(framework, ranks, corpus, reference, tmp_path):  # noqa: F811
             table[name] = (table[name], worst)
         check_layout((out / f"{name}.log").read_text(), ranks, flags)
         tp = tp_size(flags)
-        pure_dp = tp == 1 and pp_size(flags) == 1 and "--expert-model-parallel-size" not in flags
+        pure_dp = tp == 1 and pp_size(flags) == 1 and cp_size(flags) == 1 and "--expert-model-parallel-size" not in flags
         if name in TRAFFIC or (ranks > 1 and pure_dp):  # the whole gradient reduced over DP
             record = [json.loads(x) for x in open(metrics)][-1]  # one step: the last log interval
             measured = {op: v["bytes"] for op, v in record["comm"].items() if v["bytes"]}
@@ -210,6 +212,20 @@ def run_cases(framework, ranks, corpus, reference, tmp_path):  # noqa: F811
                 if framework == "pytorch" and op != "reduce_scatter":  # native on gloo: wire is payload
                     assert v["wire_bytes"] == v["bytes"], (name, op)
     print("parity (max relative loss difference; MoE: and first-step gradient difference):", table)
+
+
+def ranks_cases(ranks):
+    return [(name, model, flags) for name, n, model, flags in CASES if n == ranks]
+
+
+@pytest.fixture(scope="module")
+def four_ranks(corpus, packed_corpus, tmp_path_factory):  # noqa: F811
+    """The four-rank CASES and the CP_CASES in one launch: each four-rank launch pays its
+    start-up again (about 30 s on MindSpore here)."""
+    from conftest import FRAMEWORK
+
+    tmp = tmp_path_factory.mktemp("four-ranks")
+    return run_configs(FRAMEWORK, 4, case_spec(ranks_cases(4) + CP_CASES, corpus, packed_corpus, tmp), tmp)
 
 
 @pytest.mark.every_torch
@@ -223,8 +239,11 @@ def run_cases(framework, ranks, corpus, reference, tmp_path):  # noqa: F811
 @pytest.mark.feature("expert-parallel")
 @pytest.mark.feature("moe-alltoall-dispatcher")
 @pytest.mark.feature("moe-allgather-dispatcher")
-def test_two_rank_layouts_equal_single_process(capsys, framework, corpus, reference, tmp_path):  # noqa: F811
-    run_cases(framework, 2, corpus, reference, tmp_path)
+def test_two_rank_layouts_equal_single_process(capsys, framework, corpus, packed_corpus, reference,  # noqa: F811
+                                               tmp_path):
+    cases = ranks_cases(2)
+    check_cases(framework, run_configs(framework, 2, case_spec(cases, corpus, packed_corpus, tmp_path), tmp_path), 2,
+                cases, reference)
     # the EP2 checkpoint of iteration 5 (all experts, optimizer state too) continues in one process
     from test_pipeline import iteration_only
 
@@ -248,8 +267,8 @@ def test_two_rank_layouts_equal_single_process(capsys, framework, corpus, refere
 @pytest.mark.feature("pipeline-parallel")
 @pytest.mark.feature("recompute")
 @pytest.mark.feature("norm-recompute")
-def test_four_rank_layouts_equal_single_process(framework, corpus, reference, tmp_path):  # noqa: F811
-    run_cases(framework, 4, corpus, reference, tmp_path)
+def test_four_rank_layouts_equal_single_process(framework, four_ranks, reference):
+    check_cases(framework, four_ranks, 4, ranks_cases(4), reference)
 
 
 def check_layout(out: str, ranks: int, flags: list) -> None:
@@ -281,19 +300,9 @@ def check_layout(out: str, ranks: int, flags: list) -> None:
 @pytest.mark.feature("sequence-parallel")
 @pytest.mark.feature("data-parallel")
 @pytest.mark.feature("distributed-optimizer")
-def test_context_parallel_loss_curves_equal_single_process(framework, corpus, packed_corpus, reference,  # noqa: F811
-                                                           tmp_path):
-    """CP_CASES, one launch; each loss curve equals the single-process run's."""
-    spec = [[name, [*MODELS[model], *flags, "--data-path", data_path(model, corpus, packed_corpus), "--train-iters",
-                    str(LAYOUT_ITERS)]] for name, model, flags in CP_CASES]
-    out = run_configs(framework, 4, spec, tmp_path)
-    table = {}
-    for name, model, flags in CP_CASES:
-        got = losses(out / f"{name}.jsonl")
-        assert_same_curve(got, first(reference[model]))
-        check_layout((out / f"{name}.log").read_text(), 4, flags)
-        table[name] = max(abs(got[i] - reference[model][i]) / abs(reference[model][i]) for i in got)
-    print("parity (max relative loss difference):", table)
+def test_context_parallel_loss_curves_equal_single_process(framework, four_ranks, reference):
+    """CP_CASES (launched with the four-rank layouts); each loss curve equals the single-process run's."""
+    check_cases(framework, four_ranks, 4, CP_CASES, reference)
 
 
 @pytest.mark.multiprocess
