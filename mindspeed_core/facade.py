@@ -3,7 +3,7 @@
 Models, parallel layers, training and data code use only these names (plus tensor
 arithmetic operators ``+ - * / @``, comparison-free indexing/slicing, ``.shape`` and
 ``len``), so they run unchanged on PyTorch and MindSpore. Dtypes are named by strings:
-float32, float64, float16, bfloat16, int32, int64, int8, uint8, bool. Tensors are the
+float32, float64, float16, bfloat16, int32, int64, int16, int8, uint8, bool. Tensors are the
 framework's own; the facade is functional (no in-place updates) except where a name ends
 in ``_`` (initializers), ``nn.assign``, and ``ops.adamw_step``, whose inputs are consumed.
 
@@ -26,6 +26,7 @@ SPEC = {
         "arange": "arange(start, end=None, step=1, dtype='int64')",
         "cast": "cast(x, dtype)",
         "dtype_of": "dtype_of(x) -> facade dtype name",
+        "bitcast": "bitcast(x, dtype): the same bits read as dtype of the same element size (float32<->int32, bfloat16<->int16)",
         "numel": "numel(x) -> number of elements",
         # elementwise
         "add": "add(a, b)", "sub": "sub(a, b)", "mul": "mul(a, b)", "div": "div(a, b)",

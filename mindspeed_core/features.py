@@ -186,9 +186,12 @@ FEATURES: tuple[Feature, ...] = (
             supported("as on PyTorch; CPU collectives emulated"), _on("use_distributed_optimizer")),
     Feature("reuse-fp32-param", "Parameter-copy reuse (bf16 params share fp32 master memory)", "memory",
             ("--reuse-fp32-param",),
-            planned("not built: bf16 parameters must alias the distributed optimizer's fp32 master memory",
-                    instead="--use-distributed-optimizer --o2-optimizer"),
-            planned("not built", cpu=unsupported("needs --bf16: MindSpore's CPU MatMul has no bfloat16 kernel")),
+            supported("the distributed optimizer's fp32 master slice kept as the bf16 parameters plus a 16-bit "
+                      "residual (2 bytes per element instead of 4; a value exactly on a bf16 tie moves by one fp32 "
+                      "ulp); with --bf16 and --use-distributed-optimizer"),
+            planned("needs --bf16, not yet run on a MindSpore GPU/Ascend device",
+                    cpu=unsupported("needs --bf16: MindSpore's CPU MatMul has no bfloat16 kernel",
+                                    instead="an fp32 master (drop --reuse-fp32-param)")),
             _on("reuse_fp32_param")),
     Feature("swap-attention", "Swap attention activations to host memory", "memory", ("--swap-attention",),
             supported("saved-tensor hooks: the input norm's and self attention's saved tensors copied to host "

@@ -84,8 +84,8 @@ def test_gate_rejects_with_the_reason_and_the_alternative():
     assert info.value.exit_code == 2
     with pytest.raises(features.FeatureNotAvailable, match="bf16.*MatMul has no bfloat16 kernel"):
         features.validate(parse("--bf16"), "mindspore", "cpu")
-    with pytest.raises(features.FeatureNotAvailable, match="reuse-fp32-param.*planned"):
-        features.validate(parse("--reuse-fp32-param"), "pytorch", "cpu")
+    with pytest.raises(features.FeatureNotAvailable, match="recompute-in-advance.*planned"):
+        features.validate(parse("--recompute-in-advance"), "pytorch", "cpu")
     ok = features.validate(parse("--use-flash-attn", "--use-fused-rmsnorm"), "mindspore", "cpu")
     assert [f.id for f in ok] == ["flash-attention", "fused-rmsnorm"]
 

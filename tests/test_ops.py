@@ -143,7 +143,8 @@ def test_creation():
     assert ops.is_tensor(x) and not ops.is_tensor(A)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "bfloat16", "int32", "int64", "int8", "uint8", "bool"])
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "bfloat16", "int32", "int64", "int16", "int8", "uint8",
+                                   "bool"])
 def test_cast_round_trip(dtype):
     values = np.array([[0, 1, 2], [3, 4, 5]], np.float32)
     y = ops.cast(ops.tensor(values), dtype)
@@ -157,6 +158,17 @@ def test_bfloat16_rounds_like_bfloat16():
     # 1 + 2**-9 is not representable in bfloat16 (8 bits of mantissa): it rounds to 1.
     x = ops.tensor(np.array([1 + 2 ** -9, 3.0], np.float32), dtype="bfloat16")
     np.testing.assert_array_equal(ops.to_numpy(x), np.array([1.0, 3.0], np.float32))
+
+
+def test_bitcast_reads_the_same_bits():
+    x = np.array([1.0, -2.5, 0.0, np.inf], np.float32)
+    as_int = ops.bitcast(ops.tensor(x), "int32")
+    assert ops.dtype_of(as_int) == "int32"
+    np.testing.assert_array_equal(ops.to_numpy(as_int), x.view(np.int32))
+    half = ops.bitcast(ops.tensor(np.array([0x3F80, -0x4080], np.int16)), "bfloat16")  # 1.0 and -1.0
+    np.testing.assert_array_equal(ops.to_numpy(half), [1.0, -1.0])
+    with pytest.raises(ValueError, match="element size"):
+        ops.bitcast(ops.tensor(x), "bfloat16")
 
 
 def test_unknown_dtype_is_a_clear_error():

@@ -19,7 +19,7 @@ from . import kernels, random
 
 DTYPES = {
     "float32": ms.float32, "float64": ms.float64, "float16": ms.float16,
-    "bfloat16": ms.bfloat16, "int32": ms.int32, "int64": ms.int64,
+    "bfloat16": ms.bfloat16, "int32": ms.int32, "int64": ms.int64, "int16": ms.int16,
     "int8": ms.int8, "uint8": ms.uint8, "bool": ms.bool_,
 }
 _NAMES = {v: k for k, v in DTYPES.items()}
@@ -97,6 +97,17 @@ def cast(x, dtype):
 
 def dtype_of(x) -> str:
     return _NAMES[x.dtype]
+
+
+_BYTES = {"float64": 8, "int64": 8, "float32": 4, "int32": 4, "float16": 2, "bfloat16": 2, "int16": 2, "int8": 1,
+          "uint8": 1, "bool": 1}
+
+
+def bitcast(x, dtype):
+    if _BYTES[dtype] != _BYTES[dtype_of(x)]:
+        raise ValueError(f"bitcast keeps the element size: {dtype_of(x)} is {_BYTES[dtype_of(x)]} bytes, "
+                         f"{dtype} is {_BYTES[dtype]}")
+    return x.view(_dt(dtype))
 
 
 def numel(x) -> int:

@@ -12,7 +12,7 @@ from . import device
 
 DTYPES = {
     "float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
-    "bfloat16": torch.bfloat16, "int32": torch.int32, "int64": torch.int64,
+    "bfloat16": torch.bfloat16, "int32": torch.int32, "int64": torch.int64, "int16": torch.int16,
     "int8": torch.int8, "uint8": torch.uint8, "bool": torch.bool,
 }
 _NAMES = {v: k for k, v in DTYPES.items()}
@@ -91,6 +91,14 @@ def cast(x, dtype):
 
 def dtype_of(x) -> str:
     return _NAMES[x.dtype]
+
+
+def bitcast(x, dtype):
+    dt = _dt(dtype)
+    if dt.itemsize != x.dtype.itemsize:
+        raise ValueError(f"bitcast keeps the element size: {dtype_of(x)} is {x.dtype.itemsize} bytes, "
+                         f"{dtype} is {dt.itemsize}")
+    return x.view(dt)
 
 
 def numel(x) -> int:

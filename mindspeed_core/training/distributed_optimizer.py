@@ -13,7 +13,8 @@ Per step:
     parameters  the updated slices all-gathered and copied back into the parameters
 
 so each rank keeps 3/DP of the fp32 state (masters, two moments; the moments in bf16 under
---o2-optimizer) instead of the full two or three copies. Checkpoints hold the same full
+--o2-optimizer, the master slice as the bf16 parameters plus a 16-bit residual under
+--reuse-fp32-param: memory/reuse_fp32_param.py) instead of the full two or three copies. Checkpoints hold the same full
 per-parameter state as plain AdamW, so a run can switch optimizers or layouts when it resumes.
 """
 
@@ -25,6 +26,7 @@ import numpy as np
 
 from mindspeed_core import autograd, dist, features, nn, ops
 from mindspeed_core.errors import CheckpointError
+from mindspeed_core.memory import reuse_fp32_param
 from mindspeed_core.training.distributed import over_pipeline, sum_of_squares
 from mindspeed_core.training.optimizer import adamw, moment_bytes, narrow, no_weight_decay, widen
 
@@ -32,10 +34,11 @@ from mindspeed_core.training.optimizer import adamw, moment_bytes, narrow, no_we
 class _Partition:
     """Some of the parameters, laid end to end in one flat float32 vector sharded over
     ``group`` (``ranks`` ranks, this one the ``index``-th); gradients arrive summed over the
-    group and are multiplied by ``grad_scale``."""
+    group and are multiplied by ``grad_scale``. With ``reuse_fp32_param`` the fp32 master
+    slice is not stored: the parameters (bf16) are its high half, ``residual`` the rest."""
 
     def __init__(self, named, sharded, weights, weight_decay, group, ranks: int, index: int, grad_scale: float,
-                 moment_dtype: str = "float32"):
+                 moment_dtype: str = "float32", reuse_fp32_param: bool = False):
         self.named, self.group, self.ranks, self.grad_scale = named, group, ranks, grad_scale
         self.sizes = [ops.numel(p) for _, p in named]
         total = sum(self.sizes)
@@ -55,10 +58,27 @@ class _Partition:
         self.decay = ops.tensor(decay[window])
         self.tp_mask = ops.tensor(tp_sharded[window])
         self.counted = ops.tensor(counted[window])
-        self.master = self.my_slice(self.flatten([autograd.detach(p) for _, p in named]))
+        self.residual = None  # set by keep_master under --reuse-fp32-param
+        self.reuse_fp32_param = reuse_fp32_param
+        self.keep_master(self.my_slice(self.flatten([autograd.detach(p) for _, p in named])))
         self.moment_dtype = moment_dtype  # bfloat16 under --o2-optimizer
         self.exp_avg = ops.zeros((self.shard,), dtype=moment_dtype)
         self.exp_avg_sq = ops.zeros((self.shard,), dtype=moment_dtype)
+
+    def keep_master(self, flat) -> None:
+        """Keep ``flat`` (this rank's fp32 slice) as the master; under --reuse-fp32-param only its
+        residual below the bf16 rounding, which the caller puts into the parameters."""
+        if self.reuse_fp32_param:
+            self.residual = reuse_fp32_param.split(flat)[1]
+        else:
+            self._master = flat
+
+    def master(self):
+        """This rank's fp32 master slice."""
+        if not self.reuse_fp32_param:
+            return self._master
+        high = ops.cast(self.my_slice(self.flatten([autograd.detach(p) for _, p in self.named])), "bfloat16")
+        return reuse_fp32_param.join(high, self.residual)
 
     def flatten(self, tensors):
         flat = ops.cat([ops.reshape(ops.cast(t, "float32"), (-1,)) for t in tensors])
@@ -92,13 +112,14 @@ class _Partition:
 
 class DistributedAdamW:
     def __init__(self, named_params, lr: float, weight_decay: float, betas, eps: float, ps, plan,
-                 moment_dtype: str = "float32"):
+                 moment_dtype: str = "float32", reuse_fp32_param: bool = False):
         named_params = list(named_params)
         trainable = [i for i, (_, p) in enumerate(named_params) if nn.requires_grad(p)]
         sharded, expert = plan.sharded(), plan.flags("expert") if ps.ep > 1 else [False] * len(named_params)
         weights = plan.norm_weights([p.shape for _, p in named_params]) or [None] * len(named_params)
         self.named = [named_params[i] for i in trainable]
         self.lr, self.weight_decay, self.betas, self.eps, self.ps = lr, weight_decay, betas, eps, ps
+        self.reuse_fp32_param = reuse_fp32_param
         self.steps = 0
         # the dense parameters sharded over the ranks holding them: DP, times CP with context
         # parallelism; expert weights over the DP ranks holding the same experts (their
@@ -113,7 +134,7 @@ class DistributedAdamW:
             self.partitions.append(_Partition(
                 [self.named[k] for k in mine], [sharded[trainable[k]] for k in mine],
                 [weights[trainable[k]] for k in mine], weight_decay, ps.group(kind), ps.size(kind),
-                ps.local_rank(kind), 1.0 / ps.size("dp_cp"), moment_dtype))
+                ps.local_rank(kind), 1.0 / ps.size("dp_cp"), moment_dtype, reuse_fp32_param))
 
     # -- the trainer's interface -------------------------------------------------------------
     def prepare(self, grads) -> list:
@@ -141,23 +162,29 @@ class DistributedAdamW:
                 # decoupled weight decay first (per element: the flat shard mixes decayed and
                 # undecayed parameters), then the fused step without decay: the same update, as
                 # Adam's term does not read the weights
-                master = part.master - part.master * (part.decay * lr)
-                (part.master,), exp_avg, exp_avg_sq = adamw(
+                master = part.master()
+                master = master - master * (part.decay * lr)
+                (master,), exp_avg, exp_avg_sq = adamw(
                     [master], [grad], widen([part.exp_avg]), widen([part.exp_avg_sq]), lr, [0.0], self.betas, self.eps,
                     self.steps)
                 (part.exp_avg,), (part.exp_avg_sq,) = (narrow(m, part.moment_dtype) for m in (exp_avg, exp_avg_sq))
-                for (_, p), value in zip(part.named, part.unflatten(part.gather(part.master))):
+                part.keep_master(master)
+                # the parameters take the master's bf16 rounding: under --reuse-fp32-param, the
+                # high half that keep_master's residual completes
+                for (_, p), value in zip(part.named, part.unflatten(part.gather(master))):
                     nn.assign(p, value)
 
     def state_bytes(self) -> int:
-        return sum((4 + 2 * moment_bytes(part.moment_dtype)) * part.shard for part in self.partitions)
+        master = 2 if self.reuse_fp32_param else 4  # a residual below the parameters, or an fp32 copy
+        return sum((master + 2 * moment_bytes(part.moment_dtype)) * part.shard for part in self.partitions)
 
     # -- checkpoints: the same per-parameter state as plain AdamW ----------------------------
     def state(self) -> dict:
         out = {}
         for part in self.partitions:
             for key in ("exp_avg", "exp_avg_sq", "master"):
-                mine = widen([getattr(part, key)])[0]  # gathered in fp32: every backend's collectives have it
+                mine = part.master() if key == "master" else widen([getattr(part, key)])[0]  # gathered in fp32:
+                # every backend's collectives have it
                 for (name, p), value in zip(part.named, part.unflatten(part.gather(mine))):
                     if key != "master" or ops.dtype_of(p) != "float32":
                         out[f"{key}.{name}"] = value
@@ -178,5 +205,8 @@ class DistributedAdamW:
                                               f"the model's is {tuple(p.shape)}")
                     values.append(t)
                 flat = part.my_slice(part.flatten(values))
-                setattr(part, key, flat if key == "master" else narrow([flat], part.moment_dtype)[0])
+                if key == "master":  # the parameters were loaded from the same checkpoint: its bf16 rounding
+                    part.keep_master(flat)
+                else:
+                    setattr(part, key, narrow([flat], part.moment_dtype)[0])
         self.steps = steps

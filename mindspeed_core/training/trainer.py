@@ -194,6 +194,12 @@ def check_configuration(args, world: int):
     if args.o2_optimizer and not args.bf16:
         raise MindSpeedError("--o2-optimizer keeps the Adam moments in bf16 and needs bf16 training: add --bf16 "
                              "(as MindSpeed-LLM's O2, it supports bf16 parameters only)")
+    if args.reuse_fp32_param and not (args.bf16 and args.use_distributed_optimizer):
+        raise MindSpeedError("--reuse-fp32-param keeps the distributed optimizer's fp32 master slice as the bf16 "
+                             "parameters plus a residual: add "
+                             + " and ".join(f for f, on in (("--bf16", args.bf16),
+                                                            ("--use-distributed-optimizer",
+                                                             args.use_distributed_optimizer)) if not on))
     dtype = "bfloat16" if args.bf16 else "float16" if args.fp16 else "float32"
     if not device.supports_dtype(dtype):
         raise MindSpeedError(f"{dtype} training is not available on {runtime.bound().NAME} "
@@ -374,9 +380,13 @@ class Trainer:
         self.params = [p for params in chunk_params for p in params]
         self.names = self.plan.names
         named = list(zip(self.names, self.params))
-        opt_cls = DistributedAdamW if args.use_distributed_optimizer else AdamW
-        self.optimizer = opt_cls(named, args.lr, args.weight_decay, (args.adam_beta1, args.adam_beta2), args.adam_eps,
-                                 ps=ps, plan=self.plan, moment_dtype="bfloat16" if args.o2_optimizer else "float32")
+        opt_args = (named, args.lr, args.weight_decay, (args.adam_beta1, args.adam_beta2), args.adam_eps)
+        moment_dtype = "bfloat16" if args.o2_optimizer else "float32"
+        if args.use_distributed_optimizer:
+            self.optimizer = DistributedAdamW(*opt_args, ps=ps, plan=self.plan, moment_dtype=moment_dtype,
+                                              reuse_fp32_param=args.reuse_fp32_param)
+        else:
+            self.optimizer = AdamW(*opt_args, ps=ps, plan=self.plan, moment_dtype=moment_dtype)
         if saved_optimizer is not None:
             arrays, steps = saved_optimizer
             mine, specs, experts_here = set(self.names), self.plan.shard_specs, self.plan.expert_names
