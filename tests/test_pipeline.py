@@ -153,6 +153,9 @@ TWO = [  # (name, model, flags), on two ranks
     ("pp2-interleaved-recompute", "base", PP + ["2", "--num-layers-per-virtual-pipeline-stage", "1",
                                                 "--recompute-granularity", "full", "--recompute-method", "uniform",
                                                 "--recompute-num-layers", "1"]),
+    # full recompute of each stage's first layer, norms recomputed in the rest: bit-identical to pp2
+    ("pp2-recompute-block-norm", "base", PP + ["2", "--recompute-granularity", "full", "--recompute-method", "block",
+                                              "--recompute-num-layers", "1", "--recompute-norm"]),
     ("pp2-noop", "noop", PP + ["2"]),
     ("pp2-uneven", "base", PP + ["2", "--num-layer-list", "1,3"]),
     ("pp2-tied", "tied", PP + ["2"]),
@@ -251,6 +254,7 @@ def resume_single(capsys, corpus, ckpt, model, tmp_path, want, first):  # noqa: 
 @pytest.mark.feature("virtual-pipeline")
 @pytest.mark.feature("noop-layers")
 @pytest.mark.feature("recompute")
+@pytest.mark.feature("norm-recompute")
 def test_pipelines_on_two_ranks_equal_one_process(capsys, framework, corpus, single, tmp_path):  # noqa: F811
     """PP2 (saving), interleaved, no-op layers, an uneven split, tied embeddings, and a PP2 run
     started from a single-process checkpoint: one launch."""
@@ -259,6 +263,10 @@ def test_pipelines_on_two_ranks_equal_one_process(capsys, framework, corpus, sin
     table = {}
     out = run_configs(framework, 2, TWO, corpus, tmp_path, extra=[from_single])
     check_parity(out, TWO, single, table)
+    # recompute changes nothing under PP2 either: the same bits, first-step gradients and curve
+    assert losses(out / "pp2-recompute-block-norm.jsonl") == losses(out / "pp2.jsonl")
+    plain, recomputed = np.load(out / "pp2-grads.npz"), np.load(out / "pp2-recompute-block-norm-grads.npz")
+    assert all(np.array_equal(plain[n], recomputed[n]) for n in plain.files)
     # a PP2 checkpoint continues on one process
     text = resume_single(capsys, corpus, iteration_only(out / "ckpt-pp2", 5, tmp_path / "pp2-5"), "base", tmp_path,
                          single["base"]["losses"], 6)
