@@ -316,7 +316,8 @@ def test_reuse_fp32_param_under_data_parallelism(framework, corpus, tmp_path):  
                               text=True, timeout=300, cwd=str(tmp_path))
         assert done.returncode == 2 and "reuse-fp32-param" in done.stderr and "Traceback" not in done.stderr, done
         return
-    out = run_configs(framework, 2, [["plain", flags], ["reuse", [*flags, "--reuse-fp32-param"]]], tmp_path)
+    out = run_configs(framework, 2, [["plain", flags, False], ["reuse", [*flags, "--reuse-fp32-param"], False]],
+                      tmp_path)
     assert losses(out / "reuse.jsonl") == losses(out / "plain.jsonl")
     state = {name: float(re.search(r"optimizer state ([0-9.]+) MiB", (out / f"{name}.log").read_text()).group(1))
              for name in ("plain", "reuse")}

@@ -259,7 +259,7 @@ def test_pipelines_on_two_ranks_equal_one_process(capsys, framework, corpus, sin
     """PP2 (saving), interleaved, no-op layers, an uneven split, tied embeddings, and a PP2 run
     started from a single-process checkpoint: one launch."""
     from_single = ["pp2-from-single", [*MODELS["base"], *PP, "2", "--data-path", corpus, "--train-iters", str(ITERS),
-                                       "--load", str(single["base"]["ckpt5"])]]
+                                       "--load", str(single["base"]["ckpt5"])], False]
     table = {}
     out = run_configs(framework, 2, TWO, corpus, tmp_path, extra=[from_single])
     check_parity(out, TWO, single, table)
