@@ -48,8 +48,9 @@ for name, flags, *rest in configs:
             args = training_parser().parse_args([*flags, "--metrics-file", os.path.join(out_dir, f"{name}.jsonl")])
         trainer = Trainer(args)
         trainer.run()
-    if dist.rank() == 0 and whole is not None:
-        np.savez(os.path.join(out_dir, f"{name}-grads.npz"), **whole)
+    if dist.rank() == 0:
+        if whole is not None:
+            np.savez(os.path.join(out_dir, f"{name}-grads.npz"), **whole)
         with open(os.path.join(out_dir, f"{name}.log"), "w") as fh:
             fh.write(log.getvalue())
 dist.shutdown()
