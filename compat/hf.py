@@ -18,6 +18,7 @@ import numpy as np
 from mindspeed_core import tensor_files
 from mindspeed_core.backends.common import check_fits_in_memory
 from mindspeed_core.errors import CheckpointError
+from mindspeed_core.models import rope as rotary
 from mindspeed_core.models.config import ModelConfig, MoEConfig
 
 LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3")
@@ -32,11 +33,6 @@ _ACTS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gel
 
 # ---- configs ---------------------------------------------------------------------------------
 
-# rope_scaling types models/rope.py implements, with the keys each needs
-_ROPE_SCALING = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor",
-                                                  "original_max_position_embeddings")}
-
-
 def _rope(hf: dict) -> tuple[float, dict | None]:
     params = dict(hf.get("rope_parameters") or {})
     theta = float(params.pop("rope_theta", hf.get("rope_theta", 10000.0)))
@@ -48,14 +44,16 @@ def _rope(hf: dict) -> tuple[float, dict | None]:
         scaling = {k: v for k, v in scaling.items() if k != "rope_theta"}
         if "type" in scaling and "rope_type" not in scaling:
             scaling["rope_type"] = scaling.pop("type")
-        kind = scaling.get("rope_type")
-        if kind not in _ROPE_SCALING:
-            raise CheckpointError(f"config.json: {key}.rope_type {kind!r} is not supported (supported: "
-                                  f"{', '.join(_ROPE_SCALING)}; yarn is planned)")
-        for need in _ROPE_SCALING[kind]:
-            if not isinstance(scaling.get(need), (int, float)) or scaling[need] <= 0:
-                raise CheckpointError(f"config.json: {key}.{need} must be a positive number for rope_type {kind!r}, "
-                                      f"got {scaling.get(need)!r}")
+        if scaling.get("rope_type") in ("llama3", "yarn"):
+            # transformers' reading: a top-level original_max_position_embeddings first, else
+            # the one in rope_scaling, else the model's own length
+            if hf.get("original_max_position_embeddings") is not None:
+                scaling["original_max_position_embeddings"] = hf["original_max_position_embeddings"]
+            elif hf.get("max_position_embeddings") is not None:
+                scaling.setdefault("original_max_position_embeddings", hf["max_position_embeddings"])
+        wrong = rotary.problem(scaling)
+        if wrong:
+            raise CheckpointError(f"config.json: {key}.{wrong}")
     return theta, scaling or None
 
 

@@ -4,8 +4,9 @@
     mindspeed check-args [--ai-framework X] [--device D] <Megatron-style flags ...>
     mindspeed info [--ai-framework X] [--device D] [--measure]
     mindspeed train [--ai-framework X] <Megatron-style training flags ...>
+    mindspeed generate (--load DIR | --load-hf FOLDER) --prompt TEXT [--task greedy|do_sample|beam_search ...]
     mindspeed preprocess --input FILE --output-prefix PREFIX [--tokenizer-type ...]
-    mindspeed launch --nproc-per-node N [--nnodes --node-rank --master-addr --master-port] -- <train flags>
+    mindspeed launch --nproc-per-node N [--nnodes --node-rank --master-addr --master-port] -- [generate] <flags>
 
 ``--ai-framework`` is read before anything else so that the facade is bound before model
 code is imported. Errors the user can act on print one line and exit with status 2.
@@ -129,6 +130,12 @@ def _cmd_preprocess(argv: list[str]) -> int:
     return 0
 
 
+def _cmd_generate(argv: list[str]) -> int:
+    from mindspeed_core import inference
+
+    return inference.run(argv)
+
+
 def _cmd_launch(argv: list[str]) -> int:
     from mindspeed_core import launcher
 
@@ -136,7 +143,7 @@ def _cmd_launch(argv: list[str]) -> int:
 
 
 COMMANDS = {"features": _cmd_features, "check-args": _cmd_check_args, "info": _cmd_info, "train": _cmd_train,
-            "preprocess": _cmd_preprocess, "launch": _cmd_launch}
+            "generate": _cmd_generate, "preprocess": _cmd_preprocess, "launch": _cmd_launch}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,7 +5,8 @@ arithmetic operators ``+ - * / @``, comparison-free indexing/slicing, ``.shape``
 ``len``), so they run unchanged on PyTorch and MindSpore. Dtypes are named by strings:
 float32, float64, float16, bfloat16, int32, int64, int16, int8, uint8, bool. Tensors are the
 framework's own; the facade is functional (no in-place updates) except where a name ends
-in ``_`` (initializers), ``nn.assign``, and ``ops.adamw_step``, whose inputs are consumed.
+in ``_`` (initializers, ``ops.write_slice_``), ``nn.assign``, and ``ops.adamw_step``, whose inputs are
+consumed.
 
 The conformance suite (tests/) checks that both backends provide every name below and that
 each one is exercised by a test; the one-line contracts are the documentation.
@@ -53,6 +54,8 @@ SPEC = {
         "index_select": "index_select(x, dim, index)",
         "masked_fill": "masked_fill(x, mask, value): value where mask is True",
         "where": "where(cond, a, b)",
+        "write_slice_": ("write_slice_(dst, src, dim, start): dst[..., start:start + src.shape[dim], ...] = src along "
+                         "dim, in place (preallocated buffers such as the key/value cache; outside autograd)"),
         "tril": "tril(x, diagonal=0)", "triu": "triu(x, diagonal=0)",
         # shape
         "reshape": "reshape(x, shape)", "transpose": "transpose(x, dim0, dim1)", "permute": "permute(x, dims)",

@@ -333,21 +333,33 @@ FEATURES: tuple[Feature, ...] = (
     Feature("safetensors-io", "Framework-neutral tensor files (safetensors + JSON metadata)", "operations", (),
             supported(), supported()),
     # ---- inference ----------------------------------------------------------------------------
-    Feature("streaming-inference", "Streaming generation", "inference", ("--stream",), planned(), planned(), _on("stream")),
-    Feature("greedy-generation", "Generation tasks (greedy decoding)", "inference", ("--task greedy",),
-            planned("`mindspeed train` trains; a generation command arrives with the inference issue"),
-            planned("`mindspeed train` trains; a generation command arrives with the inference issue"),
-            _eq("task", "greedy")),
+    Feature("streaming-inference", "Streaming generation", "inference", ("--stream",),
+            supported("`mindspeed generate --stream`: each token printed as it is drawn"),
+            supported("as on PyTorch"), _on("stream")),
+    Feature("greedy-generation", "Generation: greedy decoding", "inference", ("--task greedy",),
+            supported("`mindspeed generate`; batched prompts padded on the left; tensor parallel via `mindspeed "
+                      "launch -- generate`"),
+            supported("as on PyTorch"), _eq("task", "greedy")),
+    Feature("sampling-generation", "Generation: sampling (temperature, top-k, top-p)", "inference",
+            ("--task do_sample",), supported("seeded host draws: every tensor-parallel rank picks the same token"),
+            supported("as on PyTorch"), _eq("task", "do_sample")),
+    Feature("beam-search", "Generation: beam search", "inference", ("--task beam_search",),
+            supported("log-probability over length ** --length-penalty"), supported("as on PyTorch"),
+            _eq("task", "beam_search")),
+    Feature("kv-cache", "Key/value cache for generation", "inference", (),
+            supported("preallocated per layer (this rank's key/value heads); on unless --no-kv-cache"),
+            supported("as on PyTorch"), _on("use_kv_cache")),
     Feature("chat", "Chat (multi-turn, chat templates)", "inference", ("--task chat",), planned(), planned(), _eq("task", "chat")),
-    Feature("rope-scaling-flags", "RoPE scaling set by flags (linear, llama3)", "inference",
-            ("--rope-scaling-type linear", "--rope-scaling-type llama3"),
-            planned("Hugging Face configs' rope_scaling (linear, llama3) is applied; the flags and their factors "
-                    "are not wired yet", instead="--load-hf with a config that carries rope_scaling"),
-            planned("Hugging Face configs' rope_scaling (linear, llama3) is applied; the flags and their factors "
-                    "are not wired yet", instead="--load-hf with a config that carries rope_scaling"),
-            lambda a: a.rope_scaling_type in ("linear", "llama3")),
-    Feature("yarn", "YaRN RoPE scaling", "inference", ("--rope-scaling-type yarn",), planned(), planned(),
-            _eq("rope_scaling_type", "yarn")),
+    Feature("rope-scaling-flags", "RoPE scaling set by flags (linear, llama3, dynamic NTK)", "inference",
+            ("--rope-scaling-type linear", "--rope-scaling-type llama3", "--rope-scaling-type dynamic"),
+            supported("the model's rope_scaling from the flags (or a Hugging Face config's); dynamic NTK grows the "
+                      "base past max_position_embeddings"),
+            supported("as on PyTorch (tables built on the host)"),
+            lambda a: a.rope_scaling_type in ("linear", "llama3", "dynamic")),
+    Feature("yarn", "YaRN RoPE scaling", "inference", ("--rope-scaling-type yarn",),
+            supported("YaRN frequencies and attention temperature (betas, mscale), from the flags or a Hugging "
+                      "Face config"),
+            supported("as on PyTorch (tables built on the host)"), _eq("rope_scaling_type", "yarn")),
     # ---- data and tools -------------------------------------------------------------------
     *(
         Feature(f"handler-{slug}", f"Data handler {name}", "data", (f"--handler-name {name}",),

@@ -76,8 +76,9 @@ def _ipv4_address(interface: str) -> str | None:
             return None
 
 
-def launch_command(args, train_argv: list[str], framework: str) -> tuple[list[str], dict]:
-    """The torchrun or msrun command line (and environment) that runs `train` on every rank."""
+def launch_command(args, train_argv: list[str], framework: str, command: str = "train") -> tuple[list[str], dict]:
+    """The torchrun or msrun command line (and environment) that runs `train` (or `generate`)
+    on every rank."""
     env = dict(os.environ, MINDSPEED_AI_FRAMEWORK=framework)
     if args.nnodes > 1 and not env.get("GLOO_SOCKET_IFNAME"):
         interface = interface_towards(args.master_addr)
@@ -88,14 +89,14 @@ def launch_command(args, train_argv: list[str], framework: str) -> tuple[list[st
     if framework == "pytorch":
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.nproc_per_node}",
                f"--nnodes={args.nnodes}", f"--node-rank={args.node_rank}", f"--master-addr={args.master_addr}",
-               f"--master-port={args.master_port}", "-m", "mindspeed_core.cli", "train", *train_argv]
+               f"--master-port={args.master_port}", "-m", "mindspeed_core.cli", command, *train_argv]
     else:
         msrun = os.path.join(os.path.dirname(sys.executable), "msrun")
         cli = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cli.py")
         cmd = [msrun if os.path.exists(msrun) else "msrun", f"--worker_num={args.nproc_per_node * args.nnodes}",
                f"--local_worker_num={args.nproc_per_node}", f"--master_addr={args.master_addr}",
                f"--master_port={args.master_port}", f"--node_rank={args.node_rank}", "--join=True",
-               f"--log_dir={args.log_dir}", cli, "train", *train_argv]
+               f"--log_dir={args.log_dir}", cli, command, *train_argv]
     return cmd, env
 
 
@@ -150,6 +151,9 @@ def _say_interface(args, env: dict) -> None:
 
 def run(argv: list[str]) -> int:
     own, train_argv = _split(argv)
+    command = "train"
+    if train_argv[:1] == ["generate"]:  # `mindspeed launch ... -- generate ...`: generation on every rank
+        command, train_argv = "generate", train_argv[1:]
     args = parser().parse_args(own)
     if args.node_rank >= args.nnodes:
         raise MindSpeedError(f"--node-rank {args.node_rank} must be below --nnodes {args.nnodes}")
@@ -159,11 +163,16 @@ def run(argv: list[str]) -> int:
     if args.ai_framework and not flag:
         train_argv = ["--ai-framework", args.ai_framework, *train_argv]
     framework = runtime.resolve(args.ai_framework or flag)
-    cmd, env = launch_command(args, train_argv, framework)
+    cmd, env = launch_command(args, train_argv, framework, command)
     if args.print_command:
         print(" ".join(cmd))
         return 0
-    _check_training_flags(args, train_argv, framework)
+    if command == "train":
+        _check_training_flags(args, train_argv, framework)
+    else:
+        from mindspeed_core import inference
+
+        inference.parser().parse_args(train_argv)  # a bad flag: one line, no rank started
     _check_port(args)
     if args.nnodes > 1:
         _say_interface(args, env)

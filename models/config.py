@@ -78,7 +78,7 @@ class ModelConfig:
     activation: str = "swiglu"  # swiglu | gelu | gelu_tanh
     position_embedding_type: str = "rope"  # rope | learned
     rotary_base: float = 10000.0
-    rope_scaling: dict | None = None  # {"rope_type": "linear"|"llama3", "factor": ..., ...}
+    rope_scaling: dict | None = None  # {"rope_type": linear|llama3|yarn|dynamic, "factor": ..., ...} (models/rope.py)
     add_qkv_bias: bool = False
     add_bias_linear: bool = False  # biases on the attention output and the MLP (Megatron's switch)
     attention_output_bias: bool | None = None  # None: as add_bias_linear (Llama's attention_bias without mlp_bias)
@@ -106,6 +106,12 @@ class ModelConfig:
             value = getattr(self, name)
             if value is not None and (type(value) is not int or value <= 0):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.rope_scaling is not None:
+            from mindspeed_core.models import rope
+
+            wrong = rope.problem(self.rope_scaling) if isinstance(self.rope_scaling, dict) else "must be a dict"
+            if wrong:
+                raise ValueError(f"rope_scaling: {wrong}")
         for name, low, high in (("attention_dropout", 0, 1), ("hidden_dropout", 0, 1)):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not low <= value < high:

@@ -35,11 +35,14 @@ class Tokens:
     ``positions`` for the position embeddings (None: 0..S-1; reset per document with
     --reset-position-ids) and ``documents``, the document each token belongs to in a packed
     sequence (None: one per row; attention stays inside a document); ``loss_mask``, 1 where
-    a label counts in the loss (None: everywhere; 0 on the padding of packed samples)."""
+    a label counts in the loss (None: everywhere; 0 on the padding of packed samples);
+    ``cache``, generation's key/value cache (models/kv_cache.py): then the tokens are the new
+    positions only, and ``documents`` marks each 1 (a token) or 0 (left padding)."""
 
     positions: np.ndarray | None = None
     documents: np.ndarray | None = None
     loss_mask: np.ndarray | None = None
+    cache: object = None
     _documents: object = field(default=None, repr=False, compare=False)
 
     def document_tensor(self):
@@ -66,6 +69,9 @@ class Seams:
         fn = ops.attention if fused else composite.attention
         if tokens is None or tokens.documents is None:
             return fn(q, k, v, causal=True, dropout_p=dropout_p)
+        if tokens.cache is not None:  # the new queries against every cached key, padding kept apart
+            return fn(q, k, v, causal=True, dropout_p=dropout_p,
+                      segment_ids=(tokens.document_tensor(), tokens.cache.key_documents()))
         features.note_used("flash-attention-varlen")
         return fn(q, k, v, causal=True, dropout_p=dropout_p, segment_ids=tokens.document_tensor())
 
@@ -104,6 +110,7 @@ SINGLE_DEVICE = Seams()
 class SelfAttention(nn.Module):
     # what to recompute in backward (GPTModel.use_recompute; not `recompute`: a MindSpore Cell method)
     recompute_policy = recompute.NONE
+    layer_number = 0  # the layer's global number (its slot in a key/value cache); set by Decoder
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -134,6 +141,8 @@ class SelfAttention(nn.Module):
                 features.note_used("fused-rope")
                 rotary = ops.apply_rotary
             q, k = rotary(q, cos, sin), rotary(k, cos, sin)
+        if tokens is not None and tokens.cache is not None:  # attend to every key so far
+            k, v = tokens.cache.extend(self.layer_number, k, v)
         p = cfg.attention_dropout if nn.is_training(self) else 0.0
         fused = "attention" in cfg.fused
         if fused:
@@ -206,6 +215,8 @@ class Decoder(nn.Module):
         self.numbers = tuple(numbers)
         self.layers = nn.ModuleList([TransformerLayer(cfg, None if make_mlp is None else make_mlp(n))
                                      for n in self.numbers])
+        for number, layer in zip(self.numbers, self.layers):
+            layer.self_attention.layer_number = number
         if final_norm:
             self.final_layernorm = make_norm(cfg, cfg.hidden_size)
         self.has_final_norm = final_norm
@@ -270,11 +281,12 @@ class GPTModel(nn.Module):
             # whose gradient the pipeline sums with the first stage's (Megatron's embedding group)
             self.output_layer = Linear(cfg.hidden_size, cfg.vocab_size, False, cfg.init_method_std)
         if cfg.position_embedding_type == "rope":
-            cos, sin = rope.tables(cfg.max_position_embeddings, cfg.kv_channels, cfg.rotary_base, cfg.rope_scaling)
-            self._rope = (cos, sin)
+            self._rope = rope.tables(cfg.max_position_embeddings, cfg.kv_channels, cfg.rotary_base, cfg.rope_scaling,
+                                     cfg.max_position_embeddings)
         else:
             self._rope = None
         self._rope_cache = {}
+        self._long_rope = {}
         self.seams = SINGLE_DEVICE
 
     def make_mlp(self, number: int) -> nn.Module:
@@ -329,20 +341,33 @@ class GPTModel(nn.Module):
         whole = np.arange(seq_len)[None] if tokens is None or tokens.positions is None else tokens.positions
         if whole.shape[1] != seq_len:
             raise ValueError(f"positions cover {whole.shape[1]} tokens, the sequence has {seq_len}")
-        if int(whole.max()) >= self.cfg.max_position_embeddings:
+        if int(whole.max()) >= self.cfg.max_position_embeddings and not rope.extends_positions(self.cfg.rope_scaling):
             raise ValueError(f"position {int(whole.max())} exceeds max_position_embeddings "
                              f"{self.cfg.max_position_embeddings}")
         return self.seams.local_tokens(whole)
 
+    def _table(self, length: int):
+        """cos, sin (host) for positions 0..length-1. Past max_position_embeddings only a
+        scaling made for it (dynamic NTK) has them, with frequencies set by the length."""
+        cfg = self.cfg
+        if length <= cfg.max_position_embeddings:
+            return self._rope
+        if not rope.extends_positions(cfg.rope_scaling):
+            raise ValueError(f"sequence length {length} exceeds max_position_embeddings {cfg.max_position_embeddings}")
+        if length not in self._long_rope:  # one length kept: generation grows it a token at a time
+            self._long_rope = {length: rope.tables(length, cfg.kv_channels, cfg.rotary_base, cfg.rope_scaling,
+                                                   cfg.max_position_embeddings)}
+        return self._long_rope[length]
+
     def _rotary(self, seq_len: int, dtype: str, positions=None):
         if self._rope is None:
             return None, None
-        if seq_len > self.cfg.max_position_embeddings:
-            raise ValueError(f"sequence length {seq_len} exceeds max_position_embeddings "
-                             f"{self.cfg.max_position_embeddings}")
-        cos, sin = self._rope
         if positions is not None:  # per token: [b or 1, s, 1, d] gathered on the host
+            cos, sin = self._table(int(positions.max()) + 1)  # dynamic NTK: set by the furthest position
             return tuple(ops.tensor(t[positions][:, :, None, :], dtype=dtype) for t in (cos, sin))
+        cos, sin = self._table(seq_len)
+        if seq_len > self.cfg.max_position_embeddings:  # a length of its own, not kept
+            return ops.tensor(cos, dtype=dtype), ops.tensor(sin, dtype=dtype)
         if (seq_len, dtype) not in self._rope_cache:  # device tensors, built once per length
             self._rope_cache[seq_len, dtype] = (ops.tensor(cos[:seq_len], dtype=dtype),
                                                 ops.tensor(sin[:seq_len], dtype=dtype))

@@ -2,7 +2,8 @@
 
 Run as a separate process (``python hf_reference.py OUT_DIR``) so that a test bound to
 MindSpore never imports torch: for each architecture it writes OUT_DIR/<name>/ (a model
-folder, saved by transformers) and OUT_DIR/<name>.npz (input ids and logits, float64).
+folder, saved by transformers) and OUT_DIR/<name>.npz (input ids and logits, float64; for the
+GENERATED ones also transformers' greedy continuation of a batch padded on the left).
 ``python hf_reference.py --check FOLDER IDS.npy OUT.npy`` loads a folder with transformers and
 writes its logits: the check that our exported folders load in transformers.
 """
@@ -27,6 +28,18 @@ MODELS = {
     "llama-linear-rope-tied": (T.LlamaConfig, dict(COMMON, num_key_value_heads=4, tie_word_embeddings=True,
                                                    rope_parameters={"rope_type": "linear", "rope_theta": 500.0,
                                                                     "factor": 2.0})),
+    # YaRN: a ramp over half the dimensions (betas set so that it falls inside these 16), the
+    # default attention temperature; and DeepSeek's mscale ratio on a Qwen2
+    "llama-yarn": (T.LlamaConfig, dict(COMMON, num_key_value_heads=2, rope_parameters={
+        "rope_type": "yarn", "rope_theta": 10.0, "factor": 4.0, "original_max_position_embeddings": 16,
+        "beta_fast": 2.0, "beta_slow": 0.25})),
+    "qwen2-yarn-mscale": (T.Qwen2Config, dict(COMMON, num_key_value_heads=2, rope_parameters={
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "original_max_position_embeddings": 8,
+        "mscale": 1.0, "mscale_all_dim": 0.5})),
+    # dynamic NTK: the 12 tokens go past max_position_embeddings 8, so the base grows
+    "llama-dynamic-rope": (T.LlamaConfig, dict(COMMON, num_key_value_heads=2, max_position_embeddings=8,
+                                               rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0,
+                                                                "factor": 2.0})),
     # q, k, v and o biases without MLP biases
     "llama-attention-bias": (T.LlamaConfig, dict(COMMON, num_key_value_heads=2, attention_bias=True)),
     "mistral": (T.MistralConfig, dict(COMMON, num_key_value_heads=1, sliding_window=None, head_dim=16)),
@@ -46,6 +59,11 @@ MODELS = {
 }
 
 
+# greedy generate() with the cache: 8 tokens after the ids, the second row's first 3 ids padding
+GENERATED = ("llama", "qwen3", "gpt2", "llama-dynamic-rope")
+PAD = 3
+
+
 def build(name: str, out_dir: str) -> None:
     cls, kwargs = MODELS[name]
     torch.manual_seed(0)
@@ -60,7 +78,17 @@ def build(name: str, out_dir: str) -> None:
     ids = np.random.default_rng(1).integers(0, VOCAB, size=(2, 12))
     with torch.no_grad():
         logits = model(torch.as_tensor(ids)).logits.double().numpy()
-    np.savez(os.path.join(out_dir, f"{name}.npz"), ids=ids, logits=logits)
+    extra = {}
+    if name in GENERATED:
+        model.generation_config.eos_token_id = None  # never stop early: 8 tokens each
+        model.generation_config.pad_token_id = 0
+        mask = np.ones_like(ids)
+        mask[1, :PAD] = 0
+        with torch.no_grad():
+            out = model.generate(torch.as_tensor(ids * mask), attention_mask=torch.as_tensor(mask), max_new_tokens=8,
+                                 do_sample=False)
+        extra["generated"] = out[:, ids.shape[1]:].numpy()
+    np.savez(os.path.join(out_dir, f"{name}.npz"), ids=ids, logits=logits, **extra)
 
 
 def check(folder: str, ids_path: str, out_path: str) -> None:

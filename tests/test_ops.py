@@ -160,6 +160,14 @@ def test_bfloat16_rounds_like_bfloat16():
     np.testing.assert_array_equal(ops.to_numpy(x), np.array([1.0, 3.0], np.float32))
 
 
+def test_write_slice_writes_in_place():
+    buffer = ops.zeros((2, 5, 3))
+    ops.write_slice_(buffer, ops.tensor(np.arange(12, dtype=np.float32).reshape(2, 2, 3)), 1, 3)
+    want = np.zeros((2, 5, 3), np.float32)
+    want[:, 3:5] = np.arange(12).reshape(2, 2, 3)
+    np.testing.assert_array_equal(ops.to_numpy(buffer), want)
+
+
 def test_bitcast_reads_the_same_bits():
     x = np.array([1.0, -2.5, 0.0, np.inf], np.float32)
     as_int = ops.bitcast(ops.tensor(x), "int32")

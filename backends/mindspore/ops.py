@@ -103,6 +103,12 @@ _BYTES = {"float64": 8, "int64": 8, "float32": 4, "int32": 4, "float16": 2, "bfl
           "uint8": 1, "bool": 1}
 
 
+def write_slice_(dst, src, dim: int, start: int) -> None:
+    index = [slice(None)] * len(dst.shape)
+    index[dim] = slice(start, start + src.shape[dim])
+    dst[tuple(index)] = src.astype(dst.dtype)
+
+
 def bitcast(x, dtype):
     if _BYTES[dtype] != _BYTES[dtype_of(x)]:
         raise ValueError(f"bitcast keeps the element size: {dtype_of(x)} is {_BYTES[dtype_of(x)]} bytes, "

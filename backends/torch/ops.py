@@ -93,6 +93,11 @@ def dtype_of(x) -> str:
     return _NAMES[x.dtype]
 
 
+def write_slice_(dst, src, dim: int, start: int) -> None:
+    with torch.no_grad():
+        dst.narrow(dim, start, src.shape[dim]).copy_(src)
+
+
 def bitcast(x, dtype):
     dt = _dt(dtype)
     if dt.itemsize != x.dtype.itemsize:

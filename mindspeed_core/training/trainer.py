@@ -28,7 +28,7 @@ from mindspeed_core.data.tokenizer import build_tokenizer, padded_vocab_size, to
 from mindspeed_core.memory import recompute
 from mindspeed_core.memory.swap import HostSwap
 from mindspeed_core.errors import CheckpointError, MindSpeedError
-from mindspeed_core.models import registry, router
+from mindspeed_core.models import registry, rope, router
 from mindspeed_core.models.config import PRESETS, ModelConfig, MoEConfig
 from mindspeed_core.models.gpt import Tokens, load_whole_state
 from mindspeed_core.models.moe import with_router_losses
@@ -107,7 +107,46 @@ def kernels(cfg: ModelConfig) -> dict:
     return {op: (bound[names[op]] if op in cfg.fused else "composite (flag off)") for op in names}
 
 
+# rope_scaling keys and the flags that set them
+_ROPE_FLAGS = {"factor": "--rope-scaling-factor", "low_freq_factor": "--low-freq-factor",
+               "high_freq_factor": "--high-freq-factor", "beta_fast": "--beta-fast", "beta_slow": "--beta-slow",
+               "mscale": "--rope-scaling-mscale", "mscale_all_dim": "--rope-scaling-mscale-all-dim",
+               "original_max_position_embeddings": "--original-max-position-embeddings"}
+
+
+def _flag_value(args, flag: str):
+    return getattr(args, flag[2:].replace("-", "_"), None)
+
+
+def _rope_scaling(args) -> dict | None:
+    """The model's rope_scaling from --rope-scaling-type and its numbers (models/rope.py)."""
+    given = [f for f in [*_ROPE_FLAGS.values(), "--rope-scaling-original-max-position-embeddings"]
+             if _flag_value(args, f) is not None]
+    if not args.rope_scaling_type:
+        if given:
+            raise MindSpeedError(f"{given[0]} needs --rope-scaling-type")
+        return None
+    if args.load_hf:
+        raise MindSpeedError("--rope-scaling-type: a --load-hf model's RoPE scaling is its config.json's rope_scaling")
+    scaling = {"rope_type": args.rope_scaling_type}
+    for key, flag in _ROPE_FLAGS.items():
+        if _flag_value(args, flag) is not None:
+            scaling[key] = _flag_value(args, flag)
+    if args.rope_scaling_original_max_position_embeddings is not None:  # yarn's spelling
+        scaling["original_max_position_embeddings"] = args.rope_scaling_original_max_position_embeddings
+    wrong = rope.problem(scaling)
+    if wrong:
+        key, rest = wrong.split(" ", 1)
+        flags = dict(_ROPE_FLAGS)
+        if args.rope_scaling_type == "yarn":
+            flags["original_max_position_embeddings"] = "--rope-scaling-original-max-position-embeddings"
+        raise MindSpeedError(f"--rope-scaling-type {args.rope_scaling_type}: {flags.get(key, key)} {rest}")
+    features.note_used("yarn" if args.rope_scaling_type == "yarn" else "rope-scaling-flags")
+    return scaling
+
+
 def _model_config(args, vocab_size: int) -> ModelConfig:
+    scaling = _rope_scaling(args)
     if args.load_hf:
         from mindspeed_core.compat import hf
 
@@ -127,6 +166,8 @@ def _model_config(args, vocab_size: int) -> ModelConfig:
         base["activation"] = "swiglu"
     if args.position_embedding_type:
         base["position_embedding_type"] = "learned" if args.position_embedding_type == "learned_absolute" else "rope"
+    if scaling:
+        base["rope_scaling"] = scaling
     for flag in ("untie_embeddings_and_output_weights", "add_qkv_bias", "qk_layernorm"):
         if getattr(args, flag):
             base[flag] = True
@@ -788,7 +829,7 @@ class Trainer:
             self.save()
         result = {"iterations": self.iteration, "losses": history}
         if args.sample_tokens:
-            from mindspeed_core.models.generate import generate
+            from mindspeed_core.models.generate import Sampling, generate
 
             prompt = "def "
             model = self.model
@@ -802,8 +843,10 @@ class Trainer:
                 nn.set_training(model, False)
                 # the prompt is encoded as the training documents were (BOS first where the tokenizer
                 # adds one); the sample ends where the model ends the document
-                ids = generate(model, self.tokenizer.encode(prompt), args.sample_tokens, args.seq_length,
-                               seed=args.seed, stop_ids=(self.tokenizer.eod,))
+                # (the last seq-length tokens of a long sample; no cache, which needs whole sequences)
+                ids = generate(model, [self.tokenizer.encode(prompt)], args.sample_tokens,
+                               Sampling(greedy=False, temperature=0.8, top_k=20, seed=args.seed),
+                               stop_ids=(self.tokenizer.eod,), use_cache=False, window=args.seq_length)[0]
                 text = self.tokenizer.decode(ids)
                 self.say("sample:\n" + prompt + text)
                 result["sample"] = text

@@ -1,0 +1,186 @@
+"""`mindspeed generate` (and tools/inference.py): continue prompts with a trained model.
+
+The model comes from one of our checkpoints (--load: its saved configuration, no model flags
+needed) or a Hugging Face folder (--load-hf); the prompts from --prompt (repeatable) or
+--prompt-file (one per line); --task greedy, do_sample (--temperature, --top-k, --top-p,
+--seed) or beam_search (--num-beams). The key/value cache is used unless --no-kv-cache.
+--stream prints each token as it is drawn (one prompt at a time). Under tensor parallelism
+(`mindspeed launch ... -- generate ...`) every rank runs the same generation and rank 0
+prints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from mindspeed_core import dist, features, nn, runtime
+from mindspeed_core.compat import megatron_args
+from mindspeed_core.errors import CheckpointError, MindSpeedError
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("generation")
+    g.add_argument("--prompt", action="append", default=None, help="a prompt (repeat for a batch)")
+    g.add_argument("--prompt-file", default=None, help="prompts, one per line")
+    g.add_argument("--max-new-tokens", type=megatron_args.POSITIVE_INT, default=64)
+    g.add_argument("--temperature", type=megatron_args.POSITIVE, default=1.0)
+    g.add_argument("--top-k", type=megatron_args.COUNT, default=0)
+    g.add_argument("--top-p", type=megatron_args.UNIT, default=1.0)
+    g.add_argument("--num-beams", type=megatron_args.POSITIVE_INT, default=4)
+    g.add_argument("--length-penalty", type=float, default=1.0)
+    g.add_argument("--no-kv-cache", action="store_true", help="rerun the whole sequence at each step")
+    g.add_argument("--use-kv-cache", action="store_true", help="(the default; MindSpeed-LLM's spelling)")
+    g.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = megatron_args.training_parser()
+    p.prog, p.description = "mindspeed generate", "continue prompts with a trained model"
+    add_args(p)
+    return p
+
+
+def _prompts(args) -> list[str]:
+    prompts = list(args.prompt or [])
+    if args.prompt_file:
+        try:
+            with open(args.prompt_file, encoding="utf-8") as fh:
+                prompts += [line.rstrip("\n") for line in fh if line.strip()]
+        except OSError as exc:
+            raise MindSpeedError(f"--prompt-file {args.prompt_file}: {exc.strerror}") from None
+    if not prompts:
+        raise MindSpeedError("no prompt: give --prompt TEXT or --prompt-file FILE")
+    if any(not p.strip() for p in prompts):
+        raise MindSpeedError("an empty prompt: each prompt needs some text")
+    return prompts
+
+
+def load_model(args):
+    """(model, config, tokenizer) from --load or --load-hf, cut for this rank's tensor-parallel
+    share; the model in evaluation mode."""
+    from mindspeed_core.data.tokenizer import build_tokenizer, tokenizer_args
+    from mindspeed_core.models import registry
+    from mindspeed_core.models.config import ModelConfig
+    from mindspeed_core.models.gpt import load_whole_state
+    from mindspeed_core.parallel import state as parallel_state
+    from mindspeed_core.training import checkpoint
+
+    if bool(args.load) == bool(args.load_hf):
+        raise MindSpeedError("give the model to generate with: --load CHECKPOINT_DIR or --load-hf FOLDER")
+    for flag, value in (("--pipeline-model-parallel-size", args.pipeline_model_parallel_size),
+                        ("--context-parallel-size", args.context_parallel_size),
+                        ("--expert-model-parallel-size", args.expert_model_parallel_size)):
+        if value != 1:
+            raise MindSpeedError(f"generation runs with tensor parallelism only: drop {flag}")
+    if args.sequence_parallel:
+        raise MindSpeedError("generation runs without sequence parallelism: drop --sequence-parallel")
+    if args.load_hf:
+        from mindspeed_core.compat import hf
+
+        cfg, state = hf.load_folder(args.load_hf)
+        has_tokenizer = os.path.exists(os.path.join(args.load_hf, "tokenizer.json"))
+        if args.tokenizer_type is None and args.tokenizer_name_or_path is None and not has_tokenizer:
+            raise MindSpeedError(f"{args.load_hf} has no tokenizer.json: give --tokenizer-type / "
+                                 "--tokenizer-name-or-path")
+        if args.tokenizer_type is None and args.tokenizer_name_or_path is None:
+            args.tokenizer_type, args.tokenizer_name_or_path = "PretrainedFromHF", args.load_hf
+    else:
+        it = checkpoint.latest_iteration(args.load)
+        if it is None:
+            raise CheckpointError(f"no checkpoint in {args.load} (no {checkpoint.TRACKER})")
+        meta = checkpoint.read_meta(args.load, it)
+        cfg = ModelConfig.from_dict(meta["model"])
+        state = checkpoint.load(args.load, it)[0]
+        if args.tokenizer_type is None and args.tokenizer_name_or_path is None:
+            if meta.get("tokenizer") != "ByteLevel":
+                raise MindSpeedError(f"the checkpoint was trained with the {meta.get('tokenizer')} tokenizer: give "
+                                     "the same --tokenizer-type / --tokenizer-name-or-path")
+            args.tokenizer_type = "ByteLevel"
+    tokenizer = build_tokenizer(*tokenizer_args(args))
+    if tokenizer.vocab_size > cfg.vocab_size:
+        raise MindSpeedError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model's vocabulary has "
+                             f"{cfg.vocab_size}: use the tokenizer the model was trained with")
+    dist.init()
+    ps = parallel_state.initialize(tp=args.tensor_model_parallel_size)
+    spec = registry.for_config(cfg)
+    model = spec.build(cfg)
+    load_whole_state(model, state)
+    if ps.tp > 1:
+        from mindspeed_core.parallel import layers as parallel_layers
+
+        parallel_layers.check_layout(cfg, ps.tp, False)
+        spec.parallelize(model, ps, False, "megatron_cp_algo", 1, "allgather")
+        parallel_layers.seed_model_parallel_rng(args.seed, ps)  # the layers fork its streams (no dropout here)
+    nn.set_training(model, False)
+    return model, cfg, tokenizer, ps
+
+
+def run(argv: list[str]) -> int:
+    args = parser().parse_args(argv)
+    backend = runtime.bind(args.ai_framework, args.device)
+    task = args.task or "greedy"
+    if task == "chat":
+        raise MindSpeedError("--task chat is not built yet (planned); use greedy, do_sample or beam_search")
+    features.validate(args, backend.NAME, backend.device.type(), backend.FRAMEWORK_VERSION)
+    prompts = _prompts(args)
+    from mindspeed_core.models import generate as gen
+
+    model, cfg, tokenizer, ps = load_model(args)
+    encoded = [tokenizer.encode(p) for p in prompts]
+    longest = max(len(e) for e in encoded)
+    wrong = gen.fits(cfg.max_position_embeddings, longest, args.max_new_tokens, cfg.rope_scaling)
+    if wrong:
+        raise MindSpeedError(f"--max-new-tokens {args.max_new_tokens}: {wrong}")
+    stop = (tokenizer.eod,) if getattr(tokenizer, "eod", None) is not None else ()
+    speak = ps.rank == 0
+    use_cache = not args.no_kv_cache
+    results = []
+    if task == "beam_search":
+        results = [gen.beam_search(model, e, args.max_new_tokens, args.num_beams, stop, args.length_penalty,
+                                   use_cache) for e in encoded]
+    else:
+        sampling = gen.Sampling(greedy=task == "greedy", temperature=args.temperature, top_k=args.top_k,
+                                top_p=args.top_p, seed=args.seed)
+        if args.stream:
+            features.note_used("streaming-inference")
+            for prompt, e in zip(prompts, encoded):
+                printer = _Stream(tokenizer, speak, prompt)
+                results += gen.generate(model, [e], args.max_new_tokens, sampling, stop, use_cache, printer.step)
+                printer.close()
+        else:
+            results = gen.generate(model, encoded, args.max_new_tokens, sampling, stop, use_cache)
+    if speak and not args.stream:
+        for prompt, ids in zip(prompts, results):
+            text = tokenizer.decode(ids)
+            print(json.dumps({"prompt": prompt, "output": text, "ids": ids}) if args.json else prompt + text)
+    dist.shutdown()
+    return 0
+
+
+class _Stream:
+    """Prints a row's text as its tokens come: the decoded text grows, so the new part is
+    printed (a byte-level tokenizer may need several tokens for one character)."""
+
+    def __init__(self, tokenizer, speak: bool, prompt: str):
+        self.tokenizer, self.speak, self.ids, self.shown = tokenizer, speak, [], ""
+        if speak:
+            sys.stdout.write(prompt)
+            sys.stdout.flush()
+
+    def step(self, tokens) -> None:
+        if tokens[0] is None:
+            return
+        self.ids.append(tokens[0])
+        text = self.tokenizer.decode(self.ids)
+        if self.speak and not text.endswith("\ufffd"):  # wait for the rest of a character
+            sys.stdout.write(text[len(self.shown):])
+            sys.stdout.flush()
+            self.shown = text
+
+    def close(self) -> None:
+        if self.speak:
+            sys.stdout.write(self.tokenizer.decode(self.ids)[len(self.shown):] + "\n")
+            sys.stdout.flush()

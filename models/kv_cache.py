@@ -1,0 +1,63 @@
+"""The key/value cache of generation: per layer, buffers preallocated for the whole batch and
+the longest sequence the generation can reach, holding this rank's key/value heads (the
+query groups; a share of them under tensor parallelism), so each decoding step computes the
+new tokens only.
+
+The rows of a batch are prompts of different lengths, padded on the left: ``documents``
+marks each cached position 1 (a token) or 0 (padding), and attention keeps a query inside
+its own kind, so no token ever sees padding (models/gpt.py Seams.attention).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from mindspeed_core import ops
+
+
+class KVCache:
+    def __init__(self, batch: int, capacity: int):
+        self.batch, self.capacity = batch, capacity
+        self.length = 0  # positions filled (the same for every row: padding fills the rest)
+        self.keys, self.values = {}, {}  # layer number -> [batch, capacity, groups, head_dim]
+        self.documents = np.zeros((batch, capacity), np.int64)
+        self._documents = None  # the device copy of documents[:, :length + new]
+
+    def begin(self, documents: np.ndarray) -> None:
+        """Start a forward pass over new positions whose kinds are ``documents`` [batch, new]."""
+        new = documents.shape[1]
+        if self.length + new > self.capacity:
+            raise ValueError(f"the cache holds {self.capacity} positions; {self.length} are filled and "
+                             f"{new} more were given")
+        self.documents[:, self.length:self.length + new] = documents
+        self._documents = ops.tensor(np.ascontiguousarray(self.documents[:, :self.length + new]))
+        self._new = new
+
+    def extend(self, layer: int, k, v):
+        """Write a layer's keys and values of the new positions [batch, new, groups, head_dim];
+        returns all of them so far."""
+        if layer not in self.keys:  # allocated at first use: the layer's local heads are known here
+            shape = (self.batch, self.capacity, k.shape[2], k.shape[3])
+            self.keys[layer] = ops.zeros(shape, dtype=ops.dtype_of(k))
+            self.values[layer] = ops.zeros(shape[:3] + (v.shape[3],), dtype=ops.dtype_of(v))
+        end = self.length + self._new
+        ops.write_slice_(self.keys[layer], k, 1, self.length)
+        ops.write_slice_(self.values[layer], v, 1, self.length)
+        return self.keys[layer][:, :end], self.values[layer][:, :end]
+
+    def key_documents(self):
+        return self._documents
+
+    def end(self) -> None:
+        """The forward pass over the new positions is done: they are cached."""
+        self.length += self._new
+        self._new = 0
+
+    def reorder(self, rows) -> None:
+        """Keep the given rows (beam search): row i becomes the old row rows[i]."""
+        index = ops.tensor(np.asarray(rows, np.int64))
+        for store in (self.keys, self.values):
+            for layer, buffer in store.items():
+                store[layer] = ops.index_select(buffer, 0, index)
+        self.documents = self.documents[np.asarray(rows)]
+        self.batch = len(rows)

@@ -1,0 +1,194 @@
+"""Generation (models/generate.py, models/kv_cache.py) and `mindspeed generate`: the cache
+changes no token, batched prompts padded on the left equal one at a time, sampling is
+reproducible and cut where it says, beam search on a hand-checked case, tensor parallelism
+draws what one process draws. Parity with transformers' generate is in test_hf.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from mindspeed_core import cli, nn, ops, random
+from mindspeed_core.models import generate as gen
+from mindspeed_core.models.config import ModelConfig
+from mindspeed_core.models.gpt import GPTModel
+from test_training import SMALL, corpus, train  # noqa: F401  (corpus is a fixture)
+
+CFG = dict(vocab_size=48, hidden_size=32, num_layers=2, num_attention_heads=4, num_query_groups=2,
+           ffn_hidden_size=64, max_position_embeddings=40, init_method_std=0.3)
+PROMPTS = [[5, 9, 2, 7, 7, 1], [3], [11, 4, 30]]
+
+
+@pytest.fixture(scope="module")
+def model():
+    random.seed(3)
+    m = GPTModel(ModelConfig(**CFG))
+    nn.set_training(m, False)
+    return m
+
+
+@pytest.mark.feature("greedy-generation")
+@pytest.mark.feature("kv-cache")
+def test_the_cache_changes_no_token_and_padding_changes_nothing(model):
+    cached = gen.generate(model, PROMPTS, 12)
+    assert gen.generate(model, PROMPTS, 12, use_cache=False) == cached
+    assert [len(c) for c in cached] == [12, 12, 12]
+    # each prompt alone (no padding) continues as it does in the left-padded batch
+    assert [gen.generate(model, [p], 12)[0] for p in PROMPTS] == cached
+
+
+def test_a_stop_token_ends_its_row_only(model):
+    free = gen.generate(model, PROMPTS, 10)
+    stop = free[0][3]
+    first = free[0].index(stop)  # where row 0 meets it
+    out = gen.generate(model, PROMPTS, 10, stop_ids=(stop,))
+    for row, whole in zip(out, free):
+        assert row == (whole[:whole.index(stop)] if stop in whole else whole)
+    seen = []
+    gen.generate(model, PROMPTS, 10, stop_ids=(stop,), on_step=seen.append)
+    assert [s[0] for s in seen[:first + 1]] == free[0][:first] + [None]
+    assert all(s[0] is None for s in seen[first:])
+
+
+@pytest.mark.feature("sampling-generation")
+def test_sampling_is_reproducible_and_cut_where_it_says(model):
+    draw = gen.Sampling(greedy=False, temperature=1.5, seed=11)
+    first = gen.generate(model, PROMPTS, 10, draw)
+    assert gen.generate(model, PROMPTS, 10, draw) == first
+    assert gen.generate(model, PROMPTS, 10, gen.Sampling(greedy=False, temperature=1.5, seed=12)) != first
+    assert gen.generate(model, PROMPTS, 10, draw, use_cache=False) == first
+    greedy = gen.generate(model, PROMPTS, 10)
+    for cut in (gen.Sampling(greedy=False, top_k=1, seed=5), gen.Sampling(greedy=False, top_p=1e-6, seed=5)):
+        assert gen.generate(model, PROMPTS, 10, cut) == greedy
+
+
+def test_top_k_and_top_p_keep_the_most_likely_tokens():
+    logits = np.log(np.array([[0.5, 0.2, 0.15, 0.1, 0.05]]))
+    rng = np.random.default_rng(0)
+    drawn = {gen.choose(logits, gen.Sampling(greedy=False, top_k=2), rng)[0] for _ in range(300)}
+    assert drawn == {0, 1}
+    drawn = {gen.choose(logits, gen.Sampling(greedy=False, top_p=0.8), rng)[0] for _ in range(300)}
+    assert drawn == {0, 1, 2}  # 0.5 + 0.2 < 0.8 <= 0.5 + 0.2 + 0.15
+    counts = np.bincount([gen.choose(logits, gen.Sampling(greedy=False), rng)[0] for _ in range(4000)], minlength=5)
+    np.testing.assert_allclose(counts / 4000, [0.5, 0.2, 0.15, 0.1, 0.05], atol=0.03)
+    with pytest.raises(ValueError, match="top_p"):
+        gen.Sampling(greedy=False, top_p=0.0)
+
+
+class Bigram:
+    """A stand-in model whose next-token log-probabilities depend on the last token only
+    (vocabulary 0..3; 3 ends), so beam search can be followed by hand."""
+
+    TABLE = np.log(np.array([
+        [0.05, 0.50, 0.40, 0.05],  # after 0
+        [0.05, 0.05, 0.30, 0.60],  # after 1: most likely the end
+        [0.90, 0.04, 0.03, 0.03],  # after 2: almost surely 0
+        [0.25, 0.25, 0.25, 0.25],
+    ]))
+    sequence_multiple = 1
+
+    def __call__(self, ids, tokens=None):
+        return ops.tensor(self.TABLE[ops.to_numpy(ids)].astype(np.float32))
+
+    def gather_logits(self, logits):
+        return logits
+
+
+@pytest.mark.feature("beam-search")
+def test_beam_search_on_a_hand_checked_case():
+    # from 0: greedy takes 1 (0.5) then ends (0.6): 0.30 over 2 tokens drawn.
+    # Two beams: [1] 0.5, [2] 0.4; then [1, end] 0.30 ends, [2, 0] 0.36 and [1, 2] 0.15 stay
+    # open; then [2, 0, 1] 0.18 and [2, 0, 2] 0.144. With length penalty 0 the probability
+    # decides: [1] (ended, 0.30) beats every open beam, which can only shrink.
+    model = Bigram()
+    assert gen.beam_search(model, [0], 6, num_beams=2, stop_ids=(3,), length_penalty=0.0, use_cache=False) == [1]
+    assert gen.generate(model, [[0]], 6, stop_ids=(3,), use_cache=False) == [[1]]
+    # per token (penalty 1) the pairs 2, 0 score log 0.36 / 2 = -0.51 a token and beat ending early
+    # ([1, end]: log 0.30 / 2 = -0.60; [2, 0, 1, end]: log 0.108 / 4 = -0.56): the beams run to the limit
+    assert gen.beam_search(model, [0], 6, num_beams=2, stop_ids=(3,), length_penalty=1.0,
+                           use_cache=False) == [2, 0, 2, 0, 2, 0]
+
+
+def test_beam_search_with_the_cache_equals_without(model):
+    for prompt in PROMPTS:
+        want = gen.beam_search(model, prompt, 8, num_beams=3, stop_ids=(0,), use_cache=False)
+        assert gen.beam_search(model, prompt, 8, num_beams=3, stop_ids=(0,)) == want
+
+
+def test_bad_generation_input_is_a_clear_error(model):
+    with pytest.raises(ValueError, match="empty prompt"):
+        gen.generate(model, [[1, 2], []], 4)
+    assert gen.fits(40, 30, 10, None) is None
+    assert "passes the model's 40 positions" in gen.fits(40, 30, 11, None)
+    assert gen.fits(40, 30, 11, {"rope_type": "dynamic", "factor": 2.0}) is None
+
+
+@pytest.fixture(scope="module")
+def checkpoint(corpus, tmp_path_factory):  # noqa: F811
+    root = tmp_path_factory.mktemp("generate")
+    assert cli.main(["train", *SMALL, "--data-path", corpus, "--train-iters", "3", "--save", str(root / "ckpt")]) == 0
+    return root / "ckpt"
+
+
+@pytest.mark.feature("greedy-generation")
+@pytest.mark.feature("streaming-inference")
+def test_generate_command_continues_prompts_from_a_checkpoint(capsys, checkpoint):
+    capsys.readouterr()
+    argv = ["generate", "--load", str(checkpoint), "--prompt", "def f(", "--prompt", "import", "--max-new-tokens", "6"]
+    assert cli.main([*argv, "--json"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert [r["prompt"] for r in rows] == ["def f(", "import"] and all(len(r["ids"]) <= 6 for r in rows)
+    assert cli.main([*argv, "--stream"]) == 0  # the same text, printed as it comes
+    out = capsys.readouterr().out
+    for r in rows:
+        assert r["prompt"] + r["output"] in out
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--prompt", ""], "an empty prompt"),
+    ([], "no prompt"),
+    (["--prompt", "x", "--max-new-tokens", "100"], "passes the model's 32 positions"),
+    (["--prompt", "x", "--task", "chat"], "--task chat is not built yet"),
+    (["--prompt", "x", "--sequence-parallel", "--tensor-model-parallel-size", "2"], "without sequence parallelism"),
+])
+def test_bad_generate_flags_are_one_line(capsys, checkpoint, flags, message):
+    capsys.readouterr()
+    assert cli.main(["generate", "--load", str(checkpoint), *flags]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err
+
+
+def test_generate_needs_a_model(capsys, tmp_path):
+    assert cli.main(["generate", "--prompt", "x"]) == 2
+    assert "--load CHECKPOINT_DIR or --load-hf FOLDER" in capsys.readouterr().err
+    assert cli.main(["generate", "--load", str(tmp_path), "--prompt", "x"]) == 2
+    assert "no checkpoint in" in capsys.readouterr().err
+
+
+@pytest.mark.multiprocess
+@pytest.mark.feature("sampling-generation")
+@pytest.mark.feature("tensor-parallel")
+def test_tensor_parallel_generation_draws_what_one_process_draws(framework, capsys, checkpoint, tmp_path):
+    from launch import free_port
+
+    common = ["--load", str(checkpoint), "--prompt", "def f(", "--prompt", "class", "--max-new-tokens", "8",
+              "--json"]
+    capsys.readouterr()
+    assert cli.main(["generate", *common, "--task", "do_sample", "--seed", "4"]) == 0
+    want = [json.loads(x)["ids"] for x in capsys.readouterr().out.splitlines() if x.startswith("{")]
+    cmd = [sys.executable, "-m", "mindspeed_core.cli", "launch", "--nproc-per-node", "2", "--master-port",
+           str(free_port()), "--log-dir", str(tmp_path / "logs"), "--", "generate", "--ai-framework", framework,
+           *common, "--tensor-model-parallel-size", "2", "--task", "do_sample", "--seed", "4"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=str(tmp_path),
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    logs = "".join(p.read_text() for p in sorted((tmp_path / "logs").glob("*")) if p.is_file()) \
+        if (tmp_path / "logs").is_dir() else ""
+    assert done.returncode == 0, done.stderr[-3000:] + logs[-3000:]
+    text = done.stdout if '{"prompt"' in done.stdout else logs  # msrun: in the workers' logs (and echoed)
+    got = [json.loads(x[x.index("{"):])["ids"] for x in text.splitlines() if '{"prompt"' in x]
+    assert got == want, (got, want)
