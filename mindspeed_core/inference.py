@@ -4,7 +4,8 @@ The model comes from one of our checkpoints (--load: its saved configuration, no
 needed) or a Hugging Face folder (--load-hf); the prompts from --prompt (repeatable) or
 --prompt-file (one per line); --task greedy, do_sample (--temperature, --top-k, --top-p,
 --seed) or beam_search (--num-beams). The key/value cache is used unless --no-kv-cache.
---stream prints each token as it is drawn (one prompt at a time). Under tensor parallelism
+--stream prints each token as it is drawn (one prompt at a time; beam search prints when it
+ends, its beams reorder until then). Under tensor parallelism
 (`mindspeed launch ... -- generate ...`) every rank runs the same generation and rank 0
 prints.
 """
@@ -137,6 +138,7 @@ def run(argv: list[str]) -> int:
     stop = (tokenizer.eod,) if getattr(tokenizer, "eod", None) is not None else ()
     speak = ps.rank == 0
     use_cache = not args.no_kv_cache
+    streamed = args.stream and task != "beam_search"  # beams reorder until the end: printed when done
     results = []
     if task == "beam_search":
         results = [gen.beam_search(model, e, args.max_new_tokens, args.num_beams, stop, args.length_penalty,
@@ -144,7 +146,7 @@ def run(argv: list[str]) -> int:
     else:
         sampling = gen.Sampling(greedy=task == "greedy", temperature=args.temperature, top_k=args.top_k,
                                 top_p=args.top_p, seed=args.seed)
-        if args.stream:
+        if streamed:
             features.note_used("streaming-inference")
             for prompt, e in zip(prompts, encoded):
                 printer = _Stream(tokenizer, speak, prompt)
@@ -152,7 +154,7 @@ def run(argv: list[str]) -> int:
                 printer.close()
         else:
             results = gen.generate(model, encoded, args.max_new_tokens, sampling, stop, use_cache)
-    if speak and not args.stream:
+    if speak and not streamed:
         for prompt, ids in zip(prompts, results):
             text = tokenizer.decode(ids)
             print(json.dumps({"prompt": prompt, "output": text, "ids": ids}) if args.json else prompt + text)

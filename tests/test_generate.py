@@ -147,6 +147,9 @@ def test_generate_command_continues_prompts_from_a_checkpoint(capsys, checkpoint
     out = capsys.readouterr().out
     for r in rows:
         assert r["prompt"] + r["output"] in out
+    assert cli.main([*argv, "--json", "--stream", "--task", "beam_search", "--num-beams", "2"]) == 0
+    beams = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{")]  # printed at the end
+    assert [b["prompt"] for b in beams] == ["def f(", "import"]
 
 
 @pytest.mark.parametrize("flags, message", [
