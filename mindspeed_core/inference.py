@@ -94,7 +94,7 @@ def load_model(args):
             raise CheckpointError(f"no checkpoint in {args.load} (no {checkpoint.TRACKER})")
         meta = checkpoint.read_meta(args.load, it)
         cfg = ModelConfig.from_dict(meta["model"])
-        state = checkpoint.load(args.load, it)[0]
+        state = checkpoint.load_model_arrays(args.load, it)  # not the optimizer's three copies
         if args.tokenizer_type is None and args.tokenizer_name_or_path is None:
             if meta.get("tokenizer") != "ByteLevel":
                 raise MindSpeedError(f"the checkpoint was trained with the {meta.get('tokenizer')} tokenizer: give "

@@ -180,11 +180,20 @@ def _arrays(path: str, sha256: str | None) -> tuple[dict, dict | None]:
             else t.array.astype(np.float32) for k, t in host.items()}, meta
 
 
+def load_model_arrays(root: str, iteration: int) -> dict:
+    """Full float32 arrays of the model only (generation), checked against meta.json's digest."""
+    return _model_arrays(_folder(root, iteration), read_meta(root, iteration))
+
+
+def _model_arrays(folder: str, meta: dict) -> dict:
+    return _arrays(os.path.join(folder, "model.safetensors"), _digest(meta, "model.safetensors"))[0]
+
+
 def load(root: str, iteration: int) -> tuple[dict, dict, int]:
     """Full float32 arrays of the model and the optimizer, and the optimizer's step count;
     every file checked against the digest recorded in meta.json."""
     folder, meta = _folder(root, iteration), read_meta(root, iteration)
-    model, _ = _arrays(os.path.join(folder, "model.safetensors"), _digest(meta, "model.safetensors"))
+    model = _model_arrays(folder, meta)
     optimizer, opt_meta = _arrays(os.path.join(folder, "optimizer.safetensors"), _digest(meta, "optimizer.safetensors"))
     steps = (opt_meta or {}).get("steps", iteration) if isinstance(opt_meta, dict) else None
     if type(steps) is not int or steps < 0:
