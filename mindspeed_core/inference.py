@@ -62,7 +62,7 @@ def _prompts(args) -> list[str]:
 def load_model(args):
     """(model, config, tokenizer) from --load or --load-hf, cut for this rank's tensor-parallel
     share; the model in evaluation mode."""
-    from mindspeed_core.data.tokenizer import build_tokenizer, tokenizer_args
+    from mindspeed_core.data.tokenizer import build_tokenizer, check_fits, tokenizer_args
     from mindspeed_core.models import registry
     from mindspeed_core.models.config import ModelConfig
     from mindspeed_core.models.gpt import load_whole_state
@@ -101,9 +101,7 @@ def load_model(args):
                                      "the same --tokenizer-type / --tokenizer-name-or-path")
             args.tokenizer_type = "ByteLevel"
     tokenizer = build_tokenizer(*tokenizer_args(args))
-    if tokenizer.vocab_size > cfg.vocab_size:
-        raise MindSpeedError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model's vocabulary has "
-                             f"{cfg.vocab_size}: use the tokenizer the model was trained with")
+    check_fits(tokenizer, cfg.vocab_size)
     dist.init()
     ps = parallel_state.initialize(tp=args.tensor_model_parallel_size)
     spec = registry.for_config(cfg)

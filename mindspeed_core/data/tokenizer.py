@@ -189,6 +189,13 @@ def build_tokenizer(tokenizer_type: str | None, name_or_path: str | None = None,
                          "GPT2BPETokenizer or NullTokenizer")
 
 
+def check_fits(tokenizer, vocab_size: int) -> None:
+    """A tokenizer with more ids than the model's vocabulary would index past its embedding."""
+    if tokenizer.vocab_size > vocab_size:
+        raise MindSpeedError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model's vocabulary "
+                             f"has {vocab_size}: use the tokenizer the model was trained with")
+
+
 def tokenizer_args(args) -> tuple:
     """The tokenizer flags of parsed arguments, as build_tokenizer's positional arguments."""
     return (args.tokenizer_type, args.tokenizer_name_or_path, getattr(args, "vocab_file", None),

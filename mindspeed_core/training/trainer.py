@@ -24,7 +24,7 @@ from mindspeed_core import autograd, device, dist, features, files, nn, ops, ran
 from mindspeed_core.backends.common import check_fits_in_memory
 from mindspeed_core.data import gpt_dataset
 from mindspeed_core.data.sampler import PretrainingSampler
-from mindspeed_core.data.tokenizer import build_tokenizer, padded_vocab_size, tokenizer_args
+from mindspeed_core.data.tokenizer import build_tokenizer, check_fits, padded_vocab_size, tokenizer_args
 from mindspeed_core.memory import recompute
 from mindspeed_core.memory.swap import HostSwap
 from mindspeed_core.errors import CheckpointError, MindSpeedError
@@ -224,9 +224,7 @@ def check_configuration(args, world: int):
     cfg = model_config(args, tokenizer.vocab_size)
     if cfg.moe is not None:
         _check_moe(args, cfg)
-    if tokenizer.vocab_size > cfg.vocab_size:
-        raise MindSpeedError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model's vocabulary "
-                             f"has {cfg.vocab_size}: use the tokenizer the model was trained with")
+    check_fits(tokenizer, cfg.vocab_size)
     if args.seq_length > cfg.max_position_embeddings:
         raise MindSpeedError(f"--seq-length {args.seq_length} exceeds the model's max_position_embeddings "
                              f"{cfg.max_position_embeddings}")
