@@ -86,8 +86,10 @@ class HFTokenizer:
         bos = _token_text(config.get("bos_token"))
         self.bos = vocab.get(bos) if bos is not None else None
 
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=self.include_special_tokens).ids
+    def encode(self, text: str, add_special_tokens: bool | None = None) -> list[int]:
+        """``add_special_tokens`` False: the text alone (a chat template writes them itself)."""
+        special = self.include_special_tokens if add_special_tokens is None else add_special_tokens
+        return self._tok.encode(text, add_special_tokens=special).ids
 
     def decode(self, ids) -> str:
         return self._tok.decode([int(i) for i in ids])
@@ -187,6 +189,12 @@ def build_tokenizer(tokenizer_type: str | None, name_or_path: str | None = None,
         return NullTokenizer(vocab_size)
     raise MindSpeedError(f"unknown --tokenizer-type {kind!r}; choose ByteLevel, PretrainedFromHF, "
                          "GPT2BPETokenizer or NullTokenizer")
+
+
+def encode_plain(tokenizer, text: str) -> list[int]:
+    """``text`` as tokens, without the special tokens a tokenizer adds on its own."""
+    return tokenizer.encode(text, add_special_tokens=False) if isinstance(tokenizer, HFTokenizer) else \
+        tokenizer.encode(text)
 
 
 def check_fits(tokenizer, vocab_size: int) -> None:

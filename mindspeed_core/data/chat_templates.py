@@ -1,0 +1,179 @@
+"""Conversation templates: how a list of messages ({"role": system|user|assistant, "content"})
+becomes the text a chat model reads.
+
+Two kinds, as MindSpeed-LLM users know them:
+
+- ``--prompt-type NAME``: one of TEMPLATES (empty, alpaca, chatml, qwen, llama3), written here;
+- a Hugging Face ``chat_template`` (tokenizer_config.json's, or the folder's
+  chat_template.jinja), rendered by jinja2's immutable sandbox as transformers renders it: the
+  template language runs, Python attribute access and mutation of the messages do not.
+
+Both render to text with the special tokens spelled out; that text is encoded without the
+tokenizer adding its own (a template writes the beginning-of-sequence token itself).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+from mindspeed_core.errors import MindSpeedError
+
+ROLES = ("system", "user", "assistant")
+
+
+@dataclass(frozen=True)
+class Template:
+    """A conversation format. ``user``/``system``/``assistant`` hold ``{content}``;
+    ``generation`` is what asks the model for its turn (after the last user message); an
+    assistant turn of the history is ``generation`` + ``assistant``. ``stop`` ends a reply
+    (besides the tokenizer's end of document)."""
+
+    name: str
+    user: str
+    assistant: str
+    generation: str = ""
+    system: str = "{content}"
+    default_system: str | None = None
+    begin: str = ""
+    stop: tuple[str, ...] = ()
+
+    def segments(self, messages: list[dict], add_generation_prompt: bool = True) -> list[tuple[str, bool]]:
+        """The rendered text in pieces, each (text, written by the assistant): the pieces a
+        fine-tuning loss trains on are the assistant's."""
+        check_messages(messages)
+        out = [(self.begin, False)] if self.begin else []
+        system = messages[0]["content"] if messages and messages[0]["role"] == "system" else self.default_system
+        if system is not None:
+            out.append((self.system.format(content=system), False))
+        for m in messages:
+            if m["role"] == "user":
+                out.append((self.user.format(content=m["content"]) + self.generation, False))
+            elif m["role"] == "assistant":
+                out.append((self.assistant.format(content=m["content"]), True))
+        if not add_generation_prompt and out and not out[-1][1] and self.generation:
+            text, _ = out.pop()  # the last user turn without the request for a reply
+            out.append((text[:-len(self.generation)], False))
+        return [(t, a) for t, a in out if t]
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        return "".join(t for t, _ in self.segments(messages, add_generation_prompt))
+
+
+_CHATML = dict(system="<|im_start|>system\n{content}<|im_end|>\n", user="<|im_start|>user\n{content}<|im_end|>\n",
+               generation="<|im_start|>assistant\n", assistant="{content}<|im_end|>\n", stop=("<|im_end|>",))
+
+TEMPLATES = {t.name: t for t in (
+    Template("empty", user="{content}", assistant="{content}"),
+    Template("alpaca", user="### Instruction:\n{content}\n\n", generation="### Response:\n", assistant="{content}\n\n",
+             default_system="Below is an instruction that describes a task. Write a response that appropriately "
+                            "completes the request.\n\n"),
+    Template("chatml", **_CHATML),
+    Template("qwen", default_system="You are a helpful assistant.", **_CHATML),
+    Template("llama3", begin="<|begin_of_text|>",
+             system="<|start_header_id|>system<|end_header_id|>\n\n{content}<|eot_id|>",
+             user="<|start_header_id|>user<|end_header_id|>\n\n{content}<|eot_id|>",
+             generation="<|start_header_id|>assistant<|end_header_id|>\n\n", assistant="{content}<|eot_id|>",
+             stop=("<|eot_id|>",)),
+)}
+
+
+def check_messages(messages: list[dict]) -> None:
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
+            raise MindSpeedError(f"message {i} must be {{'role': one of {', '.join(ROLES)}, 'content': text}}, "
+                                 f"got {str(m)[:80]}")
+        if m["role"] == "system" and i:
+            raise MindSpeedError(f"message {i}: a system message may only come first")
+
+
+class HFTemplate:
+    """A Hugging Face chat template (jinja2), with the special tokens of its
+    tokenizer_config.json as variables."""
+
+    def __init__(self, source: str, tokens: dict[str, str], where: str):
+        try:
+            from jinja2 import TemplateError
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+        except ImportError:
+            raise MindSpeedError("a Hugging Face chat template needs the 'jinja2' package: "
+                                 "pip install 'mindspeed-core[hf]'") from None
+        self._error = TemplateError
+        self.name, self.tokens, self.stop = f"the chat template of {where}", tokens, ()
+
+        def raise_exception(message):
+            raise TemplateError(message)
+
+        def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+            return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                              sort_keys=sort_keys)
+
+        def strftime_now(fmt):
+            import datetime
+
+            return datetime.datetime.now().strftime(fmt)
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)  # transformers' settings
+        env.filters["tojson"] = tojson
+        env.globals.update(raise_exception=raise_exception, strftime_now=strftime_now)
+        try:
+            self._template = env.from_string(source)
+        except TemplateError as exc:
+            raise MindSpeedError(f"{self.name} does not parse: {exc}") from None
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        check_messages(messages)
+        try:
+            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                         **self.tokens)
+        except self._error as exc:  # SecurityError is one of them: the sandbox refused
+            raise MindSpeedError(f"{self.name}: {exc}") from None
+
+
+SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
+def hf_template(folder: str) -> HFTemplate | None:
+    """The chat template of a tokenizer folder (chat_template.jinja, else tokenizer_config.json's
+    chat_template: a string, or a list of named ones of which "default" is taken), or None."""
+    from mindspeed_core.data.tokenizer import _read_config, _token_text
+
+    config = _read_config(os.path.join(folder, "tokenizer_config.json"))
+    source, where = config.get("chat_template"), os.path.join(folder, "tokenizer_config.json")
+    jinja_file = os.path.join(folder, "chat_template.jinja")
+    if os.path.isfile(jinja_file):
+        with open(jinja_file, encoding="utf-8") as fh:
+            source, where = fh.read(), jinja_file
+    if isinstance(source, list):
+        named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
+        source = named.get("default")
+    if not isinstance(source, str) or not source:
+        return None
+    tokens = {k: _token_text(config.get(k)) or "" for k in SPECIAL_TOKENS}
+    return HFTemplate(source, tokens, where)
+
+
+def add_args(group, default: str) -> None:
+    """--prompt-type and --hf-chat-template, the flags that pick a template (``default``: what
+    is used without them)."""
+    group.add_argument("--prompt-type", default=None,
+                       help=f"the conversation template: one of {', '.join(TEMPLATES)} ({default})")
+    group.add_argument("--hf-chat-template", action="store_true",
+                       help="use the tokenizer folder's Hugging Face chat template (required to exist)")
+
+
+def choose(prompt_type: str | None, hf_chat_template: bool, tokenizer_folder: str | None):
+    """The template a chat or an instruction dataset uses: --prompt-type NAME, else the
+    tokenizer folder's chat template (required by --hf-chat-template), else ``empty``."""
+    if prompt_type is not None and hf_chat_template:
+        raise MindSpeedError("give either --prompt-type or --hf-chat-template, not both")
+    if prompt_type is not None:
+        if prompt_type not in TEMPLATES:
+            raise MindSpeedError(f"unknown --prompt-type {prompt_type!r}; choose one of {', '.join(TEMPLATES)}")
+        return TEMPLATES[prompt_type]
+    found = hf_template(tokenizer_folder) if tokenizer_folder and os.path.isdir(tokenizer_folder) else None
+    if found is None and hf_chat_template:
+        raise MindSpeedError(f"--hf-chat-template: {tokenizer_folder or 'the tokenizer'} has no chat template "
+                             "(tokenizer_config.json's chat_template, or chat_template.jinja)")
+    return found or TEMPLATES["empty"]
