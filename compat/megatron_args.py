@@ -14,6 +14,8 @@ import math
 from mindspeed_core.errors import MindSpeedError
 
 CONTEXT_PARALLEL_ALGOS = ("megatron_cp_algo", "ulysses_cp_algo", "hybrid_cp_algo")
+GENERATION_TASKS = ("greedy", "do_sample", "beam_search", "chat")
+EVALUATION_TASKS = ("mmlu", "ceval", "gsm8k", "boolq", "perplexity")
 DATA_HANDLERS = (
     "GeneralPretrainHandler", "AlpacaStyleInstructionHandler", "SharegptStyleInstructionHandler",
     "AlpacaStylePairwiseHandler", "SharegptStylePairwiseHandler", "AlpacaStyleProcessRewardHandler",
@@ -150,7 +152,9 @@ def add_feature_args(parser: argparse.ArgumentParser) -> None:
     o.add_argument("--profile", action="store_true")
     o.add_argument("--use-deterministic-comm", action="store_true")
     o.add_argument("--stream", action="store_true")
-    o.add_argument("--task", choices=("greedy", "do_sample", "beam_search", "chat"), default=None)
+    o.add_argument("--task", choices=GENERATION_TASKS + EVALUATION_TASKS, default=None,
+                   help="mindspeed generate: " + ", ".join(GENERATION_TASKS) + "; mindspeed evaluate: "
+                   + ", ".join(EVALUATION_TASKS))
     o.add_argument("--rope-scaling-type", choices=("linear", "llama3", "yarn", "dynamic"), default=None)
     o.add_argument("--handler-name", choices=DATA_HANDLERS, default=None)
     o.add_argument("--load-model-type", choices=("hf", "mg"), default=None)

@@ -5,6 +5,8 @@
     mindspeed info [--ai-framework X] [--device D] [--measure]
     mindspeed train [--ai-framework X] <Megatron-style training flags ...>
     mindspeed generate (--load DIR | --load-hf FOLDER) --prompt TEXT [--task greedy|do_sample|beam_search ...]
+    mindspeed generate (--load DIR | --load-hf FOLDER) --task chat [--prompt-type NAME | --hf-chat-template]
+    mindspeed evaluate (--load DIR | --load-hf FOLDER) --task mmlu|ceval|gsm8k|boolq|perplexity --task-data-path P
     mindspeed preprocess --input FILE --output-prefix PREFIX [--tokenizer-type ...]
     mindspeed launch --nproc-per-node N [--nnodes --node-rank --master-addr --master-port] -- [generate] <flags>
 
@@ -136,6 +138,12 @@ def _cmd_generate(argv: list[str]) -> int:
     return inference.run(argv)
 
 
+def _cmd_evaluate(argv: list[str]) -> int:
+    from mindspeed_core import evaluation
+
+    return evaluation.run(argv)
+
+
 def _cmd_launch(argv: list[str]) -> int:
     from mindspeed_core import launcher
 
@@ -143,7 +151,7 @@ def _cmd_launch(argv: list[str]) -> int:
 
 
 COMMANDS = {"features": _cmd_features, "check-args": _cmd_check_args, "info": _cmd_info, "train": _cmd_train,
-            "generate": _cmd_generate, "preprocess": _cmd_preprocess, "launch": _cmd_launch}
+            "generate": _cmd_generate, "evaluate": _cmd_evaluate, "preprocess": _cmd_preprocess, "launch": _cmd_launch}
 
 
 def main(argv: list[str] | None = None) -> int:

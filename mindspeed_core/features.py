@@ -349,7 +349,17 @@ FEATURES: tuple[Feature, ...] = (
     Feature("kv-cache", "Key/value cache for generation", "inference", (),
             supported("preallocated per layer (this rank's key/value heads); on unless --no-kv-cache"),
             supported("as on PyTorch"), _on("use_kv_cache")),
-    Feature("chat", "Chat (multi-turn, chat templates)", "inference", ("--task chat",), planned(), planned(), _eq("task", "chat")),
+    Feature("chat", "Chat (multi-turn, chat templates)", "inference", ("--task chat",),
+            supported("one process: --prompt-type templates or the tokenizer's Hugging Face chat template (jinja2 "
+                      "sandbox), --history-turns, /clear, /exit"),
+            supported("as on PyTorch"), _eq("task", "chat")),
+    Feature("benchmark-evaluation", "Evaluation: MMLU, CEval, BoolQ (option likelihood), GSM8K (generated answer)",
+            "inference", ("--task mmlu", "--task ceval", "--task gsm8k", "--task boolq"),
+            supported("mindspeed evaluate, one process: k-shot prompts, batched, per-subject and overall accuracy"),
+            supported("as on PyTorch"), lambda a: getattr(a, "task", None) in ("mmlu", "ceval", "gsm8k", "boolq")),
+    Feature("perplexity", "Evaluation: perplexity of a text or indexed dataset", "inference", ("--task perplexity",),
+            supported("mindspeed evaluate: windows of the model's positions, the model's own cross entropy"),
+            supported("as on PyTorch"), _eq("task", "perplexity")),
     Feature("rope-scaling-flags", "RoPE scaling set by flags (linear, llama3, dynamic NTK)", "inference",
             ("--rope-scaling-type linear", "--rope-scaling-type llama3", "--rope-scaling-type dynamic"),
             supported("the model's rope_scaling from the flags (or a Hugging Face config's); dynamic NTK grows the "

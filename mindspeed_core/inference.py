@@ -19,6 +19,7 @@ import sys
 
 from mindspeed_core import dist, features, nn, runtime
 from mindspeed_core.compat import megatron_args
+from mindspeed_core.data import chat_templates
 from mindspeed_core.errors import CheckpointError, MindSpeedError
 
 
@@ -34,7 +35,14 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--length-penalty", type=float, default=1.0)
     g.add_argument("--no-kv-cache", action="store_true", help="rerun the whole sequence at each step")
     g.add_argument("--use-kv-cache", action="store_true", help="(the default; MindSpeed-LLM's spelling)")
-    g.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    g.add_argument("--json", action="store_true", help="print one JSON object per prompt (chat: per reply)")
+    c = parser.add_argument_group("chat (--task chat)")
+    chat_templates.add_args(c, "default: the tokenizer's chat template, else empty")
+    c.add_argument("--history-turns", type=megatron_args.COUNT, default=3,
+                   help="rounds of the conversation the model reads again (0: none)")
+    c.add_argument("--system-prompt", default=None, help="the system message (default: the template's)")
+    c.add_argument("--do-sample", action="store_true", help="draw replies (--temperature, --top-k, --top-p) "
+                   "instead of taking the most likely token")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -121,9 +129,11 @@ def run(argv: list[str]) -> int:
     args = parser().parse_args(argv)
     backend = runtime.bind(args.ai_framework, args.device)
     task = args.task or "greedy"
-    if task == "chat":
-        raise MindSpeedError("--task chat is not built yet (planned); use greedy, do_sample or beam_search")
+    if task not in megatron_args.GENERATION_TASKS:
+        raise MindSpeedError(f"--task {task} is an evaluation: run it with 'mindspeed evaluate'")
     features.validate(args, backend.NAME, backend.device.type(), backend.FRAMEWORK_VERSION)
+    if task == "chat":
+        return _chat(args)
     prompts = _prompts(args)
     from mindspeed_core.models import generate as gen
 
@@ -147,7 +157,9 @@ def run(argv: list[str]) -> int:
         if streamed:
             features.note_used("streaming-inference")
             for prompt, e in zip(prompts, encoded):
-                printer = _Stream(tokenizer, speak, prompt)
+                if speak:
+                    sys.stdout.write(prompt)
+                printer = TextStream(tokenizer, speak)
                 results += gen.generate(model, [e], args.max_new_tokens, sampling, stop, use_cache, printer.step)
                 printer.close()
         else:
@@ -160,27 +172,66 @@ def run(argv: list[str]) -> int:
     return 0
 
 
-class _Stream:
-    """Prints a row's text as its tokens come: the decoded text grows, so the new part is
-    printed (a byte-level tokenizer may need several tokens for one character)."""
+def _chat(args) -> int:
+    from mindspeed_core import chat
+    from mindspeed_core.models import generate as gen
 
-    def __init__(self, tokenizer, speak: bool, prompt: str):
-        self.tokenizer, self.speak, self.ids, self.shown = tokenizer, speak, [], ""
-        if speak:
-            sys.stdout.write(prompt)
-            sys.stdout.flush()
+    if args.prompt or args.prompt_file:
+        raise MindSpeedError("--task chat reads its messages from the terminal: drop --prompt / --prompt-file")
+    if args.tensor_model_parallel_size != 1:
+        raise MindSpeedError("--task chat runs in one process: drop --tensor-model-parallel-size")
+    model, cfg, tokenizer, ps = load_model(args)
+    template = chat_templates.choose(args.prompt_type, args.hf_chat_template, args.tokenizer_name_or_path)
+    sampling = gen.Sampling(greedy=not args.do_sample, temperature=args.temperature, top_k=args.top_k,
+                            top_p=args.top_p, seed=args.seed)
+    session = chat.Session(model, cfg, tokenizer, template, sampling, args.max_new_tokens, args.history_turns,
+                           args.system_prompt, not args.no_kv_cache)
+    chat.run(session, speak=True, as_json=args.json)
+    dist.shutdown()
+    return 0
 
-    def step(self, tokens) -> None:
+
+class TextStream:
+    """A reply's text as its tokens come. The decoded text grows; what is new is printed,
+    except a tail that could still become a stop text (or an unfinished character of a
+    byte-level tokenizer). ``step`` returns True once a stop text has appeared."""
+
+    def __init__(self, tokenizer, speak: bool, stops=()):
+        self.tokenizer, self.speak, self.stops = tokenizer, speak, tuple(stops)
+        self.ids, self.shown = [], 0
+
+    def text(self) -> str:
+        """The reply so far, cut before the first stop text."""
+        text = self.tokenizer.decode(self.ids)
+        cuts = [text.find(s) for s in self.stops if s in text]
+        return text[:min(cuts)] if cuts else text
+
+    def step(self, tokens) -> bool:
         if tokens[0] is None:
-            return
+            return False
         self.ids.append(tokens[0])
         text = self.tokenizer.decode(self.ids)
-        if self.speak and not text.endswith("\ufffd"):  # wait for the rest of a character
-            sys.stdout.write(text[len(self.shown):])
-            sys.stdout.flush()
-            self.shown = text
+        stopped = any(s in text for s in self.stops)
+        text = self.text()
+        if not stopped:
+            # hold back what may be the start of a stop text, or of a character
+            hold = max([n for s in self.stops for n in range(1, len(s)) if text.endswith(s[:n])], default=0)
+            text = text[:len(text) - hold]
+            if text.endswith("\ufffd"):
+                text = text[:-1]
+        self._write(text)
+        return stopped
 
-    def close(self) -> None:
+    def close(self) -> str:
+        text = self.text()
+        self._write(text)
         if self.speak:
-            sys.stdout.write(self.tokenizer.decode(self.ids)[len(self.shown):] + "\n")
+            sys.stdout.write("\n")
             sys.stdout.flush()
+        return text
+
+    def _write(self, text: str) -> None:
+        if self.speak and len(text) > self.shown:
+            sys.stdout.write(text[self.shown:])
+            sys.stdout.flush()
+            self.shown = len(text)

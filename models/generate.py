@@ -132,13 +132,20 @@ class _Steps:
             self.cache.reorder(rows)
 
 
+def next_token_logits(model, prompts: list[list[int]], pad_id: int = 0) -> np.ndarray:
+    """[rows, vocab] float64 logits of the token after each prompt (one batched pass, the
+    prompts padded on the left)."""
+    return _Steps(model, prompts, 0, False, pad_id).logits()
+
+
 def generate(model, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling | None = None,
              stop_ids=(), use_cache: bool = True, on_step=None, pad_id: int = 0,
              window: int | None = None) -> list[list[int]]:
     """Each prompt's continuation (ids, without the prompt): up to ``max_new_tokens``, ending
     before the first of ``stop_ids``. ``on_step(tokens)`` is called after each step with each
-    row's new token, None for a row that has ended (streaming). ``window`` (without the
-    cache): the model sees the last ``window`` tokens only (the training run's text sample)."""
+    row's new token, None for a row that has ended (streaming); when it returns True the
+    generation ends there (a chat's stop text). ``window`` (without the cache): the model sees
+    the last ``window`` tokens only (the training run's text sample)."""
     sampling = sampling or Sampling()
     features.note_used("greedy-generation" if sampling.greedy else "sampling-generation")
     rng = np.random.default_rng(sampling.seed)
@@ -153,8 +160,8 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, sampling: Sam
             new.append(None if done[i] else token)
             if not done[i]:
                 out[i].append(token)
-        if on_step is not None:
-            on_step(new)
+        if on_step is not None and on_step(new):
+            break
         if all(done):
             break
         steps.append([pad_id if t is None else t for t in new])  # an ended row runs on, unread

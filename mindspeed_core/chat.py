@@ -1,0 +1,101 @@
+"""`mindspeed generate --task chat`: a conversation on the terminal.
+
+Each line read is the user's message; the reply is generated from the whole conversation
+rendered by the template (``--prompt-type`` or the tokenizer's Hugging Face chat template,
+data/chat_templates.py) and printed as it is drawn. The last ``--history-turns`` rounds are
+kept (and fewer when they would not leave room for ``--max-new-tokens`` in the model's
+positions). ``/clear`` forgets the history, ``/exit`` (or the end of input) ends the session.
+``--system-prompt`` replaces the template's default system message. Greedy unless
+``--do-sample`` (then --temperature/--top-k/--top-p, seeded by --seed).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from mindspeed_core.data.tokenizer import encode_plain
+from mindspeed_core.errors import MindSpeedError
+from mindspeed_core.inference import TextStream
+
+
+class Session:
+    """The conversation: its history, and the reply to each new message."""
+
+    def __init__(self, model, cfg, tokenizer, template, sampling, max_new_tokens: int, history_turns: int,
+                 system: str | None = None, use_cache: bool = True):
+        self.model, self.cfg, self.tokenizer, self.template = model, cfg, tokenizer, template
+        self.sampling, self.max_new_tokens, self.history_turns = sampling, max_new_tokens, history_turns
+        self.system, self.use_cache = system, use_cache
+        self.stop_ids = (tokenizer.eod,) if getattr(tokenizer, "eod", None) is not None else ()
+        self.stops = tuple(template.stop)
+        self.rounds: list[tuple[str, str]] = []
+
+    def clear(self) -> None:
+        self.rounds = []
+
+    def prompt(self, message: str) -> list[int]:
+        """The tokens the model reads before replying to ``message``: as many recent rounds as
+        ``--history-turns`` allows and the positions leave room for."""
+        from mindspeed_core.models import generate as gen
+
+        kept = self.rounds[len(self.rounds) - min(self.history_turns, len(self.rounds)):]
+        while True:
+            messages = [{"role": "system", "content": self.system}] if self.system is not None else []
+            for user, reply in kept:
+                messages += [{"role": "user", "content": user}, {"role": "assistant", "content": reply}]
+            ids = encode_plain(self.tokenizer, self.template.render(messages + [{"role": "user", "content": message}]))
+            wrong = gen.fits(self.cfg.max_position_embeddings, len(ids), self.max_new_tokens, self.cfg.rope_scaling)
+            if not wrong:
+                return ids
+            if not kept:
+                raise MindSpeedError(f"this message does not fit: {wrong}; write less, or lower --max-new-tokens")
+            kept = kept[1:]
+
+    def reply(self, message: str, speak: bool = False) -> str:
+        from mindspeed_core import features
+        from mindspeed_core.models import generate as gen
+
+        features.note_used("chat")
+        ids = self.prompt(message)
+        if speak:
+            sys.stdout.write("Assistant> ")
+        stream = TextStream(self.tokenizer, speak, self.stops)
+        gen.generate(self.model, [ids], self.max_new_tokens, self.sampling, self.stop_ids, self.use_cache,
+                     stream.step)
+        text = stream.close()
+        self.rounds.append((message, text))
+        return text
+
+
+def run(session: Session, speak: bool, as_json: bool, lines=None) -> None:
+    """Read messages (from ``lines``, default stdin) until /exit or the end of input."""
+    lines = sys.stdin if lines is None else lines
+    interactive = speak and not as_json and sys.stdin.isatty() and lines is sys.stdin
+    if interactive:
+        print("chat: /clear forgets the conversation, /exit ends it")
+    while True:
+        if interactive:
+            sys.stdout.write("You> ")
+            sys.stdout.flush()
+        line = lines.readline()
+        if not line:
+            break
+        message = line.rstrip("\n")
+        command = message.strip()
+        if command == "/exit":
+            break
+        if command == "/clear":
+            session.clear()
+            if speak and not as_json:
+                print("(history cleared)")
+            continue
+        if not command:
+            continue
+        try:
+            text = session.reply(message, speak=speak and not as_json)
+        except MindSpeedError as exc:  # the session goes on
+            print(f"error: {exc}", file=sys.stderr)
+            continue
+        if speak and as_json:
+            print(json.dumps({"user": message, "reply": text}, ensure_ascii=False))

@@ -1,0 +1,140 @@
+"""`mindspeed evaluate` (and tools/evaluation.py): score a trained model on a benchmark.
+
+    mindspeed evaluate --load ckpt --task mmlu --task-data-path mmlu/data --shot 5
+
+--task mmlu / ceval / boolq: the option the model finds most likely (log-likelihood of each
+option's tokens after the prompt); gsm8k: the last number of its greedy answer; perplexity:
+exp(mean negative log-likelihood) over the text read in windows of the model's positions
+(--seq-length if smaller). Prints a table per subject (file) and overall (over all
+questions), writes it as JSON (--results-file, default <task>_results.json), and shows a
+progress bar on stderr. The model comes from --load or --load-hf as for `mindspeed
+generate`; --prompt-type / --hf-chat-template wrap each prompt as a chat's user message
+(instruction-tuned models).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+from mindspeed_core import dist, features, runtime
+from mindspeed_core.compat import megatron_args
+from mindspeed_core.data import chat_templates
+from mindspeed_core.errors import MindSpeedError
+from mindspeed_core.evaluation import scoring, tasks
+from mindspeed_core.progress import Progress
+
+# where a generated answer ends (GSM8K's prompts put a blank line between examples)
+ANSWER_STOPS = ("\n\n", "Question:")
+
+
+def parser():
+    p = megatron_args.training_parser()
+    p.prog, p.description = "mindspeed evaluate", "score a trained model on a benchmark"
+    g = p.add_argument_group("evaluation")
+    g.add_argument("--task-data-path", default=None, help="the task's data (see mindspeed_core/evaluation/tasks.py)")
+    g.add_argument("--shot", type=megatron_args.COUNT, default=0, help="solved examples put before each question")
+    g.add_argument("--evaluation-batch-size", type=megatron_args.POSITIVE_INT, default=8)
+    g.add_argument("--max-eval-samples", type=megatron_args.POSITIVE_INT, default=None,
+                   help="score only the first N questions of each subject")
+    g.add_argument("--max-new-tokens", type=megatron_args.POSITIVE_INT, default=256,
+                   help="the longest generated answer (gsm8k)")
+    g.add_argument("--no-kv-cache", action="store_true", help="rerun the whole sequence at each generated token")
+    g.add_argument("--results-file", default=None, help="where the results go as JSON (default <task>_results.json)")
+    chat_templates.add_args(g, "default: none, the prompts as they are")
+    return p
+
+
+def run(argv: list[str]) -> int:
+    args = parser().parse_args(argv)
+    backend = runtime.bind(args.ai_framework, args.device)
+    if args.task not in megatron_args.EVALUATION_TASKS:
+        raise MindSpeedError(f"--task: choose one of {', '.join(megatron_args.EVALUATION_TASKS)}"
+                             + (" (generation tasks run with 'mindspeed generate')" if args.task else ""))
+    if not args.task_data_path:
+        raise MindSpeedError(f"--task {args.task} needs --task-data-path")
+    if args.tensor_model_parallel_size != 1:
+        raise MindSpeedError("evaluate runs in one process: drop --tensor-model-parallel-size")
+    features.validate(args, backend.NAME, backend.device.type(), backend.FRAMEWORK_VERSION)
+    from mindspeed_core.inference import load_model
+
+    model, cfg, tokenizer, _ = load_model(args)
+    template = None
+    if args.prompt_type or args.hf_chat_template:
+        template = chat_templates.choose(args.prompt_type, args.hf_chat_template, args.tokenizer_name_or_path)
+    positions = cfg.max_position_embeddings
+    scorer = scoring.Scorer(model, tokenizer, args.evaluation_batch_size, positions, template)
+    if args.task == "perplexity":
+        features.note_used("perplexity")
+        window = min(positions, args.seq_length or positions)
+        results = perplexity(model, tokenizer, args.task_data_path, window, args.evaluation_batch_size)
+    else:
+        if args.task == "gsm8k" and args.max_new_tokens >= positions:
+            raise MindSpeedError(f"--max-new-tokens {args.max_new_tokens} leaves no room for the question in the "
+                                 f"model's {positions} positions")
+        features.note_used("benchmark-evaluation")
+        results = accuracy(scorer, args.task, tasks.read(args.task, args.task_data_path, args.shot), args)
+    results.update(task=args.task, shot=args.shot, model=args.load or args.load_hf, prompts_cut=scorer.cut)
+    print(table(results))
+    if scorer.cut:
+        print(f"note: {scorer.cut} prompts were longer than the model's {positions} positions and lost their "
+              "beginning")
+    file = args.results_file or f"{args.task}_results.json"
+    with open(file, "w", encoding="utf-8") as fh:
+        json.dump(results, fh, indent=2, ensure_ascii=False)
+    print(f"results written to {file}")
+    dist.shutdown()
+    return 0
+
+
+def accuracy(scorer, task: str, subjects: dict, args) -> dict:
+    """Accuracy per subject and over all questions."""
+    if args.max_eval_samples:
+        subjects = {name: items[:args.max_eval_samples] for name, items in subjects.items()}
+    progress = Progress(sum(len(items) for items in subjects.values()), task)
+    rows = {}
+    for name, items in subjects.items():
+        if task == "gsm8k":
+            written = scorer.write([i.prompt for i in items], args.max_new_tokens, ANSWER_STOPS, not args.no_kv_cache)
+            right = [tasks.number(text) == item.answer for text, item in zip(written, items)]
+        else:
+            right = [item.options[k] == item.answer for k, item in zip(scorer.pick(items), items)]
+        rows[name] = {"questions": len(items), "correct": sum(right),
+                      "accuracy": sum(right) / len(items) if items else 0.0}
+        progress.update(len(items), postfix=name)
+    total = sum(r["questions"] for r in rows.values())
+    correct = sum(r["correct"] for r in rows.values())
+    return {"subjects": rows, "overall": {"questions": total, "correct": correct,
+                                         "accuracy": correct / total if total else 0.0}}
+
+
+def perplexity(model, tokenizer, path: str, window: int, batch: int) -> dict:
+    texts = tasks.texts(path, tokenizer)
+    progress = Progress(len(texts), "perplexity")
+    rows, total, count = {}, 0.0, 0
+    for name, tokens in texts.items():
+        nll, n = scoring.perplexity_sums(model, tokens, window, batch)
+        if n == 0:
+            raise MindSpeedError(f"{name}: too short to measure (it needs 2 tokens or more)")
+        rows[name] = {"tokens": n, "nll": nll / n, "perplexity": math.exp(nll / n)}
+        total, count = total + nll, count + n
+        progress.update(1, postfix=name)
+    return {"subjects": rows, "window": window,
+            "overall": {"tokens": count, "nll": total / count, "perplexity": math.exp(total / count)}}
+
+
+def table(results: dict) -> str:
+    """The results as an aligned text table."""
+    rows = list(results["subjects"].items()) + [("overall", results["overall"])]
+    if results["task"] == "perplexity":
+        head, cells = ("tokens", "nll", "perplexity"), [(r["tokens"], f"{r['nll']:.4f}", f"{r['perplexity']:.3f}")
+                                                       for _, r in rows]
+    else:
+        head, cells = ("questions", "correct", "accuracy"), [(r["questions"], r["correct"], f"{r['accuracy']:.4f}")
+                                                            for _, r in rows]
+    width = max(len("subject"), *(len(name) for name, _ in rows))
+    lines = [f"{'subject':<{width}}  " + "  ".join(f"{h:>10}" for h in head)]
+    for (name, _), values in zip(rows, cells):
+        lines.append(f"{name:<{width}}  " + "  ".join(f"{v:>10}" for v in values))
+    lines.insert(len(lines) - 1, "-" * len(lines[0]))
+    return "\n".join(lines)

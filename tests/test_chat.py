@@ -1,0 +1,235 @@
+"""Chat (`mindspeed generate --task chat`, mindspeed_core/chat.py) and conversation templates
+(data/chat_templates.py): the built-in templates render what the equivalent Hugging Face
+chat templates render in transformers, a template from tokenizer_config.json renders as
+transformers renders it and cannot reach past the sandbox, the session keeps and cuts its
+history, stops at a template's stop text, and /clear and /exit do what they say."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+
+from mindspeed_core import cli, nn, random
+from mindspeed_core.chat import Session, run
+from mindspeed_core.data import chat_templates as ct
+from mindspeed_core.data.tokenizer import ByteTokenizer, encode_plain
+from mindspeed_core.errors import MindSpeedError
+from mindspeed_core.inference import TextStream
+from mindspeed_core.models import generate as gen
+from mindspeed_core.models.config import ModelConfig
+from mindspeed_core.models.gpt import GPTModel
+from scripted import ScriptedModel
+from test_generate import checkpoint  # noqa: F401  (a fixture)
+from test_training import corpus  # noqa: F401  (a fixture)
+
+# The formats of Qwen2's and Llama 3's chat templates, written as jinja for this test.
+QWEN_JINJA = ("{% for m in messages %}{% if loop.first and m['role'] != 'system' %}<|im_start|>system\n"
+              "You are a helpful assistant.<|im_end|>\n{% endif %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+              "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+LLAMA3_JINJA = ("{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
+                "{{ m['content'] }}<|eot_id|>{% endfor %}{% if add_generation_prompt %}"
+                "<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|begin_of_text|>", "<|start_header_id|>",
+            "<|end_header_id|>", "<|eot_id|>"]
+CONVERSATIONS = [
+    [{"role": "user", "content": "What is 2+2?"}],
+    [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Hi"}],
+    [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello! How can I help?"},
+     {"role": "user", "content": "Name a prime.\nJust one."}],
+]
+
+
+def tokenizer_folder(path, template: str | None, bos: str = "<|endoftext|>"):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    texts = [m["content"] for c in CONVERSATIONS for m in c] * 3
+    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=300, special_tokens=SPECIALS,
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    path.mkdir(exist_ok=True)
+    tok.save(str(path / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>", "bos_token": bos}
+    if template is not None:
+        config["chat_template"] = template
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    return path
+
+
+@pytest.mark.parametrize("name, jinja, bos", [("qwen", QWEN_JINJA, "<|endoftext|>"),
+                                              ("llama3", LLAMA3_JINJA, "<|begin_of_text|>")])
+def test_templates_render_what_transformers_renders(tmp_path, name, jinja, bos):
+    transformers = pytest.importorskip("transformers")
+    folder = tokenizer_folder(tmp_path / "tok", jinja, bos)
+    hf = transformers.AutoTokenizer.from_pretrained(str(folder))
+    ours = ct.hf_template(str(folder))
+    from mindspeed_core.data.tokenizer import HFTokenizer
+
+    tokenizer = HFTokenizer(str(folder))
+    for messages in CONVERSATIONS + [CONVERSATIONS[2][:2]]:
+        generation = messages[-1]["role"] == "user"
+        want = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation)
+        assert ours.render(messages, generation) == want
+        assert ct.TEMPLATES[name].render(messages, generation) == want  # the built-in one
+        assert encode_plain(tokenizer, want) == hf.encode(want, add_special_tokens=False)
+    # the assistant's pieces are the replies and what ends them
+    pieces = ct.TEMPLATES[name].segments(CONVERSATIONS[2])
+    assert [t for t, mine in pieces if mine] == [ct.TEMPLATES[name].assistant.format(content="Hello! How can I help?")]
+    assert ct.TEMPLATES[name].stop[0] in pieces[-2][0]
+
+
+def test_alpaca_chatml_and_empty_layouts():
+    talk = CONVERSATIONS[2]
+    assert ct.TEMPLATES["empty"].render(talk) == "HiHello! How can I help?Name a prime.\nJust one."
+    alpaca = ct.TEMPLATES["alpaca"].render(talk)
+    assert alpaca.startswith("Below is an instruction that describes a task.")
+    assert alpaca.endswith("### Instruction:\nHi\n\n### Response:\nHello! How can I help?\n\n"
+                           "### Instruction:\nName a prime.\nJust one.\n\n### Response:\n")
+    assert ct.TEMPLATES["chatml"].render(talk[:1]) == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    with pytest.raises(MindSpeedError, match="a system message may only come first"):
+        ct.TEMPLATES["chatml"].render([*talk, {"role": "system", "content": "late"}])
+    with pytest.raises(MindSpeedError, match="message 0 must be"):
+        ct.TEMPLATES["chatml"].render([{"role": "robot", "content": "x"}])
+
+
+@pytest.mark.parametrize("template, message", [
+    ("{{ messages.__class__.__mro__ }}", "__class__"),
+    ("{% set x = messages.append({'role': 'user', 'content': 'again'}) %}{{ messages }}", "append"),
+    ("{{ raise_exception('roles must alternate') }}", "roles must alternate"),
+])
+def test_a_chat_template_runs_in_the_sandbox(tmp_path, template, message):
+    pytest.importorskip("jinja2")
+    folder = tokenizer_folder(tmp_path / "tok", template)
+    with pytest.raises(MindSpeedError, match=message):
+        ct.hf_template(str(folder)).render(CONVERSATIONS[0])
+
+
+def test_the_template_is_chosen_as_the_flags_say(tmp_path):
+    pytest.importorskip("jinja2")
+    with_template = tokenizer_folder(tmp_path / "with", QWEN_JINJA)
+    without = tokenizer_folder(tmp_path / "without", None)
+    assert isinstance(ct.choose(None, False, str(with_template)), ct.HFTemplate)
+    assert ct.choose(None, True, str(with_template)).render(CONVERSATIONS[0]).startswith("<|im_start|>system")
+    assert ct.choose("alpaca", False, str(with_template)) is ct.TEMPLATES["alpaca"]
+    assert ct.choose(None, False, str(without)) is ct.TEMPLATES["empty"]
+    (with_template / "chat_template.jinja").write_text("{{ messages[0]['content'] }}!")  # transformers 5 writes one
+    assert ct.choose(None, False, str(with_template)).render(CONVERSATIONS[0]) == "What is 2+2?!"
+    for args, message in [(("qwen", True, str(with_template)), "not both"),
+                          (("nope", False, None), "unknown --prompt-type 'nope'"),
+                          ((None, True, str(without)), "has no chat template")]:
+        with pytest.raises(MindSpeedError, match=message):
+            ct.choose(*args)
+
+
+def test_a_stop_text_ends_the_reply_and_is_never_printed(capsys):
+    stream = TextStream(ByteTokenizer(), True, ("<|im_end|>",))
+    printed = []
+    for byte in "Hi <|im".encode():
+        assert not stream.step([byte])
+        printed.append(capsys.readouterr().out)
+    assert "".join(printed) == "Hi "  # "<|im" may begin the stop text: held back
+    assert not stream.step([ord("x")])
+    assert capsys.readouterr().out == "<|imx"  # it did not
+    ended = [stream.step([b]) for b in "<|im_end|>more".encode()]
+    assert ended.index(True) == len("<|im_end|>") - 1
+    assert stream.close() == "Hi <|imx" and capsys.readouterr().out == "\n"
+
+
+@pytest.mark.feature("chat")
+def test_the_session_reads_the_rendered_history_and_stops_at_the_stop_text():
+    replies = iter(["Four.", "Seven!"])
+    script = {}
+
+    def answer(text):  # after each request for a reply: the next reply, its stop text, then chatter
+        head = text[:text.rindex("<|im_start|>assistant\n") + len("<|im_start|>assistant\n")]
+        if head not in script:
+            script[head] = next(replies) + "<|im_end|>and more"
+        return script[head][len(text) - len(head):]
+
+    model = ScriptedModel(answer)
+    template = ct.TEMPLATES["chatml"]
+    session = Session(model, ModelConfig(vocab_size=257, hidden_size=8, num_layers=1, num_attention_heads=1,
+                                         max_position_embeddings=512),
+                      ByteTokenizer(), template, gen.Sampling(), 40, history_turns=3, system="Be brief.",
+                      use_cache=False)
+    assert session.reply("What is 2+2?") == "Four."
+    assert session.reply("And 3+4?") == "Seven!"
+    history = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"},
+               {"role": "assistant", "content": "Four."}, {"role": "user", "content": "And 3+4?"}]
+    assert model.seen[len("Four.<|im_end|>")] == template.render(history)  # the second reply's first step
+    assert len(model.seen) == len("Four.<|im_end|>") + len("Seven!<|im_end|>")  # each stopped at its stop text
+
+
+@pytest.mark.feature("chat")
+@pytest.mark.feature("kv-cache")
+def test_history_is_kept_cut_and_cleared():
+    random.seed(5)
+    cfg = ModelConfig(vocab_size=257, hidden_size=32, num_layers=2, num_attention_heads=4, num_query_groups=2,
+                      ffn_hidden_size=64, max_position_embeddings=96, init_method_std=0.3)
+    model = GPTModel(cfg)
+    nn.set_training(model, False)
+    tok, template = ByteTokenizer(), ct.TEMPLATES["alpaca"]
+
+    def alone(messages):  # the greedy reply to this exact conversation
+        ids = gen.generate(model, [encode_plain(tok, template.render(messages))], 6, stop_ids=(tok.eod,))[0]
+        return tok.decode(ids)
+
+    session = Session(model, cfg, tok, template, gen.Sampling(), 6, history_turns=1, system="")
+    first = session.reply("2+2?")
+    assert first == alone([{"role": "system", "content": ""}, {"role": "user", "content": "2+2?"}])
+    second = session.reply("3+4?")
+    assert second == alone([{"role": "system", "content": ""}, {"role": "user", "content": "2+2?"},
+                            {"role": "assistant", "content": first}, {"role": "user", "content": "3+4?"}])
+    third = session.reply("5+6?")  # one round of history: "2+2?" is gone
+    assert third == alone([{"role": "system", "content": ""}, {"role": "user", "content": "3+4?"},
+                           {"role": "assistant", "content": second}, {"role": "user", "content": "5+6?"}])
+    # a long round no longer fits the 96 positions with the next one: it is left out
+    session.rounds = [("x" * 40, "y" * 20)]
+    assert len(session.prompt("5+6?")) == len(encode_plain(tok, template.render([
+        {"role": "system", "content": ""}, {"role": "user", "content": "5+6?"}])))
+    with pytest.raises(MindSpeedError, match="this message does not fit"):
+        session.prompt("z" * 90)
+    session.clear()
+    assert session.reply("2+2?") == first
+
+
+@pytest.mark.feature("chat")
+def test_chat_command_reads_messages_until_exit(capsys, monkeypatch, checkpoint):  # noqa: F811
+    argv = ["generate", "--load", str(checkpoint), "--task", "chat", "--max-new-tokens", "5", "--prompt-type",
+            "empty", "--history-turns", "1"]
+    monkeypatch.setattr("sys.stdin", io.StringIO("def \n/clear\ndef \nclass\n/exit\nnever read\n"))
+    capsys.readouterr()
+    assert cli.main([*argv, "--json"]) == 0
+    rows = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{")]
+    assert [r["user"] for r in rows] == ["def ", "def ", "class"]
+    assert rows[0]["reply"] == rows[1]["reply"]  # /clear: the same question gets the same answer
+    monkeypatch.setattr("sys.stdin", io.StringIO("def \n/clear\n"))  # the end of input ends it too
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert f"Assistant> {rows[0]['reply']}\n" in out and "(history cleared)" in out
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--prompt", "x"], "reads its messages from the terminal"),
+    (["--prompt-type", "nope"], "unknown --prompt-type"),
+    (["--tensor-model-parallel-size", "2"], "runs in one process"),
+])
+def test_bad_chat_flags_are_one_line(capsys, checkpoint, flags, message):  # noqa: F811
+    capsys.readouterr()
+    assert cli.main(["generate", "--load", str(checkpoint), "--task", "chat", *flags]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err
+
+
+def test_run_skips_blank_lines_and_goes_on_after_a_message_too_long(capsys):
+    session = Session(ScriptedModel(lambda text: "ok"[len(text) - text.rindex("?") - 1:] if "?" in text else ""),
+                      ModelConfig(vocab_size=257, hidden_size=8, num_layers=1, num_attention_heads=1,
+                                  max_position_embeddings=16),
+                      ByteTokenizer(), ct.TEMPLATES["empty"], gen.Sampling(), 4, history_turns=0, use_cache=False)
+    run(session, speak=True, as_json=True, lines=io.StringIO("\n" + "w" * 20 + "\nfine?\n"))
+    out, err = capsys.readouterr()
+    assert "this message does not fit" in err
+    assert [json.loads(x) for x in out.splitlines()] == [{"user": "fine?", "reply": "ok"}]
