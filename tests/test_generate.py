@@ -5,6 +5,7 @@ draws what one process draws. Parity with transformers' generate is in test_hf.p
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
@@ -156,7 +157,6 @@ def test_generate_command_continues_prompts_from_a_checkpoint(capsys, checkpoint
     (["--prompt", ""], "an empty prompt"),
     ([], "no prompt"),
     (["--prompt", "x", "--max-new-tokens", "100"], "passes the model's 32 positions"),
-    (["--prompt", "x", "--task", "chat"], "--task chat is not built yet"),
     (["--prompt", "x", "--sequence-parallel", "--tensor-model-parallel-size", "2"], "without sequence parallelism"),
 ])
 def test_bad_generate_flags_are_one_line(capsys, checkpoint, flags, message):
@@ -195,3 +195,35 @@ def test_tensor_parallel_generation_draws_what_one_process_draws(framework, caps
     text = done.stdout if '{"prompt"' in done.stdout else logs  # msrun: in the workers' logs (and echoed)
     got = [json.loads(x[x.index("{"):])["ids"] for x in text.splitlines() if '{"prompt"' in x]
     assert got == want, (got, want)
+
+
+def test_the_embedded_default_saves_where_generate_finds_it(capsys, monkeypatch, tmp_path, framework):
+    """`mindspeed train` with no data flags keeps its model in ./checkpoints/tiny-llama and says
+    how to go on from it; the README's commands on that model run as written (a chat reads
+    "/exit"); a second run replaces the model."""
+    import pathlib
+    import shlex
+
+    monkeypatch.chdir(tmp_path)
+    fast = ["--sample-tokens", "0", "--eval-iters", "0", "--no-progress"]
+    assert cli.main(["train", "--train-iters", "2", *fast]) == 0
+    out = capsys.readouterr().out
+    folder = os.path.join("checkpoints", "tiny-llama")
+    assert f"mindspeed generate --ai-framework {framework} --load {folder} --prompt 'def ' --stream" in out
+    readme = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
+    block = readme[readme.index("<!-- after-the-default -->"):]
+    block = block[block.index("```bash\n") + 8:block.index("```\n", block.index("```bash\n") + 8)]
+    commands = [line for line in block.replace("\\\n", " ").splitlines() if line and not line.startswith("#")]
+    assert sum(c.startswith("mindspeed generate") for c in commands) >= 2 and any("evaluate" in c for c in commands)
+    for command in commands:
+        argv = shlex.split(command.split("  #")[0])
+        if argv[0] != "mindspeed":  # writing a file for the evaluation
+            assert subprocess.run(command, shell=True).returncode == 0, command
+            continue
+        monkeypatch.setattr("sys.stdin", io.StringIO("def f(\n/exit\n"))
+        assert cli.main(argv[1:]) == 0, command
+        assert "Traceback" not in capsys.readouterr().err
+    assert cli.main(["generate", "--load", folder, "--prompt", "def ", "--max-new-tokens", "4", "--json"]) == 0
+    assert len(json.loads(capsys.readouterr().out.splitlines()[-1])["ids"]) <= 4
+    assert cli.main(["train", "--train-iters", "1", *fast]) == 0
+    assert "the model is saved in" in capsys.readouterr().out

@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import shlex
 import sys
 import time
 
@@ -84,12 +85,23 @@ def apply_defaults(args) -> bool:
             setattr(args, key, value)
     if embedded:
         args.tokenizer_type, args.tokenizer_name_or_path = "ByteLevel", None
+    if embedded and not args.save and not args.load:
+        # the default run keeps its model where `mindspeed generate` finds it (printed at the
+        # end); running it again replaces it
+        args.save = default_save_folder(args.model_name)
+        args.overwrite_checkpoints = True
     if embedded:  # our own run: every fused kernel the device has
         for flag in FUSED_FLAGS:
             setattr(args, flag, True)
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.train_iters
     return embedded
+
+
+def default_save_folder(model_name: str) -> str:
+    """Where the embedded default run saves its model: ./checkpoints/<model> (our checkpoints
+    load on either framework)."""
+    return os.path.join("checkpoints", model_name)
 
 
 def model_config(args, vocab_size: int) -> ModelConfig:
@@ -852,4 +864,11 @@ class Trainer:
                 log.close()
             if self.ps.pp > 1 or self.ps.cp > 1:
                 dist.barrier()
+        if self.embedded and args.save and history:
+            fw, where = runtime.bound().NAME, shlex.quote(args.save)
+            self.say(f"the model is saved in {args.save}; go on from it with\n"
+                     f"  mindspeed generate --ai-framework {fw} --load {where} --prompt 'def ' --stream\n"
+                     f"  mindspeed generate --ai-framework {fw} --load {where} --task chat\n"
+                     f"  mindspeed evaluate --ai-framework {fw} --load {where} --task perplexity --task-data-path "
+                     "FILE.txt")
         return result
