@@ -111,7 +111,7 @@ def assert_same_curve(got, want, tol=1e-5):
 
 
 CASES = [  # (id, ranks, model, flags): the cases of each rank count share one launch
-    ("tp2", 2, "gqa", ["--tensor-model-parallel-size", "2"]),
+    ("tp2", 2, "gqa", ["--tensor-model-parallel-size", "2", "--save", "{tmp}/tp2-ckpt"]),
     ("tp2-sp", 2, "gqa", ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
     ("dp2", 2, "gqa", []),
     # recompute (memory/recompute.py) rides on three of the layouts: the same curves
@@ -122,7 +122,7 @@ CASES = [  # (id, ranks, model, flags): the cases of each rank count share one l
     # 2 key/value heads copied to 4 ranks (with SP and the distributed optimizer on top)
     ("tp4-kv-copies-sp-distopt", 4, "gqa", ["--tensor-model-parallel-size", "4", "--sequence-parallel",
                                              "--use-distributed-optimizer"]),
-    ("dp2-distopt", 2, "gqa", ["--use-distributed-optimizer"]),
+    ("dp2-distopt", 2, "gqa", ["--use-distributed-optimizer", "--save", "{tmp}/distopt-ckpt"]),
     ("tp2-dp2-sp-distopt", 4, "gqa", ["--tensor-model-parallel-size", "2", "--sequence-parallel",
                                       "--use-distributed-optimizer"]),
     ("moe-dp2", 2, "moe", []),  # the routers' aux losses averaged as the loss is
@@ -130,7 +130,7 @@ CASES = [  # (id, ranks, model, flags): the cases of each rank count share one l
     # expert parallelism: each dispatcher at EP2 and EP4, with TP2 + SP, with the distributed
     # optimizer (expert state sharded over the expert-data-parallel pair), across two stages
     ("moe-ep2-alltoall", 2, "moe", ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall",
-                                    "--save", "{tmp}/ep2-ckpt", "--save-interval", "5"]),  # resumed at EP1 below
+                                    "--save", "{tmp}/ep2-ckpt"]),  # resumed at EP1 below
     ("moe-ep2-allgather", 2, "moe", ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "allgather"]),
     ("moe-ep4-alltoall", 4, "moe", ["--expert-model-parallel-size", "4", "--moe-token-dispatcher-type", "alltoall"]),
     ("moe-ep4-allgather", 4, "moe", ["--expert-model-parallel-size", "4"]),
@@ -219,14 +219,44 @@ def ranks_cases(ranks):
     return [(name, model, flags) for name, n, model, flags in CASES if n == ranks]
 
 
+def with_sample(argv, tokens):
+    """``argv`` with --sample-tokens set to ``tokens``."""
+    i = argv.index("--sample-tokens")
+    return [*argv[:i + 1], str(tokens), *argv[i + 2:]]
+
+
+# besides the two-rank cases, their launch samples text under TP2 + SP after two steps
+SAMPLE = [*with_sample(GQA, 12), "--train-iters", "2"]
+
+
 @pytest.fixture(scope="module")
-def four_ranks(corpus, packed_corpus, tmp_path_factory):  # noqa: F811
-    """The four-rank CASES and the CP_CASES in one launch: each four-rank launch pays its
-    start-up again (about 30 s on MindSpore here)."""
+def two_ranks(corpus, packed_corpus, tmp_path_factory):  # noqa: F811
+    """One launch of two ranks: the two-rank CASES (tp2, dp2-distopt and moe-ep2-alltoall save
+    when they end, after the steps whose traffic is checked; resumed below on other layouts) and
+    the TP2 + SP text sample. Returns its folder."""
+    from conftest import FRAMEWORK
+
+    tmp = tmp_path_factory.mktemp("two-ranks")
+    extra = [["tp2-sp-sample", [*SAMPLE, "--data-path", corpus, "--tensor-model-parallel-size", "2",
+                                "--sequence-parallel"], False]]
+    run_configs(FRAMEWORK, 2, case_spec(ranks_cases(2), corpus, packed_corpus, tmp) + extra, tmp)
+    return tmp
+
+
+@pytest.fixture(scope="module")
+def four_ranks(corpus, packed_corpus, two_ranks, tmp_path_factory):  # noqa: F811
+    """One launch for the four-rank layouts, the CP cases and TP4 resuming the TP2 checkpoint
+    of two_ranks (and saving at iteration 8): each launch pays the framework's start-up again
+    (about 30 s on MindSpore here)."""
     from conftest import FRAMEWORK
 
     tmp = tmp_path_factory.mktemp("four-ranks")
-    return run_configs(FRAMEWORK, 4, case_spec(ranks_cases(4) + CP_CASES, corpus, packed_corpus, tmp), tmp)
+    tp2 = two_ranks / "tp2-ckpt"
+    extra = [["tp4-from-tp2", [*GQA, "--data-path", corpus, "--train-iters", str(ITERS), "--tensor-model-parallel-size",
+                               "4", "--load", str(tp2), "--save", str(tmp / "tp4-ckpt"), "--save-interval", "8",
+                               "--exit-interval", "8"], False]]
+    run_configs(FRAMEWORK, 4, case_spec(ranks_cases(4) + CP_CASES, corpus, packed_corpus, tmp) + extra, tmp)
+    return tmp
 
 
 @pytest.mark.every_torch
@@ -240,19 +270,20 @@ def four_ranks(corpus, packed_corpus, tmp_path_factory):  # noqa: F811
 @pytest.mark.feature("expert-parallel")
 @pytest.mark.feature("moe-alltoall-dispatcher")
 @pytest.mark.feature("moe-allgather-dispatcher")
-def test_two_rank_layouts_equal_single_process(capsys, framework, corpus, packed_corpus, reference,  # noqa: F811
+def test_two_rank_layouts_equal_single_process(capsys, framework, corpus, two_ranks, reference,  # noqa: F811
                                                tmp_path):
-    cases = ranks_cases(2)
-    check_cases(framework, run_configs(framework, 2, case_spec(cases, corpus, packed_corpus, tmp_path), tmp_path), 2,
-                cases, reference)
-    # the EP2 checkpoint of iteration 5 (all experts, optimizer state too) continues in one process
-    from test_pipeline import iteration_only
+    check_cases(framework, two_ranks / "out", 2, ranks_cases(2), reference)
+    # the EP2 checkpoint (all experts, optimizer state too) continues in one process
+    resume_in_one_process(capsys, corpus, two_ranks / "ep2-ckpt", MOE, reference["moe"], "DP=2", tmp_path)
 
-    ckpt = iteration_only(tmp_path / "ep2-ckpt", 5, tmp_path / "ep2-ckpt5")
-    code, out, err = train(capsys, *MOE, "--data-path", corpus, "--train-iters", str(ITERS), "--load", str(ckpt),
-                           "--metrics-file", str(tmp_path / "ep1.jsonl"))
-    assert code == 0 and "resumed" in out, err
-    assert_same_curve(losses(tmp_path / "ep1.jsonl"), {i: reference["moe"][i] for i in range(6, ITERS + 1)})
+
+def resume_in_one_process(capsys, corpus, folder, model, want, saved_layout, tmp_path):  # noqa: F811
+    """The checkpoint ``folder`` (saved under ``saved_layout`` at the end of a layout case)
+    continues in this process on the single-process curve ``want``."""
+    code, out, err = train(capsys, *model, "--data-path", corpus, "--train-iters", str(ITERS), "--load", str(folder),
+                           "--metrics-file", str(tmp_path / "resumed.jsonl"))
+    assert code == 0 and f"iter_{LAYOUT_ITERS:07d}" in out and saved_layout in out, (out, err)
+    assert_same_curve(losses(tmp_path / "resumed.jsonl"), {i: want[i] for i in range(LAYOUT_ITERS + 1, ITERS + 1)})
 
 
 @pytest.mark.multiprocess
@@ -269,7 +300,7 @@ def test_two_rank_layouts_equal_single_process(capsys, framework, corpus, packed
 @pytest.mark.feature("recompute")
 @pytest.mark.feature("norm-recompute")
 def test_four_rank_layouts_equal_single_process(framework, four_ranks, reference):
-    check_cases(framework, four_ranks, 4, ranks_cases(4), reference)
+    check_cases(framework, four_ranks / "out", 4, ranks_cases(4), reference)
 
 
 def check_layout(out: str, ranks: int, flags: list) -> None:
@@ -303,30 +334,21 @@ def check_layout(out: str, ranks: int, flags: list) -> None:
 @pytest.mark.feature("distributed-optimizer")
 def test_context_parallel_loss_curves_equal_single_process(framework, four_ranks, reference):
     """CP_CASES (launched with the four-rank layouts); each loss curve equals the single-process run's."""
-    check_cases(framework, four_ranks, 4, CP_CASES, reference)
+    check_cases(framework, four_ranks / "out", 4, CP_CASES, reference)
 
 
 @pytest.mark.multiprocess
 @pytest.mark.feature("tensor-parallel")
-def test_checkpoints_reshard_between_tp1_tp2_and_tp4(capsys, framework, corpus, reference, tmp_path):  # noqa: F811
-    """GQA with 2 query groups: TP2 splits them, TP4 copies each key/value head to 2 ranks."""
-    ckpt, ckpt4 = tmp_path / "ckpt", tmp_path / "ckpt4"
-    common = [*GQA, "--data-path", corpus, "--train-iters", str(ITERS)]
+def test_checkpoints_reshard_between_tp1_tp2_and_tp4(capsys, corpus, reference, two_ranks, four_ranks,  # noqa: F811
+                                                     tmp_path):
+    """GQA with 2 query groups: TP2 splits them, TP4 copies each key/value head to 2 ranks. The
+    TP2 checkpoint (two_ranks' tp2 case, iteration 6) continues at TP1 here and at TP4
+    (four_ranks' tp4-from-tp2, which saves again at iteration 8), and that one continues at TP1."""
     want = reference["gqa"]
-    launch_train(framework, 2, [*common, "--tensor-model-parallel-size", "2", "--save", str(ckpt), "--save-interval", "5",
-                                "--exit-interval", "5"], tmp_path)
-    assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "5"
-    # TP = 1, in this process
-    code, out, err = train(capsys, *common, "--load", str(ckpt), "--metrics-file", str(tmp_path / "tp1.jsonl"))
-    assert code == 0 and "TP=2" in out, err
-    assert_same_curve(losses(tmp_path / "tp1.jsonl"), {i: want[i] for i in range(6, ITERS + 1)})
-    # TP = 4 on four ranks, which saves again at iteration 8 ...
-    launch_train(framework, 4, [*common, "--tensor-model-parallel-size", "4", "--load", str(ckpt), "--save", str(ckpt4),
-                                "--save-interval", "8", "--exit-interval", "8",
-                                "--metrics-file", str(tmp_path / "tp4.jsonl")], tmp_path)
-    assert_same_curve(losses(tmp_path / "tp4.jsonl"), {i: want[i] for i in range(6, 9)})
-    # ... and that TP = 4 checkpoint continues at TP = 1
-    code, out, err = train(capsys, *common, "--load", str(ckpt4), "--metrics-file", str(tmp_path / "back.jsonl"))
+    resume_in_one_process(capsys, corpus, two_ranks / "tp2-ckpt", GQA, want, "TP=2", tmp_path)
+    assert_same_curve(losses(four_ranks / "out" / "tp4-from-tp2.jsonl"), {i: want[i] for i in range(7, 9)})
+    code, out, err = train(capsys, *GQA, "--data-path", corpus, "--train-iters", str(ITERS), "--load",
+                           str(four_ranks / "tp4-ckpt"), "--metrics-file", str(tmp_path / "back.jsonl"))
     assert code == 0 and "TP=4" in out, err
     assert_same_curve(losses(tmp_path / "back.jsonl"), {i: want[i] for i in range(9, ITERS + 1)})
 
@@ -401,16 +423,13 @@ def expected_traffic(ranks, flags, model: str = "gqa") -> dict:
 
 @pytest.mark.multiprocess
 @pytest.mark.feature("sequence-parallel")
-def test_text_sample_under_tensor_and_sequence_parallelism(capsys, framework, corpus, tmp_path):  # noqa: F811
-    """The TP2+SP run samples the same continuation, token for token, as one process."""
-
-    argv = [a if a != "0" or i == 0 or GQA[i - 1] != "--sample-tokens" else "12" for i, a in enumerate(GQA)]
-    argv += ["--data-path", corpus, "--train-iters", "2"]
-    code, _, err = train(capsys, *argv, "--metrics-file", str(tmp_path / "one.jsonl"))
+def test_text_sample_under_tensor_and_sequence_parallelism(capsys, corpus, two_ranks, tmp_path):  # noqa: F811
+    """The TP2+SP run (in two_ranks' launch) samples the same continuation, token for token, as
+    one process."""
+    code, _, err = train(capsys, *SAMPLE, "--data-path", corpus, "--metrics-file", str(tmp_path / "one.jsonl"))
     assert code == 0, err
-    launch_train(framework, 2, [*argv, "--tensor-model-parallel-size", "2", "--sequence-parallel",
-                                "--metrics-file", str(tmp_path / "tp.jsonl")], tmp_path)
-    one, tp = ([json.loads(x) for x in open(tmp_path / name)][-1] for name in ("one.jsonl", "tp.jsonl"))
+    one, tp = ([json.loads(x) for x in open(path)][-1] for path in (tmp_path / "one.jsonl",
+                                                                    two_ranks / "out" / "tp2-sp-sample.jsonl"))
     assert len(one["sample_ids"]) == 12 and one["sample_prompt"] == "def "
     assert tp["sample_ids"] == one["sample_ids"] and tp["sample"] == one["sample"]
 
@@ -458,15 +477,11 @@ def test_dropout_is_off_in_evaluation_and_on_in_training(capsys, corpus, tmp_pat
 
 @pytest.mark.multiprocess
 @pytest.mark.feature("distributed-optimizer")
-def test_distributed_optimizer_checkpoint_resumes_on_other_layouts(capsys, framework, corpus, reference, tmp_path):  # noqa: F811
-    ckpt = tmp_path / "ckpt"
-    common = [*GQA, "--data-path", corpus, "--train-iters", str(ITERS)]
-    launch_train(framework, 2, [*common, "--use-distributed-optimizer", "--save", str(ckpt), "--save-interval", "5",
-                                "--exit-interval", "5"], tmp_path)
-    # its state (sharded over DP while training) is saved whole: a single process resumes it
-    code, out, err = train(capsys, *common, "--load", str(ckpt), "--metrics-file", str(tmp_path / "tp1.jsonl"))
-    assert code == 0 and "DP=2" in out, err
-    assert_same_curve(losses(tmp_path / "tp1.jsonl"), {i: reference["gqa"][i] for i in range(6, ITERS + 1)})
+def test_distributed_optimizer_checkpoint_resumes_on_other_layouts(capsys, corpus, reference, two_ranks,  # noqa: F811
+                                                                   tmp_path):
+    """The distributed optimizer's state, sharded over DP while training (two_ranks'
+    dp2-distopt case), is saved whole: a single process resumes it."""
+    resume_in_one_process(capsys, corpus, two_ranks / "distopt-ckpt", GQA, reference["gqa"], "DP=2", tmp_path)
 
 
 @pytest.mark.multiprocess
