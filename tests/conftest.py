@@ -9,6 +9,9 @@ With ``--feature-coverage`` (the README's test command passes it) the run also f
 * a passing test carries a feature marker whose feature it never ran;
 * a name of the facade (mindspeed_core.facade.SPEC) was never used during the run.
 
+``--facade-coverage`` checks the last point alone: .ci/run's subset on the lowest supported
+torch must still call every facade name.
+
 Under CI (``CI`` or ``MINDSPEED_CI`` set) a skip outside coverage_check.ALLOWED_SKIPS fails
 the run, and the skip count is printed for .ci/run to report.
 """
@@ -49,6 +52,9 @@ def pytest_addoption(parser):
     parser.addoption("--feature-coverage", action="store_true",
                      help="fail unless every supported/emulated matrix cell of this framework was run by a passing "
                           "marked test, every marker was honoured, and every facade name was used")
+    parser.addoption("--facade-coverage", action="store_true",
+                     help="fail unless every facade name was used (a run of a subset of the suite: the "
+                          "lowest supported torch's)")
 
 
 def pytest_report_header(config):
@@ -138,6 +144,13 @@ def pytest_sessionfinish(session, exitstatus):
             reporter.write_line(f"feature coverage: each of the {len(required_features())} supported/emulated features "
                                 f"of {FRAMEWORK}/{DEVICE} ran in a passing marked test; every marker was honoured; "
                                 f"all {sum(len(v) for v in facade.SPEC.values())} facade names were used")
+    elif session.config.getoption("--facade-coverage"):
+        problems = coverage_check.facade_problems(facade.SPEC, _facade_called())
+        if problems:
+            fail(f"FACADE COVERAGE on {FRAMEWORK}/{DEVICE}", problems)
+        elif reporter:
+            reporter.write_line(f"facade coverage: all {sum(len(v) for v in facade.SPEC.values())} facade names "
+                                "were used")
     if reporter:
         reporter.write_line(f"skips on {FRAMEWORK}: {len(_skips)}")
     if IN_CI:
