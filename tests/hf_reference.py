@@ -4,8 +4,9 @@ Run as a separate process (``python hf_reference.py OUT_DIR``) so that a test bo
 MindSpore never imports torch: for each architecture it writes OUT_DIR/<name>/ (a model
 folder, saved by transformers) and OUT_DIR/<name>.npz (input ids and logits, float64; for the
 GENERATED ones also transformers' greedy continuation of a batch padded on the left).
-``python hf_reference.py --check FOLDER IDS.npy OUT.npy`` loads a folder with transformers and
-writes its logits: the check that our exported folders load in transformers.
+``python hf_reference.py --check FOLDER IDS.npy OUT.npy [FOLDER IDS.npy OUT.npy ...]`` loads
+each folder with transformers and writes its logits: the check that our exported folders load in
+transformers (several in one process: importing transformers is most of its time).
 """
 
 from __future__ import annotations
@@ -101,7 +102,9 @@ def check(folder: str, ids_path: str, out_path: str) -> None:
 if __name__ == "__main__":
     T.logging.set_verbosity_error()
     if sys.argv[1] == "--check":
-        check(*sys.argv[2:5])
+        triples = sys.argv[2:]
+        for i in range(0, len(triples), 3):
+            check(*triples[i:i + 3])
     else:
         for model_name in MODELS:
             build(model_name, sys.argv[1])
