@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 
-from mindspeed_core import nn, ops
+from mindspeed_core import ops
 from mindspeed_core.compat import hf
 from mindspeed_core.errors import CheckpointError
 
