@@ -95,16 +95,23 @@ def _mmlu_rows(file: str) -> list[tuple]:
     return rows
 
 
-def _mmlu(path: str, shot: int) -> dict[str, list[Item]]:
-    files, dev = _split_files(path, "test", ".csv")
+def _subject_files(path: str, shot: int, split: str, read_rows, head, cue: str, space: str) -> dict[str, list[Item]]:
+    """MMLU and CEval share a layout: <subject>_<split>.csv files, the k shots from the matching dev
+    file, and a letter answer; they differ in the header, the answer cue and whether a letter
+    is a token of its own after a space (MMLU's " A") or follows the cue directly (CEval)."""
+    files, dev = _split_files(path, split, ".csv")
     out = {}
     for file in files:
-        subject = os.path.basename(file)[:-len("_test.csv")]
-        head = f"The following are multiple choice questions (with answers) about {subject.replace('_', ' ')}.\n\n"
-        shots = "".join(_choice(q, o, "Answer:", a) for q, o, a in _shots(dev, subject, ".csv", shot, _mmlu_rows))
-        out[subject] = [Item(head + shots + _choice(q, o, "Answer:"), tuple(f" {x}" for x in LETTERS), f" {a}")
-                        for q, o, a in _mmlu_rows(file)]
+        subject = os.path.basename(file)[:-len(f"_{split}.csv")]
+        shots = "".join(_choice(q, o, cue, a) for q, o, a in _shots(dev, subject, ".csv", shot, read_rows))
+        out[subject] = [Item(head(subject) + shots + _choice(q, o, cue), tuple(space + x for x in LETTERS), space + a)
+                        for q, o, a in read_rows(file)]
     return out
+
+
+def _mmlu(path: str, shot: int) -> dict[str, list[Item]]:
+    return _subject_files(path, shot, "test", _mmlu_rows, lambda subject: "The following are multiple choice "
+                          f"questions (with answers) about {subject.replace('_', ' ')}.\n\n", "Answer:", " ")
 
 
 def _ceval_rows(file: str) -> list[tuple]:
@@ -119,14 +126,8 @@ def _ceval_rows(file: str) -> list[tuple]:
 
 
 def _ceval(path: str, shot: int) -> dict[str, list[Item]]:
-    files, dev = _split_files(path, "val", ".csv")
-    out = {}
-    for file in files:
-        subject = os.path.basename(file)[:-len("_val.csv")]
-        head = f"以下是中国关于{subject}考试的单项选择题，请选出其中的正确答案。\n\n"
-        shots = "".join(_choice(q, o, "答案：", a) for q, o, a in _shots(dev, subject, ".csv", shot, _ceval_rows))
-        out[subject] = [Item(head + shots + _choice(q, o, "答案："), LETTERS, a) for q, o, a in _ceval_rows(file)]
-    return out
+    return _subject_files(path, shot, "val", _ceval_rows,
+                          lambda subject: f"以下是中国关于{subject}考试的单项选择题，请选出其中的正确答案。\n\n", "答案：", "")
 
 
 def _jsonl(file: str, keys: tuple[str, ...]) -> list[dict]:
