@@ -16,6 +16,7 @@ from mindspeed_core.errors import MindSpeedError
 CONTEXT_PARALLEL_ALGOS = ("megatron_cp_algo", "ulysses_cp_algo", "hybrid_cp_algo")
 GENERATION_TASKS = ("greedy", "do_sample", "beam_search", "chat")
 EVALUATION_TASKS = ("mmlu", "ceval", "gsm8k", "boolq", "perplexity")
+STAGES = ("sft", "dpo", "simpo", "orm", "prm")
 DATA_HANDLERS = (
     "GeneralPretrainHandler", "AlpacaStyleInstructionHandler", "SharegptStyleInstructionHandler",
     "AlpacaStylePairwiseHandler", "SharegptStylePairwiseHandler", "AlpacaStyleProcessRewardHandler",
@@ -157,6 +158,12 @@ def add_feature_args(parser: argparse.ArgumentParser) -> None:
                    + ", ".join(EVALUATION_TASKS))
     o.add_argument("--rope-scaling-type", choices=("linear", "llama3", "yarn", "dynamic"), default=None)
     o.add_argument("--handler-name", choices=DATA_HANDLERS, default=None)
+
+    a = parser.add_argument_group("fine-tuning and alignment")
+    a.add_argument("--stage", choices=STAGES, default=None,
+                   help="sft: instruction fine-tuning on preprocessed instruction data (the default is pre-training)")
+    a.add_argument("--is-instruction-dataset", action="store_true",
+                   help="--data-path is instruction data (MindSpeed-LLM's spelling; --stage sft implies it)")
     o.add_argument("--load-model-type", choices=("hf", "mg"), default=None)
     o.add_argument("--save-model-type", choices=("hf", "mg"), default=None)
 
@@ -232,6 +239,9 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--save", default=None)
     c.add_argument("--save-interval", type=POSITIVE_INT, default=None)
     c.add_argument("--load", default=None)
+    c.add_argument("--finetune", action="store_true",
+                   help="with --load: take the checkpoint's weights only and start at iteration 0 with a fresh "
+                        "optimizer (fine-tuning a pre-trained model)")
     c.add_argument("--overwrite-checkpoints", action="store_true",
                    help="let --save replace the checkpoints of another run in that folder")
     # None: the trainer fills Megatron's defaults (eval every 1000 steps over 100 batches, a log

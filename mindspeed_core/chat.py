@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import sys
 
-from mindspeed_core.data.tokenizer import encode_plain
+from mindspeed_core.data.chat_templates import encode_conversation
 from mindspeed_core.errors import MindSpeedError
 from mindspeed_core.inference import TextStream
 
@@ -44,7 +44,8 @@ class Session:
             messages = [{"role": "system", "content": self.system}] if self.system is not None else []
             for user, reply in kept:
                 messages += [{"role": "user", "content": user}, {"role": "assistant", "content": reply}]
-            ids = encode_plain(self.tokenizer, self.template.render(messages + [{"role": "user", "content": message}]))
+            ids, _ = encode_conversation(self.tokenizer, self.template, messages + [{"role": "user", "content": message}],
+                                         add_generation_prompt=True)
             wrong = gen.fits(self.cfg.max_position_embeddings, len(ids), self.max_new_tokens, self.cfg.rope_scaling)
             if not wrong:
                 return ids

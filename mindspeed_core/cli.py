@@ -124,11 +124,17 @@ def _cmd_preprocess(argv: list[str]) -> int:
     preprocess.add_args(parser)
     counts = preprocess.run(parser.parse_args(argv))
     print(f"wrote {counts['documents']} documents, {counts['tokens']} tokens: {', '.join(counts['outputs'])}")
+    if counts.get("template"):
+        print(f"template: {counts['template']}")
+    for change in ("dropped", "cut"):
+        if counts.get(change):
+            print(f"{counts[change]} samples longer than --seq-length + 1 tokens were {change} (--truncation)")
     if counts["end_of_document"]:
         print(f"end of document: {counts['end_of_document']}")
     for key, p in counts.get("packing", {}).items():
         print(f"{key}: packed into {p['packs']} samples ({100 * p['fill']:.1f}% filled, the rest padding left out "
-              f"of the loss); {p['split_documents']} documents longer than a sample cut into sample-long pieces")
+              f"of the loss)" + (f"; {p['split_documents']} documents longer than a sample cut into sample-long "
+                                 "pieces" if p["split_documents"] else ""))
     return 0
 
 

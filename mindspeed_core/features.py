@@ -91,6 +91,18 @@ class Feature:
         return getattr(self, framework).on(device, version)
 
 
+HANDLER_ROWS = (  # (row id suffix, --handler-name, what it writes)
+    ("general-pretrain", "GeneralPretrainHandler", "each --json-keys text a document (the default)"),
+    ("alpaca", "AlpacaStyleInstructionHandler", "Alpaca records (system, history) as conversations, labels on "
+                                                "the replies"),
+    ("sharegpt", "SharegptStyleInstructionHandler", "ShareGPT conversations (multi-turn, system, tool turns), every "
+                                                    "assistant turn trained"),
+    ("alpaca-pairwise", "AlpacaStylePairwiseHandler", "a prompt with chosen and rejected replies"),
+    ("sharegpt-pairwise", "SharegptStylePairwiseHandler", "a conversation with chosen and rejected replies"),
+    ("alpaca-prm", "AlpacaStyleProcessRewardHandler", "step-labelled solutions (placeholder and reward tokens)"),
+)
+
+
 def _on(name):
     return lambda a: bool(getattr(a, name, False))
 
@@ -373,15 +385,22 @@ FEATURES: tuple[Feature, ...] = (
     # ---- data and tools -------------------------------------------------------------------
     *(
         Feature(f"handler-{slug}", f"Data handler {name}", "data", (f"--handler-name {name}",),
-                planned(), planned(), _eq("handler_name", name))
-        for slug, name in (
-            ("general-pretrain", "GeneralPretrainHandler"),
-            ("alpaca", "AlpacaStyleInstructionHandler"),
-            ("sharegpt", "SharegptStyleInstructionHandler"),
-            ("alpaca-pairwise", "AlpacaStylePairwiseHandler"),
-            ("sharegpt-pairwise", "SharegptStylePairwiseHandler"),
-            ("alpaca-prm", "AlpacaStyleProcessRewardHandler"),
-        )
+                supported(f"mindspeed preprocess: {what}; framework-free"), supported("as on PyTorch"),
+                _eq("handler_name", name))
+        for slug, name, what in HANDLER_ROWS
+    ),
+    # ---- fine-tuning and alignment ------------------------------------------------------------
+    Feature("sft", "Instruction fine-tuning (--stage sft)", "fine-tuning", ("--stage sft", "--is-instruction-dataset"),
+            supported("loss on the assistant's tokens only; packed conversations kept apart (positions and "
+                      "attention); every parallel layout pre-training has"),
+            supported("as on PyTorch"), lambda a: getattr(a, "stage", None) == "sft" or
+            bool(getattr(a, "is_instruction_dataset", False))),
+    *(
+        Feature(f"stage-{stage}", title, "fine-tuning", (f"--stage {stage}",), planned(), planned(), _eq("stage", stage))
+        for stage, title in (("dpo", "Direct preference optimisation (--stage dpo)"),
+                             ("simpo", "SimPO (--stage simpo)"),
+                             ("orm", "Outcome reward model (--stage orm)"),
+                             ("prm", "Process reward model (--stage prm)"))
     ),
     Feature("weight-conversion", "Hugging Face <-> Megatron-core weight conversion with re-sharding", "tools",
             ("--load-model-type", "--save-model-type"), planned(), planned(),
@@ -389,6 +408,11 @@ FEATURES: tuple[Feature, ...] = (
 )
 
 BY_ID = {f.id: f for f in FEATURES}
+
+
+def handler_feature(name: str) -> str:
+    """The matrix row of a --handler-name."""
+    return next(f"handler-{slug}" for slug, n, _ in HANDLER_ROWS if n == name)
 
 
 def get(feature_id: str) -> Feature:

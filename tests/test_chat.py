@@ -168,13 +168,14 @@ def test_the_session_reads_the_rendered_history_and_stops_at_the_stop_text():
 def test_history_is_kept_cut_and_cleared():
     random.seed(5)
     cfg = ModelConfig(vocab_size=257, hidden_size=32, num_layers=2, num_attention_heads=4, num_query_groups=2,
-                      ffn_hidden_size=64, max_position_embeddings=96, init_method_std=0.3)
+                      ffn_hidden_size=64, max_position_embeddings=128, init_method_std=0.3)
     model = GPTModel(cfg)
     nn.set_training(model, False)
     tok, template = ByteTokenizer(), ct.TEMPLATES["alpaca"]
 
-    def alone(messages):  # the greedy reply to this exact conversation
-        ids = gen.generate(model, [encode_plain(tok, template.render(messages))], 6, stop_ids=(tok.eod,))[0]
+    def alone(messages):  # the greedy reply to this exact conversation (a reply of it ends with the end of document)
+        prompt, _ = ct.encode_conversation(tok, template, messages, add_generation_prompt=True)
+        ids = gen.generate(model, [prompt], 6, stop_ids=(tok.eod,))[0]
         return tok.decode(ids)
 
     session = Session(model, cfg, tok, template, gen.Sampling(), 6, history_turns=1, system="")
@@ -186,12 +187,12 @@ def test_history_is_kept_cut_and_cleared():
     third = session.reply("5+6?")  # one round of history: "2+2?" is gone
     assert third == alone([{"role": "system", "content": ""}, {"role": "user", "content": "3+4?"},
                            {"role": "assistant", "content": second}, {"role": "user", "content": "5+6?"}])
-    # a long round no longer fits the 96 positions with the next one: it is left out
-    session.rounds = [("x" * 40, "y" * 20)]
-    assert len(session.prompt("5+6?")) == len(encode_plain(tok, template.render([
-        {"role": "system", "content": ""}, {"role": "user", "content": "5+6?"}])))
+    # a long round no longer fits the 128 positions with the next one: it is left out
+    session.rounds = [("x" * 40, "y" * 30)]
+    assert session.prompt("5+6?") == encode_plain(tok, template.render([
+        {"role": "system", "content": ""}, {"role": "user", "content": "5+6?"}]))
     with pytest.raises(MindSpeedError, match="this message does not fit"):
-        session.prompt("z" * 90)
+        session.prompt("z" * 120)
     session.clear()
     assert session.reply("2+2?") == first
 

@@ -90,6 +90,7 @@ def test_megatron_core_reads_our_files(tmp_path):
     assert json.loads(out.stdout.strip().splitlines()[-1]) == [tok.encode(d) + [tok.eod] for d in DOCS]
 
 
+@pytest.mark.feature("handler-general-pretrain")
 @pytest.mark.parametrize("fmt", ["jsonl", "txt", "parquet"])
 def test_preprocess_formats_and_workers(tmp_path, fmt):
     if fmt == "jsonl":

@@ -39,6 +39,12 @@ class Template:
     begin: str = ""
     stop: tuple[str, ...] = ()
 
+    @property
+    def writes_reply_end(self) -> bool:
+        """Whether the text ends each reply (a stop text); if not, the tokenizer's end of
+        document does (encode_conversation)."""
+        return bool(self.stop)
+
     def segments(self, messages: list[dict], add_generation_prompt: bool = True) -> list[tuple[str, bool]]:
         """The rendered text in pieces, each (text, written by the assistant): the pieces a
         fine-tuning loss trains on are the assistant's."""
@@ -79,6 +85,24 @@ TEMPLATES = {t.name: t for t in (
 )}
 
 
+def encode_conversation(tokenizer, template, messages: list[dict],
+                        add_generation_prompt: bool = False) -> tuple[list[int], list[bool]]:
+    """A conversation's tokens, and for each whether the assistant wrote it (what fine-tuning
+    trains on). Each piece of the template is encoded alone, without the tokenizer's own
+    special tokens; a reply of a template without a stop text ends with the end of document,
+    which is what generation stops at. Chat prompts and instruction data are encoded alike."""
+    from mindspeed_core.data.tokenizer import encode_plain
+
+    ids, assistant = [], []
+    for text, by_assistant in template.segments(messages, add_generation_prompt):
+        piece = encode_plain(tokenizer, text)
+        if by_assistant and not template.writes_reply_end:
+            piece.append(tokenizer.eod)
+        ids += piece
+        assistant += [by_assistant] * len(piece)
+    return ids, assistant
+
+
 def check_messages(messages: list[dict]) -> None:
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
@@ -101,6 +125,7 @@ class HFTemplate:
                                  "pip install 'mindspeed-core[hf]'") from None
         self._error = TemplateError
         self.name, self.tokens, self.stop = f"the chat template of {where}", tokens, ()
+        self.writes_reply_end = True  # Hugging Face templates write their end-of-turn tokens
 
         def raise_exception(message):
             raise TemplateError(message)
@@ -129,6 +154,27 @@ class HFTemplate:
                                          **self.tokens)
         except self._error as exc:  # SecurityError is one of them: the sandbox refused
             raise MindSpeedError(f"{self.name}: {exc}") from None
+
+    def segments(self, messages: list[dict], add_generation_prompt: bool = True) -> list[tuple[str, bool]]:
+        """As Template.segments. An assistant message's piece is what rendering the
+        conversation up to it adds to the rendering that asks for it (add_generation_prompt);
+        that needs each shorter conversation to render as the beginning of the longer one,
+        which a template that rewrites earlier turns (dropping their reasoning, say) breaks:
+        refused then, since no one could say which tokens are the assistant's."""
+        whole = self.render(messages, add_generation_prompt)
+        out, done = [], 0
+        for i, m in enumerate(messages):
+            if m["role"] != "assistant":
+                continue
+            asked = self.render(messages[:i], True)
+            said = self.render(messages[:i + 1], False)
+            if not (asked.startswith(whole[:done]) and said.startswith(asked) and whole.startswith(said)):
+                raise MindSpeedError(f"{self.name} renders the conversation before message {i} differently once it "
+                                     "goes on, so the assistant's tokens cannot be told apart: use --prompt-type")
+            out += [(asked[done:], False), (said[len(asked):], True)]
+            done = len(said)
+        out.append((whole[done:], False))
+        return [(t, a) for t, a in out if t]
 
 
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")

@@ -12,7 +12,7 @@ import os
 import sysconfig
 
 from mindspeed_core.data import indexed
-from mindspeed_core.data.preprocess import document_ids
+from mindspeed_core.data.handlers import document_ids
 from mindspeed_core.data.tokenizer import ByteTokenizer
 
 FORMAT = 2  # part of the cache key: 2 = empty files add no sequence (Megatron's rule)

@@ -58,7 +58,7 @@ def split_ranges(num_docs: int, split: str) -> dict:
     return {name: (bounds[i], bounds[i + 1]) for i, name in enumerate(SPLITS)}
 
 
-class _Shuffled:
+class Shuffled:
     """``count`` samples in a seeded order, drawn anew each epoch."""
 
     def __init__(self, count: int, seed: int):
@@ -72,7 +72,7 @@ class _Shuffled:
         return int(self._orders[epoch][i % self.count])
 
 
-class TokenSamples(_Shuffled):
+class TokenSamples(Shuffled):
     """Samples of seq_length + 1 tokens cut from a token stream, in a seeded order."""
 
     def __init__(self, tokens: np.ndarray, seq_length: int, seed: int, name: str):
@@ -93,7 +93,7 @@ PAD = -1
 PACKED = re.compile(r"_packed_[^/\\]*_document$")
 
 
-class PackedSamples(_Shuffled):
+class PackedSamples(Shuffled):
     """One sample per pack of a packed dataset (``mindspeed preprocess --pack``): the pack's
     documents, then PAD up to seq_length + 1 tokens."""
 

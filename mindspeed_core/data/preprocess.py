@@ -12,6 +12,13 @@ an empty document recorded with no sequence.
 With ``--pack --seq-length S`` it also writes out/corpus_packed_text_document: the same
 documents packed whole into samples of S + 1 tokens (see data/packing.py), which the
 trainer reads one pack per sample.
+
+With an instruction ``--handler-name`` (data/handlers.py) each record is a conversation or a
+preference pair, written as MindSpeed-LLM writes it: out/corpus_packed_<key>_document per
+key (input_ids, attention_mask, labels; or chosen_/rejected_ input_ids and labels), int32,
+one sample per document. ``--seq-length S`` drops (or with ``--truncation cut`` cuts) samples
+longer than S + 1 tokens; ``--pack`` puts whole samples together, each pack one document whose
+sequences are its samples, so that the trainer knows where each begins.
 """
 
 from __future__ import annotations
@@ -22,9 +29,11 @@ import multiprocessing
 import os
 import re
 
-from mindspeed_core import files
+import numpy as np
+
+from mindspeed_core import features, files
 from mindspeed_core.compat.megatron_args import POSITIVE_INT, add_tokenizer_args
-from mindspeed_core.data import indexed, packing
+from mindspeed_core.data import chat_templates, handlers, indexed, packing
 from mindspeed_core.data.tokenizer import build_tokenizer, tokenizer_args
 from mindspeed_core.errors import MindSpeedError
 from mindspeed_core.progress import Progress
@@ -41,7 +50,21 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pack", action="store_true",
                         help="also write the documents packed whole into samples of --seq-length + 1 tokens")
     parser.add_argument("--seq-length", type=POSITIVE_INT, default=None,
-                        help="with --pack: the training --seq-length the packs are made for")
+                        help="with --pack: the training --seq-length the packs are made for; for instruction data "
+                             "also the longest sample kept (--seq-length + 1 tokens, see --truncation)")
+    h = parser.add_argument_group("instruction and preference data (data/handlers.py)")
+    h.add_argument("--handler-name", choices=tuple(handlers.HANDLERS), default="GeneralPretrainHandler")
+    chat_templates.add_args(h, "default: the tokenizer's chat template, else empty")
+    h.add_argument("--map-keys", default=None,
+                   help="JSON renaming the record's columns, e.g. '{\"prompt\": \"question\", \"response\": \"answer\"}'; "
+                        "ShareGPT also takes \"tags\": {\"role_tag\": \"role\", ...}")
+    h.add_argument("--truncation", choices=("drop", "cut"), default="drop",
+                   help="a sample longer than --seq-length + 1 tokens is dropped (the default, as MindSpeed-LLM does) "
+                        "or cut to that length; either is counted in the summary")
+    h.add_argument("--placeholder-token", default="\u043a\u0438",
+                   help="AlpacaStyleProcessRewardHandler: the token that ends each step (default 'ки')")
+    h.add_argument("--reward-tokens", nargs="+", default=None,
+                   help="AlpacaStyleProcessRewardHandler: the step labels allowed (e.g. + -)")
 
 
 def _files(path: str) -> list[str]:
@@ -80,20 +103,23 @@ def _text(value, where: str, key: str) -> str:
     return value
 
 
+def _parquet_rows(file: str, columns: list[str] | None) -> list[dict]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError as exc:
+        raise MindSpeedError(f"reading .parquet needs a working pyarrow ({exc}); "
+                             "with numpy 1.x: pip install 'pyarrow<20'") from None
+    try:
+        return pq.read_table(file, columns=None if columns is None else list(columns)).to_pylist()
+    except Exception as exc:  # noqa: BLE001 - pyarrow's errors (missing column, corrupt file) vary
+        raise MindSpeedError(f"cannot read {file}: {str(exc).splitlines()[0]}") from None
+
+
 def iter_records(path: str, keys: list[str]):
     """Yield {key: text} per document."""
     for file in _files(path):
         if file.endswith(".parquet"):
-            try:
-                import pyarrow.parquet as pq
-            except ImportError as exc:
-                raise MindSpeedError(f"reading .parquet needs a working pyarrow ({exc}); "
-                                     "with numpy 1.x: pip install 'pyarrow<20'") from None
-            try:
-                table = pq.read_table(file, columns=keys)
-            except Exception as exc:  # noqa: BLE001 - pyarrow's errors (missing column, corrupt file) vary
-                raise MindSpeedError(f"cannot read {file}: {str(exc).splitlines()[0]}") from None
-            for n, row in enumerate(table.to_pylist(), 1):
+            for n, row in enumerate(_parquet_rows(file, keys), 1):
                 yield {k: _text(row[k], f"{file} row {n}", k) for k in keys}
         elif file.endswith(".txt"):
             for n, line in _lines(file):
@@ -116,23 +142,54 @@ def iter_records(path: str, keys: list[str]):
                 yield {k: _text(rec[k], f"{file}:{n}", k) for k in keys}
 
 
+def iter_objects(path: str):
+    """(where, record) of each JSON object of .json (an array, or one object per line),
+    .jsonl and .parquet files: instruction data, whose records hold lists and objects."""
+    for file in _files(path):
+        if file.endswith(".txt"):
+            raise MindSpeedError(f"{file}: instruction data is JSON or parquet records, not plain text")
+        if file.endswith(".parquet"):
+            for n, row in enumerate(_parquet_rows(file, None), 1):
+                yield f"{file} row {n}", row
+            continue
+        with open(file, "rb") as fh:
+            head = fh.read(4096).lstrip()
+        if file.endswith(".json") and head[:1] == b"[":
+            try:
+                with open(file, encoding="utf-8") as fh:
+                    rows = json.load(fh)
+            except (ValueError, UnicodeDecodeError) as exc:
+                raise MindSpeedError(f"{file} is not valid JSON: {exc}") from None
+            for n, row in enumerate(rows):
+                yield f"{file} record {n}", row
+            continue
+        for n, line in _lines(file):
+            if not line.strip():
+                continue
+            try:
+                yield f"{file}:{n}", json.loads(line)
+            except ValueError:
+                raise MindSpeedError(f"{file}:{n} is not valid JSON") from None
+
+
 _worker_state: dict = {}
 
 
-def _init_worker(tokenizer, keys, append_eod):
-    _worker_state.update(tok=build_tokenizer(*tokenizer), keys=keys, eod=append_eod)
+def _build_handler(tokenizer: tuple, handler_name: str, template: tuple | None, options: dict):
+    """The handler a run (or a worker) encodes with; ``template`` is chat_templates.choose's
+    arguments (a jinja2 template is made in each process, not pickled)."""
+    tok = build_tokenizer(*tokenizer)
+    chosen = chat_templates.choose(*template) if template is not None else None
+    return handlers.HANDLERS[handler_name](tok, chosen, options)
 
 
-def document_ids(tok, text: str, append_eod: bool) -> list[int]:
-    """A document's tokens as Megatron's preprocess_data.py writes them: the end of document
-    follows only a document that has tokens (an empty one stays empty and adds no sequence)."""
-    ids = tok.encode(text)
-    return ids + [tok.eod] if ids and append_eod else ids
+def _init_worker(*spec):
+    _worker_state["handler"] = _build_handler(*spec)
 
 
-def _encode(record):
-    tok = _worker_state["tok"]
-    return {key: document_ids(tok, record[key], _worker_state["eod"]) for key in _worker_state["keys"]}
+def _encode(item):
+    where, record = item
+    return _worker_state["handler"].encode(record, where)
 
 
 def _stale(prefix: str) -> re.Pattern:
@@ -144,54 +201,107 @@ def packed_prefix(output_prefix: str, key: str) -> str:
     return f"{output_prefix}_packed_{key}_document"
 
 
+def _fit(sample: dict, keys: tuple, capacity: int | None, policy: str):
+    """An instruction sample within ``capacity`` tokens per sequence: as it is, cut to it
+    (``--truncation cut``; None if nothing trained is left), or None (``drop``)."""
+    if capacity is None or all(len(sample[k]) <= capacity for k in keys):
+        return sample, None
+    if policy == "drop":
+        return None, "dropped"
+    cut = {k: v[:capacity] for k, v in sample.items()}
+    labels = [k for k in keys if k.endswith("labels")]
+    if any(all(x == handlers.IGNORE for x in cut[k]) for k in labels):
+        return None, "dropped"  # the cut left a side nothing to learn from
+    return cut, "cut"
+
+
 def run(args) -> dict:
-    if args.pack and (args.seq_length is None or not args.append_eod):
-        # the trainer finds a pack's document boundaries at the end-of-document tokens
-        raise MindSpeedError("--pack needs --seq-length (the training sequence length the packs are for) and "
-                             "--append-eod (documents in a pack end with the end-of-document token)")
-    tok = build_tokenizer(*tokenizer_args(args))
+    cls = handlers.HANDLERS[args.handler_name]
+    instruction = cls.instruction
+    features.note_used(features.handler_feature(args.handler_name))
+    if args.pack and (args.seq_length is None or not (args.append_eod or instruction)):
+        # the trainer finds a pre-training pack's document boundaries at the end-of-document tokens
+        raise MindSpeedError("--pack needs --seq-length (the training sequence length the packs are for) and, for "
+                             "pre-training text, --append-eod (documents in a pack end with the end-of-document token)")
+    if args.pack and instruction and "Pairwise" in args.handler_name:
+        raise MindSpeedError(f"--pack: {args.handler_name} data is not packed (a chosen and a rejected reply train "
+                             "side by side); drop --pack")
+    tokenizer = tokenizer_args(args)
+    tok = build_tokenizer(*tokenizer)
+    template = None
+    if instruction and "Style" in args.handler_name and "ProcessReward" not in args.handler_name:
+        template = (args.prompt_type, args.hf_chat_template, args.tokenizer_name_or_path)
+    options = {"append_eod": args.append_eod, "json_keys": args.json_keys,
+               "map_keys": handlers.parse_map_keys(args.map_keys), "placeholder_token": args.placeholder_token,
+               "reward_tokens": args.reward_tokens}
+    spec = (tokenizer, args.handler_name, template, options)
+    handler = _build_handler(*spec)  # bad options fail here, before anything is written
+    keys = handler.keys
     folder = os.path.dirname(os.path.abspath(args.output_prefix))
     files.check_writable(folder, f"--output-prefix {args.output_prefix}")
     _files(args.input)  # a missing input fails here, before anything is written
-    records = iter_records(args.input, args.json_keys)
+    records = iter_objects(args.input) if instruction else ((None, r) for r in iter_records(args.input, keys))
     created = []  # the folders this run makes, removed again if it fails
     path = folder
     while not os.path.isdir(path):
         created.append(path)
         path = os.path.dirname(path)
     os.makedirs(folder, exist_ok=True)
-    prefixes = {k: f"{args.output_prefix}_{k}_document" for k in args.json_keys}
-    for prefix in prefixes.values():
+    if instruction:  # MindSpeed-LLM's names, packed or not; -100 labels need a signed type
+        finals = {k: packed_prefix(args.output_prefix, k) for k in keys}
+        prefixes = ({k: f"{args.output_prefix}.unpacked-{os.getpid()}_{k}" for k in keys} if args.pack else finals)
+        dtype = np.int32
+    else:
+        prefixes = {k: f"{args.output_prefix}_{k}_document" for k in keys}
+        finals = {k: packed_prefix(args.output_prefix, k) for k in keys} if args.pack else {}
+        dtype = indexed.token_dtype(tok.vocab_size)
+    for prefix in (*prefixes.values(), *finals.values()):
         files.remove_stale(folder, _stale(prefix))
-    dtype = indexed.token_dtype(tok.vocab_size)
     writers = {k: indexed.IndexedDatasetWriter(p, dtype) for k, p in prefixes.items()}
-    init = (tokenizer_args(args), args.json_keys, args.append_eod)
+    capacity = args.seq_length + 1 if instruction and args.seq_length is not None else None
     progress = Progress(None, "preprocess (documents)")
     counts = {"documents": 0, "tokens": 0}
     if args.workers > 1:
-        pool = multiprocessing.get_context("spawn").Pool(args.workers, _init_worker, init)
+        pool = multiprocessing.get_context("spawn").Pool(args.workers, _init_worker, spec)
         encoded = pool.imap(_encode, records, chunksize=64)
     else:
         pool = None
-        _init_worker(*init)
+        _worker_state["handler"] = handler
         encoded = map(_encode, records)
     try:
         for doc in encoded:  # imap keeps input order, so the output is the same for any --workers
+            doc, change = _fit(doc, keys, capacity, args.truncation) if instruction else (doc, None)
+            if change is not None:
+                counts[change] = counts.get(change, 0) + 1
+            if doc is None:
+                continue
             for key, ids in doc.items():
                 writers[key].add_document(ids)
-                counts["tokens"] += len(ids)
+                if not instruction or key.endswith("input_ids"):  # not the labels and masks again
+                    counts["tokens"] += len(ids)
             counts["documents"] += 1
             progress.update(1, f"{counts['tokens']} tokens")
+        if instruction and not counts["documents"]:
+            raise MindSpeedError(f"no sample of {args.input} is left: all {counts.get('dropped', 0)} were longer than "
+                                 f"--seq-length {args.seq_length} + 1 tokens" if counts.get("dropped")
+                                 else f"{args.input} holds no records")
         for w in writers.values():
             w.finalize()
         if args.pack:
             for key, prefix in prefixes.items():
-                target = packed_prefix(args.output_prefix, key)
-                counts.setdefault("packing", {})[key] = packing.pack_dataset(prefix, target, args.seq_length + 1)
+                counts.setdefault("packing", {})[key] = packing.pack_dataset(prefix, finals[key], args.seq_length + 1)
+                if instruction:  # the unpacked samples were a step towards the packs
+                    for ext in (".bin", ".idx"):
+                        os.remove(prefix + ext)
         progress.close()  # its last line only on success: a failure is the one error line
     except BaseException:
         for w in writers.values():
             w.abort()  # nothing half-written stays behind
+        if instruction and args.pack:
+            for prefix in prefixes.values():
+                for ext in (".bin", ".idx"):
+                    if os.path.exists(prefix + ext):
+                        os.remove(prefix + ext)
         if pool is not None:
             pool.terminate()
         for path in created:  # deepest first; only while empty
@@ -202,8 +312,12 @@ def run(args) -> dict:
         if pool is not None:
             pool.close()
             pool.join()
-    counts["outputs"] = list(prefixes.values())
-    if args.pack:
-        counts["outputs"] += [packed_prefix(args.output_prefix, k) for k in args.json_keys]
-    counts["end_of_document"] = f"{tok.eod_source}, id {tok.eod}" if args.append_eod else None
+    if instruction:
+        counts["outputs"] = list(finals.values())
+        if template is not None:
+            counts["template"] = handler.template.name
+    else:
+        counts["outputs"] = list(prefixes.values()) + list(finals.values())
+    writes_eod = args.append_eod or (template is not None and not handler.template.writes_reply_end)
+    counts["end_of_document"] = f"{tok.eod_source}, id {tok.eod}" if writes_eod else None
     return counts

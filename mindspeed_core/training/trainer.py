@@ -23,7 +23,7 @@ import numpy as np
 
 from mindspeed_core import autograd, device, dist, features, files, nn, ops, random, runtime
 from mindspeed_core.backends.common import check_fits_in_memory
-from mindspeed_core.data import gpt_dataset
+from mindspeed_core.data import finetune_dataset, gpt_dataset
 from mindspeed_core.data.sampler import PretrainingSampler
 from mindspeed_core.data.tokenizer import build_tokenizer, check_fits, padded_vocab_size, tokenizer_args
 from mindspeed_core.memory import recompute
@@ -240,6 +240,8 @@ def check_configuration(args, world: int):
     if args.seq_length > cfg.max_position_embeddings:
         raise MindSpeedError(f"--seq-length {args.seq_length} exceeds the model's max_position_embeddings "
                              f"{cfg.max_position_embeddings}")
+    if args.finetune and not args.load:
+        raise MindSpeedError("--finetune takes the weights of the checkpoint in --load: give --load")
     if args.bf16 and args.fp16:
         raise MindSpeedError("--bf16 and --fp16 exclude each other")
     if args.o2_optimizer and not args.bf16:
@@ -327,6 +329,12 @@ class Trainer:
     def __init__(self, args, out=None):
         self.args, self._out = args, out
         self.embedded = apply_defaults(args)
+        # instruction fine-tuning: the loss counts the assistant's tokens only
+        self.instruction = args.stage == "sft" or args.is_instruction_dataset
+        if self.instruction and self.embedded:
+            raise MindSpeedError("--stage sft trains on preprocessed instruction data: give --data-path (the "
+                                 "--output-prefix of 'mindspeed preprocess --handler-name "
+                                 "AlpacaStyleInstructionHandler ...')")
         self.tokenizer, self.cfg = check_configuration(args, dist.launched_world_size())
         if self.embedded:
             from mindspeed_core.data.corpus import build_stdlib_corpus
@@ -356,7 +364,7 @@ class Trainer:
             "tokenizer": {"type": self.tokenizer.name, "end_of_document": self.tokenizer.eod,
                           "end_of_document_from": self.tokenizer.eod_source, "bos": self.tokenizer.bos,
                           "encodes_special_tokens": getattr(self.tokenizer, "include_special_tokens", None)},
-            "data_path": self.args.data_path,
+            "data_path": self.args.data_path, "stage": "sft" if self.instruction else "pretrain",
             "seq_length": self.args.seq_length, "micro_batch_size": self.args.micro_batch_size,
             "global_batch_size": self.args.global_batch_size, "gradient_accumulation": self.grad_accum,
             "train_iters": self.args.train_iters, "lr": self.args.lr, "min_lr": self.args.min_lr,
@@ -382,7 +390,11 @@ class Trainer:
 
     def build(self):
         args = self.args
-        self.data = gpt_dataset.build_splits(args.data_path, args.split, args.seq_length, args.seed)
+        if self.instruction:
+            self.data = finetune_dataset.build_splits(args.data_path, args.split, args.seq_length, args.seed,
+                                                      pad=self.tokenizer.eod)
+        else:
+            self.data = gpt_dataset.build_splits(args.data_path, args.split, args.seq_length, args.seed)
         if args.eval_iters and args.eval_interval and self.data["valid"] is None:
             raise MindSpeedError("the validation split is empty: give --split a larger second part or use --eval-iters 0")
         random.seed(args.seed)
@@ -544,6 +556,8 @@ class Trainer:
     def _resume_model(self, root: str):
         """Load the full model from the newest checkpoint; returns its optimizer arrays."""
         it = checkpoint.latest_iteration(root)
+        if it is None and self.args.finetune:
+            raise CheckpointError(f"--finetune: {root} holds no checkpoint to take the weights from")
         if it is None:
             self.say(f"no checkpoint in {root} yet: starting from scratch")
             return None
@@ -551,6 +565,10 @@ class Trainer:
         if not _same_model(meta.get("model"), self.cfg):
             raise CheckpointError(f"the checkpoint in {root} (iteration {it}) was saved for a different model "
                                   f"configuration; pass the same model flags as when it was saved")
+        if self.args.finetune:  # the weights only: iteration 0, a fresh optimizer, the data from its start
+            load_whole_state(self.model, checkpoint.load_model_arrays(root, it))
+            self.say(f"fine-tuning from the weights of {checkpoint.iteration_dir(root, it)} (--finetune)")
+            return None
         model_arrays, optimizer_arrays, steps = checkpoint.load(root, it)
         load_whole_state(self.model, model_arrays)
         self.iteration = it
@@ -613,22 +631,38 @@ class Trainer:
         if self.ps.rank == 0:
             print(text, file=self._out or sys.stdout, flush=True)
 
-    def _batch(self, split: str, start: int, size: int):
-        tokens = gpt_dataset.batch(self.data[split], start, size)
-        loss_mask = None
-        if self.data[split].packed:
-            tokens, loss_mask = gpt_dataset.unpad(tokens, self.tokenizer.eod)
-        low, high = int(tokens.min()), int(tokens.max())  # cheap: one micro-batch
+    def _check_ids(self, split: str, ids: np.ndarray) -> None:
+        low, high = int(ids.min()), int(ids.max())  # cheap: one micro-batch
         if low < 0 or high >= self.tokenizer.vocab_size:
             bad = low if low < 0 else high
             raise MindSpeedError(f"the {split} data holds token id {bad}, outside the {self.tokenizer.name} tokenizer's "
                                  f"{self.tokenizer.vocab_size} ids: it seems to have been tokenized with a vocabulary of "
                                  f"at least {high + 1} tokens; train with the tokenizer it was preprocessed with")
+
+    def _instruction_batch(self, split: str, start: int, size: int):
+        features.note_used("sft")
+        ids, labels, loss_mask, positions, documents = finetune_dataset.batch(self.data[split], start, size)
+        self._check_ids(split, ids)
+        self._check_ids(split, labels)
+        return ids, labels, Tokens(positions, documents, loss_mask)
+
+    def _batch(self, split: str, start: int, size: int):
+        if self.instruction:
+            ids, labels, packed = self._instruction_batch(split, start, size)
+            return self._device_batch(ids, labels, packed)
+        tokens = gpt_dataset.batch(self.data[split], start, size)
+        loss_mask = None
+        if self.data[split].packed:
+            tokens, loss_mask = gpt_dataset.unpad(tokens, self.tokenizer.eod)
+        self._check_ids(split, tokens)
         ids, labels = tokens[:, :-1], tokens[:, 1:]
         positions, documents = gpt_dataset.document_layout(ids, self.tokenizer.eod, self.args.reset_position_ids,
                                                            self.args.reset_attention_mask)
         packed = (None if positions is None and documents is None and loss_mask is None
                   else Tokens(positions, documents, loss_mask))
+        return self._device_batch(ids, labels, packed)
+
+    def _device_batch(self, ids: np.ndarray, labels: np.ndarray, packed: Tokens | None):
         if self.ps.cp > 1:  # this rank's chunks of each sequence; positions and documents stay whole
             columns = context.local_columns(ids.shape[1], self.ps.cp, self.ps.local_rank("cp"))
             ids, labels = ids[:, columns], labels[:, columns]

@@ -1,0 +1,102 @@
+"""Fine-tuning samples from instruction datasets (``mindspeed preprocess --handler-name
+...InstructionHandler``, data/handlers.py).
+
+``--data-path PREFIX`` names what the preprocessing's ``--output-prefix`` was: the samples are
+in PREFIX_packed_input_ids_document and PREFIX_packed_labels_document, one document each,
+or several conversations per document when packed (``--pack``: each conversation a sequence
+of the document). A sample is padded to --seq-length + 1 tokens; its labels are IGNORE (-100)
+where nothing is trained (prompts, padding). Splits (``--split``) are over documents and
+blends (``--data-path 0.7 a 0.3 b``) interleave by weight, as pre-training data does.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from mindspeed_core.data.gpt_dataset import SPLITS, BlendedSamples, Shuffled, parse_data_path, split_ranges
+from mindspeed_core.data.handlers import IGNORE
+from mindspeed_core.data.indexed import IndexedDataset
+from mindspeed_core.errors import MindSpeedError
+
+
+def _part(prefix: str, key: str) -> IndexedDataset:
+    path = f"{prefix}_packed_{key}_document"
+    if not os.path.isfile(path + ".idx"):
+        raise MindSpeedError(f"{path}.idx does not exist: an instruction --data-path is the --output-prefix given to "
+                             "'mindspeed preprocess --handler-name AlpacaStyleInstructionHandler' (or another "
+                             "instruction handler)")
+    return IndexedDataset(path)
+
+
+class InstructionSamples(Shuffled):
+    """One sample per document of an instruction dataset, in a seeded order: (tokens, labels,
+    documents), each [seq_length + 1] int64; ``documents`` numbers the conversations of a pack
+    (0 without packing); the padding is -1."""
+
+    def __init__(self, prefix: str, first: int, last: int, seq_length: int, seed: int, name: str, pad: int):
+        self.ids, self.labels = _part(prefix, "input_ids"), _part(prefix, "labels")
+        if (not np.array_equal(self.ids.lengths, self.labels.lengths)
+                or not np.array_equal(self.ids.document_indices, self.labels.document_indices)):
+            raise MindSpeedError(f"{prefix}: the input_ids and labels files describe different samples; "
+                                 "preprocess again")
+        self.first, self.seq_length, self.pad = first, seq_length, pad
+        ends = np.concatenate([[0], np.cumsum(self.ids.lengths, dtype=np.int64)])[
+            self.ids.document_indices[first:last + 1]]
+        longest = int(np.diff(ends).max())
+        if longest > seq_length + 1:
+            raise MindSpeedError(f"{name} holds samples of up to {longest} tokens, longer than --seq-length "
+                                 f"{seq_length} + 1: preprocess with --seq-length {seq_length} (longer samples are "
+                                 f"dropped, or cut with --truncation cut), or train with a longer --seq-length")
+        super().__init__(last - first, seed)
+
+    def __getitem__(self, i: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        d = self.first + self._sample(i)
+        a, b = int(self.ids.document_indices[d]), int(self.ids.document_indices[d + 1])
+        n = self.seq_length + 1
+        tokens, labels = np.full(n, self.pad, np.int64), np.full(n, IGNORE, np.int64)
+        documents = np.full(n, -1, np.int64)
+        at = 0
+        for k, s in enumerate(range(a, b)):
+            length = int(self.ids.lengths[s])
+            tokens[at:at + length], labels[at:at + length] = self.ids[s], self.labels[s]
+            documents[at:at + length] = k
+            at += length
+        return tokens, labels, documents
+
+
+def build_splits(data_path: list[str], split: str, seq_length: int, seed: int, pad: int) -> dict:
+    """{"train": BlendedSamples | None, "valid": ..., "test": ...} of instruction samples."""
+    blends = {name: [] for name in SPLITS}
+    for weight, prefix in parse_data_path(data_path):
+        count = _part(prefix, "input_ids").document_count
+        for k, name in enumerate(SPLITS):
+            a, b = split_ranges(count, split)[name]
+            if b > a:
+                blends[name].append((weight, InstructionSamples(prefix, a, b, seq_length, seed + k,
+                                                                f"{prefix} ({name})", pad)))
+    if not blends["train"]:
+        raise MindSpeedError("the training split is empty: check --data-path and --split")
+    return {name: (BlendedSamples(parts) if parts else None) for name, parts in blends.items()}
+
+
+def batch(samples, start: int, size: int):
+    """A micro-batch of instruction samples -> (ids [b, S], labels [b, S] with 0 where not
+    trained, loss mask [b, S], positions [b, S] or None, documents [b, S] or None).
+
+    A label counts where the preprocessing kept it and the next token is of the same
+    conversation. Positions restart, and attention stays, within each conversation of a
+    pack; without packs the padding follows the sample, which causal attention never sees."""
+    rows = [samples[start + i] for i in range(size)]
+    tokens, labels, documents = (np.stack(x) for x in zip(*rows))
+    ids, targets, docs = tokens[:, :-1], labels[:, 1:], documents[:, :-1]
+    mask = (targets != IGNORE) & (documents[:, 1:] == docs)
+    targets = np.where(mask, targets, 0)
+    if not (docs > 0).any():  # no row holds a second conversation
+        return ids, targets, mask, None, None
+    docs = np.where(docs < 0, docs.max(axis=1, keepdims=True) + 1, docs)  # the padding: a document of its own
+    starts = np.concatenate([np.ones((size, 1), bool), docs[:, 1:] != docs[:, :-1]], axis=1)
+    columns = np.broadcast_to(np.arange(ids.shape[1]), ids.shape)
+    positions = columns - np.maximum.accumulate(np.where(starts, columns, 0), axis=1)
+    return ids, targets, mask, positions.astype(np.int64), docs
