@@ -26,7 +26,9 @@ PACKED = GQA + ["--reset-attention-mask", "--reset-position-ids"]
 # a mixture of experts in the second layer: top-2 of 4, aux and z losses
 MOE = GQA + ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "64", "--moe-aux-loss-coeff",
              "0.01", "--moe-z-loss-coeff", "0.001", "--first-k-dense-replace", "1"]
-MODELS = {"gqa": GQA, "mha": MHA, "packed": PACKED, "moe": MOE}
+# instruction fine-tuning on packed conversations (sft_corpus): the loss on the replies only
+SFT = GQA + ["--stage", "sft"]
+MODELS = {"gqa": GQA, "mha": MHA, "packed": PACKED, "moe": MOE, "sft": SFT}
 ITERS = 10  # the single-process reference curves
 # the layout launches run the first steps of the same schedule (--lr-decay-iters above): their
 # first-step gradients (MoE) and these losses are compared, which is where an error shows
@@ -64,12 +66,32 @@ def packed_corpus(tmp_path_factory):
     return str(root / "lines_packed_text_document")
 
 
-def data_path(model, corpus, packed_corpus):
-    return packed_corpus if model == "packed" else corpus
+@pytest.fixture(scope="module")
+def sft_corpus(packed_corpus):
+    """Conversations of a line of library code (the user's) and the next line (the reply),
+    24 characters each at most, preprocessed as ShareGPT data and packed for --seq-length 32."""
+    from mindspeed_core import cli
+
+    root = os.path.dirname(packed_corpus)
+    lines = [json.loads(x)["text"] for x in open(os.path.join(root, "lines.jsonl"))][:1200]
+    with open(os.path.join(root, "dialogues.jsonl"), "w") as fh:
+        for ask, answer in zip(lines[0::2], lines[1::2]):
+            fh.write(json.dumps({"conversations": [{"from": "human", "value": ask[:12]},
+                                                   {"from": "gpt", "value": answer[:12]}]}) + "\n")
+    assert cli.main(["preprocess", "--input", os.path.join(root, "dialogues.jsonl"), "--output-prefix",
+                     os.path.join(root, "dialogues"), "--handler-name", "SharegptStyleInstructionHandler",
+                     "--prompt-type", "empty", "--pack", "--seq-length", "32"]) == 0
+    return os.path.join(root, "dialogues")
 
 
 @pytest.fixture(scope="module")
-def reference(corpus, packed_corpus, tmp_path_factory):  # noqa: F811
+def data(corpus, packed_corpus, sft_corpus):  # noqa: F811
+    """The data path of each model of MODELS."""
+    return {name: {"packed": packed_corpus, "sft": sft_corpus}.get(name, corpus) for name in MODELS}
+
+
+@pytest.fixture(scope="module")
+def reference(data, tmp_path_factory):
     """Single-process loss curves of the model variants, and the MoE model's first-step
     gradients (run in this process)."""
     import io
@@ -83,7 +105,7 @@ def reference(corpus, packed_corpus, tmp_path_factory):  # noqa: F811
     root = tmp_path_factory.mktemp("reference")
     for name, argv in MODELS.items():
         path = root / f"{name}.jsonl"
-        flags = [*argv, "--data-path", data_path(name, corpus, packed_corpus), "--train-iters", str(ITERS)]
+        flags = [*argv, "--data-path", data[name], "--train-iters", str(ITERS)]
         with contextlib.redirect_stdout(io.StringIO()):
             assert cli.main(["train", *flags, "--metrics-file", str(path)]) == 0
             if name == "moe":  # Adam hides a gradient's scale from the loss curve: compare them too
@@ -114,6 +136,9 @@ CASES = [  # (id, ranks, model, flags): the cases of each rank count share one l
     ("tp2", 2, "gqa", ["--tensor-model-parallel-size", "2", "--save", "{tmp}/tp2-ckpt"]),
     ("tp2-sp", 2, "gqa", ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
     ("dp2", 2, "gqa", []),
+    ("sft-tp2-sp", 2, "sft", ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+    # instruction fine-tuning over two pipeline stages, each data-parallel
+    ("sft-pp2-dp2", 4, "sft", ["--pipeline-model-parallel-size", "2"]),
     # recompute (memory/recompute.py) rides on three of the layouts: the same curves
     ("tp2-dp2-sp-recompute-full-norm", 4, "gqa", ["--tensor-model-parallel-size", "2", "--sequence-parallel",
                                                   "--recompute-granularity", "full", "--recompute-method", "uniform",
@@ -155,6 +180,7 @@ CP_CASES = [  # (id, model, flags)
     ("cp2-ring-tp2-sp", "gqa", ["--context-parallel-size", "2", "--tensor-model-parallel-size", "2",
                                 "--sequence-parallel"]),
     ("cp4-ring-packed", "packed", ["--context-parallel-size", "4"]),
+    ("sft-cp2-ring-dp2", "sft", ["--context-parallel-size", "2"]),
     ("cp2-ulysses-dp2-distopt", "gqa", ["--context-parallel-size", "2", "--context-parallel-algo", "ulysses_cp_algo",
                                         "--use-distributed-optimizer"]),
     ("cp4-hybrid", "gqa", ["--context-parallel-size", "4", "--context-parallel-algo", "hybrid_cp_algo",
@@ -175,11 +201,11 @@ def pp_size(flags) -> int:
             if "--pipeline-model-parallel-size" in flags else 1)
 
 
-def case_spec(cases, corpus, packed_corpus, tmp_path):
+def case_spec(cases, data, tmp_path):
     """run_configs' spec of (id, model, flags) cases, each running LAYOUT_ITERS steps; the
     first-step gradients are compared for the MoE model only (its curve hides their scale)."""
-    return [[name, [*MODELS[model], *(f.format(tmp=tmp_path) for f in flags), "--data-path",
-                    data_path(model, corpus, packed_corpus), "--train-iters", str(LAYOUT_ITERS)], model == "moe"]
+    return [[name, [*MODELS[model], *(f.format(tmp=tmp_path) for f in flags), "--data-path", data[model],
+                    "--train-iters", str(LAYOUT_ITERS)], model == "moe"]
             for name, model, flags in cases]
 
 
@@ -230,7 +256,7 @@ SAMPLE = [*with_sample(GQA, 12), "--train-iters", "2"]
 
 
 @pytest.fixture(scope="module")
-def two_ranks(corpus, packed_corpus, tmp_path_factory):  # noqa: F811
+def two_ranks(corpus, data, tmp_path_factory):  # noqa: F811
     """One launch of two ranks: the two-rank CASES (tp2, dp2-distopt and moe-ep2-alltoall save
     when they end, after the steps whose traffic is checked; resumed below on other layouts) and
     the TP2 + SP text sample. Returns its folder."""
@@ -239,12 +265,12 @@ def two_ranks(corpus, packed_corpus, tmp_path_factory):  # noqa: F811
     tmp = tmp_path_factory.mktemp("two-ranks")
     extra = [["tp2-sp-sample", [*SAMPLE, "--data-path", corpus, "--tensor-model-parallel-size", "2",
                                 "--sequence-parallel"], False]]
-    run_configs(FRAMEWORK, 2, case_spec(ranks_cases(2), corpus, packed_corpus, tmp) + extra, tmp)
+    run_configs(FRAMEWORK, 2, case_spec(ranks_cases(2), data, tmp) + extra, tmp)
     return tmp
 
 
 @pytest.fixture(scope="module")
-def four_ranks(corpus, packed_corpus, two_ranks, tmp_path_factory):  # noqa: F811
+def four_ranks(corpus, data, two_ranks, tmp_path_factory):  # noqa: F811
     """One launch for the four-rank layouts, the CP cases and TP4 resuming the TP2 checkpoint
     of two_ranks (and saving at iteration 8): each launch pays the framework's start-up again
     (about 30 s on MindSpore here)."""
@@ -255,7 +281,7 @@ def four_ranks(corpus, packed_corpus, two_ranks, tmp_path_factory):  # noqa: F81
     extra = [["tp4-from-tp2", [*GQA, "--data-path", corpus, "--train-iters", str(ITERS), "--tensor-model-parallel-size",
                                "4", "--load", str(tp2), "--save", str(tmp / "tp4-ckpt"), "--save-interval", "8",
                                "--exit-interval", "8"], False]]
-    run_configs(FRAMEWORK, 4, case_spec(ranks_cases(4) + CP_CASES, corpus, packed_corpus, tmp) + extra, tmp)
+    run_configs(FRAMEWORK, 4, case_spec(ranks_cases(4) + CP_CASES, data, tmp) + extra, tmp)
     return tmp
 
 
@@ -270,6 +296,7 @@ def four_ranks(corpus, packed_corpus, two_ranks, tmp_path_factory):  # noqa: F81
 @pytest.mark.feature("expert-parallel")
 @pytest.mark.feature("moe-alltoall-dispatcher")
 @pytest.mark.feature("moe-allgather-dispatcher")
+@pytest.mark.feature("sft")
 def test_two_rank_layouts_equal_single_process(capsys, framework, corpus, two_ranks, reference,  # noqa: F811
                                                tmp_path):
     check_cases(framework, two_ranks / "out", 2, ranks_cases(2), reference)
@@ -299,6 +326,7 @@ def resume_in_one_process(capsys, corpus, folder, model, want, saved_layout, tmp
 @pytest.mark.feature("pipeline-parallel")
 @pytest.mark.feature("recompute")
 @pytest.mark.feature("norm-recompute")
+@pytest.mark.feature("sft")
 def test_four_rank_layouts_equal_single_process(framework, four_ranks, reference):
     check_cases(framework, four_ranks / "out", 4, ranks_cases(4), reference)
 

@@ -53,6 +53,9 @@ EMBEDDED_ITERS = {"pytorch": 1500, "mindspore": 300}
 EMBEDDED_DEFAULTS = dict(model_name="tiny-llama", seq_length=128, micro_batch_size=8, global_batch_size=16,
                          train_iters=None, lr=3e-3, min_lr=3e-4, lr_warmup_iters=20, eval_interval=100, eval_iters=4,
                          log_interval=25, sample_tokens=200, make_vocab_size_divisible_by=8)
+# the fine-tuning twin (--stage sft without data): a few epochs of stdlib_instructions
+EMBEDDED_SFT_ITERS = {"pytorch": 300, "mindspore": 60}
+EMBEDDED_SFT_DEFAULTS = dict(seq_length=256, lr=1e-3, min_lr=1e-4, lr_warmup_iters=10, eval_interval=50)
 TRAINING_DEFAULTS = dict(seq_length=256, micro_batch_size=4, global_batch_size=None, train_iters=100, lr=1e-3,
                          eval_interval=1000, eval_iters=100, log_interval=100)
 
@@ -73,10 +76,20 @@ _MODEL_FLAGS = {  # flag -> ModelConfig field
 
 
 def apply_defaults(args) -> bool:
-    """Fill unset flags; returns True when the embedded default corpus is used."""
+    """Fill unset flags; returns True when the embedded default corpus is used (for --stage sft
+    the fine-tuning twin: it starts from the default run's model when that is saved)."""
     embedded = not args.data_path
+    sft = args.stage == "sft" or args.is_instruction_dataset
     if embedded and args.train_iters is None:
-        args.train_iters = EMBEDDED_ITERS[runtime.bound().NAME]
+        args.train_iters = (EMBEDDED_SFT_ITERS if sft else EMBEDDED_ITERS)[runtime.bound().NAME]
+    if embedded and sft:
+        for key, value in EMBEDDED_SFT_DEFAULTS.items():
+            if getattr(args, key, None) is None:
+                setattr(args, key, value)
+        pretrained = default_save_folder(EMBEDDED_DEFAULTS["model_name"])
+        if not (args.load or args.load_hf) and os.path.isdir(pretrained) and \
+                checkpoint.latest_iteration(pretrained) is not None:
+            args.load, args.finetune = pretrained, True
     for key, value in (EMBEDDED_DEFAULTS if embedded else TRAINING_DEFAULTS).items():
         if key == "make_vocab_size_divisible_by":
             if embedded and args.make_vocab_size_divisible_by == 128:
@@ -85,10 +98,10 @@ def apply_defaults(args) -> bool:
             setattr(args, key, value)
     if embedded:
         args.tokenizer_type, args.tokenizer_name_or_path = "ByteLevel", None
-    if embedded and not args.save and not args.load:
+    if embedded and not args.save and (not args.load or args.finetune):
         # the default run keeps its model where `mindspeed generate` finds it (printed at the
         # end); running it again replaces it
-        args.save = default_save_folder(args.model_name)
+        args.save = default_save_folder(args.model_name + ("-sft" if sft else ""))
         args.overwrite_checkpoints = True
     if embedded:  # our own run: every fused kernel the device has
         for flag in FUSED_FLAGS:
@@ -331,15 +344,12 @@ class Trainer:
         self.embedded = apply_defaults(args)
         # instruction fine-tuning: the loss counts the assistant's tokens only
         self.instruction = args.stage == "sft" or args.is_instruction_dataset
-        if self.instruction and self.embedded:
-            raise MindSpeedError("--stage sft trains on preprocessed instruction data: give --data-path (the "
-                                 "--output-prefix of 'mindspeed preprocess --handler-name "
-                                 "AlpacaStyleInstructionHandler ...')")
         self.tokenizer, self.cfg = check_configuration(args, dist.launched_world_size())
         if self.embedded:
-            from mindspeed_core.data.corpus import build_stdlib_corpus
+            from mindspeed_core.data import corpus
 
-            args.data_path = [build_stdlib_corpus()]
+            args.data_path = [corpus.build_stdlib_instructions(args.seq_length) if self.instruction
+                              else corpus.build_stdlib_corpus()]
         self.dtype = "bfloat16" if args.bf16 else "float16" if args.fp16 else "float32"
         self.scaler = LossScaler(dynamic=bool(args.fp16), initial=args.initial_loss_scale)
         dist.init()
@@ -875,7 +885,15 @@ class Trainer:
         if args.sample_tokens:
             from mindspeed_core.models.generate import Sampling, generate
 
-            prompt = "def "
+            prompt, encoded, stop = "def ", None, None
+            if self.instruction and self.embedded:  # the twin answers a question of its data
+                from mindspeed_core.data import chat_templates, corpus
+
+                template = chat_templates.TEMPLATES[corpus.INSTRUCTION_TEMPLATE]
+                prompt = "What does json.dumps do?"
+                encoded, _ = chat_templates.encode_conversation(self.tokenizer, template,
+                                                                [{"role": "user", "content": prompt}], True)
+                stop = template.stop[0]
             model = self.model
             if self.ps.pp > 1 or self.ps.cp > 1:  # one whole single-device model on rank 0
                 arrays = self.full_model_arrays()
@@ -888,17 +906,29 @@ class Trainer:
                 # the prompt is encoded as the training documents were (BOS first where the tokenizer
                 # adds one); the sample ends where the model ends the document
                 # (the last seq-length tokens of a long sample; no cache, which needs whole sequences)
-                ids = generate(model, [self.tokenizer.encode(prompt)], args.sample_tokens,
+                ids = generate(model, [encoded or self.tokenizer.encode(prompt)], args.sample_tokens,
                                Sampling(greedy=False, temperature=0.8, top_k=20, seed=args.seed),
                                stop_ids=(self.tokenizer.eod,), use_cache=False, window=args.seq_length)[0]
                 text = self.tokenizer.decode(ids)
-                self.say("sample:\n" + prompt + text)
+                if stop is not None:
+                    text = text.split(stop)[0]
+                    self.say(f"sample:\nUser> {prompt}\nAssistant> {text}")
+                else:
+                    self.say("sample:\n" + prompt + text)
                 result["sample"] = text
                 log.write({"iteration": self.iteration, "sample_prompt": prompt, "sample_ids": ids, "sample": text})
                 log.close()
             if self.ps.pp > 1 or self.ps.cp > 1:
                 dist.barrier()
-        if self.embedded and args.save and history:
+        if self.embedded and args.save and history and self.instruction:
+            from mindspeed_core.data.corpus import INSTRUCTION_TEMPLATE
+
+            fw, where = runtime.bound().NAME, shlex.quote(args.save)
+            self.say(f"the fine-tuned model is saved in {args.save}; talk to it with\n"
+                     f"  mindspeed generate --ai-framework {fw} --load {where} --task chat --prompt-type "
+                     f"{INSTRUCTION_TEMPLATE}\n(it knows what the standard library's docstrings say: ask 'What "
+                     "does json.dumps do?')")
+        elif self.embedded and args.save and history:
             fw, where = runtime.bound().NAME, shlex.quote(args.save)
             self.say(f"the model is saved in {args.save}; go on from it with\n"
                      f"  mindspeed generate --ai-framework {fw} --load {where} --prompt 'def ' --stream\n"
