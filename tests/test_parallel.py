@@ -21,14 +21,12 @@ BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"
         "--no-progress", "--seed", "7", "--sample-tokens", "0", "--lr-decay-iters", "10"]
 GQA = BASE + ["--num-query-groups", "2"]
 MHA = BASE + ["--num-query-groups", "4"]
-# packed samples of whole documents (lines of code), kept apart, padding out of the loss
-PACKED = GQA + ["--reset-attention-mask", "--reset-position-ids"]
 # a mixture of experts in the second layer: top-2 of 4, aux and z losses
 MOE = GQA + ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "64", "--moe-aux-loss-coeff",
              "0.01", "--moe-z-loss-coeff", "0.001", "--first-k-dense-replace", "1"]
 # instruction fine-tuning on packed conversations (sft_corpus): the loss on the replies only
 SFT = GQA + ["--stage", "sft"]
-MODELS = {"gqa": GQA, "mha": MHA, "packed": PACKED, "moe": MOE, "sft": SFT}
+MODELS = {"gqa": GQA, "mha": MHA, "moe": MOE, "sft": SFT}
 ITERS = 10  # the single-process reference curves
 # the layout launches run the first steps of the same schedule (--lr-decay-iters above): their
 # first-step gradients (MoE) and these losses are compared, which is where an error shows
@@ -50,44 +48,29 @@ def launch_train(framework, nproc, argv, tmp_path, timeout=900):
 
 
 @pytest.fixture(scope="module")
-def packed_corpus(tmp_path_factory):
-    """The first 24 characters of each line of some library code, each a document, packed
-    (`mindspeed preprocess --pack`) into samples of 33 tokens with some padding."""
-
+def sft_corpus(tmp_path_factory):
+    """Conversations of a line of library code (the user's) and the next line (the reply),
+    12 characters each at most, preprocessed as ShareGPT data and packed for --seq-length 32:
+    packs of several conversations, kept apart in attention, prompts and padding out of the loss."""
     from mindspeed_core import cli
     from mindspeed_core.data.corpus import stdlib_files
 
-    root = tmp_path_factory.mktemp("packed")
-    with open(root / "lines.jsonl", "w") as fh:
-        for path in stdlib_files(20_000):
-            fh.writelines(json.dumps({"text": line.strip()[:24]}) + "\n" for line in open(path) if line.strip())
-    assert cli.main(["preprocess", "--input", str(root / "lines.jsonl"), "--output-prefix", str(root / "lines"),
-                     "--append-eod", "--pack", "--seq-length", "32"]) == 0
-    return str(root / "lines_packed_text_document")
-
-
-@pytest.fixture(scope="module")
-def sft_corpus(packed_corpus):
-    """Conversations of a line of library code (the user's) and the next line (the reply),
-    24 characters each at most, preprocessed as ShareGPT data and packed for --seq-length 32."""
-    from mindspeed_core import cli
-
-    root = os.path.dirname(packed_corpus)
-    lines = [json.loads(x)["text"] for x in open(os.path.join(root, "lines.jsonl"))][:1200]
-    with open(os.path.join(root, "dialogues.jsonl"), "w") as fh:
+    root = tmp_path_factory.mktemp("sft")
+    lines = [line.strip()[:12] for path in stdlib_files(20_000) for line in open(path) if line.strip()][:1200]
+    with open(root / "dialogues.jsonl", "w") as fh:
         for ask, answer in zip(lines[0::2], lines[1::2]):
-            fh.write(json.dumps({"conversations": [{"from": "human", "value": ask[:12]},
-                                                   {"from": "gpt", "value": answer[:12]}]}) + "\n")
-    assert cli.main(["preprocess", "--input", os.path.join(root, "dialogues.jsonl"), "--output-prefix",
-                     os.path.join(root, "dialogues"), "--handler-name", "SharegptStyleInstructionHandler",
-                     "--prompt-type", "empty", "--pack", "--seq-length", "32"]) == 0
-    return os.path.join(root, "dialogues")
+            fh.write(json.dumps({"conversations": [{"from": "human", "value": ask},
+                                                   {"from": "gpt", "value": answer}]}) + "\n")
+    assert cli.main(["preprocess", "--input", str(root / "dialogues.jsonl"), "--output-prefix", str(root / "dialogues"),
+                     "--handler-name", "SharegptStyleInstructionHandler", "--prompt-type", "empty", "--pack",
+                     "--seq-length", "32"]) == 0
+    return str(root / "dialogues")
 
 
 @pytest.fixture(scope="module")
-def data(corpus, packed_corpus, sft_corpus):  # noqa: F811
+def data(corpus, sft_corpus):  # noqa: F811
     """The data path of each model of MODELS."""
-    return {name: {"packed": packed_corpus, "sft": sft_corpus}.get(name, corpus) for name in MODELS}
+    return {name: sft_corpus if name == "sft" else corpus for name in MODELS}
 
 
 @pytest.fixture(scope="module")
@@ -139,17 +122,16 @@ CASES = [  # (id, ranks, model, flags): the cases of each rank count share one l
     ("sft-tp2-sp", 2, "sft", ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
     # instruction fine-tuning over two pipeline stages, each data-parallel
     ("sft-pp2-dp2", 4, "sft", ["--pipeline-model-parallel-size", "2"]),
-    # recompute (memory/recompute.py) rides on three of the layouts: the same curves
-    ("tp2-dp2-sp-recompute-full-norm", 4, "gqa", ["--tensor-model-parallel-size", "2", "--sequence-parallel",
-                                                  "--recompute-granularity", "full", "--recompute-method", "uniform",
-                                                  "--recompute-num-layers", "1", "--recompute-norm"]),
     ("tp4", 4, "mha", ["--tensor-model-parallel-size", "4"]),
     # 2 key/value heads copied to 4 ranks (with SP and the distributed optimizer on top)
     ("tp4-kv-copies-sp-distopt", 4, "gqa", ["--tensor-model-parallel-size", "4", "--sequence-parallel",
                                              "--use-distributed-optimizer"]),
     ("dp2-distopt", 2, "gqa", ["--use-distributed-optimizer", "--save", "{tmp}/distopt-ckpt"]),
-    ("tp2-dp2-sp-distopt", 4, "gqa", ["--tensor-model-parallel-size", "2", "--sequence-parallel",
-                                      "--use-distributed-optimizer"]),
+    # recompute (memory/recompute.py) rides on three of the layouts: the same curves
+    ("tp2-dp2-sp-distopt-recompute-full-norm", 4, "gqa", ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                                          "--use-distributed-optimizer", "--recompute-granularity",
+                                                          "full", "--recompute-method", "uniform",
+                                                          "--recompute-num-layers", "1", "--recompute-norm"]),
     ("moe-dp2", 2, "moe", []),  # the routers' aux losses averaged as the loss is
     ("tp2-dp2", 4, "gqa", ["--tensor-model-parallel-size", "2"]),
     # expert parallelism: each dispatcher at EP2 and EP4, with TP2 + SP, with the distributed
@@ -173,14 +155,14 @@ TRAFFIC = ("tp2", "tp2-sp", "dp2-distopt", "tp2-dp2")
 
 
 # context parallelism (rank order tp, cp, dp), on four ranks in one launch: ring at C=2 with
-# DP2 and under TP2 + SP, ring at C=4 on packed samples, Ulysses at C=2 with DP2 and the
+# DP2 and under TP2 + SP, ring at C=4 on packed (SFT) samples, Ulysses at C=2 with DP2 and the
 # distributed optimizer (sharded over DP x CP), hybrid 2 x 2
 CP_CASES = [  # (id, model, flags)
     ("cp2-ring-dp2", "gqa", ["--context-parallel-size", "2"]),
     ("cp2-ring-tp2-sp", "gqa", ["--context-parallel-size", "2", "--tensor-model-parallel-size", "2",
                                 "--sequence-parallel"]),
-    ("cp4-ring-packed", "packed", ["--context-parallel-size", "4"]),
-    ("sft-cp2-ring-dp2", "sft", ["--context-parallel-size", "2"]),
+    # packed conversations of instruction fine-tuning: documents kept apart, prompts out of the loss
+    ("cp4-ring-sft", "sft", ["--context-parallel-size", "4"]),
     ("cp2-ulysses-dp2-distopt", "gqa", ["--context-parallel-size", "2", "--context-parallel-algo", "ulysses_cp_algo",
                                         "--use-distributed-optimizer"]),
     ("cp4-hybrid", "gqa", ["--context-parallel-size", "4", "--context-parallel-algo", "hybrid_cp_algo",

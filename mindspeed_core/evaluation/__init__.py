@@ -65,14 +65,12 @@ def run(argv: list[str]) -> int:
     positions = cfg.max_position_embeddings
     scorer = scoring.Scorer(model, tokenizer, args.evaluation_batch_size, positions, template)
     if args.task == "perplexity":
-        features.note_used("perplexity")
         window = min(positions, args.seq_length or positions)
         results = perplexity(model, tokenizer, args.task_data_path, window, args.evaluation_batch_size)
     else:
         if args.task == "gsm8k" and args.max_new_tokens >= positions:
             raise MindSpeedError(f"--max-new-tokens {args.max_new_tokens} leaves no room for the question in the "
                                  f"model's {positions} positions")
-        features.note_used("benchmark-evaluation")
         results = accuracy(scorer, args.task, tasks.read(args.task, args.task_data_path, args.shot), args)
     results.update(task=args.task, shot=args.shot, model=args.load or args.load_hf, prompts_cut=scorer.cut)
     print(table(results))
@@ -89,6 +87,7 @@ def run(argv: list[str]) -> int:
 
 def accuracy(scorer, task: str, subjects: dict, args) -> dict:
     """Accuracy per subject and over all questions."""
+    features.note_used("benchmark-evaluation")
     if args.max_eval_samples:
         subjects = {name: items[:args.max_eval_samples] for name, items in subjects.items()}
     progress = Progress(sum(len(items) for items in subjects.values()), task)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from mindspeed_core import autograd, ops
+from mindspeed_core import autograd, features, ops
 from mindspeed_core.data.tokenizer import encode_plain
 from mindspeed_core.models import generate as gen
 
@@ -111,6 +111,7 @@ def perplexity_sums(model, tokens: list[int], window: int, batch: int) -> tuple[
     """(summed negative log-likelihood, tokens predicted) of ``tokens`` read in windows of
     ``window`` tokens, each starting at the last token of the one before: every token but the
     first is predicted once, from the tokens before it in its window."""
+    features.note_used("perplexity")
     pieces = [tokens[i:i + window] for i in range(0, max(len(tokens) - 1, 1), window - 1)]
     pieces = [p for p in pieces if len(p) > 1]
     total, count = 0.0, 0
