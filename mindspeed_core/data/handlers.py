@@ -131,20 +131,20 @@ class _Conversations:
                                      f"{t['content_tag']!r}")
             return m.get(t["role_tag"]), _text(m.get(t["content_tag"]), where, f"message {n}'s {t['content_tag']!r}")
 
-        messages = []
+        messages, first = [], 0  # first: where the turns start in the record (after a system message)
         role, content = said(turns[0], 0)
         system = self._get(record, "system")
         if role == t["system_tag"]:
-            system, turns = content, turns[1:]
+            system, turns, first = content, turns[1:], 1
         if system:
             messages.append({"role": "system", "content": _text(system, where, "the system prompt")})
         asks, answers = (t["user_tag"], t["observation_tag"]), (t["assistant_tag"], t["function_tag"])
         for n, m in enumerate(turns):
-            role, content = said(m, n)
+            role, content = said(m, first + n)
             wanted = answers if n % 2 else asks
             if role not in wanted:
-                raise MindSpeedError(f"{where}: message {n} is from {role!r} where {' or '.join(map(repr, wanted))} "
-                                     "belongs (turns alternate, the user's first)")
+                raise MindSpeedError(f"{where}: message {first + n} is from {role!r} where "
+                                     f"{' or '.join(map(repr, wanted))} belongs (turns alternate, the user's first)")
             messages.append({"role": "assistant" if n % 2 else "user", "content": content})
         if self.pairwise:
             if len(turns) % 2 == 0:
