@@ -480,8 +480,10 @@ def _without_noop_layers(cfg: ModelConfig, state: dict) -> tuple[ModelConfig, di
 
 def save_folder(folder: str, cfg: ModelConfig, state: dict, max_shard_bytes: int | None = None) -> None:
     """Write config.json and safetensors (sharded with an index past max_shard_bytes) from a
-    whole model's state in our names."""
-    cfg, state = _without_noop_layers(cfg, state)
+    whole model's state in our names (LoRA adapters merged into their base weights)."""
+    from mindspeed_core.models import lora
+
+    cfg, state = _without_noop_layers(*lora.merge(cfg, state))
     os.makedirs(folder, exist_ok=True)
     hf = {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in to_hf_state(cfg, state).items()}
     with open(os.path.join(folder, "config.json"), "w") as fh:

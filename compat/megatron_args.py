@@ -12,6 +12,7 @@ import argparse
 import math
 
 from mindspeed_core.errors import MindSpeedError
+from mindspeed_core.models.config import LORA_TARGETS
 
 CONTEXT_PARALLEL_ALGOS = ("megatron_cp_algo", "ulysses_cp_algo", "hybrid_cp_algo")
 GENERATION_TASKS = ("greedy", "do_sample", "beam_search", "chat")
@@ -164,6 +165,15 @@ def add_feature_args(parser: argparse.ArgumentParser) -> None:
                    help="sft: instruction fine-tuning on preprocessed instruction data (the default is pre-training)")
     a.add_argument("--is-instruction-dataset", action="store_true",
                    help="--data-path is instruction data (MindSpeed-LLM's spelling; --stage sft implies it)")
+    # LoRA (models/lora.py): on when a rank or target modules are given
+    a.add_argument("--lora-r", type=POSITIVE_INT, default=None, help="LoRA rank (default 16 when targets are given)")
+    a.add_argument("--lora-alpha", type=POSITIVE, default=None, help="LoRA scaling numerator (default 32)")
+    a.add_argument("--lora-dropout", type=PROBABILITY, default=0.0)
+    a.add_argument("--lora-target-modules", nargs="+", choices=LORA_TARGETS, default=None,
+                   help="the linear layers that get adapters (default: all four)")
+    a.add_argument("--lora-load", default=None,
+                   help="resume the adapters, optimizer and iteration from this checkpoint folder; the base "
+                        "weights come from --load or --load-hf")
     o.add_argument("--load-model-type", choices=("hf", "mg"), default=None)
     o.add_argument("--save-model-type", choices=("hf", "mg"), default=None)
 

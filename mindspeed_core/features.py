@@ -395,6 +395,13 @@ FEATURES: tuple[Feature, ...] = (
                       "attention); every parallel layout pre-training has"),
             supported("as on PyTorch"), lambda a: getattr(a, "stage", None) == "sft" or
             bool(getattr(a, "is_instruction_dataset", False))),
+    Feature("lora", "LoRA adapters", "fine-tuning", ("--lora-r", "--lora-alpha", "--lora-dropout",
+                                                     "--lora-target-modules", "--lora-load"),
+            supported("adapters on linear_qkv/linear_proj/linear_fc1/linear_fc2, base weights frozen (no optimizer "
+                      "state); under TP and SP without added collectives; --lora-load resumes; merged into the "
+                      "base weights for generation and Hugging Face export; dense models only"),
+            supported("as on PyTorch"),
+            lambda a: getattr(a, "lora_r", None) is not None or getattr(a, "lora_target_modules", None) is not None),
     *(
         Feature(f"stage-{stage}", title, "fine-tuning", (f"--stage {stage}",), planned(), planned(), _eq("stage", stage))
         for stage, title in (("dpo", "Direct preference optimisation (--stage dpo)"),

@@ -71,7 +71,7 @@ def load_model(args):
     """(model, config, tokenizer) from --load or --load-hf, cut for this rank's tensor-parallel
     share; the model in evaluation mode."""
     from mindspeed_core.data.tokenizer import build_tokenizer, check_fits, tokenizer_args
-    from mindspeed_core.models import registry
+    from mindspeed_core.models import lora, registry
     from mindspeed_core.models.config import ModelConfig
     from mindspeed_core.models.gpt import load_whole_state
     from mindspeed_core.parallel import state as parallel_state
@@ -103,6 +103,7 @@ def load_model(args):
         meta = checkpoint.read_meta(args.load, it)
         cfg = ModelConfig.from_dict(meta["model"])
         state = checkpoint.load_model_arrays(args.load, it)  # not the optimizer's three copies
+        cfg, state = lora.merge(cfg, state)  # a LoRA run's adapters folded in: plain layers again
         if args.tokenizer_type is None and args.tokenizer_name_or_path is None:
             if meta.get("tokenizer") != "ByteLevel":
                 raise MindSpeedError(f"the checkpoint was trained with the {meta.get('tokenizer')} tokenizer: give "

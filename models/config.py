@@ -63,6 +63,33 @@ class MoEConfig:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
+LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")  # Megatron's module names
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    """Low-rank adapters on the decoder's linear layers (models/lora.py; --lora-* flags)."""
+
+    r: int
+    alpha: float
+    dropout: float = 0.0
+    targets: tuple = LORA_TARGETS
+
+    def __post_init__(self):
+        object.__setattr__(self, "targets", tuple(self.targets))
+        if type(self.r) is not int or self.r < 1:
+            raise ValueError(f"the LoRA rank must be a positive integer, got {self.r!r}")
+        unknown = [t for t in self.targets if t not in LORA_TARGETS]
+        if unknown or not self.targets:
+            raise ValueError(f"LoRA target modules {unknown or '(none)'}: choose among {', '.join(LORA_TARGETS)}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"the LoRA dropout must be in [0, 1), got {self.dropout}")
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.r
+
+
 @dataclass
 class ModelConfig:
     vocab_size: int = 256
@@ -94,6 +121,8 @@ class ModelConfig:
     # mixture of experts: the MLP of the layers numbered in moe_layers (None: every layer)
     moe: MoEConfig | None = None
     moe_layers: tuple | None = None
+    # low-rank adapters on the linear layers (models/lora.py; --lora-r and friends)
+    lora: LoRAConfig | None = None
     extra: dict = field(default_factory=dict)  # family-specific fields kept for export
     # Which fused kernels the layers call (ops.<op>: the device's native kernel, or the
     # composite where it has none; the flags --use-flash-attn, --use-fused-*); the others
@@ -129,6 +158,8 @@ class ModelConfig:
                              f"0..{self.num_layers - 1}")
         if isinstance(self.moe, dict):  # from to_dict / a saved config
             self.moe = MoEConfig(**self.moe)
+        if isinstance(self.lora, dict):
+            self.lora = LoRAConfig(**self.lora)
         if self.moe_layers is not None:
             if self.moe is None:
                 raise ValueError("moe_layers without a moe config")

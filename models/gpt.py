@@ -24,7 +24,7 @@ import numpy as np
 
 from mindspeed_core import composite, features, nn, ops, random
 from mindspeed_core.memory import recompute
-from mindspeed_core.models import rope
+from mindspeed_core.models import lora, rope
 from mindspeed_core.models.config import ModelConfig
 from mindspeed_core.models.layers import Embedding, Linear, make_norm
 
@@ -107,6 +107,14 @@ class Seams:
 SINGLE_DEVICE = Seams()
 
 
+def linear(cfg: ModelConfig, name: str, n_in: int, n_out: int, bias: bool, std: float):
+    """The decoder's linear layer ``name`` (Megatron's module name), with a LoRA adapter when
+    the config targets it."""
+    if cfg.lora is not None and name in cfg.lora.targets:
+        return lora.LoRALinear(n_in, n_out, bias, std, cfg.lora)
+    return Linear(n_in, n_out, bias, std)
+
+
 class SelfAttention(nn.Module):
     # what to recompute in backward (GPTModel.use_recompute; not `recompute`: a MindSpore Cell method)
     recompute_policy = recompute.NONE
@@ -116,9 +124,10 @@ class SelfAttention(nn.Module):
         super().__init__()
         self.cfg = cfg
         out_std = cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers)
-        self.linear_qkv = Linear(cfg.hidden_size, cfg.qkv_width, cfg.add_qkv_bias, cfg.init_method_std)
-        self.linear_proj = Linear(cfg.num_attention_heads * cfg.kv_channels, cfg.hidden_size, cfg.attention_output_bias,
-                                  out_std)
+        self.linear_qkv = linear(cfg, "linear_qkv", cfg.hidden_size, cfg.qkv_width, cfg.add_qkv_bias,
+                                 cfg.init_method_std)
+        self.linear_proj = linear(cfg, "linear_proj", cfg.num_attention_heads * cfg.kv_channels, cfg.hidden_size,
+                                  cfg.attention_output_bias, out_std)
         if cfg.qk_layernorm:
             self.q_layernorm = make_norm(cfg, cfg.kv_channels)
             self.k_layernorm = make_norm(cfg, cfg.kv_channels)
@@ -162,8 +171,8 @@ class MLP(nn.Module):
         self.fused_swiglu = "swiglu" in cfg.fused
         width = 2 * cfg.ffn_hidden_size if cfg.activation == "swiglu" else cfg.ffn_hidden_size
         out_std = cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers)
-        self.linear_fc1 = Linear(cfg.hidden_size, width, cfg.add_bias_linear, cfg.init_method_std)
-        self.linear_fc2 = Linear(cfg.ffn_hidden_size, cfg.hidden_size, cfg.add_bias_linear, out_std)
+        self.linear_fc1 = linear(cfg, "linear_fc1", cfg.hidden_size, width, cfg.add_bias_linear, cfg.init_method_std)
+        self.linear_fc2 = linear(cfg, "linear_fc2", cfg.ffn_hidden_size, cfg.hidden_size, cfg.add_bias_linear, out_std)
 
     def forward(self, x):
         h = self.linear_fc1(x)

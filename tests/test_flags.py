@@ -70,6 +70,8 @@ REQUIRES = {
     "--moe-router-bias-update-rate": ["--num-experts", "4", "--moe-router-enable-expert-bias"],
     "--moe-token-drop-policy": ["--num-experts", "4", "--moe-expert-capacity-factor", "1.0"],
     "--moe-pad-expert-input-to-capacity": ["--num-experts", "4", "--moe-expert-capacity-factor", "1.0"],
+    # the other --lora-* flags qualify the adapters that --lora-r switches on
+    **{flag: ["--lora-r", "4"] for flag in ("--lora-alpha", "--lora-dropout")},
     "--tokenizer-hf-no-include-special-tokens": ["--tokenizer-type", "PretrainedFromHF", "--tokenizer-name-or-path",
                                                  "{where}/tokenizer.json"],
 }

@@ -26,7 +26,9 @@ MOE = GQA + ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-s
              "0.01", "--moe-z-loss-coeff", "0.001", "--first-k-dense-replace", "1"]
 # instruction fine-tuning on packed conversations (sft_corpus): the loss on the replies only
 SFT = GQA + ["--stage", "sft"]
-MODELS = {"gqa": GQA, "mha": MHA, "moe": MOE, "sft": SFT}
+# LoRA adapters on every linear layer of the same fine-tuning (base weights frozen at their start)
+LORA = SFT + ["--lora-r", "4", "--lora-alpha", "8"]
+MODELS = {"gqa": GQA, "mha": MHA, "moe": MOE, "sft": SFT, "lora": LORA}
 ITERS = 10  # the single-process reference curves
 # the layout launches run the first steps of the same schedule (--lr-decay-iters above): their
 # first-step gradients (MoE) and these losses are compared, which is where an error shows
@@ -70,7 +72,7 @@ def sft_corpus(tmp_path_factory):
 @pytest.fixture(scope="module")
 def data(corpus, sft_corpus):  # noqa: F811
     """The data path of each model of MODELS."""
-    return {name: sft_corpus if name == "sft" else corpus for name in MODELS}
+    return {name: sft_corpus if name in ("sft", "lora") else corpus for name in MODELS}
 
 
 @pytest.fixture(scope="module")
@@ -122,6 +124,11 @@ CASES = [  # (id, ranks, model, flags): the cases of each rank count share one l
     ("sft-tp2-sp", 2, "sft", ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
     # instruction fine-tuning over two pipeline stages, each data-parallel
     ("sft-pp2-dp2", 4, "sft", ["--pipeline-model-parallel-size", "2"]),
+    # LoRA under TP: B cut as a column layer's rows, A as a row layer's columns, the other factor
+    # replicated with a partial gradient; at TP4 the copied key/value rows of linear_qkv's B too.
+    # Over two pipeline stages: each stage trains its own adapters only
+    ("lora-pp2", 2, "lora", ["--pipeline-model-parallel-size", "2"]),
+    ("lora-tp4-kv-copies-sp", 4, "lora", ["--tensor-model-parallel-size", "4", "--sequence-parallel"]),
     ("tp4", 4, "mha", ["--tensor-model-parallel-size", "4"]),
     # 2 key/value heads copied to 4 ranks (with SP and the distributed optimizer on top)
     ("tp4-kv-copies-sp-distopt", 4, "gqa", ["--tensor-model-parallel-size", "4", "--sequence-parallel",
@@ -279,6 +286,7 @@ def four_ranks(corpus, data, two_ranks, tmp_path_factory):  # noqa: F811
 @pytest.mark.feature("moe-alltoall-dispatcher")
 @pytest.mark.feature("moe-allgather-dispatcher")
 @pytest.mark.feature("sft")
+@pytest.mark.feature("lora")
 def test_two_rank_layouts_equal_single_process(capsys, framework, corpus, two_ranks, reference,  # noqa: F811
                                                tmp_path):
     check_cases(framework, two_ranks / "out", 2, ranks_cases(2), reference)
@@ -309,6 +317,7 @@ def resume_in_one_process(capsys, corpus, folder, model, want, saved_layout, tmp
 @pytest.mark.feature("recompute")
 @pytest.mark.feature("norm-recompute")
 @pytest.mark.feature("sft")
+@pytest.mark.feature("lora")
 def test_four_rank_layouts_equal_single_process(framework, four_ranks, reference):
     check_cases(framework, four_ranks / "out", 4, ranks_cases(4), reference)
 

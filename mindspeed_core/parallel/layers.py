@@ -29,6 +29,7 @@ import numpy as np
 
 from mindspeed_core import autograd, dist, nn, ops, random
 from mindspeed_core.errors import MindSpeedError
+from mindspeed_core.models import lora
 from mindspeed_core.models.gpt import MLP, Seams
 from mindspeed_core.parallel import mappings
 from mindspeed_core.parallel.plan import KVCopies, ParallelPlan, ParamPlan
@@ -84,10 +85,17 @@ class ColumnParallelLinear(nn.Module):
         self.group, self.sp = group, sequence_parallel
         self.weight = nn.Parameter(shard(ops.to_numpy(full.weight), spec, n, r))
         self.bias = None if full.bias is None else nn.Parameter(shard(ops.to_numpy(full.bias), spec, n, r))
+        adapter = lora.factors(full)
+        if adapter is not None:  # B's rows follow the weight's; A is replicated
+            lora.attach(self, adapter[0], shard(adapter[1], spec, n, r), full.lora_scale, full.lora_dropout)
 
     def forward(self, x):
         x = mappings.gather_from_sequence(x, self.group) if self.sp else mappings.copy_to_region(x, self.group)
-        return ops.linear(x, self.weight, self.bias)
+        y = ops.linear(x, self.weight, self.bias)
+        if getattr(self, "lora_A", None) is None:
+            return y
+        # x is the same on every rank here: the shared stream draws the same dropout mask
+        return y + lora.adapter_output(self, x)
 
 
 class RowParallelLinear(nn.Module):
@@ -97,9 +105,14 @@ class RowParallelLinear(nn.Module):
         self.group, self.sp = group, sequence_parallel
         self.weight = nn.Parameter(np.split(ops.to_numpy(full.weight), n, axis=1)[r])
         self.bias = None if full.bias is None else nn.Parameter(ops.to_numpy(full.bias))
+        adapter = lora.factors(full)
+        if adapter is not None:  # A's columns follow the weight's; B is replicated
+            lora.attach(self, np.split(adapter[0], n, axis=1)[r], adapter[1], full.lora_scale, full.lora_dropout)
 
     def forward(self, x):
         y = ops.linear(x, self.weight)
+        if getattr(self, "lora_A", None) is not None:  # a partial sum, reduced with the base output
+            y = y + lora.adapter_output(self, x, _model_parallel_rng())
         y = mappings.reduce_scatter_to_sequence(y, self.group) if self.sp else mappings.reduce_from_region(y, self.group)
         return y if self.bias is None else y + self.bias
 
@@ -212,23 +225,24 @@ def parallelize(model, ps, sequence_parallel: bool = False, overrides: dict | No
     layers: parallel/experts.py)."""
     cfg, tp, group = model.cfg, ps.tp, ps.group("tp")
     check_layout(cfg, tp, sequence_parallel)
-    spec, kv = {}, None
+    spec, partial, kv = {}, set(), None
     if tp > 1:
-        kv = _shard_layers(model, ps, group, sequence_parallel, spec)
+        kv = _shard_layers(model, ps, group, sequence_parallel, spec, partial)
         model.use_seams(TensorParallelSeams(cfg, ps, sequence_parallel))
     params = []
     for local, name in zip((n for n, _ in nn.named_parameters(model)), model.parameter_names()):
         fields = dict(shard=spec.get(local),
-                      partial=sequence_parallel and local not in spec and local.startswith("decoder."),
-                      kv_copies=kv is not None and ".self_attention.linear_qkv." in local,
+                      partial=local in partial or (sequence_parallel and local not in spec and local.startswith("decoder.")),
+                      kv_copies=kv is not None and spec.get(local, ("",))[0] == "qkv",
                       tied_copy=local.startswith("output_layer.") and name.startswith("embedding."))
         fields.update((overrides or {}).get(local, {}))
         params.append(ParamPlan(name, **fields))
     return ParallelPlan(params, kv)
 
 
-def _shard_layers(model, ps, group, sequence_parallel, spec) -> KVCopies | None:
-    """Replace the layers by their tensor-parallel versions; fills spec {local name: spec}."""
+def _shard_layers(model, ps, group, sequence_parallel, spec, partial) -> KVCopies | None:
+    """Replace the layers by their tensor-parallel versions; fills spec {local name: spec} and
+    partial (local names of replicated LoRA factors, whose gradients are partial sums)."""
     cfg, tp = model.cfg, ps.tp
     groups, per = cfg.num_query_groups, cfg.num_attention_heads // cfg.num_query_groups
     kv = None
@@ -239,22 +253,33 @@ def _shard_layers(model, ps, group, sequence_parallel, spec) -> KVCopies | None:
         rep = tp // groups
         kv = KVCopies(ps.subgroup("tp", rep), (per // rep) * cfg.kv_channels, ps.local_rank("tp") % rep)
     swiglu = ("swiglu",) if cfg.activation == "swiglu" else ("split", 0)
+
+    def column(owner, attr, prefix, cut, bias):
+        full = getattr(owner, attr)
+        setattr(owner, attr, ColumnParallelLinear(full, group, sequence_parallel, cut))
+        spec[prefix + ".weight"] = cut
+        if bias:
+            spec[prefix + ".bias"] = cut
+        if lora.factors(full) is not None:
+            spec[prefix + ".lora_B.weight"] = cut
+            partial.add(prefix + ".lora_A.weight")
+
+    def row(owner, attr, prefix):
+        full = getattr(owner, attr)
+        setattr(owner, attr, RowParallelLinear(full, group, sequence_parallel))
+        spec[prefix + ".weight"] = ("split", 1)
+        if lora.factors(full) is not None:
+            spec[prefix + ".lora_A.weight"] = ("split", 1)
+            partial.add(prefix + ".lora_B.weight")
+
     for i, layer in enumerate(model.decoder.layers):
         attn, mlp = layer.self_attention, layer.mlp
         prefix = f"decoder.layers.{i}."
-        attn.linear_qkv = ColumnParallelLinear(attn.linear_qkv, group, sequence_parallel, qkv_spec)
-        attn.linear_proj = RowParallelLinear(attn.linear_proj, group, sequence_parallel)
-        spec[prefix + "self_attention.linear_qkv.weight"] = qkv_spec
-        spec[prefix + "self_attention.linear_proj.weight"] = ("split", 1)
-        if cfg.add_qkv_bias:
-            spec[prefix + "self_attention.linear_qkv.bias"] = qkv_spec
+        column(attn, "linear_qkv", prefix + "self_attention.linear_qkv", qkv_spec, cfg.add_qkv_bias)
+        row(attn, "linear_proj", prefix + "self_attention.linear_proj")
         if isinstance(mlp, MLP):  # an MoE layer's MLP is cut by parallel/experts.py
-            mlp.linear_fc1 = ColumnParallelLinear(mlp.linear_fc1, group, sequence_parallel, swiglu)
-            mlp.linear_fc2 = RowParallelLinear(mlp.linear_fc2, group, sequence_parallel)
-            spec[prefix + "mlp.linear_fc1.weight"] = swiglu
-            spec[prefix + "mlp.linear_fc2.weight"] = ("split", 1)
-            if cfg.add_bias_linear:
-                spec[prefix + "mlp.linear_fc1.bias"] = swiglu
+            column(mlp, "linear_fc1", prefix + "mlp.linear_fc1", swiglu, cfg.add_bias_linear)
+            row(mlp, "linear_fc2", prefix + "mlp.linear_fc2")
     if model.pre_process:
         model.embedding.word_embeddings = VocabParallelEmbedding(model.embedding.word_embeddings, group)
         spec["embedding.word_embeddings.weight"] = ("split", 0)

@@ -55,6 +55,10 @@ class ParallelPlan:
         kv = next((p.kv for p in plans if p.kv is not None), None)
         return ParallelPlan([q for p in plans for q in p.params], kv)
 
+    def subset(self, keep: list[bool]) -> "ParallelPlan":
+        """The plan of the parameters ``keep`` marks, in order (the trained ones: LoRA)."""
+        return ParallelPlan([p for p, k in zip(self.params, keep) if k], self.kv)
+
     @property
     def names(self) -> list[str]:
         return [p.name for p in self.params]

@@ -12,6 +12,7 @@ averaged over data-parallel ranks, clipped by the global norm, and AdamW takes t
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import os
@@ -29,8 +30,8 @@ from mindspeed_core.data.tokenizer import build_tokenizer, check_fits, padded_vo
 from mindspeed_core.memory import recompute
 from mindspeed_core.memory.swap import HostSwap
 from mindspeed_core.errors import CheckpointError, MindSpeedError
-from mindspeed_core.models import registry, rope, router
-from mindspeed_core.models.config import PRESETS, ModelConfig, MoEConfig
+from mindspeed_core.models import lora, registry, rope, router
+from mindspeed_core.models.config import LORA_TARGETS, PRESETS, LoRAConfig, ModelConfig, MoEConfig
 from mindspeed_core.models.gpt import Tokens, load_whole_state
 from mindspeed_core.models.moe import with_router_losses
 from mindspeed_core.progress import Progress
@@ -101,7 +102,8 @@ def apply_defaults(args) -> bool:
     if embedded and not args.save and (not args.load or args.finetune):
         # the default run keeps its model where `mindspeed generate` finds it (printed at the
         # end); running it again replaces it
-        args.save = default_save_folder(args.model_name + ("-sft" if sft else ""))
+        lora_on = args.lora_r is not None or args.lora_target_modules is not None
+        args.save = default_save_folder(args.model_name + ("-lora" if sft and lora_on else "-sft" if sft else ""))
         args.overwrite_checkpoints = True
     if embedded:  # our own run: every fused kernel the device has
         for flag in FUSED_FLAGS:
@@ -119,8 +121,23 @@ def default_save_folder(model_name: str) -> str:
 
 def model_config(args, vocab_size: int) -> ModelConfig:
     cfg = _model_config(args, vocab_size)
+    cfg.lora = lora_config(args)
     cfg.fused = frozenset(op for flag, op in FUSED_FLAGS.items() if getattr(args, flag, False))
     return cfg
+
+
+def lora_config(args) -> LoRAConfig | None:
+    """MindSpeed-LLM's LoRA flags: on when --lora-r or --lora-target-modules is given."""
+    if args.lora_r is None and args.lora_target_modules is None:
+        if args.lora_load:
+            raise MindSpeedError("--lora-load resumes LoRA adapters: give the same --lora-r / --lora-target-modules "
+                                 "as the run that saved them")
+        return None
+    try:
+        return LoRAConfig(r=args.lora_r or 16, alpha=args.lora_alpha or 32.0, dropout=args.lora_dropout,
+                          targets=tuple(args.lora_target_modules or LORA_TARGETS))
+    except ValueError as exc:
+        raise MindSpeedError(str(exc)) from None
 
 
 def kernels(cfg: ModelConfig) -> dict:
@@ -249,6 +266,11 @@ def check_configuration(args, world: int):
     cfg = model_config(args, tokenizer.vocab_size)
     if cfg.moe is not None:
         _check_moe(args, cfg)
+    if cfg.lora is not None and cfg.moe is not None:
+        raise MindSpeedError("LoRA on mixture-of-experts models is not built yet: drop the --lora-* flags or "
+                             "fine-tune all weights")
+    if args.lora_load and not (args.load or args.load_hf):
+        raise MindSpeedError("--lora-load takes the adapters only: give the base model with --load or --load-hf")
     check_fits(tokenizer, cfg.vocab_size)
     if args.seq_length > cfg.max_position_embeddings:
         raise MindSpeedError(f"--seq-length {args.seq_length} exceeds the model's max_position_embeddings "
@@ -314,7 +336,7 @@ def check_save_folder(args) -> None:
     """--save must be writable, and must not silently take over another run's checkpoints."""
     files.check_writable(args.save, f"--save {args.save}")
     latest = checkpoint.holds_checkpoints(args.save)
-    same = args.load and os.path.realpath(args.load) == os.path.realpath(args.save)
+    same = any(src and os.path.realpath(src) == os.path.realpath(args.save) for src in (args.load, args.lora_load))
     if latest is not None and not same and not args.overwrite_checkpoints:
         held = f"up to iteration {latest}" if latest >= 0 else "iteration folders"
         raise MindSpeedError(f"--save {args.save} already holds another run's checkpoints ({held}): pass "
@@ -322,13 +344,21 @@ def check_save_folder(args) -> None:
                              f"--overwrite-checkpoints to replace them")
 
 
-def _same_model(saved, cfg: ModelConfig) -> bool:
+def _same_model(saved, cfg: ModelConfig, ignore_lora: bool = False) -> bool:
     """Whether a checkpoint's model config is ``cfg`` (fields added since it was saved take
-    their defaults)."""
+    their defaults); ``ignore_lora``: the base models only."""
     try:
-        return ModelConfig.from_dict(saved) == cfg
+        saved = ModelConfig.from_dict(saved)
     except (TypeError, ValueError, AttributeError):
         return False
+    return dataclasses.replace(saved, lora=None) == dataclasses.replace(cfg, lora=None) if ignore_lora else saved == cfg
+
+
+def _saved_lora(values: dict) -> LoRAConfig | None:
+    try:
+        return LoRAConfig(**values)
+    except (TypeError, ValueError):
+        return None
 
 
 def memory_needed(cfg: ModelConfig, tp: int) -> int:
@@ -419,11 +449,17 @@ class Trainer:
 
             hf_state = hf.load_folder(args.load_hf)[1]  # checked against its config before the model is built
         self.model = self.model_spec.build(self.cfg)  # the whole model
+        if self.cfg.lora is not None:  # the adapters' start; a checkpoint may replace them
+            features.note_used("lora")
+            lora.init_adapters(self.model, args.seed)
         if hf_state is not None:
-            nn.load_state_dict(self.model, hf_state)
+            nn.load_state_dict(self.model, {**self._adapters(), **hf_state})
         self.iteration, saved_optimizer = 0, None
         if args.load:
             saved_optimizer = self._resume_model(args.load)
+        if args.lora_load:
+            saved_optimizer = self._resume_model(args.lora_load, adapters_only=True)
+        self.resumed_from = args.lora_load or args.load
         ps = self.ps
         if ps.pp > 1:  # keep this rank's stages only
             self.chunks = self.model_spec.pipeline_chunks(self.model, self.layout, ps.local_rank("pp"))
@@ -445,29 +481,37 @@ class Trainer:
         if ps.tp > 1:
             parallel_layers.seed_model_parallel_rng(args.seed, ps)
         if saved_optimizer is not None:  # after the tracker is seeded: its streams are restored too
-            self._restore_trainer_state(checkpoint.load_trainer_state(args.load, self.iteration))
+            self._restore_trainer_state(checkpoint.load_trainer_state(self.resumed_from, self.iteration))
         if self.dtype != "float32":
             for chunk in self.chunks:
                 nn.cast_parameters(chunk, self.dtype)  # the optimizer keeps fp32 masters
         chunk_params = [nn.parameters(c) for c in self.chunks]
         self.params = [p for params in chunk_params for p in params]
         self.names = self.plan.names
-        named = list(zip(self.names, self.params))
+        # what is trained: every parameter, or with LoRA the adapters only (the base weights
+        # get no gradient and no optimizer state)
+        trained = [self.cfg.lora is None or lora.is_adapter(n) for n in self.names]
+        self.train_plan = self.plan.subset(trained)
+        self.train_names = self.train_plan.names
+        self.train_params = [p for p, t in zip(self.params, trained) if t]
+        chunk_trained = iter(trained)
+        chunk_params = [[p for p in params if next(chunk_trained)] for params in chunk_params]
+        named = list(zip(self.train_names, self.train_params))
         opt_args = (named, args.lr, args.weight_decay, (args.adam_beta1, args.adam_beta2), args.adam_eps)
         moment_dtype = "bfloat16" if args.o2_optimizer else "float32"
         if args.use_distributed_optimizer:
-            self.optimizer = DistributedAdamW(*opt_args, ps=ps, plan=self.plan, moment_dtype=moment_dtype,
+            self.optimizer = DistributedAdamW(*opt_args, ps=ps, plan=self.train_plan, moment_dtype=moment_dtype,
                                               reuse_fp32_param=args.reuse_fp32_param)
         else:
-            self.optimizer = AdamW(*opt_args, ps=ps, plan=self.plan, moment_dtype=moment_dtype)
+            self.optimizer = AdamW(*opt_args, ps=ps, plan=self.train_plan, moment_dtype=moment_dtype)
         if saved_optimizer is not None:
             arrays, steps = saved_optimizer
-            mine, specs, experts_here = set(self.names), self.plan.shard_specs, self.plan.expert_names
+            mine, specs, experts_here = set(self.train_names), self.plan.shard_specs, self.plan.expert_names
             local = {k: ops.tensor(distributed.local_array(k.split(".", 1)[1], v, specs, ps, experts_here))
                      for k, v in arrays.items() if k.split(".", 1)[1] in mine}
             self.optimizer.load_state(local, steps)
         if ps.pp == 1:
-            self.grad_fn = autograd.value_and_grad(self._loss, self.params)
+            self.grad_fn = autograd.value_and_grad(self._loss, self.train_params)
             if args.compile:
                 self._compile_step()
             return
@@ -512,8 +556,8 @@ class Trainer:
     def optimizer_bytes_unsharded(self) -> int:
         """What plain AdamW would hold on this rank: two fp32 moments per local parameter,
         plus fp32 masters for low-precision ones."""
-        elements = sum(ops.numel(p) for p in self.params)
-        masters = sum(ops.numel(p) for p in self.params if ops.dtype_of(p) != "float32")
+        elements = sum(ops.numel(p) for p in self.train_params)
+        masters = sum(ops.numel(p) for p in self.train_params if ops.dtype_of(p) != "float32")
         return 4 * (2 * elements + masters)
 
     def _loss(self, ids, labels, tokens=None):
@@ -529,7 +573,7 @@ class Trainer:
             features.note_used("compile-tensor-parallel")
         self.eager_grad_fn = self.grad_fn
         compiled = autograd.compiled_value_and_grad(lambda ids, labels, scale: self.model.loss(ids, labels) * scale,
-                                                    self.params, self.model)
+                                                    self.train_params, self.model)
         # (packed sequences and context parallelism are refused with --compile: no tokens argument)
         self.grad_fn = lambda ids, labels, tokens=None: compiled(ids, labels, ops.tensor(np.float32(self.scaler.scale)))
         self.compile_seconds = None  # the first call's duration, compilation included
@@ -549,7 +593,7 @@ class Trainer:
         random.set_state(saved[0])
         random.tracker().set_states(saved[1])
         worst, where = 0.0, None
-        for name, c, e in zip(self.names, grads, eager):
+        for name, c, e in zip(self.train_names, grads, eager):
             e = ops.to_numpy(e).astype(np.float64)
             diff = float(np.abs(c.astype(np.float64) - e).max()) / max(float(np.abs(e).max()), 1e-12)
             if not diff <= worst:  # also catches NaN
@@ -563,28 +607,49 @@ class Trainer:
         self.say(f"--compile: compiled in {self.compile_seconds:.1f} s; first-step gradients match eager "
                  f"(largest relative difference {worst:.1e})")
 
-    def _resume_model(self, root: str):
-        """Load the full model from the newest checkpoint; returns its optimizer arrays."""
+    def _adapters(self) -> dict:
+        """The whole model's LoRA factors as they stand ({name: numpy})."""
+        return {n: v for n, v in nn.state_dict(self.model).items() if lora.is_adapter(n)}
+
+    def _resume_model(self, root: str, adapters_only: bool = False):
+        """Load the full model from the newest checkpoint in ``root``; returns its optimizer
+        arrays and steps (None: the weights only). With LoRA, a checkpoint without adapters is
+        a base model: its weights only, whatever --finetune says. ``adapters_only``
+        (--lora-load): the adapters and the training state, the base weights are kept."""
+        flag = "--lora-load" if adapters_only else "--load"
         it = checkpoint.latest_iteration(root)
-        if it is None and self.args.finetune:
-            raise CheckpointError(f"--finetune: {root} holds no checkpoint to take the weights from")
+        if it is None and (self.args.finetune or adapters_only):
+            raise CheckpointError(f"{flag}: {root} holds no checkpoint to take the weights from")
         if it is None:
             self.say(f"no checkpoint in {root} yet: starting from scratch")
             return None
         meta = checkpoint.read_meta(root, it)
-        if not _same_model(meta.get("model"), self.cfg):
+        saved_lora = (meta.get("model") or {}).get("lora")
+        base_only = self.cfg.lora is not None and saved_lora is None and not adapters_only
+        if saved_lora is not None and _saved_lora(saved_lora) != self.cfg.lora:
+            raise CheckpointError(f"the checkpoint in {root} (iteration {it}) holds LoRA adapters (rank "
+                                  f"{saved_lora['r']}, alpha {saved_lora['alpha']}, dropout {saved_lora['dropout']}, "
+                                  f"targets {' '.join(saved_lora['targets'])}): pass the same --lora-* flags")
+        if adapters_only and saved_lora is None:
+            raise CheckpointError(f"--lora-load: the checkpoint in {root} (iteration {it}) holds no LoRA adapters")
+        if not _same_model(meta.get("model"), self.cfg, ignore_lora=base_only):
             raise CheckpointError(f"the checkpoint in {root} (iteration {it}) was saved for a different model "
                                   f"configuration; pass the same model flags as when it was saved")
-        if self.args.finetune:  # the weights only: iteration 0, a fresh optimizer, the data from its start
-            load_whole_state(self.model, checkpoint.load_model_arrays(root, it))
-            self.say(f"fine-tuning from the weights of {checkpoint.iteration_dir(root, it)} (--finetune)")
+        if self.args.finetune and not adapters_only or base_only:
+            # the weights only: iteration 0, a fresh optimizer, the data from its start
+            load_whole_state(self.model, {**self._adapters(), **checkpoint.load_model_arrays(root, it)})
+            why = "--finetune" if self.args.finetune else "LoRA on a base model"
+            self.say(f"fine-tuning from the weights of {checkpoint.iteration_dir(root, it)} ({why})")
             return None
         model_arrays, optimizer_arrays, steps = checkpoint.load(root, it)
+        if adapters_only:  # the base weights stay those of --load / --load-hf
+            model_arrays = {**nn.state_dict(self.model), **{n: v for n, v in model_arrays.items() if lora.is_adapter(n)}}
         load_whole_state(self.model, model_arrays)
         self.iteration = it
         layout = meta.get("parallel", {})
-        self.say(f"resumed from {checkpoint.iteration_dir(root, it)} (saved on {meta.get('framework')}, "
-                 f"TP={layout.get('tp', 1)} DP={layout.get('dp', 1)} PP={layout.get('pp', 1)})")
+        self.say(f"resumed {'the LoRA adapters ' if adapters_only else ''}from {checkpoint.iteration_dir(root, it)} "
+                 f"(saved on {meta.get('framework')}, TP={layout.get('tp', 1)} DP={layout.get('dp', 1)} "
+                 f"PP={layout.get('pp', 1)})")
         return optimizer_arrays, steps
 
     def _trainer_state(self) -> dict:
@@ -696,9 +761,10 @@ class Trainer:
                                                                 self.scaler.scale, float32_grads=self.dtype != "float32",
                                                                 timeline=self.timeline)
             loss = distributed.over_pipeline(loss, self.ps)  # the last stage's; zero elsewhere
-        grads = distributed.sum_partial_over_tp(grads, self.ps, self.plan.indices("partial"))
-        grads = distributed.sum_kv_copies(grads, self.plan)
-        grads = distributed.sum_tied_embeddings(grads, self.plan, self.ps,
+        plan = self.train_plan
+        grads = distributed.sum_partial_over_tp(grads, self.ps, plan.indices("partial"))
+        grads = distributed.sum_kv_copies(grads, plan)
+        grads = distributed.sum_tied_embeddings(grads, plan, self.ps,
                                                 not self.cfg.untie_embeddings_and_output_weights)
         return loss, grads
 

@@ -1,0 +1,114 @@
+"""LoRA: low-rank adapters on the model's linear layers (MindSpeed-LLM's --lora-* flags).
+
+A targeted layer computes ``x W^T + b + (alpha / r) * dropout(x) A^T B^T``, A [r, in] and
+B [out, r]. W and b stay frozen (the trainer gives them no gradient and no optimizer state),
+A starts uniform in +-1/sqrt(in) and B at zero, so training starts from the base model's
+function. Targets are Megatron's module names: linear_qkv, linear_proj (attention),
+linear_fc1, linear_fc2 (the dense MLP). The adapters' tensors are named
+``<layer>.lora_A.weight`` and ``<layer>.lora_B.weight`` beside the base ``<layer>.weight``.
+
+Under tensor parallelism (parallel/layers.py) B follows a column-parallel base's rows and A a
+row-parallel base's columns; the other factor is replicated and its gradient is a partial
+sum over the tensor-parallel ranks, so no collective is added to the forward pass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import zlib
+
+import numpy as np
+
+from mindspeed_core import nn, ops
+from mindspeed_core.models.config import LoRAConfig
+from mindspeed_core.models.layers import _param
+
+ADAPTER_TAGS = (".lora_A.", ".lora_B.")
+
+
+def is_adapter(name: str) -> bool:
+    """Whether a parameter name is a LoRA factor (trained) rather than a base weight."""
+    return any(tag in name for tag in ADAPTER_TAGS)
+
+
+class Factor(nn.Module):
+    """One LoRA factor, a module of its own so that its tensor is named ``lora_A.weight``."""
+
+    def __init__(self, value: np.ndarray):
+        super().__init__()
+        self.weight = nn.Parameter(np.ascontiguousarray(value, dtype=np.float32))
+
+
+def adapter_output(module, x, rng=None):
+    """(alpha / r) * dropout(x) A^T B^T with the module's ``lora_A``, ``lora_B``, ``lora_scale``
+    and ``lora_dropout``; ``rng``: the random stream for the dropout mask (a context)."""
+    if module.lora_dropout and nn.is_training(module):
+        if rng is None:
+            x = ops.dropout(x, module.lora_dropout)
+        else:
+            with rng:
+                x = ops.dropout(x, module.lora_dropout)
+    return ops.linear(ops.linear(x, module.lora_A.weight), module.lora_B.weight) * module.lora_scale
+
+
+def attach(module, a: np.ndarray, b: np.ndarray, scale: float, dropout: float) -> None:
+    """Give a linear layer its adapter factors (arrays already cut for this rank)."""
+    module.lora_A, module.lora_B = Factor(a), Factor(b)
+    module.lora_scale, module.lora_dropout = scale, dropout
+
+
+def factors(full) -> tuple | None:
+    """(A, B) as numpy arrays of a layer that carries an adapter, else None."""
+    if getattr(full, "lora_A", None) is None:
+        return None
+    return ops.to_numpy(full.lora_A.weight), ops.to_numpy(full.lora_B.weight)
+
+
+class LoRALinear(nn.Module):
+    """A base linear layer (models.layers.Linear's weights, the same initialisation draws)
+    plus an adapter whose factors start at zero (``init_adapters`` fills A)."""
+
+    def __init__(self, n_in: int, n_out: int, bias: bool, std: float, lora: LoRAConfig):
+        super().__init__()
+        self.weight = _param((n_out, n_in), std=std)
+        self.bias = _param((n_out,), value=0.0) if bias else None
+        attach(self, np.zeros((lora.r, n_in), np.float32), np.zeros((n_out, lora.r), np.float32), lora.scale,
+               lora.dropout)
+
+    def forward(self, x):
+        return ops.linear(x, self.weight, self.bias) + adapter_output(self, x)
+
+
+def init_adapters(model, seed: int) -> None:
+    """A uniform in +-1/sqrt(in) (PEFT's Kaiming-uniform bound), B zero, drawn per tensor from
+    its whole-model name and the seed: the same values whatever the layout, the framework or
+    the order the layers were built in, and the base weights' draws are left untouched."""
+    for (_, param), name in zip(nn.named_parameters(model), model.parameter_names()):
+        if not is_adapter(name):
+            continue
+        shape = tuple(param.shape)
+        if ".lora_A." in name:
+            rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
+            bound = 1.0 / np.sqrt(shape[1])
+            value = rng.uniform(-bound, bound, shape).astype(np.float32)
+        else:
+            value = np.zeros(shape, np.float32)
+        nn.assign(param, ops.tensor(value))
+
+
+def merge(cfg, state: dict) -> tuple:
+    """(config, state) of a whole model with each adapter folded into its base weight
+    (W + (alpha / r) B A, in float64, then the weight's dtype) and the factors dropped: what a
+    Hugging Face export or generation loads. A config without LoRA passes through."""
+    if cfg.lora is None:
+        return cfg, state
+    out = {k: v for k, v in state.items() if not is_adapter(k)}
+    for name in state:
+        if ".lora_A." not in name:
+            continue
+        base = name.replace(".lora_A.weight", ".weight")
+        a = np.asarray(state[name], np.float64)
+        b = np.asarray(state[name.replace(".lora_A.", ".lora_B.")], np.float64)
+        w = np.asarray(out[base])
+        out[base] = (w.astype(np.float64) + cfg.lora.scale * (b @ a)).astype(w.dtype)
+    return dataclasses.replace(cfg, lora=None), out
