@@ -25,6 +25,9 @@ def launch(framework: str, nproc: int, script_argv: list[str], folder: str, thre
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={_port()}",
                *script_argv]
     else:
+        from mindspeed_core.launcher import MSRUN_ENV_DEFAULTS
+
+        env = {**MSRUN_ENV_DEFAULTS, **env}
         cmd = [os.path.join(os.path.dirname(sys.executable), "msrun"), f"--worker_num={nproc}",
                f"--local_worker_num={nproc}", f"--master_port={_port()}", "--join=True", f"--log_dir={logs}",
                *script_argv]

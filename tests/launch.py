@@ -12,6 +12,8 @@ import subprocess
 import sys
 import time
 
+from mindspeed_core.launcher import MSRUN_ENV_DEFAULTS
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -31,6 +33,7 @@ def launch(framework: str, nproc: int, script: str, args: list[str], log_dir: st
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={port}",
                script, *args]
     else:
+        env = {**MSRUN_ENV_DEFAULTS, **env}
         cmd = [os.path.join(os.path.dirname(sys.executable), "msrun"), f"--worker_num={nproc}",
                f"--local_worker_num={nproc}", f"--master_port={port}", "--join=True", f"--log_dir={log_dir}",
                script, *args]
