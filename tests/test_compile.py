@@ -41,7 +41,7 @@ def test_compiled_losses_equal_eager(capsys, corpus, eager, tmp_path):  # noqa: 
 
 
 def _marks(*ids):
-    return [pytest.mark.multiprocess, pytest.mark.every_torch, *(pytest.mark.feature(i) for i in ids)]
+    return [pytest.mark.multiprocess, *(pytest.mark.feature(i) for i in ids)]
 
 
 # One launch per framework: TP2 with sequence parallelism where the matrix supports --compile with

@@ -248,7 +248,6 @@ def resume_single(capsys, corpus, ckpt, model, tmp_path, want, first):  # noqa: 
     return out
 
 
-@pytest.mark.every_torch
 @pytest.mark.multiprocess
 @pytest.mark.feature("pipeline-parallel")
 @pytest.mark.feature("virtual-pipeline")
