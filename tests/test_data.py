@@ -75,6 +75,7 @@ def test_indexed_dataset_round_trip(tmp_path):
     assert ds.document_indices.tolist() == [0, 1, 1, 2, 3]
 
 
+@pytest.mark.framework_free
 def test_megatron_core_reads_our_files(tmp_path):
     pytest.importorskip("megatron.core")
     src = tmp_path / "docs.jsonl"
@@ -207,6 +208,7 @@ def _llama_style_tokenizer(folder):
     return {t: tok.token_to_id(t) for t in special}
 
 
+@pytest.mark.framework_free
 @pytest.mark.parametrize("special_tokens", [True, False], ids=["special-tokens", "no-special-tokens"])
 def test_preprocess_writes_what_megatron_writes(tmp_path, special_tokens):
     pytest.importorskip("megatron.core")
