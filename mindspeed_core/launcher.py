@@ -261,8 +261,9 @@ class Watch:
         with self._lock:
             return [pid for pid, start in self.members.items() if (_stat(pid) or (0, None))[1] == start]
 
-    def signal_all(self, signum: int) -> int:
-        pids = self.alive()
+    def signal_all(self, signum: int, role: str | None = None) -> int:
+        """Send ``signum`` to every live process of the job (or only those with ``role``)."""
+        pids = [pid for pid in self.alive() if role is None or self.roles.get(pid) == role]
         for pid in pids:
             try:
                 os.kill(pid, signum)
@@ -311,9 +312,16 @@ class Job:
         monitor = threading.Thread(target=self._monitor, daemon=True)
         monitor.start()
         try:
+            scheduler_stopped = False
             for line in proc.stdout:
                 sys.stdout.write(line)
                 self.watch.feed(line)
+                if self.watch.msrun_failed and not scheduler_stopped:
+                    # msrun names the failed rank, kills the others, then waits for its
+                    # scheduler, which waits out the heartbeat timeout of the dead ranks (about
+                    # 30 s): the job has failed already
+                    scheduler_stopped = True
+                    self.watch.signal_all(signal.SIGTERM, role="the msrun scheduler")
             code = proc.wait()
         finally:
             self._done.set()

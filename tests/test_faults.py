@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -41,6 +42,10 @@ def test_dead_rank_stops_the_job_and_the_run_resumes(framework, corpus, tmp_path
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MINDSPEED_TEST_TAG": tag}
     proc = subprocess.Popen([*argv, "--train-iters", "100000"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, env=env, start_new_session=True)
+    # read the output as a terminal does: a full pipe would stall the launcher, and the job with it
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    reader.start()
     try:
         deadline = time.time() + 240
         while not (ckpt / "latest_checkpointed_iteration.txt").exists():
@@ -50,13 +55,17 @@ def test_dead_rank_stops_the_job_and_the_run_resumes(framework, corpus, tmp_path
         assert pid, "could not find rank 1"
         os.kill(pid, signal.SIGKILL)
         killed = time.time()
-        out, _ = proc.communicate(timeout=120)
+        proc.wait(timeout=120)
         elapsed = time.time() - killed
+        reader.join(timeout=30)
+        out = "".join(lines)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode != 0
-    assert elapsed < 60, f"the job took {elapsed:.0f}s to stop"
+    # measured: 1-3 s on either framework (msrun's scheduler alone would wait ~35 s for the dead
+    # rank's heartbeat)
+    assert elapsed < 15, f"the job took {elapsed:.0f}s to stop"
     assert "mindspeed launch: rank 1 failed first" in out, out[-3000:]
     assert f"--load {ckpt}" in out
     last = int((ckpt / "latest_checkpointed_iteration.txt").read_text())
