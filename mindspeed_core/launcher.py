@@ -30,6 +30,7 @@ from mindspeed_core.errors import MindSpeedError
 
 GRACE_SECONDS = 15.0  # after the forwarded signal, before SIGKILL (a scheduler's own grace is ~30 s)
 POLL_SECONDS = 0.5
+SCHEDULER = "the msrun scheduler"  # the role Watch gives msrun's scheduler process
 # MindSpore's cluster start-up: a worker that reaches msrun's scheduler before it listens
 # retries after 3-5 s by default. Retrying within a second starts a two-rank job here about
 # 5 s sooner (20 -> 15 s for an empty job); a value the user set wins.
@@ -223,7 +224,7 @@ class Watch:
     def __init__(self, root: int):
         self.root = root
         self.members: dict[int, int] = {}  # pid -> start time
-        self.roles: dict[int, str] = {}  # pid -> "rank N" | "the msrun scheduler"
+        self.roles: dict[int, str] = {}  # pid -> "rank N" | SCHEDULER
         self.first_deaths: set[str] = set()  # the roles found gone in the first scan that found any
         self.torchrun_rank: int | None = None
         self.msrun_failed: str | None = None
@@ -253,7 +254,7 @@ class Watch:
     def _classify(self, pid: int) -> None:
         env = _environ(pid)
         if env.get(b"MS_ROLE") == b"MS_SCHED":
-            self.roles[pid] = "the msrun scheduler"
+            self.roles[pid] = SCHEDULER
         elif b"RANK_ID" in env and b"MS_NODE_ID" in env:
             self.roles[pid] = f"rank {int(env[b'RANK_ID'])}"
 
@@ -287,7 +288,7 @@ class Watch:
     def culprit(self) -> str:
         if self.torchrun_rank is not None:
             return f"rank {self.torchrun_rank} failed first"
-        if self.first_deaths == {"the msrun scheduler"}:
+        if self.first_deaths == {SCHEDULER}:
             return "the msrun scheduler died first (not a rank)"
         if self.msrun_failed:
             return f"{self.msrun_failed} failed first"
@@ -321,7 +322,7 @@ class Job:
                     # scheduler, which waits out the heartbeat timeout of the dead ranks (about
                     # 30 s): the job has failed already
                     scheduler_stopped = True
-                    self.watch.signal_all(signal.SIGTERM, role="the msrun scheduler")
+                    self.watch.signal_all(signal.SIGTERM, role=SCHEDULER)
             code = proc.wait()
         finally:
             self._done.set()
@@ -338,8 +339,15 @@ class Job:
         return self.watch.culprit()
 
     def _monitor(self) -> None:
+        scheduler_lost = False
         while not self._done.wait(POLL_SECONDS):
             self.watch.scan()
+            if self.watch.first_deaths == {SCHEDULER} and not scheduler_lost and self.stopped_by is None:
+                # without their scheduler msrun's ranks cannot go on; left alone they would wait
+                # out its heartbeat (about 30 s) before failing
+                scheduler_lost = True
+                self.watch.signal_all(signal.SIGTERM)
+                self._reap(time.time() + GRACE_SECONDS)
             code = self.proc.poll()
             if code is not None and self.launcher_died is None and self.stopped_by is None and self.watch.alive():
                 # torchrun or msrun itself is gone and its ranks are orphans (torchrun's run in
