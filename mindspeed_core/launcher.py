@@ -8,6 +8,8 @@ msrun (MindSpore), and behave as a job scheduler expects.
   SIGHUP to `mindspeed launch` is passed to all of them, and whatever still runs after a
   grace period is killed, so nothing is left training as an orphan.
 - When the job fails, the process that died first is named: a rank, or msrun's scheduler.
+  The job ends then and there: msrun's scheduler (after a rank failed) and msrun's ranks
+  (after their scheduler died) would otherwise wait out a heartbeat timeout, about 30 s.
 - Across nodes, gloo (the CPU collectives of torch and MindSpore) would listen on the address
   the hostname resolves to, often a loopback one that the other nodes cannot reach: unless
   GLOO_SOCKET_IFNAME is set, it is set to the interface that routes to --master-addr.
