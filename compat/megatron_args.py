@@ -17,7 +17,7 @@ from mindspeed_core.models.config import LORA_TARGETS
 CONTEXT_PARALLEL_ALGOS = ("megatron_cp_algo", "ulysses_cp_algo", "hybrid_cp_algo")
 GENERATION_TASKS = ("greedy", "do_sample", "beam_search", "chat")
 EVALUATION_TASKS = ("mmlu", "ceval", "gsm8k", "boolq", "perplexity")
-STAGES = ("sft", "dpo", "simpo", "orm", "prm")
+STAGES = ("sft", "dpo", "simpo", "orm", "rm", "prm")  # rm: the outcome reward model (orm)
 DATA_HANDLERS = (
     "GeneralPretrainHandler", "AlpacaStyleInstructionHandler", "SharegptStyleInstructionHandler",
     "AlpacaStylePairwiseHandler", "SharegptStylePairwiseHandler", "AlpacaStyleProcessRewardHandler",
@@ -53,6 +53,7 @@ COUNT = _number(int, 0, what="zero or a positive integer")
 POSITIVE = _number(float, 0, low_open=True, what="positive")
 NON_NEGATIVE = _number(float, 0, what="zero or positive")
 PROBABILITY = _number(float, 0, 1, high_open=True, what="in [0, 1)")
+SMOOTHING = _number(float, 0, 0.5, high_open=True, what="in [0, 0.5)")
 UNIT = _number(float, 0, 1, low_open=True, what="in (0, 1]")
 # every seed derived from it (data order, tracker streams) stays valid for both frameworks
 SEED = _number(int, 0, 2**32 - 1 - 100_000, what="in [0, 4294867295]")
@@ -162,9 +163,20 @@ def add_feature_args(parser: argparse.ArgumentParser) -> None:
 
     a = parser.add_argument_group("fine-tuning and alignment")
     a.add_argument("--stage", choices=STAGES, default=None,
-                   help="sft: instruction fine-tuning on preprocessed instruction data (the default is pre-training)")
+                   help="sft: instruction fine-tuning; dpo, simpo: preference alignment on pairwise data; orm (or rm): "
+                        "a pairwise outcome reward model; prm: a process reward model (the default is pre-training)")
     a.add_argument("--is-instruction-dataset", action="store_true",
                    help="--data-path is instruction data (MindSpeed-LLM's spelling; --stage sft implies it)")
+    # preference alignment and reward models (training/alignment.py)
+    a.add_argument("--dpo-loss-type", choices=("sigmoid", "hinge", "ipo"), default="sigmoid")
+    a.add_argument("--dpo-beta", type=POSITIVE, default=0.1, help="DPO's inverse temperature beta")
+    a.add_argument("--dpo-label-smoothing", type=SMOOTHING, default=0.0,
+                   help="the assumed share of flipped preference labels (conservative DPO; sigmoid loss)")
+    a.add_argument("--simpo-beta", type=POSITIVE, default=2.5, help="SimPO's reward scale beta")
+    a.add_argument("--simpo-gamma", type=NON_NEGATIVE, default=1.0, help="SimPO's target reward margin gamma")
+    a.add_argument("--simpo-label-smoothing", type=SMOOTHING, default=0.0)
+    a.add_argument("--reward-tokens", nargs="+", default=None,
+                   help="--stage prm: the step labels of the data, one token each (as given to mindspeed preprocess)")
     # LoRA (models/lora.py): on when a rank or target modules are given
     a.add_argument("--lora-r", type=POSITIVE_INT, default=None, help="LoRA rank (default 16 when targets are given)")
     a.add_argument("--lora-alpha", type=POSITIVE, default=None, help="LoRA scaling numerator (default 32)")

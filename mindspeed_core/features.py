@@ -402,13 +402,20 @@ FEATURES: tuple[Feature, ...] = (
                       "base weights for generation and Hugging Face export; dense models only"),
             supported("as on PyTorch"),
             lambda a: getattr(a, "lora_r", None) is not None or getattr(a, "lora_target_modules", None) is not None),
-    *(
-        Feature(f"stage-{stage}", title, "fine-tuning", (f"--stage {stage}",), planned(), planned(), _eq("stage", stage))
-        for stage, title in (("dpo", "Direct preference optimisation (--stage dpo)"),
-                             ("simpo", "SimPO (--stage simpo)"),
-                             ("orm", "Outcome reward model (--stage orm)"),
-                             ("prm", "Process reward model (--stage prm)"))
-    ),
+    Feature("stage-dpo", "Direct preference optimisation (--stage dpo)", "fine-tuning",
+            ("--stage dpo", "--dpo-loss-type", "--dpo-beta", "--dpo-label-smoothing"),
+            supported("sigmoid, hinge and ipo losses; the reference is the starting model, its log-likelihoods "
+                      "computed once before the first step and kept in checkpoints; pairs stay whole in micro-batches "
+                      "and across pipeline stages; TP, SP, PP, DP, EP and LoRA (not CP)"),
+            supported("as on PyTorch"), _eq("stage", "dpo")),
+    Feature("stage-simpo", "SimPO (--stage simpo)", "fine-tuning", ("--stage simpo", "--simpo-beta", "--simpo-gamma"),
+            supported("reference-free, length-normalised rewards with a target margin; the layouts of DPO"),
+            supported("as on PyTorch"), _eq("stage", "simpo")),
+    Feature("stage-orm", "Outcome reward model (--stage orm / rm)", "fine-tuning", ("--stage orm", "--stage rm"),
+            planned(), planned(), lambda a: getattr(a, "stage", None) in ("orm", "rm")),
+    Feature("stage-prm", "Process reward model (--stage prm)", "fine-tuning", ("--stage prm", "--reward-tokens"),
+            supported("cross entropy over the --reward-tokens' logits where each step ends; the layouts of DPO"),
+            supported("as on PyTorch"), _eq("stage", "prm")),
     Feature("weight-conversion", "Hugging Face <-> Megatron-core weight conversion with re-sharding", "tools",
             ("--load-model-type", "--save-model-type"), planned(), planned(),
             lambda a: a.load_model_type is not None or a.save_model_type is not None),

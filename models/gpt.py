@@ -103,8 +103,23 @@ class Seams:
         """Per-token cross entropy [N] from logits [N, vocab]."""
         return ops.cross_entropy(logits, labels, reduction="none")
 
+    def vocab_columns(self, logits, token_ids: list[int]):
+        """The logits [N, k] of the vocabulary entries ``token_ids`` from logits [N, vocab]
+        (differentiable): a product with their one-hot columns, exact in float arithmetic."""
+        return ops.matmul(logits, ops.tensor(vocab_selector(0, logits.shape[-1], token_ids)))
+
 
 SINGLE_DEVICE = Seams()
+
+
+def vocab_selector(start: int, size: int, token_ids: list[int]) -> np.ndarray:
+    """[size, k] float32: column j is one at row token_ids[j] - start when that id lies in
+    this vocabulary slice [start, start + size), else zero."""
+    pick = np.zeros((size, len(token_ids)), np.float32)
+    for j, t in enumerate(token_ids):
+        if start <= t < start + size:
+            pick[t - start, j] = 1.0
+    return pick
 
 
 def linear(cfg: ModelConfig, name: str, n_in: int, n_out: int, bias: bool, std: float):

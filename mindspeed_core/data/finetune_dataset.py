@@ -7,6 +7,10 @@ or several conversations per document when packed (``--pack``: each conversation
 of the document). A sample is padded to --seq-length + 1 tokens; its labels are IGNORE (-100)
 where nothing is trained (prompts, padding). Splits (``--split``) are over documents and
 blends (``--data-path 0.7 a 0.3 b``) interleave by weight, as pre-training data does.
+
+Preference data (``...PairwiseHandler``) holds PREFIX_packed_{chosen,rejected}_{input_ids,labels}
+_document: a sample is a pair, whose chosen and rejected conversations are read from the same
+document number, so they stay together in every micro-batch (``pair_batch``).
 """
 
 from __future__ import annotations
@@ -21,12 +25,18 @@ from mindspeed_core.data.indexed import IndexedDataset
 from mindspeed_core.errors import MindSpeedError
 
 
+# the sides of a sample: one conversation, or a preference pair's chosen and rejected one
+SINGLE, PAIR = ("",), ("chosen_", "rejected_")
+
+
 def _part(prefix: str, key: str) -> IndexedDataset:
     path = f"{prefix}_packed_{key}_document"
     if not os.path.isfile(path + ".idx"):
-        raise MindSpeedError(f"{path}.idx does not exist: an instruction --data-path is the --output-prefix given to "
-                             "'mindspeed preprocess --handler-name AlpacaStyleInstructionHandler' (or another "
-                             "instruction handler)")
+        pairwise = key.startswith(PAIR)
+        raise MindSpeedError(f"{path}.idx does not exist: {'a preference' if pairwise else 'an instruction'} "
+                             "--data-path is the --output-prefix given to 'mindspeed preprocess --handler-name "
+                             + ("AlpacaStylePairwiseHandler' (or SharegptStylePairwiseHandler)" if pairwise else
+                                "AlpacaStyleInstructionHandler' (or another instruction handler)"))
     return IndexedDataset(path)
 
 
@@ -35,8 +45,9 @@ class InstructionSamples(Shuffled):
     documents), each [seq_length + 1] int64; ``documents`` numbers the conversations of a pack
     (0 without packing); the padding is -1."""
 
-    def __init__(self, prefix: str, first: int, last: int, seq_length: int, seed: int, name: str, pad: int):
-        self.ids, self.labels = _part(prefix, "input_ids"), _part(prefix, "labels")
+    def __init__(self, prefix: str, first: int, last: int, seq_length: int, seed: int, name: str, pad: int,
+                 side: str = ""):
+        self.ids, self.labels = _part(prefix, side + "input_ids"), _part(prefix, side + "labels")
         if (not np.array_equal(self.ids.lengths, self.labels.lengths)
                 or not np.array_equal(self.ids.document_indices, self.labels.document_indices)):
             raise MindSpeedError(f"{prefix}: the input_ids and labels files describe different samples; "
@@ -66,32 +77,52 @@ class InstructionSamples(Shuffled):
         return tokens, labels, documents
 
 
-def build_splits(data_path: list[str], split: str, seq_length: int, seed: int, pad: int) -> dict:
-    """{"train": BlendedSamples | None, "valid": ..., "test": ...} of instruction samples."""
+class PairSamples:
+    """A preference pair per document: (chosen, rejected), each as InstructionSamples gives
+    it; both sides are read in the same seeded order, so sample i is one pair."""
+
+    def __init__(self, prefix: str, first: int, last: int, seq_length: int, seed: int, name: str, pad: int):
+        self.sides = [InstructionSamples(prefix, first, last, seq_length, seed, name, pad, side) for side in PAIR]
+        if not np.array_equal(self.sides[0].ids.document_indices, self.sides[1].ids.document_indices) or \
+                self.sides[0].ids.document_count != self.sides[1].ids.document_count:
+            raise MindSpeedError(f"{prefix}: the chosen and rejected files hold different pairs; preprocess again")
+
+    def __getitem__(self, i: int):
+        return tuple(side[i] for side in self.sides)
+
+
+def build_splits(data_path: list[str], split: str, seq_length: int, seed: int, pad: int,
+                 pairs: bool = False) -> dict:
+    """{"train": BlendedSamples | None, "valid": ..., "test": ...} of instruction samples, or
+    with ``pairs`` of preference pairs (PairSamples)."""
     blends = {name: [] for name in SPLITS}
+    kind = PairSamples if pairs else InstructionSamples
     for weight, prefix in parse_data_path(data_path):
-        count = _part(prefix, "input_ids").document_count
+        count = _part(prefix, ("chosen_" if pairs else "") + "input_ids").document_count
         for k, name in enumerate(SPLITS):
             a, b = split_ranges(count, split)[name]
             if b > a:
-                blends[name].append((weight, InstructionSamples(prefix, a, b, seq_length, seed + k,
-                                                                f"{prefix} ({name})", pad)))
+                blends[name].append((weight, kind(prefix, a, b, seq_length, seed + k, f"{prefix} ({name})", pad)))
     if not blends["train"]:
         raise MindSpeedError("the training split is empty: check --data-path and --split")
     return {name: (BlendedSamples(parts) if parts else None) for name, parts in blends.items()}
 
 
-def batch(samples, start: int, size: int):
+def batch(samples, start: int, size: int, rows=None, shift: bool = True):
     """A micro-batch of instruction samples -> (ids [b, S], labels [b, S] with 0 where not
     trained, loss mask [b, S], positions [b, S] or None, documents [b, S] or None).
 
     A label counts where the preprocessing kept it and the next token is of the same
     conversation. Positions restart, and attention stays, within each conversation of a
-    pack; without packs the padding follows the sample, which causal attention never sees."""
-    rows = [samples[start + i] for i in range(size)]
+    pack; without packs the padding follows the sample, which causal attention never sees.
+    ``shift=False``: a label belongs to its own position, not to the next token's (process
+    reward labels: the step's verdict is read where the step ends). ``rows``: the samples
+    themselves, in place of ``samples[start:start + size]``."""
+    rows = [samples[start + i] for i in range(size)] if rows is None else rows
     tokens, labels, documents = (np.stack(x) for x in zip(*rows))
-    ids, targets, docs = tokens[:, :-1], labels[:, 1:], documents[:, :-1]
-    mask = (targets != IGNORE) & (documents[:, 1:] == docs)
+    ids, docs = tokens[:, :-1], documents[:, :-1]
+    targets = labels[:, 1:] if shift else labels[:, :-1]
+    mask = (targets != IGNORE) & ((documents[:, 1:] if shift else docs) == docs)
     targets = np.where(mask, targets, 0)
     if not (docs > 0).any():  # no row holds a second conversation
         return ids, targets, mask, None, None
@@ -100,3 +131,12 @@ def batch(samples, start: int, size: int):
     columns = np.broadcast_to(np.arange(ids.shape[1]), ids.shape)
     positions = columns - np.maximum.accumulate(np.where(starts, columns, 0), axis=1)
     return ids, targets, mask, positions.astype(np.int64), docs
+
+
+def pair_batch(samples, start: int, size: int):
+    """A micro-batch of ``size`` preference pairs as one batch of 2 x size rows, the chosen
+    conversations first, then the rejected ones in the same order (row i and row size + i
+    are one pair): (ids, labels, loss mask) as ``batch`` gives them, [2 size, S]."""
+    pairs = [samples[start + i] for i in range(size)]
+    ids, labels, mask, _, _ = batch(None, 0, 2 * size, [p[0] for p in pairs] + [p[1] for p in pairs])
+    return ids, labels, mask

@@ -30,7 +30,7 @@ import numpy as np
 from mindspeed_core import autograd, dist, nn, ops, random
 from mindspeed_core.errors import MindSpeedError
 from mindspeed_core.models import lora
-from mindspeed_core.models.gpt import MLP, Seams
+from mindspeed_core.models.gpt import MLP, Seams, vocab_selector
 from mindspeed_core.parallel import mappings
 from mindspeed_core.parallel.plan import KVCopies, ParallelPlan, ParamPlan
 
@@ -216,6 +216,11 @@ class TensorParallelSeams(Seams):
 
     def token_losses(self, logits, labels):
         return vocab_parallel_cross_entropy(logits, labels, self.group, self.vocab_start)
+
+    def vocab_columns(self, logits, token_ids):
+        # each rank's shard holds some of the columns (zeros for the others): their sum
+        local = ops.matmul(logits, ops.tensor(vocab_selector(self.vocab_start, logits.shape[-1], token_ids)))
+        return mappings.reduce_from_region(local, self.group)
 
 
 def parallelize(model, ps, sequence_parallel: bool = False, overrides: dict | None = None) -> ParallelPlan:

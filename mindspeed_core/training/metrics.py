@@ -32,9 +32,12 @@ class MetricsLog:
         self._tokens += tokens
         self._steps += 1
 
-    def report(self, iteration: int, total: int, loss: float, lr: float, norm: float, moe: dict | None = None) -> dict:
+    def report(self, iteration: int, total: int, loss: float, lr: float, norm: float, moe: dict | None = None,
+               stage: dict | None = None) -> dict:
         """Print the line, write the record, and start the next interval. ``moe``: the last
-        step's routing statistics (Trainer._moe_step_stats), when the model has MoE layers."""
+        step's routing statistics (Trainer._moe_step_stats), when the model has MoE layers;
+        ``stage``: the last step's preference or reward figures ({name: value}), when the
+        stage has them (Trainer._stage_stats)."""
         tps = self._tokens / (time.perf_counter() - self._start)
         comm = dist.comm_stats()
         record = {"iteration": iteration, "loss": loss, "lr": lr, "grad_norm": norm, "tokens_per_s": tps,
@@ -43,12 +46,16 @@ class MetricsLog:
                   "comm_bytes_per_step": sum(v["bytes"] for v in comm.values()) / self._steps,
                   "comm_wire_bytes_per_step": sum(v["wire_bytes"] for v in comm.values()) / self._steps,
                   "comm": comm}
-        line = (f" iteration {iteration:6d}/{total} | lm loss {loss:.4f} | lr {lr:.3e} | grad norm {norm:.3f} | "
+        line = (f" iteration {iteration:6d}/{total} | {'loss' if stage else 'lm loss'} {loss:.4f} | lr {lr:.3e} | "
+                f"grad norm {norm:.3f} | "
                 f"tokens/s {tps:,.0f} | TFLOP/s {record['tflops']:.3f} | MFU {100 * record['mfu']:.1f}%")
         if moe is not None:
             record["moe"] = moe
             line += (f" | aux loss {moe['aux_loss']:.4g} | z loss {moe['z_loss']:.4g} | expert load max/mean "
                      f"{max(moe['load_balance']):.2f}" + (f" | dropped {moe['dropped']}" if moe["dropped"] else ""))
+        if stage:
+            record.update(stage)
+            line += "".join(f" | {name[6:].replace('_', ' ')} {value:.4f}" for name, value in stage.items())
         self.say(line)
         self.write(record)
         self._start, self._tokens, self._steps = time.perf_counter(), 0, 0

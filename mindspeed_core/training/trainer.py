@@ -40,7 +40,7 @@ from mindspeed_core.parallel import layers as parallel_layers
 from mindspeed_core.parallel import pipeline
 from mindspeed_core.parallel import state as parallel_state
 from mindspeed_core.parallel.plan import ParallelPlan
-from mindspeed_core.training import checkpoint, distributed, schedules
+from mindspeed_core.training import alignment, checkpoint, distributed, schedules
 from mindspeed_core.training.distributed_optimizer import DistributedAdamW
 from mindspeed_core.training.loss_scale import LossScaler
 from mindspeed_core.training.metrics import MetricsLog
@@ -80,6 +80,11 @@ def apply_defaults(args) -> bool:
     """Fill unset flags; returns True when the embedded default corpus is used (for --stage sft
     the fine-tuning twin: it starts from the default run's model when that is saved)."""
     embedded = not args.data_path
+    if embedded and args.stage not in (None, "sft"):
+        raise MindSpeedError(f"--stage {args.stage} trains on preprocessed "
+                             f"{'step-labelled' if args.stage == 'prm' else 'preference'} data: give --data-path "
+                             f"(the --output-prefix of mindspeed preprocess --handler-name "
+                             f"{'AlpacaStyleProcessRewardHandler' if args.stage == 'prm' else 'AlpacaStylePairwiseHandler'})")
     sft = args.stage == "sft" or args.is_instruction_dataset
     if embedded and args.train_iters is None:
         args.train_iters = (EMBEDDED_SFT_ITERS if sft else EMBEDDED_ITERS)[runtime.bound().NAME]
@@ -320,9 +325,35 @@ def check_configuration(args, world: int):
                          or args.swap_attention):
         raise MindSpeedError("--compile with activation recompute or --swap-attention is not built yet: drop "
                              "--compile or the memory flags")
+    _check_stage(args, cp)
     if args.save:
         check_save_folder(args)
     return tokenizer, cfg
+
+
+def stage_of(args) -> str:
+    """pretrain, sft, dpo, simpo, orm or prm (--stage rm is orm)."""
+    if args.stage == "rm":
+        return "orm"
+    return args.stage or ("sft" if args.is_instruction_dataset else "pretrain")
+
+
+def _check_stage(args, cp: int) -> None:
+    """What the preference and reward stages cannot combine with, refused before any rank starts."""
+    stage = stage_of(args)
+    if stage in ("pretrain", "sft"):
+        return
+    if cp > 1:  # a reply's log-likelihood would need its sum over the context-parallel ranks
+        raise MindSpeedError(f"--stage {args.stage} with --context-parallel-size {cp} is not built yet: preference "
+                             "and reward training runs with TP, SP, PP, DP and EP")
+    if args.compile:
+        raise MindSpeedError(f"--compile with --stage {args.stage} is not built yet: drop --compile")
+    if stage == "dpo" and args.dpo_label_smoothing and args.dpo_loss_type != "sigmoid":
+        raise MindSpeedError(f"--dpo-label-smoothing applies to the sigmoid loss, not --dpo-loss-type "
+                             f"{args.dpo_loss_type}")
+    if stage == "prm" and not args.reward_tokens:
+        raise MindSpeedError("--stage prm needs --reward-tokens: the step labels of the data, as given to mindspeed "
+                             "preprocess (e.g. --reward-tokens + -)")
 
 
 def pipeline_layout(args, cfg: ModelConfig) -> pipeline.PipelineLayout:
@@ -372,9 +403,20 @@ class Trainer:
     def __init__(self, args, out=None):
         self.args, self._out = args, out
         self.embedded = apply_defaults(args)
-        # instruction fine-tuning: the loss counts the assistant's tokens only
-        self.instruction = args.stage == "sft" or args.is_instruction_dataset
+        # instruction fine-tuning and the stages after it: the loss counts the assistant's tokens only
+        self.stage_name = stage_of(args)
+        self.instruction = self.stage_name != "pretrain"
+        self.pairwise = self.stage_name in alignment.PAIRWISE
         self.tokenizer, self.cfg = check_configuration(args, dist.launched_world_size())
+        # the preference and reward stages' loss (training/alignment.py); None: the LM loss
+        self.objective = None
+        if self.stage_name in ("dpo", "simpo", "orm", "prm"):
+            features.note_used(f"stage-{self.stage_name}")
+            self.objective = alignment.Objective(
+                self.stage_name, args,
+                alignment.reward_token_ids(self.tokenizer, args.reward_tokens) if self.stage_name == "prm" else None)
+        # DPO's reference: {split: {sample index: (chosen, rejected) log-likelihood}}
+        self.reference = {"train": {}, "valid": {}}
         if self.embedded:
             from mindspeed_core.data import corpus
 
@@ -404,7 +446,7 @@ class Trainer:
             "tokenizer": {"type": self.tokenizer.name, "end_of_document": self.tokenizer.eod,
                           "end_of_document_from": self.tokenizer.eod_source, "bos": self.tokenizer.bos,
                           "encodes_special_tokens": getattr(self.tokenizer, "include_special_tokens", None)},
-            "data_path": self.args.data_path, "stage": "sft" if self.instruction else "pretrain",
+            "data_path": self.args.data_path, "stage": self.stage_name,
             "seq_length": self.args.seq_length, "micro_batch_size": self.args.micro_batch_size,
             "global_batch_size": self.args.global_batch_size, "gradient_accumulation": self.grad_accum,
             "train_iters": self.args.train_iters, "lr": self.args.lr, "min_lr": self.args.min_lr,
@@ -432,7 +474,7 @@ class Trainer:
         args = self.args
         if self.instruction:
             self.data = finetune_dataset.build_splits(args.data_path, args.split, args.seq_length, args.seed,
-                                                      pad=self.tokenizer.eod)
+                                                      pad=self.tokenizer.eod, pairs=self.pairwise)
         else:
             self.data = gpt_dataset.build_splits(args.data_path, args.split, args.seq_length, args.seed)
         if args.eval_iters and args.eval_interval and self.data["valid"] is None:
@@ -460,6 +502,8 @@ class Trainer:
         if args.lora_load:
             saved_optimizer = self._resume_model(args.lora_load, adapters_only=True)
         self.resumed_from = args.lora_load or args.load
+        if self.stage_name == "dpo" and saved_optimizer is None:  # the starting weights are the reference
+            self._compute_reference()
         ps = self.ps
         if ps.pp > 1:  # keep this rank's stages only
             self.chunks = self.model_spec.pipeline_chunks(self.model, self.layout, ps.local_rank("pp"))
@@ -468,7 +512,7 @@ class Trainer:
             self.chunks = [self.model]
         # MoE layers report their routing (aux and z losses, tokens per expert) each step
         self.moe_layers = [layer for chunk in self.chunks for layer in getattr(chunk, "moe_layers", list)()]
-        self.moe_stats = None
+        self.moe_stats = self.stage_stats = self.eval_stats = None
         self.plan = ParallelPlan.join(self.model_spec.parallelize(c, ps, args.sequence_parallel,
                                                                   args.context_parallel_algo, args.ulysses_degree_in_cp,
                                                                   args.moe_token_dispatcher_type)
@@ -515,8 +559,8 @@ class Trainer:
             if args.compile:
                 self._compile_step()
             return
-        hidden = (args.micro_batch_size, args.seq_length // ps.cp // self.chunks[0].sequence_multiple,
-                  self.cfg.hidden_size)
+        rows = args.micro_batch_size * (2 if self.pairwise else 1)  # a pair's two conversations travel together
+        hidden = (rows, args.seq_length // ps.cp // self.chunks[0].sequence_multiple, self.cfg.hidden_size)
         me = ps.coords(ps.rank)
 
         def peer(pp_rank):
@@ -539,7 +583,7 @@ class Trainer:
         model = self.chunks[chunk]
         out = model(x, tokens)
         if labels is not None:
-            out = model.loss_from_logits(out, labels, tokens)
+            out = self._objective(model, out, labels, tokens)
         if not scaled:
             return out
         if labels is not None:
@@ -560,8 +604,16 @@ class Trainer:
         masters = sum(ops.numel(p) for p in self.train_params if ops.dtype_of(p) != "float32")
         return 4 * (2 * elements + masters)
 
+    def _objective(self, model, out, labels, tokens=None):
+        """The micro-batch's loss from the model's output: the stage's (training/alignment.py),
+        or the language-modelling loss."""
+        if self.objective is not None:
+            return self.objective(model, out, labels, tokens)
+        return model.loss_from_logits(out, labels, tokens)
+
     def _loss(self, ids, labels, tokens=None):
-        return self._with_router_losses(self.model, self.scaler.scale_loss(self.model.loss(ids, labels, tokens=tokens)))
+        loss = self._objective(self.model, self.model(ids, tokens), labels, tokens)
+        return self._with_router_losses(self.model, self.scaler.scale_loss(loss))
 
     # -- --compile -----------------------------------------------------------------------------
     def _compile_step(self) -> None:
@@ -660,6 +712,9 @@ class Trainer:
                 # aux-loss-free balancing's biases, by layer number (float32 survives JSON exactly)
                 "expert_bias": {str(layer.number): [float(b) for b in layer.expert_bias]
                                 for layer in self.moe_layers if layer.expert_bias is not None}}
+        if self.stage_name == "dpo":  # the reference of the pairs this rank scores (float32 survives JSON exactly)
+            mine["reference"] = {split: {str(i): list(pair) for i, pair in known.items()}
+                                 for split, known in self.reference.items()}
         return {"framework": runtime.bound().NAME, **self.scaler.state(),
                 "layout": self._layout(),
                 "rng": distributed.gather_json(mine, self.ps)}
@@ -675,6 +730,8 @@ class Trainer:
             self.scaler.load_state(state)
             ranks, layout = state["rng"], {"pp": 1, "cp": 1, **state["layout"]}  # saved before PP/CP: one of each
             self._restore_expert_bias(ranks)
+            if self.stage_name == "dpo":
+                self._restore_reference(ranks)
             here = self._layout()
             if state["framework"] != runtime.bound().NAME:  # generator states are framework-specific
                 self.say(f"RNG states were saved on {state['framework']}: dropout draws start afresh on "
@@ -690,6 +747,17 @@ class Trainer:
                              f"reseeded")
         except (KeyError, IndexError, TypeError, ValueError) as exc:
             raise CheckpointError(f"the checkpoint's {checkpoint.STATE_FILE} is malformed ({exc!r})") from None
+
+    def _restore_reference(self, ranks: list) -> None:
+        """DPO's reference log-likelihoods as the saving run computed them, from every rank
+        (the layout may have changed since)."""
+        saved = [r["reference"] for r in ranks if "reference" in r]
+        if not saved:
+            raise CheckpointError(f"the checkpoint in {self.resumed_from} holds no DPO reference: it was not saved by "
+                                  f"a --stage dpo run; start DPO from its weights with --finetune")
+        for part in saved:
+            for split, known in part.items():
+                self.reference[split].update({int(i): tuple(pair) for i, pair in known.items()})
 
     def _restore_expert_bias(self, ranks: list) -> None:
         saved = {int(n): b for r in ranks for n, b in r.get("expert_bias", {}).items()}  # any stage's rank
@@ -721,7 +789,49 @@ class Trainer:
         self._check_ids(split, labels)
         return ids, labels, Tokens(positions, documents, loss_mask)
 
+    def _pair_batch(self, split: str, start: int, size: int, with_reference: bool = True):
+        """A micro-batch of ``size`` preference pairs: 2 x size rows, the chosen ones first;
+        for DPO on the last pipeline stage, with their reference log-likelihoods."""
+        ids, labels, mask = finetune_dataset.pair_batch(self.data[split], start, size)
+        self._check_ids(split, ids)
+        self._check_ids(split, labels)
+        reference = None
+        if with_reference and self.stage_name == "dpo" and self.ps.local_rank("pp") == self.ps.pp - 1:
+            known = self.reference[split]
+            missing = [start + i for i in range(size) if start + i not in known]
+            if missing:
+                raise CheckpointError(f"no reference log-likelihoods for {split} pair {missing[0]}: the run that saved "
+                                      f"this checkpoint computed them for its own --train-iters, --eval-iters and "
+                                      f"--global-batch-size; resume with those, or start a new DPO run from these "
+                                      f"weights with --finetune")
+            pairs = [known[start + i] for i in range(size)]
+            reference = np.array([c for c, _ in pairs] + [r for _, r in pairs], np.float32)
+        target = alignment.Pairs(ops.tensor(np.ascontiguousarray(labels)), mask, reference)
+        return ops.tensor(np.ascontiguousarray(ids)), target, None
+
+    def _process_reward_batch(self, split: str, start: int, size: int):
+        """Step-labelled samples: each label sits where its step ends (no shift), as the index
+        of its verdict among --reward-tokens."""
+        features.note_used("sft")
+        rows = [self.data[split][start + i] for i in range(size)]
+        ids, labels, mask, positions, documents = finetune_dataset.batch(None, 0, size, rows, shift=False)
+        self._check_ids(split, ids)
+        candidates = self.objective.candidates
+        verdicts = np.zeros_like(labels)
+        for k, token in enumerate(candidates):
+            verdicts[labels == token] = k
+        stray = mask & ~np.isin(labels, candidates)
+        if stray.any():
+            raise MindSpeedError(f"the {split} data labels a step with token {int(labels[stray][0])}, which is not one of "
+                                 f"--reward-tokens {' '.join(self.args.reward_tokens)} (token ids "
+                                 f"{' '.join(map(str, candidates))})")
+        return self._device_batch(ids, verdicts, Tokens(positions, documents, mask))
+
     def _batch(self, split: str, start: int, size: int):
+        if self.pairwise:
+            return self._pair_batch(split, start, size)
+        if self.stage_name == "prm":
+            return self._process_reward_batch(split, start, size)
         if self.instruction:
             ids, labels, packed = self._instruction_batch(split, start, size)
             return self._device_batch(ids, labels, packed)
@@ -742,6 +852,41 @@ class Trainer:
             columns = context.local_columns(ids.shape[1], self.ps.cp, self.ps.local_rank("cp"))
             ids, labels = ids[:, columns], labels[:, columns]
         return ops.tensor(np.ascontiguousarray(ids)), ops.tensor(np.ascontiguousarray(labels)), packed
+
+    def _compute_reference(self) -> None:
+        """DPO's reference: the starting model's log-likelihoods of every pair this rank will
+        score (its training micro-batches from here to --train-iters, and the validation
+        ones), computed by the whole model before it is cut for the layout; only the ranks
+        holding the last pipeline stage score pairs."""
+        if self.ps.local_rank("pp") != self.ps.pp - 1:
+            return
+        args, started = self.args, time.perf_counter()
+        wanted = [("train", start) for it in range(self.iteration, args.train_iters)
+                  for start in self.sampler.micro_batch_starts(it)]
+        if args.eval_iters and args.eval_interval:
+            wanted += [("valid", k * args.micro_batch_size) for k in range(args.eval_iters)]
+        batches = (self._pair_batch(split, start, args.micro_batch_size, with_reference=False)[:2]
+                   for split, start in wanted)
+        size = args.micro_batch_size
+        for (split, start), ll in zip(wanted, alignment.reference_log_likelihoods(self.model, batches)):
+            for i in range(size):
+                self.reference[split][start + i] = (float(ll[i]), float(ll[size + i]))
+        self.say(f"DPO reference: the starting model's log-likelihoods of {len(wanted) * size} pairs "
+                 f"({time.perf_counter() - started:.1f} s)")
+
+    def _stage_stats(self, record: str) -> dict | None:
+        """The preference or reward figures of the micro-batches since the last call, over every
+        data-parallel rank (a collective on every rank): {name: value} (None without a stage
+        objective). ``record``: "train" or "valid", the prefix of the names."""
+        if self.objective is None:
+            return None
+        names = ("step_accuracy",) if self.stage_name == "prm" else alignment.STATS
+        mine = self.objective.take_stats()
+        values = np.zeros(len(names), np.float32) if mine is None else mine.astype(np.float32)
+        for kind in ("dp", "pp"):  # the last pipeline stage's figures; zeros on the others
+            if self.ps.size(kind) > 1:
+                values = ops.to_numpy(dist.all_reduce(ops.tensor(values), group=self.ps.group(kind)))
+        return {f"{record}_{name}": float(v) / self.ps.dp for name, v in zip(names, values)}
 
     def gradients(self, iteration: int) -> tuple[float, list]:
         """The step's mean loss (on every rank) and this rank's gradients, complete as the
@@ -783,6 +928,7 @@ class Trainer:
             loss = float(ops.to_numpy(dist.all_reduce(ops.tensor([loss]), group=self.ps.group("dp_cp")))[0]) / n
         if self.cfg.moe is not None:
             self.moe_stats = self._moe_step_stats()
+        self.stage_stats = self._stage_stats("train")
         norm = self.optimizer.grad_norm(grads)
         if not self.scaler.step_allowed(math.isfinite(loss) and math.isfinite(norm)):
             return loss, lr, float("nan")  # fp16 overflow: step skipped, the scale halved
@@ -846,13 +992,15 @@ class Trainer:
                 loss = distributed.over_pipeline(loss, self.ps)
             else:
                 with autograd.no_grad():
-                    loss = float(np.mean([float(ops.to_numpy(self.model.loss(ids, labels, tokens=tokens)))
+                    loss = float(np.mean([float(ops.to_numpy(self._objective(self.model, self.model(ids, tokens), labels,
+                                                                             tokens)))
                                           for ids, labels, tokens in batches]))
         finally:
             for chunk in self.chunks:
                 nn.set_training(chunk, True)
         if self.ps.cp > 1:  # each CP rank saw its share of every sequence
             loss = float(ops.to_numpy(dist.all_reduce(ops.tensor([loss]), group=self.ps.group("cp")))[0]) / self.ps.cp
+        self.eval_stats = self._stage_stats("valid")
         return loss
 
     def _first_non_finite_parameter(self):
@@ -928,12 +1076,17 @@ class Trainer:
                 if progress:
                     progress.update(1, f"loss {loss:.3f}")
                 if self.iteration % args.log_interval == 0 or self.iteration == args.train_iters:
-                    log.report(self.iteration, args.train_iters, loss, lr, norm, moe=self.moe_stats)
+                    log.report(self.iteration, args.train_iters, loss, lr, norm, moe=self.moe_stats,
+                               stage=self.stage_stats)
                 if args.eval_iters and args.eval_interval and self.iteration % args.eval_interval == 0:
                     eval_loss = self.evaluate()
-                    self.say(f" validation at iteration {self.iteration} | lm loss {eval_loss:.4f} | "
-                             f"ppl {math.exp(min(eval_loss, 50)):.2f}")
-                    log.write({"iteration": self.iteration, "eval_loss": eval_loss})
+                    if self.objective is None:
+                        self.say(f" validation at iteration {self.iteration} | lm loss {eval_loss:.4f} | "
+                                 f"ppl {math.exp(min(eval_loss, 50)):.2f}")
+                    else:
+                        self.say(f" validation at iteration {self.iteration} | {self.stage_name} loss {eval_loss:.4f}"
+                                 + "".join(f" | {k[6:].replace('_', ' ')} {v:.4f}" for k, v in self.eval_stats.items()))
+                    log.write({"iteration": self.iteration, "eval_loss": eval_loss, **(self.eval_stats or {})})
                     log.restart_clock()
                 if args.save and args.save_interval and self.iteration % args.save_interval == 0:
                     self.save()
