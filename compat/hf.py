@@ -90,6 +90,18 @@ def config_from_hf(hf: dict) -> ModelConfig:
 
 
 def _config_from_hf(hf: dict) -> ModelConfig:
+    cfg = _decoder_config_from_hf(hf)
+    # a sequence classifier with one label (XForSequenceClassification, num_labels 1) is a
+    # reward model: its `score` is our rm_head
+    architectures = hf.get("architectures") or []
+    if any(str(a).endswith("ForSequenceClassification") for a in architectures):
+        if hf.get("num_labels", len(hf.get("id2label") or {0: 0})) != 1:
+            raise CheckpointError("config.json: a sequence classifier with more than one label is not a reward model")
+        cfg.reward_head = True
+    return cfg
+
+
+def _decoder_config_from_hf(hf: dict) -> ModelConfig:
     kind = hf.get("model_type")
     if kind not in SUPPORTED:
         raise CheckpointError(f"model_type {kind!r} is not supported; supported: {', '.join(SUPPORTED)}")
@@ -155,6 +167,15 @@ def hf_config(cfg: ModelConfig) -> dict:
     if cfg.moe is not None and cfg.family not in MOE_BASE:
         raise CheckpointError(f"a {cfg.family} model with MoE layers has no Hugging Face architecture: export MoE "
                               f"models as {', '.join(MOE_BASE)} (their attention is mistral's, qwen2's, qwen3's)")
+    out = _decoder_hf_config(cfg)
+    if cfg.reward_head:  # transformers' sequence classifier with one label: the reward
+        out["architectures"] = [out["architectures"][0].replace("ForCausalLM", "ForSequenceClassification")
+                                .replace("LMHeadModel", "ForSequenceClassification")]
+        out["num_labels"] = 1
+    return out
+
+
+def _decoder_hf_config(cfg: ModelConfig) -> dict:
     if cfg.family == "gpt2":
         return {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size": cfg.vocab_size,
                 "n_embd": cfg.hidden_size, "n_layer": cfg.num_layers, "n_head": cfg.num_attention_heads,
@@ -329,8 +350,7 @@ def from_hf_state(cfg: ModelConfig, hf: dict) -> dict:
                 out[b + ours + ".weight"] = take(a + hf_n + ".weight").T  # GPT-2's Conv1D stores [in, out]
                 out[b + ours + ".bias"] = take(a + hf_n + ".bias")
         out["decoder.final_layernorm.weight"], out["decoder.final_layernorm.bias"] = take(p + "ln_f.weight"), take(p + "ln_f.bias")
-        if cfg.untie_embeddings_and_output_weights:
-            out["output_layer.weight"] = take("lm_head.weight")
+        _head_from_hf(cfg, out, take)
         return out
     out["embedding.word_embeddings.weight"] = take("model.embed_tokens.weight")
     for i in range(cfg.num_layers):
@@ -350,9 +370,22 @@ def from_hf_state(cfg: ModelConfig, hf: dict) -> dict:
             if hf_n in hf:
                 out[ours] = take(hf_n)
     out["decoder.final_layernorm.weight"] = take("model.norm.weight")
-    if cfg.untie_embeddings_and_output_weights:
-        out["output_layer.weight"] = take("lm_head.weight")
+    _head_from_hf(cfg, out, take)
     return out
+
+
+def _head_from_hf(cfg: ModelConfig, out: dict, take) -> None:
+    if cfg.reward_head:
+        out["rm_head.weight"] = take("score.weight")
+    elif cfg.untie_embeddings_and_output_weights:
+        out["output_layer.weight"] = take("lm_head.weight")
+
+
+def _head_to_hf(cfg: ModelConfig, out: dict, ours: dict) -> None:
+    if cfg.reward_head:
+        out["score.weight"] = ours["rm_head.weight"]
+    elif cfg.untie_embeddings_and_output_weights:
+        out["lm_head.weight"] = ours["output_layer.weight"]
 
 
 def to_hf_state(cfg: ModelConfig, ours: dict) -> dict:
@@ -374,8 +407,7 @@ def to_hf_state(cfg: ModelConfig, ours: dict) -> dict:
                 out[a + hf_n + ".weight"] = np.ascontiguousarray(ours[b + mine + ".weight"].T)
                 out[a + hf_n + ".bias"] = ours[b + mine + ".bias"]
         out[p + "ln_f.weight"], out[p + "ln_f.bias"] = ours["decoder.final_layernorm.weight"], ours["decoder.final_layernorm.bias"]
-        if cfg.untie_embeddings_and_output_weights:
-            out["lm_head.weight"] = ours["output_layer.weight"]
+        _head_to_hf(cfg, out, ours)
         return out
     out["model.embed_tokens.weight"] = ours["embedding.word_embeddings.weight"]
     for i in range(cfg.num_layers):
@@ -397,8 +429,7 @@ def to_hf_state(cfg: ModelConfig, ours: dict) -> dict:
             if mine in ours:
                 out[hf_n] = ours[mine]
     out["model.norm.weight"] = ours["decoder.final_layernorm.weight"]
-    if cfg.untie_embeddings_and_output_weights:
-        out["lm_head.weight"] = ours["output_layer.weight"]
+    _head_to_hf(cfg, out, ours)
     return out
 
 

@@ -406,13 +406,15 @@ FEATURES: tuple[Feature, ...] = (
             ("--stage dpo", "--dpo-loss-type", "--dpo-beta", "--dpo-label-smoothing"),
             supported("sigmoid, hinge and ipo losses; the reference is the starting model, its log-likelihoods "
                       "computed once before the first step and kept in checkpoints; pairs stay whole in micro-batches "
-                      "and across pipeline stages; TP, SP, PP, DP, EP and LoRA (not CP)"),
+                      "and across pipeline stages; TP, SP, PP, DP and LoRA (not CP)"),
             supported("as on PyTorch"), _eq("stage", "dpo")),
     Feature("stage-simpo", "SimPO (--stage simpo)", "fine-tuning", ("--stage simpo", "--simpo-beta", "--simpo-gamma"),
             supported("reference-free, length-normalised rewards with a target margin; the layouts of DPO"),
             supported("as on PyTorch"), _eq("stage", "simpo")),
     Feature("stage-orm", "Outcome reward model (--stage orm / rm)", "fine-tuning", ("--stage orm", "--stage rm"),
-            planned(), planned(), lambda a: getattr(a, "stage", None) in ("orm", "rm")),
+            supported("pairwise Bradley-Terry loss on a scalar head (rm_head) read at each reply's last token; "
+                      "starts from a language model's weights; the layouts of DPO"),
+            supported("as on PyTorch"), lambda a: getattr(a, "stage", None) in ("orm", "rm")),
     Feature("stage-prm", "Process reward model (--stage prm)", "fine-tuning", ("--stage prm", "--reward-tokens"),
             supported("cross entropy over the --reward-tokens' logits where each step ends; the layouts of DPO"),
             supported("as on PyTorch"), _eq("stage", "prm")),

@@ -109,6 +109,9 @@ def load_model(args):
                 raise MindSpeedError(f"the checkpoint was trained with the {meta.get('tokenizer')} tokenizer: give "
                                      "the same --tokenizer-type / --tokenizer-name-or-path")
             args.tokenizer_type = "ByteLevel"
+    if cfg.reward_head:
+        raise MindSpeedError(f"{args.load or args.load_hf} is a reward model (--stage orm): it scores replies and "
+                             "writes no text")
     tokenizer = build_tokenizer(*tokenizer_args(args))
     check_fits(tokenizer, cfg.vocab_size)
     dist.init()

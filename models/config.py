@@ -123,6 +123,9 @@ class ModelConfig:
     moe_layers: tuple | None = None
     # low-rank adapters on the linear layers (models/lora.py; --lora-r and friends)
     lora: LoRAConfig | None = None
+    # an outcome reward model: a scalar head (rm_head, [1, hidden]) where the output layer
+    # would be; its value at a reply's last token is the reply's reward (--stage orm)
+    reward_head: bool = False
     extra: dict = field(default_factory=dict)  # family-specific fields kept for export
     # Which fused kernels the layers call (ops.<op>: the device's native kernel, or the
     # composite where it has none; the flags --use-flash-attn, --use-fused-*); the others
@@ -198,6 +201,11 @@ class ModelConfig:
         return [i for i in range(self.num_layers) if self.is_moe_layer(i) and i not in self.noop_layers]
 
     @property
+    def tied_output(self) -> bool:
+        """Whether the output layer is the word embeddings (a reward model has no output layer)."""
+        return not self.untie_embeddings_and_output_weights and not self.reward_head
+
+    @property
     def qkv_width(self) -> int:
         return (self.num_attention_heads + 2 * self.num_query_groups) * self.kv_channels
 
@@ -232,7 +240,7 @@ class ModelConfig:
         moe_layers = sum(self.is_moe_layer(i) for i in range(self.num_layers) if i not in self.noop_layers)
         if moe_layers:
             total += moe_layers * (self._moe_mlp_parameters(active=False) - mlp)
-        total += 0 if not self.untie_embeddings_and_output_weights else v * h
+        total += h if self.reward_head else v * h if self.untie_embeddings_and_output_weights else 0
         total += self.max_position_embeddings * h if self.position_embedding_type == "learned" else 0
         return total
 
@@ -252,7 +260,7 @@ class ModelConfig:
         # an MoE layer computes its router and the k experts each token goes to, not the dense MLP
         dense_mlp = h * fc1 + self.ffn_hidden_size * h
         extra = 2 * moe_layers * (self._moe_mlp_parameters(active=True) - dense_mlp) if moe_layers else 0
-        return 3.0 * (L * per_layer + extra + 2 * h * self.vocab_size)
+        return 3.0 * (L * per_layer + extra + 2 * h * (1 if self.reward_head else self.vocab_size))
 
     def _moe_mlp_parameters(self, active: bool) -> int:
         """An MoE layer's MLP parameters (router, experts, shared expert); with ``active``

@@ -103,6 +103,11 @@ class Seams:
         """Per-token cross entropy [N] from logits [N, vocab]."""
         return ops.cross_entropy(logits, labels, reduction="none")
 
+    def scalar_head(self, x, weight):
+        """A replicated head's values [b, S, 1] over whole sequences from the final norm's
+        output (the reward model's rm_head)."""
+        return ops.linear(x, weight)
+
     def vocab_columns(self, logits, token_ids: list[int]):
         """The logits [N, k] of the vocabulary entries ``token_ids`` from logits [N, vocab]
         (differentiable): a product with their one-hot columns, exact in float arithmetic."""
@@ -298,7 +303,9 @@ class GPTModel(nn.Module):
         if pre_process:
             self.embedding = LanguageEmbedding(cfg)
         self.decoder = Decoder(cfg, layers, final_norm=post_process, make_mlp=self.make_mlp)
-        if post_process and cfg.untie_embeddings_and_output_weights:
+        if post_process and cfg.reward_head:
+            self.rm_head = Linear(cfg.hidden_size, 1, False, cfg.init_method_std)
+        elif post_process and cfg.untie_embeddings_and_output_weights:
             self.output_layer = Linear(cfg.hidden_size, cfg.vocab_size, False, cfg.init_method_std)
         elif post_process and not pre_process:
             # tied weights on a stage without the embedding: a copy of the word embeddings,
@@ -348,7 +355,7 @@ class GPTModel(nn.Module):
         if name.startswith("decoder.layers."):
             local, rest = name[len("decoder.layers."):].split(".", 1)
             return f"decoder.layers.{self.decoder.numbers[int(local)]}.{rest}"
-        if name.startswith("output_layer.") and not self.cfg.untie_embeddings_and_output_weights:
+        if name.startswith("output_layer.") and self.cfg.tied_output:
             return "embedding.word_embeddings." + name[len("output_layer."):]
         return name
 
@@ -420,6 +427,8 @@ class GPTModel(nn.Module):
         x = self.decoder(x, cos, sin, seams, tokens)
         if not self.post_process:
             return x
+        if self.cfg.reward_head:
+            return seams.scalar_head(x, self.rm_head.weight)
         return ops.linear(seams.output_input(x), self.output_weight())
 
     def gather_logits(self, logits):

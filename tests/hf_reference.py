@@ -6,7 +6,8 @@ folder, saved by transformers) and OUT_DIR/<name>.npz (input ids and logits, flo
 GENERATED ones also transformers' greedy continuation of a batch padded on the left).
 ``python hf_reference.py --check FOLDER IDS.npy OUT.npy [FOLDER IDS.npy OUT.npy ...]`` loads
 each folder with transformers and writes its logits: the check that our exported folders load in
-transformers (several in one process: importing transformers is most of its time).
+transformers (several in one process: importing transformers is most of its time); for a
+sequence classifier (a reward model) its score of each row, [rows, 1], each row run alone.
 """
 
 from __future__ import annotations
@@ -93,8 +94,16 @@ def build(name: str, out_dir: str) -> None:
 
 
 def check(folder: str, ids_path: str, out_path: str) -> None:
-    model = T.AutoModelForCausalLM.from_pretrained(folder).float().eval()
+    config = T.AutoConfig.from_pretrained(folder)
     ids = np.load(ids_path)
+    if any(a.endswith("ForSequenceClassification") for a in config.architectures or []):
+        # without a pad token transformers scores a row at its last token: one row at a time
+        model = T.AutoModelForSequenceClassification.from_pretrained(folder).float().eval()
+        with torch.no_grad():
+            np.save(out_path, np.concatenate([model(torch.as_tensor(row[None])).logits.double().numpy()
+                                              for row in ids]))
+        return
+    model = T.AutoModelForCausalLM.from_pretrained(folder).float().eval()
     with torch.no_grad():
         np.save(out_path, model(torch.as_tensor(ids)).logits.double().numpy())
 

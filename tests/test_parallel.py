@@ -28,7 +28,15 @@ MOE = GQA + ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-s
 SFT = GQA + ["--stage", "sft"]
 # LoRA adapters on every linear layer of the same fine-tuning (base weights frozen at their start)
 LORA = SFT + ["--lora-r", "4", "--lora-alpha", "8"]
-MODELS = {"gqa": GQA, "mha": MHA, "moe": MOE, "sft": SFT, "lora": LORA}
+# preference alignment on pairs of replies (preference_corpus), two pairs per micro-batch:
+# DPO against the starting model, with LoRA too, SimPO, a pairwise reward model (scalar head)
+# and a process reward model on step-labelled sums (prm_corpus)
+DPO = GQA + ["--stage", "dpo"]
+SIMPO = GQA + ["--stage", "simpo"]
+ORM = GQA + ["--stage", "orm"]
+PRM = GQA + ["--stage", "prm", "--reward-tokens", "+", "-"]
+MODELS = {"gqa": GQA, "mha": MHA, "moe": MOE, "sft": SFT, "lora": LORA, "dpo": DPO,
+          "dpo-lora": DPO + ["--lora-r", "4", "--lora-alpha", "8"], "simpo": SIMPO, "orm": ORM, "prm": PRM}
 ITERS = 10  # the single-process reference curves
 # the layout launches run the first steps of the same schedule (--lr-decay-iters above): their
 # first-step gradients (MoE) and these losses are compared, which is where an error shows
@@ -70,9 +78,51 @@ def sft_corpus(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def data(corpus, sft_corpus):  # noqa: F811
+def preference_corpus(tmp_path_factory):
+    """Pairs of replies to a line of library code: the next line (chosen) and a line from
+    further on (rejected), 12 characters each at most, as Alpaca pairwise data for --seq-length 32."""
+    from mindspeed_core import cli
+    from mindspeed_core.data.corpus import stdlib_files
+
+    root = tmp_path_factory.mktemp("pairs")
+    lines = [line.strip()[:12] for path in stdlib_files(20_000) for line in open(path) if line.strip()][:900]
+    with open(root / "pairs.jsonl", "w") as fh:
+        for k in range(0, 600, 2):
+            fh.write(json.dumps({"instruction": lines[k], "chosen": lines[k + 1], "rejected": lines[k + 301]}) + "\n")
+    assert cli.main(["preprocess", "--input", str(root / "pairs.jsonl"), "--output-prefix", str(root / "pairs"),
+                     "--handler-name", "AlpacaStylePairwiseHandler", "--prompt-type", "empty",
+                     "--seq-length", "32"]) == 0
+    return str(root / "pairs")
+
+
+@pytest.fixture(scope="module")
+def prm_corpus(tmp_path_factory):
+    """Sums of one-digit numbers, a step each, ending with '@' and labelled + when right."""
+    import random
+
+    from mindspeed_core import cli
+
+    root, rng = tmp_path_factory.mktemp("prm"), random.Random(5)
+    with open(root / "steps.jsonl", "w") as fh:
+        for _ in range(300):
+            steps, labels = "", []
+            for _ in range(rng.randint(1, 3)):
+                a, b = rng.randint(0, 9), rng.randint(0, 9)
+                c = a + b if rng.random() < 0.5 else a + b + rng.randint(1, 3)
+                steps, labels = steps + f"{a}+{b}={c}@", labels + ["+" if c == a + b else "-"]
+            fh.write(json.dumps({"input": steps, "value": labels}) + "\n")
+    assert cli.main(["preprocess", "--input", str(root / "steps.jsonl"), "--output-prefix", str(root / "steps"),
+                     "--handler-name", "AlpacaStyleProcessRewardHandler", "--placeholder-token", "@",
+                     "--reward-tokens", "+", "-", "--seq-length", "32"]) == 0
+    return str(root / "steps")
+
+
+@pytest.fixture(scope="module")
+def data(corpus, sft_corpus, preference_corpus, prm_corpus):  # noqa: F811
     """The data path of each model of MODELS."""
-    return {name: sft_corpus if name in ("sft", "lora") else corpus for name in MODELS}
+    special = {"sft": sft_corpus, "lora": sft_corpus, "dpo": preference_corpus, "dpo-lora": preference_corpus,
+               "simpo": preference_corpus, "orm": preference_corpus, "prm": prm_corpus}
+    return {name: special.get(name, corpus) for name in MODELS}
 
 
 @pytest.fixture(scope="module")
@@ -156,6 +206,15 @@ CASES = [  # (id, ranks, model, flags): the cases of each rank count share one l
     ("moe-ep2-pp2-recompute-block", 4, "moe", ["--expert-model-parallel-size", "2", "--pipeline-model-parallel-size",
                                                "2", "--moe-token-dispatcher-type", "alltoall", "--recompute-granularity",
                                                "full", "--recompute-method", "block", "--recompute-num-layers", "1"]),
+    # preference pairs stay whole: under TP + SP, LoRA under TP, across two pipeline stages
+    # (the 2 x 2 rows of a micro-batch travel as one activation), with DP; the PP2 x DP2 DPO
+    # run saves, and its reference log-likelihoods carry over to one process below
+    ("dpo-tp2-sp", 2, "dpo", ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+    ("dpo-lora-tp2", 2, "dpo-lora", ["--tensor-model-parallel-size", "2"]),
+    ("simpo-pp2", 2, "simpo", ["--pipeline-model-parallel-size", "2"]),
+    ("orm-tp2-sp", 2, "orm", ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),  # the scalar head's gradient
+    ("dpo-pp2-dp2", 4, "dpo", ["--pipeline-model-parallel-size", "2", "--save", "{tmp}/dpo-ckpt"]),
+    ("prm-tp2-pp2", 4, "prm", ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]),
 ]
 # cases whose collective bytes are checked against parallel/traffic.py (besides every pure DP one)
 TRAFFIC = ("tp2", "tp2-sp", "dp2-distopt", "tp2-dp2")
@@ -287,6 +346,9 @@ def four_ranks(corpus, data, two_ranks, tmp_path_factory):  # noqa: F811
 @pytest.mark.feature("moe-allgather-dispatcher")
 @pytest.mark.feature("sft")
 @pytest.mark.feature("lora")
+@pytest.mark.feature("stage-dpo")
+@pytest.mark.feature("stage-simpo")
+@pytest.mark.feature("stage-orm")
 def test_two_rank_layouts_equal_single_process(capsys, framework, corpus, two_ranks, reference,  # noqa: F811
                                                tmp_path):
     check_cases(framework, two_ranks / "out", 2, ranks_cases(2), reference)
@@ -318,8 +380,13 @@ def resume_in_one_process(capsys, corpus, folder, model, want, saved_layout, tmp
 @pytest.mark.feature("norm-recompute")
 @pytest.mark.feature("sft")
 @pytest.mark.feature("lora")
-def test_four_rank_layouts_equal_single_process(framework, four_ranks, reference):
+@pytest.mark.feature("stage-dpo")
+@pytest.mark.feature("stage-prm")
+def test_four_rank_layouts_equal_single_process(capsys, framework, data, four_ranks, reference, tmp_path):
     check_cases(framework, four_ranks / "out", 4, ranks_cases(4), reference)
+    # the PP2 x DP2 DPO checkpoint goes on in one process, past the iterations it was saved for:
+    # the reference log-likelihoods it holds cover every pair
+    resume_in_one_process(capsys, data["dpo"], four_ranks / "dpo-ckpt", DPO, reference["dpo"], "PP=2", tmp_path)
 
 
 def check_layout(out: str, ranks: int, flags: list) -> None:

@@ -63,7 +63,11 @@ class InstructionSamples(Shuffled):
         super().__init__(last - first, seed)
 
     def __getitem__(self, i: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        d = self.first + self._sample(i)
+        return self.document(self._sample(i))
+
+    def document(self, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The ``k``-th document of this split (0 <= k < count), in file order."""
+        d = self.first + k
         a, b = int(self.ids.document_indices[d]), int(self.ids.document_indices[d + 1])
         n = self.seq_length + 1
         tokens, labels = np.full(n, self.pad, np.int64), np.full(n, IGNORE, np.int64)
@@ -87,8 +91,21 @@ class PairSamples:
                 self.sides[0].ids.document_count != self.sides[1].ids.document_count:
             raise MindSpeedError(f"{prefix}: the chosen and rejected files hold different pairs; preprocess again")
 
+    @property
+    def count(self) -> int:
+        """The pairs of this split of the dataset."""
+        return self.sides[0].count
+
+    def pair_number(self, i: int) -> int:
+        """Which of the ``count`` pairs sample ``i`` is (the seeded order, epoch after epoch)."""
+        return self.sides[0]._sample(i)
+
     def __getitem__(self, i: int):
         return tuple(side[i] for side in self.sides)
+
+    def pair(self, k: int):
+        """Pair number ``k`` (0 <= k < count), whatever the order."""
+        return tuple(side.document(k) for side in self.sides)
 
 
 def build_splits(data_path: list[str], split: str, seq_length: int, seed: int, pad: int,
@@ -133,10 +150,9 @@ def batch(samples, start: int, size: int, rows=None, shift: bool = True):
     return ids, targets, mask, positions.astype(np.int64), docs
 
 
-def pair_batch(samples, start: int, size: int):
-    """A micro-batch of ``size`` preference pairs as one batch of 2 x size rows, the chosen
-    conversations first, then the rejected ones in the same order (row i and row size + i
-    are one pair): (ids, labels, loss mask) as ``batch`` gives them, [2 size, S]."""
-    pairs = [samples[start + i] for i in range(size)]
-    ids, labels, mask, _, _ = batch(None, 0, 2 * size, [p[0] for p in pairs] + [p[1] for p in pairs])
+def pair_batch(pairs: list):
+    """Preference pairs (PairSamples items) as one batch of 2 x len(pairs) rows, the chosen
+    conversations first, then the rejected ones in the same order (row i and row n + i are
+    one pair): (ids, labels, loss mask) as ``batch`` gives them, [2n, S]."""
+    ids, labels, mask, _, _ = batch(None, 0, 2 * len(pairs), [p[0] for p in pairs] + [p[1] for p in pairs])
     return ids, labels, mask

@@ -145,6 +145,13 @@ class BlendedSamples:
             counts[d] += 1
         self._which, self._index, self._cache_n = which, index, n
 
+    def locate(self, i: int) -> tuple[int, int]:
+        """(part, sample of that part) of sample ``i`` of the blend."""
+        if len(self.parts) == 1:
+            return 0, i
+        self._extend(i + 1)
+        return int(self._which[i]), int(self._index[i])
+
     def __getitem__(self, i: int) -> np.ndarray:
         if len(self.parts) == 1:
             return self.parts[0][1][i]

@@ -217,6 +217,12 @@ class TensorParallelSeams(Seams):
     def token_losses(self, logits, labels):
         return vocab_parallel_cross_entropy(logits, labels, self.group, self.vocab_start)
 
+    def scalar_head(self, x, weight):
+        # every rank computes the head on the same tokens; under SP on its own tokens, then
+        # gathered (each rank's gradient is its own slice: the loss is the same everywhere)
+        values = ops.linear(x, weight)
+        return mappings.gather_from_region(values, self.group, dim=1) if self.sp else values
+
     def vocab_columns(self, logits, token_ids):
         # each rank's shard holds some of the columns (zeros for the others): their sum
         local = ops.matmul(logits, ops.tensor(vocab_selector(self.vocab_start, logits.shape[-1], token_ids)))
@@ -291,4 +297,6 @@ def _shard_layers(model, ps, group, sequence_parallel, spec, partial) -> KVCopie
     if model.post_process and hasattr(model, "output_layer"):
         model.output_layer = ColumnParallelLinear(model.output_layer, group, False)
         spec["output_layer.weight"] = ("split", 0)
+    if model.post_process and hasattr(model, "rm_head") and sequence_parallel:
+        partial.add("rm_head.weight")  # each rank's gradient holds its own tokens' share
     return kv

@@ -21,9 +21,11 @@ global batch's pairs whatever the layout.
   of the --reward-tokens only (a step's verdict, e.g. "+" or "-"), averaged over the steps.
 
 The reference model is the model as the run starts (the SFT model of --load/--load-hf, or
-LoRA's base). Its log-likelihoods are computed once, before the first step, for every pair
-the run will read (``reference_log_likelihoods``), kept on the host and in checkpoints: no
-second model is held, and a resumed run compares against the same reference.
+LoRA's base). Its log-likelihoods of every pair of the training and validation data are
+computed once, before the first step (``reference_log_likelihoods``, each data-parallel rank
+a share), and kept on the host and in checkpoints (``ReferenceTable``): no second model is
+held, and a resumed run, however many iterations it goes on for, compares against the same
+reference.
 """
 
 from __future__ import annotations
@@ -66,13 +68,16 @@ def sequence_log_likelihoods(model, logits, labels, mask: np.ndarray):
 
 
 def last_token_values(values, mask: np.ndarray):
-    """values [rows, S] -> [rows]: each row's value at its last kept label (the reply's end)."""
+    """values [rows, S] -> [rows]: each row's value where the model has read its reply's last
+    token (one past the last kept label, whose target that token is; the last position when
+    the sample fills the sequence)."""
     rows, length = mask.shape
     if not mask.any(axis=1).all():
         raise MindSpeedError("a reward-model sample has no reply tokens: preprocess with a shorter prompt or a longer "
                              "--seq-length")
+    last_label = length - 1 - np.argmax(mask[:, ::-1], axis=1)
     pick = np.zeros((rows, length), np.float32)
-    pick[np.arange(rows), length - 1 - np.argmax(mask[:, ::-1], axis=1)] = 1.0
+    pick[np.arange(rows), np.minimum(last_label + 1, length - 1)] = 1.0
     return ops.sum(values * ops.tensor(pick), dim=1)
 
 
@@ -171,6 +176,40 @@ def reference_log_likelihoods(model, batches) -> list[np.ndarray]:
     finally:
         nn.set_training(model, True)
     return out
+
+
+class ReferenceTable:
+    """DPO's reference: the (chosen, rejected) log-likelihoods of every pair, by split, data
+    part (of a --data-path blend) and pair number."""
+
+    def __init__(self):
+        self.tables: dict[tuple[str, int], np.ndarray] = {}  # (split, part) -> [pairs, 2] float32
+
+    def __bool__(self) -> bool:
+        return bool(self.tables)
+
+    def lookup(self, split: str, part: int, pairs: list[int]) -> np.ndarray:
+        """[2n]: the chosen then the rejected log-likelihoods of these pair numbers."""
+        rows = self.tables[split, part][pairs]
+        return np.concatenate([rows[:, 0], rows[:, 1]])
+
+    def state(self) -> dict:
+        # float32 survives JSON exactly
+        return {f"{split}/{part}": [[float(c), float(r)] for c, r in table] for (split, part), table in
+                self.tables.items()}
+
+    def load(self, state: dict, counts: dict) -> None:
+        """A saved table, checked against this run's data: ``counts`` {(split, part): pairs}."""
+        tables = {}
+        for key, rows in state.items():
+            split, part = key.split("/")
+            tables[split, int(part)] = np.asarray(rows, np.float32).reshape(-1, 2)
+        have = {k: len(t) for k, t in tables.items()}
+        if have != counts:
+            raise MindSpeedError(f"the checkpoint's DPO reference covers other data ({sorted(have.items())} pairs by "
+                                 f"split and part) than --data-path and --split give ({sorted(counts.items())}): "
+                                 "resume with the same data, or start DPO from these weights with --finetune")
+        self.tables = tables
 
 
 def reward_token_ids(tokenizer, texts: list[str]) -> list[int]:

@@ -127,6 +127,7 @@ def default_save_folder(model_name: str) -> str:
 def model_config(args, vocab_size: int) -> ModelConfig:
     cfg = _model_config(args, vocab_size)
     cfg.lora = lora_config(args)
+    cfg.reward_head = stage_of(args) == "orm"
     cfg.fused = frozenset(op for flag, op in FUSED_FLAGS.items() if getattr(args, flag, False))
     return cfg
 
@@ -375,14 +376,19 @@ def check_save_folder(args) -> None:
                              f"--overwrite-checkpoints to replace them")
 
 
-def _same_model(saved, cfg: ModelConfig, ignore_lora: bool = False) -> bool:
+def _same_model(saved, cfg: ModelConfig, ignore_lora: bool = False, ignore_head: bool = False) -> bool:
     """Whether a checkpoint's model config is ``cfg`` (fields added since it was saved take
-    their defaults); ``ignore_lora``: the base models only."""
+    their defaults); ``ignore_lora``: the base models only; ``ignore_head``: the models up
+    to their output (a language model starting a reward model)."""
     try:
         saved = ModelConfig.from_dict(saved)
     except (TypeError, ValueError, AttributeError):
         return False
-    return dataclasses.replace(saved, lora=None) == dataclasses.replace(cfg, lora=None) if ignore_lora else saved == cfg
+    if ignore_lora:
+        saved, cfg = dataclasses.replace(saved, lora=None), dataclasses.replace(cfg, lora=None)
+    if ignore_head:
+        saved, cfg = dataclasses.replace(saved, reward_head=False), dataclasses.replace(cfg, reward_head=False)
+    return saved == cfg
 
 
 def _saved_lora(values: dict) -> LoRAConfig | None:
@@ -415,8 +421,7 @@ class Trainer:
             self.objective = alignment.Objective(
                 self.stage_name, args,
                 alignment.reward_token_ids(self.tokenizer, args.reward_tokens) if self.stage_name == "prm" else None)
-        # DPO's reference: {split: {sample index: (chosen, rejected) log-likelihood}}
-        self.reference = {"train": {}, "valid": {}}
+        self.reference = alignment.ReferenceTable()  # DPO's, filled by build()
         if self.embedded:
             from mindspeed_core.data import corpus
 
@@ -495,7 +500,7 @@ class Trainer:
             features.note_used("lora")
             lora.init_adapters(self.model, args.seed)
         if hf_state is not None:
-            nn.load_state_dict(self.model, {**self._adapters(), **hf_state})
+            nn.load_state_dict(self.model, self._with_head({**self._adapters(), **hf_state}))
         self.iteration, saved_optimizer = 0, None
         if args.load:
             saved_optimizer = self._resume_model(args.load)
@@ -663,6 +668,15 @@ class Trainer:
         """The whole model's LoRA factors as they stand ({name: numpy})."""
         return {n: v for n, v in nn.state_dict(self.model).items() if lora.is_adapter(n)}
 
+    def _with_head(self, arrays: dict) -> dict:
+        """A language model's weights for this model: a reward model drops the output layer
+        and keeps its scalar head's fresh start."""
+        if not self.cfg.reward_head or "rm_head.weight" in arrays:
+            return arrays
+        out = {n: v for n, v in arrays.items() if not n.startswith("output_layer.")}
+        out["rm_head.weight"] = nn.state_dict(self.model)["rm_head.weight"]
+        return out
+
     def _resume_model(self, root: str, adapters_only: bool = False):
         """Load the full model from the newest checkpoint in ``root``; returns its optimizer
         arrays and steps (None: the weights only). With LoRA, a checkpoint without adapters is
@@ -678,19 +692,22 @@ class Trainer:
         meta = checkpoint.read_meta(root, it)
         saved_lora = (meta.get("model") or {}).get("lora")
         base_only = self.cfg.lora is not None and saved_lora is None and not adapters_only
+        # a language model starting a reward model: its weights only, the scalar head fresh
+        lm_start = self.cfg.reward_head and not (meta.get("model") or {}).get("reward_head")
         if saved_lora is not None and _saved_lora(saved_lora) != self.cfg.lora:
             raise CheckpointError(f"the checkpoint in {root} (iteration {it}) holds LoRA adapters (rank "
                                   f"{saved_lora['r']}, alpha {saved_lora['alpha']}, dropout {saved_lora['dropout']}, "
                                   f"targets {' '.join(saved_lora['targets'])}): pass the same --lora-* flags")
         if adapters_only and saved_lora is None:
             raise CheckpointError(f"--lora-load: the checkpoint in {root} (iteration {it}) holds no LoRA adapters")
-        if not _same_model(meta.get("model"), self.cfg, ignore_lora=base_only):
+        if not _same_model(meta.get("model"), self.cfg, ignore_lora=base_only, ignore_head=lm_start):
             raise CheckpointError(f"the checkpoint in {root} (iteration {it}) was saved for a different model "
                                   f"configuration; pass the same model flags as when it was saved")
-        if self.args.finetune and not adapters_only or base_only:
+        if self.args.finetune and not adapters_only or base_only or lm_start:
             # the weights only: iteration 0, a fresh optimizer, the data from its start
-            load_whole_state(self.model, {**self._adapters(), **checkpoint.load_model_arrays(root, it)})
-            why = "--finetune" if self.args.finetune else "LoRA on a base model"
+            load_whole_state(self.model, self._with_head({**self._adapters(), **checkpoint.load_model_arrays(root, it)}))
+            why = ("--finetune" if self.args.finetune else "LoRA on a base model" if base_only else
+                   "a reward model from a language model")
             self.say(f"fine-tuning from the weights of {checkpoint.iteration_dir(root, it)} ({why})")
             return None
         model_arrays, optimizer_arrays, steps = checkpoint.load(root, it)
@@ -712,9 +729,8 @@ class Trainer:
                 # aux-loss-free balancing's biases, by layer number (float32 survives JSON exactly)
                 "expert_bias": {str(layer.number): [float(b) for b in layer.expert_bias]
                                 for layer in self.moe_layers if layer.expert_bias is not None}}
-        if self.stage_name == "dpo":  # the reference of the pairs this rank scores (float32 survives JSON exactly)
-            mine["reference"] = {split: {str(i): list(pair) for i, pair in known.items()}
-                                 for split, known in self.reference.items()}
+        if self.reference and self.ps.local_rank("dp") == 0 and self.ps.local_rank("tp") == 0:
+            mine["reference"] = self.reference.state()  # one copy: the last stage's first rank's
         return {"framework": runtime.bound().NAME, **self.scaler.state(),
                 "layout": self._layout(),
                 "rng": distributed.gather_json(mine, self.ps)}
@@ -755,9 +771,7 @@ class Trainer:
         if not saved:
             raise CheckpointError(f"the checkpoint in {self.resumed_from} holds no DPO reference: it was not saved by "
                                   f"a --stage dpo run; start DPO from its weights with --finetune")
-        for part in saved:
-            for split, known in part.items():
-                self.reference[split].update({int(i): tuple(pair) for i, pair in known.items()})
+        self.reference.load(saved[0], self._pair_counts())
 
     def _restore_expert_bias(self, ranks: list) -> None:
         saved = {int(n): b for r in ranks for n, b in r.get("expert_bias", {}).items()}  # any stage's rank
@@ -789,23 +803,24 @@ class Trainer:
         self._check_ids(split, labels)
         return ids, labels, Tokens(positions, documents, loss_mask)
 
-    def _pair_batch(self, split: str, start: int, size: int, with_reference: bool = True):
+    def _pair_batch(self, split: str, start: int, size: int):
         """A micro-batch of ``size`` preference pairs: 2 x size rows, the chosen ones first;
-        for DPO on the last pipeline stage, with their reference log-likelihoods."""
-        ids, labels, mask = finetune_dataset.pair_batch(self.data[split], start, size)
+        for DPO where the loss is computed (the last pipeline stage), with the pairs'
+        reference log-likelihoods."""
+        blend = self.data[split]
+        where = [blend.locate(start + i) for i in range(size)]  # (part, sample of the part)
+        pairs = [blend.parts[part][1] for part, _ in where]
+        reference = None
+        if self.stage_name == "dpo" and self.ps.local_rank("pp") == self.ps.pp - 1:
+            numbers = [p.pair_number(i) for p, (_, i) in zip(pairs, where)]
+            rows = [self.reference.lookup(split, part, [k]) for (part, _), k in zip(where, numbers)]
+            reference = np.concatenate([[r[0] for r in rows], [r[1] for r in rows]]).astype(np.float32)
+        return self._pairs_on_device(split, [p[i] for p, (_, i) in zip(pairs, where)], reference)
+
+    def _pairs_on_device(self, split: str, pairs: list, reference):
+        ids, labels, mask = finetune_dataset.pair_batch(pairs)
         self._check_ids(split, ids)
         self._check_ids(split, labels)
-        reference = None
-        if with_reference and self.stage_name == "dpo" and self.ps.local_rank("pp") == self.ps.pp - 1:
-            known = self.reference[split]
-            missing = [start + i for i in range(size) if start + i not in known]
-            if missing:
-                raise CheckpointError(f"no reference log-likelihoods for {split} pair {missing[0]}: the run that saved "
-                                      f"this checkpoint computed them for its own --train-iters, --eval-iters and "
-                                      f"--global-batch-size; resume with those, or start a new DPO run from these "
-                                      f"weights with --finetune")
-            pairs = [known[start + i] for i in range(size)]
-            reference = np.array([c for c, _ in pairs] + [r for _, r in pairs], np.float32)
         target = alignment.Pairs(ops.tensor(np.ascontiguousarray(labels)), mask, reference)
         return ops.tensor(np.ascontiguousarray(ids)), target, None
 
@@ -853,26 +868,33 @@ class Trainer:
             ids, labels = ids[:, columns], labels[:, columns]
         return ops.tensor(np.ascontiguousarray(ids)), ops.tensor(np.ascontiguousarray(labels)), packed
 
+    def _pair_counts(self) -> dict:
+        """{(split, part): pairs} of the training and validation data."""
+        return {(split, part): pairs.count for split in ("train", "valid") if self.data[split] is not None
+                for part, (_, pairs) in enumerate(self.data[split].parts)}
+
     def _compute_reference(self) -> None:
-        """DPO's reference: the starting model's log-likelihoods of every pair this rank will
-        score (its training micro-batches from here to --train-iters, and the validation
-        ones), computed by the whole model before it is cut for the layout; only the ranks
-        holding the last pipeline stage score pairs."""
+        """DPO's reference: the starting model's log-likelihoods of every training and
+        validation pair, computed by the whole model before it is cut for the layout, on the
+        ranks holding the last pipeline stage (where the loss is), each data-parallel rank a
+        share, then summed over them (zeros elsewhere: exact)."""
         if self.ps.local_rank("pp") != self.ps.pp - 1:
             return
-        args, started = self.args, time.perf_counter()
-        wanted = [("train", start) for it in range(self.iteration, args.train_iters)
-                  for start in self.sampler.micro_batch_starts(it)]
-        if args.eval_iters and args.eval_interval:
-            wanted += [("valid", k * args.micro_batch_size) for k in range(args.eval_iters)]
-        batches = (self._pair_batch(split, start, args.micro_batch_size, with_reference=False)[:2]
-                   for split, start in wanted)
-        size = args.micro_batch_size
-        for (split, start), ll in zip(wanted, alignment.reference_log_likelihoods(self.model, batches)):
-            for i in range(size):
-                self.reference[split][start + i] = (float(ll[i]), float(ll[size + i]))
-        self.say(f"DPO reference: the starting model's log-likelihoods of {len(wanted) * size} pairs "
-                 f"({time.perf_counter() - started:.1f} s)")
+        started, dp, me = time.perf_counter(), self.ps.dp, self.ps.local_rank("dp")
+        chunk = max(self.args.micro_batch_size, 8)  # pairs per forward
+        for (split, part), count in self._pair_counts().items():
+            pairs = self.data[split].parts[part][1]
+            mine = list(range(me, count, dp))
+            groups = [mine[k:k + chunk] for k in range(0, len(mine), chunk)]
+            batches = (self._pairs_on_device(split, [pairs.pair(k) for k in group], None)[:2] for group in groups)
+            table = np.zeros((count, 2), np.float32)
+            for group, ll in zip(groups, alignment.reference_log_likelihoods(self.model, batches)):
+                table[group, 0], table[group, 1] = ll[:len(group)], ll[len(group):]
+            if dp > 1:
+                table = ops.to_numpy(dist.all_reduce(ops.tensor(table), group=self.ps.group("dp")))
+            self.reference.tables[split, part] = table
+        self.say(f"DPO reference: the starting model's log-likelihoods of "
+                 f"{sum(self._pair_counts().values())} pairs ({time.perf_counter() - started:.1f} s)")
 
     def _stage_stats(self, record: str) -> dict | None:
         """The preference or reward figures of the micro-batches since the last call, over every
@@ -910,7 +932,7 @@ class Trainer:
         grads = distributed.sum_partial_over_tp(grads, self.ps, plan.indices("partial"))
         grads = distributed.sum_kv_copies(grads, plan)
         grads = distributed.sum_tied_embeddings(grads, plan, self.ps,
-                                                not self.cfg.untie_embeddings_and_output_weights)
+                                                self.cfg.tied_output)
         return loss, grads
 
     def train_step(self, iteration: int) -> tuple[float, float, float]:
@@ -1101,7 +1123,7 @@ class Trainer:
         if args.save and (not args.save_interval or self.iteration % args.save_interval) and history:
             self.save()
         result = {"iterations": self.iteration, "losses": history}
-        if args.sample_tokens:
+        if args.sample_tokens and not self.cfg.reward_head:  # a reward model scores text, it writes none
             from mindspeed_core.models.generate import Sampling, generate
 
             prompt, encoded, stop = "def ", None, None
