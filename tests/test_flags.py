@@ -45,6 +45,7 @@ VALUES = {
     "--model-name": ["tiny-qwen3"], "--load-hf": ["/nonexistent/hf"], "--device": ["npu"],
     "--num-query-groups": ["2"], "--kv-channels": ["16"], "--seq-length": ["8"],
     "--max-position-embeddings": ["64"], "--num-attention-heads": ["2"], "--hidden-size": ["64"],
+    "--dpo-label-smoothing": ["0.25"], "--simpo-label-smoothing": ["0.25"], "--reward-tokens": ["+", "-"],
 }
 
 
@@ -70,6 +71,10 @@ REQUIRES = {
     "--moe-router-bias-update-rate": ["--num-experts", "4", "--moe-router-enable-expert-bias"],
     "--moe-token-drop-policy": ["--num-experts", "4", "--moe-expert-capacity-factor", "1.0"],
     "--moe-pad-expert-input-to-capacity": ["--num-experts", "4", "--moe-expert-capacity-factor", "1.0"],
+    # the preference and reward stages' settings qualify their --stage (MindSpeed-LLM ignores them elsewhere)
+    **{flag: ["--stage", "dpo"] for flag in ("--dpo-loss-type", "--dpo-beta", "--dpo-label-smoothing")},
+    **{flag: ["--stage", "simpo"] for flag in ("--simpo-beta", "--simpo-gamma", "--simpo-label-smoothing")},
+    "--reward-tokens": ["--stage", "prm"],
     # the other --lora-* flags qualify the adapters that --lora-r switches on
     **{flag: ["--lora-r", "4"] for flag in ("--lora-alpha", "--lora-dropout")},
     "--tokenizer-hf-no-include-special-tokens": ["--tokenizer-type", "PretrainedFromHF", "--tokenizer-name-or-path",

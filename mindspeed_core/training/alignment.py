@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mindspeed_core import autograd, ops
+from mindspeed_core import autograd, features, ops
 from mindspeed_core.errors import MindSpeedError
 
 PAIRWISE = ("dpo", "simpo", "orm")
@@ -95,6 +95,7 @@ class Objective:
         self.stats: list[np.ndarray] = []
 
     def __call__(self, model, out, target, tokens=None):
+        features.note_used(f"stage-{self.stage}")
         if self.stage == "prm":
             return self._process_reward(model, out, target, tokens)
         if self.stage == "orm":

@@ -417,7 +417,6 @@ class Trainer:
         # the preference and reward stages' loss (training/alignment.py); None: the LM loss
         self.objective = None
         if self.stage_name in ("dpo", "simpo", "orm", "prm"):
-            features.note_used(f"stage-{self.stage_name}")
             self.objective = alignment.Objective(
                 self.stage_name, args,
                 alignment.reward_token_ids(self.tokenizer, args.reward_tokens) if self.stage_name == "prm" else None)
@@ -451,7 +450,7 @@ class Trainer:
             "tokenizer": {"type": self.tokenizer.name, "end_of_document": self.tokenizer.eod,
                           "end_of_document_from": self.tokenizer.eod_source, "bos": self.tokenizer.bos,
                           "encodes_special_tokens": getattr(self.tokenizer, "include_special_tokens", None)},
-            "data_path": self.args.data_path, "stage": self.stage_name,
+            "data_path": self.args.data_path, "stage": self.stage_name, "alignment": self._alignment_settings(),
             "seq_length": self.args.seq_length, "micro_batch_size": self.args.micro_batch_size,
             "global_batch_size": self.args.global_batch_size, "gradient_accumulation": self.grad_accum,
             "train_iters": self.args.train_iters, "lr": self.args.lr, "min_lr": self.args.min_lr,
@@ -474,6 +473,20 @@ class Trainer:
                                  "reset_position_ids": bool(self.args.reset_position_ids)},
             "run": {key: getattr(self.args, key) for key in _RUN_SETTINGS} | {"progress": not self.args.no_progress},
         }
+
+    def _alignment_settings(self) -> dict | None:
+        """What the preference or reward stage's loss takes (training/alignment.py)."""
+        a, stage = self.args, self.stage_name
+        if stage == "dpo":
+            return {"loss_type": a.dpo_loss_type, "beta": a.dpo_beta, "label_smoothing": a.dpo_label_smoothing,
+                    "reference": "the starting model's log-likelihoods, computed before the first step"}
+        if stage == "simpo":
+            return {"beta": a.simpo_beta, "gamma": a.simpo_gamma, "label_smoothing": a.simpo_label_smoothing}
+        if stage == "prm":
+            return {"reward_tokens": a.reward_tokens, "reward_token_ids": self.objective.candidates}
+        if stage == "orm":
+            return {"head": "rm_head [1, hidden], read at each reply's last token"}
+        return None
 
     def build(self):
         args = self.args
@@ -827,7 +840,6 @@ class Trainer:
     def _process_reward_batch(self, split: str, start: int, size: int):
         """Step-labelled samples: each label sits where its step ends (no shift), as the index
         of its verdict among --reward-tokens."""
-        features.note_used("sft")
         rows = [self.data[split][start + i] for i in range(size)]
         ids, labels, mask, positions, documents = finetune_dataset.batch(None, 0, size, rows, shift=False)
         self._check_ids(split, ids)
