@@ -34,7 +34,8 @@ from mindspeed_core import dist, features, nn, ops
 from mindspeed_core.errors import MindSpeedError
 from mindspeed_core.models.moe import MoELayer, MoESeams, assignment_order, run_experts, weigh_back
 from mindspeed_core.parallel import mappings
-from mindspeed_core.parallel.layers import ColumnParallelLinear, RowParallelLinear, shard
+from mindspeed_core.parallel.layers import ColumnParallelLinear, RowParallelLinear
+from mindspeed_core.parallel.sharding import shard
 
 DISPATCHERS = ("alltoall", "allgather")
 

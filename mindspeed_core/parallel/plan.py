@@ -8,7 +8,7 @@ checkpoints read this one structure (nothing reads attributes off the model).
 Per parameter (``ParamPlan``):
 
     name        the whole model's name (checkpoints: independent of the layout)
-    shard       how tensor parallelism cuts it (see parallel.layers.shard), None: replicated
+    shard       how tensor parallelism cuts it (see parallel.sharding.shard), None: replicated
     partial     its gradient is a partial sum over the tensor-parallel group (sequence
                 parallelism: replicated weights inside the decoder saw a slice of the tokens)
     kv_copies   its rows from ``kv.q_rows`` on are key/value heads copied to several TP ranks:

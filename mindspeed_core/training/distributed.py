@@ -11,7 +11,7 @@ import json
 import numpy as np
 
 from mindspeed_core import dist, features, ops
-from mindspeed_core.parallel.layers import shard, unshard
+from mindspeed_core.parallel.sharding import shard, unshard
 
 BUCKET_ELEMENTS = 4 * 2**20  # float32 elements per all-reduce (16 MiB), Megatron's order of size
 
