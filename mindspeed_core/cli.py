@@ -8,6 +8,7 @@
     mindspeed generate (--load DIR | --load-hf FOLDER) --task chat [--prompt-type NAME | --hf-chat-template]
     mindspeed evaluate (--load DIR | --load-hf FOLDER) --task mmlu|ceval|gsm8k|boolq|perplexity --task-data-path P
     mindspeed preprocess --input FILE --output-prefix PREFIX [--tokenizer-type ...]
+    mindspeed convert --load-model-type hf|mg --save-model-type hf|mg --load-dir D --save-dir D [--target-* ...]
     mindspeed launch --nproc-per-node N [--nnodes --node-rank --master-addr --master-port] -- [generate] <flags>
 
 ``--ai-framework`` is read before anything else so that the facade is bound before model
@@ -150,6 +151,12 @@ def _cmd_evaluate(argv: list[str]) -> int:
     return evaluation.run(argv)
 
 
+def _cmd_convert(argv: list[str]) -> int:
+    from mindspeed_core import convert
+
+    return convert.run(argv)
+
+
 def _cmd_launch(argv: list[str]) -> int:
     from mindspeed_core import launcher
 
@@ -157,7 +164,8 @@ def _cmd_launch(argv: list[str]) -> int:
 
 
 COMMANDS = {"features": _cmd_features, "check-args": _cmd_check_args, "info": _cmd_info, "train": _cmd_train,
-            "generate": _cmd_generate, "evaluate": _cmd_evaluate, "preprocess": _cmd_preprocess, "launch": _cmd_launch}
+            "generate": _cmd_generate, "evaluate": _cmd_evaluate, "preprocess": _cmd_preprocess, "launch": _cmd_launch,
+            "convert": _cmd_convert}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -419,7 +419,11 @@ FEATURES: tuple[Feature, ...] = (
             supported("cross entropy over the --reward-tokens' logits where each step ends; the layouts of DPO"),
             supported("as on PyTorch"), _eq("stage", "prm")),
     Feature("weight-conversion", "Hugging Face <-> Megatron-core weight conversion with re-sharding", "tools",
-            ("--load-model-type", "--save-model-type"), planned(), planned(),
+            ("--load-model-type", "--save-model-type"),
+            supported("mindspeed convert: hf <-> mg (Megatron's legacy layout, TP / PP / VPP / EP, no-op layers, "
+                      "fp32 / bf16 / fp16) and mg -> mg; .pt files read without torch and without running code "
+                      "from them; mindspeed train --load takes a Megatron folder; framework-free"),
+            supported("as on PyTorch"),
             lambda a: a.load_model_type is not None or a.save_model_type is not None),
 )
 

@@ -67,6 +67,19 @@ def _prompts(args) -> list[str]:
     return prompts
 
 
+def _is_megatron(root: str) -> bool:
+    from mindspeed_core.compat import mcore
+
+    return os.path.isdir(root) and mcore.is_megatron_checkpoint(root)
+
+
+def _megatron_model(ckpt, args):
+    if args.tokenizer_type is None and args.tokenizer_name_or_path is None:
+        raise MindSpeedError(f"{args.load} is a Megatron checkpoint: give its tokenizer (--tokenizer-type / "
+                             "--tokenizer-name-or-path)")
+    return ckpt.cfg, ckpt.state
+
+
 def load_model(args):
     """(model, config, tokenizer) from --load or --load-hf, cut for this rank's tensor-parallel
     share; the model in evaluation mode."""
@@ -96,6 +109,10 @@ def load_model(args):
                                  "--tokenizer-name-or-path")
         if args.tokenizer_type is None and args.tokenizer_name_or_path is None:
             args.tokenizer_type, args.tokenizer_name_or_path = "PretrainedFromHF", args.load_hf
+    elif _is_megatron(args.load):
+        from mindspeed_core.compat import mcore
+
+        cfg, state = _megatron_model(mcore.load(args.load), args)
     else:
         it = checkpoint.latest_iteration(args.load)
         if it is None:

@@ -690,12 +690,35 @@ class Trainer:
         out["rm_head.weight"] = nn.state_dict(self.model)["rm_head.weight"]
         return out
 
+    def _load_megatron(self, root: str) -> None:
+        """The weights of a Megatron checkpoint (compat/mcore.py; any TP / PP / EP / VPP) for
+        this model, cut later for this run's layout; iteration 0, a fresh optimizer."""
+        from mindspeed_core.compat import mcore
+
+        ckpt = mcore.load(root)
+        saved = ckpt.cfg if ckpt.exact else dataclasses.replace(ckpt.cfg, family=self.cfg.family)
+        lm_start = self.cfg.reward_head and not saved.reward_head
+        if not _same_model(saved.to_dict(), self.cfg, ignore_lora=self.cfg.lora is not None, ignore_head=lm_start):
+            raise CheckpointError(f"the Megatron checkpoint in {root} was saved for a different model configuration; "
+                                  f"pass the model flags of its args (num_layers {saved.num_layers}, hidden_size "
+                                  f"{saved.hidden_size}, padded vocabulary {saved.vocab_size}, ...)")
+        load_whole_state(self.model, self._with_head({**self._adapters(), **ckpt.state}))
+        lay = ckpt.layout
+        self.say(f"took the weights of the Megatron checkpoint {root} (iteration {ckpt.iteration}, saved at "
+                 f"TP={lay.tp} PP={lay.pp} EP={lay.ep}, {ckpt.dtype}); no optimizer state: training starts at "
+                 f"iteration 0")
+        return None
+
     def _resume_model(self, root: str, adapters_only: bool = False):
         """Load the full model from the newest checkpoint in ``root``; returns its optimizer
         arrays and steps (None: the weights only). With LoRA, a checkpoint without adapters is
         a base model: its weights only, whatever --finetune says. ``adapters_only``
         (--lora-load): the adapters and the training state, the base weights are kept."""
         flag = "--lora-load" if adapters_only else "--load"
+        from mindspeed_core.compat import mcore
+
+        if not adapters_only and mcore.is_megatron_checkpoint(root):
+            return self._load_megatron(root)
         it = checkpoint.latest_iteration(root)
         if it is None and (self.args.finetune or adapters_only):
             raise CheckpointError(f"{flag}: {root} holds no checkpoint to take the weights from")

@@ -1,0 +1,463 @@
+"""Megatron-core's legacy checkpoint layout, written and read: what Megatron-LM's and
+MindSpeed-LLM's ``--save``/``--load`` and ``convert_ckpt.py`` use.
+
+    <dir>/latest_checkpointed_iteration.txt       the newest iteration (or "release")
+    <dir>/iter_0000100/mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt
+        {"args": Namespace, "checkpoint_version": 3.0, "iteration": 100, "model": state dict}
+        ("model0", "model1", ... instead of "model" with virtual pipeline stages)
+
+TT is the tensor-parallel rank, PPP the pipeline rank (only when PP > 1), EEE the
+expert-parallel rank (only when EP > 1). The names are megatron-core GPTModel's with its local
+layer spec, which are ours (models/gpt.py): ``embedding.word_embeddings.weight``,
+``decoder.layers.N.self_attention.linear_qkv.weight`` (query heads, key, value per query group),
+``decoder.layers.N.mlp.linear_fc1.weight`` (gate rows, then up rows), ``output_layer.weight``,
+with each stage's layers numbered from 0 (a no-op layer keeps its place, holding nothing), a
+tied output layer copied on the last stage when there are several, and ``_extra_state``
+(None) beside each linear layer's weight, as megatron-core's state dict has it. Experts are
+SequentialMLP's ``mlp.experts.local_experts.E.linear_fc{1,2}.weight`` (GroupedMLP's
+``mlp.experts.weight1/weight2`` are read too), E numbered within the expert-parallel rank.
+
+A tensor-parallel rank's piece of each weight is parallel/layers.py's cut (``TP_SPECS``):
+column-parallel rows, row-parallel columns, gate and up halves cut alike, the vocabulary
+padded with zero rows to a multiple of TP as Megatron pads it. ``args`` holds Megatron's names
+for the model and the layout, and ours in ``mindspeed_model_config`` (JSON), which is read back
+exactly; a checkpoint without it (made by Megatron itself) is read from Megatron's names.
+Files are read with compat/torch_pickle (no code from the file runs, no torch needed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import re
+
+import numpy as np
+
+from mindspeed_core.backends.common import float32_to_bf16_bits
+from mindspeed_core.compat import torch_pickle
+from mindspeed_core.errors import CheckpointError
+from mindspeed_core.models.config import ModelConfig, MoEConfig
+from mindspeed_core.parallel import pipeline
+from mindspeed_core.parallel.sharding import shard, unshard
+from mindspeed_core.tensor_files import HostTensor
+
+TRACKER = "latest_checkpointed_iteration.txt"
+FILE = "model_optim_rng.pt"
+CHECKPOINT_VERSION = 3.0
+_RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
+# linear layers whose weights megatron-core pairs with an _extra_state entry
+_LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2",
+            "mlp.shared_experts.linear_fc1", "mlp.shared_experts.linear_fc2")
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Where a checkpoint's pieces live: TP, PP, EP and the pipeline's stages."""
+
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    layers_per_virtual_stage: int | None = None
+    num_layer_list: str | None = None
+
+    def stages(self, cfg: ModelConfig) -> pipeline.PipelineLayout:
+        noop = ",".join(map(str, cfg.noop_layers)) or None
+        return pipeline.plan_layout(cfg.num_layers, self.pp, self.layers_per_virtual_stage, self.num_layer_list, noop)
+
+    def rank_dir(self, t: int, p: int, e: int) -> str:
+        return f"mp_rank_{t:02d}" + (f"_{p:03d}" if self.pp > 1 else "") + (f"_{e:03d}" if self.ep > 1 else "")
+
+
+def tp_spec(cfg: ModelConfig, name: str):
+    """How a whole-model tensor (our name) is cut over TP ranks (parallel/layers.py's specs);
+    None: every rank holds all of it."""
+    swiglu = ("swiglu",) if cfg.activation == "swiglu" else ("split", 0)
+    if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+        return ("split", 0)
+    if name.endswith(("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias")):
+        return ("split", 0)
+    if name.endswith(("mlp.linear_fc1.weight", "mlp.linear_fc1.bias", "shared_experts.linear_fc1.weight")):
+        return swiglu
+    if name.endswith(("self_attention.linear_proj.weight", "mlp.linear_fc2.weight",
+                      "shared_experts.linear_fc2.weight")):
+        return ("split", 1)
+    return None
+
+
+def check(cfg: ModelConfig, layout: Layout) -> None:
+    """What Megatron's layout cannot hold, refused before anything is written."""
+    if cfg.lora is not None:
+        raise CheckpointError("a LoRA model: merge the adapters first (mindspeed convert --save-model-type hf does)")
+    if cfg.num_query_groups % layout.tp:
+        raise CheckpointError(f"--target-tensor-parallel-size {layout.tp} does not divide the model's "
+                              f"{cfg.num_query_groups} key/value heads (num_query_groups), as Megatron requires")
+    if cfg.moe is not None and cfg.moe.num_experts % layout.ep:
+        raise CheckpointError(f"--target-expert-parallel-size {layout.ep} does not divide the model's "
+                              f"{cfg.moe.num_experts} experts")
+    if cfg.moe is None and layout.ep > 1:
+        raise CheckpointError("--target-expert-parallel-size applies to mixture-of-experts models; this one has none")
+    for size, what in ((cfg.ffn_hidden_size, "ffn_hidden_size"), (cfg.hidden_size, "hidden_size"),
+                       (cfg.num_attention_heads, "num_attention_heads")):
+        if size % layout.tp:
+            raise CheckpointError(f"--target-tensor-parallel-size {layout.tp} does not divide the model's {what} "
+                                  f"{size}")
+    layout.stages(cfg)  # a MindSpeedError naming the pipeline flag that does not fit
+
+
+def _padded_vocab(cfg: ModelConfig, tp: int) -> int:
+    return -(-cfg.vocab_size // tp) * tp
+
+
+def _pad_rows(array: np.ndarray, rows: int) -> np.ndarray:
+    if array.shape[0] == rows:
+        return array
+    return np.concatenate([array, np.zeros((rows - array.shape[0],) + array.shape[1:], array.dtype)])
+
+
+# ---- whole model -> rank files --------------------------------------------------------------
+
+def _stage_names(cfg: ModelConfig, stages: pipeline.PipelineLayout, stage: int) -> dict:
+    """{mcore name in the stage: our whole-model name} of one virtual stage's tensors,
+    experts excluded (they are cut over EP)."""
+    last = stages.virtual_stages - 1
+    out = {}
+    if stage == 0:
+        out["embedding.word_embeddings.weight"] = "embedding.word_embeddings.weight"
+        if cfg.position_embedding_type == "learned":
+            out["embedding.position_embeddings.weight"] = "embedding.position_embeddings.weight"
+    if stage == last:
+        out["decoder.final_layernorm.weight"] = "decoder.final_layernorm.weight"
+        if cfg.normalization == "layernorm":
+            out["decoder.final_layernorm.bias"] = "decoder.final_layernorm.bias"
+        if cfg.reward_head:
+            out["rm_head.weight"] = "rm_head.weight"
+        elif cfg.untie_embeddings_and_output_weights:
+            out["output_layer.weight"] = "output_layer.weight"
+        elif stages.virtual_stages > 1:  # Megatron's copy of the tied embeddings on the last stage
+            out["output_layer.weight"] = "embedding.word_embeddings.weight"
+    return out
+
+
+def _layer_names(names: list[str], number: int) -> list[str]:
+    prefix = f"decoder.layers.{number}."
+    return [n[len(prefix):] for n in names if n.startswith(prefix)]
+
+
+def _host(array: np.ndarray, dtype: str) -> HostTensor:
+    if dtype == "bfloat16":
+        return HostTensor(float32_to_bf16_bits(array), "bfloat16")
+    return HostTensor(np.ascontiguousarray(array, np.float16 if dtype == "float16" else np.float32), dtype)
+
+
+def split(cfg: ModelConfig, whole: dict, layout: Layout, dtype: str = "float32") -> dict:
+    """{(tp rank, pp rank, ep rank): [state dict of each model chunk]} in mcore's names, each
+    tensor a HostTensor of ``dtype``."""
+    check(cfg, layout)
+    stages = layout.stages(cfg)
+    names = list(whole)
+    vocab = _padded_vocab(cfg, layout.tp)
+    out = {}
+    for t in range(layout.tp):
+        for p in range(layout.pp):
+            for e in range(layout.ep):
+                chunks = []
+                for c in range(stages.chunks):
+                    stage = stages.stage(p, c)
+                    state = {}
+
+                    def put(key, full, spec):
+                        if spec is not None and layout.tp > 1:
+                            full = shard(full, spec, layout.tp, t)
+                        state[key] = _host(full, dtype)
+
+                    for key, ours in _stage_names(cfg, stages, stage).items():
+                        full = np.asarray(whole[ours])
+                        if key in ("embedding.word_embeddings.weight", "output_layer.weight"):
+                            full = _pad_rows(full, vocab)
+                        put(key, full, tp_spec(cfg, key))
+                        if key == "output_layer.weight":
+                            state["output_layer._extra_state"] = None
+                    for local, number in enumerate(stages.stages[stage]):
+                        if number in stages.noop:
+                            continue
+                        for rest in _layer_names(names, number):
+                            ours, key = f"decoder.layers.{number}.{rest}", f"decoder.layers.{local}.{rest}"
+                            if rest.startswith("mlp.experts."):
+                                _put_experts(cfg, state, f"decoder.layers.{local}.mlp.experts.", rest, whole[ours],
+                                             layout, t, e, dtype)
+                                continue
+                            put(key, np.asarray(whole[ours]), tp_spec(cfg, ours))
+                            for linear in _LINEARS:
+                                if rest == linear + ".weight":
+                                    state[f"decoder.layers.{local}.{linear}._extra_state"] = None
+                    chunks.append(state)
+                out[t, p, e] = chunks
+    return out
+
+
+def _put_experts(cfg, state, prefix, rest, full, layout, t, e, dtype) -> None:
+    """Our stacked experts (weight1 [E, hidden, 2 ffn], weight2 [E, ffn, hidden]) as this EP
+    rank's SequentialMLP local experts, cut over TP as their dense twins are."""
+    full = np.asarray(full)
+    mine = np.split(full, layout.ep, axis=0)[e]
+    fc1 = ("swiglu",) if cfg.activation == "swiglu" else ("split", 0)
+    for j, expert in enumerate(mine):
+        if rest == "mlp.experts.weight1":
+            key, weight, spec = "linear_fc1", expert.T, fc1
+        elif rest == "mlp.experts.weight2":
+            key, weight, spec = "linear_fc2", expert.T, ("split", 1)
+        else:
+            raise CheckpointError(f"unexpected expert tensor {rest}")
+        if layout.tp > 1:
+            weight = shard(np.ascontiguousarray(weight), spec, layout.tp, t)
+        state[f"{prefix}local_experts.{j}.{key}.weight"] = _host(weight, dtype)
+        state[f"{prefix}local_experts.{j}.{key}._extra_state"] = None
+
+
+def megatron_args(cfg: ModelConfig, layout: Layout, dtype: str, iteration: int) -> argparse.Namespace:
+    """The ``args`` Megatron keeps in each file: its names for the model and the layout, and
+    our config (``mindspeed_model_config``) to read back exactly."""
+    a = argparse.Namespace(
+        num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, ffn_hidden_size=cfg.ffn_hidden_size,
+        num_attention_heads=cfg.num_attention_heads, group_query_attention=cfg.num_query_groups
+        != cfg.num_attention_heads, num_query_groups=cfg.num_query_groups, kv_channels=cfg.kv_channels,
+        max_position_embeddings=cfg.max_position_embeddings, padded_vocab_size=_padded_vocab(cfg, layout.tp),
+        normalization="RMSNorm" if cfg.normalization == "rmsnorm" else "LayerNorm", norm_epsilon=cfg.norm_epsilon,
+        swiglu=cfg.activation == "swiglu",
+        position_embedding_type="rope" if cfg.position_embedding_type == "rope" else "learned_absolute",
+        rotary_base=cfg.rotary_base, add_qkv_bias=cfg.add_qkv_bias, add_bias_linear=cfg.add_bias_linear,
+        qk_layernorm=cfg.qk_layernorm, untie_embeddings_and_output_weights=cfg.untie_embeddings_and_output_weights,
+        tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
+        expert_model_parallel_size=layout.ep, num_layers_per_virtual_pipeline_stage=layout.layers_per_virtual_stage,
+        num_layer_list=layout.num_layer_list, noop_layers=",".join(map(str, cfg.noop_layers)) or None,
+        params_dtype=torch_pickle.TorchDType(dtype), bf16=dtype == "bfloat16", fp16=dtype == "float16",
+        iteration=iteration, mindspeed_model_config=json.dumps(cfg.to_dict(), sort_keys=True))
+    if cfg.moe is not None:
+        a.num_experts, a.moe_router_topk = cfg.moe.num_experts, cfg.moe.topk
+        a.moe_ffn_hidden_size = cfg.moe.ffn_hidden_size or cfg.ffn_hidden_size
+        a.moe_shared_expert_intermediate_size = cfg.moe.shared_expert_size
+    return a
+
+
+def save(root: str, iteration: int, cfg: ModelConfig, whole: dict, layout: Layout, dtype: str = "float32") -> str:
+    """Write the whole model ``whole`` (our names) as Megatron's checkpoint ``root`` at
+    ``iteration``, cut for ``layout``; returns the iteration folder."""
+    pieces = split(cfg, whole, layout, dtype)
+    args = megatron_args(cfg, layout, dtype, iteration)
+    folder = os.path.join(root, f"iter_{iteration:07d}")
+    for (t, p, e), chunks in pieces.items():
+        rank = os.path.join(folder, layout.rank_dir(t, p, e))
+        os.makedirs(rank, exist_ok=True)
+        state = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration}
+        if len(chunks) == 1:
+            state["model"] = chunks[0]
+        else:
+            state.update({f"model{c}": chunk for c, chunk in enumerate(chunks)})
+        torch_pickle.save(os.path.join(rank, FILE), state)
+    tmp = os.path.join(root, f"{TRACKER}.tmp-{os.getpid()}")
+    with open(tmp, "w") as fh:
+        fh.write(str(iteration))
+    os.replace(tmp, os.path.join(root, TRACKER))
+    return folder
+
+
+# ---- rank files -> whole model --------------------------------------------------------------
+
+def is_megatron_checkpoint(root: str) -> bool:
+    """Whether ``root`` holds Megatron's layout (iteration folders of mp_rank_* folders)."""
+    try:
+        folder = _iteration_folder(root)
+    except CheckpointError:
+        return False
+    return folder is not None and any(_RANK_DIR.match(n) for n in os.listdir(folder))
+
+
+def _iteration_folder(root: str) -> str | None:
+    path = os.path.join(root, TRACKER)
+    if not os.path.isfile(path):
+        return None
+    text = open(path).read().strip()
+    if text == "release":
+        return os.path.join(root, "release")
+    if not text.isdigit():
+        raise CheckpointError(f"{path} holds {text[:40]!r}, not an iteration number or 'release'")
+    return os.path.join(root, f"iter_{int(text):07d}")
+
+
+def _float32(t) -> np.ndarray:
+    if not isinstance(t, HostTensor):
+        raise CheckpointError(f"expected a tensor, found {type(t).__name__}")
+    if t.dtype == "bfloat16":
+        return (t.array.astype(np.uint32) << 16).view(np.float32)
+    return t.array.astype(np.float32)
+
+
+@dataclasses.dataclass
+class Checkpoint:
+    """A Megatron checkpoint read whole: ``state`` {our name: float32 array}; ``exact``:
+    its config is ours as we wrote it (else derived from Megatron's args, family llama)."""
+
+    iteration: int
+    cfg: ModelConfig
+    state: dict
+    layout: Layout
+    dtype: str
+    exact: bool
+
+
+def load(root: str) -> Checkpoint:
+    """Megatron's checkpoint ``root``, any TP/PP/EP/VPP, as one whole model."""
+    folder = _iteration_folder(root)
+    if folder is None or not os.path.isdir(folder):
+        raise CheckpointError(f"{root} holds no Megatron checkpoint ({TRACKER} naming an existing iteration folder)")
+    ranks = {}
+    for name in os.listdir(folder):
+        m = _RANK_DIR.match(name)
+        if m:
+            ranks[tuple(int(x) if x is not None else 0 for x in m.groups())] = os.path.join(folder, name, FILE)
+    if not ranks:
+        raise CheckpointError(f"{folder} holds no mp_rank_* folders")
+    first = torch_pickle.load(ranks[min(ranks)])
+    if not isinstance(first, dict) or "args" not in first:
+        raise CheckpointError(f"{ranks[min(ranks)]} is not a Megatron checkpoint (no args)")
+    args = first["args"]
+    cfg = config_from_args(args)
+    layout = Layout(tp=_arg(args, "tensor_model_parallel_size", 1), pp=_arg(args, "pipeline_model_parallel_size", 1),
+                    ep=_arg(args, "expert_model_parallel_size", 1),
+                    layers_per_virtual_stage=_arg(args, "num_layers_per_virtual_pipeline_stage", None),
+                    num_layer_list=_arg(args, "num_layer_list", None))
+    want = {(t, p, e) for t in range(layout.tp) for p in range(layout.pp) for e in range(layout.ep)}
+    if set(ranks) != want:
+        missing = sorted(want - set(ranks))
+        raise CheckpointError(f"{folder}: the rank folders do not match TP={layout.tp} PP={layout.pp} EP={layout.ep} "
+                              f"of its args" + (f" ({layout.rank_dir(*missing[0])} is missing)" if missing else ""))
+    states = {key: (first if key == min(ranks) else torch_pickle.load(path)) for key, path in ranks.items()}
+    iteration = int(first.get("iteration", 0) or 0)
+    whole = merge(cfg, {k: _chunks(v, ranks[k]) for k, v in states.items()}, layout)
+    dtype = getattr(_arg(args, "params_dtype", None), "name", None) or "float32"
+    return Checkpoint(iteration, cfg, whole, layout, dtype, isinstance(getattr(args, "mindspeed_model_config", None), str))
+
+
+def _arg(args, name, default):
+    value = getattr(args, name, default)
+    return default if value is None else value
+
+
+def _chunks(state: dict, path: str) -> list[dict]:
+    if "model" in state:
+        return [state["model"]]
+    chunks = [state[k] for k in sorted((k for k in state if re.fullmatch(r"model\d+", k)), key=lambda k: int(k[5:]))]
+    if not chunks:
+        raise CheckpointError(f"{path} holds no model state (no 'model' or 'model0')")
+    return chunks
+
+
+def merge(cfg: ModelConfig, pieces: dict, layout: Layout) -> dict:
+    """The inverse of ``split``: {(t, p, e): [chunk state]} -> whole model, float32."""
+    stages = layout.stages(cfg)
+    whole = {}
+
+    def take(p, c, e, key, ours):
+        parts = []
+        for t in range(layout.tp):
+            chunk = pieces[t, p, e][c]
+            if key not in chunk:
+                raise CheckpointError(f"{layout.rank_dir(t, p, e)} has no {key}")
+            parts.append(_float32(chunk[key]))
+        spec = tp_spec(cfg, ours)
+        full = unshard(parts, spec) if spec is not None and layout.tp > 1 else parts[0]
+        if ours in ("embedding.word_embeddings.weight", "output_layer.weight"):
+            full = full[:cfg.vocab_size]
+        return full
+
+    for p in range(layout.pp):
+        for c in range(stages.chunks):
+            if len(pieces[0, p, 0]) != stages.chunks:
+                raise CheckpointError(f"{layout.rank_dir(0, p, 0)} holds {len(pieces[0, p, 0])} model chunks; its "
+                                      f"args give {stages.chunks}")
+            stage = stages.stage(p, c)
+            for key, ours in _stage_names(cfg, stages, stage).items():
+                if key == "output_layer.weight" and ours != key:
+                    continue  # the tied copy: the embedding itself is on the first stage
+                whole[ours] = take(p, c, 0, key, ours)
+            keys = pieces[0, p, 0][c]
+            for local, number in enumerate(stages.stages[stage]):
+                prefix = f"decoder.layers.{local}."
+                for key in keys:
+                    if not key.startswith(prefix) or key.endswith("_extra_state"):
+                        continue
+                    rest = key[len(prefix):]
+                    if rest.startswith("mlp.experts."):
+                        continue
+                    ours = f"decoder.layers.{number}.{rest}"
+                    whole[ours] = take(p, c, 0, key, ours)
+                if cfg.is_moe_layer(number) and number not in stages.noop:
+                    whole.update(_experts(cfg, pieces, layout, p, c, local, number))
+    return whole
+
+
+def _experts(cfg, pieces, layout, p, c, local, number) -> dict:
+    """A layer's stacked experts from every EP rank's local experts (SequentialMLP or
+    GroupedMLP names), TP pieces joined."""
+    prefix = f"decoder.layers.{local}.mlp.experts."
+    per_rank = cfg.moe.num_experts // layout.ep
+    f, h = cfg.moe.ffn_hidden_size or cfg.ffn_hidden_size, cfg.hidden_size
+    width = 2 * f if cfg.activation == "swiglu" else f
+    fc1 = ("swiglu",) if cfg.activation == "swiglu" else ("split", 0)
+    w1, w2 = [], []
+    for e in range(layout.ep):
+        chunks = [pieces[t, p, e][c] for t in range(layout.tp)]
+        if prefix + "weight1" in chunks[0]:  # GroupedMLP: [hidden, local experts x width / TP], [.. x ffn / TP, hidden]
+            ones = [_float32(ch[prefix + "weight1"]).reshape(h, per_rank, -1).transpose(1, 2, 0) for ch in chunks]
+            twos = [_float32(ch[prefix + "weight2"]).reshape(per_rank, -1, h).transpose(0, 2, 1) for ch in chunks]
+        else:
+            try:
+                ones = [np.stack([_float32(ch[f"{prefix}local_experts.{j}.linear_fc1.weight"]) for j in range(per_rank)])
+                        for ch in chunks]
+                twos = [np.stack([_float32(ch[f"{prefix}local_experts.{j}.linear_fc2.weight"]) for j in range(per_rank)])
+                        for ch in chunks]
+            except KeyError as exc:
+                raise CheckpointError(f"{layout.rank_dir(0, p, e)} has no {exc.args[0]}") from None
+        for j in range(per_rank):  # [width, hidden] and [hidden, ffn] per expert, TP pieces joined
+            one = unshard([o[j] for o in ones], fc1) if layout.tp > 1 else ones[0][j]
+            two = unshard([t[j] for t in twos], ("split", 1)) if layout.tp > 1 else twos[0][j]
+            w1.append(one.T)
+            w2.append(two.T)
+    w1, w2 = np.stack(w1), np.stack(w2)
+    if w1.shape != (cfg.moe.num_experts, h, width) or w2.shape != (cfg.moe.num_experts, f, h):
+        raise CheckpointError(f"layer {number}'s experts have shapes {w1.shape} and {w2.shape}, not what its args give")
+    return {f"decoder.layers.{number}.mlp.experts.weight1": w1, f"decoder.layers.{number}.mlp.experts.weight2": w2}
+
+
+def config_from_args(args) -> ModelConfig:
+    """Our config from a checkpoint's args: exactly ours when we wrote it, else from Megatron's names."""
+    saved = getattr(args, "mindspeed_model_config", None)
+    try:
+        if isinstance(saved, str):
+            return ModelConfig.from_dict(json.loads(saved))
+        heads = args.num_attention_heads
+        moe = None
+        if _arg(args, "num_experts", None):
+            moe = MoEConfig(num_experts=args.num_experts, topk=_arg(args, "moe_router_topk", 2),
+                            ffn_hidden_size=_arg(args, "moe_ffn_hidden_size", None),
+                            shared_expert_size=_arg(args, "moe_shared_expert_intermediate_size", None))
+        return ModelConfig(
+            vocab_size=_arg(args, "padded_vocab_size", None) or args.vocab_size, hidden_size=args.hidden_size,
+            num_layers=args.num_layers, num_attention_heads=heads,
+            num_query_groups=args.num_query_groups if _arg(args, "group_query_attention", False) else heads,
+            ffn_hidden_size=_arg(args, "ffn_hidden_size", None), kv_channels=_arg(args, "kv_channels", None),
+            max_position_embeddings=_arg(args, "max_position_embeddings", 2048),
+            normalization="layernorm" if _arg(args, "normalization", "LayerNorm") == "LayerNorm" else "rmsnorm",
+            norm_epsilon=_arg(args, "norm_epsilon", 1e-5),
+            activation="swiglu" if _arg(args, "swiglu", False) else "gelu",
+            position_embedding_type="learned" if _arg(args, "position_embedding_type", "learned_absolute")
+            == "learned_absolute" else "rope",
+            rotary_base=float(_arg(args, "rotary_base", 10000)), add_qkv_bias=bool(_arg(args, "add_qkv_bias", False)),
+            add_bias_linear=bool(_arg(args, "add_bias_linear", True)),
+            qk_layernorm=bool(_arg(args, "qk_layernorm", False)),
+            untie_embeddings_and_output_weights=bool(_arg(args, "untie_embeddings_and_output_weights", False)),
+            noop_layers=pipeline.parse_layer_numbers(_arg(args, "noop_layers", None), "noop_layers"), moe=moe)
+    except (AttributeError, TypeError, ValueError, KeyError) as exc:
+        raise CheckpointError(f"the checkpoint's args do not describe a model we can build ({exc})") from None
