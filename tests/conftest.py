@@ -19,6 +19,7 @@ the run, and the skip count is printed for .ci/run to report.
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 
 import pytest
@@ -177,3 +178,23 @@ def pytest_unconfigure(config):
 @pytest.fixture
 def framework():
     return FRAMEWORK
+
+
+def hf_reference_process(*args) -> None:
+    """hf_reference.py in a process of its own (it imports torch and transformers)."""
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != "MINDSPEED_AI_FRAMEWORK"}
+    out = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "hf_reference.py"), *args],
+                         capture_output=True, text=True, timeout=600, env=env)
+    assert out.returncode == 0, out.stderr[-4000:]
+
+
+@pytest.fixture(scope="session")
+def hf_references(tmp_path_factory):
+    """transformers' tiny random models and their logits (hf_reference.py), built once per run."""
+    pytest.importorskip("transformers")
+    root = tmp_path_factory.mktemp("hf")
+    hf_reference_process(str(root))
+    return root
+

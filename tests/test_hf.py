@@ -15,24 +15,20 @@ from mindspeed_core import ops
 from mindspeed_core.compat import hf
 from mindspeed_core.errors import CheckpointError
 
+from conftest import hf_reference_process
+
 HERE = pathlib.Path(__file__).resolve().parent
 pytest.importorskip("transformers")
 NAMES = ["llama", "llama3-rope", "llama-linear-rope-tied", "llama-yarn", "qwen2-yarn-mscale", "llama-dynamic-rope",
          "llama-attention-bias", "mistral", "qwen2", "qwen3", "gpt2", "mixtral", "qwen2-moe", "qwen3-moe"]
 
 
-def _reference_process(*args):
-    env = {k: v for k, v in os.environ.items() if k != "MINDSPEED_AI_FRAMEWORK"}
-    out = subprocess.run([sys.executable, str(HERE / "hf_reference.py"), *args], capture_output=True, text=True,
-                         timeout=600, env=env)
-    assert out.returncode == 0, out.stderr[-4000:]
+_reference_process = hf_reference_process
 
 
 @pytest.fixture(scope="module")
-def references(tmp_path_factory):
-    root = tmp_path_factory.mktemp("hf")
-    _reference_process(str(root))
-    return root
+def references(hf_references):
+    return hf_references
 
 
 @pytest.mark.parametrize("name", NAMES)

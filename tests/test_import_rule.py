@@ -11,7 +11,8 @@ FRAMEWORK_FREE = ["models", "mindspeed_core/parallel", "mindspeed_core/training"
                   "mindspeed_core/composite.py", "mindspeed_core/features.py", "mindspeed_core/rng_tracker.py",
                   "mindspeed_core/tensor_files.py", "mindspeed_core/usage.py", "backends/emulated_collectives.py",
                   "backends/common.py",
-                  "backends/initializers.py", "backends/state.py"]
+                  "backends/initializers.py", "backends/state.py", "compat/mcore.py", "compat/torch_pickle.py",
+                  "mindspeed_core/convert.py"]
 FORBIDDEN = {"torch", "mindspore", "torch_npu"}
 
 

@@ -324,11 +324,19 @@ def four_ranks(corpus, data, two_ranks, tmp_path_factory):  # noqa: F811
     (about 30 s on MindSpore here)."""
     from conftest import FRAMEWORK
 
+    from mindspeed_core import cli
+
     tmp = tmp_path_factory.mktemp("four-ranks")
     tp2 = two_ranks / "tp2-ckpt"
+    # the TP2 checkpoint as Megatron's layout at TP1 x PP2, trained from at TP2 x PP2
+    assert cli.main(["convert", "--load-model-type", "mg", "--save-model-type", "mg", "--load-dir", str(tp2),
+                     "--save-dir", str(tmp / "megatron"), "--target-pipeline-parallel-size", "2"]) == 0
     extra = [["tp4-from-tp2", [*GQA, "--data-path", corpus, "--train-iters", str(ITERS), "--tensor-model-parallel-size",
                                "4", "--load", str(tp2), "--save", str(tmp / "tp4-ckpt"), "--save-interval", "8",
-                               "--exit-interval", "8"], False]]
+                               "--exit-interval", "8"], False],
+             ["tp2-pp2-from-megatron", [*GQA, "--data-path", corpus, "--train-iters", "2", "--load", str(tmp / "megatron"),
+                                        "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"],
+              False]]
     run_configs(FRAMEWORK, 4, case_spec(ranks_cases(4) + CP_CASES, data, tmp) + extra, tmp)
     return tmp
 
@@ -437,6 +445,20 @@ def test_checkpoints_reshard_between_tp1_tp2_and_tp4(capsys, corpus, reference, 
                            str(four_ranks / "tp4-ckpt"), "--metrics-file", str(tmp_path / "back.jsonl"))
     assert code == 0 and "TP=4" in out, err
     assert_same_curve(losses(tmp_path / "back.jsonl"), {i: want[i] for i in range(9, ITERS + 1)})
+
+
+@pytest.mark.multiprocess
+@pytest.mark.feature("weight-conversion")
+def test_a_megatron_checkpoint_trains_under_another_layout(capsys, corpus, two_ranks, four_ranks, tmp_path):  # noqa: F811
+    """two_ranks' TP2 checkpoint, converted to Megatron's layout at TP1 x PP2 (four_ranks), trained
+    from at TP2 x PP2 on four ranks: its first two losses are those of this process training
+    from the same weights (--finetune: iteration 0, a fresh optimizer)."""
+    code, out, err = train(capsys, *GQA, "--data-path", corpus, "--train-iters", "2", "--load",
+                           str(two_ranks / "tp2-ckpt"), "--finetune", "--metrics-file", str(tmp_path / "one.jsonl"))
+    assert code == 0, err
+    log = (four_ranks / "out" / "tp2-pp2-from-megatron.log").read_text()
+    assert "took the weights of the Megatron checkpoint" in log and "saved at TP=1 PP=2 EP=1" in log, log
+    assert_same_curve(losses(four_ranks / "out" / "tp2-pp2-from-megatron.jsonl"), losses(tmp_path / "one.jsonl"))
 
 
 @pytest.mark.multiprocess

@@ -1,0 +1,292 @@
+"""Weight conversion (mindspeed convert, compat/mcore.py, compat/torch_pickle.py): Hugging Face
+<-> Megatron-core checkpoints with TP / PP / VPP / EP re-sharding, read without running code
+from the files.
+
+The Hugging Face models are transformers' own (hf_reference.py, random weights); the expected
+Megatron names and shapes come from megatron-core itself (megatron_names.py). Loading a
+converted checkpoint into a multi-process training run is in test_parallel.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import subprocess
+import sys
+import zipfile
+
+import numpy as np
+import pytest
+
+from mindspeed_core import cli
+from mindspeed_core.compat import hf, mcore, torch_pickle
+from mindspeed_core.models.config import ModelConfig
+from mindspeed_core.tensor_files import HostTensor
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+# --model-type-hf -> the hf_reference model it is checked on
+ARCHITECTURES = {"llama2": "llama", "llama3": "llama3-rope", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral",
+                 "gpt2": "gpt2", "mixtral": "mixtral", "qwen2-moe": "qwen2-moe", "qwen3-moe": "qwen3-moe"}
+MOE = ("mixtral", "qwen2-moe", "qwen3-moe")
+
+
+def convert(capsys, *flags, fails=False) -> str:
+    code = cli.main(["convert", *flags])
+    out = capsys.readouterr()
+    if fails:
+        assert code == 2 and len(out.err.strip().splitlines()) == 1, out.err
+        return out.err
+    assert code == 0, out.err
+    return out.out
+
+
+def hf_tensors(folder) -> dict:
+    return hf._read_tensors(str(folder))
+
+
+# ---- .pt files -----------------------------------------------------------------------------
+
+def test_pt_files_round_trip_without_torch(tmp_path):
+    """Written and read back in a process where torch cannot be imported."""
+    script = f"""
+import sys, argparse, numpy as np
+sys.modules["torch"] = None  # any import of torch fails
+from mindspeed_core.compat import torch_pickle
+from mindspeed_core.tensor_files import HostTensor
+obj = {{"model": {{"w": np.arange(6, dtype=np.float32).reshape(2, 3), "b": HostTensor(np.array([16320], np.uint16), "bfloat16")}},
+       "iteration": 2**40, "args": argparse.Namespace(params_dtype=torch_pickle.TorchDType("bfloat16"), layers=[1, 2.5, None]),
+       "flags": (True, False, "x")}}
+torch_pickle.save({str(tmp_path / 'a.pt')!r}, obj)
+back = torch_pickle.load({str(tmp_path / 'a.pt')!r})
+assert np.array_equal(back["model"]["w"].array, obj["model"]["w"]) and back["model"]["b"].dtype == "bfloat16"
+assert back["model"]["b"].array.tolist() == [16320] and back["iteration"] == 2**40 and back["flags"] == (True, False, "x")
+assert back["args"].params_dtype == torch_pickle.TorchDType("bfloat16") and back["args"].layers == [1, 2.5, None]
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+@pytest.mark.framework_free
+def test_pt_files_are_what_torch_reads_and_writes(tmp_path):
+    """torch.load reads what we write; we read what torch.save writes (views, bf16, Namespace)."""
+    import argparse
+    import collections
+
+    import torch
+
+    ours = {"model": collections.OrderedDict(w=np.arange(6, dtype=np.float32).reshape(2, 3),
+                                             b=HostTensor(np.array([0x3FC0, 0x4000], np.uint16), "bfloat16")),
+            "args": argparse.Namespace(params_dtype=torch_pickle.TorchDType("bfloat16")), "iteration": 7}
+    torch_pickle.save(str(tmp_path / "ours.pt"), ours)
+    back = torch.load(tmp_path / "ours.pt", weights_only=False)
+    assert back["model"]["w"].tolist() == [[0, 1, 2], [3, 4, 5]] and back["args"].params_dtype is torch.bfloat16
+    assert back["model"]["b"].dtype == torch.bfloat16 and back["model"]["b"].tolist() == [1.5, 2.0]
+    theirs = {"t": torch.arange(12.0).reshape(3, 4).t(), "h": torch.ones(3, dtype=torch.float16), "n": 5,
+              "a": argparse.Namespace(x=torch.float32)}
+    torch.save(theirs, tmp_path / "theirs.pt")
+    got = torch_pickle.load(str(tmp_path / "theirs.pt"))
+    assert np.array_equal(got["t"].array, theirs["t"].numpy()) and got["h"].dtype == "float16"
+    assert got["n"] == 5 and got["a"].x == torch_pickle.TorchDType("float32")
+
+
+class _RunsACommand:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_a_pickle_that_would_run_a_command_is_refused(capsys, tmp_path):
+    marker = tmp_path / "it-ran"
+    folder = tmp_path / "mg" / "iter_0000001" / "mp_rank_00"
+    folder.mkdir(parents=True)
+    with zipfile.ZipFile(folder / "model_optim_rng.pt", "w") as z:
+        z.writestr("archive/data.pkl", pickle.dumps({"args": _RunsACommand(marker), "model": {}}, protocol=2))
+    (tmp_path / "mg" / "latest_checkpointed_iteration.txt").write_text("1")
+    err = convert(capsys, "--load-model-type", "mg", "--save-model-type", "hf", "--load-dir", str(tmp_path / "mg"),
+                  "--save-dir", str(tmp_path / "out"), "--model-type-hf", "llama2", fails=True)
+    assert "refusing to load it: its pickle calls posix.system" in err or "calls os.system" in err, err
+    assert not marker.exists()
+
+
+# ---- Hugging Face <-> Megatron ----------------------------------------------------------------
+
+@pytest.mark.feature("weight-conversion")
+@pytest.mark.parametrize("model_type", list(ARCHITECTURES))
+def test_hf_to_megatron_and_back_is_bit_exact(capsys, hf_references, tmp_path, model_type):
+    """Each architecture at TP2 x PP2 (Mistral's one key/value head: TP1, as Megatron wants
+    the heads divisible by TP); with two no-op layers added, over virtual pipeline stages of
+    one layer; mixtures of experts over EP2 too (TP2 x EP2 x PP2). Each Megatron checkpoint
+    back to Hugging Face gives the very tensors and config transformers saved."""
+    source = hf_references / ARCHITECTURES[model_type]
+    tp = 2 if hf.load_config(str(source)).num_query_groups % 2 == 0 else 1
+    cut = ["--target-tensor-parallel-size", str(tp), "--target-pipeline-parallel-size", "2"]
+    layouts = {"tp2-pp2": cut, "vpp-noop": [*cut, "--noop-layers", "1,3", "--num-layers-per-virtual-pipeline-stage", "1"]}
+    if model_type in MOE:
+        layouts["tp2-ep2-pp2"] = [*layouts["tp2-pp2"], "--target-expert-parallel-size", "2"]
+    want = hf_tensors(source)
+    for name, flags in layouts.items():
+        mg, back = tmp_path / f"{name}-mg", tmp_path / f"{name}-hf"
+        out = convert(capsys, "--load-model-type", "hf", "--save-model-type", "mg", "--model-type-hf", model_type,
+                      "--load-dir", str(source), "--save-dir", str(mg), *flags)
+        assert f"TP={tp}" in out and "PP=2" in out
+        ranks = sorted(os.listdir(mg / "iter_0000000"))
+        ep = 2 if "ep2" in name else 1
+        assert ranks == [f"mp_rank_{t:02d}_{p:03d}" + (f"_{e:03d}" if ep > 1 else "")
+                         for t in range(tp) for p in range(2) for e in range(ep)], ranks
+        if name == "vpp-noop":
+            assert sorted(torch_pickle.load(str(mg / "iter_0000000" / ranks[0] / "model_optim_rng.pt"))) == \
+                ["args", "checkpoint_version", "iteration", "model0", "model1"]
+        convert(capsys, "--load-model-type", "mg", "--save-model-type", "hf", "--model-type-hf", model_type,
+                "--load-dir", str(mg), "--save-dir", str(back))
+        got = hf_tensors(back)
+        assert sorted(got) == sorted(want), (name, set(got) ^ set(want))
+        bad = [k for k in want if not np.array_equal(got[k], want[k])]
+        assert not bad, (name, bad[:5])
+        assert hf.load_config(str(back)) == hf.load_config(str(source)), name
+
+
+@pytest.mark.feature("weight-conversion")
+def test_megatron_resharding_round_trips_bit_exactly(capsys, hf_references, tmp_path):
+    """mg -> mg without Hugging Face: TP2 x PP2 -> TP1 x PP4 -> TP2 x PP2 gives back every rank
+    file's tensors; bf16 on the way keeps bf16 values exactly."""
+    source = hf_references / "llama"
+    flags = ["--target-tensor-parallel-size", "2", "--target-pipeline-parallel-size", "2"]
+    convert(capsys, "--load-model-type", "hf", "--save-model-type", "mg", "--load-dir", str(source), "--save-dir",
+            str(tmp_path / "a"), "--noop-layers", "1,3", "--params-dtype", "bf16", *flags)
+    convert(capsys, "--load-model-type", "mg", "--save-model-type", "mg", "--load-dir", str(tmp_path / "a"),
+            "--save-dir", str(tmp_path / "b"), "--target-tensor-parallel-size", "1", "--target-pipeline-parallel-size",
+            "4")
+    assert sorted(os.listdir(tmp_path / "b" / "iter_0000000")) == [f"mp_rank_00_{p:03d}" for p in range(4)]
+    convert(capsys, "--load-model-type", "mg", "--save-model-type", "mg", "--load-dir", str(tmp_path / "b"),
+            "--save-dir", str(tmp_path / "c"), *flags)
+    for rank in os.listdir(tmp_path / "a" / "iter_0000000"):
+        first, again = (torch_pickle.load(str(tmp_path / x / "iter_0000000" / rank / "model_optim_rng.pt"))["model"]
+                        for x in ("a", "c"))
+        assert sorted(first) == sorted(again)
+        for key, value in first.items():
+            if value is None:
+                assert again[key] is None
+            else:
+                assert value.dtype == "bfloat16" and np.array_equal(value.array, again[key].array), (rank, key)
+
+
+def _megatron_config(cfg: ModelConfig) -> dict:
+    """megatron-core's TransformerConfig arguments for our config."""
+    out = dict(num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads,
+               num_query_groups=cfg.num_query_groups, ffn_hidden_size=cfg.ffn_hidden_size, kv_channels=cfg.kv_channels,
+               gated_linear_unit=cfg.activation == "swiglu", add_bias_linear=cfg.add_bias_linear,
+               add_qkv_bias=cfg.add_qkv_bias, qk_layernorm=cfg.qk_layernorm,
+               normalization="RMSNorm" if cfg.normalization == "rmsnorm" else "LayerNorm")
+    if cfg.moe is not None:
+        out.update(num_moe_experts=cfg.moe.num_experts, moe_router_topk=cfg.moe.topk,
+                   moe_ffn_hidden_size=cfg.moe.ffn_hidden_size or cfg.ffn_hidden_size)
+        if cfg.moe.shared_expert_size:
+            out.update(moe_shared_expert_intermediate_size=cfg.moe.shared_expert_size,
+                       moe_shared_expert_gate=cfg.moe.shared_expert_gate)
+    return out
+
+
+@pytest.mark.framework_free
+@pytest.mark.feature("weight-conversion")
+def test_names_and_shapes_are_megatron_cores(capsys, hf_references, tmp_path):
+    """Every rank file of a TP2 x PP2 conversion holds exactly the keys and shapes megatron-core's
+    GPTModel has for that stage and tensor-parallel rank (its local layer spec, built on CPU):
+    a dense GQA model with untied output, GPT-2 (LayerNorm, biases, learned positions, tied: the
+    last stage's copy of the embeddings), Qwen3 (q/k norms) and Qwen2-MoE (router, experts,
+    gated shared expert)."""
+    from launch import free_port
+
+    spec, ours = {"tp": 2, "port": str(free_port()), "models": {}}, {}
+    for name in ("llama", "gpt2", "qwen3", "qwen2-moe"):
+        cfg, _ = hf.load_folder(str(hf_references / name))
+        mg = tmp_path / name
+        convert(capsys, "--load-model-type", "hf", "--save-model-type", "mg", "--load-dir", str(hf_references / name),
+                "--save-dir", str(mg), "--target-tensor-parallel-size", "2", "--target-pipeline-parallel-size", "2")
+        half = cfg.num_layers // 2
+
+        def extra(layers):  # which of the stage's layers are MoE layers (Qwen2-MoE's first is dense)
+            return {"moe_layer_freq": [int(cfg.is_moe_layer(i)) for i in layers]} if cfg.moe is not None else {}
+
+        spec["models"][name] = {"config": _megatron_config(cfg), "vocab": cfg.vocab_size, "tied": cfg.tied_output,
+                                "position": "rope" if cfg.position_embedding_type == "rope" else "learned_absolute",
+                                "stages": [[1, 0, half, extra(range(half))],
+                                           [0, 1, cfg.num_layers - half, extra(range(half, cfg.num_layers))]]}
+        ours[name] = {(t, p): torch_pickle.load(str(mg / "iter_0000000" / f"mp_rank_{t:02d}_{p:03d}" /
+                                                    "model_optim_rng.pt"))["model"]
+                      for t in range(2) for p in range(2)}
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    env = {k: v for k, v in os.environ.items() if k != "MINDSPEED_AI_FRAMEWORK"}
+    out = subprocess.run([sys.executable, os.path.join(HERE, "megatron_names.py"), str(tmp_path / "spec.json"),
+                          str(tmp_path / "names")], capture_output=True, text=True, timeout=600, env=env)
+    assert out.returncode == 0, out.stderr[-4000:]
+    for t in range(2):
+        theirs = json.load(open(tmp_path / f"names.{t}.json"))
+        for name, stages in spec["models"].items():
+            for p, (pre, post, layers, _) in enumerate(stages["stages"]):
+                want = theirs[name][f"{pre}{post}{layers}"]
+                got = {k: (list(v.array.shape) if v is not None else None) for k, v in ours[name][t, p].items()}
+                assert got == want, (name, t, p, sorted(set(got) ^ set(want)),
+                                     {k: (got[k], want[k]) for k in got if k in want and got[k] != want[k]})
+
+
+def test_foreign_args_give_the_same_model(capsys, hf_references, tmp_path):
+    """A checkpoint written by Megatron has no mindspeed_model_config: the model is read from
+    Megatron's own argument names (and --model-type-hf names the architecture)."""
+    mg = tmp_path / "mg"
+    convert(capsys, "--load-model-type", "hf", "--save-model-type", "mg", "--load-dir", str(hf_references / "qwen2"),
+            "--save-dir", str(mg), "--target-pipeline-parallel-size", "2")
+    for rank in os.listdir(mg / "iter_0000000"):
+        path = str(mg / "iter_0000000" / rank / "model_optim_rng.pt")
+        state = torch_pickle.load(path)
+        del state["args"].mindspeed_model_config
+        torch_pickle.save(path, state)
+    ckpt = mcore.load(str(mg))
+    want = hf.load_config(str(hf_references / "qwen2"))
+    assert not ckpt.exact and ckpt.cfg.family == "llama"
+    same = {f: getattr(want, f) for f in ("vocab_size", "hidden_size", "num_layers", "num_attention_heads",
+                                          "num_query_groups", "ffn_hidden_size", "kv_channels", "add_qkv_bias",
+                                          "normalization", "activation", "untie_embeddings_and_output_weights")}
+    assert {f: getattr(ckpt.cfg, f) for f in same} == same
+    err = convert(capsys, "--load-model-type", "mg", "--save-model-type", "hf", "--load-dir", str(mg), "--save-dir",
+                  str(tmp_path / "x"), fails=True)
+    assert "give --model-type-hf" in err
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--load-model-type", "hf", "--save-model-type", "mg", "--target-tensor-parallel-size", "4"],
+     "does not divide the model's 2 key/value heads"),
+    (["--load-model-type", "hf", "--save-model-type", "mg", "--model-type-hf", "qwen2"],
+     "--model-type-hf qwen2, but"),
+    (["--load-model-type", "hf", "--save-model-type", "mg", "--target-pipeline-parallel-size", "3"], "pipeline"),
+    (["--load-model-type", "hf", "--save-model-type", "mg", "--target-expert-parallel-size", "2"],
+     "applies to mixture-of-experts models"),
+    (["--load-model-type", "hf", "--save-model-type", "hf"], "converts nothing"),
+    (["--load-model-type", "mg", "--save-model-type", "hf", "--target-tensor-parallel-size", "2"],
+     "has no layout or dtype"),
+])
+def test_mismatched_flags_are_one_line_errors(capsys, hf_references, tmp_path, flags, message):
+    err = convert(capsys, *flags, "--load-dir", str(hf_references / "llama"), "--save-dir", str(tmp_path / "out"),
+                  fails=True)
+    assert message in err, err
+
+
+def test_truncated_files_and_busy_folders_are_one_line_errors(capsys, hf_references, tmp_path):
+    mg = tmp_path / "mg"
+    convert(capsys, "--load-model-type", "hf", "--save-model-type", "mg", "--load-dir", str(hf_references / "llama"),
+            "--save-dir", str(mg), "--target-tensor-parallel-size", "2")
+    err = convert(capsys, "--load-model-type", "hf", "--save-model-type", "mg", "--load-dir",
+                  str(hf_references / "llama"), "--save-dir", str(mg), fails=True)
+    assert "is not empty" in err
+    path = mg / "iter_0000000" / "mp_rank_01" / "model_optim_rng.pt"
+    path.write_bytes(path.read_bytes()[:1000])
+    err = convert(capsys, "--load-model-type", "mg", "--save-model-type", "hf", "--load-dir", str(mg), "--save-dir",
+                  str(tmp_path / "back"), fails=True)
+    assert "is not a complete .pt file" in err and "mp_rank_01" in err, err
+    path.unlink()
+    err = convert(capsys, "--load-model-type", "mg", "--save-model-type", "mg", "--load-dir", str(mg), "--save-dir",
+                  str(tmp_path / "again"), fails=True)
+    assert "mp_rank_01" in err, err
