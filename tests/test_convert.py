@@ -290,3 +290,19 @@ def test_truncated_files_and_busy_folders_are_one_line_errors(capsys, hf_referen
     err = convert(capsys, "--load-model-type", "mg", "--save-model-type", "mg", "--load-dir", str(mg), "--save-dir",
                   str(tmp_path / "again"), fails=True)
     assert "mp_rank_01" in err, err
+
+
+@pytest.mark.feature("weight-conversion")
+def test_generation_from_a_megatron_folder_is_the_hugging_face_models(capsys, hf_references, tmp_path):
+    """mindspeed generate --load takes a Megatron folder (here TP2 x PP2): the same greedy
+    continuation as from the Hugging Face folder it was converted from."""
+    mg = tmp_path / "mg"
+    convert(capsys, "--load-model-type", "hf", "--save-model-type", "mg", "--load-dir", str(hf_references / "qwen3"),
+            "--save-dir", str(mg), "--target-tensor-parallel-size", "2", "--target-pipeline-parallel-size", "2")
+    common = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "95", "--prompt", "5 17 3 60", "--max-new-tokens",
+              "6", "--json"]
+    outputs = []
+    for source in (["--load-hf", str(hf_references / "qwen3")], ["--load", str(mg)]):
+        assert cli.main(["generate", *source, *common]) == 0
+        outputs.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1])["ids"])
+    assert outputs[0] == outputs[1] and len(outputs[0]) == 6, outputs
