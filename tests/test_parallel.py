@@ -37,7 +37,8 @@ ORM = GQA + ["--stage", "orm"]
 PRM = GQA + ["--stage", "prm", "--reward-tokens", "+", "-"]
 MODELS = {"gqa": GQA, "mha": MHA, "moe": MOE, "sft": SFT, "lora": LORA, "dpo": DPO,
           "dpo-lora": DPO + ["--lora-r", "4", "--lora-alpha", "8"], "simpo": SIMPO, "orm": ORM, "prm": PRM}
-ITERS = 10  # the single-process reference curves
+ITERS = 10  # the single-process reference curves of the models whose checkpoints are resumed below
+RESUMED = ("gqa", "moe", "dpo")  # the others' reference curves stop at LAYOUT_ITERS
 # the layout launches run the first steps of the same schedule (--lr-decay-iters above): their
 # first-step gradients (MoE) and these losses are compared, which is where an error shows
 LAYOUT_ITERS = 6
@@ -140,7 +141,7 @@ def reference(data, tmp_path_factory):
     root = tmp_path_factory.mktemp("reference")
     for name, argv in MODELS.items():
         path = root / f"{name}.jsonl"
-        flags = [*argv, "--data-path", data[name], "--train-iters", str(ITERS)]
+        flags = [*argv, "--data-path", data[name], "--train-iters", str(ITERS if name in RESUMED else LAYOUT_ITERS)]
         with contextlib.redirect_stdout(io.StringIO()):
             assert cli.main(["train", *flags, "--metrics-file", str(path)]) == 0
             if name == "moe":  # Adam hides a gradient's scale from the loss curve: compare them too
