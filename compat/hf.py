@@ -497,14 +497,11 @@ def _without_noop_layers(cfg: ModelConfig, state: dict) -> tuple[ModelConfig, di
     MindSpeed-LLM's converter drops them)."""
     if not cfg.noop_layers:
         return cfg, state
+    from mindspeed_core.models.state import renumber_layers
+
     real = [i for i in range(cfg.num_layers) if i not in cfg.noop_layers]
     index = {layer: j for j, layer in enumerate(real)}
-    renamed = {}
-    for name, value in state.items():
-        if name.startswith("decoder.layers."):
-            layer, rest = name[len("decoder.layers."):].split(".", 1)
-            name = f"decoder.layers.{index[int(layer)]}.{rest}"
-        renamed[name] = value
+    renamed = renumber_layers(state, index.__getitem__)
     moe_layers = None if cfg.moe_layers is None else tuple(index[i] for i in cfg.moe_layers if i in index)
     return dataclasses.replace(cfg, num_layers=len(real), noop_layers=(), moe_layers=moe_layers), renamed
 
@@ -512,9 +509,9 @@ def _without_noop_layers(cfg: ModelConfig, state: dict) -> tuple[ModelConfig, di
 def save_folder(folder: str, cfg: ModelConfig, state: dict, max_shard_bytes: int | None = None) -> None:
     """Write config.json and safetensors (sharded with an index past max_shard_bytes) from a
     whole model's state in our names (LoRA adapters merged into their base weights)."""
-    from mindspeed_core.models import lora
+    from mindspeed_core.models.state import merge_lora
 
-    cfg, state = _without_noop_layers(*lora.merge(cfg, state))
+    cfg, state = _without_noop_layers(*merge_lora(cfg, state))
     os.makedirs(folder, exist_ok=True)
     hf = {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in to_hf_state(cfg, state).items()}
     with open(os.path.join(folder, "config.json"), "w") as fh:

@@ -62,8 +62,8 @@ def _read_hf(args):
 def _read_mg(args):
     """(iteration, config, whole state, layout or None, dtype) of a Megatron or our own checkpoint."""
     from mindspeed_core.compat import mcore
-    from mindspeed_core.models import lora
     from mindspeed_core.models.config import ModelConfig
+    from mindspeed_core.models.state import merge_lora
     from mindspeed_core.training import checkpoint
 
     if not os.path.isdir(args.load_dir):
@@ -80,7 +80,7 @@ def _read_mg(args):
                                   f"({mcore.TRACKER} is missing)")
         meta = checkpoint.read_meta(args.load_dir, iteration)
         cfg = ModelConfig.from_dict(meta["model"])
-        cfg, state = lora.merge(cfg, checkpoint.load_model_arrays(args.load_dir, iteration))
+        cfg, state = merge_lora(cfg, checkpoint.load_model_arrays(args.load_dir, iteration))
         layout, dtype = None, "float32"
     if not exact:  # Megatron's args name no architecture
         if args.save_model_type == "hf" and not args.model_type_hf:
@@ -158,12 +158,9 @@ def _with_noop_layers(cfg, state, noop: tuple):
     if any(not 0 <= i < total for i in noop) or len(set(noop)) != len(noop):
         raise MindSpeedError(f"--noop-layers {','.join(map(str, noop))}: layer numbers must be distinct, within the "
                              f"{total} layers the model then has")
+    from mindspeed_core.models.state import renumber_layers
+
     real = [i for i in range(total) if i not in noop]
-    renamed = {}
-    for name, value in state.items():
-        if name.startswith("decoder.layers."):
-            layer, rest = name[len("decoder.layers."):].split(".", 1)
-            name = f"decoder.layers.{real[int(layer)]}.{rest}"
-        renamed[name] = value
+    renamed = renumber_layers(state, real.__getitem__)
     moe_layers = None if cfg.moe_layers is None else tuple(real[i] for i in cfg.moe_layers)
     return dataclasses.replace(cfg, num_layers=total, noop_layers=tuple(noop), moe_layers=moe_layers), renamed

@@ -14,7 +14,6 @@ sum over the tensor-parallel ranks, so no collective is added to the forward pas
 
 from __future__ import annotations
 
-import dataclasses
 import zlib
 
 import numpy as np
@@ -22,13 +21,10 @@ import numpy as np
 from mindspeed_core import nn, ops
 from mindspeed_core.models.config import LoRAConfig
 from mindspeed_core.models.layers import _param
-
-ADAPTER_TAGS = (".lora_A.", ".lora_B.")
-
-
-def is_adapter(name: str) -> bool:
-    """Whether a parameter name is a LoRA factor (trained) rather than a base weight."""
-    return any(tag in name for tag in ADAPTER_TAGS)
+# the adapters' names and their folding into the base weights are numpy work on state dicts
+# (models/state.py, framework-free for the converter), named here too where LoRA lives
+from mindspeed_core.models.state import ADAPTER_TAGS, is_adapter  # noqa: F401
+from mindspeed_core.models.state import merge_lora as merge  # noqa: F401
 
 
 class Factor(nn.Module):
@@ -95,20 +91,3 @@ def init_adapters(model, seed: int) -> None:
             value = np.zeros(shape, np.float32)
         nn.assign(param, ops.tensor(value))
 
-
-def merge(cfg, state: dict) -> tuple:
-    """(config, state) of a whole model with each adapter folded into its base weight
-    (W + (alpha / r) B A, in float64, then the weight's dtype) and the factors dropped: what a
-    Hugging Face export or generation loads. A config without LoRA passes through."""
-    if cfg.lora is None:
-        return cfg, state
-    out = {k: v for k, v in state.items() if not is_adapter(k)}
-    for name in state:
-        if ".lora_A." not in name:
-            continue
-        base = name.replace(".lora_A.weight", ".weight")
-        a = np.asarray(state[name], np.float64)
-        b = np.asarray(state[name.replace(".lora_A.", ".lora_B.")], np.float64)
-        w = np.asarray(out[base])
-        out[base] = (w.astype(np.float64) + cfg.lora.scale * (b @ a)).astype(w.dtype)
-    return dataclasses.replace(cfg, lora=None), out

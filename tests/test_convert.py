@@ -68,6 +68,27 @@ print("ok")
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
 
 
+def test_conversion_needs_no_framework(hf_references, tmp_path):
+    """hf -> mg -> hf and mg -> mg in a process where neither torch nor MindSpore imports (a
+    MindSpore-only install converts without torch, and nothing binds a framework)."""
+    script = f"""
+import sys
+sys.modules["torch"] = sys.modules["mindspore"] = None
+from mindspeed_core import cli
+flags = ["--target-tensor-parallel-size", "2", "--target-pipeline-parallel-size", "2"]
+assert cli.main(["convert", "--load-model-type", "hf", "--save-model-type", "mg", "--load-dir",
+                 {str(hf_references / "qwen2-moe")!r}, "--save-dir", {str(tmp_path / "mg")!r}, *flags]) == 0
+assert cli.main(["convert", "--load-model-type", "mg", "--save-model-type", "mg", "--load-dir", {str(tmp_path / "mg")!r},
+                 "--save-dir", {str(tmp_path / "mg2")!r}, "--target-expert-parallel-size", "2"]) == 0
+assert cli.main(["convert", "--load-model-type", "mg", "--save-model-type", "hf", "--load-dir", {str(tmp_path / "mg2")!r},
+                 "--save-dir", {str(tmp_path / "hf")!r}]) == 0
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    want, got = hf_tensors(hf_references / "qwen2-moe"), hf_tensors(tmp_path / "hf")
+    assert sorted(got) == sorted(want) and all(np.array_equal(got[k], want[k]) for k in want)
+
+
 @pytest.mark.framework_free
 def test_pt_files_are_what_torch_reads_and_writes(tmp_path):
     """torch.load reads what we write; we read what torch.save writes (views, bf16, Namespace)."""
