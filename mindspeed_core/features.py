@@ -409,14 +409,16 @@ FEATURES: tuple[Feature, ...] = (
                       "and across pipeline stages; TP, SP, PP, DP and LoRA (not CP)"),
             supported("as on PyTorch"), _eq("stage", "dpo")),
     Feature("stage-simpo", "SimPO (--stage simpo)", "fine-tuning", ("--stage simpo", "--simpo-beta", "--simpo-gamma"),
-            supported("reference-free, length-normalised rewards with a target margin; the layouts of DPO"),
+            supported("reference-free, length-normalised rewards with a target margin; DPO's path through the "
+                      "layouts (PP2 checked against one process)"),
             supported("as on PyTorch"), _eq("stage", "simpo")),
     Feature("stage-orm", "Outcome reward model (--stage orm / rm)", "fine-tuning", ("--stage orm", "--stage rm"),
             supported("pairwise Bradley-Terry loss on a scalar head (rm_head) read at each reply's last token; "
-                      "starts from a language model's weights; the layouts of DPO"),
+                      "starts from a language model's weights; TP + SP checked against one process"),
             supported("as on PyTorch"), lambda a: getattr(a, "stage", None) in ("orm", "rm")),
     Feature("stage-prm", "Process reward model (--stage prm)", "fine-tuning", ("--stage prm", "--reward-tokens"),
-            supported("cross entropy over the --reward-tokens' logits where each step ends; the layouts of DPO"),
+            supported("cross entropy over the --reward-tokens' logits where each step ends; TP2 x PP2 checked "
+                      "against one process"),
             supported("as on PyTorch"), _eq("stage", "prm")),
     Feature("weight-conversion", "Hugging Face <-> Megatron-core weight conversion with re-sharding", "tools",
             ("--load-model-type", "--save-model-type"),
