@@ -278,7 +278,11 @@ def _iteration_folder(root: str) -> str | None:
     path = os.path.join(root, TRACKER)
     if not os.path.isfile(path):
         return None
-    text = open(path).read().strip()
+    try:
+        with open(path, "rb") as fh:
+            text = fh.read(64).decode("ascii", "replace").strip()
+    except OSError as exc:
+        raise CheckpointError(f"cannot read {path}: {exc.strerror or exc}") from None
     if text == "release":
         return os.path.join(root, "release")
     if not text.isdigit():
