@@ -346,7 +346,7 @@ def _check_stage(args, cp: int) -> None:
         return
     if cp > 1:  # a reply's log-likelihood would need its sum over the context-parallel ranks
         raise MindSpeedError(f"--stage {args.stage} with --context-parallel-size {cp} is not built yet: preference "
-                             "and reward training runs with TP, SP, PP, DP and EP")
+                             "and reward training runs with TP, SP, PP and DP")
     if args.compile:
         raise MindSpeedError(f"--compile with --stage {args.stage} is not built yet: drop --compile")
     if stage == "dpo" and args.dpo_label_smoothing and args.dpo_loss_type != "sigmoid":
