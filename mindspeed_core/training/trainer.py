@@ -24,6 +24,7 @@ import numpy as np
 
 from mindspeed_core import autograd, device, dist, features, files, nn, ops, random, runtime
 from mindspeed_core.backends.common import check_fits_in_memory
+from mindspeed_core.compat import mcore
 from mindspeed_core.data import finetune_dataset, gpt_dataset
 from mindspeed_core.data.sampler import PretrainingSampler
 from mindspeed_core.data.tokenizer import build_tokenizer, check_fits, padded_vocab_size, tokenizer_args
@@ -693,8 +694,6 @@ class Trainer:
     def _load_megatron(self, root: str) -> None:
         """The weights of a Megatron checkpoint (compat/mcore.py; any TP / PP / EP / VPP) for
         this model, cut later for this run's layout; iteration 0, a fresh optimizer."""
-        from mindspeed_core.compat import mcore
-
         ckpt = mcore.load(root)
         saved = ckpt.cfg if ckpt.exact else dataclasses.replace(ckpt.cfg, family=self.cfg.family)
         lm_start = self.cfg.reward_head and not saved.reward_head
@@ -707,7 +706,6 @@ class Trainer:
         self.say(f"took the weights of the Megatron checkpoint {root} (iteration {ckpt.iteration}, saved at "
                  f"TP={lay.tp} PP={lay.pp} EP={lay.ep}, {ckpt.dtype}); no optimizer state: training starts at "
                  f"iteration 0")
-        return None
 
     def _resume_model(self, root: str, adapters_only: bool = False):
         """Load the full model from the newest checkpoint in ``root``; returns its optimizer
@@ -715,8 +713,6 @@ class Trainer:
         a base model: its weights only, whatever --finetune says. ``adapters_only``
         (--lora-load): the adapters and the training state, the base weights are kept."""
         flag = "--lora-load" if adapters_only else "--load"
-        from mindspeed_core.compat import mcore
-
         if not adapters_only and mcore.is_megatron_checkpoint(root):
             return self._load_megatron(root)
         it = checkpoint.latest_iteration(root)
