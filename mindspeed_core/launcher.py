@@ -32,6 +32,9 @@ from mindspeed_core.errors import MindSpeedError
 
 GRACE_SECONDS = 15.0  # after the forwarded signal, before SIGKILL (a scheduler's own grace is ~30 s)
 POLL_SECONDS = 0.5
+# msrun's scheduler may leave before its ranks at a clean end too (they deregister, it exits,
+# they are still tearing down): ranks that outlive it by this long were cut off mid-run
+SCHEDULER_GRACE_SECONDS = 5.0
 SCHEDULER = "the msrun scheduler"  # the role Watch gives msrun's scheduler process
 # MindSpore's cluster start-up: a worker that reaches msrun's scheduler before it listens
 # retries after 3-5 s by default. Retrying within a second starts a two-rank job here about
@@ -230,6 +233,7 @@ class Watch:
         self.first_deaths: set[str] = set()  # the roles found gone in the first scan that found any
         self.torchrun_rank: int | None = None
         self.msrun_failed: str | None = None
+        self.scheduler_stopped = False  # we stopped msrun's scheduler ourselves (after a rank failed)
         self._in_root = False
         self._lock = threading.RLock()  # the signal handler may scan while the main thread does
 
@@ -290,7 +294,7 @@ class Watch:
     def culprit(self) -> str:
         if self.torchrun_rank is not None:
             return f"rank {self.torchrun_rank} failed first"
-        if self.first_deaths == {SCHEDULER}:
+        if self.first_deaths == {SCHEDULER} and not self.scheduler_stopped:
             return "the msrun scheduler died first (not a rank)"
         if self.msrun_failed:
             return f"{self.msrun_failed} failed first"
@@ -315,15 +319,14 @@ class Job:
         monitor = threading.Thread(target=self._monitor, daemon=True)
         monitor.start()
         try:
-            scheduler_stopped = False
             for line in proc.stdout:
                 sys.stdout.write(line)
                 self.watch.feed(line)
-                if self.watch.msrun_failed and not scheduler_stopped:
+                if self.watch.msrun_failed and not self.watch.scheduler_stopped:
                     # msrun names the failed rank, kills the others, then waits for its
                     # scheduler, which waits out the heartbeat timeout of the dead ranks (about
                     # 30 s): the job has failed already
-                    scheduler_stopped = True
+                    self.watch.scheduler_stopped = True
                     self.watch.signal_all(signal.SIGTERM, role=SCHEDULER)
             code = proc.wait()
         finally:
@@ -341,15 +344,18 @@ class Job:
         return self.watch.culprit()
 
     def _monitor(self) -> None:
-        scheduler_lost = False
+        scheduler_lost, scheduler_gone = False, None
         while not self._done.wait(POLL_SECONDS):
             self.watch.scan()
-            if self.watch.first_deaths == {SCHEDULER} and not scheduler_lost and self.stopped_by is None:
-                # without their scheduler msrun's ranks cannot go on; left alone they would wait
-                # out its heartbeat (about 30 s) before failing
-                scheduler_lost = True
-                self.watch.signal_all(signal.SIGTERM)
-                self._reap(time.time() + GRACE_SECONDS)
+            if (self.watch.first_deaths == {SCHEDULER} and not self.watch.scheduler_stopped and not scheduler_lost
+                    and self.stopped_by is None):
+                scheduler_gone = scheduler_gone or time.time()
+                if time.time() - scheduler_gone >= SCHEDULER_GRACE_SECONDS:
+                    # without their scheduler msrun's ranks cannot go on; left alone they would
+                    # wait out its heartbeat (about 30 s) before failing
+                    scheduler_lost = True
+                    self.watch.signal_all(signal.SIGTERM)
+                    self._reap(time.time() + GRACE_SECONDS)
             code = self.proc.poll()
             if code is not None and self.launcher_died is None and self.stopped_by is None and self.watch.alive():
                 # torchrun or msrun itself is gone and its ranks are orphans (torchrun's run in
