@@ -318,8 +318,33 @@ def two_ranks(corpus, data, tmp_path_factory):  # noqa: F811
     return tmp
 
 
+# transformers' Llama (hf_reference.py: vocabulary 96, hidden 64, 2 layers, GQA) converted to
+# Megatron's layout at TP2 x PP2 and trained from for one step at lr 0 on four ranks, on ids
+# 0..94 of the NullTokenizer (95 is its end of document): the flags that give its model
+HF_LLAMA = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "95", "--make-vocab-size-divisible-by", "8",
+            "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--num-query-groups", "2",
+            "--ffn-hidden-size", "96", "--max-position-embeddings", "64", "--norm-epsilon", "1e-6",
+            "--untie-embeddings-and-output-weights", "--seq-length", "12", "--micro-batch-size", "2",
+            "--global-batch-size", "4", "--train-iters", "1", "--lr", "0", "--eval-iters", "0", "--log-interval", "1",
+            "--no-progress", "--sample-tokens", "0", "--split", "100,0,0"]
+
+
 @pytest.fixture(scope="module")
-def four_ranks(corpus, data, two_ranks, tmp_path_factory):  # noqa: F811
+def null_corpus(tmp_path_factory):
+    """Documents of random ids below 95, for the NullTokenizer."""
+    from mindspeed_core import cli
+
+    root, rng = tmp_path_factory.mktemp("null"), np.random.default_rng(4)
+    with open(root / "ids.jsonl", "w") as fh:
+        for _ in range(40):
+            fh.write(json.dumps({"text": " ".join(map(str, rng.integers(0, 95, 30)))}) + "\n")
+    assert cli.main(["preprocess", "--input", str(root / "ids.jsonl"), "--output-prefix", str(root / "ids"),
+                     "--tokenizer-type", "NullTokenizer", "--vocab-size", "95", "--append-eod"]) == 0
+    return str(root / "ids_text_document")
+
+
+@pytest.fixture(scope="module")
+def four_ranks(corpus, data, two_ranks, null_corpus, hf_references, tmp_path_factory):  # noqa: F811
     """One launch for the four-rank layouts, the CP cases and TP4 resuming the TP2 checkpoint
     of two_ranks (and saving at iteration 8): each launch pays the framework's start-up again
     (about 30 s on MindSpore here)."""
@@ -332,12 +357,17 @@ def four_ranks(corpus, data, two_ranks, tmp_path_factory):  # noqa: F811
     # the TP2 checkpoint as Megatron's layout at TP1 x PP2, trained from at TP2 x PP2
     assert cli.main(["convert", "--load-model-type", "mg", "--save-model-type", "mg", "--load-dir", str(tp2),
                      "--save-dir", str(tmp / "megatron"), "--target-pipeline-parallel-size", "2"]) == 0
+    assert cli.main(["convert", "--load-model-type", "hf", "--save-model-type", "mg", "--load-dir",
+                     str(hf_references / "llama"), "--save-dir", str(tmp / "hf-llama-mg"),
+                     "--target-tensor-parallel-size", "2", "--target-pipeline-parallel-size", "2"]) == 0
     extra = [["tp4-from-tp2", [*GQA, "--data-path", corpus, "--train-iters", str(ITERS), "--tensor-model-parallel-size",
                                "4", "--load", str(tp2), "--save", str(tmp / "tp4-ckpt"), "--save-interval", "8",
                                "--exit-interval", "8"], False],
              ["tp2-pp2-from-megatron", [*GQA, "--data-path", corpus, "--train-iters", "2", "--load", str(tmp / "megatron"),
                                         "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"],
-              False]]
+              False],
+             ["hf-llama-tp2-pp2", [*HF_LLAMA, "--data-path", null_corpus, "--load", str(tmp / "hf-llama-mg"),
+                                   "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"], False]]
     run_configs(FRAMEWORK, 4, case_spec(ranks_cases(4) + CP_CASES, data, tmp) + extra, tmp)
     return tmp
 
@@ -460,6 +490,30 @@ def test_a_megatron_checkpoint_trains_under_another_layout(capsys, corpus, two_r
     log = (four_ranks / "out" / "tp2-pp2-from-megatron.log").read_text()
     assert "took the weights of the Megatron checkpoint" in log and "saved at TP=1 PP=2 EP=1" in log, log
     assert_same_curve(losses(four_ranks / "out" / "tp2-pp2-from-megatron.jsonl"), losses(tmp_path / "one.jsonl"))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.feature("weight-conversion")
+def test_a_converted_model_at_tp2_pp2_scores_the_first_batch_as_transformers(four_ranks, null_corpus, hf_references,
+                                                                               tmp_path):
+    """transformers' Llama, converted to Megatron's layout at TP2 x PP2 and loaded by the trainer
+    on four ranks: its loss on the first global batch equals the cross entropy of
+    transformers' own logits for the same four sequences within 1e-4 (relative)."""
+    from conftest import hf_reference_process
+    from mindspeed_core.data import gpt_dataset
+
+    samples = gpt_dataset.build_splits([null_corpus], "100,0,0", 12, 1234)["train"]
+    tokens = gpt_dataset.batch(samples, 0, 4)  # the first global batch (seed: Megatron's default 1234)
+    np.save(tmp_path / "ids.npy", tokens[:, :-1])
+    hf_reference_process("--check", str(hf_references / "llama"), str(tmp_path / "ids.npy"), str(tmp_path / "logits.npy"))
+    logits = np.load(tmp_path / "logits.npy")
+    logp = logits - logits.max(-1, keepdims=True)
+    logp = logp - np.log(np.exp(logp).sum(-1, keepdims=True))
+    want = -float(np.mean(np.take_along_axis(logp, tokens[:, 1:, None], -1)))
+    got = losses(four_ranks / "out" / "hf-llama-tp2-pp2.jsonl")
+    assert list(got) == [1] and abs(got[1] - want) <= 1e-4 * want, (got, want)
+    log = (four_ranks / "out" / "hf-llama-tp2-pp2.log").read_text()
+    assert "took the weights of the Megatron checkpoint" in log and "TP=2 DP=1 PP=2" in log, log
 
 
 @pytest.mark.multiprocess
