@@ -153,13 +153,10 @@ def test_simpo_loss_equals_numpy(runs, tmp_path):
 
 
 @pytest.mark.feature("stage-orm")
-def test_reward_model_loss_equals_numpy_and_transformers_reads_its_export(runs, tmp_path):
+def test_reward_model_loss_equals_numpy(runs, tmp_path):
     """A reward model from the base language model (its output layer dropped, a scalar head
     added), trained two steps, resumed for one at lr 0: the Bradley-Terry loss of the head's
-    values at each reply's last token. Exported, transformers' sequence classifier scores
-    the same replies alike."""
-    from mindspeed_core.compat import hf
-
+    values at each reply's last token."""
     orm = str(tmp_path / "orm")
     train("--stage", "orm", "--data-path", runs["pairs"], "--load", runs["base"], "--finetune", "--train-iters", "2",
           "--lr", "1e-2", "--save", orm)
@@ -177,22 +174,39 @@ def test_reward_model_loss_equals_numpy_and_transformers_reads_its_export(runs, 
     chosen, rejected = rewards("chosen"), rewards("rejected")
     want = np.mean(-log_sigmoid(chosen - rejected))
     assert abs(got - want) <= 1e-5 * want, (got, want)
+    # a reward model scores replies; generation refuses it in one line
+    assert cli.main(["generate", "--load", orm, "--prompt", "hi"]) == 2
+
+
+@pytest.mark.framework_free
+@pytest.mark.feature("stage-orm")
+def test_transformers_reads_an_exported_reward_model(runs, tmp_path):
+    """The base model's weights with a random scalar head, exported as a reward model:
+    transformers' sequence classifier (one label) scores a reply as our numpy forward of the
+    same weights does (1e-4). No framework of ours runs."""
+    import dataclasses
+
+    from mindspeed_core.compat import hf
+
+    lm, cfg = weights(runs["base"], 1)
+    cfg = dataclasses.replace(cfg, reward_head=True)
+    state = {k: v for k, v in lm.items() if not k.startswith("output_layer.")}
+    state["rm_head.weight"] = numeric.rng(5).normal(0, 0.5, (1, cfg.hidden_size)).astype(np.float32)
+    head = {**state, "output_layer.weight": state["rm_head.weight"]}
+    ids = sequences(runs["pairs"], "chosen_input_ids")[0]
+    want = numeric.gpt_logits(head, cfg, ids)[-1, 0]
     folder = tmp_path / "hf"
     hf.save_folder(str(folder), cfg, state)
     assert json.load(open(folder / "config.json"))["architectures"] == ["LlamaForSequenceClassification"]
     again, rm_state = hf.load_folder(str(folder))
     assert again.reward_head and np.array_equal(rm_state["rm_head.weight"], state["rm_head.weight"])
-    ids = sequences(runs["pairs"], "chosen_input_ids")[0]
     np.save(tmp_path / "ids.npy", ids[None])
     env = {k: v for k, v in os.environ.items() if k != "MINDSPEED_AI_FRAMEWORK"}
     out = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "hf_reference.py"), "--check",
                           str(folder), str(tmp_path / "ids.npy"), str(tmp_path / "score.npy")],
                          capture_output=True, text=True, timeout=600, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert abs(float(np.load(tmp_path / "score.npy")[0, 0]) - chosen[0]) < 1e-4
-    # a reward model scores replies; generation refuses it in one line
-    code = cli.main(["generate", "--load", orm, "--prompt", "hi"])
-    assert code == 2
+    assert abs(float(np.load(tmp_path / "score.npy")[0, 0]) - want) < 1e-4
 
 
 @pytest.mark.feature("stage-prm")
