@@ -179,7 +179,6 @@ def test_reward_model_loss_equals_numpy(runs, tmp_path):
 
 
 @pytest.mark.framework_free
-@pytest.mark.feature("stage-orm")
 def test_transformers_reads_an_exported_reward_model(runs, tmp_path):
     """The base model's weights with a random scalar head, exported as a reward model:
     transformers' sequence classifier (one label) scores a reply as our numpy forward of the
