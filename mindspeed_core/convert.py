@@ -108,12 +108,9 @@ def _target_layout(args, cfg, source):
 
 
 def run(argv: list[str]) -> int:
-    import dataclasses
-
+    from mindspeed_core import features
     from mindspeed_core.compat import hf, mcore
     from mindspeed_core.parallel import pipeline
-
-    from mindspeed_core import features
 
     args = parser().parse_args(argv)
     features.note_used("weight-conversion")
@@ -135,7 +132,7 @@ def run(argv: list[str]) -> int:
             raise MindSpeedError("--noop-layers adds no-op layers to a Hugging Face model's (hf -> mg)")
         cfg, state = _with_noop_layers(cfg, state, pipeline.parse_layer_numbers(args.noop_layers, "--noop-layers"))
     if args.save_model_type == "hf":
-        hf.save_folder(args.save_dir, dataclasses.replace(cfg), state)  # no-op layers dropped, LoRA merged
+        hf.save_folder(args.save_dir, cfg, state)  # no-op layers dropped, LoRA merged
         print(f"wrote the {cfg.family} model ({cfg.num_parameters():,} parameters) as a Hugging Face folder: "
               f"{args.save_dir}")
         return 0
