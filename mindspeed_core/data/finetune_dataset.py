@@ -25,8 +25,8 @@ from mindspeed_core.data.indexed import IndexedDataset
 from mindspeed_core.errors import MindSpeedError
 
 
-# the sides of a sample: one conversation, or a preference pair's chosen and rejected one
-SINGLE, PAIR = ("",), ("chosen_", "rejected_")
+# a preference pair's sides: the prefixes of its chosen and its rejected files
+PAIR = ("chosen_", "rejected_")
 
 
 def _part(prefix: str, key: str) -> IndexedDataset:
@@ -115,7 +115,7 @@ def build_splits(data_path: list[str], split: str, seq_length: int, seed: int, p
     blends = {name: [] for name in SPLITS}
     kind = PairSamples if pairs else InstructionSamples
     for weight, prefix in parse_data_path(data_path):
-        count = _part(prefix, ("chosen_" if pairs else "") + "input_ids").document_count
+        count = _part(prefix, (PAIR[0] if pairs else "") + "input_ids").document_count
         for k, name in enumerate(SPLITS):
             a, b = split_ranges(count, split)[name]
             if b > a:

@@ -46,6 +46,14 @@ def _text(value, where: str, what: str) -> str:
     return value
 
 
+def one_token(tok, text: str, flag: str) -> int:
+    """The id of ``text``, which must be a single token (a placeholder, a step label)."""
+    ids = encode_plain(tok, text)
+    if len(ids) != 1:
+        raise MindSpeedError(f"{flag} {text!r} is {len(ids)} tokens for this tokenizer; it must be one")
+    return ids[0]
+
+
 def document_ids(tok, text: str, append_eod: bool) -> list[int]:
     """A document's tokens as Megatron's preprocess_data.py writes them: the end of document
     follows only a document that has tokens (an empty one stays empty and adds no sequence)."""
@@ -214,15 +222,9 @@ class AlpacaStyleProcessRewardHandler:
     def __init__(self, tokenizer, template, options: dict):
         self.tok = tokenizer
         self.columns = {**PRM_KEYS, **(options.get("map_keys") or {})}
-        self.placeholder = self._one_token(options["placeholder_token"], "--placeholder-token")
+        self.placeholder = one_token(self.tok, options["placeholder_token"], "--placeholder-token")
         rewards = options.get("reward_tokens") or []
-        self.rewards = {r: self._one_token(r, "--reward-tokens") for r in rewards}
-
-    def _one_token(self, text: str, flag: str) -> int:
-        ids = encode_plain(self.tok, text)
-        if len(ids) != 1:
-            raise MindSpeedError(f"{flag} {text!r} is {len(ids)} tokens for this tokenizer; it must be one")
-        return ids[0]
+        self.rewards = {r: one_token(self.tok, r, "--reward-tokens") for r in rewards}
 
     def encode(self, record: dict, where: str) -> dict:
         if not isinstance(record, dict):
@@ -240,7 +242,7 @@ class AlpacaStyleProcessRewardHandler:
             if self.rewards and value not in self.rewards:
                 raise MindSpeedError(f"{where}: label {value!r} is not one of --reward-tokens "
                                      f"{' '.join(self.rewards)}")
-            labels[n] = self.rewards[value] if value in self.rewards else self._one_token(value, "a step label")
+            labels[n] = self.rewards[value] if value in self.rewards else one_token(self.tok, value, "a step label")
         return {"input_ids": ids, "labels": labels, "attention_mask": [1] * len(ids)}
 
 

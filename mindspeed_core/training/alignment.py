@@ -189,10 +189,9 @@ class ReferenceTable:
     def __bool__(self) -> bool:
         return bool(self.tables)
 
-    def lookup(self, split: str, part: int, pairs: list[int]) -> np.ndarray:
-        """[2n]: the chosen then the rejected log-likelihoods of these pair numbers."""
-        rows = self.tables[split, part][pairs]
-        return np.concatenate([rows[:, 0], rows[:, 1]])
+    def lookup(self, split: str, part: int, pair: int) -> np.ndarray:
+        """[2]: the chosen and the rejected log-likelihood of pair number ``pair``."""
+        return self.tables[split, part][pair]
 
     def state(self) -> dict:
         # float32 survives JSON exactly
@@ -214,17 +213,10 @@ class ReferenceTable:
 
 
 def reward_token_ids(tokenizer, texts: list[str]) -> list[int]:
-    """--reward-tokens as token ids, one token each."""
-    from mindspeed_core.data.tokenizer import encode_plain
+    """--reward-tokens as token ids, one token each (given: trainer.check_configuration)."""
+    from mindspeed_core.data.handlers import one_token
 
-    if not texts:
-        raise MindSpeedError("--stage prm needs --reward-tokens: the step labels of the data (e.g. --reward-tokens + -)")
-    ids = []
-    for text in texts:
-        encoded = encode_plain(tokenizer, text)
-        if len(encoded) != 1:
-            raise MindSpeedError(f"--reward-tokens {text!r} is {len(encoded)} tokens for this tokenizer; it must be one")
-        ids.append(encoded[0])
+    ids = [one_token(tokenizer, text, "--reward-tokens") for text in texts]
     if len(set(ids)) != len(ids):
         raise MindSpeedError("--reward-tokens are the same token twice")
     return ids

@@ -845,8 +845,8 @@ class Trainer:
         reference = None
         if self.stage_name == "dpo" and self.ps.local_rank("pp") == self.ps.pp - 1:
             numbers = [p.pair_number(i) for p, (_, i) in zip(pairs, where)]
-            rows = [self.reference.lookup(split, part, [k]) for (part, _), k in zip(where, numbers)]
-            reference = np.concatenate([[r[0] for r in rows], [r[1] for r in rows]]).astype(np.float32)
+            rows = np.stack([self.reference.lookup(split, part, k) for (part, _), k in zip(where, numbers)])
+            reference = np.concatenate([rows[:, 0], rows[:, 1]])  # the chosen rows first, as the batch
         return self._pairs_on_device(split, [p[i] for p, (_, i) in zip(pairs, where)], reference)
 
     def _pairs_on_device(self, split: str, pairs: list, reference):
