@@ -164,7 +164,17 @@ SPEC = {
         "memory_stats": "memory_stats() -> bytes: host RSS always; device allocator figures where the framework has them",
         "to_host": "to_host(x) -> a copy of x in host memory (page-locked where a device copies it back)",
         "to_device": "to_device(x) -> x on the current device (asynchronous where the device allows)",
+        "set_deterministic": ("set_deterministic(on=True): deterministic kernels (and, on accelerators, collectives); "
+                              "call before the job's collectives are set up; MindSpore takes it once per process"),
         "matmul_rate": "matmul_rate(n=1024, dtype='float32', min_seconds=0.5) -> measured FLOP/s (the MFU peak)",
+    },
+    "profiler": {
+        "start": ("start(save_path, worker, level='level0', with_cpu=False, with_stack=False, with_memory=False, "
+                  "record_shapes=False): open a profiling window (the framework's profiler; CPU activity always on "
+                  "the CPU, on an accelerator with with_cpu); the level is the Ascend profiler's"),
+        "step": "step(): a training step ended inside the window",
+        "stop": ("stop() -> {'files': the traces written under save_path (the framework's viewers open them), "
+                 "'ops': [(operator, calls, seconds)] by time}"),
     },
     "io": {
         "save": "save(path, {name: tensor}, metadata=None): safetensors with JSON metadata, atomic",

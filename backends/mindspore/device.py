@@ -73,6 +73,24 @@ def memory_stats() -> dict:
     return stats
 
 
+def set_deterministic(on: bool = True) -> None:
+    """MindSpore's deterministic kernels; on Ascend also HCCL's deterministic reductions
+    (read when communication starts, so this runs before the job's collectives are set up).
+    MindSpore takes the setting once per process; asking again for the same is a no-op."""
+    import os
+
+    if _selected.get("deterministic") == on:
+        return
+    if "deterministic" in _selected:
+        raise RuntimeError("MindSpore sets deterministic computing once per process; start a new process to change it")
+    _selected["deterministic"] = on
+    if on:
+        os.environ["HCCL_DETERMINISTIC"] = "true"
+    else:
+        os.environ.pop("HCCL_DETERMINISTIC", None)
+    ms.set_deterministic(on)
+
+
 def to_host(x):
     """A copy of x in host memory."""
     return x.copy() if _selected["type"] == "cpu" else x.move_to("CPU")

@@ -86,6 +86,23 @@ def memory_stats() -> dict:
     return stats
 
 
+def set_deterministic(on: bool = True) -> None:
+    """Deterministic kernels and, on accelerators, deterministic collectives. cuBLAS needs a
+    fixed workspace, HCCL its own switch; both are read when the library starts, so this
+    runs before the first kernel and before the job's collectives are set up."""
+    import os
+
+    if on:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        os.environ["HCCL_DETERMINISTIC"] = "true"
+    else:
+        os.environ.pop("HCCL_DETERMINISTIC", None)
+    torch.use_deterministic_algorithms(on)
+    torch.backends.cudnn.deterministic = on
+    if on:
+        torch.backends.cudnn.benchmark = False  # autotuning may pick another kernel per run
+
+
 def to_host(x):
     """A copy of x in host memory (page-locked when a device will copy it back)."""
     host = x.detach().to("cpu", copy=True)
