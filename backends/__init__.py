@@ -8,10 +8,11 @@ is "the module of the bound backend" and nothing else:
     autograd  value_and_grad, vjp, custom Function, no_grad, recompute
     random    seeding, RNG state, the named RNG-state tracker
     dist      process groups and collectives (native or emulated)
-    device    device selection, synchronisation, memory, matmul-rate measurement
+    device    device selection, synchronisation, memory, matmul-rate measurement, determinism
     io        safetensors files with JSON metadata
+    profiler  the framework's profiler: a window of steps, its trace files, operator times
 
 The contract of every name is in :mod:`mindspeed_core.facade`.
 """
 
-MODULES = ("ops", "nn", "autograd", "random", "dist", "device", "io")
+MODULES = ("ops", "nn", "autograd", "random", "dist", "device", "io", "profiler")

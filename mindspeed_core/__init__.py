@@ -3,7 +3,7 @@
 The facade is reached as attributes of this package and is bound to a framework on first
 use (see :mod:`mindspeed_core.runtime`)::
 
-    from mindspeed_core import nn, ops, autograd, random, dist, device, io
+    from mindspeed_core import nn, ops, autograd, random, dist, device, io, profiler
 
 Each of those names is the matching module of the bound backend
 (``mindspeed_core.backends.torch.ops`` or ``mindspeed_core.backends.mindspore.ops``, ...);
@@ -17,7 +17,7 @@ from mindspeed_core.runtime import bind, resolve, set_backend  # noqa: F401
 
 __version__ = "0.1.0"
 
-FACADE_NAMESPACES = ("ops", "nn", "autograd", "random", "dist", "device", "io")
+FACADE_NAMESPACES = ("ops", "nn", "autograd", "random", "dist", "device", "io", "profiler")
 
 # Run from a source checkout (no install), backends/, compat/ and models/ sit beside this
 # folder rather than inside it; adding the checkout's root to the package path lets

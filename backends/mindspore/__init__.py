@@ -8,7 +8,7 @@ os.environ.setdefault("GLOG_v", "3")
 
 import mindspore  # noqa: E402
 
-from . import autograd, device, dist, io, nn, ops, random  # noqa: E402
+from . import autograd, device, dist, io, nn, ops, profiler, random  # noqa: E402
 
 NAME = "mindspore"
 FRAMEWORK_VERSION = mindspore.__version__

@@ -2,7 +2,7 @@
 
 import torch
 
-from . import autograd, device, dist, io, nn, ops, random
+from . import autograd, device, dist, io, nn, ops, profiler, random
 
 NAME = "pytorch"
 FRAMEWORK_VERSION = torch.__version__
