@@ -58,6 +58,7 @@ UNIT = _number(float, 0, 1, low_open=True, what="in (0, 1]")
 # every seed derived from it (data order, tracker streams) stays valid for both frameworks
 SEED = _number(int, 0, 2**32 - 1 - 100_000, what="in [0, 4294867295]")
 PORT = _number(int, 1, 65535, what="a TCP port (1-65535)")
+PROFILE_RANK = _number(int, -1, what="a rank (or -1: every rank)")
 
 
 def add_framework_args(parser: argparse.ArgumentParser) -> None:
@@ -152,8 +153,24 @@ def add_feature_args(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--disable-gloo-group", action="store_true")
 
     o = parser.add_argument_group("operations, inference and tools")
-    o.add_argument("--profile", action="store_true")
-    o.add_argument("--use-deterministic-comm", action="store_true")
+    # profiling (training/profiling.py): MindSpeed's flags and defaults
+    o.add_argument("--profile", action="store_true", help="record a window of training steps with the framework's profiler")
+    o.add_argument("--profile-step-start", type=COUNT, default=10,
+                   help="the first profiled step, counted from 0 (Megatron's count)")
+    o.add_argument("--profile-step-end", type=POSITIVE_INT, default=12, help="the step the window ends before")
+    o.add_argument("--profile-ranks", type=PROFILE_RANK, nargs="+", default=[-1], help="global ranks to profile (-1: all)")
+    o.add_argument("--profile-level", choices=("level0", "level1", "level2"), default="level0",
+                   help="how much the Ascend profiler collects (torch_npu's and MindSpore's profiler_level)")
+    o.add_argument("--profile-with-cpu", action="store_true",
+                   help="host-side activity too (on the CPU device it is what is recorded anyway)")
+    o.add_argument("--profile-with-stack", action="store_true", help="the Python stack of each operator")
+    o.add_argument("--profile-with-memory", action="store_true", help="memory allocated and freed by each operator")
+    o.add_argument("--profile-record-shapes", action="store_true", help="the input shapes of each operator")
+    o.add_argument("--profile-save-path", default="./profile_dir", help="where each profiled rank writes its trace")
+    o.add_argument("--use-deterministic-algorithms", action="store_true",
+                   help="deterministic kernels and collectives: the same seed gives the same losses, bit for bit")
+    o.add_argument("--use-deterministic-comm", action="store_true",
+                   help="MindSpeed's spelling of --use-deterministic-algorithms (the collectives' part is included)")
     o.add_argument("--stream", action="store_true")
     o.add_argument("--task", choices=GENERATION_TASKS + EVALUATION_TASKS, default=None,
                    help="mindspeed generate: " + ", ".join(GENERATION_TASKS) + "; mindspeed evaluate: "
@@ -274,6 +291,19 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--exit-interval", type=POSITIVE_INT, default=None, help="stop (after saving) at a multiple of this iteration")
     c.add_argument("--metrics-file", default=None, help="JSONL metrics (default: <save>/metrics.jsonl)")
     c.add_argument("--sample-tokens", type=COUNT, default=None, help="tokens of text to sample at the end")
+    c.add_argument("--tensorboard-dir", default=None, help="write TensorBoard event files here (rank 0)")
+    c.add_argument("--tensorboard-log-interval", type=POSITIVE_INT, default=1,
+                   help="the step figures (loss, lr, grad norm, loss scale, batch size) every N steps")
+    c.add_argument("--tensorboard-queue-size", type=POSITIVE_INT, default=1000,
+                   help="events held before they are written to the file")
+    c.add_argument("--log-timers-to-tensorboard", action="store_true",
+                   help="each report's mean seconds per step of forward-backward, optimizer and the whole step")
+    c.add_argument("--log-memory-to-tensorboard", action="store_true",
+                   help="rank 0's memory at each report (host RSS and peak; device allocator figures)")
+    c.add_argument("--log-validation-ppl-to-tensorboard", action="store_true")
+    c.add_argument("--wandb-project", default=None, help="log the same figures to Weights & Biases (offline)")
+    c.add_argument("--wandb-exp-name", default=None, help="the run's name in Weights & Biases")
+    c.add_argument("--wandb-save-dir", default=None, help="where the offline run is kept (default: <save>/wandb)")
     c.add_argument("--dry-run", action="store_true", help="print the resolved configuration and exit")
     c.add_argument("--no-progress", action="store_true")
 

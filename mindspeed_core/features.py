@@ -335,9 +335,24 @@ FEATURES: tuple[Feature, ...] = (
     Feature("gloo-ckpt-offload", "Checkpoint gathering without a Gloo group", "communication",
             ("--disable-gloo-group",), planned(), planned(), _on("disable_gloo_group")),
     # ---- operations ---------------------------------------------------------------------------
-    Feature("profiling", "Profiling", "operations", ("--profile",), planned(), planned(), _on("profile")),
-    Feature("deterministic", "Deterministic computing", "operations", ("--use-deterministic-comm",),
-            planned(), planned(), _on("use_deterministic_comm")),
+    Feature("profiling", "Profiling a window of steps, top operators by time", "operations", ("--profile",),
+            supported("torch.profiler (torch_npu.profiler on Ascend): a Chrome trace per rank (chrome://tracing, "
+                      "Perfetto, TensorBoard's plugin); --profile-level applies on Ascend only"),
+            supported("mindspore.profiler: its folder per rank (MindStudio Insight, MindInsight; trace_view.json "
+                      "is a Chrome trace), operator times from its statistics"), _on("profile")),
+    Feature("deterministic", "Deterministic computing (same seed, same losses bit for bit)", "operations",
+            ("--use-deterministic-algorithms", "--use-deterministic-comm"),
+            supported("torch.use_deterministic_algorithms, cuDNN without autotuning, a fixed cuBLAS workspace, "
+                      "HCCL_DETERMINISTIC on Ascend; gloo and NCCL reduce in a fixed order for a fixed layout"),
+            supported("mindspore.set_deterministic before communication starts, HCCL_DETERMINISTIC on Ascend"),
+            lambda a: bool(getattr(a, "use_deterministic_algorithms", False) or getattr(a, "use_deterministic_comm",
+                                                                                       False))),
+    Feature("tensorboard", "TensorBoard event files", "operations", ("--tensorboard-dir",),
+            supported("written by our own writer (no TensorFlow or torch needed): Megatron's scalars and names"),
+            supported("as on PyTorch"), _on("tensorboard_dir")),
+    Feature("wandb", "Weights & Biases logging (offline)", "operations", ("--wandb-project",),
+            supported("the TensorBoard scalars, in offline mode (wandb sync uploads them later)"),
+            supported("as on PyTorch"), _on("wandb_project")),
     Feature("rng-tracker", "Named RNG states (tensor-parallel dropout)", "operations", (),
             supported("torch generator states"),
             emulated("MindSpore's CPU random kernels cannot be replayed from a saved state; the facade draws "

@@ -1,36 +1,56 @@
-"""The training log: a line per --log-interval and the JSONL metrics file.
+"""The training log: a line per --log-interval, the JSONL metrics file, and the boards
+(TensorBoard event files, Weights & Biases) that show the same figures as curves.
 
 Each report covers the steps since the previous one: tokens/s and TFLOP/s over its wall
 time (evaluation and checkpointing excluded), MFU against the devices' measured matmul
-rate, and this rank's collective traffic per step (the payload handed to the collectives,
-and what reached the framework's primitives, more where a collective is emulated).
+rate, the mean time per step of each timed phase, and this rank's collective traffic per step
+(the payload handed to the collectives, and what reached the framework's primitives, more
+where a collective is emulated).
+
+A board gets Megatron's scalars under Megatron's names: each step's loss, learning rate,
+gradient norm, loss scale and batch size every --tensorboard-log-interval steps; the report's
+throughput (and its timers and this rank's memory, when asked) at each report; the validation
+loss (and perplexity, when asked) at each evaluation.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import math
 import os
 import time
 
-from mindspeed_core import dist
+from mindspeed_core import device, dist
 
 
 class MetricsLog:
-    def __init__(self, path: str | None, say, flops_per_token: float, peak_flops: float, devices: int):
+    def __init__(self, path: str | None, say, flops_per_token: float, peak_flops: float, devices: int,
+                 board=None, loss_name: str = "lm loss"):
         """``path``: the JSONL file (None: lines only; give it on one rank). ``peak_flops``:
-        one device's measured rate; MFU is the job's rate over ``devices`` such peaks."""
+        one device's measured rate; MFU is the job's rate over ``devices`` such peaks.
+        ``board``: a training.boards.Board (give it on one rank)."""
         self.path, self.say = path, say
         self.flops_per_token, self.peak_flops, self.devices = flops_per_token, peak_flops, devices
+        self.board, self.loss_name = board, loss_name
         self._file = None
         if path:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
             self._file = open(path, "a")
-        self._start, self._tokens, self._steps = time.perf_counter(), 0, 0
+        self._start, self._tokens, self._steps, self._timers = time.perf_counter(), 0, 0, {}
         dist.reset_comm_stats()
 
-    def step(self, tokens: int) -> None:
+    def step(self, tokens: int, iteration: int, loss: float, lr: float, norm: float, loss_scale: float,
+             batch_size: int, timers: dict) -> None:
+        """After each step: count it, add its phases' seconds (``timers``: {name: seconds}),
+        and every board interval send its figures to the boards."""
         self._tokens += tokens
         self._steps += 1
+        for name, seconds in timers.items():
+            self._timers[name] = self._timers.get(name, 0.0) + seconds
+        if self.board and iteration % self.board.interval == 0:
+            self.board.scalars(iteration, {self.loss_name: loss, "learning-rate": lr, "grad-norm": norm,
+                                           "loss-scale": loss_scale, "batch-size": batch_size})
 
     def report(self, iteration: int, total: int, loss: float, lr: float, norm: float, moe: dict | None = None,
                stage: dict | None = None) -> dict:
@@ -45,10 +65,13 @@ class MetricsLog:
                   "mfu": tps * self.flops_per_token / (self.peak_flops * self.devices),
                   "comm_bytes_per_step": sum(v["bytes"] for v in comm.values()) / self._steps,
                   "comm_wire_bytes_per_step": sum(v["wire_bytes"] for v in comm.values()) / self._steps,
-                  "comm": comm}
+                  "comm": comm, "timers": {name: total / self._steps for name, total in self._timers.items()},
+                  "memory": device.memory_stats()}
         line = (f" iteration {iteration:6d}/{total} | {'loss' if stage else 'lm loss'} {loss:.4f} | lr {lr:.3e} | "
                 f"grad norm {norm:.3f} | "
                 f"tokens/s {tps:,.0f} | TFLOP/s {record['tflops']:.3f} | MFU {100 * record['mfu']:.1f}%")
+        if "iteration" in record["timers"]:
+            line += f" | {1000 * record['timers']['iteration']:.0f} ms/step"
         if moe is not None:
             record["moe"] = moe
             line += (f" | aux loss {moe['aux_loss']:.4g} | z loss {moe['z_loss']:.4g} | expert load max/mean "
@@ -58,13 +81,46 @@ class MetricsLog:
             line += "".join(f" | {name[6:].replace('_', ' ')} {value:.4f}" for name, value in stage.items())
         self.say(line)
         self.write(record)
-        self._start, self._tokens, self._steps = time.perf_counter(), 0, 0
+        if self.board:
+            self.board.scalars(iteration, self._board_figures(record))
+        self._start, self._tokens, self._steps, self._timers = time.perf_counter(), 0, 0, {}
         dist.reset_comm_stats()
         return record
 
-    def restart_clock(self) -> None:
-        """After work that is not training (evaluation, a checkpoint): keep it out of tokens/s."""
-        self._start = time.perf_counter()
+    def _board_figures(self, record: dict) -> dict:
+        figures = {"tokens-per-second": record["tokens_per_s"], "throughput": record["tflops"] / self.devices,
+                   "tflops": record["tflops"], "mfu": record["mfu"],
+                   "comm-bytes-per-step": record["comm_bytes_per_step"]}
+        moe = record.get("moe")
+        if moe is not None:
+            figures.update({"moe/aux-loss": moe["aux_loss"], "moe/z-loss": moe["z_loss"], "moe/dropped": moe["dropped"]})
+            figures.update({f"moe/load-balance-layer-{k}": v for k, v in enumerate(moe["load_balance"])})
+        figures.update({name.replace("_", " "): value for name, value in record.items() if name.startswith("train_")})
+        if self.board.timers:
+            figures.update({f"{name}-time": value for name, value in record["timers"].items()})
+        if self.board.memory:
+            figures.update({f"mem-{name.replace('_', '-')}": value for name, value in record["memory"].items()})
+        return figures
+
+    def validation(self, iteration: int, loss: float, stats: dict | None) -> None:
+        """The evaluation's record and board figures (Megatron's names)."""
+        self.write({"iteration": iteration, "eval_loss": loss, **(stats or {})})
+        if self.board:
+            figures = {f"{self.loss_name} validation": loss}
+            if self.board.validation_ppl:
+                figures[f"{self.loss_name} validation ppl"] = math.exp(min(loss, 50))
+            figures.update({name.replace("_", " "): value for name, value in (stats or {}).items()})
+            self.board.scalars(iteration, figures)
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Work that is not training (evaluation, a checkpoint, writing a profile): its time
+        stays out of the interval's tokens/s."""
+        began = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._start += time.perf_counter() - began
 
     def write(self, record: dict) -> None:
         """One JSONL record (evaluation results, the text sample, ...)."""
@@ -78,3 +134,6 @@ class MetricsLog:
         if self._file is not None:
             self._file.close()
             self._file = None
+        if self.board:
+            self.board.close()
+            self.board = None

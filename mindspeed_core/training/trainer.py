@@ -41,7 +41,7 @@ from mindspeed_core.parallel import layers as parallel_layers
 from mindspeed_core.parallel import pipeline
 from mindspeed_core.parallel import state as parallel_state
 from mindspeed_core.parallel.plan import ParallelPlan
-from mindspeed_core.training import alignment, checkpoint, distributed, schedules
+from mindspeed_core.training import alignment, boards, checkpoint, distributed, profiling, schedules
 from mindspeed_core.training.distributed_optimizer import DistributedAdamW
 from mindspeed_core.training.loss_scale import LossScaler
 from mindspeed_core.training.metrics import MetricsLog
@@ -284,6 +284,9 @@ def check_configuration(args, world: int):
                              f"{cfg.max_position_embeddings}")
     if args.finetune and not args.load:
         raise MindSpeedError("--finetune takes the weights of the checkpoint in --load: give --load")
+    profiling.check(args, world)
+    if args.wandb_project:
+        boards.check_wandb()
     if args.bf16 and args.fp16:
         raise MindSpeedError("--bf16 and --fp16 exclude each other")
     if args.o2_optimizer and not args.bf16:
@@ -429,6 +432,12 @@ class Trainer:
                               else corpus.build_stdlib_corpus()]
         self.dtype = "bfloat16" if args.bf16 else "float16" if args.fp16 else "float32"
         self.scaler = LossScaler(dynamic=bool(args.fp16), initial=args.initial_loss_scale)
+        self.deterministic = bool(args.use_deterministic_algorithms or args.use_deterministic_comm)
+        # before the collectives are set up: HCCL and MindSpore read it there (a dry run leaves the
+        # process as it was)
+        if self.deterministic and not args.dry_run:
+            features.note_used("deterministic")
+            device.set_deterministic(True)
         dist.init()
         self.ps = parallel_state.initialize(tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
                                             cp=args.context_parallel_size, ep=args.expert_model_parallel_size)
@@ -473,6 +482,24 @@ class Trainer:
             "packed_sequences": {"reset_attention_mask": bool(self.args.reset_attention_mask),
                                  "reset_position_ids": bool(self.args.reset_position_ids)},
             "run": {key: getattr(self.args, key) for key in _RUN_SETTINGS} | {"progress": not self.args.no_progress},
+            "operations": self._operations(),
+        }
+
+    def _operations(self) -> dict:
+        """The logging, profiling and determinism settings."""
+        a = self.args
+        return {
+            "deterministic": self.deterministic,
+            "tensorboard": {"dir": a.tensorboard_dir, "log_interval": a.tensorboard_log_interval,
+                            "queue_size": a.tensorboard_queue_size, "timers": a.log_timers_to_tensorboard,
+                            "memory": a.log_memory_to_tensorboard,
+                            "validation_ppl": a.log_validation_ppl_to_tensorboard},
+            "wandb": {"project": a.wandb_project, "name": a.wandb_exp_name,
+                      "save_dir": boards.wandb_folder(a) if a.wandb_project else a.wandb_save_dir},
+            "profile": {"on": bool(a.profile), "steps": [a.profile_step_start, a.profile_step_end],
+                        "ranks": a.profile_ranks, "level": a.profile_level, "with_cpu": a.profile_with_cpu,
+                        "with_stack": a.profile_with_stack, "with_memory": a.profile_with_memory,
+                        "record_shapes": a.profile_record_shapes, "save_path": a.profile_save_path},
         }
 
     def _alignment_settings(self) -> dict | None:
@@ -974,7 +1001,9 @@ class Trainer:
             features.note_used("bf16" if self.dtype == "bfloat16" else "fp16")
         for layer in self.moe_layers:
             layer.reset_stats()
+        t0 = time.perf_counter()
         loss, grads = self.gradients(iteration)
+        t1 = time.perf_counter()
         grads = self.optimizer.prepare(grads)
         n = self.ps.size("dp_cp")  # CP ranks' losses are means over equal shares of each sequence
         if n > 1:
@@ -994,6 +1023,11 @@ class Trainer:
         self.optimizer.step(grads, lr, distributed.clip_coefficient(norm, args.clip_grad))
         if self.moe_stats is not None:
             self._update_expert_bias(self.moe_stats["tokens_per_expert"])
+        device.synchronize()
+        t2 = time.perf_counter()
+        # the loss reached the host at t1, so the forward and backward work had finished there;
+        # the optimizer's phase holds the gradient reductions, the norm and the update
+        self.timers = {"forward-backward": t1 - t0, "optimizer": t2 - t1, "iteration": t2 - t0}
         return loss, lr, norm
 
     def _update_expert_bias(self, tokens_per_expert: list) -> None:
@@ -1119,12 +1153,20 @@ class Trainer:
         if progress:
             progress.n = self.iteration
         history = []
-        log = MetricsLog(metrics_path if self.ps.rank == 0 else None, self.say, flops_per_token, peak, self.ps.world)
+        board = boards.build(args, self.describe()) if self.ps.rank == 0 else None
+        log = MetricsLog(metrics_path if self.ps.rank == 0 else None, self.say, flops_per_token, peak, self.ps.world,
+                         board, "lm loss" if self.objective is None else f"{self.stage_name} loss")
+        window = profiling.Window(args, self.ps.rank, self.ps.world, lambda text: print(text, flush=True,
+                                                                                         file=self._out or sys.stdout))
         try:
             while self.iteration < args.train_iters:
+                window.before_step(self.iteration)
                 loss, lr, norm = self.train_step(self.iteration)
                 self.iteration += 1
-                log.step(self.tokens_per_step)
+                with log.paused():
+                    window.after_step(self.iteration)
+                log.step(self.tokens_per_step, self.iteration, loss, lr, norm, self.scaler.scale,
+                         args.global_batch_size, self.timers)
                 history.append(loss)
                 if progress:
                     progress.update(1, f"loss {loss:.3f}")
@@ -1132,22 +1174,24 @@ class Trainer:
                     log.report(self.iteration, args.train_iters, loss, lr, norm, moe=self.moe_stats,
                                stage=self.stage_stats)
                 if args.eval_iters and args.eval_interval and self.iteration % args.eval_interval == 0:
-                    eval_loss = self.evaluate()
-                    if self.objective is None:
-                        self.say(f" validation at iteration {self.iteration} | lm loss {eval_loss:.4f} | "
-                                 f"ppl {math.exp(min(eval_loss, 50)):.2f}")
-                    else:
-                        self.say(f" validation at iteration {self.iteration} | {self.stage_name} loss {eval_loss:.4f}"
-                                 + "".join(f" | {k[6:].replace('_', ' ')} {v:.4f}" for k, v in self.eval_stats.items()))
-                    log.write({"iteration": self.iteration, "eval_loss": eval_loss, **(self.eval_stats or {})})
-                    log.restart_clock()
+                    with log.paused():
+                        eval_loss = self.evaluate()
+                        if self.objective is None:
+                            self.say(f" validation at iteration {self.iteration} | lm loss {eval_loss:.4f} | "
+                                     f"ppl {math.exp(min(eval_loss, 50)):.2f}")
+                        else:
+                            self.say(f" validation at iteration {self.iteration} | {self.stage_name} loss "
+                                     f"{eval_loss:.4f}" + "".join(f" | {k[6:].replace('_', ' ')} {v:.4f}"
+                                                                  for k, v in self.eval_stats.items()))
+                        log.validation(self.iteration, eval_loss, self.eval_stats)
                 if args.save and args.save_interval and self.iteration % args.save_interval == 0:
-                    self.save()
-                    log.restart_clock()
+                    with log.paused():
+                        self.save()
                 if args.exit_interval and self.iteration % args.exit_interval == 0 and self.iteration < args.train_iters:
                     self.say(f"exiting at iteration {self.iteration} (--exit-interval)")
                     break
         finally:
+            window.close()
             if progress:
                 progress.close()
             log.close()

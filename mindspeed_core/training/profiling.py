@@ -1,0 +1,94 @@
+"""--profile: a window of training steps recorded by the framework's profiler (the facade's
+``profiler``), MindSpeed's flags and defaults.
+
+The window holds the steps whose 0-based number is in [--profile-step-start,
+--profile-step-end), as Megatron counts them: with the defaults 10 and 12, the 11th and 12th
+steps. The ranks of --profile-ranks (-1, the default: every rank) each write their trace under
+--profile-save-path and a table of the operators that took the most time; the lowest of them
+prints its table when the window closes.
+"""
+
+from __future__ import annotations
+
+import os
+
+from mindspeed_core import features, profiler
+from mindspeed_core.errors import MindSpeedError
+
+TOP = 15  # operators in the printed table
+
+
+def check(args, world: int) -> None:
+    """One line for a window or ranks that cannot be profiled."""
+    if not args.profile:
+        return
+    if args.profile_step_end <= args.profile_step_start:
+        raise MindSpeedError(f"--profile-step-end {args.profile_step_end} must be after --profile-step-start "
+                             f"{args.profile_step_start}: the window is the steps from start (counted from 0) up to end")
+    if args.train_iters is not None and args.profile_step_start >= args.train_iters:
+        raise MindSpeedError(f"--profile-step-start {args.profile_step_start} is not before --train-iters "
+                             f"{args.train_iters}: no step would be profiled")
+    ranks = [r for r in args.profile_ranks if r != -1]
+    bad = [r for r in ranks if not 0 <= r < world]
+    if bad:
+        raise MindSpeedError(f"--profile-ranks {' '.join(map(str, bad))}: the job has ranks 0..{world - 1} "
+                             "(-1: every rank)")
+
+
+def table(ops: list, top: int = TOP) -> str:
+    """The operators that took the most time: calls, total and mean milliseconds, share."""
+    total = sum(seconds for _, _, seconds in ops) or 1.0
+    width = max([len("operator")] + [len(name) for name, _, _ in ops[:top]])
+    lines = [f"{'operator':<{width}}  {'calls':>7}  {'total ms':>10}  {'mean ms':>9}  {'share':>6}"]
+    for name, calls, seconds in ops[:top]:
+        lines.append(f"{name:<{width}}  {calls:>7}  {1e3 * seconds:>10.3f}  {1e3 * seconds / max(calls, 1):>9.4f}  "
+                     f"{100 * seconds / total:>5.1f}%")
+    return "\n".join(lines)
+
+
+class Window:
+    def __init__(self, args, rank: int, world: int, say_all):
+        """``say_all``: print from this rank (the table comes from a profiled rank, maybe not 0)."""
+        self.args = args
+        ranks = sorted(set(range(world)) if -1 in args.profile_ranks else set(args.profile_ranks))
+        self.on = bool(args.profile) and rank in ranks
+        self.rank, self.first = rank, ranks[0] if ranks else None
+        self.say_all = say_all
+        self.open = False
+        self.result = None
+
+    def before_step(self, iteration: int) -> None:
+        a = self.args
+        if self.on and iteration == a.profile_step_start:
+            features.note_used("profiling")
+            profiler.start(a.profile_save_path, f"rank{self.rank}", level=a.profile_level, with_cpu=a.profile_with_cpu,
+                           with_stack=a.profile_with_stack, with_memory=a.profile_with_memory,
+                           record_shapes=a.profile_record_shapes)
+            self.open = True
+
+    def after_step(self, iteration: int) -> bool:
+        """``iteration``: the number of steps done. True when the window closed here (writing
+        the trace took time that is not training's)."""
+        if self.open:
+            profiler.step()
+            if iteration >= self.args.profile_step_end:
+                self.close()
+                return True
+        return False
+
+    def close(self) -> None:
+        """End the window (at its end, or where training stopped inside it)."""
+        if not self.open:
+            return
+        self.open = False
+        a = self.args
+        self.result = profiler.stop()
+        last = min(a.profile_step_end, a.train_iters)
+        text = table(self.result["ops"])
+        path = os.path.join(a.profile_save_path, f"top_ops_rank{self.rank}.txt")
+        with open(path, "w") as fh:
+            fh.write(text + "\n")
+        if self.rank == self.first:
+            self.say_all(f"profiled steps {a.profile_step_start + 1}-{last} on rank {self.rank}; traces: "
+                         f"{', '.join(self.result['files']) or a.profile_save_path}\n"
+                         f"top operators by time (rank {self.rank}, {path}):\n{text}")
