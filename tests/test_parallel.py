@@ -312,11 +312,17 @@ def two_ranks(corpus, data, tmp_path_factory):  # noqa: F811
     from conftest import FRAMEWORK
 
     tmp = tmp_path_factory.mktemp("two-ranks")
+    # rank 1 alone profiles its first step
     extra = [["tp2-sp-sample", [*SAMPLE, "--data-path", corpus, "--tensor-model-parallel-size", "2",
-                                "--sequence-parallel"], False]]
+                                "--sequence-parallel", "--profile", "--profile-ranks", "1", "--profile-step-start", "0",
+                                "--profile-step-end", "1", "--profile-save-path", str(tmp / "profile")], False]]
     run_configs(FRAMEWORK, 2, case_spec(ranks_cases(2), data, tmp) + extra, tmp)
     return tmp
 
+
+# TP2 x DP2 with dropout, deterministic: four_ranks runs it, a launch of its own again
+DETERMINISTIC = [*GQA, "--attention-dropout", "0.1", "--hidden-dropout", "0.1", "--tensor-model-parallel-size", "2",
+                 "--train-iters", str(LAYOUT_ITERS), "--use-deterministic-algorithms"]
 
 # transformers' Llama (hf_reference.py: vocabulary 96, hidden 64, 2 layers, GQA) converted to
 # Megatron's layout at TP2 x PP2 and trained from for one step at lr 0 on four ranks, on ids
@@ -367,7 +373,9 @@ def four_ranks(corpus, data, two_ranks, null_corpus, hf_references, tmp_path_fac
                                         "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"],
               False],
              ["hf-llama-tp2-pp2", [*HF_LLAMA, "--data-path", null_corpus, "--load", str(tmp / "hf-llama-mg"),
-                                   "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"], False]]
+                                   "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"], False],
+             # last: MindSpore keeps the setting for the rest of the process
+             ["tp2-dp2-deterministic", [*DETERMINISTIC, "--data-path", corpus], False]]
     run_configs(FRAMEWORK, 4, case_spec(ranks_cases(4) + CP_CASES, data, tmp) + extra, tmp)
     return tmp
 
@@ -595,6 +603,32 @@ def test_text_sample_under_tensor_and_sequence_parallelism(capsys, corpus, two_r
                                                                     two_ranks / "out" / "tp2-sp-sample.jsonl"))
     assert len(one["sample_ids"]) == 12 and one["sample_prompt"] == "def "
     assert tp["sample_ids"] == one["sample_ids"] and tp["sample"] == one["sample"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.feature("profiling")
+def test_profile_ranks_profile_those_ranks_only(framework, two_ranks):
+    """two_ranks' TP2 + SP sample run profiled rank 1 alone: its trace and table, none of rank 0."""
+    folder = two_ranks / "profile"
+    assert not (folder / "top_ops_rank0.txt").exists() and not list(folder.glob("rank0*"))
+    table = (folder / "top_ops_rank1.txt").read_text()
+    assert ("aten::mm" if framework == "pytorch" else "MatMul") in table
+    assert list(folder.glob("rank1.*.pt.trace.json" if framework == "pytorch" else
+                            "rank1/*/ASCEND_PROFILER_OUTPUT/trace_view.json"))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.feature("deterministic")
+@pytest.mark.feature("tensor-parallel")
+@pytest.mark.feature("data-parallel")
+def test_deterministic_tp2_dp2_runs_give_the_same_losses_bit_for_bit(framework, corpus, four_ranks,  # noqa: F811
+                                                                      tmp_path):
+    """The four_ranks launch's deterministic TP2 x DP2 run with dropout, and a launch of its own:
+    the same losses, bit for bit."""
+    launch_train(framework, 4, [*DETERMINISTIC, "--data-path", corpus, "--metrics-file", str(tmp_path / "b.jsonl")],
+                 tmp_path)
+    a, b = losses(four_ranks / "out" / "tp2-dp2-deterministic.jsonl"), losses(tmp_path / "b.jsonl")
+    assert sorted(a) == list(range(1, LAYOUT_ITERS + 1)) and a == b
 
 
 @pytest.mark.multiprocess
