@@ -60,7 +60,7 @@ class _Partition:
         self.counted = ops.tensor(counted[window])
         self.residual = None  # set by keep_master under --reuse-fp32-param
         self.reuse_fp32_param = reuse_fp32_param
-        self.keep_master(self.my_slice(self.flatten([autograd.detach(p) for _, p in named])))
+        self.keep_master(self.window([autograd.detach(p) for _, p in named]))
         self.moment_dtype = moment_dtype  # bfloat16 under --o2-optimizer
         self.exp_avg = ops.zeros((self.shard,), dtype=moment_dtype)
         self.exp_avg_sq = ops.zeros((self.shard,), dtype=moment_dtype)
@@ -77,7 +77,7 @@ class _Partition:
         """This rank's fp32 master slice."""
         if not self.reuse_fp32_param:
             return self._master
-        high = ops.cast(self.my_slice(self.flatten([autograd.detach(p) for _, p in self.named])), "bfloat16")
+        high = ops.cast(self.window([autograd.detach(p) for _, p in self.named]), "bfloat16")
         return reuse_fp32_param.join(high, self.residual)
 
     def flatten(self, tensors):
@@ -85,8 +85,17 @@ class _Partition:
         pad = self.padded - sum(self.sizes)
         return ops.cat([flat, ops.zeros((pad,))]) if pad else flat
 
-    def my_slice(self, flat):
-        return flat[self.start:self.start + self.shard]
+    def window(self, tensors):
+        """This rank's slice of ``flatten(tensors)``, built from the pieces inside it: a tensor of
+        its own (a slice of the whole flat vector would keep all of it alive)."""
+        pieces, offset, end = [], 0, self.start + self.shard
+        for t, size in zip(tensors, self.sizes):
+            lo, hi = max(self.start, offset), min(end, offset + size)
+            if lo < hi:
+                pieces.append(ops.reshape(ops.cast(t, "float32"), (-1,))[lo - offset:hi - offset])
+            offset += size
+        pad = self.shard - sum(ops.numel(x) for x in pieces)
+        return ops.cat(pieces + ([ops.zeros((pad,))] if pad else []))
 
     def unflatten(self, flat) -> list:
         pieces = ops.split(flat[: sum(self.sizes)], self.sizes)
@@ -204,7 +213,7 @@ class DistributedAdamW:
                         raise CheckpointError(f"optimizer {key} of {name} has shape {tuple(t.shape)}, "
                                               f"the model's is {tuple(p.shape)}")
                     values.append(t)
-                flat = part.my_slice(part.flatten(values))
+                flat = part.window(values)
                 if key == "master":  # the parameters were loaded from the same checkpoint: its bf16 rounding
                     part.keep_master(flat)
                 else:
