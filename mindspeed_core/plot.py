@@ -1,0 +1,110 @@
+"""``mindspeed plot METRICS.jsonl [more runs ...] -o curves.png``: the loss, validation loss and
+throughput curves of one or several runs (PyTorch against MindSpore, TP1 against TP2, ...) in
+one PNG.
+
+A run is a metrics file (the trainer's --metrics-file) or a folder holding metrics.jsonl (a
+--save folder). Where a file holds an iteration twice (a run resumed from an earlier
+checkpoint, or started again into the same file), the later record wins: the curve is the
+run as it stands. Needs matplotlib (``pip install 'mindspeed-core[plot]'``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from mindspeed_core.compat.megatron_args import ArgumentParser
+from mindspeed_core.errors import MindSpeedError
+
+PANELS = (("loss", "training loss"), ("eval_loss", "validation loss"), ("tokens_per_s", "tokens/s"))
+
+
+def read_run(path: str) -> dict:
+    """{figure: {iteration: value}} of the PANELS' figures."""
+    if os.path.isdir(path):
+        path = os.path.join(path, "metrics.jsonl")
+    if not os.path.isfile(path):
+        raise MindSpeedError(f"{path}: no such metrics file (give the trainer's --metrics-file, or a --save folder "
+                             "holding metrics.jsonl)")
+    series = {name: {} for name, _ in PANELS}
+    with open(path, encoding="utf-8", errors="replace") as fh:
+        for number, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                raise MindSpeedError(f"{path}:{number}: not a JSON line; is this a metrics file?") from None
+            if not isinstance(record, dict) or "iteration" not in record:
+                continue
+            for name in series:
+                if isinstance(record.get(name), (int, float)):
+                    series[name][int(record["iteration"])] = float(record[name])
+    if not series["loss"]:
+        raise MindSpeedError(f"{path}: no training losses in it (is it a metrics file of mindspeed train?)")
+    return series
+
+
+def labels_for(paths: list[str]) -> list[str]:
+    """A run's folder name for <folder>/metrics.jsonl, else the file's name without .jsonl;
+    repeated names get their position."""
+    names = []
+    for path in paths:
+        path = os.path.normpath(path)
+        if os.path.isdir(path) or os.path.basename(path) == "metrics.jsonl":
+            name = os.path.basename(path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path)))
+        else:
+            name = os.path.basename(path).removesuffix(".jsonl")
+        names.append(name)
+    return [f"{name} ({k + 1})" if names.count(name) > 1 else name for k, name in enumerate(names)]
+
+
+def draw(runs: dict, output: str, title: str | None = None):
+    """The PNG of ``runs`` ({label: read_run(...)}); returns matplotlib's figure."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise MindSpeedError("mindspeed plot needs matplotlib: pip install 'mindspeed-core[plot]' "
+                             "(or pip install matplotlib)") from None
+    matplotlib.use("Agg")  # files only, no display
+    from matplotlib import pyplot
+
+    panels = [(name, what) for name, what in PANELS if any(series[name] for series in runs.values())]
+    fig, axes = pyplot.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
+    for ax, (name, what) in zip(axes[0], panels):
+        for label, series in runs.items():
+            points = sorted(series[name].items())
+            if points:
+                ax.plot([i for i, _ in points], [v for _, v in points], label=label,
+                        marker="o" if len(points) < 12 else None)
+        ax.set_title(what)
+        ax.set_xlabel("iteration")
+        ax.grid(alpha=0.3)
+    axes[0][0].legend()
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    folder = os.path.dirname(os.path.abspath(output))
+    os.makedirs(folder, exist_ok=True)
+    fig.savefig(output, dpi=100)
+    pyplot.close(fig)
+    return fig
+
+
+def main(argv: list[str]) -> int:
+    parser = ArgumentParser(prog="mindspeed plot", description="draw the curves of one or several training runs")
+    parser.add_argument("runs", nargs="+", metavar="METRICS", help="metrics files (or --save folders)")
+    parser.add_argument("-o", "--output", default="curves.png", help="the PNG to write (default curves.png)")
+    parser.add_argument("--labels", nargs="+", default=None, help="one name per run (default: from the paths)")
+    parser.add_argument("--title", default=None)
+    args = parser.parse_args(argv)
+    if args.labels is not None and len(args.labels) != len(args.runs):
+        raise MindSpeedError(f"--labels gives {len(args.labels)} names for {len(args.runs)} runs")
+    if not args.output.lower().endswith(".png"):
+        raise MindSpeedError(f"-o {args.output}: the picture is a PNG; name it *.png")
+    labels = args.labels or labels_for(args.runs)
+    runs = {label: read_run(path) for label, path in zip(labels, args.runs)}
+    draw(runs, args.output, args.title)
+    print(f"wrote {args.output}: " + "; ".join(f"{label}: {len(s['loss'])} iterations, last loss "
+                                                f"{s['loss'][max(s['loss'])]:.4f}" for label, s in runs.items()))
+    return 0
