@@ -9,6 +9,8 @@
     mindspeed evaluate (--load DIR | --load-hf FOLDER) --task mmlu|ceval|gsm8k|boolq|perplexity --task-data-path P
     mindspeed preprocess --input FILE --output-prefix PREFIX [--tokenizer-type ...]
     mindspeed convert --load-model-type hf|mg --save-model-type hf|mg --load-dir D --save-dir D [--target-* ...]
+    mindspeed plot METRICS.jsonl [more runs ...] -o curves.png [--labels A B ...]
+    mindspeed plan (--model-name P | <model flags> | --load-hf FOLDER) --devices N --memory-per-device GB [--measure]
     mindspeed launch --nproc-per-node N [--nnodes --node-rank --master-addr --master-port] -- [generate] <flags>
 
 ``--ai-framework`` is read before anything else so that the facade is bound before model
@@ -157,6 +159,18 @@ def _cmd_convert(argv: list[str]) -> int:
     return convert.run(argv)
 
 
+def _cmd_plot(argv: list[str]) -> int:
+    from mindspeed_core import plot
+
+    return plot.main(argv)
+
+
+def _cmd_plan(argv: list[str]) -> int:
+    from mindspeed_core import planner
+
+    return planner.main(argv)
+
+
 def _cmd_launch(argv: list[str]) -> int:
     from mindspeed_core import launcher
 
@@ -165,7 +179,7 @@ def _cmd_launch(argv: list[str]) -> int:
 
 COMMANDS = {"features": _cmd_features, "check-args": _cmd_check_args, "info": _cmd_info, "train": _cmd_train,
             "generate": _cmd_generate, "evaluate": _cmd_evaluate, "preprocess": _cmd_preprocess, "launch": _cmd_launch,
-            "convert": _cmd_convert}
+            "convert": _cmd_convert, "plot": _cmd_plot, "plan": _cmd_plan}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,550 @@
+"""``mindspeed plan``: choose the parallel layout of a training run before running it (the idea
+of MindSpeed's auto-settings), for this implementation.
+
+Given the model (a preset, model flags, or a Hugging Face folder), the sequence length and
+global batch size, a device count and each device's memory and speed, it enumerates tensor,
+pipeline, context, expert and data parallel sizes, the micro-batch size, activation recompute
+(none, selective, full) and the distributed optimizer; keeps the layouts the trainer accepts
+(its own configuration check) and that fit in memory; and ranks them by predicted step time.
+Each line ends in the exact ``mindspeed launch`` command.
+
+Memory per device, on the most loaded pipeline stage: the framework's own resident memory
+(measured by the probe); this rank's parameters (TP cuts the linear layers, EP the experts, PP
+the layers; the first stage holds the embedding, the last the output layer or, when tied and
+PP > 1, its copy) as weights, with two AdamW moments (a master copy for 16-bit weights; the
+distributed optimizer keeps master, moments and its masks for 1/DP of them); what building the
+whole model on every rank before cutting it leaves in the allocator; and the larger of the
+step's two peaks: at the loss (activations per Korthikanti et al. 2022 on s/CP tokens, cut by TP
+with sequence parallelism on, under the recompute policy, the first stage holding min(PP,
+micro-batches) micro-batches; the last stage's logits) and after the backward (the gradients in
+the copies this trainer holds). The counts of copies are measured on this machine
+(benchmarks/bench_plan.py).
+Step time: the step's matmul and attention FLOPs on this rank (full recompute adds a forward,
+selective the attention scores) over the measured matmul rate at the layout's matrix shapes,
+plus the pipeline bubble ((PP - 1) micro-batch slots), plus the collectives: the analytical
+bytes of parallel/traffic.py for TP, SP and DP (and the pipeline's, CP's and EP's exchanges)
+over the link bandwidth, with its latency per call. Nothing overlaps (as in this trainer).
+
+On the CPU device the "devices" are processes sharing the host's cores: the probe measures the
+host's matmul rate (at each layout's shape) and each of N ranks gets 1/N of it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shlex
+import socket
+import threading
+import time
+
+from mindspeed_core.errors import MindSpeedError
+
+GIB = 2**30
+
+
+@dataclasses.dataclass
+class Machine:
+    devices: int
+    memory_bytes: float  # per device
+    matmul_flops: dict  # (m, k, n) -> FLOP/s one device reaches on that shape
+    peak_flops: float  # per device, the big-matmul rate (shapes not probed fall back to it)
+    link_bytes_per_s: float
+    link_latency_s: float
+    baseline_bytes: float  # a bound framework process before any model
+    devices_per_node: int
+
+    def rate(self, m: int, k: int, n: int) -> float:
+        return self.matmul_flops.get((m, k, n), self.peak_flops)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    tp: int
+    pp: int
+    dp: int
+    cp: int = 1
+    ep: int = 1
+    mbs: int = 1
+    recompute: str = "none"  # none, selective, full
+    distopt: bool = False
+
+    @property
+    def sp(self) -> bool:
+        return self.tp > 1
+
+    def flags(self) -> list[str]:
+        out = ["--tensor-model-parallel-size", str(self.tp), "--pipeline-model-parallel-size", str(self.pp)]
+        if self.cp > 1:
+            out += ["--context-parallel-size", str(self.cp)]
+        if self.ep > 1:
+            out += ["--expert-model-parallel-size", str(self.ep), "--moe-token-dispatcher-type", "alltoall"]
+        if self.sp:
+            out.append("--sequence-parallel")
+        out += ["--micro-batch-size", str(self.mbs)]
+        if self.recompute == "selective":
+            out.append("--recompute-activations")
+        elif self.recompute == "full":
+            out += ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+        if self.distopt:
+            out.append("--use-distributed-optimizer")
+        return out
+
+    def describe(self) -> str:
+        parts = [f"TP{self.tp}", f"PP{self.pp}", f"DP{self.dp}"] + ([f"CP{self.cp}"] if self.cp > 1 else []) + \
+                ([f"EP{self.ep}"] if self.ep > 1 else [])
+        return "x".join(parts) + f" mbs {self.mbs}" + (f" {self.recompute}" if self.recompute != "none" else "") + \
+            (" distopt" if self.distopt else "")
+
+
+# ---- parameters per rank --------------------------------------------------------------------
+
+def _layer_parameters(cfg, layer: int, tp: int, ep: int) -> float:
+    """One transformer layer's parameters on one rank (linear layers cut by TP, experts by EP
+    and then TP; norms, router and output biases replicated)."""
+    h, kv = cfg.hidden_size, cfg.kv_channels
+    q_width, groups = cfg.num_attention_heads * kv, cfg.num_query_groups
+    kv_local = 2 * kv * max(groups // tp, 1)  # a key/value head copied to several ranks when TP > groups
+    norm = h * (2 if cfg.normalization == "layernorm" else 1)
+    attn = h * (q_width / tp + kv_local) + q_width * h / tp
+    attn += (q_width / tp + kv_local) if cfg.add_qkv_bias else 0
+    attn += h if cfg.attention_output_bias else 0
+    attn += 2 * kv if cfg.qk_layernorm else 0
+    gated = cfg.activation == "swiglu"
+    if cfg.moe is not None and cfg.is_moe_layer(layer):
+        moe = cfg.moe
+        f = moe.ffn_hidden_size or cfg.ffn_hidden_size
+        expert = h * (2 if gated else 1) * f + f * h
+        mlp = h * moe.num_experts + moe.num_experts / ep * expert / tp
+        if moe.shared_expert_size:
+            s = moe.shared_expert_size
+            mlp += (h * (2 if gated else 1) * s + s * h) / tp + (h if moe.shared_expert_gate else 0)
+    else:
+        f = cfg.ffn_hidden_size
+        fc1 = (2 if gated else 1) * f
+        mlp = (h * fc1 + f * h) / tp + ((fc1 / tp + h) if cfg.add_bias_linear else 0)
+    return attn + mlp + 2 * norm
+
+
+def stage_parameters(cfg, layout, tp: int, ep: int, stage: int, pp: int) -> float:
+    """Parameters of one rank of pipeline stage ``stage``."""
+    h, v = cfg.hidden_size, cfg.vocab_size
+    total = sum(_layer_parameters(cfg, i, tp, ep) for chunk in range(layout.chunks)
+                for i in layout.layers(layout.stage(stage, chunk)))
+    norm = h * (2 if cfg.normalization == "layernorm" else 1)
+    if stage == 0:
+        total += v * h / tp
+        total += cfg.max_position_embeddings * h if cfg.position_embedding_type == "learned" else 0
+    if stage == pp - 1:
+        total += norm
+        if cfg.reward_head:
+            total += h
+        elif cfg.untie_embeddings_and_output_weights or pp > 1:
+            total += v * h / tp  # the output layer, or the tied embedding's copy on the last stage
+    return total
+
+
+# ---- the predictions --------------------------------------------------------------------------
+
+def _activation_bytes(cfg, lay: Layout, seq: int, layers: int, element: int) -> float:
+    """Activations of ``layers`` layers for one micro-batch on one rank."""
+    from mindspeed_core.memory.measure import estimated_peak_bytes
+    from mindspeed_core.memory.recompute import Recompute
+
+    f = cfg.ffn_hidden_size
+    if cfg.moe is not None:  # an average layer: each token visits top-k experts in MoE layers
+        f = max(f, (cfg.moe.ffn_hidden_size or f) * cfg.moe.topk + (cfg.moe.shared_expert_size or 0))
+    policy = {"none": Recompute(), "selective": Recompute("selective"),
+              "full": Recompute("full", "uniform", 1)}[lay.recompute]
+    size = dict(s=seq // lay.cp, b=lay.mbs, h=cfg.hidden_size, a=cfg.num_attention_heads, f=f, element=element,
+                dropout=bool(cfg.attention_dropout or cfg.hidden_dropout), gated=cfg.activation == "swiglu")
+    return estimated_peak_bytes(policy, layers, **size) / lay.tp if layers else 0.0
+
+
+# What the step holds besides weights and optimizer states, counted in this implementation
+# (benchmarks/bench_plan.py measures them; PyTorch on CPU): fp32 logits live in about
+# LOGIT_COPIES copies at the loss (the logits, their exponentials, the log-softmax and its
+# gradient; the vocabulary-parallel cross entropy of TP > 1 keeps more: the maximum, the
+# exponentials' share and their sum); gradients: with accumulation the running sum, a
+# micro-batch's, their sum and the clipped copy, else the gradients and their clipped copy; the
+# distributed optimizer: the gradients, their flat copy and the reduction's copy, then seven
+# temporaries of the rank's shard in its step (the scaled gradient, the decayed master, AdamW's
+# new master and moments, the norm's two masked copies).
+LOGIT_COPIES = {False: 4.3, True: 6.0}  # by TP > 1
+GRADIENT_COPIES = {True: 4, False: 2}  # by accumulation
+DISTOPT_COPIES, DISTOPT_SHARD_COPIES = 3, 7
+
+
+def predict_memory(cfg, lay: Layout, seq: int, gbs: int, machine: Machine, dtype: str = "float32") -> dict:
+    """Bytes per device on the most loaded pipeline stage, by part: the fixed parts (baseline,
+    weights, optimizer states, what building the whole model left) plus the larger of the
+    step's two peaks: at the loss (activations, logits) and after the backward (gradients)."""
+    from mindspeed_core.parallel import pipeline
+
+    layout = pipeline.plan_layout(cfg.num_layers, lay.pp, None, None, ",".join(map(str, cfg.noop_layers)) or None)
+    element = 4 if dtype == "float32" else 2
+    micro = gbs // (lay.mbs * lay.dp)
+    accumulates = micro > 1
+    whole = cfg.num_parameters()
+    best = None
+    for stage in range(lay.pp):
+        params = stage_parameters(cfg, layout, lay.tp, lay.ep, stage, lay.pp)
+        weights = element * params
+        grads = 4 * params
+        if lay.distopt and lay.dp * lay.cp > 1:  # fp32 master, two moments and three masks, of 1/DP each
+            state = 24 * params / (lay.dp * lay.cp)
+        else:  # two moments (and the fp32 master of 16-bit weights)
+            state = (8 + (4 if element == 2 else 0)) * params
+        in_flight = min(lay.pp - stage, micro)  # 1F1B: the first stage holds PP micro-batches
+        layers = sum(len(layout.layers(layout.stage(stage, c))) for c in range(layout.chunks))
+        acts = in_flight * _activation_bytes(cfg, lay, seq, layers, element)
+        logits = (LOGIT_COPIES[lay.tp > 1] * 4 * lay.mbs * (seq // lay.cp) * cfg.vocab_size / lay.tp
+                  if stage == lay.pp - 1 else 0)
+        at_loss = acts + logits + (grads if accumulates else 0)
+        after_backward = GRADIENT_COPIES[accumulates] * grads
+        if lay.distopt and lay.dp * lay.cp > 1:
+            after_backward = max(after_backward, (DISTOPT_COPIES + DISTOPT_SHARD_COPIES / (lay.dp * lay.cp)) * grads)
+        built = 4 * (whole - params)  # every rank builds the whole model in fp32 and keeps its cut
+        parts = {"baseline": machine.baseline_bytes, "weights": weights, "optimizer": state, "built": built,
+                 "activations": acts, "logits": logits, "gradients": after_backward,
+                 "total": machine.baseline_bytes + weights + state + built + max(at_loss, after_backward),
+                 "stage": stage}
+        if best is None or parts["total"] > best["total"]:
+            best = parts
+    return best
+
+
+def _flops_per_micro(cfg, lay: Layout, seq: int) -> float:
+    """Training FLOPs of one micro-batch on one rank of the busiest stage."""
+    per_token = cfg.flops_per_token(seq)
+    if lay.recompute == "full":  # one more forward of every layer
+        per_token *= 4 / 3
+    elif lay.recompute == "selective":  # the attention scores again
+        per_token += 2 * 2 * seq * cfg.num_attention_heads * cfg.kv_channels * cfg.real_layers
+    return per_token * lay.mbs * seq / (lay.tp * lay.pp * lay.cp)
+
+
+def matmul_shape(cfg, lay: Layout, seq: int) -> tuple:
+    """The layout's typical GEMM: the micro-batch's tokens on this rank times the MLP's first
+    weight cut by TP."""
+    width = (2 if cfg.activation == "swiglu" else 1) * cfg.ffn_hidden_size
+    return (lay.mbs * seq // lay.cp, cfg.hidden_size, max(width // lay.tp, 1))
+
+
+def predict_step(cfg, lay: Layout, seq: int, gbs: int, machine: Machine) -> dict:
+    """Seconds per training step, by part."""
+    from mindspeed_core.parallel import traffic
+
+    micro = gbs // (lay.mbs * lay.dp)
+    rate = machine.rate(*matmul_shape(cfg, lay, seq))
+    per_micro = _flops_per_micro(cfg, lay, seq) / rate
+    compute = micro * per_micro
+    bubble = (lay.pp - 1) * per_micro
+    B, lat = machine.link_bytes_per_s, machine.link_latency_s
+    params = cfg.num_parameters() / (lay.tp * lay.pp)
+    tokens = lay.mbs * seq // lay.cp
+    h, L = cfg.hidden_size, cfg.real_layers / lay.pp
+    comm = 0.0
+    # the tensor-parallel group's collectives, then the data-parallel (x CP) group's gradient reduction
+    for group, sizes in ((lay.tp, dict(tp=lay.tp, dp=1)), (lay.dp * lay.cp, dict(tp=1, dp=lay.dp * lay.cp))):
+        moved = traffic.step_bytes(_Sizes(cfg, L), micro_batch=lay.mbs, seq_length=seq // lay.cp, grad_accum=micro,
+                                   sp=lay.sp and sizes["tp"] > 1, distributed_optimizer=lay.distopt,
+                                   local_params=int(params), sp_partial_params=0, **sizes)
+        for op, n in moved.items():  # payload handed over -> bytes each rank sends on a ring
+            comm += n * {"all_reduce": 2 * (group - 1) / group, "all_gather": group - 1,
+                         "reduce_scatter": (group - 1) / group}[op] / B
+    calls = (4 * L + 2) * micro * (lay.tp > 1) + 3 * (lay.dp * lay.cp > 1)
+    if lay.pp > 1:  # each micro-batch's activation forward and its gradient back, per stage boundary
+        comm += 2 * micro * 4 * tokens * h / lay.tp / B
+        calls += 2 * micro
+    if lay.cp > 1:  # the ring passes the keys and values on (CP - 1) times per layer, their gradients back
+        kv = 2 * tokens * lay.mbs * cfg.num_query_groups * cfg.kv_channels * 4 / lay.tp
+        comm += 3 * L * micro * (lay.cp - 1) * kv / B
+        calls += 3 * L * micro * (lay.cp - 1)
+    if lay.ep > 1 and cfg.moe is not None:  # tokens to their experts and back, forward and backward
+        moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers)) / lay.pp
+        comm += 4 * moe_layers * micro * tokens * cfg.moe.topk * h * 4 / lay.tp * (lay.ep - 1) / lay.ep / B
+        calls += 4 * moe_layers * micro
+    comm += calls * lat
+    return {"compute": compute, "bubble": bubble, "communication": comm, "total": compute + bubble + comm}
+
+
+class _Sizes:
+    """What traffic.step_bytes reads of a model config: the stage's share of the layers."""
+
+    def __init__(self, cfg, layers: float):
+        self.hidden_size, self.num_layers, self.moe = cfg.hidden_size, layers, None
+
+
+# ---- enumeration -----------------------------------------------------------------------------
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidates(cfg, args, world: int, devices_per_node: int, check) -> list[Layout]:
+    """Every layout of ``world`` devices the trainer accepts (``check(argv)`` raises
+    MindSpeedError otherwise): TP within a node."""
+    gbs, out = args.global_batch_size, []
+    for tp in _divisors(world):
+        if tp > devices_per_node:
+            continue
+        for pp in _divisors(world // tp):
+            for cp in _divisors(world // (tp * pp)):
+                dp = world // (tp * pp * cp)
+                eps = [e for e in _divisors(dp * cp) if cfg.moe is not None and cfg.moe.num_experts % e == 0] or [1]
+                for ep in eps:
+                    for mbs in _divisors(gbs // dp) if gbs % dp == 0 else []:
+                        if mbs > args.max_micro_batch_size:
+                            continue
+                        for recompute in ("none", "selective", "full"):
+                            for distopt in ((False, True) if dp * cp > 1 else (False,)):
+                                lay = Layout(tp, pp, dp, cp, ep, mbs, recompute, distopt)
+                                try:
+                                    check(lay)
+                                except MindSpeedError:
+                                    continue
+                                out.append(lay)
+    return out
+
+
+# ---- the probe ---------------------------------------------------------------------------------
+
+def probe_link(megabytes: int = 64) -> tuple[float, float]:
+    """(bytes/s, seconds per small message) over a loopback TCP connection: what gloo's
+    collectives between processes of one host travel over."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+    payload = b"\0" * (1 << 20)
+
+    def sink():
+        conn, _ = server.accept()
+        with conn:
+            while True:
+                data = conn.recv(1 << 20)
+                if not data:
+                    return
+                if data == b"p":
+                    conn.sendall(b"p")
+
+    thread = threading.Thread(target=sink, daemon=True)
+    thread.start()
+    client = socket.create_connection(server.getsockname())
+    client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    start = time.perf_counter()
+    for _ in range(megabytes):
+        client.sendall(payload)
+    bandwidth = megabytes * len(payload) / (time.perf_counter() - start)
+    time.sleep(0.05)  # let the sink drain before the ping-pong
+    start, rounds = time.perf_counter(), 200
+    for _ in range(rounds):
+        client.sendall(b"p")
+        client.recv(1)
+    latency = (time.perf_counter() - start) / rounds / 2
+    client.close()
+    server.close()
+    return bandwidth, latency
+
+
+def probe_matmul(shapes, min_seconds: float = 0.1) -> dict:
+    """{(m, k, n): FLOP/s} of the bound framework's matmul on each shape (float32)."""
+    from mindspeed_core import device, ops
+
+    out = {}
+    for m, k, n in shapes:
+        a, b = ops.ones((m, k)), ops.ones((k, n))
+        ops.to_numpy(ops.matmul(a, b))
+        reps, start = 0, time.perf_counter()
+        while True:
+            c = ops.matmul(a, b)
+            reps += 1
+            if reps % 4 == 0:
+                ops.to_numpy(c[:1, :1] if hasattr(c, "__getitem__") else c)
+                device.synchronize()
+                if time.perf_counter() - start >= min_seconds:
+                    break
+        out[(m, k, n)] = 2.0 * m * k * n * reps / (time.perf_counter() - start)
+    return out
+
+
+def baseline_bytes() -> float:
+    """This process's resident memory now: a bound framework that has run a few operators."""
+    from mindspeed_core.backends.common import host_memory_stats
+
+    return float(host_memory_stats().get("host_rss_bytes", 0))
+
+
+# ---- the command ---------------------------------------------------------------------------------
+
+PLAN_FLAGS = ("--devices", "--devices-per-node", "--memory-per-device", "--memory-headroom", "--matmul-tflops",
+              "--link-gbps", "--link-latency-us", "--baseline-gb", "--top", "--max-micro-batch-size", "--json")
+
+
+def _parser():
+    from mindspeed_core.compat import megatron_args
+
+    parser = megatron_args.training_parser("mindspeed plan")
+    parser.description = "rank the parallel layouts of a training run by predicted step time"
+    g = parser.add_argument_group("plan")
+    g.add_argument("--devices", type=megatron_args.POSITIVE_INT, required=True, help="devices (ranks) of the job")
+    g.add_argument("--devices-per-node", type=megatron_args.POSITIVE_INT, default=None,
+                   help="devices per node (default: all); TP stays within a node")
+    g.add_argument("--memory-per-device", type=megatron_args.POSITIVE, required=True, help="GiB per device")
+    g.add_argument("--matmul-tflops", type=megatron_args.POSITIVE, default=None,
+                   help="one device's float32 matmul rate (default: measured here, per shape)")
+    g.add_argument("--link-gbps", type=megatron_args.POSITIVE, default=None,
+                   help="bandwidth between devices in GB/s (default: measured here over loopback)")
+    g.add_argument("--link-latency-us", type=megatron_args.NON_NEGATIVE, default=None,
+                   help="latency per collective in microseconds (default: measured here)")
+    g.add_argument("--baseline-gb", type=megatron_args.NON_NEGATIVE, default=None,
+                   help="the framework's own memory per process in GiB (default: measured here)")
+    g.add_argument("--memory-headroom", type=megatron_args.PROBABILITY, default=0.15,
+                   help="the share of each device's memory the prediction keeps free (it was within 15%% of the "
+                        "measured peaks here, mostly below)")
+    g.add_argument("--top", type=megatron_args.POSITIVE_INT, default=5, help="layouts to print")
+    g.add_argument("--max-micro-batch-size", type=megatron_args.POSITIVE_INT, default=16)
+    g.add_argument("--json", action="store_true", help="print every layout's prediction as JSON")
+    return parser
+
+
+LAYOUT_FLAGS = ("--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--context-parallel-size",
+                "--expert-model-parallel-size", "--micro-batch-size", "--sequence-parallel", "--use-distributed-optimizer",
+                "--recompute-granularity", "--recompute-method", "--recompute-num-layers", "--recompute-activations",
+                "--moe-token-dispatcher-type")
+
+
+def _base_argv(argv: list[str], parser) -> list[str]:
+    """The user's flags without the planner's own and the layout's (the plan sets those)."""
+    out, i = [], 0
+    while i < len(argv):
+        name = argv[i].split("=", 1)[0]
+        action = parser._option_string_actions.get(name)
+        width = 1
+        if action is not None and "=" not in argv[i] and action.nargs != 0:
+            width = 2
+            if action.nargs in ("+", "*"):
+                while i + width < len(argv) and not argv[i + width].startswith("--"):
+                    width += 1
+        if name not in LAYOUT_FLAGS and name not in PLAN_FLAGS:
+            out += argv[i:i + width]
+        i += width
+    return out
+
+
+def measure_machine(args, cfg, world: int, shapes) -> Machine:
+    from mindspeed_core import device, ops
+
+    ops.to_numpy(ops.matmul(ops.ones((8, 8)), ops.ones((8, 8))))  # the framework's kernels loaded
+    base = args.baseline_gb * GIB if args.baseline_gb is not None else baseline_bytes()
+    share = world if device.type() == "cpu" else 1  # the ranks share the host's cores
+    if args.matmul_tflops:
+        peak, rates = args.matmul_tflops * 1e12, {}
+    else:
+        rates = {shape: r / share for shape, r in probe_matmul(sorted(set(shapes))).items()}
+        peak = device.matmul_rate(n=512, min_seconds=0.2) / share
+    if args.link_gbps is None or args.link_latency_us is None:
+        bw, lat = probe_link()
+    bw = args.link_gbps * 1e9 if args.link_gbps else bw
+    lat = args.link_latency_us * 1e-6 if args.link_latency_us is not None else lat
+    return Machine(world, args.memory_per_device * GIB, rates, peak, bw, lat, base, args.devices_per_node or world)
+
+
+def plan(argv: list[str]) -> dict:
+    """Parse, enumerate, predict; returns {"machine": ..., "default": ..., "ranked": [...]}."""
+    from mindspeed_core import runtime
+    from mindspeed_core.compat import megatron_args
+    from mindspeed_core.training import trainer
+
+    parser = _parser()
+    args = parser.parse_args(argv)
+    runtime.bind(args.ai_framework, args.device)
+    world = args.devices
+    if args.seq_length is None or args.global_batch_size is None:
+        raise MindSpeedError("give --seq-length and --global-batch-size: the plan divides that batch of sequences")
+    if args.bf16 or args.fp16:
+        dtype = "bfloat16" if args.bf16 else "float16"
+    else:
+        dtype = "float32"
+    base = _base_argv(argv, parser)
+    # the configuration check reads no data; a placeholder keeps it from the embedded run's settings
+    base_check = base if args.data_path else [*base, "--data-path", "plan"]
+    if args.tokenizer_type is None and not args.load_hf:
+        base_check = [*base_check, "--tokenizer-type", "ByteLevel"]
+    train_parser = megatron_args.training_parser()
+
+    def check(lay: Layout):
+        targs = train_parser.parse_args([*base_check, *lay.flags()])
+        trainer.apply_defaults(targs)
+        return trainer.check_configuration(targs, world)
+
+    first = train_parser.parse_args([*base_check, "--micro-batch-size", "1"])
+    trainer.apply_defaults(first)
+    _, cfg = trainer.check_configuration(first, 1)
+    layouts = candidates(cfg, args, world, args.devices_per_node or world, check)
+    if not layouts:
+        raise MindSpeedError(f"no layout of {world} devices suits this model and batch (global batch "
+                             f"{args.global_batch_size}, sequence {args.seq_length}): check the sizes divide")
+    seq, gbs = args.seq_length, args.global_batch_size
+    machine = measure_machine(args, cfg, world, [matmul_shape(cfg, lay, seq) for lay in layouts])
+    rows = []
+    for lay in layouts:
+        mem = predict_memory(cfg, lay, seq, gbs, machine, dtype)
+        step = predict_step(cfg, lay, seq, gbs, machine)
+        rows.append({"layout": lay, "memory": mem, "step": step,
+                     "fits": mem["total"] <= (1 - args.memory_headroom) * machine.memory_bytes,
+                     "command": launch_command(world, base, lay, args.devices_per_node)})
+    rows.sort(key=lambda r: (not r["fits"], r["step"]["total"], r["memory"]["total"]))
+    default = next((r for r in rows if r["layout"] == Layout(1, 1, world, mbs=args.micro_batch_size or 1)), None)
+    return {"machine": machine, "model_parameters": cfg.num_parameters(), "rows": rows, "default": default,
+            "tokens_per_step": gbs * seq}
+
+
+def launch_command(world: int, base: list[str], lay: Layout, per_node: int | None) -> str:
+    nodes = "" if not per_node or per_node >= world else f" --nnodes {world // per_node} --node-rank 0"
+    nproc = per_node if per_node and per_node < world else world
+    return shlex.join(["mindspeed", "launch", "--nproc-per-node", str(nproc)]) + nodes + " -- " + \
+        shlex.join([*base, *lay.flags()])
+
+
+def main(argv: list[str]) -> int:
+    result = plan(argv)
+    machine, rows = result["machine"], result["rows"]
+    args = _parser().parse_args(argv)
+    if args.json:
+        print(json.dumps([{"layout": dataclasses.asdict(r["layout"]), "memory": r["memory"], "step": r["step"],
+                           "fits": r["fits"], "command": r["command"]} for r in rows], indent=1))
+        return 0
+    fitting = [r for r in rows if r["fits"]]
+    print(f"{result['model_parameters'] / 1e6:.1f}M parameters, {result['tokens_per_step']} tokens per step, "
+          f"{machine.devices} devices of {machine.memory_bytes / GIB:.1f} GiB; matmul {machine.peak_flops / 1e12:.3f} "
+          f"TFLOP/s per device, link {machine.link_bytes_per_s / 1e9:.2f} GB/s and {machine.link_latency_s * 1e6:.0f} "
+          f"us per call, framework baseline {machine.baseline_bytes / GIB:.2f} GiB")
+    from mindspeed_core import runtime
+
+    if runtime.bound().NAME == "mindspore":
+        print("note: the memory model's copy counts were measured on PyTorch; MindSpore's peaks on the CPU measured "
+              "well above them here (benchmarks/bench_plan.py): raise --memory-headroom")
+    print(f"{len(rows)} layouts the trainer accepts, {len(fitting)} fit in memory (keeping "
+          f"{100 * args.memory_headroom:.0f}% free)")
+    header = f"{'#':>3}  {'layout':<34} {'memory GiB':>10} {'step s':>9} {'tokens/s':>10}"
+    print(header)
+    for k, r in enumerate(fitting[:args.top], 1):
+        print(f"{k:>3}  {r['layout'].describe():<34} {r['memory']['total'] / GIB:>10.2f} {r['step']['total']:>9.3f} "
+              f"{result['tokens_per_step'] / r['step']['total']:>10.0f}")
+    default = result["default"]
+    if default is not None:
+        state = "fits" if default["fits"] else "does not fit"
+        print(f"  default ({default['layout'].describe()}): {default['memory']['total'] / GIB:.2f} GiB ({state}), "
+              f"{default['step']['total']:.3f} s per step")
+    if not fitting:
+        least = min(rows, key=lambda r: r["memory"]["total"])
+        raise MindSpeedError(f"no layout fits in {machine.memory_bytes / GIB:.1f} GiB per device (keeping "
+                             f"{100 * args.memory_headroom:.0f}% free); the smallest "
+                             f"needs {least['memory']['total'] / GIB:.2f} GiB ({least['layout'].describe()}): add "
+                             "devices or memory, or shorten the sequence")
+    print("commands, best first" + (" (node 0's; node k runs it with --node-rank k and --master-addr of node 0)"
+                                     if args.devices_per_node and args.devices_per_node < args.devices else "") + ":")
+    for r in fitting[:args.top]:
+        print("  " + r["command"])
+    return 0

@@ -1,0 +1,107 @@
+"""mindspeed plan: the layouts it enumerates are the ones the trainer accepts, its parameter
+counts add up to the model's, its predictions move the way the layouts say, and it prints
+launch commands (benchmarks/bench_plan.py compares its predictions with measured runs)."""
+
+from __future__ import annotations
+
+import pytest
+
+from mindspeed_core import cli, planner
+from mindspeed_core.compat import megatron_args
+from mindspeed_core.parallel import pipeline
+from mindspeed_core.training import trainer
+
+MODEL = ["--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "4", "--num-query-groups", "2",
+         "--ffn-hidden-size", "256", "--seq-length", "64", "--global-batch-size", "8", "--tokenizer-type",
+         "NullTokenizer", "--vocab-size", "1023", "--make-vocab-size-divisible-by", "8"]
+# the machine given, not probed: the same plan on every run
+MACHINE = ["--matmul-tflops", "0.1", "--link-gbps", "1", "--link-latency-us", "30", "--baseline-gb", "0.3"]
+
+
+def config(*argv):
+    args = megatron_args.training_parser().parse_args([*argv, "--data-path", "x", "--micro-batch-size", "1"])
+    trainer.apply_defaults(args)
+    return trainer.check_configuration(args, 1)[1]
+
+
+@pytest.mark.parametrize("model", [MODEL, ["--model-name", "tiny-gpt2", "--seq-length", "64"],
+                                   ["--model-name", "tiny-qwen2-moe", "--seq-length", "64"],
+                                   [*MODEL, "--untie-embeddings-and-output-weights"]],
+                         ids=["llama", "gpt2-tied-learned", "qwen2-moe", "untied"])
+def test_rank_parameters_add_up_to_the_model(model):
+    """One rank holds the whole model; PP stages hold it once (plus the tied embedding's copy on
+    the last stage); TP ranks hold the replicated parts each and the cut parts once."""
+    cfg = config(*model)
+    one = pipeline.plan_layout(cfg.num_layers, 1)
+    assert planner.stage_parameters(cfg, one, 1, 1, 0, 1) == cfg.num_parameters()
+    two = pipeline.plan_layout(cfg.num_layers, 2)
+    tied_copy = 0 if cfg.untie_embeddings_and_output_weights else cfg.vocab_size * cfg.hidden_size
+    assert sum(planner.stage_parameters(cfg, two, 1, 1, s, 2) for s in (0, 1)) == cfg.num_parameters() + tied_copy
+    tp2 = planner.stage_parameters(cfg, one, 2, 1, 0, 1)
+    assert cfg.num_parameters() / 2 < tp2 < cfg.num_parameters()
+    if cfg.moe is not None:
+        ep2 = planner.stage_parameters(cfg, one, 1, 2, 0, 1)
+        assert ep2 < cfg.num_parameters()
+
+
+def predictions(lay, machine=None):
+    cfg = config(*MODEL)
+    machine = machine or planner.Machine(8, 8 * 2**30, {}, 1e11, 1e9, 3e-5, 0.3 * 2**30, 8)
+    return planner.predict_memory(cfg, lay, 64, 8, machine), planner.predict_step(cfg, lay, 64, 8, machine)
+
+
+def test_predictions_move_as_the_layouts_say():
+    L = planner.Layout
+    base_mem, base_step = predictions(L(1, 1, 2, mbs=4))
+    # recompute trades memory for time
+    sel_mem, sel_step = predictions(L(1, 1, 2, mbs=4, recompute="selective"))
+    full_mem, full_step = predictions(L(1, 1, 2, mbs=4, recompute="full"))
+    assert full_mem["activations"] < sel_mem["activations"] < base_mem["activations"]
+    assert base_step["compute"] < sel_step["compute"] < full_step["compute"]
+    # the distributed optimizer keeps 1/DP of its states: half as much at DP4 as at DP2
+    dist_mem, _ = predictions(L(1, 1, 2, mbs=4, distopt=True))
+    dist4_mem, _ = predictions(L(1, 1, 4, mbs=2, distopt=True))
+    assert dist4_mem["optimizer"] == pytest.approx(dist_mem["optimizer"] / 2)
+    # TP halves the cut weights and the activations, and communicates every layer
+    tp_mem, tp_step = predictions(L(2, 1, 1, mbs=8))
+    assert tp_mem["activations"] == pytest.approx(base_mem["activations"])  # 2x the micro-batch, cut in 2
+    assert tp_mem["weights"] < base_mem["weights"] and tp_step["communication"] > base_step["communication"]
+    # PP: the first stage holds two micro-batches in flight, and the step waits for the bubble
+    pp_mem, pp_step = predictions(L(1, 2, 1, mbs=4))
+    assert pp_step["bubble"] > 0 == base_step["bubble"]
+    # a slower link makes communication cost more, the same compute
+    _, slow = predictions(L(2, 1, 1, mbs=8), planner.Machine(8, 8 * 2**30, {}, 1e11, 1e8, 3e-5, 0.3 * 2**30, 8))
+    assert slow["communication"] > tp_step["communication"] and slow["compute"] == tp_step["compute"]
+
+
+def test_plan_ranks_the_layouts_the_trainer_accepts_and_prints_their_commands(capsys):
+    assert cli.main(["plan", *MODEL, "--devices", "4", "--memory-per-device", "4", *MACHINE, "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    commands = [line.strip() for line in out.splitlines() if line.strip().startswith("mindspeed launch")]
+    assert len(commands) == 3 and "default (TP1xPP1xDP4 mbs 1)" in out
+    result = planner.plan([*MODEL, "--devices", "4", "--memory-per-device", "4", *MACHINE])
+    rows = [r for r in result["rows"] if r["fits"]]
+    assert [r["command"] for r in rows[:3]] == commands
+    steps = [r["step"]["total"] for r in rows]
+    assert steps == sorted(steps)
+    layouts = {r["layout"] for r in result["rows"]}
+    assert planner.Layout(2, 2, 1, mbs=8) in layouts and planner.Layout(1, 1, 4, mbs=2, distopt=True) in layouts
+    for command in commands:  # each is a layout the trainer takes on 4 ranks
+        flags = command.split(" -- ", 1)[1].split()
+        args = megatron_args.training_parser().parse_args([*flags, "--data-path", "x"])
+        trainer.apply_defaults(args)
+        trainer.check_configuration(args, 4)
+
+
+def test_plan_says_in_one_line_when_nothing_fits(capsys):
+    assert cli.main(["plan", *MODEL, "--devices", "2", "--memory-per-device", "0.01", *MACHINE]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "no layout fits in 0.0 GiB per device (keeping 15% free); the smallest needs" in err
+    assert len(err.splitlines()) == 1
+
+
+def test_plan_needs_the_batch_it_divides(capsys):
+    i = MODEL.index("--global-batch-size")
+    argv = MODEL[:i] + MODEL[i + 2:]
+    assert cli.main(["plan", *argv, "--devices", "2", "--memory-per-device", "4", *MACHINE]) == 2
+    assert "give --seq-length and --global-batch-size" in capsys.readouterr().err
