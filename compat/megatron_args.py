@@ -171,6 +171,20 @@ def add_feature_args(parser: argparse.ArgumentParser) -> None:
                    help="deterministic kernels and collectives: the same seed gives the same losses, bit for bit")
     o.add_argument("--use-deterministic-comm", action="store_true",
                    help="MindSpeed's spelling of --use-deterministic-algorithms (the collectives' part is included)")
+    # the boards (training/boards.py): Megatron's TensorBoard flags, Weights & Biases offline
+    o.add_argument("--tensorboard-dir", default=None, help="write TensorBoard event files here (rank 0)")
+    o.add_argument("--tensorboard-log-interval", type=POSITIVE_INT, default=1,
+                   help="the step figures (loss, lr, grad norm, loss scale, batch size) every N steps")
+    o.add_argument("--tensorboard-queue-size", type=POSITIVE_INT, default=1000,
+                   help="events held before they are written to the file")
+    o.add_argument("--log-timers-to-tensorboard", action="store_true",
+                   help="each report's mean seconds per step of forward-backward, optimizer and the whole step")
+    o.add_argument("--log-memory-to-tensorboard", action="store_true",
+                   help="rank 0's memory at each report (host RSS and peak; device allocator figures)")
+    o.add_argument("--log-validation-ppl-to-tensorboard", action="store_true")
+    o.add_argument("--wandb-project", default=None, help="log the same figures to Weights & Biases (offline)")
+    o.add_argument("--wandb-exp-name", default=None, help="the run's name in Weights & Biases")
+    o.add_argument("--wandb-save-dir", default=None, help="where the offline run is kept (default: <save>/wandb)")
     o.add_argument("--stream", action="store_true")
     o.add_argument("--task", choices=GENERATION_TASKS + EVALUATION_TASKS, default=None,
                    help="mindspeed generate: " + ", ".join(GENERATION_TASKS) + "; mindspeed evaluate: "
@@ -291,19 +305,6 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--exit-interval", type=POSITIVE_INT, default=None, help="stop (after saving) at a multiple of this iteration")
     c.add_argument("--metrics-file", default=None, help="JSONL metrics (default: <save>/metrics.jsonl)")
     c.add_argument("--sample-tokens", type=COUNT, default=None, help="tokens of text to sample at the end")
-    c.add_argument("--tensorboard-dir", default=None, help="write TensorBoard event files here (rank 0)")
-    c.add_argument("--tensorboard-log-interval", type=POSITIVE_INT, default=1,
-                   help="the step figures (loss, lr, grad norm, loss scale, batch size) every N steps")
-    c.add_argument("--tensorboard-queue-size", type=POSITIVE_INT, default=1000,
-                   help="events held before they are written to the file")
-    c.add_argument("--log-timers-to-tensorboard", action="store_true",
-                   help="each report's mean seconds per step of forward-backward, optimizer and the whole step")
-    c.add_argument("--log-memory-to-tensorboard", action="store_true",
-                   help="rank 0's memory at each report (host RSS and peak; device allocator figures)")
-    c.add_argument("--log-validation-ppl-to-tensorboard", action="store_true")
-    c.add_argument("--wandb-project", default=None, help="log the same figures to Weights & Biases (offline)")
-    c.add_argument("--wandb-exp-name", default=None, help="the run's name in Weights & Biases")
-    c.add_argument("--wandb-save-dir", default=None, help="where the offline run is kept (default: <save>/wandb)")
     c.add_argument("--dry-run", action="store_true", help="print the resolved configuration and exit")
     c.add_argument("--no-progress", action="store_true")
 

@@ -46,8 +46,9 @@ class MetricsLog:
         and every board interval send its figures to the boards."""
         self._tokens += tokens
         self._steps += 1
-        for name, seconds in timers.items():
-            self._timers[name] = self._timers.get(name, 0.0) + seconds
+        for name, seconds in timers.items():  # a skipped (fp16 overflow) step has no optimizer phase
+            total, count = self._timers.get(name, (0.0, 0))
+            self._timers[name] = (total + seconds, count + 1)
         if self.board and iteration % self.board.interval == 0:
             self.board.scalars(iteration, {self.loss_name: loss, "learning-rate": lr, "grad-norm": norm,
                                            "loss-scale": loss_scale, "batch-size": batch_size})
@@ -65,7 +66,7 @@ class MetricsLog:
                   "mfu": tps * self.flops_per_token / (self.peak_flops * self.devices),
                   "comm_bytes_per_step": sum(v["bytes"] for v in comm.values()) / self._steps,
                   "comm_wire_bytes_per_step": sum(v["wire_bytes"] for v in comm.values()) / self._steps,
-                  "comm": comm, "timers": {name: total / self._steps for name, total in self._timers.items()},
+                  "comm": comm, "timers": {name: total / count for name, (total, count) in self._timers.items()},
                   "memory": device.memory_stats()}
         line = (f" iteration {iteration:6d}/{total} | {'loss' if stage else 'lm loss'} {loss:.4f} | lr {lr:.3e} | "
                 f"grad norm {norm:.3f} | "

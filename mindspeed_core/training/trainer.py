@@ -1013,6 +1013,7 @@ class Trainer:
         self.stage_stats = self._stage_stats("train")
         norm = self.optimizer.grad_norm(grads)
         if not self.scaler.step_allowed(math.isfinite(loss) and math.isfinite(norm)):
+            self.timers = {"forward-backward": t1 - t0, "iteration": time.perf_counter() - t0}
             return loss, lr, float("nan")  # fp16 overflow: step skipped, the scale halved
         if not math.isfinite(loss):
             raise MindSpeedError(f"the loss became {loss} at iteration {iteration + 1}; stopping without saving "
