@@ -11,6 +11,7 @@ import os
 import struct
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -93,7 +94,12 @@ def test_wandb_keeps_an_offline_run_of_the_same_figures(capsys, corpus, tmp_path
     assert code == 0, err
     runs = glob.glob(str(tmp_path / "wb" / "wandb" / "offline-run-*" / "run-*.wandb"))
     assert len(runs) == 1, os.listdir(tmp_path / "wb")
-    data = open(runs[0], "rb").read()
+    # wandb's own process writes the file; finish() may return before the last write lands
+    for _ in range(60):
+        data = open(runs[0], "rb").read()
+        if all(json.dumps(loss).encode() in data for loss in losses(metrics).values()):
+            break
+        time.sleep(0.5)
     assert b"mindspeed-test" in data and b"tiny" in data and b"lm loss" in data
     for loss in losses(metrics).values():
         assert json.dumps(loss).encode() in data
