@@ -86,7 +86,6 @@ def test_tensorboard_shows_what_the_metrics_file_holds(capsys, corpus, tmp_path)
 def test_wandb_keeps_an_offline_run_of_the_same_figures(capsys, corpus, tmp_path):  # noqa: F811
     """An offline run in --wandb-save-dir, holding each logged loss (wandb writes its records'
     values as JSON text)."""
-    pytest.importorskip("wandb")
     metrics = tmp_path / "m.jsonl"
     code, out, err = train(capsys, *RUN, "--data-path", corpus, "--train-iters", "2", "--metrics-file", str(metrics),
                            "--eval-iters", "0", "--wandb-project", "mindspeed-test", "--wandb-exp-name", "tiny",
