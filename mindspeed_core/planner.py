@@ -52,7 +52,6 @@ class Machine:
     link_bytes_per_s: float
     link_latency_s: float
     baseline_bytes: float  # a bound framework process before any model
-    devices_per_node: int
 
     def rate(self, m: int, k: int, n: int) -> float:
         return self.matmul_flops.get((m, k, n), self.peak_flops)
@@ -432,7 +431,7 @@ def _base_argv(argv: list[str], parser) -> list[str]:
     return out
 
 
-def measure_machine(args, cfg, world: int, shapes) -> Machine:
+def measure_machine(args, world: int, shapes) -> Machine:
     from mindspeed_core import device, ops
 
     ops.to_numpy(ops.matmul(ops.ones((8, 8)), ops.ones((8, 8))))  # the framework's kernels loaded
@@ -447,7 +446,7 @@ def measure_machine(args, cfg, world: int, shapes) -> Machine:
         bw, lat = probe_link()
     bw = args.link_gbps * 1e9 if args.link_gbps else bw
     lat = args.link_latency_us * 1e-6 if args.link_latency_us is not None else lat
-    return Machine(world, args.memory_per_device * GIB, rates, peak, bw, lat, base, args.devices_per_node or world)
+    return Machine(world, args.memory_per_device * GIB, rates, peak, bw, lat, base)
 
 
 def plan(argv: list[str]) -> dict:
@@ -486,7 +485,7 @@ def plan(argv: list[str]) -> dict:
         raise MindSpeedError(f"no layout of {world} devices suits this model and batch (global batch "
                              f"{args.global_batch_size}, sequence {args.seq_length}): check the sizes divide")
     seq, gbs = args.seq_length, args.global_batch_size
-    machine = measure_machine(args, cfg, world, [matmul_shape(cfg, lay, seq) for lay in layouts])
+    machine = measure_machine(args, world, [matmul_shape(cfg, lay, seq) for lay in layouts])
     rows = []
     for lay in layouts:
         mem = predict_memory(cfg, lay, seq, gbs, machine, dtype)

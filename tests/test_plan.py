@@ -46,7 +46,7 @@ def test_rank_parameters_add_up_to_the_model(model):
 
 def predictions(lay, machine=None):
     cfg = config(*MODEL)
-    machine = machine or planner.Machine(8, 8 * 2**30, {}, 1e11, 1e9, 3e-5, 0.3 * 2**30, 8)
+    machine = machine or planner.Machine(8, 8 * 2**30, {}, 1e11, 1e9, 3e-5, 0.3 * 2**30)
     return planner.predict_memory(cfg, lay, 64, 8, machine), planner.predict_step(cfg, lay, 64, 8, machine)
 
 
@@ -70,7 +70,7 @@ def test_predictions_move_as_the_layouts_say():
     pp_mem, pp_step = predictions(L(1, 2, 1, mbs=4))
     assert pp_step["bubble"] > 0 == base_step["bubble"]
     # a slower link makes communication cost more, the same compute
-    _, slow = predictions(L(2, 1, 1, mbs=8), planner.Machine(8, 8 * 2**30, {}, 1e11, 1e8, 3e-5, 0.3 * 2**30, 8))
+    _, slow = predictions(L(2, 1, 1, mbs=8), planner.Machine(8, 8 * 2**30, {}, 1e11, 1e8, 3e-5, 0.3 * 2**30))
     assert slow["communication"] > tp_step["communication"] and slow["compute"] == tp_step["compute"]
 
 
