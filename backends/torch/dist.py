@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime
 import gc
 import itertools
+import time
 
 import torch
 import torch.distributed as tdist
@@ -63,6 +64,11 @@ def shutdown(wait: bool = True) -> None:
         return
     if wait:
         tdist.barrier()  # no rank tears its connections down while a peer still talks to it
+    # torch 2.6's gloo worker may still be destroying the barrier's work, whose prior works hold
+    # tensors with Python objects: that needs the GIL, while destroy_process_group joins the
+    # worker holding it (a deadlock, caught with py-spy in ~ProcessGroupGloo here, about one
+    # run in twenty). Sleeping releases the GIL so the worker can finish first.
+    time.sleep(0.2)
     tdist.destroy_process_group()
     _groups.clear()
     gc.collect()
