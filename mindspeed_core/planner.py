@@ -32,6 +32,7 @@ host's matmul rate (at each layout's shape) and each of N ranks gets 1/N of it.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import shlex
 import socket
@@ -282,28 +283,24 @@ def _divisors(n: int) -> list[int]:
 
 
 def candidates(cfg, args, world: int, devices_per_node: int, check) -> list[Layout]:
-    """Every layout of ``world`` devices the trainer accepts (``check(argv)`` raises
+    """Every layout of ``world`` devices the trainer accepts (``check(layout)`` raises
     MindSpeedError otherwise): TP within a node."""
     gbs, out = args.global_batch_size, []
-    for tp in _divisors(world):
-        if tp > devices_per_node:
-            continue
-        for pp in _divisors(world // tp):
-            for cp in _divisors(world // (tp * pp)):
-                dp = world // (tp * pp * cp)
-                eps = [e for e in _divisors(dp * cp) if cfg.moe is not None and cfg.moe.num_experts % e == 0] or [1]
-                for ep in eps:
-                    for mbs in _divisors(gbs // dp) if gbs % dp == 0 else []:
-                        if mbs > args.max_micro_batch_size:
-                            continue
-                        for recompute in ("none", "selective", "full"):
-                            for distopt in ((False, True) if dp * cp > 1 else (False,)):
-                                lay = Layout(tp, pp, dp, cp, ep, mbs, recompute, distopt)
-                                try:
-                                    check(lay)
-                                except MindSpeedError:
-                                    continue
-                                out.append(lay)
+    for tp in (t for t in _divisors(world) if t <= devices_per_node):
+        for pp, cp in ((p, c) for p in _divisors(world // tp) for c in _divisors(world // (tp * p))):
+            dp = world // (tp * pp * cp)
+            if gbs % dp:
+                continue
+            eps = [e for e in _divisors(dp * cp) if cfg.moe is not None and cfg.moe.num_experts % e == 0] or [1]
+            mbss = [m for m in _divisors(gbs // dp) if m <= args.max_micro_batch_size]
+            for ep, mbs, recompute, distopt in itertools.product(eps, mbss, ("none", "selective", "full"),
+                                                                  (False, True) if dp * cp > 1 else (False,)):
+                lay = Layout(tp, pp, dp, cp, ep, mbs, recompute, distopt)
+                try:
+                    check(lay)
+                except MindSpeedError:
+                    continue
+                out.append(lay)
     return out
 
 
@@ -359,7 +356,7 @@ def probe_matmul(shapes, min_seconds: float = 0.1) -> dict:
             c = ops.matmul(a, b)
             reps += 1
             if reps % 4 == 0:
-                ops.to_numpy(c[:1, :1] if hasattr(c, "__getitem__") else c)
+                ops.to_numpy(c[:1, :1])
                 device.synchronize()
                 if time.perf_counter() - start >= min_seconds:
                     break
@@ -496,7 +493,7 @@ def plan(argv: list[str]) -> dict:
     rows.sort(key=lambda r: (not r["fits"], r["step"]["total"], r["memory"]["total"]))
     default = next((r for r in rows if r["layout"] == Layout(1, 1, world, mbs=args.micro_batch_size or 1)), None)
     return {"machine": machine, "model_parameters": cfg.num_parameters(), "rows": rows, "default": default,
-            "tokens_per_step": gbs * seq}
+            "tokens_per_step": gbs * seq, "args": args}
 
 
 def launch_command(world: int, base: list[str], lay: Layout, per_node: int | None) -> str:
@@ -508,8 +505,7 @@ def launch_command(world: int, base: list[str], lay: Layout, per_node: int | Non
 
 def main(argv: list[str]) -> int:
     result = plan(argv)
-    machine, rows = result["machine"], result["rows"]
-    args = _parser().parse_args(argv)
+    machine, rows, args = result["machine"], result["rows"], result["args"]
     if args.json:
         print(json.dumps([{"layout": dataclasses.asdict(r["layout"]), "memory": r["memory"], "step": r["step"],
                            "fits": r["fits"], "command": r["command"]} for r in rows], indent=1))
