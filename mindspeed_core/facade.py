@@ -110,7 +110,9 @@ SPEC = {
     },
     "autograd": {
         "value_and_grad": "value_and_grad(fn, params, has_aux=False) -> f(*args) -> (value, [grad per param])",
-        "vjp": "vjp(fn, inputs, params=()) -> (outputs, backward(cotangents) -> (input grads, param grads))",
+        "vjp": ("vjp(fn, inputs, params=(), interleaved=False) -> (outputs, backward(cotangents) -> (input grads, "
+                "param grads)); interleaved: other forwards run before this backward (MindSpore then records the "
+                "forward at backward time)"),
         "compiled_value_and_grad": ("compiled_value_and_grad(fn, params, module) -> f(*tensors) -> (value, [grad per "
                                     "param]): value_and_grad with fn's forward and backward compiled (torch.compile; "
                                     "mindspore.jit trace capture); fn reads params from module; compiled once per "

@@ -60,6 +60,18 @@ def run_blocking(program: dict, chunks: int) -> dict:
     return peak
 
 
+def test_interleaved_forwards_are_those_with_other_compute_before_their_backward():
+    from mindspeed_core.training.schedules import _interleaved_forwards
+
+    program = pipeline_program(2, 1, 4)
+    # the first stage runs F0 F1 B0 F2 B1 F3 B2 B3: each forward has other compute before its
+    # backward (F3 has B2, which records its forward again on MindSpore); the last stage runs
+    # each backward right after its forward
+    assert _interleaved_forwards(program[0]) == {(0, mb) for mb in range(4)}
+    assert _interleaved_forwards(program[1]) == set()
+    assert _interleaved_forwards([(FORWARD, 0, 0), (SEND, 1, "x"), (RECV, 1, "y"), (BACKWARD, 0, 0)]) == set()
+
+
 @pytest.mark.parametrize("pp, chunks, micro_batches", GRID, ids=[f"p{p}-v{v}-m{m}" for p, v, m in GRID])
 def test_pipeline_programs_run_to_the_end_with_1f1b_memory(pp, chunks, micro_batches):
     program = pipeline_program(pp, chunks, micro_batches)

@@ -8,7 +8,7 @@ from mindspore import ops as P
 _FLOATS = (ms.float16, ms.float32, ms.float64, ms.bfloat16)
 
 # PyNative keeps only the newest forward recorded for gradients: a vjp whose backward comes
-# after another forward was recorded (pipeline schedules hold several) must replay its own.
+# after another forward was recorded (pipeline schedules hold several) must record its own again.
 _recorded = [0]
 
 
@@ -88,17 +88,27 @@ def compiled_value_and_grad(fn, params, module):
     return run
 
 
-def vjp(fn, inputs, params=()):
+def vjp(fn, inputs, params=(), interleaved: bool = False):
     """Run ``fn(*inputs)`` and return (outputs, backward); see the torch backend.
 
-    If another forward was recorded in between, ``backward`` first replays ``fn`` with the
-    random state it had (same dropout draws, same values) and pulls back through the replay:
-    correct, at the cost of one more forward."""
+    PyNative keeps only the newest forward recorded for gradients, and a recorded forward
+    that is never pulled back stays allocated for the life of the process (measured: its
+    saved activations, every time). So a forward the caller says will be ``interleaved``
+    with other forwards before its backward runs without recording, and ``backward`` records
+    it again with the random state it had (same dropout draws, same values) and pulls back at
+    once: one more forward, no graph held between the two. An undeclared one that another
+    forward superseded is replayed the same way, but its first recording stays allocated."""
     params = list(params)
     inputs = list(inputs)
-    _recorded[0] += 1
-    mine, snapshot = _recorded[0], _rng_snapshot()
-    out, pullback = ms.vjp(fn, *inputs, weights=params or None)
+    snapshot = _rng_snapshot()
+    if interleaved:
+        with no_grad():
+            out = fn(*inputs)
+        mine, pullback = None, None
+    else:
+        _recorded[0] += 1
+        mine = _recorded[0]
+        out, pullback = ms.vjp(fn, *inputs, weights=params or None)
     floating = [x.dtype in _FLOATS for x in inputs]
 
     def backward(cotangents):

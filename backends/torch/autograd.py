@@ -43,12 +43,13 @@ def compiled_value_and_grad(fn, params, module):
     return value_and_grad(torch.compile(fn, dynamic=False), params)
 
 
-def vjp(fn, inputs, params=()):
+def vjp(fn, inputs, params=(), interleaved: bool = False):
     """Run ``fn(*inputs)`` and return (outputs, backward).
 
     ``backward(cotangents)`` (same structure as outputs) returns (input grads, param
     grads), each a list; an input that is not floating point gets None. It can be called
-    once. Pipeline schedules keep one such closure per micro-batch.
+    once. Pipeline schedules keep one such closure per micro-batch. ``interleaved`` (other
+    forwards run before this backward) changes nothing here: each output keeps its own graph.
     """
     params = list(params)
     ins = [x.detach().requires_grad_(x.is_floating_point()) for x in inputs]

@@ -135,6 +135,20 @@ class PipelineStage:
     recv: Callable
 
 
+def _interleaved_forwards(program: list) -> set:
+    """The (chunk, micro-batch) forwards of a rank's program that other compute follows before
+    their backward (autograd.vjp's ``interleaved``): another forward, or another backward (on
+    MindSpore, an interleaved one records its forward again)."""
+    open_, out = set(), set()
+    for instruction in program:
+        if instruction[0] in (FORWARD, BACKWARD):
+            open_.discard(instruction[1:])
+            out |= open_
+            if instruction[0] == FORWARD:
+                open_.add(instruction[1:])
+    return out
+
+
 def forward_backward_pipelining(stage: PipelineStage, program: list, micro_batches, scale: float = 1.0,
                                 float32_grads: bool = False, forward_only: bool = False,
                                 timeline: list | None = None) -> tuple[float, list]:
@@ -151,6 +165,7 @@ def forward_backward_pipelining(stage: PipelineStage, program: list, micro_batch
         features.note_used("virtual-pipeline")
     batches = list(micro_batches)
     last = stage.pp * stage.chunks - 1
+    interleaved = _interleaved_forwards(program)
     inbox, outbox, pending = {}, {}, {}
     grads = [None] * stage.chunks
     total_loss = 0.0
@@ -179,7 +194,8 @@ def forward_backward_pipelining(stage: PipelineStage, program: list, micro_batch
                 with autograd.no_grad():
                     out = run(x)
             else:
-                out, pending[chunk, mb] = autograd.vjp(run, [x], stage.params[chunk])
+                out, pending[chunk, mb] = autograd.vjp(run, [x], stage.params[chunk],
+                                                       interleaved=(chunk, mb) in interleaved)
             if virtual == last:
                 total_loss += float(ops.to_numpy(out)) / scale
             else:
