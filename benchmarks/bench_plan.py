@@ -6,9 +6,10 @@ Each layout trains --steps steps of a 59M-parameter LLaMA-style model (8 layers,
 sequence 256, vocabulary 32000, global batch 8, fp32) on random tokens in its own launch;
 every rank reports its peak resident memory (Linux VmHWM: the whole process, framework
 included) and rank 0 its step times (the median of the steps after the first). The planner
-runs in this process with the same flags and its own probe of the machine. The planner's counts
-of copies (LOGIT_COPIES, GRADIENT_COPIES, DISTOPT_*) were read from the first six layouts on
-PyTorch; the layouts marked "(new)" and the planner's own top choice were not used for them.
+runs in this process with the same flags and its own probe of the machine. The planner's
+StepCounts (copies held, element-wise passes) were read from the first six layouts on each
+framework; the layouts marked "(new)" and the planner's own top choice were not used for them.
+"of it optimizer" is the part of the step after the backward: gradient reductions, norm, update.
 
 usage: python benchmarks/bench_plan.py [--framework pytorch|mindspore] [--steps 4]
        [--layouts default,dp2-mbs4,...]
@@ -81,8 +82,9 @@ def measure(framework: str, flags: list[str], data: str, steps: int, world: int)
     argv = [*MODEL, *flags, "--data-path", data, "--train-iters", str(steps), "--metrics-file", metrics]
     ranks.launch(framework, world, [os.path.abspath(__file__), "--rank-worker", folder, *argv], folder)
     peaks = [json.load(open(os.path.join(folder, f"rank{r}.json")))["peak"] for r in range(world)]
-    times = [r["timers"]["iteration"] for r in map(json.loads, open(metrics)) if "timers" in r and r["iteration"] > 1]
-    return {"peak": max(peaks), "peaks": peaks, "step": statistics.median(times)}
+    timers = [r["timers"] for r in map(json.loads, open(metrics)) if "timers" in r and r["iteration"] > 1]
+    return {"peak": max(peaks), "peaks": peaks, "step": statistics.median(t["iteration"] for t in timers),
+            "optimizer": statistics.median(t["optimizer"] for t in timers)}
 
 
 def main() -> None:
@@ -102,9 +104,10 @@ def main() -> None:
     world, gib = 2, 2**30
     result = planner.plan([*MODEL, "--devices", str(world), "--memory-per-device", str(a.memory_per_device)])
     machine = result["machine"]
-    print(f"{a.framework}: probe: matmul {machine.peak_flops / 1e9:.1f} GFLOP/s per device, link "
-          f"{machine.link_bytes_per_s / 1e9:.2f} GB/s, {machine.link_latency_s * 1e6:.0f} us per call, baseline "
-          f"{machine.baseline_bytes / gib:.2f} GiB")
+    print(f"{a.framework}: probe: matmul {machine.peak_flops / 1e9:.1f} GFLOP/s and element-wise "
+          f"{machine.elementwise_rate / 1e9:.2f} G elements/s per device, baseline {machine.baseline_bytes / gib:.2f} GiB; "
+          "collectives on two ranks: " + ", ".join(f"{op} {bw / 1e6:.0f} MB/s + {lat * 1e3:.2f} ms per call"
+                                                  for op, (lat, bw) in machine.collectives.items()))
     rows = {r["layout"]: r for r in result["rows"]}
     fitting = [r for r in result["rows"] if r["fits"]]
     top = fitting[0]["layout"]
@@ -113,7 +116,7 @@ def main() -> None:
         wanted["planner's top"] = top
     data = _random_data(32000)
     print(f"{'layout':<20} {'planner':<32} {'mem pred GiB':>12} {'mem meas GiB':>12} {'error':>7} "
-          f"{'step pred s':>11} {'step meas s':>11}")
+          f"{'step pred s':>11} {'step meas s':>11} {'of it optimizer':>15}")
     measured = {}
     for name, lay in wanted.items():
         got = measure(a.framework, lay.flags(), data, a.steps, world)
@@ -122,7 +125,7 @@ def main() -> None:
         error = pred["memory"]["total"] / got["peak"] - 1
         tag = "" if name in CALIBRATION or name == "planner's top" else " (new)"
         print(f"{name + tag:<20} {lay.describe():<32} {pred['memory']['total'] / gib:>12.3f} {got['peak'] / gib:>12.3f} "
-              f"{100 * error:>+6.1f}% {pred['step']['total']:>11.3f} {got['step']:>11.3f}", flush=True)
+              f"{100 * error:>+6.1f}% {pred['step']['total']:>11.3f} {got['step']:>11.3f} {got['optimizer']:>15.3f}", flush=True)
     default = layout_of(LAYOUTS["default"], world)
     ratio = measured[top]["step"] / measured[default]["step"]
     print(f"planner's top choice {top.describe()}: {measured[top]['step']:.3f} s per step, the default "

@@ -125,9 +125,11 @@ _UNTESTED = "bound, untested (no such device here)"
 
 # MindSpore's CPU runtime has no Send/Receive: a transfer is a sum all-reduce over the pair's
 # group with the receiver's slot zero (exact), carrying the bytes as 16-bit lanes in float32;
-# and PyNative keeps one recorded forward, so a pipeline backward may replay its forward
+# and PyNative keeps one recorded forward, so a forward other compute follows before its
+# backward runs unrecorded and is recorded again (same random draws) at its backward
 _P2P_EMULATED = ("send/recv emulated by a sum all-reduce over the two ranks' group (exact; 2x the payload "
-                 "on the wire); a backward whose forward is not the newest replays it first")
+                 "on the wire); a forward that other compute follows before its backward is recorded again "
+                 "at its backward (one more forward; no graph held in between)")
 
 FEATURES: tuple[Feature, ...] = (
     # ---- parallelism --------------------------------------------------------------------

@@ -86,9 +86,10 @@ def _ipv4_address(interface: str) -> str | None:
             return None
 
 
-def launch_command(args, train_argv: list[str], framework: str, command: str = "train") -> tuple[list[str], dict]:
+def launch_command(args, train_argv: list[str], framework: str, command: str = "train",
+                   script: str | None = None) -> tuple[list[str], dict]:
     """The torchrun or msrun command line (and environment) that runs `train` (or `generate`)
-    on every rank."""
+    on every rank; with ``script``, that Python file with ``train_argv`` instead."""
     env = dict(os.environ, MINDSPEED_AI_FRAMEWORK=framework)
     if args.nnodes > 1 and not env.get("GLOO_SOCKET_IFNAME"):
         interface = interface_towards(args.master_addr)
@@ -99,7 +100,8 @@ def launch_command(args, train_argv: list[str], framework: str, command: str = "
     if framework == "pytorch":
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.nproc_per_node}",
                f"--nnodes={args.nnodes}", f"--node-rank={args.node_rank}", f"--master-addr={args.master_addr}",
-               f"--master-port={args.master_port}", "-m", "mindspeed_core.cli", command, *train_argv]
+               f"--master-port={args.master_port}", *([script] if script else ["-m", "mindspeed_core.cli", command]),
+               *train_argv]
     else:
         env = {**MSRUN_ENV_DEFAULTS, **env}
         msrun = os.path.join(os.path.dirname(sys.executable), "msrun")
@@ -107,7 +109,7 @@ def launch_command(args, train_argv: list[str], framework: str, command: str = "
         cmd = [msrun if os.path.exists(msrun) else "msrun", f"--worker_num={args.nproc_per_node * args.nnodes}",
                f"--local_worker_num={args.nproc_per_node}", f"--master_addr={args.master_addr}",
                f"--master_port={args.master_port}", f"--node_rank={args.node_rank}", "--join=True",
-               f"--log_dir={args.log_dir}", cli, command, *train_argv]
+               f"--log_dir={args.log_dir}", *([script] if script else [cli, command]), *train_argv]
     return cmd, env
 
 

@@ -16,14 +16,18 @@ distributed optimizer keeps master, moments and its masks for 1/DP of them); wha
 whole model on every rank before cutting it leaves in the allocator; and the larger of the
 step's two peaks: at the loss (activations per Korthikanti et al. 2022 on s/CP tokens, cut by TP
 with sequence parallelism on, under the recompute policy, the first stage holding min(PP,
-micro-batches) micro-batches; the last stage's logits) and after the backward (the gradients in
-the copies this trainer holds). The counts of copies are measured on this machine
-(benchmarks/bench_plan.py).
+micro-batches) micro-batches, or one where the framework records a pipeline forward again at
+its backward; the last stage's logits) and after the backward (the gradients in the copies this
+trainer holds). The counts of copies differ by framework and are read off this machine
+(StepCounts; benchmarks/bench_plan.py).
 Step time: the step's matmul and attention FLOPs on this rank (full recompute adds a forward,
-selective the attention scores) over the measured matmul rate at the layout's matrix shapes,
-plus the pipeline bubble ((PP - 1) micro-batch slots), plus the collectives: the analytical
-bytes of parallel/traffic.py for TP, SP and DP (and the pipeline's, CP's and EP's exchanges)
-over the link bandwidth, with its latency per call. Nothing overlaps (as in this trainer).
+selective the attention scores) over the measured matmul rate at the layout's matrix shapes;
+element-wise passes over the activations and logits at the measured element-wise rate; the
+pipeline bubble ((PP - 1) micro-batch slots); the collectives: the analytical bytes of
+parallel/traffic.py for TP, SP and DP (and the pipeline's, CP's and EP's exchanges), each kind
+at the framework's own rate and cost per call, measured on two local ranks (emulated
+collectives included); and the distributed optimizer's extra passes. Nothing overlaps (as in
+this trainer).
 
 On the CPU device the "devices" are processes sharing the host's cores: the probe measures the
 host's matmul rate (at each layout's shape) and each of N ranks gets 1/N of it.
@@ -36,7 +40,6 @@ import itertools
 import json
 import shlex
 import socket
-import threading
 import time
 
 from mindspeed_core.errors import MindSpeedError
@@ -50,9 +53,27 @@ class Machine:
     memory_bytes: float  # per device
     matmul_flops: dict  # (m, k, n) -> FLOP/s one device reaches on that shape
     peak_flops: float  # per device, the big-matmul rate (shapes not probed fall back to it)
-    link_bytes_per_s: float
-    link_latency_s: float
+    link_bytes_per_s: float  # an all-reduce's payload per second between two devices
+    link_latency_s: float  # and its cost per call
     baseline_bytes: float  # a bound framework process before any model
+    framework: str = "pytorch"  # whose StepCounts the predictions use
+    # {collective: (seconds per call, payload bytes per second)} between two devices, measured;
+    # None: every collective on a ring of the link above
+    collectives: dict | None = None
+    elementwise_rate: float = 1e9  # float32 elements per second of one element-wise operator
+
+    def counts(self) -> "StepCounts":
+        return COUNTS.get(self.framework, COUNTS["pytorch"])
+
+    def collective_seconds(self, op: str, payload: float, group: int, calls: float = 0) -> float:
+        """``calls`` calls of ``op`` over ``group`` members moving ``payload`` bytes in all."""
+        if group <= 1:
+            return 0.0
+        if self.collectives is not None:
+            latency, rate = self.collectives[op]
+        else:
+            latency, rate = self.link_latency_s, self.link_bytes_per_s / ring_factor(op, 2)
+        return calls * latency + payload * ring_factor(op, group) / ring_factor(op, 2) / rate
 
     def rate(self, m: int, k: int, n: int) -> float:
         return self.matmul_flops.get((m, k, n), self.peak_flops)
@@ -161,18 +182,53 @@ def _activation_bytes(cfg, lay: Layout, seq: int, layers: int, element: int) -> 
     return estimated_peak_bytes(policy, layers, **size) / lay.tp if layers else 0.0
 
 
-# What the step holds besides weights and optimizer states, counted in this implementation
-# (benchmarks/bench_plan.py measures them; PyTorch on CPU): fp32 logits live in about
-# LOGIT_COPIES copies at the loss (the logits, their exponentials, the log-softmax and its
-# gradient; the vocabulary-parallel cross entropy of TP > 1 keeps more: the maximum, the
-# exponentials' share and their sum); gradients: with accumulation the running sum, a
-# micro-batch's, their sum and the clipped copy, else the gradients and their clipped copy; the
-# distributed optimizer: the gradients, their flat copy and the reduction's copy, then seven
-# temporaries of the rank's shard in its step (the scaled gradient, the decayed master, AdamW's
-# new master and moments, the norm's two masked copies).
-LOGIT_COPIES = {False: 4.3, True: 6.0}  # by TP > 1
-GRADIENT_COPIES = {True: 4, False: 2}  # by accumulation
-DISTOPT_COPIES, DISTOPT_SHARD_COPIES = 3, 7
+@dataclasses.dataclass(frozen=True)
+class StepCounts:
+    """What a step holds besides weights and optimizer states, in copies, and what it runs
+    twice, as this implementation runs on one framework. Read off benchmarks/bench_plan.py's calibration layouts on this
+    machine (the process's peak resident memory phase by phase), not derived: each framework's
+    allocator and autograd keep different temporaries.
+
+    ``logits``: fp32 logits at the loss, for TP = 1 and TP > 1 (the logits, their exponentials,
+    the log-softmax and its gradient; the vocabulary-parallel cross entropy keeps the maximum,
+    the exponentials' share and their sum too). ``gradients``: after the backward, without and
+    with accumulation (the gradients and their clipped copy; with accumulation also the running
+    sum and a micro-batch's). ``distopt``, ``distopt_shard``: the distributed optimizer's
+    gradient copies (the gradients, their flat copy, the reduction's) and its step's temporaries
+    of the rank's shard (the scaled gradient, the decayed master, AdamW's new master and moments,
+    the norm's two masked copies). ``built``: what building the whole model on every rank leaves
+    resident, per fp32 parameter not on this rank, and ``build_extra`` per fp32 parameter of the
+    whole model on every rank. ``activations``: the activations over Korthikanti's count.
+    ``records_again``: a pipeline stage runs a forward that other compute follows before its
+    backward without recording and records it again at the backward (autograd.vjp's
+    ``interleaved``): one micro-batch's activations held, one more forward computed.
+    Time besides the matmuls and the collectives, in passes of the probed element-wise rate
+    (Machine.elementwise_rate): ``elementwise_passes`` over a micro-batch's activation and
+    logit elements; ``distopt_passes`` over the rank's parameters per step, what the distributed
+    optimizer's flattening, masks and slices add to the plain optimizer's step."""
+
+    logits: tuple = (4.3, 6.0)
+    gradients: tuple = (2, 4)
+    distopt: float = 3
+    distopt_shard: float = 7
+    built: float = 1.0
+    build_extra: float = 0.0
+    activations: float = 1.0
+    records_again: bool = False
+    elementwise_passes: float = 0.0
+    distopt_passes: float = 0.0
+
+
+COUNTS = {
+    "pytorch": StepCounts(elementwise_passes=13, distopt_passes=24),
+    # MindSpore 2.10 PyNative on CPU: its memory pool keeps what a phase freed for its own
+    # later use and the autograd record holds more per operator; the distributed optimizer's
+    # gathers and reductions are emulated through host arrays (backends/emulated_collectives.py),
+    # several copies of the gradients each
+    "mindspore": StepCounts(logits=(7.0, 8.6), gradients=(2, 5), distopt=16, distopt_shard=0, built=2.2,
+                            build_extra=1.2, activations=3.1, records_again=True, elementwise_passes=42,
+                            distopt_passes=63),
+}
 
 
 def predict_memory(cfg, lay: Layout, seq: int, gbs: int, machine: Machine, dtype: str = "float32") -> dict:
@@ -183,6 +239,7 @@ def predict_memory(cfg, lay: Layout, seq: int, gbs: int, machine: Machine, dtype
 
     layout = pipeline.plan_layout(cfg.num_layers, lay.pp, None, None, ",".join(map(str, cfg.noop_layers)) or None)
     element = 4 if dtype == "float32" else 2
+    copies = machine.counts()
     micro = gbs // (lay.mbs * lay.dp)
     accumulates = micro > 1
     whole = cfg.num_parameters()
@@ -195,16 +252,18 @@ def predict_memory(cfg, lay: Layout, seq: int, gbs: int, machine: Machine, dtype
             state = 24 * params / (lay.dp * lay.cp)
         else:  # two moments (and the fp32 master of 16-bit weights)
             state = (8 + (4 if element == 2 else 0)) * params
-        in_flight = min(lay.pp - stage, micro)  # 1F1B: the first stage holds PP micro-batches
+        # 1F1B: the first stage holds PP micro-batches
+        in_flight = 1 if copies.records_again else min(lay.pp - stage, micro)
         layers = sum(len(layout.layers(layout.stage(stage, c))) for c in range(layout.chunks))
-        acts = in_flight * _activation_bytes(cfg, lay, seq, layers, element)
-        logits = (LOGIT_COPIES[lay.tp > 1] * 4 * lay.mbs * (seq // lay.cp) * cfg.vocab_size / lay.tp
+        acts = in_flight * copies.activations * _activation_bytes(cfg, lay, seq, layers, element)
+        logits = (copies.logits[lay.tp > 1] * 4 * lay.mbs * (seq // lay.cp) * cfg.vocab_size / lay.tp
                   if stage == lay.pp - 1 else 0)
         at_loss = acts + logits + (grads if accumulates else 0)
-        after_backward = GRADIENT_COPIES[accumulates] * grads
+        after_backward = copies.gradients[accumulates] * grads
         if lay.distopt and lay.dp * lay.cp > 1:
-            after_backward = max(after_backward, (DISTOPT_COPIES + DISTOPT_SHARD_COPIES / (lay.dp * lay.cp)) * grads)
-        built = 4 * (whole - params)  # every rank builds the whole model in fp32 and keeps its cut
+            after_backward = max(after_backward, (copies.distopt + copies.distopt_shard / (lay.dp * lay.cp)) * grads)
+        # every rank builds the whole model in fp32 and keeps its cut
+        built = 4 * (copies.built * (whole - params) + copies.build_extra * whole)
         parts = {"baseline": machine.baseline_bytes, "weights": weights, "optimizer": state, "built": built,
                  "activations": acts, "logits": logits, "gradients": after_backward,
                  "total": machine.baseline_bytes + weights + state + built + max(at_loss, after_backward),
@@ -235,38 +294,48 @@ def predict_step(cfg, lay: Layout, seq: int, gbs: int, machine: Machine) -> dict
     """Seconds per training step, by part."""
     from mindspeed_core.parallel import traffic
 
+    counts = machine.counts()
     micro = gbs // (lay.mbs * lay.dp)
     rate = machine.rate(*matmul_shape(cfg, lay, seq))
     per_micro = _flops_per_micro(cfg, lay, seq) / rate
+    if counts.records_again and lay.pp > 1 and micro > 1:  # the first stage's forwards run twice
+        per_micro *= 1 + 1 / 3
+    # what is not a matmul, per micro-batch: element-wise passes over the activations (as if
+    # none were recomputed: the work happens either way; a full recompute runs the forward's
+    # again) and the logits, and each operator's own cost
+    L = cfg.real_layers / lay.pp
+    elements = (_activation_bytes(cfg, dataclasses.replace(lay, recompute="none"), seq, max(round(L), 1), 4) / 4
+                * (4 / 3 if lay.recompute == "full" else 1) + lay.mbs * (seq // lay.cp) * cfg.vocab_size / lay.tp)
+    per_micro += counts.elementwise_passes * elements / machine.elementwise_rate
     compute = micro * per_micro
     bubble = (lay.pp - 1) * per_micro
-    B, lat = machine.link_bytes_per_s, machine.link_latency_s
     params = cfg.num_parameters() / (lay.tp * lay.pp)
+    sharded = lay.distopt and lay.dp * lay.cp > 1
+    optimizer = counts.distopt_passes * params / machine.elementwise_rate if sharded else 0.0
     tokens = lay.mbs * seq // lay.cp
-    h, L = cfg.hidden_size, cfg.real_layers / lay.pp
+    h = cfg.hidden_size
     comm = 0.0
     # the tensor-parallel group's collectives, then the data-parallel (x CP) group's gradient reduction
-    for group, sizes in ((lay.tp, dict(tp=lay.tp, dp=1)), (lay.dp * lay.cp, dict(tp=1, dp=lay.dp * lay.cp))):
+    for group, sizes, calls in ((lay.tp, dict(tp=lay.tp, dp=1), (4 * L + 2) * micro),
+                                (lay.dp * lay.cp, dict(tp=1, dp=lay.dp * lay.cp), 3)):
         moved = traffic.step_bytes(_Sizes(cfg, L), micro_batch=lay.mbs, seq_length=seq // lay.cp, grad_accum=micro,
                                    sp=lay.sp and sizes["tp"] > 1, distributed_optimizer=lay.distopt,
                                    local_params=int(params), sp_partial_params=0, **sizes)
-        for op, n in moved.items():  # payload handed over -> bytes each rank sends on a ring
-            comm += n * {"all_reduce": 2 * (group - 1) / group, "all_gather": group - 1,
-                         "reduce_scatter": (group - 1) / group}[op] / B
-    calls = (4 * L + 2) * micro * (lay.tp > 1) + 3 * (lay.dp * lay.cp > 1)
+        for op, n in moved.items():  # the calls shared among the group's kinds of collective
+            comm += machine.collective_seconds(op, n, group, calls / len(moved))
     if lay.pp > 1:  # each micro-batch's activation forward and its gradient back, per stage boundary
-        comm += 2 * micro * 4 * tokens * h / lay.tp / B
-        calls += 2 * micro
+        comm += machine.collective_seconds("send", 2 * micro * 4 * tokens * h / lay.tp, 2, 2 * micro)
     if lay.cp > 1:  # the ring passes the keys and values on (CP - 1) times per layer, their gradients back
-        kv = 2 * tokens * lay.mbs * cfg.num_query_groups * cfg.kv_channels * 4 / lay.tp
-        comm += 3 * L * micro * (lay.cp - 1) * kv / B
-        calls += 3 * L * micro * (lay.cp - 1)
+        kv = 2 * tokens * cfg.num_query_groups * cfg.kv_channels * 4 / lay.tp
+        n = 3 * L * micro * (lay.cp - 1)
+        comm += machine.collective_seconds("send", n * kv, 2, n)
     if lay.ep > 1 and cfg.moe is not None:  # tokens to their experts and back, forward and backward
         moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers)) / lay.pp
-        comm += 4 * moe_layers * micro * tokens * cfg.moe.topk * h * 4 / lay.tp * (lay.ep - 1) / lay.ep / B
-        calls += 4 * moe_layers * micro
-    comm += calls * lat
-    return {"compute": compute, "bubble": bubble, "communication": comm, "total": compute + bubble + comm}
+        comm += machine.collective_seconds(
+            "all_gather", 4 * moe_layers * micro * tokens * cfg.moe.topk * h * 4 / lay.tp / lay.ep, lay.ep,
+            4 * moe_layers * micro)
+    return {"compute": compute, "bubble": bubble, "optimizer": optimizer, "communication": comm,
+            "total": compute + bubble + optimizer + comm}
 
 
 class _Sizes:
@@ -306,62 +375,139 @@ def candidates(cfg, args, world: int, devices_per_node: int, check) -> list[Layo
 
 # ---- the probe ---------------------------------------------------------------------------------
 
-def probe_link(megabytes: int = 64) -> tuple[float, float]:
-    """(bytes/s, seconds per small message) over a loopback TCP connection: what gloo's
-    collectives between processes of one host travel over."""
-    server = socket.socket()
-    server.bind(("127.0.0.1", 0))
-    server.listen(1)
-    payload = b"\0" * (1 << 20)
-
-    def sink():
-        conn, _ = server.accept()
-        with conn:
-            while True:
-                data = conn.recv(1 << 20)
-                if not data:
-                    return
-                if data == b"p":
-                    conn.sendall(b"p")
-
-    thread = threading.Thread(target=sink, daemon=True)
-    thread.start()
-    client = socket.create_connection(server.getsockname())
-    client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    start = time.perf_counter()
-    for _ in range(megabytes):
-        client.sendall(payload)
-    bandwidth = megabytes * len(payload) / (time.perf_counter() - start)
-    time.sleep(0.05)  # let the sink drain before the ping-pong
-    start, rounds = time.perf_counter(), 200
-    for _ in range(rounds):
-        client.sendall(b"p")
-        client.recv(1)
-    latency = (time.perf_counter() - start) / rounds / 2
-    client.close()
-    server.close()
-    return bandwidth, latency
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "send")
 
 
-def probe_matmul(shapes, min_seconds: float = 0.1) -> dict:
-    """{(m, k, n): FLOP/s} of the bound framework's matmul on each shape (float32)."""
+def ring_factor(op: str, group: int) -> float:
+    """Bytes each member sends on a ring of ``group`` members per byte of the caller's payload
+    (all_gather's payload is one member's part, reduce_scatter's the whole)."""
+    return {"all_reduce": 2 * (group - 1) / group, "all_gather": group - 1, "reduce_scatter": (group - 1) / group,
+            "send": 1.0}[op]
+
+
+def probe_collectives(ranks: int = 2, small: int = 1 << 10, large: int = 1 << 22) -> dict:
+    """{collective: (seconds per call, payload bytes per second)} of the bound framework's own
+    collectives (dist.all_reduce, all_gather, reduce_scatter, send/recv as the pipeline uses
+    them) between ``ranks`` local processes started by its launcher: whatever they cost here,
+    emulation included, from a small and a large float32 payload."""
+    import os
+    import subprocess
+    import tempfile
+    import types
+
+    from mindspeed_core import launcher, runtime
+
+    with tempfile.TemporaryDirectory(prefix="mindspeed-plan-") as folder:
+        out = os.path.join(folder, "collectives.json")
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        args = types.SimpleNamespace(nproc_per_node=ranks, nnodes=1, node_rank=0, master_addr="127.0.0.1",
+                                     master_port=port, log_dir=os.path.join(folder, "logs"))
+        cmd, env = launcher.launch_command(args, ["--collectives-rank", out, str(small), str(large)],
+                                           runtime.bound().NAME, script=os.path.abspath(__file__))
+        env["OMP_NUM_THREADS"] = "1"
+        done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=folder)
+        if done.returncode or not os.path.exists(out):
+            raise MindSpeedError(f"the probe of the collectives on {ranks} local ranks failed ({done.stderr[-500:]!r}); "
+                                 "give --link-gbps and --link-latency-us instead")
+        with open(out) as fh:
+            return {op: tuple(v) for op, v in json.load(fh).items()}
+
+
+def _collectives_rank(out: str, small: int, large: int) -> None:
+    """One rank of probe_collectives: rank 0 writes the fitted latency and bandwidth."""
+    from mindspeed_core import device, dist, ops, runtime
+
+    runtime.bind()
+    dist.init()
+    me = dist.rank()
+
+    def call(op, x):
+        if op == "send":  # there and back: two transfers
+            peer = 1 - me
+            if me == 0:
+                dist.send(x, peer)
+                x = dist.recv(x.shape, "float32", peer)
+            else:
+                x = dist.recv(x.shape, "float32", peer)
+                dist.send(x, peer)
+            return x
+        return getattr(dist, op)(x)
+
+    seconds = {}
+    for op in COLLECTIVES:
+        for n in (small, large):
+            x = ops.ones((n // 4,))
+            start = time.perf_counter()
+            ops.to_numpy(call(op, x)[:1])
+            # the ranks agree on one count of calls (each call is collective): ~0.2 s
+            first = float(ops.to_numpy(dist.all_reduce(ops.tensor([time.perf_counter() - start]), op="max"))[0])
+            reps = min(max(int(0.2 / max(first, 1e-6)), 3), 200)
+            start = time.perf_counter()
+            for _ in range(reps):
+                ops.to_numpy(call(op, x)[:1])
+            device.synchronize()
+            seconds[op, n] = (time.perf_counter() - start) / reps / (2 if op == "send" else 1)
+    if me == 0:
+        fitted = {}
+        for op in COLLECTIVES:
+            t_small, t_large = seconds[op, small], seconds[op, large]
+            per_byte = max(t_large - t_small, 1e-12) / (large - small)
+            fitted[op] = (max(t_small - small * per_byte, 0.0), 1.0 / per_byte)
+        with open(out, "w") as fh:
+            json.dump(fitted, fh)
+    dist.shutdown()
+
+
+def probe_matmul(shapes, min_seconds: float = 0.1, rounds: int = 5) -> dict:
+    """{(m, k, n): FLOP/s} of the bound framework's matmul on each shape (float32): the median
+    of ``rounds`` short runs per shape, the shapes taken in turn, so that a disturbance of the
+    host lands in one run of several shapes rather than in all runs of one."""
+    import statistics
+
     from mindspeed_core import device, ops
 
-    out = {}
-    for m, k, n in shapes:
-        a, b = ops.ones((m, k)), ops.ones((k, n))
-        ops.to_numpy(ops.matmul(a, b))
+    operands = {shape: (ops.ones(shape[:2]), ops.ones(shape[1:])) for shape in shapes}
+    runs = {shape: [] for shape in shapes}
+    for _ in range(rounds):
+        for (m, k, n), (a, b) in operands.items():
+            ops.to_numpy(ops.matmul(a, b)[:1, :1])
+            reps, start = 0, time.perf_counter()
+            while True:
+                c = ops.matmul(a, b)
+                reps += 1
+                if reps % 2 == 0:
+                    ops.to_numpy(c[:1, :1])
+                    device.synchronize()
+                    if time.perf_counter() - start >= min_seconds / rounds:
+                        break
+            runs[m, k, n].append(2.0 * m * k * n * reps / (time.perf_counter() - start))
+    return {shape: statistics.median(r) for shape, r in runs.items()}
+
+
+def probe_elementwise(elements: int = 1 << 22, min_seconds: float = 0.1, rounds: int = 5) -> float:
+    """Float32 elements per second of a binary element-wise operator on a large tensor (the
+    median of ``rounds`` short runs)."""
+    import statistics
+
+    from mindspeed_core import device, ops
+
+    a, b = ops.ones((elements,)), ops.ones((elements,))
+    ops.to_numpy((a * b)[:1])
+    runs = []
+    for _ in range(rounds):
         reps, start = 0, time.perf_counter()
         while True:
-            c = ops.matmul(a, b)
+            c = a * b
             reps += 1
             if reps % 4 == 0:
-                ops.to_numpy(c[:1, :1])
+                ops.to_numpy(c[:1])
                 device.synchronize()
-                if time.perf_counter() - start >= min_seconds:
+                if time.perf_counter() - start >= min_seconds / rounds:
                     break
-        out[(m, k, n)] = 2.0 * m * k * n * reps / (time.perf_counter() - start)
-    return out
+        runs.append(elements * reps / (time.perf_counter() - start))
+    return statistics.median(runs)
 
 
 def baseline_bytes() -> float:
@@ -390,7 +536,8 @@ def _parser():
     g.add_argument("--matmul-tflops", type=megatron_args.POSITIVE, default=None,
                    help="one device's float32 matmul rate (default: measured here, per shape)")
     g.add_argument("--link-gbps", type=megatron_args.POSITIVE, default=None,
-                   help="bandwidth between devices in GB/s (default: measured here over loopback)")
+                   help="bandwidth between devices in GB/s, every collective on a ring of it (default: each of the "
+                        "framework's collectives measured on two local ranks)")
     g.add_argument("--link-latency-us", type=megatron_args.NON_NEGATIVE, default=None,
                    help="latency per collective in microseconds (default: measured here)")
     g.add_argument("--baseline-gb", type=megatron_args.NON_NEGATIVE, default=None,
@@ -429,7 +576,7 @@ def _base_argv(argv: list[str], parser) -> list[str]:
 
 
 def measure_machine(args, world: int, shapes) -> Machine:
-    from mindspeed_core import device, ops
+    from mindspeed_core import device, ops, runtime
 
     ops.to_numpy(ops.matmul(ops.ones((8, 8)), ops.ones((8, 8))))  # the framework's kernels loaded
     base = args.baseline_gb * GIB if args.baseline_gb is not None else baseline_bytes()
@@ -439,11 +586,17 @@ def measure_machine(args, world: int, shapes) -> Machine:
     else:
         rates = {shape: r / share for shape, r in probe_matmul(sorted(set(shapes))).items()}
         peak = device.matmul_rate(n=512, min_seconds=0.2) / share
+    elementwise = probe_elementwise()
+    collectives = None
     if args.link_gbps is None or args.link_latency_us is None:
-        bw, lat = probe_link()
-    bw = args.link_gbps * 1e9 if args.link_gbps else bw
-    lat = args.link_latency_us * 1e-6 if args.link_latency_us is not None else lat
-    return Machine(world, args.memory_per_device * GIB, rates, peak, bw, lat, base)
+        collectives = probe_collectives(min(world, 2)) if world > 1 else None
+    lat, bw = collectives["all_reduce"] if collectives else (1e-5, 1e9)
+    if args.link_gbps or args.link_latency_us is not None:  # given: every collective on a ring of that link
+        collectives = None
+        bw = args.link_gbps * 1e9 if args.link_gbps else bw
+        lat = args.link_latency_us * 1e-6 if args.link_latency_us is not None else lat
+    return Machine(world, args.memory_per_device * GIB, rates, peak, bw, lat, base, runtime.bound().NAME,
+                   collectives, elementwise / share)
 
 
 def plan(argv: list[str]) -> dict:
@@ -513,13 +666,13 @@ def main(argv: list[str]) -> int:
     fitting = [r for r in rows if r["fits"]]
     print(f"{result['model_parameters'] / 1e6:.1f}M parameters, {result['tokens_per_step']} tokens per step, "
           f"{machine.devices} devices of {machine.memory_bytes / GIB:.1f} GiB; matmul {machine.peak_flops / 1e12:.3f} "
-          f"TFLOP/s per device, link {machine.link_bytes_per_s / 1e9:.2f} GB/s and {machine.link_latency_s * 1e6:.0f} "
-          f"us per call, framework baseline {machine.baseline_bytes / GIB:.2f} GiB")
+          f"TFLOP/s per device, all-reduce {machine.link_bytes_per_s / 1e9:.2f} GB/s and "
+          f"{machine.link_latency_s * 1e6:.0f} us per call, framework baseline {machine.baseline_bytes / GIB:.2f} GiB")
     from mindspeed_core import runtime
 
-    if runtime.bound().NAME == "mindspore":
-        print("note: the memory model's copy counts were measured on PyTorch; MindSpore's peaks on the CPU measured "
-              "well above them here (benchmarks/bench_plan.py): raise --memory-headroom")
+    if runtime.bound().device.type() != "cpu":
+        print("note: the copy counts and element-wise passes were read off a CPU host (benchmarks/bench_plan.py); "
+              "on this device keep more --memory-headroom until they are measured here")
     print(f"{len(rows)} layouts the trainer accepts, {len(fitting)} fit in memory (keeping "
           f"{100 * args.memory_headroom:.0f}% free)")
     header = f"{'#':>3}  {'layout':<34} {'memory GiB':>10} {'step s':>9} {'tokens/s':>10}"
@@ -543,3 +696,10 @@ def main(argv: list[str]) -> int:
     for r in fitting[:args.top]:
         print("  " + r["command"])
     return 0
+
+
+if __name__ == "__main__":  # one rank of probe_collectives, started by the framework's launcher
+    import sys
+
+    if sys.argv[1:2] == ["--collectives-rank"]:
+        _collectives_rank(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
