@@ -184,10 +184,11 @@ def _activation_bytes(cfg, lay: Layout, seq: int, layers: int, element: int) -> 
 
 @dataclasses.dataclass(frozen=True)
 class StepCounts:
-    """What a step holds besides weights and optimizer states, in copies, and what it runs
-    twice, as this implementation runs on one framework. Read off benchmarks/bench_plan.py's calibration layouts on this
-    machine (the process's peak resident memory phase by phase), not derived: each framework's
-    allocator and autograd keep different temporaries.
+    """What a step holds besides weights and optimizer states, in copies, what it runs twice and
+    what it spends besides matmuls and collectives, as this implementation runs on one framework.
+    Read off benchmarks/bench_plan.py's calibration layouts on this machine (peak resident
+    memory phase by phase, step times), not derived: each framework's allocator and autograd
+    keep different temporaries.
 
     ``logits``: fp32 logits at the loss, for TP = 1 and TP > 1 (the logits, their exponentials,
     the log-softmax and its gradient; the vocabulary-parallel cross entropy keeps the maximum,
@@ -302,7 +303,7 @@ def predict_step(cfg, lay: Layout, seq: int, gbs: int, machine: Machine) -> dict
         per_micro *= 1 + 1 / 3
     # what is not a matmul, per micro-batch: element-wise passes over the activations (as if
     # none were recomputed: the work happens either way; a full recompute runs the forward's
-    # again) and the logits, and each operator's own cost
+    # again) and the logits
     L = cfg.real_layers / lay.pp
     elements = (_activation_bytes(cfg, dataclasses.replace(lay, recompute="none"), seq, max(round(L), 1), 4) / 4
                 * (4 / 3 if lay.recompute == "full" else 1) + lay.mbs * (seq // lay.cp) * cfg.vocab_size / lay.tp)
@@ -407,9 +408,13 @@ def probe_collectives(ranks: int = 2, small: int = 1 << 10, large: int = 1 << 22
         cmd, env = launcher.launch_command(args, ["--collectives-rank", out, str(small), str(large)],
                                            runtime.bound().NAME, script=os.path.abspath(__file__))
         env["OMP_NUM_THREADS"] = "1"
-        done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=folder)
-        if done.returncode or not os.path.exists(out):
-            raise MindSpeedError(f"the probe of the collectives on {ranks} local ranks failed ({done.stderr[-500:]!r}); "
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=folder, timeout=300)
+            failure = done.stderr[-500:] if done.returncode or not os.path.exists(out) else None
+        except subprocess.TimeoutExpired:
+            failure = "no answer in 300 s"
+        if failure is not None:
+            raise MindSpeedError(f"the probe of the collectives on {ranks} local ranks failed ({failure!r}); "
                                  "give --link-gbps and --link-latency-us instead")
         with open(out) as fh:
             return {op: tuple(v) for op, v in json.load(fh).items()}
@@ -520,7 +525,8 @@ def baseline_bytes() -> float:
 # ---- the command ---------------------------------------------------------------------------------
 
 PLAN_FLAGS = ("--devices", "--devices-per-node", "--memory-per-device", "--memory-headroom", "--matmul-tflops",
-              "--link-gbps", "--link-latency-us", "--baseline-gb", "--top", "--max-micro-batch-size", "--json")
+              "--elementwise-gelems", "--link-gbps", "--link-latency-us", "--baseline-gb", "--top",
+              "--max-micro-batch-size", "--json")
 
 
 def _parser():
@@ -535,11 +541,13 @@ def _parser():
     g.add_argument("--memory-per-device", type=megatron_args.POSITIVE, required=True, help="GiB per device")
     g.add_argument("--matmul-tflops", type=megatron_args.POSITIVE, default=None,
                    help="one device's float32 matmul rate (default: measured here, per shape)")
+    g.add_argument("--elementwise-gelems", type=megatron_args.POSITIVE, default=None,
+                   help="one device's float32 element-wise rate in G elements/s (default: measured here)")
     g.add_argument("--link-gbps", type=megatron_args.POSITIVE, default=None,
                    help="bandwidth between devices in GB/s, every collective on a ring of it (default: each of the "
                         "framework's collectives measured on two local ranks)")
     g.add_argument("--link-latency-us", type=megatron_args.NON_NEGATIVE, default=None,
-                   help="latency per collective in microseconds (default: measured here)")
+                   help="latency per collective in microseconds (default: measured here, or 10 with --link-gbps)")
     g.add_argument("--baseline-gb", type=megatron_args.NON_NEGATIVE, default=None,
                    help="the framework's own memory per process in GiB (default: measured here)")
     g.add_argument("--memory-headroom", type=megatron_args.PROBABILITY, default=0.15,
@@ -586,10 +594,10 @@ def measure_machine(args, world: int, shapes) -> Machine:
     else:
         rates = {shape: r / share for shape, r in probe_matmul(sorted(set(shapes))).items()}
         peak = device.matmul_rate(n=512, min_seconds=0.2) / share
-    elementwise = probe_elementwise()
+    elementwise = args.elementwise_gelems * 1e9 * share if args.elementwise_gelems else probe_elementwise()
     collectives = None
-    if args.link_gbps is None or args.link_latency_us is None:
-        collectives = probe_collectives(min(world, 2)) if world > 1 else None
+    if args.link_gbps is None and world > 1:
+        collectives = probe_collectives(2)
     lat, bw = collectives["all_reduce"] if collectives else (1e-5, 1e9)
     if args.link_gbps or args.link_latency_us is not None:  # given: every collective on a ring of that link
         collectives = None

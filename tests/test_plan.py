@@ -15,7 +15,8 @@ MODEL = ["--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "
          "--ffn-hidden-size", "256", "--seq-length", "64", "--global-batch-size", "8", "--tokenizer-type",
          "NullTokenizer", "--vocab-size", "1023", "--make-vocab-size-divisible-by", "8"]
 # the machine given, not probed: the same plan on every run
-MACHINE = ["--matmul-tflops", "0.1", "--link-gbps", "1", "--link-latency-us", "30", "--baseline-gb", "0.3"]
+MACHINE = ["--matmul-tflops", "0.1", "--elementwise-gelems", "1", "--link-gbps", "1", "--link-latency-us", "30",
+           "--baseline-gb", "0.3"]
 
 
 def config(*argv):
@@ -72,6 +73,41 @@ def test_predictions_move_as_the_layouts_say():
     # a slower link makes communication cost more, the same compute
     _, slow = predictions(L(2, 1, 1, mbs=8), planner.Machine(8, 8 * 2**30, {}, 1e11, 1e8, 3e-5, 0.3 * 2**30))
     assert slow["communication"] > tp_step["communication"] and slow["compute"] == tp_step["compute"]
+
+
+def test_the_framework_counts_shape_the_predictions():
+    """MindSpore records a pipeline forward again at its backward: its first stage holds one
+    micro-batch's activations, not PP, and computes one more forward per micro-batch."""
+    L = planner.Layout
+    machines = {name: planner.Machine(8, 8 * 2**30, {}, 1e11, 1e9, 3e-5, 0.3 * 2**30, name)
+                for name in ("pytorch", "mindspore")}
+    several = {name: predictions(L(1, 2, 1, mbs=2), m) for name, m in machines.items()}  # 4 micro-batches
+    once = {name: predictions(L(1, 2, 1, mbs=8), m) for name, m in machines.items()}  # one
+    # a long sequence: the first stage's activations outweigh the last stage's logits
+    long = {name: planner.predict_memory(config(*MODEL), L(1, 2, 1, mbs=2), 1024, 8, m) for name, m in machines.items()}
+    per_copy = {name: long[name]["activations"] / planner.COUNTS[name].activations for name in machines}
+    assert long["pytorch"]["stage"] == 0
+    # both stages hold two of the four layers: MindSpore's most loaded one holds 1 micro-batch, not PP = 2
+    assert per_copy["mindspore"] == pytest.approx(per_copy["pytorch"] / 2)
+    compute = {name: several[name][1]["compute"] / once[name][1]["compute"] for name in machines}
+    assert compute["mindspore"] > compute["pytorch"]  # the forwards run again once there are several micro-batches
+    assert planner.Machine(8, 1, {}, 1, 1, 0, 0, "another").counts() == planner.COUNTS["pytorch"]
+
+
+def test_the_collectives_probe_measures_each_kind_on_two_ranks():
+    """The framework's own collectives, started by its launcher: a cost per call and a rate for
+    each kind, which then price a transfer (more bytes, more calls: more time)."""
+    measured = planner.probe_collectives(2)
+    assert set(measured) == set(planner.COLLECTIVES)
+    for op, (latency, rate) in measured.items():
+        assert 0 <= latency < 1 and 1e6 < rate < 1e13, (op, latency, rate)
+    m = planner.Machine(2, 1, {}, 1e11, 1e9, 3e-5, 0, collectives=measured)
+    for op in planner.COLLECTIVES:
+        assert m.collective_seconds(op, 1e6, 1) == 0
+        assert 0 < m.collective_seconds(op, 1e6, 2, 1) < m.collective_seconds(op, 1e7, 2, 1) < \
+            m.collective_seconds(op, 1e7, 2, 10)
+        if op != "send":  # a longer ring; a transfer between two ranks is one whatever the group
+            assert m.collective_seconds(op, 1e7, 4) > m.collective_seconds(op, 1e7, 2)
 
 
 def test_plan_ranks_the_layouts_the_trainer_accepts_and_prints_their_commands(capsys):
