@@ -465,29 +465,37 @@ def _collectives_rank(out: str, small: int, large: int) -> None:
     dist.shutdown()
 
 
+def _calls_per_second(fn, seconds: float, every: int) -> float:
+    """Calls of ``fn`` per second over at least ``seconds``; every ``every`` calls a corner of
+    the result is read back (and the device synchronized) so that queued work is counted."""
+    from mindspeed_core import device, ops
+
+    reps, start = 0, time.perf_counter()
+    while True:
+        c = fn()
+        reps += 1
+        if reps % every == 0:
+            ops.to_numpy(ops.reshape(c, (-1,))[:1])
+            device.synchronize()
+            if time.perf_counter() - start >= seconds:
+                return reps / (time.perf_counter() - start)
+
+
 def probe_matmul(shapes, min_seconds: float = 0.1, rounds: int = 5) -> dict:
     """{(m, k, n): FLOP/s} of the bound framework's matmul on each shape (float32): the median
     of ``rounds`` short runs per shape, the shapes taken in turn, so that a disturbance of the
     host lands in one run of several shapes rather than in all runs of one."""
     import statistics
 
-    from mindspeed_core import device, ops
+    from mindspeed_core import ops
 
     operands = {shape: (ops.ones(shape[:2]), ops.ones(shape[1:])) for shape in shapes}
     runs = {shape: [] for shape in shapes}
     for _ in range(rounds):
         for (m, k, n), (a, b) in operands.items():
             ops.to_numpy(ops.matmul(a, b)[:1, :1])
-            reps, start = 0, time.perf_counter()
-            while True:
-                c = ops.matmul(a, b)
-                reps += 1
-                if reps % 2 == 0:
-                    ops.to_numpy(c[:1, :1])
-                    device.synchronize()
-                    if time.perf_counter() - start >= min_seconds / rounds:
-                        break
-            runs[m, k, n].append(2.0 * m * k * n * reps / (time.perf_counter() - start))
+            rate = _calls_per_second(lambda: ops.matmul(a, b), min_seconds / rounds, every=2)
+            runs[m, k, n].append(2.0 * m * k * n * rate)
     return {shape: statistics.median(r) for shape, r in runs.items()}
 
 
@@ -496,23 +504,12 @@ def probe_elementwise(elements: int = 1 << 22, min_seconds: float = 0.1, rounds:
     median of ``rounds`` short runs)."""
     import statistics
 
-    from mindspeed_core import device, ops
+    from mindspeed_core import ops
 
     a, b = ops.ones((elements,)), ops.ones((elements,))
     ops.to_numpy((a * b)[:1])
-    runs = []
-    for _ in range(rounds):
-        reps, start = 0, time.perf_counter()
-        while True:
-            c = a * b
-            reps += 1
-            if reps % 4 == 0:
-                ops.to_numpy(c[:1])
-                device.synchronize()
-                if time.perf_counter() - start >= min_seconds / rounds:
-                    break
-        runs.append(elements * reps / (time.perf_counter() - start))
-    return statistics.median(runs)
+    return statistics.median(elements * _calls_per_second(lambda: a * b, min_seconds / rounds, every=4)
+                             for _ in range(rounds))
 
 
 def baseline_bytes() -> float:
