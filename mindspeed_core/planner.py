@@ -608,11 +608,11 @@ def plan(argv: list[str]) -> dict:
     """Parse, enumerate, predict; returns {"machine": ..., "default": ..., "ranked": [...]}."""
     from mindspeed_core import runtime
     from mindspeed_core.compat import megatron_args
-    from mindspeed_core.training import trainer
 
     parser = _parser()
     args = parser.parse_args(argv)
     runtime.bind(args.ai_framework, args.device)
+    from mindspeed_core.training import trainer  # after the bind: importing it binds the default framework
     world = args.devices
     if args.seq_length is None or args.global_batch_size is None:
         raise MindSpeedError("give --seq-length and --global-batch-size: the plan divides that batch of sequences")

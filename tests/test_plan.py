@@ -129,6 +129,21 @@ def test_plan_ranks_the_layouts_the_trainer_accepts_and_prints_their_commands(ca
         trainer.check_configuration(args, 4)
 
 
+def test_plan_binds_the_framework_its_flag_names(framework):
+    """``--ai-framework`` chooses the framework even where the environment names none: the
+    trainer's import (which binds the default) waits for the flag."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "MINDSPEED_AI_FRAMEWORK"}
+    done = subprocess.run([sys.executable, "-m", "mindspeed_core.cli", "plan", "--ai-framework", framework, *MODEL,
+                           "--devices", "2", "--memory-per-device", "4", *MACHINE, "--top", "1"],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "mindspeed launch --nproc-per-node 2" in done.stdout
+
+
 def test_plan_says_in_one_line_when_nothing_fits(capsys):
     assert cli.main(["plan", *MODEL, "--devices", "2", "--memory-per-device", "0.01", *MACHINE]) == 2
     err = capsys.readouterr().err.strip()
