@@ -1,7 +1,8 @@
 """Framework backends of the facade.
 
-Each backend is a package with the same module names (Keras 3 style), so that the facade
-is "the module of the bound backend" and nothing else:
+Each backend is a package with the same module names (Keras 3 style), one per facade
+namespace (:data:`mindspeed_core.facade.NAMESPACES`), so that the facade is "the module of
+the bound backend" and nothing else:
 
     ops       tensors, math, fused operators (native kernel or composite fallback)
     nn        Module / Parameter, parameter naming, state dicts, initializers
@@ -14,5 +15,3 @@ is "the module of the bound backend" and nothing else:
 
 The contract of every name is in :mod:`mindspeed_core.facade`.
 """
-
-MODULES = ("ops", "nn", "autograd", "random", "dist", "device", "io", "profiler")
