@@ -8,6 +8,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from mindspeed_core import features
+from mindspeed_core.errors import BackendError, MindSpeedError
+
 # Facade dtype names. Both backends accept these strings wherever a dtype is expected.
 DTYPE_NAMES = ("float32", "float64", "float16", "bfloat16", "int32", "int64", "int8", "uint8", "bool")
 FLOAT_DTYPES = ("float32", "float64", "float16", "bfloat16")
@@ -43,8 +46,6 @@ def host_memory_available() -> int | None:
 
 def check_fits_in_memory(needed: int, what: str) -> None:
     """Refuse, before allocating, what cannot fit in this machine's memory."""
-    from mindspeed_core.errors import MindSpeedError
-
     available = host_memory_available()
     if available is not None and needed > available:
         raise MindSpeedError(f"{what} needs about {needed / 2**30:.1f} GiB but this machine has "
@@ -90,8 +91,6 @@ DEVICE_ALIASES = {"gpu": "cuda", "ascend": "npu"}
 def choose_device(wanted: str, available: list[str], framework: str) -> str:
     """Resolve a requested device (auto, cpu, cuda/gpu, npu/ascend) against what the
     framework sees, best first; BackendError when it is not there."""
-    from mindspeed_core.errors import BackendError
-
     wanted = DEVICE_ALIASES.get(wanted, wanted)
     if wanted == "auto":
         return available[0]
@@ -144,8 +143,6 @@ class CommStats:
         self.ops: dict = {}
 
     def record(self, op: str, nbytes: int, wire: int | None = None) -> None:
-        from mindspeed_core import features
-
         features.note_used("collectives")  # a collective over more than one rank ran
         entry = self.ops.setdefault(op, {"calls": 0, "bytes": 0, "wire_bytes": 0})
         entry["calls"] += 1

@@ -1,6 +1,6 @@
 """Memory saved by recompute and swap attention, measured, on both frameworks.
 
-Each configuration trains in a fresh process (python -m mindspeed_core.memory.measure) a
+Each configuration trains in a fresh process (python -m mindspeed_core.measure) a
 4-layer model (hidden 128, 4 heads, sequence 512, micro-batch 4, fp32, no dropout) and
 reports:
 
@@ -11,7 +11,7 @@ reports:
 * saved: what autograd holds for backward at the end of forward, counted through the
   saved-tensor hooks (PyTorch only; MindSpore has none);
 * estimate: Korthikanti et al.'s per-layer activations for these widths, at the peak
-  (mindspeed_core/memory/measure.py estimated_peak_bytes), transformer layers only;
+  (mindspeed_core/memory/accounting.py estimated_peak_bytes), transformer layers only;
 * step: seconds of one training step after two warm-up steps (median over --rounds).
 
 usage: python benchmarks/bench_memory.py [--frameworks pytorch,mindspore] [--rounds 3]
@@ -26,7 +26,7 @@ import statistics
 import subprocess
 import sys
 
-from mindspeed_core.memory import measure
+from mindspeed_core.memory import accounting
 from mindspeed_core.memory.recompute import Recompute
 
 SIZE = {"s": 512, "b": 4, "h": 128, "a": 4, "f": 384}
@@ -48,9 +48,9 @@ CONFIGS = {  # name: (flags, policy for the estimate, swap)
 
 
 def run(framework: str, flags: list) -> dict:
-    env = {**os.environ, **measure.MALLOC_ENV}
+    env = {**os.environ, **accounting.MALLOC_ENV}
     env.pop("MINDSPEED_AI_FRAMEWORK", None)
-    out = subprocess.run([sys.executable, "-m", "mindspeed_core.memory.measure", "--ai-framework", framework, *MODEL,
+    out = subprocess.run([sys.executable, "-m", "mindspeed_core.measure", "--ai-framework", framework, *MODEL,
                           *flags], capture_output=True, text=True, env=env, timeout=1800)
     if out.returncode:
         raise SystemExit(f"{framework} {flags} failed:\n{out.stderr[-3000:]}")
@@ -83,7 +83,7 @@ def main() -> int:
             runs = [run(framework, flags) for _ in range(args.rounds)]
             peak = statistics.median(r["first_host_peak_bytes"] for r in runs)
             saved = runs[0]["saved_bytes"]
-            estimate = measure.estimated_peak_bytes(policy, LAYERS, swap, **size)
+            estimate = accounting.estimated_peak_bytes(policy, LAYERS, swap, **size)
             if base is None:
                 base = (peak, estimate)
             step = statistics.median(r["step_seconds"] for r in runs)

@@ -99,7 +99,7 @@ def main() -> None:
 
     runtime.bind(a.framework)
     from mindspeed_core import planner
-    from mindspeed_core.memory.measure import _random_data
+    from mindspeed_core.measure import _random_data
 
     world, gib = 2, 2**30
     result = planner.plan([*MODEL, "--devices", str(world), "--memory-per-device", str(a.memory_per_device)])

@@ -15,11 +15,14 @@ import os
 
 import numpy as np
 
-from mindspeed_core import tensor_files
+from mindspeed_core import nn, tensor_files
 from mindspeed_core.backends.common import check_fits_in_memory
 from mindspeed_core.errors import CheckpointError
+from mindspeed_core.models import registry
 from mindspeed_core.models import rope as rotary
 from mindspeed_core.models.config import ModelConfig, MoEConfig
+from mindspeed_core.models.gpt import whole_state
+from mindspeed_core.models.state import merge_lora, renumber_layers
 
 LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3")
 # each mixture of experts has the attention of a dense family
@@ -497,8 +500,6 @@ def _without_noop_layers(cfg: ModelConfig, state: dict) -> tuple[ModelConfig, di
     MindSpeed-LLM's converter drops them)."""
     if not cfg.noop_layers:
         return cfg, state
-    from mindspeed_core.models.state import renumber_layers
-
     real = [i for i in range(cfg.num_layers) if i not in cfg.noop_layers]
     index = {layer: j for j, layer in enumerate(real)}
     renamed = renumber_layers(state, index.__getitem__)
@@ -509,8 +510,6 @@ def _without_noop_layers(cfg: ModelConfig, state: dict) -> tuple[ModelConfig, di
 def save_folder(folder: str, cfg: ModelConfig, state: dict, max_shard_bytes: int | None = None) -> None:
     """Write config.json and safetensors (sharded with an index past max_shard_bytes) from a
     whole model's state in our names (LoRA adapters merged into their base weights)."""
-    from mindspeed_core.models.state import merge_lora
-
     cfg, state = _without_noop_layers(*merge_lora(cfg, state))
     os.makedirs(folder, exist_ok=True)
     hf = {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in to_hf_state(cfg, state).items()}
@@ -543,9 +542,6 @@ def save_folder(folder: str, cfg: ModelConfig, state: dict, max_shard_bytes: int
 def load_model(folder: str):
     """Build our model (the family's, models/registry.py) from a Hugging Face folder on the
     bound framework."""
-    from mindspeed_core import nn
-    from mindspeed_core.models import registry
-
     cfg, state = load_folder(folder)
     model = registry.for_config(cfg).build(cfg)
     nn.load_state_dict(model, state)
@@ -553,6 +549,4 @@ def load_model(folder: str):
 
 
 def save_model(model, folder: str, max_shard_bytes: int | None = None) -> None:
-    from mindspeed_core.models.gpt import whole_state
-
     save_folder(folder, model.cfg, whole_state(model), max_shard_bytes)

@@ -14,9 +14,11 @@ from __future__ import annotations
 import json
 import sys
 
+from mindspeed_core import features
 from mindspeed_core.data.chat_templates import encode_conversation
 from mindspeed_core.errors import MindSpeedError
-from mindspeed_core.inference import TextStream
+from mindspeed_core.models import generate as gen
+from mindspeed_core.streaming import TextStream
 
 
 class Session:
@@ -37,8 +39,6 @@ class Session:
     def prompt(self, message: str) -> list[int]:
         """The tokens the model reads before replying to ``message``: as many recent rounds as
         ``--history-turns`` allows and the positions leave room for."""
-        from mindspeed_core.models import generate as gen
-
         kept = self.rounds[len(self.rounds) - min(self.history_turns, len(self.rounds)):]
         while True:
             messages = [{"role": "system", "content": self.system}] if self.system is not None else []
@@ -54,9 +54,6 @@ class Session:
             kept = kept[1:]
 
     def reply(self, message: str, speak: bool = False) -> str:
-        from mindspeed_core import features
-        from mindspeed_core.models import generate as gen
-
         features.note_used("chat")
         ids = self.prompt(message)
         if speak:

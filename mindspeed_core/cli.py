@@ -1,7 +1,7 @@
 """The ``mindspeed`` command.
 
     mindspeed features [--ai-framework X] [--device D] [--format text|markdown|json]
-    mindspeed check-args [--ai-framework X] [--device D] <Megatron-style flags ...>
+    mindspeed check-args [--ai-framework X] [--device D] <the flags of mindspeed train ...>
     mindspeed info [--ai-framework X] [--device D] [--measure]
     mindspeed train [--ai-framework X] <Megatron-style training flags ...>
     mindspeed generate (--load DIR | --load-hf FOLDER) --prompt TEXT [--task greedy|do_sample|beam_search ...]
@@ -13,32 +13,50 @@
     mindspeed plan (--model-name P | <model flags> | --load-hf FOLDER) --devices N --memory-per-device GB [--measure]
     mindspeed launch --nproc-per-node N [--nnodes --node-rank --master-addr --master-port] -- [generate] <flags>
 
-``--ai-framework`` is read before anything else so that the facade is bound before model
-code is imported. Errors the user can act on print one line and exit with status 2.
+Every verb goes the same way: its flags are parsed once, the framework is bound once (the
+``--ai-framework`` flag, else ``$MINDSPEED_AI_FRAMEWORK``, else pytorch), then the verb runs.
+``preprocess``, ``convert`` and ``plot`` run no framework code and bind none. Errors the user can act on print one line and exit with status 2.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
+from typing import Callable
 
-from mindspeed_core import features, runtime
+from mindspeed_core import (
+    convert,
+    evaluation,
+    features,
+    inference,
+    launcher,
+    planner,
+    plot,
+    runtime,
+)
 from mindspeed_core.compat import megatron_args
+from mindspeed_core.data import preprocess
 from mindspeed_core.errors import MindSpeedError
+from mindspeed_core.training import configuration
+from mindspeed_core.training.trainer import Trainer
 
 
-def _cmd_features(argv: list[str]) -> int:
+def _features_parser():
     parser = megatron_args.ArgumentParser(prog="mindspeed features", description="print the feature matrix")
     megatron_args.add_framework_args(parser)
     parser.add_argument("--format", choices=("text", "markdown", "json"), default="text")
     parser.add_argument("--update-readme", metavar="FILE", default=None,
                         help="rewrite the table between the feature-matrix markers of FILE")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def _features(args, backend) -> int:
     if args.update_readme:
         features.update_readme(args.update_readme)
         print(f"updated the feature table in {args.update_readme}")
         return 0
-    framework = runtime.check_name(args.ai_framework) if args.ai_framework else None
+    framework = backend.NAME if args.ai_framework else None  # without the flag: every framework's column
     device = args.device
     if device is not None:
         device = {"gpu": "cuda", "ascend": "npu"}.get(device, device)
@@ -54,29 +72,32 @@ def _cmd_features(argv: list[str]) -> int:
     return 0
 
 
-def _bind(args):
-    backend = runtime.bind(args.ai_framework, args.device)
-    return backend, backend.device.type()
+def _check_args_parser():
+    parser = megatron_args.training_parser("mindspeed check-args")
+    parser.description = ("check the flags of `mindspeed train` against the feature matrix and the configuration "
+                          "rules, building nothing")
+    return parser
 
 
-def _cmd_check_args(argv: list[str]) -> int:
-    parser = megatron_args.feature_parser("mindspeed check-args")
-    parser.description = "validate Megatron-style flags against the feature matrix for the selected framework"
-    args = parser.parse_args(argv)
-    backend, device = _bind(args)
+def _check_args(args, backend) -> int:
+    device = backend.device.type()
     active = features.validate(args, backend.NAME, device, backend.FRAMEWORK_VERSION)
+    configuration.apply_defaults(args)
+    configuration.check_configuration(args, backend.dist.launched_world_size())
     names = ", ".join(f.id for f in active) or "none"
     print(f"ok: {backend.NAME} on {device}; features requested: {names}")
     return 0
 
 
-def _cmd_info(argv: list[str]) -> int:
+def _info_parser():
     parser = megatron_args.ArgumentParser(prog="mindspeed info", description="show the bound framework and its kernels")
     megatron_args.add_framework_args(parser)
     parser.add_argument("--measure", action="store_true", help="also measure the device's float32 matmul rate")
     parser.add_argument("--json", action="store_true")
-    args = parser.parse_args(argv)
-    backend, device = _bind(args)
+    return parser
+
+
+def _info(args, backend) -> int:
     info = {
         "framework": backend.NAME,
         "framework_version": backend.FRAMEWORK_VERSION,
@@ -100,12 +121,8 @@ def _cmd_info(argv: list[str]) -> int:
     return 0
 
 
-def _cmd_train(argv: list[str]) -> int:
-    args = megatron_args.training_parser().parse_args(argv)
-    backend, device = _bind(args)
-    features.validate(args, backend.NAME, device, backend.FRAMEWORK_VERSION)  # before anything heavy is built
-    from mindspeed_core.training.trainer import Trainer
-
+def _train(args, backend) -> int:
+    features.validate(args, backend.NAME, backend.device.type(), backend.FRAMEWORK_VERSION)  # before anything heavy
     trainer = Trainer(args)
     if args.dry_run:
         if trainer.ps.rank == 0:
@@ -120,12 +137,15 @@ def _cmd_train(argv: list[str]) -> int:
     return 0
 
 
-def _cmd_preprocess(argv: list[str]) -> int:
-    from mindspeed_core.data import preprocess
-
+def _preprocess_parser():
     parser = megatron_args.ArgumentParser(prog="mindspeed preprocess", description="text -> Megatron .bin/.idx")
+    megatron_args.add_framework_args(parser)
     preprocess.add_args(parser)
-    counts = preprocess.run(parser.parse_args(argv))
+    return parser
+
+
+def _preprocess(args, backend=None) -> int:
+    counts = preprocess.run(args)
     print(f"wrote {counts['documents']} documents, {counts['tokens']} tokens: {', '.join(counts['outputs'])}")
     if counts.get("template"):
         print(f"template: {counts['template']}")
@@ -141,45 +161,36 @@ def _cmd_preprocess(argv: list[str]) -> int:
     return 0
 
 
-def _cmd_generate(argv: list[str]) -> int:
-    from mindspeed_core import inference
+@dataclasses.dataclass(frozen=True)
+class Verb:
+    """One verb: how its flags are parsed (once), and what runs once the framework is bound
+    (``run(args, backend)``; ``backend`` is None for a verb that binds none)."""
 
-    return inference.run(argv)
-
-
-def _cmd_evaluate(argv: list[str]) -> int:
-    from mindspeed_core import evaluation
-
-    return evaluation.run(argv)
-
-
-def _cmd_convert(argv: list[str]) -> int:
-    from mindspeed_core import convert
-
-    return convert.run(argv)
+    parse: Callable[[list], object]
+    run: Callable[[object, object], int]
+    binds: bool = True
+    announce: bool = False  # at a clean end, say on stderr which framework ran (output that does not name it)
 
 
-def _cmd_plot(argv: list[str]) -> int:
-    from mindspeed_core import plot
-
-    return plot.main(argv)
+def _parse_with(make_parser):
+    return lambda argv: make_parser().parse_args(argv)
 
 
-def _cmd_plan(argv: list[str]) -> int:
-    from mindspeed_core import planner
-
-    return planner.main(argv)
-
-
-def _cmd_launch(argv: list[str]) -> int:
-    from mindspeed_core import launcher
-
-    return launcher.run(argv)
-
-
-COMMANDS = {"features": _cmd_features, "check-args": _cmd_check_args, "info": _cmd_info, "train": _cmd_train,
-            "generate": _cmd_generate, "evaluate": _cmd_evaluate, "preprocess": _cmd_preprocess, "launch": _cmd_launch,
-            "convert": _cmd_convert, "plot": _cmd_plot, "plan": _cmd_plan}
+COMMANDS = {
+    "features": Verb(_parse_with(_features_parser), _features),
+    "check-args": Verb(_parse_with(_check_args_parser), _check_args),
+    "info": Verb(_parse_with(_info_parser), _info),
+    "train": Verb(_parse_with(megatron_args.training_parser), _train),
+    "generate": Verb(_parse_with(inference.parser), inference.run, announce=True),
+    "evaluate": Verb(_parse_with(evaluation.parser), evaluation.run, announce=True),
+    # framework-free: they accept --ai-framework (scripts pass it) and import no framework, so a
+    # machine with only one of them installed (or neither) preprocesses and converts
+    "preprocess": Verb(_parse_with(_preprocess_parser), _preprocess, binds=False),
+    "convert": Verb(_parse_with(convert.parser), convert.run, binds=False),
+    "plot": Verb(_parse_with(plot.parser), plot.run, binds=False),
+    "plan": Verb(planner.parse, planner.run, announce=True),
+    "launch": Verb(launcher.parse, launcher.run, announce=True),
+}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -192,11 +203,18 @@ def main(argv: list[str] | None = None) -> int:
         what = f"unknown command {argv[0]!r}" if argv else "a command is required"
         print(f"mindspeed: error: {what}\nusage:\n{usage}", file=sys.stderr)
         return 2
+    verb = COMMANDS[argv[0]]
     try:
-        return COMMANDS[argv[0]](argv[1:])
+        args = verb.parse(argv[1:])
+        backend = runtime.bind(args.ai_framework, args.device) if verb.binds else None
+        code = verb.run(args, backend)
     except MindSpeedError as exc:
         print(f"mindspeed {argv[0]}: error: {exc}", file=sys.stderr)
         return exc.exit_code
+    if verb.announce and code == 0:  # at the end: a refusal stays one line
+        print(f"mindspeed {argv[0]}: ran on {backend.NAME} {backend.FRAMEWORK_VERSION} ({backend.device.type()})",
+              file=sys.stderr)
+    return code
 
 
 if __name__ == "__main__":

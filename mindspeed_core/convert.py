@@ -16,10 +16,16 @@ A Megatron -> Megatron conversion keeps the source's layout for each target flag
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
-from mindspeed_core.compat import megatron_args
+from mindspeed_core import features
+from mindspeed_core.compat import hf, mcore, megatron_args
 from mindspeed_core.errors import CheckpointError, MindSpeedError
+from mindspeed_core.models.config import ModelConfig
+from mindspeed_core.models.state import merge_lora, renumber_layers
+from mindspeed_core.parallel import pipeline
+from mindspeed_core.training import checkpoint
 
 # --model-type-hf -> our model family
 MODEL_TYPES = {"llama2": "llama", "llama3": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral",
@@ -30,6 +36,7 @@ DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 def parser():
     p = megatron_args.ArgumentParser(prog="mindspeed convert",
                                      description="Hugging Face <-> Megatron-core checkpoints, with re-sharding")
+    megatron_args.add_framework_args(p)
     p.add_argument("--load-model-type", choices=("hf", "mg"), required=True)
     p.add_argument("--save-model-type", choices=("hf", "mg"), required=True)
     p.add_argument("--model-type-hf", choices=tuple(MODEL_TYPES), default=None,
@@ -50,8 +57,6 @@ def parser():
 
 
 def _read_hf(args):
-    from mindspeed_core.compat import hf
-
     cfg, state = hf.load_folder(args.load_dir)
     if args.model_type_hf and MODEL_TYPES[args.model_type_hf] != cfg.family:
         raise MindSpeedError(f"--model-type-hf {args.model_type_hf}, but {args.load_dir}/config.json is a "
@@ -61,11 +66,6 @@ def _read_hf(args):
 
 def _read_mg(args):
     """(iteration, config, whole state, layout or None, dtype) of a Megatron or our own checkpoint."""
-    from mindspeed_core.compat import mcore
-    from mindspeed_core.models.config import ModelConfig
-    from mindspeed_core.models.state import merge_lora
-    from mindspeed_core.training import checkpoint
-
     if not os.path.isdir(args.load_dir):
         raise MindSpeedError(f"--load-dir {args.load_dir} does not exist")
     exact = True
@@ -94,8 +94,6 @@ def _read_mg(args):
 
 
 def _target_layout(args, cfg, source):
-    from mindspeed_core.compat import mcore
-
     keep = source or mcore.Layout()
     tp = args.target_tensor_parallel_size or keep.tp
     pp = args.target_pipeline_parallel_size or keep.pp
@@ -107,12 +105,8 @@ def _target_layout(args, cfg, source):
     return mcore.Layout(tp=tp, pp=pp, ep=ep, layers_per_virtual_stage=vpp, num_layer_list=layer_list)
 
 
-def run(argv: list[str]) -> int:
-    from mindspeed_core import features
-    from mindspeed_core.compat import hf, mcore
-    from mindspeed_core.parallel import pipeline
-
-    args = parser().parse_args(argv)
+def run(args, backend=None) -> int:
+    """`mindspeed convert` once its flags are parsed (the framework plays no part)."""
     features.note_used("weight-conversion")
     if args.load_model_type == "hf" and args.save_model_type == "hf":
         raise MindSpeedError("--load-model-type hf --save-model-type hf converts nothing: one of them is mg")
@@ -149,14 +143,10 @@ def run(argv: list[str]) -> int:
 def _with_noop_layers(cfg, state, noop: tuple):
     """A model with no-op layers at ``noop`` (MindSpeed's --noop-layers): the real layers keep
     their order, renumbered around the gaps."""
-    import dataclasses
-
     total = cfg.num_layers + len(noop)
     if any(not 0 <= i < total for i in noop) or len(set(noop)) != len(noop):
         raise MindSpeedError(f"--noop-layers {','.join(map(str, noop))}: layer numbers must be distinct, within the "
                              f"{total} layers the model then has")
-    from mindspeed_core.models.state import renumber_layers
-
     real = [i for i in range(total) if i not in noop]
     renamed = renumber_layers(state, real.__getitem__)
     moe_layers = None if cfg.moe_layers is None else tuple(real[i] for i in cfg.moe_layers)

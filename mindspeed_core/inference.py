@@ -17,10 +17,19 @@ import json
 import os
 import sys
 
-from mindspeed_core import dist, features, nn, runtime
-from mindspeed_core.compat import megatron_args
+from mindspeed_core import chat, dist, features, nn
+from mindspeed_core.compat import hf, mcore, megatron_args
 from mindspeed_core.data import chat_templates
+from mindspeed_core.data.tokenizer import build_tokenizer, check_fits, tokenizer_args
 from mindspeed_core.errors import CheckpointError, MindSpeedError
+from mindspeed_core.models import generate as gen
+from mindspeed_core.models import lora, registry
+from mindspeed_core.models.config import ModelConfig
+from mindspeed_core.models.gpt import load_whole_state
+from mindspeed_core.parallel import layers as parallel_layers
+from mindspeed_core.parallel import state as parallel_state
+from mindspeed_core.streaming import TextStream
+from mindspeed_core.training import checkpoint
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -68,8 +77,6 @@ def _prompts(args) -> list[str]:
 
 
 def _is_megatron(root: str) -> bool:
-    from mindspeed_core.compat import mcore
-
     return os.path.isdir(root) and mcore.is_megatron_checkpoint(root)
 
 
@@ -83,13 +90,6 @@ def _megatron_model(ckpt, args):
 def load_model(args):
     """(model, config, tokenizer) from --load or --load-hf, cut for this rank's tensor-parallel
     share; the model in evaluation mode."""
-    from mindspeed_core.data.tokenizer import build_tokenizer, check_fits, tokenizer_args
-    from mindspeed_core.models import lora, registry
-    from mindspeed_core.models.config import ModelConfig
-    from mindspeed_core.models.gpt import load_whole_state
-    from mindspeed_core.parallel import state as parallel_state
-    from mindspeed_core.training import checkpoint
-
     if bool(args.load) == bool(args.load_hf):
         raise MindSpeedError("give the model to generate with: --load CHECKPOINT_DIR or --load-hf FOLDER")
     for flag, value in (("--pipeline-model-parallel-size", args.pipeline_model_parallel_size),
@@ -100,8 +100,6 @@ def load_model(args):
     if args.sequence_parallel:
         raise MindSpeedError("generation runs without sequence parallelism: drop --sequence-parallel")
     if args.load_hf:
-        from mindspeed_core.compat import hf
-
         cfg, state = hf.load_folder(args.load_hf)
         has_tokenizer = os.path.exists(os.path.join(args.load_hf, "tokenizer.json"))
         if args.tokenizer_type is None and args.tokenizer_name_or_path is None and not has_tokenizer:
@@ -110,8 +108,6 @@ def load_model(args):
         if args.tokenizer_type is None and args.tokenizer_name_or_path is None:
             args.tokenizer_type, args.tokenizer_name_or_path = "PretrainedFromHF", args.load_hf
     elif _is_megatron(args.load):
-        from mindspeed_core.compat import mcore
-
         cfg, state = _megatron_model(mcore.load(args.load), args)
     else:
         it = checkpoint.latest_iteration(args.load)
@@ -137,8 +133,6 @@ def load_model(args):
     model = spec.build(cfg)
     load_whole_state(model, state)
     if ps.tp > 1:
-        from mindspeed_core.parallel import layers as parallel_layers
-
         parallel_layers.check_layout(cfg, ps.tp, False)
         spec.parallelize(model, ps, False, "megatron_cp_algo", 1, "allgather")
         parallel_layers.seed_model_parallel_rng(args.seed, ps)  # the layers fork its streams (no dropout here)
@@ -146,9 +140,8 @@ def load_model(args):
     return model, cfg, tokenizer, ps
 
 
-def run(argv: list[str]) -> int:
-    args = parser().parse_args(argv)
-    backend = runtime.bind(args.ai_framework, args.device)
+def run(args, backend) -> int:
+    """`mindspeed generate` once its flags are parsed and the framework bound."""
     task = args.task or "greedy"
     if task not in megatron_args.GENERATION_TASKS:
         raise MindSpeedError(f"--task {task} is an evaluation: run it with 'mindspeed evaluate'")
@@ -156,8 +149,6 @@ def run(argv: list[str]) -> int:
     if task == "chat":
         return _chat(args)
     prompts = _prompts(args)
-    from mindspeed_core.models import generate as gen
-
     model, cfg, tokenizer, ps = load_model(args)
     encoded = [tokenizer.encode(p) for p in prompts]
     longest = max(len(e) for e in encoded)
@@ -194,9 +185,6 @@ def run(argv: list[str]) -> int:
 
 
 def _chat(args) -> int:
-    from mindspeed_core import chat
-    from mindspeed_core.models import generate as gen
-
     if args.prompt or args.prompt_file:
         raise MindSpeedError("--task chat reads its messages from the terminal: drop --prompt / --prompt-file")
     if args.tensor_model_parallel_size != 1:
@@ -210,49 +198,3 @@ def _chat(args) -> int:
     chat.run(session, speak=True, as_json=args.json)
     dist.shutdown()
     return 0
-
-
-class TextStream:
-    """A reply's text as its tokens come. The decoded text grows; what is new is printed,
-    except a tail that could still become a stop text (or an unfinished character of a
-    byte-level tokenizer). ``step`` returns True once a stop text has appeared."""
-
-    def __init__(self, tokenizer, speak: bool, stops=()):
-        self.tokenizer, self.speak, self.stops = tokenizer, speak, tuple(stops)
-        self.ids, self.shown = [], 0
-
-    def text(self) -> str:
-        """The reply so far, cut before the first stop text."""
-        text = self.tokenizer.decode(self.ids)
-        cuts = [text.find(s) for s in self.stops if s in text]
-        return text[:min(cuts)] if cuts else text
-
-    def step(self, tokens) -> bool:
-        if tokens[0] is None:
-            return False
-        self.ids.append(tokens[0])
-        text = self.tokenizer.decode(self.ids)
-        stopped = any(s in text for s in self.stops)
-        text = self.text()
-        if not stopped:
-            # hold back what may be the start of a stop text, or of a character
-            hold = max([n for s in self.stops for n in range(1, len(s)) if text.endswith(s[:n])], default=0)
-            text = text[:len(text) - hold]
-            if text.endswith("\ufffd"):
-                text = text[:-1]
-        self._write(text)
-        return stopped
-
-    def close(self) -> str:
-        text = self.text()
-        self._write(text)
-        if self.speak:
-            sys.stdout.write("\n")
-            sys.stdout.flush()
-        return text
-
-    def _write(self, text: str) -> None:
-        if self.speak and len(text) > self.shown:
-            sys.stdout.write(text[self.shown:])
-            sys.stdout.flush()
-            self.shown = len(text)

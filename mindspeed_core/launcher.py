@@ -26,9 +26,11 @@ import sys
 import threading
 import time
 
-from mindspeed_core import runtime
+from mindspeed_core import features, inference
+from mindspeed_core.backends.common import check_fits_in_memory
 from mindspeed_core.compat import megatron_args
 from mindspeed_core.errors import MindSpeedError
+from mindspeed_core.training import configuration
 
 GRACE_SECONDS = 15.0  # after the forwarded signal, before SIGKILL (a scheduler's own grace is ~30 s)
 POLL_SECONDS = 0.5
@@ -120,21 +122,15 @@ def _split(argv: list[str]) -> tuple[list[str], list[str]]:
     return argv, []
 
 
-def _check_training_flags(args, train_argv: list[str], framework: str) -> None:
+def _check_training_flags(args, backend) -> None:
     """What each rank would refuse, refused here once: one line, exit 2, no rank started."""
-    targs = megatron_args.training_parser().parse_args(train_argv)
-    backend = runtime.bind(framework, targs.device)  # before the trainer's import binds the default
-    from mindspeed_core import features
-    from mindspeed_core.training import trainer
-
+    targs = args.rank_args
     features.validate(targs, backend.NAME, backend.device.type(), backend.FRAMEWORK_VERSION)
-    trainer.apply_defaults(targs)
+    configuration.apply_defaults(targs)
     world = args.nproc_per_node * args.nnodes
-    _, cfg = trainer.check_configuration(targs, world)
+    _, cfg = configuration.check_configuration(targs, world)
     if not targs.dry_run and backend.device.type() == "cpu":
-        from mindspeed_core.backends.common import check_fits_in_memory
-
-        check_fits_in_memory(args.nproc_per_node * trainer.memory_needed(cfg, targs.tensor_model_parallel_size),
+        check_fits_in_memory(args.nproc_per_node * configuration.memory_needed(cfg, targs.tensor_model_parallel_size),
                              f"{args.nproc_per_node} ranks of this {cfg.num_parameters():,}-parameter model")
 
 
@@ -162,30 +158,37 @@ def _say_interface(args, env: dict) -> None:
               f"if the nodes fail to connect, set GLOO_SOCKET_IFNAME to it", file=sys.stderr)
 
 
-def run(argv: list[str]) -> int:
-    own, train_argv = _split(argv)
+def parse(argv: list[str]):
+    """The launcher's own flags (before ``--``) and the ranks' (after it, parsed here as each rank
+    parses them: a bad flag is one line and no rank starts). ``--ai-framework`` may stand on
+    either side; the two must agree."""
+    own, rank_argv = _split(argv)
     command = "train"
-    if train_argv[:1] == ["generate"]:  # `mindspeed launch ... -- generate ...`: generation on every rank
-        command, train_argv = "generate", train_argv[1:]
+    if rank_argv[:1] == ["generate"]:  # `mindspeed launch ... -- generate ...`: generation on every rank
+        command, rank_argv = "generate", rank_argv[1:]
     args = parser().parse_args(own)
     if args.node_rank >= args.nnodes:
         raise MindSpeedError(f"--node-rank {args.node_rank} must be below --nnodes {args.nnodes}")
-    flag, _ = runtime.framework_flag(train_argv)
-    if args.ai_framework and flag and flag != args.ai_framework:
-        raise MindSpeedError(f"--ai-framework {args.ai_framework} before -- and --ai-framework {flag} after it disagree")
-    if args.ai_framework and not flag:
-        train_argv = ["--ai-framework", args.ai_framework, *train_argv]
-    framework = runtime.resolve(args.ai_framework or flag)
+    rank_args = (megatron_args.training_parser() if command == "train" else inference.parser()).parse_args(rank_argv)
+    if args.ai_framework and rank_args.ai_framework and rank_args.ai_framework != args.ai_framework:
+        raise MindSpeedError(f"--ai-framework {args.ai_framework} before -- and --ai-framework "
+                             f"{rank_args.ai_framework} after it disagree")
+    # the ranks bind what this process binds (the launchers pass it on in MINDSPEED_AI_FRAMEWORK)
+    args.ai_framework = args.ai_framework or rank_args.ai_framework
+    args.device = rank_args.device
+    args.command, args.rank_argv, args.rank_args = command, rank_argv, rank_args
+    return args
+
+
+def run(args, backend) -> int:
+    command, train_argv = args.command, args.rank_argv
+    framework = backend.NAME
     cmd, env = launch_command(args, train_argv, framework, command)
     if args.print_command:
         print(" ".join(cmd))
         return 0
     if command == "train":
-        _check_training_flags(args, train_argv, framework)
-    else:
-        from mindspeed_core import inference
-
-        inference.parser().parse_args(train_argv)  # a bad flag: one line, no rank started
+        _check_training_flags(args, backend)
     _check_port(args)
     if args.nnodes > 1:
         _say_interface(args, env)

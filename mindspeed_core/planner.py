@@ -42,7 +42,14 @@ import shlex
 import socket
 import time
 
+from mindspeed_core import device, dist, launcher, ops, runtime
+from mindspeed_core.backends.common import host_memory_stats
+from mindspeed_core.compat import megatron_args
 from mindspeed_core.errors import MindSpeedError
+from mindspeed_core.memory.accounting import estimated_peak_bytes
+from mindspeed_core.memory.recompute import Recompute
+from mindspeed_core.parallel import pipeline, traffic
+from mindspeed_core.training import configuration
 
 GIB = 2**30
 
@@ -169,9 +176,6 @@ def stage_parameters(cfg, layout, tp: int, ep: int, stage: int, pp: int) -> floa
 
 def _activation_bytes(cfg, lay: Layout, seq: int, layers: int, element: int) -> float:
     """Activations of ``layers`` layers for one micro-batch on one rank."""
-    from mindspeed_core.memory.measure import estimated_peak_bytes
-    from mindspeed_core.memory.recompute import Recompute
-
     f = cfg.ffn_hidden_size
     if cfg.moe is not None:  # an average layer: each token visits top-k experts in MoE layers
         f = max(f, (cfg.moe.ffn_hidden_size or f) * cfg.moe.topk + (cfg.moe.shared_expert_size or 0))
@@ -236,8 +240,6 @@ def predict_memory(cfg, lay: Layout, seq: int, gbs: int, machine: Machine, dtype
     """Bytes per device on the most loaded pipeline stage, by part: the fixed parts (baseline,
     weights, optimizer states, what building the whole model left) plus the larger of the
     step's two peaks: at the loss (activations, logits) and after the backward (gradients)."""
-    from mindspeed_core.parallel import pipeline
-
     layout = pipeline.plan_layout(cfg.num_layers, lay.pp, None, None, ",".join(map(str, cfg.noop_layers)) or None)
     element = 4 if dtype == "float32" else 2
     copies = machine.counts()
@@ -293,8 +295,6 @@ def matmul_shape(cfg, lay: Layout, seq: int) -> tuple:
 
 def predict_step(cfg, lay: Layout, seq: int, gbs: int, machine: Machine) -> dict:
     """Seconds per training step, by part."""
-    from mindspeed_core.parallel import traffic
-
     counts = machine.counts()
     micro = gbs // (lay.mbs * lay.dp)
     rate = machine.rate(*matmul_shape(cfg, lay, seq))
@@ -396,8 +396,6 @@ def probe_collectives(ranks: int = 2, small: int = 1 << 10, large: int = 1 << 22
     import tempfile
     import types
 
-    from mindspeed_core import launcher, runtime
-
     with tempfile.TemporaryDirectory(prefix="mindspeed-plan-") as folder:
         out = os.path.join(folder, "collectives.json")
         with socket.socket() as sock:
@@ -422,8 +420,6 @@ def probe_collectives(ranks: int = 2, small: int = 1 << 10, large: int = 1 << 22
 
 def _collectives_rank(out: str, small: int, large: int) -> None:
     """One rank of probe_collectives: rank 0 writes the fitted latency and bandwidth."""
-    from mindspeed_core import device, dist, ops, runtime
-
     runtime.bind()
     dist.init()
     me = dist.rank()
@@ -468,8 +464,6 @@ def _collectives_rank(out: str, small: int, large: int) -> None:
 def _calls_per_second(fn, seconds: float, every: int) -> float:
     """Calls of ``fn`` per second over at least ``seconds``; every ``every`` calls a corner of
     the result is read back (and the device synchronized) so that queued work is counted."""
-    from mindspeed_core import device, ops
-
     reps, start = 0, time.perf_counter()
     while True:
         c = fn()
@@ -487,8 +481,6 @@ def probe_matmul(shapes, min_seconds: float = 0.1, rounds: int = 5) -> dict:
     host lands in one run of several shapes rather than in all runs of one."""
     import statistics
 
-    from mindspeed_core import ops
-
     operands = {shape: (ops.ones(shape[:2]), ops.ones(shape[1:])) for shape in shapes}
     runs = {shape: [] for shape in shapes}
     for _ in range(rounds):
@@ -504,8 +496,6 @@ def probe_elementwise(elements: int = 1 << 22, min_seconds: float = 0.1, rounds:
     median of ``rounds`` short runs)."""
     import statistics
 
-    from mindspeed_core import ops
-
     a, b = ops.ones((elements,)), ops.ones((elements,))
     ops.to_numpy((a * b)[:1])
     return statistics.median(elements * _calls_per_second(lambda: a * b, min_seconds / rounds, every=4)
@@ -514,8 +504,6 @@ def probe_elementwise(elements: int = 1 << 22, min_seconds: float = 0.1, rounds:
 
 def baseline_bytes() -> float:
     """This process's resident memory now: a bound framework that has run a few operators."""
-    from mindspeed_core.backends.common import host_memory_stats
-
     return float(host_memory_stats().get("host_rss_bytes", 0))
 
 
@@ -527,8 +515,6 @@ PLAN_FLAGS = ("--devices", "--devices-per-node", "--memory-per-device", "--memor
 
 
 def _parser():
-    from mindspeed_core.compat import megatron_args
-
     parser = megatron_args.training_parser("mindspeed plan")
     parser.description = "rank the parallel layouts of a training run by predicted step time"
     g = parser.add_argument_group("plan")
@@ -581,8 +567,6 @@ def _base_argv(argv: list[str], parser) -> list[str]:
 
 
 def measure_machine(args, world: int, shapes) -> Machine:
-    from mindspeed_core import device, ops, runtime
-
     ops.to_numpy(ops.matmul(ops.ones((8, 8)), ops.ones((8, 8))))  # the framework's kernels loaded
     base = args.baseline_gb * GIB if args.baseline_gb is not None else baseline_bytes()
     share = world if device.type() == "cpu" else 1  # the ranks share the host's cores
@@ -604,15 +588,18 @@ def measure_machine(args, world: int, shapes) -> Machine:
                    collectives, elementwise / share)
 
 
-def plan(argv: list[str]) -> dict:
-    """Parse, enumerate, predict; returns {"machine": ..., "default": ..., "ranked": [...]}."""
-    from mindspeed_core import runtime
-    from mindspeed_core.compat import megatron_args
-
+def parse(argv: list[str]):
+    """The plan's flags; ``args.base_argv`` keeps the user's training flags without the planner's
+    own and the layout's (each candidate layout adds its own)."""
     parser = _parser()
     args = parser.parse_args(argv)
-    runtime.bind(args.ai_framework, args.device)
-    from mindspeed_core.training import trainer  # after the bind: importing it binds the default framework
+    args.base_argv = _base_argv(argv, parser)
+    return args
+
+
+def plan(args) -> dict:
+    """Enumerate, predict; returns {"machine": ..., "default": ..., "ranked": [...]}. ``args``:
+    :func:`parse`'s, with the framework bound."""
     world = args.devices
     if args.seq_length is None or args.global_batch_size is None:
         raise MindSpeedError("give --seq-length and --global-batch-size: the plan divides that batch of sequences")
@@ -620,7 +607,7 @@ def plan(argv: list[str]) -> dict:
         dtype = "bfloat16" if args.bf16 else "float16"
     else:
         dtype = "float32"
-    base = _base_argv(argv, parser)
+    base = args.base_argv
     # the configuration check reads no data; a placeholder keeps it from the embedded run's settings
     base_check = base if args.data_path else [*base, "--data-path", "plan"]
     if args.tokenizer_type is None and not args.load_hf:
@@ -629,12 +616,12 @@ def plan(argv: list[str]) -> dict:
 
     def check(lay: Layout):
         targs = train_parser.parse_args([*base_check, *lay.flags()])
-        trainer.apply_defaults(targs)
-        return trainer.check_configuration(targs, world)
+        configuration.apply_defaults(targs)
+        return configuration.check_configuration(targs, world)
 
     first = train_parser.parse_args([*base_check, "--micro-batch-size", "1"])
-    trainer.apply_defaults(first)
-    _, cfg = trainer.check_configuration(first, 1)
+    configuration.apply_defaults(first)
+    _, cfg = configuration.check_configuration(first, 1)
     layouts = candidates(cfg, args, world, args.devices_per_node or world, check)
     if not layouts:
         raise MindSpeedError(f"no layout of {world} devices suits this model and batch (global batch "
@@ -661,8 +648,9 @@ def launch_command(world: int, base: list[str], lay: Layout, per_node: int | Non
         shlex.join([*base, *lay.flags()])
 
 
-def main(argv: list[str]) -> int:
-    result = plan(argv)
+def run(args, backend) -> int:
+    """`mindspeed plan` once its flags are parsed and the framework bound."""
+    result = plan(args)
     machine, rows, args = result["machine"], result["rows"], result["args"]
     if args.json:
         print(json.dumps([{"layout": dataclasses.asdict(r["layout"]), "memory": r["memory"], "step": r["step"],
@@ -673,8 +661,6 @@ def main(argv: list[str]) -> int:
           f"{machine.devices} devices of {machine.memory_bytes / GIB:.1f} GiB; matmul {machine.peak_flops / 1e12:.3f} "
           f"TFLOP/s per device, all-reduce {machine.link_bytes_per_s / 1e9:.2f} GB/s and "
           f"{machine.link_latency_s * 1e6:.0f} us per call, framework baseline {machine.baseline_bytes / GIB:.2f} GiB")
-    from mindspeed_core import runtime
-
     if runtime.bound().device.type() != "cpu":
         print("note: the copy counts and element-wise passes were read off a CPU host (benchmarks/bench_plan.py); "
               "on this device keep more --memory-headroom until they are measured here")

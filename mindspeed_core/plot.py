@@ -91,13 +91,17 @@ def draw(runs: dict, output: str, title: str | None = None):
     return fig
 
 
-def main(argv: list[str]) -> int:
+def parser() -> ArgumentParser:
     parser = ArgumentParser(prog="mindspeed plot", description="draw the curves of one or several training runs")
     parser.add_argument("runs", nargs="+", metavar="METRICS", help="metrics files (or --save folders)")
     parser.add_argument("-o", "--output", default="curves.png", help="the PNG to write (default curves.png)")
     parser.add_argument("--labels", nargs="+", default=None, help="one name per run (default: from the paths)")
     parser.add_argument("--title", default=None)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def run(args, backend=None) -> int:
+    """`mindspeed plot` once its flags are parsed (no framework: matplotlib draws)."""
     if args.labels is not None and len(args.labels) != len(args.runs):
         raise MindSpeedError(f"--labels gives {len(args.labels)} names for {len(args.runs)} runs")
     if not args.output.lower().endswith(".png"):

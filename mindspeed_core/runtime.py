@@ -117,19 +117,3 @@ def implementations() -> dict:
 
 def is_bound() -> bool:
     return _bound is not None
-
-
-def framework_flag(argv: list[str]) -> tuple[str | None, str | None]:
-    """Read ``--ai-framework`` and ``--device`` from an argument list without a full parse.
-
-    Entry points call this first so that the framework is bound before model code (whose
-    imports need the facade) is imported.
-    """
-    found: dict[str, str | None] = {"--ai-framework": None, "--device": None}
-    for i, arg in enumerate(argv):
-        for flag in found:
-            if arg == flag and i + 1 < len(argv):
-                found[flag] = argv[i + 1]
-            elif arg.startswith(flag + "="):
-                found[flag] = arg.split("=", 1)[1]
-    return found["--ai-framework"], found["--device"]

@@ -14,6 +14,8 @@ from __future__ import annotations
 import inspect
 import os
 
+from mindspeed_core import facade
+
 ENV_VAR = "MINDSPEED_USAGE_FILE"
 
 _seen: set = set()  # names already written to the file since the last reset()
@@ -109,6 +111,4 @@ def traced(backend):
     """The backend seen through recording namespaces, when recording is on; else itself."""
     if not enabled():
         return backend
-    from mindspeed_core import facade
-
     return _TracedBackend(backend, facade.SPEC)

@@ -7,6 +7,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
+from mindspeed_core.models import rope
 
 FUSED_KERNELS = ("attention", "rms_norm", "swiglu", "rope", "grouped_matmul")
 
@@ -139,8 +140,6 @@ class ModelConfig:
             if value is not None and (type(value) is not int or value <= 0):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.rope_scaling is not None:
-            from mindspeed_core.models import rope
-
             wrong = rope.problem(self.rope_scaling) if isinstance(self.rope_scaling, dict) else "must be a dict"
             if wrong:
                 raise ValueError(f"rope_scaling: {wrong}")

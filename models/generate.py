@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from mindspeed_core import autograd, features, ops
+from mindspeed_core.models import rope
 from mindspeed_core.models.gpt import Tokens
 from mindspeed_core.models.kv_cache import KVCache
 
@@ -218,8 +219,6 @@ def beam_search(model, prompt: list[int], max_new_tokens: int, num_beams: int, s
 
 def fits(max_positions: int, prompt_tokens: int, max_new_tokens: int, scaling: dict | None) -> str | None:
     """Why a generation would run past the model's positions, or None."""
-    from mindspeed_core.models import rope
-
     if prompt_tokens + max_new_tokens <= max_positions or rope.extends_positions(scaling):
         return None
     return (f"a prompt of {prompt_tokens} tokens plus {max_new_tokens} new ones passes the model's "

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from mindspeed_core import composite, features, nn, ops, random
+from mindspeed_core.errors import CheckpointError
 from mindspeed_core.memory import recompute
 from mindspeed_core.models import lora, rope
 from mindspeed_core.models.config import ModelConfig
@@ -462,8 +463,6 @@ def whole_state(model: GPTModel) -> dict:
 
 def load_whole_state(model: GPTModel, arrays: dict) -> None:
     """Load a whole model's {name: array} into this whole model (strict both ways)."""
-    from mindspeed_core.errors import CheckpointError
-
     unexpected = sorted(set(arrays) - set(model.parameter_names()))
     if unexpected:
         raise CheckpointError(f"unexpected tensors for this model: {', '.join(unexpected[:5])}")

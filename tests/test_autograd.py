@@ -111,7 +111,7 @@ def test_interleaved_vjps_hold_no_memory_from_step_to_step():
     # MindSpore keeps a recorded forward that is never pulled back for the life of the process
     # (a pipeline's first stage grew by its activations every step until its forwards were
     # declared interleaved); here each forward saves ~32 MB, so a leak is ~64 MB per round
-    from mindspeed_core.memory.measure import _status
+    from mindspeed_core.memory.accounting import _status
 
     w = nn.Parameter(np.full((512, 512), 0.5, np.float32))
 

@@ -16,7 +16,7 @@ from mindspeed_core.chat import Session, run
 from mindspeed_core.data import chat_templates as ct
 from mindspeed_core.data.tokenizer import ByteTokenizer, encode_plain
 from mindspeed_core.errors import MindSpeedError
-from mindspeed_core.inference import TextStream
+from mindspeed_core.streaming import TextStream
 from mindspeed_core.models import generate as gen
 from mindspeed_core.models.config import ModelConfig
 from mindspeed_core.models.gpt import GPTModel

@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 from mindspeed_core import runtime
-from mindspeed_core.memory import measure
+from mindspeed_core import measure
+from mindspeed_core.memory import accounting
 from test_training import SMALL, corpus, train  # noqa: F401  (corpus is a fixture)
 
 # three layers (uniform groups of 2 leave one over), q/k norms, dropout everywhere: the
@@ -130,9 +131,9 @@ MEASURED_MODEL = ["--num-layers", str(SIZE["layers"]), "--hidden-size", str(SIZE
 
 
 def measured(framework, flags) -> dict:
-    """memory/measure.py's figures of a fresh process."""
-    env = {**os.environ, **measure.MALLOC_ENV}
-    out = subprocess.run([sys.executable, "-m", "mindspeed_core.memory.measure", "--ai-framework", framework,
+    """mindspeed_core/measure.py's figures of a fresh process."""
+    env = {**os.environ, **accounting.MALLOC_ENV}
+    out = subprocess.run([sys.executable, "-m", "mindspeed_core.measure", "--ai-framework", framework,
                           *MEASURED_MODEL, *flags], capture_output=True, text=True, env=env, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -151,8 +152,8 @@ def test_full_recompute_lowers_the_measured_peak(framework):
     full = measured(framework, ["--recompute-granularity", "full", "--recompute-method", "uniform",
                                 "--recompute-num-layers", "1"])
     n = SIZE["layers"]
-    saving = (measure.estimated_peak_bytes(NONE, n, **ESTIMATE_SIZE)
-              - measure.estimated_peak_bytes(full_policy, n, **ESTIMATE_SIZE))
+    saving = (accounting.estimated_peak_bytes(NONE, n, **ESTIMATE_SIZE)
+              - accounting.estimated_peak_bytes(full_policy, n, **ESTIMATE_SIZE))
     assert full["loss"] == none["loss"]
     got = none["first_host_peak_bytes"] - full["first_host_peak_bytes"]
     print(f"{framework}: measured peak {none['first_host_peak_bytes'] / 2**20:.1f} -> "
@@ -161,7 +162,7 @@ def test_full_recompute_lowers_the_measured_peak(framework):
     assert got >= saving / 2, (got, saving)
     if framework == "pytorch":  # what autograd holds at the end of forward, counted: all but the group inputs
         kept = n * 4 * SIZE["s"] * SIZE["b"] * SIZE["h"]
-        assert none["saved_bytes"] - full["saved_bytes"] >= (measure.estimated_peak_bytes(NONE, n, **ESTIMATE_SIZE)
+        assert none["saved_bytes"] - full["saved_bytes"] >= (accounting.estimated_peak_bytes(NONE, n, **ESTIMATE_SIZE)
                                                              - kept) / 2, (none, full)
 
 
@@ -172,7 +173,7 @@ def test_swap_attention_lowers_what_the_device_holds(capsys, framework, corpus):
         return
     none, swap = measured(framework, []), measured(framework, ["--swap-attention"])
     assert swap["loss"] == none["loss"]
-    moved = SIZE["layers"] * measure.layer_activation_bytes(**ESTIMATE_SIZE, part="attention")  # analytically
+    moved = SIZE["layers"] * accounting.layer_activation_bytes(**ESTIMATE_SIZE, part="attention")  # analytically
     assert none["saved_bytes"] - swap["saved_bytes"] >= moved / 2, (none, swap, moved)
     # on this CPU-only machine host and device are the same memory: what left autograd's
     # hands is now held by the swap, about as many bytes

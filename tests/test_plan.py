@@ -9,7 +9,7 @@ import pytest
 from mindspeed_core import cli, planner
 from mindspeed_core.compat import megatron_args
 from mindspeed_core.parallel import pipeline
-from mindspeed_core.training import trainer
+from mindspeed_core.training import configuration
 
 MODEL = ["--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "4", "--num-query-groups", "2",
          "--ffn-hidden-size", "256", "--seq-length", "64", "--global-batch-size", "8", "--tokenizer-type",
@@ -21,8 +21,8 @@ MACHINE = ["--matmul-tflops", "0.1", "--elementwise-gelems", "1", "--link-gbps",
 
 def config(*argv):
     args = megatron_args.training_parser().parse_args([*argv, "--data-path", "x", "--micro-batch-size", "1"])
-    trainer.apply_defaults(args)
-    return trainer.check_configuration(args, 1)[1]
+    configuration.apply_defaults(args)
+    return configuration.check_configuration(args, 1)[1]
 
 
 @pytest.mark.parametrize("model", [MODEL, ["--model-name", "tiny-gpt2", "--seq-length", "64"],
@@ -115,7 +115,7 @@ def test_plan_ranks_the_layouts_the_trainer_accepts_and_prints_their_commands(ca
     out = capsys.readouterr().out
     commands = [line.strip() for line in out.splitlines() if line.strip().startswith("mindspeed launch")]
     assert len(commands) == 3 and "default (TP1xPP1xDP4 mbs 1)" in out
-    result = planner.plan([*MODEL, "--devices", "4", "--memory-per-device", "4", *MACHINE])
+    result = planner.plan(planner.parse([*MODEL, "--devices", "4", "--memory-per-device", "4", *MACHINE]))
     rows = [r for r in result["rows"] if r["fits"]]
     assert [r["command"] for r in rows[:3]] == commands
     steps = [r["step"]["total"] for r in rows]
@@ -125,8 +125,8 @@ def test_plan_ranks_the_layouts_the_trainer_accepts_and_prints_their_commands(ca
     for command in commands:  # each is a layout the trainer takes on 4 ranks
         flags = command.split(" -- ", 1)[1].split()
         args = megatron_args.training_parser().parse_args([*flags, "--data-path", "x"])
-        trainer.apply_defaults(args)
-        trainer.check_configuration(args, 4)
+        configuration.apply_defaults(args)
+        configuration.check_configuration(args, 4)
 
 
 def test_plan_binds_the_framework_its_flag_names(framework):

@@ -11,7 +11,7 @@ from mindspeed_core.compat.megatron_args import training_parser
 from mindspeed_core.errors import MindSpeedError
 from mindspeed_core.models.config import ModelConfig
 from mindspeed_core.models.gpt import GPTModel
-from mindspeed_core.training import trainer
+from mindspeed_core.training import configuration
 from test_training import SMALL, corpus, train  # noqa: F401  (corpus is a fixture)
 
 TINY = dict(vocab_size=32, hidden_size=32, num_layers=1, num_attention_heads=2, ffn_hidden_size=64,
@@ -19,7 +19,7 @@ TINY = dict(vocab_size=32, hidden_size=32, num_layers=1, num_attention_heads=2, 
 
 
 def scaling_of(*flags):
-    return trainer.model_config(training_parser().parse_args([*SMALL, *flags]), 300).rope_scaling
+    return configuration.model_config(training_parser().parse_args([*SMALL, *flags]), 300).rope_scaling
 
 
 @pytest.mark.feature("yarn")
@@ -50,7 +50,7 @@ def test_flags_set_the_models_rope_scaling():
 ])
 def test_incomplete_rope_flags_are_clear_errors(capsys, corpus, flags, message):  # noqa: F811
     with pytest.raises(MindSpeedError, match=message):
-        trainer.model_config(training_parser().parse_args([*SMALL, *flags]), 300)
+        configuration.model_config(training_parser().parse_args([*SMALL, *flags]), 300)
     code, out, err = train(capsys, *SMALL, "--data-path", corpus, "--train-iters", "1", *flags)
     assert code == 2 and message in err and "Traceback" not in err, err
 

@@ -8,6 +8,7 @@ import mindspore as ms
 import numpy as np
 
 from mindspeed_core.backends.initializers import make_init
+from mindspeed_core.backends.state import check_state_dict
 
 from . import ops, random
 
@@ -88,8 +89,6 @@ def state_dict(module) -> dict:
 
 
 def load_state_dict(module, state: dict, strict: bool = True) -> None:
-    from mindspeed_core.backends.state import check_state_dict
-
     params = dict(module.parameters_and_names())
     for name, value in check_state_dict(params, state, strict).items():
         assign(params[name], value)

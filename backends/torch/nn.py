@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 from mindspeed_core.backends.initializers import make_init
-from mindspeed_core.errors import CheckpointError
+from mindspeed_core.backends.state import check_state_dict
 
 from . import ops, random
 
@@ -71,8 +71,6 @@ def state_dict(module) -> dict:
 
 
 def load_state_dict(module, state: dict, strict: bool = True) -> None:
-    from mindspeed_core.backends.state import check_state_dict
-
     params = dict(module.named_parameters())
     for name, value in check_state_dict(params, state, strict).items():
         assign(params[name], value)

@@ -18,6 +18,7 @@ import json
 import os
 from dataclasses import dataclass
 
+from mindspeed_core.data.tokenizer import _read_config, _token_text, encode_plain
 from mindspeed_core.errors import MindSpeedError
 
 ROLES = ("system", "user", "assistant")
@@ -91,8 +92,6 @@ def encode_conversation(tokenizer, template, messages: list[dict],
     trains on). Each piece of the template is encoded alone, without the tokenizer's own
     special tokens; a reply of a template without a stop text ends with the end of document,
     which is what generation stops at. Chat prompts and instruction data are encoded alike."""
-    from mindspeed_core.data.tokenizer import encode_plain
-
     ids, assistant = [], []
     for text, by_assistant in template.segments(messages, add_generation_prompt):
         piece = encode_plain(tokenizer, text)
@@ -183,8 +182,6 @@ SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token
 def hf_template(folder: str) -> HFTemplate | None:
     """The chat template of a tokenizer folder (chat_template.jinja, else tokenizer_config.json's
     chat_template: a string, or a list of named ones of which "default" is taken), or None."""
-    from mindspeed_core.data.tokenizer import _read_config, _token_text
-
     config = _read_config(os.path.join(folder, "tokenizer_config.json"))
     source, where = config.get("chat_template"), os.path.join(folder, "tokenizer_config.json")
     jinja_file = os.path.join(folder, "chat_template.jinja")

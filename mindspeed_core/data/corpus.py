@@ -19,7 +19,8 @@ import os
 import re
 import sysconfig
 
-from mindspeed_core.data import indexed
+from mindspeed_core.compat.megatron_args import ArgumentParser
+from mindspeed_core.data import indexed, preprocess
 from mindspeed_core.data.handlers import document_ids
 from mindspeed_core.data.tokenizer import ByteTokenizer
 
@@ -105,9 +106,6 @@ def stdlib_instructions(limit_bytes: int = 4 * 2**20) -> list[dict]:
 def build_stdlib_instructions(seq_length: int, folder: str | None = None) -> str:
     """The fine-tuning twin's data (stdlib_instructions, ChatML, packed for ``seq_length``);
     returns its --data-path prefix, building it when missing."""
-    from mindspeed_core.compat.megatron_args import ArgumentParser
-    from mindspeed_core.data import preprocess
-
     records = stdlib_instructions()
     text = "\n".join(json.dumps(r, sort_keys=True) for r in records)
     key = hashlib.sha1(f"format {FORMAT} {INSTRUCTION_TEMPLATE} {seq_length}\n{text}".encode()).hexdigest()[:12]

@@ -17,11 +17,12 @@ from __future__ import annotations
 import json
 import math
 
-from mindspeed_core import dist, features, runtime
+from mindspeed_core import dist, features
 from mindspeed_core.compat import megatron_args
 from mindspeed_core.data import chat_templates
 from mindspeed_core.errors import MindSpeedError
 from mindspeed_core.evaluation import scoring, tasks
+from mindspeed_core.inference import load_model
 from mindspeed_core.progress import Progress
 
 # where a generated answer ends (GSM8K's prompts put a blank line between examples)
@@ -45,9 +46,8 @@ def parser():
     return p
 
 
-def run(argv: list[str]) -> int:
-    args = parser().parse_args(argv)
-    backend = runtime.bind(args.ai_framework, args.device)
+def run(args, backend) -> int:
+    """`mindspeed evaluate` once its flags are parsed and the framework bound."""
     if args.task not in megatron_args.EVALUATION_TASKS:
         raise MindSpeedError(f"--task: choose one of {', '.join(megatron_args.EVALUATION_TASKS)}"
                              + (" (generation tasks run with 'mindspeed generate')" if args.task else ""))
@@ -56,8 +56,6 @@ def run(argv: list[str]) -> int:
     if args.tensor_model_parallel_size != 1:
         raise MindSpeedError("evaluate runs in one process: drop --tensor-model-parallel-size")
     features.validate(args, backend.NAME, backend.device.type(), backend.FRAMEWORK_VERSION)
-    from mindspeed_core.inference import load_model
-
     model, cfg, tokenizer, _ = load_model(args)
     template = None
     if args.prompt_type or args.hf_chat_template:

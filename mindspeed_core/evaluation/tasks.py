@@ -24,6 +24,7 @@ import os
 import re
 from dataclasses import dataclass
 
+from mindspeed_core.data import indexed
 from mindspeed_core.errors import MindSpeedError
 
 LETTERS = ("A", "B", "C", "D")
@@ -215,8 +216,6 @@ def _boolq(path: str, shot: int) -> dict[str, list[Item]]:
 def texts(path: str, tokenizer) -> dict[str, list[int]]:
     """{name: tokens} for perplexity: each document's tokens, documents joined by the end of
     document token as in pre-training."""
-    from mindspeed_core.data import indexed
-
     if os.path.isfile(path + ".bin") and os.path.isfile(path + ".idx"):
         return {os.path.basename(path): indexed.IndexedDataset(path).tokens().astype(int).tolist()}
     if os.path.isdir(path):

@@ -34,7 +34,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mindspeed_core import autograd, features, ops
+from mindspeed_core import autograd, features, nn, ops
+from mindspeed_core.data.handlers import one_token
 from mindspeed_core.errors import MindSpeedError
 
 PAIRWISE = ("dpo", "simpo", "orm")
@@ -165,8 +166,6 @@ def reference_log_likelihoods(model, batches) -> list[np.ndarray]:
     """The whole, single-device ``model``'s log-likelihood of each row of each (ids, Pairs)
     batch, without gradients or dropout: the reference of DPO, taken before the model is
     cut for the parallel layout and trained."""
-    from mindspeed_core import nn
-
     out = []
     nn.set_training(model, False)
     try:
@@ -214,8 +213,6 @@ class ReferenceTable:
 
 def reward_token_ids(tokenizer, texts: list[str]) -> list[int]:
     """--reward-tokens as token ids, one token each (given: trainer.check_configuration)."""
-    from mindspeed_core.data.handlers import one_token
-
     ids = [one_token(tokenizer, text, "--reward-tokens") for text in texts]
     if len(set(ids)) != len(ids):
         raise MindSpeedError("--reward-tokens are the same token twice")

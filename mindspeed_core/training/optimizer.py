@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 
 from mindspeed_core import autograd, features, nn, ops
+from mindspeed_core.errors import CheckpointError
+from mindspeed_core.training import distributed
 
 
 def adamw(weights, grads, exp_avgs, exp_avg_sqs, lr: float, weight_decays, betas, eps: float, step: int):
@@ -71,13 +73,9 @@ class AdamW:
         return [p for _, p in self.named]
 
     def prepare(self, grads) -> list:
-        from mindspeed_core.training import distributed
-
         return distributed.average_over_dp(grads, self.ps, self.expert) if self.ps is not None else list(grads)
 
     def grad_norm(self, grads) -> float:
-        from mindspeed_core.training import distributed
-
         if self.ps is None:
             return math.sqrt(float(ops.to_numpy(ops.sum(ops.stack([distributed.sum_of_squares(g) for g in grads])))))
         return math.sqrt(distributed.grad_norm_squared(grads, self.sharded, self.ps, self.norm_weights, self.expert))
@@ -113,8 +111,6 @@ class AdamW:
         return out
 
     def load_state(self, tensors: dict, steps: int) -> None:
-        from mindspeed_core.errors import CheckpointError
-
         for i, (name, p) in enumerate(self.named):
             stores = [("exp_avg", self.exp_avg), ("exp_avg_sq", self.exp_avg_sq)]
             if self.master[i] is not None:

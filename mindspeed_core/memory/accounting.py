@@ -11,19 +11,12 @@
 * ``layer_activation_bytes``: Korthikanti et al. (2022, section 4.1), per transformer layer,
   generalised to this model's widths, element size and gated MLP.
 
-``python -m mindspeed_core.memory.measure [train flags]`` (one process, no pipeline stages)
-trains a few steps on random tokens and prints one JSON line: the first full-size step's
-peak, and the last step's peak, saved bytes and time (benchmarks/bench_memory.py).
+The command that measures a training step with these is :mod:`mindspeed_core.measure`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
-import os
-import sys
-import tempfile
-import time
+from mindspeed_core import autograd
 
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "65536"}
 
@@ -46,8 +39,6 @@ class SavedBytes:
         return x
 
     def counting(self):
-        from mindspeed_core import autograd  # binding the facade waits for main's --ai-framework
-
         return autograd.saved_tensors_hooks(self._pack, lambda x: x)
 
 
@@ -105,69 +96,3 @@ def estimated_peak_bytes(policy, layers: int, swap: bool = False, **size) -> int
             **size, part="attention")
     biggest = max((stop - start for start, stop, recomputed in groups if recomputed), default=0)
     return max(kept, sum(group_input for *_, r in groups if r) + biggest * whole)
-
-
-def _random_data(vocab: int) -> str:
-    import numpy as np
-
-    from mindspeed_core.data import indexed
-
-    prefix = os.path.join(tempfile.mkdtemp(), "random")
-    writer = indexed.IndexedDatasetWriter(prefix, np.uint16)
-    rng = np.random.default_rng(0)
-    for _ in range(32):
-        writer.add_document(rng.integers(0, vocab, 2048))
-    writer.finalize()
-    return prefix
-
-
-def main(argv=None) -> int:
-    """Train --train-iters steps (at least 3) and report the last one."""
-    from mindspeed_core import runtime
-    from mindspeed_core.compat import megatron_args
-
-    args = megatron_args.training_parser().parse_args(argv)
-    backend = runtime.bind(args.ai_framework)
-    from mindspeed_core import device, dist, features, ops
-    from mindspeed_core.errors import MindSpeedError
-    from mindspeed_core.training.trainer import Trainer
-
-    try:
-        features.validate(args, backend.NAME, device.type(), backend.FRAMEWORK_VERSION)
-    except MindSpeedError as e:
-        print(f"measure: error: {e}", file=sys.stderr)
-        return 2
-    if args.pipeline_model_parallel_size > 1 or dist.launched_world_size() > 1:
-        print("measure: error: it measures one process without pipeline stages (drop the parallel flags)",
-              file=sys.stderr)
-        return 2
-    if not args.data_path:
-        args.data_path = [_random_data(args.vocab_size or 512)]
-    steps = max(args.train_iters or 3, 3)
-    with open(os.devnull, "w") as null:
-        trainer = Trainer(args, out=null)
-        trainer.build()
-        # A framework that keeps freed memory in a pool of its own (MindSpore on CPU) grows
-        # the pool to its peak once, in the first full-size step, and never gives it back:
-        # so warm every operator up on a short sequence, then measure the first full step.
-        ids, labels, _ = trainer._batch("train", 0, args.micro_batch_size)
-        short = [ops.tensor(ops.to_numpy(t)[:, :16].copy()) for t in (ids, labels)]
-        trainer.grad_fn(*short)
-        _, first_peak = host_peak_during(lambda: trainer.gradients(0))
-        for i in range(steps - 1):  # then whole steps, until every buffer kept across steps exists
-            trainer.train_step(i)
-        counter = SavedBytes() if runtime.bound().NAME == "pytorch" else None
-        start = time.perf_counter()
-        with counter.counting() if counter else contextlib.nullcontext():
-            (loss, _, _), peak = host_peak_during(lambda: trainer.train_step(steps - 1))
-        seconds = time.perf_counter() - start
-    swap = trainer.swap
-    print(json.dumps({"loss": loss, "first_host_peak_bytes": first_peak, "host_peak_bytes": peak,
-                      "saved_bytes": counter.bytes if counter else None,
-                      "swapped_peak_host_bytes": swap.peak_host_bytes if swap else 0,
-                      "swapped_tensors": swap.swapped if swap else 0, "step_seconds": seconds}))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,358 @@
+"""The run's configuration from Megatron / MindSpeed-LLM flags: defaults, the model
+configuration they describe, and every check that needs no process group, no data and no
+weights.
+
+`mindspeed train` (each rank), `mindspeed check-args`, `mindspeed launch` (once, before any
+rank starts) and `mindspeed plan` (for each candidate layout) run the same
+:func:`apply_defaults` and :func:`check_configuration`; none of them builds a model here.
+"""
+
+from __future__ import annotations
+
+import os
+
+from mindspeed_core import device, features, files, runtime
+from mindspeed_core.compat import hf
+from mindspeed_core.data.tokenizer import (
+    build_tokenizer,
+    check_fits,
+    padded_vocab_size,
+    tokenizer_args,
+)
+from mindspeed_core.errors import MindSpeedError
+from mindspeed_core.memory import recompute
+from mindspeed_core.models import rope
+from mindspeed_core.models.config import (
+    LORA_TARGETS,
+    PRESETS,
+    LoRAConfig,
+    ModelConfig,
+    MoEConfig,
+)
+from mindspeed_core.parallel import context, experts, pipeline
+from mindspeed_core.parallel import layers as parallel_layers
+from mindspeed_core.training import boards, checkpoint, profiling
+
+# What `mindspeed train` does with no data flags: a small LLaMA on the standard library's
+# source, byte-level tokens, sized to about three minutes on two CPU cores: 1500 steps under
+# PyTorch (measured 2 min 35 s, loss 5.6 -> 1.5); MindSpore's CPU step is about six times
+# slower, so it takes 300 (loss 5.6 -> about 2.4).
+EMBEDDED_ITERS = {"pytorch": 1500, "mindspore": 300}
+EMBEDDED_DEFAULTS = dict(model_name="tiny-llama", seq_length=128, micro_batch_size=8, global_batch_size=16,
+                         train_iters=None, lr=3e-3, min_lr=3e-4, lr_warmup_iters=20, eval_interval=100, eval_iters=4,
+                         log_interval=25, sample_tokens=200, make_vocab_size_divisible_by=8)
+# the fine-tuning twin (--stage sft without data): a few epochs of stdlib_instructions
+EMBEDDED_SFT_ITERS = {"pytorch": 300, "mindspore": 60}
+EMBEDDED_SFT_DEFAULTS = dict(seq_length=256, lr=1e-3, min_lr=1e-4, lr_warmup_iters=10, eval_interval=50)
+TRAINING_DEFAULTS = dict(seq_length=256, micro_batch_size=4, global_batch_size=None, train_iters=100, lr=1e-3,
+                         eval_interval=1000, eval_iters=100, log_interval=100)
+
+# flag -> the fused kernel it switches on (ModelConfig.fused); Megatron's defaults: all off
+FUSED_FLAGS = {"use_flash_attn": "attention", "use_fused_rmsnorm": "rms_norm", "use_fused_swiglu": "swiglu",
+               "use_fused_rotary_pos_emb": "rope", "moe_grouped_gemm": "grouped_matmul"}
+
+_MODEL_FLAGS = {  # flag -> ModelConfig field
+    "num_layers": "num_layers", "hidden_size": "hidden_size", "ffn_hidden_size": "ffn_hidden_size",
+    "num_attention_heads": "num_attention_heads", "num_query_groups": "num_query_groups",
+    "kv_channels": "kv_channels", "norm_epsilon": "norm_epsilon", "rotary_base": "rotary_base",
+    "init_method_std": "init_method_std", "attention_dropout": "attention_dropout", "hidden_dropout": "hidden_dropout",
+}
+
+
+def apply_defaults(args) -> bool:
+    """Fill unset flags; returns True when the embedded default corpus is used (for --stage sft
+    the fine-tuning twin: it starts from the default run's model when that is saved)."""
+    embedded = not args.data_path
+    if embedded and args.stage not in (None, "sft"):
+        raise MindSpeedError(f"--stage {args.stage} trains on preprocessed "
+                             f"{'step-labelled' if args.stage == 'prm' else 'preference'} data: give --data-path "
+                             f"(the --output-prefix of mindspeed preprocess --handler-name "
+                             f"{'AlpacaStyleProcessRewardHandler' if args.stage == 'prm' else 'AlpacaStylePairwiseHandler'})")
+    sft = args.stage == "sft" or args.is_instruction_dataset
+    if embedded and args.train_iters is None:
+        args.train_iters = (EMBEDDED_SFT_ITERS if sft else EMBEDDED_ITERS)[runtime.bound().NAME]
+    if embedded and sft:
+        for key, value in EMBEDDED_SFT_DEFAULTS.items():
+            if getattr(args, key, None) is None:
+                setattr(args, key, value)
+        pretrained = default_save_folder(EMBEDDED_DEFAULTS["model_name"])
+        if not (args.load or args.load_hf) and os.path.isdir(pretrained) and \
+                checkpoint.latest_iteration(pretrained) is not None:
+            args.load, args.finetune = pretrained, True
+    for key, value in (EMBEDDED_DEFAULTS if embedded else TRAINING_DEFAULTS).items():
+        if key == "make_vocab_size_divisible_by":
+            if embedded and args.make_vocab_size_divisible_by == 128:
+                args.make_vocab_size_divisible_by = value
+        elif getattr(args, key, None) is None and value is not None:
+            setattr(args, key, value)
+    if embedded:
+        args.tokenizer_type, args.tokenizer_name_or_path = "ByteLevel", None
+    if embedded and not args.save and (not args.load or args.finetune):
+        # the default run keeps its model where `mindspeed generate` finds it (printed at the
+        # end); running it again replaces it
+        lora_on = args.lora_r is not None or args.lora_target_modules is not None
+        args.save = default_save_folder(args.model_name + ("-lora" if sft and lora_on else "-sft" if sft else ""))
+        args.overwrite_checkpoints = True
+    if embedded:  # our own run: every fused kernel the device has
+        for flag in FUSED_FLAGS:
+            setattr(args, flag, True)
+    if args.lr_decay_iters is None:
+        args.lr_decay_iters = args.train_iters
+    return embedded
+
+
+def default_save_folder(model_name: str) -> str:
+    """Where the embedded default run saves its model: ./checkpoints/<model> (our checkpoints
+    load on either framework)."""
+    return os.path.join("checkpoints", model_name)
+
+
+def model_config(args, vocab_size: int) -> ModelConfig:
+    cfg = _model_config(args, vocab_size)
+    cfg.lora = lora_config(args)
+    cfg.reward_head = stage_of(args) == "orm"
+    cfg.fused = frozenset(op for flag, op in FUSED_FLAGS.items() if getattr(args, flag, False))
+    return cfg
+
+
+def lora_config(args) -> LoRAConfig | None:
+    """MindSpeed-LLM's LoRA flags: on when --lora-r or --lora-target-modules is given."""
+    if args.lora_r is None and args.lora_target_modules is None:
+        if args.lora_load:
+            raise MindSpeedError("--lora-load resumes LoRA adapters: give the same --lora-r / --lora-target-modules "
+                                 "as the run that saved them")
+        return None
+    try:
+        return LoRAConfig(r=args.lora_r or 16, alpha=args.lora_alpha or 32.0, dropout=args.lora_dropout,
+                          targets=tuple(args.lora_target_modules or LORA_TARGETS))
+    except ValueError as exc:
+        raise MindSpeedError(str(exc)) from None
+
+
+# rope_scaling keys and the flags that set them
+_ROPE_FLAGS = {"factor": "--rope-scaling-factor", "low_freq_factor": "--low-freq-factor",
+               "high_freq_factor": "--high-freq-factor", "beta_fast": "--beta-fast", "beta_slow": "--beta-slow",
+               "mscale": "--rope-scaling-mscale", "mscale_all_dim": "--rope-scaling-mscale-all-dim",
+               "original_max_position_embeddings": "--original-max-position-embeddings"}
+
+
+def _flag_value(args, flag: str):
+    return getattr(args, flag[2:].replace("-", "_"), None)
+
+
+def _rope_scaling(args) -> dict | None:
+    """The model's rope_scaling from --rope-scaling-type and its numbers (models/rope.py)."""
+    given = [f for f in [*_ROPE_FLAGS.values(), "--rope-scaling-original-max-position-embeddings"]
+             if _flag_value(args, f) is not None]
+    if not args.rope_scaling_type:
+        if given:
+            raise MindSpeedError(f"{given[0]} needs --rope-scaling-type")
+        return None
+    if args.load_hf:
+        raise MindSpeedError("--rope-scaling-type: a --load-hf model's RoPE scaling is its config.json's rope_scaling")
+    scaling = {"rope_type": args.rope_scaling_type}
+    for key, flag in _ROPE_FLAGS.items():
+        if _flag_value(args, flag) is not None:
+            scaling[key] = _flag_value(args, flag)
+    if args.rope_scaling_original_max_position_embeddings is not None:  # yarn's spelling
+        scaling["original_max_position_embeddings"] = args.rope_scaling_original_max_position_embeddings
+    wrong = rope.problem(scaling)
+    if wrong:
+        key, rest = wrong.split(" ", 1)
+        flags = dict(_ROPE_FLAGS)
+        if args.rope_scaling_type == "yarn":
+            flags["original_max_position_embeddings"] = "--rope-scaling-original-max-position-embeddings"
+        raise MindSpeedError(f"--rope-scaling-type {args.rope_scaling_type}: {flags.get(key, key)} {rest}")
+    features.note_used("yarn" if args.rope_scaling_type == "yarn" else "rope-scaling-flags")
+    return scaling
+
+
+def _model_config(args, vocab_size: int) -> ModelConfig:
+    scaling = _rope_scaling(args)
+    if args.load_hf:
+        if args.noop_layers:
+            raise MindSpeedError("--noop-layers cannot be combined with --load-hf: a Hugging Face model has no "
+                                 "no-op layers")
+        return hf.load_config(args.load_hf)
+    if args.model_name and args.model_name not in PRESETS:
+        raise MindSpeedError(f"unknown --model-name {args.model_name!r}; presets: {', '.join(sorted(PRESETS))}")
+    base = dict(PRESETS[args.model_name]) if args.model_name else {}
+    for flag, field in _MODEL_FLAGS.items():
+        if getattr(args, flag, None) is not None:
+            base[field] = getattr(args, flag)
+    if args.normalization:
+        base["normalization"] = args.normalization.lower()
+    if args.swiglu:
+        base["activation"] = "swiglu"
+    if args.position_embedding_type:
+        base["position_embedding_type"] = "learned" if args.position_embedding_type == "learned_absolute" else "rope"
+    if scaling:
+        base["rope_scaling"] = scaling
+    for flag in ("untie_embeddings_and_output_weights", "add_qkv_bias", "qk_layernorm"):
+        if getattr(args, flag):
+            base[flag] = True
+    if args.noop_layers:
+        base["noop_layers"] = pipeline.parse_layer_numbers(args.noop_layers, "--noop-layers")
+    if args.num_experts is not None:
+        base["moe"], base["moe_layers"] = _moe_config(args, base.get("num_layers", ModelConfig.num_layers))
+    base["vocab_size"] = padded_vocab_size(vocab_size, args.make_vocab_size_divisible_by)
+    base["max_position_embeddings"] = max(args.max_position_embeddings or 0, args.seq_length,
+                                          base.get("max_position_embeddings", 0))
+    try:
+        return ModelConfig(**base)
+    except (TypeError, ValueError) as exc:
+        raise MindSpeedError(f"model configuration: {exc}") from None
+
+
+def _moe_config(args, num_layers: int) -> tuple[MoEConfig, tuple | None]:
+    """MoEConfig and MoE layer numbers from Megatron's --num-experts / --moe-* flags."""
+    try:
+        moe = MoEConfig(
+            num_experts=args.num_experts, topk=args.moe_router_topk, ffn_hidden_size=args.moe_ffn_hidden_size,
+            score_function=args.moe_router_score_function, norm_topk_prob=not args.moe_router_pre_softmax,
+            num_groups=args.moe_router_num_groups, group_topk=args.moe_router_group_topk,
+            scaling_factor=args.moe_router_topk_scaling_factor or 1.0,
+            load_balancing_type=args.moe_router_load_balancing_type, aux_loss_coeff=args.moe_aux_loss_coeff,
+            z_loss_coeff=args.moe_z_loss_coeff or 0.0, enable_expert_bias=args.moe_router_enable_expert_bias,
+            bias_update_rate=args.moe_router_bias_update_rate, capacity_factor=args.moe_expert_capacity_factor,
+            pad_to_capacity=args.moe_pad_expert_input_to_capacity, drop_policy=args.moe_token_drop_policy,
+            shared_expert_size=args.moe_shared_expert_intermediate_size, shared_expert_gate=args.shared_expert_gate)
+    except ValueError as exc:
+        raise MindSpeedError(f"mixture of experts: {exc}") from None
+    layers = tuple(i for i in range(num_layers) if i >= args.first_k_dense_replace and i % args.moe_layer_freq == 0)
+    if not layers:
+        raise MindSpeedError(f"--moe-layer-freq {args.moe_layer_freq} and --first-k-dense-replace "
+                             f"{args.first_k_dense_replace} leave none of the {num_layers} layers an MoE layer")
+    return moe, None if len(layers) == num_layers else layers
+
+
+def _check_moe(args, cfg: ModelConfig) -> None:
+    """What the MoE layers cannot do here yet, refused before any rank starts."""
+    if args.context_parallel_size > 1:
+        # a sequence cut into CP chunks: the aux loss would need its statistics summed over CP
+        raise MindSpeedError(f"--context-parallel-size {args.context_parallel_size} with MoE layers is planned: a "
+                             f"mixture-of-experts model trains with TP, SP, PP, DP and EP here")
+    if args.compile:
+        raise MindSpeedError("--compile with MoE layers: routing decides on the host, which graph capture cannot "
+                             "follow; drop --compile")
+
+
+def check_configuration(args, world: int):
+    """Every check that needs no process group, no data and no weights: the launcher runs it
+    once before starting any rank, and each rank again. Returns (tokenizer, model config)."""
+    tokenizer = build_tokenizer(*tokenizer_args(args))
+    cfg = model_config(args, tokenizer.vocab_size)
+    if cfg.moe is not None:
+        _check_moe(args, cfg)
+    if cfg.lora is not None and cfg.moe is not None:
+        raise MindSpeedError("LoRA on mixture-of-experts models is not built yet: drop the --lora-* flags or "
+                             "fine-tune all weights")
+    if args.lora_load and not (args.load or args.load_hf):
+        raise MindSpeedError("--lora-load takes the adapters only: give the base model with --load or --load-hf")
+    check_fits(tokenizer, cfg.vocab_size)
+    if args.seq_length > cfg.max_position_embeddings:
+        raise MindSpeedError(f"--seq-length {args.seq_length} exceeds the model's max_position_embeddings "
+                             f"{cfg.max_position_embeddings}")
+    if args.finetune and not args.load:
+        raise MindSpeedError("--finetune takes the weights of the checkpoint in --load: give --load")
+    profiling.check(args, world)
+    if args.wandb_project:
+        boards.check_wandb()
+    if args.bf16 and args.fp16:
+        raise MindSpeedError("--bf16 and --fp16 exclude each other")
+    if args.o2_optimizer and not args.bf16:
+        raise MindSpeedError("--o2-optimizer keeps the Adam moments in bf16 and needs bf16 training: add --bf16 "
+                             "(as MindSpeed-LLM's O2, it supports bf16 parameters only)")
+    if args.reuse_fp32_param and not (args.bf16 and args.use_distributed_optimizer):
+        raise MindSpeedError("--reuse-fp32-param keeps the distributed optimizer's fp32 master slice as the bf16 "
+                             "parameters plus a residual: add "
+                             + " and ".join(f for f, on in (("--bf16", args.bf16),
+                                                            ("--use-distributed-optimizer",
+                                                             args.use_distributed_optimizer)) if not on))
+    dtype = "bfloat16" if args.bf16 else "float16" if args.fp16 else "float32"
+    if not device.supports_dtype(dtype):
+        raise MindSpeedError(f"{dtype} training is not available on {runtime.bound().NAME} "
+                             f"({device.current()}); drop --bf16/--fp16")
+    tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
+    parallel_layers.check_layout(cfg, tp, args.sequence_parallel)
+    context.check_layout(cfg, cp, args.context_parallel_algo, args.ulysses_degree_in_cp, tp, args.seq_length,
+                         args.sequence_parallel)
+    layout = pipeline_layout(args, cfg)
+    recompute.check(args, [len(layout.layers(stage)) for stage in range(layout.virtual_stages)])
+    if world % (tp * pp * cp):
+        raise MindSpeedError(f"world size {world} is not divisible by the tensor parallel size {tp}"
+                             + (f" x the pipeline parallel size {pp}" if pp > 1 else "")
+                             + (f" x the context parallel size {cp}" if cp > 1 else ""))
+    dp = world // (tp * pp * cp)
+    experts.check_layout(cfg, args.expert_model_parallel_size, dp)
+    if args.global_batch_size is not None and args.global_batch_size % (args.micro_batch_size * dp):
+        raise MindSpeedError(f"--global-batch-size {args.global_batch_size} is not a multiple of "
+                             f"--micro-batch-size x data-parallel size ({args.micro_batch_size} x {dp})")
+    pipeline.check_micro_batches(layout, (args.global_batch_size or args.micro_batch_size * dp)
+                                 // (args.micro_batch_size * dp))
+    if args.compile and runtime.bound().NAME == "mindspore" and (cfg.attention_dropout or cfg.hidden_dropout):
+        raise MindSpeedError(f"--compile on MindSpore needs dropout off (this model has attention dropout "
+                             f"{cfg.attention_dropout}, hidden dropout {cfg.hidden_dropout}): trace capture would "
+                             f"freeze the dropout masks; pass --attention-dropout 0 --hidden-dropout 0")
+    if args.compile and (cp > 1 or args.reset_attention_mask or args.reset_position_ids):
+        raise MindSpeedError("--compile with context parallelism or packed sequences (--reset-attention-mask, "
+                             "--reset-position-ids) is not built yet: drop --compile")
+    if args.compile and (args.recompute_granularity or args.recompute_activations or args.recompute_norm
+                         or args.swap_attention):
+        raise MindSpeedError("--compile with activation recompute or --swap-attention is not built yet: drop "
+                             "--compile or the memory flags")
+    _check_stage(args, cp)
+    if args.save:
+        check_save_folder(args)
+    return tokenizer, cfg
+
+
+def stage_of(args) -> str:
+    """pretrain, sft, dpo, simpo, orm or prm (--stage rm is orm)."""
+    if args.stage == "rm":
+        return "orm"
+    return args.stage or ("sft" if args.is_instruction_dataset else "pretrain")
+
+
+def _check_stage(args, cp: int) -> None:
+    """What the preference and reward stages cannot combine with, refused before any rank starts."""
+    stage = stage_of(args)
+    if stage in ("pretrain", "sft"):
+        return
+    if cp > 1:  # a reply's log-likelihood would need its sum over the context-parallel ranks
+        raise MindSpeedError(f"--stage {args.stage} with --context-parallel-size {cp} is not built yet: preference "
+                             "and reward training runs with TP, SP, PP and DP")
+    if args.compile:
+        raise MindSpeedError(f"--compile with --stage {args.stage} is not built yet: drop --compile")
+    if stage == "dpo" and args.dpo_label_smoothing and args.dpo_loss_type != "sigmoid":
+        raise MindSpeedError(f"--dpo-label-smoothing applies to the sigmoid loss, not --dpo-loss-type "
+                             f"{args.dpo_loss_type}")
+    if stage == "prm" and not args.reward_tokens:
+        raise MindSpeedError("--stage prm needs --reward-tokens: the step labels of the data, as given to mindspeed "
+                             "preprocess (e.g. --reward-tokens + -)")
+
+
+def pipeline_layout(args, cfg: ModelConfig) -> pipeline.PipelineLayout:
+    """Which layers each pipeline stage holds (parallel/pipeline.py)."""
+    return pipeline.plan_layout(cfg.num_layers, args.pipeline_model_parallel_size,
+                                args.num_layers_per_virtual_pipeline_stage, args.num_layer_list,
+                                ",".join(map(str, cfg.noop_layers)) or None)
+
+
+def check_save_folder(args) -> None:
+    """--save must be writable, and must not silently take over another run's checkpoints."""
+    files.check_writable(args.save, f"--save {args.save}")
+    latest = checkpoint.holds_checkpoints(args.save)
+    same = any(src and os.path.realpath(src) == os.path.realpath(args.save) for src in (args.load, args.lora_load))
+    if latest is not None and not same and not args.overwrite_checkpoints:
+        held = f"up to iteration {latest}" if latest >= 0 else "iteration folders"
+        raise MindSpeedError(f"--save {args.save} already holds another run's checkpoints ({held}): pass "
+                             f"--load {args.save} to resume that run, choose a new --save folder, or add "
+                             f"--overwrite-checkpoints to replace them")
+
+
+def memory_needed(cfg: ModelConfig, tp: int) -> int:
+    """Bytes one rank needs at least: the full fp32 model (built on every rank, then cut),
+    plus gradients and AdamW moments for its tensor-parallel shard."""
+    params = cfg.num_parameters()
+    return 4 * params + 12 * params // tp
