@@ -1,7 +1,7 @@
 """mindspeed-core: one LLM training codebase for PyTorch and MindSpore.
 
 The facade is reached as attributes of this package; importing it binds nothing (see
-:mod:`mindspeed_core.facade` and :mod:`mindspeed_core.runtime`)::
+:mod:`mindspeed_core.frontend` and :mod:`mindspeed_core.runtime`)::
 
     from mindspeed_core import nn, ops, autograd, random, dist, device, io, profiler
 
@@ -13,7 +13,7 @@ both backends expose the same names, listed with their contracts in
 
 from mindspeed_core import runtime
 from mindspeed_core.facade import NAMESPACES as FACADE_NAMESPACES  # noqa: F401
-from mindspeed_core.facade import autograd, device, dist, io, nn, ops, profiler, random  # noqa: F401
+from mindspeed_core.frontend import autograd, device, dist, io, nn, ops, profiler, random  # noqa: F401
 from mindspeed_core.runtime import bind, resolve, set_backend  # noqa: F401
 
 __version__ = "0.1.0"

@@ -26,6 +26,7 @@ from mindspeed_core.models import generate as gen
 from mindspeed_core.models import lora, registry
 from mindspeed_core.models.config import ModelConfig
 from mindspeed_core.models.gpt import load_whole_state
+from mindspeed_core.parallel import families
 from mindspeed_core.parallel import layers as parallel_layers
 from mindspeed_core.parallel import state as parallel_state
 from mindspeed_core.streaming import TextStream
@@ -134,7 +135,7 @@ def load_model(args):
     load_whole_state(model, state)
     if ps.tp > 1:
         parallel_layers.check_layout(cfg, ps.tp, False)
-        spec.parallelize(model, ps, False, "megatron_cp_algo", 1, "allgather")
+        families.parallelize(spec, model, ps, False, "megatron_cp_algo", 1, "allgather")
         parallel_layers.seed_model_parallel_rng(args.seed, ps)  # the layers fork its streams (no dropout here)
     nn.set_training(model, False)
     return model, cfg, tokenizer, ps

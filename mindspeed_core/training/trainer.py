@@ -36,7 +36,7 @@ from mindspeed_core.models.config import LoRAConfig, ModelConfig
 from mindspeed_core.models.generate import Sampling, generate
 from mindspeed_core.models.gpt import Tokens, load_whole_state
 from mindspeed_core.models.moe import with_router_losses
-from mindspeed_core.parallel import context
+from mindspeed_core.parallel import context, families
 from mindspeed_core.parallel import layers as parallel_layers
 from mindspeed_core.parallel import state as parallel_state
 from mindspeed_core.parallel.plan import ParallelPlan
@@ -242,9 +242,9 @@ class Trainer:
         # MoE layers report their routing (aux and z losses, tokens per expert) each step
         self.moe_layers = [layer for chunk in self.chunks for layer in getattr(chunk, "moe_layers", list)()]
         self.moe_stats = self.stage_stats = self.eval_stats = None
-        self.plan = ParallelPlan.join(self.model_spec.parallelize(c, ps, args.sequence_parallel,
-                                                                  args.context_parallel_algo, args.ulysses_degree_in_cp,
-                                                                  args.moe_token_dispatcher_type)
+        self.plan = ParallelPlan.join(families.parallelize(self.model_spec, c, ps, args.sequence_parallel,
+                                                           args.context_parallel_algo, args.ulysses_degree_in_cp,
+                                                           args.moe_token_dispatcher_type)
                                       for c in self.chunks)
         memory_policy = recompute.from_args(args)
         self.swap = HostSwap() if args.swap_attention else None

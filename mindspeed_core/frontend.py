@@ -1,0 +1,101 @@
+"""The facade's front end: ``from mindspeed_core import ops, nn, ...`` binds nothing.
+
+Each namespace is a :class:`Namespace` that looks a name up in the bound backend when the name
+is first used, and the two base classes code derives from at import time, ``nn.Module`` and
+``autograd.Function``, are framework-neutral here and meet the framework's own classes when
+first instantiated or applied. So the order of imports never decides the framework: entry
+points bind it (:func:`mindspeed_core.runtime.bind`) before they use the facade, and a library
+user who never binds gets the resolved default on first use. The names and their contracts
+are :mod:`mindspeed_core.facade`'s.
+"""
+
+from __future__ import annotations
+
+from mindspeed_core import runtime
+from mindspeed_core.facade import names
+
+
+class _BindsOnFirstInstance(type):
+    """Metaclass of the neutral :class:`Module`: a class statement needs no framework; the first
+    instance of each class makes (once) the class that also derives from the bound backend's
+    Module, and every instance is of that class, so ``isinstance(obj, cls)`` and ``super()``
+    behave as with a direct subclass."""
+
+    def __call__(cls, *args, **kwargs):
+        if "_framework_class_of" in cls.__dict__:  # already the framework-backed class
+            return super().__call__(*args, **kwargs)
+        real = cls.__dict__.get("_framework_class")
+        if real is None:
+            base = runtime.bound().nn.Module
+            real = type(cls)(cls.__name__, (cls, base), {
+                "__module__": cls.__module__, "__qualname__": cls.__qualname__, "__doc__": cls.__doc__,
+                "_framework_class_of": cls})
+            type.__setattr__(cls, "_framework_class", real)
+        return type.__call__(real, *args, **kwargs)
+
+
+class Module(metaclass=_BindsOnFirstInstance):
+    """Base of every facade module (``nn.Module``): define ``__init__`` (calling
+    ``super().__init__()`` first) and ``forward``, as in PyTorch. Instances are
+    ``torch.nn.Module`` or ``mindspore.nn.Cell`` objects of the bound framework."""
+
+
+class Function:
+    """A differentiable operation with a hand-written backward (``autograd.Function``).
+
+    Subclasses define ``forward(ctx, *args)`` and ``backward(ctx, *grad_outputs)`` as static
+    methods (``ctx.save(*tensors)`` / ``ctx.saved`` carry tensors across); ``backward`` returns
+    one gradient (or None) per forward argument. Call it as ``MyFn.apply(*args)``.
+    """
+
+    @classmethod
+    def apply(cls, *args):
+        # the bound backend's Function.apply, run for this class
+        return runtime.bound().autograd.Function.apply.__func__(cls, *args)
+
+
+_NEUTRAL = {("nn", "Module"): Module, ("autograd", "Function"): Function}
+
+
+class Namespace:
+    """One facade namespace (``ops``, ``nn``, ...): a name resolves in the bound backend the
+    first time it is used (binding the resolved default if no entry point has bound yet) and
+    is kept, since a process binds once. Setting a name sets it in the backend too."""
+
+    def __init__(self, name: str):
+        object.__setattr__(self, "_namespace", name)
+
+    def __getattr__(self, attr):
+        if attr.startswith("__"):  # introspection (copy, pickle, inspect) must not bind
+            raise AttributeError(attr)
+        neutral = _NEUTRAL.get((self._namespace, attr))
+        if neutral is not None:
+            return neutral
+        value = getattr(getattr(runtime.bound(), self._namespace), attr)
+        object.__setattr__(self, attr, value)
+        return value
+
+    def __setattr__(self, attr, value):
+        setattr(getattr(runtime.bound(), self._namespace), attr, value)
+        object.__setattr__(self, attr, value)
+
+    def __delattr__(self, attr):
+        delattr(getattr(runtime.bound(), self._namespace), attr)
+        self.__dict__.pop(attr, None)
+
+    def __dir__(self):
+        return names(self._namespace)
+
+    def __repr__(self):
+        state = runtime.bound().NAME if runtime.is_bound() else "not bound yet"
+        return f"<facade namespace {self._namespace} ({state})>"
+
+
+ops = Namespace("ops")
+nn = Namespace("nn")
+autograd = Namespace("autograd")
+random = Namespace("random")
+dist = Namespace("dist")
+device = Namespace("device")
+io = Namespace("io")
+profiler = Namespace("profiler")
