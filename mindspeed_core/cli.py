@@ -25,16 +25,7 @@ import json
 import sys
 from typing import Callable
 
-from mindspeed_core import (
-    convert,
-    evaluation,
-    features,
-    inference,
-    launcher,
-    planner,
-    plot,
-    runtime,
-)
+from mindspeed_core import convert, evaluation, features, inference, launcher, planner, plot, runtime
 from mindspeed_core.compat import megatron_args
 from mindspeed_core.data import preprocess
 from mindspeed_core.errors import MindSpeedError
@@ -82,10 +73,15 @@ def _check_args_parser():
 def _check_args(args, backend) -> int:
     device = backend.device.type()
     active = features.validate(args, backend.NAME, device, backend.FRAMEWORK_VERSION)
-    configuration.apply_defaults(args)
-    configuration.check_configuration(args, backend.dist.launched_world_size())
+    # under a launcher, the job's ranks; alone, the fewest the layout needs (one data-parallel
+    # replica per expert-parallel rank)
+    world = backend.dist.launched_world_size()
+    if world == 1:
+        world = (args.tensor_model_parallel_size * args.pipeline_model_parallel_size * args.context_parallel_size
+                 * args.expert_model_parallel_size)
+    configuration.configure(args, world)
     names = ", ".join(f.id for f in active) or "none"
-    print(f"ok: {backend.NAME} on {device}; features requested: {names}")
+    print(f"ok: {backend.NAME} on {device}, {world} rank{'s' if world > 1 else ''}; features requested: {names}")
     return 0
 
 

@@ -22,10 +22,9 @@ import os
 from mindspeed_core import features
 from mindspeed_core.compat import hf, mcore, megatron_args
 from mindspeed_core.errors import CheckpointError, MindSpeedError
-from mindspeed_core.models.config import ModelConfig
-from mindspeed_core.models.state import merge_lora, renumber_layers
+from mindspeed_core.models.state import renumber_layers
 from mindspeed_core.parallel import pipeline
-from mindspeed_core.training import checkpoint
+from mindspeed_core.training import model_source
 
 # --model-type-hf -> our model family
 MODEL_TYPES = {"llama2": "llama", "llama3": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral",
@@ -57,32 +56,23 @@ def parser():
 
 
 def _read_hf(args):
-    cfg, state = hf.load_folder(args.load_dir)
-    if args.model_type_hf and MODEL_TYPES[args.model_type_hf] != cfg.family:
+    source = model_source.read(args.load_dir, "--load-dir", ("hf",))
+    if args.model_type_hf and MODEL_TYPES[args.model_type_hf] != source.cfg.family:
         raise MindSpeedError(f"--model-type-hf {args.model_type_hf}, but {args.load_dir}/config.json is a "
-                             f"{cfg.family} model")
-    return 0, cfg, state, None, "float32"
+                             f"{source.cfg.family} model")
+    return source
 
 
 def _read_mg(args):
-    """(iteration, config, whole state, layout or None, dtype) of a Megatron or our own checkpoint."""
+    """A Megatron checkpoint or one of ours, LoRA adapters merged into their weights."""
     if not os.path.isdir(args.load_dir):
         raise MindSpeedError(f"--load-dir {args.load_dir} does not exist")
-    exact = True
-    if mcore.is_megatron_checkpoint(args.load_dir):
-        ckpt = mcore.load(args.load_dir)
-        iteration, cfg, state, layout, dtype, exact = (ckpt.iteration, ckpt.cfg, ckpt.state, ckpt.layout, ckpt.dtype,
-                                                       ckpt.exact)
-    else:
-        iteration = checkpoint.latest_iteration(args.load_dir)
-        if iteration is None:
-            raise CheckpointError(f"--load-dir {args.load_dir} holds neither a Megatron checkpoint nor ours "
-                                  f"({mcore.TRACKER} is missing)")
-        meta = checkpoint.read_meta(args.load_dir, iteration)
-        cfg = ModelConfig.from_dict(meta["model"])
-        cfg, state = merge_lora(cfg, checkpoint.load_model_arrays(args.load_dir, iteration))
-        layout, dtype = None, "float32"
-    if not exact:  # Megatron's args name no architecture
+    if model_source.kind_of(args.load_dir) not in ("megatron", "ours"):
+        raise CheckpointError(f"--load-dir {args.load_dir} holds neither a Megatron checkpoint nor ours "
+                              f"({mcore.TRACKER} is missing)")
+    source = model_source.read(args.load_dir, "--load-dir", ("megatron", "ours")).merged()
+    cfg = source.cfg
+    if not source.exact:  # Megatron's args name no architecture
         if args.save_model_type == "hf" and not args.model_type_hf:
             raise MindSpeedError(f"{args.load_dir} does not say which Hugging Face architecture it is: give "
                                  f"--model-type-hf")
@@ -90,7 +80,7 @@ def _read_mg(args):
             cfg.family = MODEL_TYPES[args.model_type_hf]
     elif args.model_type_hf and cfg.family != MODEL_TYPES[args.model_type_hf]:
         raise MindSpeedError(f"--model-type-hf {args.model_type_hf}, but {args.load_dir} holds a {cfg.family} model")
-    return iteration, cfg, state, layout, dtype
+    return source
 
 
 def _target_layout(args, cfg, source):
@@ -120,7 +110,8 @@ def run(args, backend=None) -> int:
         raise MindSpeedError("--save-dir is --load-dir: write the conversion to another folder")
     if os.path.isdir(args.save_dir) and os.listdir(args.save_dir):
         raise MindSpeedError(f"--save-dir {args.save_dir} is not empty: choose a new folder")
-    iteration, cfg, state, source, dtype = _read_hf(args) if args.load_model_type == "hf" else _read_mg(args)
+    source = _read_hf(args) if args.load_model_type == "hf" else _read_mg(args)
+    iteration, cfg, state, dtype = source.iteration, source.cfg, source.state, source.dtype
     if args.noop_layers:
         if args.load_model_type != "hf" or cfg.noop_layers:
             raise MindSpeedError("--noop-layers adds no-op layers to a Hugging Face model's (hf -> mg)")
@@ -130,7 +121,7 @@ def run(args, backend=None) -> int:
         print(f"wrote the {cfg.family} model ({cfg.num_parameters():,} parameters) as a Hugging Face folder: "
               f"{args.save_dir}")
         return 0
-    layout = _target_layout(args, cfg, source)
+    layout = _target_layout(args, cfg, source.layout)
     dtype = DTYPES[args.params_dtype] if args.params_dtype else dtype
     folder = mcore.save(args.save_dir, iteration, cfg, state, layout, dtype)
     print(f"wrote {folder}: TP={layout.tp} PP={layout.pp} EP={layout.ep}"

@@ -131,6 +131,27 @@ _P2P_EMULATED = ("send/recv emulated by a sum all-reduce over the two ranks' gro
                  "on the wire); a forward that other compute follows before its backward is recorded again "
                  "at its backward (one more forward; no graph held in between)")
 
+# the combinations the trainer cannot run yet (rows at the end of FEATURES)
+_ALIGNMENT_STAGES = ("dpo", "simpo", "orm", "rm", "prm")
+_MOE_CP = ("context parallelism with MoE layers is planned: the aux loss of a sequence cut into CP chunks needs its "
+           "statistics summed over the CP group")
+_MOE_LAYOUTS = "TP, SP, PP, DP and EP with a mixture-of-experts model"
+_MOE_COMPILE = "routing decides on the host, which graph capture cannot follow"
+_LORA_MOE = "LoRA on mixture-of-experts models is not built yet (adapters on the experts' grouped weights)"
+_ALL_WEIGHTS = "fine-tuning of all weights (drop the --lora-* flags)"
+_COMPILE_CP = ("--compile with context parallelism or packed sequences is not built yet (the compiled loss takes no "
+               "positions or documents)")
+_COMPILE_MEMORY = "--compile with activation recompute or --swap-attention is not built yet"
+_COMPILE_MEMORY_INSTEAD = "drop --compile or the memory flags"
+_ALIGN_CP = ("a preference or reward stage with context parallelism is not built yet: a reply's log-likelihood "
+             "would need its sum over the context-parallel ranks")
+_COMPILE_ALIGN = "--compile with a preference or reward stage is not built yet"
+
+
+def _moe(a) -> bool:
+    return getattr(a, "num_experts", None) is not None
+
+
 FEATURES: tuple[Feature, ...] = (
     # ---- parallelism --------------------------------------------------------------------
     Feature("data-parallel", "Data parallelism (gradients averaged over ranks in buckets)", "parallelism", (),
@@ -444,6 +465,40 @@ FEATURES: tuple[Feature, ...] = (
                       "from them; mindspeed train --load takes a Megatron folder; framework-free"),
             supported("as on PyTorch"),
             lambda a: a.load_model_type is not None or a.save_model_type is not None),
+    # ---- combinations not built yet ------------------------------------------------------
+    # each row is one pair of features that work alone; the gate refuses the pair (the model's
+    # own MoE layers count, from flags or a Hugging Face config)
+    Feature("moe-context-parallel", "Mixture of experts with context parallelism", "combinations",
+            ("--context-parallel-size", "--num-experts"),
+            planned(_MOE_CP, instead=_MOE_LAYOUTS), planned(_MOE_CP, instead=_MOE_LAYOUTS),
+            lambda a: _moe(a) and _gt1("context_parallel_size")(a)),
+    Feature("moe-compile", "Compiled step with MoE layers", "combinations", ("--compile", "--num-experts"),
+            unsupported(_MOE_COMPILE, instead="drop --compile"), unsupported(_MOE_COMPILE, instead="drop --compile"),
+            lambda a: _moe(a) and bool(getattr(a, "compile", False))),
+    Feature("lora-moe", "LoRA adapters on mixture-of-experts models", "combinations", ("--lora-r", "--num-experts"),
+            planned(_LORA_MOE, instead=_ALL_WEIGHTS), planned(_LORA_MOE, instead=_ALL_WEIGHTS),
+            lambda a: _moe(a) and (getattr(a, "lora_r", None) is not None
+                                   or getattr(a, "lora_target_modules", None) is not None)),
+    Feature("compile-context-parallel", "Compiled step with context parallelism or packed sequences",
+            "combinations", ("--compile", "--context-parallel-size", "--reset-attention-mask", "--reset-position-ids"),
+            planned(_COMPILE_CP, instead="drop --compile"), planned(_COMPILE_CP, instead="drop --compile"),
+            lambda a: bool(getattr(a, "compile", False)) and (_gt1("context_parallel_size")(a) or bool(
+                getattr(a, "reset_attention_mask", False)) or bool(getattr(a, "reset_position_ids", False)))),
+    Feature("compile-recompute", "Compiled step with activation recompute or swap attention", "combinations",
+            ("--compile", "--recompute-granularity", "--recompute-activations", "--recompute-norm", "--swap-attention"),
+            planned(_COMPILE_MEMORY, instead=_COMPILE_MEMORY_INSTEAD),
+            planned(_COMPILE_MEMORY, instead=_COMPILE_MEMORY_INSTEAD),
+            lambda a: bool(getattr(a, "compile", False)) and any(
+                getattr(a, k, None) for k in ("recompute_granularity", "recompute_activations", "recompute_norm",
+                                              "swap_attention"))),
+    Feature("alignment-context-parallel", "Preference and reward stages with context parallelism", "combinations",
+            ("--stage", "--context-parallel-size"),
+            planned(_ALIGN_CP, instead="TP, SP, PP and DP"), planned(_ALIGN_CP, instead="TP, SP, PP and DP"),
+            lambda a: getattr(a, "stage", None) in _ALIGNMENT_STAGES and _gt1("context_parallel_size")(a)),
+    Feature("compile-alignment", "Compiled step of a preference or reward stage", "combinations",
+            ("--compile", "--stage"),
+            planned(_COMPILE_ALIGN, instead="drop --compile"), planned(_COMPILE_ALIGN, instead="drop --compile"),
+            lambda a: getattr(a, "stage", None) in _ALIGNMENT_STAGES and bool(getattr(a, "compile", False))),
 )
 
 BY_ID = {f.id: f for f in FEATURES}

@@ -18,19 +18,18 @@ import os
 import sys
 
 from mindspeed_core import chat, dist, features, nn
-from mindspeed_core.compat import hf, mcore, megatron_args
+from mindspeed_core.compat import megatron_args
 from mindspeed_core.data import chat_templates
 from mindspeed_core.data.tokenizer import build_tokenizer, check_fits, tokenizer_args
-from mindspeed_core.errors import CheckpointError, MindSpeedError
+from mindspeed_core.errors import MindSpeedError
 from mindspeed_core.models import generate as gen
-from mindspeed_core.models import lora, registry
-from mindspeed_core.models.config import ModelConfig
+from mindspeed_core.models import registry
 from mindspeed_core.models.gpt import load_whole_state
 from mindspeed_core.parallel import families
 from mindspeed_core.parallel import layers as parallel_layers
 from mindspeed_core.parallel import state as parallel_state
 from mindspeed_core.streaming import TextStream
-from mindspeed_core.training import checkpoint
+from mindspeed_core.training import model_source
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -77,20 +76,11 @@ def _prompts(args) -> list[str]:
     return prompts
 
 
-def _is_megatron(root: str) -> bool:
-    return os.path.isdir(root) and mcore.is_megatron_checkpoint(root)
-
-
-def _megatron_model(ckpt, args):
-    if args.tokenizer_type is None and args.tokenizer_name_or_path is None:
-        raise MindSpeedError(f"{args.load} is a Megatron checkpoint: give its tokenizer (--tokenizer-type / "
-                             "--tokenizer-name-or-path)")
-    return ckpt.cfg, ckpt.state
-
-
 def load_model(args):
-    """(model, config, tokenizer) from --load or --load-hf, cut for this rank's tensor-parallel
-    share; the model in evaluation mode."""
+    """(model, config, tokenizer, parallel state, the tokenizer's folder or None) from --load or
+    --load-hf, cut for this rank's tensor-parallel share; the model in evaluation mode. The
+    tokenizer is the one the flags name, else the model's own (a Hugging Face folder's, or the
+    byte-level one our checkpoints record)."""
     if bool(args.load) == bool(args.load_hf):
         raise MindSpeedError("give the model to generate with: --load CHECKPOINT_DIR or --load-hf FOLDER")
     for flag, value in (("--pipeline-model-parallel-size", args.pipeline_model_parallel_size),
@@ -100,33 +90,33 @@ def load_model(args):
             raise MindSpeedError(f"generation runs with tensor parallelism only: drop {flag}")
     if args.sequence_parallel:
         raise MindSpeedError("generation runs without sequence parallelism: drop --sequence-parallel")
+    tokenizer_type, tokenizer_path = args.tokenizer_type, args.tokenizer_name_or_path
+    named_tokenizer = tokenizer_type is not None or tokenizer_path is not None
     if args.load_hf:
-        cfg, state = hf.load_folder(args.load_hf)
+        source = model_source.read(args.load_hf, "--load-hf", ("hf",))
         has_tokenizer = os.path.exists(os.path.join(args.load_hf, "tokenizer.json"))
-        if args.tokenizer_type is None and args.tokenizer_name_or_path is None and not has_tokenizer:
+        if not named_tokenizer and not has_tokenizer:
             raise MindSpeedError(f"{args.load_hf} has no tokenizer.json: give --tokenizer-type / "
                                  "--tokenizer-name-or-path")
-        if args.tokenizer_type is None and args.tokenizer_name_or_path is None:
-            args.tokenizer_type, args.tokenizer_name_or_path = "PretrainedFromHF", args.load_hf
-    elif _is_megatron(args.load):
-        cfg, state = _megatron_model(mcore.load(args.load), args)
+        if not named_tokenizer:
+            tokenizer_type, tokenizer_path = "PretrainedFromHF", args.load_hf
     else:
-        it = checkpoint.latest_iteration(args.load)
-        if it is None:
-            raise CheckpointError(f"no checkpoint in {args.load} (no {checkpoint.TRACKER})")
-        meta = checkpoint.read_meta(args.load, it)
-        cfg = ModelConfig.from_dict(meta["model"])
-        state = checkpoint.load_model_arrays(args.load, it)  # not the optimizer's three copies
-        cfg, state = lora.merge(cfg, state)  # a LoRA run's adapters folded in: plain layers again
-        if args.tokenizer_type is None and args.tokenizer_name_or_path is None:
-            if meta.get("tokenizer") != "ByteLevel":
-                raise MindSpeedError(f"the checkpoint was trained with the {meta.get('tokenizer')} tokenizer: give "
+        source = model_source.read(args.load, "--load", ("megatron", "ours"))
+        if source.kind == "megatron" and not named_tokenizer:
+            raise MindSpeedError(f"{args.load} is a Megatron checkpoint: give its tokenizer (--tokenizer-type / "
+                                 "--tokenizer-name-or-path)")
+        if source.kind == "ours" and not named_tokenizer:
+            if source.tokenizer != "ByteLevel":
+                raise MindSpeedError(f"the checkpoint was trained with the {source.tokenizer} tokenizer: give "
                                      "the same --tokenizer-type / --tokenizer-name-or-path")
-            args.tokenizer_type = "ByteLevel"
+            tokenizer_type = "ByteLevel"
+    source = source.merged()  # a LoRA run's adapters folded in: plain layers again
+    cfg, state = source.cfg, source.state
     if cfg.reward_head:
         raise MindSpeedError(f"{args.load or args.load_hf} is a reward model (--stage orm): it scores replies and "
                              "writes no text")
-    tokenizer = build_tokenizer(*tokenizer_args(args))
+    tokenizer = build_tokenizer(*tokenizer_args(argparse.Namespace(
+        **{**vars(args), "tokenizer_type": tokenizer_type, "tokenizer_name_or_path": tokenizer_path})))
     check_fits(tokenizer, cfg.vocab_size)
     dist.init()
     ps = parallel_state.initialize(tp=args.tensor_model_parallel_size)
@@ -138,7 +128,7 @@ def load_model(args):
         families.parallelize(spec, model, ps, False, "megatron_cp_algo", 1, "allgather")
         parallel_layers.seed_model_parallel_rng(args.seed, ps)  # the layers fork its streams (no dropout here)
     nn.set_training(model, False)
-    return model, cfg, tokenizer, ps
+    return model, cfg, tokenizer, ps, tokenizer_path
 
 
 def run(args, backend) -> int:
@@ -150,7 +140,7 @@ def run(args, backend) -> int:
     if task == "chat":
         return _chat(args)
     prompts = _prompts(args)
-    model, cfg, tokenizer, ps = load_model(args)
+    model, cfg, tokenizer, ps, _ = load_model(args)
     encoded = [tokenizer.encode(p) for p in prompts]
     longest = max(len(e) for e in encoded)
     wrong = gen.fits(cfg.max_position_embeddings, longest, args.max_new_tokens, cfg.rope_scaling)
@@ -190,8 +180,8 @@ def _chat(args) -> int:
         raise MindSpeedError("--task chat reads its messages from the terminal: drop --prompt / --prompt-file")
     if args.tensor_model_parallel_size != 1:
         raise MindSpeedError("--task chat runs in one process: drop --tensor-model-parallel-size")
-    model, cfg, tokenizer, ps = load_model(args)
-    template = chat_templates.choose(args.prompt_type, args.hf_chat_template, args.tokenizer_name_or_path)
+    model, cfg, tokenizer, ps, tokenizer_path = load_model(args)
+    template = chat_templates.choose(args.prompt_type, args.hf_chat_template, tokenizer_path)
     sampling = gen.Sampling(greedy=not args.do_sample, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed)
     session = chat.Session(model, cfg, tokenizer, template, sampling, args.max_new_tokens, args.history_turns,

@@ -126,9 +126,7 @@ def _check_training_flags(args, backend) -> None:
     """What each rank would refuse, refused here once: one line, exit 2, no rank started."""
     targs = args.rank_args
     features.validate(targs, backend.NAME, backend.device.type(), backend.FRAMEWORK_VERSION)
-    configuration.apply_defaults(targs)
-    world = args.nproc_per_node * args.nnodes
-    _, cfg = configuration.check_configuration(targs, world)
+    cfg = configuration.configure(targs, args.nproc_per_node * args.nnodes).model
     if not targs.dry_run and backend.device.type() == "cpu":
         check_fits_in_memory(args.nproc_per_node * configuration.memory_needed(cfg, targs.tensor_model_parallel_size),
                              f"{args.nproc_per_node} ranks of this {cfg.num_parameters():,}-parameter model")
@@ -173,7 +171,9 @@ def parse(argv: list[str]):
     if args.ai_framework and rank_args.ai_framework and rank_args.ai_framework != args.ai_framework:
         raise MindSpeedError(f"--ai-framework {args.ai_framework} before -- and --ai-framework "
                              f"{rank_args.ai_framework} after it disagree")
-    # the ranks bind what this process binds (the launchers pass it on in MINDSPEED_AI_FRAMEWORK)
+    if args.ai_framework and not rank_args.ai_framework:  # the ranks' command line names it too
+        rank_argv = ["--ai-framework", args.ai_framework, *rank_argv]
+    # the ranks bind what this process binds (the launchers also pass it on in MINDSPEED_AI_FRAMEWORK)
     args.ai_framework = args.ai_framework or rank_args.ai_framework
     args.device = rank_args.device
     args.command, args.rank_argv, args.rank_args = command, rank_argv, rank_args

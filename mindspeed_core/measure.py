@@ -36,7 +36,8 @@ def _random_data(vocab: int) -> str:
 
 def main(argv=None) -> int:
     """Train --train-iters steps (at least 3) and report the last one."""
-    args = megatron_args.training_parser().parse_args(argv)
+    parser = megatron_args.training_parser()
+    args = parser.parse_args(argv)
     backend = runtime.bind(args.ai_framework)  # this entry point's one binding
     try:
         features.validate(args, backend.NAME, device.type(), backend.FRAMEWORK_VERSION)
@@ -47,8 +48,8 @@ def main(argv=None) -> int:
         print("measure: error: it measures one process without pipeline stages (drop the parallel flags)",
               file=sys.stderr)
         return 2
-    if not args.data_path:
-        args.data_path = [_random_data(args.vocab_size or 512)]
+    if not args.data_path:  # random tokens of the model's vocabulary
+        args = parser.parse_args([*(argv or sys.argv[1:]), "--data-path", _random_data(args.vocab_size or 512)])
     steps = max(args.train_iters or 3, 3)
     with open(os.devnull, "w") as null:
         trainer = Trainer(args, out=null)
@@ -56,7 +57,7 @@ def main(argv=None) -> int:
         # A framework that keeps freed memory in a pool of its own (MindSpore on CPU) grows
         # the pool to its peak once, in the first full-size step, and never gives it back:
         # so warm every operator up on a short sequence, then measure the first full step.
-        ids, labels, _ = trainer._batch("train", 0, args.micro_batch_size)
+        ids, labels, _ = trainer.batches.micro_batch("train", 0, args.micro_batch_size)
         short = [ops.tensor(ops.to_numpy(t)[:, :16].copy()) for t in (ids, labels)]
         trainer.grad_fn(*short)
         _, first_peak = host_peak_during(lambda: trainer.gradients(0))

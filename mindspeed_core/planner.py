@@ -615,13 +615,9 @@ def plan(args) -> dict:
     train_parser = megatron_args.training_parser()
 
     def check(lay: Layout):
-        targs = train_parser.parse_args([*base_check, *lay.flags()])
-        configuration.apply_defaults(targs)
-        return configuration.check_configuration(targs, world)
+        return configuration.configure(train_parser.parse_args([*base_check, *lay.flags()]), world)
 
-    first = train_parser.parse_args([*base_check, "--micro-batch-size", "1"])
-    configuration.apply_defaults(first)
-    _, cfg = configuration.check_configuration(first, 1)
+    cfg = configuration.configure(train_parser.parse_args([*base_check, "--micro-batch-size", "1"]), 1).model
     layouts = candidates(cfg, args, world, args.devices_per_node or world, check)
     if not layouts:
         raise MindSpeedError(f"no layout of {world} devices suits this model and batch (global batch "

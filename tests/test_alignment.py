@@ -240,7 +240,7 @@ def test_process_reward_loss_equals_numpy(runs, tmp_path):
     (["--stage", "prm", "--data-path", "{steps}"], "--stage prm needs --reward-tokens"),
     (["--stage", "prm", "--data-path", "{steps}", "--reward-tokens", "+", "x"],
      "labels a step with token 45, which is not one of --reward-tokens + x"),
-    (["--stage", "simpo", "--data-path", "{pairs}", "--compile"], "--compile with --stage simpo is not built yet"),
+    (["--stage", "simpo", "--data-path", "{pairs}", "--compile"], "--compile with a preference or reward stage is not built yet"),
 ])
 def test_bad_alignment_options_are_one_line_errors(capsys, runs, flags, message):
     flags = [f.format(**{k: str(v) for k, v in runs.items()}) for f in flags]

@@ -152,3 +152,37 @@ def test_update_readme_rewrites_only_the_table(tmp_path):
 def test_unknown_feature_id_is_a_clear_error():
     with pytest.raises(KeyError, match="no feature 'warp-drive'"):
         features.get("warp-drive")
+
+
+COMBINATIONS = [  # row -> flags that ask for it (each feature alone is built)
+    ("moe-context-parallel", ["--num-experts", "4", "--context-parallel-size", "2"]),
+    ("moe-compile", ["--num-experts", "4", "--compile"]),
+    ("lora-moe", ["--num-experts", "4", "--lora-r", "8"]),
+    ("compile-context-parallel", ["--compile", "--reset-attention-mask"]),
+    ("compile-recompute", ["--compile", "--recompute-activations"]),
+    ("alignment-context-parallel", ["--stage", "dpo", "--context-parallel-size", "2"]),
+    ("compile-alignment", ["--stage", "simpo", "--compile"]),
+]
+
+
+@pytest.mark.parametrize("row, flags", COMBINATIONS, ids=[c[0] for c in COMBINATIONS])
+def test_combinations_not_built_yet_are_rows_the_gate_refuses(capsys, framework, row, flags):
+    from mindspeed_core import cli
+
+    feature = features.get(row)
+    assert feature.category == "combinations" and feature.status(framework).kind in ("planned", "unsupported")
+    assert cli.main(["check-args", "--ai-framework", framework, *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{row} (" in err and feature.status(framework).note in err, err
+    assert row in features.render_text(framework)
+
+
+def test_the_gate_sees_the_models_own_mixture_of_experts(capsys, framework):
+    """MoE layers from a preset (or a Hugging Face config), no --num-experts: the configuration's
+    gate still refuses context parallelism with them."""
+    from mindspeed_core import cli
+
+    assert cli.main(["check-args", "--ai-framework", framework, "--model-name", "tiny-qwen2-moe", "--data-path", "x",
+                     "--tokenizer-type", "ByteLevel", "--context-parallel-size", "2", "--seq-length", "64"]) == 2
+    err = capsys.readouterr().err
+    assert "moe-context-parallel (" in err and err.count("\n") == 1, err

@@ -21,8 +21,7 @@ MACHINE = ["--matmul-tflops", "0.1", "--elementwise-gelems", "1", "--link-gbps",
 
 def config(*argv):
     args = megatron_args.training_parser().parse_args([*argv, "--data-path", "x", "--micro-batch-size", "1"])
-    configuration.apply_defaults(args)
-    return configuration.check_configuration(args, 1)[1]
+    return configuration.configure(args, 1).model
 
 
 @pytest.mark.parametrize("model", [MODEL, ["--model-name", "tiny-gpt2", "--seq-length", "64"],
@@ -125,8 +124,7 @@ def test_plan_ranks_the_layouts_the_trainer_accepts_and_prints_their_commands(ca
     for command in commands:  # each is a layout the trainer takes on 4 ranks
         flags = command.split(" -- ", 1)[1].split()
         args = megatron_args.training_parser().parse_args([*flags, "--data-path", "x"])
-        configuration.apply_defaults(args)
-        configuration.check_configuration(args, 4)
+        configuration.configure(args, 4)
 
 
 def test_plan_binds_the_framework_its_flag_names(framework):

@@ -56,10 +56,10 @@ def run(args, backend) -> int:
     if args.tensor_model_parallel_size != 1:
         raise MindSpeedError("evaluate runs in one process: drop --tensor-model-parallel-size")
     features.validate(args, backend.NAME, backend.device.type(), backend.FRAMEWORK_VERSION)
-    model, cfg, tokenizer, _ = load_model(args)
+    model, cfg, tokenizer, _, tokenizer_path = load_model(args)
     template = None
     if args.prompt_type or args.hf_chat_template:
-        template = chat_templates.choose(args.prompt_type, args.hf_chat_template, args.tokenizer_name_or_path)
+        template = chat_templates.choose(args.prompt_type, args.hf_chat_template, tokenizer_path)
     positions = cfg.max_position_embeddings
     scorer = scoring.Scorer(model, tokenizer, args.evaluation_batch_size, positions, template)
     if args.task == "perplexity":

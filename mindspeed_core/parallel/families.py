@@ -19,7 +19,7 @@ def _dense(chunk, ps, sequence_parallel, cp_algo="megatron_cp_algo", ulysses_deg
 
 def _moe(chunk, ps, sequence_parallel, cp_algo="megatron_cp_algo", ulysses_degree=None,
          moe_dispatcher="allgather") -> ParallelPlan:
-    # the trainer refuses MoE with CP before any rank starts (check_configuration): the aux
+    # the matrix refuses MoE with CP before any rank starts (its moe-context-parallel row): the aux
     # loss over a sequence cut into CP chunks is not summed across the CP group yet
     if ps.cp > 1:
         raise MindSpeedError("a mixture-of-experts model cannot use context parallelism yet")

@@ -212,7 +212,7 @@ class ReferenceTable:
 
 
 def reward_token_ids(tokenizer, texts: list[str]) -> list[int]:
-    """--reward-tokens as token ids, one token each (given: trainer.check_configuration)."""
+    """--reward-tokens as token ids, one token each (given: configuration.check_configuration)."""
     ids = [one_token(tokenizer, text, "--reward-tokens") for text in texts]
     if len(set(ids)) != len(ids):
         raise MindSpeedError("--reward-tokens are the same token twice")

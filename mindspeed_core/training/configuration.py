@@ -1,37 +1,30 @@
-"""The run's configuration from Megatron / MindSpeed-LLM flags: defaults, the model
-configuration they describe, and every check that needs no process group, no data and no
-weights.
+"""The run's configuration, made once from the Megatron / MindSpeed-LLM flags: :func:`configure`
+fills the defaults, derives the model configuration, runs every check that needs no process
+group, no data and no weights, and returns a frozen :class:`RunConfig`: the flags as resolved
+(read-only :class:`Flags`) and their typed sections (model, parallel layout, optimization,
+data, stage, operations). Nothing assigns into the parsed flags afterwards.
 
 `mindspeed train` (each rank), `mindspeed check-args`, `mindspeed launch` (once, before any
-rank starts) and `mindspeed plan` (for each candidate layout) run the same
-:func:`apply_defaults` and :func:`check_configuration`; none of them builds a model here.
+rank starts) and `mindspeed plan` (for each candidate layout) call the same :func:`configure`;
+none of them builds a model here.
 """
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import os
 
 from mindspeed_core import device, features, files, runtime
 from mindspeed_core.compat import hf
-from mindspeed_core.data.tokenizer import (
-    build_tokenizer,
-    check_fits,
-    padded_vocab_size,
-    tokenizer_args,
-)
+from mindspeed_core.data.tokenizer import build_tokenizer, check_fits, padded_vocab_size, tokenizer_args
 from mindspeed_core.errors import MindSpeedError
 from mindspeed_core.memory import recompute
 from mindspeed_core.models import rope
-from mindspeed_core.models.config import (
-    LORA_TARGETS,
-    PRESETS,
-    LoRAConfig,
-    ModelConfig,
-    MoEConfig,
-)
+from mindspeed_core.models.config import LORA_TARGETS, PRESETS, LoRAConfig, ModelConfig, MoEConfig
 from mindspeed_core.parallel import context, experts, pipeline
 from mindspeed_core.parallel import layers as parallel_layers
-from mindspeed_core.training import boards, checkpoint, profiling
+from mindspeed_core.training import alignment, boards, checkpoint, profiling
 
 # What `mindspeed train` does with no data flags: a small LLaMA on the standard library's
 # source, byte-level tokens, sized to about three minutes on two CPU cores: 1500 steps under
@@ -59,9 +52,131 @@ _MODEL_FLAGS = {  # flag -> ModelConfig field
 }
 
 
-def apply_defaults(args) -> bool:
-    """Fill unset flags; returns True when the embedded default corpus is used (for --stage sft
-    the fine-tuning twin: it starts from the default run's model when that is saved)."""
+class Flags:
+    """Every flag of a run after its defaults, read-only (attribute access as on argparse's
+    namespace; setting one is an error: derive a new value in :func:`configure` instead)."""
+
+    __slots__ = ("_values",)
+
+    def __init__(self, values: dict):
+        object.__setattr__(self, "_values", dict(values))
+
+    def __getattr__(self, name):
+        try:
+            return self._values[name]
+        except KeyError:
+            raise AttributeError(f"no flag {name!r}") from None
+
+    def __setattr__(self, name, value):
+        raise dataclasses.FrozenInstanceError(f"the run's flags are fixed once configured (--{name.replace('_', '-')})")
+
+    def __repr__(self):
+        return f"Flags({self._values!r})"
+
+    def as_dict(self) -> dict:
+        return dict(self._values)
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelLayout:
+    world: int
+    tp: int
+    pp: int
+    cp: int
+    ep: int
+    dp: int
+    sequence_parallel: bool
+    layers_per_virtual_stage: int | None
+    context_parallel_algo: str
+    moe_dispatcher: str
+    distributed_optimizer: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Optimization:
+    train_iters: int
+    micro_batch_size: int
+    global_batch_size: int
+    lr: float
+    min_lr: float
+    lr_warmup_iters: int
+    lr_decay_iters: int
+    lr_decay_style: str
+    weight_decay: float
+    clip_grad: float
+    betas: tuple
+    eps: float
+    precision: str  # float32, bfloat16 or float16 (dynamic loss scaling)
+    initial_loss_scale: float | None
+    o2_optimizer: bool
+    reuse_fp32_param: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Data:
+    embedded: bool  # no --data-path: the standard library's source (or its instructions), built at run time
+    paths: tuple | None
+    split: str
+    seq_length: int
+    seed: int
+    tokenizer: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+    name: str  # pretrain, sft, dpo, simpo, orm or prm
+    instruction: bool  # the loss counts the assistant's tokens only
+    pairwise: bool  # the data are preference pairs
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    flags: Flags
+    model: ModelConfig
+    tokenizer: object  # the built tokenizer (data/tokenizer.py)
+    layout: ParallelLayout
+    optimization: Optimization
+    data: Data
+    stage: Stage
+    operations: dict  # logging, profiling, determinism (operations())
+
+
+def configure(args, world: int, framework: str | None = None) -> RunConfig:
+    """The run's configuration from parsed flags (``args`` is left as it was) for ``world``
+    ranks on ``framework`` (default: the bound one)."""
+    work = argparse.Namespace(**(args.as_dict() if isinstance(args, Flags) else vars(args)))
+    embedded = _apply_defaults(work, framework or runtime.bound().NAME)
+    tokenizer, model = check_configuration(work, world)
+    tp, pp, cp = work.tensor_model_parallel_size, work.pipeline_model_parallel_size, work.context_parallel_size
+    dp = world // (tp * pp * cp)
+    if work.global_batch_size is None:  # one micro-batch per data-parallel rank
+        work.global_batch_size = work.micro_batch_size * dp
+    flags = Flags(vars(work))
+    stage = stage_of(flags)
+    return RunConfig(
+        flags=flags, model=model, tokenizer=tokenizer,
+        layout=ParallelLayout(world, tp, pp, cp, work.expert_model_parallel_size, dp, bool(work.sequence_parallel),
+                              work.num_layers_per_virtual_pipeline_stage, work.context_parallel_algo,
+                              work.moe_token_dispatcher_type, bool(work.use_distributed_optimizer)),
+        optimization=Optimization(
+            work.train_iters, work.micro_batch_size, work.global_batch_size, work.lr, work.min_lr,
+            work.lr_warmup_iters, work.lr_decay_iters, work.lr_decay_style, work.weight_decay, work.clip_grad,
+            (work.adam_beta1, work.adam_beta2), work.adam_eps, precision(flags), work.initial_loss_scale,
+            bool(work.o2_optimizer), bool(work.reuse_fp32_param)),
+        data=Data(embedded, tuple(work.data_path) if work.data_path else None, work.split, work.seq_length, work.seed,
+                  tokenizer.name),
+        stage=Stage(stage, stage != "pretrain", stage in alignment.PAIRWISE),
+        operations=operations(flags))
+
+
+def precision(flags) -> str:
+    return "bfloat16" if flags.bf16 else "float16" if flags.fp16 else "float32"
+
+
+def _apply_defaults(args, framework: str) -> bool:
+    """Fill unset flags of ``args`` (a copy of the parsed ones); returns True when the embedded
+    default corpus is used (for --stage sft the fine-tuning twin: it starts from the default
+    run's model when that is saved)."""
     embedded = not args.data_path
     if embedded and args.stage not in (None, "sft"):
         raise MindSpeedError(f"--stage {args.stage} trains on preprocessed "
@@ -70,7 +185,7 @@ def apply_defaults(args) -> bool:
                              f"{'AlpacaStyleProcessRewardHandler' if args.stage == 'prm' else 'AlpacaStylePairwiseHandler'})")
     sft = args.stage == "sft" or args.is_instruction_dataset
     if embedded and args.train_iters is None:
-        args.train_iters = (EMBEDDED_SFT_ITERS if sft else EMBEDDED_ITERS)[runtime.bound().NAME]
+        args.train_iters = (EMBEDDED_SFT_ITERS if sft else EMBEDDED_ITERS)[framework]
     if embedded and sft:
         for key, value in EMBEDDED_SFT_DEFAULTS.items():
             if getattr(args, key, None) is None:
@@ -226,27 +341,16 @@ def _moe_config(args, num_layers: int) -> tuple[MoEConfig, tuple | None]:
     return moe, None if len(layers) == num_layers else layers
 
 
-def _check_moe(args, cfg: ModelConfig) -> None:
-    """What the MoE layers cannot do here yet, refused before any rank starts."""
-    if args.context_parallel_size > 1:
-        # a sequence cut into CP chunks: the aux loss would need its statistics summed over CP
-        raise MindSpeedError(f"--context-parallel-size {args.context_parallel_size} with MoE layers is planned: a "
-                             f"mixture-of-experts model trains with TP, SP, PP, DP and EP here")
-    if args.compile:
-        raise MindSpeedError("--compile with MoE layers: routing decides on the host, which graph capture cannot "
-                             "follow; drop --compile")
-
-
 def check_configuration(args, world: int):
     """Every check that needs no process group, no data and no weights: the launcher runs it
     once before starting any rank, and each rank again. Returns (tokenizer, model config)."""
     tokenizer = build_tokenizer(*tokenizer_args(args))
     cfg = model_config(args, tokenizer.vocab_size)
-    if cfg.moe is not None:
-        _check_moe(args, cfg)
-    if cfg.lora is not None and cfg.moe is not None:
-        raise MindSpeedError("LoRA on mixture-of-experts models is not built yet: drop the --lora-* flags or "
-                             "fine-tune all weights")
+    # the matrix's gate again, with the model's own MoE layers (from flags or a Hugging Face
+    # config): the combinations not built yet are rows of it
+    backend = runtime.bound()
+    features.validate(Flags({**vars(args), "num_experts": cfg.moe.num_experts if cfg.moe else None}), backend.NAME,
+                      device.type(), backend.FRAMEWORK_VERSION)
     if args.lora_load and not (args.load or args.load_hf):
         raise MindSpeedError("--lora-load takes the adapters only: give the base model with --load or --load-hf")
     check_fits(tokenizer, cfg.vocab_size)
@@ -294,14 +398,7 @@ def check_configuration(args, world: int):
         raise MindSpeedError(f"--compile on MindSpore needs dropout off (this model has attention dropout "
                              f"{cfg.attention_dropout}, hidden dropout {cfg.hidden_dropout}): trace capture would "
                              f"freeze the dropout masks; pass --attention-dropout 0 --hidden-dropout 0")
-    if args.compile and (cp > 1 or args.reset_attention_mask or args.reset_position_ids):
-        raise MindSpeedError("--compile with context parallelism or packed sequences (--reset-attention-mask, "
-                             "--reset-position-ids) is not built yet: drop --compile")
-    if args.compile and (args.recompute_granularity or args.recompute_activations or args.recompute_norm
-                         or args.swap_attention):
-        raise MindSpeedError("--compile with activation recompute or --swap-attention is not built yet: drop "
-                             "--compile or the memory flags")
-    _check_stage(args, cp)
+    _check_stage(args)
     if args.save:
         check_save_folder(args)
     return tokenizer, cfg
@@ -314,16 +411,12 @@ def stage_of(args) -> str:
     return args.stage or ("sft" if args.is_instruction_dataset else "pretrain")
 
 
-def _check_stage(args, cp: int) -> None:
-    """What the preference and reward stages cannot combine with, refused before any rank starts."""
+def _check_stage(args) -> None:
+    """What the preference and reward stages' flags must agree on, refused before any rank starts
+    (the layouts they cannot run are rows of the matrix)."""
     stage = stage_of(args)
     if stage in ("pretrain", "sft"):
         return
-    if cp > 1:  # a reply's log-likelihood would need its sum over the context-parallel ranks
-        raise MindSpeedError(f"--stage {args.stage} with --context-parallel-size {cp} is not built yet: preference "
-                             "and reward training runs with TP, SP, PP and DP")
-    if args.compile:
-        raise MindSpeedError(f"--compile with --stage {args.stage} is not built yet: drop --compile")
     if stage == "dpo" and args.dpo_label_smoothing and args.dpo_loss_type != "sigmoid":
         raise MindSpeedError(f"--dpo-label-smoothing applies to the sigmoid loss, not --dpo-loss-type "
                              f"{args.dpo_loss_type}")
@@ -356,3 +449,36 @@ def memory_needed(cfg: ModelConfig, tp: int) -> int:
     plus gradients and AdamW moments for its tensor-parallel shard."""
     params = cfg.num_parameters()
     return 4 * params + 12 * params // tp
+
+
+def operations(a) -> dict:
+    """The logging, profiling and determinism settings."""
+    return {
+        "deterministic": bool(a.use_deterministic_algorithms or a.use_deterministic_comm),
+        "tensorboard": {"dir": a.tensorboard_dir, "log_interval": a.tensorboard_log_interval,
+                        "queue_size": a.tensorboard_queue_size, "timers": a.log_timers_to_tensorboard,
+                        "memory": a.log_memory_to_tensorboard,
+                        "validation_ppl": a.log_validation_ppl_to_tensorboard},
+        "wandb": {"project": a.wandb_project, "name": a.wandb_exp_name,
+                  "save_dir": boards.wandb_folder(a) if a.wandb_project else a.wandb_save_dir},
+        "profile": {"on": bool(a.profile), "steps": [a.profile_step_start, a.profile_step_end],
+                    "ranks": a.profile_ranks, "level": a.profile_level, "with_cpu": a.profile_with_cpu,
+                    "with_stack": a.profile_with_stack, "with_memory": a.profile_with_memory,
+                    "record_shapes": a.profile_record_shapes, "save_path": a.profile_save_path},
+    }
+
+
+
+def alignment_settings(a, reward_token_ids=None) -> dict | None:
+    """What the preference or reward stage's loss takes (training/alignment.py)."""
+    stage = stage_of(a)
+    if stage == "dpo":
+        return {"loss_type": a.dpo_loss_type, "beta": a.dpo_beta, "label_smoothing": a.dpo_label_smoothing,
+                "reference": "the starting model's log-likelihoods, computed before the first step"}
+    if stage == "simpo":
+        return {"beta": a.simpo_beta, "gamma": a.simpo_gamma, "label_smoothing": a.simpo_label_smoothing}
+    if stage == "prm":
+        return {"reward_tokens": a.reward_tokens, "reward_token_ids": reward_token_ids}
+    if stage == "orm":
+        return {"head": "rm_head [1, hidden], read at each reply's last token"}
+    return None

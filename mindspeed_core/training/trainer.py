@@ -12,11 +12,9 @@ averaged over data-parallel ranks, clipped by the global norm, and AdamW takes t
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 import os
-import shlex
 import sys
 import time
 
@@ -24,38 +22,23 @@ import numpy as np
 
 from mindspeed_core import autograd, device, dist, features, nn, ops, random, runtime
 from mindspeed_core.backends.common import check_fits_in_memory
-from mindspeed_core.compat import hf, mcore
-from mindspeed_core.data import chat_templates, corpus, finetune_dataset, gpt_dataset
-from mindspeed_core.data.corpus import INSTRUCTION_TEMPLATE
+from mindspeed_core.data import corpus, finetune_dataset, gpt_dataset
 from mindspeed_core.data.sampler import PretrainingSampler
 from mindspeed_core.errors import CheckpointError, MindSpeedError
 from mindspeed_core.memory import recompute
 from mindspeed_core.memory.swap import HostSwap
-from mindspeed_core.models import lora, registry, router
-from mindspeed_core.models.config import LoRAConfig, ModelConfig
-from mindspeed_core.models.generate import Sampling, generate
-from mindspeed_core.models.gpt import Tokens, load_whole_state
+from mindspeed_core.models import lora, registry
+from mindspeed_core.models.config import ModelConfig
+from mindspeed_core.models.gpt import load_whole_state
 from mindspeed_core.models.moe import with_router_losses
 from mindspeed_core.parallel import context, families
 from mindspeed_core.parallel import layers as parallel_layers
 from mindspeed_core.parallel import state as parallel_state
 from mindspeed_core.parallel.plan import ParallelPlan
 from mindspeed_core.progress import Progress
-from mindspeed_core.training import (
-    alignment,
-    boards,
-    checkpoint,
-    distributed,
-    profiling,
-    schedules,
-)
-from mindspeed_core.training.configuration import (
-    apply_defaults,
-    check_configuration,
-    memory_needed,
-    pipeline_layout,
-    stage_of,
-)
+from mindspeed_core.training import (alignment, boards, checkpoint, configuration, distributed, model_source,
+                                     profiling, resume, routing, sample, schedules)
+from mindspeed_core.training.batches import Batches
 from mindspeed_core.training.distributed_optimizer import DistributedAdamW
 from mindspeed_core.training.loss_scale import LossScaler
 from mindspeed_core.training.metrics import MetricsLog
@@ -74,37 +57,18 @@ def kernels(cfg: ModelConfig) -> dict:
     return {op: (bound[names[op]] if op in cfg.fused else "composite (flag off)") for op in names}
 
 
-def _same_model(saved, cfg: ModelConfig, ignore_lora: bool = False, ignore_head: bool = False) -> bool:
-    """Whether a checkpoint's model config is ``cfg`` (fields added since it was saved take
-    their defaults); ``ignore_lora``: the base models only; ``ignore_head``: the models up
-    to their output (a language model starting a reward model)."""
-    try:
-        saved = ModelConfig.from_dict(saved)
-    except (TypeError, ValueError, AttributeError):
-        return False
-    if ignore_lora:
-        saved, cfg = dataclasses.replace(saved, lora=None), dataclasses.replace(cfg, lora=None)
-    if ignore_head:
-        saved, cfg = dataclasses.replace(saved, reward_head=False), dataclasses.replace(cfg, reward_head=False)
-    return saved == cfg
-
-
-def _saved_lora(values: dict) -> LoRAConfig | None:
-    try:
-        return LoRAConfig(**values)
-    except (TypeError, ValueError):
-        return None
-
-
 class Trainer:
     def __init__(self, args, out=None):
-        self.args, self._out = args, out
-        self.embedded = apply_defaults(args)
+        """``args``: the parsed flags of `mindspeed train`; they are configured once
+        (training/configuration.py) and read from ``self.flags`` (frozen) from then on."""
+        self.config = configuration.configure(args, dist.launched_world_size())
+        self.flags = args = self.config.flags
+        self._out = out
+        self.embedded = self.config.data.embedded
         # instruction fine-tuning and the stages after it: the loss counts the assistant's tokens only
-        self.stage_name = stage_of(args)
-        self.instruction = self.stage_name != "pretrain"
-        self.pairwise = self.stage_name in alignment.PAIRWISE
-        self.tokenizer, self.cfg = check_configuration(args, dist.launched_world_size())
+        self.stage_name, self.instruction = self.config.stage.name, self.config.stage.instruction
+        self.pairwise = self.config.stage.pairwise
+        self.tokenizer, self.cfg = self.config.tokenizer, self.config.model
         # the preference and reward stages' loss (training/alignment.py); None: the LM loss
         self.objective = None
         if self.stage_name in ("dpo", "simpo", "orm", "prm"):
@@ -112,12 +76,13 @@ class Trainer:
                 self.stage_name, args,
                 alignment.reward_token_ids(self.tokenizer, args.reward_tokens) if self.stage_name == "prm" else None)
         self.reference = alignment.ReferenceTable()  # DPO's, filled by build()
-        if self.embedded:
-            args.data_path = [corpus.build_stdlib_instructions(args.seq_length) if self.instruction
+        self.data_path = args.data_path
+        if self.embedded:  # built (once, then cached) where it is read
+            self.data_path = [corpus.build_stdlib_instructions(args.seq_length) if self.instruction
                               else corpus.build_stdlib_corpus()]
-        self.dtype = "bfloat16" if args.bf16 else "float16" if args.fp16 else "float32"
+        self.dtype = self.config.optimization.precision
         self.scaler = LossScaler(dynamic=bool(args.fp16), initial=args.initial_loss_scale)
-        self.deterministic = bool(args.use_deterministic_algorithms or args.use_deterministic_comm)
+        self.deterministic = self.config.operations["deterministic"]
         # before the collectives are set up: HCCL and MindSpore read it there (a dry run leaves the
         # process as it was)
         if self.deterministic and not args.dry_run:
@@ -126,113 +91,83 @@ class Trainer:
         dist.init()
         self.ps = parallel_state.initialize(tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
                                             cp=args.context_parallel_size, ep=args.expert_model_parallel_size)
-        self.layout = pipeline_layout(args, self.cfg)
+        self.layout = configuration.pipeline_layout(args, self.cfg)
         self.model_spec = registry.for_config(self.cfg)
-        if args.global_batch_size is None:  # one micro-batch per data-parallel rank
-            args.global_batch_size = args.micro_batch_size * self.ps.dp
         self.sampler = PretrainingSampler(args.global_batch_size, args.micro_batch_size, self.ps.dp,
                                           self.ps.local_rank("dp"), self.ps.pp, self.ps.local_rank("pp"))
         self.grad_accum = self.sampler.micro_batches_per_step
         self.tokens_per_step = args.global_batch_size * args.seq_length
         self.timeline = None  # a list to receive the pipeline schedule's timings (benchmarks)
+        self.compile_seconds = 0.0  # --compile: None until the first compiled step, then its duration
 
     # -- set-up ------------------------------------------------------------------------------
     def describe(self) -> dict:
         return {
             "framework": runtime.bound().NAME, "device": device.current(),
             "model": self.cfg.to_dict(), "kernels": kernels(self.cfg), "parameters": self.cfg.num_parameters(),
-            "flops_per_token": self.cfg.flops_per_token(self.args.seq_length),
+            "flops_per_token": self.cfg.flops_per_token(self.flags.seq_length),
             "tokenizer": {"type": self.tokenizer.name, "end_of_document": self.tokenizer.eod,
                           "end_of_document_from": self.tokenizer.eod_source, "bos": self.tokenizer.bos,
                           "encodes_special_tokens": getattr(self.tokenizer, "include_special_tokens", None)},
-            "data_path": self.args.data_path, "stage": self.stage_name, "alignment": self._alignment_settings(),
-            "seq_length": self.args.seq_length, "micro_batch_size": self.args.micro_batch_size,
-            "global_batch_size": self.args.global_batch_size, "gradient_accumulation": self.grad_accum,
-            "train_iters": self.args.train_iters, "lr": self.args.lr, "min_lr": self.args.min_lr,
-            "lr_warmup_iters": self.args.lr_warmup_iters, "lr_decay_style": self.args.lr_decay_style,
-            "lr_decay_iters": self.args.lr_decay_iters,
-            "weight_decay": self.args.weight_decay, "clip_grad": self.args.clip_grad, "seed": self.args.seed,
-            "adam": {"beta1": self.args.adam_beta1, "beta2": self.args.adam_beta2, "eps": self.args.adam_eps},
-            "precision": self.dtype, "loss_scale": self.scaler.scale if self.args.fp16 else None,
-            "compile": bool(self.args.compile),
+            "data_path": self.data_path, "stage": self.stage_name, "alignment": configuration.alignment_settings(
+                self.flags, self.objective.candidates if self.stage_name == "prm" else None),
+            "seq_length": self.flags.seq_length, "micro_batch_size": self.flags.micro_batch_size,
+            "global_batch_size": self.flags.global_batch_size, "gradient_accumulation": self.grad_accum,
+            "train_iters": self.flags.train_iters, "lr": self.flags.lr, "min_lr": self.flags.min_lr,
+            "lr_warmup_iters": self.flags.lr_warmup_iters, "lr_decay_style": self.flags.lr_decay_style,
+            "lr_decay_iters": self.flags.lr_decay_iters,
+            "weight_decay": self.flags.weight_decay, "clip_grad": self.flags.clip_grad, "seed": self.flags.seed,
+            "adam": {"beta1": self.flags.adam_beta1, "beta2": self.flags.adam_beta2, "eps": self.flags.adam_eps},
+            "precision": self.dtype, "loss_scale": self.scaler.scale if self.flags.fp16 else None,
+            "compile": bool(self.flags.compile),
             "parallel": {"tp": self.ps.tp, "dp": self.ps.dp, "pp": self.ps.pp, "cp": self.ps.cp,
-                         "context_parallel_algo": self.args.context_parallel_algo if self.ps.cp > 1 else None,
-                         "ulysses_degree": (context.ulysses_degree(self.ps.cp, self.args.context_parallel_algo,
-                                                                   self.args.ulysses_degree_in_cp)
+                         "context_parallel_algo": self.flags.context_parallel_algo if self.ps.cp > 1 else None,
+                         "ulysses_degree": (context.ulysses_degree(self.ps.cp, self.flags.context_parallel_algo,
+                                                                   self.flags.ulysses_degree_in_cp)
                                             if self.ps.cp > 1 else None),
-                         "sequence_parallel": bool(self.args.sequence_parallel),
-                         "distributed_optimizer": bool(self.args.use_distributed_optimizer),
+                         "sequence_parallel": bool(self.flags.sequence_parallel),
+                         "distributed_optimizer": bool(self.flags.use_distributed_optimizer),
                          "model_chunks_per_pipeline_rank": self.layout.chunks,
                          "layers_per_virtual_stage": self.layout.describe()},
-            "packed_sequences": {"reset_attention_mask": bool(self.args.reset_attention_mask),
-                                 "reset_position_ids": bool(self.args.reset_position_ids)},
-            "run": {key: getattr(self.args, key) for key in _RUN_SETTINGS} | {"progress": not self.args.no_progress},
-            "operations": self._operations(),
+            "packed_sequences": {"reset_attention_mask": bool(self.flags.reset_attention_mask),
+                                 "reset_position_ids": bool(self.flags.reset_position_ids)},
+            "run": {key: getattr(self.flags, key) for key in _RUN_SETTINGS} | {"progress": not self.flags.no_progress},
+            "operations": configuration.operations(self.flags),
         }
-
-    def _operations(self) -> dict:
-        """The logging, profiling and determinism settings."""
-        a = self.args
-        return {
-            "deterministic": self.deterministic,
-            "tensorboard": {"dir": a.tensorboard_dir, "log_interval": a.tensorboard_log_interval,
-                            "queue_size": a.tensorboard_queue_size, "timers": a.log_timers_to_tensorboard,
-                            "memory": a.log_memory_to_tensorboard,
-                            "validation_ppl": a.log_validation_ppl_to_tensorboard},
-            "wandb": {"project": a.wandb_project, "name": a.wandb_exp_name,
-                      "save_dir": boards.wandb_folder(a) if a.wandb_project else a.wandb_save_dir},
-            "profile": {"on": bool(a.profile), "steps": [a.profile_step_start, a.profile_step_end],
-                        "ranks": a.profile_ranks, "level": a.profile_level, "with_cpu": a.profile_with_cpu,
-                        "with_stack": a.profile_with_stack, "with_memory": a.profile_with_memory,
-                        "record_shapes": a.profile_record_shapes, "save_path": a.profile_save_path},
-        }
-
-    def _alignment_settings(self) -> dict | None:
-        """What the preference or reward stage's loss takes (training/alignment.py)."""
-        a, stage = self.args, self.stage_name
-        if stage == "dpo":
-            return {"loss_type": a.dpo_loss_type, "beta": a.dpo_beta, "label_smoothing": a.dpo_label_smoothing,
-                    "reference": "the starting model's log-likelihoods, computed before the first step"}
-        if stage == "simpo":
-            return {"beta": a.simpo_beta, "gamma": a.simpo_gamma, "label_smoothing": a.simpo_label_smoothing}
-        if stage == "prm":
-            return {"reward_tokens": a.reward_tokens, "reward_token_ids": self.objective.candidates}
-        if stage == "orm":
-            return {"head": "rm_head [1, hidden], read at each reply's last token"}
-        return None
 
     def build(self):
-        args = self.args
+        args = self.flags
         if self.instruction:
-            self.data = finetune_dataset.build_splits(args.data_path, args.split, args.seq_length, args.seed,
+            self.data = finetune_dataset.build_splits(self.data_path, args.split, args.seq_length, args.seed,
                                                       pad=self.tokenizer.eod, pairs=self.pairwise)
         else:
-            self.data = gpt_dataset.build_splits(args.data_path, args.split, args.seq_length, args.seed)
+            self.data = gpt_dataset.build_splits(self.data_path, args.split, args.seq_length, args.seed)
         if args.eval_iters and args.eval_interval and self.data["valid"] is None:
             raise MindSpeedError("the validation split is empty: give --split a larger second part or use --eval-iters 0")
+        self.batches = Batches(self.data, self.tokenizer, self.stage_name, self.ps, args, self.objective, self.reference)
         random.seed(args.seed)
         if device.type() == "cpu":
-            check_fits_in_memory(memory_needed(self.cfg, self.ps.tp),
+            check_fits_in_memory(configuration.memory_needed(self.cfg, self.ps.tp),
                                  f"training this {self.cfg.num_parameters():,}-parameter model")
         # The full model is built (and loaded) on every rank, then cut for this rank: a
         # parallel run starts from exactly the single-process weights.
-        hf_state = None
-        if args.load_hf:
-            hf_state = hf.load_folder(args.load_hf)[1]  # checked against its config before the model is built
+        hf_source = None
+        if args.load_hf:  # checked against its config before the model is built
+            hf_source = model_source.read(args.load_hf, "--load-hf", ("hf",))
         self.model = self.model_spec.build(self.cfg)  # the whole model
         if self.cfg.lora is not None:  # the adapters' start; a checkpoint may replace them
             features.note_used("lora")
             lora.init_adapters(self.model, args.seed)
-        if hf_state is not None:
-            nn.load_state_dict(self.model, self._with_head({**self._adapters(), **hf_state}))
+        if hf_source is not None:
+            resume.load_hf(self.model, self.cfg, hf_source.state)
         self.iteration, saved_optimizer = 0, None
-        if args.load:
-            saved_optimizer = self._resume_model(args.load)
-        if args.lora_load:
-            saved_optimizer = self._resume_model(args.lora_load, adapters_only=True)
+        for root, adapters_only in ((args.load, False), (args.lora_load, True)):
+            if root:
+                it, saved_optimizer = resume.resume(self.model, self.cfg, root, args.finetune, self.say, adapters_only)
+                self.iteration = it if saved_optimizer is not None else self.iteration
         self.resumed_from = args.lora_load or args.load
         if self.stage_name == "dpo" and saved_optimizer is None:  # the starting weights are the reference
-            self._compute_reference()
+            self.batches.compute_reference(self.model, self.say)
         ps = self.ps
         if ps.pp > 1:  # keep this rank's stages only
             self.chunks = self.model_spec.pipeline_chunks(self.model, self.layout, ps.local_rank("pp"))
@@ -283,11 +218,31 @@ class Trainer:
             local = {k: ops.tensor(distributed.local_array(k.split(".", 1)[1], v, specs, ps, experts_here))
                      for k, v in arrays.items() if k.split(".", 1)[1] in mine}
             self.optimizer.load_state(local, steps)
+        self.forward_backward, self.forward_only = self._schedule(chunk_params)
+
+    def _schedule(self, chunk_params: list):
+        """The step's forward-backward function and the evaluation's forward-only one, chosen
+        once for this rank (Megatron's get_forward_backward_func): one gradient call per
+        micro-batch, or the pipeline program over this rank's model chunks. Each returns the
+        mean loss on every rank of the pipeline."""
+        args, ps = self.flags, self.ps
+        float32_grads = self.dtype != "float32"
         if ps.pp == 1:
             self.grad_fn = autograd.value_and_grad(self._loss, self.train_params)
             if args.compile:
                 self._compile_step()
-            return
+
+            def forward_backward(batches):
+                return schedules.forward_backward_no_pipelining(self.grad_fn, batches, self.scaler.scale,
+                                                                float32_grads=float32_grads)
+
+            def forward_only(batches):
+                with autograd.no_grad():
+                    return float(np.mean([float(ops.to_numpy(self._objective(self.model, self.model(ids, tokens),
+                                                                             labels, tokens)))
+                                          for ids, labels, tokens in batches]))
+
+            return forward_backward, forward_only
         rows = args.micro_batch_size * (2 if self.pairwise else 1)  # a pair's two conversations travel together
         hidden = (rows, args.seq_length // ps.cp // self.chunks[0].sequence_multiple, self.cfg.hidden_size)
         me = ps.coords(ps.rank)
@@ -300,12 +255,23 @@ class Trainer:
                                            send=lambda x, to: dist.send(x, peer(to)),
                                            recv=lambda src: dist.recv(hidden, self.dtype, peer(src)))
 
-        self.stage = stage(self._stage_forward)
-        self.eval_stage = stage(functools.partial(self._stage_forward, scaled=False))
+        train_stage = stage(self._stage_forward)
+        eval_stage = stage(functools.partial(self._stage_forward, scaled=False))
         pp_rank = ps.local_rank("pp")
-        self.program = schedules.pipeline_program(ps.pp, self.layout.chunks, self.grad_accum)[pp_rank]
-        self.eval_program = schedules.pipeline_program(ps.pp, self.layout.chunks, max(args.eval_iters, 1),
-                                                       forward_only=True)[pp_rank]
+        program = schedules.pipeline_program(ps.pp, self.layout.chunks, self.grad_accum)[pp_rank]
+        eval_program = schedules.pipeline_program(ps.pp, self.layout.chunks, max(args.eval_iters, 1),
+                                                  forward_only=True)[pp_rank]
+
+        def forward_backward(batches):
+            loss, grads = schedules.forward_backward_pipelining(train_stage, program, batches, self.scaler.scale,
+                                                                float32_grads=float32_grads, timeline=self.timeline)
+            return distributed.over_pipeline(loss, ps), grads  # the last stage's loss; zero elsewhere
+
+        def forward_only(batches):
+            loss, _ = schedules.forward_backward_pipelining(eval_stage, eval_program, batches, forward_only=True)
+            return distributed.over_pipeline(loss, ps)
+
+        return forward_backward, forward_only
 
     def _stage_forward(self, chunk: int, x, labels, tokens=None, scaled: bool = True):
         """One model chunk; with labels (the last stage) the loss, scaled for training."""
@@ -388,81 +354,6 @@ class Trainer:
         self.say(f"--compile: compiled in {self.compile_seconds:.1f} s; first-step gradients match eager "
                  f"(largest relative difference {worst:.1e})")
 
-    def _adapters(self) -> dict:
-        """The whole model's LoRA factors as they stand ({name: numpy})."""
-        return {n: v for n, v in nn.state_dict(self.model).items() if lora.is_adapter(n)}
-
-    def _with_head(self, arrays: dict) -> dict:
-        """A language model's weights for this model: a reward model drops the output layer
-        and keeps its scalar head's fresh start."""
-        if not self.cfg.reward_head or "rm_head.weight" in arrays:
-            return arrays
-        out = {n: v for n, v in arrays.items() if not n.startswith("output_layer.")}
-        out["rm_head.weight"] = nn.state_dict(self.model)["rm_head.weight"]
-        return out
-
-    def _load_megatron(self, root: str) -> None:
-        """The weights of a Megatron checkpoint (compat/mcore.py; any TP / PP / EP / VPP) for
-        this model, cut later for this run's layout; iteration 0, a fresh optimizer."""
-        ckpt = mcore.load(root)
-        saved = ckpt.cfg if ckpt.exact else dataclasses.replace(ckpt.cfg, family=self.cfg.family)
-        lm_start = self.cfg.reward_head and not saved.reward_head
-        if not _same_model(saved.to_dict(), self.cfg, ignore_lora=self.cfg.lora is not None, ignore_head=lm_start):
-            raise CheckpointError(f"the Megatron checkpoint in {root} was saved for a different model configuration; "
-                                  f"pass the model flags of its args (num_layers {saved.num_layers}, hidden_size "
-                                  f"{saved.hidden_size}, padded vocabulary {saved.vocab_size}, ...)")
-        load_whole_state(self.model, self._with_head({**self._adapters(), **ckpt.state}))
-        lay = ckpt.layout
-        self.say(f"took the weights of the Megatron checkpoint {root} (iteration {ckpt.iteration}, saved at "
-                 f"TP={lay.tp} PP={lay.pp} EP={lay.ep}, {ckpt.dtype}); no optimizer state: training starts at "
-                 f"iteration 0")
-
-    def _resume_model(self, root: str, adapters_only: bool = False):
-        """Load the full model from the newest checkpoint in ``root``; returns its optimizer
-        arrays and steps (None: the weights only). With LoRA, a checkpoint without adapters is
-        a base model: its weights only, whatever --finetune says. ``adapters_only``
-        (--lora-load): the adapters and the training state, the base weights are kept."""
-        flag = "--lora-load" if adapters_only else "--load"
-        if not adapters_only and mcore.is_megatron_checkpoint(root):
-            return self._load_megatron(root)
-        it = checkpoint.latest_iteration(root)
-        if it is None and (self.args.finetune or adapters_only):
-            raise CheckpointError(f"{flag}: {root} holds no checkpoint to take the weights from")
-        if it is None:
-            self.say(f"no checkpoint in {root} yet: starting from scratch")
-            return None
-        meta = checkpoint.read_meta(root, it)
-        saved_lora = (meta.get("model") or {}).get("lora")
-        base_only = self.cfg.lora is not None and saved_lora is None and not adapters_only
-        # a language model starting a reward model: its weights only, the scalar head fresh
-        lm_start = self.cfg.reward_head and not (meta.get("model") or {}).get("reward_head")
-        if saved_lora is not None and _saved_lora(saved_lora) != self.cfg.lora:
-            raise CheckpointError(f"the checkpoint in {root} (iteration {it}) holds LoRA adapters (rank "
-                                  f"{saved_lora['r']}, alpha {saved_lora['alpha']}, dropout {saved_lora['dropout']}, "
-                                  f"targets {' '.join(saved_lora['targets'])}): pass the same --lora-* flags")
-        if adapters_only and saved_lora is None:
-            raise CheckpointError(f"--lora-load: the checkpoint in {root} (iteration {it}) holds no LoRA adapters")
-        if not _same_model(meta.get("model"), self.cfg, ignore_lora=base_only, ignore_head=lm_start):
-            raise CheckpointError(f"the checkpoint in {root} (iteration {it}) was saved for a different model "
-                                  f"configuration; pass the same model flags as when it was saved")
-        if self.args.finetune and not adapters_only or base_only or lm_start:
-            # the weights only: iteration 0, a fresh optimizer, the data from its start
-            load_whole_state(self.model, self._with_head({**self._adapters(), **checkpoint.load_model_arrays(root, it)}))
-            why = ("--finetune" if self.args.finetune else "LoRA on a base model" if base_only else
-                   "a reward model from a language model")
-            self.say(f"fine-tuning from the weights of {checkpoint.iteration_dir(root, it)} ({why})")
-            return None
-        model_arrays, optimizer_arrays, steps = checkpoint.load(root, it)
-        if adapters_only:  # the base weights stay those of --load / --load-hf
-            model_arrays = {**nn.state_dict(self.model), **{n: v for n, v in model_arrays.items() if lora.is_adapter(n)}}
-        load_whole_state(self.model, model_arrays)
-        self.iteration = it
-        layout = meta.get("parallel", {})
-        self.say(f"resumed {'the LoRA adapters ' if adapters_only else ''}from {checkpoint.iteration_dir(root, it)} "
-                 f"(saved on {meta.get('framework')}, TP={layout.get('tp', 1)} DP={layout.get('dp', 1)} "
-                 f"PP={layout.get('pp', 1)})")
-        return optimizer_arrays, steps
-
     def _trainer_state(self) -> dict:
         """What exact resumption needs beyond the tensors (collective: every rank calls it):
         each rank's generator states (dropout draws, the tracker's tensor-parallel streams)
@@ -513,7 +404,7 @@ class Trainer:
         if not saved:
             raise CheckpointError(f"the checkpoint in {self.resumed_from} holds no DPO reference: it was not saved by "
                                   f"a --stage dpo run; start DPO from its weights with --finetune")
-        self.reference.load(saved[0], self._pair_counts())
+        self.reference.load(saved[0], self.batches.pair_counts())
 
     def _restore_expert_bias(self, ranks: list) -> None:
         saved = {int(n): b for r in ranks for n, b in r.get("expert_bias", {}).items()}  # any stage's rank
@@ -529,113 +420,6 @@ class Trainer:
     def say(self, text: str) -> None:
         if self.ps.rank == 0:
             print(text, file=self._out or sys.stdout, flush=True)
-
-    def _check_ids(self, split: str, ids: np.ndarray) -> None:
-        low, high = int(ids.min()), int(ids.max())  # cheap: one micro-batch
-        if low < 0 or high >= self.tokenizer.vocab_size:
-            bad = low if low < 0 else high
-            raise MindSpeedError(f"the {split} data holds token id {bad}, outside the {self.tokenizer.name} tokenizer's "
-                                 f"{self.tokenizer.vocab_size} ids: it seems to have been tokenized with a vocabulary of "
-                                 f"at least {high + 1} tokens; train with the tokenizer it was preprocessed with")
-
-    def _instruction_batch(self, split: str, start: int, size: int):
-        features.note_used("sft")
-        ids, labels, loss_mask, positions, documents = finetune_dataset.batch(self.data[split], start, size)
-        self._check_ids(split, ids)
-        self._check_ids(split, labels)
-        return ids, labels, Tokens(positions, documents, loss_mask)
-
-    def _pair_batch(self, split: str, start: int, size: int):
-        """A micro-batch of ``size`` preference pairs: 2 x size rows, the chosen ones first;
-        for DPO where the loss is computed (the last pipeline stage), with the pairs'
-        reference log-likelihoods."""
-        blend = self.data[split]
-        where = [blend.locate(start + i) for i in range(size)]  # (part, sample of the part)
-        pairs = [blend.parts[part][1] for part, _ in where]
-        reference = None
-        if self.stage_name == "dpo" and self.ps.local_rank("pp") == self.ps.pp - 1:
-            numbers = [p.pair_number(i) for p, (_, i) in zip(pairs, where)]
-            rows = np.stack([self.reference.lookup(split, part, k) for (part, _), k in zip(where, numbers)])
-            reference = np.concatenate([rows[:, 0], rows[:, 1]])  # the chosen rows first, as the batch
-        return self._pairs_on_device(split, [p[i] for p, (_, i) in zip(pairs, where)], reference)
-
-    def _pairs_on_device(self, split: str, pairs: list, reference):
-        ids, labels, mask = finetune_dataset.pair_batch(pairs)
-        self._check_ids(split, ids)
-        self._check_ids(split, labels)
-        target = alignment.Pairs(ops.tensor(np.ascontiguousarray(labels)), mask, reference)
-        return ops.tensor(np.ascontiguousarray(ids)), target, None
-
-    def _process_reward_batch(self, split: str, start: int, size: int):
-        """Step-labelled samples: each label sits where its step ends (no shift), as the index
-        of its verdict among --reward-tokens."""
-        rows = [self.data[split][start + i] for i in range(size)]
-        ids, labels, mask, positions, documents = finetune_dataset.batch(None, 0, size, rows, shift=False)
-        self._check_ids(split, ids)
-        candidates = self.objective.candidates
-        verdicts = np.zeros_like(labels)
-        for k, token in enumerate(candidates):
-            verdicts[labels == token] = k
-        stray = mask & ~np.isin(labels, candidates)
-        if stray.any():
-            raise MindSpeedError(f"the {split} data labels a step with token {int(labels[stray][0])}, which is not one of "
-                                 f"--reward-tokens {' '.join(self.args.reward_tokens)} (token ids "
-                                 f"{' '.join(map(str, candidates))})")
-        return self._device_batch(ids, verdicts, Tokens(positions, documents, mask))
-
-    def _batch(self, split: str, start: int, size: int):
-        if self.pairwise:
-            return self._pair_batch(split, start, size)
-        if self.stage_name == "prm":
-            return self._process_reward_batch(split, start, size)
-        if self.instruction:
-            ids, labels, packed = self._instruction_batch(split, start, size)
-            return self._device_batch(ids, labels, packed)
-        tokens = gpt_dataset.batch(self.data[split], start, size)
-        loss_mask = None
-        if self.data[split].packed:
-            tokens, loss_mask = gpt_dataset.unpad(tokens, self.tokenizer.eod)
-        self._check_ids(split, tokens)
-        ids, labels = tokens[:, :-1], tokens[:, 1:]
-        positions, documents = gpt_dataset.document_layout(ids, self.tokenizer.eod, self.args.reset_position_ids,
-                                                           self.args.reset_attention_mask)
-        packed = (None if positions is None and documents is None and loss_mask is None
-                  else Tokens(positions, documents, loss_mask))
-        return self._device_batch(ids, labels, packed)
-
-    def _device_batch(self, ids: np.ndarray, labels: np.ndarray, packed: Tokens | None):
-        if self.ps.cp > 1:  # this rank's chunks of each sequence; positions and documents stay whole
-            columns = context.local_columns(ids.shape[1], self.ps.cp, self.ps.local_rank("cp"))
-            ids, labels = ids[:, columns], labels[:, columns]
-        return ops.tensor(np.ascontiguousarray(ids)), ops.tensor(np.ascontiguousarray(labels)), packed
-
-    def _pair_counts(self) -> dict:
-        """{(split, part): pairs} of the training and validation data."""
-        return {(split, part): pairs.count for split in ("train", "valid") if self.data[split] is not None
-                for part, (_, pairs) in enumerate(self.data[split].parts)}
-
-    def _compute_reference(self) -> None:
-        """DPO's reference: the starting model's log-likelihoods of every training and
-        validation pair, computed by the whole model before it is cut for the layout, on the
-        ranks holding the last pipeline stage (where the loss is), each data-parallel rank a
-        share, then summed over them (zeros elsewhere: exact)."""
-        if self.ps.local_rank("pp") != self.ps.pp - 1:
-            return
-        started, dp, me = time.perf_counter(), self.ps.dp, self.ps.local_rank("dp")
-        chunk = max(self.args.micro_batch_size, 8)  # pairs per forward
-        for (split, part), count in self._pair_counts().items():
-            pairs = self.data[split].parts[part][1]
-            mine = list(range(me, count, dp))
-            groups = [mine[k:k + chunk] for k in range(0, len(mine), chunk)]
-            batches = (self._pairs_on_device(split, [pairs.pair(k) for k in group], None)[:2] for group in groups)
-            table = np.zeros((count, 2), np.float32)
-            for group, ll in zip(groups, alignment.reference_log_likelihoods(self.model, batches)):
-                table[group, 0], table[group, 1] = ll[:len(group)], ll[len(group):]
-            if dp > 1:
-                table = ops.to_numpy(dist.all_reduce(ops.tensor(table), group=self.ps.group("dp")))
-            self.reference.tables[split, part] = table
-        self.say(f"DPO reference: the starting model's log-likelihoods of "
-                 f"{sum(self._pair_counts().values())} pairs ({time.perf_counter() - started:.1f} s)")
 
     def _stage_stats(self, record: str) -> dict | None:
         """The preference or reward figures of the micro-batches since the last call, over every
@@ -654,21 +438,14 @@ class Trainer:
     def gradients(self, iteration: int) -> tuple[float, list]:
         """The step's mean loss (on every rank) and this rank's gradients, complete as the
         parallel plan asks but not yet reduced over data-parallel ranks."""
-        args = self.args
-        micro_batches = (self._batch("train", start, args.micro_batch_size) if self.sampler.reads_data
+        args = self.flags
+        micro_batches = (self.batches.micro_batch("train", start, args.micro_batch_size) if self.sampler.reads_data
                          else (None, None, None)
                          for start in self.sampler.micro_batch_starts(iteration))
-        if self.ps.pp == 1 and self.args.compile and self.compile_seconds is None:
+        if self.compile_seconds is None:  # the first compiled step is checked against eager
             micro_batches = list(micro_batches)
             self._check_compiled(*micro_batches[0])
-        if self.ps.pp == 1:
-            loss, grads = schedules.forward_backward_no_pipelining(self.grad_fn, micro_batches, self.scaler.scale,
-                                                                   float32_grads=self.dtype != "float32")
-        else:
-            loss, grads = schedules.forward_backward_pipelining(self.stage, self.program, micro_batches,
-                                                                self.scaler.scale, float32_grads=self.dtype != "float32",
-                                                                timeline=self.timeline)
-            loss = distributed.over_pipeline(loss, self.ps)  # the last stage's; zero elsewhere
+        loss, grads = self.forward_backward(micro_batches)
         plan = self.train_plan
         grads = distributed.sum_partial_over_tp(grads, self.ps, plan.indices("partial"))
         grads = distributed.sum_kv_copies(grads, plan)
@@ -677,7 +454,7 @@ class Trainer:
         return loss, grads
 
     def train_step(self, iteration: int) -> tuple[float, float, float]:
-        args = self.args
+        args = self.flags
         lr = learning_rate(iteration, args.lr, args.min_lr, args.lr_warmup_iters, args.lr_decay_iters,
                            args.lr_decay_style)
         if self.dtype != "float32":
@@ -692,7 +469,7 @@ class Trainer:
         if n > 1:
             loss = float(ops.to_numpy(dist.all_reduce(ops.tensor([loss]), group=self.ps.group("dp_cp")))[0]) / n
         if self.cfg.moe is not None:
-            self.moe_stats = self._moe_step_stats()
+            self.moe_stats = routing.step_stats(self.moe_layers, self.cfg, self.ps, self.grad_accum)
         self.stage_stats = self._stage_stats("train")
         norm = self.optimizer.grad_norm(grads)
         if not self.scaler.step_allowed(math.isfinite(loss) and math.isfinite(norm)):
@@ -706,7 +483,7 @@ class Trainer:
                                  f"saving (the last checkpoint on disk is intact); lower --lr or check the data")
         self.optimizer.step(grads, lr, distributed.clip_coefficient(norm, args.clip_grad))
         if self.moe_stats is not None:
-            self._update_expert_bias(self.moe_stats["tokens_per_expert"])
+            routing.update_expert_bias(self.moe_layers, self.cfg, self.moe_stats["tokens_per_expert"])
         device.synchronize()
         t2 = time.perf_counter()
         # the loss reached the host at t1, so the forward and backward work had finished there;
@@ -714,58 +491,15 @@ class Trainer:
         self.timers = {"forward-backward": t1 - t0, "optimizer": t2 - t1, "iteration": t2 - t0}
         return loss, lr, norm
 
-    def _update_expert_bias(self, tokens_per_expert: list) -> None:
-        """Aux-loss-free balancing (--moe-router-enable-expert-bias): once per step, each
-        layer's bias moves by the update rate towards the mean load, from the step's tokens
-        per expert over every data-parallel rank (the same on every rank)."""
-        cfg = self.cfg
-        numbers = cfg.moe_layer_numbers()
-        for layer in self.moe_layers:
-            if layer.expert_bias is not None:
-                layer.expert_bias = router.updated_expert_bias(
-                    layer.expert_bias, np.asarray(tokens_per_expert[numbers.index(layer.number)]),
-                    cfg.moe.bias_update_rate)
-
-    def _moe_step_stats(self) -> dict:
-        """The step's routing over every MoE layer (of every pipeline stage) and data-parallel
-        rank: aux and z losses (summed over layers, mean over micro-batches as the loss),
-        tokens per expert per layer, dropped assignments, and each layer's load balance
-        (busiest expert / mean). A collective over DP and PP."""
-        cfg = self.cfg
-        numbers = cfg.moe_layer_numbers()
-        row = {n: k for k, n in enumerate(numbers)}
-        losses, dropped = np.zeros(2), 0.0
-        counts = np.zeros((len(numbers), cfg.moe.num_experts))
-        for layer in self.moe_layers:  # this rank's stages' layers
-            losses += [layer.stats["aux_loss"] / self.grad_accum, layer.stats["z_loss"] / self.grad_accum]
-            dropped += layer.stats["dropped"]
-            counts[row[layer.number]] = layer.stats["tokens_per_expert"]
-        flat = np.concatenate([losses, [dropped], counts.reshape(-1)]).astype(np.float32)
-        for kind in ("dp", "pp"):  # counts are exact in float32 up to 2**24
-            if self.ps.size(kind) > 1:  # DP ranks routed other tokens; PP ranks hold other layers
-                flat = ops.to_numpy(dist.all_reduce(ops.tensor(flat), group=self.ps.group(kind)))
-        flat[:2] /= self.ps.dp
-        counts = np.rint(flat[3:]).astype(np.int64).reshape(counts.shape)
-        balance = [float(c.max() / c.mean()) if c.sum() else 0.0 for c in counts]
-        return {"aux_loss": float(flat[0]), "z_loss": float(flat[1]), "dropped": int(round(float(flat[2]))),
-                "tokens_per_expert": counts.tolist(), "load_balance": balance}
-
     def evaluate(self) -> float:
-        args = self.args
-        batches = [self._batch("valid", k * args.micro_batch_size, args.micro_batch_size) if self.sampler.reads_data
-                   else (None, None, None) for k in range(args.eval_iters)]
+        args = self.flags
+        mbs = args.micro_batch_size
+        batches = [self.batches.micro_batch("valid", k * mbs, mbs) if self.sampler.reads_data else (None, None, None)
+                   for k in range(args.eval_iters)]
         for chunk in self.chunks:
             nn.set_training(chunk, False)  # no dropout
         try:
-            if self.ps.pp > 1:
-                loss, _ = schedules.forward_backward_pipelining(self.eval_stage, self.eval_program, batches,
-                                                                forward_only=True)
-                loss = distributed.over_pipeline(loss, self.ps)
-            else:
-                with autograd.no_grad():
-                    loss = float(np.mean([float(ops.to_numpy(self._objective(self.model, self.model(ids, tokens), labels,
-                                                                             tokens)))
-                                          for ids, labels, tokens in batches]))
+            loss = self.forward_only(batches)
         finally:
             for chunk in self.chunks:
                 nn.set_training(chunk, True)
@@ -793,10 +527,10 @@ class Trainer:
             raise MindSpeedError(f"parameter {bad} is no longer finite at iteration {self.iteration}; not saving "
                                  f"(the last checkpoint on disk is intact); lower --lr or check the data")
         meta = {"framework": runtime.bound().NAME, "model": self.cfg.to_dict(), "tokenizer": self.tokenizer.name,
-                "consumed_samples": self.iteration * self.args.global_batch_size,
+                "consumed_samples": self.iteration * self.flags.global_batch_size,
                 "parallel": {"tp": self.ps.tp, "dp": self.ps.dp, "pp": self.ps.pp, "cp": self.ps.cp, "ep": self.ps.ep,
                              "chunks": self.layout.chunks,
-                             "sequence_parallel": bool(self.args.sequence_parallel)}}
+                             "sequence_parallel": bool(self.flags.sequence_parallel)}}
         model_arrays = self.full_model_arrays()  # collective: every rank
         opt, specs = self.optimizer.state(), self.plan.shard_specs
         opt_spec = {k: specs[k.split(".", 1)[1]] for k in opt if k.split(".", 1)[1] in specs}
@@ -805,13 +539,32 @@ class Trainer:
                                                        self.ps)
         trainer_state = self._trainer_state()  # collective: every rank
         if self.ps.rank == 0:
-            path = checkpoint.save(self.args.save, self.iteration, model_arrays, optimizer_arrays, self.optimizer.steps,
+            path = checkpoint.save(self.flags.save, self.iteration, model_arrays, optimizer_arrays, self.optimizer.steps,
                                    meta, {n: self.dtype for n in model_arrays}, trainer_state)
             self.say(f"saved checkpoint {path}")
         dist.barrier()
 
+    def _sample(self, result: dict, log) -> None:
+        """A text sample of the trained model on rank 0 (training/sample.py), printed and logged."""
+        model = self.model
+        if self.ps.pp > 1 or self.ps.cp > 1:  # one whole single-device model on rank 0
+            arrays = self.full_model_arrays()
+            model = None
+            if self.ps.rank == 0:
+                model = self.model_spec.build(self.cfg)
+                load_whole_state(model, arrays)
+        if model is not None:
+            prompt, ids, text, shown = sample.draw(model, self.tokenizer, self.instruction and self.embedded,
+                                                   self.flags.sample_tokens, self.flags.seq_length, self.flags.seed)
+            self.say(shown)
+            result["sample"] = text
+            log.write({"iteration": self.iteration, "sample_prompt": prompt, "sample_ids": ids, "sample": text})
+            log.close()
+        if self.ps.pp > 1 or self.ps.cp > 1:
+            dist.barrier()
+
     def run(self) -> dict:
-        args = self.args
+        args = self.flags
         self.build()
         if args.save and self.ps.rank == 0:
             removed = checkpoint.remove_stale_temporaries(args.save)
@@ -883,50 +636,7 @@ class Trainer:
             self.save()
         result = {"iterations": self.iteration, "losses": history}
         if args.sample_tokens and not self.cfg.reward_head:  # a reward model scores text, it writes none
-            prompt, encoded, stop = "def ", None, None
-            if self.instruction and self.embedded:  # the twin answers a question of its data
-                template = chat_templates.TEMPLATES[corpus.INSTRUCTION_TEMPLATE]
-                prompt = "What does json.dumps do?"
-                encoded, _ = chat_templates.encode_conversation(self.tokenizer, template,
-                                                                [{"role": "user", "content": prompt}], True)
-                stop = template.stop[0]
-            model = self.model
-            if self.ps.pp > 1 or self.ps.cp > 1:  # one whole single-device model on rank 0
-                arrays = self.full_model_arrays()
-                model = None
-                if self.ps.rank == 0:
-                    model = self.model_spec.build(self.cfg)
-                    load_whole_state(model, arrays)
-            if model is not None:
-                nn.set_training(model, False)
-                # the prompt is encoded as the training documents were (BOS first where the tokenizer
-                # adds one); the sample ends where the model ends the document
-                # (the last seq-length tokens of a long sample; no cache, which needs whole sequences)
-                ids = generate(model, [encoded or self.tokenizer.encode(prompt)], args.sample_tokens,
-                               Sampling(greedy=False, temperature=0.8, top_k=20, seed=args.seed),
-                               stop_ids=(self.tokenizer.eod,), use_cache=False, window=args.seq_length)[0]
-                text = self.tokenizer.decode(ids)
-                if stop is not None:
-                    text = text.split(stop)[0]
-                    self.say(f"sample:\nUser> {prompt}\nAssistant> {text}")
-                else:
-                    self.say("sample:\n" + prompt + text)
-                result["sample"] = text
-                log.write({"iteration": self.iteration, "sample_prompt": prompt, "sample_ids": ids, "sample": text})
-                log.close()
-            if self.ps.pp > 1 or self.ps.cp > 1:
-                dist.barrier()
-        if self.embedded and args.save and history and self.instruction:
-            fw, where = runtime.bound().NAME, shlex.quote(args.save)
-            self.say(f"the fine-tuned model is saved in {args.save}; talk to it with\n"
-                     f"  mindspeed generate --ai-framework {fw} --load {where} --task chat --prompt-type "
-                     f"{INSTRUCTION_TEMPLATE}\n(it knows what the standard library's docstrings say: ask 'What "
-                     "does json.dumps do?')")
-        elif self.embedded and args.save and history:
-            fw, where = runtime.bound().NAME, shlex.quote(args.save)
-            self.say(f"the model is saved in {args.save}; go on from it with\n"
-                     f"  mindspeed generate --ai-framework {fw} --load {where} --prompt 'def ' --stream\n"
-                     f"  mindspeed generate --ai-framework {fw} --load {where} --task chat\n"
-                     f"  mindspeed evaluate --ai-framework {fw} --load {where} --task perplexity --task-data-path "
-                     "FILE.txt")
+            self._sample(result, log)
+        if self.embedded and args.save and history:
+            self.say(sample.next_steps(args.save, runtime.bound().NAME, self.instruction))
         return result

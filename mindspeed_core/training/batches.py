@@ -1,0 +1,134 @@
+"""The micro-batches of a run's data as this rank's loss reads them: token ids and labels
+(or preference pairs, or step verdicts) checked against the tokenizer, with the packed
+documents' positions, cut for context parallelism; and DPO's reference log-likelihoods of the
+pairs, computed once before training."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from mindspeed_core import dist, features, ops
+from mindspeed_core.data import finetune_dataset, gpt_dataset
+from mindspeed_core.errors import MindSpeedError
+from mindspeed_core.models.gpt import Tokens
+from mindspeed_core.parallel import context
+from mindspeed_core.training import alignment
+
+
+class Batches:
+    def __init__(self, data: dict, tokenizer, stage_name: str, ps, args, objective=None, reference=None):
+        self.data, self.tokenizer, self.stage_name, self.ps = data, tokenizer, stage_name, ps
+        self.instruction = stage_name != "pretrain"
+        self.pairwise = stage_name in alignment.PAIRWISE
+        self.objective, self.reference = objective, reference
+        self.micro_batch_size, self.reward_tokens = args.micro_batch_size, args.reward_tokens
+        self.reset_position_ids, self.reset_attention_mask = args.reset_position_ids, args.reset_attention_mask
+
+    def check_ids(self, split: str, ids: np.ndarray) -> None:
+        low, high = int(ids.min()), int(ids.max())  # cheap: one micro-batch
+        if low < 0 or high >= self.tokenizer.vocab_size:
+            bad = low if low < 0 else high
+            raise MindSpeedError(f"the {split} data holds token id {bad}, outside the {self.tokenizer.name} tokenizer's "
+                                 f"{self.tokenizer.vocab_size} ids: it seems to have been tokenized with a vocabulary of "
+                                 f"at least {high + 1} tokens; train with the tokenizer it was preprocessed with")
+
+    def _instruction(self, split: str, start: int, size: int):
+        features.note_used("sft")
+        ids, labels, loss_mask, positions, documents = finetune_dataset.batch(self.data[split], start, size)
+        self.check_ids(split, ids)
+        self.check_ids(split, labels)
+        return ids, labels, Tokens(positions, documents, loss_mask)
+
+    def _pairs(self, split: str, start: int, size: int):
+        """A micro-batch of ``size`` preference pairs: 2 x size rows, the chosen ones first;
+        for DPO where the loss is computed (the last pipeline stage), with the pairs'
+        reference log-likelihoods."""
+        blend = self.data[split]
+        where = [blend.locate(start + i) for i in range(size)]  # (part, sample of the part)
+        pairs = [blend.parts[part][1] for part, _ in where]
+        reference = None
+        if self.stage_name == "dpo" and self.ps.local_rank("pp") == self.ps.pp - 1:
+            numbers = [p.pair_number(i) for p, (_, i) in zip(pairs, where)]
+            rows = np.stack([self.reference.lookup(split, part, k) for (part, _), k in zip(where, numbers)])
+            reference = np.concatenate([rows[:, 0], rows[:, 1]])  # the chosen rows first, as the batch
+        return self.pairs_on_device(split, [p[i] for p, (_, i) in zip(pairs, where)], reference)
+
+    def pairs_on_device(self, split: str, pairs: list, reference):
+        ids, labels, mask = finetune_dataset.pair_batch(pairs)
+        self.check_ids(split, ids)
+        self.check_ids(split, labels)
+        target = alignment.Pairs(ops.tensor(np.ascontiguousarray(labels)), mask, reference)
+        return ops.tensor(np.ascontiguousarray(ids)), target, None
+
+    def _process_reward(self, split: str, start: int, size: int):
+        """Step-labelled samples: each label sits where its step ends (no shift), as the index
+        of its verdict among --reward-tokens."""
+        rows = [self.data[split][start + i] for i in range(size)]
+        ids, labels, mask, positions, documents = finetune_dataset.batch(None, 0, size, rows, shift=False)
+        self.check_ids(split, ids)
+        candidates = self.objective.candidates
+        verdicts = np.zeros_like(labels)
+        for k, token in enumerate(candidates):
+            verdicts[labels == token] = k
+        stray = mask & ~np.isin(labels, candidates)
+        if stray.any():
+            raise MindSpeedError(f"the {split} data labels a step with token {int(labels[stray][0])}, which is not one of "
+                                 f"--reward-tokens {' '.join(self.reward_tokens)} (token ids "
+                                 f"{' '.join(map(str, candidates))})")
+        return self._on_device(ids, verdicts, Tokens(positions, documents, mask))
+
+    def micro_batch(self, split: str, start: int, size: int):
+        if self.pairwise:
+            return self._pairs(split, start, size)
+        if self.stage_name == "prm":
+            return self._process_reward(split, start, size)
+        if self.instruction:
+            ids, labels, packed = self._instruction(split, start, size)
+            return self._on_device(ids, labels, packed)
+        tokens = gpt_dataset.batch(self.data[split], start, size)
+        loss_mask = None
+        if self.data[split].packed:
+            tokens, loss_mask = gpt_dataset.unpad(tokens, self.tokenizer.eod)
+        self.check_ids(split, tokens)
+        ids, labels = tokens[:, :-1], tokens[:, 1:]
+        positions, documents = gpt_dataset.document_layout(ids, self.tokenizer.eod, self.reset_position_ids,
+                                                           self.reset_attention_mask)
+        packed = (None if positions is None and documents is None and loss_mask is None
+                  else Tokens(positions, documents, loss_mask))
+        return self._on_device(ids, labels, packed)
+
+    def _on_device(self, ids: np.ndarray, labels: np.ndarray, packed: Tokens | None):
+        if self.ps.cp > 1:  # this rank's chunks of each sequence; positions and documents stay whole
+            columns = context.local_columns(ids.shape[1], self.ps.cp, self.ps.local_rank("cp"))
+            ids, labels = ids[:, columns], labels[:, columns]
+        return ops.tensor(np.ascontiguousarray(ids)), ops.tensor(np.ascontiguousarray(labels)), packed
+
+    def pair_counts(self) -> dict:
+        """{(split, part): pairs} of the training and validation data."""
+        return {(split, part): pairs.count for split in ("train", "valid") if self.data[split] is not None
+                for part, (_, pairs) in enumerate(self.data[split].parts)}
+
+    def compute_reference(self, model, say) -> None:
+        """DPO's reference: the starting model's log-likelihoods of every training and
+        validation pair, computed by the whole model before it is cut for the layout, on the
+        ranks holding the last pipeline stage (where the loss is), each data-parallel rank a
+        share, then summed over them (zeros elsewhere: exact)."""
+        if self.ps.local_rank("pp") != self.ps.pp - 1:
+            return
+        started, dp, me = time.perf_counter(), self.ps.dp, self.ps.local_rank("dp")
+        chunk = max(self.micro_batch_size, 8)  # pairs per forward
+        for (split, part), count in self.pair_counts().items():
+            pairs = self.data[split].parts[part][1]
+            mine = list(range(me, count, dp))
+            groups = [mine[k:k + chunk] for k in range(0, len(mine), chunk)]
+            batches = (self.pairs_on_device(split, [pairs.pair(k) for k in group], None)[:2] for group in groups)
+            table = np.zeros((count, 2), np.float32)
+            for group, ll in zip(groups, alignment.reference_log_likelihoods(model, batches)):
+                table[group, 0], table[group, 1] = ll[:len(group)], ll[len(group):]
+            if dp > 1:
+                table = ops.to_numpy(dist.all_reduce(ops.tensor(table), group=self.ps.group("dp")))
+            self.reference.tables[split, part] = table
+        say(f"DPO reference: the starting model's log-likelihoods of "
+                 f"{sum(self.pair_counts().values())} pairs ({time.perf_counter() - started:.1f} s)")

@@ -1,0 +1,95 @@
+"""Where a model's weights come from, read one way for train, generate, evaluate and convert:
+a Hugging Face folder (compat/hf.py), a Megatron checkpoint at any TP / PP / EP / VPP layout
+(compat/mcore.py), or one of our checkpoints (training/checkpoint.py, LoRA adapters included).
+Each gives the model's configuration and its whole state as numpy arrays under our names; no
+framework is needed to read them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from mindspeed_core.compat import hf, mcore
+from mindspeed_core.errors import CheckpointError, MindSpeedError
+from mindspeed_core.models.config import ModelConfig
+from mindspeed_core.models.state import merge_lora
+from mindspeed_core.training import checkpoint
+
+KINDS = ("hf", "megatron", "ours")
+
+
+@dataclasses.dataclass
+class Source:
+    path: str
+    kind: str  # one of KINDS
+    cfg: ModelConfig
+    state: dict  # {our parameter name: numpy array} of the whole model
+    iteration: int = 0
+    layout: mcore.Layout | None = None  # a Megatron checkpoint's saved layout
+    dtype: str = "float32"  # the saved weights' dtype
+    exact: bool = True  # False: Megatron's args did not name the architecture (the family is a guess)
+    meta: dict | None = None  # ours: the checkpoint's meta.json
+
+    @property
+    def tokenizer(self) -> str | None:
+        """The tokenizer an our-checkpoint was trained with (None where the source does not say)."""
+        return (self.meta or {}).get("tokenizer")
+
+    def merged(self) -> "Source":
+        """The same model with any LoRA adapters folded into their base weights (plain layers)."""
+        cfg, state = merge_lora(self.cfg, self.state)
+        return dataclasses.replace(self, cfg=cfg, state=state)
+
+
+def kind_of(path: str) -> str | None:
+    """Which kind of source ``path`` holds: "megatron", "ours", "hf", or None (nothing readable)."""
+    if not os.path.isdir(path):
+        return None
+    if mcore.is_megatron_checkpoint(path):
+        return "megatron"
+    if checkpoint.latest_iteration(path) is not None:
+        return "ours"
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return "hf"
+    return None
+
+
+def read_hf(folder: str) -> Source:
+    cfg, state = hf.load_folder(folder)
+    return Source(folder, "hf", cfg, state)
+
+
+def read_megatron(root: str) -> Source:
+    ckpt = mcore.load(root)
+    return Source(root, "megatron", ckpt.cfg, ckpt.state, ckpt.iteration, ckpt.layout, ckpt.dtype, ckpt.exact)
+
+
+def read_ours(root: str, iteration: int | None = None) -> Source:
+    """The newest (or the given) iteration of one of our checkpoints: weights only, not the
+    optimizer's copies."""
+    it = checkpoint.latest_iteration(root) if iteration is None else iteration
+    if it is None:
+        raise CheckpointError(f"no checkpoint in {root} (no {checkpoint.TRACKER})")
+    meta = checkpoint.read_meta(root, it)
+    try:
+        cfg = ModelConfig.from_dict(meta["model"])
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise CheckpointError(f"the checkpoint in {root} (iteration {it}) holds no valid model configuration "
+                              f"({exc})") from None
+    return Source(root, "ours", cfg, checkpoint.load_model_arrays(root, it), it, meta=meta)
+
+
+def read(path: str, flag: str, kinds: tuple = KINDS) -> Source:
+    """The model in ``path`` (given with ``flag``, for the messages), of one of ``kinds``."""
+    if kinds == ("hf",):  # the folder's own checks name what is missing or wrong
+        return read_hf(path)
+    if not os.path.isdir(path):
+        raise MindSpeedError(f"{flag} {path} does not exist" if not os.path.exists(path)
+                             else f"{flag} {path} is a file: give the folder that holds the model")
+    kind = kind_of(path)
+    if kind is None or kind not in kinds:
+        wanted = {"hf": "a Hugging Face folder (config.json)", "megatron": f"a Megatron checkpoint ({mcore.TRACKER})",
+                  "ours": f"one of our checkpoints ({checkpoint.TRACKER})"}
+        raise CheckpointError(f"no checkpoint in {path}: {flag} takes " + " or ".join(wanted[k] for k in kinds))
+    return {"hf": read_hf, "megatron": read_megatron, "ours": read_ours}[kind](path)

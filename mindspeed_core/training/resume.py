@@ -1,0 +1,126 @@
+"""What a run starts from: the weights of --load-hf, --load (one of our checkpoints to resume
+or fine-tune from, or a Megatron checkpoint at any layout) and --lora-load, put into the whole
+model before it is cut for this rank's layout. Each source is checked against the run's model
+configuration first; a mismatch is one line naming the flags to pass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from mindspeed_core import nn
+from mindspeed_core.errors import CheckpointError
+from mindspeed_core.models import lora
+from mindspeed_core.models.config import LoRAConfig, ModelConfig
+from mindspeed_core.models.gpt import load_whole_state
+from mindspeed_core.training import checkpoint, model_source
+
+
+def same_model(saved, cfg: ModelConfig, ignore_lora: bool = False, ignore_head: bool = False) -> bool:
+    """Whether a checkpoint's model config is ``cfg`` (fields added since it was saved take
+    their defaults); ``ignore_lora``: the base models only; ``ignore_head``: the models up
+    to their output (a language model starting a reward model)."""
+    try:
+        saved = ModelConfig.from_dict(saved)
+    except (TypeError, ValueError, AttributeError):
+        return False
+    if ignore_lora:
+        saved, cfg = dataclasses.replace(saved, lora=None), dataclasses.replace(cfg, lora=None)
+    if ignore_head:
+        saved, cfg = dataclasses.replace(saved, reward_head=False), dataclasses.replace(cfg, reward_head=False)
+    return saved == cfg
+
+
+def saved_lora(values: dict) -> LoRAConfig | None:
+    try:
+        return LoRAConfig(**values)
+    except (TypeError, ValueError):
+        return None
+
+
+
+
+def adapters(model) -> dict:
+    """The whole model's LoRA factors as they stand ({name: numpy})."""
+    return {n: v for n, v in nn.state_dict(model).items() if lora.is_adapter(n)}
+
+
+def with_head(model, cfg: ModelConfig, arrays: dict) -> dict:
+    """A language model's weights for this model: a reward model drops the output layer
+    and keeps its scalar head's fresh start."""
+    if not cfg.reward_head or "rm_head.weight" in arrays:
+        return arrays
+    out = {n: v for n, v in arrays.items() if not n.startswith("output_layer.")}
+    out["rm_head.weight"] = nn.state_dict(model)["rm_head.weight"]
+    return out
+
+
+def load_hf(model, cfg: ModelConfig, state: dict) -> None:
+    """A Hugging Face folder's weights (read with model_source.read_hf before the model was built)."""
+    nn.load_state_dict(model, with_head(model, cfg, {**adapters(model), **state}))
+
+
+def load_megatron(model, cfg: ModelConfig, root: str, say) -> None:
+    """The weights of a Megatron checkpoint (compat/mcore.py; any TP / PP / EP / VPP) for
+    this model, cut later for this run's layout; iteration 0, a fresh optimizer."""
+    source = model_source.read_megatron(root)
+    saved = source.cfg if source.exact else dataclasses.replace(source.cfg, family=cfg.family)
+    lm_start = cfg.reward_head and not saved.reward_head
+    if not same_model(saved.to_dict(), cfg, ignore_lora=cfg.lora is not None, ignore_head=lm_start):
+        raise CheckpointError(f"the Megatron checkpoint in {root} was saved for a different model configuration; "
+                              f"pass the model flags of its args (num_layers {saved.num_layers}, hidden_size "
+                              f"{saved.hidden_size}, padded vocabulary {saved.vocab_size}, ...)")
+    load_whole_state(model, with_head(model, cfg, {**adapters(model), **source.state}))
+    lay = source.layout
+    say(f"took the weights of the Megatron checkpoint {root} (iteration {source.iteration}, saved at "
+        f"TP={lay.tp} PP={lay.pp} EP={lay.ep}, {source.dtype}); no optimizer state: training starts at iteration 0")
+
+
+def resume(model, cfg: ModelConfig, root: str, finetune: bool, say, adapters_only: bool = False):
+    """Load the whole model from the newest checkpoint in ``root``; returns (iteration, its
+    optimizer arrays and steps) or (0, None) for the weights only. With LoRA, a checkpoint
+    without adapters is a base model: its weights only, whatever --finetune says.
+    ``adapters_only`` (--lora-load): the adapters and the training state, the base weights are
+    kept."""
+    flag = "--lora-load" if adapters_only else "--load"
+    if not adapters_only and model_source.kind_of(root) == "megatron":
+        load_megatron(model, cfg, root, say)
+        return 0, None
+    it = checkpoint.latest_iteration(root)
+    if it is None and (finetune or adapters_only):
+        raise CheckpointError(f"{flag}: {root} holds no checkpoint to take the weights from")
+    if it is None:
+        say(f"no checkpoint in {root} yet: starting from scratch")
+        return 0, None
+    meta = checkpoint.read_meta(root, it)
+    saved = meta.get("model") or {}
+    saved_adapters = saved.get("lora")
+    base_only = cfg.lora is not None and saved_adapters is None and not adapters_only
+    # a language model starting a reward model: its weights only, the scalar head fresh
+    lm_start = cfg.reward_head and not saved.get("reward_head")
+    if saved_adapters is not None and saved_lora(saved_adapters) != cfg.lora:
+        raise CheckpointError(f"the checkpoint in {root} (iteration {it}) holds LoRA adapters (rank "
+                              f"{saved_adapters['r']}, alpha {saved_adapters['alpha']}, dropout "
+                              f"{saved_adapters['dropout']}, targets {' '.join(saved_adapters['targets'])}): pass the "
+                              f"same --lora-* flags")
+    if adapters_only and saved_adapters is None:
+        raise CheckpointError(f"--lora-load: the checkpoint in {root} (iteration {it}) holds no LoRA adapters")
+    if not same_model(meta.get("model"), cfg, ignore_lora=base_only, ignore_head=lm_start):
+        raise CheckpointError(f"the checkpoint in {root} (iteration {it}) was saved for a different model "
+                              f"configuration; pass the same model flags as when it was saved")
+    if finetune and not adapters_only or base_only or lm_start:
+        # the weights only: iteration 0, a fresh optimizer, the data from its start
+        load_whole_state(model, with_head(model, cfg, {**adapters(model), **checkpoint.load_model_arrays(root, it)}))
+        why = ("--finetune" if finetune else "LoRA on a base model" if base_only else
+               "a reward model from a language model")
+        say(f"fine-tuning from the weights of {checkpoint.iteration_dir(root, it)} ({why})")
+        return 0, None
+    model_arrays, optimizer_arrays, steps = checkpoint.load(root, it)
+    if adapters_only:  # the base weights stay those of --load / --load-hf
+        model_arrays = {**nn.state_dict(model), **{n: v for n, v in model_arrays.items() if lora.is_adapter(n)}}
+    load_whole_state(model, model_arrays)
+    layout = meta.get("parallel", {})
+    say(f"resumed {'the LoRA adapters ' if adapters_only else ''}from {checkpoint.iteration_dir(root, it)} "
+        f"(saved on {meta.get('framework')}, TP={layout.get('tp', 1)} DP={layout.get('dp', 1)} "
+        f"PP={layout.get('pp', 1)})")
+    return it, (optimizer_arrays, steps)
