@@ -123,7 +123,7 @@ def test_hand_written_backward_under_compile_is_what_the_matrix_says():
 
 def test_a_wrong_compiled_gradient_stops_the_run(capsys, corpus, monkeypatch):  # noqa: F811
     """A compiler whose gradients are off by 0.1% (an eager stand-in, so nothing is compiled)."""
-    from mindspeed_core.training import trainer
+    from mindspeed_core.training import compiled
 
     def slightly_wrong(fn, params, module):
         run = autograd.value_and_grad(fn, params)
@@ -135,6 +135,6 @@ def test_a_wrong_compiled_gradient_stops_the_run(capsys, corpus, monkeypatch):  
 
     shim = type("Autograd", (), {"__getattr__": lambda self, name: getattr(autograd, name),
                                  "compiled_value_and_grad": staticmethod(slightly_wrong)})()
-    monkeypatch.setattr(trainer, "autograd", shim)
+    monkeypatch.setattr(compiled, "autograd", shim)
     code, out, err = train(capsys, *FLAGS, "--compile", "--train-iters", "2", "--data-path", corpus)
     assert code != 0 and "disagrees with eager" in err and "run without --compile" in err, (out, err)

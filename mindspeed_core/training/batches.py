@@ -1,7 +1,8 @@
-"""The micro-batches of a run's data as this rank's loss reads them: token ids and labels
-(or preference pairs, or step verdicts) checked against the tokenizer, with the packed
-documents' positions, cut for context parallelism; and DPO's reference log-likelihoods of the
-pairs, computed once before training."""
+"""A run's data: where it is (--data-path, or the embedded corpus built on first use), its
+train / valid / test splits, and the micro-batches as this rank's loss reads them: token ids
+and labels (or preference pairs, or step verdicts) checked against the tokenizer, with the
+packed documents' positions, cut for context parallelism; and DPO's reference log-likelihoods
+of the pairs, computed once before training."""
 
 from __future__ import annotations
 
@@ -10,11 +11,33 @@ import time
 import numpy as np
 
 from mindspeed_core import dist, features, ops
-from mindspeed_core.data import finetune_dataset, gpt_dataset
+from mindspeed_core.data import corpus, finetune_dataset, gpt_dataset
 from mindspeed_core.errors import MindSpeedError
 from mindspeed_core.models.gpt import Tokens
 from mindspeed_core.parallel import context
 from mindspeed_core.training import alignment
+
+
+def data_path(config) -> list:
+    """--data-path, or for the embedded default the standard library's source (its instructions
+    for the fine-tuning twin), built once and then cached."""
+    if not config.data.embedded:
+        return list(config.data.paths)
+    return [corpus.build_stdlib_instructions(config.data.seq_length) if config.stage.instruction
+            else corpus.build_stdlib_corpus()]
+
+
+def splits(config, paths: list) -> dict:
+    """{"train", "valid", "test"} of the blended data (None for an empty split)."""
+    d, flags = config.data, config.flags
+    if config.stage.instruction:
+        data = finetune_dataset.build_splits(paths, d.split, d.seq_length, d.seed, pad=config.tokenizer.eod,
+                                             pairs=config.stage.pairwise)
+    else:
+        data = gpt_dataset.build_splits(paths, d.split, d.seq_length, d.seed)
+    if flags.eval_iters and flags.eval_interval and data["valid"] is None:
+        raise MindSpeedError("the validation split is empty: give --split a larger second part or use --eval-iters 0")
+    return data
 
 
 class Batches:

@@ -15,7 +15,7 @@ import argparse
 import dataclasses
 import os
 
-from mindspeed_core import device, features, files, runtime
+from mindspeed_core import device, features, files, ops, runtime
 from mindspeed_core.compat import hf
 from mindspeed_core.data.tokenizer import build_tokenizer, check_fits, padded_vocab_size, tokenizer_args
 from mindspeed_core.errors import MindSpeedError
@@ -482,3 +482,54 @@ def alignment_settings(a, reward_token_ids=None) -> dict | None:
     if stage == "orm":
         return {"head": "rm_head [1, hidden], read at each reply's last token"}
     return None
+
+
+# what a run does besides training, shown by --dry-run with the rest of the configuration
+_RUN_SETTINGS = ("split", "save", "save_interval", "load", "load_hf", "overwrite_checkpoints", "eval_interval",
+                 "eval_iters", "log_interval", "exit_interval", "metrics_file", "sample_tokens")
+
+
+def kernels(cfg: ModelConfig) -> dict:
+    """What runs for each fused operator: the device's native kernel, the composite standing
+    in for a fused op the device lacks, or the composite because its flag is off."""
+    bound = ops.implementations()
+    names = {"attention": "attention", "rms_norm": "rms_norm", "swiglu": "swiglu", "rope": "apply_rotary",
+             "grouped_matmul": "grouped_matmul"}
+    return {op: (bound[names[op]] if op in cfg.fused else "composite (flag off)") for op in names}
+
+
+def describe(config: RunConfig, data_path, pipeline_layout, grad_accum: int, loss_scale: float,
+         reward_token_ids=None) -> dict:
+    """Everything the run will do, as `mindspeed train --dry-run` prints it."""
+    flags, cfg, tokenizer, lay = config.flags, config.model, config.tokenizer, config.layout
+    return {
+        "framework": runtime.bound().NAME, "device": device.current(),
+        "model": cfg.to_dict(), "kernels": kernels(cfg), "parameters": cfg.num_parameters(),
+        "flops_per_token": cfg.flops_per_token(flags.seq_length),
+        "tokenizer": {"type": tokenizer.name, "end_of_document": tokenizer.eod,
+                      "end_of_document_from": tokenizer.eod_source, "bos": tokenizer.bos,
+                      "encodes_special_tokens": getattr(tokenizer, "include_special_tokens", None)},
+        "data_path": data_path, "stage": config.stage.name, "alignment": alignment_settings(flags, reward_token_ids),
+        "seq_length": flags.seq_length, "micro_batch_size": flags.micro_batch_size,
+        "global_batch_size": flags.global_batch_size, "gradient_accumulation": grad_accum,
+        "train_iters": flags.train_iters, "lr": flags.lr, "min_lr": flags.min_lr,
+        "lr_warmup_iters": flags.lr_warmup_iters, "lr_decay_style": flags.lr_decay_style,
+        "lr_decay_iters": flags.lr_decay_iters,
+        "weight_decay": flags.weight_decay, "clip_grad": flags.clip_grad, "seed": flags.seed,
+        "adam": {"beta1": flags.adam_beta1, "beta2": flags.adam_beta2, "eps": flags.adam_eps},
+        "precision": config.optimization.precision, "loss_scale": loss_scale if flags.fp16 else None,
+        "compile": bool(flags.compile),
+        "parallel": {"tp": lay.tp, "dp": lay.dp, "pp": lay.pp, "cp": lay.cp,
+                     "context_parallel_algo": flags.context_parallel_algo if lay.cp > 1 else None,
+                     "ulysses_degree": (context.ulysses_degree(lay.cp, flags.context_parallel_algo,
+                                                               flags.ulysses_degree_in_cp)
+                                        if lay.cp > 1 else None),
+                     "sequence_parallel": bool(flags.sequence_parallel),
+                     "distributed_optimizer": bool(flags.use_distributed_optimizer),
+                     "model_chunks_per_pipeline_rank": pipeline_layout.chunks,
+                     "layers_per_virtual_stage": pipeline_layout.describe()},
+        "packed_sequences": {"reset_attention_mask": bool(flags.reset_attention_mask),
+                             "reset_position_ids": bool(flags.reset_position_ids)},
+        "run": {key: getattr(flags, key) for key in _RUN_SETTINGS} | {"progress": not flags.no_progress},
+        "operations": config.operations,
+    }

@@ -1,19 +1,23 @@
 """What a run starts from: the weights of --load-hf, --load (one of our checkpoints to resume
 or fine-tune from, or a Megatron checkpoint at any layout) and --lora-load, put into the whole
-model before it is cut for this rank's layout. Each source is checked against the run's model
-configuration first; a mismatch is one line naming the flags to pass.
+model before it is cut for this rank's layout; and the run's state beyond the tensors (random
+generators, loss scale, expert biases, DPO's reference) saved with each checkpoint and put
+back on resume. Each source is checked against the run's model configuration first; a
+mismatch is one line naming the flags to pass.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from mindspeed_core import nn
+import numpy as np
+
+from mindspeed_core import nn, random, runtime
 from mindspeed_core.errors import CheckpointError
 from mindspeed_core.models import lora
 from mindspeed_core.models.config import LoRAConfig, ModelConfig
 from mindspeed_core.models.gpt import load_whole_state
-from mindspeed_core.training import checkpoint, model_source
+from mindspeed_core.training import checkpoint, distributed, model_source
 
 
 def same_model(saved, cfg: ModelConfig, ignore_lora: bool = False, ignore_head: bool = False) -> bool:
@@ -124,3 +128,71 @@ def resume(model, cfg: ModelConfig, root: str, finetune: bool, say, adapters_onl
         f"(saved on {meta.get('framework')}, TP={layout.get('tp', 1)} DP={layout.get('dp', 1)} "
         f"PP={layout.get('pp', 1)})")
     return it, (optimizer_arrays, steps)
+
+
+def run_state(ps, scaler, moe_layers: list, reference) -> dict:
+    """What exact resumption needs beyond the tensors (collective: every rank calls it): each
+    rank's generator states (dropout draws, the tracker's tensor-parallel streams), the fp16
+    loss scale with its clean-step counter, aux-loss-free balancing's expert biases and DPO's
+    reference log-likelihoods."""
+    mine = {"default": random.get_state(), "tracker": random.tracker().get_states(),
+            # aux-loss-free balancing's biases, by layer number (float32 survives JSON exactly)
+            "expert_bias": {str(layer.number): [float(b) for b in layer.expert_bias]
+                            for layer in moe_layers if layer.expert_bias is not None}}
+    if reference and ps.local_rank("dp") == 0 and ps.local_rank("tp") == 0:
+        mine["reference"] = reference.state()  # one copy: the last stage's first rank's
+    return {"framework": runtime.bound().NAME, **scaler.state(), "layout": _layout(ps),
+            "rng": distributed.gather_json(mine, ps)}
+
+
+def _layout(ps) -> dict:
+    return {"world": ps.world, "tp": ps.tp, "dp": ps.dp, "pp": ps.pp, "cp": ps.cp}
+
+
+def restore_run_state(state: dict, ps, scaler, moe_layers: list, reference, stage: str, pair_counts, resumed_from: str,
+                      say) -> None:
+    """Put back what :func:`run_state` saved; generator states only where the framework and the
+    layout are the saving run's (the shared stream carries over a layout change)."""
+    if not state:  # a checkpoint from before trainer states were saved
+        say("this checkpoint holds no RNG states or loss scale: dropout and fp16 resume approximately")
+        return
+    try:
+        scaler.load_state(state)
+        ranks, layout = state["rng"], {"pp": 1, "cp": 1, **state["layout"]}  # saved before PP/CP: one of each
+        _restore_expert_bias(ranks, moe_layers)
+        if stage == "dpo":
+            _restore_reference(ranks, reference, pair_counts(), resumed_from)
+        framework = runtime.bound().NAME
+        if state["framework"] != framework:  # generator states are framework-specific
+            say(f"RNG states were saved on {state['framework']}: dropout draws start afresh on {framework}")
+        elif layout == _layout(ps):
+            random.set_state(ranks[ps.rank]["default"])
+            random.tracker().set_states(ranks[ps.rank]["tracker"])
+        else:  # the shared stream carries over; per-rank tensor-parallel streams start afresh
+            random.set_state(ranks[0]["default"])
+            if any(r["tracker"] for r in ranks):
+                say(f"saved at TP={layout.get('tp')} DP={layout.get('dp')} PP={layout.get('pp')}, resumed at "
+                    f"TP={ps.tp} DP={ps.dp} PP={ps.pp}: tensor-parallel dropout streams are reseeded")
+    except (KeyError, IndexError, TypeError, ValueError) as exc:
+        raise CheckpointError(f"the checkpoint's {checkpoint.STATE_FILE} is malformed ({exc!r})") from None
+
+
+def _restore_reference(ranks: list, reference, pair_counts: dict, resumed_from: str) -> None:
+    """DPO's reference log-likelihoods as the saving run computed them, from every rank (the
+    layout may have changed since)."""
+    saved = [r["reference"] for r in ranks if "reference" in r]
+    if not saved:
+        raise CheckpointError(f"the checkpoint in {resumed_from} holds no DPO reference: it was not saved by "
+                              f"a --stage dpo run; start DPO from its weights with --finetune")
+    reference.load(saved[0], pair_counts)
+
+
+def _restore_expert_bias(ranks: list, moe_layers: list) -> None:
+    saved = {int(n): b for r in ranks for n, b in r.get("expert_bias", {}).items()}  # any stage's rank
+    for layer in moe_layers:
+        if layer.expert_bias is None:
+            continue
+        if layer.number not in saved:
+            raise CheckpointError(f"the checkpoint holds no expert bias for MoE layer {layer.number}: it was "
+                                  f"saved without --moe-router-enable-expert-bias")
+        layer.expert_bias = np.asarray(saved[layer.number], np.float32)

@@ -21,40 +21,18 @@ import time
 import numpy as np
 
 from mindspeed_core import autograd, device, dist, features, nn, ops, random, runtime
-from mindspeed_core.backends.common import check_fits_in_memory
-from mindspeed_core.data import corpus, finetune_dataset, gpt_dataset
 from mindspeed_core.data.sampler import PretrainingSampler
-from mindspeed_core.errors import CheckpointError, MindSpeedError
-from mindspeed_core.memory import recompute
-from mindspeed_core.memory.swap import HostSwap
+from mindspeed_core.errors import MindSpeedError
 from mindspeed_core.models import lora, registry
-from mindspeed_core.models.config import ModelConfig
 from mindspeed_core.models.gpt import load_whole_state
 from mindspeed_core.models.moe import with_router_losses
-from mindspeed_core.parallel import context, families
-from mindspeed_core.parallel import layers as parallel_layers
 from mindspeed_core.parallel import state as parallel_state
-from mindspeed_core.parallel.plan import ParallelPlan
 from mindspeed_core.progress import Progress
-from mindspeed_core.training import (alignment, boards, checkpoint, configuration, distributed, model_source,
-                                     profiling, resume, routing, sample, schedules)
-from mindspeed_core.training.batches import Batches
-from mindspeed_core.training.distributed_optimizer import DistributedAdamW
+from mindspeed_core.training import (alignment, batches, boards, build, checkpoint, compiled, configuration,
+                                     distributed, profiling, resume, routing, sample, schedules)
 from mindspeed_core.training.loss_scale import LossScaler
 from mindspeed_core.training.metrics import MetricsLog
-from mindspeed_core.training.optimizer import AdamW, learning_rate
-
-# what a run does besides training, shown by --dry-run with the rest of the configuration
-_RUN_SETTINGS = ("split", "save", "save_interval", "load", "load_hf", "overwrite_checkpoints", "eval_interval",
-                 "eval_iters", "log_interval", "exit_interval", "metrics_file", "sample_tokens")
-
-def kernels(cfg: ModelConfig) -> dict:
-    """What runs for each fused operator: the device's native kernel, the composite standing
-    in for a fused op the device lacks, or the composite because its flag is off."""
-    bound = ops.implementations()
-    names = {"attention": "attention", "rms_norm": "rms_norm", "swiglu": "swiglu", "rope": "apply_rotary",
-             "grouped_matmul": "grouped_matmul"}
-    return {op: (bound[names[op]] if op in cfg.fused else "composite (flag off)") for op in names}
+from mindspeed_core.training.optimizer import learning_rate
 
 
 class Trainer:
@@ -76,10 +54,7 @@ class Trainer:
                 self.stage_name, args,
                 alignment.reward_token_ids(self.tokenizer, args.reward_tokens) if self.stage_name == "prm" else None)
         self.reference = alignment.ReferenceTable()  # DPO's, filled by build()
-        self.data_path = args.data_path
-        if self.embedded:  # built (once, then cached) where it is read
-            self.data_path = [corpus.build_stdlib_instructions(args.seq_length) if self.instruction
-                              else corpus.build_stdlib_corpus()]
+        self.data_path = batches.data_path(self.config)
         self.dtype = self.config.optimization.precision
         self.scaler = LossScaler(dynamic=bool(args.fp16), initial=args.initial_loss_scale)
         self.deterministic = self.config.operations["deterministic"]
@@ -98,98 +73,36 @@ class Trainer:
         self.grad_accum = self.sampler.micro_batches_per_step
         self.tokens_per_step = args.global_batch_size * args.seq_length
         self.timeline = None  # a list to receive the pipeline schedule's timings (benchmarks)
-        self.compile_seconds = 0.0  # --compile: None until the first compiled step, then its duration
 
     # -- set-up ------------------------------------------------------------------------------
     def describe(self) -> dict:
-        return {
-            "framework": runtime.bound().NAME, "device": device.current(),
-            "model": self.cfg.to_dict(), "kernels": kernels(self.cfg), "parameters": self.cfg.num_parameters(),
-            "flops_per_token": self.cfg.flops_per_token(self.flags.seq_length),
-            "tokenizer": {"type": self.tokenizer.name, "end_of_document": self.tokenizer.eod,
-                          "end_of_document_from": self.tokenizer.eod_source, "bos": self.tokenizer.bos,
-                          "encodes_special_tokens": getattr(self.tokenizer, "include_special_tokens", None)},
-            "data_path": self.data_path, "stage": self.stage_name, "alignment": configuration.alignment_settings(
-                self.flags, self.objective.candidates if self.stage_name == "prm" else None),
-            "seq_length": self.flags.seq_length, "micro_batch_size": self.flags.micro_batch_size,
-            "global_batch_size": self.flags.global_batch_size, "gradient_accumulation": self.grad_accum,
-            "train_iters": self.flags.train_iters, "lr": self.flags.lr, "min_lr": self.flags.min_lr,
-            "lr_warmup_iters": self.flags.lr_warmup_iters, "lr_decay_style": self.flags.lr_decay_style,
-            "lr_decay_iters": self.flags.lr_decay_iters,
-            "weight_decay": self.flags.weight_decay, "clip_grad": self.flags.clip_grad, "seed": self.flags.seed,
-            "adam": {"beta1": self.flags.adam_beta1, "beta2": self.flags.adam_beta2, "eps": self.flags.adam_eps},
-            "precision": self.dtype, "loss_scale": self.scaler.scale if self.flags.fp16 else None,
-            "compile": bool(self.flags.compile),
-            "parallel": {"tp": self.ps.tp, "dp": self.ps.dp, "pp": self.ps.pp, "cp": self.ps.cp,
-                         "context_parallel_algo": self.flags.context_parallel_algo if self.ps.cp > 1 else None,
-                         "ulysses_degree": (context.ulysses_degree(self.ps.cp, self.flags.context_parallel_algo,
-                                                                   self.flags.ulysses_degree_in_cp)
-                                            if self.ps.cp > 1 else None),
-                         "sequence_parallel": bool(self.flags.sequence_parallel),
-                         "distributed_optimizer": bool(self.flags.use_distributed_optimizer),
-                         "model_chunks_per_pipeline_rank": self.layout.chunks,
-                         "layers_per_virtual_stage": self.layout.describe()},
-            "packed_sequences": {"reset_attention_mask": bool(self.flags.reset_attention_mask),
-                                 "reset_position_ids": bool(self.flags.reset_position_ids)},
-            "run": {key: getattr(self.flags, key) for key in _RUN_SETTINGS} | {"progress": not self.flags.no_progress},
-            "operations": configuration.operations(self.flags),
-        }
+        """The run as --dry-run prints it (training/configuration.py describe)."""
+        return configuration.describe(self.config, self.data_path, self.layout, self.grad_accum, self.scaler.scale,
+                                      self.objective.candidates if self.stage_name == "prm" else None)
 
     def build(self):
         args = self.flags
-        if self.instruction:
-            self.data = finetune_dataset.build_splits(self.data_path, args.split, args.seq_length, args.seed,
-                                                      pad=self.tokenizer.eod, pairs=self.pairwise)
-        else:
-            self.data = gpt_dataset.build_splits(self.data_path, args.split, args.seq_length, args.seed)
-        if args.eval_iters and args.eval_interval and self.data["valid"] is None:
-            raise MindSpeedError("the validation split is empty: give --split a larger second part or use --eval-iters 0")
-        self.batches = Batches(self.data, self.tokenizer, self.stage_name, self.ps, args, self.objective, self.reference)
+        self.data = batches.splits(self.config, self.data_path)
+        self.batches = batches.Batches(self.data, self.tokenizer, self.stage_name, self.ps, args, self.objective,
+                                       self.reference)
         random.seed(args.seed)
-        if device.type() == "cpu":
-            check_fits_in_memory(configuration.memory_needed(self.cfg, self.ps.tp),
-                                 f"training this {self.cfg.num_parameters():,}-parameter model")
         # The full model is built (and loaded) on every rank, then cut for this rank: a
         # parallel run starts from exactly the single-process weights.
-        hf_source = None
-        if args.load_hf:  # checked against its config before the model is built
-            hf_source = model_source.read(args.load_hf, "--load-hf", ("hf",))
-        self.model = self.model_spec.build(self.cfg)  # the whole model
-        if self.cfg.lora is not None:  # the adapters' start; a checkpoint may replace them
-            features.note_used("lora")
-            lora.init_adapters(self.model, args.seed)
-        if hf_source is not None:
-            resume.load_hf(self.model, self.cfg, hf_source.state)
-        self.iteration, saved_optimizer = 0, None
-        for root, adapters_only in ((args.load, False), (args.lora_load, True)):
-            if root:
-                it, saved_optimizer = resume.resume(self.model, self.cfg, root, args.finetune, self.say, adapters_only)
-                self.iteration = it if saved_optimizer is not None else self.iteration
+        self.model, self.iteration, saved_optimizer = build.whole_model(self.model_spec, self.cfg, args, self.say)
         self.resumed_from = args.lora_load or args.load
         if self.stage_name == "dpo" and saved_optimizer is None:  # the starting weights are the reference
             self.batches.compute_reference(self.model, self.say)
         ps = self.ps
-        if ps.pp > 1:  # keep this rank's stages only
-            self.chunks = self.model_spec.pipeline_chunks(self.model, self.layout, ps.local_rank("pp"))
+        self.chunks, self.plan, self.swap = build.cut_for_layout(self.model, self.model_spec, self.layout, ps, args)
+        if ps.pp > 1:  # this rank keeps its stages only
             self.model = None
-        else:
-            self.chunks = [self.model]
         # MoE layers report their routing (aux and z losses, tokens per expert) each step
         self.moe_layers = [layer for chunk in self.chunks for layer in getattr(chunk, "moe_layers", list)()]
         self.moe_stats = self.stage_stats = self.eval_stats = None
-        self.plan = ParallelPlan.join(families.parallelize(self.model_spec, c, ps, args.sequence_parallel,
-                                                           args.context_parallel_algo, args.ulysses_degree_in_cp,
-                                                           args.moe_token_dispatcher_type)
-                                      for c in self.chunks)
-        memory_policy = recompute.from_args(args)
-        self.swap = HostSwap() if args.swap_attention else None
-        if memory_policy.active or self.swap:
-            for chunk in self.chunks:
-                chunk.use_memory(memory_policy, self.swap)
-        if ps.tp > 1:
-            parallel_layers.seed_model_parallel_rng(args.seed, ps)
         if saved_optimizer is not None:  # after the tracker is seeded: its streams are restored too
-            self._restore_trainer_state(checkpoint.load_trainer_state(self.resumed_from, self.iteration))
+            saved = checkpoint.load_trainer_state(self.resumed_from, self.iteration)
+            resume.restore_run_state(saved, self.ps, self.scaler, self.moe_layers, self.reference, self.stage_name,
+                                     self.batches.pair_counts, self.resumed_from, self.say)
         if self.dtype != "float32":
             for chunk in self.chunks:
                 nn.cast_parameters(chunk, self.dtype)  # the optimizer keeps fp32 masters
@@ -204,20 +117,8 @@ class Trainer:
         self.train_params = [p for p, t in zip(self.params, trained) if t]
         chunk_trained = iter(trained)
         chunk_params = [[p for p in params if next(chunk_trained)] for params in chunk_params]
-        named = list(zip(self.train_names, self.train_params))
-        opt_args = (named, args.lr, args.weight_decay, (args.adam_beta1, args.adam_beta2), args.adam_eps)
-        moment_dtype = "bfloat16" if args.o2_optimizer else "float32"
-        if args.use_distributed_optimizer:
-            self.optimizer = DistributedAdamW(*opt_args, ps=ps, plan=self.train_plan, moment_dtype=moment_dtype,
-                                              reuse_fp32_param=args.reuse_fp32_param)
-        else:
-            self.optimizer = AdamW(*opt_args, ps=ps, plan=self.train_plan, moment_dtype=moment_dtype)
-        if saved_optimizer is not None:
-            arrays, steps = saved_optimizer
-            mine, specs, experts_here = set(self.train_names), self.plan.shard_specs, self.plan.expert_names
-            local = {k: ops.tensor(distributed.local_array(k.split(".", 1)[1], v, specs, ps, experts_here))
-                     for k, v in arrays.items() if k.split(".", 1)[1] in mine}
-            self.optimizer.load_state(local, steps)
+        self.optimizer = build.optimizer(list(zip(self.train_names, self.train_params)), self.train_plan,
+                                         self.plan, ps, args, saved_optimizer)
         self.forward_backward, self.forward_only = self._schedule(chunk_params)
 
     def _schedule(self, chunk_params: list):
@@ -229,18 +130,19 @@ class Trainer:
         float32_grads = self.dtype != "float32"
         if ps.pp == 1:
             self.grad_fn = autograd.value_and_grad(self._loss, self.train_params)
-            if args.compile:
-                self._compile_step()
+            if args.compile:  # the eager function stays for the first step's check
+                self.grad_fn = compiled.CheckedCompiledStep(self.model, self.train_params, self.train_names,
+                                                            self.grad_fn, self.scaler, self.dtype, ps.tp > 1, self.say)
 
-            def forward_backward(batches):
-                return schedules.forward_backward_no_pipelining(self.grad_fn, batches, self.scaler.scale,
+            def forward_backward(micro_batches):
+                return schedules.forward_backward_no_pipelining(self.grad_fn, micro_batches, self.scaler.scale,
                                                                 float32_grads=float32_grads)
 
-            def forward_only(batches):
+            def forward_only(micro_batches):
                 with autograd.no_grad():
                     return float(np.mean([float(ops.to_numpy(self._objective(self.model, self.model(ids, tokens),
                                                                              labels, tokens)))
-                                          for ids, labels, tokens in batches]))
+                                          for ids, labels, tokens in micro_batches]))
 
             return forward_backward, forward_only
         rows = args.micro_batch_size * (2 if self.pairwise else 1)  # a pair's two conversations travel together
@@ -262,13 +164,13 @@ class Trainer:
         eval_program = schedules.pipeline_program(ps.pp, self.layout.chunks, max(args.eval_iters, 1),
                                                   forward_only=True)[pp_rank]
 
-        def forward_backward(batches):
-            loss, grads = schedules.forward_backward_pipelining(train_stage, program, batches, self.scaler.scale,
+        def forward_backward(micro_batches):
+            loss, grads = schedules.forward_backward_pipelining(train_stage, program, micro_batches, self.scaler.scale,
                                                                 float32_grads=float32_grads, timeline=self.timeline)
             return distributed.over_pipeline(loss, ps), grads  # the last stage's loss; zero elsewhere
 
-        def forward_only(batches):
-            loss, _ = schedules.forward_backward_pipelining(eval_stage, eval_program, batches, forward_only=True)
+        def forward_only(micro_batches):
+            loss, _ = schedules.forward_backward_pipelining(eval_stage, eval_program, micro_batches, forward_only=True)
             return distributed.over_pipeline(loss, ps)
 
         return forward_backward, forward_only
@@ -310,112 +212,6 @@ class Trainer:
         loss = self._objective(self.model, self.model(ids, tokens), labels, tokens)
         return self._with_router_losses(self.model, self.scaler.scale_loss(loss))
 
-    # -- --compile -----------------------------------------------------------------------------
-    def _compile_step(self) -> None:
-        """Swap the gradient function for a compiled one; the eager one stays for the check
-        on the first step. The loss scale is an input of the compiled graph (a constant would
-        be frozen by MindSpore's trace capture)."""
-        features.note_used("compile")
-        if self.ps.tp > 1:
-            features.note_used("compile-tensor-parallel")
-        self.eager_grad_fn = self.grad_fn
-        compiled = autograd.compiled_value_and_grad(lambda ids, labels, scale: self.model.loss(ids, labels) * scale,
-                                                    self.train_params, self.model)
-        # (packed sequences and context parallelism are refused with --compile: no tokens argument)
-        self.grad_fn = lambda ids, labels, tokens=None: compiled(ids, labels, ops.tensor(np.float32(self.scaler.scale)))
-        self.compile_seconds = None  # the first call's duration, compilation included
-
-    def _check_compiled(self, ids, labels, tokens=None) -> None:
-        """The first compiled step's gradients against eager ones on the same micro-batch and
-        random state: a compiler that gets a gradient wrong stops the run here (one line),
-        never silently."""
-        saved = random.get_state(), random.tracker().get_states()
-        start = time.perf_counter()
-        loss, grads = self.grad_fn(ids, labels)
-        grads = [ops.to_numpy(g) for g in grads]
-        self.compile_seconds = time.perf_counter() - start
-        random.set_state(saved[0])
-        random.tracker().set_states(saved[1])
-        eager_loss, eager = self.eager_grad_fn(ids, labels)
-        random.set_state(saved[0])
-        random.tracker().set_states(saved[1])
-        worst, where = 0.0, None
-        for name, c, e in zip(self.train_names, grads, eager):
-            e = ops.to_numpy(e).astype(np.float64)
-            diff = float(np.abs(c.astype(np.float64) - e).max()) / max(float(np.abs(e).max()), 1e-12)
-            if not diff <= worst:  # also catches NaN
-                worst, where = diff, name
-        loss, eager_loss = float(ops.to_numpy(loss)), float(ops.to_numpy(eager_loss))
-        tol = 1e-4 if self.dtype == "float32" else 3e-2
-        if not (worst <= tol and abs(loss - eager_loss) <= tol * max(abs(eager_loss), 1.0)):
-            raise MindSpeedError(f"--compile: the compiled step disagrees with eager on the first micro-batch (loss "
-                                 f"{loss:.6g} vs {eager_loss:.6g}; gradient of {where} off by {worst:.2g} relative): "
-                                 f"run without --compile")
-        self.say(f"--compile: compiled in {self.compile_seconds:.1f} s; first-step gradients match eager "
-                 f"(largest relative difference {worst:.1e})")
-
-    def _trainer_state(self) -> dict:
-        """What exact resumption needs beyond the tensors (collective: every rank calls it):
-        each rank's generator states (dropout draws, the tracker's tensor-parallel streams)
-        and the fp16 loss scale with its clean-step counter."""
-        mine = {"default": random.get_state(), "tracker": random.tracker().get_states(),
-                # aux-loss-free balancing's biases, by layer number (float32 survives JSON exactly)
-                "expert_bias": {str(layer.number): [float(b) for b in layer.expert_bias]
-                                for layer in self.moe_layers if layer.expert_bias is not None}}
-        if self.reference and self.ps.local_rank("dp") == 0 and self.ps.local_rank("tp") == 0:
-            mine["reference"] = self.reference.state()  # one copy: the last stage's first rank's
-        return {"framework": runtime.bound().NAME, **self.scaler.state(),
-                "layout": self._layout(),
-                "rng": distributed.gather_json(mine, self.ps)}
-
-    def _layout(self) -> dict:
-        return {"world": self.ps.world, "tp": self.ps.tp, "dp": self.ps.dp, "pp": self.ps.pp, "cp": self.ps.cp}
-
-    def _restore_trainer_state(self, state: dict) -> None:
-        if not state:  # a checkpoint from before trainer states were saved
-            self.say("this checkpoint holds no RNG states or loss scale: dropout and fp16 resume approximately")
-            return
-        try:
-            self.scaler.load_state(state)
-            ranks, layout = state["rng"], {"pp": 1, "cp": 1, **state["layout"]}  # saved before PP/CP: one of each
-            self._restore_expert_bias(ranks)
-            if self.stage_name == "dpo":
-                self._restore_reference(ranks)
-            here = self._layout()
-            if state["framework"] != runtime.bound().NAME:  # generator states are framework-specific
-                self.say(f"RNG states were saved on {state['framework']}: dropout draws start afresh on "
-                         f"{runtime.bound().NAME}")
-            elif layout == here:
-                random.set_state(ranks[self.ps.rank]["default"])
-                random.tracker().set_states(ranks[self.ps.rank]["tracker"])
-            else:  # the shared stream carries over; per-rank tensor-parallel streams start afresh
-                random.set_state(ranks[0]["default"])
-                if any(r["tracker"] for r in ranks):
-                    self.say(f"saved at TP={layout.get('tp')} DP={layout.get('dp')} PP={layout.get('pp')}, resumed at "
-                             f"TP={self.ps.tp} DP={self.ps.dp} PP={self.ps.pp}: tensor-parallel dropout streams are "
-                             f"reseeded")
-        except (KeyError, IndexError, TypeError, ValueError) as exc:
-            raise CheckpointError(f"the checkpoint's {checkpoint.STATE_FILE} is malformed ({exc!r})") from None
-
-    def _restore_reference(self, ranks: list) -> None:
-        """DPO's reference log-likelihoods as the saving run computed them, from every rank
-        (the layout may have changed since)."""
-        saved = [r["reference"] for r in ranks if "reference" in r]
-        if not saved:
-            raise CheckpointError(f"the checkpoint in {self.resumed_from} holds no DPO reference: it was not saved by "
-                                  f"a --stage dpo run; start DPO from its weights with --finetune")
-        self.reference.load(saved[0], self.batches.pair_counts())
-
-    def _restore_expert_bias(self, ranks: list) -> None:
-        saved = {int(n): b for r in ranks for n, b in r.get("expert_bias", {}).items()}  # any stage's rank
-        for layer in self.moe_layers:
-            if layer.expert_bias is None:
-                continue
-            if layer.number not in saved:
-                raise CheckpointError(f"the checkpoint holds no expert bias for MoE layer {layer.number}: it was "
-                                      f"saved without --moe-router-enable-expert-bias")
-            layer.expert_bias = np.asarray(saved[layer.number], np.float32)
-
     # -- the loop ----------------------------------------------------------------------------
     def say(self, text: str) -> None:
         if self.ps.rank == 0:
@@ -442,9 +238,6 @@ class Trainer:
         micro_batches = (self.batches.micro_batch("train", start, args.micro_batch_size) if self.sampler.reads_data
                          else (None, None, None)
                          for start in self.sampler.micro_batch_starts(iteration))
-        if self.compile_seconds is None:  # the first compiled step is checked against eager
-            micro_batches = list(micro_batches)
-            self._check_compiled(*micro_batches[0])
         loss, grads = self.forward_backward(micro_batches)
         plan = self.train_plan
         grads = distributed.sum_partial_over_tp(grads, self.ps, plan.indices("partial"))
@@ -494,12 +287,12 @@ class Trainer:
     def evaluate(self) -> float:
         args = self.flags
         mbs = args.micro_batch_size
-        batches = [self.batches.micro_batch("valid", k * mbs, mbs) if self.sampler.reads_data else (None, None, None)
-                   for k in range(args.eval_iters)]
+        micro_batches = [self.batches.micro_batch("valid", k * mbs, mbs) if self.sampler.reads_data
+                         else (None, None, None) for k in range(args.eval_iters)]
         for chunk in self.chunks:
             nn.set_training(chunk, False)  # no dropout
         try:
-            loss = self.forward_only(batches)
+            loss = self.forward_only(micro_batches)
         finally:
             for chunk in self.chunks:
                 nn.set_training(chunk, True)
@@ -537,7 +330,8 @@ class Trainer:
         opt_experts = {k for k in opt if k.split(".", 1)[1] in self.plan.expert_names}
         optimizer_arrays = distributed.gather_pipeline(distributed.full_tensors(opt, opt_spec, self.ps, opt_experts),
                                                        self.ps)
-        trainer_state = self._trainer_state()  # collective: every rank
+        # collective: every rank
+        trainer_state = resume.run_state(self.ps, self.scaler, self.moe_layers, self.reference)
         if self.ps.rank == 0:
             path = checkpoint.save(self.flags.save, self.iteration, model_arrays, optimizer_arrays, self.optimizer.steps,
                                    meta, {n: self.dtype for n in model_arrays}, trainer_state)

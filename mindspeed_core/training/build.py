@@ -1,0 +1,79 @@
+"""The pieces a training run is built from, in the order the trainer builds them: the whole
+model with its starting weights, the model cut for this rank's layout (pipeline stages,
+tensor / sequence / context / expert parallelism, recompute and swap), and the optimizer over
+the parameters it trains (torchtitan builds its train spec's parts the same way)."""
+
+from __future__ import annotations
+
+from mindspeed_core import device, features, ops
+from mindspeed_core.backends.common import check_fits_in_memory
+from mindspeed_core.memory import recompute
+from mindspeed_core.memory.swap import HostSwap
+from mindspeed_core.models import lora
+from mindspeed_core.parallel import families
+from mindspeed_core.parallel import layers as parallel_layers
+from mindspeed_core.parallel.plan import ParallelPlan
+from mindspeed_core.training import distributed, model_source, resume
+from mindspeed_core.training.configuration import memory_needed
+from mindspeed_core.training.distributed_optimizer import DistributedAdamW
+from mindspeed_core.training.optimizer import AdamW
+
+
+def whole_model(spec, cfg, flags, say):
+    """(the whole model, the iteration it resumes at, the saved optimizer (arrays, steps) or None):
+    LoRA adapters started, then the weights of --load-hf, --load and --lora-load."""
+    if device.type() == "cpu":
+        check_fits_in_memory(memory_needed(cfg, flags.tensor_model_parallel_size),
+                             f"training this {cfg.num_parameters():,}-parameter model")
+    hf_source = None
+    if flags.load_hf:  # checked against its config before the model is built
+        hf_source = model_source.read(flags.load_hf, "--load-hf", ("hf",))
+    model = spec.build(cfg)
+    if cfg.lora is not None:  # the adapters' start; a checkpoint may replace them
+        features.note_used("lora")
+        lora.init_adapters(model, flags.seed)
+    if hf_source is not None:
+        resume.load_hf(model, cfg, hf_source.state)
+    iteration, saved_optimizer = 0, None
+    for root, adapters_only in ((flags.load, False), (flags.lora_load, True)):
+        if root:
+            it, saved_optimizer = resume.resume(model, cfg, root, flags.finetune, say, adapters_only)
+            iteration = it if saved_optimizer is not None else iteration
+    return model, iteration, saved_optimizer
+
+
+def cut_for_layout(model, spec, pipeline_layout, ps, flags):
+    """(this rank's model chunks, their parallel plan, the host swap or None): the whole model
+    cut into this rank's pipeline stages, each parallelised as its family says, with the
+    recompute and swap policy, and the tensor-parallel random streams seeded."""
+    chunks = spec.pipeline_chunks(model, pipeline_layout, ps.local_rank("pp")) if ps.pp > 1 else [model]
+    plan = ParallelPlan.join(families.parallelize(spec, c, ps, flags.sequence_parallel, flags.context_parallel_algo,
+                                                  flags.ulysses_degree_in_cp, flags.moe_token_dispatcher_type)
+                             for c in chunks)
+    memory_policy = recompute.from_args(flags)
+    swap = HostSwap() if flags.swap_attention else None
+    if memory_policy.active or swap:
+        for chunk in chunks:
+            chunk.use_memory(memory_policy, swap)
+    if ps.tp > 1:
+        parallel_layers.seed_model_parallel_rng(flags.seed, ps)
+    return chunks, plan, swap
+
+
+def optimizer(named: list, train_plan, plan, ps, flags, saved=None):
+    """AdamW, or the distributed optimizer, over the trained parameters ``named``; with ``saved``
+    (arrays, steps) of a checkpoint, this rank's slices of its state."""
+    args = (named, flags.lr, flags.weight_decay, (flags.adam_beta1, flags.adam_beta2), flags.adam_eps)
+    moment_dtype = "bfloat16" if flags.o2_optimizer else "float32"
+    if flags.use_distributed_optimizer:
+        opt = DistributedAdamW(*args, ps=ps, plan=train_plan, moment_dtype=moment_dtype,
+                               reuse_fp32_param=flags.reuse_fp32_param)
+    else:
+        opt = AdamW(*args, ps=ps, plan=train_plan, moment_dtype=moment_dtype)
+    if saved is not None:
+        arrays, steps = saved
+        mine, specs, experts_here = {n for n, _ in named}, plan.shard_specs, plan.expert_names
+        local = {k: ops.tensor(distributed.local_array(k.split(".", 1)[1], v, specs, ps, experts_here))
+                 for k, v in arrays.items() if k.split(".", 1)[1] in mine}
+        opt.load_state(local, steps)
+    return opt
