@@ -1,9 +1,11 @@
 """Filesystem safety shared by checkpoints and preprocessing: probing that an output folder
-can be written before any work is done, fsync of folders, and removing the temporaries
-that a killed process left behind (named ``<something>.tmp-<pid>...``)."""
+can be written before any work is done, fsync of folders, removing the temporaries that a
+killed process left behind (named ``<something>.tmp-<pid>...``), and publishing several files
+as one step (a journal that a reader or the next writer rolls forward)."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -64,3 +66,63 @@ def remove_stale(folder: str, pattern: re.Pattern, keep=lambda match: False) -> 
         shutil.rmtree(path) if os.path.isdir(path) and not os.path.islink(path) else os.remove(path)
         removed.append(name)
     return removed
+
+
+JOURNAL_SUFFIX = ".publishing.json"
+_JOURNAL_TEMP = re.compile(r".*" + re.escape(JOURNAL_SUFFIX) + r"\.tmp-(?P<pid>\d+)$")
+
+
+def publish_together(renames: list, journal: str) -> None:
+    """Move each finished temporary onto its final name, as one step: the list is written to
+    ``journal`` (atomically) before the first move and removed after the last. A process killed
+    in between leaves the journal, and whoever looks next (:func:`finish_publishing`: the
+    next writer, or a reader of the folder) completes the moves, so the final names hold all
+    the old files or all the new ones, never a mix. Every path is in ``journal``'s folder."""
+    folder = os.path.dirname(os.path.abspath(journal))
+    for temporary, _ in renames:  # the data is on disk before anything points at it
+        with open(temporary, "rb+") as fh:
+            os.fsync(fh.fileno())
+    staged = f"{journal}.tmp-{os.getpid()}"
+    with open(staged, "w") as fh:
+        json.dump([[os.path.basename(t), os.path.basename(f)] for t, f in renames], fh)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(staged, journal)
+    fsync_dir(folder)
+    _roll_forward(journal)
+
+
+def _roll_forward(journal: str) -> None:
+    folder = os.path.dirname(os.path.abspath(journal))
+    with open(journal) as fh:
+        renames = json.load(fh)
+    for temporary, final in renames:
+        try:
+            os.replace(os.path.join(folder, temporary), os.path.join(folder, final))
+        except FileNotFoundError:  # moved already (by an earlier roll-forward, or another reader)
+            pass
+    fsync_dir(folder)
+    try:
+        os.remove(journal)
+    except FileNotFoundError:
+        pass
+
+
+def finish_publishing(folder: str) -> list[str]:
+    """Complete what an interrupted :func:`publish_together` began in ``folder`` (and drop
+    journals that were never published); returns the journals completed."""
+    if not os.path.isdir(folder):
+        return []
+    remove_stale(folder, _JOURNAL_TEMP)
+    done = []
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(JOURNAL_SUFFIX):
+            try:
+                _roll_forward(os.path.join(folder, name))
+            except FileNotFoundError:  # another process finished it first
+                continue
+            except (OSError, ValueError, TypeError) as exc:
+                raise MindSpeedError(f"{os.path.join(folder, name)}: an interrupted write left this journal and it "
+                                     f"cannot be completed ({exc}); remove it and write that output again") from None
+            done.append(name)
+    return done

@@ -17,6 +17,7 @@ import struct
 
 import numpy as np
 
+from mindspeed_core import files
 from mindspeed_core.errors import MindSpeedError
 
 MAGIC = b"MMIDIDX\x00\x00"
@@ -34,7 +35,7 @@ class IndexedDatasetWriter:
 
     def __init__(self, prefix: str, dtype):
         self.prefix, self.dtype = prefix, np.dtype(dtype)
-        self._tmp = f"{prefix}.tmp-{os.getpid()}"
+        self._tmp = self.temp_prefix = f"{prefix}.tmp-{os.getpid()}"
         self._bin = open(self._tmp + ".bin", "wb")
         self._lengths: list[int] = []
         self._documents: list[int] = [0]
@@ -62,7 +63,10 @@ class IndexedDatasetWriter:
             if os.path.exists(self._tmp + ext):
                 os.remove(self._tmp + ext)
 
-    def finalize(self) -> None:
+    def finalize(self, publish: bool = True) -> list:
+        """Complete the files; ``publish``: move them onto the prefix's names now. Otherwise they
+        stay at ``temp_prefix`` (readable there) and the (temporary, final) renames are
+        returned, to be published with others as one step (files.publish_together)."""
         self._bin.close()
         lengths = np.asarray(self._lengths, np.int32)
         pointers = np.zeros(len(lengths), np.int64)
@@ -78,8 +82,12 @@ class IndexedDatasetWriter:
             fh.write(lengths.tobytes())
             fh.write(pointers.tobytes())
             fh.write(documents.tobytes())
-        os.replace(self._tmp + ".bin", self.prefix + ".bin")
-        os.replace(self._tmp + ".idx", self.prefix + ".idx")
+        renames = [(self._tmp + ext, self.prefix + ext) for ext in (".bin", ".idx")]
+        if publish:
+            for temporary, final in renames:
+                os.replace(temporary, final)
+            return []
+        return renames
 
 
 class IndexedDataset:
@@ -87,6 +95,9 @@ class IndexedDataset:
 
     def __init__(self, prefix: str):
         self.prefix = prefix
+        # a preprocessing run killed while it published its outputs is completed first, so the
+        # keys of one output are all of one run
+        files.finish_publishing(os.path.dirname(os.path.abspath(prefix)))
         idx, binf = prefix + ".idx", prefix + ".bin"
         for path in (idx, binf):
             if not os.path.isfile(path):

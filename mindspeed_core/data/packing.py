@@ -51,19 +51,20 @@ def plan(lengths, capacity: int) -> list[list[tuple[int, int, int]]]:
     return packs
 
 
-def pack_dataset(source: str, target: str, capacity: int) -> dict:
+def pack_dataset(source: str, target: str, capacity: int, publish: bool = True) -> tuple[dict, list]:
     """Write the packs of indexed dataset ``source`` (one sequence per document) to
-    ``target``: one document per pack, one sequence per piece. Returns counts."""
+    ``target``: one document per pack, one sequence per piece. Returns (counts, the renames
+    left to publish: empty when ``publish``, see IndexedDatasetWriter.finalize)."""
     ds = indexed.IndexedDataset(source)
     packs = plan(ds.lengths, capacity)
     writer = indexed.IndexedDatasetWriter(target, ds.dtype)
     try:
         for pack in packs:
             writer.add_pack([ds[i][start:stop] for i, start, stop in pack])
-        writer.finalize()
+        renames = writer.finalize(publish)
     except BaseException:
         writer.abort()
         raise
     tokens = int(np.sum(ds.lengths, dtype=np.int64))
     return {"packs": len(packs), "split_documents": int(np.sum(np.asarray(ds.lengths) > capacity)),
-            "fill": tokens / max(len(packs) * capacity, 1)}
+            "fill": tokens / max(len(packs) * capacity, 1)}, renames

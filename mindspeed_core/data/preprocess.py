@@ -197,6 +197,11 @@ def _stale(prefix: str) -> re.Pattern:
     return re.compile(re.escape(os.path.basename(prefix)) + r"\.tmp-(?P<pid>\d+)\.(bin|idx)$")
 
 
+def _stale_unpacked(output_prefix: str) -> re.Pattern:
+    """The unpacked samples an --pack run of an earlier release kept under its pid when killed."""
+    return re.compile(re.escape(os.path.basename(output_prefix)) + r"\.unpacked-(?P<pid>\d+)_.+\.(bin|idx)$")
+
+
 def packed_prefix(output_prefix: str, key: str) -> str:
     return f"{output_prefix}_packed_{key}_document"
 
@@ -249,18 +254,23 @@ def run(args) -> dict:
     os.makedirs(folder, exist_ok=True)
     if instruction:  # MindSpeed-LLM's names, packed or not; -100 labels need a signed type
         finals = {k: packed_prefix(args.output_prefix, k) for k in keys}
-        prefixes = ({k: f"{args.output_prefix}.unpacked-{os.getpid()}_{k}" for k in keys} if args.pack else finals)
+        # packed: the samples are written first as temporaries only, the packs made from them
+        prefixes = ({k: f"{args.output_prefix}_{k}_unpacked" for k in keys} if args.pack else finals)
         dtype = np.int32
     else:
         prefixes = {k: f"{args.output_prefix}_{k}_document" for k in keys}
         finals = {k: packed_prefix(args.output_prefix, k) for k in keys} if args.pack else {}
         dtype = indexed.token_dtype(tok.vocab_size)
+    journal = args.output_prefix + files.JOURNAL_SUFFIX  # the outputs are published together
+    files.finish_publishing(folder)  # an earlier run killed while publishing is completed first
     for prefix in (*prefixes.values(), *finals.values()):
         files.remove_stale(folder, _stale(prefix))
+    files.remove_stale(folder, _stale_unpacked(args.output_prefix))
     writers = {k: indexed.IndexedDatasetWriter(p, dtype) for k, p in prefixes.items()}
     capacity = args.seq_length + 1 if instruction and args.seq_length is not None else None
     progress = Progress(None, "preprocess (documents)")
     counts = {"documents": 0, "tokens": 0}
+    renames = []  # (temporary, final) of the outputs, published together at the end
     if args.workers > 1:
         pool = multiprocessing.get_context("spawn").Pool(args.workers, _init_worker, spec)
         encoded = pool.imap(_encode, records, chunksize=64)
@@ -285,23 +295,28 @@ def run(args) -> dict:
             raise MindSpeedError(f"no sample of {args.input} is left: all {counts.get('dropped', 0)} were longer than "
                                  f"--seq-length {args.seq_length} + 1 tokens" if counts.get("dropped")
                                  else f"{args.input} holds no records")
-        for w in writers.values():
-            w.finalize()
+        # every key's files complete as temporaries, then all published in one step: a run killed
+        # at any point leaves the old outputs or the new ones, never some of each
+        samples = [rename for w in writers.values() for rename in w.finalize(publish=False)]
+        renames += [] if instruction and args.pack else samples  # packed instruction data: the packs only
         if args.pack:
-            for key, prefix in prefixes.items():
-                counts.setdefault("packing", {})[key] = packing.pack_dataset(prefix, finals[key], args.seq_length + 1)
-                if instruction:  # the unpacked samples were a step towards the packs
-                    for ext in (".bin", ".idx"):
-                        os.remove(prefix + ext)
+            for key, w in writers.items():
+                stats, packed = packing.pack_dataset(w.temp_prefix, finals[key], args.seq_length + 1, publish=False)
+                counts.setdefault("packing", {})[key] = stats
+                renames += packed
+        files.publish_together(renames, journal)
+        for temporary, final in samples:
+            if instruction and args.pack:  # the unpacked samples were a step towards the packs
+                os.remove(temporary)
         progress.close()  # its last line only on success: a failure is the one error line
     except BaseException:
+        if os.path.exists(journal):  # interrupted while publishing: finish it, it is all written
+            files.finish_publishing(folder)
         for w in writers.values():
             w.abort()  # nothing half-written stays behind
-        if instruction and args.pack:
-            for prefix in prefixes.values():
-                for ext in (".bin", ".idx"):
-                    if os.path.exists(prefix + ext):
-                        os.remove(prefix + ext)
+        for temporary, _ in renames:
+            if os.path.exists(temporary):
+                os.remove(temporary)
         if pool is not None:
             pool.terminate()
         for path in created:  # deepest first; only while empty
