@@ -338,8 +338,28 @@ def load(root: str) -> Checkpoint:
         raise CheckpointError(f"{folder}: the rank folders do not match TP={layout.tp} PP={layout.pp} EP={layout.ep} "
                               f"of its args" + (f" ({layout.rank_dir(*missing[0])} is missing)" if missing else ""))
     states = {key: (first if key == min(ranks) else torch_pickle.load(path)) for key, path in ranks.items()}
-    iteration = int(first.get("iteration", 0) or 0)
-    whole = merge(cfg, {k: _chunks(v, ranks[k]) for k, v in states.items()}, layout)
+    iteration = first.get("iteration", 0) or 0
+    for key, state in states.items():  # every rank file of one save: the same model, the same iteration
+        where = ranks[key]
+        if not isinstance(state, dict) or "args" not in state:
+            raise CheckpointError(f"{where} is not a Megatron checkpoint (a {type(state).__name__} without args)")
+        if (state.get("iteration", 0) or 0) != iteration:
+            raise CheckpointError(f"{where} is from iteration {state.get('iteration')!r} but "
+                                  f"{ranks[min(ranks)]} from {iteration!r}: the rank files come from different saves")
+        if key != min(ranks):
+            try:
+                same = config_from_args(state["args"]) == cfg
+            except (CheckpointError, AttributeError, TypeError, ValueError):
+                same = False
+            if not same:
+                raise CheckpointError(f"{where}'s args describe another model than {ranks[min(ranks)]}'s: the rank "
+                                      f"files come from different checkpoints")
+    if type(iteration) is not int or iteration < 0:
+        raise CheckpointError(f"{ranks[min(ranks)]} holds no valid iteration ({iteration!r})")
+    try:
+        whole = merge(cfg, {k: _chunks(v, ranks[k]) for k, v in states.items()}, layout)
+    except (AttributeError, KeyError, TypeError, ValueError, IndexError) as exc:  # a tensor of another model's shape
+        raise CheckpointError(f"{folder}: the rank files do not fit together as one model of its args ({exc})") from None
     dtype = getattr(_arg(args, "params_dtype", None), "name", None) or "float32"
     return Checkpoint(iteration, cfg, whole, layout, dtype, isinstance(getattr(args, "mindspeed_model_config", None), str))
 
@@ -355,6 +375,9 @@ def _chunks(state: dict, path: str) -> list[dict]:
     chunks = [state[k] for k in sorted((k for k in state if re.fullmatch(r"model\d+", k)), key=lambda k: int(k[5:]))]
     if not chunks:
         raise CheckpointError(f"{path} holds no model state (no 'model' or 'model0')")
+    for chunk in chunks:
+        if not isinstance(chunk, dict):
+            raise CheckpointError(f"{path}: its model state is a {type(chunk).__name__}, not a dict of tensors")
     return chunks
 
 

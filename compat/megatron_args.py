@@ -49,6 +49,7 @@ def _number(kind, low=None, high=None, low_open=False, high_open=False, what="")
 
 
 POSITIVE_INT = _number(int, 1, what="a positive integer")
+FINITE = _number(float)
 COUNT = _number(int, 0, what="zero or a positive integer")
 POSITIVE = _number(float, 0, low_open=True, what="positive")
 NON_NEGATIVE = _number(float, 0, what="zero or positive")

@@ -68,8 +68,9 @@ class Session:
 
 def run(session: Session, speak: bool, as_json: bool, lines=None) -> None:
     """Read messages (from ``lines``, default stdin) until /exit or the end of input."""
-    lines = sys.stdin if lines is None else lines
-    interactive = speak and not as_json and sys.stdin.isatty() and lines is sys.stdin
+    interactive = speak and not as_json and sys.stdin.isatty() and lines is None
+    # the terminal's bytes, decoded a line at a time: a line that is not UTF-8 is refused alone
+    lines = getattr(sys.stdin, "buffer", sys.stdin) if lines is None else lines
     if interactive:
         print("chat: /clear forgets the conversation, /exit ends it")
     while True:
@@ -79,6 +80,13 @@ def run(session: Session, speak: bool, as_json: bool, lines=None) -> None:
         line = lines.readline()
         if not line:
             break
+        if isinstance(line, bytes):
+            try:
+                line = line.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                print(f"error: that message is not UTF-8 text (byte 0x{line[exc.start]:02x}); write it again",
+                      file=sys.stderr)
+                continue
         message = line.rstrip("\n")
         command = message.strip()
         if command == "/exit":

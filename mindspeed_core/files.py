@@ -41,6 +41,29 @@ def check_writable(path: str, what: str) -> None:
         raise MindSpeedError(f"{what} is not writable ({parent}: {exc.strerror or exc})") from None
 
 
+def read_text(file: str, what: str = "") -> str:
+    """A file's text, which must be UTF-8: a binary or Latin-1 file is one line naming the line
+    and byte where it stops being text."""
+    with open(file, "rb") as fh:
+        raw = fh.read()
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw.count(b"\n", 0, exc.start) + 1
+        raise MindSpeedError(f"{what}{file}:{line} is not UTF-8 text (byte 0x{raw[exc.start]:02x}); save it as "
+                             "UTF-8") from None
+
+
+def write_atomically(path: str, text: str) -> None:
+    """``path`` holds ``text`` entirely or is as it was (a temporary renamed into place)."""
+    temporary = f"{path}.tmp-{os.getpid()}"
+    with open(temporary, "w", encoding="utf-8") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(temporary, path)
+
+
 def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

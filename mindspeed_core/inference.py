@@ -17,7 +17,7 @@ import json
 import os
 import sys
 
-from mindspeed_core import chat, dist, features, nn
+from mindspeed_core import chat, dist, features, files, nn
 from mindspeed_core.compat import megatron_args
 from mindspeed_core.data import chat_templates
 from mindspeed_core.data.tokenizer import build_tokenizer, check_fits, tokenizer_args
@@ -41,7 +41,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--top-k", type=megatron_args.COUNT, default=0)
     g.add_argument("--top-p", type=megatron_args.UNIT, default=1.0)
     g.add_argument("--num-beams", type=megatron_args.POSITIVE_INT, default=4)
-    g.add_argument("--length-penalty", type=float, default=1.0)
+    g.add_argument("--length-penalty", type=megatron_args.FINITE, default=1.0)
     g.add_argument("--no-kv-cache", action="store_true", help="rerun the whole sequence at each step")
     g.add_argument("--use-kv-cache", action="store_true", help="(the default; MindSpeed-LLM's spelling)")
     g.add_argument("--json", action="store_true", help="print one JSON object per prompt (chat: per reply)")
@@ -63,12 +63,19 @@ def parser() -> argparse.ArgumentParser:
 
 def _prompts(args) -> list[str]:
     prompts = list(args.prompt or [])
+    for prompt in prompts:
+        try:  # bytes the terminal passed that are not UTF-8 arrive as lone surrogates
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise MindSpeedError(f"--prompt {prompt[:20]!r}... is not UTF-8 text (at character {exc.start})") from None
     if args.prompt_file:
+        if os.path.isdir(args.prompt_file):
+            raise MindSpeedError(f"--prompt-file {args.prompt_file} is a folder: give a text file, one prompt a line")
         try:
-            with open(args.prompt_file, encoding="utf-8") as fh:
-                prompts += [line.rstrip("\n") for line in fh if line.strip()]
+            text = files.read_text(args.prompt_file, "--prompt-file ")
         except OSError as exc:
             raise MindSpeedError(f"--prompt-file {args.prompt_file}: {exc.strerror}") from None
+        prompts += [line for line in text.splitlines() if line.strip()]
     if not prompts:
         raise MindSpeedError("no prompt: give --prompt TEXT or --prompt-file FILE")
     if any(not p.strip() for p in prompts):

@@ -167,6 +167,11 @@ def parse(argv: list[str]):
     args = parser().parse_args(own)
     if args.node_rank >= args.nnodes:
         raise MindSpeedError(f"--node-rank {args.node_rank} must be below --nnodes {args.nnodes}")
+    try:
+        socket.getaddrinfo(args.master_addr, args.master_port)
+    except (OSError, UnicodeError):
+        raise MindSpeedError(f"--master-addr {args.master_addr!r} is neither an address nor a host name this machine "
+                             "can resolve") from None
     rank_args = (megatron_args.training_parser() if command == "train" else inference.parser()).parse_args(rank_argv)
     if args.ai_framework and rank_args.ai_framework and rank_args.ai_framework != args.ai_framework:
         raise MindSpeedError(f"--ai-framework {args.ai_framework} before -- and --ai-framework "

@@ -349,7 +349,8 @@ class _Sizes:
 # ---- enumeration -----------------------------------------------------------------------------
 
 def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    small = [d for d in range(1, int(n ** 0.5) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
 
 
 def candidates(cfg, args, world: int, devices_per_node: int, check) -> list[Layout]:
@@ -618,6 +619,12 @@ def plan(args) -> dict:
         return configuration.configure(train_parser.parse_args([*base_check, *lay.flags()]), world)
 
     cfg = configuration.configure(train_parser.parse_args([*base_check, "--micro-batch-size", "1"]), 1).model
+    # each kind of parallelism cuts something finite: the batch (DP), the layers (PP), the heads
+    # (TP) and the sequence (CP); a job larger than all of them has no layout (and none is tried)
+    most = args.global_batch_size * cfg.num_layers * cfg.num_attention_heads * args.seq_length
+    if world > most:
+        raise MindSpeedError(f"--devices {world}: no layout of this model and batch uses that many devices (at most "
+                             f"{most:,}: global batch x layers x heads x sequence length)")
     layouts = candidates(cfg, args, world, args.devices_per_node or world, check)
     if not layouts:
         raise MindSpeedError(f"no layout of {world} devices suits this model and batch (global batch "

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 
+from mindspeed_core import files
 from mindspeed_core.compat.megatron_args import ArgumentParser
 from mindspeed_core.errors import MindSpeedError
 
@@ -37,9 +38,14 @@ def read_run(path: str) -> dict:
                 raise MindSpeedError(f"{path}:{number}: not a JSON line; is this a metrics file?") from None
             if not isinstance(record, dict) or "iteration" not in record:
                 continue
+            iteration = record["iteration"]
+            if type(iteration) is not int or iteration < 0:
+                raise MindSpeedError(f"{path}:{number}: the iteration is {iteration!r}, not a step number; is this a "
+                                     "metrics file of mindspeed train?")
             for name in series:
-                if isinstance(record.get(name), (int, float)):
-                    series[name][int(record["iteration"])] = float(record[name])
+                value = record.get(name)
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    series[name][iteration] = float(value)
     if not series["loss"]:
         raise MindSpeedError(f"{path}: no training losses in it (is it a metrics file of mindspeed train?)")
     return series
@@ -83,11 +89,20 @@ def draw(runs: dict, output: str, title: str | None = None):
     axes[0][0].legend()
     if title:
         fig.suptitle(title)
-    fig.tight_layout()
     folder = os.path.dirname(os.path.abspath(output))
     os.makedirs(folder, exist_ok=True)
-    fig.savefig(output, dpi=100)
-    pyplot.close(fig)
+    temporary = f"{output}.tmp-{os.getpid()}.png"  # an existing picture stays until the new one is whole
+    try:
+        fig.tight_layout()
+        fig.savefig(temporary, dpi=100)
+        os.replace(temporary, output)
+    except ValueError as exc:  # matplotlib's mathtext: a "$" in a title or label starts a formula
+        raise MindSpeedError(f"matplotlib cannot draw a title or label ({str(exc).splitlines()[0]}); a '$' starts "
+                             "a formula there: write it as '\\$'") from None
+    finally:
+        pyplot.close(fig)
+        if os.path.exists(temporary):
+            os.remove(temporary)
     return fig
 
 
@@ -106,6 +121,9 @@ def run(args, backend=None) -> int:
         raise MindSpeedError(f"--labels gives {len(args.labels)} names for {len(args.runs)} runs")
     if not args.output.lower().endswith(".png"):
         raise MindSpeedError(f"-o {args.output}: the picture is a PNG; name it *.png")
+    if os.path.isdir(args.output):
+        raise MindSpeedError(f"-o {args.output} is a folder: name the PNG to write")
+    files.check_writable(os.path.dirname(os.path.abspath(args.output)), f"-o {args.output}'s folder")
     labels = args.labels or labels_for(args.runs)
     runs = {label: read_run(path) for label, path in zip(labels, args.runs)}
     draw(runs, args.output, args.title)

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from mindspeed_core.models import rope
 
 FUSED_KERNELS = ("attention", "rms_norm", "swiglu", "rope", "grouped_matmul")
+# the model families (ModelConfig.family) that models/registry.py builds and compat/hf.py reads
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gpt2", "mixtral", "qwen2_moe", "qwen3_moe")
 
 
 @dataclass
@@ -188,7 +190,7 @@ class ModelConfig:
         if not self.fused <= set(FUSED_KERNELS):
             raise ValueError(f"fused kernels must be among {FUSED_KERNELS}, got {sorted(self.fused)}")
         for name, allowed in (("normalization", ("rmsnorm", "layernorm")), ("activation", ("swiglu", "gelu", "gelu_tanh")),
-                              ("position_embedding_type", ("rope", "learned"))):
+                              ("position_embedding_type", ("rope", "learned")), ("family", FAMILIES)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
 

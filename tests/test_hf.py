@@ -200,3 +200,12 @@ def test_generate_command_reads_a_hugging_face_folder(references, capsys):
     assert cli.main([*argv, "--tokenizer-type", "NullTokenizer", "--vocab-size", "95"]) == 0
     row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert row["ids"] == gen.generate(hf.load_model(str(references / "llama")), [ids], 8, stop_ids=(95,))[0]
+
+
+def test_every_family_a_config_allows_is_built_and_exchanged():
+    from mindspeed_core.models import registry
+    from mindspeed_core.models.config import FAMILIES, ModelConfig
+
+    assert sorted(f for spec in registry.SPECS for f in spec.families) == sorted(FAMILIES)
+    with pytest.raises(ValueError, match="family must be one of"):
+        ModelConfig(family="bogus")

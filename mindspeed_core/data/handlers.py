@@ -43,15 +43,34 @@ PRM_KEYS = {"input": "input", "value": "value"}
 def _text(value, where: str, what: str) -> str:
     if not isinstance(value, str):
         raise MindSpeedError(f"{where}: {what} is {'missing' if value is None else type(value).__name__}, not text")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:  # JSON's "\ud800" escapes decode to a lone surrogate
+        raise MindSpeedError(f"{where}: {what} holds a lone surrogate ({value[exc.start]!r} at character "
+                             f"{exc.start}), which is not text any tokenizer can encode") from None
     return value
 
 
-def one_token(tok, text: str, flag: str) -> int:
+def one_token(tok, text: str, flag: str, where: str = "") -> int:
     """The id of ``text``, which must be a single token (a placeholder, a step label)."""
     ids = encode_plain(tok, text)
     if len(ids) != 1:
-        raise MindSpeedError(f"{flag} {text!r} is {len(ids)} tokens for this tokenizer; it must be one")
+        raise MindSpeedError(f"{where + ': ' if where else ''}{flag} {text!r} is {len(ids)} tokens for this "
+                             f"tokenizer; it must be one")
     return ids[0]
+
+
+def _columns(given: dict, defaults: dict, style: str, extra: tuple = ()) -> dict:
+    """--map-keys checked: known columns only, each mapped to a column name (or null: absent)."""
+    unknown = sorted(set(given) - set(defaults) - set(extra))
+    if unknown:
+        raise MindSpeedError(f"--map-keys: {', '.join(map(repr, unknown))} is not a column of {style} data; "
+                             f"the columns are {', '.join(defaults)}" + (f" and {', '.join(extra)}" if extra else ""))
+    for key, value in given.items():
+        if key not in extra and value is not None and not isinstance(value, str):
+            raise MindSpeedError(f"--map-keys: {key!r} maps to a JSON {type(value).__name__}; give the name of the "
+                                 f"record's column (a string)")
+    return {**defaults, **{k: v for k, v in given.items() if k not in extra}}
 
 
 def document_ids(tok, text: str, append_eod: bool) -> list[int]:
@@ -86,15 +105,12 @@ class _Conversations:
         self.tok, self.template, self.append_eod = tokenizer, template, options["append_eod"]
         given = options.get("map_keys") or {}
         defaults = ALPACA_KEYS if self.style == "alpaca" else SHAREGPT_KEYS
-        unknown = sorted(set(given) - set(defaults) - ({"tags"} if self.style == "sharegpt" else set()))
-        if unknown:
-            raise MindSpeedError(f"--map-keys: {', '.join(map(repr, unknown))} is not a column of {self.style} data; "
-                                 f"the columns are {', '.join(defaults)}" + (" and tags" if self.style == "sharegpt"
-                                                                              else ""))
-        self.columns = {**defaults, **{k: v for k, v in given.items() if k != "tags"}}
+        self.columns = _columns(given, defaults, self.style, ("tags",) if self.style == "sharegpt" else ())
         tags = given.get("tags") or {}
-        if not isinstance(tags, dict) or set(tags) - set(SHAREGPT_TAGS):
-            raise MindSpeedError(f"--map-keys: tags takes {', '.join(SHAREGPT_TAGS)}")
+        if not isinstance(tags, dict) or set(tags) - set(SHAREGPT_TAGS) or \
+                not all(isinstance(v, str) for v in tags.values()):
+            raise MindSpeedError(f"--map-keys: tags takes an object of tag names (strings) for "
+                                 f"{', '.join(SHAREGPT_TAGS)}")
         self.tags = {**SHAREGPT_TAGS, **tags}
 
     # -- records -> messages -------------------------------------------------------------------
@@ -146,6 +162,8 @@ class _Conversations:
             system, turns, first = content, turns[1:], 1
         if system:
             messages.append({"role": "system", "content": _text(system, where, "the system prompt")})
+        if not turns:
+            raise MindSpeedError(f"{where}: the conversation holds only a system message: no turn to train on")
         asks, answers = (t["user_tag"], t["observation_tag"]), (t["assistant_tag"], t["function_tag"])
         for n, m in enumerate(turns):
             role, content = said(m, first + n)
@@ -161,8 +179,14 @@ class _Conversations:
             replies = []
             for c in ("chosen", "rejected"):
                 reply = self._get(record, c)
-                replies.append(said(reply, c)[1] if isinstance(reply, dict) else
-                               _text(reply, where, f"the {c} reply ({self.columns[c]!r})"))
+                if isinstance(reply, dict):
+                    role, content = said(reply, c)
+                    if role not in answers:
+                        raise MindSpeedError(f"{where}: the {c} reply is from {role!r}; a reply is the assistant's "
+                                             f"({' or '.join(map(repr, answers))})")
+                    replies.append(content)
+                else:
+                    replies.append(_text(reply, where, f"the {c} reply ({self.columns[c]!r})"))
             return messages, replies
         if len(turns) % 2:
             raise MindSpeedError(f"{where}: the conversation ends with the user's turn: nothing to train on")
@@ -203,6 +227,9 @@ class AlpacaStylePairwiseHandler(_Conversations):
 
     def encode(self, record: dict, where: str) -> dict:
         messages, replies = self.conversation(record, where)
+        if replies[0] == replies[1]:  # the preference losses would stay at their start, every gradient zero
+            raise MindSpeedError(f"{where}: the chosen and the rejected reply are the same text: the pair teaches "
+                                 "nothing; remove it from the data")
         out = {}
         for side, reply in zip(("chosen", "rejected"), replies):
             out[f"{side}_input_ids"], out[f"{side}_labels"] = self.tokens(messages, reply)
@@ -221,7 +248,7 @@ class AlpacaStyleProcessRewardHandler:
 
     def __init__(self, tokenizer, template, options: dict):
         self.tok = tokenizer
-        self.columns = {**PRM_KEYS, **(options.get("map_keys") or {})}
+        self.columns = _columns(options.get("map_keys") or {}, PRM_KEYS, "process-reward")
         self.placeholder = one_token(self.tok, options["placeholder_token"], "--placeholder-token")
         rewards = options.get("reward_tokens") or []
         self.rewards = {r: one_token(self.tok, r, "--reward-tokens") for r in rewards}
@@ -234,6 +261,9 @@ class AlpacaStyleProcessRewardHandler:
         if not isinstance(values, list) or not all(isinstance(v, str) for v in values):
             raise MindSpeedError(f"{where}: {self.columns['value']!r} must be a list of step labels")
         steps = [n for n, i in enumerate(ids) if i == self.placeholder]
+        if not steps:
+            raise MindSpeedError(f"{where}: no step ends with the placeholder token: a solution without labelled "
+                                 "steps trains nothing")
         if len(steps) != len(values):
             raise MindSpeedError(f"{where}: {len(steps)} steps end with the placeholder token but {len(values)} "
                                  "labels are given")
@@ -242,7 +272,8 @@ class AlpacaStyleProcessRewardHandler:
             if self.rewards and value not in self.rewards:
                 raise MindSpeedError(f"{where}: label {value!r} is not one of --reward-tokens "
                                      f"{' '.join(self.rewards)}")
-            labels[n] = self.rewards[value] if value in self.rewards else one_token(self.tok, value, "a step label")
+            labels[n] = self.rewards[value] if value in self.rewards else one_token(self.tok, value, "the step label",
+                                                                                     where)
         return {"input_ids": ids, "labels": labels, "attention_mask": [1] * len(ids)}
 
 

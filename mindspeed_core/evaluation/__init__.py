@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
-from mindspeed_core import dist, features
+from mindspeed_core import dist, features, files
 from mindspeed_core.compat import megatron_args
 from mindspeed_core.data import chat_templates
 from mindspeed_core.errors import MindSpeedError
@@ -55,6 +56,8 @@ def run(args, backend) -> int:
         raise MindSpeedError(f"--task {args.task} needs --task-data-path")
     if args.tensor_model_parallel_size != 1:
         raise MindSpeedError("evaluate runs in one process: drop --tensor-model-parallel-size")
+    results_file = args.results_file or f"{args.task}_results.json"
+    check_results_file(results_file)  # before the evaluation, not after it
     features.validate(args, backend.NAME, backend.device.type(), backend.FRAMEWORK_VERSION)
     model, cfg, tokenizer, _, tokenizer_path = load_model(args)
     template = None
@@ -75,12 +78,18 @@ def run(args, backend) -> int:
     if scorer.cut:
         print(f"note: {scorer.cut} prompts were longer than the model's {positions} positions and lost their "
               "beginning")
-    file = args.results_file or f"{args.task}_results.json"
-    with open(file, "w", encoding="utf-8") as fh:
-        json.dump(results, fh, indent=2, ensure_ascii=False)
-    print(f"results written to {file}")
+    os.makedirs(os.path.dirname(os.path.abspath(results_file)), exist_ok=True)
+    files.write_atomically(results_file, json.dumps(results, indent=2, ensure_ascii=False))
+    print(f"results written to {results_file}")
     dist.shutdown()
     return 0
+
+
+def check_results_file(path: str) -> None:
+    """--results-file must be a file this process can write (its folder may still be created)."""
+    if os.path.isdir(path):
+        raise MindSpeedError(f"--results-file {path} is a folder: name the JSON file to write")
+    files.check_writable(os.path.dirname(os.path.abspath(path)), f"--results-file {path}'s folder")
 
 
 def accuracy(scorer, task: str, subjects: dict, args) -> dict:

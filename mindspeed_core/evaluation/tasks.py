@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import csv
 import glob
+import io
 import json
 import os
 import re
 from dataclasses import dataclass
 
+from mindspeed_core import files
 from mindspeed_core.data import indexed
 from mindspeed_core.errors import MindSpeedError
 
@@ -87,7 +89,7 @@ def _check_answer(answer: str, file: str, line: int) -> str:
 
 def _mmlu_rows(file: str) -> list[tuple]:
     rows = []
-    with open(file, newline="", encoding="utf-8") as fh:
+    with io.StringIO(files.read_text(file), newline="") as fh:
         for line, row in enumerate(csv.reader(fh), 1):
             if len(row) != 6:
                 raise MindSpeedError(f"{file}:{line}: an MMLU row has 6 columns (question, A, B, C, D, answer), "
@@ -105,8 +107,11 @@ def _subject_files(path: str, shot: int, split: str, read_rows, head, cue: str, 
     for file in files:
         subject = os.path.basename(file)[:-len(f"_{split}.csv")]
         shots = "".join(_choice(q, o, cue, a) for q, o, a in _shots(dev, subject, ".csv", shot, read_rows))
+        rows = read_rows(file)
+        if not rows:
+            raise MindSpeedError(f"{file} holds no questions")
         out[subject] = [Item(head(subject) + shots + _choice(q, o, cue), tuple(space + x for x in LETTERS), space + a)
-                        for q, o, a in read_rows(file)]
+                        for q, o, a in rows]
     return out
 
 
@@ -116,7 +121,7 @@ def _mmlu(path: str, shot: int) -> dict[str, list[Item]]:
 
 
 def _ceval_rows(file: str) -> list[tuple]:
-    with open(file, newline="", encoding="utf-8") as fh:
+    with io.StringIO(files.read_text(file), newline="") as fh:
         reader = csv.DictReader(fh)
         missing = {"question", *LETTERS, "answer"} - set(reader.fieldnames or ())
         if missing:
@@ -133,18 +138,24 @@ def _ceval(path: str, shot: int) -> dict[str, list[Item]]:
 
 def _jsonl(file: str, keys: tuple[str, ...]) -> list[dict]:
     rows = []
-    with open(file, encoding="utf-8") as fh:
-        for line, text in enumerate(fh, 1):
-            if not text.strip():
-                continue
+    for line, text in enumerate(files.read_text(file).splitlines(), 1):
+        if not text.strip():
+            continue
+        try:
+            row = json.loads(text)
+        except ValueError as exc:
+            raise MindSpeedError(f"{file}:{line}: not JSON ({getattr(exc, 'msg', exc)})") from None
+        missing = [k for k in keys if k not in row] if isinstance(row, dict) else list(keys)
+        if missing:
+            raise MindSpeedError(f"{file}:{line}: needs the keys {', '.join(keys)}; missing {', '.join(missing)}")
+        for key in keys:  # the listed keys are texts a prompt is made of
+            if not isinstance(row[key], str):
+                raise MindSpeedError(f"{file}:{line}: {key!r} is a JSON {type(row[key]).__name__}, not text")
             try:
-                row = json.loads(text)
-            except ValueError as exc:
-                raise MindSpeedError(f"{file}:{line}: not JSON ({exc.msg})") from None
-            missing = [k for k in keys if k not in row] if isinstance(row, dict) else list(keys)
-            if missing:
-                raise MindSpeedError(f"{file}:{line}: needs the keys {', '.join(keys)}; missing {', '.join(missing)}")
-            rows.append(row)
+                row[key].encode("utf-8")
+            except UnicodeEncodeError:
+                raise MindSpeedError(f"{file}:{line}: {key!r} holds a lone surrogate, not text") from None
+        rows.append(row)
     return rows
 
 
@@ -232,8 +243,7 @@ def texts(path: str, tokenizer) -> dict[str, list[int]]:
         if file.endswith(".jsonl"):
             documents = [r["text"] for r in _jsonl(file, ("text",))]
         else:
-            with open(file, encoding="utf-8") as fh:
-                documents = [fh.read()]
+            documents = [files.read_text(file)]
         tokens = []
         for doc in documents:
             tokens += tokenizer.encode(doc) + ([eod] if eod is not None else [])

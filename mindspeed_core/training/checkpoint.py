@@ -114,10 +114,12 @@ def save(root: str, iteration: int, model_arrays: dict, optimizer_arrays: dict, 
     return final
 
 
-def latest_iteration(root: str) -> int | None:
+def latest_iteration(root: str, flag: str = "--load") -> int | None:
+    """The iteration the tracker names (None: no tracker); ``flag`` names ``root`` in errors."""
     path = os.path.join(root, TRACKER)
     if not os.path.isdir(root):
-        raise CheckpointError(f"--load {root} does not exist")
+        raise CheckpointError(f"{flag} {root} does not exist" if not os.path.exists(root)
+                              else f"{flag} {root} is a file: give the checkpoint's folder")
     if not os.path.exists(path):
         return None
     try:

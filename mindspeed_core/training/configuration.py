@@ -351,6 +351,9 @@ def check_configuration(args, world: int):
     backend = runtime.bound()
     features.validate(Flags({**vars(args), "num_experts": cfg.moe.num_experts if cfg.moe else None}), backend.NAME,
                       device.type(), backend.FRAMEWORK_VERSION)
+    if cfg.lora is not None and cfg.lora.r > cfg.hidden_size:
+        raise MindSpeedError(f"--lora-r {cfg.lora.r} exceeds the hidden size {cfg.hidden_size}: the adapters would "
+                             "not be low-rank (the rank of an adapter is at most its layer's width)")
     if args.lora_load and not (args.load or args.load_hf):
         raise MindSpeedError("--lora-load takes the adapters only: give the base model with --load or --load-hf")
     check_fits(tokenizer, cfg.vocab_size)

@@ -33,10 +33,7 @@ class MetricsLog:
         self.path, self.say = path, say
         self.flops_per_token, self.peak_flops, self.devices = flops_per_token, peak_flops, devices
         self.board, self.loss_name = board, loss_name
-        self._file = None
-        if path:
-            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-            self._file = open(path, "a")
+        self._file = None  # opened with the first record: a run refused before its first step writes nothing
         self._start, self._tokens, self._steps, self._timers = time.perf_counter(), 0, 0, {}
         dist.reset_comm_stats()
 
@@ -127,6 +124,7 @@ class MetricsLog:
         """One JSONL record (evaluation results, the text sample, ...)."""
         if self.path:
             if self._file is None:
+                os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
                 self._file = open(self.path, "a")
             self._file.write(json.dumps(record) + "\n")
             self._file.flush()

@@ -10,10 +10,11 @@ from __future__ import annotations
 import dataclasses
 import os
 
+from mindspeed_core.backends.common import check_fits_in_memory
 from mindspeed_core.compat import hf, mcore
 from mindspeed_core.errors import CheckpointError, MindSpeedError
 from mindspeed_core.models.config import ModelConfig
-from mindspeed_core.models.state import merge_lora
+from mindspeed_core.models.state import is_adapter, merge_lora
 from mindspeed_core.training import checkpoint
 
 KINDS = ("hf", "megatron", "ours")
@@ -55,14 +56,29 @@ def kind_of(path: str) -> str | None:
     return None
 
 
+def _checked(source: Source) -> Source:
+    """The weights must be the model the configuration describes: the same number of
+    parameters (a configuration edited by hand, or files from another model, stop here, before
+    any model is built or written from them)."""
+    expected = source.cfg.num_parameters()
+    held = sum(int(v.size) for k, v in source.state.items() if not is_adapter(k))
+    if held != expected:
+        raise CheckpointError(f"{source.path}: its weights hold {held:,} parameters but its configuration describes "
+                              f"{expected:,} (hidden size {source.cfg.hidden_size}, {source.cfg.num_layers} layers, "
+                              f"MLP {source.cfg.ffn_hidden_size}, vocabulary {source.cfg.vocab_size}): the "
+                              "configuration does not belong to these weights")
+    return source
+
+
 def read_hf(folder: str) -> Source:
     cfg, state = hf.load_folder(folder)
-    return Source(folder, "hf", cfg, state)
+    return _checked(Source(folder, "hf", cfg, state))
 
 
 def read_megatron(root: str) -> Source:
     ckpt = mcore.load(root)
-    return Source(root, "megatron", ckpt.cfg, ckpt.state, ckpt.iteration, ckpt.layout, ckpt.dtype, ckpt.exact)
+    return _checked(Source(root, "megatron", ckpt.cfg, ckpt.state, ckpt.iteration, ckpt.layout, ckpt.dtype,
+                           ckpt.exact))
 
 
 def read_ours(root: str, iteration: int | None = None) -> Source:
@@ -77,7 +93,8 @@ def read_ours(root: str, iteration: int | None = None) -> Source:
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise CheckpointError(f"the checkpoint in {root} (iteration {it}) holds no valid model configuration "
                               f"({exc})") from None
-    return Source(root, "ours", cfg, checkpoint.load_model_arrays(root, it), it, meta=meta)
+    check_fits_in_memory(4 * cfg.num_parameters(), f"the model in {root} ({cfg.num_parameters():,} parameters)")
+    return _checked(Source(root, "ours", cfg, checkpoint.load_model_arrays(root, it), it, meta=meta))
 
 
 def read(path: str, flag: str, kinds: tuple = KINDS) -> Source:

@@ -90,9 +90,12 @@ def resume(model, cfg: ModelConfig, root: str, finetune: bool, say, adapters_onl
     if not adapters_only and model_source.kind_of(root) == "megatron":
         load_megatron(model, cfg, root, say)
         return 0, None
-    it = checkpoint.latest_iteration(root)
+    it = checkpoint.latest_iteration(root, flag)
     if it is None and (finetune or adapters_only):
         raise CheckpointError(f"{flag}: {root} holds no checkpoint to take the weights from")
+    if it is None and checkpoint.holds_checkpoints(root) is not None:  # iteration folders, no tracker
+        raise CheckpointError(f"{flag} {root} holds iteration folders but no {checkpoint.TRACKER}: an interrupted "
+                              f"save or conversion left them; remove them, or write that checkpoint again")
     if it is None:
         say(f"no checkpoint in {root} yet: starting from scratch")
         return 0, None
