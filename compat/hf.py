@@ -326,10 +326,19 @@ def _moe_to_hf_state(cfg: ModelConfig, i: int, ours: dict) -> dict:
     return out
 
 
+# buffers some Hugging Face checkpoints carry that are no weights of the model
+_NOT_WEIGHTS = (".rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias")
+
+
 def from_hf_state(cfg: ModelConfig, hf: dict) -> dict:
-    """Hugging Face names/layouts -> ours. Raises CheckpointError for missing tensors."""
-    hf = dict(hf)
+    """Hugging Face names/layouts -> ours. Raises CheckpointError for missing tensors, and for
+    tensors its config.json does not describe (a layer count edited down would drop weights)."""
+    return _from_hf_state(cfg, dict(hf))
+
+
+def _from_hf_state(cfg: ModelConfig, hf: dict) -> dict:
     out = {}
+    left = hf  # what take() has not consumed, checked at the end
 
     def take(name):
         try:
@@ -354,7 +363,7 @@ def from_hf_state(cfg: ModelConfig, hf: dict) -> dict:
                 out[b + ours + ".bias"] = take(a + hf_n + ".bias")
         out["decoder.final_layernorm.weight"], out["decoder.final_layernorm.bias"] = take(p + "ln_f.weight"), take(p + "ln_f.bias")
         _head_from_hf(cfg, out, take)
-        return out
+        return _all_taken(cfg, out, left)
     out["embedding.word_embeddings.weight"] = take("model.embed_tokens.weight")
     for i in range(cfg.num_layers):
         a, b = f"model.layers.{i}.", f"decoder.layers.{i}.self_attention.linear_qkv."
@@ -374,6 +383,16 @@ def from_hf_state(cfg: ModelConfig, hf: dict) -> dict:
                 out[ours] = take(hf_n)
     out["decoder.final_layernorm.weight"] = take("model.norm.weight")
     _head_from_hf(cfg, out, take)
+    return _all_taken(cfg, out, left)
+
+
+def _all_taken(cfg: ModelConfig, out: dict, left: dict) -> dict:
+    # a tied output layer may be saved beside the embedding it shares (a copy, not a weight)
+    tied_copy = ("lm_head.weight",) if cfg.tied_output else ()
+    extra = sorted(k for k in left if not k.endswith(_NOT_WEIGHTS) and k not in tied_copy)
+    if extra:
+        raise CheckpointError(f"the Hugging Face checkpoint holds {len(extra)} tensors its config.json does not "
+                              f"describe ({extra[0]}, ...): the configuration does not belong to these weights")
     return out
 
 

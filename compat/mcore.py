@@ -371,8 +371,9 @@ def _arg(args, name, default):
 
 def _chunks(state: dict, path: str) -> list[dict]:
     if "model" in state:
-        return [state["model"]]
-    chunks = [state[k] for k in sorted((k for k in state if re.fullmatch(r"model\d+", k)), key=lambda k: int(k[5:]))]
+        chunks = [state["model"]]
+    else:
+        chunks = [state[k] for k in sorted((k for k in state if re.fullmatch(r"model\d+", k)), key=lambda k: int(k[5:]))]
     if not chunks:
         raise CheckpointError(f"{path} holds no model state (no 'model' or 'model0')")
     for chunk in chunks:

@@ -25,7 +25,7 @@ import os
 import re
 from dataclasses import dataclass
 
-from mindspeed_core import files
+from mindspeed_core.files import read_text
 from mindspeed_core.data import indexed
 from mindspeed_core.errors import MindSpeedError
 
@@ -89,7 +89,7 @@ def _check_answer(answer: str, file: str, line: int) -> str:
 
 def _mmlu_rows(file: str) -> list[tuple]:
     rows = []
-    with io.StringIO(files.read_text(file), newline="") as fh:
+    with io.StringIO(read_text(file), newline="") as fh:
         for line, row in enumerate(csv.reader(fh), 1):
             if len(row) != 6:
                 raise MindSpeedError(f"{file}:{line}: an MMLU row has 6 columns (question, A, B, C, D, answer), "
@@ -121,7 +121,7 @@ def _mmlu(path: str, shot: int) -> dict[str, list[Item]]:
 
 
 def _ceval_rows(file: str) -> list[tuple]:
-    with io.StringIO(files.read_text(file), newline="") as fh:
+    with io.StringIO(read_text(file), newline="") as fh:
         reader = csv.DictReader(fh)
         missing = {"question", *LETTERS, "answer"} - set(reader.fieldnames or ())
         if missing:
@@ -138,7 +138,7 @@ def _ceval(path: str, shot: int) -> dict[str, list[Item]]:
 
 def _jsonl(file: str, keys: tuple[str, ...]) -> list[dict]:
     rows = []
-    for line, text in enumerate(files.read_text(file).splitlines(), 1):
+    for line, text in enumerate(read_text(file).splitlines(), 1):
         if not text.strip():
             continue
         try:
@@ -243,7 +243,7 @@ def texts(path: str, tokenizer) -> dict[str, list[int]]:
         if file.endswith(".jsonl"):
             documents = [r["text"] for r in _jsonl(file, ("text",))]
         else:
-            documents = [files.read_text(file)]
+            documents = [read_text(file)]
         tokens = []
         for doc in documents:
             tokens += tokenizer.encode(doc) + ([eod] if eod is not None else [])
