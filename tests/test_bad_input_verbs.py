@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import shutil
 
 import numpy as np
