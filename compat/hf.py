@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 
 import numpy as np
 
@@ -500,6 +501,34 @@ def load_config(folder: str) -> ModelConfig:
     except ValueError:
         raise CheckpointError(f"{path} is not valid JSON") from None
     return config_from_hf(hf)
+
+
+# MindSpeed-LLM's --model-type-hf names -> our model family
+MODEL_TYPES = {"llama2": "llama", "llama3": "llama", "qwen2": "qwen2", "qwen25": "qwen2", "qwen3": "qwen3",
+               "mistral": "mistral", "gpt2": "gpt2", "mixtral": "mixtral", "qwen2-moe": "qwen2_moe",
+               "qwen3-moe": "qwen3_moe"}
+# what a Hugging Face folder holds besides the model: copied along by --hf-cfg-dir
+COMPANIONS = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
+              "generation_config.json", "vocab.json", "merges.txt", "chat_template.jinja")
+
+
+def check_same_model(folder: str, cfg: ModelConfig) -> None:
+    """``folder``'s config.json must describe the model ``cfg`` (the same shapes and family)."""
+    theirs = load_config(folder)
+    keys = ("family", "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
+            "kv_channels", "vocab_size")
+    differ = [k for k in keys if getattr(theirs, k) != getattr(cfg, k)]
+    if differ:
+        k = differ[0]
+        raise CheckpointError(f"--hf-cfg-dir {folder}: its config.json has {k} {getattr(theirs, k)!r} but the "
+                              f"converted model {getattr(cfg, k)!r}: it describes another model")
+
+
+def copy_companions(source: str, target: str) -> None:
+    """The tokenizer and generation files of ``source`` into the written folder ``target``."""
+    for name in COMPANIONS:
+        if os.path.isfile(os.path.join(source, name)):
+            shutil.copyfile(os.path.join(source, name), os.path.join(target, name))
 
 
 def load_folder(folder: str) -> tuple[ModelConfig, dict]:

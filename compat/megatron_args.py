@@ -21,6 +21,7 @@ STAGES = ("sft", "dpo", "simpo", "orm", "rm", "prm")  # rm: the outcome reward m
 DATA_HANDLERS = (
     "GeneralPretrainHandler", "AlpacaStyleInstructionHandler", "SharegptStyleInstructionHandler",
     "AlpacaStylePairwiseHandler", "SharegptStylePairwiseHandler", "AlpacaStyleProcessRewardHandler",
+    "PPOAlpacaStyleInstructionHandler",  # refused by the matrix (ppo-handler) until GRPO's prompt data
 )
 
 
@@ -49,6 +50,8 @@ def _number(kind, low=None, high=None, low_open=False, high_open=False, what="")
 
 
 POSITIVE_INT = _number(int, 1, what="a positive integer")
+LAYER_FREQ = _number(int, -1, what="a positive integer, or -1 (MindSpeed-LLM: every layer)")
+DENSE_LAYERS = _number(int, -1, what="zero or a positive integer, or -1 (MindSpeed-LLM: none)")
 FINITE = _number(float)
 COUNT = _number(int, 0, what="zero or a positive integer")
 POSITIVE = _number(float, 0, low_open=True, what="positive")
@@ -59,6 +62,14 @@ UNIT = _number(float, 0, 1, low_open=True, what="in (0, 1]")
 # every seed derived from it (data order, tracker streams) stays valid for both frameworks
 SEED = _number(int, 0, 2**32 - 1 - 100_000, what="in [0, 4294867295]")
 PORT = _number(int, 1, 65535, what="a TCP port (1-65535)")
+
+
+def TRISTATE(text: str):  # noqa: N802 - an argparse type, named like the others
+    """MindSpeed-LLM's true / false / none switches."""
+    try:
+        return {"true": True, "false": False, "none": None}[text.lower()]
+    except KeyError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not true, false or none") from None
 PROFILE_RANK = _number(int, -1, what="a rank (or -1: every rank)")
 
 
@@ -88,11 +99,17 @@ def add_feature_args(parser: argparse.ArgumentParser) -> None:
                    help="accepted for MindSpeed-LLM scripts: every CP mask is built here from each token's column "
                         "and document (packed sequences), so both values mean the same")
     p.add_argument("--expert-model-parallel-size", type=POSITIVE_INT, default=1)
-    p.add_argument("--moe-token-dispatcher-type", choices=("allgather", "alltoall"), default="allgather")
+    # alltoall_seq: MindSpeed-LLM's alltoall for sequence-parallel token layouts; the same routing
+    # and result as alltoall here (the dispatcher takes each rank's tokens as they are)
+    p.add_argument("--moe-token-dispatcher-type", choices=("allgather", "alltoall", "alltoall_seq"),
+                   default="allgather")
+    p.add_argument("--expert-tensor-parallel-size", type=POSITIVE_INT, default=None,
+                   help="tensor parallelism inside the experts (default: --tensor-model-parallel-size)")
     e = parser.add_argument_group("mixture of experts (models/router.py, models/moe.py)")
     e.add_argument("--num-experts", type=POSITIVE_INT, default=None)
     e.add_argument("--moe-router-topk", type=POSITIVE_INT, default=2)
-    e.add_argument("--moe-ffn-hidden-size", type=POSITIVE_INT, default=None, help="each expert's; default --ffn-hidden-size")
+    e.add_argument("--moe-ffn-hidden-size", "--moe-intermediate-size", type=POSITIVE_INT, default=None,
+                   help="each expert's; default --ffn-hidden-size")
     e.add_argument("--moe-shared-expert-intermediate-size", type=POSITIVE_INT, default=None)
     e.add_argument("--shared-expert-gate", action="store_true", help="scale the shared expert by sigmoid(x . gate)")
     e.add_argument("--moe-router-score-function", choices=("softmax", "sigmoid"), default="softmax")
@@ -101,8 +118,11 @@ def add_feature_args(parser: argparse.ArgumentParser) -> None:
     e.add_argument("--moe-router-topk-scaling-factor", type=POSITIVE, default=None)
     e.add_argument("--moe-router-num-groups", type=POSITIVE_INT, default=None)
     e.add_argument("--moe-router-group-topk", type=POSITIVE_INT, default=None)
-    e.add_argument("--moe-router-load-balancing-type", choices=("aux_loss", "seq_aux_loss", "none"),
+    # softmax_topk: MindSpeed-LLM's softmax over every expert, then the top k (no aux loss term)
+    e.add_argument("--moe-router-load-balancing-type", choices=("aux_loss", "seq_aux_loss", "none", "softmax_topk"),
                    default="aux_loss")
+    e.add_argument("--norm-topk-prob", action="store_true",
+                   help="renormalise the top-k weights to sum to one (MindSpeed-LLM; with softmax_topk)")
     e.add_argument("--moe-aux-loss-coeff", type=NON_NEGATIVE, default=0.0)
     e.add_argument("--moe-z-loss-coeff", type=NON_NEGATIVE, default=None)
     e.add_argument("--moe-router-enable-expert-bias", action="store_true")
@@ -110,8 +130,10 @@ def add_feature_args(parser: argparse.ArgumentParser) -> None:
     e.add_argument("--moe-expert-capacity-factor", type=POSITIVE, default=None)
     e.add_argument("--moe-pad-expert-input-to-capacity", action="store_true")
     e.add_argument("--moe-token-drop-policy", choices=("probs", "position"), default="probs")
-    e.add_argument("--moe-layer-freq", type=POSITIVE_INT, default=1, help="every N-th layer (from 0) is an MoE layer")
-    e.add_argument("--first-k-dense-replace", type=COUNT, default=0, help="the first k layers keep a dense MLP")
+    e.add_argument("--moe-layer-freq", type=LAYER_FREQ, default=1,
+                   help="every N-th layer (from 0) is an MoE layer (-1: every layer, as MindSpeed-LLM's scripts say)")
+    e.add_argument("--first-k-dense-replace", type=DENSE_LAYERS, default=0,
+                   help="the first k layers keep a dense MLP (-1: none)")
 
     m = parser.add_argument_group("memory and optimizer")
     m.add_argument("--use-distributed-optimizer", action="store_true")
@@ -125,6 +147,10 @@ def add_feature_args(parser: argparse.ArgumentParser) -> None:
     m.add_argument("--recompute-norm", action="store_true")
     m.add_argument("--recompute-in-advance", action="store_true")
     m.add_argument("--o2-optimizer", action="store_true")
+    m.add_argument("--o2-gradient", action="store_true", help="MindSpeed's O2: gradients kept in bf16")
+    m.add_argument("--swap-optimizer", action="store_true", help="MindSpeed: optimizer states swapped to the host")
+    m.add_argument("--recompute-activation-function", action="store_true",
+                   help="MindSpeed: recompute the MLP's activation function in backward")
     m.add_argument("--bf16", action="store_true")
     m.add_argument("--fp16", action="store_true")
     m.add_argument("--initial-loss-scale", type=POSITIVE, default=None,
@@ -151,6 +177,9 @@ def add_feature_args(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--overlap-param-gather", action="store_true")
     c.add_argument("--use-ascend-mc2", action="store_true")
     c.add_argument("--use-ascend-coc", action="store_true")
+    c.add_argument("--coc-fused-kernel", action="store_true", help="MindSpeed-LLM: CoC with fused kernels")
+    c.add_argument("--use-cp-send-recv-overlap", action="store_true",
+                   help="MindSpeed: overlap ring attention's send/receive with its compute")
     c.add_argument("--disable-gloo-group", action="store_true")
 
     o = parser.add_argument_group("operations, inference and tools")
@@ -328,10 +357,120 @@ def add_tokenizer_args(group) -> None:
                        help="NullTokenizer: ids 0..N-1 are tokens, N is end-of-document")
 
 
-def training_parser(prog: str = "mindspeed train") -> argparse.ArgumentParser:
-    parser = ArgumentParser(prog=prog, allow_abbrev=False,
+_SAME_RESULTS = ("a performance option of MindSpeed's MoE kernels; the experts here compute the same results without "
+                 "it")
+# Flags of Megatron / MindSpeed-LLM scripts that change nothing here, each with the reason. They
+# are parsed so that those scripts run unchanged; tests/test_flags.py checks each has no effect.
+# (flag -> (argparse keywords, reason))
+ACCEPTED_NO_OPS = {
+    "--use-mcore-models": ({"action": "store_true"}, "the models here are megatron-core's (there is no legacy model)"),
+    "--distributed-backend": ({"choices": ("nccl", "gloo", "hccl", "mccl"), "default": None},
+                              "the framework's launcher picks the collectives' backend for the device"),
+    "--attention-softmax-in-fp32": ({"action": "store_true"},
+                                    "attention's softmax accumulates in float32 here in every precision"),
+    "--no-masked-softmax-fusion": ({"action": "store_true"},
+                                   "attention has no separate masked-softmax kernel to fuse here"),
+    "--no-gradient-accumulation-fusion": ({"action": "store_true"},
+                                          "gradient accumulation is not fused here (--gemm-gradient-accumulation-fusion "
+                                          "is the matrix's row for it)"),
+    "--tokenizer-not-use-fast": ({"action": "store_true"},
+                                 "the tokenizers here are the fast (Rust) ones, which give the slow ones' ids"),
+    "--log-throughput": ({"action": "store_true"}, "every log line shows tokens/s, TFLOP/s and MFU already"),
+    "--no-shared-storage": ({"action": "store_true"},
+                            "rank 0 writes checkpoints and every rank reads --load: across nodes without shared "
+                            "storage, copy the checkpoint folder to each node"),
+    "--attention-mask-type": ({"choices": ("causal", "general"), "default": "causal"},
+                              "masks are built from each token's column and document, so both values mean the same"),
+    "--lora-fusion": ({"action": "store_true"}, "LoRA runs as two small matmuls beside the layer; there is no fused "
+                                                "kernel to choose"),
+    "--moe-permutation-async-comm": ({"action": "store_true"}, _SAME_RESULTS),
+    "--moe-alltoall-overlap-comm": ({"action": "store_true"}, _SAME_RESULTS),
+    "--moe-fb-overlap": ({"action": "store_true"}, _SAME_RESULTS),
+    "--moe-permute-fusion": ({"action": "store_true"}, _SAME_RESULTS),
+    "--moe-zero-memory": ({"choices": ("disable", "level0", "level1"), "default": "disable"}, _SAME_RESULTS),
+    "--workers": ({"type": POSITIVE_INT, "default": None}, "preprocessing's worker count; training reads "
+                                                          "preprocessed data"),
+    "--pack": ({"action": "store_true"}, "packing happens in mindspeed preprocess --pack; packed data is read as "
+                                         "packed"),
+    "--neat-pack": ({"action": "store_true"}, "packed samples here always attend within their own sample (what neat "
+                                              "packing asks for)"),
+    "--padded-samples": ({"action": "store_true"},
+                         "the sampler here reads every sample of each epoch once, in a full last global batch"),
+    "--enable-thinking": ({"type": TRISTATE, "default": None},
+                          "the chat template's thinking switch applies at preprocessing (the data holds its result)"),
+    "--prompt-type": ({"default": None}, "the chat template is applied at preprocessing (the data holds its result)"),
+    "--no-chat-template": ({"action": "store_true"}, "prompts go to the model as they are unless --prompt-type or "
+                                                     "--hf-chat-template asks for a template"),
+    "--overwrite-cache": ({"action": "store_true"}, "preprocessing keeps no cache: each run writes its outputs anew"),
+    "--is-pairwise-dataset": ({"action": "store_true"}, "--stage dpo, simpo and orm read pairwise data already"),
+    "--use-fused-moe-token-permute-and-unpermute": ({"action": "store_true"},
+                                                    "a performance option of MindSpeed's MoE kernels; the experts "
+                                                    "here compute the same results without it"),
+    "--local-rank": ({"type": int, "default": None}, "python -m torch.distributed.launch passes each worker's "
+                                                    "rank; the rank comes from the launcher's environment here"),
+}
+
+
+def add_compat_args(parser: argparse.ArgumentParser, skip: tuple = ()) -> None:
+    """The accepted no-ops (``skip``: flags the verb's own parser already defines)."""
+    g = parser.add_argument_group("accepted for Megatron / MindSpeed-LLM scripts, without effect here")
+    for flag, (keywords, reason) in ACCEPTED_NO_OPS.items():
+        if flag in skip:
+            continue
+        names = [flag, "--local_rank"] if flag == "--local-rank" else [flag]
+        g.add_argument(*names, help=f"(no effect: {reason})", **keywords)
+
+
+def add_mindspeed_llm_args(parser: argparse.ArgumentParser) -> None:
+    """MindSpeed-LLM's training flags that take effect here."""
+    g = parser.add_argument_group("MindSpeed-LLM")
+    g.add_argument("--transformer-impl", choices=("local", "transformer_engine"), default="local",
+                   help="local: the layers here (transformer_engine is refused by the matrix)")
+    g.add_argument("--disable-bias-linear", action="store_true",
+                   help="no biases on the attention output and the MLP (Megatron's default adds them)")
+    g.add_argument("--use-rotary-position-embeddings", action="store_true", help="--position-embedding-type rope")
+    g.add_argument("--padded-vocab-size", type=POSITIVE_INT, default=None,
+                   help="the embedding's rows, instead of the tokenizer's vocabulary padded to "
+                        "--make-vocab-size-divisible-by")
+    g.add_argument("--lr-warmup-fraction", type=PROBABILITY, default=None,
+                   help="warm up over this fraction of --lr-decay-iters (instead of --lr-warmup-iters)")
+    g.add_argument("--spec", nargs="+", default=None,
+                   help="the layer spec's module (and function) of MindSpeed-LLM; mapped onto a model family here")
+    g.add_argument("--exit-on-missing-checkpoint", action="store_true",
+                   help="with --load: stop when it holds no checkpoint (instead of starting from scratch)")
+    g.add_argument("--no-load-optim", action="store_true", help="--load: not the optimizer state")
+    g.add_argument("--no-load-rng", action="store_true", help="--load: not the random generators' states")
+    g.add_argument("--no-save-optim", action="store_true", help="checkpoints without the optimizer state")
+    g.add_argument("--no-save-rng", action="store_true", help="checkpoints without the random generators' states")
+    g.add_argument("--ckpt-format", choices=("torch", "torch_dist", "zarr", "fsdp_dtensor"), default="torch",
+                   help="torch: the checkpoint layout here (iter_*/ folders; Megatron's .pt files via mindspeed "
+                        "convert); torch_dist and the others are refused until built")
+    g.add_argument("--enable-hf2mg-convert", action="store_true",
+                   help="--load is a Hugging Face folder, converted into this run's layout as it loads")
+    g.add_argument("--model-type-hf", default=None,
+                   help="with --enable-hf2mg-convert: the Hugging Face architecture (checked against its config)")
+    g.add_argument("--manual-gc", action="store_true",
+                   help="Python's garbage collector runs at --manual-gc-interval steps (and evaluations) only")
+    g.add_argument("--manual-gc-interval", type=COUNT, default=0,
+                   help="--manual-gc: collect every N steps (0: at evaluations only)")
+    g.add_argument("--no-pad-to-seq-lengths", action="store_true",
+                   help="pad each micro-batch to its longest sample instead of --seq-length")
+    g.add_argument("--pad-to-multiple-of", type=POSITIVE_INT, default=None,
+                   help="--no-pad-to-seq-lengths: round each micro-batch's length up to a multiple of this")
+    g.add_argument("--npu-deterministic", dest="use_deterministic_algorithms", action="store_true",
+                   help="MindSpeed's spelling of --use-deterministic-algorithms")
+    g.add_argument("--lora-ckpt-filter", action="store_true", help="LoRA runs: checkpoints hold the adapters only")
+    g.add_argument("--no-shuffle", action="store_true", help="read the samples in order")
+
+
+def training_parser(prog: str = "mindspeed train", verb: bool = False) -> argparse.ArgumentParser:
+    """``verb``: the base of another verb's parser (generate, evaluate), whose own flags of the
+    same name (--prompt-type, ...) replace the accepted no-ops."""
+    parser = ArgumentParser(prog=prog, allow_abbrev=False, conflict_handler="resolve" if verb else "error",
                             description="pre-train a GPT model (Megatron-style flags)")
     add_framework_args(parser)
     add_feature_args(parser)
     add_training_args(parser)
+    add_mindspeed_llm_args(parser)
+    add_compat_args(parser)
     return parser

@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from mindspeed_core import features
+from mindspeed_core import features, runtime
 from mindspeed_core.compat import hf, mcore, megatron_args
 from mindspeed_core.errors import CheckpointError, MindSpeedError
 from mindspeed_core.models.state import renumber_layers
@@ -27,8 +27,7 @@ from mindspeed_core.parallel import pipeline
 from mindspeed_core.training import model_source
 
 # --model-type-hf -> our model family
-MODEL_TYPES = {"llama2": "llama", "llama3": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral",
-               "gpt2": "gpt2", "mixtral": "mixtral", "qwen2-moe": "qwen2_moe", "qwen3-moe": "qwen3_moe"}
+MODEL_TYPES = hf.MODEL_TYPES
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
@@ -50,6 +49,19 @@ def parser():
     p.add_argument("--num-layer-list", default=None, help="comma-separated layer counts, one per pipeline stage")
     p.add_argument("--noop-layers", default=None,
                    help="comma-separated layer numbers (from 0) of no-op layers to add (hf -> mg)")
+    p.add_argument("--hf-cfg-dir", default=None,
+                   help="mg -> hf: a Hugging Face folder whose config.json describes this model; its tokenizer and "
+                        "generation files are copied along")
+    p.add_argument("--expert-tensor-parallel-size", type=megatron_args.POSITIVE_INT, default=None,
+                   help="the target's tensor parallelism inside the experts (it must equal the tensor parallelism "
+                        "here)")
+    p.add_argument("--lora-load", default=None, help="LoRA adapters to merge into the --load-dir weights")
+    p.add_argument("--lora-r", type=megatron_args.POSITIVE_INT, default=None)
+    p.add_argument("--lora-alpha", type=megatron_args.POSITIVE, default=None)
+    p.add_argument("--lora-target-modules", nargs="+", default=None)
+    p.add_argument("--save-lora-to-hf", action="store_true", help="write the adapters as a PEFT folder")
+    p.add_argument("--moe-grouped-gemm", action="store_true",
+                   help="(no effect: a kernel choice of training; the weights are the same)")
     p.add_argument("--params-dtype", choices=tuple(DTYPES), default=None,
                    help="the saved weights' dtype (default: fp32 from Hugging Face, the source's for mg -> mg)")
     return p
@@ -98,6 +110,14 @@ def _target_layout(args, cfg, source):
 def run(args, backend=None) -> int:
     """`mindspeed convert` once its flags are parsed (the framework plays no part)."""
     features.note_used("weight-conversion")
+    framework = runtime.resolve(args.ai_framework)
+    if args.lora_load or args.lora_r or args.lora_alpha or args.lora_target_modules or args.save_lora_to_hf:
+        features.refuse("convert-lora", framework)
+    target_tp = args.target_tensor_parallel_size or 1
+    if args.expert_tensor_parallel_size not in (None, target_tp):
+        features.refuse("expert-tensor-parallel", framework)
+    if args.hf_cfg_dir is not None and args.save_model_type != "hf":
+        raise MindSpeedError("--hf-cfg-dir describes the Hugging Face folder written by --save-model-type hf")
     if args.load_model_type == "hf" and args.save_model_type == "hf":
         raise MindSpeedError("--load-model-type hf --save-model-type hf converts nothing: one of them is mg")
     if args.save_model_type == "hf":
@@ -117,7 +137,11 @@ def run(args, backend=None) -> int:
             raise MindSpeedError("--noop-layers adds no-op layers to a Hugging Face model's (hf -> mg)")
         cfg, state = _with_noop_layers(cfg, state, pipeline.parse_layer_numbers(args.noop_layers, "--noop-layers"))
     if args.save_model_type == "hf":
+        if args.hf_cfg_dir is not None:
+            hf.check_same_model(args.hf_cfg_dir, cfg)  # before anything is written
         hf.save_folder(args.save_dir, cfg, state)  # no-op layers dropped, LoRA merged
+        if args.hf_cfg_dir is not None:
+            hf.copy_companions(args.hf_cfg_dir, args.save_dir)
         print(f"wrote the {cfg.family} model ({cfg.num_parameters():,} parameters) as a Hugging Face folder: "
               f"{args.save_dir}")
         return 0

@@ -131,6 +131,14 @@ _P2P_EMULATED = ("send/recv emulated by a sum all-reduce over the two ranks' gro
                  "on the wire); a forward that other compute follows before its backward is recorded again "
                  "at its backward (one more forward; no graph held in between)")
 
+_FULL_LENGTH = "every micro-batch is padded to --seq-length"
+_SAME_RING = "the ring's send/receive and its block's attention run one after the other (same results)"
+_DIST_CKPT = "checkpoints here are iter_*/ folders of safetensors (mindspeed convert writes Megatron's .pt layout)"
+_ETP = "the experts' tensor parallelism is the model's (--tensor-model-parallel-size)"
+_ETP_INSTEAD = "--expert-tensor-parallel-size equal to --tensor-model-parallel-size"
+_CONVERT_LORA = "mindspeed convert takes a LoRA run's checkpoint whole (--load-dir): its adapters are merged"
+_CONVERT_LORA_INSTEAD = "--load-model-type mg --load-dir <the LoRA run's --save>"
+
 # the combinations the trainer cannot run yet (rows at the end of FEATURES)
 _ALIGNMENT_STAGES = ("dpo", "simpo", "orm", "rm", "prm")
 _MOE_CP = ("context parallelism with MoE layers is planned: the aux loss of a sequence cut into CP chunks needs its "
@@ -208,7 +216,7 @@ FEATURES: tuple[Feature, ...] = (
             ("--moe-token-dispatcher-type alltoall",),
             supported("uneven all-to-all of the routed rows (gloo/nccl/hccl all_to_all_single); a rank may get none"),
             emulated("all-to-all as one sum all-reduce with a slot per rank pair (exact): EP x the bytes"),
-            _eq("moe_token_dispatcher_type", "alltoall")),
+            lambda a: getattr(a, "moe_token_dispatcher_type", None) in ("alltoall", "alltoall_seq")),
     Feature("moe-allgather-dispatcher", "MoE all-gather token dispatcher (the default, as Megatron's)", "parallelism",
             ("--moe-token-dispatcher-type allgather",),
             supported("all-gather of the EP group's tokens and routing, reduce-scatter of the weighted outputs"),
@@ -351,10 +359,14 @@ FEATURES: tuple[Feature, ...] = (
             planned(_NPU_ONLY, cpu=unsupported(_NPU_ONLY), cuda=unsupported(_NPU_ONLY)),
             unsupported("MC2 kernels are only reachable from torch_npu", instead="plain tensor parallel"),
             _on("use_ascend_mc2")),
-    Feature("coc", "CoC: communication-over-computation overlap", "communication", ("--use-ascend-coc",),
+    Feature("coc", "CoC: communication-over-computation overlap", "communication",
+            ("--use-ascend-coc", "--coc-fused-kernel"),
             planned(_NPU_ONLY, cpu=unsupported(_NPU_ONLY), cuda=unsupported(_NPU_ONLY)),
             planned(_NPU_ONLY, cpu=unsupported(_NPU_ONLY), cuda=unsupported(_NPU_ONLY)),
-            _on("use_ascend_coc")),
+            lambda a: bool(getattr(a, "use_ascend_coc", False) or getattr(a, "coc_fused_kernel", False))),
+    Feature("cp-send-recv-overlap", "Ring attention's send/receive overlapped with its compute", "communication",
+            ("--use-cp-send-recv-overlap",), planned(_SAME_RING), planned(_SAME_RING),
+            _on("use_cp_send_recv_overlap")),
     Feature("gloo-ckpt-offload", "Checkpoint gathering without a Gloo group", "communication",
             ("--disable-gloo-group",), planned(), planned(), _on("disable_gloo_group")),
     # ---- operations ---------------------------------------------------------------------------
@@ -465,6 +477,47 @@ FEATURES: tuple[Feature, ...] = (
                       "from them; mindspeed train --load takes a Megatron folder; framework-free"),
             supported("as on PyTorch"),
             lambda a: a.load_model_type is not None or a.save_model_type is not None),
+    # ---- MindSpeed-LLM options not built yet ---------------------------------------------------
+    Feature("transformer-engine", "NVIDIA Transformer Engine layers", "compatibility", ("--transformer-impl",),
+            unsupported("the layers here are the local implementation", instead="--transformer-impl local"),
+            unsupported("the layers here are the local implementation", instead="--transformer-impl local"),
+            _eq("transformer_impl", "transformer_engine")),
+    Feature("ckpt-format-torch-dist", "Megatron's distributed checkpoint formats (torch_dist, zarr, fsdp_dtensor)",
+            "compatibility", ("--ckpt-format",), planned(_DIST_CKPT, instead="--ckpt-format torch"),
+            planned(_DIST_CKPT, instead="--ckpt-format torch"),
+            lambda a: getattr(a, "ckpt_format", "torch") not in ("torch", None)),
+    Feature("recompute-activation-function", "Recompute of the MLP's activation function", "memory",
+            ("--recompute-activation-function",), planned(instead="--recompute-activations"),
+            planned(instead="--recompute-activations"), _on("recompute_activation_function")),
+    Feature("swap-optimizer", "Optimizer states swapped to host memory", "memory", ("--swap-optimizer",),
+            planned(instead="--use-distributed-optimizer"), planned(instead="--use-distributed-optimizer"),
+            _on("swap_optimizer")),
+    Feature("o2-gradient", "bf16 gradients (MindSpeed's O2)", "memory", ("--o2-gradient",),
+            planned(instead="--o2-optimizer"), planned(instead="--o2-optimizer"), _on("o2_gradient")),
+    Feature("dynamic-padding", "Micro-batches padded to their longest sample", "fine-tuning",
+            ("--no-pad-to-seq-lengths", "--pad-to-multiple-of"),
+            planned(_FULL_LENGTH), planned(_FULL_LENGTH),
+            lambda a: bool(getattr(a, "no_pad_to_seq_lengths", False)) or getattr(a, "pad_to_multiple_of", None)
+            is not None),
+    Feature("no-shuffle", "Samples read in order (no shuffle)", "fine-tuning", ("--no-shuffle",),
+            planned("the samples are shuffled by --seed"), planned("the samples are shuffled by --seed"),
+            _on("no_shuffle")),
+    Feature("expert-tensor-parallel", "Expert tensor parallelism other than the model's", "parallelism",
+            ("--expert-tensor-parallel-size",), planned(_ETP, instead=_ETP_INSTEAD),
+            planned(_ETP, instead=_ETP_INSTEAD),
+            lambda a: getattr(a, "expert_tensor_parallel_size", None) not in (
+                None, getattr(a, "tensor_model_parallel_size", 1))),
+    Feature("lora-checkpoint-filter", "Checkpoints of LoRA runs holding the adapters only", "fine-tuning",
+            ("--lora-ckpt-filter",), planned("a LoRA checkpoint holds the base weights too"),
+            planned("a LoRA checkpoint holds the base weights too"), _on("lora_ckpt_filter")),
+    Feature("convert-lora", "LoRA adapters in mindspeed convert (merge, PEFT export)", "tools",
+            ("--lora-load", "--lora-r", "--save-lora-to-hf"),
+            planned(_CONVERT_LORA, instead=_CONVERT_LORA_INSTEAD),
+            planned(_CONVERT_LORA, instead=_CONVERT_LORA_INSTEAD)),
+    Feature("ppo-handler", "PPO / RL prompt data (PPOAlpacaStyleInstructionHandler)", "tools", ("--handler-name",),
+            planned("prompt-only data for online RL comes with GRPO"), planned("prompt-only data for online RL comes "
+                                                                                "with GRPO"),
+            _eq("handler_name", "PPOAlpacaStyleInstructionHandler")),
     # ---- combinations not built yet ------------------------------------------------------
     # each row is one pair of features that work alone; the gate refuses the pair (the model's
     # own MoE layers count, from flags or a Hugging Face config)
@@ -529,6 +582,20 @@ def active_features(args) -> list[Feature]:
     return [f for f in FEATURES if f.active is not None and f.active(args)]
 
 
+def refuse(feature_id: str, framework: str, device: str | None = None) -> None:
+    """Raise the matrix's refusal of one row (a verb that parses no training flags asks by id)."""
+    f = get(feature_id)
+    st = f.status(framework, device)
+    if st.kind in ("unsupported", "planned"):
+        raise FeatureNotAvailable(_refusal(f, st, framework, device))
+
+
+def _refusal(f: Feature, st: Status, framework: str, device: str | None) -> str:
+    where = framework + (f" on {device}" if device else "")
+    return (f"{f.id} ({' '.join(f.flags[:1])}) is {st.kind} for {where}: {st.note}"
+            + (f"; instead use {st.instead}" if st.instead else ""))
+
+
 def validate(args, framework: str, device: str | None = None, version: str | None = None) -> list[Feature]:
     """Reject arguments that ask for a feature the framework/device cannot provide.
 
@@ -540,11 +607,7 @@ def validate(args, framework: str, device: str | None = None, version: str | Non
     for f in active:
         st = f.status(framework, device, version)
         if st.kind in ("unsupported", "planned"):
-            where = framework + (f" on {device}" if device else "")
-            msg = f"{f.id} ({' '.join(f.flags[:1])}) is {st.kind} for {where}: {st.note}"
-            if st.instead:
-                msg += f"; instead use {st.instead}"
-            problems.append(msg)
+            problems.append(_refusal(f, st, framework, device))
     if problems:
         raise FeatureNotAvailable("; ".join(problems))
     return active

@@ -55,8 +55,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = megatron_args.training_parser()
-    p.prog, p.description = "mindspeed generate", "continue prompts with a trained model"
+    p = megatron_args.training_parser("mindspeed generate", verb=True)
+    p.description = "continue prompts with a trained model"
     add_args(p)
     return p
 

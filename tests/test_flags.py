@@ -15,6 +15,8 @@ from mindspeed_core.compat import megatron_args
 # Accepted and deliberately without effect, kept so that Megatron / MindSpeed-LLM scripts run
 # unchanged. Each entry says why.
 ACCEPTED_NO_OPS = {
+    # MindSpeed-LLM's flags without effect here: each reason is in compat/megatron_args.py (and --help)
+    *megatron_args.ACCEPTED_NO_OPS,
     # Megatron honours --num-query-groups only together with this switch; here
     # --num-query-groups takes effect on its own, so the switch adds nothing.
     "--group-query-attention",
@@ -46,6 +48,9 @@ VALUES = {
     "--num-query-groups": ["2"], "--kv-channels": ["16"], "--seq-length": ["8"],
     "--max-position-embeddings": ["64"], "--num-attention-heads": ["2"], "--hidden-size": ["64"],
     "--dpo-label-smoothing": ["0.25"], "--simpo-label-smoothing": ["0.25"], "--reward-tokens": ["+", "-"],
+    "--lr-warmup-fraction": ["0.5"], "--padded-vocab-size": ["512"], "--enable-thinking": ["false"],
+    "--local-rank": ["0"], "--spec": ["mindspeed_llm.tasks.models.spec.qwen3_spec", "layer_spec"],
+    "--model-type-hf": ["qwen3"],
 }
 
 
@@ -68,6 +73,7 @@ REQUIRES = {
         "--first-k-dense-replace")},
     "--shared-expert-gate": ["--num-experts", "4", "--moe-shared-expert-intermediate-size", "8"],
     "--moe-router-group-topk": ["--num-experts", "4", "--moe-router-num-groups", "2"],
+    "--norm-topk-prob": ["--num-experts", "4", "--moe-router-load-balancing-type", "softmax_topk"],
     "--moe-router-bias-update-rate": ["--num-experts", "4", "--moe-router-enable-expert-bias"],
     "--moe-token-drop-policy": ["--num-experts", "4", "--moe-expert-capacity-factor", "1.0"],
     "--moe-pad-expert-input-to-capacity": ["--num-experts", "4", "--moe-expert-capacity-factor", "1.0"],

@@ -14,6 +14,7 @@ tokenizer adding its own (a template writes the beginning-of-sequence token itse
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass
@@ -39,6 +40,7 @@ class Template:
     default_system: str | None = None
     begin: str = ""
     stop: tuple[str, ...] = ()
+    first_user: str | None = None  # the first user message right after a system message (llama2: inside one [INST])
 
     @property
     def writes_reply_end(self) -> bool:
@@ -54,9 +56,12 @@ class Template:
         system = messages[0]["content"] if messages and messages[0]["role"] == "system" else self.default_system
         if system is not None:
             out.append((self.system.format(content=system), False))
+        first = system is not None and self.first_user is not None
         for m in messages:
             if m["role"] == "user":
-                out.append((self.user.format(content=m["content"]) + self.generation, False))
+                out.append(((self.first_user if first else self.user).format(content=m["content"]) + self.generation,
+                            False))
+                first = False
             elif m["role"] == "assistant":
                 out.append((self.assistant.format(content=m["content"]), True))
         if not add_generation_prompt and out and not out[-1][1] and self.generation:
@@ -78,6 +83,10 @@ TEMPLATES = {t.name: t for t in (
                             "completes the request.\n\n"),
     Template("chatml", **_CHATML),
     Template("qwen", default_system="You are a helpful assistant.", **_CHATML),
+    Template("qwen3", **_CHATML),  # --enable-thinking false: choose() adds Qwen3's empty thought to each reply
+    # Llama 2 chat (as LLaMA-Factory and MindSpeed-LLM write it): the system prompt inside the first [INST]
+    Template("llama2", system="<s>[INST] <<SYS>>\n{content}\n<</SYS>>\n\n", first_user="{content} [/INST]",
+             user="<s>[INST] {content} [/INST]", assistant="{content}</s>", stop=("</s>",)),
     Template("llama3", begin="<|begin_of_text|>",
              system="<|start_header_id|>system<|end_header_id|>\n\n{content}<|eot_id|>",
              user="<|start_header_id|>user<|end_header_id|>\n\n{content}<|eot_id|>",
@@ -206,15 +215,23 @@ def add_args(group, default: str) -> None:
                        help="use the tokenizer folder's Hugging Face chat template (required to exist)")
 
 
-def choose(prompt_type: str | None, hf_chat_template: bool, tokenizer_folder: str | None):
+def choose(prompt_type: str | None, hf_chat_template: bool, tokenizer_folder: str | None,
+           enable_thinking: bool | None = None):
     """The template a chat or an instruction dataset uses: --prompt-type NAME, else the
-    tokenizer folder's chat template (required by --hf-chat-template), else ``empty``."""
+    tokenizer folder's chat template (required by --hf-chat-template), else ``empty``.
+    ``enable_thinking`` False (--enable-thinking false, Qwen3): each reply starts after an empty
+    thought, as Qwen3's own template writes it when thinking is off."""
     if prompt_type is not None and hf_chat_template:
         raise MindSpeedError("give either --prompt-type or --hf-chat-template, not both")
+    if enable_thinking is not None and prompt_type != "qwen3":
+        raise MindSpeedError("--enable-thinking applies to --prompt-type qwen3")
     if prompt_type is not None:
         if prompt_type not in TEMPLATES:
             raise MindSpeedError(f"unknown --prompt-type {prompt_type!r}; choose one of {', '.join(TEMPLATES)}")
-        return TEMPLATES[prompt_type]
+        chosen = TEMPLATES[prompt_type]
+        if enable_thinking is False:
+            chosen = dataclasses.replace(chosen, generation=chosen.generation + "<think>\n\n</think>\n\n")
+        return chosen
     found = hf_template(tokenizer_folder) if tokenizer_folder and os.path.isdir(tokenizer_folder) else None
     if found is None and hf_chat_template:
         raise MindSpeedError(f"--hf-chat-template: {tokenizer_folder or 'the tokenizer'} has no chat template "

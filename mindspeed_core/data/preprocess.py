@@ -31,8 +31,9 @@ import re
 
 import numpy as np
 
-from mindspeed_core import features, files
-from mindspeed_core.compat.megatron_args import POSITIVE_INT, add_tokenizer_args
+from mindspeed_core import features, files, runtime
+from mindspeed_core.compat import megatron_args
+from mindspeed_core.compat.megatron_args import DATA_HANDLERS, POSITIVE_INT, add_compat_args, add_tokenizer_args
 from mindspeed_core.data import chat_templates, handlers, indexed, packing
 from mindspeed_core.data.tokenizer import build_tokenizer, tokenizer_args
 from mindspeed_core.errors import MindSpeedError
@@ -53,7 +54,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                         help="with --pack: the training --seq-length the packs are made for; for instruction data "
                              "also the longest sample kept (--seq-length + 1 tokens, see --truncation)")
     h = parser.add_argument_group("instruction and preference data (data/handlers.py)")
-    h.add_argument("--handler-name", choices=tuple(handlers.HANDLERS), default="GeneralPretrainHandler")
+    h.add_argument("--handler-name", choices=DATA_HANDLERS, default="GeneralPretrainHandler")
     chat_templates.add_args(h, "default: the tokenizer's chat template, else empty")
     h.add_argument("--map-keys", default=None,
                    help="JSON renaming the record's columns, e.g. '{\"prompt\": \"question\", \"response\": \"answer\"}'; "
@@ -65,6 +66,12 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                    help="AlpacaStyleProcessRewardHandler: the token that ends each step (default 'ки')")
     h.add_argument("--reward-tokens", nargs="+", default=None,
                    help="AlpacaStyleProcessRewardHandler: the step labels allowed (e.g. + -)")
+    h.add_argument("--enable-thinking", type=megatron_args.TRISTATE, default=None, help="--prompt-type qwen3: false puts an empty <think></think> before each reply, "
+                                      "as Qwen3's template does when thinking is off")
+    h.add_argument("--neat-pack", action="store_true",
+                   help="with --pack (MindSpeed-LLM): each sample of a pack attends to itself only, as packs always do "
+                        "here")
+    add_compat_args(parser, skip=tuple(a for o in parser._actions for a in o.option_strings))
 
 
 def _files(path: str) -> list[str]:
@@ -221,6 +228,10 @@ def _fit(sample: dict, keys: tuple, capacity: int | None, policy: str):
 
 
 def run(args) -> dict:
+    if args.handler_name not in handlers.HANDLERS:  # named by MindSpeed-LLM, not built here yet
+        features.refuse("ppo-handler", runtime.resolve(getattr(args, "ai_framework", None)))
+    if args.neat_pack and not args.pack:
+        raise MindSpeedError("--neat-pack qualifies --pack: give --pack --seq-length N too")
     cls = handlers.HANDLERS[args.handler_name]
     instruction = cls.instruction
     features.note_used(features.handler_feature(args.handler_name))
@@ -235,7 +246,7 @@ def run(args) -> dict:
     tok = build_tokenizer(*tokenizer)
     template = None
     if instruction and "Style" in args.handler_name and "ProcessReward" not in args.handler_name:
-        template = (args.prompt_type, args.hf_chat_template, args.tokenizer_name_or_path)
+        template = (args.prompt_type, args.hf_chat_template, args.tokenizer_name_or_path, args.enable_thinking)
     options = {"append_eod": args.append_eod, "json_keys": args.json_keys,
                "map_keys": handlers.parse_map_keys(args.map_keys), "placeholder_token": args.placeholder_token,
                "reward_tokens": args.reward_tokens}

@@ -31,8 +31,8 @@ ANSWER_STOPS = ("\n\n", "Question:")
 
 
 def parser():
-    p = megatron_args.training_parser()
-    p.prog, p.description = "mindspeed evaluate", "score a trained model on a benchmark"
+    p = megatron_args.training_parser("mindspeed evaluate", verb=True)
+    p.description = "score a trained model on a benchmark"
     g = p.add_argument_group("evaluation")
     g.add_argument("--task-data-path", default=None, help="the task's data (see mindspeed_core/evaluation/tasks.py)")
     g.add_argument("--shot", type=megatron_args.COUNT, default=0, help="solved examples put before each question")

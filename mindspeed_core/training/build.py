@@ -37,7 +37,8 @@ def whole_model(spec, cfg, flags, say):
     iteration, saved_optimizer = 0, None
     for root, adapters_only in ((flags.load, False), (flags.lora_load, True)):
         if root:
-            it, saved_optimizer = resume.resume(model, cfg, root, flags.finetune, say, adapters_only)
+            it, saved_optimizer = resume.resume(model, cfg, root, flags.finetune, say, adapters_only,
+                                                flags.exit_on_missing_checkpoint)
             iteration = it if saved_optimizer is not None else iteration
     return model, iteration, saved_optimizer
 

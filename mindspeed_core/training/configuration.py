@@ -213,6 +213,22 @@ def _apply_defaults(args, framework: str) -> bool:
             setattr(args, flag, True)
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.train_iters
+    if args.lr_warmup_fraction is not None:  # Megatron: that share of the decay's iterations
+        if args.lr_warmup_iters:
+            raise MindSpeedError("give --lr-warmup-fraction or --lr-warmup-iters, not both")
+        args.lr_warmup_iters = int(args.lr_warmup_fraction * args.lr_decay_iters)
+    if args.model_type_hf is not None and not (args.enable_hf2mg_convert or args.load_hf):
+        raise MindSpeedError("--model-type-hf names the Hugging Face architecture of --load with "
+                             "--enable-hf2mg-convert (or of --load-hf): give one of them")
+    if args.enable_hf2mg_convert:  # --load is a Hugging Face folder, converted into this run's layout
+        if not args.load or args.load_hf:
+            raise MindSpeedError("--enable-hf2mg-convert converts the Hugging Face folder of --load: give --load "
+                                 "(and no --load-hf)")
+        args.load_hf, args.load, args.finetune = args.load, None, False  # its weights, from iteration 0
+    if args.sequence_parallel and args.tensor_model_parallel_size == 1:  # as Megatron: nothing to split
+        args.sequence_parallel = False
+    if args.moe_token_dispatcher_type == "alltoall_seq":  # the same dispatch here (see megatron_args)
+        args.moe_token_dispatcher_type = "alltoall"
     return embedded
 
 
@@ -288,7 +304,7 @@ def _model_config(args, vocab_size: int) -> ModelConfig:
         if args.noop_layers:
             raise MindSpeedError("--noop-layers cannot be combined with --load-hf: a Hugging Face model has no "
                                  "no-op layers")
-        return hf.load_config(args.load_hf)
+        return _agreeing_with_flags(args, hf.load_config(args.load_hf), vocab_size)
     if args.model_name and args.model_name not in PRESETS:
         raise MindSpeedError(f"unknown --model-name {args.model_name!r}; presets: {', '.join(sorted(PRESETS))}")
     base = dict(PRESETS[args.model_name]) if args.model_name else {}
@@ -301,6 +317,15 @@ def _model_config(args, vocab_size: int) -> ModelConfig:
         base["activation"] = "swiglu"
     if args.position_embedding_type:
         base["position_embedding_type"] = "learned" if args.position_embedding_type == "learned_absolute" else "rope"
+    if args.use_rotary_position_embeddings:
+        if args.position_embedding_type == "learned_absolute":
+            raise MindSpeedError("--use-rotary-position-embeddings and --position-embedding-type learned_absolute "
+                                 "contradict each other")
+        base["position_embedding_type"] = "rope"
+    if args.disable_bias_linear:
+        base["add_bias_linear"], base["attention_output_bias"] = False, False
+    if args.spec:
+        base["family"] = spec_family(args.spec)
     if scaling:
         base["rope_scaling"] = scaling
     for flag in ("untie_embeddings_and_output_weights", "add_qkv_bias", "qk_layernorm"):
@@ -310,7 +335,7 @@ def _model_config(args, vocab_size: int) -> ModelConfig:
         base["noop_layers"] = pipeline.parse_layer_numbers(args.noop_layers, "--noop-layers")
     if args.num_experts is not None:
         base["moe"], base["moe_layers"] = _moe_config(args, base.get("num_layers", ModelConfig.num_layers))
-    base["vocab_size"] = padded_vocab_size(vocab_size, args.make_vocab_size_divisible_by)
+    base["vocab_size"] = _vocab_rows(args, vocab_size)
     base["max_position_embeddings"] = max(args.max_position_embeddings or 0, args.seq_length,
                                           base.get("max_position_embeddings", 0))
     try:
@@ -319,15 +344,66 @@ def _model_config(args, vocab_size: int) -> ModelConfig:
         raise MindSpeedError(f"model configuration: {exc}") from None
 
 
+# MindSpeed-LLM's layer specs (--spec MODULE FUNCTION) -> the model family that builds those layers here
+SPEC_FAMILIES = {"qwen3_spec": "qwen3", "qwen2_spec": "qwen2", "llama_spec": "llama", "mistral_spec": "mistral",
+                 "qwen3_moe_spec": "qwen3_moe", "mixtral_spec": "mixtral"}
+
+
+def spec_family(spec: list) -> str:
+    module = spec[0].rsplit(".", 1)[-1]
+    if module not in SPEC_FAMILIES:
+        raise MindSpeedError(f"--spec {' '.join(spec)}: no model family here builds that layer spec; known specs: "
+                             f"{', '.join(sorted(SPEC_FAMILIES))}")
+    return SPEC_FAMILIES[module]
+
+
+def _vocab_rows(args, vocab_size: int) -> int:
+    """The embedding's rows: --padded-vocab-size, else the tokenizer's vocabulary padded to
+    --make-vocab-size-divisible-by."""
+    if args.padded_vocab_size is None:
+        return padded_vocab_size(vocab_size, args.make_vocab_size_divisible_by)
+    if args.padded_vocab_size < vocab_size:
+        raise MindSpeedError(f"--padded-vocab-size {args.padded_vocab_size} is smaller than the tokenizer's "
+                             f"{vocab_size} tokens")
+    return args.padded_vocab_size
+
+
+def _agreeing_with_flags(args, cfg: ModelConfig, vocab_size: int) -> ModelConfig:
+    """A Hugging Face folder's configuration, checked against the model flags a script also
+    passes (MindSpeed-LLM's scripts give both): a flag that disagrees is refused, naming it."""
+    given = {field: getattr(args, flag) for flag, field in _MODEL_FLAGS.items() if getattr(args, flag, None) is not None}
+    if args.padded_vocab_size is not None:
+        given["vocab_size"] = args.padded_vocab_size
+    for field, value in given.items():
+        if field in ("attention_dropout", "hidden_dropout", "init_method_std"):
+            continue  # training settings, not the architecture
+        if getattr(cfg, field) != value:
+            raise MindSpeedError(f"--{field.replace('_', '-')} {value} disagrees with the Hugging Face folder's "
+                                 f"config.json ({field} {getattr(cfg, field)!r})")
+    if args.model_type_hf is not None and hf.MODEL_TYPES.get(args.model_type_hf) != cfg.family:
+        raise MindSpeedError(f"--model-type-hf {args.model_type_hf}, but {args.load_hf}/config.json is a {cfg.family} "
+                             "model" if args.model_type_hf in hf.MODEL_TYPES else
+                             f"--model-type-hf {args.model_type_hf}: choose one of {', '.join(hf.MODEL_TYPES)}")
+    if args.spec and spec_family(args.spec) != cfg.family:
+        raise MindSpeedError(f"--spec {args.spec[0]} builds {spec_family(args.spec)} layers, but the Hugging Face "
+                             f"folder holds a {cfg.family} model")
+    return cfg
+
+
 def _moe_config(args, num_layers: int) -> tuple[MoEConfig, tuple | None]:
     """MoEConfig and MoE layer numbers from Megatron's --num-experts / --moe-* flags."""
+    # MindSpeed-LLM's softmax_topk: the softmax over every expert, its top k kept as they are (or
+    # renormalised with --norm-topk-prob), with no load-balancing term
+    softmax_topk = args.moe_router_load_balancing_type == "softmax_topk"
+    norm = args.norm_topk_prob if softmax_topk else not args.moe_router_pre_softmax
+    balancing = "none" if softmax_topk else args.moe_router_load_balancing_type
     try:
         moe = MoEConfig(
             num_experts=args.num_experts, topk=args.moe_router_topk, ffn_hidden_size=args.moe_ffn_hidden_size,
-            score_function=args.moe_router_score_function, norm_topk_prob=not args.moe_router_pre_softmax,
+            score_function=args.moe_router_score_function, norm_topk_prob=norm,
             num_groups=args.moe_router_num_groups, group_topk=args.moe_router_group_topk,
             scaling_factor=args.moe_router_topk_scaling_factor or 1.0,
-            load_balancing_type=args.moe_router_load_balancing_type, aux_loss_coeff=args.moe_aux_loss_coeff,
+            load_balancing_type=balancing, aux_loss_coeff=args.moe_aux_loss_coeff,
             z_loss_coeff=args.moe_z_loss_coeff or 0.0, enable_expert_bias=args.moe_router_enable_expert_bias,
             bias_update_rate=args.moe_router_bias_update_rate, capacity_factor=args.moe_expert_capacity_factor,
             pad_to_capacity=args.moe_pad_expert_input_to_capacity, drop_policy=args.moe_token_drop_policy,
@@ -489,7 +565,9 @@ def alignment_settings(a, reward_token_ids=None) -> dict | None:
 
 # what a run does besides training, shown by --dry-run with the rest of the configuration
 _RUN_SETTINGS = ("split", "save", "save_interval", "load", "load_hf", "overwrite_checkpoints", "eval_interval",
-                 "eval_iters", "log_interval", "exit_interval", "metrics_file", "sample_tokens")
+                 "eval_iters", "log_interval", "exit_interval", "metrics_file", "sample_tokens", "ckpt_format",
+                 "exit_on_missing_checkpoint", "no_load_optim", "no_load_rng", "no_save_optim", "no_save_rng",
+                 "manual_gc", "manual_gc_interval")
 
 
 def kernels(cfg: ModelConfig) -> dict:

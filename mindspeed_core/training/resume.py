@@ -80,7 +80,8 @@ def load_megatron(model, cfg: ModelConfig, root: str, say) -> None:
         f"TP={lay.tp} PP={lay.pp} EP={lay.ep}, {source.dtype}); no optimizer state: training starts at iteration 0")
 
 
-def resume(model, cfg: ModelConfig, root: str, finetune: bool, say, adapters_only: bool = False):
+def resume(model, cfg: ModelConfig, root: str, finetune: bool, say, adapters_only: bool = False,
+           exit_on_missing: bool = False):
     """Load the whole model from the newest checkpoint in ``root``; returns (iteration, its
     optimizer arrays and steps) or (0, None) for the weights only. With LoRA, a checkpoint
     without adapters is a base model: its weights only, whatever --finetune says.
@@ -96,6 +97,8 @@ def resume(model, cfg: ModelConfig, root: str, finetune: bool, say, adapters_onl
     if it is None and checkpoint.holds_checkpoints(root) is not None:  # iteration folders, no tracker
         raise CheckpointError(f"{flag} {root} holds iteration folders but no {checkpoint.TRACKER}: an interrupted "
                               f"save or conversion left them; remove them, or write that checkpoint again")
+    if it is None and exit_on_missing:
+        raise CheckpointError(f"{flag} {root} holds no checkpoint (--exit-on-missing-checkpoint)")
     if it is None:
         say(f"no checkpoint in {root} yet: starting from scratch")
         return 0, None
@@ -123,6 +126,9 @@ def resume(model, cfg: ModelConfig, root: str, finetune: bool, say, adapters_onl
         say(f"fine-tuning from the weights of {checkpoint.iteration_dir(root, it)} ({why})")
         return 0, None
     model_arrays, optimizer_arrays, steps = checkpoint.load(root, it)
+    if not optimizer_arrays:
+        say(f"{checkpoint.iteration_dir(root, it)} holds no optimizer state (saved with --no-save-optim): the "
+            "optimizer starts afresh")
     if adapters_only:  # the base weights stay those of --load / --load-hf
         model_arrays = {**nn.state_dict(model), **{n: v for n, v in model_arrays.items() if lora.is_adapter(n)}}
     load_whole_state(model, model_arrays)
@@ -133,15 +139,16 @@ def resume(model, cfg: ModelConfig, root: str, finetune: bool, say, adapters_onl
     return it, (optimizer_arrays, steps)
 
 
-def run_state(ps, scaler, moe_layers: list, reference) -> dict:
+def run_state(ps, scaler, moe_layers: list, reference, rng: bool = True) -> dict:
     """What exact resumption needs beyond the tensors (collective: every rank calls it): each
     rank's generator states (dropout draws, the tracker's tensor-parallel streams), the fp16
     loss scale with its clean-step counter, aux-loss-free balancing's expert biases and DPO's
     reference log-likelihoods."""
-    mine = {"default": random.get_state(), "tracker": random.tracker().get_states(),
-            # aux-loss-free balancing's biases, by layer number (float32 survives JSON exactly)
-            "expert_bias": {str(layer.number): [float(b) for b in layer.expert_bias]
-                            for layer in moe_layers if layer.expert_bias is not None}}
+    mine = {  # aux-loss-free balancing's biases, by layer number (float32 survives JSON exactly)
+        "expert_bias": {str(layer.number): [float(b) for b in layer.expert_bias]
+                        for layer in moe_layers if layer.expert_bias is not None}}
+    if rng:  # --no-save-rng: none
+        mine.update(default=random.get_state(), tracker=random.tracker().get_states())
     if reference and ps.local_rank("dp") == 0 and ps.local_rank("tp") == 0:
         mine["reference"] = reference.state()  # one copy: the last stage's first rank's
     return {"framework": runtime.bound().NAME, **scaler.state(), "layout": _layout(ps),
@@ -153,7 +160,7 @@ def _layout(ps) -> dict:
 
 
 def restore_run_state(state: dict, ps, scaler, moe_layers: list, reference, stage: str, pair_counts, resumed_from: str,
-                      say) -> None:
+                      say, rng: bool = True) -> None:
     """Put back what :func:`run_state` saved; generator states only where the framework and the
     layout are the saving run's (the shared stream carries over a layout change)."""
     if not state:  # a checkpoint from before trainer states were saved
@@ -166,7 +173,11 @@ def restore_run_state(state: dict, ps, scaler, moe_layers: list, reference, stag
         if stage == "dpo":
             _restore_reference(ranks, reference, pair_counts(), resumed_from)
         framework = runtime.bound().NAME
-        if state["framework"] != framework:  # generator states are framework-specific
+        if not rng:
+            say("--no-load-rng: dropout draws start afresh")
+        elif "default" not in ranks[0]:
+            say("this checkpoint was saved without RNG states (--no-save-rng): dropout draws start afresh")
+        elif state["framework"] != framework:  # generator states are framework-specific
             say(f"RNG states were saved on {state['framework']}: dropout draws start afresh on {framework}")
         elif layout == _layout(ps):
             random.set_state(ranks[ps.rank]["default"])

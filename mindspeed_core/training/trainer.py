@@ -13,6 +13,7 @@ averaged over data-parallel ranks, clipped by the global norm, and AdamW takes t
 from __future__ import annotations
 
 import functools
+import gc
 import math
 import os
 import sys
@@ -102,7 +103,7 @@ class Trainer:
         if saved_optimizer is not None:  # after the tracker is seeded: its streams are restored too
             saved = checkpoint.load_trainer_state(self.resumed_from, self.iteration)
             resume.restore_run_state(saved, self.ps, self.scaler, self.moe_layers, self.reference, self.stage_name,
-                                     self.batches.pair_counts, self.resumed_from, self.say)
+                                     self.batches.pair_counts, self.resumed_from, self.say, not args.no_load_rng)
         if self.dtype != "float32":
             for chunk in self.chunks:
                 nn.cast_parameters(chunk, self.dtype)  # the optimizer keeps fp32 masters
@@ -117,8 +118,9 @@ class Trainer:
         self.train_params = [p for p, t in zip(self.params, trained) if t]
         chunk_trained = iter(trained)
         chunk_params = [[p for p in params if next(chunk_trained)] for params in chunk_params]
+        keep = saved_optimizer is not None and saved_optimizer[0] and not args.no_load_optim
         self.optimizer = build.optimizer(list(zip(self.train_names, self.train_params)), self.train_plan,
-                                         self.plan, ps, args, saved_optimizer)
+                                         self.plan, ps, args, saved_optimizer if keep else None)
         self.forward_backward, self.forward_only = self._schedule(chunk_params)
 
     def _schedule(self, chunk_params: list):
@@ -325,13 +327,14 @@ class Trainer:
                              "chunks": self.layout.chunks,
                              "sequence_parallel": bool(self.flags.sequence_parallel)}}
         model_arrays = self.full_model_arrays()  # collective: every rank
-        opt, specs = self.optimizer.state(), self.plan.shard_specs
+        opt, specs = ({} if self.flags.no_save_optim else self.optimizer.state()), self.plan.shard_specs
         opt_spec = {k: specs[k.split(".", 1)[1]] for k in opt if k.split(".", 1)[1] in specs}
         opt_experts = {k for k in opt if k.split(".", 1)[1] in self.plan.expert_names}
         optimizer_arrays = distributed.gather_pipeline(distributed.full_tensors(opt, opt_spec, self.ps, opt_experts),
                                                        self.ps)
         # collective: every rank
-        trainer_state = resume.run_state(self.ps, self.scaler, self.moe_layers, self.reference)
+        trainer_state = resume.run_state(self.ps, self.scaler, self.moe_layers, self.reference,
+                                         rng=not self.flags.no_save_rng)
         if self.ps.rank == 0:
             path = checkpoint.save(self.flags.save, self.iteration, model_arrays, optimizer_arrays, self.optimizer.steps,
                                    meta, {n: self.dtype for n in model_arrays}, trainer_state)
@@ -389,6 +392,10 @@ class Trainer:
                          board, "lm loss" if self.objective is None else f"{self.stage_name} loss")
         window = profiling.Window(args, self.ps.rank, self.ps.world, lambda text: print(text, flush=True,
                                                                                          file=self._out or sys.stdout))
+        collect = None
+        if args.manual_gc:  # Megatron's --manual-gc: the collector runs at fixed steps only, not mid-step
+            gc.disable()
+            collect = args.manual_gc_interval
         try:
             while self.iteration < args.train_iters:
                 window.before_step(self.iteration)
@@ -398,6 +405,8 @@ class Trainer:
                     window.after_step(self.iteration)
                 log.step(self.tokens_per_step, self.iteration, loss, lr, norm, self.scaler.scale,
                          args.global_batch_size, self.timers)
+                if collect and self.iteration % collect == 0:
+                    gc.collect()
                 history.append(loss)
                 if progress:
                     progress.update(1, f"loss {loss:.3f}")
@@ -406,6 +415,8 @@ class Trainer:
                                stage=self.stage_stats)
                 if args.eval_iters and args.eval_interval and self.iteration % args.eval_interval == 0:
                     with log.paused():
+                        if collect is not None:
+                            gc.collect()
                         eval_loss = self.evaluate()
                         if self.objective is None:
                             self.say(f" validation at iteration {self.iteration} | lm loss {eval_loss:.4f} | "
@@ -422,6 +433,8 @@ class Trainer:
                     self.say(f"exiting at iteration {self.iteration} (--exit-interval)")
                     break
         finally:
+            if collect is not None:
+                gc.enable()
             window.close()
             if progress:
                 progress.close()

@@ -1,0 +1,73 @@
+"""Make upstream_scripts.json from MindSpeed-LLM's example scripts (a checkout's
+examples/mcore/<family>/*.sh): for each script, the entry point its python line runs and the
+flags it passes, shell variables expanded. Paths become placeholders. Facts only: flag names
+and values, no upstream code.
+
+    python tests/data/extract_upstream_flags.py /path/to/MindSpeed-LLM > tests/data/upstream_scripts.json
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import re
+import shlex
+import sys
+
+FAMILIES = ("llama2", "qwen25", "qwen3", "qwen3_moe")
+ENTRY_POINTS = ("pretrain_gpt.py", "posttrain_gpt.py", "preprocess_data.py", "convert_ckpt.py", "convert_ckpt_v2.py",
+                "inference.py", "evaluation.py")
+PATHISH = re.compile(r"(path|dir|your|\.json|\.model|/)", re.I)
+
+
+def _assignments(text: str) -> dict:
+    env = {}
+    for m in re.finditer(r'^(?:export\s+)?([A-Za-z_][A-Za-z0-9_]*)=("(?:[^"\\]|\\.)*"|\'[^\']*\'|[^\s#]*)', text, re.M):
+        value = m.group(2)
+        if value[:1] in "\"'":
+            value = value[1:-1]
+        env[m.group(1)] = value.replace("\\\n", " ")
+    return env
+
+
+def _expand(text: str, env: dict, depth: int = 0) -> str:
+    if depth > 5:
+        return text
+    # an unset variable is empty, as in the shell
+    out = re.sub(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)\}?", lambda m: env.get(m.group(1), ""), text)
+    return out if out == text else _expand(out, env, depth + 1)
+
+
+def script_calls(path: pathlib.Path) -> list[dict]:
+    text = path.read_text(errors="replace").replace("\\\r\n", " ").replace("\\\n", " ")
+    env = _assignments(text)
+    calls = []
+    for line in text.splitlines():
+        entry = next((e for e in ENTRY_POINTS if re.search(r"(^|[\s/])" + re.escape(e) + r"(\s|$)", line)), None)
+        if entry is None or line.lstrip().startswith("#"):
+            continue
+        command = _expand(line.split("|")[0].split(">")[0], env)
+        try:
+            words = shlex.split(command, comments=True)
+        except ValueError:
+            continue
+        at = next(i for i, w in enumerate(words) if w.endswith(entry))
+        flags = [w for w in words[at + 1:]]
+        launcher = "torchrun" if any(w in ("torchrun", "torch.distributed.launch") or w.endswith("torchrun")
+                                     for w in words[:at]) else "python"
+        calls.append({"script": f"{path.parent.name}/{path.name}", "entry": entry, "launcher": launcher,
+                      "flags": flags})
+    return calls
+
+
+def main(root: str) -> None:
+    out = []
+    for family in FAMILIES:
+        for path in sorted(pathlib.Path(root, "examples", "mcore", family).glob("*.sh")):
+            out += script_calls(path)
+    json.dump(out, sys.stdout, indent=1, ensure_ascii=False)
+    sys.stdout.write("\n")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
