@@ -118,10 +118,9 @@ def _tree(root):
     return {os.path.relpath(os.path.join(d, f), root) for d, dirs, fs in os.walk(root) for f in fs + dirs}
 
 
-@pytest.mark.parametrize("case, build, fragment", CASES, ids=[c[0] for c in CASES])
-def test_bad_input_is_one_line_exit_2_and_writes_nothing(capsys, corpus, tmp_path, case, build, fragment):  # noqa: F811
-    (tmp_path / "f").write_text("a file where a folder would go")
-    argv = build(tmp_path, corpus)
+def assert_refused_in_one_line(capsys, tmp_path, argv, fragment):
+    """``argv`` exits 2 with one line on stderr holding ``fragment``, no traceback, and leaves
+    ``tmp_path`` as it was."""
     capsys.readouterr()
     before = _tree(tmp_path)
     code = cli.main(argv)
@@ -130,6 +129,12 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(capsys, corpus, tmp_pat
     assert out.err.count("\n") == 1 and "Traceback" not in out.err, out.err
     assert fragment in out.err, out.err
     assert _tree(tmp_path) == before, _tree(tmp_path) - before
+
+
+@pytest.mark.parametrize("case, build, fragment", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_is_one_line_exit_2_and_writes_nothing(capsys, corpus, tmp_path, case, build, fragment):  # noqa: F811
+    (tmp_path / "f").write_text("a file where a folder would go")
+    assert_refused_in_one_line(capsys, tmp_path, build(tmp_path, corpus), fragment)
 
 
 def test_token_ids_beyond_the_tokenizer_stop_at_the_first_batch(capsys, corpus, tmp_path):  # noqa: F811

@@ -15,7 +15,7 @@ import pytest
 
 from mindspeed_core import cli
 from mindspeed_core.compat import mcore, torch_pickle
-from test_bad_input import _tree
+from test_bad_input import assert_refused_in_one_line
 from test_training import SMALL, corpus  # noqa: F401  (corpus is a fixture)
 
 ALPACA = ["--handler-name", "AlpacaStyleInstructionHandler"]
@@ -467,15 +467,7 @@ def test_bad_input_on_every_verb(capsys, monkeypatch, corpus, made, tmp_path, ca
     (tmp_path / "f").write_text("a file where a folder would go")
     monkeypatch.chdir(tmp_path)  # a verb's default output (e.g. <task>_results.json) would land here
     monkeypatch.setattr("sys.stdin", io.StringIO("def f(\n/exit\n"))
-    argv = build(tmp_path, made, corpus)
-    capsys.readouterr()
-    before = _tree(tmp_path)
-    code = cli.main(argv)
-    out = capsys.readouterr()
-    assert code == 2, (out.out[-2000:], out.err)
-    assert out.err.count("\n") == 1 and "Traceback" not in out.err, out.err
-    assert fragment in out.err, out.err
-    assert _tree(tmp_path) == before, _tree(tmp_path) - before
+    assert_refused_in_one_line(capsys, tmp_path, build(tmp_path, made, corpus), fragment)
 
 
 def test_the_table_covers_every_verb():
