@@ -272,8 +272,11 @@ CASES = [
                                             "--noop-layers", "0"], "--noop-layers cannot be combined with --load-hf"),
     ("train-global-batch", lambda t, m, c: ["train", *MODEL, "--data-path", c, "--global-batch-size", "3"],
      "is not a multiple"),
-    ("train-load-hf-edited", lambda t, m, c: ["train", *MODEL, "--data-path", c, "--load-hf",
-                                              _edit_hf(m, t, intermediate_size=99)], "does not belong to these weights"),
+    ("train-load-hf-edited", lambda t, m, c: ["train", "--seq-length", "32", "--eval-iters", "0", "--data-path",
+                                              c, "--load-hf", _edit_hf(m, t, intermediate_size=99)],
+     "does not belong to these weights"),
+    ("train-load-hf-flag-disagrees", lambda t, m, c: ["train", *MODEL, "--data-path", c, "--load-hf", str(m / "hf")],
+     "--hidden-size 32 disagrees with the Hugging Face folder's config.json"),
     # ---- generate ---------------------------------------------------------------------------
     ("gen-no-model", lambda t, m, c: ["generate", "--prompt", "x"], "--load CHECKPOINT_DIR or --load-hf"),
     ("gen-load-missing", lambda t, m, c: ["generate", "--load", str(t / "nope"), "--prompt", "x"], "does not exist"),

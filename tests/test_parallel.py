@@ -537,8 +537,11 @@ def test_a_one_rank_launch_trains_once(framework, corpus, tmp_path):  # noqa: F8
 def test_bad_layouts_are_clear_errors(capsys, corpus):  # noqa: F811
     code, _, err = train(capsys, *GQA, "--data-path", corpus, "--train-iters", "1", "--tensor-model-parallel-size", "2")
     assert code == 2 and "world size 1 is not divisible" in err
-    code, _, err = train(capsys, *GQA, "--data-path", corpus, "--train-iters", "1", "--sequence-parallel")
-    assert code == 2 and "--sequence-parallel needs" in err
+    # without tensor parallelism there is nothing to split: Megatron drops the flag, and so does
+    # this trainer (MindSpeed-LLM's small-model scripts pass it with TP1)
+    code, out, err = train(capsys, *GQA, "--data-path", corpus, "--train-iters", "1", "--sequence-parallel",
+                           "--dry-run")
+    assert code == 0 and json.loads(out)["parallel"]["sequence_parallel"] is False, err
 
 
 def test_launch_builds_the_framework_launcher_command():
