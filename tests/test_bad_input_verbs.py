@@ -261,7 +261,8 @@ CASES = [
      "is a file"),
     ("train-finetune-no-load", lambda t, m, c: ["train", *MODEL, "--data-path", c, "--finetune"],
      "--finetune takes the weights"),
-    ("train-bf16-fp16", lambda t, m, c: ["train", *MODEL, "--data-path", c, "--bf16", "--fp16"], "exclude each other"),
+    # (refused as exclusive, or first by the matrix where the device has neither: MindSpore's CPU)
+    ("train-bf16-fp16", lambda t, m, c: ["train", *MODEL, "--data-path", c, "--bf16", "--fp16"], "--bf16"),
     ("train-o2-no-bf16", lambda t, m, c: ["train", *MODEL, "--data-path", c, "--o2-optimizer"], "--o2-optimizer"),
     ("train-reuse-fp32", lambda t, m, c: ["train", *MODEL, "--data-path", c, "--reuse-fp32-param"],
      "--reuse-fp32-param"),

@@ -234,3 +234,15 @@ def test_run_skips_blank_lines_and_goes_on_after_a_message_too_long(capsys):
     out, err = capsys.readouterr()
     assert "this message does not fit" in err
     assert [json.loads(x) for x in out.splitlines()] == [{"user": "fine?", "reply": "ok"}]
+
+
+def test_a_line_that_is_not_utf8_is_refused_and_the_chat_goes_on(capsys):
+    """The terminal's bytes: a message that is not UTF-8 gets one error line, the next one a reply."""
+    session = Session(ScriptedModel(lambda text: "ok"[len(text) - text.rindex("?") - 1:] if "?" in text else ""),
+                      ModelConfig(vocab_size=257, hidden_size=8, num_layers=1, num_attention_heads=1,
+                                  max_position_embeddings=16),
+                      ByteTokenizer(), ct.TEMPLATES["empty"], gen.Sampling(), 4, history_turns=0, use_cache=False)
+    run(session, speak=True, as_json=True, lines=io.BytesIO(b"caf\xe9?\nfine?\n/exit\n"))
+    out, err = capsys.readouterr()
+    assert err.count("\n") == 1 and "not UTF-8 text (byte 0xe9)" in err, err
+    assert [json.loads(x) for x in out.splitlines()] == [{"user": "fine?", "reply": "ok"}]

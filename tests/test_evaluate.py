@@ -225,9 +225,10 @@ def test_evaluate_command_from_a_checkpoint(capsys, checkpoint, tmp_path):  # no
     assert res["prompts_cut"] == 5  # 40-odd bytes each, 32 positions: each lost its beginning, and says so
     assert "overall" in out and "5 prompts were longer" in out
     (tmp_path / "text.txt").write_text("def add(a, b):\n    return a + b\n" * 4)
+    # a --results-file in a folder yet to be made: made (probed before the evaluation, written after)
     assert cli.main(["evaluate", "--load", str(checkpoint), "--task", "perplexity", "--task-data-path",
-                     str(tmp_path / "text.txt"), "--results-file", str(tmp_path / "ppl.json")]) == 0
-    ppl = json.loads((tmp_path / "ppl.json").read_text())
+                     str(tmp_path / "text.txt"), "--results-file", str(tmp_path / "new" / "ppl.json")]) == 0
+    ppl = json.loads((tmp_path / "new" / "ppl.json").read_text())
     assert ppl["window"] == 32 and ppl["overall"]["tokens"] == 4 * 32  # 129 tokens, each but the first predicted
     assert ppl["overall"]["perplexity"] == pytest.approx(math.exp(ppl["overall"]["nll"]))
     assert 1 < ppl["overall"]["perplexity"] < 257

@@ -103,8 +103,9 @@ def test_a_rerun_killed_at_every_rename_leaves_one_run(runs, tmp_path):
             assert proc.returncode == 0 and is_new and not leftovers, (proc.stderr, leftovers)
     # both outcomes happen: killed before the journal is written (old), and after it (rolled forward)
     assert {o[2] for o in outcomes if o[1]} == {False, True}, outcomes
-    # the next run into the prefix starts clean and finishes
+    # the next run into the prefix starts clean, finishes, and leaves no temporaries of the killed ones
     assert _run(folder, root / "new.jsonl").returncode == 0 and _outputs(folder) == new
+    assert [n for n in os.listdir(folder) if ".tmp-" in n or "unpacked" in n or n.endswith(".json")] == []
 
 
 def test_a_rerun_killed_at_random_moments_leaves_one_run(runs, tmp_path):
