@@ -15,7 +15,6 @@ from mindspeed_core import cli
 from mindspeed_core.data import handlers, preprocess
 from mindspeed_core.errors import MindSpeedError
 
-pytestmark = pytest.mark.framework_free
 
 CASES_PER_HANDLER = 400
 OPTIONS = {"append_eod": True, "json_keys": ["text"], "map_keys": None, "placeholder_token": "@",

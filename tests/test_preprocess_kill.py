@@ -19,7 +19,6 @@ import pytest
 
 from mindspeed_core.data.indexed import IndexedDataset
 
-pytestmark = pytest.mark.framework_free
 
 KEYS = ("input_ids", "attention_mask", "labels")
 FLAGS = ["--handler-name", "AlpacaStyleInstructionHandler", "--pack", "--seq-length", "64"]
