@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import math
 
+from mindspeed_core import runtime
+
 
 def _ops():
-    from mindspeed_core import runtime
-
     return runtime.bound().ops
 
 

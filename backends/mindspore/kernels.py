@@ -24,6 +24,8 @@ import math
 import mindspore as ms
 from mindspore import ops as P
 
+from mindspeed_core import composite
+
 _bmm_nt = P.BatchMatMul(transpose_b=True)
 _bmm_tn = P.BatchMatMul(transpose_a=True)
 _bmm = P.BatchMatMul()
@@ -191,8 +193,6 @@ class _Attention(ms.nn.Cell):
 
 
 def attention(q, k, v, causal=False, mask=None, dropout_p=0.0, scale=None, segment_ids=None, return_lse=False):
-    from mindspeed_core import composite
-
     if mask is not None or dropout_p > 0.0 or segment_ids is not None or return_lse:
         # what this kernel does not cover: the reference
         return composite.attention(q, k, v, causal=causal, mask=mask, dropout_p=dropout_p, scale=scale,
