@@ -10,10 +10,7 @@ import numpy as np
 
 from mindspeed_core import features
 from mindspeed_core.errors import BackendError, MindSpeedError
-
-# Facade dtype names. Both backends accept these strings wherever a dtype is expected.
-DTYPE_NAMES = ("float32", "float64", "float16", "bfloat16", "int32", "int64", "int8", "uint8", "bool")
-FLOAT_DTYPES = ("float32", "float64", "float16", "bfloat16")
+from mindspeed_core.facade import DTYPES
 
 
 def host_memory_stats() -> dict:
@@ -119,11 +116,20 @@ class Group:
     handle: object = field(default=None, compare=False)
 
 
-def check_member(group, rank_in_group: int, what: str) -> None:
-    """A collective on a group this process does not belong to is a caller's bug: say so
-    instead of letting the framework hang or return garbage."""
-    if group is not None and rank_in_group < 0:
-        raise ValueError(f"{what}: this process is not a member of group {group.ranks}")
+def dtype_table(framework_dtypes: dict) -> dict:
+    """The facade dtype name -> framework dtype table a backend's ops convert with, checked to
+    name exactly the facade's dtypes (:data:`mindspeed_core.facade.DTYPES`)."""
+    if tuple(framework_dtypes) != DTYPES:
+        raise RuntimeError(f"a backend's dtype table must list {DTYPES}, in that order")
+    return framework_dtypes
+
+
+def framework_dtype(table: dict, dtype: str):
+    """The framework dtype of a facade dtype name; an unknown name is the caller's error."""
+    try:
+        return table[dtype]
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown dtype {dtype!r}; facade dtypes are {', '.join(DTYPES)}") from None
 
 
 ITEMSIZE = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int8": 1,

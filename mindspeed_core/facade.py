@@ -2,85 +2,109 @@
 
 Models, parallel layers, training and data code use only these names (plus tensor
 arithmetic operators ``+ - * / @``, comparison-free indexing/slicing, ``.shape`` and
-``len``), so they run unchanged on PyTorch and MindSpore. Dtypes are named by strings:
-float32, float64, float16, bfloat16, int32, int64, int16, int8, uint8, bool. Tensors are the
-framework's own; the facade is functional (no in-place updates) except where a name ends
-in ``_`` (initializers, ``ops.write_slice_``), ``nn.assign``, and ``ops.adamw_step``, whose inputs are
-consumed.
+``len``), so they run unchanged on PyTorch and MindSpore. Dtypes are named by the strings of
+:data:`DTYPES`. Tensors are the framework's own; the facade is functional (no in-place updates)
+except where a name ends in ``_`` (initializers, ``ops.write_slice_``), ``nn.assign``, and
+``ops.adamw_step``, whose inputs are consumed.
+
+Conventions every entry below shares unless it says otherwise:
+
+* shapes are written ``[b, s, h, d]`` (batch, sequence, heads, head dim) and ``[..., H]``
+  (any leading dimensions); ``dim`` may be negative;
+* results keep the dtype of the (first) input; arguments broadcast as in numpy;
+* every op is differentiable in its float inputs, and takes tensors of the bound framework
+  only (numpy goes in through ``ops.tensor``);
+* "Framework:" names what differs between PyTorch and MindSpore; where nothing is said, the
+  two agree to float32 rounding (the cross-framework parity tests hold them to it).
 
 Code reaches these names through the front end (:mod:`mindspeed_core.frontend`: ``from
 mindspeed_core import ops, nn, ...``), which binds nothing when imported.
 
-The conformance suite (tests/) checks that both backends provide every name below and that
-each one is exercised by a test; the one-line contracts are the documentation.
+Argument checks common to every backend (a collective's reduction op, splits and group
+membership) run once in the front end, before the backend's function; a backend only checks
+what its own implementation needs.
+
+Writing a third backend: provide a module per namespace with every name below (the contract
+is this file), then run the suite bound to it. tests/test_facade_coverage.py checks the names,
+and the suite's ``--feature-coverage`` run checks that a test called each one.
 """
 
 from __future__ import annotations
 
+DTYPES = ("float32", "float64", "float16", "bfloat16", "int32", "int64", "int16", "int8", "uint8", "bool")
+REDUCE_OPS = ("sum", "max", "min")  # what dist.all_reduce and dist.reduce_scatter reduce with
+
 SPEC = {
     "ops": {
         # creation and conversion
-        "tensor": "tensor(data, dtype=None): from numpy/list/scalar; float64 data becomes float32 unless dtype says otherwise",
+        "tensor": ("tensor(data, dtype=None): a new tensor on the selected device from numpy, a list, a scalar or a "
+                   "tensor; float64 data becomes float32 unless dtype says otherwise, integers stay int64"),
         "to_numpy": "to_numpy(x): numpy copy on the host (bfloat16 widened to float32, exactly)",
         "is_tensor": "is_tensor(x): whether x is a tensor of the bound framework",
         "zeros": "zeros(shape, dtype='float32')",
         "ones": "ones(shape, dtype='float32')",
         "full": "full(shape, value, dtype='float32')",
-        "empty": "empty(shape, dtype='float32'): uninitialised (zero-filled where the framework has no empty)",
+        "empty": ("empty(shape, dtype='float32'): contents undefined, callers overwrite it. Framework: MindSpore "
+                  "has no uninitialised allocation and returns zeros"),
         "zeros_like": "zeros_like(x, dtype=None)",
         "ones_like": "ones_like(x, dtype=None)",
         "arange": "arange(start, end=None, step=1, dtype='int64')",
-        "cast": "cast(x, dtype)",
+        "cast": "cast(x, dtype): round to nearest even on narrowing floats; float to int truncates toward zero",
         "dtype_of": "dtype_of(x) -> facade dtype name",
         "bitcast": "bitcast(x, dtype): the same bits read as dtype of the same element size (float32<->int32, bfloat16<->int16)",
         "numel": "numel(x) -> number of elements",
         # elementwise
         "add": "add(a, b)", "sub": "sub(a, b)", "mul": "mul(a, b)", "div": "div(a, b)",
         "neg": "neg(x)", "exp": "exp(x)", "log": "log(x)", "sqrt": "sqrt(x)", "rsqrt": "rsqrt(x)",
-        "pow": "pow(x, exponent)", "abs": "abs(x)", "tanh": "tanh(x)", "sigmoid": "sigmoid(x)",
+        "pow": "pow(x, exponent): exponent a Python number or a tensor", "abs": "abs(x)", "tanh": "tanh(x)", "sigmoid": "sigmoid(x)",
         "sin": "sin(x)", "cos": "cos(x)", "silu": "silu(x)", "relu": "relu(x)",
-        "gelu": "gelu(x, approximate='none'|'tanh')",
+        "gelu": "gelu(x, approximate='none'|'tanh'): the erf form or the tanh approximation (GPT-2's)",
         "maximum": "maximum(a, b)", "minimum": "minimum(a, b)",
-        "clamp": "clamp(x, min=None, max=None)",
+        "clamp": "clamp(x, min=None, max=None): Python numbers; the gradient is zero where clamped",
         "eq": "eq(a, b) -> bool", "ne": "ne(a, b)", "lt": "lt(a, b)", "le": "le(a, b)", "gt": "gt(a, b)", "ge": "ge(a, b)",
         "logical_and": "logical_and(a, b)", "logical_or": "logical_or(a, b)", "logical_not": "logical_not(x)",
-        "isfinite": "isfinite(x) -> bool",
+        "isfinite": "isfinite(x) -> bool tensor, False at inf and NaN",
         # reductions
-        "sum": "sum(x, dim=None, keepdim=False)", "mean": "mean(x, dim=None, keepdim=False)",
+        "sum": "sum(x, dim=None, keepdim=False): dim an int or a tuple; None reduces everything to a 0-d tensor",
+        "mean": "mean(x, dim=None, keepdim=False): float inputs",
         "amax": "amax(x, dim=None, keepdim=False)", "amin": "amin(x, dim=None, keepdim=False)",
-        "argmax": "argmax(x, dim=-1, keepdim=False) -> int64",
-        "logsumexp": "logsumexp(x, dim=-1, keepdim=False)",
+        "argmax": "argmax(x, dim=-1, keepdim=False) -> int64; the first maximum on ties (greedy decoding relies on it)",
+        "logsumexp": "logsumexp(x, dim=-1, keepdim=False): stable (max subtracted); -inf rows give -inf",
         # linear algebra
-        "matmul": "matmul(a, b): batched, broadcasting", "bmm": "bmm(a, b): [B, n, k] @ [B, k, m]",
+        "matmul": "matmul(a, b): numpy matmul semantics (batched, broadcasting leading dims); float32 accumulation", "bmm": "bmm(a, b): [B, n, k] @ [B, k, m]",
         "linear": "linear(x, weight, bias=None): x @ weight.T + bias, weight [out, in]",
         # indexing
-        "gather": "gather(x, dim, index): out[i][j] = x[i][index[i][j]] along dim",
+        "gather": "gather(x, dim, index int64): out has index's shape, out[i][j] = x[i][index[i][j]] along dim (torch.gather)",
         "scatter_add": "scatter_add(x, dim, index, src): x with src added at index along dim (functional)",
-        "index_select": "index_select(x, dim, index)",
-        "masked_fill": "masked_fill(x, mask, value): value where mask is True",
-        "where": "where(cond, a, b)",
+        "index_select": "index_select(x, dim, index int64 [n]): the n slices of x along dim, in index order",
+        "masked_fill": "masked_fill(x, mask bool broadcastable to x, value number): value where mask is True",
+        "where": "where(cond bool, a, b): a where cond, else b; a and b may be Python numbers",
         "write_slice_": ("write_slice_(dst, src, dim, start): dst[..., start:start + src.shape[dim], ...] = src along "
                          "dim, in place (preallocated buffers such as the key/value cache; outside autograd)"),
         "tril": "tril(x, diagonal=0)", "triu": "triu(x, diagonal=0)",
         # shape
-        "reshape": "reshape(x, shape)", "transpose": "transpose(x, dim0, dim1)", "permute": "permute(x, dims)",
+        "reshape": "reshape(x, shape): one -1 allowed; a copy where a view is impossible", "transpose": "transpose(x, dim0, dim1)", "permute": "permute(x, dims)",
         "cat": "cat(xs, dim=0)", "stack": "stack(xs, dim=0)",
-        "split": "split(x, size or [sizes], dim=0) -> list", "chunk": "chunk(x, chunks, dim=0) -> list",
-        "squeeze": "squeeze(x, dim)", "unsqueeze": "unsqueeze(x, dim)", "expand": "expand(x, shape): broadcast view",
+        "split": "split(x, size or [sizes], dim=0) -> list; an int size leaves a shorter last piece", "chunk": "chunk(x, chunks, dim=0) -> list of equal pieces (the callers split evenly divisible dims only)",
+        "squeeze": "squeeze(x, dim)", "unsqueeze": "unsqueeze(x, dim)", "expand": "expand(x, shape): broadcast to shape, -1 keeps a dim; treat the result as read-only",
         # neural-network functions
         "softmax": "softmax(x, dim=-1)", "log_softmax": "log_softmax(x, dim=-1)",
-        "cross_entropy": "cross_entropy(logits [N, C], target [N] int, ignore_index=-100, reduction='mean'|'sum'|'none')",
-        "embedding": "embedding(ids, weight [V, H]) -> [..., H]",
-        "topk": "topk(x, k, dim=-1, largest=True) -> (values, int64 indices)",
+        "cross_entropy": ("cross_entropy(logits [N, C], target [N] int64, ignore_index=-100, reduction='mean'|'sum'|'none'): "
+                          "'mean' averages over non-ignored targets (0/0 gives NaN, as in torch); 'none' gives [N] "
+                          "with 0 at ignored targets"),
+        "embedding": "embedding(ids int [...], weight [V, H]) -> [..., H]; ids outside [0, V) are the caller's error",
+        "topk": "topk(x, k, dim=-1, largest=True) -> (values, int64 indices), sorted by value",
         "cumsum": "cumsum(x, dim)",
         "one_hot": "one_hot(ids, num_classes, dtype='float32')",
-        "dropout": "dropout(x, p, training=True): zero with probability p, scale the rest by 1/(1-p)",
-        "rand": "rand(shape, dtype='float32'): uniform [0, 1) from the framework generator",
-        "randn": "randn(shape, dtype='float32'): standard normal from the framework generator",
+        "dropout": ("dropout(x, p, training=True): zero with probability p, scale the rest by 1/(1-p); identity when "
+                    "not training or p == 0. Framework: the masks come from each framework's generator, so the two "
+                    "draw different masks from one seed (MindSpore's from a replayable host generator, see random)"),
+        "rand": "rand(shape, dtype='float32'): uniform [0, 1) from the framework generator (streams differ by framework)",
+        "randn": "randn(shape, dtype='float32'): standard normal from the framework generator (streams differ by framework)",
         # fused operators (native kernel where the device has one, composite otherwise)
-        "rms_norm": "rms_norm(x, weight, eps=1e-6): normalised in float32, cast back, times weight",
+        "rms_norm": "rms_norm(x [..., H], weight [H], eps=1e-6): x / sqrt(mean(x^2) + eps) in float32, cast back to x's dtype, times weight",
         "layer_norm": "layer_norm(x, weight, bias=None, eps=1e-5) over the last dimension",
-        "swiglu": "swiglu(x): silu(first half of the last dim) * second half",
+        "swiglu": "swiglu(x [..., 2F]) -> [..., F]: silu(first half of the last dim) * second half",
         "apply_rotary": "apply_rotary(x [b, s, h, d], cos, sin [s, d] or broadcastable): rotary embedding, halves rotated",
         "attention": ("attention(q [b, sq, hq, d], k, v [b, sk, hk, d], causal=False, mask=None, dropout_p=0.0, "
                       "scale=None, segment_ids=None, return_lse=False) -> out [b, sq, hq, d], and with return_lse "
@@ -88,8 +112,8 @@ SPEC = {
                       "with no visible key gets about -1e30, never NaN); GQA when hk divides hq; bool mask keeps "
                       "True, float mask is added; causal aligned bottom-right; segment_ids [b, s] (or a pair "
                       "for queries and keys): packed documents, a query sees its own document only"),
-        "matmul_add": "matmul_add(a, b, acc): acc + a @ b computed in float32 (gradient accumulation)",
-        "grouped_matmul": "grouped_matmul(x [T, in], weight [E, in, out], group_sizes [E]): rows of each group times its weight",
+        "matmul_add": "matmul_add(a [m, k], b [k, n], acc [m, n] float32): acc + a @ b computed in float32 (gradient accumulation into a main grad)",
+        "grouped_matmul": "grouped_matmul(x [T, in], weight [E, in, out], group_sizes int [E] summing to T) -> [T, out]: consecutive rows of group e times weight[e] (MoE experts)",
         "adamw_step": ("adamw_step(weights, grads, exp_avgs, exp_avg_sqs, lr, beta1, beta2, eps, weight_decays, "
                        "step) -> (weights, exp_avgs, exp_avg_sqs): one AdamW step (torch's formula, bias-corrected) "
                        "over lists of float32 tensors, weight_decays one float per tensor; the inputs are consumed "
@@ -107,14 +131,16 @@ SPEC = {
         "set_requires_grad": "set_requires_grad(param, flag): freeze or unfreeze",
         "set_training": "set_training(module, mode=True): train / eval mode",
         "is_training": "is_training(module) -> bool",
-        "assign": "assign(param, value): copy a numpy array or tensor into the parameter, keeping its dtype",
+        "assign": "assign(param, value): copy a numpy array or tensor of the parameter's shape into it, keeping the parameter's dtype; ValueError on another shape",
         "cast_parameters": "cast_parameters(module, dtype): every parameter to dtype, in place (mixed precision)",
         "state_dict": "state_dict(module) -> {dotted name: numpy array}",
         "load_state_dict": "load_state_dict(module, state, strict=True): CheckpointError on missing/unexpected/mis-shaped",
         "init": "init.normal_/uniform_/xavier_uniform_/xavier_normal_/zeros_/ones_/constant_: from the host generator, same weights on both frameworks",
     },
     "autograd": {
-        "value_and_grad": "value_and_grad(fn, params, has_aux=False) -> f(*args) -> (value, [grad per param])",
+        "value_and_grad": ("value_and_grad(fn, params, has_aux=False) -> f(*args) -> (value, [grad per param]); fn returns a "
+                           "scalar (with has_aux, (scalar, aux)); a param fn does not use gets zeros. Framework: "
+                           "PyTorch records the eager graph, MindSpore differentiates fn as a function (PyNative)"),
         "vjp": ("vjp(fn, inputs, params=(), interleaved=False) -> (outputs, backward(cotangents) -> (input grads, "
                 "param grads)); interleaved: other forwards run before this backward (MindSpore then records the "
                 "forward at backward time)"),
@@ -125,19 +151,23 @@ SPEC = {
         "Function": "Function: subclass with static forward(ctx, *args) and backward(ctx, *grads); call .apply(*args)",
         "no_grad": "no_grad(): context manager without gradient recording",
         "detach": "detach(x): the same values, cut from the graph",
-        "recompute": "recompute(fn, *args): drop fn's activations in forward, recompute them in backward",
+        "recompute": ("recompute(fn, *args): drop fn's activations in forward, recompute them in backward; fn must draw "
+                      "its random numbers through the tracker so the recomputation sees the same dropout masks"),
         "saved_tensors_hooks": ("saved_tensors_hooks(pack, unpack): context manager; tensors autograd saves for "
                                 "backward inside go through pack(x, (storage key, storage bytes)) -> object and come "
                                 "back through unpack(object) -> tensor; parameters are kept as they are. "
                                 "NotImplementedError where the framework has no such hook (MindSpore)"),
     },
     "random": {
-        "seed": "seed(value): seed every generator (framework, host initializers, numpy, Python)",
+        "seed": ("seed(value): seed every generator (framework, host initializers, numpy, Python); the initializers "
+                 "then draw the same weights on both frameworks"),
         "get_state": "get_state() -> state of the framework and host generators, JSON-serialisable (for checkpoints)",
         "set_state": "set_state(state)",
         "host_generator": "host_generator() -> the numpy Generator that initializers draw from",
         "tracker": "tracker() -> RNGStatesTracker: add(name, seed), fork(name), get_states() (JSON-serialisable), set_states(), reset()",
-        "implementation": "implementation() -> 'native' | 'emulated' (framework generator replayable natively or not)",
+        "implementation": ("implementation() -> 'native' | 'emulated': whether the framework's own generator can be saved "
+                           "and replayed. Framework: 'emulated' on MindSpore, whose CPU kernels draw from hidden "
+                           "counters; its random ops then draw on the host"),
     },
     "dist": {
         "init": "init(): join the torchrun/msrun job from the environment; alone, a no-op",
@@ -147,17 +177,23 @@ SPEC = {
         "world_size": "world_size(group=None)",
         "rank": "rank(group=None): rank in the group (-1 for a non-member)",
         "new_group": "new_group(ranks) -> Group: every process calls it",
-        "all_reduce": "all_reduce(x, op='sum'|'max'|'min', group=None) -> new tensor",
-        "all_gather": "all_gather(x, group=None, dim=0) -> members' x concatenated along dim",
-        "reduce_scatter": "reduce_scatter(x, op='sum', group=None, dim=0) -> this rank's slice of the reduction",
-        "all_to_all": "all_to_all(x, group=None, input_splits=None, output_splits=None): along dim 0",
+        "all_reduce": ("all_reduce(x, op='sum'|'max'|'min', group=None) -> a new tensor, the element-wise reduction over "
+                       "the group; x is unchanged. Framework: MindSpore's CPU collective sums float32/float16 natively "
+                       "and emulates the rest (exactly, see implementations)"),
+        "all_gather": "all_gather(x, group=None, dim=0) -> members' x (all of x's shape) concatenated along dim, in group-rank order",
+        "reduce_scatter": ("reduce_scatter(x, op='sum', group=None, dim=0) -> this rank's 1/n slice along dim of the "
+                           "reduction; x.shape[dim] must divide by the group size"),
+        "all_to_all": ("all_to_all(x, group=None, input_splits=None, output_splits=None): x split along dim 0 (evenly, "
+                       "or by input_splits, one count per rank), piece j sent to group rank j, the arrivals "
+                       "concatenated; uneven splits need both lists"),
         "broadcast": "broadcast(x, src, group=None): src is a global rank",
         "shift": ("shift(x, offset=1, group=None): a ring step; each member sends x to group rank (r + offset) % n "
                   "and returns what group rank (r - offset) % n sent"),
         "send": "send(x, dst): dst is a global rank",
-        "recv": "recv(shape, dtype, src) -> tensor",
-        "barrier": "barrier(group=None)",
-        "implementations": "implementations() -> {collective: 'native' | 'emulated'}",
+        "recv": "recv(shape, dtype, src) -> tensor: the matching send's data; the caller knows shape and dtype",
+        "barrier": "barrier(group=None): returns once every member reached it",
+        "implementations": ("implementations() -> {collective: 'native' | 'emulated'}. Framework: on MindSpore CPU only "
+                            "all_reduce is native; the others are built from it, with the same results"),
         "comm_stats": "comm_stats() -> {collective: {calls, bytes (caller's payload), wire_bytes (reaching the primitives)}}",
         "reset_comm_stats": "reset_comm_stats()",
     },
@@ -184,7 +220,8 @@ SPEC = {
                  "'ops': [(operator, calls, seconds)] by time}"),
     },
     "io": {
-        "save": "save(path, {name: tensor}, metadata=None): safetensors with JSON metadata, atomic",
+        "save": ("save(path, {name: tensor}, metadata=None): one safetensors file with JSON-able metadata, written "
+                 "atomically (a reader sees the old file or the new one); the files are the same on both frameworks"),
         "load": "load(path) -> ({name: tensor}, metadata)",
     },
 }

@@ -11,8 +11,10 @@ are :mod:`mindspeed_core.facade`'s.
 
 from __future__ import annotations
 
+import functools
+
 from mindspeed_core import runtime
-from mindspeed_core.facade import names
+from mindspeed_core.facade import REDUCE_OPS, names
 
 
 class _BindsOnFirstInstance(type):
@@ -57,6 +59,80 @@ class Function:
 _NEUTRAL = {("nn", "Module"): Module, ("autograd", "Function"): Function}
 
 
+# ---- argument checks: written once here, so every backend gets them ----------------------
+# A caller's mistake in a collective otherwise hangs the job or surfaces as a framework error
+# from deep inside; each check below runs before the bound backend's function.
+
+def _member(group, what: str) -> None:
+    if group is not None and runtime.bound().dist.rank(group) < 0:
+        raise ValueError(f"{what}: this process is not a member of group {group.ranks}")
+
+
+def _reduce_op(op, what: str) -> None:
+    if op not in REDUCE_OPS:
+        raise ValueError(f"{what} op {op!r} is not supported; use one of {', '.join(REDUCE_OPS)}")
+
+
+def _check_all_reduce(x, op="sum", group=None):
+    _member(group, "all_reduce")
+    _reduce_op(op, "all_reduce")
+
+
+def _check_reduce_scatter(x, op="sum", group=None, dim=0):
+    _member(group, "reduce_scatter")
+    _reduce_op(op, "reduce_scatter")
+    n = runtime.bound().dist.world_size(group)
+    if x.shape[dim] % n:
+        raise ValueError(f"reduce_scatter: dimension {dim} of size {x.shape[dim]} does not split over {n} ranks")
+
+
+def _check_all_to_all(x, group=None, input_splits=None, output_splits=None):
+    _member(group, "all_to_all")
+    n = runtime.bound().dist.world_size(group)
+    if input_splits is None:
+        if output_splits is not None:
+            raise ValueError("all_to_all with output_splits also needs input_splits")
+        if x.shape[0] % n:
+            raise ValueError(f"all_to_all: {x.shape[0]} rows do not split evenly over {n} ranks")
+        return
+    if output_splits is None:
+        raise ValueError("all_to_all with input_splits also needs output_splits")
+    if len(input_splits) != n or len(output_splits) != n:
+        raise ValueError(f"all_to_all: input_splits and output_splits need one entry per rank ({n})")
+    if sum(input_splits) != x.shape[0]:
+        raise ValueError(f"all_to_all: input_splits {list(input_splits)} do not add up to the {x.shape[0]} rows")
+
+
+def _membership(what):
+    def check(x, *args, group=None, **kwargs):
+        _member(group if group is not None else _positional_group(what, args), what)
+    return check
+
+
+def _positional_group(what, args):
+    # all_gather(x, group, dim), broadcast(x, src, group), shift(x, offset, group)
+    position = {"all_gather": 0, "broadcast": 1, "shift": 1}[what]
+    return args[position] if len(args) > position else None
+
+
+_CHECKS = {
+    ("dist", "all_reduce"): _check_all_reduce,
+    ("dist", "reduce_scatter"): _check_reduce_scatter,
+    ("dist", "all_to_all"): _check_all_to_all,
+    ("dist", "all_gather"): _membership("all_gather"),
+    ("dist", "broadcast"): _membership("broadcast"),
+    ("dist", "shift"): _membership("shift"),
+}
+
+
+def _checked(func, check):
+    @functools.wraps(func)
+    def call(*args, **kwargs):
+        check(*args, **kwargs)
+        return func(*args, **kwargs)
+    return call
+
+
 class Namespace:
     """One facade namespace (``ops``, ``nn``, ...): a name resolves in the bound backend the
     first time it is used (binding the resolved default if no entry point has bound yet) and
@@ -72,6 +148,9 @@ class Namespace:
         if neutral is not None:
             return neutral
         value = getattr(getattr(runtime.bound(), self._namespace), attr)
+        check = _CHECKS.get((self._namespace, attr))
+        if check is not None:
+            value = _checked(value, check)
         object.__setattr__(self, attr, value)
         return value
 

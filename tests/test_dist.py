@@ -56,3 +56,21 @@ def test_bad_arguments_are_clear_errors():
         dist.all_reduce(ops.zeros((2,)), op="product")
     with pytest.raises(ValueError, match="not a member"):
         dist.all_gather(ops.zeros((2,)), group=dist.new_group([3]))
+
+
+# The front end checks a collective's arguments once for every backend (mindspeed_core.frontend);
+# each case is a caller's mistake that would otherwise hang a job or fail deep in a framework.
+@pytest.mark.parametrize("call, message", [
+    (lambda x, g: dist.reduce_scatter(x, op="mean"), "reduce_scatter op 'mean' is not supported"),
+    (lambda x, g: dist.all_to_all(x, input_splits=[2]), "also needs output_splits"),
+    (lambda x, g: dist.all_to_all(x, output_splits=[2]), "also needs input_splits"),
+    (lambda x, g: dist.all_to_all(x, input_splits=[1, 1], output_splits=[1, 1]), "one entry per rank"),
+    (lambda x, g: dist.all_to_all(x, input_splits=[3], output_splits=[3]), "do not add up to the 2 rows"),
+    (lambda x, g: dist.broadcast(x, 0, g), "broadcast: this process is not a member"),
+    (lambda x, g: dist.shift(x, 1, g), "shift: this process is not a member"),
+    (lambda x, g: dist.reduce_scatter(x, group=g), "reduce_scatter: this process is not a member"),
+    (lambda x, g: ops.zeros((2,), dtype="float8"), "unknown dtype 'float8'; facade dtypes are float32"),
+])
+def test_the_front_end_checks_arguments_for_every_backend(call, message):
+    with pytest.raises(ValueError, match=message):
+        call(ops.zeros((2, 3)), dist.new_group([3]))

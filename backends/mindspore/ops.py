@@ -14,14 +14,15 @@ import numpy as np
 from mindspore import ops as P
 
 from mindspeed_core import composite
+from mindspeed_core.backends.common import dtype_table, framework_dtype
 
 from . import kernels, random
 
-DTYPES = {
+DTYPES = dtype_table({
     "float32": ms.float32, "float64": ms.float64, "float16": ms.float16,
     "bfloat16": ms.bfloat16, "int32": ms.int32, "int64": ms.int64, "int16": ms.int16,
     "int8": ms.int8, "uint8": ms.uint8, "bool": ms.bool_,
-}
+})
 _NAMES = {v: k for k, v in DTYPES.items()}
 Tensor = ms.Tensor
 
@@ -29,10 +30,7 @@ Tensor = ms.Tensor
 def _dt(dtype):
     if dtype is None or not isinstance(dtype, str):
         return dtype
-    try:
-        return DTYPES[dtype]
-    except KeyError:
-        raise ValueError(f"unknown dtype {dtype!r}; facade dtypes are {', '.join(DTYPES)}") from None
+    return framework_dtype(DTYPES, dtype)
 
 
 # ---- creation and conversion -------------------------------------------------------------

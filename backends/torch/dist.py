@@ -17,7 +17,7 @@ import time
 import torch
 import torch.distributed as tdist
 
-from mindspeed_core.backends.common import ITEMSIZE, CommStats, Group, check_member, env_int
+from mindspeed_core.backends.common import ITEMSIZE, CommStats, Group, env_int
 
 from . import device
 
@@ -110,10 +110,6 @@ def _alone(group) -> bool:
     return world_size(group) == 1
 
 
-def _member(group, what: str) -> None:
-    check_member(group, rank(group), what)
-
-
 def _record(op: str, x) -> None:
     _stats.record(op, x.numel() * ITEMSIZE[_dtype_name(x)])
 
@@ -134,9 +130,6 @@ def reset_comm_stats() -> None:
 
 
 def all_reduce(x, op: str = "sum", group: Group | None = None):
-    _member(group, "all_reduce")
-    if op not in _REDUCE_OPS:
-        raise ValueError(f"all_reduce op {op!r} is not supported; use one of {', '.join(_REDUCE_OPS)}")
     out = x.clone()
     if not _alone(group):
         _record("all_reduce", x)
@@ -146,7 +139,6 @@ def all_reduce(x, op: str = "sum", group: Group | None = None):
 
 def all_gather(x, group: Group | None = None, dim: int = 0):
     """Concatenation along ``dim`` of every group member's x, in group-rank order."""
-    _member(group, "all_gather")
     if _alone(group):
         return x.clone()
     _record("all_gather", x)
@@ -157,10 +149,7 @@ def all_gather(x, group: Group | None = None, dim: int = 0):
 
 def reduce_scatter(x, op: str = "sum", group: Group | None = None, dim: int = 0):
     """This rank's slice along ``dim`` of the reduction of every member's x."""
-    _member(group, "reduce_scatter")
     n = world_size(group)
-    if x.shape[dim] % n:
-        raise ValueError(f"reduce_scatter: dimension {dim} of size {x.shape[dim]} does not split over {n} ranks")
     if n == 1:
         return x.clone()
     _record("reduce_scatter", x)
@@ -177,18 +166,13 @@ def reduce_scatter(x, op: str = "sum", group: Group | None = None, dim: int = 0)
 def all_to_all(x, group: Group | None = None, input_splits=None, output_splits=None):
     """Split x along dim 0 (evenly, or by ``input_splits``), send piece j to group rank j,
     and concatenate what arrives. Uneven splits need ``output_splits``."""
-    _member(group, "all_to_all")
     n = world_size(group)
     if n == 1:
         return x.clone()
     x = x.contiguous()  # empty_like below keeps a view's strides, and the kernel writes row-major
     if input_splits is None:
-        if x.shape[0] % n:
-            raise ValueError(f"all_to_all: {x.shape[0]} rows do not split evenly over {n} ranks")
         out = torch.empty_like(x)
     else:
-        if output_splits is None:
-            raise ValueError("all_to_all with input_splits also needs output_splits")
         out = x.new_empty((int(sum(output_splits)),) + tuple(x.shape[1:]))
     _record("all_to_all", x)
     tdist.all_to_all_single(out, x, output_splits, input_splits, group=_h(group))
@@ -196,7 +180,6 @@ def all_to_all(x, group: Group | None = None, input_splits=None, output_splits=N
 
 
 def broadcast(x, src: int, group: Group | None = None):
-    _member(group, "broadcast")
     out = x.clone()
     if not _alone(group):
         _record("broadcast", x)
@@ -207,7 +190,6 @@ def broadcast(x, src: int, group: Group | None = None):
 def shift(x, offset: int = 1, group: Group | None = None):
     """Every member sends x to group rank (r + offset) % n and returns what (r - offset) % n
     sent: a ring step, posted as one batch of isend/irecv so no rank waits on another's send."""
-    _member(group, "shift")
     n = world_size(group)
     if n == 1 or offset % n == 0:
         return x.clone()

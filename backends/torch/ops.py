@@ -7,14 +7,15 @@ import torch
 import torch.nn.functional as F
 
 from mindspeed_core import composite
+from mindspeed_core.backends.common import dtype_table, framework_dtype
 
 from . import device
 
-DTYPES = {
+DTYPES = dtype_table({
     "float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
     "bfloat16": torch.bfloat16, "int32": torch.int32, "int64": torch.int64, "int16": torch.int16,
     "int8": torch.int8, "uint8": torch.uint8, "bool": torch.bool,
-}
+})
 _NAMES = {v: k for k, v in DTYPES.items()}
 Tensor = torch.Tensor
 
@@ -22,10 +23,7 @@ Tensor = torch.Tensor
 def _dt(dtype):
     if dtype is None or isinstance(dtype, torch.dtype):
         return dtype
-    try:
-        return DTYPES[str(dtype)]
-    except KeyError:
-        raise ValueError(f"unknown dtype {dtype!r}; facade dtypes are {', '.join(DTYPES)}") from None
+    return framework_dtype(DTYPES, str(dtype))
 
 
 def _dev():
