@@ -454,13 +454,17 @@ def add_mindspeed_llm_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--manual-gc-interval", type=COUNT, default=0,
                    help="--manual-gc: collect every N steps (0: at evaluations only)")
     g.add_argument("--no-pad-to-seq-lengths", action="store_true",
-                   help="pad each micro-batch to its longest sample instead of --seq-length")
-    g.add_argument("--pad-to-multiple-of", type=POSITIVE_INT, default=None,
-                   help="--no-pad-to-seq-lengths: round each micro-batch's length up to a multiple of this")
+                   help="fine-tuning: pad each micro-batch to its longest sample instead of --seq-length (the loss "
+                        "is the same; shorter micro-batches take less time)")
+    g.add_argument("--pad-to-multiple-of", type=POSITIVE_INT, default=8,
+                   help="--no-pad-to-seq-lengths: round each micro-batch's length up to a multiple of this "
+                        "(and of what context and sequence parallelism cut it by)")
     g.add_argument("--npu-deterministic", dest="use_deterministic_algorithms", action="store_true",
                    help="MindSpeed's spelling of --use-deterministic-algorithms")
     g.add_argument("--lora-ckpt-filter", action="store_true", help="LoRA runs: checkpoints hold the adapters only")
-    g.add_argument("--no-shuffle", action="store_true", help="read the samples in order")
+    g.add_argument("--no-shuffle", action="store_true",
+                   help="read each dataset's samples in file order, epoch after epoch (blends still interleave "
+                        "by weight)")
 
 
 def training_parser(prog: str = "mindspeed train", verb: bool = False) -> argparse.ArgumentParser:

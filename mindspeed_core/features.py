@@ -131,7 +131,8 @@ _P2P_EMULATED = ("send/recv emulated by a sum all-reduce over the two ranks' gro
                  "on the wire); a forward that other compute follows before its backward is recorded again "
                  "at its backward (one more forward; no graph held in between)")
 
-_FULL_LENGTH = "every micro-batch is padded to --seq-length"
+_DYNAMIC_PADDING = ("fine-tuning micro-batches padded to their longest sample, rounded up to --pad-to-multiple-of "
+                    "(and CP/SP's cut); the same loss, pipeline stages pass each micro-batch's own width")
 _SAME_RING = "the ring's send/receive and its block's attention run one after the other (same results)"
 _DIST_CKPT = "checkpoints here are iter_*/ folders of safetensors (mindspeed convert writes Megatron's .pt layout)"
 _ETP = "the experts' tensor parallelism is the model's (--tensor-model-parallel-size)"
@@ -496,12 +497,10 @@ FEATURES: tuple[Feature, ...] = (
             planned(instead="--o2-optimizer"), planned(instead="--o2-optimizer"), _on("o2_gradient")),
     Feature("dynamic-padding", "Micro-batches padded to their longest sample", "fine-tuning",
             ("--no-pad-to-seq-lengths", "--pad-to-multiple-of"),
-            planned(_FULL_LENGTH), planned(_FULL_LENGTH),
-            lambda a: bool(getattr(a, "no_pad_to_seq_lengths", False)) or getattr(a, "pad_to_multiple_of", None)
-            is not None),
+            supported(_DYNAMIC_PADDING), supported(_DYNAMIC_PADDING), _on("no_pad_to_seq_lengths")),
     Feature("no-shuffle", "Samples read in order (no shuffle)", "fine-tuning", ("--no-shuffle",),
-            planned("the samples are shuffled by --seed"), planned("the samples are shuffled by --seed"),
-            _on("no_shuffle")),
+            supported("each dataset's samples in file order, every epoch"),
+            supported("each dataset's samples in file order, every epoch"), _on("no_shuffle")),
     Feature("expert-tensor-parallel", "Expert tensor parallelism other than the model's", "parallelism",
             ("--expert-tensor-parallel-size",), planned(_ETP, instead=_ETP_INSTEAD),
             planned(_ETP, instead=_ETP_INSTEAD),

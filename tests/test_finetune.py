@@ -269,6 +269,8 @@ def losses(path) -> dict:
 
 @pytest.mark.feature("sft")
 @pytest.mark.feature("handler-alpaca")
+@pytest.mark.feature("dynamic-padding")
+@pytest.mark.feature("no-shuffle")
 def test_sft_loss_is_the_assistant_tokens_mean_and_packing_changes_nothing(capsys, tmp_path):
     records = [{"instruction": q, "output": a} for q, a in DIALOGUES]
     common = ["--handler-name", "AlpacaStyleInstructionHandler", "--prompt-type", "chatml", "--seq-length", "160"]
@@ -283,17 +285,45 @@ def test_sft_loss_is_the_assistant_tokens_mean_and_packing_changes_nothing(capsy
     state = checkpoint.load_model_arrays(str(ckpt), 2)
     cfg = ModelConfig.from_dict(checkpoint.read_meta(str(ckpt), 2)["model"])
     want = reference_loss(state, cfg)
-    for name, prefix in (("plain", plain), ("packed", packed)):
+    # dynamic padding: the micro-batch as wide as its longest sample (far below --seq-length 160)
+    for name, prefix, extra in (("plain", plain, []), ("packed", packed, []),
+                                ("dynamic", plain, ["--no-pad-to-seq-lengths", "--no-shuffle"])):
         # one micro-batch of every sample (a pack is a sample): the step's loss is the mean over
-        # all trained tokens, whatever the order and the packing
+        # all trained tokens, whatever the order, the packing and the padding
         n = str(len(documents(prefix, "input_ids")))
         metrics = tmp_path / f"{name}.jsonl"
         code = cli.main(["train", *MODEL, "--micro-batch-size", n, "--global-batch-size", n, "--stage", "sft",
                          "--data-path", prefix, "--train-iters", "1", "--lr", "0", "--load", str(ckpt), "--finetune",
-                         "--metrics-file", str(metrics)])
+                         "--metrics-file", str(metrics), *extra])
         out = capsys.readouterr()
         assert code == 0, out.err
         assert "fine-tuning from the weights of" in out.out
         got = losses(metrics)
         assert list(got) == [1], got  # --finetune starts at iteration 0
         assert abs(got[1] - want) <= 1e-5 * want, (name, got[1], want)
+
+
+def test_dynamic_padding_cuts_padding_only_and_no_shuffle_reads_in_file_order(capsys, tmp_path):
+    from mindspeed_core.data import finetune_dataset
+
+    records = [{"instruction": q, "output": a} for q, a in DIALOGUES]
+    prefix, _ = preprocess(capsys, tmp_path, records, "--handler-name", "AlpacaStyleInstructionHandler",
+                           "--prompt-type", "chatml", "--seq-length", "160")
+    ordered = finetune_dataset.build_splits([prefix], "100,0,0", 160, 3, pad=EOD, shuffle=False)["train"]
+    seeded = finetune_dataset.build_splits([prefix], "100,0,0", 160, 3, pad=EOD)["train"]
+    want = [_conversation(q, a)[0] for q, a in DIALOGUES]
+    first = [list(ordered[i][0][:len(w)]) for i, w in enumerate(want)]
+    assert first == want  # file order, and again in the second epoch
+    assert [list(ordered[len(want) + i][0][:len(w)]) for i, w in enumerate(want)] == want
+    assert [list(seeded[i][0][:len(w)]) for i, w in enumerate(want)] != want  # the default shuffles
+    rows = [ordered[i] for i in range(len(want))]
+    longest = max(len(w) for w in want)
+    for multiple in (8, 24):
+        cut = finetune_dataset.trimmed(rows, multiple)
+        width = -(-longest // multiple) * multiple
+        assert all(len(x) == width + 1 for row in cut for x in row), (multiple, longest)
+        for full, short in zip(rows, cut):  # what went is padding: no token, no label, no document
+            assert (full[2][width + 1:] == -1).all() and (full[1][width + 1:] == IGNORE).all()
+            assert all(np.array_equal(a[:width + 1], b) for a, b in zip(full, short))
+    assert finetune_dataset.trimmed(rows, None) is rows
+    assert all(len(x) == 161 for row in finetune_dataset.trimmed(rows, 256) for x in row)  # never longer

@@ -214,8 +214,12 @@ CASES = [  # (id, ranks, model, flags): the cases of each rank count share one l
     ("dpo-lora-tp2", 2, "dpo-lora", ["--tensor-model-parallel-size", "2"]),
     ("simpo-pp2", 2, "simpo", ["--pipeline-model-parallel-size", "2"]),
     ("orm-tp2-sp", 2, "orm", ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),  # the scalar head's gradient
-    ("dpo-pp2-dp2", 4, "dpo", ["--pipeline-model-parallel-size", "2", "--save", "{tmp}/dpo-ckpt"]),
-    ("prm-tp2-pp2", 4, "prm", ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]),
+    # with dynamic padding (--no-pad-to-seq-lengths) against the single process's full-length
+    # micro-batches: the stages pass each micro-batch's own width, and the loss stays the same
+    ("dpo-pp2-dp2", 4, "dpo", ["--pipeline-model-parallel-size", "2", "--save", "{tmp}/dpo-ckpt",
+                               "--no-pad-to-seq-lengths"]),
+    ("prm-tp2-pp2", 4, "prm", ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                               "--no-pad-to-seq-lengths", "--pad-to-multiple-of", "4"]),
 ]
 # cases whose collective bytes are checked against parallel/traffic.py (besides every pure DP one)
 TRAFFIC = ("tp2", "tp2-sp", "dp2-distopt", "tp2-dp2")
@@ -229,7 +233,7 @@ CP_CASES = [  # (id, model, flags)
     ("cp2-ring-tp2-sp", "gqa", ["--context-parallel-size", "2", "--tensor-model-parallel-size", "2",
                                 "--sequence-parallel"]),
     # packed conversations of instruction fine-tuning: documents kept apart, prompts out of the loss
-    ("cp4-ring-sft", "sft", ["--context-parallel-size", "4"]),
+    ("cp4-ring-sft", "sft", ["--context-parallel-size", "4", "--no-pad-to-seq-lengths"]),
     ("cp2-ulysses-dp2-distopt", "gqa", ["--context-parallel-size", "2", "--context-parallel-algo", "ulysses_cp_algo",
                                         "--use-distributed-optimizer"]),
     ("cp4-hybrid", "gqa", ["--context-parallel-size", "4", "--context-parallel-algo", "hybrid_cp_algo",
@@ -429,6 +433,7 @@ def resume_in_one_process(capsys, corpus, folder, model, want, saved_layout, tmp
 @pytest.mark.feature("lora")
 @pytest.mark.feature("stage-dpo")
 @pytest.mark.feature("stage-prm")
+@pytest.mark.feature("dynamic-padding")
 def test_four_rank_layouts_equal_single_process(capsys, framework, data, four_ranks, reference, tmp_path):
     check_cases(framework, four_ranks / "out", 4, ranks_cases(4), reference)
     # the PP2 x DP2 DPO checkpoint goes on in one process, past the iterations it was saved for:

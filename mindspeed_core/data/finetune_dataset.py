@@ -19,6 +19,7 @@ import os
 
 import numpy as np
 
+from mindspeed_core import features
 from mindspeed_core.data.gpt_dataset import SPLITS, BlendedSamples, Shuffled, parse_data_path, split_ranges
 from mindspeed_core.data.handlers import IGNORE
 from mindspeed_core.data.indexed import IndexedDataset
@@ -109,9 +110,9 @@ class PairSamples:
 
 
 def build_splits(data_path: list[str], split: str, seq_length: int, seed: int, pad: int,
-                 pairs: bool = False) -> dict:
+                 pairs: bool = False, shuffle: bool = True) -> dict:
     """{"train": BlendedSamples | None, "valid": ..., "test": ...} of instruction samples, or
-    with ``pairs`` of preference pairs (PairSamples)."""
+    with ``pairs`` of preference pairs (PairSamples); ``shuffle`` False: in file order."""
     blends = {name: [] for name in SPLITS}
     kind = PairSamples if pairs else InstructionSamples
     for weight, prefix in parse_data_path(data_path):
@@ -119,10 +120,26 @@ def build_splits(data_path: list[str], split: str, seq_length: int, seed: int, p
         for k, name in enumerate(SPLITS):
             a, b = split_ranges(count, split)[name]
             if b > a:
-                blends[name].append((weight, kind(prefix, a, b, seq_length, seed + k, f"{prefix} ({name})", pad)))
+                order = seed + k if shuffle else None
+                blends[name].append((weight, kind(prefix, a, b, seq_length, order, f"{prefix} ({name})", pad)))
     if not blends["train"]:
         raise MindSpeedError("the training split is empty: check --data-path and --split")
     return {name: (BlendedSamples(parts) if parts else None) for name, parts in blends.items()}
+
+
+def trimmed(rows: list, multiple: int | None) -> list:
+    """Dynamic padding (--no-pad-to-seq-lengths): the samples (tokens, labels, documents) cut to
+    the longest one's tokens rounded up to ``multiple`` (never longer than they are). Only
+    padding goes: its labels are ignored and causal attention never lets a real token see it,
+    so the loss is the same as at full length. ``multiple`` None: the rows as they are."""
+    if multiple is None:
+        return rows
+    full = len(rows[0][0])
+    longest = max(int((documents >= 0).sum()) for _, _, documents in rows)
+    keep = min(full, -(-longest // multiple) * multiple + 1)  # +1: the last label's next token
+    if keep < full:
+        features.note_used("dynamic-padding")
+    return [tuple(x[:keep] for x in row) for row in rows]
 
 
 def batch(samples, start: int, size: int, rows=None, shift: bool = True):

@@ -17,6 +17,7 @@ import re
 
 import numpy as np
 
+from mindspeed_core import features
 from mindspeed_core.data.indexed import IndexedDataset
 from mindspeed_core.errors import MindSpeedError
 
@@ -59,13 +60,17 @@ def split_ranges(num_docs: int, split: str) -> dict:
 
 
 class Shuffled:
-    """``count`` samples in a seeded order, drawn anew each epoch."""
+    """``count`` samples in a seeded order, drawn anew each epoch; with ``seed`` None, in file
+    order every epoch (--no-shuffle)."""
 
-    def __init__(self, count: int, seed: int):
+    def __init__(self, count: int, seed: int | None):
         self.count, self.seed = count, seed
         self._orders: dict[int, np.ndarray] = {}
 
     def _sample(self, i: int) -> int:
+        if self.seed is None:
+            features.note_used("no-shuffle")
+            return i % self.count
         epoch = i // self.count
         if epoch not in self._orders:
             self._orders = {epoch: np.random.RandomState((self.seed + 7919 * epoch) % 2**32).permutation(self.count)}
@@ -159,8 +164,9 @@ class BlendedSamples:
         return self.parts[int(self._which[i])][1][int(self._index[i])]
 
 
-def build_splits(data_path: list[str], split: str, seq_length: int, seed: int) -> dict:
-    """{"train": BlendedSamples | None, "valid": ..., "test": ...}; empty splits are None."""
+def build_splits(data_path: list[str], split: str, seq_length: int, seed: int, shuffle: bool = True) -> dict:
+    """{"train": BlendedSamples | None, "valid": ..., "test": ...}; empty splits are None.
+    ``shuffle`` False: each dataset's samples in file order."""
     blends = {name: [] for name in SPLITS}
     for weight, prefix in parse_data_path(data_path):
         ds = IndexedDataset(prefix)
@@ -170,8 +176,9 @@ def build_splits(data_path: list[str], split: str, seq_length: int, seed: int) -
             if b <= a:
                 continue
             where = f"{prefix} ({name})"
-            samples = (PackedSamples(ds, a, b, seq_length, seed + k, where) if packed
-                       else TokenSamples(ds.tokens(a, b), seq_length, seed + k, where))
+            order = seed + k if shuffle else None
+            samples = (PackedSamples(ds, a, b, seq_length, order, where) if packed
+                       else TokenSamples(ds.tokens(a, b), seq_length, order, where))
             blends[name].append((weight, samples))
     if not blends["train"]:
         raise MindSpeedError("the training split is empty: check --data-path and --split")

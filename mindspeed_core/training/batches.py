@@ -32,17 +32,22 @@ def splits(config, paths: list) -> dict:
     d, flags = config.data, config.flags
     if config.stage.instruction:
         data = finetune_dataset.build_splits(paths, d.split, d.seq_length, d.seed, pad=config.tokenizer.eod,
-                                             pairs=config.stage.pairwise)
+                                             pairs=config.stage.pairwise, shuffle=d.shuffle)
     else:
-        data = gpt_dataset.build_splits(paths, d.split, d.seq_length, d.seed)
+        data = gpt_dataset.build_splits(paths, d.split, d.seq_length, d.seed, shuffle=d.shuffle)
     if flags.eval_iters and flags.eval_interval and data["valid"] is None:
         raise MindSpeedError("the validation split is empty: give --split a larger second part or use --eval-iters 0")
     return data
 
 
 class Batches:
-    def __init__(self, data: dict, tokenizer, stage_name: str, ps, args, objective=None, reference=None):
+    """``pad_multiple``: dynamic padding's multiple (configuration.Data.pad_multiple), or None:
+    fine-tuning micro-batches --seq-length wide."""
+
+    def __init__(self, data: dict, tokenizer, stage_name: str, ps, args, objective=None, reference=None,
+                 pad_multiple: int | None = None):
         self.data, self.tokenizer, self.stage_name, self.ps = data, tokenizer, stage_name, ps
+        self.pad_multiple = pad_multiple
         self.instruction = stage_name != "pretrain"
         self.pairwise = stage_name in alignment.PAIRWISE
         self.objective, self.reference = objective, reference
@@ -59,7 +64,8 @@ class Batches:
 
     def _instruction(self, split: str, start: int, size: int):
         features.note_used("sft")
-        ids, labels, loss_mask, positions, documents = finetune_dataset.batch(self.data[split], start, size)
+        rows = finetune_dataset.trimmed([self.data[split][start + i] for i in range(size)], self.pad_multiple)
+        ids, labels, loss_mask, positions, documents = finetune_dataset.batch(None, 0, size, rows)
         self.check_ids(split, ids)
         self.check_ids(split, labels)
         return ids, labels, Tokens(positions, documents, loss_mask)
@@ -79,7 +85,8 @@ class Batches:
         return self.pairs_on_device(split, [p[i] for p, (_, i) in zip(pairs, where)], reference)
 
     def pairs_on_device(self, split: str, pairs: list, reference):
-        ids, labels, mask = finetune_dataset.pair_batch(pairs)
+        sides = finetune_dataset.trimmed([p[0] for p in pairs] + [p[1] for p in pairs], self.pad_multiple)
+        ids, labels, mask = finetune_dataset.pair_batch(list(zip(sides[:len(pairs)], sides[len(pairs):])))
         self.check_ids(split, ids)
         self.check_ids(split, labels)
         target = alignment.Pairs(ops.tensor(np.ascontiguousarray(labels)), mask, reference)
@@ -88,7 +95,7 @@ class Batches:
     def _process_reward(self, split: str, start: int, size: int):
         """Step-labelled samples: each label sits where its step ends (no shift), as the index
         of its verdict among --reward-tokens."""
-        rows = [self.data[split][start + i] for i in range(size)]
+        rows = finetune_dataset.trimmed([self.data[split][start + i] for i in range(size)], self.pad_multiple)
         ids, labels, mask, positions, documents = finetune_dataset.batch(None, 0, size, rows, shift=False)
         self.check_ids(split, ids)
         candidates = self.objective.candidates

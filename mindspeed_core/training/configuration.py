@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 
 from mindspeed_core import device, features, files, ops, runtime
@@ -120,6 +121,11 @@ class Data:
     seq_length: int
     seed: int
     tokenizer: str
+    shuffle: bool  # samples in a seeded order each epoch (--no-shuffle: in file order)
+    # fine-tuning with --no-pad-to-seq-lengths: a micro-batch is as wide as its longest sample,
+    # rounded up to this (--pad-to-multiple-of, and what CP and SP cut the sequence by); None:
+    # every micro-batch is --seq-length wide
+    pad_multiple: int | None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,9 +170,17 @@ def configure(args, world: int, framework: str | None = None) -> RunConfig:
             (work.adam_beta1, work.adam_beta2), work.adam_eps, precision(flags), work.initial_loss_scale,
             bool(work.o2_optimizer), bool(work.reuse_fp32_param)),
         data=Data(embedded, tuple(work.data_path) if work.data_path else None, work.split, work.seq_length, work.seed,
-                  tokenizer.name),
+                  tokenizer.name, not work.no_shuffle,
+                  pad_multiple(work.pad_to_multiple_of, tp, cp, work.sequence_parallel)
+                  if work.no_pad_to_seq_lengths and stage != "pretrain" else None),
         stage=Stage(stage, stage != "pretrain", stage in alignment.PAIRWISE),
         operations=operations(flags))
+
+
+def pad_multiple(wanted: int, tp: int, cp: int, sequence_parallel: bool) -> int:
+    """The multiple a dynamically padded micro-batch's length is rounded up to: --pad-to-multiple-of,
+    and what context parallelism (2 x CP chunks) and sequence parallelism (TP slices) cut it by."""
+    return math.lcm(wanted, 2 * cp if cp > 1 else 1, tp if sequence_parallel else 1)
 
 
 def precision(flags) -> str:
@@ -325,7 +339,7 @@ def _model_config(args, vocab_size: int) -> ModelConfig:
     if args.disable_bias_linear:
         base["add_bias_linear"], base["attention_output_bias"] = False, False
     if args.spec:
-        base["family"] = spec_family(args.spec)
+        base["family"] = spec_family(args.spec, moe=args.num_experts is not None)
     if scaling:
         base["rope_scaling"] = scaling
     for flag in ("untie_embeddings_and_output_weights", "add_qkv_bias", "qk_layernorm"):
@@ -349,12 +363,17 @@ SPEC_FAMILIES = {"qwen3_spec": "qwen3", "qwen2_spec": "qwen2", "llama_spec": "ll
                  "qwen3_moe_spec": "qwen3_moe", "mixtral_spec": "mixtral"}
 
 
-def spec_family(spec: list) -> str:
+def spec_family(spec: list, moe: bool = False) -> str:
+    """The family a layer spec builds; ``moe``: the model has experts, and MindSpeed-LLM's MoE
+    scripts pass their dense family's spec (qwen3_spec with --num-experts is a qwen3_moe model)."""
     module = spec[0].rsplit(".", 1)[-1]
     if module not in SPEC_FAMILIES:
         raise MindSpeedError(f"--spec {' '.join(spec)}: no model family here builds that layer spec; known specs: "
                              f"{', '.join(sorted(SPEC_FAMILIES))}")
-    return SPEC_FAMILIES[module]
+    family = SPEC_FAMILIES[module]
+    if moe:
+        family = next((name for name, dense in hf.MOE_BASE.items() if dense == family), family)
+    return family
 
 
 def _vocab_rows(args, vocab_size: int) -> int:
@@ -384,9 +403,9 @@ def _agreeing_with_flags(args, cfg: ModelConfig, vocab_size: int) -> ModelConfig
         raise MindSpeedError(f"--model-type-hf {args.model_type_hf}, but {args.load_hf}/config.json is a {cfg.family} "
                              "model" if args.model_type_hf in hf.MODEL_TYPES else
                              f"--model-type-hf {args.model_type_hf}: choose one of {', '.join(hf.MODEL_TYPES)}")
-    if args.spec and spec_family(args.spec) != cfg.family:
-        raise MindSpeedError(f"--spec {args.spec[0]} builds {spec_family(args.spec)} layers, but the Hugging Face "
-                             f"folder holds a {cfg.family} model")
+    if args.spec and spec_family(args.spec, moe=cfg.moe is not None) != cfg.family:
+        raise MindSpeedError(f"--spec {args.spec[0]} builds {spec_family(args.spec, moe=cfg.moe is not None)} layers, "
+                             f"but the Hugging Face folder holds a {cfg.family} model")
     return cfg
 
 
@@ -592,6 +611,9 @@ def describe(config: RunConfig, data_path, pipeline_layout, grad_accum: int, los
                       "encodes_special_tokens": getattr(tokenizer, "include_special_tokens", None)},
         "data_path": data_path, "stage": config.stage.name, "alignment": alignment_settings(flags, reward_token_ids),
         "seq_length": flags.seq_length, "micro_batch_size": flags.micro_batch_size,
+        "micro_batch_width": ("--seq-length" if config.data.pad_multiple is None else
+                              f"the longest sample's, rounded up to a multiple of {config.data.pad_multiple}"),
+        "sample_order": "seeded shuffle per epoch" if config.data.shuffle else "file order (--no-shuffle)",
         "global_batch_size": flags.global_batch_size, "gradient_accumulation": grad_accum,
         "train_iters": flags.train_iters, "lr": flags.lr, "min_lr": flags.min_lr,
         "lr_warmup_iters": flags.lr_warmup_iters, "lr_decay_style": flags.lr_decay_style,

@@ -123,8 +123,9 @@ class PipelineStage:
     virtual stage, the previous stage's hidden states otherwise); on the last virtual stage,
     given the labels, it returns the micro-batch's (scaled) loss, else hidden states; ``tokens``:
     the micro-batch's positions and documents (models/gpt.py Tokens) or None.
-    ``send(x, peer)`` / ``recv(peer)``: point-to-point with pipeline rank ``peer`` (recv knows
-    the hidden states' shape and dtype)."""
+    ``send(x, peer)`` / ``recv(peer, ids)``: point-to-point with pipeline rank ``peer``; recv
+    knows the dtype, and the hidden states' shape from the micro-batch's token ids (this rank's
+    [rows, columns]: their width varies with dynamic padding)."""
 
     pp: int
     rank: int
@@ -173,7 +174,7 @@ def forward_backward_pipelining(stage: PipelineStage, program: list, micro_batch
     for instruction in program:
         kind = instruction[0]
         if kind == RECV:
-            inbox[instruction[2]] = stage.recv(instruction[1])
+            inbox[instruction[2]] = stage.recv(instruction[1], batches[instruction[2][2]][0])
             continue
         if kind == SEND:
             stage.send(outbox.pop(instruction[2]), instruction[1])

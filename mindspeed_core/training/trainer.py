@@ -85,7 +85,7 @@ class Trainer:
         args = self.flags
         self.data = batches.splits(self.config, self.data_path)
         self.batches = batches.Batches(self.data, self.tokenizer, self.stage_name, self.ps, args, self.objective,
-                                       self.reference)
+                                       self.reference, self.config.data.pad_multiple)
         random.seed(args.seed)
         # The full model is built (and loaded) on every rank, then cut for this rank: a
         # parallel run starts from exactly the single-process weights.
@@ -147,8 +147,7 @@ class Trainer:
                                           for ids, labels, tokens in micro_batches]))
 
             return forward_backward, forward_only
-        rows = args.micro_batch_size * (2 if self.pairwise else 1)  # a pair's two conversations travel together
-        hidden = (rows, args.seq_length // ps.cp // self.chunks[0].sequence_multiple, self.cfg.hidden_size)
+        sequence_shards = self.chunks[0].sequence_multiple
         me = ps.coords(ps.rank)
 
         def peer(pp_rank):
@@ -157,7 +156,9 @@ class Trainer:
         def stage(forward):
             return schedules.PipelineStage(ps.pp, ps.local_rank("pp"), self.layout.chunks, forward, chunk_params,
                                            send=lambda x, to: dist.send(x, peer(to)),
-                                           recv=lambda src: dist.recv(hidden, self.dtype, peer(src)))
+                                           recv=lambda src, ids: dist.recv(
+                                               (ids.shape[0], ids.shape[1] // sequence_shards, self.cfg.hidden_size),
+                                               self.dtype, peer(src)))
 
         train_stage = stage(self._stage_forward)
         eval_stage = stage(functools.partial(self._stage_forward, scaled=False))
