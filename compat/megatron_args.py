@@ -173,8 +173,14 @@ def add_feature_args(parser: argparse.ArgumentParser) -> None:
                         "the compilation")
 
     c = parser.add_argument_group("communication")
-    c.add_argument("--overlap-grad-reduce", action="store_true")
-    c.add_argument("--overlap-param-gather", action="store_true")
+    c.add_argument("--overlap-grad-reduce", action="store_true",
+                   help="reduce each bucket of gradients over data-parallel ranks as backward completes it, while "
+                        "the rest of backward runs (the same results)")
+    c.add_argument("--overlap-param-gather", action="store_true",
+                   help="with --use-distributed-optimizer: gather the updated parameters while the step ends and "
+                        "the next one prepares its data (the same results)")
+    c.add_argument("--ddp-bucket-size", type=POSITIVE_INT, default=None,
+                   help="elements per gradient bucket of the data-parallel reduction (default 4M)")
     c.add_argument("--use-ascend-mc2", action="store_true")
     c.add_argument("--use-ascend-coc", action="store_true")
     c.add_argument("--coc-fused-kernel", action="store_true", help="MindSpeed-LLM: CoC with fused kernels")

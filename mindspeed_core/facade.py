@@ -150,6 +150,10 @@ SPEC = {
                                     "input shape, the first call pays the compilation"),
         "Function": "Function: subclass with static forward(ctx, *args) and backward(ctx, *grads); call .apply(*args)",
         "no_grad": "no_grad(): context manager without gradient recording",
+        "grad_hooks": ("grad_hooks(params, callback): context manager; while open, callback(k, grad) runs as any "
+                       "backward (value_and_grad, vjp, recompute) computes params[k]'s gradient, with its total over "
+                       "every use in that backward, before the gradient is returned (gradient reduction overlapped "
+                       "with the rest of backward); the callback must not change grad"),
         "detach": "detach(x): the same values, cut from the graph",
         "recompute": ("recompute(fn, *args): drop fn's activations in forward, recompute them in backward; fn must draw "
                       "its random numbers through the tracker so the recomputation sees the same dropout masks"),
@@ -180,6 +184,10 @@ SPEC = {
         "all_reduce": ("all_reduce(x, op='sum'|'max'|'min', group=None) -> a new tensor, the element-wise reduction over "
                        "the group; x is unchanged. Framework: MindSpore's CPU collective sums float32/float16 natively "
                        "and emulates the rest (exactly, see implementations)"),
+        "all_reduce_async": ("all_reduce_async(x, group=None) -> work: start summing x over the group and return "
+                             "at once; work.wait() blocks until done and returns the sum (a new tensor; x unchanged). "
+                             "Framework: gloo/nccl work handles on PyTorch; mccl's async all-reduce on MindSpore for "
+                             "float32/float16, other dtypes summed before it returns"),
         "all_gather": "all_gather(x, group=None, dim=0) -> members' x (all of x's shape) concatenated along dim, in group-rank order",
         "reduce_scatter": ("reduce_scatter(x, op='sum', group=None, dim=0) -> this rank's 1/n slice along dim of the "
                            "reduction; x.shape[dim] must divide by the group size"),

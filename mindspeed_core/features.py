@@ -133,6 +133,8 @@ _P2P_EMULATED = ("send/recv emulated by a sum all-reduce over the two ranks' gro
 
 _DYNAMIC_PADDING = ("fine-tuning micro-batches padded to their longest sample, rounded up to --pad-to-multiple-of "
                     "(and CP/SP's cut); the same loss, pipeline stages pass each micro-batch's own width")
+_OVERLAP = ("each bucket of gradients starts its data-parallel sum ({}) as backward completes it, from a gradient "
+            "hook; the same buckets and results as without overlap")
 _SAME_RING = "the ring's send/receive and its block's attention run one after the other (same results)"
 _DIST_CKPT = "checkpoints here are iter_*/ folders of safetensors (mindspeed convert writes Megatron's .pt layout)"
 _ETP = "the experts' tensor parallelism is the model's (--tensor-model-parallel-size)"
@@ -351,9 +353,8 @@ FEATURES: tuple[Feature, ...] = (
                       npu=emulated("composed from AllReduce until native HCCL bindings are tested"))),
     Feature("grad-reduce-overlap", "Overlap gradient reduction with backward", "communication",
             ("--overlap-grad-reduce",),
-            planned("gradients come from one value_and_grad call; overlapping needs per-parameter backward hooks"),
-            planned("MindSpore's value_and_grad returns all gradients at once; no per-parameter hook to start "
-                    "a reduction early"), _on("overlap_grad_reduce")),
+            supported(_OVERLAP.format("gloo's / nccl's asynchronous all-reduce")),
+            supported(_OVERLAP.format("mccl's asynchronous all-reduce (mint.distributed)")), _on("overlap_grad_reduce")),
     Feature("param-gather-overlap", "Overlap parameter all-gather with forward", "communication",
             ("--overlap-param-gather",), planned(), planned(), _on("overlap_param_gather")),
     Feature("mc2", "MC2: matmul fused with all-gather / reduce-scatter", "communication", ("--use-ascend-mc2",),

@@ -55,6 +55,11 @@ def check_all_reduce(group, tag):
         expect(f"{tag} all_reduce max {dtype}", dist.all_reduce(x, "max", group), np.max(list(arrays.values()), 0))
         expect(f"{tag} all_reduce min {dtype}", dist.all_reduce(x, "min", group), np.min(list(arrays.values()), 0))
         expect(f"{tag} all_reduce leaves input alone {dtype}", x, arrays[R])
+        # two sums under way at once, waited for in the other order
+        first, second = dist.all_reduce_async(x, group), dist.all_reduce_async(x * 2, group)
+        expect(f"{tag} all_reduce_async second {dtype}", second.wait(), 2 * sum(arrays.values()))
+        expect(f"{tag} all_reduce_async first {dtype}", first.wait(), sum(arrays.values()))
+        expect(f"{tag} all_reduce_async leaves input alone {dtype}", x, arrays[R])
     # int64 beyond float32's exact range: the emulated path must stay exact
     big = {r: np.array([2 ** 40 + 7 * r, -(2 ** 35) - r], np.int64) for r in members}
     expect(f"{tag} all_reduce sum int64 large", dist.all_reduce(ops.tensor(big[R]), "sum", group), sum(big.values()))
@@ -175,7 +180,7 @@ def main(out_dir):
     run("send/recv", check_send_recv)
     run("comm stats", check_comm_stats)
     outsider = [g for g in groups if R not in g.ranks][0]
-    for name in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "shift", "broadcast"):
+    for name in ("all_reduce", "all_reduce_async", "all_gather", "reduce_scatter", "all_to_all", "shift", "broadcast"):
         checks.append(f"{name} refuses a non-member")
         try:
             fn = getattr(dist, name)

@@ -172,6 +172,10 @@ CASES = [  # (id, ranks, model, flags): the cases of each rank count share one l
     ("tp2", 2, "gqa", ["--tensor-model-parallel-size", "2", "--save", "{tmp}/tp2-ckpt"]),
     ("tp2-sp", 2, "gqa", ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
     ("dp2", 2, "gqa", []),
+    # --overlap-grad-reduce: each case with "-overlap" must give its twin's curve and grad norms
+    # bit for bit; small buckets, so that several start during backward
+    ("dp2-buckets", 2, "gqa", ["--ddp-bucket-size", "3000"]),
+    ("dp2-buckets-overlap", 2, "gqa", ["--ddp-bucket-size", "3000", "--overlap-grad-reduce"]),
     ("sft-tp2-sp", 2, "sft", ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
     # instruction fine-tuning over two pipeline stages, each data-parallel
     ("sft-pp2-dp2", 4, "sft", ["--pipeline-model-parallel-size", "2"]),
@@ -189,7 +193,12 @@ CASES = [  # (id, ranks, model, flags): the cases of each rank count share one l
     ("tp2-dp2-sp-distopt-recompute-full-norm", 4, "gqa", ["--tensor-model-parallel-size", "2", "--sequence-parallel",
                                                           "--use-distributed-optimizer", "--recompute-granularity",
                                                           "full", "--recompute-method", "uniform",
-                                                          "--recompute-num-layers", "1", "--recompute-norm"]),
+                                                          "--recompute-num-layers", "1", "--recompute-norm",
+                                                          "--ddp-bucket-size", "3000"]),
+    ("tp2-dp2-sp-distopt-recompute-full-norm-overlap", 4, "gqa", [
+        "--tensor-model-parallel-size", "2", "--sequence-parallel", "--use-distributed-optimizer",
+        "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1",
+        "--recompute-norm", "--ddp-bucket-size", "3000", "--overlap-grad-reduce"]),
     ("moe-dp2", 2, "moe", []),  # the routers' aux losses averaged as the loss is
     ("tp2-dp2", 4, "gqa", ["--tensor-model-parallel-size", "2"]),
     # expert parallelism: each dispatcher at EP2 and EP4, with TP2 + SP, with the distributed
@@ -203,7 +212,10 @@ CASES = [  # (id, ranks, model, flags): the cases of each rank count share one l
                                             "--sequence-parallel", "--moe-token-dispatcher-type", "alltoall",
                                             "--recompute-activations"]),
     ("moe-ep2-dp4-distopt", 4, "moe", ["--expert-model-parallel-size", "2", "--use-distributed-optimizer",
-                                       "--moe-token-dispatcher-type", "alltoall"]),
+                                       "--moe-token-dispatcher-type", "alltoall", "--ddp-bucket-size", "3000"]),
+    ("moe-ep2-dp4-distopt-overlap", 4, "moe", ["--expert-model-parallel-size", "2", "--use-distributed-optimizer",
+                                               "--moe-token-dispatcher-type", "alltoall", "--ddp-bucket-size", "3000",
+                                               "--overlap-grad-reduce"]),
     ("moe-ep2-pp2-recompute-block", 4, "moe", ["--expert-model-parallel-size", "2", "--pipeline-model-parallel-size",
                                                "2", "--moe-token-dispatcher-type", "alltoall", "--recompute-granularity",
                                                "full", "--recompute-method", "block", "--recompute-num-layers", "1"]),
@@ -281,6 +293,8 @@ def check_cases(framework, out, ranks, cases, reference):
             assert worst < 1e-5, (name, worst)
             table[name] = (table[name], worst)
         check_layout((out / f"{name}.log").read_text(), ranks, flags)
+        if name.endswith("-overlap"):  # the same bits as its twin without overlap
+            assert same_records(metrics, out / f"{name[:-len('-overlap')]}.jsonl"), name
         tp = tp_size(flags)
         pure_dp = tp == 1 and pp_size(flags) == 1 and cp_size(flags) == 1 and "--expert-model-parallel-size" not in flags
         if name in TRAFFIC or (ranks > 1 and pure_dp):  # the whole gradient reduced over DP
@@ -292,6 +306,13 @@ def check_cases(framework, out, ranks, cases, reference):
                 if framework == "pytorch" and op != "reduce_scatter":  # native on gloo: wire is payload
                     assert v["wire_bytes"] == v["bytes"], (name, op)
     print("parity (max relative loss difference; MoE: and first-step gradient difference):", table)
+
+
+def same_records(a, b) -> bool:
+    """Two runs' losses and gradient norms are the same bits, step by step."""
+    def read(path):
+        return [(r["iteration"], r["loss"], r["grad_norm"]) for r in map(json.loads, open(path)) if "loss" in r]
+    return read(a) == read(b) and len(read(a)) > 0
 
 
 def ranks_cases(ranks):
@@ -400,6 +421,7 @@ def four_ranks(corpus, data, two_ranks, null_corpus, hf_references, tmp_path_fac
 @pytest.mark.feature("stage-dpo")
 @pytest.mark.feature("stage-simpo")
 @pytest.mark.feature("stage-orm")
+@pytest.mark.feature("grad-reduce-overlap")
 def test_two_rank_layouts_equal_single_process(capsys, framework, corpus, two_ranks, reference,  # noqa: F811
                                                tmp_path):
     check_cases(framework, two_ranks / "out", 2, ranks_cases(2), reference)
@@ -434,6 +456,7 @@ def resume_in_one_process(capsys, corpus, folder, model, want, saved_layout, tmp
 @pytest.mark.feature("stage-dpo")
 @pytest.mark.feature("stage-prm")
 @pytest.mark.feature("dynamic-padding")
+@pytest.mark.feature("grad-reduce-overlap")
 def test_four_rank_layouts_equal_single_process(capsys, framework, data, four_ranks, reference, tmp_path):
     check_cases(framework, four_ranks / "out", 4, ranks_cases(4), reference)
     # the PP2 x DP2 DPO checkpoint goes on in one process, past the iterations it was saved for:

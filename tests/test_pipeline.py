@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from launch import run_configs as launch_configs
-from test_parallel import assert_same_curve
+from test_parallel import assert_same_curve, same_records
 from test_training import corpus, losses, train  # noqa: F401  (corpus is a fixture)
 
 from mindspeed_core.errors import MindSpeedError
@@ -156,7 +156,9 @@ SMALL4 = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "
           "--lr-decay-iters", "10"]
 MODELS = {"base": SMALL4 + ["--eval-iters", "2", "--eval-interval", "5", "--split", "90,10,0"],  # evaluation runs forward-only too
           "noop": SMALL4 + ["--noop-layers", "3"],
-          "tied": SMALL4 + ["--model-name", "tiny-gpt2", "--num-query-groups", "4"]}
+          "tied": SMALL4 + ["--model-name", "tiny-gpt2", "--num-query-groups", "4"],
+          # documents packed into samples: every stage needs their attention boundaries and positions
+          "packed": SMALL4 + ["--reset-attention-mask", "--reset-position-ids"]}
 ITERS = 10  # the single-process runs and resumes
 LAYOUT_ITERS = 6  # the pipelined launches: the first steps of the same schedule (--lr-decay-iters)
 PP = ["--pipeline-model-parallel-size"]
@@ -176,7 +178,11 @@ FOUR = [
     ("pp4", "base", PP + ["4", "--save", "{out}/ckpt-pp4", "--save-interval", "5"]),
     ("tp2-pp2-sp-tied-selective-norm", "tied", PP + ["2", "--tensor-model-parallel-size", "2", "--sequence-parallel",
                                                      "--recompute-activations", "--recompute-norm"]),
-    ("pp2-dp2-distopt", "base", PP + ["2", "--use-distributed-optimizer"]),
+    ("pp4-packed", "packed", PP + ["4"]),  # the middle stages too
+    ("pp2-dp2-distopt", "base", PP + ["2", "--use-distributed-optimizer", "--ddp-bucket-size", "3000"]),
+    # each chunk's buckets start reducing during its last backward: the same bits as pp2-dp2-distopt
+    ("pp2-dp2-distopt-overlap", "base", PP + ["2", "--use-distributed-optimizer", "--ddp-bucket-size", "3000",
+                                              "--overlap-grad-reduce"]),
     ("cp2-pp2", "base", PP + ["2", "--context-parallel-size", "2"]),  # ring attention between stages
 ]
 
@@ -296,12 +302,14 @@ def test_pipelines_on_two_ranks_equal_one_process(capsys, framework, corpus, sin
 @pytest.mark.feature("ring-attention-cp")
 @pytest.mark.feature("recompute")
 @pytest.mark.feature("norm-recompute")
+@pytest.mark.feature("grad-reduce-overlap")
 def test_pipelines_on_four_ranks_equal_one_process(capsys, framework, corpus, single, tmp_path):  # noqa: F811
     """PP4 (saving), TP2xPP2 with sequence parallelism and tied embeddings, PP2xDP2 with the
     distributed optimizer, CP2xPP2: one launch; the PP4 checkpoint continues on one process."""
     table = {}
     out = run_configs(framework, 4, FOUR, corpus, tmp_path)
     check_parity(out, FOUR, single, table)
+    assert same_records(out / "pp2-dp2-distopt-overlap.jsonl", out / "pp2-dp2-distopt.jsonl")
     text = resume_single(capsys, corpus, iteration_only(out / "ckpt-pp4", 5, tmp_path / "pp4-5"), "base", tmp_path,
                          single["base"]["losses"], 6)
     assert "PP=4" in text

@@ -163,6 +163,24 @@ class Function:
         return _FunctionCell(cls)(*args)
 
 
+class grad_hooks:
+    """While open, ``callback(k, grad)`` runs as backward computes params[k]'s gradient (its
+    total over every use, recomputed segments and vjp pullbacks included: measured on 2.10)."""
+
+    def __init__(self, params, callback):
+        self.params, self.callback, self.handles = list(params), callback, []
+
+    def __enter__(self):
+        for k, p in enumerate(self.params):
+            self.handles.append(p.register_hook(lambda g, k=k: self.callback(k, g)))
+        return self
+
+    def __exit__(self, *exc):
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+
 def no_grad():
     return ms._no_grad()
 

@@ -20,6 +20,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import communication as comm
 from mindspore import ops as P
+from mindspore.mint import distributed as mint_dist
 
 import contextlib
 
@@ -158,6 +159,33 @@ def _reduce(x, op: str, group):
     return _back(_emulated.all_reduce(ops.to_numpy(x), op, group), x)
 
 
+class _Work:
+    """An all-reduce under way (or done): ``wait()`` returns the sum."""
+
+    def __init__(self, out, handle=None):
+        self._out, self._handle = out, handle
+
+    def wait(self):
+        if self._handle is not None:
+            self._handle.wait()
+            self._handle = None
+        return self._out
+
+
+def all_reduce_async(x, group: Group | None = None):
+    """Start summing x over the group: mccl's asynchronous all-reduce (mint.distributed, on a
+    copy: it reduces in place) for float32/float16; other dtypes are summed at once (emulated)."""
+    if _alone(group):
+        return _Work(x.copy())
+    if x.dtype not in (ms.float32, ms.float16):
+        return _Work(all_reduce(x, group=group))
+    out = x.copy()
+    with _recording("all_reduce", _nbytes(x)):
+        _stats.add_wire(_nbytes(x))
+        handle = mint_dist.all_reduce(out, op="sum", group=_handle(group), async_op=True)
+    return _Work(out, handle)
+
+
 def all_gather(x, group: Group | None = None, dim: int = 0):
     if _alone(group):
         return x.copy()
@@ -232,5 +260,5 @@ def barrier(group: Group | None = None) -> None:
 def implementations() -> dict:
     kinds = {name: "emulated" for name in ("all_gather", "reduce_scatter", "all_to_all", "broadcast", "shift", "send",
                                            "recv", "barrier")}
-    kinds["all_reduce"] = "native"
+    kinds["all_reduce"] = kinds["all_reduce_async"] = "native"
     return kinds

@@ -32,6 +32,24 @@ def value_and_grad(fn, params, has_aux: bool = False):
     return run
 
 
+class grad_hooks:
+    """While open, ``callback(k, grad)`` runs as backward computes params[k]'s gradient (its
+    total over every use in that backward), before the gradient is returned."""
+
+    def __init__(self, params, callback):
+        self.params, self.callback, self.handles = list(params), callback, []
+
+    def __enter__(self):
+        for k, p in enumerate(self.params):
+            self.handles.append(p.register_hook(lambda g, k=k: self.callback(k, g)))
+        return self
+
+    def __exit__(self, *exc):
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+
 def compiled_value_and_grad(fn, params, module):
     """value_and_grad of ``torch.compile(fn)``: Inductor compiles the forward, AOTAutograd
     the backward. ``module`` is not needed on PyTorch (parameters are graph inputs)."""

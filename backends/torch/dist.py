@@ -137,6 +137,28 @@ def all_reduce(x, op: str = "sum", group: Group | None = None):
     return out
 
 
+class _Work:
+    """An all-reduce under way: ``wait()`` blocks until it is done and returns the sum."""
+
+    def __init__(self, out, work=None):
+        self._out, self._work = out, work
+
+    def wait(self):
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        return self._out
+
+
+def all_reduce_async(x, group: Group | None = None):
+    """Start summing x over the group (gloo and nccl run it on their own threads/streams)."""
+    out = x.clone()
+    if _alone(group):
+        return _Work(out)
+    _record("all_reduce", x)
+    return _Work(out, tdist.all_reduce(out, op=tdist.ReduceOp.SUM, group=_h(group), async_op=True))
+
+
 def all_gather(x, group: Group | None = None, dim: int = 0):
     """Concatenation along ``dim`` of every group member's x, in group-rank order."""
     if _alone(group):
@@ -230,8 +252,8 @@ def _native_reduce_scatter() -> bool:
 
 def implementations() -> dict:
     """native / emulated for each collective with the current process-group backend."""
-    kinds = {name: "native" for name in ("all_reduce", "all_gather", "all_to_all", "broadcast", "shift", "send", "recv",
-                                         "barrier")}
+    kinds = {name: "native" for name in ("all_reduce", "all_reduce_async", "all_gather", "all_to_all", "broadcast",
+                                         "shift", "send", "recv", "barrier")}
     gloo = (tdist.get_backend() if tdist.is_initialized() else "gloo") == "gloo"
     kinds["reduce_scatter"] = "emulated" if gloo else "native"
     return kinds

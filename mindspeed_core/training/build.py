@@ -68,9 +68,9 @@ def optimizer(named: list, train_plan, plan, ps, flags, saved=None):
     moment_dtype = "bfloat16" if flags.o2_optimizer else "float32"
     if flags.use_distributed_optimizer:
         opt = DistributedAdamW(*args, ps=ps, plan=train_plan, moment_dtype=moment_dtype,
-                               reuse_fp32_param=flags.reuse_fp32_param)
+                               reuse_fp32_param=flags.reuse_fp32_param, bucket_elements=flags.ddp_bucket_size)
     else:
-        opt = AdamW(*args, ps=ps, plan=train_plan, moment_dtype=moment_dtype)
+        opt = AdamW(*args, ps=ps, plan=train_plan, moment_dtype=moment_dtype, bucket_elements=flags.ddp_bucket_size)
     if saved is not None:
         arrays, steps = saved
         mine, specs, experts_here = {n for n, _ in named}, plan.shard_specs, plan.expert_names

@@ -7,6 +7,7 @@ so a checkpoint loads at any layout."""
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -16,25 +17,58 @@ from mindspeed_core.parallel.sharding import shard, unshard
 BUCKET_ELEMENTS = 4 * 2**20  # float32 elements per all-reduce (16 MiB), Megatron's order of size
 
 
-def _buckets(grads):
-    bucket, size = [], 0
-    for i, g in enumerate(grads):
+def by_size(indices: list[int], sizes: list[int], limit: int | None = None) -> list[tuple]:
+    """``indices`` in order, cut into runs of at least ``limit`` elements (the last may be
+    smaller): the buckets gradients are reduced in."""
+    limit = BUCKET_ELEMENTS if limit is None else limit
+    out, bucket, size = [], [], 0
+    for i in indices:
         bucket.append(i)
-        size += ops.numel(g)
-        if size >= BUCKET_ELEMENTS:
-            yield bucket
+        size += sizes[i]
+        if size >= limit:
+            out.append(tuple(bucket))
             bucket, size = [], 0
     if bucket:
-        yield bucket
+        out.append(tuple(bucket))
+    return out
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """Gradients reduced together: their positions in the gradient list, laid end to end
+    (cast to float32 for the distributed optimizer's flat vector, with ``pad`` zeros after
+    them), summed over ``group``; None: a group of one, nothing to sum."""
+
+    indices: tuple
+    group: object
+    pad: int = 0
+    float32: bool = False
+
+    def flat(self, grads):
+        pieces = [ops.reshape(ops.cast(grads[i], "float32") if self.float32 else grads[i], (-1,)) for i in self.indices]
+        return ops.cat(pieces + [ops.zeros((self.pad,))] if self.pad else pieces)
+
+    def reduce(self, grads):
+        """The summed flat vector, or None for a group of one."""
+        return None if self.group is None else dist.all_reduce(self.flat(grads), group=self.group)
 
 
 def _all_reduce_flat(grads, indices, group, scale):
-    flat = ops.cat([ops.reshape(grads[i], (-1,)) for i in indices])
-    flat = dist.all_reduce(flat, group=group)
+    bucket = Bucket(tuple(indices), group)
+    put_back(grads, bucket, bucket.reduce(grads), scale)
+
+
+def put_back(grads: list, bucket: Bucket, reduced, scale: float) -> None:
+    """Write a bucket's sum (``reduced``; None: nothing was summed), times ``scale``, over
+    its gradients in ``grads``."""
+    if reduced is None:
+        for i in bucket.indices:
+            grads[i] = grads[i] * scale
+        return
     if scale != 1.0:
-        flat = flat * scale
-    sizes = [ops.numel(grads[i]) for i in indices]
-    for i, piece in zip(indices, ops.split(flat, sizes)):
+        reduced = reduced * scale
+    sizes = [ops.numel(grads[i]) for i in bucket.indices]
+    for i, piece in zip(bucket.indices, ops.split(reduced, sizes)):
         grads[i] = ops.reshape(piece, tuple(grads[i].shape))
 
 
@@ -75,7 +109,7 @@ def sum_tied_embeddings(grads: list, plan, ps, tied: bool) -> list:
     return grads
 
 
-def average_over_dp(grads: list, ps, expert: list[bool] | None = None) -> list:
+def average_over_dp(grads: list, ps, expert: list[bool] | None = None, limit: int | None = None) -> list:
     """Average gradients over the data-parallel group (with context parallelism: the DP x CP
     ranks, which hold the same parameters), one all-reduce per bucket. ``expert`` marks
     expert weights cut over expert parallelism: their gradients already sum the tokens of
@@ -87,19 +121,34 @@ def average_over_dp(grads: list, ps, expert: list[bool] | None = None) -> list:
         return grads
     if ps.dp > 1:
         features.note_used("data-parallel")
-    expert = expert if expert is not None and ps.ep > 1 else [False] * len(grads)
-    dense = [i for i, e in enumerate(expert) if not e]
-    for bucket in _buckets([grads[i] for i in dense]):
-        _all_reduce_flat(grads, [dense[j] for j in bucket], ps.group("dp_cp"), 1.0 / n)
-    experts = [i for i, e in enumerate(expert) if e]
-    for bucket in _buckets([grads[i] for i in experts]):
-        indices = [experts[j] for j in bucket]
-        if ps.size("edp") > 1:
-            _all_reduce_flat(grads, indices, ps.group("edp"), 1.0 / n)
-        else:
-            for i in indices:
-                grads[i] = grads[i] * (1.0 / n)
+    for bucket in dp_buckets([ops.numel(g) for g in grads], ps, expert, limit):
+        put_back(grads, bucket, bucket.reduce(grads), 1.0 / n)
     return grads
+
+
+def dp_buckets(sizes: list[int], ps, expert: list[bool] | None = None, limit: int | None = None) -> list[Bucket]:
+    """The buckets average_over_dp reduces, dense gradients first (see there); none when the
+    data-parallel group has one rank."""
+    if ps.size("dp_cp") == 1:
+        return []
+    expert = expert if expert is not None and ps.ep > 1 else [False] * len(sizes)
+    dense = [i for i, e in enumerate(expert) if not e]
+    experts = [i for i, e in enumerate(expert) if e]
+    edp = ps.group("edp") if ps.size("edp") > 1 else None
+    return ([Bucket(b, ps.group("dp_cp")) for b in by_size(dense, sizes, limit)]
+            + [Bucket(b, edp) for b in by_size(experts, sizes, limit)])
+
+
+def summed_across_model_parallel(plan, ps, tied: bool) -> set:
+    """Positions of the gradients the step sums over model-parallel ranks before reducing them
+    over data-parallel ranks (sum_partial_over_tp, sum_kv_copies, sum_tied_embeddings)."""
+    out = set(plan.indices("partial")) if ps.tp > 1 else set()
+    if plan.kv is not None:
+        out |= set(plan.indices("kv_copies"))
+    if ps.pp > 1 and tied:
+        out |= {i for i, p in enumerate(plan.params)
+                if p.tied_copy or (p.name == TIED_EMBEDDING and ps.local_rank("pp") == 0)}
+    return out
 
 
 def sum_of_squares(x):

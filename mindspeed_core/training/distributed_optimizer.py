@@ -27,37 +27,49 @@ import numpy as np
 from mindspeed_core import autograd, dist, features, nn, ops
 from mindspeed_core.errors import CheckpointError
 from mindspeed_core.memory import reuse_fp32_param
-from mindspeed_core.training.distributed import over_pipeline, sum_of_squares
+from mindspeed_core.training.distributed import Bucket, by_size, over_pipeline, sum_of_squares
 from mindspeed_core.training.optimizer import adamw, moment_bytes, narrow, no_weight_decay, widen
 
 
 class _Partition:
-    """Some of the parameters, laid end to end in one flat float32 vector sharded over
-    ``group`` (``ranks`` ranks, this one the ``index``-th); gradients arrive summed over the
+    """Some of the parameters, laid end to end in buckets of a flat float32 vector, each bucket
+    padded to a multiple of ``ranks`` and sharded over ``group`` (``ranks`` ranks, this one the
+    ``index``-th owns the index-th slice of every bucket: Megatron's layout, so that each
+    bucket is reduce-scattered, and all-gathered, on its own); gradients arrive summed over the
     group and are multiplied by ``grad_scale``. With ``reuse_fp32_param`` the fp32 master
     slice is not stored: the parameters (bf16) are its high half, ``residual`` the rest."""
 
     def __init__(self, named, sharded, weights, weight_decay, group, ranks: int, index: int, grad_scale: float,
-                 moment_dtype: str = "float32", reuse_fp32_param: bool = False):
+                 moment_dtype: str = "float32", reuse_fp32_param: bool = False, bucket_elements: int | None = None):
         self.named, self.group, self.ranks, self.grad_scale = named, group, ranks, grad_scale
         self.sizes = [ops.numel(p) for _, p in named]
-        total = sum(self.sizes)
-        self.shard = -(-total // ranks)
-        self.padded = self.shard * ranks
-        self.start = index * self.shard
-        window = slice(self.start, self.start + self.shard)
+        self.runs = by_size(list(range(len(self.sizes))), self.sizes, bucket_elements)  # parameters per bucket
+        # per bucket: where it starts in the padded flat vector, its padded length, this rank's slice
+        self.bucket_starts, self.bucket_lengths, at = [], [], 0
+        self.offsets = [0] * len(self.sizes)  # each parameter's start in the padded flat vector
+        for run in self.runs:
+            self.bucket_starts.append(at)
+            for k in run:
+                self.offsets[k] = at
+                at += self.sizes[k]
+            length = -(-(at - self.bucket_starts[-1]) // ranks) * ranks
+            self.bucket_lengths.append(length)
+            at = self.bucket_starts[-1] + length
+        self.padded = at
+        self.slices = [(start + index * length // ranks, start + (index + 1) * length // ranks)
+                       for start, length in zip(self.bucket_starts, self.bucket_lengths)]
+        self.shard = self.padded // ranks
         decay = np.zeros(self.padded, np.float32)
         tp_sharded = np.zeros(self.padded, np.float32)
         counted = np.zeros(self.padded, np.float32)  # elements the global norm counts on this rank
-        offset = 0
-        for (name, p), is_sharded, size, w in zip(named, sharded, self.sizes, weights):
+        for (name, p), is_sharded, size, offset, w in zip(named, sharded, self.sizes, self.offsets, weights):
             decay[offset:offset + size] = 0.0 if no_weight_decay(name, p) else weight_decay
             tp_sharded[offset:offset + size] = 1.0 if is_sharded else 0.0
             counted[offset:offset + size] = 1.0 if w is None else np.asarray(w, np.float32).reshape(-1)
-            offset += size
-        self.decay = ops.tensor(decay[window])
-        self.tp_mask = ops.tensor(tp_sharded[window])
-        self.counted = ops.tensor(counted[window])
+        mine = np.concatenate([np.arange(lo, hi) for lo, hi in self.slices])
+        self.decay = ops.tensor(decay[mine])
+        self.tp_mask = ops.tensor(tp_sharded[mine])
+        self.counted = ops.tensor(counted[mine])
         self.residual = None  # set by keep_master under --reuse-fp32-param
         self.reuse_fp32_param = reuse_fp32_param
         self.keep_master(self.window([autograd.detach(p) for _, p in named]))
@@ -80,34 +92,62 @@ class _Partition:
         high = ops.cast(self.window([autograd.detach(p) for _, p in self.named]), "bfloat16")
         return reuse_fp32_param.join(high, self.residual)
 
-    def flatten(self, tensors):
-        flat = ops.cat([ops.reshape(ops.cast(t, "float32"), (-1,)) for t in tensors])
-        pad = self.padded - sum(self.sizes)
-        return ops.cat([flat, ops.zeros((pad,))]) if pad else flat
-
-    def window(self, tensors):
-        """This rank's slice of ``flatten(tensors)``, built from the pieces inside it: a tensor of
-        its own (a slice of the whole flat vector would keep all of it alive)."""
-        pieces, offset, end = [], 0, self.start + self.shard
-        for t, size in zip(tensors, self.sizes):
-            lo, hi = max(self.start, offset), min(end, offset + size)
-            if lo < hi:
-                pieces.append(ops.reshape(ops.cast(t, "float32"), (-1,))[lo - offset:hi - offset])
-            offset += size
-        pad = self.shard - sum(ops.numel(x) for x in pieces)
+    def _bucket_flat(self, tensors, b: int):
+        pieces = [ops.reshape(ops.cast(tensors[k], "float32"), (-1,)) for k in self.runs[b]]
+        pad = self.bucket_lengths[b] - sum(self.sizes[k] for k in self.runs[b])
         return ops.cat(pieces + ([ops.zeros((pad,))] if pad else []))
 
+    def window(self, tensors):
+        """This rank's slices of the flat vector of ``tensors``, built from the pieces inside them:
+        tensors of their own (a slice of the whole flat vector would keep all of it alive)."""
+        pieces = []
+        for (lo, hi), run in zip(self.slices, self.runs):
+            at = lo
+            for k in run:
+                a, b = max(lo, self.offsets[k]), min(hi, self.offsets[k] + self.sizes[k])
+                if a < b:
+                    pieces.append(ops.reshape(ops.cast(tensors[k], "float32"), (-1,))[a - self.offsets[k]:b - self.offsets[k]])
+                    at = b
+            if at < hi:  # the bucket's padding
+                pieces.append(ops.zeros((hi - at,)))
+        return ops.cat(pieces)
+
     def unflatten(self, flat) -> list:
-        pieces = ops.split(flat[: sum(self.sizes)], self.sizes)
-        return [ops.reshape(x, tuple(p.shape)) for x, (_, p) in zip(pieces, self.named)]
+        """The parameters' tensors from the whole (gathered) flat vector."""
+        return [ops.reshape(flat[o:o + size], tuple(p.shape)) for o, size, (_, p) in zip(self.offsets, self.sizes,
+                                                                                         self.named)]
 
     def gather(self, part):
-        return dist.all_gather(part, group=self.group) if self.ranks > 1 else part
+        """The whole flat vector from every rank's slices (``part``: this rank's)."""
+        if self.ranks == 1:
+            return part
+        mine = ops.split(part, [hi - lo for lo, hi in self.slices])
+        whole = [dist.all_gather(x, group=self.group) for x in mine]
+        return ops.cat(whole) if len(whole) > 1 else whole[0]
 
-    def reduce(self, grads):
-        flat = self.flatten(grads)
-        if self.ranks > 1:
-            flat = dist.reduce_scatter(flat, group=self.group)
+    def buckets(self, positions: list[int]) -> list[Bucket]:
+        """The buckets for a reduction overlapped with backward; ``positions``: these parameters'
+        places in the step's gradient list."""
+        group = self.group if self.ranks > 1 else None
+        return [Bucket(tuple(positions[k] for k in run), group, length - sum(self.sizes[k] for k in run), float32=True)
+                for run, length in zip(self.runs, self.bucket_lengths)]
+
+    def reduce(self, grads, reduced: list | None = None):
+        """This rank's slices of the summed gradient, times grad_scale: each bucket
+        reduce-scattered. ``reduced``: each bucket's whole sum, already made (overlap); the slice
+        is then cut from it, as a reduce-scatter is an all-reduce and a slice where the
+        collectives have no reduce-scatter (gloo, MindSpore's CPU): the same values."""
+        if self.ranks == 1:
+            flat = self.window(grads)
+        else:
+            parts = []
+            for b, (lo, hi) in enumerate(self.slices):
+                if reduced is not None:
+                    start = lo - self.bucket_starts[b]
+                    parts.append(reduced[b][start:start + hi - lo])
+                else:
+                    parts.append(dist.reduce_scatter(self._bucket_flat(grads, b), group=self.group))
+            flat = ops.cat(parts) if len(parts) > 1 else parts[0]
         return flat * self.grad_scale if self.grad_scale != 1.0 else flat
 
     def norm_parts(self, g):
@@ -121,8 +161,9 @@ class _Partition:
 
 class DistributedAdamW:
     def __init__(self, named_params, lr: float, weight_decay: float, betas, eps: float, ps, plan,
-                 moment_dtype: str = "float32", reuse_fp32_param: bool = False):
+                 moment_dtype: str = "float32", reuse_fp32_param: bool = False, bucket_elements: int | None = None):
         named_params = list(named_params)
+        self.bucket_elements = bucket_elements
         trainable = [i for i, (_, p) in enumerate(named_params) if nn.requires_grad(p)]
         sharded, expert = plan.sharded(), plan.flags("expert") if ps.ep > 1 else [False] * len(named_params)
         weights = plan.norm_weights([p.shape for _, p in named_params]) or [None] * len(named_params)
@@ -143,14 +184,26 @@ class DistributedAdamW:
             self.partitions.append(_Partition(
                 [self.named[k] for k in mine], [sharded[trainable[k]] for k in mine],
                 [weights[trainable[k]] for k in mine], weight_decay, ps.group(kind), ps.size(kind),
-                ps.local_rank(kind), 1.0 / ps.size("dp_cp"), moment_dtype, reuse_fp32_param))
+                ps.local_rank(kind), 1.0 / ps.size("dp_cp"), moment_dtype, reuse_fp32_param, bucket_elements))
 
     # -- the trainer's interface -------------------------------------------------------------
-    def prepare(self, grads) -> list:
-        """Per partition, this rank's slice of the averaged gradient."""
+    def buckets(self) -> list[Bucket]:
+        """Each partition's buckets, in order (see _Partition.buckets)."""
+        return [b for part, mine in zip(self.partitions, self.members) for b in part.buckets(mine)]
+
+    def prepare(self, grads, reduced: list | None = None) -> list:
+        """Per partition, this rank's slice of the averaged gradient; ``reduced``: the sums of
+        buckets() already made (overlapped with backward: training/overlap.py)."""
         if self.ps.dp > 1:
             features.note_used("data-parallel")
-        return [part.reduce([grads[k] for k in mine]) for part, mine in zip(self.partitions, self.members)]
+        if reduced is None:
+            return [part.reduce([grads[k] for k in mine]) for part, mine in zip(self.partitions, self.members)]
+        out, at = [], 0
+        for part, mine in zip(self.partitions, self.members):
+            count = len(part.runs)
+            out.append(part.reduce([grads[k] for k in mine], reduced[at:at + count]))
+            at += count
+        return out
 
     def grad_norm(self, g) -> float:
         sums = [part.norm_parts(x) for part, x in zip(self.partitions, g)]

@@ -46,11 +46,12 @@ class AdamW:
     optimizer shards the same work (training/distributed_optimizer.py)."""
 
     def __init__(self, named_params, lr: float, weight_decay: float = 0.0, betas=(0.9, 0.999), eps: float = 1e-8,
-                 ps=None, plan=None, moment_dtype: str = "float32"):
+                 ps=None, plan=None, moment_dtype: str = "float32", bucket_elements: int | None = None):
         """``plan``: the parallel plan of these parameters (which are sharded over TP, which
         elements the global norm counts); None on one process. ``moment_dtype``: bfloat16 for
         MindSpeed's O2 optimizer (--o2-optimizer): the moments are kept in bf16 and widened
-        to fp32 for each update."""
+        to fp32 for each update. ``bucket_elements``: --ddp-bucket-size."""
+        self.bucket_elements = bucket_elements
         self.named = [(n, p) for n, p in named_params if nn.requires_grad(p)]
         self.ps = ps
         self.sharded = plan.sharded() if plan is not None else [False] * len(self.named)
@@ -72,8 +73,23 @@ class AdamW:
     def params(self):
         return [p for _, p in self.named]
 
-    def prepare(self, grads) -> list:
-        return distributed.average_over_dp(grads, self.ps, self.expert) if self.ps is not None else list(grads)
+    def buckets(self) -> list:
+        """The buckets prepare reduces the gradients in (distributed.dp_buckets)."""
+        if self.ps is None:
+            return []
+        return distributed.dp_buckets([ops.numel(p) for p in self.params], self.ps, self.expert, self.bucket_elements)
+
+    def prepare(self, grads, reduced: list | None = None) -> list:
+        """The gradients averaged over data-parallel ranks; ``reduced``: the sums of buckets()
+        already made (overlapped with backward: training/overlap.py)."""
+        if self.ps is None:
+            return list(grads)
+        if reduced is None:
+            return distributed.average_over_dp(grads, self.ps, self.expert, self.bucket_elements)
+        grads = list(grads)
+        for bucket, total in zip(self.buckets(), reduced):
+            distributed.put_back(grads, bucket, total, 1.0 / self.ps.size("dp_cp"))
+        return grads
 
     def grad_norm(self, grads) -> float:
         if self.ps is None:

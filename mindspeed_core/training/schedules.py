@@ -15,19 +15,58 @@ from typing import Callable
 from mindspeed_core import autograd, features, ops
 
 
-def forward_backward_no_pipelining(grad_fn, micro_batches, scale: float = 1.0,
-                                   float32_grads: bool = False) -> tuple[float, list]:
+class FinalGradients:
+    """Hands each parameter's final gradient of a step to ``on_final(position, gradient)`` while
+    the backward of the step's last micro-batch computes it (``params``: the gradient
+    function's parameters, ``offset``: the position of the first in the step's gradient list).
+    The value is what the schedule ends with, by the same operations in the same order: the
+    earlier micro-batches' sum ``accumulated`` plus this one, then divided as the schedule
+    divides (``divide``: True for the pipeline's division, False for the multiply)."""
+
+    def __init__(self, on_final, params, offset: int, accumulated, count: int, scale: float, float32_grads: bool,
+                 divide: bool):
+        self.on_final, self.params, self.offset, self.accumulated = on_final, params, offset, accumulated
+        self.count, self.scale, self.float32_grads, self.divide = count, scale, float32_grads, divide
+
+    def _hook(self, k: int, g) -> None:
+        if self.float32_grads:
+            g = ops.cast(g, "float32")
+        if self.accumulated is not None:
+            g = self.accumulated[k] + g
+        if self.count > 1 or self.scale != 1.0:
+            g = g / (self.count * self.scale) if self.divide else g * (1.0 / (self.count * self.scale))
+        self.on_final(self.offset + k, g)
+
+    def __enter__(self):
+        self._hooks = autograd.grad_hooks(self.params, self._hook)
+        return self._hooks.__enter__()
+
+    def __exit__(self, *exc):
+        return self._hooks.__exit__(*exc)
+
+
+def forward_backward_no_pipelining(grad_fn, micro_batches, scale: float = 1.0, float32_grads: bool = False,
+                                   on_final=None, params=None, count: int | None = None) -> tuple[float, list]:
     """Each micro-batch's forward and backward in turn, the gradients summed as they come.
-    ``float32_grads``: low-precision gradients are accumulated in float32."""
-    total_loss, grads, count = 0.0, None, 0
+    ``float32_grads``: low-precision gradients are accumulated in float32. ``on_final``: called
+    with each final gradient during the last of the ``count`` micro-batches' backward
+    (FinalGradients; ``params``: grad_fn's parameters)."""
+    total_loss, grads, count_seen = 0.0, None, 0
     for batch in micro_batches:  # (ids, labels) or (ids, labels, tokens)
-        loss, g = grad_fn(*batch)
+        if on_final is not None and count_seen == count - 1:
+            with FinalGradients(on_final, params, 0, grads, count, scale, float32_grads, divide=False):
+                loss, g = grad_fn(*batch)
+        else:
+            loss, g = grad_fn(*batch)
         total_loss += float(ops.to_numpy(loss)) / scale
         g = [ops.cast(x, "float32") for x in g] if float32_grads else g
         grads = g if grads is None else [a + b for a, b in zip(grads, g)]
-        count += 1
-    if count == 0:
+        count_seen += 1
+    if count_seen == 0:
         raise ValueError("a step needs at least one micro-batch")
+    if on_final is not None and count_seen != count:  # a caller's bug: the hooks ran at the wrong one
+        raise ValueError(f"the step had {count_seen} micro-batches, not the {count} announced")
+    count = count_seen
     if count > 1 or scale != 1.0:
         grads = [g * (1.0 / (count * scale)) for g in grads]  # a multiply: MindSpore's CPU Div is ~20x slower
     return total_loss / count, grads
@@ -152,7 +191,7 @@ def _interleaved_forwards(program: list) -> set:
 
 def forward_backward_pipelining(stage: PipelineStage, program: list, micro_batches, scale: float = 1.0,
                                 float32_grads: bool = False, forward_only: bool = False,
-                                timeline: list | None = None) -> tuple[float, list]:
+                                timeline: list | None = None, on_final=None) -> tuple[float, list]:
     """Run this rank's part of a pipeline program (pipeline_program()[stage.rank]).
 
     Returns the mean unscaled loss over the micro-batches (0.0 on ranks without the last
@@ -160,7 +199,9 @@ def forward_backward_pipelining(stage: PipelineStage, program: list, micro_batch
     chunk's parameters, chunk after chunk ([] when forward_only). The loss of a micro-batch
     is normalised as without pipelining: the step's loss is the mean of the micro-batches'.
     ``timeline``: when a list, gets (F|B, start, end) per compute action and ("step", start,
-    end) for the whole program, in time.perf_counter seconds (benchmarks/bench_pipeline.py)."""
+    end) for the whole program, in time.perf_counter seconds (benchmarks/bench_pipeline.py).
+    ``on_final``: called with each final gradient (its position in the returned list) during
+    the backward of each chunk's last micro-batch (FinalGradients)."""
     features.note_used("pipeline-parallel")
     if stage.chunks > 1:
         features.note_used("virtual-pipeline")
@@ -170,6 +211,8 @@ def forward_backward_pipelining(stage: PipelineStage, program: list, micro_batch
     inbox, outbox, pending = {}, {}, {}
     grads = [None] * stage.chunks
     total_loss = 0.0
+    last_backward = {instruction[1]: instruction[2] for instruction in program if instruction[0] == BACKWARD}
+    offsets = [sum(len(p) for p in stage.params[:chunk]) for chunk in range(stage.chunks)]
     began = time.perf_counter()
     for instruction in program:
         kind = instruction[0]
@@ -207,7 +250,12 @@ def forward_backward_pipelining(stage: PipelineStage, program: list, micro_batch
         # backward: the loss's own cotangent is one (it is already scaled), else the gradient
         # the next stage sent back
         cotangent = ops.ones(()) if virtual == last else inbox.pop(("gradient", virtual, mb))
-        input_grads, param_grads = pending.pop((chunk, mb))(cotangent)
+        if on_final is not None and last_backward[chunk] == mb:
+            with FinalGradients(on_final, stage.params[chunk], offsets[chunk], grads[chunk], len(batches), scale,
+                                float32_grads, divide=True):
+                input_grads, param_grads = pending.pop((chunk, mb))(cotangent)
+        else:
+            input_grads, param_grads = pending.pop((chunk, mb))(cotangent)
         if virtual > 0:
             outbox["gradient", virtual - 1, mb] = input_grads[0]
         if float32_grads:

@@ -30,7 +30,7 @@ from mindspeed_core.models.moe import with_router_losses
 from mindspeed_core.parallel import state as parallel_state
 from mindspeed_core.progress import Progress
 from mindspeed_core.training import (alignment, batches, boards, build, checkpoint, compiled, configuration,
-                                     distributed, profiling, resume, routing, sample, schedules)
+                                     distributed, overlap, profiling, resume, routing, sample, schedules)
 from mindspeed_core.training.loss_scale import LossScaler
 from mindspeed_core.training.metrics import MetricsLog
 from mindspeed_core.training.optimizer import learning_rate
@@ -70,7 +70,7 @@ class Trainer:
         self.layout = configuration.pipeline_layout(args, self.cfg)
         self.model_spec = registry.for_config(self.cfg)
         self.sampler = PretrainingSampler(args.global_batch_size, args.micro_batch_size, self.ps.dp,
-                                          self.ps.local_rank("dp"), self.ps.pp, self.ps.local_rank("pp"))
+                                          self.ps.local_rank("dp"))
         self.grad_accum = self.sampler.micro_batches_per_step
         self.tokens_per_step = args.global_batch_size * args.seq_length
         self.timeline = None  # a list to receive the pipeline schedule's timings (benchmarks)
@@ -121,6 +121,10 @@ class Trainer:
         keep = saved_optimizer is not None and saved_optimizer[0] and not args.no_load_optim
         self.optimizer = build.optimizer(list(zip(self.train_names, self.train_params)), self.train_plan,
                                          self.plan, ps, args, saved_optimizer if keep else None)
+        self.overlap = None  # --overlap-grad-reduce: the optimizer's buckets reduced during backward
+        if args.overlap_grad_reduce and ps.size("dp_cp") > 1:
+            self.overlap = overlap.OverlappedReduction(self.optimizer.buckets(), distributed.summed_across_model_parallel(
+                self.train_plan, ps, self.cfg.tied_output))
         self.forward_backward, self.forward_only = self._schedule(chunk_params)
 
     def _schedule(self, chunk_params: list):
@@ -136,9 +140,12 @@ class Trainer:
                 self.grad_fn = compiled.CheckedCompiledStep(self.model, self.train_params, self.train_names,
                                                             self.grad_fn, self.scaler, self.dtype, ps.tp > 1, self.say)
 
+            hooks = {} if self.overlap is None else dict(on_final=self.overlap.final, params=self.train_params,
+                                                         count=self.grad_accum)
+
             def forward_backward(micro_batches):
                 return schedules.forward_backward_no_pipelining(self.grad_fn, micro_batches, self.scaler.scale,
-                                                                float32_grads=float32_grads)
+                                                                float32_grads=float32_grads, **hooks)
 
             def forward_only(micro_batches):
                 with autograd.no_grad():
@@ -150,15 +157,18 @@ class Trainer:
         sequence_shards = self.chunks[0].sequence_multiple
         me = ps.coords(ps.rank)
 
+        def hidden(ids):
+            """The hidden states' shape of a micro-batch, from its token ids (a pair's two
+            conversations travel together; dynamic padding makes each as wide as its samples)."""
+            return ids.shape[0], ids.shape[1] // sequence_shards, self.cfg.hidden_size
+
         def peer(pp_rank):
             return ps.rank_of(tp=me["tp"], cp=me["cp"], dp=me["dp"], pp=pp_rank)
 
         def stage(forward):
             return schedules.PipelineStage(ps.pp, ps.local_rank("pp"), self.layout.chunks, forward, chunk_params,
                                            send=lambda x, to: dist.send(x, peer(to)),
-                                           recv=lambda src, ids: dist.recv(
-                                               (ids.shape[0], ids.shape[1] // sequence_shards, self.cfg.hidden_size),
-                                               self.dtype, peer(src)))
+                                           recv=lambda src, ids: dist.recv(hidden(ids), self.dtype, peer(src)))
 
         train_stage = stage(self._stage_forward)
         eval_stage = stage(functools.partial(self._stage_forward, scaled=False))
@@ -169,7 +179,8 @@ class Trainer:
 
         def forward_backward(micro_batches):
             loss, grads = schedules.forward_backward_pipelining(train_stage, program, micro_batches, self.scaler.scale,
-                                                                float32_grads=float32_grads, timeline=self.timeline)
+                                                                float32_grads=float32_grads, timeline=self.timeline,
+                                                                on_final=self.overlap and self.overlap.final)
             return distributed.over_pipeline(loss, ps), grads  # the last stage's loss; zero elsewhere
 
         def forward_only(micro_batches):
@@ -238,8 +249,7 @@ class Trainer:
         """The step's mean loss (on every rank) and this rank's gradients, complete as the
         parallel plan asks but not yet reduced over data-parallel ranks."""
         args = self.flags
-        micro_batches = (self.batches.micro_batch("train", start, args.micro_batch_size) if self.sampler.reads_data
-                         else (None, None, None)
+        micro_batches = (self.batches.micro_batch("train", start, args.micro_batch_size)
                          for start in self.sampler.micro_batch_starts(iteration))
         loss, grads = self.forward_backward(micro_batches)
         plan = self.train_plan
@@ -260,7 +270,7 @@ class Trainer:
         t0 = time.perf_counter()
         loss, grads = self.gradients(iteration)
         t1 = time.perf_counter()
-        grads = self.optimizer.prepare(grads)
+        grads = self.optimizer.prepare(grads, self.overlap.finish(grads) if self.overlap is not None else None)
         n = self.ps.size("dp_cp")  # CP ranks' losses are means over equal shares of each sequence
         if n > 1:
             loss = float(ops.to_numpy(dist.all_reduce(ops.tensor([loss]), group=self.ps.group("dp_cp")))[0]) / n
@@ -290,8 +300,7 @@ class Trainer:
     def evaluate(self) -> float:
         args = self.flags
         mbs = args.micro_batch_size
-        micro_batches = [self.batches.micro_batch("valid", k * mbs, mbs) if self.sampler.reads_data
-                         else (None, None, None) for k in range(args.eval_iters)]
+        micro_batches = [self.batches.micro_batch("valid", k * mbs, mbs) for k in range(args.eval_iters)]
         for chunk in self.chunks:
             nn.set_training(chunk, False)  # no dropout
         try:
