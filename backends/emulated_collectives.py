@@ -87,9 +87,19 @@ class EmulatedCollectives:
         raise ValueError(f"all_reduce does not support dtype {arr.dtype}")
 
     def all_gather_stack(self, arr: np.ndarray, group) -> np.ndarray:
-        n = self._size(group)
-        slots = self._exchange(n, self._rank(group), arr, group)
-        return np.stack([self._unlanes(slots[i], arr.dtype, arr.shape) for i in range(n)])
+        return self.gathered(self._sum(self.gather_slots(arr, group), group), arr.dtype, arr.shape)
+
+    def gather_slots(self, arr: np.ndarray, group) -> np.ndarray:
+        """What an all-gather sums: this rank's bytes in its own slot, zeros elsewhere (the
+        caller may run the sum asynchronously)."""
+        lanes = self._lanes(arr)
+        buf = np.zeros((self._size(group), lanes.size), np.float32)
+        buf[self._rank(group)] = lanes
+        return buf
+
+    def gathered(self, summed: np.ndarray, dtype, shape) -> np.ndarray:
+        """Every rank's array, stacked, from the summed slots."""
+        return np.stack([self._unlanes(summed[i], dtype, shape) for i in range(summed.shape[0])])
 
     def broadcast(self, arr: np.ndarray, src_group_rank: int, group) -> np.ndarray:
         mine = 0 if self._rank(group) == src_group_rank else -1

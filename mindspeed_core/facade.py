@@ -131,6 +131,8 @@ SPEC = {
         "set_requires_grad": "set_requires_grad(param, flag): freeze or unfreeze",
         "set_training": "set_training(module, mode=True): train / eval mode",
         "is_training": "is_training(module) -> bool",
+        "forward_pre_hook": ("forward_pre_hook(module, fn) -> handle: fn(module) runs before each call of the "
+                             "module's forward (in eager mode; a compiled step does not run it); handle.remove()"),
         "assign": "assign(param, value): copy a numpy array or tensor of the parameter's shape into it, keeping the parameter's dtype; ValueError on another shape",
         "cast_parameters": "cast_parameters(module, dtype): every parameter to dtype, in place (mixed precision)",
         "state_dict": "state_dict(module) -> {dotted name: numpy array}",
@@ -188,6 +190,9 @@ SPEC = {
                              "at once; work.wait() blocks until done and returns the sum (a new tensor; x unchanged). "
                              "Framework: gloo/nccl work handles on PyTorch; mccl's async all-reduce on MindSpore for "
                              "float32/float16, other dtypes summed before it returns"),
+        "all_gather_async": ("all_gather_async(x, group=None) -> work: start gathering; work.wait() returns the "
+                             "members' x concatenated along dim 0. Framework: a gloo/nccl work handle on PyTorch; "
+                             "on MindSpore the emulated gather's exchange on mccl's asynchronous all-reduce"),
         "all_gather": "all_gather(x, group=None, dim=0) -> members' x (all of x's shape) concatenated along dim, in group-rank order",
         "reduce_scatter": ("reduce_scatter(x, op='sum', group=None, dim=0) -> this rank's 1/n slice along dim of the "
                            "reduction; x.shape[dim] must divide by the group size"),

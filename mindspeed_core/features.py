@@ -135,6 +135,8 @@ _DYNAMIC_PADDING = ("fine-tuning micro-batches padded to their longest sample, r
                     "(and CP/SP's cut); the same loss, pipeline stages pass each micro-batch's own width")
 _OVERLAP = ("each bucket of gradients starts its data-parallel sum ({}) as backward completes it, from a gradient "
             "hook; the same buckets and results as without overlap")
+_PARAM_GATHER = ("the distributed optimizer's updated buckets gathered ({}) while the step ends and the next "
+                 "begins; each module waits for its own bucket before its forward; the same results")
 _SAME_RING = "the ring's send/receive and its block's attention run one after the other (same results)"
 _DIST_CKPT = "checkpoints here are iter_*/ folders of safetensors (mindspeed convert writes Megatron's .pt layout)"
 _ETP = "the experts' tensor parallelism is the model's (--tensor-model-parallel-size)"
@@ -356,7 +358,9 @@ FEATURES: tuple[Feature, ...] = (
             supported(_OVERLAP.format("gloo's / nccl's asynchronous all-reduce")),
             supported(_OVERLAP.format("mccl's asynchronous all-reduce (mint.distributed)")), _on("overlap_grad_reduce")),
     Feature("param-gather-overlap", "Overlap parameter all-gather with forward", "communication",
-            ("--overlap-param-gather",), planned(), planned(), _on("overlap_param_gather")),
+            ("--overlap-param-gather",), supported(_PARAM_GATHER.format("gloo's / nccl's asynchronous all-gather")),
+            supported(_PARAM_GATHER.format("the emulated gather on mccl's asynchronous all-reduce")),
+            _on("overlap_param_gather")),
     Feature("mc2", "MC2: matmul fused with all-gather / reduce-scatter", "communication", ("--use-ascend-mc2",),
             planned(_NPU_ONLY, cpu=unsupported(_NPU_ONLY), cuda=unsupported(_NPU_ONLY)),
             unsupported("MC2 kernels are only reachable from torch_npu", instead="plain tensor parallel"),

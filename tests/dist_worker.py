@@ -75,6 +75,10 @@ def check_all_gather(group, tag):
         for dim in (0, 1):
             expect(f"{tag} all_gather {dtype} dim{dim}", dist.all_gather(x, group, dim=dim),
                    np.concatenate([arrays[r] for r in members], axis=dim))
+        work = dist.all_gather_async(x, group)  # waited for after another collective started and ended
+        expect(f"{tag} all_gather_async meanwhile {dtype}", dist.all_gather(x, group), np.concatenate(
+            [arrays[r] for r in members]))
+        expect(f"{tag} all_gather_async {dtype}", work.wait(), np.concatenate([arrays[r] for r in members]))
 
 
 def check_reduce_scatter(group, tag):
@@ -180,7 +184,8 @@ def main(out_dir):
     run("send/recv", check_send_recv)
     run("comm stats", check_comm_stats)
     outsider = [g for g in groups if R not in g.ranks][0]
-    for name in ("all_reduce", "all_reduce_async", "all_gather", "reduce_scatter", "all_to_all", "shift", "broadcast"):
+    for name in ("all_reduce", "all_reduce_async", "all_gather", "all_gather_async", "reduce_scatter", "all_to_all",
+                 "shift", "broadcast"):
         checks.append(f"{name} refuses a non-member")
         try:
             fn = getattr(dist, name)

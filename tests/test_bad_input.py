@@ -76,6 +76,8 @@ CASES = [
                           ("micro-batch-size", "0"), ("seq-length", "0"), ("tensor-model-parallel-size", "0"),
                           ("adam-beta2", "1"), ("clip-grad", "-1"))],
     ("train-unknown-flag", lambda t, c: ["train", *SMALL, "--data-path", c, "--no-such-flag"], "unrecognized"),
+    ("train-param-gather-without-distopt", lambda t, c: ["train", *SMALL, "--data-path", c, "--overlap-param-gather"],
+     "add --use-distributed-optimizer"),
     ("train-blend-nan", lambda t, c: ["train", *SMALL, "--data-path", "nan", c, "1", c], "must be a positive number"),
     ("train-blend-inf", lambda t, c: ["train", *SMALL, "--data-path", "inf", c, "1", c], "must be a positive number"),
     ("train-split-negative", lambda t, c: ["train", *SMALL, "--data-path", c, "--split", "100,-10,10"],

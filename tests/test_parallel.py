@@ -172,8 +172,9 @@ CASES = [  # (id, ranks, model, flags): the cases of each rank count share one l
     ("tp2", 2, "gqa", ["--tensor-model-parallel-size", "2", "--save", "{tmp}/tp2-ckpt"]),
     ("tp2-sp", 2, "gqa", ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
     ("dp2", 2, "gqa", []),
-    # --overlap-grad-reduce: each case with "-overlap" must give its twin's curve and grad norms
-    # bit for bit; small buckets, so that several start during backward
+    # --overlap-grad-reduce (and with the distributed optimizer --overlap-param-gather): each case
+    # with "-overlap" must give its twin's curve and grad norms bit for bit; small buckets, so
+    # that several start during backward and several are waited for by their layers' forward
     ("dp2-buckets", 2, "gqa", ["--ddp-bucket-size", "3000"]),
     ("dp2-buckets-overlap", 2, "gqa", ["--ddp-bucket-size", "3000", "--overlap-grad-reduce"]),
     ("sft-tp2-sp", 2, "sft", ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
@@ -198,7 +199,7 @@ CASES = [  # (id, ranks, model, flags): the cases of each rank count share one l
     ("tp2-dp2-sp-distopt-recompute-full-norm-overlap", 4, "gqa", [
         "--tensor-model-parallel-size", "2", "--sequence-parallel", "--use-distributed-optimizer",
         "--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1",
-        "--recompute-norm", "--ddp-bucket-size", "3000", "--overlap-grad-reduce"]),
+        "--recompute-norm", "--ddp-bucket-size", "3000", "--overlap-grad-reduce", "--overlap-param-gather"]),
     ("moe-dp2", 2, "moe", []),  # the routers' aux losses averaged as the loss is
     ("tp2-dp2", 4, "gqa", ["--tensor-model-parallel-size", "2"]),
     # expert parallelism: each dispatcher at EP2 and EP4, with TP2 + SP, with the distributed
@@ -215,7 +216,7 @@ CASES = [  # (id, ranks, model, flags): the cases of each rank count share one l
                                        "--moe-token-dispatcher-type", "alltoall", "--ddp-bucket-size", "3000"]),
     ("moe-ep2-dp4-distopt-overlap", 4, "moe", ["--expert-model-parallel-size", "2", "--use-distributed-optimizer",
                                                "--moe-token-dispatcher-type", "alltoall", "--ddp-bucket-size", "3000",
-                                               "--overlap-grad-reduce"]),
+                                               "--overlap-grad-reduce", "--overlap-param-gather"]),
     ("moe-ep2-pp2-recompute-block", 4, "moe", ["--expert-model-parallel-size", "2", "--pipeline-model-parallel-size",
                                                "2", "--moe-token-dispatcher-type", "alltoall", "--recompute-granularity",
                                                "full", "--recompute-method", "block", "--recompute-num-layers", "1"]),
@@ -457,6 +458,7 @@ def resume_in_one_process(capsys, corpus, folder, model, want, saved_layout, tmp
 @pytest.mark.feature("stage-prm")
 @pytest.mark.feature("dynamic-padding")
 @pytest.mark.feature("grad-reduce-overlap")
+@pytest.mark.feature("param-gather-overlap")
 def test_four_rank_layouts_equal_single_process(capsys, framework, data, four_ranks, reference, tmp_path):
     check_cases(framework, four_ranks / "out", 4, ranks_cases(4), reference)
     # the PP2 x DP2 DPO checkpoint goes on in one process, past the iterations it was saved for:

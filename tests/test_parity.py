@@ -6,12 +6,10 @@ framework in a subprocess, so both directions are covered across the two CI pass
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 
-import pytest
 
 from test_training import SMALL, corpus, losses, train  # noqa: F401  (corpus is a fixture)
 

@@ -182,7 +182,7 @@ FOUR = [
     ("pp2-dp2-distopt", "base", PP + ["2", "--use-distributed-optimizer", "--ddp-bucket-size", "3000"]),
     # each chunk's buckets start reducing during its last backward: the same bits as pp2-dp2-distopt
     ("pp2-dp2-distopt-overlap", "base", PP + ["2", "--use-distributed-optimizer", "--ddp-bucket-size", "3000",
-                                              "--overlap-grad-reduce"]),
+                                              "--overlap-grad-reduce", "--overlap-param-gather"]),
     ("cp2-pp2", "base", PP + ["2", "--context-parallel-size", "2"]),  # ring attention between stages
 ]
 
@@ -303,6 +303,7 @@ def test_pipelines_on_two_ranks_equal_one_process(capsys, framework, corpus, sin
 @pytest.mark.feature("recompute")
 @pytest.mark.feature("norm-recompute")
 @pytest.mark.feature("grad-reduce-overlap")
+@pytest.mark.feature("param-gather-overlap")
 def test_pipelines_on_four_ranks_equal_one_process(capsys, framework, corpus, single, tmp_path):  # noqa: F811
     """PP4 (saving), TP2xPP2 with sequence parallelism and tied embeddings, PP2xDP2 with the
     distributed optimizer, CP2xPP2: one launch; the PP4 checkpoint continues on one process."""

@@ -302,7 +302,7 @@ def test_null_tokenizer_matches_megatron_core_and_trains(capsys, tmp_path):
 
 
 def test_gpt2_bpe_tokenizer_matches_transformers(tmp_path):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     from transformers import GPT2Tokenizer
 
     from mindspeed_core.data.tokenizer import build_tokenizer

@@ -160,15 +160,18 @@ def _reduce(x, op: str, group):
 
 
 class _Work:
-    """An all-reduce under way (or done): ``wait()`` returns the sum."""
+    """A collective under way (or done): ``wait()`` returns its result (``finish`` of what it
+    wrote, if given)."""
 
-    def __init__(self, out, handle=None):
-        self._out, self._handle = out, handle
+    def __init__(self, out, handle=None, finish=None):
+        self._out, self._handle, self._finish = out, handle, finish
 
     def wait(self):
         if self._handle is not None:
             self._handle.wait()
             self._handle = None
+            if self._finish is not None:
+                self._out, self._finish = self._finish(self._out), None
         return self._out
 
 
@@ -184,6 +187,20 @@ def all_reduce_async(x, group: Group | None = None):
         _stats.add_wire(_nbytes(x))
         handle = mint_dist.all_reduce(out, op="sum", group=_handle(group), async_op=True)
     return _Work(out, handle)
+
+
+def all_gather_async(x, group: Group | None = None):
+    """Start gathering every member's x: the emulated gather's exact exchange (each rank's
+    bytes in its own slot of a float32 sum) on mccl's asynchronous all-reduce."""
+    if _alone(group):
+        return _Work(x.copy())
+    arr = ops.to_numpy(x)
+    slots = ms.Tensor(_emulated.gather_slots(arr, group))
+    with _recording("all_gather", _nbytes(x)):
+        _stats.add_wire(slots.nbytes)
+        handle = mint_dist.all_reduce(slots, op="sum", group=_handle(group), async_op=True)
+    return _Work(slots, handle, finish=lambda summed: _back(np.concatenate(list(
+        _emulated.gathered(summed.asnumpy(), arr.dtype, arr.shape)), axis=0), x))
 
 
 def all_gather(x, group: Group | None = None, dim: int = 0):
@@ -258,7 +275,7 @@ def barrier(group: Group | None = None) -> None:
 
 
 def implementations() -> dict:
-    kinds = {name: "emulated" for name in ("all_gather", "reduce_scatter", "all_to_all", "broadcast", "shift", "send",
-                                           "recv", "barrier")}
+    kinds = {name: "emulated" for name in ("all_gather", "all_gather_async", "reduce_scatter", "all_to_all",
+                                           "broadcast", "shift", "send", "recv", "barrier")}
     kinds["all_reduce"] = kinds["all_reduce_async"] = "native"
     return kinds

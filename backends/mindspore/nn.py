@@ -95,3 +95,8 @@ def load_state_dict(module, state: dict, strict: bool = True) -> None:
 
 
 init = make_init(assign, random.host_generator)
+
+
+def forward_pre_hook(module, fn):
+    """``fn(module)`` before each call of the module's forward; returns a handle with remove()."""
+    return module.register_forward_pre_hook(lambda cell, inputs: fn(cell))

@@ -138,15 +138,18 @@ def all_reduce(x, op: str = "sum", group: Group | None = None):
 
 
 class _Work:
-    """An all-reduce under way: ``wait()`` blocks until it is done and returns the sum."""
+    """A collective under way: ``wait()`` blocks until it is done and returns its result
+    (``finish`` of what it wrote, if given)."""
 
-    def __init__(self, out, work=None):
-        self._out, self._work = out, work
+    def __init__(self, out, work=None, finish=None):
+        self._out, self._work, self._finish = out, work, finish
 
     def wait(self):
         if self._work is not None:
             self._work.wait()
             self._work = None
+            if self._finish is not None:
+                self._out, self._finish = self._finish(self._out), None
         return self._out
 
 
@@ -157,6 +160,16 @@ def all_reduce_async(x, group: Group | None = None):
         return _Work(out)
     _record("all_reduce", x)
     return _Work(out, tdist.all_reduce(out, op=tdist.ReduceOp.SUM, group=_h(group), async_op=True))
+
+
+def all_gather_async(x, group: Group | None = None):
+    """Start gathering every member's x (concatenated along dim 0 at wait)."""
+    if _alone(group):
+        return _Work(x.clone())
+    _record("all_gather", x)
+    parts = [torch.empty_like(x) for _ in range(world_size(group))]
+    work = tdist.all_gather(parts, x.contiguous(), group=_h(group), async_op=True)
+    return _Work(parts, work, finish=lambda gathered: torch.cat(gathered, dim=0))
 
 
 def all_gather(x, group: Group | None = None, dim: int = 0):
@@ -252,8 +265,8 @@ def _native_reduce_scatter() -> bool:
 
 def implementations() -> dict:
     """native / emulated for each collective with the current process-group backend."""
-    kinds = {name: "native" for name in ("all_reduce", "all_reduce_async", "all_gather", "all_to_all", "broadcast",
-                                         "shift", "send", "recv", "barrier")}
+    kinds = {name: "native" for name in ("all_reduce", "all_reduce_async", "all_gather", "all_gather_async",
+                                         "all_to_all", "broadcast", "shift", "send", "recv", "barrier")}
     gloo = (tdist.get_backend() if tdist.is_initialized() else "gloo") == "gloo"
     kinds["reduce_scatter"] = "emulated" if gloo else "native"
     return kinds

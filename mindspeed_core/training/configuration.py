@@ -471,6 +471,9 @@ def check_configuration(args, world: int):
                              + " and ".join(f for f, on in (("--bf16", args.bf16),
                                                             ("--use-distributed-optimizer",
                                                              args.use_distributed_optimizer)) if not on))
+    if args.overlap_param_gather and not args.use_distributed_optimizer:  # as Megatron
+        raise MindSpeedError("--overlap-param-gather overlaps the distributed optimizer's gathering of the updated "
+                             "parameters: add --use-distributed-optimizer")
     dtype = "bfloat16" if args.bf16 else "float16" if args.fp16 else "float32"
     if not device.supports_dtype(dtype):
         raise MindSpeedError(f"{dtype} training is not available on {runtime.bound().NAME} "

@@ -117,6 +117,19 @@ class _Partition:
         return [ops.reshape(flat[o:o + size], tuple(p.shape)) for o, size, (_, p) in zip(self.offsets, self.sizes,
                                                                                          self.named)]
 
+    def start_gather(self, part) -> list:
+        """Start gathering each bucket of the flat vector from every rank's slices (``part``:
+        this rank's); each work's wait() gives that bucket's whole vector."""
+        return [dist.all_gather_async(x, group=self.group)
+                for x in ops.split(part, [hi - lo for lo, hi in self.slices])]
+
+    def assign_bucket(self, b: int, whole) -> None:
+        """Bucket ``b``'s gathered vector into its parameters."""
+        start = self.bucket_starts[b]
+        for k in self.runs[b]:
+            (_, p), o = self.named[k], self.offsets[k] - start
+            nn.assign(p, ops.reshape(whole[o:o + self.sizes[k]], tuple(p.shape)))
+
     def gather(self, part):
         """The whole flat vector from every rank's slices (``part``: this rank's)."""
         if self.ranks == 1:
@@ -214,8 +227,12 @@ class DistributedAdamW:
             sharded = float(ops.to_numpy(dist.all_reduce(ops.tensor([sharded]), group=self.ps.group("tp")))[0])
         return math.sqrt(over_pipeline(sharded + replicated, self.ps))
 
-    def step(self, g, lr: float, scale: float = 1.0) -> None:
+    def step(self, g, lr: float, scale: float = 1.0, gather_later: bool = False) -> list | None:
+        """The update of this rank's slices; then the parameters gathered from every rank's, or
+        with ``gather_later`` the gathers started: [(partition, bucket, work)] for the caller to
+        finish with assign_gathered (training/overlap.py: --overlap-param-gather)."""
         features.note_used("distributed-optimizer")
+        started = []
         self.steps += 1
         with autograd.no_grad():
             for part, grad in zip(self.partitions, g):
@@ -233,8 +250,17 @@ class DistributedAdamW:
                 part.keep_master(master)
                 # the parameters take the master's bf16 rounding: under --reuse-fp32-param, the
                 # high half that keep_master's residual completes
+                if gather_later:
+                    started += [(part, b, work) for b, work in enumerate(part.start_gather(master))]
+                    continue
                 for (_, p), value in zip(part.named, part.unflatten(part.gather(master))):
                     nn.assign(p, value)
+        return started if gather_later else None
+
+    @staticmethod
+    def assign_gathered(part, b: int, work) -> None:
+        with autograd.no_grad():
+            part.assign_bucket(b, work.wait())
 
     def state_bytes(self) -> int:
         master = 2 if self.reuse_fp32_param else 4  # a residual below the parameters, or an fp32 copy

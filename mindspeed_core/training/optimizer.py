@@ -101,7 +101,8 @@ class AdamW:
         moments = sum(ops.numel(t) for t in self.exp_avg + self.exp_avg_sq)
         return 4 * sum(ops.numel(w) for w in self.master if w is not None) + moment_bytes(self.moment_dtype) * moments
 
-    def step(self, grads, lr: float, scale: float = 1.0) -> None:
+    def step(self, grads, lr: float, scale: float = 1.0, gather_later: bool = False) -> None:
+        """``gather_later``: the distributed optimizer's; here every rank updates whole parameters."""
         self.steps += 1
         with autograd.no_grad():
             if scale != 1.0:

@@ -1,4 +1,6 @@
-"""Gradient reduction overlapped with backward (--overlap-grad-reduce).
+"""Communication overlapped with computation: gradient reduction with backward
+(--overlap-grad-reduce), and the distributed optimizer's parameter gathering with what follows
+the update, up to each layer's forward in the next step (--overlap-param-gather).
 
 Without overlap, a step's gradients are reduced over the data-parallel ranks after the whole
 backward, bucket after bucket (the optimizer's prepare). With it, the same buckets are summed
@@ -23,7 +25,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from mindspeed_core import dist, features, ops
+from mindspeed_core import dist, features, nn, ops
 from mindspeed_core.errors import MindSpeedError
 
 
@@ -93,3 +95,44 @@ class OverlappedReduction:
                                      f"backward returned (bucket {k}), so the overlapped reduction would not be exact "
                                      f"here; run without --overlap-grad-reduce")
         self.checked = True
+
+
+class OverlappedParamGather:
+    def __init__(self, optimizer, chunks: list):
+        """``chunks``: this rank's model chunks, whose modules get the forward pre-hooks."""
+        self.optimizer, self.pending, self.hooks = optimizer, {}, []
+        where = {id(p): (id(part), b) for part in optimizer.partitions for b, run in enumerate(part.runs)
+                 for k in run for p in [part.named[k][1]]}
+        modules = {}  # (chunk, module path) -> the buckets of the parameters it owns
+        for c, chunk in enumerate(chunks):
+            for name, p in nn.named_parameters(chunk):
+                if id(p) in where:
+                    modules.setdefault((c, name.rsplit(".", 1)[0] if "." in name else ""), set()).add(where[id(p)])
+        for (c, path), keys in modules.items():
+            self.hooks.append(nn.forward_pre_hook(_module_at(chunks[c], path),
+                                                  lambda module, keys=frozenset(keys): self.wait(keys)))
+
+    def started(self, works: list) -> None:
+        """The optimizer's step started these gathers: [(partition, bucket, work)]."""
+        self.pending = {(id(part), b): (part, b, work) for part, b, work in works}
+
+    def wait(self, keys) -> None:
+        if not self.pending:
+            return
+        for key in keys:
+            entry = self.pending.pop(key, None)
+            if entry is not None:
+                self.optimizer.assign_gathered(*entry)
+                features.note_used("param-gather-overlap")
+
+    def wait_all(self) -> None:
+        for key in sorted(self.pending, key=lambda k: self.pending[k][1]):
+            self.wait([key])
+
+
+def _module_at(root, path: str):
+    """The submodule at a dotted path (ModuleList entries by number)."""
+    module = root
+    for part in path.split(".") if path else ():
+        module = module[int(part)] if part.isdigit() else getattr(module, part)
+    return module

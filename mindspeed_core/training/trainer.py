@@ -125,6 +125,9 @@ class Trainer:
         if args.overlap_grad_reduce and ps.size("dp_cp") > 1:
             self.overlap = overlap.OverlappedReduction(self.optimizer.buckets(), distributed.summed_across_model_parallel(
                 self.train_plan, ps, self.cfg.tied_output))
+        self.param_gather = None  # --overlap-param-gather: the updated parameters gathered up to their use
+        if args.overlap_param_gather and ps.size("dp_cp") > 1:
+            self.param_gather = overlap.OverlappedParamGather(self.optimizer, self.chunks)
         self.forward_backward, self.forward_only = self._schedule(chunk_params)
 
     def _schedule(self, chunk_params: list):
@@ -249,6 +252,8 @@ class Trainer:
         """The step's mean loss (on every rank) and this rank's gradients, complete as the
         parallel plan asks but not yet reduced over data-parallel ranks."""
         args = self.flags
+        if self.param_gather is not None and args.compile:  # a compiled step runs no forward hooks
+            self.param_gather.wait_all()
         micro_batches = (self.batches.micro_batch("train", start, args.micro_batch_size)
                          for start in self.sampler.micro_batch_starts(iteration))
         loss, grads = self.forward_backward(micro_batches)
@@ -287,7 +292,12 @@ class Trainer:
         if not math.isfinite(norm):
             raise MindSpeedError(f"the gradient norm became {norm} at iteration {iteration + 1}; stopping without "
                                  f"saving (the last checkpoint on disk is intact); lower --lr or check the data")
-        self.optimizer.step(grads, lr, distributed.clip_coefficient(norm, args.clip_grad))
+        if self.param_gather is None:
+            self.optimizer.step(grads, lr, distributed.clip_coefficient(norm, args.clip_grad))
+        else:  # what no forward waited for (parameters unused last step) first
+            self.param_gather.wait_all()
+            self.param_gather.started(self.optimizer.step(grads, lr, distributed.clip_coefficient(norm, args.clip_grad),
+                                                          gather_later=True))
         if self.moe_stats is not None:
             routing.update_expert_bias(self.moe_layers, self.cfg, self.moe_stats["tokens_per_expert"])
         device.synchronize()
@@ -297,7 +307,14 @@ class Trainer:
         self.timers = {"forward-backward": t1 - t0, "optimizer": t2 - t1, "iteration": t2 - t0}
         return loss, lr, norm
 
+    def parameters_ready(self) -> None:
+        """Every parameter holds its last update (--overlap-param-gather leaves gathers under way
+        for the next forward to wait for)."""
+        if self.param_gather is not None:
+            self.param_gather.wait_all()
+
     def evaluate(self) -> float:
+        self.parameters_ready()
         args = self.flags
         mbs = args.micro_batch_size
         micro_batches = [self.batches.micro_batch("valid", k * mbs, mbs) for k in range(args.eval_iters)]
@@ -327,6 +344,7 @@ class Trainer:
                                                                     self.plan.expert_names), self.ps)
 
     def save(self) -> None:
+        self.parameters_ready()
         bad = self._first_non_finite_parameter()
         if bad is not None:  # never let a diverged model overwrite the last good checkpoint
             raise MindSpeedError(f"parameter {bad} is no longer finite at iteration {self.iteration}; not saving "
@@ -442,6 +460,7 @@ class Trainer:
                 if args.exit_interval and self.iteration % args.exit_interval == 0 and self.iteration < args.train_iters:
                     self.say(f"exiting at iteration {self.iteration} (--exit-interval)")
                     break
+            self.parameters_ready()
         finally:
             if collect is not None:
                 gc.enable()
