@@ -150,7 +150,10 @@ def add_feature_args(parser: argparse.ArgumentParser) -> None:
     m.add_argument("--o2-gradient", action="store_true", help="MindSpeed's O2: gradients kept in bf16")
     m.add_argument("--swap-optimizer", action="store_true", help="MindSpeed: optimizer states swapped to the host")
     m.add_argument("--recompute-activation-function", action="store_true",
-                   help="MindSpeed: recompute the MLP's activation function in backward")
+                   help="MindSpeed: recompute the MLP's activation function in backward (its output is not kept) in "
+                        "the layers full recompute leaves alone")
+    m.add_argument("--recompute-activation-function-num-layers", type=POSITIVE_INT, default=None,
+                   help="--recompute-activation-function: in this many of those layers of each model chunk only")
     m.add_argument("--bf16", action="store_true")
     m.add_argument("--fp16", action="store_true")
     m.add_argument("--initial-loss-scale", type=POSITIVE, default=None,

@@ -137,6 +137,11 @@ _OVERLAP = ("each bucket of gradients starts its data-parallel sum ({}) as backw
             "hook; the same buckets and results as without overlap")
 _PARAM_GATHER = ("the distributed optimizer's updated buckets gathered ({}) while the step ends and the next "
                  "begins; each module waits for its own bucket before its forward; the same results")
+_ACTIVATION_RECOMPUTE = ("the MLP's (and MoE experts') activation output not kept for backward but computed again "
+                         "there, in the layers full recompute leaves alone; the same results")
+_ULYSSES_KV = ("Ulysses gives each of its ranks whole key/value heads; copying heads to more ranks than there are "
+               "(as MindSpeed-LLM does) is not built")
+_ULYSSES_KV_INSTEAD = "a --ulysses-degree-in-cp dividing the key/value heads per TP rank (hybrid_cp_algo), or ring attention"
 _SAME_RING = "the ring's send/receive and its block's attention run one after the other (same results)"
 _DIST_CKPT = "checkpoints here are iter_*/ folders of safetensors (mindspeed convert writes Megatron's .pt layout)"
 _ETP = "the experts' tensor parallelism is the model's (--tensor-model-parallel-size)"
@@ -163,6 +168,19 @@ _COMPILE_ALIGN = "--compile with a preference or reward stage is not built yet"
 
 def _moe(a) -> bool:
     return getattr(a, "num_experts", None) is not None
+
+
+def _ulysses_short_of_kv_heads(a) -> bool:
+    """Ulysses splits the heads each TP rank holds: the query heads divide, the key/value heads do not."""
+    cp, algo = getattr(a, "context_parallel_size", 1) or 1, getattr(a, "context_parallel_algo", None)
+    degree = cp if algo == "ulysses_cp_algo" else (getattr(a, "ulysses_degree_in_cp", None) or 1) if (
+        algo == "hybrid_cp_algo") else 1
+    heads = getattr(a, "num_attention_heads", None)
+    if cp <= 1 or degree <= 1 or not heads:
+        return False
+    tp = getattr(a, "tensor_model_parallel_size", 1) or 1
+    groups = getattr(a, "num_query_groups", None) or heads
+    return (heads // tp) % degree == 0 and max(groups // tp, 1) % degree != 0
 
 
 FEATURES: tuple[Feature, ...] = (
@@ -493,8 +511,8 @@ FEATURES: tuple[Feature, ...] = (
             planned(_DIST_CKPT, instead="--ckpt-format torch"),
             lambda a: getattr(a, "ckpt_format", "torch") not in ("torch", None)),
     Feature("recompute-activation-function", "Recompute of the MLP's activation function", "memory",
-            ("--recompute-activation-function",), planned(instead="--recompute-activations"),
-            planned(instead="--recompute-activations"), _on("recompute_activation_function")),
+            ("--recompute-activation-function", "--recompute-activation-function-num-layers"),
+            supported(_ACTIVATION_RECOMPUTE), supported(_ACTIVATION_RECOMPUTE), _on("recompute_activation_function")),
     Feature("swap-optimizer", "Optimizer states swapped to host memory", "memory", ("--swap-optimizer",),
             planned(instead="--use-distributed-optimizer"), planned(instead="--use-distributed-optimizer"),
             _on("swap_optimizer")),
@@ -525,6 +543,10 @@ FEATURES: tuple[Feature, ...] = (
     # ---- combinations not built yet ------------------------------------------------------
     # each row is one pair of features that work alone; the gate refuses the pair (the model's
     # own MoE layers count, from flags or a Hugging Face config)
+    Feature("ulysses-kv-copies", "Ulysses over more ranks than key/value heads per tensor-parallel rank",
+            "combinations", ("--context-parallel-algo", "--num-query-groups"),
+            planned(_ULYSSES_KV, instead=_ULYSSES_KV_INSTEAD), planned(_ULYSSES_KV, instead=_ULYSSES_KV_INSTEAD),
+            _ulysses_short_of_kv_heads),
     Feature("moe-context-parallel", "Mixture of experts with context parallelism", "combinations",
             ("--context-parallel-size", "--num-experts"),
             planned(_MOE_CP, instead=_MOE_LAYOUTS), planned(_MOE_CP, instead=_MOE_LAYOUTS),
@@ -542,12 +564,13 @@ FEATURES: tuple[Feature, ...] = (
             lambda a: bool(getattr(a, "compile", False)) and (_gt1("context_parallel_size")(a) or bool(
                 getattr(a, "reset_attention_mask", False)) or bool(getattr(a, "reset_position_ids", False)))),
     Feature("compile-recompute", "Compiled step with activation recompute or swap attention", "combinations",
-            ("--compile", "--recompute-granularity", "--recompute-activations", "--recompute-norm", "--swap-attention"),
+            ("--compile", "--recompute-granularity", "--recompute-activations", "--recompute-norm", "--swap-attention",
+             "--recompute-activation-function"),
             planned(_COMPILE_MEMORY, instead=_COMPILE_MEMORY_INSTEAD),
             planned(_COMPILE_MEMORY, instead=_COMPILE_MEMORY_INSTEAD),
             lambda a: bool(getattr(a, "compile", False)) and any(
                 getattr(a, k, None) for k in ("recompute_granularity", "recompute_activations", "recompute_norm",
-                                              "swap_attention"))),
+                                              "swap_attention", "recompute_activation_function"))),
     Feature("alignment-context-parallel", "Preference and reward stages with context parallelism", "combinations",
             ("--stage", "--context-parallel-size"),
             planned(_ALIGN_CP, instead="TP, SP, PP and DP"), planned(_ALIGN_CP, instead="TP, SP, PP and DP"),

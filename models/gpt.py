@@ -186,6 +186,8 @@ class SelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
+    recompute_activation = False  # GPTModel.use_memory
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.activation = cfg.activation
@@ -195,17 +197,16 @@ class MLP(nn.Module):
         self.linear_fc1 = linear(cfg, "linear_fc1", cfg.hidden_size, width, cfg.add_bias_linear, cfg.init_method_std)
         self.linear_fc2 = linear(cfg, "linear_fc2", cfg.ffn_hidden_size, cfg.hidden_size, cfg.add_bias_linear, out_std)
 
-    def forward(self, x):
-        h = self.linear_fc1(x)
+    def _activate(self, h):
         if self.activation == "swiglu":  # gate rows first, then up rows (mcore's fc1 layout)
             if self.fused_swiglu:
                 features.note_used("fused-swiglu")
-                h = ops.swiglu(h)
-            else:
-                h = composite.swiglu(h)
-        else:
-            h = ops.gelu(h, approximate="tanh" if self.activation == "gelu_tanh" else "none")
-        return self.linear_fc2(h)
+                return ops.swiglu(h)
+            return composite.swiglu(h)
+        return ops.gelu(h, approximate="tanh" if self.activation == "gelu_tanh" else "none")
+
+    def forward(self, x):
+        return self.linear_fc2(recompute.activation(self._activate, self.linear_fc1(x), self.recompute_activation))
 
 
 class TransformerLayer(nn.Module):
@@ -335,8 +336,11 @@ class GPTModel(nn.Module):
         of every layer that full recompute leaves alone keeps its saved tensors in host memory."""
         self.decoder.recompute_policy = policy
         layers = self.decoder.layers
-        for layer in layers:
+        for layer, activation in zip(layers, policy.activation_in(len(layers))):
             layer.recompute_policy = layer.self_attention.recompute_policy = policy
+            for mlp in (layer.mlp, getattr(layer.mlp, "experts", None), getattr(layer.mlp, "shared_experts", None)):
+                if mlp is not None and hasattr(mlp, "recompute_activation"):
+                    mlp.recompute_activation = activation
         if swap is not None:
             for start, stop, recomputed in policy.groups(len(layers)):
                 for i in range(start, stop):

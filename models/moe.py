@@ -17,6 +17,7 @@ and expert parallelism.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -36,6 +37,8 @@ def _activate(h, activation: str):
 
 
 class Experts(nn.Module):
+    recompute_activation = False  # GPTModel.use_memory
+
     def __init__(self, cfg: ModelConfig, moe: MoEConfig, num_local: int | None = None):
         super().__init__()
         self.activation = cfg.activation
@@ -45,15 +48,19 @@ class Experts(nn.Module):
         self.weight1 = _param((n, cfg.hidden_size, width), std=cfg.init_method_std)
         self.weight2 = _param((n, f, cfg.hidden_size), std=cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers))
 
+    def _activate(self, h):
+        return recompute.activation(functools.partial(_activate, activation=self.activation), h,
+                                    self.recompute_activation)
+
     def forward(self, rows, counts, grouped: bool = True):
         """rows [N, hidden] sorted by expert, ``counts`` [E] host ints (rows per expert)."""
         if grouped:
             h = ops.grouped_matmul(rows, self.weight1, counts)
-            return ops.grouped_matmul(_activate(h, self.activation), self.weight2, counts)
+            return ops.grouped_matmul(self._activate(h), self.weight2, counts)
         outs, start = [], 0
         for e, n in enumerate(int(c) for c in counts):
             if n:
-                h = _activate(ops.matmul(rows[start:start + n], self.weight1[e]), self.activation)
+                h = self._activate(ops.matmul(rows[start:start + n], self.weight1[e]))
                 outs.append(ops.matmul(h, self.weight2[e]))
             start += n
         if not outs:  # no rows: still a product of them, so a backward pass reaches whatever sent them
@@ -64,6 +71,8 @@ class Experts(nn.Module):
 class SharedExpert(nn.Module):
     """An MLP every token passes through; with a gate, scaled by sigmoid(x . gate_weight)."""
 
+    recompute_activation = False  # GPTModel.use_memory
+
     def __init__(self, cfg: ModelConfig, size: int, gated: bool):
         super().__init__()
         self.activation = cfg.activation
@@ -73,7 +82,8 @@ class SharedExpert(nn.Module):
         self.gate_weight = _param((1, cfg.hidden_size), std=cfg.init_method_std) if gated else None
 
     def forward(self, x):
-        y = self.linear_fc2(_activate(self.linear_fc1(x), self.activation))
+        y = self.linear_fc2(recompute.activation(functools.partial(_activate, activation=self.activation),
+                                                 self.linear_fc1(x), self.recompute_activation))
         if self.gate_weight is not None:
             y = y * ops.sigmoid(ops.linear(x, self.gate_weight))
         return y

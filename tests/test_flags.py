@@ -64,6 +64,8 @@ REQUIRES = {
     "--merge-file": ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", "{where}/vocab.json"],
     "--vocab-size": ["--tokenizer-type", "NullTokenizer"],
     "--initial-loss-scale": ["--fp16"],
+    "--pad-to-multiple-of": ["--no-pad-to-seq-lengths", "--stage", "sft"],
+    "--recompute-activation-function-num-layers": ["--recompute-activation-function"],
     # the --moe-* flags qualify --num-experts (Megatron ignores them without it)
     **{flag: ["--num-experts", "4"] for flag in (
         "--moe-router-topk", "--moe-ffn-hidden-size", "--moe-shared-expert-intermediate-size",

@@ -34,6 +34,11 @@ VARIANTS = {
     "norm": ["--recompute-norm"],
     "selective-norm": ["--recompute-granularity", "selective", "--recompute-norm"],
     "swap-attention": ["--swap-attention"],
+    "activation-function": ["--recompute-activation-function"],
+    # layer 0 fully recomputed, layer 1 its activation function only, layer 2 nothing
+    "full-block-1-activation-1": ["--recompute-granularity", "full", "--recompute-method", "block",
+                                  "--recompute-num-layers", "1", "--recompute-activation-function",
+                                  "--recompute-activation-function-num-layers", "1"],
     "swap-block-2": ["--swap-attention", "--recompute-granularity", "full", "--recompute-method", "block",
                      "--recompute-num-layers", "2"],
 }
@@ -69,7 +74,8 @@ def _variant(name):
     if "--swap-attention" in flags and FRAMEWORK == "mindspore":
         return pytest.param(name, id=name)
     ids = [("recompute", "--recompute-granularity" in flags or "--recompute-activations" in flags),
-           ("norm-recompute", "--recompute-norm" in flags), ("swap-attention", "--swap-attention" in flags)]
+           ("norm-recompute", "--recompute-norm" in flags), ("swap-attention", "--swap-attention" in flags),
+           ("recompute-activation-function", "--recompute-activation-function" in flags)]
     return pytest.param(name, id=name, marks=[pytest.mark.feature(i) for i, on in ids if on])
 
 
@@ -86,6 +92,9 @@ def test_memory_features_train_bit_identically(capsys, framework, corpus, plain,
     assert curve == want_curve, (variant, curve, want_curve)
     if "swap" in variant:  # the tensors really went to the host and came back
         assert trainer.swap.swapped > 0 and trainer.swap.host_bytes == 0
+    if "activation" in variant:  # which layers recompute their activation function
+        want = [True] * 3 if variant == "activation-function" else [False, True, False]
+        assert [layer.mlp.recompute_activation for layer in trainer.model.decoder.layers] == want
 
 
 def assert_swap_refused(capsys, corpus):  # noqa: F811

@@ -78,10 +78,22 @@ class Recompute:
     method: str | None = None
     num_layers: int | None = None
     norm: bool = False
+    activation: bool = False  # --recompute-activation-function
+    activation_layers: int | None = None  # --recompute-activation-function-num-layers
+
+    def activation_in(self, n: int) -> list[bool]:
+        """Which of a chunk's ``n`` layers recompute their MLP's activation function: as
+        MindSpeed-LLM, the layers full recompute leaves alone (the first
+        ``activation_layers`` of them, if given)."""
+        if not self.activation:
+            return [False] * n
+        free = [i for start, stop, recomputed in self.groups(n) if not recomputed for i in range(start, stop)]
+        chosen = set(free if self.activation_layers is None else free[:self.activation_layers])
+        return [i in chosen for i in range(n)]
 
     @property
     def active(self) -> bool:
-        return self.granularity is not None or self.norm
+        return self.granularity is not None or self.norm or self.activation
 
     def groups(self, n: int) -> list:
         """The decoder's ``n`` layers as runs (start, stop, recomputed as one)."""
@@ -121,7 +133,17 @@ def _granularity(args) -> str | None:
 
 def from_args(args) -> Recompute:
     """The policy the flags ask for (after ``check``)."""
-    return Recompute(_granularity(args), args.recompute_method, args.recompute_num_layers, args.recompute_norm)
+    return Recompute(_granularity(args), args.recompute_method, args.recompute_num_layers, args.recompute_norm,
+                     args.recompute_activation_function, args.recompute_activation_function_num_layers)
+
+
+def activation(fn, h, recomputed: bool):
+    """An MLP's activation function ``fn`` of h; with ``recomputed`` its output is not kept for
+    backward but computed again there (--recompute-activation-function)."""
+    if not recomputed:
+        return fn(h)
+    features.note_used("recompute-activation-function")
+    return checkpoint(fn, h)
 
 
 def check(args, chunk_layers: list) -> None:

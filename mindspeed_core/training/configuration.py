@@ -26,6 +26,7 @@ from mindspeed_core.models.config import LORA_TARGETS, PRESETS, LoRAConfig, Mode
 from mindspeed_core.parallel import context, experts, pipeline
 from mindspeed_core.parallel import layers as parallel_layers
 from mindspeed_core.training import alignment, boards, checkpoint, profiling
+from mindspeed_core.training.distributed import BUCKET_ELEMENTS
 
 # What `mindspeed train` does with no data flags: a small LLaMA on the standard library's
 # source, byte-level tokens, sized to about three minutes on two CPU cores: 1500 steps under
@@ -444,7 +445,9 @@ def check_configuration(args, world: int):
     # the matrix's gate again, with the model's own MoE layers (from flags or a Hugging Face
     # config): the combinations not built yet are rows of it
     backend = runtime.bound()
-    features.validate(Flags({**vars(args), "num_experts": cfg.moe.num_experts if cfg.moe else None}), backend.NAME,
+    features.validate(Flags({**vars(args), "num_experts": cfg.moe.num_experts if cfg.moe else None,
+                             "num_attention_heads": cfg.num_attention_heads,
+                             "num_query_groups": cfg.num_query_groups}), backend.NAME,
                       device.type(), backend.FRAMEWORK_VERSION)
     if cfg.lora is not None and cfg.lora.r > cfg.hidden_size:
         raise MindSpeedError(f"--lora-r {cfg.lora.r} exceeds the hidden size {cfg.hidden_size}: the adapters would "
@@ -625,6 +628,11 @@ def describe(config: RunConfig, data_path, pipeline_layout, grad_accum: int, los
         "adam": {"beta1": flags.adam_beta1, "beta2": flags.adam_beta2, "eps": flags.adam_eps},
         "precision": config.optimization.precision, "loss_scale": loss_scale if flags.fp16 else None,
         "compile": bool(flags.compile),
+        "recompute_activation_function": (None if not flags.recompute_activation_function else
+                                          "in every layer full recompute leaves alone"
+                                          if flags.recompute_activation_function_num_layers is None else
+                                          f"in the first {flags.recompute_activation_function_num_layers} layers of "
+                                          "each chunk that full recompute leaves alone"),
         "parallel": {"tp": lay.tp, "dp": lay.dp, "pp": lay.pp, "cp": lay.cp,
                      "context_parallel_algo": flags.context_parallel_algo if lay.cp > 1 else None,
                      "ulysses_degree": (context.ulysses_degree(lay.cp, flags.context_parallel_algo,
@@ -632,6 +640,9 @@ def describe(config: RunConfig, data_path, pipeline_layout, grad_accum: int, los
                                         if lay.cp > 1 else None),
                      "sequence_parallel": bool(flags.sequence_parallel),
                      "distributed_optimizer": bool(flags.use_distributed_optimizer),
+                     "gradient_bucket_elements": flags.ddp_bucket_size or BUCKET_ELEMENTS,
+                     "overlap_grad_reduce": bool(flags.overlap_grad_reduce),
+                     "overlap_param_gather": bool(flags.overlap_param_gather),
                      "model_chunks_per_pipeline_rank": pipeline_layout.chunks,
                      "layers_per_virtual_stage": pipeline_layout.describe()},
         "packed_sequences": {"reset_attention_mask": bool(flags.reset_attention_mask),
