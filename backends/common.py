@@ -116,6 +116,42 @@ class Group:
     handle: object = field(default=None, compare=False)
 
 
+class Pending:
+    """A collective under way (or done): ``wait()`` blocks until ``handle`` (the framework's work
+    handle; None: nothing to wait for) is done and returns the result: what the collective
+    wrote (``out``), or ``finish`` of it."""
+
+    def __init__(self, out, handle=None, finish=None):
+        self._out, self._handle, self._finish = out, handle, finish
+
+    def wait(self):
+        if self._handle is not None:
+            self._handle.wait()
+            self._handle = None
+            if self._finish is not None:
+                self._out, self._finish = self._finish(self._out), None
+        return self._out
+
+
+class GradHooks:
+    """autograd.grad_hooks for frameworks whose parameters take ``register_hook(fn(grad))`` and
+    return a handle with ``remove()`` (PyTorch; MindSpore's PyNative, where the hook sees the
+    total over every use, recomputed segments and vjp pullbacks included: measured on 2.10)."""
+
+    def __init__(self, params, callback):
+        self.params, self.callback, self.handles = list(params), callback, []
+
+    def __enter__(self):
+        for k, p in enumerate(self.params):
+            self.handles.append(p.register_hook(lambda g, k=k: self.callback(k, g)))
+        return self
+
+    def __exit__(self, *exc):
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+
 def dtype_table(framework_dtypes: dict) -> dict:
     """The facade dtype name -> framework dtype table a backend's ops convert with, checked to
     name exactly the facade's dtypes (:data:`mindspeed_core.facade.DTYPES`)."""

@@ -1,6 +1,7 @@
 #!/usr/bin/env python
-"""Gradient reduction overlapped with backward (--overlap-grad-reduce), through `mindspeed launch`
-on 4 data-parallel ranks as users run it, on each framework, in one run.
+"""Gradient reduction overlapped with backward (--overlap-grad-reduce; with the distributed optimizer
+also --overlap-param-gather), through `mindspeed launch` on 4 data-parallel ranks as users run it,
+on each framework, in one run.
 
     python benchmarks/bench_overlap.py [--frameworks pytorch,mindspore] [--rounds 2] [--iters 8]
                                        [--optimizers plain,distributed]
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import socket
 import statistics
 import subprocess
@@ -41,12 +43,14 @@ def run(framework: str, optimizer: str, overlap: bool, iters: int, root: str) ->
     metrics = os.path.join(root, name + ".jsonl")
     if os.path.exists(metrics):
         os.remove(metrics)
+    shutil.rmtree(os.path.join(root, "ckpt-" + name), ignore_errors=True)  # each round a fresh run
     cmd = [sys.executable, "-m", "mindspeed_core.cli", "launch", "--nproc-per-node", "4", "--master-port",
            str(free_port()), "--log-dir", os.path.join(root, "logs-" + name), "--", "--ai-framework", framework,
            *MODEL, "--train-iters", str(iters), "--metrics-file", metrics, "--save", os.path.join(root, "ckpt-" + name),
            "--save-interval", str(10 * iters)]
     cmd += ["--use-distributed-optimizer"] if optimizer == "distributed" else []
-    cmd += ["--overlap-grad-reduce"] if overlap else []
+    if overlap:  # with the distributed optimizer, its parameter gathering overlapped too
+        cmd += ["--overlap-grad-reduce"] + (["--overlap-param-gather"] if optimizer == "distributed" else [])
     out = subprocess.run(cmd, capture_output=True, text=True, cwd=root, env={**os.environ, "OMP_NUM_THREADS": "1"})
     if out.returncode:
         raise SystemExit(out.stdout[-3000:] + out.stderr[-3000:])

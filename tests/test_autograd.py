@@ -189,3 +189,37 @@ def test_recompute_gives_the_same_gradients(nested):
     l2, (g2,) = autograd.value_and_grad(recomputed, [w])()
     np.testing.assert_allclose(ops.to_numpy(l1), ops.to_numpy(l2), rtol=1e-6)
     np.testing.assert_allclose(ops.to_numpy(g1), ops.to_numpy(g2), rtol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["value_and_grad", "vjp", "recompute"])
+def test_grad_hooks_see_each_parameter_total_once_before_backward_returns(kind):
+    """autograd.grad_hooks: the callback gets params[k]'s whole gradient (w is used twice),
+    once, during the backward; after the block no hook is left (what --overlap-grad-reduce
+    starts its reductions from)."""
+    w = nn.Parameter(np.array([1.0, 2.0, 3.0], np.float32))
+    v = nn.Parameter(np.array([0.5, -1.0, 2.0], np.float32))
+    x = ops.tensor(np.array([1.0, -2.0, 0.5], np.float32))
+
+    def block(x):
+        return ops.sum(x * w) * ops.sum(x * v)
+
+    def f(x):
+        inner = autograd.recompute(block, x) if kind == "recompute" else block(x)
+        return inner + ops.sum(w * w)
+
+    seen = []
+    with autograd.grad_hooks([w, v], lambda k, g: seen.append((k, ops.to_numpy(g).copy()))):
+        if kind == "vjp":
+            _, backward = autograd.vjp(f, [x], [w, v])
+            grads = backward(ops.ones(()))[1]
+        else:
+            grads = autograd.value_and_grad(f, [w, v])(x)[1]
+    assert sorted(k for k, _ in seen) == [0, 1]
+    for k, g in seen:
+        np.testing.assert_array_equal(g, ops.to_numpy(grads[k]))
+    a, b = float(np.dot([1.0, -2.0, 0.5], [1.0, 2.0, 3.0])), float(np.dot([1.0, -2.0, 0.5], [0.5, -1.0, 2.0]))
+    np.testing.assert_allclose(dict(seen)[0], np.array([1.0, -2.0, 0.5]) * b + 2 * np.array([1.0, 2.0, 3.0]), rtol=1e-6)
+    np.testing.assert_allclose(dict(seen)[1], np.array([1.0, -2.0, 0.5]) * a, rtol=1e-6)
+    seen.clear()
+    autograd.value_and_grad(f, [w, v])(x)
+    assert seen == []

@@ -145,3 +145,19 @@ def test_cast_parameters_in_place(dtype):
     assert [n for n, _ in nn.named_parameters(net)] == EXPECTED_NAMES
     for name, value in nn.state_dict(net).items():
         np.testing.assert_allclose(value, before[name], rtol=1e-2, atol=1e-3)
+
+
+def test_forward_pre_hook_runs_before_each_forward_until_removed():
+    net = Net()
+    seen = []
+    handle = nn.forward_pre_hook(net.layers[1], lambda module: seen.append(module is net.layers[1]))
+    x = ops.tensor(np.ones((2, 4), np.float32))
+    net(x)
+    # what the hook writes into the parameters is what the forward uses (--overlap-param-gather)
+    nn.forward_pre_hook(net.layers[0], lambda module: nn.assign(module.weight, np.zeros((3, 3), np.float32)))
+    out = ops.to_numpy(net(x))
+    assert seen == [True, True]
+    np.testing.assert_array_equal(out, np.zeros_like(out))  # relu(0 * x + 0 bias) then layer 1: zeros
+    handle.remove()
+    net(x)
+    assert seen == [True, True]

@@ -5,6 +5,8 @@ from __future__ import annotations
 import mindspore as ms
 from mindspore import ops as P
 
+from mindspeed_core.backends.common import GradHooks
+
 _FLOATS = (ms.float16, ms.float32, ms.float64, ms.bfloat16)
 
 # PyNative keeps only the newest forward recorded for gradients: a vjp whose backward comes
@@ -163,22 +165,7 @@ class Function:
         return _FunctionCell(cls)(*args)
 
 
-class grad_hooks:
-    """While open, ``callback(k, grad)`` runs as backward computes params[k]'s gradient (its
-    total over every use, recomputed segments and vjp pullbacks included: measured on 2.10)."""
-
-    def __init__(self, params, callback):
-        self.params, self.callback, self.handles = list(params), callback, []
-
-    def __enter__(self):
-        for k, p in enumerate(self.params):
-            self.handles.append(p.register_hook(lambda g, k=k: self.callback(k, g)))
-        return self
-
-    def __exit__(self, *exc):
-        for h in self.handles:
-            h.remove()
-        self.handles = []
+grad_hooks = GradHooks  # Parameter.register_hook in PyNative (see there)
 
 
 def no_grad():

@@ -24,7 +24,7 @@ from mindspore.mint import distributed as mint_dist
 
 import contextlib
 
-from mindspeed_core.backends.common import ITEMSIZE, CommStats, Group, env_int
+from mindspeed_core.backends.common import ITEMSIZE, CommStats, Group, Pending, env_int
 from mindspeed_core.backends.emulated_collectives import EmulatedCollectives
 
 from . import device, ops
@@ -159,47 +159,31 @@ def _reduce(x, op: str, group):
     return _back(_emulated.all_reduce(ops.to_numpy(x), op, group), x)
 
 
-class _Work:
-    """A collective under way (or done): ``wait()`` returns its result (``finish`` of what it
-    wrote, if given)."""
-
-    def __init__(self, out, handle=None, finish=None):
-        self._out, self._handle, self._finish = out, handle, finish
-
-    def wait(self):
-        if self._handle is not None:
-            self._handle.wait()
-            self._handle = None
-            if self._finish is not None:
-                self._out, self._finish = self._finish(self._out), None
-        return self._out
-
-
 def all_reduce_async(x, group: Group | None = None):
     """Start summing x over the group: mccl's asynchronous all-reduce (mint.distributed, on a
     copy: it reduces in place) for float32/float16; other dtypes are summed at once (emulated)."""
     if _alone(group):
-        return _Work(x.copy())
+        return Pending(x.copy())
     if x.dtype not in (ms.float32, ms.float16):
-        return _Work(all_reduce(x, group=group))
+        return Pending(all_reduce(x, group=group))
     out = x.copy()
     with _recording("all_reduce", _nbytes(x)):
         _stats.add_wire(_nbytes(x))
         handle = mint_dist.all_reduce(out, op="sum", group=_handle(group), async_op=True)
-    return _Work(out, handle)
+    return Pending(out, handle)
 
 
 def all_gather_async(x, group: Group | None = None):
     """Start gathering every member's x: the emulated gather's exact exchange (each rank's
     bytes in its own slot of a float32 sum) on mccl's asynchronous all-reduce."""
     if _alone(group):
-        return _Work(x.copy())
+        return Pending(x.copy())
     arr = ops.to_numpy(x)
     slots = ms.Tensor(_emulated.gather_slots(arr, group))
     with _recording("all_gather", _nbytes(x)):
         _stats.add_wire(slots.nbytes)
         handle = mint_dist.all_reduce(slots, op="sum", group=_handle(group), async_op=True)
-    return _Work(slots, handle, finish=lambda summed: _back(np.concatenate(list(
+    return Pending(slots, handle, finish=lambda summed: _back(np.concatenate(list(
         _emulated.gathered(summed.asnumpy(), arr.dtype, arr.shape)), axis=0), x))
 
 

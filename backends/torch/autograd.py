@@ -7,6 +7,8 @@ from __future__ import annotations
 import torch
 import torch.utils.checkpoint
 
+from mindspeed_core.backends.common import GradHooks
+
 
 def _fill_missing(grads, wrt):
     # A parameter the function did not use gets a zero gradient, as MindSpore gives.
@@ -32,22 +34,7 @@ def value_and_grad(fn, params, has_aux: bool = False):
     return run
 
 
-class grad_hooks:
-    """While open, ``callback(k, grad)`` runs as backward computes params[k]'s gradient (its
-    total over every use in that backward), before the gradient is returned."""
-
-    def __init__(self, params, callback):
-        self.params, self.callback, self.handles = list(params), callback, []
-
-    def __enter__(self):
-        for k, p in enumerate(self.params):
-            self.handles.append(p.register_hook(lambda g, k=k: self.callback(k, g)))
-        return self
-
-    def __exit__(self, *exc):
-        for h in self.handles:
-            h.remove()
-        self.handles = []
+grad_hooks = GradHooks  # tensor hooks: a leaf's fires once per backward with its total gradient
 
 
 def compiled_value_and_grad(fn, params, module):

@@ -17,7 +17,7 @@ import time
 import torch
 import torch.distributed as tdist
 
-from mindspeed_core.backends.common import ITEMSIZE, CommStats, Group, env_int
+from mindspeed_core.backends.common import ITEMSIZE, CommStats, Group, Pending, env_int
 
 from . import device
 
@@ -137,39 +137,23 @@ def all_reduce(x, op: str = "sum", group: Group | None = None):
     return out
 
 
-class _Work:
-    """A collective under way: ``wait()`` blocks until it is done and returns its result
-    (``finish`` of what it wrote, if given)."""
-
-    def __init__(self, out, work=None, finish=None):
-        self._out, self._work, self._finish = out, work, finish
-
-    def wait(self):
-        if self._work is not None:
-            self._work.wait()
-            self._work = None
-            if self._finish is not None:
-                self._out, self._finish = self._finish(self._out), None
-        return self._out
-
-
 def all_reduce_async(x, group: Group | None = None):
     """Start summing x over the group (gloo and nccl run it on their own threads/streams)."""
     out = x.clone()
     if _alone(group):
-        return _Work(out)
+        return Pending(out)
     _record("all_reduce", x)
-    return _Work(out, tdist.all_reduce(out, op=tdist.ReduceOp.SUM, group=_h(group), async_op=True))
+    return Pending(out, tdist.all_reduce(out, op=tdist.ReduceOp.SUM, group=_h(group), async_op=True))
 
 
 def all_gather_async(x, group: Group | None = None):
     """Start gathering every member's x (concatenated along dim 0 at wait)."""
     if _alone(group):
-        return _Work(x.clone())
+        return Pending(x.clone())
     _record("all_gather", x)
     parts = [torch.empty_like(x) for _ in range(world_size(group))]
     work = tdist.all_gather(parts, x.contiguous(), group=_h(group), async_op=True)
-    return _Work(parts, work, finish=lambda gathered: torch.cat(gathered, dim=0))
+    return Pending(parts, work, finish=lambda gathered: torch.cat(gathered, dim=0))
 
 
 def all_gather(x, group: Group | None = None, dim: int = 0):
