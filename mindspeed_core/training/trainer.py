@@ -252,8 +252,8 @@ class Trainer:
         """The step's mean loss (on every rank) and this rank's gradients, complete as the
         parallel plan asks but not yet reduced over data-parallel ranks."""
         args = self.flags
-        if self.param_gather is not None and args.compile:  # a compiled step runs no forward hooks
-            self.param_gather.wait_all()
+        if args.compile:  # a compiled step runs no forward hooks (--overlap-param-gather)
+            self.parameters_ready()
         micro_batches = (self.batches.micro_batch("train", start, args.micro_batch_size)
                          for start in self.sampler.micro_batch_starts(iteration))
         loss, grads = self.forward_backward(micro_batches)
@@ -292,12 +292,11 @@ class Trainer:
         if not math.isfinite(norm):
             raise MindSpeedError(f"the gradient norm became {norm} at iteration {iteration + 1}; stopping without "
                                  f"saving (the last checkpoint on disk is intact); lower --lr or check the data")
-        if self.param_gather is None:
-            self.optimizer.step(grads, lr, distributed.clip_coefficient(norm, args.clip_grad))
-        else:  # what no forward waited for (parameters unused last step) first
-            self.param_gather.wait_all()
-            self.param_gather.started(self.optimizer.step(grads, lr, distributed.clip_coefficient(norm, args.clip_grad),
-                                                          gather_later=True))
+        self.parameters_ready()  # what no forward waited for (parameters unused last step) first
+        started = self.optimizer.step(grads, lr, distributed.clip_coefficient(norm, args.clip_grad),
+                                      gather_later=self.param_gather is not None)
+        if self.param_gather is not None:
+            self.param_gather.started(started)
         if self.moe_stats is not None:
             routing.update_expert_bias(self.moe_layers, self.cfg, self.moe_stats["tokens_per_expert"])
         device.synchronize()
