@@ -53,11 +53,6 @@ class Bucket:
         return None if self.group is None else dist.all_reduce(self.flat(grads), group=self.group)
 
 
-def _all_reduce_flat(grads, indices, group, scale):
-    bucket = Bucket(tuple(indices), group)
-    put_back(grads, bucket, bucket.reduce(grads), scale)
-
-
 def put_back(grads: list, bucket: Bucket, reduced, scale: float) -> None:
     """Write a bucket's sum (``reduced``; None: nothing was summed), times ``scale``, over
     its gradients in ``grads``."""
@@ -77,7 +72,8 @@ def sum_partial_over_tp(grads: list, ps, partial: list[int]) -> list:
     (each rank saw a slice of the sequence): sum them over the tensor-parallel group."""
     grads = list(grads)
     if partial and ps.tp > 1:
-        _all_reduce_flat(grads, partial, ps.group("tp"), 1.0)
+        bucket = Bucket(tuple(partial), ps.group("tp"))
+        put_back(grads, bucket, bucket.reduce(grads), 1.0)
     return grads
 
 
@@ -100,13 +96,18 @@ def sum_tied_embeddings(grads: list, plan, ps, tied: bool) -> list:
     """With tied input and output embeddings and several pipeline stages, the first stage's
     word embeddings and the last stage's copy each got part of the gradient: sum the two
     over the embedding group (the first and last pipeline rank), so the copies stay equal."""
-    if ps.pp == 1 or not tied:
-        return grads
     grads = list(grads)
-    for i, p in enumerate(plan.params):
-        if p.tied_copy or (p.name == TIED_EMBEDDING and ps.local_rank("pp") == 0):
-            grads[i] = dist.all_reduce(grads[i], group=ps.group("embedding"))
+    for i in _tied_embedding_positions(plan, ps, tied):
+        grads[i] = dist.all_reduce(grads[i], group=ps.group("embedding"))
     return grads
+
+
+def _tied_embedding_positions(plan, ps, tied: bool) -> list[int]:
+    """This rank's copies of tied word embeddings that sum_tied_embeddings sums across stages."""
+    if ps.pp == 1 or not tied:
+        return []
+    return [i for i, p in enumerate(plan.params)
+            if p.tied_copy or (p.name == TIED_EMBEDDING and ps.local_rank("pp") == 0)]
 
 
 def average_over_dp(grads: list, ps, expert: list[bool] | None = None, limit: int | None = None) -> list:
@@ -145,10 +146,7 @@ def summed_across_model_parallel(plan, ps, tied: bool) -> set:
     out = set(plan.indices("partial")) if ps.tp > 1 else set()
     if plan.kv is not None:
         out |= set(plan.indices("kv_copies"))
-    if ps.pp > 1 and tied:
-        out |= {i for i, p in enumerate(plan.params)
-                if p.tied_copy or (p.name == TIED_EMBEDDING and ps.local_rank("pp") == 0)}
-    return out
+    return out | set(_tied_embedding_positions(plan, ps, tied))
 
 
 def sum_of_squares(x):

@@ -92,11 +92,6 @@ class _Partition:
         high = ops.cast(self.window([autograd.detach(p) for _, p in self.named]), "bfloat16")
         return reuse_fp32_param.join(high, self.residual)
 
-    def _bucket_flat(self, tensors, b: int):
-        pieces = [ops.reshape(ops.cast(tensors[k], "float32"), (-1,)) for k in self.runs[b]]
-        pad = self.bucket_lengths[b] - sum(self.sizes[k] for k in self.runs[b])
-        return ops.cat(pieces + ([ops.zeros((pad,))] if pad else []))
-
     def window(self, tensors):
         """This rank's slices of the flat vector of ``tensors``, built from the pieces inside them:
         tensors of their own (a slice of the whole flat vector would keep all of it alive)."""
@@ -153,13 +148,13 @@ class _Partition:
         if self.ranks == 1:
             flat = self.window(grads)
         else:
-            parts = []
+            parts, local = [], self.buckets(list(range(len(self.sizes))))  # by this partition's own positions
             for b, (lo, hi) in enumerate(self.slices):
                 if reduced is not None:
                     start = lo - self.bucket_starts[b]
                     parts.append(reduced[b][start:start + hi - lo])
                 else:
-                    parts.append(dist.reduce_scatter(self._bucket_flat(grads, b), group=self.group))
+                    parts.append(dist.reduce_scatter(local[b].flat(grads), group=self.group))
             flat = ops.cat(parts) if len(parts) > 1 else parts[0]
         return flat * self.grad_scale if self.grad_scale != 1.0 else flat
 
