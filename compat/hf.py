@@ -257,7 +257,7 @@ def _fuse_qkv(cfg: ModelConfig, q, k, v):
     return np.concatenate(parts, axis=1).reshape((-1,) + tail)
 
 
-def _split_qkv(cfg: ModelConfig, qkv):
+def split_qkv(cfg: ModelConfig, qkv):
     g, d = cfg.num_query_groups, cfg.kv_channels
     per = cfg.num_attention_heads // g
     tail = qkv.shape[1:]
@@ -422,9 +422,9 @@ def to_hf_state(cfg: ModelConfig, ours: dict) -> dict:
             a, b = f"{p}h.{i}.", f"decoder.layers.{i}."
             for hf_n, mine in (("ln_1", "input_layernorm"), ("ln_2", "pre_mlp_layernorm")):
                 out[a + hf_n + ".weight"], out[a + hf_n + ".bias"] = ours[b + mine + ".weight"], ours[b + mine + ".bias"]
-            q, k, v = _split_qkv(cfg, ours[b + "self_attention.linear_qkv.weight"])
+            q, k, v = split_qkv(cfg, ours[b + "self_attention.linear_qkv.weight"])
             out[a + "attn.c_attn.weight"] = np.ascontiguousarray(np.concatenate([q, k, v]).T)
-            out[a + "attn.c_attn.bias"] = np.concatenate(_split_qkv(cfg, ours[b + "self_attention.linear_qkv.bias"]))
+            out[a + "attn.c_attn.bias"] = np.concatenate(split_qkv(cfg, ours[b + "self_attention.linear_qkv.bias"]))
             for hf_n, mine in (("attn.c_proj", "self_attention.linear_proj"), ("mlp.c_fc", "mlp.linear_fc1"),
                                ("mlp.c_proj", "mlp.linear_fc2")):
                 out[a + hf_n + ".weight"] = np.ascontiguousarray(ours[b + mine + ".weight"].T)
@@ -435,10 +435,10 @@ def to_hf_state(cfg: ModelConfig, ours: dict) -> dict:
     out["model.embed_tokens.weight"] = ours["embedding.word_embeddings.weight"]
     for i in range(cfg.num_layers):
         a, b = f"model.layers.{i}.", f"decoder.layers.{i}.self_attention.linear_qkv."
-        for x, t in zip("qkv", _split_qkv(cfg, ours[b + "weight"])):
+        for x, t in zip("qkv", split_qkv(cfg, ours[b + "weight"])):
             out[a + f"self_attn.{x}_proj.weight"] = t
         if cfg.add_qkv_bias:
-            for x, t in zip("qkv", _split_qkv(cfg, ours[b + "bias"])):
+            for x, t in zip("qkv", split_qkv(cfg, ours[b + "bias"])):
                 out[a + f"self_attn.{x}_proj.bias"] = t
         if cfg.is_moe_layer(i):
             out.update(_moe_to_hf_state(cfg, i, ours))
@@ -543,7 +543,7 @@ def load_folder(folder: str) -> tuple[ModelConfig, dict]:
     return cfg, {k: np.asarray(v, dtype=np.float32) for k, v in state.items()}
 
 
-def _without_noop_layers(cfg: ModelConfig, state: dict) -> tuple[ModelConfig, dict]:
+def without_noop_layers(cfg: ModelConfig, state: dict) -> tuple[ModelConfig, dict]:
     """A Hugging Face model has no no-op layers: number the real ones 0, 1, ... (as
     MindSpeed-LLM's converter drops them)."""
     if not cfg.noop_layers:
@@ -558,7 +558,7 @@ def _without_noop_layers(cfg: ModelConfig, state: dict) -> tuple[ModelConfig, di
 def save_folder(folder: str, cfg: ModelConfig, state: dict, max_shard_bytes: int | None = None) -> None:
     """Write config.json and safetensors (sharded with an index past max_shard_bytes) from a
     whole model's state in our names (LoRA adapters merged into their base weights)."""
-    cfg, state = _without_noop_layers(*merge_lora(cfg, state))
+    cfg, state = without_noop_layers(*merge_lora(cfg, state))
     os.makedirs(folder, exist_ok=True)
     hf = {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in to_hf_state(cfg, state).items()}
     with open(os.path.join(folder, "config.json"), "w") as fh:

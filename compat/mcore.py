@@ -17,9 +17,15 @@ tied output layer copied on the last stage when there are several, and ``_extra_
 SequentialMLP's ``mlp.experts.local_experts.E.linear_fc{1,2}.weight`` (GroupedMLP's
 ``mlp.experts.weight1/weight2`` are read too), E numbered within the expert-parallel rank.
 
+A LoRA run's linear layers carry peft's names, as MindSpeed-LLM saves them:
+``linear_qkv.base_layer.weight`` for the base, ``linear_qkv.lora_A.default.weight`` and
+``lora_B.default.weight`` for the factors (a save with the adapters only is read too), and
+``args`` holds ``lora_r``, ``lora_alpha`` and ``lora_target_modules``.
+
 A tensor-parallel rank's piece of each weight is parallel/layers.py's cut (``TP_SPECS``):
 column-parallel rows, row-parallel columns, gate and up halves cut alike, the vocabulary
-padded with zero rows to a multiple of TP as Megatron pads it. ``args`` holds Megatron's names
+padded with zero rows to a multiple of TP as Megatron pads it; a LoRA factor B is cut as its
+column-parallel layer's rows, A as its row-parallel layer's columns, the other one whole. ``args`` holds Megatron's names
 for the model and the layout, and ours in ``mindspeed_model_config`` (JSON), which is read back
 exactly; a checkpoint without it (made by Megatron itself) is read from Megatron's names.
 Files are read with compat/torch_pickle (no code from the file runs, no torch needed).
@@ -38,7 +44,8 @@ import numpy as np
 from mindspeed_core.backends.common import float32_to_bf16_bits
 from mindspeed_core.compat import torch_pickle
 from mindspeed_core.errors import CheckpointError
-from mindspeed_core.models.config import ModelConfig, MoEConfig
+from mindspeed_core.models.config import LoRAConfig, ModelConfig, MoEConfig
+from mindspeed_core.models.state import is_adapter
 from mindspeed_core.parallel import pipeline
 from mindspeed_core.parallel.sharding import shard, unshard
 from mindspeed_core.tensor_files import HostTensor
@@ -73,6 +80,11 @@ class Layout:
 def tp_spec(cfg: ModelConfig, name: str):
     """How a whole-model tensor (our name) is cut over TP ranks (parallel/layers.py's specs);
     None: every rank holds all of it."""
+    if is_adapter(name):  # B follows a column-parallel base's rows, A a row-parallel base's columns
+        base = tp_spec(cfg, re.sub(r"\.lora_[AB]\.weight$", ".weight", name))
+        if base is None or (base == ("split", 1)) == (".lora_B." in name):
+            return None
+        return base
     swiglu = ("swiglu",) if cfg.activation == "swiglu" else ("split", 0)
     if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
         return ("split", 0)
@@ -88,8 +100,6 @@ def tp_spec(cfg: ModelConfig, name: str):
 
 def check(cfg: ModelConfig, layout: Layout) -> None:
     """What Megatron's layout cannot hold, refused before anything is written."""
-    if cfg.lora is not None:
-        raise CheckpointError("a LoRA model: merge the adapters first (mindspeed convert --save-model-type hf does)")
     if cfg.num_query_groups % layout.tp:
         raise CheckpointError(f"--target-tensor-parallel-size {layout.tp} does not divide the model's "
                               f"{cfg.num_query_groups} key/value heads (num_query_groups), as Megatron requires")
@@ -140,6 +150,24 @@ def _stage_names(cfg: ModelConfig, stages: pipeline.PipelineLayout, stage: int) 
     return out
 
 
+def _peft_name(adapted: set, rest: str) -> str:
+    """A layer's tensor (``rest``: its name inside the layer) under the name peft gives it in a
+    LoRA run's Megatron checkpoint (MindSpeed-LLM's): the own tensors of a linear layer in
+    ``adapted`` (those with factors) under ``base_layer.``, the factors as
+    ``lora_A.default.weight``; other tensors keep theirs."""
+    module, _, leaf = rest.rpartition(".")
+    if module.endswith((".lora_A", ".lora_B")):
+        return f"{module}.default.{leaf}"
+    if module in adapted:
+        return f"{module}.base_layer.{leaf}"
+    return rest
+
+
+def _ours(key: str) -> str:
+    """The inverse of ``_peft_name``."""
+    return key.replace(".base_layer.", ".").replace(".default.", ".")
+
+
 def _layer_names(names: list[str], number: int) -> list[str]:
     prefix = f"decoder.layers.{number}."
     return [n[len(prefix):] for n in names if n.startswith(prefix)]
@@ -182,16 +210,20 @@ def split(cfg: ModelConfig, whole: dict, layout: Layout, dtype: str = "float32")
                     for local, number in enumerate(stages.stages[stage]):
                         if number in stages.noop:
                             continue
+                        adapted = {n.rsplit(".lora_A.", 1)[0] for n in _layer_names(names, number)
+                                   if ".lora_A." in n}
                         for rest in _layer_names(names, number):
                             ours, key = f"decoder.layers.{number}.{rest}", f"decoder.layers.{local}.{rest}"
                             if rest.startswith("mlp.experts."):
                                 _put_experts(cfg, state, f"decoder.layers.{local}.mlp.experts.", rest, whole[ours],
                                              layout, t, e, dtype)
                                 continue
-                            put(key, np.asarray(whole[ours]), tp_spec(cfg, ours))
+                            put(f"decoder.layers.{local}.{_peft_name(adapted, rest)}", np.asarray(whole[ours]),
+                                tp_spec(cfg, ours))
                             for linear in _LINEARS:
                                 if rest == linear + ".weight":
-                                    state[f"decoder.layers.{local}.{linear}._extra_state"] = None
+                                    extra = _peft_name(adapted, linear + "._extra_state")
+                                    state[f"decoder.layers.{local}.{extra}"] = None
                     chunks.append(state)
                 out[t, p, e] = chunks
     return out
@@ -234,6 +266,9 @@ def megatron_args(cfg: ModelConfig, layout: Layout, dtype: str, iteration: int) 
         num_layer_list=layout.num_layer_list, noop_layers=",".join(map(str, cfg.noop_layers)) or None,
         params_dtype=torch_pickle.TorchDType(dtype), bf16=dtype == "bfloat16", fp16=dtype == "float16",
         iteration=iteration, mindspeed_model_config=json.dumps(cfg.to_dict(), sort_keys=True))
+    if cfg.lora is not None:  # MindSpeed-LLM's names for the run's LoRA flags
+        a.lora_r, a.lora_alpha, a.lora_target_modules = cfg.lora.r, cfg.lora.alpha, list(cfg.lora.targets)
+        a.lora_dropout = cfg.lora.dropout
     if cfg.moe is not None:
         a.num_experts, a.moe_router_topk = cfg.moe.num_experts, cfg.moe.topk
         a.moe_ffn_hidden_size = cfg.moe.ffn_hidden_size or cfg.ffn_hidden_size
@@ -379,13 +414,17 @@ def _chunks(state: dict, path: str) -> list[dict]:
     for chunk in chunks:
         if not isinstance(chunk, dict):
             raise CheckpointError(f"{path}: its model state is a {type(chunk).__name__}, not a dict of tensors")
-    return chunks
+    return [{_ours(k) if isinstance(k, str) else k: v for k, v in chunk.items()} for chunk in chunks]
 
 
 def merge(cfg: ModelConfig, pieces: dict, layout: Layout) -> dict:
-    """The inverse of ``split``: {(t, p, e): [chunk state]} -> whole model, float32."""
+    """The inverse of ``split``: {(t, p, e): [chunk state]} -> whole model, float32. A LoRA
+    run's checkpoint saved with the adapters only (MindSpeed-LLM's --lora-ckpt-filter) gives
+    the adapters only."""
     stages = layout.stages(cfg)
     whole = {}
+    adapters_only = all(is_adapter(k) or k.endswith("_extra_state") for chunks in pieces.values() for chunk in chunks
+                        for k in chunk)
 
     def take(p, c, e, key, ours):
         parts = []
@@ -406,7 +445,7 @@ def merge(cfg: ModelConfig, pieces: dict, layout: Layout) -> dict:
                 raise CheckpointError(f"{layout.rank_dir(0, p, 0)} holds {len(pieces[0, p, 0])} model chunks; its "
                                       f"args give {stages.chunks}")
             stage = stages.stage(p, c)
-            for key, ours in _stage_names(cfg, stages, stage).items():
+            for key, ours in ({} if adapters_only else _stage_names(cfg, stages, stage)).items():
                 if key == "output_layer.weight" and ours != key:
                     continue  # the tied copy: the embedding itself is on the first stage
                 whole[ours] = take(p, c, 0, key, ours)
@@ -421,7 +460,7 @@ def merge(cfg: ModelConfig, pieces: dict, layout: Layout) -> dict:
                         continue
                     ours = f"decoder.layers.{number}.{rest}"
                     whole[ours] = take(p, c, 0, key, ours)
-                if cfg.is_moe_layer(number) and number not in stages.noop:
+                if cfg.is_moe_layer(number) and number not in stages.noop and not adapters_only:
                     whole.update(_experts(cfg, pieces, layout, p, c, local, number))
     return whole
 
@@ -471,6 +510,10 @@ def config_from_args(args) -> ModelConfig:
             moe = MoEConfig(num_experts=args.num_experts, topk=_arg(args, "moe_router_topk", 2),
                             ffn_hidden_size=_arg(args, "moe_ffn_hidden_size", None),
                             shared_expert_size=_arg(args, "moe_shared_expert_intermediate_size", None))
+        lora = None
+        if _arg(args, "lora_target_modules", None):  # MindSpeed-LLM's LoRA runs: on with target modules
+            lora = LoRAConfig(r=_arg(args, "lora_r", 16), alpha=float(_arg(args, "lora_alpha", 32)),
+                              dropout=float(_arg(args, "lora_dropout", 0.0)), targets=tuple(args.lora_target_modules))
         return ModelConfig(
             vocab_size=_arg(args, "padded_vocab_size", None) or args.vocab_size, hidden_size=args.hidden_size,
             num_layers=args.num_layers, num_attention_heads=heads,
@@ -486,6 +529,6 @@ def config_from_args(args) -> ModelConfig:
             add_bias_linear=bool(_arg(args, "add_bias_linear", True)),
             qk_layernorm=bool(_arg(args, "qk_layernorm", False)),
             untie_embeddings_and_output_weights=bool(_arg(args, "untie_embeddings_and_output_weights", False)),
-            noop_layers=pipeline.parse_layer_numbers(_arg(args, "noop_layers", None), "noop_layers"), moe=moe)
+            noop_layers=pipeline.parse_layer_numbers(_arg(args, "noop_layers", None), "noop_layers"), moe=moe, lora=lora)
     except (AttributeError, TypeError, ValueError, KeyError) as exc:
         raise CheckpointError(f"the checkpoint's args do not describe a model we can build ({exc})") from None

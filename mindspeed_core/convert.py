@@ -7,11 +7,22 @@ checkpoints, and Megatron -> Megatron under another layout, with MindSpeed-LLM's
     mindspeed convert --load-model-type mg --save-model-type hf --load-dir llama-mg/ --save-dir llama-hf2/
     mindspeed convert --load-model-type mg --save-model-type mg --load-dir llama-mg/ --save-dir llama-pp4/ \\
         --target-tensor-parallel-size 1 --target-pipeline-parallel-size 4
+    mindspeed convert --load-model-type mg --save-model-type hf --load-dir llama-mg/ --lora-load lora-run/ \\
+        --lora-r 16 --lora-alpha 32 --save-dir llama-hf-merged/
+    mindspeed convert --load-model-type mg --save-model-type hf --load-dir lora-run/ --save-lora-to-hf \\
+        --lora-r 16 --lora-alpha 32 --save-dir llama-hf/
 
 Framework-free: numpy, compat/hf (safetensors) and compat/mcore (Megatron's layout, read
 without torch and without running code from the files). ``--load-model-type mg`` also takes
 our own checkpoints (``mindspeed train --save``), LoRA adapters merged into their weights.
 A Megatron -> Megatron conversion keeps the source's layout for each target flag not given.
+
+LoRA as MindSpeed-LLM's convert_ckpt_v2.py: ``--lora-load`` merges a LoRA run's adapters (ours,
+or a Megatron checkpoint with peft's names, whole or adapters only) into the ``--load-dir``
+model; ``--save-lora-to-hf`` writes the ``--load-dir`` run's adapters as a PEFT folder
+(compat/peft.py), beside the Hugging Face model that --save-dir may already hold. ``--lora-r``,
+``--lora-alpha`` and ``--lora-target-modules`` must agree with what the run recorded, and
+supply what it did not.
 """
 
 from __future__ import annotations
@@ -19,10 +30,13 @@ from __future__ import annotations
 import dataclasses
 import os
 
+import numpy as np
+
 from mindspeed_core import features, runtime
-from mindspeed_core.compat import hf, mcore, megatron_args
+from mindspeed_core.compat import hf, mcore, megatron_args, peft
 from mindspeed_core.errors import CheckpointError, MindSpeedError
-from mindspeed_core.models.state import renumber_layers
+from mindspeed_core.models.config import LORA_TARGETS, LoRAConfig
+from mindspeed_core.models.state import check_adapters, is_adapter, merge_lora, renumber_layers
 from mindspeed_core.parallel import pipeline
 from mindspeed_core.training import model_source
 
@@ -55,11 +69,16 @@ def parser():
     p.add_argument("--expert-tensor-parallel-size", type=megatron_args.POSITIVE_INT, default=None,
                    help="the target's tensor parallelism inside the experts (it must equal the tensor parallelism "
                         "here)")
-    p.add_argument("--lora-load", default=None, help="LoRA adapters to merge into the --load-dir weights")
-    p.add_argument("--lora-r", type=megatron_args.POSITIVE_INT, default=None)
-    p.add_argument("--lora-alpha", type=megatron_args.POSITIVE, default=None)
-    p.add_argument("--lora-target-modules", nargs="+", default=None)
-    p.add_argument("--save-lora-to-hf", action="store_true", help="write the adapters as a PEFT folder")
+    p.add_argument("--lora-load", default=None, help="a LoRA run whose adapters are merged into the --load-dir weights")
+    p.add_argument("--lora-r", type=megatron_args.POSITIVE_INT, default=None,
+                   help="the adapters' rank (checked against the run's record)")
+    p.add_argument("--lora-alpha", type=megatron_args.POSITIVE, default=None,
+                   help="the adapters' alpha (scale alpha / r; checked against the run's record)")
+    p.add_argument("--lora-target-modules", nargs="+", choices=LORA_TARGETS, default=None,
+                   help="the layers that carry adapters (checked against the run's record)")
+    p.add_argument("--save-lora-to-hf", action="store_true",
+                   help="write the --load-dir LoRA run's adapters as a PEFT folder (adapter_config.json, "
+                        "adapter_model.safetensors) into --save-dir")
     p.add_argument("--moe-grouped-gemm", action="store_true",
                    help="(no effect: a kernel choice of training; the weights are the same)")
     p.add_argument("--params-dtype", choices=tuple(DTYPES), default=None,
@@ -95,6 +114,92 @@ def _read_mg(args):
     return source
 
 
+def _lora_of(args, source, flag: str) -> LoRAConfig:
+    """The adapters' configuration: what the run recorded, which the --lora-* flags must
+    match, or (a Megatron checkpoint that does not say) the flags, the rank read off the
+    factors and the targets off their names."""
+    saved, held = source.cfg.lora, [k for k in source.state if is_adapter(k)]
+    if not held:
+        raise MindSpeedError(f"{flag} {source.path} holds no LoRA adapters")
+    if saved is not None:
+        for name, given, recorded in (("--lora-r", args.lora_r, saved.r), ("--lora-alpha", args.lora_alpha, saved.alpha),
+                                      ("--lora-target-modules", args.lora_target_modules and
+                                       sorted(args.lora_target_modules), sorted(saved.targets))):
+            if given is not None and given != recorded:
+                shown = " ".join(recorded) if isinstance(recorded, list) else recorded
+                raise MindSpeedError(f"{name} {' '.join(given) if isinstance(given, list) else given}, but the LoRA "
+                                     f"run in {source.path} was trained with {name} {shown}")
+        return saved
+    if args.lora_alpha is None:
+        raise MindSpeedError(f"{source.path} does not record the adapters' alpha: give --lora-alpha (and --lora-r) as "
+                             "the run had them")
+    targets = args.lora_target_modules or sorted({k.split(".")[4] for k in held})
+    rank = int(source.state[next(k for k in held if ".lora_A." in k)].shape[0])
+    return LoRAConfig(r=args.lora_r or rank, alpha=float(args.lora_alpha), targets=tuple(targets))
+
+
+def _adapters(args, source, flag: str) -> tuple:
+    """(LoRA config, adapters) of a LoRA run, checked against the model they adapt."""
+    lora = _lora_of(args, source, flag)
+    cfg = dataclasses.replace(source.cfg, lora=lora)
+    adapters = {k: v for k, v in source.state.items() if is_adapter(k)}
+    try:
+        check_adapters(cfg, adapters, f"{flag} {source.path}")
+    except ValueError as exc:
+        raise CheckpointError(str(exc)) from None
+    return cfg, adapters
+
+
+def _with_adapters(args, base):
+    """The --load-dir model with the --lora-load run's adapters folded in."""
+    run = model_source.read(args.lora_load, "--lora-load", ("megatron", "ours"), adapters=True)
+    cfg, adapters = _adapters(args, dataclasses.replace(run, cfg=dataclasses.replace(
+        base.cfg, lora=run.cfg.lora)), "--lora-load")
+    for name, value in run.state.items():  # a whole LoRA checkpoint: trained on these base weights?
+        if is_adapter(name):
+            continue
+        mine = base.state.get(name)
+        if mine is None or mine.shape != value.shape:
+            raise CheckpointError(f"--lora-load {args.lora_load} is a LoRA run of another model than --load-dir "
+                                  f"{args.load_dir} ({name})")
+        # the same weights, up to the rounding of one of them to 16 bits
+        if np.abs(mine - value).max() > 2.0 ** -7 * max(float(np.abs(mine).max()), 1e-30):
+            raise CheckpointError(f"--lora-load {args.lora_load} was trained on other weights than --load-dir "
+                                  f"{args.load_dir}'s ({name} differs)")
+    merged_cfg, state = merge_lora(cfg, {**base.state, **adapters})
+    print(f"merged the LoRA adapters of {args.lora_load} (rank {cfg.lora.r}, alpha {cfg.lora.alpha:g}, "
+          f"{' '.join(cfg.lora.targets)}) into the weights of {args.load_dir}")
+    return dataclasses.replace(base, cfg=merged_cfg, state=state)
+
+
+def _export_adapters(args) -> int:
+    """--save-lora-to-hf: the --load-dir run's adapters as a PEFT folder."""
+    if args.load_model_type != "mg" or args.save_model_type != "hf":
+        raise MindSpeedError("--save-lora-to-hf exports a LoRA run's adapters: --load-model-type mg "
+                             "--save-model-type hf")
+    if args.lora_load:
+        raise MindSpeedError("--save-lora-to-hf exports the adapters of --load-dir; --lora-load merges adapters into "
+                             "a model: give one of them")
+    for name in (peft.CONFIG, peft.WEIGHTS):
+        if os.path.exists(os.path.join(args.save_dir, name)):
+            raise MindSpeedError(f"--save-dir {args.save_dir} already holds {name}: choose another folder")
+    if not os.path.isdir(args.load_dir):
+        raise MindSpeedError(f"--load-dir {args.load_dir} does not exist")
+    run = model_source.read(args.load_dir, "--load-dir", ("megatron", "ours"), adapters=True)
+    if args.model_type_hf and run.exact and run.cfg.family != MODEL_TYPES[args.model_type_hf]:
+        raise MindSpeedError(f"--model-type-hf {args.model_type_hf}, but {args.load_dir} holds a {run.cfg.family} model")
+    if args.model_type_hf and not run.exact:
+        run = dataclasses.replace(run, cfg=dataclasses.replace(run.cfg, family=MODEL_TYPES[args.model_type_hf]))
+    cfg, adapters = _adapters(args, run, "--load-dir")
+    if args.hf_cfg_dir is not None:  # the model the adapters go with
+        hf.check_same_model(args.hf_cfg_dir, dataclasses.replace(cfg, lora=None))
+    peft.check_exportable(cfg)
+    peft.save_adapter(args.save_dir, cfg, adapters)
+    print(f"wrote the LoRA adapters of {args.load_dir} (rank {cfg.lora.r}, alpha {cfg.lora.alpha:g}, "
+          f"{len(adapters) // 2} layers) as a PEFT folder: {args.save_dir}")
+    return 0
+
+
 def _target_layout(args, cfg, source):
     keep = source or mcore.Layout()
     tp = args.target_tensor_parallel_size or keep.tp
@@ -111,8 +216,8 @@ def run(args, backend=None) -> int:
     """`mindspeed convert` once its flags are parsed (the framework plays no part)."""
     features.note_used("weight-conversion")
     framework = runtime.resolve(args.ai_framework)
-    if args.lora_load or args.lora_r or args.lora_alpha or args.lora_target_modules or args.save_lora_to_hf:
-        features.refuse("convert-lora", framework)
+    if args.lora_load or args.save_lora_to_hf:
+        features.note_used("convert-lora")
     target_tp = args.target_tensor_parallel_size or 1
     if args.expert_tensor_parallel_size not in (None, target_tp):
         features.refuse("expert-tensor-parallel", framework)
@@ -128,9 +233,16 @@ def run(args, backend=None) -> int:
                                      f"folder (--save-model-type hf) has no layout or dtype to set")
     if os.path.realpath(args.load_dir) == os.path.realpath(args.save_dir):
         raise MindSpeedError("--save-dir is --load-dir: write the conversion to another folder")
+    if args.save_lora_to_hf:
+        return _export_adapters(args)
+    if (args.lora_r or args.lora_alpha or args.lora_target_modules) and not args.lora_load:
+        raise MindSpeedError("--lora-r, --lora-alpha and --lora-target-modules describe the adapters of --lora-load "
+                             "(merge) or of --save-lora-to-hf (export): give one of those")
     if os.path.isdir(args.save_dir) and os.listdir(args.save_dir):
         raise MindSpeedError(f"--save-dir {args.save_dir} is not empty: choose a new folder")
     source = _read_hf(args) if args.load_model_type == "hf" else _read_mg(args)
+    if args.lora_load:
+        source = _with_adapters(args, source)
     iteration, cfg, state, dtype = source.iteration, source.cfg, source.state, source.dtype
     if args.noop_layers:
         if args.load_model_type != "hf" or cfg.noop_layers:

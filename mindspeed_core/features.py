@@ -146,8 +146,9 @@ _SAME_RING = "the ring's send/receive and its block's attention run one after th
 _DIST_CKPT = "checkpoints here are iter_*/ folders of safetensors (mindspeed convert writes Megatron's .pt layout)"
 _ETP = "the experts' tensor parallelism is the model's (--tensor-model-parallel-size)"
 _ETP_INSTEAD = "--expert-tensor-parallel-size equal to --tensor-model-parallel-size"
-_CONVERT_LORA = "mindspeed convert takes a LoRA run's checkpoint whole (--load-dir): its adapters are merged"
-_CONVERT_LORA_INSTEAD = "--load-model-type mg --load-dir <the LoRA run's --save>"
+_CONVERT_LORA = ("--lora-load merges a LoRA run's adapters (ours, or a Megatron checkpoint in peft's names, whole or "
+                 "adapters only) into --load-dir's model; --save-lora-to-hf writes them as a PEFT folder that peft loads "
+                 "onto the transformers model (framework-free)")
 
 # the combinations the trainer cannot run yet (rows at the end of FEATURES)
 _ALIGNMENT_STAGES = ("dpo", "simpo", "orm", "rm", "prm")
@@ -534,8 +535,7 @@ FEATURES: tuple[Feature, ...] = (
             planned("a LoRA checkpoint holds the base weights too"), _on("lora_ckpt_filter")),
     Feature("convert-lora", "LoRA adapters in mindspeed convert (merge, PEFT export)", "tools",
             ("--lora-load", "--lora-r", "--save-lora-to-hf"),
-            planned(_CONVERT_LORA, instead=_CONVERT_LORA_INSTEAD),
-            planned(_CONVERT_LORA, instead=_CONVERT_LORA_INSTEAD)),
+            supported(_CONVERT_LORA), supported(_CONVERT_LORA)),
     Feature("ppo-handler", "PPO / RL prompt data (PPOAlpacaStyleInstructionHandler)", "tools", ("--handler-name",),
             planned("prompt-only data for online RL comes with GRPO"), planned("prompt-only data for online RL comes "
                                                                                 "with GRPO"),

@@ -16,6 +16,41 @@ def is_adapter(name: str) -> bool:
     return any(tag in name for tag in ADAPTER_TAGS)
 
 
+def adapter_shapes(cfg) -> dict:
+    """{name: shape} of every LoRA factor the config's model holds (models/gpt.py's linear
+    layers named in ``cfg.lora.targets``: no-op layers hold none, MoE layers none on their MLP)."""
+    if cfg.lora is None:
+        return {}
+    width = 2 * cfg.ffn_hidden_size if cfg.activation == "swiglu" else cfg.ffn_hidden_size
+    sizes = {"self_attention.linear_qkv": (cfg.hidden_size, cfg.qkv_width),
+             "self_attention.linear_proj": (cfg.num_attention_heads * cfg.kv_channels, cfg.hidden_size),
+             "mlp.linear_fc1": (cfg.hidden_size, width), "mlp.linear_fc2": (cfg.ffn_hidden_size, cfg.hidden_size)}
+    out = {}
+    for i in range(cfg.num_layers):
+        if i in cfg.noop_layers:
+            continue
+        for module, (n_in, n_out) in sizes.items():
+            if module.split(".")[1] not in cfg.lora.targets or (module.startswith("mlp.") and cfg.is_moe_layer(i)):
+                continue
+            out[f"decoder.layers.{i}.{module}.lora_A.weight"] = (cfg.lora.r, n_in)
+            out[f"decoder.layers.{i}.{module}.lora_B.weight"] = (n_out, cfg.lora.r)
+    return out
+
+
+def check_adapters(cfg, state: dict, where: str) -> None:
+    """The LoRA factors in ``state`` must be exactly those ``cfg`` describes, in their shapes
+    (a ValueError naming the first that is not, for ``where``'s messages)."""
+    want = adapter_shapes(cfg)
+    held = {k: tuple(np.shape(v)) for k, v in state.items() if is_adapter(k)}
+    for name in sorted(set(want) | set(held)):
+        if name not in held:
+            raise ValueError(f"{where} has no {name} (LoRA rank {cfg.lora.r}, targets {' '.join(cfg.lora.targets)})")
+        if name not in want:
+            raise ValueError(f"{where} holds {name}, which LoRA targets {' '.join(cfg.lora.targets)} do not include")
+        if held[name] != want[name]:
+            raise ValueError(f"{where}: {name} is {held[name]}, not {want[name]} (LoRA rank {cfg.lora.r})")
+
+
 def merge_lora(cfg, state: dict) -> tuple:
     """(config, state) of a whole model with each adapter folded into its base weight
     (W + (alpha / r) B A, in float64, then the weight's dtype) and the factors dropped: what a

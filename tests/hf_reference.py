@@ -7,7 +7,8 @@ GENERATED ones also transformers' greedy continuation of a batch padded on the l
 ``python hf_reference.py --check FOLDER IDS.npy OUT.npy [FOLDER IDS.npy OUT.npy ...]`` loads
 each folder with transformers and writes its logits: the check that our exported folders load in
 transformers (several in one process: importing transformers is most of its time); for a
-sequence classifier (a reward model) its score of each row, [rows, 1], each row run alone.
+sequence classifier (a reward model) its score of each row, [rows, 1], each row run alone. A
+folder that also holds a PEFT adapter (adapter_config.json) is run with peft's LoRA on top.
 """
 
 from __future__ import annotations
@@ -104,6 +105,10 @@ def check(folder: str, ids_path: str, out_path: str) -> None:
                                               for row in ids]))
         return
     model = T.AutoModelForCausalLM.from_pretrained(folder).float().eval()
+    if os.path.exists(os.path.join(folder, "adapter_config.json")):
+        import peft
+
+        model = peft.PeftModel.from_pretrained(model, folder).eval()
     with torch.no_grad():
         np.save(out_path, model(torch.as_tensor(ids)).logits.double().numpy())
 

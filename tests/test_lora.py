@@ -8,11 +8,13 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import shutil
 
 import numpy as np
 import pytest
 
 from mindspeed_core import cli, ops
+from mindspeed_core.compat import mcore, torch_pickle
 from mindspeed_core.models import lora, registry
 from mindspeed_core.models.config import ModelConfig
 from mindspeed_core.models.gpt import load_whole_state
@@ -141,3 +143,139 @@ def test_bad_lora_options_are_one_line_errors(capsys, runs, flags, message):
     err = capsys.readouterr().err
     assert code == 2 and message in err, err
     assert "Traceback" not in err
+
+
+def _lora_logits(cfg, arrays, ids) -> np.ndarray:
+    """The LoRA model's logits on the bound framework (adapters applied, not merged)."""
+    model = registry.for_config(cfg).build(cfg)
+    load_whole_state(model, arrays)
+    return ops.to_numpy(model(ops.tensor(ids))).astype(np.float64)
+
+
+def _convert(capsys, *flags) -> str:
+    code = cli.main(["convert", *flags])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    return out.out
+
+
+def _filtered(src, dst) -> None:
+    """A Megatron LoRA checkpoint saved with the adapters only (MindSpeed-LLM's
+    --lora-ckpt-filter): each rank file's model state without its base weights."""
+    shutil.copytree(src, dst)
+    for path in dst.rglob(mcore.FILE):
+        state = torch_pickle.load(str(path))
+        state["model"] = {k: v for k, v in state["model"].items() if lora.is_adapter(k)}
+        torch_pickle.save(str(path), state)
+
+
+@pytest.mark.feature("convert-lora")
+@pytest.mark.feature("weight-conversion")
+def test_convert_exports_a_lora_run_as_a_peft_folder_and_merges_it_with_our_logits(capsys, runs, tmp_path):
+    """MindSpeed-LLM's two LoRA conversions on a run of ours and on the same run as a Megatron
+    checkpoint at TP 2 in peft's names, whole and adapters only: --save-lora-to-hf writes a
+    PEFT folder that peft loads onto the transformers model, --lora-load merges; transformers
+    gives the LoRA model's logits either way."""
+    from conftest import hf_reference_process
+
+    arrays = checkpoint.load_model_arrays(runs["stopped"], 3)
+    cfg = ModelConfig.from_dict(checkpoint.read_meta(runs["stopped"], 3)["model"])
+    ids = np.arange(40, 90, dtype=np.int64)[None]
+    want = _lora_logits(cfg, arrays, ids)
+    lora_flags = ["--lora-r", "4", "--lora-alpha", "8", "--lora-target-modules", "linear_qkv", "linear_proj",
+                  "linear_fc1", "linear_fc2"]
+    # the base model as a Hugging Face folder, the adapters written into it (as the upstream script does)
+    peft_dir, merged_dir = tmp_path / "hf", tmp_path / "merged"
+    _convert(capsys, "--load-model-type", "mg", "--save-model-type", "hf", "--load-dir", runs["base"],
+             "--save-dir", str(peft_dir))
+    said = _convert(capsys, "--load-model-type", "mg", "--save-model-type", "hf", "--load-dir", runs["stopped"],
+                    "--save-lora-to-hf", *lora_flags, "--save-dir", str(peft_dir), "--hf-cfg-dir", str(peft_dir))
+    assert "as a PEFT folder" in said
+    config = json.loads((peft_dir / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"], config["peft_type"]) == (4, 8, "LORA")
+    assert config["target_modules"] == sorted(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                               "down_proj"])
+    said = _convert(capsys, "--load-model-type", "mg", "--save-model-type", "hf", "--load-dir", runs["base"],
+                    "--lora-load", runs["stopped"], *lora_flags, "--save-dir", str(merged_dir))
+    assert "merged the LoRA adapters of" in said
+    # the same run in Megatron's layout at TP 2, as MindSpeed-LLM saves a LoRA run (peft's names)
+    megatron, only = tmp_path / "mg-lora", tmp_path / "mg-lora-filtered"
+    mcore.save(str(megatron), 3, cfg, arrays, mcore.Layout(tp=2))
+    names = set(torch_pickle.load(str(megatron / "iter_0000003" / "mp_rank_01" / mcore.FILE))["model"])
+    assert {"decoder.layers.1.self_attention.linear_qkv.base_layer.weight",
+            "decoder.layers.1.self_attention.linear_qkv.lora_A.default.weight",
+            "decoder.layers.1.mlp.linear_fc2.lora_B.default.weight"} <= names
+    _filtered(megatron, only)
+    peft_mg, merged_mg = tmp_path / "hf-from-mg", tmp_path / "merged-from-mg"
+    shutil.copytree(peft_dir, peft_mg, ignore=lambda d, files: [f for f in files if f.startswith("adapter_")])
+    _convert(capsys, "--load-model-type", "mg", "--save-model-type", "hf", "--load-dir", str(only),
+             "--save-lora-to-hf", "--save-dir", str(peft_mg), "--model-type-hf", "llama2")
+    _convert(capsys, "--load-model-type", "mg", "--save-model-type", "hf", "--load-dir", runs["base"],
+             "--lora-load", str(megatron), "--save-dir", str(merged_mg))
+    # the adapters read back from both Megatron checkpoints are the run's, bit for bit
+    from mindspeed_core import tensor_files
+
+    (first, _), (again, _) = (tensor_files.load(str(d / "adapter_model.safetensors")) for d in (peft_dir, peft_mg))
+    assert sorted(first) == sorted(again) and len(first) == 2 * 2 * 7  # 2 layers, 7 projections, A and B
+    assert all(np.array_equal(first[k].array, again[k].array) for k in first)
+    folders = [peft_dir, merged_dir, peft_mg, merged_mg]
+    for n, folder in enumerate(folders):
+        np.save(tmp_path / f"ids{n}.npy", ids)
+    hf_reference_process("--check", *[str(x) for n, f in enumerate(folders)
+                                      for x in (f, tmp_path / f"ids{n}.npy", tmp_path / f"out{n}.npy")])
+    scale = np.abs(want).max()
+    for n, folder in enumerate(folders):
+        got = np.load(tmp_path / f"out{n}.npy")
+        assert np.abs(got - want).max() <= 1e-4 * scale, (folder.name, np.abs(got - want).max(), scale)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--load-dir", "{base}", "--save-lora-to-hf"], "holds no LoRA adapters"),
+    (["--load-dir", "{stopped}", "--save-lora-to-hf", "--lora-r", "8"], "--lora-r 8, but the LoRA run in"),
+    (["--load-dir", "{stopped}", "--save-lora-to-hf", "--lora-target-modules", "linear_qkv"],
+     "--lora-target-modules linear_qkv, but the LoRA run in"),
+    (["--load-dir", "{base}", "--lora-load", "{base}"], "holds no LoRA adapters"),
+    (["--load-dir", "{base}", "--lora-r", "4"], "give one of those"),
+    (["--load-dir", "{stopped}", "--lora-load", "{stopped}", "--save-lora-to-hf"], "give one of them"),
+    (["--load-dir", "{filtered}"], "holds LoRA adapters only, no base model"),
+    (["--load-dir", "{other}", "--lora-load", "{stopped}"], "trained on other weights than --load-dir"),
+])
+def test_bad_lora_conversions_are_one_line_errors(capsys, megatron_runs, tmp_path, flags, message):
+    code = cli.main(["convert", "--load-model-type", "mg", "--save-model-type", "hf",
+                     "--save-dir", str(tmp_path / "out"), *[f.format(**megatron_runs) for f in flags]])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and "Traceback" not in err, err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.fixture(scope="module")
+def megatron_runs(runs):
+    """The stopped LoRA run as a Megatron checkpoint (peft's names), whole and adapters only,
+    and a base of other weights (the run merged)."""
+    arrays = checkpoint.load_model_arrays(runs["stopped"], 3)
+    cfg = ModelConfig.from_dict(checkpoint.read_meta(runs["stopped"], 3)["model"])
+    whole, filtered, other = (runs["tmp"] / n for n in ("mg-whole", "filtered", "other"))
+    mcore.save(str(whole), 3, cfg, arrays, mcore.Layout())
+    _filtered(whole, filtered)
+    mcore.save(str(other), 3, *lora.merge(cfg, arrays), mcore.Layout())
+    return dict(runs, whole=str(whole), filtered=str(filtered), other=str(other))
+
+
+@pytest.mark.feature("lora")
+def test_training_from_a_megatron_lora_run_takes_it_merged_or_with_its_adapters(capsys, megatron_runs):
+    """MindSpeed-LLM's LoRA checkpoint as --load: without LoRA flags its adapters merged (the
+    loss at lr 0 is the LoRA model's), with other LoRA flags or adapters only one line."""
+    arrays = checkpoint.load_model_arrays(megatron_runs["stopped"], 3)
+    cfg = ModelConfig.from_dict(checkpoint.read_meta(megatron_runs["stopped"], 3)["model"])
+    want = reference_loss({k: np.asarray(v, np.float64) for k, v in lora.merge(cfg, arrays)[1].items()}, cfg)
+    metrics = megatron_runs["tmp"] / "from-megatron.jsonl"
+    train("--data-path", megatron_runs["data"], "--load", megatron_runs["whole"], "--lr", "0", "--train-iters", "1",
+          "--metrics-file", str(metrics))
+    got = losses(metrics)[1]
+    assert abs(got - want) <= 1e-5 * want, (got, want)
+    for flags, message in (([*LORA[:1], "8", *LORA[2:], "--load", megatron_runs["whole"]], "pass the same --lora-*"),
+                           (["--load", megatron_runs["filtered"]], "holds LoRA adapters only")):
+        code = cli.main(["train", *MODEL, *BATCH, "--stage", "sft", "--data-path", megatron_runs["data"],
+                         "--train-iters", "1", *flags])
+        err = capsys.readouterr().err
+        assert code == 2 and message in err and "Traceback" not in err, err

@@ -14,7 +14,7 @@ from mindspeed_core.backends.common import check_fits_in_memory
 from mindspeed_core.compat import hf, mcore
 from mindspeed_core.errors import CheckpointError, MindSpeedError
 from mindspeed_core.models.config import ModelConfig
-from mindspeed_core.models.state import is_adapter, merge_lora
+from mindspeed_core.models.state import check_adapters, is_adapter, merge_lora
 from mindspeed_core.training import checkpoint
 
 KINDS = ("hf", "megatron", "ours")
@@ -31,6 +31,11 @@ class Source:
     dtype: str = "float32"  # the saved weights' dtype
     exact: bool = True  # False: Megatron's args did not name the architecture (the family is a guess)
     meta: dict | None = None  # ours: the checkpoint's meta.json
+
+    @property
+    def adapters_only(self) -> bool:
+        """A LoRA run's checkpoint that holds its adapters and no base model."""
+        return bool(self.state) and all(is_adapter(k) for k in self.state)
 
     @property
     def tokenizer(self) -> str | None:
@@ -59,7 +64,14 @@ def kind_of(path: str) -> str | None:
 def _checked(source: Source) -> Source:
     """The weights must be the model the configuration describes: the same number of
     parameters (a configuration edited by hand, or files from another model, stop here, before
-    any model is built or written from them)."""
+    any model is built or written from them), and LoRA factors of the shapes it gives."""
+    if source.cfg.lora is not None:
+        try:
+            check_adapters(source.cfg, source.state, source.path)
+        except ValueError as exc:
+            raise CheckpointError(str(exc)) from None
+    if source.adapters_only:
+        return source
     expected = source.cfg.num_parameters()
     held = sum(int(v.size) for k, v in source.state.items() if not is_adapter(k))
     if held != expected:
@@ -97,8 +109,9 @@ def read_ours(root: str, iteration: int | None = None) -> Source:
     return _checked(Source(root, "ours", cfg, checkpoint.load_model_arrays(root, it), it, meta=meta))
 
 
-def read(path: str, flag: str, kinds: tuple = KINDS) -> Source:
-    """The model in ``path`` (given with ``flag``, for the messages), of one of ``kinds``."""
+def read(path: str, flag: str, kinds: tuple = KINDS, adapters: bool = False) -> Source:
+    """The model in ``path`` (given with ``flag``, for the messages), of one of ``kinds``;
+    ``adapters``: a LoRA checkpoint holding the adapters alone is welcome too."""
     if kinds == ("hf",):  # the folder's own checks name what is missing or wrong
         return read_hf(path)
     if not os.path.isdir(path):
@@ -109,4 +122,8 @@ def read(path: str, flag: str, kinds: tuple = KINDS) -> Source:
         wanted = {"hf": "a Hugging Face folder (config.json)", "megatron": f"a Megatron checkpoint ({mcore.TRACKER})",
                   "ours": f"one of our checkpoints ({checkpoint.TRACKER})"}
         raise CheckpointError(f"no checkpoint in {path}: {flag} takes " + " or ".join(wanted[k] for k in kinds))
-    return {"hf": read_hf, "megatron": read_megatron, "ours": read_ours}[kind](path)
+    source = {"hf": read_hf, "megatron": read_megatron, "ours": read_ours}[kind](path)
+    if source.adapters_only and not adapters:
+        raise CheckpointError(f"{flag} {path} holds LoRA adapters only, no base model: give the model they were "
+                              f"trained on, and these adapters beside it (--lora-load)")
+    return source

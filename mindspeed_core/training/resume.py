@@ -67,7 +67,13 @@ def load_hf(model, cfg: ModelConfig, state: dict) -> None:
 def load_megatron(model, cfg: ModelConfig, root: str, say) -> None:
     """The weights of a Megatron checkpoint (compat/mcore.py; any TP / PP / EP / VPP) for
     this model, cut later for this run's layout; iteration 0, a fresh optimizer."""
-    source = model_source.read_megatron(root)
+    source = model_source.read(root, "--load", ("megatron",))
+    if source.cfg.lora is not None and cfg.lora is None:  # a LoRA run taken as a plain model
+        source = source.merged()
+    elif source.cfg.lora is not None and source.cfg.lora != cfg.lora:
+        raise CheckpointError(f"the Megatron checkpoint in {root} holds LoRA adapters (rank {source.cfg.lora.r}, "
+                              f"alpha {source.cfg.lora.alpha:g}, {' '.join(source.cfg.lora.targets)}): pass the same "
+                              f"--lora-* flags")
     saved = source.cfg if source.exact else dataclasses.replace(source.cfg, family=cfg.family)
     lm_start = cfg.reward_head and not saved.reward_head
     if not same_model(saved.to_dict(), cfg, ignore_lora=cfg.lora is not None, ignore_head=lm_start):
