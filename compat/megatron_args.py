@@ -21,7 +21,7 @@ STAGES = ("sft", "dpo", "simpo", "orm", "rm", "prm")  # rm: the outcome reward m
 DATA_HANDLERS = (
     "GeneralPretrainHandler", "AlpacaStyleInstructionHandler", "SharegptStyleInstructionHandler",
     "AlpacaStylePairwiseHandler", "SharegptStylePairwiseHandler", "AlpacaStyleProcessRewardHandler",
-    "PPOAlpacaStyleInstructionHandler",  # refused by the matrix (ppo-handler) until GRPO's prompt data
+    "PPOAlpacaStyleInstructionHandler",
 )
 
 

@@ -100,6 +100,8 @@ HANDLER_ROWS = (  # (row id suffix, --handler-name, what it writes)
     ("alpaca-pairwise", "AlpacaStylePairwiseHandler", "a prompt with chosen and rejected replies"),
     ("sharegpt-pairwise", "SharegptStylePairwiseHandler", "a conversation with chosen and rejected replies"),
     ("alpaca-prm", "AlpacaStyleProcessRewardHandler", "step-labelled solutions (placeholder and reward tokens)"),
+    ("alpaca-ppo", "PPOAlpacaStyleInstructionHandler", "Alpaca prompts alone (the conversation up to the assistant's "
+                                                       "turn, no labels): online-RL data, read by GRPO when it comes"),
 )
 
 
@@ -536,10 +538,6 @@ FEATURES: tuple[Feature, ...] = (
     Feature("convert-lora", "LoRA adapters in mindspeed convert (merge, PEFT export)", "tools",
             ("--lora-load", "--lora-r", "--save-lora-to-hf"),
             supported(_CONVERT_LORA), supported(_CONVERT_LORA)),
-    Feature("ppo-handler", "PPO / RL prompt data (PPOAlpacaStyleInstructionHandler)", "tools", ("--handler-name",),
-            planned("prompt-only data for online RL comes with GRPO"), planned("prompt-only data for online RL comes "
-                                                                                "with GRPO"),
-            _eq("handler_name", "PPOAlpacaStyleInstructionHandler")),
     # ---- combinations not built yet ------------------------------------------------------
     # each row is one pair of features that work alone; the gate refuses the pair (the model's
     # own MoE layers count, from flags or a Hugging Face config)

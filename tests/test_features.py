@@ -24,7 +24,7 @@ REQUIRED_IDS = {
     "fused-swiglu", "fused-rope", "gmm", "matmul-add", "grad-reduce-overlap", "recompute-in-advance",
     "param-gather-overlap", "mc2", "coc", "gloo-ckpt-offload", "profiling", "deterministic", "streaming-inference",
     "chat", "yarn", "handler-general-pretrain", "handler-alpaca", "handler-sharegpt", "handler-alpaca-pairwise",
-    "handler-sharegpt-pairwise", "handler-alpaca-prm", "weight-conversion",
+    "handler-sharegpt-pairwise", "handler-alpaca-prm", "handler-alpaca-ppo", "weight-conversion",
 }
 
 

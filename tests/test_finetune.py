@@ -9,6 +9,7 @@ template's text, not derived from our code.
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -155,6 +156,33 @@ def test_process_reward_labels_sit_on_each_step_end(capsys, tmp_path):
     err = preprocess(capsys, tmp_path, [{"input": "a #", "value": ["?"]}], *prm, "--reward-tokens", "+", "-",
                      name="unknown", fails=True)
     assert "label '?' is not one of --reward-tokens + -" in err
+
+
+LLAMA2 = "<s>[INST] {} [/INST]"
+
+
+@pytest.mark.feature("handler-alpaca-ppo")
+def test_ppo_records_are_the_prompt_up_to_the_assistants_turn(capsys, tmp_path):
+    """MindSpeed-LLM's llama2 PPO script's handler and template: each record the prompt alone
+    (system inside the first [INST], the history with its replies), no labels written; the
+    trainer names the data for what it is."""
+    records = [{"instruction": "Add", "input": "1 2", "output": "3"}, {"instruction": "Hi"},
+               {"instruction": "Q2", "system": "S", "history": [["Q1", "A1"]]}]
+    prefix, out = preprocess(capsys, tmp_path, records, "--handler-name", "PPOAlpacaStyleInstructionHandler",
+                             "--prompt-type", "llama2", "--workers", "2")
+    assert "wrote 3 documents" in out
+    want = [list(LLAMA2.format("Add\n1 2").encode()), list(LLAMA2.format("Hi").encode()),
+            list("<s>[INST] <<SYS>>\nS\n<</SYS>>\n\nQ1 [/INST]A1</s><s>[INST] Q2 [/INST]".encode())]
+    got = samples(prefix, ("input_ids", "attention_mask"))
+    assert [ids for ids, _ in got] == want and all(mask == [1] * len(ids) for ids, mask in got)
+    assert not os.path.exists(f"{prefix}_packed_labels_document.idx")
+    err = preprocess(capsys, tmp_path, records, "--handler-name", "PPOAlpacaStyleInstructionHandler",
+                     "--prompt-type", "llama2", "--pack", "--seq-length", "64", name="packed", fails=True)
+    assert "drop --pack" in err
+    code = cli.main(["train", *MODEL, "--stage", "sft", "--data-path", prefix, "--micro-batch-size", "1",
+                     "--global-batch-size", "1", "--train-iters", "1"])
+    err = capsys.readouterr().err
+    assert code == 2 and "holds prompts without replies (PPOAlpacaStyleInstructionHandler)" in err, err
 
 
 @pytest.mark.feature("handler-sharegpt")

@@ -25,6 +25,7 @@ FIELDS = {  # the columns each handler reads, and the tags of ShareGPT messages
     "AlpacaStylePairwiseHandler": ["instruction", "input", "chosen", "rejected", "system", "history"],
     "SharegptStylePairwiseHandler": ["conversations", "chosen", "rejected", "system"],
     "AlpacaStyleProcessRewardHandler": ["input", "value"],
+    "PPOAlpacaStyleInstructionHandler": ["instruction", "input", "output", "system", "history"],
 }
 ROLES = ["human", "gpt", "system", "observation", "function_call", "bogus", None, 3]
 

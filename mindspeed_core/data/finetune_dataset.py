@@ -32,6 +32,9 @@ PAIR = ("chosen_", "rejected_")
 
 def _part(prefix: str, key: str) -> IndexedDataset:
     path = f"{prefix}_packed_{key}_document"
+    if key == "labels" and not os.path.isfile(path + ".idx") and os.path.isfile(f"{prefix}_packed_input_ids_document.idx"):
+        raise MindSpeedError(f"{prefix} holds prompts without replies (PPOAlpacaStyleInstructionHandler): data for "
+                             "online RL, which no --stage here trains on yet")
     if not os.path.isfile(path + ".idx"):
         pairwise = key.startswith(PAIR)
         raise MindSpeedError(f"{path}.idx does not exist: {'a preference' if pairwise else 'an instruction'} "

@@ -100,6 +100,7 @@ class _Conversations:
     instruction = True
     style = ""  # "alpaca" or "sharegpt"
     pairwise = False
+    prompt_only = False  # the reply is not read
 
     def __init__(self, tokenizer, template, options: dict):
         self.tok, self.template, self.append_eod = tokenizer, template, options["append_eod"]
@@ -139,6 +140,8 @@ class _Conversations:
         if self.pairwise:
             replies = [_text(self._get(record, c), where, f"the {c} reply ({self.columns[c]!r})")
                        for c in ("chosen", "rejected")]
+        elif self.prompt_only:
+            replies = []
         else:
             replies = [_text(self._get(record, "response"), where, f"the response ({self.columns['response']!r})")]
         return messages, replies
@@ -240,6 +243,22 @@ class SharegptStylePairwiseHandler(AlpacaStylePairwiseHandler):
     style = "sharegpt"
 
 
+class PPOAlpacaStyleInstructionHandler(_Conversations):
+    """Prompts alone, for online RL (MindSpeed-LLM's PPO data): the conversation before the
+    reply (system, history, instruction and input), formatted up to where the assistant's
+    turn begins; no labels, and the reply column, if any, unread. The history keeps its
+    replies (MindSpeed-LLM's handler drops them, a model then reads a conversation with gaps)."""
+
+    style = "alpaca"
+    prompt_only = True
+    keys = ("input_ids", "attention_mask")
+
+    def encode(self, record: dict, where: str) -> dict:
+        messages, _ = self.conversation(record, where)
+        ids, _ = encode_conversation(self.tok, self.template, messages, add_generation_prompt=True)
+        return {"input_ids": ids, "attention_mask": [1] * len(ids)}
+
+
 class AlpacaStyleProcessRewardHandler:
     """A step-labelled solution (``input``, ``value``): MindSpeed-LLM's PRM data."""
 
@@ -279,7 +298,8 @@ class AlpacaStyleProcessRewardHandler:
 
 HANDLERS = {cls.__name__: cls for cls in (
     GeneralPretrainHandler, AlpacaStyleInstructionHandler, SharegptStyleInstructionHandler,
-    AlpacaStylePairwiseHandler, SharegptStylePairwiseHandler, AlpacaStyleProcessRewardHandler)}
+    AlpacaStylePairwiseHandler, SharegptStylePairwiseHandler, AlpacaStyleProcessRewardHandler,
+    PPOAlpacaStyleInstructionHandler)}
 
 
 def parse_map_keys(text: str | None) -> dict | None:

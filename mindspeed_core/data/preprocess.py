@@ -31,7 +31,7 @@ import re
 
 import numpy as np
 
-from mindspeed_core import features, files, runtime
+from mindspeed_core import features, files
 from mindspeed_core.compat import megatron_args
 from mindspeed_core.compat.megatron_args import DATA_HANDLERS, POSITIVE_INT, add_compat_args, add_tokenizer_args
 from mindspeed_core.data import chat_templates, handlers, indexed, packing
@@ -228,8 +228,6 @@ def _fit(sample: dict, keys: tuple, capacity: int | None, policy: str):
 
 
 def run(args) -> dict:
-    if args.handler_name not in handlers.HANDLERS:  # named by MindSpeed-LLM, not built here yet
-        features.refuse("ppo-handler", runtime.resolve(getattr(args, "ai_framework", None)))
     if args.neat_pack and not args.pack:
         raise MindSpeedError("--neat-pack qualifies --pack: give --pack --seq-length N too")
     cls = handlers.HANDLERS[args.handler_name]
@@ -242,6 +240,9 @@ def run(args) -> dict:
     if args.pack and instruction and "Pairwise" in args.handler_name:
         raise MindSpeedError(f"--pack: {args.handler_name} data is not packed (a chosen and a rejected reply train "
                              "side by side); drop --pack")
+    if args.pack and getattr(cls, "prompt_only", False):
+        raise MindSpeedError(f"--pack: {args.handler_name} data is not packed (each prompt is answered on its own); "
+                             "drop --pack")
     tokenizer = tokenizer_args(args)
     tok = build_tokenizer(*tokenizer)
     template = None
