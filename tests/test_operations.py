@@ -223,3 +223,33 @@ def test_plot_refuses_what_it_cannot_draw_in_one_line(capsys, tmp_path, args, sa
     assert cli.main(["plot", *(a.format(tmp=tmp_path) for a in args)]) == 2
     err = capsys.readouterr().err
     assert says in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.multiprocess
+@pytest.mark.feature("deterministic")
+def test_the_deterministic_flag_sets_each_frameworks_switches_before_the_collectives(framework, corpus, tmp_path):  # noqa: F811
+    """In each launched rank, when the collectives are set up and after the run: with the flag,
+    torch's deterministic algorithms, cuDNN without autotuning and the cuBLAS workspace, or
+    MindSpore's deterministic context, and HCCL_DETERMINISTIC; without it, none of them."""
+    from launch import launch
+
+    probe = os.path.join(os.path.dirname(__file__), "deterministic_probe.py")
+    seen = {}
+    for name, flags in (("on", ["--use-deterministic-algorithms"]), ("off", [])):
+        folder = tmp_path / name
+        folder.mkdir()
+        code, out = launch(framework, 2, probe, [str(folder), "train", *RUN, "--data-path", corpus,
+                                                 "--train-iters", "1", *flags], str(tmp_path / f"logs-{name}"))
+        assert code == 0, out[-3000:]
+        seen[name] = [json.loads(p.read_text()) for p in folder.glob("*.json")]
+        assert len(seen[name]) == 2 and all(set(r) == {"at_init", "end"} for r in seen[name]), seen[name]
+    for name, records in seen.items():
+        on = name == "on"
+        for state in (s for r in records for s in r.values()):
+            assert state["HCCL_DETERMINISTIC"] == ("true" if on else None), (name, state)
+            if framework == "pytorch":
+                assert (state["algorithms"], state["cudnn_deterministic"]) == (on, on), (name, state)
+                if on:
+                    assert state["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8" and not state["cudnn_benchmark"], state
+            else:
+                assert state["mindspore"] == ("ON" if on else "OFF"), (name, state)
