@@ -1,5 +1,5 @@
 """What ``--feature-coverage`` and the CI skip rule check, as pure functions: conftest.py
-feeds them what the run recorded, and test_features.py proves that each check can fail."""
+feeds them what the run recorded, and test_coverage_gate.py proves that each check can fail."""
 
 from __future__ import annotations
 
