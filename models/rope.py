@@ -98,6 +98,7 @@ def frequencies(head_dim: int, base: float, scaling: dict | None = None, seq_len
     if what == "yarn":
         return _yarn(head_dim, base, scaling, max_positions or int(scaling["original_max_position_embeddings"]))
     factor = float(scaling["factor"])
+    features.note_used("rope-scaling-flags")  # the row of linear, llama3 and dynamic NTK, from flags or a config
     if what == "linear":
         return 1.0 / _powers(head_dim, base) / factor, 1.0
     if what == "dynamic":  # the base grows with the length past the model's; below it, plain

@@ -161,25 +161,33 @@ def rope_tables(s, d, base=10000.0):
 
 def gpt_logits(state: dict, cfg, ids: np.ndarray) -> np.ndarray:
     """Float64 logits [s, vocab] of one sequence ``ids`` [s] through a dense LLaMA-style model
-    (RMSNorm, RoPE, SwiGLU, grouped-query attention) given its whole-model state dict: our
-    model's layout written out in numpy, a reference independent of the facade."""
+    (RMSNorm or LayerNorm, RoPE, SwiGLU or GELU, grouped-query attention, no biases) given its
+    whole-model state dict: our model's layout written out in numpy, a reference independent
+    of the facade."""
     w = {k: np.asarray(v, np.float64) for k, v in state.items()}
+
+    def norm(x, name):
+        if cfg.normalization == "layernorm":
+            return layer_norm(x, w[name + ".weight"], w[name + ".bias"], cfg.norm_epsilon)
+        return rms_norm(x, w[name + ".weight"], cfg.norm_epsilon)
+
+    act = swiglu if cfg.activation == "swiglu" else lambda h: gelu(h, "tanh" if cfg.activation == "gelu_tanh" else "none")
     s, d = len(ids), cfg.kv_channels
     groups, per_group = cfg.num_query_groups, cfg.num_attention_heads // cfg.num_query_groups
     cos, sin = rope_tables(s, d, cfg.rotary_base)
     x = w["embedding.word_embeddings.weight"][ids][None]  # [1, s, h]
     for n in range(cfg.num_layers):
         p = f"decoder.layers.{n}."
-        h = rms_norm(x, w[p + "input_layernorm.weight"], cfg.norm_epsilon)
+        h = norm(x, p + "input_layernorm")
         qkv = (h @ w[p + "self_attention.linear_qkv.weight"].T).reshape(1, s, groups, per_group + 2, d)
         q = qkv[:, :, :, :per_group].reshape(1, s, groups * per_group, d)
         k, v = qkv[:, :, :, per_group], qkv[:, :, :, per_group + 1]
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = attention(q, k, v, causal=True).reshape(1, s, -1)
         x = x + out @ w[p + "self_attention.linear_proj.weight"].T
-        h = rms_norm(x, w[p + "pre_mlp_layernorm.weight"], cfg.norm_epsilon)
-        x = x + swiglu(h @ w[p + "mlp.linear_fc1.weight"].T) @ w[p + "mlp.linear_fc2.weight"].T
-    x = rms_norm(x, w["decoder.final_layernorm.weight"], cfg.norm_epsilon)
+        h = norm(x, p + "pre_mlp_layernorm")
+        x = x + act(h @ w[p + "mlp.linear_fc1.weight"].T) @ w[p + "mlp.linear_fc2.weight"].T
+    x = norm(x, "decoder.final_layernorm")
     head = w.get("output_layer.weight", w["embedding.word_embeddings.weight"])
     return (x @ head.T)[0]
 

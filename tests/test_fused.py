@@ -165,10 +165,36 @@ def test_fused_switch_runs_the_bound_kernel_with_the_same_math(flag):
 
 @pytest.mark.feature("fused-layernorm")
 def test_layernorm_models_run_the_bound_layer_norm():
-    _assert_same_training_math(frozenset(), normalization="layernorm", activation="gelu")
-    x, w, b = (ops.tensor(a) for a in (X, W, BIAS))
-    np.testing.assert_allclose(ops.to_numpy(ops.layer_norm(x, w, b, 1e-5)),
-                               ops.to_numpy(composite.layer_norm(x, w, b, 1e-5)), rtol=1e-5, atol=1e-5)
+    """A LayerNorm model's norms are the bound ops.layer_norm: their gradients (of input, weight
+    and bias, through the model's own module) are a float64 layer norm's finite differences, and
+    the model's logits a float64 numpy model's."""
+    from mindspeed_core import random
+    from mindspeed_core.models.config import ModelConfig
+    from mindspeed_core.models.gpt import GPTModel
+
+    random.seed(5)
+    cfg = ModelConfig(vocab_size=40, hidden_size=8, num_layers=2, num_attention_heads=2, ffn_hidden_size=16,
+                      max_position_embeddings=16, normalization="layernorm", activation="gelu")
+    model = GPTModel(cfg)
+    state = {k: R.rng(len(k)).uniform(0.5, 1.5, np.shape(v)) if k.endswith("layernorm.weight") else
+             R.rng(len(k)).standard_normal(np.shape(v)) * (0.3 if k.endswith("layernorm.bias") else 1.0)
+             if "layernorm" in k else v for k, v in nn.state_dict(model).items()}
+    nn.load_state_dict(model, {k: np.asarray(v, np.float32) for k, v in state.items()})
+    norm = model.decoder.final_layernorm
+    x = nn.Parameter(ops.tensor(X.astype(np.float32)))
+    cot = R.rng(4).standard_normal(X.shape)
+    _, grads = autograd.value_and_grad(lambda: ops.sum(norm(x) * ops.tensor(cot.astype(np.float32))),
+                                       [x, norm.weight, norm.bias])()
+    f64 = [X.astype(np.float64), np.asarray(state["decoder.final_layernorm.weight"], np.float64),
+           np.asarray(state["decoder.final_layernorm.bias"], np.float64)]
+    for i, grad in enumerate(grads):
+        want = R.numeric_grad(lambda *a: float(np.sum(R.layer_norm(*a, cfg.norm_epsilon) * cot)), f64, i)
+        np.testing.assert_allclose(ops.to_numpy(grad).astype(np.float64), want, rtol=2e-3, atol=2e-4,
+                                   err_msg=f"gradient {i}")
+    ids = R.rng(2).integers(0, 40, 12)
+    got = ops.to_numpy(model(ops.tensor(ids[None])))[0].astype(np.float64)
+    want = R.gpt_logits(state, cfg, ids)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
 
 
 def test_matrix_cells_of_fused_ops_say_what_runs_here():

@@ -3,6 +3,8 @@ allows; the tables themselves are checked against transformers' logits in test_h
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -12,7 +14,7 @@ from mindspeed_core.errors import MindSpeedError
 from mindspeed_core.models.config import ModelConfig
 from mindspeed_core.models.gpt import GPTModel
 from mindspeed_core.training import configuration
-from test_training import SMALL, corpus, train  # noqa: F401  (corpus is a fixture)
+from test_training import SMALL, corpus, losses, train  # noqa: F401  (corpus is a fixture)
 
 TINY = dict(vocab_size=32, hidden_size=32, num_layers=1, num_attention_heads=2, ffn_hidden_size=64,
             max_position_embeddings=8)
@@ -74,8 +76,61 @@ def test_only_dynamic_ntk_goes_past_max_position_embeddings():
     np.testing.assert_array_equal(ops.to_numpy(dynamic(short)), ops.to_numpy(plain(short)))
 
 
+FLAG_SCALINGS = {  # MindSpeed-LLM's flags and the Hugging Face rope_parameters they stand for
+    "linear": (["--rope-scaling-factor", "2"], {"factor": 2.0}),
+    "llama3": (["--rope-scaling-factor", "8", "--low-freq-factor", "1", "--high-freq-factor", "4",
+                "--original-max-position-embeddings", "4"],
+               {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 4}),
+    "dynamic": (["--rope-scaling-factor", "2"], {"factor": 2.0}),
+    "yarn": (["--rope-scaling-factor", "4", "--beta-fast", "8", "--rope-scaling-beta-slow", "2",
+              "--rope-scaling-original-max-position-embeddings", "4"],
+             {"factor": 4.0, "beta_fast": 8.0, "beta_slow": 2.0, "original_max_position_embeddings": 4}),
+}
+SIZES = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2", "--ffn-hidden-size", "64",
+         "--max-position-embeddings", "8", "--seq-length", "8", "--make-vocab-size-divisible-by", "8",
+         "--init-method-std", "0.3"]  # weights large enough for the positions to show in the logits
+
+
 @pytest.mark.feature("yarn")
-def test_a_run_trains_with_yarn_flags(capsys, corpus):  # noqa: F811
-    code, out, err = train(capsys, *SMALL, "--data-path", corpus, "--train-iters", "2", "--rope-scaling-type", "yarn",
-                           "--rope-scaling-factor", "4", "--rope-scaling-original-max-position-embeddings", "8")
-    assert code == 0, err
+@pytest.mark.feature("rope-scaling-flags")
+@pytest.mark.parametrize("kind", sorted(FLAG_SCALINGS))
+def test_a_model_from_the_flags_is_the_model_from_the_hugging_face_config(kind):
+    """The same weights under the scaling the flags give and under the Hugging Face config's
+    rope_parameters: the same logits (12 positions, past max_position_embeddings for dynamic
+    NTK), and other logits than without scaling."""
+    from mindspeed_core import nn
+    from mindspeed_core.compat import hf
+
+    flags, params = FLAG_SCALINGS[kind]
+    from_flags = configuration.model_config(training_parser().parse_args(
+        [*SIZES, "--rope-scaling-type", kind, *flags]), 32)
+    rope_theta = from_flags.rotary_base
+    from_hf = hf.config_from_hf({**hf.hf_config(dataclasses.replace(from_flags, rope_scaling=None)),
+                                 "rope_parameters": {"rope_type": kind, "rope_theta": rope_theta, **params}})
+    assert from_hf.rope_scaling is not None
+    models = [GPTModel(c) for c in (from_flags, from_hf, dataclasses.replace(from_flags, rope_scaling=None))]
+    for m in models[1:]:
+        nn.load_state_dict(m, nn.state_dict(models[0]))
+    length = 12 if kind == "dynamic" else 8
+    ids = ops.tensor(np.arange(length)[None] % 32)
+    logits = [ops.to_numpy(m(ops.tensor(np.arange(8)[None])) if length > 8 and m is models[2] else m(ids))
+              for m in models]
+    np.testing.assert_allclose(logits[0], logits[1], rtol=1e-5, atol=1e-6)
+    if kind != "dynamic":  # dynamic NTK is plain RoPE up to max_position_embeddings (the last test)
+        assert np.abs(logits[0] - logits[2]).max() > 1e-2 * np.abs(logits[0]).max()
+
+
+@pytest.mark.feature("yarn")
+def test_a_run_trains_with_yarn_flags(capsys, corpus, tmp_path):  # noqa: F811
+    """The flags reach the trained model: the first loss is not the unscaled run's, and the run
+    learns (the loss falls)."""
+    runs = {}
+    for name, flags in (("yarn", ["--rope-scaling-type", "yarn", "--rope-scaling-factor", "4",
+                                  "--rope-scaling-original-max-position-embeddings", "8"]), ("plain", [])):
+        code, out, err = train(capsys, *SMALL, "--data-path", corpus, "--train-iters", "6", "--metrics-file",
+                               str(tmp_path / f"{name}.jsonl"), *flags)
+        assert code == 0, err
+        runs[name] = losses(tmp_path / f"{name}.jsonl")
+    assert sorted(runs["yarn"]) == list(range(1, 7))
+    assert runs["yarn"][1] != runs["plain"][1]
+    assert runs["yarn"][6] < runs["yarn"][1]

@@ -309,7 +309,6 @@ def _rope_scaling(args) -> dict | None:
         if args.rope_scaling_type == "yarn":
             flags["original_max_position_embeddings"] = "--rope-scaling-original-max-position-embeddings"
         raise MindSpeedError(f"--rope-scaling-type {args.rope_scaling_type}: {flags.get(key, key)} {rest}")
-    features.note_used("yarn" if args.rope_scaling_type == "yarn" else "rope-scaling-flags")
     return scaling
 
 
