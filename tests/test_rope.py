@@ -1,5 +1,6 @@
-"""RoPE scaling set by flags (MindSpeed-LLM's spellings) and the positions each scaling
-allows; the tables themselves are checked against transformers' logits in test_hf.py."""
+"""RoPE scaling set by flags (MindSpeed-LLM's spellings): a model from the flags is the model
+from the equivalent Hugging Face config, and the positions each scaling allows; the tables
+themselves are checked against transformers' logits in test_hf.py."""
 
 from __future__ import annotations
 
