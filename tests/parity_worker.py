@@ -1,11 +1,14 @@
-"""One rank of the parity runs (pipeline, context parallelism): several training
+"""One rank of the parity runs (the layouts of test_parallel, test_pipeline): several training
 configurations in one launch (starting a job costs more than a tiny model's ten steps,
-above all under msrun).
+above all under msrun). Also run in one process for the single-process references.
 
-For each configuration (name, flags[, with_grads]) it records on rank 0: <out>/<name>.jsonl
-(the metrics of a --train-iters run), <out>/<name>.log (what the trainer printed) and, unless
-with_grads is false, <out>/<name>-grads.npz (the whole model's gradients of the first step,
-averaged over data-parallel ranks, before any optimizer step: one more build and step).
+For each configuration (name, flags[, with_grads[, options]]) it records on rank 0:
+<out>/<name>.jsonl (the metrics of a --train-iters run), <out>/<name>.log (what the trainer
+printed) and, unless with_grads is false, <out>/<name>-grads.npz: the first step's gradients as
+the optimizer took them (reduced over data-parallel ranks; the distributed optimizer's slices
+gathered), each whole (TP pieces, experts and pipeline stages joined), and its gradient norm
+under the name "grad_norm". ``options`` {"double": NAME} multiplies the reduced gradient of
+parameter NAME by 2 (the fault the gradient comparison must see).
 
 usage: parity_worker.py OUT_DIR CONFIGS_JSON
 (tests/launch.py run_configs)
@@ -23,34 +26,57 @@ import numpy as np
 
 from mindspeed_core import dist, features, runtime
 
-backend = runtime.bind()
 
-from mindspeed_core.compat.megatron_args import training_parser  # noqa: E402
-from mindspeed_core.training import distributed  # noqa: E402
-from mindspeed_core.training.trainer import Trainer  # noqa: E402
+def train_case(out_dir: str, name: str, flags: list, with_grads: bool = True, options: dict | None = None) -> None:
+    from mindspeed_core.compat.megatron_args import training_parser
+    from mindspeed_core.training import distributed
+    from mindspeed_core.training.trainer import Trainer
 
-out_dir, configs = sys.argv[1], json.loads(open(sys.argv[2]).read())
-for name, flags, *rest in configs:
-    with_grads = rest[0] if rest else True
+    backend = runtime.bound()
     args = training_parser().parse_args([*flags, "--metrics-file", os.path.join(out_dir, f"{name}.jsonl")])
     features.validate(args, backend.NAME, backend.device.type(), backend.FRAMEWORK_VERSION)
-    log = io.StringIO()
+    log, first = io.StringIO(), {}
     with contextlib.redirect_stdout(log):
-        whole = None
-        if with_grads:
-            trainer = Trainer(args)
-            trainer.build()
-            _, grads = trainer.gradients(0)  # the first step's, from the initial weights
-            grads = distributed.average_over_dp(grads, trainer.ps, trainer.plan.flags("expert"))
-            whole = distributed.gather_pipeline(
-                distributed.full_tensors(dict(zip(trainer.names, grads)), trainer.plan.shard_specs, trainer.ps,
-                                         trainer.plan.expert_names), trainer.ps)
-            args = training_parser().parse_args([*flags, "--metrics-file", os.path.join(out_dir, f"{name}.jsonl")])
         trainer = Trainer(args)
+        double = (options or {}).get("double")
+        if double is not None:  # the injected fault: one parameter's reduced gradient twice what it is
+            build = trainer.build
+
+            def build_with_fault():
+                build()
+                prepare = trainer.optimizer.prepare
+
+                def doubled(grads, reduced=None):
+                    grads = prepare(grads, reduced)
+                    k = trainer.train_names.index(double)
+                    grads[k] = grads[k] * 2.0
+                    return grads
+
+                trainer.optimizer.prepare = doubled
+
+            trainer.build = build_with_fault
+
+        def record(iteration, grads, norm):
+            if iteration != 0 or not with_grads:
+                return
+            whole = trainer.optimizer.whole_gradients(grads)
+            plan = trainer.train_plan
+            first.update(distributed.gather_pipeline(distributed.full_tensors(
+                dict(zip(trainer.train_names, whole)), plan.shard_specs, trainer.ps, plan.expert_names), trainer.ps))
+            first["grad_norm"] = np.array(norm, np.float64)
+
+        trainer.after_reduction = record
         trainer.run()
     if dist.rank() == 0:
-        if whole is not None:
-            np.savez(os.path.join(out_dir, f"{name}-grads.npz"), **whole)
+        if with_grads:
+            np.savez(os.path.join(out_dir, f"{name}-grads.npz"), **first)
         with open(os.path.join(out_dir, f"{name}.log"), "w") as fh:
             fh.write(log.getvalue())
-dist.shutdown()
+
+
+if __name__ == "__main__":
+    runtime.bind()
+    out, configs = sys.argv[1], json.loads(open(sys.argv[2]).read())
+    for case in configs:
+        train_case(out, *case)
+    dist.shutdown()

@@ -44,6 +44,9 @@ RESUMED = ("gqa", "moe", "dpo")  # the others' reference curves stop at LAYOUT_I
 LAYOUT_ITERS = 6
 
 
+DOUBLED = "decoder.layers.0.self_attention.linear_qkv.weight"
+
+
 def launch_train(framework, nproc, argv, tmp_path, timeout=900):
     """`mindspeed launch` as a user runs it; returns the launcher's output."""
     cmd = [sys.executable, "-m", "mindspeed_core.cli", "launch", "--nproc-per-node", str(nproc),
@@ -128,30 +131,38 @@ def data(corpus, sft_corpus, preference_corpus, prm_corpus):  # noqa: F811
 
 @pytest.fixture(scope="module")
 def reference(data, tmp_path_factory):
-    """Single-process loss curves of the model variants, and the MoE model's first-step
-    gradients (run in this process)."""
-    import io
-    import contextlib
-
-    from mindspeed_core import cli, ops
-    from mindspeed_core.compat.megatron_args import training_parser
-    from mindspeed_core.training.trainer import Trainer
+    """Single-process loss curves and grad norms of the model variants, and their first-step
+    gradients as the optimizer takes them (parity_worker.train_case, in this process)."""
+    from parity_worker import train_case
 
     out = {}
     root = tmp_path_factory.mktemp("reference")
     for name, argv in MODELS.items():
-        path = root / f"{name}.jsonl"
         flags = [*argv, "--data-path", data[name], "--train-iters", str(ITERS if name in RESUMED else LAYOUT_ITERS)]
-        with contextlib.redirect_stdout(io.StringIO()):
-            assert cli.main(["train", *flags, "--metrics-file", str(path)]) == 0
-            if name == "moe":  # Adam hides a gradient's scale from the loss curve: compare them too
-                trainer = Trainer(training_parser().parse_args(flags))
-                trainer.build()
-                out["moe-grads"] = dict(zip(trainer.names, map(ops.to_numpy, trainer.gradients(0)[1])))
-        out[name] = losses(path)
+        train_case(str(root), name, flags)
+        out[name] = losses(root / f"{name}.jsonl")
+        out[f"{name}-norms"] = grad_norms(root / f"{name}.jsonl")
+        out[f"{name}-grads"] = dict(np.load(root / f"{name}-grads.npz"))
         if name == "moe":
-            out["moe-aux"] = aux_losses(path)
+            out["moe-aux"] = aux_losses(root / f"{name}.jsonl")
     return out
+
+
+def grad_norms(path):
+    return {r["iteration"]: r["grad_norm"] for r in map(json.loads, open(path)) if "grad_norm" in r}
+
+
+def gradient_difference(got, want: dict) -> tuple[float, str]:
+    """The worst relative difference (max |got - want| / max |want|, per tensor) between two
+    first-step gradient records (parity_worker: every trained parameter and grad_norm), and the
+    tensor where it is."""
+    assert sorted(got) == sorted(want), sorted(set(got) ^ set(want))
+    worst, where = 0.0, ""
+    for name, value in want.items():
+        d = float(np.max(np.abs(np.asarray(got[name], np.float64) - value))) / max(float(np.max(np.abs(value))), 1e-12)
+        if d >= worst:
+            worst, where = d, name
+    return worst, where
 
 
 def aux_losses(path):
@@ -268,31 +279,30 @@ def pp_size(flags) -> int:
 
 
 def case_spec(cases, data, tmp_path):
-    """run_configs' spec of (id, model, flags) cases, each running LAYOUT_ITERS steps; the
-    first-step gradients are compared for the MoE model only (its curve hides their scale)."""
+    """run_configs' spec of (id, model, flags) cases, each running LAYOUT_ITERS steps and
+    recording its first step's reduced gradients."""
     return [[name, [*MODELS[model], *(f.format(tmp=tmp_path) for f in flags), "--data-path", data[model],
-                    "--train-iters", str(LAYOUT_ITERS)], model == "moe"]
+                    "--train-iters", str(LAYOUT_ITERS)]]
             for name, model, flags in cases]
 
 
 def check_cases(framework, out, ranks, cases, reference):
-    """Each case's loss curve (and the MoE aux losses and first-step gradients) equals the
-    single process's, the layout ran as asked, and where TRAFFIC names the case, each
-    collective moved the analytical bytes."""
+    """Each case's loss curve and grad norms (and the MoE aux losses) equal the single
+    process's, and its first step's gradients as the optimizer took them, each whole; the layout
+    ran as asked, and where TRAFFIC names the case, each collective moved the analytical bytes."""
     table = {}
     for name, model, flags in cases:
         metrics = out / f"{name}.jsonl"
         got = losses(metrics)
         assert_same_curve(got, first(reference[model]))
-        table[name] = max(abs(got[i] - reference[model][i]) / abs(reference[model][i]) for i in got)
+        # the norms of later steps carry Adam's amplification of ulp-sized differences (measured up to
+        # 2.3e-5, orm-tp2-sp's third step, a spike); the first step's norm is in the gradient record
+        assert_same_curve(grad_norms(metrics), first(reference[f"{model}-norms"]), tol=1e-4)
+        worst, where = gradient_difference(np.load(out / f"{name}-grads.npz"), reference[f"{model}-grads"])
+        assert worst < 1e-5, (name, where, worst)
+        table[name] = (max(abs(got[i] - reference[model][i]) / abs(reference[model][i]) for i in got), worst)
         if model == "moe":
             assert_same_curve(aux_losses(metrics), first(reference["moe-aux"]))
-            grads, want = np.load(out / f"{name}-grads.npz"), reference["moe-grads"]
-            assert sorted(grads.files) == sorted(want)
-            worst = max(float(np.max(np.abs(grads[n] - g)) / max(float(np.max(np.abs(g))), 1e-12))
-                        for n, g in want.items())
-            assert worst < 1e-5, (name, worst)
-            table[name] = (table[name], worst)
         check_layout((out / f"{name}.log").read_text(), ranks, flags)
         if name.endswith("-overlap"):  # the same bits as its twin without overlap
             assert same_records(metrics, out / f"{name[:-len('-overlap')]}.jsonl"), name
@@ -306,7 +316,7 @@ def check_cases(framework, out, ranks, cases, reference):
                 assert v["wire_bytes"] >= v["bytes"]
                 if framework == "pytorch" and op != "reduce_scatter":  # native on gloo: wire is payload
                     assert v["wire_bytes"] == v["bytes"], (name, op)
-    print("parity (max relative loss difference; MoE: and first-step gradient difference):", table)
+    print("parity (max relative loss difference, first-step gradient difference):", table)
 
 
 def same_records(a, b) -> bool:
@@ -341,9 +351,22 @@ def two_ranks(corpus, data, tmp_path_factory):  # noqa: F811
     # rank 1 alone profiles its first step
     extra = [["tp2-sp-sample", [*SAMPLE, "--data-path", corpus, "--tensor-model-parallel-size", "2",
                                 "--sequence-parallel", "--profile", "--profile-ranks", "1", "--profile-step-start", "0",
-                                "--profile-step-end", "1", "--profile-save-path", str(tmp / "profile")], False]]
+                                "--profile-step-end", "1", "--profile-save-path", str(tmp / "profile")], False],
+             # the fault the gradient comparison exists for: one TP-cut weight's reduced gradient doubled
+             ["tp2-qkv-doubled", [*MODELS["gqa"], "--data-path", data["gqa"], "--train-iters", "2",
+                                  "--tensor-model-parallel-size", "2"], True, {"double": DOUBLED}]]
     run_configs(FRAMEWORK, 2, case_spec(ranks_cases(2), data, tmp) + extra, tmp)
     return tmp
+
+
+@pytest.mark.multiprocess
+def test_the_gradient_comparison_sees_one_tp_gradient_doubled(two_ranks, reference):
+    """A x2 on linear_qkv's reduced gradient at TP2 (a sum where a mean belongs): the layout
+    check fails on that tensor, whatever the loss curve shows."""
+    worst, where = gradient_difference(np.load(two_ranks / "out" / "tp2-qkv-doubled-grads.npz"), reference["gqa-grads"])
+    assert where == DOUBLED and abs(worst - 1.0) < 1e-4, (where, worst)
+    curve = losses(two_ranks / "out" / "tp2-qkv-doubled.jsonl")
+    print("the doubled gradient's loss difference at step 2:", abs(curve[2] - reference["gqa"][2]) / reference["gqa"][2])
 
 
 # TP2 x DP2 with dropout, deterministic: four_ranks runs it, a launch of its own again

@@ -213,6 +213,15 @@ class DistributedAdamW:
             at += count
         return out
 
+    def whole_gradients(self, g) -> list:
+        """Each trained parameter's gradient from what prepare gave (this rank's slices): every
+        rank's slices gathered (a collective of the partitions' groups)."""
+        out = [None] * len(self.named)
+        for part, mine, x in zip(self.partitions, self.members, g):
+            for k, whole in zip(mine, part.unflatten(part.gather(x))):
+                out[k] = whole
+        return out
+
     def grad_norm(self, g) -> float:
         sums = [part.norm_parts(x) for part, x in zip(self.partitions, g)]
         if len(sums) > 1:  # expert weights: each EP rank holds other experts

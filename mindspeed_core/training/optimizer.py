@@ -91,6 +91,10 @@ class AdamW:
             distributed.put_back(grads, bucket, total, 1.0 / self.ps.size("dp_cp"))
         return grads
 
+    def whole_gradients(self, grads) -> list:
+        """Each trained parameter's gradient from what prepare gave (here: those)."""
+        return list(grads)
+
     def grad_norm(self, grads) -> float:
         if self.ps is None:
             return math.sqrt(float(ops.to_numpy(ops.sum(ops.stack([distributed.sum_of_squares(g) for g in grads])))))

@@ -74,6 +74,9 @@ class Trainer:
         self.grad_accum = self.sampler.micro_batches_per_step
         self.tokens_per_step = args.global_batch_size * args.seq_length
         self.timeline = None  # a list to receive the pipeline schedule's timings (benchmarks)
+        # called as (iteration, gradients, norm) once a step's gradients are reduced, before the
+        # update: the gradients as the optimizer takes them (the layout tests compare them)
+        self.after_reduction = None
 
     # -- set-up ------------------------------------------------------------------------------
     def describe(self) -> dict:
@@ -283,6 +286,8 @@ class Trainer:
             self.moe_stats = routing.step_stats(self.moe_layers, self.cfg, self.ps, self.grad_accum)
         self.stage_stats = self._stage_stats("train")
         norm = self.optimizer.grad_norm(grads)
+        if self.after_reduction is not None:
+            self.after_reduction(iteration, grads, norm)
         if not self.scaler.step_allowed(math.isfinite(loss) and math.isfinite(norm)):
             self.timers = {"forward-backward": t1 - t0, "iteration": time.perf_counter() - t0}
             return loss, lr, float("nan")  # fp16 overflow: step skipped, the scale halved
