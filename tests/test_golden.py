@@ -1,0 +1,49 @@
+"""The golden curves (tests/golden_curves.py): this framework's six canonical 20-step runs
+against tests/golden/<framework>.json, and the comparison failing where it must."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+
+import golden_curves
+
+
+@pytest.mark.multiprocess
+def test_the_canonical_runs_stay_on_their_golden_curves(framework, tmp_path):
+    golden = json.loads((golden_curves.GOLDEN / f"{framework}.json").read_text())
+    problems = golden_curves.compare(golden_curves.run_all(framework, tmp_path), golden)
+    assert not problems, "\n".join(problems[:20]) + (
+        f"\n(a change meant to move them: python tests/golden_curves.py --ai-framework {framework}, and review the "
+        "diff of the golden file)")
+
+
+@pytest.mark.framework_free
+def test_the_golden_comparison_fails_on_what_it_guards():
+    golden = json.loads((golden_curves.GOLDEN / "pytorch.json").read_text())
+    assert sorted(golden) == sorted(golden_curves.CONFIGS) and all(len(c["steps"]) == 20 for c in golden.values())
+    assert golden_curves.compare(copy.deepcopy(golden), golden) == []
+
+    def moved(change):
+        got = copy.deepcopy(golden)
+        change(got)
+        return golden_curves.compare(got, golden)
+
+    def scale(name, step, field, factor):
+        def change(got):
+            got[name]["steps"][step][field] *= factor
+        return change
+
+    assert moved(scale("sft", "7", 0, 1 + 5e-6)) == []  # within the loss tolerance
+    assert moved(scale("sft", "7", 0, 1 + 3e-5)) == [f"sft step 7: loss {golden['sft']['steps']['7'][0] * (1 + 3e-5)!r}, "
+                                                     f"golden {golden['sft']['steps']['7'][0]!r}"]
+    assert moved(scale("cp2", "20", 1, 1 + 5e-5)) == []
+    assert [p.split(":")[0] for p in moved(scale("cp2", "20", 1, 1 + 3e-4))] == ["cp2 step 20"]
+    assert moved(lambda g: g["moe-ep2"]["steps"]["3"].__setitem__(2, 1))[0].startswith("moe-ep2 step 3: 1 steps "
+                                                                                       "skipped")
+    assert moved(lambda g: g["default"]["flags"].append("--seed")) == [
+        "default: its configuration changed since the golden values were written"]
+    assert moved(lambda g: g["pp2-vpp"]["steps"].pop("20"))[0].startswith("pp2-vpp: logged steps")
+    assert moved(lambda g: g.pop("tp2-sp-distopt")) == ["tp2-sp-distopt: not run"]
