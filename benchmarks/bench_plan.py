@@ -74,12 +74,12 @@ def rank_worker(out: str, argv: list[str]) -> None:
     dist.shutdown()
 
 
-def measure(framework: str, flags: list[str], data: str, steps: int, world: int) -> dict:
+def measure(framework: str, flags: list[str], data: str, steps: int, world: int, model: list[str] = MODEL) -> dict:
     import ranks
 
     folder = tempfile.mkdtemp(prefix="bench-plan-")
     metrics = os.path.join(folder, "m.jsonl")
-    argv = [*MODEL, *flags, "--data-path", data, "--train-iters", str(steps), "--metrics-file", metrics]
+    argv = [*model, *flags, "--data-path", data, "--train-iters", str(steps), "--metrics-file", metrics]
     ranks.launch(framework, world, [os.path.abspath(__file__), "--rank-worker", folder, *argv], folder)
     peaks = [json.load(open(os.path.join(folder, f"rank{r}.json")))["peak"] for r in range(world)]
     timers = [r["timers"] for r in map(json.loads, open(metrics)) if "timers" in r and r["iteration"] > 1]
