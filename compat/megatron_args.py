@@ -342,6 +342,9 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--eval-iters", type=COUNT, default=None)
     c.add_argument("--log-interval", type=POSITIVE_INT, default=None)
     c.add_argument("--exit-interval", type=POSITIVE_INT, default=None, help="stop (after saving) at a multiple of this iteration")
+    c.add_argument("--exit-signal-handler", action="store_true",
+                   help="on SIGTERM or SIGINT every rank finishes its step, saves (with --save) and exits with 128 + "
+                        "the signal's number (training/preemption.py)")
     c.add_argument("--metrics-file", default=None, help="JSONL metrics (default: <save>/metrics.jsonl)")
     c.add_argument("--sample-tokens", type=COUNT, default=None, help="tokens of text to sample at the end")
     c.add_argument("--dry-run", action="store_true", help="print the resolved configuration and exit")

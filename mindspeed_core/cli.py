@@ -28,7 +28,7 @@ from typing import Callable
 from mindspeed_core import convert, evaluation, features, inference, launcher, planner, plot, runtime
 from mindspeed_core.compat import megatron_args
 from mindspeed_core.data import preprocess
-from mindspeed_core.errors import MindSpeedError
+from mindspeed_core.errors import MindSpeedError, Stopped
 from mindspeed_core.training import configuration
 from mindspeed_core.training.trainer import Trainer
 
@@ -204,6 +204,9 @@ def main(argv: list[str] | None = None) -> int:
         args = verb.parse(argv[1:])
         backend = runtime.bind(args.ai_framework, args.device) if verb.binds else None
         code = verb.run(args, backend)
+    except Stopped as exc:  # not an error: what was asked (save and leave on a signal) was done
+        print(f"mindspeed {argv[0]}: {exc}", file=sys.stderr)
+        return exc.exit_code
     except MindSpeedError as exc:
         print(f"mindspeed {argv[0]}: error: {exc}", file=sys.stderr)
         return exc.exit_code

@@ -19,5 +19,14 @@ class FeatureNotAvailable(MindSpeedError):
     """An argument asks for a feature the selected framework/device does not provide."""
 
 
+class Stopped(MindSpeedError):
+    """The run stopped on a signal after saving (--exit-signal-handler); it leaves with the
+    shell's code for that signal, 128 + its number."""
+
+    def __init__(self, message: str, signum: int):
+        super().__init__(message)
+        self.exit_code = 128 + signum
+
+
 class CheckpointError(MindSpeedError):
     """A checkpoint file is missing, corrupt, or does not fit what loads it."""

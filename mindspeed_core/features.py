@@ -397,6 +397,11 @@ FEATURES: tuple[Feature, ...] = (
     Feature("gloo-ckpt-offload", "Checkpoint gathering without a Gloo group", "communication",
             ("--disable-gloo-group",), planned(), planned(), _on("disable_gloo_group")),
     # ---- operations ---------------------------------------------------------------------------
+    Feature("exit-signal-handler", "A last checkpoint on SIGTERM / SIGINT (preemption)", "operations",
+            ("--exit-signal-handler",),
+            supported("every rank finishes its step, the ranks agree on the signal, save, and exit with 128 + its "
+                      "number; a rank killed outright cannot be saved from"), supported("as on PyTorch"),
+            _on("exit_signal_handler")),
     Feature("profiling", "Profiling a window of steps, top operators by time", "operations", ("--profile",),
             supported("torch.profiler (torch_npu.profiler on Ascend): a Chrome trace per rank (chrome://tracing, "
                       "Perfetto, TensorBoard's plugin); --profile-level applies on Ascend only"),

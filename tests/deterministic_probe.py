@@ -1,6 +1,6 @@
 """One rank of `mindspeed train` (the arguments after the output folder) that records its
-framework's determinism switches twice: when the job's collectives are set up (HCCL and
-cuBLAS read theirs there) and when the run is over. Writes <folder>/<pid>.json."""
+framework's determinism switches three times: before the run, when the job's collectives are set
+up (HCCL and cuBLAS read theirs there) and when the run is over. Writes <folder>/<pid>.json."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def main() -> int:
         from mindspeed_core.backends.torch import dist
     else:
         from mindspeed_core.backends.mindspore import dist
-    record, init = {}, dist.init
+    record, init = {"before": switches(framework)}, dist.init
 
     def recording_init(*args, **kwargs):
         record["at_init"] = switches(framework)

@@ -77,6 +77,61 @@ def test_dead_rank_stops_the_job_and_the_run_resumes(framework, corpus, tmp_path
     assert f"resumed from {ckpt}" in resumed.stdout + logs
 
 
+@pytest.mark.multiprocess
+@pytest.mark.feature("exit-signal-handler")
+def test_a_signal_saves_the_step_it_stopped_at_and_the_run_continues_the_same_curve(framework, corpus,  # noqa: F811
+                                                                                    tmp_path):
+    """--exit-signal-handler: SIGTERM to `mindspeed launch` (as a scheduler sends it) makes both
+    ranks finish their step, save it and leave with 143; --load continues bit for bit on the curve
+    of a run never stopped."""
+    import json
+
+    ckpt, metrics = tmp_path / "ckpt", tmp_path / "stopped.jsonl"
+
+    def job(name, *flags):  # a port and a log folder of its own: nothing of the stopped job is shared
+        return [sys.executable, "-m", "mindspeed_core.cli", "launch", "--nproc-per-node", "2", "--master-port",
+                str(free_port()), "--log-dir", str(tmp_path / f"logs-{name}"), "--", "--ai-framework", framework,
+                *GQA, "--data-path", corpus, "--exit-signal-handler", *flags]
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(job("stopped", "--save", str(ckpt), "--train-iters", "100000", "--metrics-file",
+                                str(metrics)),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    reader.start()
+
+    def steps(path):
+        return {r["iteration"]: r["loss"] for r in map(json.loads, open(path)) if "loss" in r} if path.exists() else {}
+
+    try:
+        deadline = time.time() + 240
+        while len(steps(metrics)) < 3:
+            assert proc.poll() is None and time.time() < deadline, "the job never logged three steps"
+            time.sleep(0.2)
+        os.kill(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=60)
+        reader.join(timeout=30)
+        out = "".join(lines)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    logs = "".join(p.read_text(errors="replace") for p in (tmp_path / "logs-stopped").glob("*.log")) \
+        if (tmp_path / "logs-stopped").is_dir() else ""
+    assert proc.returncode == 128 + signal.SIGTERM, out[-3000:] + logs[-3000:]
+    last = int((ckpt / "latest_checkpointed_iteration.txt").read_text())
+    assert last == max(steps(metrics)) >= 3  # the step it was in, finished and saved
+    assert f"stopped by SIGTERM after iteration {last}: saved iteration {last}" in out + logs
+    resumed, straight = tmp_path / "resumed.jsonl", tmp_path / "straight.jsonl"
+    for name, flags in (("resumed", ["--load", str(ckpt), "--metrics-file", str(resumed)]),
+                        ("straight", ["--metrics-file", str(straight)])):
+        done = subprocess.run(job(name, *flags, "--train-iters", str(last + 2)), capture_output=True, text=True,
+                              env=env, timeout=300)
+        assert done.returncode == 0, done.stdout[-3000:]
+    assert steps(resumed) == {i: steps(straight)[i] for i in (last + 1, last + 2)}
+
+
 def test_root_cause_parsing_prefers_the_process_that_exited():
     from mindspeed_core.launcher import Watch
 

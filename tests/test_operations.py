@@ -230,26 +230,23 @@ def test_plot_refuses_what_it_cannot_draw_in_one_line(capsys, tmp_path, args, sa
 def test_the_deterministic_flag_sets_each_frameworks_switches_before_the_collectives(framework, corpus, tmp_path):  # noqa: F811
     """In each launched rank, when the collectives are set up and after the run: with the flag,
     torch's deterministic algorithms, cuDNN without autotuning and the cuBLAS workspace, or
-    MindSpore's deterministic context, and HCCL_DETERMINISTIC; without it, none of them."""
+    MindSpore's deterministic context, and HCCL_DETERMINISTIC; before the run (the same rank
+    without the flag yet), none of them."""
     from launch import launch
 
     probe = os.path.join(os.path.dirname(__file__), "deterministic_probe.py")
-    seen = {}
-    for name, flags in (("on", ["--use-deterministic-algorithms"]), ("off", [])):
-        folder = tmp_path / name
-        folder.mkdir()
-        code, out = launch(framework, 2, probe, [str(folder), "train", *RUN, "--data-path", corpus,
-                                                 "--train-iters", "1", *flags], str(tmp_path / f"logs-{name}"))
-        assert code == 0, out[-3000:]
-        seen[name] = [json.loads(p.read_text()) for p in folder.glob("*.json")]
-        assert len(seen[name]) == 2 and all(set(r) == {"at_init", "end"} for r in seen[name]), seen[name]
-    for name, records in seen.items():
-        on = name == "on"
-        for state in (s for r in records for s in r.values()):
-            assert state["HCCL_DETERMINISTIC"] == ("true" if on else None), (name, state)
+    code, out = launch(framework, 2, probe, [str(tmp_path), "train", *RUN, "--data-path", corpus, "--train-iters", "1",
+                                             "--use-deterministic-algorithms"], str(tmp_path / "logs"))
+    assert code == 0, out[-3000:]
+    records = [json.loads(p.read_text()) for p in tmp_path.glob("*.json")]
+    assert len(records) == 2 and all(set(r) == {"before", "at_init", "end"} for r in records), records
+    for when in ("before", "at_init", "end"):
+        on = when != "before"
+        for state in (r[when] for r in records):
+            assert state["HCCL_DETERMINISTIC"] == ("true" if on else None), (when, state)
             if framework == "pytorch":
-                assert (state["algorithms"], state["cudnn_deterministic"]) == (on, on), (name, state)
+                assert (state["algorithms"], state["cudnn_deterministic"]) == (on, on), (when, state)
                 if on:
                     assert state["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8" and not state["cudnn_benchmark"], state
             else:
-                assert state["mindspore"] == ("ON" if on else "OFF"), (name, state)
+                assert state["mindspore"] == ("ON" if on else "OFF"), (when, state)

@@ -25,8 +25,6 @@ def scaling_of(*flags):
     return configuration.model_config(training_parser().parse_args([*SMALL, *flags]), 300).rope_scaling
 
 
-@pytest.mark.feature("yarn")
-@pytest.mark.feature("rope-scaling-flags")
 def test_flags_set_the_models_rope_scaling():
     assert scaling_of("--rope-scaling-type", "linear", "--rope-scaling-factor", "2") == {"rope_type": "linear",
                                                                                       "factor": 2.0}
@@ -92,9 +90,9 @@ SIZES = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2
          "--init-method-std", "0.3"]  # weights large enough for the positions to show in the logits
 
 
-@pytest.mark.feature("yarn")
-@pytest.mark.feature("rope-scaling-flags")
-@pytest.mark.parametrize("kind", sorted(FLAG_SCALINGS))
+@pytest.mark.parametrize("kind", [pytest.param(k, marks=pytest.mark.feature("yarn" if k == "yarn" else
+                                                                             "rope-scaling-flags"))
+                                  for k in sorted(FLAG_SCALINGS)])
 def test_a_model_from_the_flags_is_the_model_from_the_hugging_face_config(kind):
     """The same weights under the scaling the flags give and under the Hugging Face config's
     rope_parameters: the same logits (12 positions, past max_position_embeddings for dynamic

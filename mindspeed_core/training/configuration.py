@@ -591,7 +591,7 @@ def alignment_settings(a, reward_token_ids=None) -> dict | None:
 _RUN_SETTINGS = ("split", "save", "save_interval", "load", "load_hf", "overwrite_checkpoints", "eval_interval",
                  "eval_iters", "log_interval", "exit_interval", "metrics_file", "sample_tokens", "ckpt_format",
                  "exit_on_missing_checkpoint", "no_load_optim", "no_load_rng", "no_save_optim", "no_save_rng",
-                 "manual_gc", "manual_gc_interval")
+                 "manual_gc", "manual_gc_interval", "exit_signal_handler")
 
 
 def kernels(cfg: ModelConfig) -> dict:

@@ -16,6 +16,7 @@ import functools
 import gc
 import math
 import os
+import signal
 import sys
 import time
 
@@ -23,14 +24,15 @@ import numpy as np
 
 from mindspeed_core import autograd, device, dist, features, nn, ops, random, runtime
 from mindspeed_core.data.sampler import PretrainingSampler
-from mindspeed_core.errors import MindSpeedError
+from mindspeed_core.errors import MindSpeedError, Stopped
 from mindspeed_core.models import lora, registry
 from mindspeed_core.models.gpt import load_whole_state
 from mindspeed_core.models.moe import with_router_losses
 from mindspeed_core.parallel import state as parallel_state
 from mindspeed_core.progress import Progress
 from mindspeed_core.training import (alignment, batches, boards, build, checkpoint, compiled, configuration,
-                                     distributed, overlap, profiling, resume, routing, sample, schedules)
+                                     distributed, overlap, preemption, profiling, resume, routing, sample,
+                                     schedules)
 from mindspeed_core.training.loss_scale import LossScaler
 from mindspeed_core.training.metrics import MetricsLog
 from mindspeed_core.training.optimizer import learning_rate
@@ -428,6 +430,8 @@ class Trainer:
         if args.manual_gc:  # Megatron's --manual-gc: the collector runs at fixed steps only, not mid-step
             gc.disable()
             collect = args.manual_gc_interval
+        watch = preemption.SignalWatch() if args.exit_signal_handler else None
+        stopped_by = None
         try:
             while self.iteration < args.train_iters:
                 window.before_step(self.iteration)
@@ -461,11 +465,18 @@ class Trainer:
                 if args.save and args.save_interval and self.iteration % args.save_interval == 0:
                     with log.paused():
                         self.save()
+                stopped_by = watch.agreed(self.ps) if watch is not None else None
+                if stopped_by:  # saved below, as at the end of the run
+                    features.note_used("exit-signal-handler")
+                    self.say(f"received {signal.Signals(stopped_by).name}: stopping after iteration {self.iteration}")
+                    break
                 if args.exit_interval and self.iteration % args.exit_interval == 0 and self.iteration < args.train_iters:
                     self.say(f"exiting at iteration {self.iteration} (--exit-interval)")
                     break
             self.parameters_ready()
         finally:
+            if watch is not None:
+                watch.close()
             if collect is not None:
                 gc.enable()
             window.close()
@@ -474,6 +485,11 @@ class Trainer:
             log.close()
         if args.save and (not args.save_interval or self.iteration % args.save_interval) and history:
             self.save()
+        if stopped_by:
+            where = (f"saved iteration {self.iteration} in {args.save}; --load {args.save} continues it" if args.save
+                     else "nothing saved (no --save)")
+            raise Stopped(f"stopped by {signal.Signals(stopped_by).name} after iteration {self.iteration}: {where}",
+                          stopped_by)
         result = {"iterations": self.iteration, "losses": history}
         if args.sample_tokens and not self.cfg.reward_head:  # a reward model scores text, it writes none
             self._sample(result, log)
