@@ -94,14 +94,16 @@ def _read_hf(args):
     return source
 
 
-def _read_mg(args):
-    """A Megatron checkpoint or one of ours, LoRA adapters merged into their weights."""
+def _read_mg(args, adapters: bool = False):
+    """A Megatron checkpoint or one of ours, LoRA adapters merged into their weights; with
+    ``adapters`` the adapters kept apart (and a save holding them alone welcome)."""
     if not os.path.isdir(args.load_dir):
         raise MindSpeedError(f"--load-dir {args.load_dir} does not exist")
     if model_source.kind_of(args.load_dir) not in ("megatron", "ours"):
         raise CheckpointError(f"--load-dir {args.load_dir} holds neither a Megatron checkpoint nor ours "
                               f"({mcore.TRACKER} is missing)")
-    source = model_source.read(args.load_dir, "--load-dir", ("megatron", "ours")).merged()
+    source = model_source.read(args.load_dir, "--load-dir", ("megatron", "ours"), adapters=adapters)
+    source = source if adapters else source.merged()
     cfg = source.cfg
     if not source.exact:  # Megatron's args name no architecture
         if args.save_model_type == "hf" and not args.model_type_hf:
@@ -183,20 +185,13 @@ def _export_adapters(args) -> int:
     for name in (peft.CONFIG, peft.WEIGHTS):
         if os.path.exists(os.path.join(args.save_dir, name)):
             raise MindSpeedError(f"--save-dir {args.save_dir} already holds {name}: choose another folder")
-    if not os.path.isdir(args.load_dir):
-        raise MindSpeedError(f"--load-dir {args.load_dir} does not exist")
-    run = model_source.read(args.load_dir, "--load-dir", ("megatron", "ours"), adapters=True)
-    if args.model_type_hf and run.exact and run.cfg.family != MODEL_TYPES[args.model_type_hf]:
-        raise MindSpeedError(f"--model-type-hf {args.model_type_hf}, but {args.load_dir} holds a {run.cfg.family} model")
-    if args.model_type_hf and not run.exact:
-        run = dataclasses.replace(run, cfg=dataclasses.replace(run.cfg, family=MODEL_TYPES[args.model_type_hf]))
-    cfg, adapters = _adapters(args, run, "--load-dir")
+    cfg, adapters = _adapters(args, _read_mg(args, adapters=True), "--load-dir")
     if args.hf_cfg_dir is not None:  # the model the adapters go with
         hf.check_same_model(args.hf_cfg_dir, dataclasses.replace(cfg, lora=None))
     peft.check_exportable(cfg)
     peft.save_adapter(args.save_dir, cfg, adapters)
     print(f"wrote the LoRA adapters of {args.load_dir} (rank {cfg.lora.r}, alpha {cfg.lora.alpha:g}, "
-          f"{len(adapters) // 2} layers) as a PEFT folder: {args.save_dir}")
+          f"{len(adapters) // 2} linear layers) as a PEFT folder: {args.save_dir}")
     return 0
 
 
