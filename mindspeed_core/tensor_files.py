@@ -66,13 +66,18 @@ def save(path: str, tensors: dict[str, HostTensor], metadata: dict | None = None
     tmp = f"{path}.tmp-{os.getpid()}"
     digest = hashlib.sha256()
     with open(tmp, "wb") as fh:
-        for chunk in (struct.pack("<Q", len(blob)), blob, *(t.array.tobytes() for _, t in ordered)):
+        for chunk in (struct.pack("<Q", len(blob)), blob, *(raw_bytes(t.array) for _, t in ordered)):
             digest.update(chunk)
             fh.write(chunk)
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, path)
     return digest.hexdigest()
+
+
+def raw_bytes(array: np.ndarray):
+    """A contiguous array's own buffer as bytes, without a copy (tobytes() would make one)."""
+    return memoryview(array).cast("B") if array.size else b""
 
 
 def load(path: str, sha256: str | None = None) -> tuple[dict[str, HostTensor], dict | None]:
@@ -83,26 +88,11 @@ def load(path: str, sha256: str | None = None) -> tuple[dict[str, HostTensor], d
             data = fh.read()
     except OSError as exc:
         raise CheckpointError(f"cannot read tensor file {path}: {exc.strerror or exc}") from None
-    if len(data) < 8:
-        raise CheckpointError(f"{path} is not a safetensors file (only {len(data)} bytes)")
-    (hlen,) = struct.unpack("<Q", data[:8])
-    if hlen > min(_MAX_HEADER, len(data) - 8):
-        raise CheckpointError(f"{path} is truncated or not a safetensors file (header length {hlen})")
-    try:
-        header = json.loads(data[8 : 8 + hlen])
-    except ValueError:  # UnicodeDecodeError included
-        raise CheckpointError(f"{path} has a corrupt safetensors header (not JSON)") from None
-    if not isinstance(header, dict):
-        raise CheckpointError(f"{path} has a corrupt safetensors header (not a JSON object)")
-    base = 8 + hlen
-    meta = header.pop("__metadata__", None) or {}
-    if not isinstance(meta, dict):
-        raise CheckpointError(f"{path} has a corrupt safetensors header (__metadata__ is not an object)")
-    tensors = {name: _tensor(path, name, info, data, base) for name, info in header.items()}
-    try:
-        metadata = json.loads(meta[METADATA_KEY]) if METADATA_KEY in meta else None
-    except (TypeError, ValueError):
-        raise CheckpointError(f"{path} has corrupt metadata (not JSON)") from None
+    header, base, metadata = _header(path, data[:8], lambda n: data[8:8 + n], len(data))
+    tensors = {}
+    for name, info in header.items():
+        tag, shape, start, end = _entry(path, name, info, base, len(data))
+        tensors[name] = _host(tag, shape, data[base + start:base + end])
     # after parsing, so that a truncated or garbled file is named as such; this catches the
     # rest, e.g. a flipped bit in the data that would otherwise load as a wild weight
     if sha256 is not None and hashlib.sha256(data).hexdigest() != sha256:
@@ -110,9 +100,69 @@ def load(path: str, sha256: str | None = None) -> tuple[dict[str, HostTensor], d
     return tensors, metadata
 
 
-def _tensor(path: str, name: str, info, data: bytes, base: int) -> HostTensor:
-    """One header entry, checked field by field: a flipped bit anywhere in the header is a
-    clear error, never a KeyError, a negative shape or a read past the data."""
+def read_some(path: str, wanted: dict[str, str],
+              parsed: tuple | None = None) -> tuple[dict[str, HostTensor], int, tuple]:
+    """Only the tensors ``wanted`` names ({name: SHA-256 of its bytes, as recorded}), each read
+    from its own byte range and checked against its digest. Returns them, the bytes read and
+    the parsed header, which a later call on the same file passes back as ``parsed`` (its bytes
+    then are not read again). A sharded checkpoint's rank reads its slices this way, not the
+    whole file."""
+    features.note_used("safetensors-io")
+    try:
+        with open(path, "rb") as fh:
+            size = os.fstat(fh.fileno()).st_size
+            read = 0
+            if parsed is None:
+                header, base, _ = _header(path, os.pread(fh.fileno(), 8, 0), lambda n: os.pread(fh.fileno(), n, 8),
+                                          size)
+                parsed, read = (header, base), base
+            header, base = parsed
+            out = {}
+            for name, sha256 in wanted.items():
+                if name not in header:
+                    raise CheckpointError(f"{path} holds no tensor {name!r}: the checkpoint's index names one it lacks")
+                tag, shape, start, end = _entry(path, name, header[name], base, size)
+                data = os.pread(fh.fileno(), end - start, base + start)
+                read += len(data)
+                if len(data) != end - start:
+                    raise CheckpointError(f"{path} is truncated: tensor {name!r} ends past the end of the file")
+                if hashlib.sha256(data).hexdigest() != sha256:
+                    raise CheckpointError(f"{path} is corrupt: tensor {name!r} differs from the SHA-256 recorded when "
+                                          f"it was saved")
+                out[name] = _host(tag, shape, data)
+    except OSError as exc:
+        raise CheckpointError(f"cannot read tensor file {path}: {exc.strerror or exc}") from None
+    return out, read, parsed
+
+
+def _header(path: str, head: bytes, read_header, size: int) -> tuple[dict, int, dict | None]:
+    """(the tensors' header entries, where the data starts, the JSON metadata): ``head`` is
+    the file's first 8 bytes, ``read_header(n)`` its next n."""
+    if len(head) < 8:
+        raise CheckpointError(f"{path} is not a safetensors file (only {size} bytes)")
+    (hlen,) = struct.unpack("<Q", head[:8])
+    if hlen > min(_MAX_HEADER, size - 8):
+        raise CheckpointError(f"{path} is truncated or not a safetensors file (header length {hlen})")
+    try:
+        header = json.loads(read_header(hlen))
+    except ValueError:  # UnicodeDecodeError included
+        raise CheckpointError(f"{path} has a corrupt safetensors header (not JSON)") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path} has a corrupt safetensors header (not a JSON object)")
+    meta = header.pop("__metadata__", None) or {}
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{path} has a corrupt safetensors header (__metadata__ is not an object)")
+    try:
+        metadata = json.loads(meta[METADATA_KEY]) if METADATA_KEY in meta else None
+    except (TypeError, ValueError):
+        raise CheckpointError(f"{path} has corrupt metadata (not JSON)") from None
+    return header, 8 + hlen, metadata
+
+
+def _entry(path: str, name: str, info, base: int, size: int) -> tuple[str, list, int, int]:
+    """One header entry (dtype tag, shape, data offsets), checked field by field: a flipped bit
+    anywhere in the header is a clear error, never a KeyError, a negative shape or a read past
+    the data."""
     def bad(what: str):
         return CheckpointError(f"{path} has a corrupt safetensors header: tensor {name!r} {what}")
 
@@ -125,12 +175,15 @@ def _tensor(path: str, name: str, info, data: bytes, base: int) -> HostTensor:
     if not ints(shape) or not ints(offsets) or len(offsets) != 2 or offsets[0] > offsets[1]:
         raise bad(f"has an invalid shape {shape!r} or data_offsets {offsets!r}")
     start, end = offsets
-    if base + end > len(data):
+    if base + end > size:
         raise CheckpointError(f"{path} is truncated: tensor {name!r} ends past the end of the file")
-    itemsize = np.dtype(_TAGS[tag]).itemsize
-    if end - start != int(np.prod(shape, dtype=np.int64)) * itemsize:
+    if end - start != int(np.prod(shape, dtype=np.int64)) * np.dtype(_TAGS[tag]).itemsize:
         raise bad(f"of shape {shape} does not fit its {end - start} bytes")
-    array = np.frombuffer(data, dtype=_TAGS[tag], count=(end - start) // itemsize, offset=base + start).reshape(shape)
+    return tag, shape, start, end
+
+
+def _host(tag: str, shape: list, data: bytes) -> HostTensor:
+    array = np.frombuffer(data, dtype=_TAGS[tag]).reshape(shape)
     return HostTensor(array.copy(), "bfloat16" if tag == "BF16" else None)
 
 

@@ -47,3 +47,97 @@ def unshard(parts: list, spec: tuple) -> np.ndarray:
         mine = local[g * rep:(g + 1) * rep]
         out.append(np.concatenate([m[: per // rep] for m in mine] + [mine[0][per // rep:]]))
     return np.concatenate(out).reshape((-1,) + tail)
+
+
+# -- where a rank's tensor lies in the whole one (sharded checkpoints) ------------------------
+# A box is (offset, shape): a hyper-rectangle of a tensor, offsets and sizes per dimension.
+# A rank's tensor is laid out as pieces, each (local box offset, whole-tensor offset, shape,
+# primary): the piece's elements are the whole tensor's box at that offset. ``primary`` is
+# False for a copy another rank holds too (the copied key/value rows of a "qkv" cut), so that
+# a checkpoint writes each element once.
+
+
+def placement(spec, local_shape: tuple, n: int, r: int) -> tuple[tuple, list]:
+    """(the whole tensor's shape, the pieces of rank ``r``'s tensor of ``local_shape``) under
+    ``spec`` (None: not cut) over ``n`` tensor-parallel ranks."""
+    local_shape = tuple(local_shape)
+    zero = (0,) * len(local_shape)
+    if spec is None or n == 1:
+        return local_shape, [(zero, zero, local_shape, True)]
+    kind = spec[0]
+    if kind in ("split", "swiglu"):
+        axis = spec[1] if len(spec) > 1 else 0
+        whole = _with(local_shape, axis, local_shape[axis] * n)
+        if kind == "split":
+            return whole, [(zero, _with(zero, axis, r * local_shape[axis]), local_shape, True)]
+        h = local_shape[axis] // 2  # [gate_r; up_r] of [gate; up]
+        half = _with(local_shape, axis, h)
+        return whole, [(zero, _with(zero, axis, r * h), half, True),
+                       (_with(zero, axis, h), _with(zero, axis, n * h + r * h), half, True)]
+    _, groups, per, d = spec
+    rep = n // groups
+    g, j = divmod(r, rep)
+    q_rows, tail = per // rep * d, local_shape[1:]
+    whole = ((groups * (per + 2) * d,) + tail)
+    start = g * (per + 2) * d
+    rest = (0,) * len(tail)
+    return whole, [(zero, (start + j * q_rows,) + rest, (q_rows,) + tail, True),
+                   ((q_rows,) + rest, (start + per * d,) + rest, (2 * d,) + tail, j == 0)]
+
+
+def _with(t: tuple, axis: int, value: int) -> tuple:
+    return t[:axis] + (value,) + t[axis + 1:]
+
+
+def with_experts(whole: tuple, pieces: list, ep: int, r: int) -> tuple[tuple, list]:
+    """The placement of an expert weight cut over ``ep`` expert-parallel ranks (dim 0, before
+    the tensor-parallel cut that ``whole``/``pieces`` describe), rank ``r`` holding its
+    1/ep of the experts."""
+    if ep == 1:
+        return whole, pieces
+    local = whole[0]
+    return ((local * ep,) + whole[1:],
+            [(lo, (go[0] + r * local,) + go[1:], shape, primary) for lo, go, shape, primary in pieces])
+
+
+def flat_boxes(shape: tuple, lo: int, hi: int) -> list:
+    """Boxes of a tensor of ``shape`` that hold its elements lo..hi-1 in row-major order, in
+    that order (a flat slice, as the distributed optimizer owns, is at most 2 x ndim - 1 boxes)."""
+    shape = tuple(shape)
+    if lo >= hi:
+        return []
+    if not shape:
+        return [((), ())]
+    inner = int(np.prod(shape[1:], dtype=np.int64))
+    first, last = lo // inner, (hi - 1) // inner
+    if lo % inner == 0 and hi % inner == 0 or first == last and inner == 1:
+        return [((first,) + (0,) * (len(shape) - 1), (last - first + 1,) + shape[1:])]
+    if first == last:
+        return [((first,) + off, (1,) + size) for off, size in flat_boxes(shape[1:], lo % inner, hi - first * inner)]
+    out = []
+    if lo % inner:
+        out += [((first,) + off, (1,) + size) for off, size in flat_boxes(shape[1:], lo % inner, inner)]
+        first += 1
+    full_end = hi // inner
+    if full_end > first:
+        out.append(((first,) + (0,) * (len(shape) - 1), (full_end - first,) + shape[1:]))
+    if hi % inner:
+        out += [((full_end,) + off, (1,) + size) for off, size in flat_boxes(shape[1:], 0, hi % inner)]
+    return out
+
+
+def intersect(a: tuple, b: tuple):
+    """The box both boxes cover, or None."""
+    (ao, ashape), (bo, bshape) = a, b
+    lo = tuple(max(x, y) for x, y in zip(ao, bo))
+    hi = tuple(min(x + s, y + t) for x, s, y, t in zip(ao, ashape, bo, bshape))
+    if any(h <= low for low, h in zip(lo, hi)):
+        return None
+    return lo, tuple(h - low for low, h in zip(lo, hi))
+
+
+def region(box: tuple, within: tuple | None = None) -> tuple:
+    """Numpy index of ``box``, relative to the offset ``within`` (a box or offsets) if given."""
+    off, shape = box
+    base = (0,) * len(off) if within is None else (within[0] if isinstance(within[0], tuple) else within)
+    return tuple(slice(o - b, o - b + s) for o, b, s in zip(off, base, shape))
