@@ -345,6 +345,13 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--exit-signal-handler", action="store_true",
                    help="on SIGTERM or SIGINT every rank finishes its step, saves (with --save) and exits with 128 + "
                         "the signal's number (training/preemption.py)")
+    c.add_argument("--save-whole", action="store_true",
+                   help="gather the whole model and optimizer state to rank 0 and write them as one model.safetensors "
+                        "and one optimizer.safetensors (the format before sharded saves; default: every rank writes "
+                        "its own pieces, training/sharded_checkpoint.py)")
+    c.add_argument("--async-save", action="store_true",
+                   help="each rank's checkpoint file is written by a thread from a host copy taken between steps, "
+                        "while training goes on; the iteration is published once every rank's file is durable")
     c.add_argument("--metrics-file", default=None, help="JSONL metrics (default: <save>/metrics.jsonl)")
     c.add_argument("--sample-tokens", type=COUNT, default=None, help="tokens of text to sample at the end")
     c.add_argument("--dry-run", action="store_true", help="print the resolved configuration and exit")

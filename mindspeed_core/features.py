@@ -424,6 +424,15 @@ FEATURES: tuple[Feature, ...] = (
             supported("torch generator states"),
             emulated("MindSpore's CPU random kernels cannot be replayed from a saved state; the facade draws "
                      "random masks from its own generator")),
+    Feature("sharded-checkpoints", "Sharded checkpoints: every rank writes its pieces, resume at any layout reads "
+            "its slices", "operations", ("--save", "--load", "--save-whole"),
+            supported("per-rank safetensors and one JSON index; SHA-256 per file and per piece; TP / PP / VPP / DP / "
+                      "EP / CP and the distributed optimizer may all change on resume; --save-whole writes the "
+                      "gathered single-file format, which stays loadable"), supported("as on PyTorch")),
+    Feature("async-save", "Asynchronous checkpoint saves", "operations", ("--async-save",),
+            supported("a thread per rank writes a host copy taken between steps; published (tracker moved) after "
+                      "every rank's file is durable, checked after each step; a kill leaves the previous checkpoint"),
+            supported("as on PyTorch"), _on("async_save")),
     Feature("safetensors-io", "Framework-neutral tensor files (safetensors + JSON metadata)", "operations", (),
             supported(), supported()),
     # ---- inference ----------------------------------------------------------------------------

@@ -28,7 +28,7 @@ def _checkpoint(tmp, corpus, damage):  # noqa: F811
 
 
 def _flip_header_byte(ckpt):
-    path = ckpt / "iter_0000001" / "model.safetensors"
+    path = ckpt / "iter_0000001" / "rank_00000.safetensors"
     data = bytearray(path.read_bytes())
     data[8 + data[8:].index(b'"shape":[') + 9] = ord("x")  # the first shape's first digit
     path.write_bytes(bytes(data))

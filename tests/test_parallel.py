@@ -373,6 +373,10 @@ def test_the_gradient_comparison_sees_one_tp_gradient_doubled(two_ranks, referen
 DETERMINISTIC = [*GQA, "--attention-dropout", "0.1", "--hidden-dropout", "0.1", "--tensor-model-parallel-size", "2",
                  "--train-iters", str(LAYOUT_ITERS), "--use-deterministic-algorithms"]
 
+# TP2 + SP x DP2 with dropout in attention and the residual paths, for eight steps (four_ranks)
+DROPOUT = [*GQA, "--tensor-model-parallel-size", "2", "--sequence-parallel", "--attention-dropout", "0.2",
+           "--hidden-dropout", "0.2", "--train-iters", "8"]
+
 # transformers' Llama (hf_reference.py: vocabulary 96, hidden 64, 2 layers, GQA) converted to
 # Megatron's layout at TP2 x PP2 and trained from for one step at lr 0 on four ranks, on ids
 # 0..94 of the NullTokenizer (95 is its end of document): the flags that give its model
@@ -423,6 +427,12 @@ def four_ranks(corpus, data, two_ranks, null_corpus, hf_references, tmp_path_fac
               False],
              ["hf-llama-tp2-pp2", [*HF_LLAMA, "--data-path", null_corpus, "--load", str(tmp / "hf-llama-mg"),
                                    "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"], False],
+             # TP2 + SP x DP2 with dropout: eight steps, then the first four saved and the other
+             # four resumed (each rank's tracker streams restored)
+             *[[name, [*DROPOUT, "--data-path", corpus, *flags], False] for name, flags in (
+                 ("dropout-full", []),
+                 ("dropout-first-half", ["--save", str(tmp / "dropout-ckpt"), "--exit-interval", "4"]),
+                 ("dropout-resumed", ["--load", str(tmp / "dropout-ckpt")]))],
              # last: MindSpore keeps the setting for the rest of the process
              ["tp2-dp2-deterministic", [*DETERMINISTIC, "--data-path", corpus], False]]
     run_configs(FRAMEWORK, 4, case_spec(ranks_cases(4) + CP_CASES, data, tmp) + extra, tmp)
@@ -726,6 +736,23 @@ def test_dropout_is_off_in_evaluation_and_on_in_training(capsys, corpus, tmp_pat
     code, _, err = train(capsys, *GQA, "--data-path", corpus, "--train-iters", "3", "--attention-dropout", "0.1",
                          "--hidden-dropout", "0.1", "--eval-iters", "1", "--eval-interval", "3", "--split", "90,10,0")
     assert code == 0, err
+
+
+@pytest.mark.multiprocess
+@pytest.mark.feature("tensor-parallel")
+@pytest.mark.feature("data-parallel")
+@pytest.mark.feature("rng-tracker")
+def test_resume_under_tp2_dp2_with_dropout_is_exact(four_ranks):
+    """four_ranks' dropout runs: the second stops after saving iteration 4, the third starts
+    from that checkpoint and logs the first run's losses 5..8 exactly (per-rank tracker
+    streams restored)."""
+    out = four_ranks / "out"
+    state = json.loads((four_ranks / "dropout-ckpt" / "iter_0000004" / "trainer_state.json").read_text())
+    assert len(state["rng"]) == 4 and state["rng"][0]["tracker"] != state["rng"][1]["tracker"]
+    want = losses(out / "dropout-full.jsonl")
+    assert losses(out / "dropout-first-half.jsonl") == {i: want[i] for i in range(1, 5)}
+    assert losses(out / "dropout-resumed.jsonl") == {i: want[i] for i in range(5, 9)}
+    assert "resumed from" in (out / "dropout-resumed.log").read_text()
 
 
 @pytest.mark.multiprocess

@@ -5,6 +5,7 @@ with checkpoints crossing pipeline sizes."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import numpy as np
@@ -277,6 +278,33 @@ def test_pipelines_on_two_ranks_equal_one_process(capsys, framework, corpus, sin
     print("parity (max relative loss difference):", json.dumps(table))
 
 
+# sharded checkpoints (training/sharded_checkpoint.py) saved and resumed at other layouts in
+# the four-rank launch: name -> (flags after the model's, iterations); each save stops at 5,
+# each resume continues to ITERS on the single-process curve
+RESHARD = {
+    "tp2-pp2-distopt-save": (PP + ["2", "--tensor-model-parallel-size", "2", "--use-distributed-optimizer",
+                                   "--save", "{out}/ckpt-tp2-pp2"], 5),
+    "dp4-distopt-from-tp2-pp2": (["--use-distributed-optimizer", "--load", "{out}/ckpt-tp2-pp2"], ITERS),
+    "pp2-vpp-dp2-save": (PP + ["2", "--num-layers-per-virtual-pipeline-stage", "1", "--save", "{out}/ckpt-vpp"], 5),
+    "pp4-from-pp2-vpp": (PP + ["4", "--load", "{out}/ckpt-vpp"], ITERS),
+    # TP2 x uneven PP2 without the distributed optimizer, from the DP2 interleaved save
+    "tp2-pp2-uneven-from-pp2-vpp": (PP + ["2", "--num-layer-list", "1,3", "--tensor-model-parallel-size", "2",
+                                          "--load", "{out}/ckpt-vpp"], ITERS),
+}
+
+
+@pytest.fixture(scope="module")
+def four(corpus, tmp_path_factory):  # noqa: F811
+    """One four-rank launch: the FOUR parity cases, then the RESHARD saves and resumes."""
+    from conftest import FRAMEWORK
+
+    tmp = tmp_path_factory.mktemp("four")
+    out = tmp / "out"
+    extra = [[name, [*MODELS["base"], *(f.format(out=out) for f in flags), "--data-path", corpus, "--train-iters",
+                     str(iters)], False] for name, (flags, iters) in RESHARD.items()]
+    return run_configs(FRAMEWORK, 4, FOUR, corpus, tmp, extra=extra)
+
+
 @pytest.mark.multiprocess
 @pytest.mark.feature("pipeline-parallel")
 @pytest.mark.feature("tensor-parallel")
@@ -288,14 +316,78 @@ def test_pipelines_on_two_ranks_equal_one_process(capsys, framework, corpus, sin
 @pytest.mark.feature("norm-recompute")
 @pytest.mark.feature("grad-reduce-overlap")
 @pytest.mark.feature("param-gather-overlap")
-def test_pipelines_on_four_ranks_equal_one_process(capsys, framework, corpus, single, tmp_path):  # noqa: F811
+def test_pipelines_on_four_ranks_equal_one_process(capsys, framework, corpus, single, four, tmp_path):  # noqa: F811
     """PP4 (saving), TP2xPP2 with sequence parallelism and tied embeddings, PP2xDP2 with the
     distributed optimizer, CP2xPP2: one launch; the PP4 checkpoint continues on one process."""
     table = {}
-    out = run_configs(framework, 4, FOUR, corpus, tmp_path)
+    out = four
     check_parity(out, FOUR, single, table)
     assert same_records(out / "pp2-dp2-distopt-overlap.jsonl", out / "pp2-dp2-distopt.jsonl")
     text = resume_single(capsys, corpus, iteration_only(out / "ckpt-pp4", 5, tmp_path / "pp4-5"), "base", tmp_path,
                          single["base"]["losses"], 6)
     assert "PP=4" in text
     print("parity (max relative loss difference):", json.dumps(table))
+
+
+def bytes_read(log: str) -> list[int]:
+    """Each rank's bytes read of a sharded checkpoint, as the trainer reports them."""
+    return json.loads(re.search(r"bytes read per rank: (\[[0-9, ]*\])", log).group(1))
+
+
+def saved_bytes(ckpt) -> dict:
+    """{section: bytes of its tensors' values} of a sharded checkpoint (fp32 here), from its index."""
+    meta = json.loads((ckpt / "iter_0000005" / "meta.json").read_text())
+    return {section: sum(4 * int(np.prod(p[3])) for record in tensors.values() for p in record["pieces"])
+            for section, tensors in meta["index"].items()}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.feature("pipeline-parallel")
+@pytest.mark.feature("virtual-pipeline")
+@pytest.mark.feature("tensor-parallel")
+@pytest.mark.feature("distributed-optimizer")
+@pytest.mark.feature("sharded-checkpoints")
+def test_sharded_checkpoints_resume_at_other_layouts_reading_their_slices(framework, single, four):
+    """Every rank writes its own pieces; each resume reads only what its layout needs and
+    continues the single-process curve: TP2 x PP2 with the distributed optimizer -> DP4 with it
+    (each rank reads the whole model and a quarter of the optimizer state), PP2 x DP2
+    interleaved -> PP4 (each rank reads its layer), and -> TP2 x uneven PP2 without it."""
+    want = single["base"]["losses"]
+    for name, (_, iters) in RESHARD.items():
+        got = losses(four / f"{name}.jsonl")
+        if iters == 5:  # the saves: the first five steps
+            assert_same_curve(got, {i: want[i] for i in range(1, 6)})
+        else:
+            log = (four / f"{name}.log").read_text()
+            assert "resumed from" in log and "sharded" in log, log
+            assert_same_curve(got, {i: want[i] for i in range(6, ITERS + 1)})
+    # every rank wrote a file (TP2 x PP2, DP1: four owners of distinct pieces); DP2 copies once
+    assert len(list((four / "ckpt-tp2-pp2" / "iter_0000005").glob("rank_*.safetensors"))) == 4
+    assert len(list((four / "ckpt-vpp" / "iter_0000005").glob("rank_*.safetensors"))) == 2
+    tp2pp2 = saved_bytes(four / "ckpt-tp2-pp2")
+    header = 64 * 1024  # the safetensors headers each rank reads, generously
+    read = bytes_read((four / "dp4-distopt-from-tp2-pp2.log").read_text())
+    assert len(read) == 4 and all(tp2pp2["model"] <= r < tp2pp2["model"] + tp2pp2["optimizer"] / 2 + header
+                                  for r in read), (read, tp2pp2)
+    vpp = saved_bytes(four / "ckpt-vpp")
+    total = vpp["model"] + vpp["optimizer"]
+    read = bytes_read((four / "pp4-from-pp2-vpp.log").read_text())
+    assert len(read) == 4 and max(read) < total / 2 and sum(read) < total + 4 * header, (read, vpp)
+    print("bytes read per rank: DP4 from TP2xPP2", bytes_read((four / "dp4-distopt-from-tp2-pp2.log").read_text()),
+          "of", tp2pp2, "; PP4 from PP2 VPP", read, "of", vpp)
+
+
+@pytest.mark.multiprocess
+def test_the_other_framework_resumes_a_four_rank_sharded_checkpoint(framework, single, four, corpus,  # noqa: F811
+                                                                    tmp_path):
+    """The TP2 x PP2 distributed-optimizer checkpoint of this framework continues in one
+    process of the other (test_parity: within its tolerances)."""
+    from test_parity import OTHER, rel, run_other
+
+    metrics = tmp_path / "other.jsonl"
+    out = run_other(OTHER[framework], *MODELS["base"], "--data-path", corpus, "--train-iters", str(ITERS), "--load",
+                    str(four / "ckpt-tp2-pp2"), "--metrics-file", str(metrics))
+    assert f"saved on {framework}, TP=2 DP=1 PP=2" in out, out
+    got, want = losses(metrics), single["base"]["losses"]
+    assert sorted(got) == list(range(6, ITERS + 1))
+    assert rel(got[6], want[6]) < 1e-5 and all(rel(got[i], want[i]) < 1e-4 for i in got), (got, want)

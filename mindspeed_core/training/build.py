@@ -13,7 +13,7 @@ from mindspeed_core.models import lora
 from mindspeed_core.parallel import families
 from mindspeed_core.parallel import layers as parallel_layers
 from mindspeed_core.parallel.plan import ParallelPlan
-from mindspeed_core.training import distributed, model_source, resume
+from mindspeed_core.training import distributed, model_source, resume, sharded_checkpoint
 from mindspeed_core.training.configuration import memory_needed
 from mindspeed_core.training.distributed_optimizer import DistributedAdamW
 from mindspeed_core.training.optimizer import AdamW
@@ -71,10 +71,34 @@ def optimizer(named: list, train_plan, plan, ps, flags, saved=None):
                                reuse_fp32_param=flags.reuse_fp32_param, bucket_elements=flags.ddp_bucket_size)
     else:
         opt = AdamW(*args, ps=ps, plan=train_plan, moment_dtype=moment_dtype, bucket_elements=flags.ddp_bucket_size)
-    if saved is not None:
+    if isinstance(saved, sharded_checkpoint.Reader):
+        _load_slices(opt, saved, named, train_plan, ps)
+    elif saved is not None:
         arrays, steps = saved
         mine, specs, experts_here = {n for n, _ in named}, plan.shard_specs, plan.expert_names
         local = {k: ops.tensor(distributed.local_array(k.split(".", 1)[1], v, specs, ps, experts_here))
                  for k, v in arrays.items() if k.split(".", 1)[1] in mine}
         opt.load_state(local, steps)
     return opt
+
+
+def _load_slices(opt, shards, named: list, train_plan, ps) -> None:
+    """The optimizer state of this rank's slices from a sharded checkpoint: a distributed
+    optimizer's flat slices, or plain AdamW's tensors (this rank's TP / EP pieces)."""
+    entry, shapes, saved = {p.name: p for p in train_plan.params}, {n: tuple(p.shape) for n, p in named}, \
+        shards.names("optimizer")
+
+    def read(state: str, name: str, shape: tuple, flat=None):
+        if state not in saved:
+            return None
+        return shards.read("optimizer", sharded_checkpoint.held(state, shape, entry[name], ps, flat))
+
+    if hasattr(opt, "load_slices"):
+        opt.load_slices(read, shards.steps)
+        return
+    local = {}
+    for state in saved:
+        name = state.split(".", 1)[1]
+        if name in shapes:
+            local[state] = ops.tensor(read(state, name, shapes[name]))
+    opt.load_state(local, shards.steps)

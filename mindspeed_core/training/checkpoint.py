@@ -1,19 +1,25 @@
 """Training checkpoints: Megatron's directory shape, framework-neutral files.
 
     <save>/latest_checkpointed_iteration.txt
-    <save>/iter_0000100/model.safetensors       parameters by dotted name
-    <save>/iter_0000100/optimizer.safetensors   AdamW moments (and fp32 masters)
+    <save>/iter_0000100/rank_00000.safetensors  each rank's pieces (sharded, the default:
+                                                training/sharded_checkpoint.py), or
+    <save>/iter_0000100/model.safetensors       parameters by dotted name, and
+    <save>/iter_0000100/optimizer.safetensors   AdamW moments (and fp32 masters), whole
+                                                (--save-whole, and checkpoints written before
+                                                sharded saves)
     <save>/iter_0000100/trainer_state.json      RNG states per rank, fp16 loss scale
     <save>/iter_0000100/meta.json               iteration, model config, args, framework,
-                                                and the SHA-256 of each file above
+                                                the SHA-256 of each file above, and a sharded
+                                                checkpoint's index
 
 What the tracker names is always a complete checkpoint: a checkpoint is written (and
 fsynced) in a temporary folder and renamed into place before the tracker moves; saving an
 iteration that already exists swaps the two folders in one atomic rename (Linux
 renameat2 RENAME_EXCHANGE) before the old one is deleted. Loading verifies every file
-against its recorded digest. Safetensors carry no framework, so a run saved on PyTorch
-resumes on MindSpore; values are always full (unsharded), so a checkpoint saved at one
-parallel layout loads at any other.
+against its recorded digest (a sharded checkpoint's rank reading its slices: every piece
+against its own). Safetensors carry no framework, so a run saved on PyTorch resumes on
+MindSpore; both formats describe whole tensors, so a checkpoint saved at one parallel layout
+loads at any other.
 """
 
 from __future__ import annotations
@@ -25,12 +31,14 @@ import json
 import os
 import re
 import shutil
+import threading
 
 import numpy as np
 
-from mindspeed_core import files, tensor_files
+from mindspeed_core import features, files, tensor_files
 from mindspeed_core.backends.common import float32_to_bf16_bits
-from mindspeed_core.errors import CheckpointError
+from mindspeed_core.errors import CheckpointError, MindSpeedError
+from mindspeed_core.training import sharded_checkpoint
 
 TRACKER = "latest_checkpointed_iteration.txt"
 STATE_FILE = "trainer_state.json"
@@ -74,13 +82,10 @@ def _exchange(a: str, b: str) -> bool:
 
 def save(root: str, iteration: int, model_arrays: dict, optimizer_arrays: dict, steps: int, meta: dict,
          dtypes: dict | None = None, trainer_state: dict | None = None) -> str:
-    """Write full numpy state; ``dtypes`` names parameters kept in bfloat16 or float16;
-    ``trainer_state`` (JSON) holds what exact resumption needs beyond the tensors."""
-    os.makedirs(root, exist_ok=True)
-    final = iteration_dir(root, iteration)
-    tmp = f"{final}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
+    """Write full numpy state in one folder (--save-whole: gathered on rank 0); ``dtypes`` names
+    parameters kept in bfloat16 or float16; ``trainer_state`` (JSON) holds what exact
+    resumption needs beyond the tensors."""
+    tmp = _fresh(root, iteration, os.getpid())
     model_arrays = {k: v.astype(np.float16) if (dtypes or {}).get(k) == "float16" else v for k, v in model_arrays.items()}
     digests = {
         "model.safetensors": tensor_files.save(os.path.join(tmp, "model.safetensors"),
@@ -90,6 +95,91 @@ def save(root: str, iteration: int, model_arrays: dict, optimizer_arrays: dict, 
         STATE_FILE: _write_json(os.path.join(tmp, STATE_FILE), trainer_state or {}),
     }
     _write_json(os.path.join(tmp, "meta.json"), {**meta, "iteration": iteration, "sha256": digests})
+    return _publish(root, iteration, tmp)
+
+
+class ShardedSave:
+    """A sharded save under way: this rank's file being written (by a thread with --async-save),
+    the iteration not yet visible. ``finish`` (a collective) publishes it."""
+
+    def __init__(self, root: str, iteration: int, rank: int, tmp: str, sections: dict, steps: int, meta: dict,
+                 trainer_state: dict, background: bool):
+        self.root, self.iteration, self.rank, self.tmp = root, iteration, rank, tmp
+        self.steps, self.meta, self.trainer_state = steps, meta, trainer_state
+        self.result, self.error = None, None
+        if background:
+            self.thread = threading.Thread(target=self._write, args=(sections,), daemon=True,
+                                           name=f"save-iteration-{iteration}")
+            self.thread.start()
+        else:
+            self.thread = None
+            self._write(sections)
+
+    def _write(self, sections: dict) -> None:
+        try:
+            part, fname, digest = sharded_checkpoint.write_rank_file(self.tmp, self.rank, sections)
+            sharded_checkpoint.fsync_written(self.tmp, fname)
+            self.result = [part, fname, digest]
+        except BaseException as exc:  # carried to finish(), in the training thread
+            self.error = exc
+
+    def written(self) -> bool:
+        """Whether this rank's file is written (or its writing failed)."""
+        return self.thread is None or not self.thread.is_alive()
+
+    def finish(self, gather, barrier) -> str:
+        """Wait for this rank's file; once every rank's is durable (``gather`` brings their parts
+        of the index), rank 0 writes meta.json and publishes the iteration. A collective."""
+        if self.thread is not None:
+            self.thread.join()
+        # every rank learns of any rank's failure, so that all raise and none waits alone
+        parts = gather(self.result if self.error is None else {"failed": repr(self.error)})
+        failed = [(r, p["failed"]) for r, p in enumerate(parts) if isinstance(p, dict)]
+        if failed:
+            if self.error is not None and isinstance(self.error, MindSpeedError):
+                raise self.error
+            raise CheckpointError(f"saving iteration {self.iteration} failed on rank {failed[0][0]} "
+                                  f"({failed[0][1]}); the last checkpoint in {self.root} is intact")
+        index = sharded_checkpoint.merge_indices([p for p, _, _ in parts])  # every rank: the same verdict
+        final = iteration_dir(self.root, self.iteration)
+        if self.rank == 0:
+            digests = {f: d for _, f, d in parts if f is not None}
+            digests[STATE_FILE] = _write_json(os.path.join(self.tmp, STATE_FILE), self.trainer_state)
+            _write_json(os.path.join(self.tmp, "meta.json"),
+                        {**self.meta, "iteration": self.iteration, "format": sharded_checkpoint.FORMAT,
+                         "steps": self.steps, "index": index, "sha256": digests})
+            final = _publish(self.root, self.iteration, self.tmp)
+        barrier()
+        return final
+
+
+def start_sharded(root: str, iteration: int, rank: int, sections: dict, steps: int, meta: dict, trainer_state: dict,
+                  gather, barrier, background: bool = False) -> ShardedSave:
+    """Every rank writes its own pieces (sharded_checkpoint.write_rank_file: ``sections``) into
+    one temporary folder, made here by rank 0; ``background``: in a thread, from host copies
+    the caller made (--async-save). ``gather`` is a collective of JSON values in rank order,
+    ``barrier`` a barrier. The iteration is published by the returned save's finish()."""
+    features.note_used("sharded-checkpoints")
+    pid = gather(os.getpid())[0]  # the folder is named after rank 0's process
+    if rank == 0:
+        _fresh(root, iteration, pid)
+    barrier()
+    tmp = f"{iteration_dir(root, iteration)}.tmp-{pid}"
+    return ShardedSave(root, iteration, rank, tmp, sections, steps, meta, trainer_state, background)
+
+
+def _fresh(root: str, iteration: int, pid: int) -> str:
+    """An empty temporary folder for iteration's checkpoint."""
+    os.makedirs(root, exist_ok=True)
+    tmp = f"{iteration_dir(root, iteration)}.tmp-{pid}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    return tmp
+
+
+def _publish(root: str, iteration: int, tmp: str) -> str:
+    """Put the complete folder ``tmp`` in place of iteration's, then point the tracker at it."""
+    final = iteration_dir(root, iteration)
     files.fsync_dir(tmp)
     if os.path.exists(final):
         # The tracker may name this very iteration: swap in one step, so that a complete
@@ -187,7 +277,17 @@ def load_model_arrays(root: str, iteration: int) -> dict:
     return _model_arrays(_folder(root, iteration), read_meta(root, iteration))
 
 
+def reader(root: str, iteration: int) -> "sharded_checkpoint.Reader | None":
+    """A reader of this rank's slices when the checkpoint is sharded; None for a whole one."""
+    meta = read_meta(root, iteration)
+    if meta.get("format") != sharded_checkpoint.FORMAT:
+        return None
+    return sharded_checkpoint.Reader(_folder(root, iteration), meta)
+
+
 def _model_arrays(folder: str, meta: dict) -> dict:
+    if meta.get("format") == sharded_checkpoint.FORMAT:
+        return sharded_checkpoint.Reader(folder, meta).whole("model")
     return _arrays(os.path.join(folder, "model.safetensors"), _digest(meta, "model.safetensors"))[0]
 
 
@@ -196,6 +296,9 @@ def load(root: str, iteration: int) -> tuple[dict, dict, int]:
     every file checked against the digest recorded in meta.json."""
     folder, meta = _folder(root, iteration), read_meta(root, iteration)
     model = _model_arrays(folder, meta)
+    if meta.get("format") == sharded_checkpoint.FORMAT:
+        shards = sharded_checkpoint.Reader(folder, meta)
+        return model, shards.whole("optimizer"), shards.steps
     optimizer, opt_meta = _arrays(os.path.join(folder, "optimizer.safetensors"), _digest(meta, "optimizer.safetensors"))
     steps = (opt_meta or {}).get("steps", iteration) if isinstance(opt_meta, dict) else None
     if type(steps) is not int or steps < 0:

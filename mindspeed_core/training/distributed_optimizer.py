@@ -95,17 +95,26 @@ class _Partition:
     def window(self, tensors):
         """This rank's slices of the flat vector of ``tensors``, built from the pieces inside them:
         tensors of their own (a slice of the whole flat vector would keep all of it alive)."""
-        pieces = []
+        return self.window_from(lambda k, a, b: ops.reshape(ops.cast(tensors[k], "float32"), (-1,))[a:b])
+
+    def window_from(self, piece):
+        """This rank's slices, ``piece(k, a, b)`` giving parameter k's flat elements a..b-1."""
+        return ops.cat([ops.zeros((b - a,)) if k is None else piece(k, a, b) for k, a, b in self.owned()])
+
+    def owned(self) -> list:
+        """What this rank's slices hold, in order: (parameter k, its flat elements a..b-1), or
+        (None, 0, n) for n elements of a bucket's padding."""
+        out = []
         for (lo, hi), run in zip(self.slices, self.runs):
             at = lo
             for k in run:
                 a, b = max(lo, self.offsets[k]), min(hi, self.offsets[k] + self.sizes[k])
                 if a < b:
-                    pieces.append(ops.reshape(ops.cast(tensors[k], "float32"), (-1,))[a - self.offsets[k]:b - self.offsets[k]])
+                    out.append((k, a - self.offsets[k], b - self.offsets[k]))
                     at = b
             if at < hi:  # the bucket's padding
-                pieces.append(ops.zeros((hi - at,)))
-        return ops.cat(pieces)
+                out.append((None, 0, hi - at))
+        return out
 
     def unflatten(self, flat) -> list:
         """The parameters' tensors from the whole (gathered) flat vector."""
@@ -282,6 +291,22 @@ class DistributedAdamW:
                         out[f"{key}.{name}"] = value
         return out
 
+    def held_state(self) -> list:
+        """This rank's state as a sharded checkpoint writes it: (state name, parameter name, the
+        parameter's flat elements (a, b) held, their values as numpy), its slices only."""
+        out = []
+        for part in self.partitions:
+            owned = part.owned()
+            for key in ("exp_avg", "exp_avg_sq", "master"):
+                flat = ops.to_numpy(part.master() if key == "master" else widen([getattr(part, key)])[0])
+                at = 0
+                for k, a, b in owned:
+                    if k is not None and (key != "master" or ops.dtype_of(part.named[k][1]) != "float32"):
+                        name = part.named[k][0]
+                        out.append((f"{key}.{name}", name, (a, b), flat[at:at + b - a]))
+                    at += b - a
+        return out
+
     def load_state(self, tensors: dict, steps: int) -> None:
         for part in self.partitions:
             for key in ("exp_avg", "exp_avg_sq", "master"):
@@ -296,9 +321,29 @@ class DistributedAdamW:
                         raise CheckpointError(f"optimizer {key} of {name} has shape {tuple(t.shape)}, "
                                               f"the model's is {tuple(p.shape)}")
                     values.append(t)
-                flat = part.window(values)
-                if key == "master":  # the parameters were loaded from the same checkpoint: its bf16 rounding
-                    part.keep_master(flat)
-                else:
-                    setattr(part, key, narrow([flat], part.moment_dtype)[0])
+                self._keep(part, key, part.window(values))
         self.steps = steps
+
+    def load_slices(self, read, steps: int) -> None:
+        """The state of this rank's slices only, ``read(state name, parameter name, shape, (a, b))``
+        giving that parameter's flat elements a..b-1 (numpy) or None where the checkpoint has none."""
+        for part in self.partitions:
+            for key in ("exp_avg", "exp_avg_sq", "master"):
+                def piece(k, a, b, key=key, part=part):
+                    name, p = part.named[k]
+                    got = read(f"{key}.{name}", name, tuple(p.shape), (a, b))
+                    if got is None and key == "master":  # an fp32 parameter is its own master
+                        return ops.reshape(ops.cast(autograd.detach(p), "float32"), (-1,))[a:b]
+                    if got is None:
+                        raise CheckpointError(f"optimizer state has no {key} for {name}")
+                    return ops.tensor(got)
+
+                self._keep(part, key, part.window_from(piece))
+        self.steps = steps
+
+    @staticmethod
+    def _keep(part, key: str, flat) -> None:
+        if key == "master":  # the parameters were loaded from the same checkpoint: its bf16 rounding
+            part.keep_master(flat)
+        else:
+            setattr(part, key, narrow([flat], part.moment_dtype)[0])

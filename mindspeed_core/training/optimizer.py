@@ -131,6 +131,11 @@ class AdamW:
                 out[f"master.{name}"] = w
         return out
 
+    def held_state(self) -> list:
+        """This rank's state as a sharded checkpoint writes it: (state name, parameter name, None
+        (all of the parameter's elements), values as numpy)."""
+        return [(k, k.split(".", 1)[1], None, ops.to_numpy(v)) for k, v in self.state().items()]
+
     def load_state(self, tensors: dict, steps: int) -> None:
         for i, (name, p) in enumerate(self.named):
             stores = [("exp_avg", self.exp_avg), ("exp_avg_sq", self.exp_avg_sq)]

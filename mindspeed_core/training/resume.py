@@ -89,7 +89,9 @@ def load_megatron(model, cfg: ModelConfig, root: str, say) -> None:
 def resume(model, cfg: ModelConfig, root: str, finetune: bool, say, adapters_only: bool = False,
            exit_on_missing: bool = False):
     """Load the whole model from the newest checkpoint in ``root``; returns (iteration, its
-    optimizer arrays and steps) or (0, None) for the weights only. With LoRA, a checkpoint
+    optimizer arrays and steps) or (0, None) for the weights only; for a sharded checkpoint
+    (iteration, its sharded_checkpoint.Reader), the model not loaded: each rank reads its
+    slices after the model is cut. With LoRA, a checkpoint
     without adapters is a base model: its weights only, whatever --finetune says.
     ``adapters_only`` (--lora-load): the adapters and the training state, the base weights are
     kept."""
@@ -131,6 +133,16 @@ def resume(model, cfg: ModelConfig, root: str, finetune: bool, say, adapters_onl
                "a reward model from a language model")
         say(f"fine-tuning from the weights of {checkpoint.iteration_dir(root, it)} ({why})")
         return 0, None
+    layout = meta.get("parallel", {})
+    saved_at = (f"saved on {meta.get('framework')}, TP={layout.get('tp', 1)} DP={layout.get('dp', 1)} "
+                f"PP={layout.get('pp', 1)}")
+    shards = None if adapters_only else checkpoint.reader(root, it)
+    if shards is not None:  # each rank reads its own slices once the model is cut (Trainer.build)
+        if not shards.names("optimizer"):
+            say(f"{checkpoint.iteration_dir(root, it)} holds no optimizer state (saved with --no-save-optim): the "
+                "optimizer starts afresh")
+        say(f"resumed from {checkpoint.iteration_dir(root, it)} ({saved_at}; sharded: each rank reads its slices)")
+        return it, shards
     model_arrays, optimizer_arrays, steps = checkpoint.load(root, it)
     if not optimizer_arrays:
         say(f"{checkpoint.iteration_dir(root, it)} holds no optimizer state (saved with --no-save-optim): the "
@@ -138,10 +150,8 @@ def resume(model, cfg: ModelConfig, root: str, finetune: bool, say, adapters_onl
     if adapters_only:  # the base weights stay those of --load / --load-hf
         model_arrays = {**nn.state_dict(model), **{n: v for n, v in model_arrays.items() if lora.is_adapter(n)}}
     load_whole_state(model, model_arrays)
-    layout = meta.get("parallel", {})
     say(f"resumed {'the LoRA adapters ' if adapters_only else ''}from {checkpoint.iteration_dir(root, it)} "
-        f"(saved on {meta.get('framework')}, TP={layout.get('tp', 1)} DP={layout.get('dp', 1)} "
-        f"PP={layout.get('pp', 1)})")
+        f"({saved_at})")
     return it, (optimizer_arrays, steps)
 
 

@@ -32,7 +32,7 @@ from mindspeed_core.parallel import state as parallel_state
 from mindspeed_core.progress import Progress
 from mindspeed_core.training import (alignment, batches, boards, build, checkpoint, compiled, configuration,
                                      distributed, overlap, preemption, profiling, resume, routing, sample,
-                                     schedules)
+                                     schedules, sharded_checkpoint)
 from mindspeed_core.training.loss_scale import LossScaler
 from mindspeed_core.training.metrics import MetricsLog
 from mindspeed_core.training.optimizer import learning_rate
@@ -79,6 +79,7 @@ class Trainer:
         # called as (iteration, gradients, norm) once a step's gradients are reduced, before the
         # update: the gradients as the optimizer takes them (the layout tests compare them)
         self.after_reduction = None
+        self.pending_save = None  # a checkpoint being written (--async-save), not yet published
 
     # -- set-up ------------------------------------------------------------------------------
     def describe(self) -> dict:
@@ -102,6 +103,12 @@ class Trainer:
         self.chunks, self.plan, self.swap = build.cut_for_layout(self.model, self.model_spec, self.layout, ps, args)
         if ps.pp > 1:  # this rank keeps its stages only
             self.model = None
+        shards = saved_optimizer if isinstance(saved_optimizer, sharded_checkpoint.Reader) else None
+        if shards is not None:  # a sharded checkpoint: this rank's slices, read into the cut model
+            entry = {p.name: p for p in self.plan.params}
+            for name, p in zip(self.plan.names, (p for c in self.chunks for p in nn.parameters(c))):
+                nn.assign(p, ops.tensor(shards.read("model", sharded_checkpoint.held(name, tuple(p.shape), entry[name],
+                                                                                    ps))))
         # MoE layers report their routing (aux and z losses, tokens per expert) each step
         self.moe_layers = [layer for chunk in self.chunks for layer in getattr(chunk, "moe_layers", list)()]
         self.moe_stats = self.stage_stats = self.eval_stats = None
@@ -123,9 +130,14 @@ class Trainer:
         self.train_params = [p for p, t in zip(self.params, trained) if t]
         chunk_trained = iter(trained)
         chunk_params = [[p for p in params if next(chunk_trained)] for params in chunk_params]
-        keep = saved_optimizer is not None and saved_optimizer[0] and not args.no_load_optim
+        keep = (saved_optimizer is not None and (shards.names("optimizer") if shards else saved_optimizer[0])
+                and not args.no_load_optim)
         self.optimizer = build.optimizer(list(zip(self.train_names, self.train_params)), self.train_plan,
                                          self.plan, ps, args, saved_optimizer if keep else None)
+        if shards is not None:
+            read = distributed.gather_json(shards.bytes_read, ps)
+            self.say(f"read {sum(read) / 2**20:.2f} MiB of the checkpoint's {shards.total_bytes() / 2**20:.2f} MiB; "
+                     f"bytes read per rank: {read}")
         self.overlap = None  # --overlap-grad-reduce: the optimizer's buckets reduced during backward
         if args.overlap_grad_reduce and ps.size("dp_cp") > 1:
             self.overlap = overlap.OverlappedReduction(self.optimizer.buckets(), distributed.summed_across_model_parallel(
@@ -350,6 +362,7 @@ class Trainer:
                                                                     self.plan.expert_names), self.ps)
 
     def save(self) -> None:
+        self.finish_save()  # --async-save: the previous save first
         self.parameters_ready()
         bad = self._first_non_finite_parameter()
         if bad is not None:  # never let a diverged model overwrite the last good checkpoint
@@ -360,6 +373,59 @@ class Trainer:
                 "parallel": {"tp": self.ps.tp, "dp": self.ps.dp, "pp": self.ps.pp, "cp": self.ps.cp, "ep": self.ps.ep,
                              "chunks": self.layout.chunks,
                              "sequence_parallel": bool(self.flags.sequence_parallel)}}
+        if self.flags.save_whole:
+            self._save_whole(meta)
+        else:
+            self._save_sharded(meta)
+
+    def _save_sharded(self, meta: dict) -> None:
+        """Every rank writes the pieces it owns (training/sharded_checkpoint.py)."""
+        ps = self.ps
+        entry = {p.name: p for p in self.plan.params}
+        shapes = {n: tuple(p.shape) for n, p in zip(self.names, self.params)}
+        model = [(sharded_checkpoint.held(n, shapes[n], entry[n], ps), ops.to_numpy(p), ops.dtype_of(p))
+                 for n, p in zip(self.names, self.params)]
+        optimizer = []
+        for state, name, flat, values in ([] if self.flags.no_save_optim else self.optimizer.held_state()):
+            # a distributed optimizer's slices: each rank writes its own (expert slices are
+            # repeated over CP ranks: the first writes them)
+            writes = None if flat is None else (not entry[name].expert or ps.local_rank("cp") == 0)
+            optimizer.append((sharded_checkpoint.held(state, shapes[name], entry[name], ps, flat, writes), values,
+                              "float32"))
+        trainer_state = resume.run_state(ps, self.scaler, self.moe_layers, self.reference,
+                                         rng=not self.flags.no_save_rng)  # collective: every rank
+        background = self.flags.async_save
+        if background:  # the writer must not see the next steps' in-place updates
+            features.note_used("async-save")
+            model = [(h, np.array(v, copy=True), d) for h, v, d in model]
+            optimizer = [(h, np.array(v, copy=True), d) for h, v, d in optimizer]
+        self.pending_save = checkpoint.start_sharded(self.flags.save, self.iteration, ps.rank,
+                                                     {"model": model, "optimizer": optimizer}, self.optimizer.steps,
+                                                     meta, trainer_state, self._gather, dist.barrier, background)
+        if not background:
+            self.finish_save()
+
+    def _gather(self, value) -> list:
+        return distributed.gather_json(value, self.ps)
+
+    def finish_save(self, only_if_written: bool = False) -> None:
+        """Publish the save under way, if any (a collective); ``only_if_written``: only if every
+        rank's file is written by now (--async-save's check after each step; else it waits)."""
+        pending = self.pending_save
+        if pending is None:
+            return
+        if only_if_written:
+            flag = ops.tensor(np.array([0.0 if pending.written() else 1.0], np.float32))
+            if float(ops.to_numpy(dist.all_reduce(flag, op="max"))[0]) > 0:
+                return
+        self.pending_save = None
+        t0 = time.perf_counter()
+        path = pending.finish(self._gather, dist.barrier)
+        waited = f" (waited {time.perf_counter() - t0:.2f} s for the writers)" if pending.thread is not None else ""
+        self.say(f"saved checkpoint {path}{waited}")
+
+    def _save_whole(self, meta: dict) -> None:
+        """--save-whole: the whole state gathered to rank 0, which writes it."""
         model_arrays = self.full_model_arrays()  # collective: every rank
         opt, specs = ({} if self.flags.no_save_optim else self.optimizer.state()), self.plan.shard_specs
         opt_spec = {k: specs[k.split(".", 1)[1]] for k in opt if k.split(".", 1)[1] in specs}
@@ -465,6 +531,9 @@ class Trainer:
                 if args.save and args.save_interval and self.iteration % args.save_interval == 0:
                     with log.paused():
                         self.save()
+                elif self.pending_save is not None:  # published once every rank's writer is done
+                    with log.paused():
+                        self.finish_save(only_if_written=True)
                 stopped_by = watch.agreed(self.ps) if watch is not None else None
                 if stopped_by:  # saved below, as at the end of the run
                     features.note_used("exit-signal-handler")
@@ -485,6 +554,7 @@ class Trainer:
             log.close()
         if args.save and (not args.save_interval or self.iteration % args.save_interval) and history:
             self.save()
+        self.finish_save()
         if stopped_by:
             where = (f"saved iteration {self.iteration} in {args.save}; --load {args.save} continues it" if args.save
                      else "nothing saved (no --save)")
