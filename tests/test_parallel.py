@@ -427,6 +427,9 @@ def four_ranks(corpus, data, two_ranks, null_corpus, hf_references, tmp_path_fac
               False],
              ["hf-llama-tp2-pp2", [*HF_LLAMA, "--data-path", null_corpus, "--load", str(tmp / "hf-llama-mg"),
                                    "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"], False],
+             # the EP2 checkpoint of two_ranks (sharded: each expert once, by its owner) at EP1 x DP4
+             ["moe-dp4-from-ep2", [*MOE, "--data-path", data["moe"], "--train-iters", str(ITERS), "--load",
+                                   str(two_ranks / "ep2-ckpt")], False],
              # TP2 + SP x DP2 with dropout: eight steps, then the first four saved and the other
              # four resumed (each rank's tracker streams restored)
              *[[name, [*DROPOUT, "--data-path", corpus, *flags], False] for name, flags in (
@@ -736,6 +739,18 @@ def test_dropout_is_off_in_evaluation_and_on_in_training(capsys, corpus, tmp_pat
     code, _, err = train(capsys, *GQA, "--data-path", corpus, "--train-iters", "3", "--attention-dropout", "0.1",
                          "--hidden-dropout", "0.1", "--eval-iters", "1", "--eval-interval", "3", "--split", "90,10,0")
     assert code == 0, err
+
+
+@pytest.mark.multiprocess
+@pytest.mark.feature("expert-parallel")
+@pytest.mark.feature("sharded-checkpoints")
+def test_an_ep2_checkpoint_continues_at_ep1_on_four_data_parallel_ranks(four_ranks, reference):
+    """two_ranks' moe-ep2-alltoall saved its experts by their owners (EP2); four_ranks resumes
+    it without expert parallelism at DP4, on the single-process curve."""
+    log = (four_ranks / "out" / "moe-dp4-from-ep2.log").read_text()
+    assert "resumed from" in log and "sharded" in log and "TP=1 DP=4" in log, log
+    assert_same_curve(losses(four_ranks / "out" / "moe-dp4-from-ep2.jsonl"),
+                      {i: reference["moe"][i] for i in range(LAYOUT_ITERS + 1, ITERS + 1)})
 
 
 @pytest.mark.multiprocess
