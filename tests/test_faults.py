@@ -160,7 +160,7 @@ WIDE = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "4
 
 @pytest.mark.feature("async-save")
 def test_a_kill_during_an_async_save_leaves_the_previous_checkpoint(framework, corpus, tmp_path):  # noqa: F811
-    """--async-save, saving after every step, SIGKILLed three times at random moments: each time
+    """--async-save, saving after every step, SIGKILLed twice at random moments: each time
     the checkpoint the tracker names is complete (every file against its SHA-256), what the
     killed writer left is cleaned at the next start, and the run resumed after the last kill
     continues the curve of a run never stopped, bit for bit."""
@@ -180,7 +180,7 @@ def test_a_kill_during_an_async_save_leaves_the_previous_checkpoint(framework, c
                 "--data-path", corpus, *flags]
 
     mid_write, last = 0, 0
-    for attempt in range(3):
+    for attempt in range(2):
         proc = subprocess.Popen(train("--save", str(ckpt), "--save-interval", "1", "--async-save", "--train-iters",
                                       "1000", *(["--load", str(ckpt)] if attempt else [])),
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
@@ -221,4 +221,4 @@ def test_a_kill_during_an_async_save_leaves_the_previous_checkpoint(framework, c
         return {r["iteration"]: r["loss"] for r in map(json.loads, open(path)) if "loss" in r}
 
     assert steps(resumed) == {i: steps(straight)[i] for i in (last + 1, last + 2)}, seed
-    print(f"kills landed mid-write {mid_write} of 3 times (seed {seed}); resumed at iteration {last}")
+    print(f"kills landed mid-write {mid_write} of 2 times (seed {seed}); resumed at iteration {last}")

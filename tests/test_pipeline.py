@@ -155,19 +155,19 @@ SMALL4 = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "
           "--lr", "3e-3", "--min-lr", "3e-4", "--lr-warmup-iters", "2", "--eval-iters", "0", "--log-interval", "1",
           "--make-vocab-size-divisible-by", "8", "--no-progress", "--seed", "7", "--sample-tokens", "0",
           "--lr-decay-iters", "10"]
-MODELS = {"base": SMALL4 + ["--eval-iters", "2", "--eval-interval", "5", "--split", "90,10,0"],  # evaluation runs forward-only too
+MODELS = {"base": SMALL4 + ["--eval-iters", "2", "--eval-interval", "4", "--split", "90,10,0"],  # evaluation runs forward-only too
           "noop": SMALL4 + ["--noop-layers", "3"],
           "tied": SMALL4 + ["--model-name", "tiny-gpt2", "--num-query-groups", "4"],
           # documents packed into samples: every stage needs their attention boundaries and positions
           "packed": SMALL4 + ["--reset-attention-mask", "--reset-position-ids"]}
 ITERS = 10  # the single-process runs and resumes
-LAYOUT_ITERS = 6  # the pipelined launches: the first steps of the same schedule (--lr-decay-iters)
+LAYOUT_ITERS = 4  # the pipelined launches: the first steps of the same schedule (--lr-decay-iters)
 PP = ["--pipeline-model-parallel-size"]
 TWO = [  # (name, model, flags), on two ranks
-    ("pp2", "base", PP + ["2", "--save", "{out}/ckpt-pp2", "--save-interval", "5"]),
+    ("pp2", "base", PP + ["2", "--save", "{out}/ckpt-pp2", "--save-interval", "3"]),
     ("pp2-interleaved-recompute", "base", PP + ["2", "--num-layers-per-virtual-pipeline-stage", "1",
                                                 "--recompute-granularity", "full", "--recompute-method", "uniform",
-                                                "--recompute-num-layers", "1"]),
+                                                "--recompute-num-layers", "1", "--save", "{out}/ckpt-vpp"]),
     # full recompute of each stage's first layer, norms recomputed in the rest: bit-identical to pp2
     ("pp2-recompute-block-norm", "base", PP + ["2", "--recompute-granularity", "full", "--recompute-method", "block",
                                               "--recompute-num-layers", "1", "--recompute-norm"]),
@@ -176,7 +176,7 @@ TWO = [  # (name, model, flags), on two ranks
     ("pp2-tied", "tied", PP + ["2"]),
 ]
 FOUR = [
-    ("pp4", "base", PP + ["4", "--save", "{out}/ckpt-pp4", "--save-interval", "5"]),
+    ("pp4", "base", PP + ["4", "--save", "{out}/ckpt-pp4", "--save-interval", "3"]),
     ("tp2-pp2-sp-tied-selective-norm", "tied", PP + ["2", "--tensor-model-parallel-size", "2", "--sequence-parallel",
                                                      "--recompute-activations", "--recompute-norm"]),
     ("pp4-packed", "packed", PP + ["4"]),  # the middle stages too
@@ -185,6 +185,9 @@ FOUR = [
     ("pp2-dp2-distopt-overlap", "base", PP + ["2", "--use-distributed-optimizer", "--ddp-bucket-size", "3000",
                                               "--overlap-grad-reduce", "--overlap-param-gather"]),
     ("cp2-pp2", "base", PP + ["2", "--context-parallel-size", "2"]),  # ring attention between stages
+    # saved when it ends (a sharded checkpoint: four files of distinct pieces), resumed at DP4 below
+    ("tp2-pp2-distopt", "base", PP + ["2", "--tensor-model-parallel-size", "2", "--use-distributed-optimizer",
+                                      "--save", "{out}/ckpt-tp2-pp2"]),
 ]
 
 
@@ -204,7 +207,7 @@ def single(corpus, tmp_path_factory):  # noqa: F811
         out[name] = {"losses": losses(root / f"{name}.jsonl"), "eval": eval_losses(root / f"{name}.jsonl"),
                      "norms": grad_norms(root / f"{name}.jsonl"), "grads": dict(np.load(root / f"{name}-grads.npz")),
                      "ckpt5": iteration_only(ckpt, 5, root / f"ckpt5-{name}")}
-    assert sorted(out["base"]["eval"]) == [5, 10]  # so the pipelined evaluation is compared
+    assert sorted(out["base"]["eval"]) == [4, 8]  # so the pipelined evaluation is compared
     return out
 
 
@@ -257,51 +260,58 @@ def resume_single(capsys, corpus, ckpt, model, tmp_path, want, first):  # noqa: 
 @pytest.mark.feature("noop-layers")
 @pytest.mark.feature("recompute")
 @pytest.mark.feature("norm-recompute")
-def test_pipelines_on_two_ranks_equal_one_process(capsys, framework, corpus, single, tmp_path):  # noqa: F811
+def test_pipelines_on_two_ranks_equal_one_process(capsys, framework, corpus, single, two, tmp_path):  # noqa: F811
     """PP2 (saving), interleaved, no-op layers, an uneven split, tied embeddings, and a PP2 run
     started from a single-process checkpoint: one launch."""
-    from_single = ["pp2-from-single", [*MODELS["base"], *PP, "2", "--data-path", corpus, "--train-iters", str(ITERS),
-                                       "--load", str(single["base"]["ckpt5"])], False]
     table = {}
-    out = run_configs(framework, 2, TWO, corpus, tmp_path, extra=[from_single])
+    out = two
     check_parity(out, TWO, single, table)
     # recompute changes nothing under PP2 either: the same bits, first-step gradients and curve
     assert losses(out / "pp2-recompute-block-norm.jsonl") == losses(out / "pp2.jsonl")
     plain, recomputed = np.load(out / "pp2-grads.npz"), np.load(out / "pp2-recompute-block-norm-grads.npz")
     assert all(np.array_equal(plain[n], recomputed[n]) for n in plain.files)
     # a PP2 checkpoint continues on one process
-    text = resume_single(capsys, corpus, iteration_only(out / "ckpt-pp2", 5, tmp_path / "pp2-5"), "base", tmp_path,
-                         single["base"]["losses"], 6)
+    text = resume_single(capsys, corpus, iteration_only(out / "ckpt-pp2", 3, tmp_path / "pp2-3"), "base", tmp_path,
+                         single["base"]["losses"], 4)
     assert "PP=2" in text
     # and a single-process checkpoint started a PP2 run from the same weights
     assert_same_curve(losses(out / "pp2-from-single.jsonl"), {i: single["base"]["losses"][i] for i in range(6, 11)})
     print("parity (max relative loss difference):", json.dumps(table))
 
 
-# sharded checkpoints (training/sharded_checkpoint.py) saved and resumed at other layouts in
-# the four-rank launch: name -> (flags after the model's, iterations); each save stops at 5,
-# each resume continues to ITERS on the single-process curve
+# sharded checkpoints (training/sharded_checkpoint.py) resumed at other layouts in the four-rank
+# launch, each to ITERS on the single-process curve: name -> (flags after the model's, the
+# checkpoint: four's tp2-pp2-distopt or two's pp2-interleaved-recompute, both of LAYOUT_ITERS)
 RESHARD = {
-    "tp2-pp2-distopt-save": (PP + ["2", "--tensor-model-parallel-size", "2", "--use-distributed-optimizer",
-                                   "--save", "{out}/ckpt-tp2-pp2"], 5),
-    "dp4-distopt-from-tp2-pp2": (["--use-distributed-optimizer", "--load", "{out}/ckpt-tp2-pp2"], ITERS),
-    "pp2-vpp-dp2-save": (PP + ["2", "--num-layers-per-virtual-pipeline-stage", "1", "--save", "{out}/ckpt-vpp"], 5),
-    "pp4-from-pp2-vpp": (PP + ["4", "--load", "{out}/ckpt-vpp"], ITERS),
-    # TP2 x uneven PP2 without the distributed optimizer, from the DP2 interleaved save
-    "tp2-pp2-uneven-from-pp2-vpp": (PP + ["2", "--num-layer-list", "1,3", "--tensor-model-parallel-size", "2",
-                                          "--load", "{out}/ckpt-vpp"], ITERS),
+    "dp4-distopt-from-tp2-pp2": (["--use-distributed-optimizer"], "four", "ckpt-tp2-pp2"),
+    "pp4-from-pp2-vpp": (PP + ["4"], "two", "ckpt-vpp"),
+    # TP2 x uneven PP2 without the distributed optimizer
+    "tp2-pp2-uneven-from-pp2-vpp": (PP + ["2", "--num-layer-list", "1,3", "--tensor-model-parallel-size", "2"],
+                                    "two", "ckpt-vpp"),
 }
 
 
 @pytest.fixture(scope="module")
-def four(corpus, tmp_path_factory):  # noqa: F811
-    """One four-rank launch: the FOUR parity cases, then the RESHARD saves and resumes."""
+def two(corpus, single, tmp_path_factory):  # noqa: F811
+    """One two-rank launch: the TWO parity cases (the interleaved one saves) and a PP2 run
+    started from a single-process checkpoint."""
+    from conftest import FRAMEWORK
+
+    tmp = tmp_path_factory.mktemp("two")
+    from_single = ["pp2-from-single", [*MODELS["base"], *PP, "2", "--data-path", corpus, "--train-iters", str(ITERS),
+                                       "--load", str(single["base"]["ckpt5"])], False]
+    return run_configs(FRAMEWORK, 2, TWO, corpus, tmp, extra=[from_single])
+
+
+@pytest.fixture(scope="module")
+def four(corpus, two, tmp_path_factory):  # noqa: F811
+    """One four-rank launch: the FOUR parity cases, then the RESHARD resumes."""
     from conftest import FRAMEWORK
 
     tmp = tmp_path_factory.mktemp("four")
-    out = tmp / "out"
-    extra = [[name, [*MODELS["base"], *(f.format(out=out) for f in flags), "--data-path", corpus, "--train-iters",
-                     str(iters)], False] for name, (flags, iters) in RESHARD.items()]
+    out = {"two": two, "four": tmp / "out"}
+    extra = [[name, [*MODELS["base"], *flags, "--data-path", corpus, "--train-iters", str(ITERS), "--load",
+                     str(out[where] / ckpt)], False] for name, (flags, where, ckpt) in RESHARD.items()]
     return run_configs(FRAMEWORK, 4, FOUR, corpus, tmp, extra=extra)
 
 
@@ -323,8 +333,8 @@ def test_pipelines_on_four_ranks_equal_one_process(capsys, framework, corpus, si
     out = four
     check_parity(out, FOUR, single, table)
     assert same_records(out / "pp2-dp2-distopt-overlap.jsonl", out / "pp2-dp2-distopt.jsonl")
-    text = resume_single(capsys, corpus, iteration_only(out / "ckpt-pp4", 5, tmp_path / "pp4-5"), "base", tmp_path,
-                         single["base"]["losses"], 6)
+    text = resume_single(capsys, corpus, iteration_only(out / "ckpt-pp4", 3, tmp_path / "pp4-3"), "base", tmp_path,
+                         single["base"]["losses"], 4)
     assert "PP=4" in text
     print("parity (max relative loss difference):", json.dumps(table))
 
@@ -336,7 +346,7 @@ def bytes_read(log: str) -> list[int]:
 
 def saved_bytes(ckpt) -> dict:
     """{section: bytes of its tensors' values} of a sharded checkpoint (fp32 here), from its index."""
-    meta = json.loads((ckpt / "iter_0000005" / "meta.json").read_text())
+    meta = json.loads((ckpt / f"iter_{LAYOUT_ITERS:07d}" / "meta.json").read_text())
     return {section: sum(4 * int(np.prod(p[3])) for record in tensors.values() for p in record["pieces"])
             for section, tensors in meta["index"].items()}
 
@@ -347,29 +357,26 @@ def saved_bytes(ckpt) -> dict:
 @pytest.mark.feature("tensor-parallel")
 @pytest.mark.feature("distributed-optimizer")
 @pytest.mark.feature("sharded-checkpoints")
-def test_sharded_checkpoints_resume_at_other_layouts_reading_their_slices(framework, single, four):
+def test_sharded_checkpoints_resume_at_other_layouts_reading_their_slices(framework, single, two, four):
     """Every rank writes its own pieces; each resume reads only what its layout needs and
     continues the single-process curve: TP2 x PP2 with the distributed optimizer -> DP4 with it
-    (each rank reads the whole model and a quarter of the optimizer state), PP2 x DP2
-    interleaved -> PP4 (each rank reads its layer), and -> TP2 x uneven PP2 without it."""
+    (each rank reads the whole model and a quarter of the optimizer state), PP2 interleaved ->
+    PP4 (each rank reads its layer), and -> TP2 x uneven PP2 without it."""
     want = single["base"]["losses"]
-    for name, (_, iters) in RESHARD.items():
-        got = losses(four / f"{name}.jsonl")
-        if iters == 5:  # the saves: the first five steps
-            assert_same_curve(got, {i: want[i] for i in range(1, 6)})
-        else:
-            log = (four / f"{name}.log").read_text()
-            assert "resumed from" in log and "sharded" in log, log
-            assert_same_curve(got, {i: want[i] for i in range(6, ITERS + 1)})
-    # every rank wrote a file (TP2 x PP2, DP1: four owners of distinct pieces); DP2 copies once
-    assert len(list((four / "ckpt-tp2-pp2" / "iter_0000005").glob("rank_*.safetensors"))) == 4
-    assert len(list((four / "ckpt-vpp" / "iter_0000005").glob("rank_*.safetensors"))) == 2
+    for name in RESHARD:
+        log = (four / f"{name}.log").read_text()
+        assert "resumed from" in log and "sharded" in log, log
+        assert_same_curve(losses(four / f"{name}.jsonl"), {i: want[i] for i in range(LAYOUT_ITERS + 1, ITERS + 1)})
+    # TP2 x PP2 at DP1: four owners of distinct pieces, four files
+    last = f"iter_{LAYOUT_ITERS:07d}"
+    assert len(list((four / "ckpt-tp2-pp2" / last).glob("rank_*.safetensors"))) == 4
+    assert len(list((two / "ckpt-vpp" / last).glob("rank_*.safetensors"))) == 2
     tp2pp2 = saved_bytes(four / "ckpt-tp2-pp2")
     header = 64 * 1024  # the safetensors headers each rank reads, generously
     read = bytes_read((four / "dp4-distopt-from-tp2-pp2.log").read_text())
     assert len(read) == 4 and all(tp2pp2["model"] <= r < tp2pp2["model"] + tp2pp2["optimizer"] / 2 + header
                                   for r in read), (read, tp2pp2)
-    vpp = saved_bytes(four / "ckpt-vpp")
+    vpp = saved_bytes(two / "ckpt-vpp")
     total = vpp["model"] + vpp["optimizer"]
     read = bytes_read((four / "pp4-from-pp2-vpp.log").read_text())
     assert len(read) == 4 and max(read) < total / 2 and sum(read) < total + 4 * header, (read, vpp)
@@ -389,5 +396,6 @@ def test_the_other_framework_resumes_a_four_rank_sharded_checkpoint(framework, s
                     str(four / "ckpt-tp2-pp2"), "--metrics-file", str(metrics))
     assert f"saved on {framework}, TP=2 DP=1 PP=2" in out, out
     got, want = losses(metrics), single["base"]["losses"]
-    assert sorted(got) == list(range(6, ITERS + 1))
-    assert rel(got[6], want[6]) < 1e-5 and all(rel(got[i], want[i]) < 1e-4 for i in got), (got, want)
+    first = LAYOUT_ITERS + 1
+    assert sorted(got) == list(range(first, ITERS + 1))
+    assert rel(got[first], want[first]) < 1e-5 and all(rel(got[i], want[i]) < 1e-4 for i in got), (got, want)

@@ -138,6 +138,27 @@ def test_interrupted_save_keeps_the_previous_checkpoint(capsys, corpus, tmp_path
     assert code == 0 and "resumed from" in out, err
 
 
+@pytest.mark.parametrize("when", ["sync", "async"])
+def test_a_failed_write_is_one_line_and_keeps_the_previous_checkpoint(capsys, corpus, tmp_path, monkeypatch, when):
+    """A rank's file that cannot be written (a full disk), in the training thread or the
+    --async-save writer: the run stops with one line naming the iteration and the rank, and the
+    tracker still names the last complete checkpoint."""
+    from mindspeed_core.training import checkpoint
+
+    ckpt = tmp_path / "ckpt"
+    assert train(capsys, *SMALL, "--data-path", corpus, "--train-iters", "2", "--save", str(ckpt))[0] == 0
+
+    def full_disk(path, *a, **k):
+        raise OSError(28, "No space left on device", path)
+
+    monkeypatch.setattr(checkpoint.tensor_files, "save", full_disk)
+    code, _, err = train(capsys, *SMALL, "--data-path", corpus, "--train-iters", "4", "--load", str(ckpt), "--save",
+                         str(ckpt), *(["--async-save"] if when == "async" else []))
+    assert code == 2 and err.count("\n") == 1 and "saving iteration 4 failed on rank 0" in err, err
+    assert "No space left on device" in err and "the last checkpoint" in err, err
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "2"
+
+
 def test_bad_data_and_vocab_are_one_line_errors(capsys, corpus, tmp_path):
     code, _, err = train(capsys, *SMALL, "--data-path", str(tmp_path / "missing"), "--train-iters", "2")
     assert code == 2 and "does not exist" in err and err.count("\n") == 1

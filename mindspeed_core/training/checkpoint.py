@@ -120,7 +120,7 @@ class ShardedSave:
             part, fname, digest = sharded_checkpoint.write_rank_file(self.tmp, self.rank, sections)
             sharded_checkpoint.fsync_written(self.tmp, fname)
             self.result = [part, fname, digest]
-        except BaseException as exc:  # carried to finish(), in the training thread
+        except Exception as exc:  # carried to finish(), in the training thread (an interrupt stops it as it is)
             self.error = exc
 
     def written(self) -> bool:
@@ -133,7 +133,8 @@ class ShardedSave:
         if self.thread is not None:
             self.thread.join()
         # every rank learns of any rank's failure, so that all raise and none waits alone
-        parts = gather(self.result if self.error is None else {"failed": repr(self.error)})
+        failure = None if self.result is not None else repr(self.error or "its writer stopped")
+        parts = gather(self.result if failure is None else {"failed": failure})
         failed = [(r, p["failed"]) for r, p in enumerate(parts) if isinstance(p, dict)]
         if failed:
             if self.error is not None and isinstance(self.error, MindSpeedError):
