@@ -184,9 +184,8 @@ class Reader:
         if tuple(record["shape"]) != h.whole:
             raise CheckpointError(f"{section} tensor {h.name} has shape {tuple(record['shape'])} in the checkpoint in "
                                   f"{self.folder}; this model's is {h.whole}")
-        needed = []  # (held box, its start in the output, part of it, the same part in the whole tensor)
-        for box, at, local, whole in h.parts(primary_only=False):
-            needed.append((box, at, local, whole))
+        # (held box, its start in the output, part of it, the same part in the whole tensor)
+        needed = list(h.parts(primary_only=False))
         wanted: dict = {}
         for piece in record["pieces"]:
             fname, key, offset, shape, sha = _piece(piece, self.folder, h.name)
