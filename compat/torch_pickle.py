@@ -15,7 +15,9 @@ every framework, so a MindSpore-only install reads Megatron checkpoints without 
 
 Writing emits protocol-2 pickle opcodes for what checkpoints hold (dict, OrderedDict, list,
 tuple, str, int, float, bool, None, argparse.Namespace, torch dtypes, tensors as HostTensor)
-in the layout ``torch.load`` reads.
+in the layout ``torch.load`` reads, and for the few objects of other libraries a checkpoint's
+metadata names (``Global``, ``Call``, ``Instance``: compat/torch_dist.py's torch.Size and
+checkpoint metadata), so that nothing of those libraries is needed to write them.
 """
 
 from __future__ import annotations
@@ -139,6 +141,8 @@ class _Unpickler(pickle.Unpickler):
                               f"running code from it)")
 
     def persistent_load(self, pid):
+        if self.archive is None:
+            raise CheckpointError(f"{self.path}: a plain pickle that refers to tensor storages")
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage" and isinstance(pid[1], _Storage)):
             raise CheckpointError(f"{self.path}: a persistent id {pid!r:.80} is not a tensor storage")
         _, kind, key, _, numel = pid
@@ -158,8 +162,30 @@ class _Unpickler(pickle.Unpickler):
 
 def load(path: str):
     """The object saved in ``path`` with its tensors as HostTensor (numpy data + dtype name)."""
+    return _load_archive(path, path)
+
+
+def loads(data: bytes, where: str):
+    """``load`` of a torch.save archive held in ``data`` (``where`` names it in errors)."""
+    return _load_archive(io.BytesIO(data), where)
+
+
+def load_pickle(path: str):
+    """A plain pickle file (no archive, no tensors), read with the same allow-list: what the
+    named classes of torch and Megatron built comes back as inert Opaque records."""
     try:
-        with zipfile.ZipFile(path) as archive:
+        with open(path, "rb") as fh:
+            data = fh.read()
+        return _Unpickler(data, None, "", path).load()
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError, struct.error) as exc:
+        raise CheckpointError(f"{path}: its pickle is malformed ({type(exc).__name__}: {exc})") from None
+    except OSError as exc:
+        raise CheckpointError(f"cannot read {path}: {exc.strerror or exc}") from None
+
+
+def _load_archive(source, path: str):
+    try:
+        with zipfile.ZipFile(source) as archive:
             pickles = [n for n in archive.namelist() if n.endswith("/data.pkl") and n.count("/") == 1]
             if len(pickles) != 1:
                 raise CheckpointError(f"{path} is not a torch.save file (no single <name>/data.pkl in the archive)")
@@ -177,6 +203,28 @@ def load(path: str):
 
 
 # ---- writing ----------------------------------------------------------------------------------
+
+class Global:
+    """A name written as a pickle GLOBAL (a class or function of another library)."""
+
+    def __init__(self, module: str, name: str):
+        self.module, self.name = module, name
+
+
+class Call:
+    """``func(*args)`` when unpickled (REDUCE): e.g. torch.Size((2, 3))."""
+
+    def __init__(self, func: Global, args: tuple):
+        self.func, self.args = func, args
+
+
+class Instance:
+    """An instance of ``cls`` built without its constructor and given ``state`` (NEWOBJ, BUILD),
+    as pickle saves a dataclass."""
+
+    def __init__(self, cls: Global, state):
+        self.cls, self.state = cls, state
+
 
 class _Writer:
     def __init__(self):
@@ -223,6 +271,17 @@ class _Writer:
             self._str(obj)
         elif isinstance(obj, TorchDType):
             self._global("torch", obj.name)
+        elif isinstance(obj, Global):
+            self._global(obj.module, obj.name)
+        elif isinstance(obj, Call):
+            self.save(obj.func)
+            self._tuple(obj.args)
+            self.out += b"R"  # REDUCE
+        elif isinstance(obj, Instance):
+            self.save(obj.cls)
+            self.out += b")\x81"  # EMPTY_TUPLE NEWOBJ
+            self.save(obj.state)
+            self.out += b"b"  # BUILD
         elif isinstance(obj, (HostTensor, np.ndarray)):
             self._tensor(obj if isinstance(obj, HostTensor) else HostTensor(obj))
         elif isinstance(obj, collections.OrderedDict):
@@ -277,20 +336,39 @@ class _Writer:
         self.out += b"tR"
 
 
-def save(path: str, obj) -> None:
-    """Write ``obj`` as torch.save would (tensors: HostTensor or numpy arrays), atomically."""
+def pickled(obj) -> bytes:
+    """``obj`` as a plain pickle (no tensors)."""
+    writer = _Writer()
+    writer.save(obj)
+    if writer.storages:
+        raise CheckpointError("a plain pickle cannot hold tensors")
+    return bytes(writer.out + b".")
+
+
+def _archive(target, obj, stem: str) -> None:
     writer = _Writer()
     writer.save(obj)
     writer.out += b"."
-    stem = os.path.splitext(os.path.basename(path))[0] or "archive"
+    with zipfile.ZipFile(target, "w", zipfile.ZIP_STORED) as archive:
+        archive.writestr(f"{stem}/data.pkl", bytes(writer.out))
+        archive.writestr(f"{stem}/byteorder", "little")
+        for key, data in enumerate(writer.storages):
+            archive.writestr(f"{stem}/data/{key}", data)
+        archive.writestr(f"{stem}/version", "3\n")
+
+
+def dumps(obj) -> bytes:
+    """``obj`` as the bytes torch.save writes into a buffer (its archive named "archive")."""
+    buffer = io.BytesIO()
+    _archive(buffer, obj, "archive")
+    return buffer.getvalue()
+
+
+def save(path: str, obj) -> None:
+    """Write ``obj`` as torch.save would (tensors: HostTensor or numpy arrays), atomically."""
     tmp = f"{path}.tmp-{os.getpid()}"
     try:
-        with zipfile.ZipFile(tmp, "w", zipfile.ZIP_STORED) as archive:
-            archive.writestr(f"{stem}/data.pkl", bytes(writer.out))
-            archive.writestr(f"{stem}/byteorder", "little")
-            for key, data in enumerate(writer.storages):
-                archive.writestr(f"{stem}/data/{key}", data)
-            archive.writestr(f"{stem}/version", "3\n")
+        _archive(tmp, obj, os.path.splitext(os.path.basename(path))[0] or "archive")
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
