@@ -42,7 +42,7 @@ import re
 import numpy as np
 
 from mindspeed_core.backends.common import float32_to_bf16_bits
-from mindspeed_core.compat import torch_pickle
+from mindspeed_core.compat import torch_dist, torch_pickle
 from mindspeed_core.errors import CheckpointError
 from mindspeed_core.models.config import LoRAConfig, ModelConfig, MoEConfig
 from mindspeed_core.models.state import is_adapter
@@ -273,7 +273,34 @@ def megatron_args(cfg: ModelConfig, layout: Layout, dtype: str, iteration: int) 
         a.num_experts, a.moe_router_topk = cfg.moe.num_experts, cfg.moe.topk
         a.moe_ffn_hidden_size = cfg.moe.ffn_hidden_size or cfg.ffn_hidden_size
         a.moe_shared_expert_intermediate_size = cfg.moe.shared_expert_size
+        a.moe_layer_freq = [int(cfg.is_moe_layer(i)) for i in range(cfg.num_layers)]  # Megatron's list form
+        for field, name in _MOE_ARGS:
+            setattr(a, name, getattr(cfg.moe, field))
+        a.moe_router_pre_softmax = not cfg.moe.norm_topk_prob
     return a
+
+
+# MoEConfig's fields under Megatron's argument names (MindSpeed-LLM's for the shared expert's gate)
+_MOE_ARGS = (("score_function", "moe_router_score_function"), ("num_groups", "moe_router_num_groups"),
+             ("group_topk", "moe_router_group_topk"), ("scaling_factor", "moe_router_topk_scaling_factor"),
+             ("load_balancing_type", "moe_router_load_balancing_type"), ("aux_loss_coeff", "moe_aux_loss_coeff"),
+             ("z_loss_coeff", "moe_z_loss_coeff"), ("enable_expert_bias", "moe_router_enable_expert_bias"),
+             ("bias_update_rate", "moe_router_bias_update_rate"), ("capacity_factor", "moe_expert_capacity_factor"),
+             ("pad_to_capacity", "moe_pad_expert_input_to_capacity"), ("drop_policy", "moe_token_drop_policy"),
+             ("shared_expert_gate", "shared_expert_gate"))
+
+
+def _moe_layers(args, num_layers: int) -> tuple | None:
+    """The MoE layers Megatron's args give: --moe-layer-freq (every k-th layer, or a 0/1 list
+    per layer) and MindSpeed-LLM's --first-k-dense-replace; None: every layer."""
+    freq, first = _arg(args, "moe_layer_freq", 1), _arg(args, "first_k_dense_replace", 0)
+    if isinstance(freq, (list, tuple)):
+        if len(freq) != num_layers or any(f not in (0, 1) for f in freq):
+            raise ValueError(f"moe_layer_freq {list(freq)} is not a 0/1 list of the {num_layers} layers")
+        layers = tuple(i for i, f in enumerate(freq) if f and i >= first)
+    else:
+        layers = tuple(i for i in range(num_layers) if i % int(freq) == 0 and i >= first)
+    return None if len(layers) == num_layers else layers
 
 
 def save(root: str, iteration: int, cfg: ModelConfig, whole: dict, layout: Layout, dtype: str = "float32") -> str:
@@ -306,7 +333,8 @@ def is_megatron_checkpoint(root: str) -> bool:
         folder = _iteration_folder(root)
     except CheckpointError:
         return False
-    return folder is not None and any(_RANK_DIR.match(n) for n in os.listdir(folder))
+    return folder is not None and os.path.isdir(folder) and (
+        any(_RANK_DIR.match(n) for n in os.listdir(folder)) or torch_dist.is_torch_dist(folder))
 
 
 def _iteration_folder(root: str) -> str | None:
@@ -351,6 +379,8 @@ def load(root: str) -> Checkpoint:
     folder = _iteration_folder(root)
     if folder is None or not os.path.isdir(folder):
         raise CheckpointError(f"{root} holds no Megatron checkpoint ({TRACKER} naming an existing iteration folder)")
+    if torch_dist.is_torch_dist(folder):
+        return _load_torch_dist(folder)
     ranks = {}
     for name in os.listdir(folder):
         m = _RANK_DIR.match(name)
@@ -363,10 +393,9 @@ def load(root: str) -> Checkpoint:
         raise CheckpointError(f"{ranks[min(ranks)]} is not a Megatron checkpoint (no args)")
     args = first["args"]
     cfg = config_from_args(args)
-    layout = Layout(tp=_arg(args, "tensor_model_parallel_size", 1), pp=_arg(args, "pipeline_model_parallel_size", 1),
-                    ep=_arg(args, "expert_model_parallel_size", 1),
-                    layers_per_virtual_stage=_arg(args, "num_layers_per_virtual_pipeline_stage", None),
-                    num_layer_list=_arg(args, "num_layer_list", None))
+    layout = _saved_layout(args)
+    if layout.pp == 1 and layout.ep > 1:  # mp_rank_TT_EEE: without PP, Megatron's one 3-digit number is the EP rank
+        ranks = {(t, 0, p): path for (t, p, _), path in ranks.items()}
     want = {(t, p, e) for t in range(layout.tp) for p in range(layout.pp) for e in range(layout.ep)}
     if set(ranks) != want:
         missing = sorted(want - set(ranks))
@@ -397,6 +426,30 @@ def load(root: str) -> Checkpoint:
         raise CheckpointError(f"{folder}: the rank files do not fit together as one model of its args ({exc})") from None
     dtype = getattr(_arg(args, "params_dtype", None), "name", None) or "float32"
     return Checkpoint(iteration, cfg, whole, layout, dtype, isinstance(getattr(args, "mindspeed_model_config", None), str))
+
+
+def _saved_layout(args) -> Layout:
+    return Layout(tp=_arg(args, "tensor_model_parallel_size", 1), pp=_arg(args, "pipeline_model_parallel_size", 1),
+                  ep=_arg(args, "expert_model_parallel_size", 1),
+                  layers_per_virtual_stage=_arg(args, "num_layers_per_virtual_pipeline_stage", None),
+                  num_layer_list=_arg(args, "num_layer_list", None))
+
+
+def _load_torch_dist(folder: str) -> Checkpoint:
+    """A checkpoint of Megatron's torch_dist format (compat/torch_dist.py): the model whole."""
+    common, state = torch_dist.load(folder)
+    args, iteration = common.get("args"), common.get("iteration", 0) or 0
+    if args is None:
+        raise CheckpointError(f"{folder}/{torch_dist.COMMON} holds no args: not a Megatron checkpoint")
+    if type(iteration) is not int or iteration < 0:
+        raise CheckpointError(f"{folder}/{torch_dist.COMMON} holds no valid iteration ({iteration!r})")
+    cfg = config_from_args(args)
+    for name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+        if name in state:  # the padded vocabulary's rows beyond the model's
+            state[name] = state[name][:cfg.vocab_size]
+    dtype = getattr(_arg(args, "params_dtype", None), "name", None) or "float32"
+    return Checkpoint(iteration, cfg, state, _saved_layout(args), dtype,
+                      isinstance(getattr(args, "mindspeed_model_config", None), str))
 
 
 def _arg(args, name, default):
@@ -507,9 +560,12 @@ def config_from_args(args) -> ModelConfig:
         heads = args.num_attention_heads
         moe = None
         if _arg(args, "num_experts", None):
+            given = {field: getattr(args, name) for field, name in _MOE_ARGS if _arg(args, name, None) is not None}
+            if _arg(args, "moe_router_pre_softmax", None) is not None:
+                given["norm_topk_prob"] = not args.moe_router_pre_softmax
             moe = MoEConfig(num_experts=args.num_experts, topk=_arg(args, "moe_router_topk", 2),
                             ffn_hidden_size=_arg(args, "moe_ffn_hidden_size", None),
-                            shared_expert_size=_arg(args, "moe_shared_expert_intermediate_size", None))
+                            shared_expert_size=_arg(args, "moe_shared_expert_intermediate_size", None), **given)
         lora = None
         if _arg(args, "lora_target_modules", None):  # MindSpeed-LLM's LoRA runs: on with target modules
             lora = LoRAConfig(r=_arg(args, "lora_r", 16), alpha=float(_arg(args, "lora_alpha", 32)),
@@ -529,6 +585,7 @@ def config_from_args(args) -> ModelConfig:
             add_bias_linear=bool(_arg(args, "add_bias_linear", True)),
             qk_layernorm=bool(_arg(args, "qk_layernorm", False)),
             untie_embeddings_and_output_weights=bool(_arg(args, "untie_embeddings_and_output_weights", False)),
-            noop_layers=pipeline.parse_layer_numbers(_arg(args, "noop_layers", None), "noop_layers"), moe=moe, lora=lora)
+            noop_layers=pipeline.parse_layer_numbers(_arg(args, "noop_layers", None), "noop_layers"), moe=moe, lora=lora,
+            moe_layers=_moe_layers(args, args.num_layers) if moe is not None else None)
     except (AttributeError, TypeError, ValueError, KeyError) as exc:
         raise CheckpointError(f"the checkpoint's args do not describe a model we can build ({exc})") from None

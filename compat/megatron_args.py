@@ -463,7 +463,8 @@ def add_mindspeed_llm_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-save-rng", action="store_true", help="checkpoints without the random generators' states")
     g.add_argument("--ckpt-format", choices=("torch", "torch_dist", "zarr", "fsdp_dtensor"), default="torch",
                    help="torch: the checkpoint layout here (iter_*/ folders; Megatron's .pt files via mindspeed "
-                        "convert); torch_dist and the others are refused until built")
+                        "convert); torch_dist: also megatron-core's distributed format of the model, in the same "
+                        "folders; zarr and fsdp_dtensor are refused")
     g.add_argument("--enable-hf2mg-convert", action="store_true",
                    help="--load is a Hugging Face folder, converted into this run's layout as it loads")
     g.add_argument("--model-type-hf", default=None,

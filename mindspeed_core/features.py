@@ -146,6 +146,10 @@ _ULYSSES_KV = ("Ulysses gives each of its ranks whole key/value heads; copying h
 _ULYSSES_KV_INSTEAD = "a --ulysses-degree-in-cp dividing the key/value heads per TP rank (hybrid_cp_algo), or ring attention"
 _SAME_RING = "the ring's send/receive and its block's attention run one after the other (same results)"
 _DIST_CKPT = "checkpoints here are iter_*/ folders of safetensors (mindspeed convert writes Megatron's .pt layout)"
+_TORCH_DIST = ("--ckpt-format torch_dist: every rank also writes its pieces of the model as megatron-core's "
+               "dist_checkpointing does (.metadata, __R_0.distcp, common.pt), which its GPTModel loads at any layout; "
+               "--load and mindspeed convert read Megatron's torch_dist checkpoints (the model; without torch: the "
+               "pickled metadata through the allow-list reader)")
 _ETP = "the experts' tensor parallelism is the model's (--tensor-model-parallel-size)"
 _ETP_INSTEAD = "--expert-tensor-parallel-size equal to --tensor-model-parallel-size"
 _CONVERT_LORA = ("--lora-load merges a LoRA run's adapters (ours, or a Megatron checkpoint in peft's names, whole or "
@@ -523,10 +527,13 @@ FEATURES: tuple[Feature, ...] = (
             unsupported("the layers here are the local implementation", instead="--transformer-impl local"),
             unsupported("the layers here are the local implementation", instead="--transformer-impl local"),
             _eq("transformer_impl", "transformer_engine")),
-    Feature("ckpt-format-torch-dist", "Megatron's distributed checkpoint formats (torch_dist, zarr, fsdp_dtensor)",
-            "compatibility", ("--ckpt-format",), planned(_DIST_CKPT, instead="--ckpt-format torch"),
+    Feature("ckpt-format-torch-dist", "Megatron's distributed checkpoint format torch_dist, both ways",
+            "compatibility", ("--ckpt-format torch_dist",), supported(_TORCH_DIST), supported("as on PyTorch"),
+            _eq("ckpt_format", "torch_dist")),
+    Feature("ckpt-format-other", "Megatron's other checkpoint formats (zarr, fsdp_dtensor)", "compatibility",
+            ("--ckpt-format zarr", "--ckpt-format fsdp_dtensor"), planned(_DIST_CKPT, instead="--ckpt-format torch"),
             planned(_DIST_CKPT, instead="--ckpt-format torch"),
-            lambda a: getattr(a, "ckpt_format", "torch") not in ("torch", None)),
+            lambda a: getattr(a, "ckpt_format", "torch") in ("zarr", "fsdp_dtensor")),
     Feature("recompute-activation-function", "Recompute of the MLP's activation function", "memory",
             ("--recompute-activation-function", "--recompute-activation-function-num-layers"),
             supported(_ACTIVATION_RECOMPUTE), supported(_ACTIVATION_RECOMPUTE), _on("recompute_activation_function")),

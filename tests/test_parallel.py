@@ -216,7 +216,7 @@ CASES = [  # (id, ranks, model, flags): the cases of each rank count share one l
     # expert parallelism: each dispatcher at EP2 and EP4, with TP2 + SP, with the distributed
     # optimizer (expert state sharded over the expert-data-parallel pair), across two stages
     ("moe-ep2-alltoall", 2, "moe", ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall",
-                                    "--save", "{tmp}/ep2-ckpt"]),  # resumed at EP1 below
+                                    "--save", "{tmp}/ep2-ckpt", "--ckpt-format", "torch_dist"]),  # resumed at EP1 below
     ("moe-ep2-allgather", 2, "moe", ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "allgather"]),
     ("moe-ep4-alltoall", 4, "moe", ["--expert-model-parallel-size", "4", "--moe-token-dispatcher-type", "alltoall"]),
     ("moe-ep4-allgather", 4, "moe", ["--expert-model-parallel-size", "4"]),
@@ -731,6 +731,54 @@ def test_an_ep2_checkpoint_continues_at_ep1_on_four_data_parallel_ranks(four_ran
     assert "resumed from" in log and "sharded" in log and "TP=1 DP=4" in log, log
     assert_same_curve(losses(four_ranks / "out" / "moe-dp4-from-ep2.jsonl"),
                       {i: reference["moe"][i] for i in range(LAYOUT_ITERS + 1, ITERS + 1)})
+
+
+@pytest.mark.multiprocess
+@pytest.mark.feature("ckpt-format-torch-dist")
+@pytest.mark.feature("weight-conversion")
+def test_megatron_core_loads_our_torch_dist_checkpoint_and_we_load_its(capsys, corpus, two_ranks, tmp_path):  # noqa: F811
+    """two_ranks' EP2 MoE run saved with --ckpt-format torch_dist: megatron-core's own GPTModel
+    loads its files with dist_checkpointing.load at TP2 (other ranks, the experts cut another
+    way; megatron_logits.py) and gives the logits of our legacy conversion of the same weights,
+    which test_convert holds to transformers'. megatron-core then writes them again with
+    dist_checkpointing.save, at TP2, with Megatron's args alone: that checkpoint reads back to
+    the same weights (the model's layers differ, dense then MoE, so megatron-core keys each
+    layer apart), mindspeed convert reads it, and mindspeed train --load starts from it."""
+    from test_convert import _megatron_config, convert
+
+    from mindspeed_core.compat import mcore
+    from mindspeed_core.training import model_source
+
+    ckpt = two_ranks / "ep2-ckpt"
+    ours = model_source.read(str(ckpt), "--load")
+    cfg, folder = ours.cfg, ckpt / f"iter_{ours.iteration:07d}"
+    assert {".metadata", "common.pt", "metadata.json", "__0_0.distcp", "__1_0.distcp"} <= set(os.listdir(folder))
+    mcore.save(str(tmp_path / "legacy"), 0, cfg, ours.state, mcore.Layout(tp=2))
+    np.save(tmp_path / "ids.npy", np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 16)))
+    model = {"config": {**_megatron_config(cfg), "layernorm_epsilon": cfg.norm_epsilon,
+                        "moe_layer_freq": [int(cfg.is_moe_layer(i)) for i in range(cfg.num_layers)]},
+             "activation": cfg.activation, "vocab": cfg.vocab_size, "tied": cfg.tied_output, "position": "rope",
+             "rotary_base": cfg.rotary_base, "ids": str(tmp_path / "ids.npy")}
+    spec = {"tp": 2, "port": str(free_port()), "models": {
+        "legacy": {**model, "folder": str(tmp_path / "legacy"), "out": str(tmp_path / "legacy.npy")},
+        "dist": {**model, "dist": str(folder), "resave": str(tmp_path / "theirs"), "out": str(tmp_path / "dist.npy")}}}
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    env = {k: v for k, v in os.environ.items() if k != "MINDSPEED_AI_FRAMEWORK"}
+    out = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "megatron_logits.py"),
+                          str(tmp_path / "spec.json")], capture_output=True, text=True, timeout=600, env=env)
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert np.array_equal(np.load(tmp_path / "dist.npy"), np.load(tmp_path / "legacy.npy"))
+    theirs = model_source.read(str(tmp_path / "theirs"), "--load")
+    assert theirs.kind == "megatron" and not theirs.exact and theirs.iteration == ours.iteration
+    assert sorted(theirs.state) == sorted(ours.state)
+    assert all(np.array_equal(theirs.state[k], ours.state[k]) for k in ours.state)
+    convert(capsys, "--load-model-type", "mg", "--save-model-type", "mg", "--load-dir", str(tmp_path / "theirs"),
+            "--save-dir", str(tmp_path / "converted"))
+    again = model_source.read(str(tmp_path / "converted"), "--load")
+    assert all(np.array_equal(again.state[k], ours.state[k]) for k in ours.state)
+    code, text, err = train(capsys, *MOE, "--data-path", corpus, "--train-iters", "1", "--load",
+                            str(tmp_path / "theirs"))
+    assert code == 0 and "took the weights of the Megatron checkpoint" in text, (text, err)
 
 
 @pytest.mark.multiprocess

@@ -103,9 +103,9 @@ class ShardedSave:
     the iteration not yet visible. ``finish`` (a collective) publishes it."""
 
     def __init__(self, root: str, iteration: int, rank: int, tmp: str, sections: dict, steps: int, meta: dict,
-                 trainer_state: dict, background: bool):
+                 trainer_state: dict, background: bool, megatron=None):
         self.root, self.iteration, self.rank, self.tmp = root, iteration, rank, tmp
-        self.steps, self.meta, self.trainer_state = steps, meta, trainer_state
+        self.steps, self.meta, self.trainer_state, self.megatron = steps, meta, trainer_state, megatron
         self.result, self.error = None, None
         if background:
             self.thread = threading.Thread(target=self._write, args=(sections,), daemon=True,
@@ -118,8 +118,12 @@ class ShardedSave:
     def _write(self, sections: dict) -> None:
         try:
             part, fname, digest = sharded_checkpoint.write_rank_file(self.tmp, self.rank, sections)
+            dist_part = None
+            if self.megatron is not None:  # --ckpt-format torch_dist: the model's pieces as megatron-core's too
+                dist_part, dist_file = self.megatron.write(self.tmp, self.rank, sections["model"])
+                fname = fname or dist_file
             sharded_checkpoint.fsync_written(self.tmp, fname)
-            self.result = [part, fname, digest]
+            self.result = [part, fname, digest, dist_part]
         except Exception as exc:  # carried to finish(), in the training thread (an interrupt stops it as it is)
             self.error = exc
 
@@ -141,10 +145,12 @@ class ShardedSave:
                 raise self.error
             raise CheckpointError(f"saving iteration {self.iteration} failed on rank {failed[0][0]} "
                                   f"({failed[0][1]}); the last checkpoint in {self.root} is intact")
-        index = sharded_checkpoint.merge_indices([p for p, _, _ in parts])  # every rank: the same verdict
+        index = sharded_checkpoint.merge_indices([p[0] for p in parts])  # every rank: the same verdict
         final = iteration_dir(self.root, self.iteration)
         if self.rank == 0:
-            digests = {f: d for _, f, d in parts if f is not None}
+            if self.megatron is not None:
+                self.megatron.finish(self.tmp, [p[3] for p in parts])
+            digests = {f: d for _, f, d, _ in parts if d is not None}
             digests[STATE_FILE] = _write_json(os.path.join(self.tmp, STATE_FILE), self.trainer_state)
             _write_json(os.path.join(self.tmp, "meta.json"),
                         {**self.meta, "iteration": self.iteration, "format": sharded_checkpoint.FORMAT,
@@ -155,18 +161,20 @@ class ShardedSave:
 
 
 def start_sharded(root: str, iteration: int, rank: int, sections: dict, steps: int, meta: dict, trainer_state: dict,
-                  gather, barrier, background: bool = False) -> ShardedSave:
+                  gather, barrier, background: bool = False, megatron=None) -> ShardedSave:
     """Every rank writes its own pieces (sharded_checkpoint.write_rank_file: ``sections``) into
     one temporary folder, made here by rank 0; ``background``: in a thread, from host copies
     the caller made (--async-save). ``gather`` is a collective of JSON values in rank order,
-    ``barrier`` a barrier. The iteration is published by the returned save's finish()."""
+    ``barrier`` a barrier. The iteration is published by the returned save's finish().
+    ``megatron`` (--ckpt-format torch_dist): a sharded_checkpoint.TorchDistCopy that writes the
+    model's pieces in megatron-core's format too, into the same folder."""
     features.note_used("sharded-checkpoints")
     pid = gather(os.getpid())[0]  # the folder is named after rank 0's process
     if rank == 0:
         _fresh(root, iteration, pid)
     barrier()
     tmp = f"{iteration_dir(root, iteration)}.tmp-{pid}"
-    return ShardedSave(root, iteration, rank, tmp, sections, steps, meta, trainer_state, background)
+    return ShardedSave(root, iteration, rank, tmp, sections, steps, meta, trainer_state, background, megatron)
 
 
 def _fresh(root: str, iteration: int, pid: int) -> str:
@@ -222,6 +230,16 @@ def latest_iteration(root: str, flag: str = "--load") -> int | None:
     if not match:
         raise CheckpointError(f"{path} does not hold an iteration number ({raw[:40]!r})")
     return int(match.group(1))
+
+
+def is_ours(root: str) -> bool:
+    """Whether the iteration the tracker in ``root`` names is one of our checkpoints (its
+    meta.json), whatever else its folder holds (a torch_dist copy: --ckpt-format torch_dist)."""
+    try:
+        it = latest_iteration(root)
+    except CheckpointError:
+        return False
+    return it is not None and os.path.isfile(os.path.join(_folder(root, it), "meta.json"))
 
 
 def _folder(root: str, iteration: int) -> str:

@@ -234,6 +234,9 @@ def _apply_defaults(args, framework: str) -> bool:
         args.lr_warmup_iters = int(args.lr_warmup_fraction * args.lr_decay_iters)
     if args.async_save and args.save_whole:
         raise MindSpeedError("--async-save writes sharded checkpoints (each rank its own file); drop --save-whole")
+    if args.ckpt_format == "torch_dist" and args.save_whole:
+        raise MindSpeedError("--ckpt-format torch_dist is written by every rank (Megatron's distributed format); "
+                             "drop --save-whole")
     if args.model_type_hf is not None and not (args.enable_hf2mg_convert or args.load_hf):
         raise MindSpeedError("--model-type-hf names the Hugging Face architecture of --load with "
                              "--enable-hf2mg-convert (or of --load-hf): give one of them")
@@ -629,7 +632,9 @@ def describe(config: RunConfig, data_path, pipeline_layout, grad_accum: int, los
         "adam": {"beta1": flags.adam_beta1, "beta2": flags.adam_beta2, "eps": flags.adam_eps},
         "precision": config.optimization.precision, "loss_scale": loss_scale if flags.fp16 else None,
         "compile": bool(flags.compile),
-        "checkpoints": {"format": "whole (gathered on rank 0)" if flags.save_whole else "sharded (each rank its pieces)",
+        "checkpoints": {"format": "whole (gathered on rank 0)" if flags.save_whole else "sharded (each rank its pieces)"
+                        + (", with Megatron's torch_dist files of the model" if flags.ckpt_format == "torch_dist"
+                           else ""),
                         "asynchronous": bool(flags.async_save)},
         "recompute_activation_function": (None if not flags.recompute_activation_function else
                                           "in every layer full recompute leaves alone"

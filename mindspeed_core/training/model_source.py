@@ -52,6 +52,8 @@ def kind_of(path: str) -> str | None:
     """Which kind of source ``path`` holds: "megatron", "ours", "hf", or None (nothing readable)."""
     if not os.path.isdir(path):
         return None
+    if checkpoint.is_ours(path):  # ours, also where --ckpt-format torch_dist put Megatron's files beside it
+        return "ours"
     if mcore.is_megatron_checkpoint(path):
         return "megatron"
     if checkpoint.latest_iteration(path) is not None:

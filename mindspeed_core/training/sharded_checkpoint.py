@@ -32,6 +32,7 @@ import numpy as np
 
 from mindspeed_core import features, files, tensor_files
 from mindspeed_core.backends.common import float32_to_bf16_bits
+from mindspeed_core.compat import torch_dist
 from mindspeed_core.errors import CheckpointError, MindSpeedError
 from mindspeed_core.parallel.sharding import flat_boxes, intersect, placement, region, with_experts
 
@@ -248,6 +249,36 @@ def _piece(piece, folder: str, name: str) -> tuple:
     except (TypeError, ValueError):
         raise CheckpointError(f"{folder}/meta.json has a malformed index entry for {name}") from None
     return fname, key, offset, shape, sha
+
+
+class TorchDistCopy:
+    """--ckpt-format torch_dist: the model's pieces this rank writes, written a second time as
+    megatron-core's dist_checkpointing writes them (compat/torch_dist.py), into the same
+    folder; rank 0 adds the metadata once every rank's file is durable. ``common``: Megatron's
+    args and iteration for common.pt."""
+
+    def __init__(self, layers: int, stacked: bool, num_experts: int, tp_rank: int, common: dict):
+        self.layers, self.stacked, self.num_experts = layers, stacked, num_experts
+        self.tp_rank, self.common = tp_rank, common
+
+    def write(self, folder: str, rank: int, model: list) -> tuple[list, str | None]:
+        """``model``: [(Held, values, dtype)] as write_rank_file takes them."""
+        chunks, objects = [], []
+        for h, values, dtype in model:
+            if not h.writes:
+                continue
+            values = np.asarray(values)
+            for box, _, local, whole in h.parts(primary_only=True):
+                chunks.append(torch_dist.model_chunks(h.name, h.whole, whole[0], values[region(local, within=box)],
+                                                      self.layers, self.stacked, _dtype_tag(dtype)))
+            if self.tp_rank == 0:  # the objects megatron-core keeps beside a linear layer's weight (None here)
+                first = min(go[0] for _, go, _, _ in h.pieces) if h.pieces else 0
+                objects += torch_dist.extra_states(h.name, self.layers, self.stacked,
+                                                   range(first, first + h.shape[0]), self.num_experts)
+        return torch_dist.write_rank_file(folder, rank, chunks, objects)
+
+    def finish(self, folder: str, parts: list) -> None:
+        torch_dist.write_metadata(folder, [p or [] for p in parts], self.common)
 
 
 def fsync_written(folder: str, fname: str | None) -> None:

@@ -23,6 +23,7 @@ import time
 import numpy as np
 
 from mindspeed_core import autograd, device, dist, features, nn, ops, random, runtime
+from mindspeed_core.compat import mcore
 from mindspeed_core.data.sampler import PretrainingSampler
 from mindspeed_core.errors import MindSpeedError, Stopped
 from mindspeed_core.models import lora, registry
@@ -401,6 +402,17 @@ class Trainer:
                               "float32"))
         trainer_state = resume.run_state(ps, self.scaler, self.moe_layers, self.reference,
                                          rng=not self.flags.no_save_rng)  # collective: every rank
+        megatron = None
+        if self.flags.ckpt_format == "torch_dist":
+            features.note_used("ckpt-format-torch-dist")
+            layout = mcore.Layout(ps.tp, ps.pp, ps.ep, self.flags.num_layers_per_virtual_pipeline_stage,
+                                  self.flags.num_layer_list)
+            common = {"args": mcore.megatron_args(self.cfg, layout, self.dtype, self.iteration),
+                      "checkpoint_version": mcore.CHECKPOINT_VERSION, "iteration": self.iteration}
+            cfg = self.cfg  # megatron-core stacks the layers' tensors when the layers are alike
+            alike = cfg.moe is None or all(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
+            megatron = sharded_checkpoint.TorchDistCopy(cfg.num_layers, alike, cfg.moe.num_experts if cfg.moe else 0,
+                                                        ps.local_rank("tp"), common)
         background = self.flags.async_save
         if background:  # the writer must not see the next steps' in-place updates
             features.note_used("async-save")
@@ -408,7 +420,8 @@ class Trainer:
             optimizer = [(h, np.array(v, copy=True), d) for h, v, d in optimizer]
         self.pending_save = checkpoint.start_sharded(self.flags.save, self.iteration, ps.rank,
                                                      {"model": model, "optimizer": optimizer}, self.optimizer.steps,
-                                                     meta, trainer_state, self._gather, dist.barrier, background)
+                                                     meta, trainer_state, self._gather, dist.barrier, background,
+                                                     megatron)
         if not background:
             self.finish_save()
 
