@@ -4,9 +4,11 @@ against --save-whole (the whole state gathered to rank 0, which writes it), at 1
 model this machine holds comfortably four times over. Per rank: the save's time and the resident
 memory it added at its peak, the load's time (building the trainer with --load, less building
 it without) and the memory it added; and the disk's own sequential write rate (a file of the
-checkpoint's size written and fsynced), the limit a single writer meets.
+checkpoint's size written and fsynced), the limit a single writer meets. With --async-save, the
+time the training thread is blocked (the host copy) and the time the writers go on after it,
+which the next steps hide.
 
-    python benchmarks/bench_checkpoint.py --framework pytorch [--hidden 1024 --layers 12]
+    python benchmarks/bench_checkpoint.py --framework pytorch [--hidden 1024 --layers 8]
 """
 
 from __future__ import annotations
@@ -21,6 +23,9 @@ import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+FORMATS = (("whole (rank 0 writes)", ["--save-whole"]), ("sharded", []), ("sharded, --async-save", ["--async-save"]))
 
 
 class PeakRSS:
@@ -52,35 +57,39 @@ class PeakRSS:
             self.peak = max(self.peak, self._rss())
 
 
-def rank_worker(out: str, argv: list[str]) -> None:
-    """One rank: build a trainer and save (timed), then build one with --load (timed) and one
-    without; writes rank<r>.json."""
+def rank_worker(mode: str, out: str, argv: list[str]) -> None:
+    """One rank of a fresh launch, so that what one measurement freed does not flatter the
+    next: ``mode`` "save" builds a trainer and saves (timed: the training thread's part, then
+    the rest until published), "plain" builds one, "load" builds one with --load; writes
+    rank<r>-<mode>.json: seconds and the resident memory the block added at its peak."""
     from mindspeed_core import dist, runtime
 
     runtime.bind()
     from mindspeed_core.compat.megatron_args import training_parser
+
     from mindspeed_core.training.trainer import Trainer
 
     parser = training_parser()
     ckpt = os.path.join(out, "ckpt")
+    flags = {"save": ["--save", ckpt], "plain": [], "load": ["--load", ckpt]}[mode]
     record = {}
     with open(os.devnull, "w") as null:
-        saver = Trainer(parser.parse_args([*argv, "--save", ckpt]), out=null)
-        saver.build()
-        saver.iteration = 1
-        dist.barrier()
-        with PeakRSS() as save:
-            saver.save()
-        record["save"] = [save.seconds, save.added]
-        del saver
-        dist.barrier()
-        with PeakRSS() as plain:
-            Trainer(parser.parse_args(argv), out=null).build()
-        dist.barrier()
-        with PeakRSS() as load:
-            Trainer(parser.parse_args([*argv, "--load", ckpt]), out=null).build()
-        record["load"] = [load.seconds - plain.seconds, load.added - plain.added]
-    with open(os.path.join(out, f"rank{dist.rank()}.json"), "w") as fh:
+        if mode == "save":
+            saver = Trainer(parser.parse_args([*argv, *flags]), out=null)
+            saver.build()
+            saver.iteration = 1
+            dist.barrier()
+            with PeakRSS() as save:
+                saver.save()  # --async-save: returns once the host copy is taken
+            with PeakRSS() as publish:  # --async-save: the writers' remaining time, which steps would hide
+                saver.finish_save()
+            record = {"seconds": save.seconds, "added": save.added, "publish": publish.seconds}
+        else:
+            dist.barrier()
+            with PeakRSS() as build:
+                Trainer(parser.parse_args([*argv, *flags]), out=null).build()
+            record = {"seconds": build.seconds, "added": build.added}
+    with open(os.path.join(out, f"rank{dist.rank()}-{mode}.json"), "w") as fh:
         json.dump(record, fh)
     dist.shutdown()
 
@@ -106,7 +115,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--framework", default="pytorch")
     parser.add_argument("--hidden", type=int, default=1024)
-    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--ranks", default="1,2,4")
     a = parser.parse_args()
     sys.path.insert(0, HERE)
@@ -125,17 +134,30 @@ def main() -> None:
     model += ["--data-path", _random_data(32000)]
     root = tempfile.mkdtemp(prefix="bench-checkpoint-")
     rows, size = [], 0
+
+    def run(n: int, folder: str, mode: str, flags: list) -> list:
+        ranks.launch(a.framework, n, [os.path.abspath(__file__), "--rank-worker", mode, folder, *model,
+                                      "--tensor-model-parallel-size", str(n), *flags], folder)
+        out = []
+        for r in range(n):
+            with open(os.path.join(folder, f"rank{r}-{mode}.json")) as fh:
+                out.append(json.load(fh))
+        return out
+
     try:
         for n in map(int, a.ranks.split(",")):
-            for fmt, flags in (("whole (rank 0 writes)", ["--save-whole"]), ("sharded", [])):
-                folder = os.path.join(root, f"{n}-{len(flags)}")
+            plain = None
+            for k, (fmt, flags) in enumerate(FORMATS):
+                folder = os.path.join(root, f"{n}-{k}")
                 os.makedirs(folder)
-                ranks.launch(a.framework, n, [os.path.abspath(__file__), "--rank-worker", folder, *model,
-                                              "--tensor-model-parallel-size", str(n), *flags], folder)
-                per_rank = [json.load(open(os.path.join(folder, f"rank{r}.json"))) for r in range(n)]
+                saved = run(n, folder, "save", flags)
                 size = sum(os.path.getsize(os.path.join(dp, f)) for dp, _, fs in os.walk(os.path.join(folder, "ckpt"))
                            for f in fs)
-                rows.append((n, fmt, per_rank, size))
+                loaded = None
+                if "--async-save" not in flags:  # the same files as without it
+                    plain = plain or run(n, folder, "plain", [])
+                    loaded = run(n, folder, "load", [])
+                rows.append((n, fmt, saved, plain, loaded))
                 shutil.rmtree(os.path.join(folder, "ckpt"))
         rate = disk_write_rate(root, size)
     finally:
@@ -143,17 +165,25 @@ def main() -> None:
     mib = 2**20
     print(f"{a.framework}: {a.layers} layers, hidden {a.hidden}: checkpoint {size / mib:.0f} MiB (model and AdamW "
           f"state, fp32); the disk writes {rate / mib:.0f} MiB/s (one file, fsynced): {size / rate:.2f} s for it")
-    print("| ranks | format | save s (slowest rank) | save: memory added, MiB (largest rank) | load s (slowest rank) "
-          "| load: memory added, MiB (largest rank) |")
-    print("|---|---|---|---|---|---|")
-    for n, fmt, per_rank, _ in rows:
-        print(f"| {n} | {fmt} | {max(r['save'][0] for r in per_rank):.2f} | "
-              f"{max(r['save'][1] for r in per_rank) / mib:.0f} | {max(r['load'][0] for r in per_rank):.2f} | "
-              f"{max(r['load'][1] for r in per_rank) / mib:.0f} |")
+    print("| ranks | format | save: training blocked, s | save: written after, s | save: memory added, MiB | "
+          "load, s | load: memory added, MiB |")
+    print("|---|---|---|---|---|---|---|")
+    for n, fmt, saved, plain, loaded in rows:
+        # the slowest rank's seconds and the largest rank's memory; a load is the build with --load
+        # less the build without, each rank against itself
+        cells = [f"{max(r['seconds'] for r in saved):.2f}",
+                 f"{max(r['publish'] for r in saved):.2f}" if "async" in fmt else "-",
+                 f"{max(r['added'] for r in saved) / mib:.0f}"]
+        if loaded is None:
+            cells += ["as sharded", "as sharded"]
+        else:
+            cells += [f"{max(x['seconds'] - p['seconds'] for x, p in zip(loaded, plain)):.2f}",
+                      f"{max(x['added'] - p['added'] for x, p in zip(loaded, plain)) / mib:.0f}"]
+        print(f"| {n} | {fmt} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 2 and sys.argv[1] == "--rank-worker":
-        rank_worker(sys.argv[2], sys.argv[3:])
+    if len(sys.argv) > 3 and sys.argv[1] == "--rank-worker":
+        rank_worker(sys.argv[2], sys.argv[3], sys.argv[4:])
     else:
         main()
