@@ -2,9 +2,10 @@
 
 Works on numpy state dicts, so it runs the same under either framework:
 ``load_folder`` -> (ModelConfig, state in our names); ``save_folder`` writes a folder that
-transformers loads. Supported model types: llama, mistral, qwen2, qwen3, gpt2, and the
-mixtures of experts mixtral, qwen2_moe, qwen3_moe (their experts written one by one, the
-layout every release of transformers reads).
+transformers loads. Supported model types: llama, mistral, qwen2, qwen3, phi3 (Phi-3 / 3.5:
+fused qkv_proj and gate_up_proj, LongRoPE), gpt2, and the mixtures of experts mixtral,
+qwen2_moe, qwen3_moe (their experts written one by one, the layout every release of
+transformers reads).
 """
 
 from __future__ import annotations
@@ -25,12 +26,12 @@ from mindspeed_core.models.config import ModelConfig, MoEConfig
 from mindspeed_core.models.gpt import whole_state
 from mindspeed_core.models.state import merge_lora, renumber_layers
 
-LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3")
+LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 # each mixture of experts has the attention of a dense family
 MOE_BASE = {"mixtral": "mistral", "qwen2_moe": "qwen2", "qwen3_moe": "qwen3"}
 SUPPORTED = LLAMA_LIKE + ("gpt2",) + tuple(MOE_BASE)
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                  "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+                  "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
                   "qwen3_moe": "Qwen3MoeForCausalLM"}
 _ACTS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
 
@@ -48,7 +49,7 @@ def _rope(hf: dict) -> tuple[float, dict | None]:
         scaling = {k: v for k, v in scaling.items() if k != "rope_theta"}
         if "type" in scaling and "rope_type" not in scaling:
             scaling["rope_type"] = scaling.pop("type")
-        if scaling.get("rope_type") in ("llama3", "yarn"):
+        if scaling.get("rope_type") in ("llama3", "yarn", "longrope"):
             # transformers' reading: a top-level original_max_position_embeddings first, else
             # the one in rope_scaling, else the model's own length
             if hf.get("original_max_position_embeddings") is not None:
@@ -64,10 +65,14 @@ def _rope(hf: dict) -> tuple[float, dict | None]:
 def _refuse_unsupported(hf: dict, kind: str) -> None:
     """Settings that change the math and that our model does not implement."""
     window = hf.get("sliding_window")
-    windowed = hf.get("use_sliding_window") if kind in ("qwen2", "qwen3") else kind == "mistral"
+    windowed = hf.get("use_sliding_window") if kind in ("qwen2", "qwen3") else kind in ("mistral", "phi3")
     if windowed and window is not None and window < hf.get("max_position_embeddings", 2048):
         raise CheckpointError(f"config.json: sliding-window attention (sliding_window {window!r} below "
                               f"max_position_embeddings) is not supported; set sliding_window to null")
+    partial = (hf.get("rope_parameters") or {}).get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise CheckpointError(f"config.json: partial_rotary_factor {partial!r} (RoPE on part of each head) is not "
+                              f"supported")
 
 
 # the sizes config_from_hf reads, checked before any arithmetic on them
@@ -210,6 +215,16 @@ def _decoder_hf_config(cfg: ModelConfig) -> dict:
     if base in ("mistral", "qwen2", "qwen3"):
         out["sliding_window"] = None
         out["use_sliding_window"] = False
+    if cfg.family == "phi3":
+        if cfg.kv_channels * cfg.num_attention_heads != cfg.hidden_size or cfg.add_qkv_bias or cfg.add_bias_linear:
+            raise CheckpointError("phi3 has heads of hidden_size / num_attention_heads and no biases")
+        if cfg.rope_scaling and cfg.rope_scaling.get("rope_type") != "longrope":
+            raise CheckpointError(f"phi3's RoPE scaling is longrope only, not {cfg.rope_scaling.get('rope_type')}")
+        del out["head_dim"]
+        # transformers' defaults name token 32000 as padding and end, which a smaller vocabulary lacks
+        out.update(sliding_window=None, pad_token_id=None, bos_token_id=None, eos_token_id=None,
+                   original_max_position_embeddings=(cfg.rope_scaling or {}).get(
+                       "original_max_position_embeddings", cfg.max_position_embeddings))
     if cfg.family in MOE_BASE:
         out.update(_moe_to_hf(cfg))
     return out
@@ -264,6 +279,14 @@ def split_qkv(cfg: ModelConfig, qkv):
     grouped = qkv.reshape((g, per + 2, d) + tail)
     q = grouped[:, :per].reshape((-1,) + tail)
     return q, grouped[:, per].reshape((-1,) + tail), grouped[:, per + 1].reshape((-1,) + tail)
+
+
+def _phi3_qkv(cfg: ModelConfig, qkv):
+    """Phi-3's fused qkv_proj: the query heads' rows, then the key heads', then the value heads'."""
+    q_rows, kv_rows = cfg.num_attention_heads * cfg.kv_channels, cfg.num_query_groups * cfg.kv_channels
+    if qkv.shape[0] != q_rows + 2 * kv_rows:
+        raise CheckpointError(f"qkv_proj has {qkv.shape[0]} rows; the config gives {q_rows} + 2 x {kv_rows}")
+    return qkv[:q_rows], qkv[q_rows:q_rows + kv_rows], qkv[q_rows + kv_rows:]
 
 
 def _layer_names_llama(i):
@@ -368,6 +391,13 @@ def _from_hf_state(cfg: ModelConfig, hf: dict) -> dict:
     out["embedding.word_embeddings.weight"] = take("model.embed_tokens.weight")
     for i in range(cfg.num_layers):
         a, b = f"model.layers.{i}.", f"decoder.layers.{i}.self_attention.linear_qkv."
+        if cfg.family == "phi3":  # fused: all query rows, then the keys', then the values'; gate then up
+            out[b + "weight"] = _fuse_qkv(cfg, *_phi3_qkv(cfg, take(a + "self_attn.qkv_proj.weight")))
+            out[f"decoder.layers.{i}.mlp.linear_fc1.weight"] = take(a + "mlp.gate_up_proj.weight")
+            for hf_n, ours in _layer_names_llama(i).items():
+                if hf_n in hf:
+                    out[ours] = take(hf_n)
+            continue
         out[b + "weight"] = _fuse_qkv(cfg, *(take(a + f"self_attn.{x}_proj.weight") for x in "qkv"))
         if cfg.add_qkv_bias:
             out[b + "bias"] = _fuse_qkv(cfg, *(take(a + f"self_attn.{x}_proj.bias") for x in "qkv"))
@@ -435,6 +465,13 @@ def to_hf_state(cfg: ModelConfig, ours: dict) -> dict:
     out["model.embed_tokens.weight"] = ours["embedding.word_embeddings.weight"]
     for i in range(cfg.num_layers):
         a, b = f"model.layers.{i}.", f"decoder.layers.{i}.self_attention.linear_qkv."
+        if cfg.family == "phi3":
+            out[a + "self_attn.qkv_proj.weight"] = np.concatenate(split_qkv(cfg, ours[b + "weight"]))
+            out[a + "mlp.gate_up_proj.weight"] = ours[f"decoder.layers.{i}.mlp.linear_fc1.weight"]
+            for hf_n, mine in _layer_names_llama(i).items():
+                if mine in ours:
+                    out[hf_n] = ours[mine]
+            continue
         for x, t in zip("qkv", split_qkv(cfg, ours[b + "weight"])):
             out[a + f"self_attn.{x}_proj.weight"] = t
         if cfg.add_qkv_bias:
@@ -505,6 +542,7 @@ def load_config(folder: str) -> ModelConfig:
 
 # MindSpeed-LLM's --model-type-hf names -> our model family
 MODEL_TYPES = {"llama2": "llama", "llama3": "llama", "qwen2": "qwen2", "qwen25": "qwen2", "qwen3": "qwen3",
+               "phi3.5": "phi3", "phi3": "phi3",
                "mistral": "mistral", "gpt2": "gpt2", "mixtral": "mixtral", "qwen2-moe": "qwen2_moe",
                "qwen3-moe": "qwen3_moe"}
 # what a Hugging Face folder holds besides the model: copied along by --hf-cfg-dir

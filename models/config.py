@@ -11,7 +11,7 @@ from mindspeed_core.models import rope
 
 FUSED_KERNELS = ("attention", "rms_norm", "swiglu", "rope", "grouped_matmul")
 # the model families (ModelConfig.family) that models/registry.py builds and compat/hf.py reads
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gpt2", "mixtral", "qwen2_moe", "qwen3_moe")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gpt2", "mixtral", "qwen2_moe", "qwen3_moe")
 
 
 @dataclass
@@ -108,7 +108,7 @@ class ModelConfig:
     activation: str = "swiglu"  # swiglu | gelu | gelu_tanh
     position_embedding_type: str = "rope"  # rope | learned
     rotary_base: float = 10000.0
-    rope_scaling: dict | None = None  # {"rope_type": linear|llama3|yarn|dynamic, "factor": ..., ...} (models/rope.py)
+    rope_scaling: dict | None = None  # {"rope_type": linear|llama3|yarn|dynamic|longrope, "factor": ..., ...} (models/rope.py)
     add_qkv_bias: bool = False
     add_bias_linear: bool = False  # biases on the attention output and the MLP (Megatron's switch)
     attention_output_bias: bool | None = None  # None: as add_bias_linear (Llama's attention_bias without mlp_bias)
@@ -178,6 +178,11 @@ class ModelConfig:
             if self.hidden_size % self.num_attention_heads:
                 raise ValueError(f"hidden size {self.hidden_size} is not divisible by {self.num_attention_heads} heads")
             self.kv_channels = self.hidden_size // self.num_attention_heads
+        scaling = self.rope_scaling or {}
+        for key in ("short_factor", "long_factor"):  # longrope: one factor per rotary frequency
+            if key in scaling and len(scaling[key]) != self.kv_channels // 2:
+                raise ValueError(f"rope_scaling's {key} holds {len(scaling[key])} numbers; heads of "
+                                 f"{self.kv_channels} dimensions rotate at {self.kv_channels // 2} frequencies")
         if self.num_attention_heads % self.num_query_groups:
             raise ValueError(f"{self.num_attention_heads} attention heads do not divide into "
                              f"{self.num_query_groups} query groups")
@@ -287,6 +292,12 @@ PRESETS = {
                        kv_channels=32, ffn_hidden_size=352, qk_layernorm=True, norm_epsilon=1e-6),
     "tiny-mistral": dict(family="mistral", hidden_size=128, num_layers=4, num_attention_heads=4, num_query_groups=1,
                          ffn_hidden_size=352),
+    # Phi-3.5's shape in small: LongRoPE with its short factors up to 64 positions, long ones past them
+    "tiny-phi3": dict(family="phi3", hidden_size=128, num_layers=4, num_attention_heads=4, ffn_hidden_size=352,
+                      max_position_embeddings=256, rope_scaling={
+                          "rope_type": "longrope", "original_max_position_embeddings": 64,
+                          "short_factor": [1.0 + 0.01 * i for i in range(16)],
+                          "long_factor": [1.0 + 0.25 * i for i in range(16)]}),
     "tiny-gpt2": dict(family="gpt2", hidden_size=128, num_layers=4, num_attention_heads=4, normalization="layernorm",
                       activation="gelu_tanh", position_embedding_type="learned", add_qkv_bias=True,
                       add_bias_linear=True, untie_embeddings_and_output_weights=False),

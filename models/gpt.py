@@ -313,9 +313,9 @@ class GPTModel(nn.Module):
             # tied weights on a stage without the embedding: a copy of the word embeddings,
             # whose gradient the pipeline sums with the first stage's (Megatron's embedding group)
             self.output_layer = Linear(cfg.hidden_size, cfg.vocab_size, False, cfg.init_method_std)
-        if cfg.position_embedding_type == "rope":
+        if cfg.position_embedding_type == "rope":  # longrope: the short factors' table (the long: _table)
             self._rope = rope.tables(cfg.max_position_embeddings, cfg.kv_channels, cfg.rotary_base, cfg.rope_scaling,
-                                     cfg.max_position_embeddings)
+                                     cfg.max_position_embeddings, decided_by=rope.switch_length(cfg.rope_scaling))
         else:
             self._rope = None
         self._rope_cache = {}
@@ -384,16 +384,19 @@ class GPTModel(nn.Module):
 
     def _table(self, length: int):
         """cos, sin (host) for positions 0..length-1. Past max_position_embeddings only a
-        scaling made for it (dynamic NTK) has them, with frequencies set by the length."""
+        scaling made for it (dynamic NTK) has them, with frequencies set by the length;
+        longrope's long factors take over past its original length."""
         cfg = self.cfg
-        if length <= cfg.max_position_embeddings:
+        switch = rope.switch_length(cfg.rope_scaling)
+        if length <= cfg.max_position_embeddings and (switch is None or length <= switch):
             return self._rope
-        if not rope.extends_positions(cfg.rope_scaling):
+        if length > cfg.max_position_embeddings and not rope.extends_positions(cfg.rope_scaling):
             raise ValueError(f"sequence length {length} exceeds max_position_embeddings {cfg.max_position_embeddings}")
-        if length not in self._long_rope:  # one length kept: generation grows it a token at a time
-            self._long_rope = {length: rope.tables(length, cfg.kv_channels, cfg.rotary_base, cfg.rope_scaling,
-                                                   cfg.max_position_embeddings)}
-        return self._long_rope[length]
+        size = max(length, cfg.max_position_embeddings)  # longrope: one long table, whatever the length past it
+        if size not in self._long_rope:  # one length kept: generation grows it a token at a time
+            self._long_rope = {size: rope.tables(size, cfg.kv_channels, cfg.rotary_base, cfg.rope_scaling,
+                                                 cfg.max_position_embeddings, decided_by=length)}
+        return self._long_rope[size]
 
     def _rotary(self, seq_len: int, dtype: str, positions=None):
         if self._rope is None:

@@ -1,6 +1,7 @@
 """Rotary position embedding tables, computed on the host (numpy) for any framework: plain,
-and the scalings of Hugging Face configs' rope_scaling: linear, llama3, yarn and dynamic
-(NTK-aware, its base growing with the sequence past the model's length)."""
+and the scalings of Hugging Face configs' rope_scaling: linear, llama3, yarn, dynamic
+(NTK-aware, its base growing with the sequence past the model's length) and longrope (Phi-3:
+per-dimension factors, short ones up to the original length, long ones past it)."""
 
 from __future__ import annotations
 
@@ -13,12 +14,14 @@ from mindspeed_core import features
 # rope_scaling types, with the keys each needs as positive numbers
 SCALINGS = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor",
                                               "original_max_position_embeddings"),
-            "yarn": ("original_max_position_embeddings",), "dynamic": ("factor",)}
+            "yarn": ("original_max_position_embeddings",), "dynamic": ("factor",),
+            "longrope": ("original_max_position_embeddings",)}
 
 
 # keys a scaling may carry besides its required ones: positive numbers (mscale and
 # mscale_all_dim may be 0, DeepSeek's configs' "not set")
-_OPTIONAL = {"factor": 0, "beta_fast": 0, "beta_slow": 0, "attention_factor": 0, "mscale": None, "mscale_all_dim": None}
+_OPTIONAL = {"factor": 0, "beta_fast": 0, "beta_slow": 0, "attention_factor": 0, "mscale": None, "mscale_all_dim": None,
+             "long_mscale": 0, "short_mscale": 0}
 
 
 def problem(scaling: dict) -> str | None:
@@ -30,6 +33,14 @@ def problem(scaling: dict) -> str | None:
         value = scaling.get(key)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
             return f"{key} must be a positive number for rope_type {what!r}, got {value!r}"
+    if what == "longrope":
+        for key in ("short_factor", "long_factor"):
+            value = scaling.get(key)
+            if not isinstance(value, (list, tuple)) or not value or any(
+                    isinstance(x, bool) or not isinstance(x, (int, float)) or not x > 0 for x in value):
+                return f"{key} must be a list of positive numbers for rope_type 'longrope', got {value!r}"
+        if len(scaling["short_factor"]) != len(scaling["long_factor"]):
+            return "short_factor and long_factor must be lists of the same length (half the rotary dimensions)"
     for key, low in _OPTIONAL.items():
         value = scaling.get(key)
         if value is None:
@@ -48,6 +59,11 @@ def extends_positions(scaling: dict | None) -> bool:
     """Whether the scaling is made for sequences longer than max_position_embeddings (dynamic
     NTK); the others define positions up to it."""
     return kind(scaling) == "dynamic"
+
+
+def switch_length(scaling: dict | None) -> int | None:
+    """longrope: the length past which the long factors apply (None: no such switch)."""
+    return int(scaling["original_max_position_embeddings"]) if kind(scaling) == "longrope" else None
 
 
 def _powers(head_dim: int, base: float) -> np.ndarray:
@@ -88,6 +104,27 @@ def _yarn(head_dim: int, base: float, scaling: dict, max_positions: int) -> tupl
     return inv, float(attention)
 
 
+def _longrope(head_dim: int, base: float, scaling: dict, seq_len: int, max_positions: int | None):
+    """LongRoPE (Phi-3): each frequency divided by its own factor, the short list's for
+    sequences up to the original length and the long list's past it (the table is chosen by
+    the furthest position); cos and sin scaled by sqrt(1 + ln(factor) / ln(original)), the
+    factor being the model's length over the original one unless the config gives it, or by
+    MindSpeed-LLM's --long-mscale / --short-mscale when both are given."""
+    features.note_used("longrope")
+    original = int(scaling["original_max_position_embeddings"])
+    factors = np.asarray(scaling["long_factor" if seq_len > original else "short_factor"], np.float64)
+    if len(factors) != head_dim // 2:
+        raise ValueError(f"rope_scaling's factor lists hold {len(factors)} numbers; the rotary dimensions need "
+                         f"{head_dim // 2}")
+    factor = float(scaling.get("factor") or (max_positions or original) / original)
+    attention = scaling.get("attention_factor")
+    if scaling.get("long_mscale") and scaling.get("short_mscale"):
+        attention = scaling["long_mscale" if seq_len > original else "short_mscale"]
+    if attention is None:
+        attention = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return 1.0 / (factors * _powers(head_dim, base)), float(attention)
+
+
 def frequencies(head_dim: int, base: float, scaling: dict | None = None, seq_len: int = 0,
                 max_positions: int | None = None) -> tuple[np.ndarray, float]:
     """The inverse frequencies [head_dim / 2] of a table covering ``seq_len`` positions of a
@@ -97,6 +134,8 @@ def frequencies(head_dim: int, base: float, scaling: dict | None = None, seq_len
         return 1.0 / _powers(head_dim, base), 1.0
     if what == "yarn":
         return _yarn(head_dim, base, scaling, max_positions or int(scaling["original_max_position_embeddings"]))
+    if what == "longrope":
+        return _longrope(head_dim, base, scaling, seq_len, max_positions)
     factor = float(scaling["factor"])
     features.note_used("rope-scaling-flags")  # the row of linear, llama3 and dynamic NTK, from flags or a config
     if what == "linear":
@@ -118,9 +157,12 @@ def frequencies(head_dim: int, base: float, scaling: dict | None = None, seq_len
 
 
 def tables(seq_len: int, head_dim: int, base: float, scaling: dict | None = None,
-           max_positions: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """cos, sin of shape [seq_len, head_dim] (the halves repeated, as apply_rotary expects)."""
-    inv, attention = frequencies(head_dim, base, scaling, seq_len, max_positions or seq_len)
+           max_positions: int | None = None, decided_by: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """cos, sin of shape [seq_len, head_dim] (the halves repeated, as apply_rotary expects);
+    ``decided_by``: the sequence length that sets the frequencies (longrope's choice of
+    factors), when the table is longer than that sequence."""
+    inv, attention = frequencies(head_dim, base, scaling, seq_len if decided_by is None else decided_by,
+                                 max_positions or seq_len)
     angles = np.outer(np.arange(seq_len, dtype=np.float64), inv)
     angles = np.concatenate([angles, angles], axis=-1)
     return (np.cos(angles) * attention).astype(np.float32), (np.sin(angles) * attention).astype(np.float32)

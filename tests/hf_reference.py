@@ -48,6 +48,12 @@ MODELS = {
     "mistral": (T.MistralConfig, dict(COMMON, num_key_value_heads=1, sliding_window=None, head_dim=16)),
     "qwen2": (T.Qwen2Config, dict(COMMON, num_key_value_heads=2, tie_word_embeddings=True)),
     "qwen3": (T.Qwen3Config, dict(COMMON, num_key_value_heads=2, head_dim=32)),
+    # Phi-3.5: fused qkv_proj / gate_up_proj, LongRoPE switching from the short to the long
+    # factors past 16 positions (the 12 prompt tokens use the short ones, generation crosses over)
+    "phi3-longrope": (T.Phi3Config, dict(COMMON, num_key_value_heads=2, pad_token_id=0, original_max_position_embeddings=16,
+                                         rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                                                          "short_factor": [1.0 + 0.05 * i for i in range(8)],
+                                                          "long_factor": [1.0 + 0.5 * i for i in range(8)]})),
     "gpt2": (T.GPT2Config, dict(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64,
                                 resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)),
     # mixtures of experts: top-2 of 4, renormalised (Mixtral); a dense first layer, raw top-k
@@ -63,7 +69,7 @@ MODELS = {
 
 
 # greedy generate() with the cache: 8 tokens after the ids, the second row's first 3 ids padding
-GENERATED = ("llama", "qwen3", "gpt2", "llama-dynamic-rope")
+GENERATED = ("llama", "qwen3", "gpt2", "llama-dynamic-rope", "phi3-longrope")
 PAD = 3
 
 

@@ -423,6 +423,11 @@ def four_ranks(corpus, data, two_ranks, null_corpus, hf_references, tmp_path_fac
               False],
              ["hf-llama-tp2-pp2", [*HF_LLAMA, "--data-path", null_corpus, "--load", str(tmp / "hf-llama-mg"),
                                    "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"], False],
+             # Phi-3.5's fused projections and LongRoPE read from the folder as it loads, on
+             # sequences of 20 tokens: past its original 16, so the long factors
+             ["hf-phi3-tp2-pp2", [*HF_LLAMA, "--seq-length", "20", "--data-path", null_corpus, "--load-hf",
+                                  str(hf_references / "phi3-longrope"), "--tensor-model-parallel-size", "2",
+                                  "--pipeline-model-parallel-size", "2"], False],
              # the EP2 checkpoint of two_ranks (sharded: each expert once, by its owner) at EP1 x DP4
              ["moe-dp4-from-ep2", [*MOE, "--data-path", data["moe"], "--train-iters", str(ITERS), "--load",
                                    str(two_ranks / "ep2-ckpt")], False],
@@ -560,6 +565,22 @@ def test_a_megatron_checkpoint_trains_under_another_layout(capsys, corpus, two_r
     assert_same_curve(losses(four_ranks / "out" / "tp2-pp2-from-megatron.jsonl"), losses(tmp_path / "one.jsonl"))
 
 
+def first_batch_loss_of_transformers(hf_folder, null_corpus, seq_length, tmp_path) -> float:
+    """transformers' cross entropy on the first global batch of four sequences the trainer
+    reads from ``null_corpus`` (Megatron's default seed 1234)."""
+    from conftest import hf_reference_process
+    from mindspeed_core.data import gpt_dataset
+
+    samples = gpt_dataset.build_splits([null_corpus], "100,0,0", seq_length, 1234)["train"]
+    tokens = gpt_dataset.batch(samples, 0, 4)
+    np.save(tmp_path / "ids.npy", tokens[:, :-1])
+    hf_reference_process("--check", str(hf_folder), str(tmp_path / "ids.npy"), str(tmp_path / "logits.npy"))
+    logits = np.load(tmp_path / "logits.npy")
+    logp = logits - logits.max(-1, keepdims=True)
+    logp = logp - np.log(np.exp(logp).sum(-1, keepdims=True))
+    return -float(np.mean(np.take_along_axis(logp, tokens[:, 1:, None], -1)))
+
+
 @pytest.mark.multiprocess
 @pytest.mark.feature("weight-conversion")
 def test_a_converted_model_at_tp2_pp2_scores_the_first_batch_as_transformers(four_ranks, null_corpus, hf_references,
@@ -567,21 +588,23 @@ def test_a_converted_model_at_tp2_pp2_scores_the_first_batch_as_transformers(fou
     """transformers' Llama, converted to Megatron's layout at TP2 x PP2 and loaded by the trainer
     on four ranks: its loss on the first global batch equals the cross entropy of
     transformers' own logits for the same four sequences within 1e-4 (relative)."""
-    from conftest import hf_reference_process
-    from mindspeed_core.data import gpt_dataset
-
-    samples = gpt_dataset.build_splits([null_corpus], "100,0,0", 12, 1234)["train"]
-    tokens = gpt_dataset.batch(samples, 0, 4)  # the first global batch (seed: Megatron's default 1234)
-    np.save(tmp_path / "ids.npy", tokens[:, :-1])
-    hf_reference_process("--check", str(hf_references / "llama"), str(tmp_path / "ids.npy"), str(tmp_path / "logits.npy"))
-    logits = np.load(tmp_path / "logits.npy")
-    logp = logits - logits.max(-1, keepdims=True)
-    logp = logp - np.log(np.exp(logp).sum(-1, keepdims=True))
-    want = -float(np.mean(np.take_along_axis(logp, tokens[:, 1:, None], -1)))
+    want = first_batch_loss_of_transformers(hf_references / "llama", null_corpus, 12, tmp_path)
     got = losses(four_ranks / "out" / "hf-llama-tp2-pp2.jsonl")
     assert list(got) == [1] and abs(got[1] - want) <= 1e-4 * want, (got, want)
     log = (four_ranks / "out" / "hf-llama-tp2-pp2.log").read_text()
     assert "took the weights of the Megatron checkpoint" in log and "TP=2 DP=1 PP=2" in log, log
+
+
+@pytest.mark.multiprocess
+@pytest.mark.feature("longrope")
+def test_phi3_at_tp2_pp2_scores_the_first_batch_as_transformers(four_ranks, null_corpus, hf_references, tmp_path):
+    """transformers' Phi-3 (fused qkv_proj and gate_up_proj, LongRoPE) read by --load-hf at
+    TP2 x PP2 on 20-token sequences (past its original 16 positions: the long factors): the
+    first batch's loss is transformers' within 1e-4."""
+    want = first_batch_loss_of_transformers(hf_references / "phi3-longrope", null_corpus, 20, tmp_path)
+    got = losses(four_ranks / "out" / "hf-phi3-tp2-pp2.jsonl")
+    assert list(got) == [1] and abs(got[1] - want) <= 1e-4 * want, (got, want)
+    assert "TP=2 DP=1 PP=2" in (four_ranks / "out" / "hf-phi3-tp2-pp2.log").read_text()
 
 
 @pytest.mark.multiprocess

@@ -40,6 +40,13 @@ def test_flags_set_the_models_rope_scaling():
         "original_max_position_embeddings": 4096}
     assert scaling_of("--rope-scaling-type", "dynamic", "--rope-scaling-factor", "2") == {"rope_type": "dynamic",
                                                                                        "factor": 2.0}
+    # Phi-3.5's (pretrain_phi35_moe_ptd.sh): the factor lists comma-separated, both attention scales
+    assert scaling_of("--rope-scaling-type", "longrope", "--longrope-freqs-type", "outer",
+                      "--rope-scaling-original-max-position-embeddings", "4096", "--long-mscale", "1.24",
+                      "--short-mscale", "1.24", "--long-factor", ",".join(["1.5"] * 8),
+                      "--short-factor", ",".join(["1.02"] * 8)) == {
+        "rope_type": "longrope", "original_max_position_embeddings": 4096, "long_mscale": 1.24, "short_mscale": 1.24,
+        "long_factor": [1.5] * 8, "short_factor": [1.02] * 8}
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -84,13 +91,18 @@ FLAG_SCALINGS = {  # MindSpeed-LLM's flags and the Hugging Face rope_parameters 
     "yarn": (["--rope-scaling-factor", "4", "--beta-fast", "8", "--rope-scaling-beta-slow", "2",
               "--rope-scaling-original-max-position-embeddings", "4"],
              {"factor": 4.0, "beta_fast": 8.0, "beta_slow": 2.0, "original_max_position_embeddings": 4}),
+    # 8 positions past the original 4: the long factors
+    "longrope": (["--long-factor", "1,1.5,2,2.5,3,3.5,4,4.5", "--short-factor", "1,1,1.1,1.1,1.2,1.2,1.3,1.3",
+                  "--rope-scaling-original-max-position-embeddings", "4"],
+                 {"long_factor": [1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 4.5],
+                  "short_factor": [1.0, 1.0, 1.1, 1.1, 1.2, 1.2, 1.3, 1.3], "original_max_position_embeddings": 4}),
 }
 SIZES = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2", "--ffn-hidden-size", "64",
          "--max-position-embeddings", "8", "--seq-length", "8", "--make-vocab-size-divisible-by", "8",
          "--init-method-std", "0.3"]  # weights large enough for the positions to show in the logits
 
 
-@pytest.mark.parametrize("kind", [pytest.param(k, marks=pytest.mark.feature("yarn" if k == "yarn" else
+@pytest.mark.parametrize("kind", [pytest.param(k, marks=pytest.mark.feature(k if k in ("yarn", "longrope") else
                                                                              "rope-scaling-flags"))
                                   for k in sorted(FLAG_SCALINGS)])
 def test_a_model_from_the_flags_is_the_model_from_the_hugging_face_config(kind):
