@@ -119,11 +119,15 @@ def add_feature_args(parser: argparse.ArgumentParser) -> None:
     e.add_argument("--moe-router-num-groups", type=POSITIVE_INT, default=None)
     e.add_argument("--moe-router-group-topk", type=POSITIVE_INT, default=None)
     # softmax_topk: MindSpeed-LLM's softmax over every expert, then the top k (no aux loss term)
-    e.add_argument("--moe-router-load-balancing-type", choices=("aux_loss", "seq_aux_loss", "none", "softmax_topk"),
+    e.add_argument("--moe-router-load-balancing-type", choices=("aux_loss", "seq_aux_loss", "none", "softmax_topk",
+                                                                "sparsemixer_topk"),
                    default="aux_loss")
     e.add_argument("--norm-topk-prob", action="store_true",
                    help="renormalise the top-k weights to sum to one (MindSpeed-LLM; with softmax_topk)")
     e.add_argument("--moe-aux-loss-coeff", type=NON_NEGATIVE, default=0.0)
+    e.add_argument("--moe-input-jitter-eps", type=NON_NEGATIVE, default=None,
+                   help="multiplicative noise on the router's input in training (refused: the matrix's "
+                        "moe-input-jitter row)")
     e.add_argument("--moe-z-loss-coeff", type=NON_NEGATIVE, default=None)
     e.add_argument("--moe-router-enable-expert-bias", action="store_true")
     e.add_argument("--moe-router-bias-update-rate", type=POSITIVE, default=1e-3)
@@ -228,7 +232,7 @@ def add_feature_args(parser: argparse.ArgumentParser) -> None:
     o.add_argument("--task", choices=GENERATION_TASKS + EVALUATION_TASKS, default=None,
                    help="mindspeed generate: " + ", ".join(GENERATION_TASKS) + "; mindspeed evaluate: "
                    + ", ".join(EVALUATION_TASKS))
-    o.add_argument("--rope-scaling-type", choices=("linear", "llama3", "yarn", "dynamic"), default=None)
+    o.add_argument("--rope-scaling-type", choices=("linear", "llama3", "yarn", "dynamic", "longrope"), default=None)
     o.add_argument("--handler-name", choices=DATA_HANDLERS, default=None)
 
     a = parser.add_argument_group("fine-tuning and alignment")
@@ -297,8 +301,18 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
     m.add_argument("--beta-slow", "--rope-scaling-beta-slow", dest="beta_slow", type=POSITIVE, default=None)
     m.add_argument("--rope-scaling-mscale", type=NON_NEGATIVE, default=None)
     m.add_argument("--rope-scaling-mscale-all-dim", type=NON_NEGATIVE, default=None)
+    # longrope (Phi-3.5): the per-dimension factors as comma-separated numbers, the attention
+    # scales for sequences past / up to the original length
+    m.add_argument("--long-factor", type=_factor_list, default=None)
+    m.add_argument("--short-factor", type=_factor_list, default=None)
+    m.add_argument("--long-mscale", type=POSITIVE, default=None)
+    m.add_argument("--short-mscale", type=POSITIVE, default=None)
     m.add_argument("--untie-embeddings-and-output-weights", action="store_true", default=None)
     m.add_argument("--add-qkv-bias", action="store_true", default=None)
+    m.add_argument("--add-dense-bias", action="store_true", default=None,
+                   help="a bias on the attention's output projection (with --disable-bias-linear: that one only)")
+    m.add_argument("--add-output-layer-bias", action="store_true", default=None,
+                   help="a bias on the output layer (refused: the matrix's output-layer-bias row)")
     m.add_argument("--qk-layernorm", action="store_true", default=None)
     m.add_argument("--init-method-std", type=NON_NEGATIVE, default=None)
     m.add_argument("--attention-dropout", type=PROBABILITY, default=None)
@@ -425,6 +439,10 @@ ACCEPTED_NO_OPS = {
     "--use-fused-moe-token-permute-and-unpermute": ({"action": "store_true"},
                                                     "a performance option of MindSpeed's MoE kernels; the experts "
                                                     "here compute the same results without it"),
+    "--longrope-freqs-type": ({"choices": ("outer", "mul"), "default": "mul"},
+                              "both compute longrope's frequencies 1 / (factor x base^(2i/d)), in another order"),
+    "--no-rope-fusion": ({"action": "store_true"}, "RoPE runs unfused unless --use-fused-rotary-pos-emb asks for the "
+                                                   "fused kernel, which gives the same results"),
     "--local-rank": ({"type": int, "default": None}, "python -m torch.distributed.launch passes each worker's "
                                                     "rank; the rank comes from the launcher's environment here"),
 }
@@ -485,6 +503,17 @@ def add_mindspeed_llm_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-shuffle", action="store_true",
                    help="read each dataset's samples in file order, epoch after epoch (blends still interleave "
                         "by weight)")
+
+
+def _factor_list(text: str) -> list:
+    """--long-factor / --short-factor: comma-separated positive numbers."""
+    try:
+        values = [float(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text[:40]!r} is not a comma-separated list of numbers") from None
+    if not values or any(not v > 0 for v in values):
+        raise argparse.ArgumentTypeError("the factors must be positive numbers")
+    return values
 
 
 def training_parser(prog: str = "mindspeed train", verb: bool = False) -> argparse.ArgumentParser:

@@ -43,6 +43,8 @@ from mindspeed_core.training import model_source
 # --model-type-hf -> our model family
 MODEL_TYPES = hf.MODEL_TYPES
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+# MindSpeed-LLM's --model-type-hf values of families not built here -> the matrix row that says so
+NOT_BUILT = {"phi3.5-moe": "family-phimoe"}
 
 
 def parser():
@@ -51,7 +53,7 @@ def parser():
     megatron_args.add_framework_args(p)
     p.add_argument("--load-model-type", choices=("hf", "mg"), required=True)
     p.add_argument("--save-model-type", choices=("hf", "mg"), required=True)
-    p.add_argument("--model-type-hf", choices=tuple(MODEL_TYPES), default=None,
+    p.add_argument("--model-type-hf", choices=(*MODEL_TYPES, *NOT_BUILT), default=None,
                    help="the Hugging Face architecture (checked against config.json; names it for a Megatron "
                         "checkpoint whose args do not)")
     p.add_argument("--load-dir", required=True)
@@ -211,6 +213,8 @@ def run(args, backend=None) -> int:
     """`mindspeed convert` once its flags are parsed (the framework plays no part)."""
     features.note_used("weight-conversion")
     framework = runtime.resolve(args.ai_framework)
+    if args.model_type_hf in NOT_BUILT:
+        features.refuse(NOT_BUILT[args.model_type_hf], framework)
     if args.lora_load or args.save_lora_to_hf:
         features.note_used("convert-lora")
     target_tp = args.target_tensor_parallel_size or 1

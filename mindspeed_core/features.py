@@ -477,6 +477,12 @@ FEATURES: tuple[Feature, ...] = (
             supported("YaRN frequencies and attention temperature (betas, mscale), from the flags or a Hugging "
                       "Face config"),
             supported("as on PyTorch (tables built on the host)"), _eq("rope_scaling_type", "yarn")),
+    Feature("longrope", "LongRoPE scaling (Phi-3 / Phi-3.5)", "inference", ("--rope-scaling-type longrope",
+                                                                            "--long-factor", "--short-factor"),
+            supported("per-dimension factors, the short list's up to the original length and the long list's past "
+                      "it (chosen by the furthest position, as transformers does), the attention scale; from the "
+                      "flags (MindSpeed-LLM's) or a Hugging Face config"),
+            supported("as on PyTorch (tables built on the host)"), _eq("rope_scaling_type", "longrope")),
     # ---- data and tools -------------------------------------------------------------------
     *(
         Feature(f"handler-{slug}", f"Data handler {name}", "data", (f"--handler-name {name}",),
@@ -534,6 +540,19 @@ FEATURES: tuple[Feature, ...] = (
             ("--ckpt-format zarr", "--ckpt-format fsdp_dtensor"), planned(_DIST_CKPT, instead="--ckpt-format torch"),
             planned(_DIST_CKPT, instead="--ckpt-format torch"),
             lambda a: getattr(a, "ckpt_format", "torch") in ("zarr", "fsdp_dtensor")),
+    Feature("family-phimoe", "Phi-3.5-MoE (PhiMoE: sparsemixer routing)", "compatibility",
+            ("--model-type-hf phi3.5-moe", "--moe-router-load-balancing-type sparsemixer_topk"),
+            planned(instead="Phi-3.5-mini (--model-type-hf phi3.5) or another MoE family"),
+            planned(instead="Phi-3.5-mini (--model-type-hf phi3.5) or another MoE family"),
+            lambda a: getattr(a, "model_type_hf", None) == "phi3.5-moe"
+            or getattr(a, "moe_router_load_balancing_type", None) == "sparsemixer_topk"),
+    Feature("output-layer-bias", "A bias on the output layer (MindSpeed-LLM's Phi-3.5-MoE)", "compatibility",
+            ("--add-output-layer-bias",), planned(instead="leave it off: the output layer has no bias here"),
+            planned(instead="leave it off: the output layer has no bias here"), _on("add_output_layer_bias")),
+    Feature("moe-input-jitter", "Multiplicative jitter on the router's input (--moe-input-jitter-eps)", "parallelism",
+            ("--moe-input-jitter-eps",), planned(instead="leave it off (routing without noise)"),
+            planned(instead="leave it off (routing without noise)"),
+            lambda a: bool(getattr(a, "moe_input_jitter_eps", None))),
     Feature("recompute-activation-function", "Recompute of the MLP's activation function", "memory",
             ("--recompute-activation-function", "--recompute-activation-function-num-layers"),
             supported(_ACTIVATION_RECOMPUTE), supported(_ACTIVATION_RECOMPUTE), _on("recompute_activation_function")),

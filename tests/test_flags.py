@@ -50,7 +50,8 @@ VALUES = {
     "--dpo-label-smoothing": ["0.25"], "--simpo-label-smoothing": ["0.25"], "--reward-tokens": ["+", "-"],
     "--lr-warmup-fraction": ["0.5"], "--padded-vocab-size": ["512"], "--enable-thinking": ["false"],
     "--local-rank": ["0"], "--spec": ["mindspeed_llm.tasks.models.spec.qwen3_spec", "layer_spec"],
-    "--model-type-hf": ["qwen3"],
+    "--model-type-hf": ["qwen3"], "--long-factor": ["2,2,3,3"], "--short-factor": ["1,1,1.5,1.5"],
+    "--long-mscale": ["1.5"], "--short-mscale": ["1.25"], "--moe-input-jitter-eps": ["0.01"],
 }
 
 
@@ -73,6 +74,16 @@ REQUIRES = {
         "--moe-router-num-groups", "--moe-router-load-balancing-type", "--moe-aux-loss-coeff", "--moe-z-loss-coeff",
         "--moe-router-enable-expert-bias", "--moe-expert-capacity-factor", "--moe-layer-freq",
         "--first-k-dense-replace")},
+    "--moe-input-jitter-eps": ["--num-experts", "4"],
+    # longrope's lists and scales qualify --rope-scaling-type longrope (heads of 8 dimensions: 4 factors)
+    "--long-factor": ["--rope-scaling-type", "longrope", "--short-factor", "1,1,1,1",
+                      "--rope-scaling-original-max-position-embeddings", "4"],
+    "--short-factor": ["--rope-scaling-type", "longrope", "--long-factor", "2,2,2,2",
+                       "--rope-scaling-original-max-position-embeddings", "4"],
+    **{flag: ["--rope-scaling-type", "longrope", "--long-factor", "2,2,2,2", "--short-factor", "1,1,1,1",
+              "--rope-scaling-original-max-position-embeddings", "4", other, "1.1"]
+       for flag, other in (("--long-mscale", "--short-mscale"), ("--short-mscale", "--long-mscale"))},
+    "--add-dense-bias": ["--disable-bias-linear"],  # Megatron's default already biases the attention's output
     "--shared-expert-gate": ["--num-experts", "4", "--moe-shared-expert-intermediate-size", "8"],
     "--moe-router-group-topk": ["--num-experts", "4", "--moe-router-num-groups", "2"],
     "--norm-topk-prob": ["--num-experts", "4", "--moe-router-load-balancing-type", "softmax_topk"],

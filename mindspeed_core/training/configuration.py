@@ -284,7 +284,9 @@ def lora_config(args) -> LoRAConfig | None:
 _ROPE_FLAGS = {"factor": "--rope-scaling-factor", "low_freq_factor": "--low-freq-factor",
                "high_freq_factor": "--high-freq-factor", "beta_fast": "--beta-fast", "beta_slow": "--beta-slow",
                "mscale": "--rope-scaling-mscale", "mscale_all_dim": "--rope-scaling-mscale-all-dim",
-               "original_max_position_embeddings": "--original-max-position-embeddings"}
+               "original_max_position_embeddings": "--original-max-position-embeddings",
+               "long_factor": "--long-factor", "short_factor": "--short-factor", "long_mscale": "--long-mscale",
+               "short_mscale": "--short-mscale"}
 
 
 def _flag_value(args, flag: str):
@@ -299,19 +301,17 @@ def _rope_scaling(args) -> dict | None:
         if given:
             raise MindSpeedError(f"{given[0]} needs --rope-scaling-type")
         return None
-    if args.load_hf:
-        raise MindSpeedError("--rope-scaling-type: a --load-hf model's RoPE scaling is its config.json's rope_scaling")
     scaling = {"rope_type": args.rope_scaling_type}
     for key, flag in _ROPE_FLAGS.items():
         if _flag_value(args, flag) is not None:
             scaling[key] = _flag_value(args, flag)
-    if args.rope_scaling_original_max_position_embeddings is not None:  # yarn's spelling
+    if args.rope_scaling_original_max_position_embeddings is not None:  # yarn's and longrope's spelling
         scaling["original_max_position_embeddings"] = args.rope_scaling_original_max_position_embeddings
     wrong = rope.problem(scaling)
     if wrong:
         key, rest = wrong.split(" ", 1)
         flags = dict(_ROPE_FLAGS)
-        if args.rope_scaling_type == "yarn":
+        if args.rope_scaling_type in ("yarn", "longrope"):
             flags["original_max_position_embeddings"] = "--rope-scaling-original-max-position-embeddings"
         raise MindSpeedError(f"--rope-scaling-type {args.rope_scaling_type}: {flags.get(key, key)} {rest}")
     return scaling
@@ -323,7 +323,7 @@ def _model_config(args, vocab_size: int) -> ModelConfig:
         if args.noop_layers:
             raise MindSpeedError("--noop-layers cannot be combined with --load-hf: a Hugging Face model has no "
                                  "no-op layers")
-        return _agreeing_with_flags(args, hf.load_config(args.load_hf), vocab_size)
+        return _agreeing_with_flags(args, hf.load_config(args.load_hf), vocab_size, scaling)
     if args.model_name and args.model_name not in PRESETS:
         raise MindSpeedError(f"unknown --model-name {args.model_name!r}; presets: {', '.join(sorted(PRESETS))}")
     base = dict(PRESETS[args.model_name]) if args.model_name else {}
@@ -343,6 +343,8 @@ def _model_config(args, vocab_size: int) -> ModelConfig:
         base["position_embedding_type"] = "rope"
     if args.disable_bias_linear:
         base["add_bias_linear"], base["attention_output_bias"] = False, False
+    if args.add_dense_bias:  # MindSpeed-LLM's Phi-3.5-MoE: the attention's output bias alone
+        base["attention_output_bias"] = True
     if args.spec:
         base["family"] = spec_family(args.spec, moe=args.num_experts is not None)
     if scaling:
@@ -392,9 +394,18 @@ def _vocab_rows(args, vocab_size: int) -> int:
     return args.padded_vocab_size
 
 
-def _agreeing_with_flags(args, cfg: ModelConfig, vocab_size: int) -> ModelConfig:
+def _same_setting(a, b) -> bool:
+    """A config's value and a flag's: equal strings, or numbers (lists of numbers) equal to 1e-6."""
+    if isinstance(a, str) or isinstance(b, str):
+        return a == b
+    a, b = (list(x) if isinstance(x, (list, tuple)) else [x] for x in (a, b))
+    return len(a) == len(b) and all(math.isclose(x, y, rel_tol=1e-6) for x, y in zip(a, b))
+
+
+def _agreeing_with_flags(args, cfg: ModelConfig, vocab_size: int, scaling: dict | None = None) -> ModelConfig:
     """A Hugging Face folder's configuration, checked against the model flags a script also
-    passes (MindSpeed-LLM's scripts give both): a flag that disagrees is refused, naming it."""
+    passes (MindSpeed-LLM's scripts give both): a flag that disagrees is refused, naming it.
+    ``scaling``: the RoPE scaling the flags give, each of its numbers the folder's."""
     given = {field: getattr(args, flag) for flag, field in _MODEL_FLAGS.items() if getattr(args, flag, None) is not None}
     if args.padded_vocab_size is not None:
         given["vocab_size"] = args.padded_vocab_size
@@ -404,6 +415,13 @@ def _agreeing_with_flags(args, cfg: ModelConfig, vocab_size: int) -> ModelConfig
         if getattr(cfg, field) != value:
             raise MindSpeedError(f"--{field.replace('_', '-')} {value} disagrees with the Hugging Face folder's "
                                  f"config.json ({field} {getattr(cfg, field)!r})")
+    theirs = cfg.rope_scaling or {}
+    for key, value in (scaling or {}).items():
+        if key not in theirs or not _same_setting(theirs[key], value):
+            flag = "--rope-scaling-type" if key == "rope_type" else _ROPE_FLAGS.get(
+                key, "--rope-scaling-original-max-position-embeddings")
+            raise MindSpeedError(f"{flag} disagrees with the Hugging Face folder's config.json (rope_scaling {key}: "
+                                 f"{theirs.get(key, 'not set')!r:.80})")
     if args.model_type_hf is not None and hf.MODEL_TYPES.get(args.model_type_hf) != cfg.family:
         raise MindSpeedError(f"--model-type-hf {args.model_type_hf}, but {args.load_hf}/config.json is a {cfg.family} "
                              "model" if args.model_type_hf in hf.MODEL_TYPES else
