@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from mindspeed_core import features
 from mindspeed_core.compat import torch_pickle
 from mindspeed_core.errors import CheckpointError
 from mindspeed_core.tensor_files import HostTensor
@@ -269,6 +270,7 @@ def read_common(folder: str) -> dict:
 def load(folder: str) -> tuple[dict, dict]:
     """(common state, {our name: float32 array}) of the torch_dist checkpoint in ``folder``: the
     model whole (what Megatron saves besides it, its optimizer's state, is not read)."""
+    features.note_used("ckpt-format-torch-dist")
     out = {}
     for key, tensor in read_index(folder).items():
         if not (key.startswith(("embedding.", "decoder.", "output_layer.", "rm_head."))):
@@ -352,6 +354,7 @@ def model_chunks(name: str, whole: tuple, offset: tuple, values: np.ndarray, lay
 def write_metadata(folder: str, parts: list, common: dict) -> None:
     """Rank 0, once every rank's file is durable: ``.metadata`` from every rank's part of the
     index, ``common.pt`` (``common``: Megatron's args, iteration, ...) and metadata.json."""
+    features.note_used("ckpt-format-torch-dist")
     tensors, storage = {}, {}
     for part in parts:
         for entry in part:

@@ -12,7 +12,8 @@ import pytest
 from mindspeed_core.compat import torch_dist
 from mindspeed_core.errors import CheckpointError
 
-pytestmark = [pytest.mark.framework_free, pytest.mark.feature("ckpt-format-torch-dist")]
+pytestmark = pytest.mark.framework_free
+FEATURE = pytest.mark.feature("ckpt-format-torch-dist")  # on the tests that write or read the files
 
 
 @pytest.mark.parametrize("stacked", [True, False])
@@ -68,6 +69,7 @@ def saved(tmp_path):
     return tmp_path / "iter", whole
 
 
+@FEATURE
 def test_pieces_of_two_ranks_read_back_whole(saved):
     folder, whole = saved
     assert torch_dist.is_torch_dist(str(folder))
@@ -81,6 +83,7 @@ def test_pieces_of_two_ranks_read_back_whole(saved):
             assert np.array_equal(state[name], value), name
 
 
+@FEATURE
 def test_torch_reads_the_metadata_and_the_chunks(saved):
     """torch's own classes come out of our pickle: a Metadata whose chunks and storage entries
     torch.load reads as tensors (torch_dist's reader of megatron-core is checked in test_parallel)."""
@@ -106,6 +109,7 @@ def test_torch_reads_the_metadata_and_the_chunks(saved):
     assert "decoder.layers.self_attention.linear_qkv._extra_state/shard_0_2" in objects
 
 
+@FEATURE
 def test_damage_is_one_line(saved, tmp_path):
     folder, _ = saved
     os.truncate(folder / "__1_0.distcp", 100)
