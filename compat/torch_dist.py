@@ -316,11 +316,11 @@ def _host(values: np.ndarray, dtype: str) -> HostTensor:
 
 
 def write_rank_file(folder: str, rank: int, chunks: list, objects: list) -> tuple[list, str | None]:
-    """Write this rank's ``chunks`` [(our name, whole shape, offset, values, dtype)] (a box of
-    our whole tensor) and ``objects`` (keys of _extra_state objects, None each) as
-    ``__<rank>_0.distcp``. Returns (its part of the index, the file's name or None), the index
-    JSON-able: [key, whole shape, dtype, offset, sizes, file, at, length] per chunk, [key, file,
-    at, length] per object. ``layers``: the model's layer count (the stacked axis)."""
+    """Write this rank's ``chunks`` (model_chunks' tuples: megatron-core key, its whole shape,
+    the box's offset and values, dtype) and ``objects`` (keys of _extra_state objects, None
+    each) as ``__<rank>_0.distcp``. Returns (its part of the index, the file's name or None),
+    the index JSON-able: [key, whole shape, dtype, offset, sizes, file, at, length] per chunk,
+    [key, file, at, length] per object."""
     fname, index, at = f"__{rank}_0.distcp", [], 0
     if not chunks and not objects:
         return index, None
@@ -343,8 +343,9 @@ def write_rank_file(folder: str, rank: int, chunks: list, objects: list) -> tupl
 
 def model_chunks(name: str, whole: tuple, offset: tuple, values: np.ndarray, layers: int, stacked: bool,
                  dtype: str) -> tuple:
-    """(megatron-core key, its whole shape, the box's offset, the box's values) of a box of our
-    tensor ``name`` of shape ``whole`` (``stacked``: as key_of)."""
+    """(megatron-core key, its whole shape, the box's offset, the box's values, ``dtype``) of a
+    box of our tensor ``name`` of shape ``whole`` (``layers``: the model's, the stacked axis;
+    ``stacked``: as key_of)."""
     k = key_of(name, stacked)
     off, shape = k.chunk(offset, values.shape)
     data = np.swapaxes(values, -1, -2) if k.swapped else values
