@@ -3,14 +3,14 @@
 Works on numpy state dicts, so it runs the same under either framework:
 ``load_folder`` -> (ModelConfig, state in our names); ``save_folder`` writes a folder that
 transformers loads. Supported model types: llama, mistral, qwen2, qwen3, phi3 (Phi-3 / 3.5:
-fused qkv_proj and gate_up_proj, LongRoPE), gpt2, and the mixtures of experts mixtral,
+fused qkv_proj and gate_up_proj, LongRoPE), gemma2 (norms as offsets from one, post norms,
+scaled embeddings, soft-capping, sliding windows on alternate layers), gpt2, and the mixtures of experts mixtral,
 qwen2_moe, qwen3_moe (their experts written one by one, the layout every release of
 transformers reads).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import shutil
@@ -26,14 +26,16 @@ from mindspeed_core.models.config import ModelConfig, MoEConfig
 from mindspeed_core.models.gpt import whole_state
 from mindspeed_core.models.state import merge_lora, renumber_layers
 
-LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2")
 # each mixture of experts has the attention of a dense family
 MOE_BASE = {"mixtral": "mistral", "qwen2_moe": "qwen2", "qwen3_moe": "qwen3"}
 SUPPORTED = LLAMA_LIKE + ("gpt2",) + tuple(MOE_BASE)
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                  "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-                  "qwen3_moe": "Qwen3MoeForCausalLM"}
+                  "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
+                  "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 _ACTS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
+# Gemma's gated MLP: its hidden_activation on the gate half
+_GATED_ACTS = {"gelu_pytorch_tanh": "geglu_tanh", "gelu_new": "geglu_tanh", "gelu": "geglu"}
 
 
 # ---- configs ---------------------------------------------------------------------------------
@@ -123,6 +125,8 @@ def _decoder_config_from_hf(hf: dict) -> ModelConfig:
             norm_epsilon=hf.get("layer_norm_epsilon", 1e-5), activation=_ACTS.get(act, act),
             position_embedding_type="learned", add_qkv_bias=True, add_bias_linear=True,
             untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", True))
+    if kind == "gemma2":
+        return _gemma2_config(hf)
     if hf.get("hidden_act", "silu") != "silu":
         raise CheckpointError(f"hidden_act {hf.get('hidden_act')!r} is not supported for {kind} (silu only)")
     base = MOE_BASE.get(kind, kind)
@@ -144,6 +148,60 @@ def _decoder_config_from_hf(hf: dict) -> ModelConfig:
         add_bias_linear=bool(hf.get("mlp_bias")) and kind == "llama", attention_output_bias=attention_bias,
         qk_layernorm=base == "qwen3", untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
         moe=moe, moe_layers=moe_layers)
+
+
+def _gemma2_config(hf: dict) -> ModelConfig:
+    act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in _GATED_ACTS:
+        raise CheckpointError(f"config.json: hidden_activation {act!r} is not supported for gemma2 "
+                              f"({', '.join(_GATED_ACTS)})")
+    if hf.get("use_bidirectional_attention"):
+        raise CheckpointError("config.json: use_bidirectional_attention (an encoder's attention) is not supported")
+    _refuse_unsupported(hf, "gemma2")
+    theta, scaling = _rope(hf)
+    heads, layers = hf["num_attention_heads"], hf["num_hidden_layers"]
+    types = hf.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+    if len(types) != layers or set(types) - {"sliding_attention", "full_attention"}:
+        raise CheckpointError(f"config.json: layer_types must name sliding_attention or full_attention for each of "
+                              f"the {layers} layers")
+    window = hf.get("sliding_window", 4096)
+    sliding = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+    bias = bool(hf.get("attention_bias"))
+    return ModelConfig(
+        family="gemma2", vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], num_layers=layers,
+        num_attention_heads=heads, num_query_groups=hf.get("num_key_value_heads") or heads,
+        kv_channels=hf.get("head_dim") or hf["hidden_size"] // heads, ffn_hidden_size=hf["intermediate_size"],
+        max_position_embeddings=hf.get("max_position_embeddings", 8192), norm_epsilon=hf.get("rms_norm_eps", 1e-6),
+        activation=_GATED_ACTS[act], rotary_base=theta, rope_scaling=scaling, add_qkv_bias=bias,
+        attention_output_bias=bias, norm_offset=True, post_norm=True, scale_embeddings=True,
+        query_pre_attn_scalar=hf.get("query_pre_attn_scalar", 256),
+        attn_logit_softcapping=hf.get("attn_logit_softcapping", 50.0),
+        final_logit_softcapping=hf.get("final_logit_softcapping", 30.0),
+        sliding_window=window if window and sliding else None,
+        sliding_window_layers=sliding if window and sliding else None,
+        untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", True))
+
+
+# what ModelConfig fields beyond the LLaMA decoder only the gemma2 layout can express
+_GEMMA_FIELDS = ("norm_offset", "post_norm", "scale_embeddings", "query_pre_attn_scalar", "attn_logit_softcapping",
+                 "final_logit_softcapping", "sliding_window")
+
+
+def _gemma2_hf_config(cfg: ModelConfig, out: dict) -> None:
+    if not (cfg.norm_offset and cfg.post_norm and cfg.scale_embeddings) or cfg.activation not in ("geglu", "geglu_tanh"):
+        raise CheckpointError("gemma2 has RMSNorm weights as offsets from one, post norms, scaled embeddings and a "
+                              "GeGLU MLP: this model lacks one of them")
+    if cfg.add_qkv_bias != cfg.attention_output_bias or cfg.add_bias_linear or cfg.qk_layernorm:
+        raise CheckpointError("gemma2 has one attention_bias for q, k, v and o, no MLP bias and no q/k norms")
+    del out["hidden_act"]
+    every = list(range(cfg.num_layers))
+    sliding = every if cfg.sliding_window_layers is None else cfg.sliding_window_layers
+    out.update(hidden_activation="gelu_pytorch_tanh" if cfg.activation == "geglu_tanh" else "gelu",
+               attention_bias=cfg.add_qkv_bias, query_pre_attn_scalar=cfg.query_pre_attn_scalar or cfg.kv_channels,
+               attn_logit_softcapping=cfg.attn_logit_softcapping,
+               final_logit_softcapping=cfg.final_logit_softcapping,
+               sliding_window=cfg.sliding_window, layer_types=[
+                   "sliding_attention" if cfg.sliding_window and i in sliding else "full_attention" for i in every])
 
 
 def _moe_from_hf(hf: dict, kind: str) -> tuple[MoEConfig, tuple | None]:
@@ -195,6 +253,10 @@ def _decoder_hf_config(cfg: ModelConfig) -> dict:
                 "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
     arch = _ARCHITECTURES[cfg.family]
     base = MOE_BASE.get(cfg.family, cfg.family)
+    foreign = [f for f in _GEMMA_FIELDS if getattr(cfg, f)] + (["activation"] if cfg.activation != "swiglu" else [])
+    if cfg.family != "gemma2" and foreign:
+        raise CheckpointError(f"{cfg.family} has no {foreign[0]} setting in transformers: this model cannot be "
+                              f"written as a {cfg.family} folder")
     rope = {"rope_type": "default", "rope_theta": cfg.rotary_base}
     if cfg.rope_scaling:
         rope.update(cfg.rope_scaling)
@@ -205,7 +267,7 @@ def _decoder_hf_config(cfg: ModelConfig) -> dict:
            "max_position_embeddings": cfg.max_position_embeddings, "rms_norm_eps": cfg.norm_epsilon,
            "hidden_act": "silu", "rope_theta": cfg.rotary_base, "rope_parameters": rope,
            "tie_word_embeddings": not cfg.untie_embeddings_and_output_weights}
-    if base in ("llama", "qwen3"):
+    if base in ("llama", "qwen3", "gemma2"):
         if cfg.add_qkv_bias != cfg.attention_output_bias:
             raise CheckpointError(f"{cfg.family} has one attention_bias for q, k, v and o: this model has "
                                   f"q/k/v biases {cfg.add_qkv_bias} but an output bias {cfg.attention_output_bias}")
@@ -225,6 +287,8 @@ def _decoder_hf_config(cfg: ModelConfig) -> dict:
         out.update(sliding_window=None, pad_token_id=None, bos_token_id=None, eos_token_id=None,
                    original_max_position_embeddings=(cfg.rope_scaling or {}).get(
                        "original_max_position_embeddings", cfg.max_position_embeddings))
+    if cfg.family == "gemma2":
+        _gemma2_hf_config(cfg, out)
     if cfg.family in MOE_BASE:
         out.update(_moe_to_hf(cfg))
     return out
@@ -299,6 +363,17 @@ def _layer_names_llama(i):
             a + "self_attn.k_norm.weight": b + "self_attention.k_layernorm.weight",
             a + "mlp.down_proj.weight": b + "mlp.linear_fc2.weight",
             a + "mlp.down_proj.bias": b + "mlp.linear_fc2.bias"}
+
+
+def _layer_names(cfg: ModelConfig, i):
+    """Hugging Face -> our names of layer i's tensors besides q/k/v and the MLP's fc1."""
+    names = _layer_names_llama(i)
+    if cfg.family == "gemma2":  # its post_attention_layernorm is the norm after attention, not before the MLP
+        a, b = f"model.layers.{i}.", f"decoder.layers.{i}."
+        names.update({a + "post_attention_layernorm.weight": b + "post_attn_norm.weight",
+                      a + "pre_feedforward_layernorm.weight": b + "pre_mlp_layernorm.weight",
+                      a + "post_feedforward_layernorm.weight": b + "post_mlp_layernorm.weight"})
+    return names
 
 
 def _moe_names(cfg: ModelConfig, i: int) -> tuple[str, tuple]:
@@ -394,7 +469,7 @@ def _from_hf_state(cfg: ModelConfig, hf: dict) -> dict:
         if cfg.family == "phi3":  # fused: all query rows, then the keys', then the values'; gate then up
             out[b + "weight"] = _fuse_qkv(cfg, *_phi3_qkv(cfg, take(a + "self_attn.qkv_proj.weight")))
             out[f"decoder.layers.{i}.mlp.linear_fc1.weight"] = take(a + "mlp.gate_up_proj.weight")
-            for hf_n, ours in _layer_names_llama(i).items():
+            for hf_n, ours in _layer_names(cfg, i).items():
                 if hf_n in hf:
                     out[ours] = take(hf_n)
             continue
@@ -409,7 +484,7 @@ def _from_hf_state(cfg: ModelConfig, hf: dict) -> dict:
             if cfg.add_bias_linear:
                 out[f"decoder.layers.{i}.mlp.linear_fc1.bias"] = np.concatenate([take(a + "mlp.gate_proj.bias"),
                                                                                  take(a + "mlp.up_proj.bias")])
-        for hf_n, ours in _layer_names_llama(i).items():
+        for hf_n, ours in _layer_names(cfg, i).items():
             if hf_n in hf:
                 out[ours] = take(hf_n)
     out["decoder.final_layernorm.weight"] = take("model.norm.weight")
@@ -468,7 +543,7 @@ def to_hf_state(cfg: ModelConfig, ours: dict) -> dict:
         if cfg.family == "phi3":
             out[a + "self_attn.qkv_proj.weight"] = np.concatenate(split_qkv(cfg, ours[b + "weight"]))
             out[a + "mlp.gate_up_proj.weight"] = ours[f"decoder.layers.{i}.mlp.linear_fc1.weight"]
-            for hf_n, mine in _layer_names_llama(i).items():
+            for hf_n, mine in _layer_names(cfg, i).items():
                 if mine in ours:
                     out[hf_n] = ours[mine]
             continue
@@ -485,7 +560,7 @@ def to_hf_state(cfg: ModelConfig, ours: dict) -> dict:
             if cfg.add_bias_linear:
                 gate_b, up_b = np.split(ours[f"decoder.layers.{i}.mlp.linear_fc1.bias"], 2)
                 out[a + "mlp.gate_proj.bias"], out[a + "mlp.up_proj.bias"] = gate_b, up_b
-        for hf_n, mine in _layer_names_llama(i).items():
+        for hf_n, mine in _layer_names(cfg, i).items():
             if mine in ours:
                 out[hf_n] = ours[mine]
     out["model.norm.weight"] = ours["decoder.final_layernorm.weight"]
@@ -542,7 +617,7 @@ def load_config(folder: str) -> ModelConfig:
 
 # MindSpeed-LLM's --model-type-hf names -> our model family
 MODEL_TYPES = {"llama2": "llama", "llama3": "llama", "qwen2": "qwen2", "qwen25": "qwen2", "qwen3": "qwen3",
-               "phi3.5": "phi3", "phi3": "phi3",
+               "phi3.5": "phi3", "phi3": "phi3", "gemma2": "gemma2",
                "mistral": "mistral", "gpt2": "gpt2", "mixtral": "mixtral", "qwen2-moe": "qwen2_moe",
                "qwen3-moe": "qwen3_moe"}
 # what a Hugging Face folder holds besides the model: copied along by --hf-cfg-dir
@@ -589,8 +664,7 @@ def without_noop_layers(cfg: ModelConfig, state: dict) -> tuple[ModelConfig, dic
     real = [i for i in range(cfg.num_layers) if i not in cfg.noop_layers]
     index = {layer: j for j, layer in enumerate(real)}
     renamed = renumber_layers(state, index.__getitem__)
-    moe_layers = None if cfg.moe_layers is None else tuple(index[i] for i in cfg.moe_layers if i in index)
-    return dataclasses.replace(cfg, num_layers=len(real), noop_layers=(), moe_layers=moe_layers), renamed
+    return cfg.renumbered(index, len(real), ()), renamed
 
 
 def save_folder(folder: str, cfg: ModelConfig, state: dict, max_shard_bytes: int | None = None) -> None:

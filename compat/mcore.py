@@ -257,7 +257,7 @@ def megatron_args(cfg: ModelConfig, layout: Layout, dtype: str, iteration: int) 
         != cfg.num_attention_heads, num_query_groups=cfg.num_query_groups, kv_channels=cfg.kv_channels,
         max_position_embeddings=cfg.max_position_embeddings, padded_vocab_size=_padded_vocab(cfg, layout.tp),
         normalization="RMSNorm" if cfg.normalization == "rmsnorm" else "LayerNorm", norm_epsilon=cfg.norm_epsilon,
-        swiglu=cfg.activation == "swiglu",
+        swiglu=cfg.activation == "swiglu", gelu_tanh=cfg.activation == "geglu_tanh", geglu=cfg.activation == "geglu",
         position_embedding_type="rope" if cfg.position_embedding_type == "rope" else "learned_absolute",
         rotary_base=cfg.rotary_base, add_qkv_bias=cfg.add_qkv_bias, add_bias_linear=cfg.add_bias_linear,
         qk_layernorm=cfg.qk_layernorm, untie_embeddings_and_output_weights=cfg.untie_embeddings_and_output_weights,
@@ -266,6 +266,12 @@ def megatron_args(cfg: ModelConfig, layout: Layout, dtype: str, iteration: int) 
         num_layer_list=layout.num_layer_list, noop_layers=",".join(map(str, cfg.noop_layers)) or None,
         params_dtype=torch_pickle.TorchDType(dtype), bf16=dtype == "bfloat16", fp16=dtype == "float16",
         iteration=iteration, mindspeed_model_config=json.dumps(cfg.to_dict(), sort_keys=True))
+    for field, name in _GEMMA_ARGS:
+        setattr(a, name, getattr(cfg, field))
+    if cfg.sliding_window is not None:  # MindSpeed-LLM's two window settings (another pattern: our config only)
+        every_other = tuple(range(0, cfg.num_layers, 2))
+        a.sliding_window = cfg.sliding_window if cfg.sliding_window_layers is None else None
+        a.interleave_sliding_window = cfg.sliding_window if cfg.sliding_window_layers == every_other else None
     if cfg.lora is not None:  # MindSpeed-LLM's names for the run's LoRA flags
         a.lora_r, a.lora_alpha, a.lora_target_modules = cfg.lora.r, cfg.lora.alpha, list(cfg.lora.targets)
         a.lora_dropout = cfg.lora.dropout
@@ -278,6 +284,13 @@ def megatron_args(cfg: ModelConfig, layout: Layout, dtype: str, iteration: int) 
             setattr(a, name, getattr(cfg.moe, field))
         a.moe_router_pre_softmax = not cfg.moe.norm_topk_prob
     return a
+
+
+# Gemma's ModelConfig fields under MindSpeed-LLM's argument names
+_GEMMA_ARGS = (("norm_offset", "add_rmsnorm_offset"), ("post_norm", "post_norm"),
+               ("scale_embeddings", "input_embeds_norm"), ("query_pre_attn_scalar", "query_pre_attn_scalar"),
+               ("attn_logit_softcapping", "attn_logit_softcapping"),
+               ("final_logit_softcapping", "output_logit_softcapping"))
 
 
 # MoEConfig's fields under Megatron's argument names (MindSpeed-LLM's for the shared expert's gate)
@@ -551,6 +564,15 @@ def _experts(cfg, pieces, layout, p, c, local, number) -> dict:
     return {f"decoder.layers.{number}.mlp.experts.weight1": w1, f"decoder.layers.{number}.mlp.experts.weight2": w2}
 
 
+def _window_from_args(args) -> dict:
+    """MindSpeed-LLM's --sliding-window (every layer) or --interleave-sliding-window (layers
+    0, 2, 4, ...) as ModelConfig fields."""
+    if _arg(args, "interleave_sliding_window", None):
+        return {"sliding_window": args.interleave_sliding_window,
+                "sliding_window_layers": tuple(range(0, args.num_layers, 2))}
+    return {"sliding_window": _arg(args, "sliding_window", None)}
+
+
 def config_from_args(args) -> ModelConfig:
     """Our config from a checkpoint's args: exactly ours when we wrote it, else from Megatron's names."""
     saved = getattr(args, "mindspeed_model_config", None)
@@ -578,7 +600,8 @@ def config_from_args(args) -> ModelConfig:
             max_position_embeddings=_arg(args, "max_position_embeddings", 2048),
             normalization="layernorm" if _arg(args, "normalization", "LayerNorm") == "LayerNorm" else "rmsnorm",
             norm_epsilon=_arg(args, "norm_epsilon", 1e-5),
-            activation="swiglu" if _arg(args, "swiglu", False) else "gelu",
+            activation="swiglu" if _arg(args, "swiglu", False) else "geglu_tanh" if _arg(args, "gelu_tanh", False)
+            else "geglu" if _arg(args, "geglu", False) else "gelu",
             position_embedding_type="learned" if _arg(args, "position_embedding_type", "learned_absolute")
             == "learned_absolute" else "rope",
             rotary_base=float(_arg(args, "rotary_base", 10000)), add_qkv_bias=bool(_arg(args, "add_qkv_bias", False)),
@@ -586,6 +609,8 @@ def config_from_args(args) -> ModelConfig:
             qk_layernorm=bool(_arg(args, "qk_layernorm", False)),
             untie_embeddings_and_output_weights=bool(_arg(args, "untie_embeddings_and_output_weights", False)),
             noop_layers=pipeline.parse_layer_numbers(_arg(args, "noop_layers", None), "noop_layers"), moe=moe, lora=lora,
-            moe_layers=_moe_layers(args, args.num_layers) if moe is not None else None)
+            moe_layers=_moe_layers(args, args.num_layers) if moe is not None else None,
+            **_window_from_args(args), **{field: _arg(args, name, None) or ModelConfig.__dataclass_fields__[field].default
+                                          for field, name in _GEMMA_ARGS})
     except (AttributeError, TypeError, ValueError, KeyError) as exc:
         raise CheckpointError(f"the checkpoint's args do not describe a model we can build ({exc})") from None

@@ -314,6 +314,20 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
     m.add_argument("--add-output-layer-bias", action="store_true", default=None,
                    help="a bias on the output layer (refused: the matrix's output-layer-bias row)")
     m.add_argument("--qk-layernorm", action="store_true", default=None)
+    # Gemma 2 (MindSpeed-LLM's spellings): RMSNorm weights as offsets from one, a norm after
+    # attention and after the MLP, embeddings times sqrt(hidden), a gated GELU (--gelu-tanh: its
+    # tanh form), the score scale query_pre_attn_scalar ** -0.5, tanh soft-capping, and a
+    # sliding window in every layer or in every other layer from the first
+    m.add_argument("--add-rmsnorm-offset", action="store_true", default=None)
+    m.add_argument("--post-norm", action="store_true", default=None)
+    m.add_argument("--input-embeds-norm", action="store_true", default=None)
+    m.add_argument("--gelu-tanh", action="store_true", default=None)
+    m.add_argument("--geglu", action="store_true", default=None)
+    m.add_argument("--query-pre-attn-scalar", type=POSITIVE, default=None)
+    m.add_argument("--attn-logit-softcapping", type=POSITIVE, default=None)
+    m.add_argument("--output-logit-softcapping", type=POSITIVE, default=None)
+    m.add_argument("--sliding-window", type=POSITIVE_INT, default=None)
+    m.add_argument("--interleave-sliding-window", type=POSITIVE_INT, default=None)
     m.add_argument("--init-method-std", type=NON_NEGATIVE, default=None)
     m.add_argument("--attention-dropout", type=PROBABILITY, default=None)
     m.add_argument("--hidden-dropout", type=PROBABILITY, default=None)
@@ -431,6 +445,9 @@ ACCEPTED_NO_OPS = {
                          "the sampler here reads every sample of each epoch once, in a full last global batch"),
     "--enable-thinking": ({"type": TRISTATE, "default": None},
                           "the chat template's thinking switch applies at preprocessing (the data holds its result)"),
+    "--tokenizer-padding-side": ({"choices": ("left", "right"), "default": "right"},
+                                 "padding is kept out of attention and the loss, and RoPE scores depend on relative "
+                                 "positions only: either side gives the same numbers"),
     "--prompt-type": ({"default": None}, "the chat template is applied at preprocessing (the data holds its result)"),
     "--no-chat-template": ({"action": "store_true"}, "prompts go to the model as they are unless --prompt-type or "
                                                      "--hf-chat-template asks for a template"),

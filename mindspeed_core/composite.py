@@ -85,11 +85,24 @@ def segment_keep_mask(segment_ids, sq: int, sk: int):
     return ops.unsqueeze(ops.eq(ops.unsqueeze(q_seg, 2), ops.unsqueeze(k_seg, 1)), 1)
 
 
-def attention_keep(sq: int, sk: int, causal: bool, mask, segment_ids):
+def window_keep_mask(sq: int, sk: int, window: int):
+    """Boolean [sq, sk]: query i sees key j when it is one of the ``window`` latest keys up to
+    i, j > i + (sk - sq) - window (aligned bottom-right as the causal mask; with the causal
+    mask, a query sees itself and the window - 1 keys before it)."""
+    ops = _ops()
+    rows = ops.reshape(ops.arange(sq, dtype="int64"), (sq, 1))
+    cols = ops.reshape(ops.arange(sk, dtype="int64"), (1, sk))
+    return ops.gt(cols, rows + (sk - sq - window))
+
+
+def attention_keep(sq: int, sk: int, causal: bool, mask, segment_ids, window: int | None = None):
     """The one mask every attention path applies: bool (True keeps) or float (added), or
-    None; causal aligned bottom-right, packed documents kept apart."""
+    None; causal aligned bottom-right, packed documents kept apart, a sliding window."""
     ops = _ops()
     keep = causal_keep_mask(sq, sk) if causal else None
+    if window is not None:
+        slide = window_keep_mask(sq, sk, window)
+        keep = slide if keep is None else ops.logical_and(keep, slide)
     if segment_ids is not None:
         seg = segment_keep_mask(segment_ids, sq, sk)
         keep = seg if keep is None else ops.logical_and(seg, keep)
@@ -109,7 +122,7 @@ MASKED_SCORE = -1e30
 
 
 def attention(q, k, v, causal: bool = False, mask=None, dropout_p: float = 0.0, scale=None, segment_ids=None,
-              return_lse: bool = False):
+              return_lse: bool = False, window: int | None = None, softcap: float | None = None):
     ops = _ops()
     check_attention_shapes(q, k, v)
     b, sq, hq, d = q.shape
@@ -121,8 +134,10 @@ def attention(q, k, v, causal: bool = False, mask=None, dropout_p: float = 0.0, 
         kh = ops.reshape(ops.expand(ops.unsqueeze(kh, 2), (b, hk, rep, sk, d)), (b, hq, sk, d))
         vh = ops.reshape(ops.expand(ops.unsqueeze(vh, 2), (b, hk, rep, sk, v.shape[-1])), (b, hq, sk, v.shape[-1]))
     scores = ops.matmul(ops.cast(qh, "float32"), ops.cast(ops.transpose(kh, -2, -1), "float32")) * scale
+    if softcap is not None:  # Gemma 2: scores squashed into (-softcap, softcap) before the mask
+        scores = ops.tanh(scores * (1.0 / softcap)) * softcap
     # every mask becomes one additive bias (0 or the masked score, plus any float mask), added once
-    keep = attention_keep(sq, sk, causal, mask, segment_ids)
+    keep = attention_keep(sq, sk, causal, mask, segment_ids, window)
     if keep is not None:
         hidden = MASKED_SCORE if return_lse else float("-inf")
         if ops.dtype_of(keep) == "bool":

@@ -275,5 +275,4 @@ def _with_noop_layers(cfg, state, noop: tuple):
                              f"{total} layers the model then has")
     real = [i for i in range(total) if i not in noop]
     renamed = renumber_layers(state, real.__getitem__)
-    moe_layers = None if cfg.moe_layers is None else tuple(real[i] for i in cfg.moe_layers)
-    return dataclasses.replace(cfg, num_layers=total, noop_layers=tuple(noop), moe_layers=moe_layers), renamed
+    return cfg.renumbered(dict(enumerate(real)), total, tuple(noop)), renamed

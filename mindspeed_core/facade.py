@@ -107,11 +107,13 @@ SPEC = {
         "swiglu": "swiglu(x [..., 2F]) -> [..., F]: silu(first half of the last dim) * second half",
         "apply_rotary": "apply_rotary(x [b, s, h, d], cos, sin [s, d] or broadcastable): rotary embedding, halves rotated",
         "attention": ("attention(q [b, sq, hq, d], k, v [b, sk, hk, d], causal=False, mask=None, dropout_p=0.0, "
-                      "scale=None, segment_ids=None, return_lse=False) -> out [b, sq, hq, d], and with return_lse "
+                      "scale=None, segment_ids=None, return_lse=False, window=None, softcap=None) -> out [b, sq, hq, d], and with return_lse "
                       "also the float32 log-sum-exp of each query's scores [b, sq, hq] (differentiable; a row "
                       "with no visible key gets about -1e30, never NaN); GQA when hk divides hq; bool mask keeps "
                       "True, float mask is added; causal aligned bottom-right; segment_ids [b, s] (or a pair "
-                      "for queries and keys): packed documents, a query sees its own document only"),
+                      "for queries and keys): packed documents, a query sees its own document only; window: a "
+                      "query sees only the window latest keys up to itself (sliding-window attention, aligned "
+                      "bottom-right); softcap: scores become softcap * tanh(scores / softcap) before the masks"),
         "matmul_add": "matmul_add(a [m, k], b [k, n], acc [m, n] float32): acc + a @ b computed in float32 (gradient accumulation into a main grad)",
         "grouped_matmul": "grouped_matmul(x [T, in], weight [E, in, out], group_sizes int [E] summing to T) -> [T, out]: consecutive rows of group e times weight[e] (MoE experts)",
         "adamw_step": ("adamw_step(weights, grads, exp_avgs, exp_avg_sqs, lr, beta1, beta2, eps, weight_decays, "

@@ -483,6 +483,21 @@ FEATURES: tuple[Feature, ...] = (
                       "it (chosen by the furthest position, as transformers does), the attention scale; from the "
                       "flags (MindSpeed-LLM's) or a Hugging Face config"),
             supported("as on PyTorch (tables built on the host)"), _eq("rope_scaling_type", "longrope")),
+    Feature("sliding-window-attention", "Sliding-window attention (Gemma 2's alternate layers, Mistral's)", "models",
+            ("--sliding-window", "--interleave-sliding-window"),
+            supported("a query sees itself and the window - 1 tokens before it, in every layer (--sliding-window) "
+                      "or every other one from the first (--interleave-sliding-window, Gemma 2's); one more mask "
+                      "of the attention op, so packed documents, the KV cache, TP/SP/PP and ring, Ulysses and "
+                      "hybrid CP keep it exactly"),
+            supported("as on PyTorch (the composite attention with the window's mask)"),
+            lambda a: bool(getattr(a, "sliding_window", None) or getattr(a, "interleave_sliding_window", None))),
+    Feature("logit-softcapping", "Soft-capping of attention scores and output logits (Gemma 2)", "models",
+            ("--attn-logit-softcapping", "--output-logit-softcapping"),
+            supported("cap * tanh(x / cap) on each attention score before the masks (the composite attention: "
+                      "SDPA has no soft-capping) and on the output logits; per element, so TP's vocabulary shards "
+                      "and CP's ring blocks cap exactly as the whole does"),
+            supported("as on PyTorch"),
+            lambda a: bool(getattr(a, "attn_logit_softcapping", None) or getattr(a, "output_logit_softcapping", None))),
     # ---- data and tools -------------------------------------------------------------------
     *(
         Feature(f"handler-{slug}", f"Data handler {name}", "data", (f"--handler-name {name}",),

@@ -138,7 +138,7 @@ def _layer_parameters(cfg, layer: int, tp: int, ep: int) -> float:
     attn += (q_width / tp + kv_local) if cfg.add_qkv_bias else 0
     attn += h if cfg.attention_output_bias else 0
     attn += 2 * kv if cfg.qk_layernorm else 0
-    gated = cfg.activation == "swiglu"
+    gated = cfg.gated
     if cfg.moe is not None and cfg.is_moe_layer(layer):
         moe = cfg.moe
         f = moe.ffn_hidden_size or cfg.ffn_hidden_size
@@ -182,7 +182,7 @@ def _activation_bytes(cfg, lay: Layout, seq: int, layers: int, element: int) -> 
     policy = {"none": Recompute(), "selective": Recompute("selective"),
               "full": Recompute("full", "uniform", 1)}[lay.recompute]
     size = dict(s=seq // lay.cp, b=lay.mbs, h=cfg.hidden_size, a=cfg.num_attention_heads, f=f, element=element,
-                dropout=bool(cfg.attention_dropout or cfg.hidden_dropout), gated=cfg.activation == "swiglu")
+                dropout=bool(cfg.attention_dropout or cfg.hidden_dropout), gated=cfg.gated)
     return estimated_peak_bytes(policy, layers, **size) / lay.tp if layers else 0.0
 
 
@@ -289,7 +289,7 @@ def _flops_per_micro(cfg, lay: Layout, seq: int) -> float:
 def matmul_shape(cfg, lay: Layout, seq: int) -> tuple:
     """The layout's typical GEMM: the micro-batch's tokens on this rank times the MLP's first
     weight cut by TP."""
-    width = (2 if cfg.activation == "swiglu" else 1) * cfg.ffn_hidden_size
+    width = (2 if cfg.gated else 1) * cfg.ffn_hidden_size
     return (lay.mbs * seq // lay.cp, cfg.hidden_size, max(width // lay.tp, 1))
 
 

@@ -11,7 +11,10 @@ from mindspeed_core.models import rope
 
 FUSED_KERNELS = ("attention", "rms_norm", "swiglu", "rope", "grouped_matmul")
 # the model families (ModelConfig.family) that models/registry.py builds and compat/hf.py reads
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gpt2", "mixtral", "qwen2_moe", "qwen3_moe")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gpt2", "mixtral", "qwen2_moe", "qwen3_moe")
+# the MLP activations; the gated ones (fc1 holds gate rows, then up rows) first
+GATED_ACTIVATIONS = ("swiglu", "geglu", "geglu_tanh")
+ACTIVATIONS = GATED_ACTIVATIONS + ("gelu", "gelu_tanh")
 
 
 @dataclass
@@ -105,7 +108,7 @@ class ModelConfig:
     max_position_embeddings: int = 256
     normalization: str = "rmsnorm"  # rmsnorm | layernorm
     norm_epsilon: float = 1e-5
-    activation: str = "swiglu"  # swiglu | gelu | gelu_tanh
+    activation: str = "swiglu"  # swiglu | geglu | geglu_tanh (gated: gelu or its tanh form) | gelu | gelu_tanh
     position_embedding_type: str = "rope"  # rope | learned
     rotary_base: float = 10000.0
     rope_scaling: dict | None = None  # {"rope_type": linear|llama3|yarn|dynamic|longrope, "factor": ..., ...} (models/rope.py)
@@ -113,6 +116,21 @@ class ModelConfig:
     add_bias_linear: bool = False  # biases on the attention output and the MLP (Megatron's switch)
     attention_output_bias: bool | None = None  # None: as add_bias_linear (Llama's attention_bias without mlp_bias)
     qk_layernorm: bool = False
+    # Gemma's switches (MindSpeed-LLM's flags in brackets): RMSNorm weights held as offsets from
+    # one, x * (1 + w) [--add-rmsnorm-offset]; a norm after attention and after the MLP, before
+    # each residual add [--post-norm]; embeddings times sqrt(hidden) [--input-embeds-norm];
+    # scores scaled by query_pre_attn_scalar ** -0.5 instead of the head dim's; tanh
+    # soft-capping cap * tanh(x / cap) of attention scores and of the output logits
+    norm_offset: bool = False
+    post_norm: bool = False
+    scale_embeddings: bool = False
+    query_pre_attn_scalar: float | None = None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    # sliding-window attention: a query sees itself and the sliding_window - 1 tokens before it,
+    # in the layers numbered in sliding_window_layers (None: every layer; Gemma 2: every other)
+    sliding_window: int | None = None
+    sliding_window_layers: tuple | None = None
     untie_embeddings_and_output_weights: bool = True
     init_method_std: float = 0.02
     attention_dropout: float = 0.0
@@ -120,7 +138,7 @@ class ModelConfig:
     # MindSpeed's --noop-layers: positions among the num_layers that hold an identity layer
     # (no parameters), so that the layer count divides over pipeline stages
     noop_layers: tuple = ()
-    family: str = "llama"  # llama | mistral | qwen2 | qwen3 | gpt2 | mixtral | qwen2_moe | qwen3_moe
+    family: str = "llama"  # one of FAMILIES
     # mixture of experts: the MLP of the layers numbered in moe_layers (None: every layer)
     moe: MoEConfig | None = None
     moe_layers: tuple | None = None
@@ -149,6 +167,21 @@ class ModelConfig:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not low <= value < high:
                 raise ValueError(f"{name} must be in [{low}, {high}), got {value!r}")
+        for name in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0):
+                raise ValueError(f"{name} must be a positive number or None, got {value!r}")
+        if self.sliding_window is not None and (type(self.sliding_window) is not int or self.sliding_window <= 0):
+            raise ValueError(f"sliding_window must be a positive integer or None, got {self.sliding_window!r}")
+        if self.sliding_window_layers is not None:
+            if self.sliding_window is None:
+                raise ValueError("sliding_window_layers without a sliding_window")
+            self.sliding_window_layers = tuple(sorted({int(i) for i in self.sliding_window_layers}))
+            if any(not 0 <= i < self.num_layers for i in self.sliding_window_layers):
+                raise ValueError(f"sliding_window_layers {list(self.sliding_window_layers)} must be among the layers "
+                                 f"0..{self.num_layers - 1}")
+        if self.norm_offset and self.normalization != "rmsnorm":
+            raise ValueError("norm_offset (weights as offsets from one) is for RMSNorm only")
         for name in ("norm_epsilon", "rotary_base", "init_method_std"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
@@ -187,17 +220,38 @@ class ModelConfig:
             raise ValueError(f"{self.num_attention_heads} attention heads do not divide into "
                              f"{self.num_query_groups} query groups")
         if self.ffn_hidden_size is None:
-            if self.activation == "swiglu":  # LLaMA: 2/3 of 4h, rounded up to a multiple of 64
+            if self.gated:  # LLaMA: 2/3 of 4h, rounded up to a multiple of 64
                 self.ffn_hidden_size = 64 * ((int(8 * self.hidden_size / 3) + 63) // 64)
             else:
                 self.ffn_hidden_size = 4 * self.hidden_size
         self.fused = frozenset(self.fused)
         if not self.fused <= set(FUSED_KERNELS):
             raise ValueError(f"fused kernels must be among {FUSED_KERNELS}, got {sorted(self.fused)}")
-        for name, allowed in (("normalization", ("rmsnorm", "layernorm")), ("activation", ("swiglu", "gelu", "gelu_tanh")),
+        for name, allowed in (("normalization", ("rmsnorm", "layernorm")), ("activation", ACTIVATIONS),
                               ("position_embedding_type", ("rope", "learned")), ("family", FAMILIES)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+
+    @property
+    def gated(self) -> bool:
+        """Whether the MLP is gated (fc1: gate rows, then up rows; twice the ffn width)."""
+        return self.activation in GATED_ACTIVATIONS
+
+    def window_of(self, number: int) -> int | None:
+        """Layer ``number``'s sliding window (None: it attends to every earlier token)."""
+        if self.sliding_window_layers is None or number in self.sliding_window_layers:
+            return self.sliding_window
+        return None
+
+    def renumbered(self, number: dict, num_layers: int, noop_layers: tuple) -> "ModelConfig":
+        """This config with its layers renumbered by ``number`` {old: new} (the layers it leaves
+        out dropped from the per-layer sets), ``num_layers`` and ``noop_layers`` in all."""
+        def moved(layers):
+            return None if layers is None else tuple(number[i] for i in layers if i in number)
+
+        return dataclasses.replace(self, num_layers=num_layers, noop_layers=noop_layers,
+                                   moe_layers=moved(self.moe_layers),
+                                   sliding_window_layers=moved(self.sliding_window_layers))
 
     def is_moe_layer(self, number: int) -> bool:
         return self.moe is not None and (self.moe_layers is None or number in self.moe_layers)
@@ -236,13 +290,14 @@ class ModelConfig:
     def num_parameters(self) -> int:
         h, f, L, v = self.hidden_size, self.ffn_hidden_size, self.real_layers, self.vocab_size
         norm = h * (2 if self.normalization == "layernorm" else 1)
+        norms_per_layer = 4 if self.post_norm else 2
         attn = h * self.qkv_width + self.num_attention_heads * self.kv_channels * h
         attn += self.qkv_width if self.add_qkv_bias else 0
         attn += h if self.attention_output_bias else 0
         attn += 2 * self.kv_channels if self.qk_layernorm else 0
-        fc1 = (2 * f if self.activation == "swiglu" else f)
+        fc1 = (2 * f if self.gated else f)
         mlp = h * fc1 + f * h + ((fc1 + h) if self.add_bias_linear else 0)
-        total = L * (attn + mlp + 2 * norm) + norm + v * h
+        total = L * (attn + mlp + norms_per_layer * norm) + norm + v * h
         moe_layers = sum(self.is_moe_layer(i) for i in range(self.num_layers) if i not in self.noop_layers)
         if moe_layers:
             total += moe_layers * (self._moe_mlp_parameters(active=False) - mlp)
@@ -259,7 +314,7 @@ class ModelConfig:
         """Training FLOPs per token (forward + backward = 3x forward), matmuls and attention."""
         h, L = self.hidden_size, self.real_layers
         attn_width = self.num_attention_heads * self.kv_channels
-        fc1 = (2 if self.activation == "swiglu" else 1) * self.ffn_hidden_size
+        fc1 = (2 if self.gated else 1) * self.ffn_hidden_size
         per_layer = 2 * (h * self.qkv_width + attn_width * h + h * fc1 + self.ffn_hidden_size * h)
         per_layer += 2 * 2 * seq_length * attn_width  # QK^T and PV
         moe_layers = sum(self.is_moe_layer(i) for i in range(self.num_layers) if i not in self.noop_layers)
@@ -272,7 +327,7 @@ class ModelConfig:
         """An MoE layer's MLP parameters (router, experts, shared expert); with ``active``
         only the k experts a token uses."""
         moe, h = self.moe, self.hidden_size
-        per_width = 2 if self.activation == "swiglu" else 1
+        per_width = 2 if self.gated else 1
         f = moe.ffn_hidden_size or self.ffn_hidden_size
         expert = h * per_width * f + f * h
         total = h * moe.num_experts + (moe.topk if active else moe.num_experts) * expert
@@ -298,6 +353,13 @@ PRESETS = {
                           "rope_type": "longrope", "original_max_position_embeddings": 64,
                           "short_factor": [1.0 + 0.01 * i for i in range(16)],
                           "long_factor": [1.0 + 0.25 * i for i in range(16)]}),
+    # Gemma 2's shape in small: (1 + w) norms before and after each block, GeGLU, scores scaled by
+    # query_pre_attn_scalar and soft-capped, every other layer attending to a 16-token window
+    "tiny-gemma2": dict(family="gemma2", hidden_size=128, num_layers=4, num_attention_heads=4, num_query_groups=2,
+                        kv_channels=32, ffn_hidden_size=256, activation="geglu_tanh", norm_epsilon=1e-6,
+                        norm_offset=True, post_norm=True, scale_embeddings=True, query_pre_attn_scalar=32,
+                        attn_logit_softcapping=50.0, final_logit_softcapping=30.0, sliding_window=16,
+                        sliding_window_layers=(0, 2), untie_embeddings_and_output_weights=False),
     "tiny-gpt2": dict(family="gpt2", hidden_size=128, num_layers=4, num_attention_heads=4, normalization="layernorm",
                       activation="gelu_tanh", position_embedding_type="learned", add_qkv_bias=True,
                       add_bias_linear=True, untie_embeddings_and_output_weights=False),

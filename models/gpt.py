@@ -27,7 +27,7 @@ from mindspeed_core.errors import CheckpointError
 from mindspeed_core.memory import recompute
 from mindspeed_core.models import lora, rope
 from mindspeed_core.models.config import ModelConfig
-from mindspeed_core.models.layers import Embedding, Linear, make_norm
+from mindspeed_core.models.layers import Embedding, Linear, activate, make_norm
 
 
 @dataclass
@@ -52,6 +52,23 @@ class Tokens:
         return self._documents
 
 
+@dataclass(frozen=True)
+class Scores:
+    """How a layer's attention scores differ from plain causal softmax(q.k / sqrt(d)): the
+    scale (None: 1/sqrt(head dim)), tanh soft-capping, a sliding window (the facade's
+    attention arguments of those names)."""
+
+    scale: float | None = None
+    softcap: float | None = None
+    window: int | None = None
+
+    def arguments(self) -> dict:
+        return {"scale": self.scale, "softcap": self.softcap, "window": self.window}
+
+
+PLAIN = Scores()
+
+
 class Seams:
     """The single-device behaviour of everything a parallel plan may replace."""
 
@@ -65,16 +82,17 @@ class Seams:
         """The columns of a whole-sequence array [b, S] that this rank's tokens are."""
         return whole
 
-    def attention(self, q, k, v, dropout_p: float, fused: bool, tokens: Tokens | None):
+    def attention(self, q, k, v, dropout_p: float, fused: bool, tokens: Tokens | None, scores: Scores = PLAIN):
         """Causal self-attention of the local tokens (inside their documents when packed)."""
         fn = ops.attention if fused else composite.attention
+        how = scores.arguments()
         if tokens is None or tokens.documents is None:
-            return fn(q, k, v, causal=True, dropout_p=dropout_p)
+            return fn(q, k, v, causal=True, dropout_p=dropout_p, **how)
         if tokens.cache is not None:  # the new queries against every cached key, padding kept apart
             return fn(q, k, v, causal=True, dropout_p=dropout_p,
-                      segment_ids=(tokens.document_tensor(), tokens.cache.key_documents()))
+                      segment_ids=(tokens.document_tensor(), tokens.cache.key_documents()), **how)
         features.note_used("flash-attention-varlen")
-        return fn(q, k, v, causal=True, dropout_p=dropout_p, segment_ids=tokens.document_tensor())
+        return fn(q, k, v, causal=True, dropout_p=dropout_p, segment_ids=tokens.document_tensor(), **how)
 
     def heads(self, cfg: ModelConfig) -> tuple[int, int]:
         """(query groups, query heads per group) that this rank computes."""
@@ -153,6 +171,16 @@ class SelfAttention(nn.Module):
             self.q_layernorm = make_norm(cfg, cfg.kv_channels)
             self.k_layernorm = make_norm(cfg, cfg.kv_channels)
 
+    def scores(self) -> Scores:
+        cfg = self.cfg
+        window = cfg.window_of(self.layer_number)
+        if window is not None:
+            features.note_used("sliding-window-attention")
+        if cfg.attn_logit_softcapping is not None:
+            features.note_used("logit-softcapping")
+        return Scores(None if cfg.query_pre_attn_scalar is None else cfg.query_pre_attn_scalar ** -0.5,
+                      cfg.attn_logit_softcapping, window)
+
     def forward(self, x, cos, sin, seams=SINGLE_DEVICE, tokens=None):
         cfg = self.cfg
         (groups, per_group), d = seams.heads(cfg), cfg.kv_channels
@@ -177,9 +205,11 @@ class SelfAttention(nn.Module):
         fused = "attention" in cfg.fused
         if fused:
             features.note_used("flash-attention")
+        scores = self.scores()
+
         def core(q, k, v):
             with seams.attention_rng():
-                return seams.attention(q, k, v, p, fused, tokens)
+                return seams.attention(q, k, v, p, fused, tokens, scores)
 
         out = self.recompute_policy.attention(core, q, k, v)
         return self.linear_proj(ops.reshape(out, (b, s, groups * per_group * d)))
@@ -192,18 +222,13 @@ class MLP(nn.Module):
         super().__init__()
         self.activation = cfg.activation
         self.fused_swiglu = "swiglu" in cfg.fused
-        width = 2 * cfg.ffn_hidden_size if cfg.activation == "swiglu" else cfg.ffn_hidden_size
+        width = 2 * cfg.ffn_hidden_size if cfg.gated else cfg.ffn_hidden_size
         out_std = cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers)
         self.linear_fc1 = linear(cfg, "linear_fc1", cfg.hidden_size, width, cfg.add_bias_linear, cfg.init_method_std)
         self.linear_fc2 = linear(cfg, "linear_fc2", cfg.ffn_hidden_size, cfg.hidden_size, cfg.add_bias_linear, out_std)
 
     def _activate(self, h):
-        if self.activation == "swiglu":  # gate rows first, then up rows (mcore's fc1 layout)
-            if self.fused_swiglu:
-                features.note_used("fused-swiglu")
-                return ops.swiglu(h)
-            return composite.swiglu(h)
-        return ops.gelu(h, approximate="tanh" if self.activation == "gelu_tanh" else "none")
+        return activate(h, self.activation, self.fused_swiglu)
 
     def forward(self, x):
         return self.linear_fc2(recompute.activation(self._activate, self.linear_fc1(x), self.recompute_activation))
@@ -220,6 +245,10 @@ class TransformerLayer(nn.Module):
         self.self_attention = SelfAttention(cfg)
         self.pre_mlp_layernorm = make_norm(cfg, cfg.hidden_size)
         self.mlp = MLP(cfg) if mlp is None else mlp
+        self.post_norm = cfg.post_norm
+        if cfg.post_norm:  # Gemma 2: each block's output normed before its residual add (MindSpeed-LLM's names)
+            self.post_attn_norm = make_norm(cfg, cfg.hidden_size)
+            self.post_mlp_layernorm = make_norm(cfg, cfg.hidden_size)
 
     def _dropout(self, x, seams):
         if not self.hidden_dropout or not nn.is_training(self):
@@ -231,8 +260,13 @@ class TransformerLayer(nn.Module):
         norm = self.recompute_policy.norm_of
         with self.swap():  # --swap-attention: what this block saves waits in host memory
             attended = self.self_attention(norm(self.input_layernorm, x), cos, sin, seams, tokens)
+        if self.post_norm:
+            attended = norm(self.post_attn_norm, attended)
         x = x + self._dropout(attended, seams)
-        return x + self._dropout(self.mlp(norm(self.pre_mlp_layernorm, x)), seams)
+        mixed = self.mlp(norm(self.pre_mlp_layernorm, x))
+        if self.post_norm:
+            mixed = norm(self.post_mlp_layernorm, mixed)
+        return x + self._dropout(mixed, seams)
 
 
 class Decoder(nn.Module):
@@ -276,10 +310,15 @@ class LanguageEmbedding(nn.Module):
         if cfg.position_embedding_type == "learned":
             self.position_embeddings = Embedding(cfg.max_position_embeddings, cfg.hidden_size, cfg.init_method_std)
         self.learned_positions = cfg.position_embedding_type == "learned"
+        # Gemma: times sqrt(hidden) in the embeddings' dtype (bf16 rounds sqrt(3072) to 55.5, as
+        # transformers does)
+        self.scale = math.sqrt(cfg.hidden_size) if cfg.scale_embeddings else None
 
     def forward(self, ids, positions=None):
         """``positions``: [b or 1, s] int tensor (None: 0..s-1)."""
         x = self.word_embeddings(ids)
+        if self.scale is not None:
+            x = x * ops.full((), self.scale, dtype=ops.dtype_of(x))
         if self.learned_positions:
             x = x + self.position_embeddings(ops.arange(ids.shape[1]) if positions is None else positions)
         return x
@@ -437,7 +476,12 @@ class GPTModel(nn.Module):
             return x
         if self.cfg.reward_head:
             return seams.scalar_head(x, self.rm_head.weight)
-        return ops.linear(seams.output_input(x), self.output_weight())
+        logits = ops.linear(seams.output_input(x), self.output_weight())
+        cap = self.cfg.final_logit_softcapping
+        if cap is not None:  # Gemma 2: elementwise, so a vocabulary shard is capped as the whole is
+            features.note_used("logit-softcapping")
+            logits = ops.tanh(logits * (1.0 / cap)) * cap
+        return logits
 
     def gather_logits(self, logits):
         """Full-vocabulary logits from forward's output."""

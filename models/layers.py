@@ -40,12 +40,21 @@ class Embedding(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, fused: bool = False):
+    """With ``offset`` (Gemma) the weight is held as an offset from one, starts at zero, and
+    the norm is computed and scaled in float32 before the cast back, as Gemma does."""
+
+    def __init__(self, dim: int, eps: float, fused: bool = False, offset: bool = False):
         super().__init__()
-        self.eps, self.fused = eps, fused
-        self.weight = _param((dim,), value=1.0)
+        self.eps, self.fused, self.offset = eps, fused, offset
+        self.weight = _param((dim,), value=0.0 if offset else 1.0)
 
     def forward(self, x):
+        if self.offset:
+            weight = ops.cast(self.weight, "float32") + 1.0
+            norm = ops.rms_norm if self.fused else composite.rms_norm
+            if self.fused:
+                features.note_used("fused-rmsnorm")
+            return ops.cast(norm(ops.cast(x, "float32"), weight, self.eps), ops.dtype_of(x))
         if not self.fused:
             return composite.rms_norm(x, self.weight, self.eps)
         features.note_used("fused-rmsnorm")
@@ -65,8 +74,23 @@ class LayerNorm(nn.Module):
         return ops.layer_norm(x, self.weight, self.bias, self.eps)
 
 
+def activate(h, activation: str, fused_swiglu: bool = False):
+    """The MLP activation of fc1's output: the gated ones take gate columns, then up columns
+    (mcore's fc1 layout) and return act(gate) * up."""
+    if activation == "swiglu":
+        if fused_swiglu:
+            features.note_used("fused-swiglu")
+            return ops.swiglu(h)
+        return composite.swiglu(h)
+    approximate = "tanh" if activation.endswith("_tanh") else "none"
+    if activation.startswith("geglu"):
+        gate, up = ops.chunk(h, 2, dim=-1)
+        return ops.gelu(gate, approximate=approximate) * up
+    return ops.gelu(h, approximate=approximate)
+
+
 def make_norm(cfg, dim: int):
     """The configured normalisation over ``dim`` features."""
     if cfg.normalization == "rmsnorm":
-        return RMSNorm(dim, cfg.norm_epsilon, "rms_norm" in cfg.fused)
+        return RMSNorm(dim, cfg.norm_epsilon, "rms_norm" in cfg.fused, cfg.norm_offset)
     return LayerNorm(dim, cfg.norm_epsilon)

@@ -22,18 +22,12 @@ import math
 
 import numpy as np
 
-from mindspeed_core import autograd, composite, features, nn, ops
+from mindspeed_core import autograd, features, nn, ops
 from mindspeed_core.memory import recompute
 from mindspeed_core.models import router
 from mindspeed_core.models.config import ModelConfig, MoEConfig
 from mindspeed_core.models.gpt import MLP, GPTModel
-from mindspeed_core.models.layers import Linear, _param
-
-
-def _activate(h, activation: str):
-    if activation == "swiglu":
-        return composite.swiglu(h)
-    return ops.gelu(h, approximate="tanh" if activation == "gelu_tanh" else "none")
+from mindspeed_core.models.layers import Linear, _param, activate
 
 
 class Experts(nn.Module):
@@ -43,13 +37,13 @@ class Experts(nn.Module):
         super().__init__()
         self.activation = cfg.activation
         f = moe.ffn_hidden_size or cfg.ffn_hidden_size
-        width = 2 * f if cfg.activation == "swiglu" else f
+        width = 2 * f if cfg.gated else f
         n = num_local or moe.num_experts
         self.weight1 = _param((n, cfg.hidden_size, width), std=cfg.init_method_std)
         self.weight2 = _param((n, f, cfg.hidden_size), std=cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers))
 
     def _activate(self, h):
-        return recompute.activation(functools.partial(_activate, activation=self.activation), h,
+        return recompute.activation(functools.partial(activate, activation=self.activation), h,
                                     self.recompute_activation)
 
     def forward(self, rows, counts, grouped: bool = True):
@@ -64,7 +58,7 @@ class Experts(nn.Module):
                 outs.append(ops.matmul(h, self.weight2[e]))
             start += n
         if not outs:  # no rows: still a product of them, so a backward pass reaches whatever sent them
-            return ops.matmul(_activate(ops.matmul(rows, self.weight1[0]), self.activation), self.weight2[0])
+            return ops.matmul(activate(ops.matmul(rows, self.weight1[0]), self.activation), self.weight2[0])
         return outs[0] if len(outs) == 1 else ops.cat(outs, dim=0)
 
 
@@ -76,13 +70,13 @@ class SharedExpert(nn.Module):
     def __init__(self, cfg: ModelConfig, size: int, gated: bool):
         super().__init__()
         self.activation = cfg.activation
-        width = 2 * size if cfg.activation == "swiglu" else size
+        width = 2 * size if cfg.gated else size
         self.linear_fc1 = Linear(cfg.hidden_size, width, False, cfg.init_method_std)
         self.linear_fc2 = Linear(size, cfg.hidden_size, False, cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers))
         self.gate_weight = _param((1, cfg.hidden_size), std=cfg.init_method_std) if gated else None
 
     def forward(self, x):
-        y = self.linear_fc2(recompute.activation(functools.partial(_activate, activation=self.activation),
+        y = self.linear_fc2(recompute.activation(functools.partial(activate, activation=self.activation),
                                                  self.linear_fc1(x), self.recompute_activation))
         if self.gate_weight is not None:
             y = y * ops.sigmoid(ops.linear(x, self.gate_weight))

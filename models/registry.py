@@ -4,7 +4,7 @@ adapter. The trainer asks here instead of importing a model class. How each fami
 parallelised lives with the parallel layers (parallel/families.py): models import nothing
 of parallel/.
 
-Every dense decoder-only family (LLaMA, Mistral, Qwen2/3, GPT-2) is the one GPTModel with
+Every dense decoder-only family (LLaMA, Mistral, Qwen2/3, Phi-3, Gemma 2, GPT-2) is the one GPTModel with
 config switches; the mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE) are MoEModel, the
 same decoder with MoE MLPs (models/moe.py).
 """
@@ -28,7 +28,7 @@ class ModelSpec:
 
 
 SPECS = (
-    ModelSpec("gpt", ("llama", "mistral", "qwen2", "qwen3", "phi3", "gpt2"), gpt.GPTModel, gpt.pipeline_chunks,
+    ModelSpec("gpt", ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gpt2"), gpt.GPTModel, gpt.pipeline_chunks,
               "mindspeed_core.compat.hf"),
     ModelSpec("moe", ("mixtral", "qwen2_moe", "qwen3_moe"), moe.MoEModel, gpt.pipeline_chunks,
               "mindspeed_core.compat.hf"),

@@ -21,7 +21,7 @@ def adapter_shapes(cfg) -> dict:
     layers named in ``cfg.lora.targets``: no-op layers hold none, MoE layers none on their MLP)."""
     if cfg.lora is None:
         return {}
-    width = 2 * cfg.ffn_hidden_size if cfg.activation == "swiglu" else cfg.ffn_hidden_size
+    width = 2 * cfg.ffn_hidden_size if cfg.gated else cfg.ffn_hidden_size
     sizes = {"self_attention.linear_qkv": (cfg.hidden_size, cfg.qkv_width),
              "self_attention.linear_proj": (cfg.num_attention_heads * cfg.kv_channels, cfg.hidden_size),
              "mlp.linear_fc1": (cfg.hidden_size, width), "mlp.linear_fc2": (cfg.ffn_hidden_size, cfg.hidden_size)}

@@ -77,7 +77,7 @@ for ep in (2, 4):
             cot = g.standard_normal(x.shape).astype(np.float32)
             one = build(moe, routing == "skewed")
             mine = build(moe, routing == "skewed")
-            fields = experts.parallelize_moe_layer(mine, ps, False, dispatcher, CFG.activation)
+            fields = experts.parallelize_moe_layer(mine, ps, False, dispatcher, CFG.gated)
             tag = f"EP={ep} {dispatcher} {routing}"
             want, want_grads = run(one, x, cot)
             got, got_grads = run(mine, x, cot)

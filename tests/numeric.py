@@ -129,7 +129,8 @@ def apply_rotary(x, cos, sin):
     return x * cos + np.concatenate([-b, a], axis=-1) * sin
 
 
-def attention(q, k, v, causal=False, mask=None, scale=None, segment_ids=None, return_lse=False):
+def attention(q, k, v, causal=False, mask=None, scale=None, segment_ids=None, return_lse=False, window=None,
+              softcap=None):
     b, sq, hq, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     rep = hq // hk
@@ -137,6 +138,10 @@ def attention(q, k, v, causal=False, mask=None, scale=None, segment_ids=None, re
     v = np.repeat(v, rep, axis=2)
     scale = 1 / math.sqrt(d) if scale is None else scale
     s = np.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    if softcap is not None:
+        s = softcap * np.tanh(s / softcap)
+    if window is not None:  # the window latest keys up to each query (bottom-right aligned)
+        s = np.where(np.arange(sk)[None, :] > np.arange(sq)[:, None] + (sk - sq) - window, s, -np.inf)
     if mask is not None:
         s = np.where(mask, s, -np.inf) if mask.dtype == np.bool_ else s + mask
     if causal:

@@ -31,8 +31,14 @@ QWEN_JINJA = ("{% for m in messages %}{% if loop.first and m['role'] != 'system'
 LLAMA3_JINJA = ("{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
                 "{{ m['content'] }}<|eot_id|>{% endfor %}{% if add_generation_prompt %}"
                 "<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
+# Gemma's: no system role, a system message opens the first user turn
+GEMMA_JINJA = ("{{ bos_token }}{% if messages[0]['role'] == 'system' %}{% set first = messages[0]['content'] + '\n\n' %}"
+               "{% set rest = messages[1:] %}{% else %}{% set first = '' %}{% set rest = messages %}{% endif %}"
+               "{% for m in rest %}<start_of_turn>{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n"
+               "{{ (first if loop.first else '') + m['content'] }}<end_of_turn>\n{% endfor %}"
+               "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|begin_of_text|>", "<|start_header_id|>",
-            "<|end_header_id|>", "<|eot_id|>"]
+            "<|end_header_id|>", "<|eot_id|>", "<bos>", "<start_of_turn>", "<end_of_turn>"]
 CONVERSATIONS = [
     [{"role": "user", "content": "What is 2+2?"}],
     [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Hi"}],
@@ -60,7 +66,8 @@ def tokenizer_folder(path, template: str | None, bos: str = "<|endoftext|>"):
 
 
 @pytest.mark.parametrize("name, jinja, bos", [("qwen", QWEN_JINJA, "<|endoftext|>"),
-                                              ("llama3", LLAMA3_JINJA, "<|begin_of_text|>")])
+                                              ("llama3", LLAMA3_JINJA, "<|begin_of_text|>"),
+                                              ("gemma", GEMMA_JINJA, "<bos>")])
 def test_templates_render_what_transformers_renders(tmp_path, name, jinja, bos):
     transformers = pytest.importorskip("transformers")
     folder = tokenizer_folder(tmp_path / "tok", jinja, bos)

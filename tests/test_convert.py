@@ -27,7 +27,7 @@ from mindspeed_core.tensor_files import HostTensor
 HERE = os.path.dirname(os.path.abspath(__file__))
 # --model-type-hf -> the hf_reference model it is checked on
 ARCHITECTURES = {"llama2": "llama", "llama3": "llama3-rope", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral",
-                 "phi3.5": "phi3-longrope",
+                 "phi3.5": "phi3-longrope", "gemma2": "gemma2",
                  "gpt2": "gpt2", "mixtral": "mixtral", "qwen2-moe": "qwen2-moe", "qwen3-moe": "qwen3-moe"}
 MOE = ("mixtral", "qwen2-moe", "qwen3-moe")
 

@@ -65,6 +65,21 @@ CASES = {
         "attention", lambda f, q, k, v, m: _with_lse(f(q, k, v, mask=m, return_lse=True, scale=0.3), ops),
         lambda q, k, v, m: _with_lse(R.attention(q, k, v, mask=m, return_lse=True, scale=0.3)),
         [Q, K, V, BOOL_MASK], (0, 1, 2)),
+    # Gemma 2's: a 2-key sliding window over a causal GQA attention, scores soft-capped at 1.5,
+    # also over packed documents with the log-sum-exp (the ring's blocks), and for 2 new queries
+    # continuing a 5-key cache
+    "attention_window_softcap_gqa": (
+        "attention", lambda f, q, k, v: f(q, k, v, causal=True, window=2, softcap=1.5, scale=0.4),
+        lambda q, k, v: R.attention(q, k, v, causal=True, window=2, softcap=1.5, scale=0.4), [Q, K, V], (0, 1, 2)),
+    "attention_window_lse_packed": (
+        "attention", lambda f, q, k, v, s: _with_lse(f(q, k, v, causal=True, segment_ids=s, window=3, softcap=2.0,
+                                                       return_lse=True), ops),
+        lambda q, k, v, s: _with_lse(R.attention(q, k, v, causal=True, segment_ids=s, window=3, softcap=2.0,
+                                                 return_lse=True)),
+        [Q, K, V, SEGMENTS], (0, 1, 2)),
+    "attention_window_kv_prefix": (
+        "attention", lambda f, q, k, v: f(q, k, v, causal=True, window=3),
+        lambda q, k, v: R.attention(q, k, v, causal=True, window=3), [Q[:, :2], K, V], (0, 1, 2)),
     "matmul_add": ("matmul_add", lambda f, a, b, c: f(a, b, c), lambda a, b, c: c + a @ b,
                    [g.standard_normal((3, 4)), g.standard_normal((4, 5)), g.standard_normal((3, 5))], (0, 1, 2)),
     "grouped_matmul": ("grouped_matmul", lambda f, x, w: f(x, w, [2, 0, 4]),

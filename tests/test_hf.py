@@ -18,8 +18,11 @@ from conftest import hf_reference_process
 
 HERE = pathlib.Path(__file__).resolve().parent
 pytest.importorskip("transformers")
+# Gemma 2 runs both of its matrix rows (its first layer's window, its soft-capping)
+GEMMA2 = pytest.param("gemma2", marks=[pytest.mark.feature("sliding-window-attention"),
+                                       pytest.mark.feature("logit-softcapping")])
 NAMES = ["llama", "llama3-rope", "llama-linear-rope-tied", "llama-yarn", "qwen2-yarn-mscale", "llama-dynamic-rope",
-         "llama-attention-bias", "mistral", "qwen2", "qwen3", "phi3-longrope", "gpt2", "mixtral", "qwen2-moe",
+         "llama-attention-bias", "mistral", "qwen2", "qwen3", "phi3-longrope", GEMMA2, "gpt2", "mixtral", "qwen2-moe",
          "qwen3-moe"]
 
 
@@ -41,11 +44,12 @@ def test_logits_match_transformers(references, name):
 
 @pytest.mark.feature("greedy-generation")
 @pytest.mark.feature("kv-cache")
-@pytest.mark.parametrize("name", ["llama", "qwen3", "gpt2", "llama-dynamic-rope", "phi3-longrope"])
+@pytest.mark.parametrize("name", ["llama", "qwen3", "gpt2", "llama-dynamic-rope", "phi3-longrope", GEMMA2])
 def test_greedy_generation_matches_transformers(references, name):
     """transformers' generate() (greedy, with its cache) on a batch whose second prompt is
     padded on the left; dynamic NTK past max_position_embeddings as the sequence grows;
-    LongRoPE's long factors from the token past its original length on."""
+    LongRoPE's long factors from the token past its original length on; Gemma 2's window
+    sliding over the cache."""
     from mindspeed_core.models import generate as gen
 
     ref = np.load(references / f"{name}.npz")
@@ -54,7 +58,7 @@ def test_greedy_generation_matches_transformers(references, name):
 
 
 EXPORTED = ["llama", "llama-attention-bias", "qwen3", "gpt2", "mixtral", "qwen2-moe", "qwen2-yarn-mscale",
-            "phi3-longrope"]
+            "phi3-longrope", "gemma2"]
 
 
 @pytest.fixture(scope="module")

@@ -192,11 +192,13 @@ class _Attention(ms.nn.Cell):
                 P.transpose(dv, (0, 2, 1, 3)).astype(v.dtype))
 
 
-def attention(q, k, v, causal=False, mask=None, dropout_p=0.0, scale=None, segment_ids=None, return_lse=False):
-    if mask is not None or dropout_p > 0.0 or segment_ids is not None or return_lse:
+def attention(q, k, v, causal=False, mask=None, dropout_p=0.0, scale=None, segment_ids=None, return_lse=False,
+              window=None, softcap=None):
+    if (mask is not None or dropout_p > 0.0 or segment_ids is not None or return_lse or window is not None
+            or softcap is not None):
         # what this kernel does not cover: the reference
         return composite.attention(q, k, v, causal=causal, mask=mask, dropout_p=dropout_p, scale=scale,
-                                   segment_ids=segment_ids, return_lse=return_lse)
+                                   segment_ids=segment_ids, return_lse=return_lse, window=window, softcap=softcap)
     composite.check_attention_shapes(q, k, v)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     return _Attention(causal, scale)(q, k, v)

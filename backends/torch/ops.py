@@ -299,19 +299,20 @@ def _native_layer_norm(x, weight, bias=None, eps=1e-5):
 
 
 def _native_attention(q, k, v, causal=False, mask=None, dropout_p=0.0, scale=None, segment_ids=None,
-                      return_lse=False):
-    if return_lse:
+                      return_lse=False, window=None, softcap=None):
+    if return_lse or softcap is not None:
         # torch's CPU flash kernel returns the log-sum-exp but does not differentiate it (a
-        # merge of partial results would get wrong gradients): the composite gives both
+        # merge of partial results would get wrong gradients), and SDPA has no soft-capping:
+        # the composite does both
         return composite.attention(q, k, v, causal=causal, mask=mask, dropout_p=dropout_p, scale=scale,
-                                   segment_ids=segment_ids, return_lse=True)
+                                   segment_ids=segment_ids, return_lse=return_lse, window=window, softcap=softcap)
     composite.check_attention_shapes(q, k, v)
     sq, sk = q.shape[1], k.shape[1]
     attn_mask, is_causal = mask, causal
-    if segment_ids is not None or (causal and (mask is not None or sq != sk)):
+    if segment_ids is not None or window is not None or (causal and (mask is not None or sq != sk)):
         # SDPA aligns its causal mask top-left and refuses a mask together with is_causal;
         # the facade's causal mask is aligned bottom-right: one explicit mask instead
-        attn_mask, is_causal = composite.attention_keep(sq, sk, causal, mask, segment_ids), False
+        attn_mask, is_causal = composite.attention_keep(sq, sk, causal, mask, segment_ids, window), False
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=attn_mask,
         dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=k.shape[2] != q.shape[2],

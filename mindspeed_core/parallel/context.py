@@ -28,7 +28,7 @@ import numpy as np
 
 from mindspeed_core import composite, dist, features, ops
 from mindspeed_core.errors import MindSpeedError
-from mindspeed_core.models.gpt import Seams
+from mindspeed_core.models.gpt import PLAIN, Seams
 from mindspeed_core.parallel import mappings
 
 ALGORITHMS = ("megatron_cp_algo", "ulysses_cp_algo", "hybrid_cp_algo")
@@ -93,10 +93,10 @@ def _merge(out, lse, o, l):
     return out * ops.unsqueeze(w1, -1) + ops.cast(o, "float32") * ops.unsqueeze(w2, -1), total
 
 
-def _block_mask(q_cols, k_cols, q_docs, k_docs):
+def _block_mask(q_cols, k_cols, q_docs, k_docs, window=None):
     """(skip, causal, mask) for queries at ``q_cols`` against keys at ``k_cols`` (each a run of
-    consecutive columns); documents [b, n] or None."""
-    if q_docs is None:
+    consecutive columns); documents [b, n] or None; a sliding window or None."""
+    if q_docs is None and window is None:
         if k_cols[0] > q_cols[-1]:
             return True, False, None  # every key is after every query
         if k_cols[-1] <= q_cols[0]:
@@ -104,6 +104,8 @@ def _block_mask(q_cols, k_cols, q_docs, k_docs):
         if k_cols[0] == q_cols[0] and len(k_cols) == len(q_cols):
             return False, True, None
     keep = (k_cols[None, :] <= q_cols[:, None])[None]
+    if window is not None:  # the columns are the positions: the window counts them
+        keep = keep & (k_cols[None, :] > q_cols[:, None] - window)[None]
     if q_docs is not None:
         keep = keep & (q_docs[:, :, None] == k_docs[:, None, :])
     if not keep.any():
@@ -112,10 +114,11 @@ def _block_mask(q_cols, k_cols, q_docs, k_docs):
 
 
 def ring_attention(q, k, v, q_cols, kv_cols, documents, group, attention, dropout_p: float = 0.0,
-                   gather: bool = False):
+                   gather: bool = False, scores=PLAIN):
     """Queries [b, sq, h, d] at whole-sequence columns ``q_cols`` (sorted) against every ring
     member's keys/values; ``kv_cols[j]``: the columns ring rank j holds (sorted, this rank's
     k, v among them). ``documents`` [b, S] or None. ``attention``: the facade's attention.
+    ``scores``: the layer's scale, soft-capping (per score, so blocks merge exactly) and window.
     ``gather``: take every member's block by one all-gather instead of n - 1 ring steps (what
     emulated point-to-point makes cheaper; same blocks, same merge, same result)."""
     n = len(kv_cols)
@@ -144,11 +147,11 @@ def ring_attention(q, k, v, q_cols, kv_cols, documents, group, attention, dropou
             for ka, kb_end in _runs(cols):
                 qc, kc = q_cols[qa:qb], cols[ka:kb_end]
                 docs = (None, None) if documents is None else (documents[:, qc], documents[:, kc])
-                skip, causal, mask = _block_mask(qc, kc, *docs)
+                skip, causal, mask = _block_mask(qc, kc, *docs, scores.window)
                 if skip:
                     continue
                 o, l = attention(q[:, qa:qb], kb[:, ka:kb_end], vb[:, ka:kb_end], causal=causal, mask=mask,
-                                 dropout_p=dropout_p, return_lse=True)
+                                 dropout_p=dropout_p, return_lse=True, scale=scores.scale, softcap=scores.softcap)
                 acc[i] = _merge(*acc[i], o, l)
     out = ops.cat([ops.cast(o, ops.dtype_of(q)) for o, _ in acc], dim=1)
     return out if anchor is None else out + ops.cast(anchor, ops.dtype_of(out))
@@ -201,7 +204,7 @@ class ContextParallelSeams(Seams):
     def _columns(self, seq_len: int, cp_ranks) -> np.ndarray:
         return np.sort(np.concatenate([local_columns(seq_len, self.cp, r) for r in cp_ranks]))
 
-    def attention(self, q, k, v, dropout_p, fused, tokens):
+    def attention(self, q, k, v, dropout_p, fused, tokens, scores=PLAIN):
         features.note_used(FEATURE[self.algo])
         attention = ops.attention if fused else composite.attention
         u, seq_len = self.u, q.shape[1] * self.cp
@@ -217,11 +220,11 @@ class ContextParallelSeams(Seams):
         documents = None if tokens is None else tokens.documents
         if self.ring_size == 1:  # Ulysses alone: the whole sequence, in order
             segments = None if documents is None else tokens.document_tensor()
-            out = attention(q, k, v, causal=True, dropout_p=dropout_p, segment_ids=segments)
+            out = attention(q, k, v, causal=True, dropout_p=dropout_p, segment_ids=segments, **scores.arguments())
         else:  # ring rank j holds the columns of Ulysses group j
             kv_cols = [self._columns(seq_len, range(j * u, j * u + u)) for j in range(self.ring_size)]
             out = ring_attention(q, k, v, kv_cols[first // u], kv_cols, documents, self.ring_group, attention,
-                                 dropout_p, gather=self.ring_by_gather)
+                                 dropout_p, gather=self.ring_by_gather, scores=scores)
         if u > 1 or not np.array_equal(order, np.arange(len(order))):
             out = ops.index_select(out, 1, ops.tensor(np.argsort(order, kind="stable").astype(np.int64)))
         if u > 1:

@@ -145,16 +145,16 @@ def parallelize_moe_layers(model, ps, sequence_parallel: bool, dispatcher: str) 
     overrides = {}
     for i, layer in enumerate(model.decoder.layers):
         if isinstance(layer.mlp, MoELayer):
-            fields = parallelize_moe_layer(layer.mlp, ps, sequence_parallel, dispatcher, model.cfg.activation)
+            fields = parallelize_moe_layer(layer.mlp, ps, sequence_parallel, dispatcher, model.cfg.gated)
             overrides.update({f"decoder.layers.{i}.mlp.{name}": f for name, f in fields.items()})
     return overrides
 
 
-def parallelize_moe_layer(mlp: MoELayer, ps, sequence_parallel: bool, dispatcher: str, activation: str) -> dict:
+def parallelize_moe_layer(mlp: MoELayer, ps, sequence_parallel: bool, dispatcher: str, gated: bool) -> dict:
     """One MoE layer: keep this rank's experts (and their TP slices), cut the shared expert
     over TP, install the seams; returns {parameter name in the layer: ParamPlan fields}."""
     tp, tp_rank, ep, ep_rank = ps.tp, ps.local_rank("tp"), ps.ep, ps.local_rank("ep")
-    swiglu = activation == "swiglu"
+    swiglu = gated  # fc1's gate and up halves are cut apart
     fields = {}
     specs = {"weight1": ("swiglu", 2) if swiglu else ("split", 2), "weight2": ("split", 1)}
     for name, spec in specs.items():

@@ -221,7 +221,7 @@ def _shard_layers(model, ps, group, sequence_parallel, spec, partial) -> KVCopie
         qkv_spec = ("qkv", groups, per, cfg.kv_channels)
         rep = tp // groups
         kv = KVCopies(ps.subgroup("tp", rep), (per // rep) * cfg.kv_channels, ps.local_rank("tp") % rep)
-    swiglu = ("swiglu",) if cfg.activation == "swiglu" else ("split", 0)
+    swiglu = ("swiglu",) if cfg.gated else ("split", 0)
 
     def column(owner, attr, prefix, cut, bias):
         full = getattr(owner, attr)

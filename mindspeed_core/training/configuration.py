@@ -317,13 +317,47 @@ def _rope_scaling(args) -> dict | None:
     return scaling
 
 
+# Gemma's flags -> ModelConfig fields (switches and numbers; the activation and the window apart)
+_GEMMA_FLAGS = {"add_rmsnorm_offset": "norm_offset", "post_norm": "post_norm", "input_embeds_norm": "scale_embeddings",
+                "query_pre_attn_scalar": "query_pre_attn_scalar",
+                "attn_logit_softcapping": "attn_logit_softcapping",
+                "output_logit_softcapping": "final_logit_softcapping"}
+
+
+def _gemma_fields(args, num_layers: int) -> list[tuple]:
+    """(flag, ModelConfig field, value) of each Gemma-style flag given."""
+    out = [(flag, field, getattr(args, flag)) for flag, field in _GEMMA_FLAGS.items() if getattr(args, flag) is not None]
+    gated = [f for f in ("swiglu", "gelu_tanh", "geglu") if getattr(args, f)]
+    if len(gated) > 1:
+        raise MindSpeedError(f"--{gated[0].replace('_', '-')} and --{gated[1].replace('_', '-')} choose different "
+                             f"MLP activations: give one")
+    if args.gelu_tanh or args.geglu:
+        out.append(("gelu_tanh" if args.gelu_tanh else "geglu", "activation",
+                    "geglu_tanh" if args.gelu_tanh else "geglu"))
+    if args.sliding_window and args.interleave_sliding_window:
+        raise MindSpeedError("--sliding-window (every layer) and --interleave-sliding-window (every other layer): "
+                             "give one")
+    if args.sliding_window:
+        out += [("sliding_window", "sliding_window", args.sliding_window),
+                ("sliding_window", "sliding_window_layers", None)]
+    if args.interleave_sliding_window:  # MindSpeed-LLM's: its layers 1, 3, 5, ... counted from one
+        out += [("interleave_sliding_window", "sliding_window", args.interleave_sliding_window),
+                ("interleave_sliding_window", "sliding_window_layers", tuple(range(0, num_layers, 2)))]
+    return out
+
+
 def _model_config(args, vocab_size: int) -> ModelConfig:
     scaling = _rope_scaling(args)
     if args.load_hf:
         if args.noop_layers:
             raise MindSpeedError("--noop-layers cannot be combined with --load-hf: a Hugging Face model has no "
                                  "no-op layers")
-        return _agreeing_with_flags(args, hf.load_config(args.load_hf), vocab_size, scaling)
+        cfg = hf.load_config(args.load_hf)
+        for flag, field, value in _gemma_fields(args, cfg.num_layers):
+            if not _same_setting(getattr(cfg, field), value):
+                raise MindSpeedError(f"--{flag.replace('_', '-')} disagrees with the Hugging Face folder's "
+                                     f"config.json ({field} {getattr(cfg, field)!r})")
+        return _agreeing_with_flags(args, cfg, vocab_size, scaling)
     if args.model_name and args.model_name not in PRESETS:
         raise MindSpeedError(f"unknown --model-name {args.model_name!r}; presets: {', '.join(sorted(PRESETS))}")
     base = dict(PRESETS[args.model_name]) if args.model_name else {}
@@ -354,6 +388,7 @@ def _model_config(args, vocab_size: int) -> ModelConfig:
             base[flag] = True
     if args.noop_layers:
         base["noop_layers"] = pipeline.parse_layer_numbers(args.noop_layers, "--noop-layers")
+    base.update((field, value) for _, field, value in _gemma_fields(args, base.get("num_layers", ModelConfig.num_layers)))
     if args.num_experts is not None:
         base["moe"], base["moe_layers"] = _moe_config(args, base.get("num_layers", ModelConfig.num_layers))
     base["vocab_size"] = _vocab_rows(args, vocab_size)
@@ -367,7 +402,7 @@ def _model_config(args, vocab_size: int) -> ModelConfig:
 
 # MindSpeed-LLM's layer specs (--spec MODULE FUNCTION) -> the model family that builds those layers here
 SPEC_FAMILIES = {"qwen3_spec": "qwen3", "qwen2_spec": "qwen2", "llama_spec": "llama", "mistral_spec": "mistral",
-                 "qwen3_moe_spec": "qwen3_moe", "mixtral_spec": "mixtral"}
+                 "qwen3_moe_spec": "qwen3_moe", "mixtral_spec": "mixtral", "gemma2_spec": "gemma2"}
 
 
 def spec_family(spec: list, moe: bool = False) -> str:
@@ -395,8 +430,9 @@ def _vocab_rows(args, vocab_size: int) -> int:
 
 
 def _same_setting(a, b) -> bool:
-    """A config's value and a flag's: equal strings, or numbers (lists of numbers) equal to 1e-6."""
-    if isinstance(a, str) or isinstance(b, str):
+    """A config's value and a flag's: equal strings, switches or None, or numbers (lists of
+    numbers) equal to 1e-6."""
+    if isinstance(a, (str, bool)) or isinstance(b, (str, bool)) or a is None or b is None:
         return a == b
     a, b = (list(x) if isinstance(x, (list, tuple)) else [x] for x in (a, b))
     return len(a) == len(b) and all(math.isclose(x, y, rel_tol=1e-6) for x, y in zip(a, b))
