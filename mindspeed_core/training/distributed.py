@@ -191,18 +191,35 @@ def clip_coefficient(norm: float, max_norm: float) -> float:
     return max_norm / (norm + 1e-6) if max_norm and max_norm > 0 and norm > max_norm else 1.0
 
 
+def _gathered_pieces(arrays: dict, group, size: int) -> dict:
+    """{name: [each rank's piece, in rank order]} of {name: numpy} whose shapes are the same on
+    every rank of ``group``: one all-gather per dtype of everything flattened (each collective,
+    and on MindSpore each new shape, has a fixed cost far above these sizes)."""
+    out = {}
+    by_dtype: dict = {}
+    for name, a in arrays.items():
+        by_dtype.setdefault(str(a.dtype), []).append(name)
+    for dtype, names in sorted(by_dtype.items()):
+        flat = np.concatenate([np.ascontiguousarray(arrays[n]).reshape(-1) for n in names])
+        rows = ops.to_numpy(dist.all_gather(ops.tensor(flat[None], dtype=dtype), group=group, dim=0))
+        start = 0
+        for n in names:
+            count = arrays[n].size
+            out[n] = [rows[r, start:start + count].reshape(arrays[n].shape) for r in range(size)]
+            start += count
+    return out
+
+
 def full_tensors(named: dict, spec: dict, ps, experts: set = frozenset()) -> dict:
     """{name: numpy} of full (unsharded) values: sharded ones gathered over TP, then those
     named in ``experts`` over EP (their experts, dim 0)."""
-    out = {}
-    for name, value in named.items():
-        if name in spec and ps.tp > 1:
-            gathered = ops.to_numpy(dist.all_gather(ops.unsqueeze(value, 0), group=ps.group("tp"), dim=0))
-            out[name] = unshard(list(gathered), spec[name])
-        else:
-            out[name] = ops.to_numpy(value)
-        if name in experts and ps.ep > 1:
-            out[name] = ops.to_numpy(dist.all_gather(ops.tensor(out[name]), group=ps.group("ep"), dim=0))
+    out = {name: ops.to_numpy(value) for name, value in named.items()}
+    if ps.tp > 1:
+        pieces = _gathered_pieces({n: out[n] for n in named if n in spec}, ps.group("tp"), ps.tp)
+        out.update((n, unshard(p, spec[n])) for n, p in pieces.items())
+    if ps.ep > 1:
+        pieces = _gathered_pieces({n: out[n] for n in named if n in experts}, ps.group("ep"), ps.ep)
+        out.update((n, np.concatenate(p, axis=0)) for n, p in pieces.items())
     return out
 
 
@@ -215,17 +232,24 @@ def gather_pipeline(arrays: dict, ps) -> dict:
     coords = ps.coords(ps.rank)
     sender = coords["pp"] > 0 and coords["tp"] == 0 and coords["cp"] == 0 and coords["dp"] == 0
     listing = gather_json([[n, list(a.shape), str(a.dtype)] for n, a in sorted(arrays.items())] if sender else [], ps)
-    if sender:
-        for name, value in sorted(arrays.items()):
-            dist.send(ops.tensor(np.ascontiguousarray(value), dtype=str(value.dtype)), 0)
+    if sender:  # one message per dtype, everything flattened (each send has a fixed cost)
+        for dtype in sorted({str(a.dtype) for a in arrays.values()}):
+            flat = np.concatenate([np.ascontiguousarray(a).reshape(-1) for _, a in sorted(arrays.items())
+                                   if str(a.dtype) == dtype])
+            dist.send(ops.tensor(flat, dtype=dtype), 0)
         return arrays
     if ps.rank != 0:
         return arrays
     out = dict(arrays)
     for src, entries in enumerate(listing):
-        for name, shape, dtype in entries:
-            value = ops.to_numpy(dist.recv(tuple(shape), dtype, src))
-            out.setdefault(name, value)  # a tied embedding copy arrives twice, equal
+        for dtype in sorted({d for _, _, d in entries}):
+            mine = [(name, shape) for name, shape, d in entries if d == dtype]
+            flat = ops.to_numpy(dist.recv((sum(int(np.prod(s)) for _, s in mine),), dtype, src))
+            start = 0
+            for name, shape in mine:
+                count = int(np.prod(shape))
+                out.setdefault(name, flat[start:start + count].reshape(shape))  # a tied copy arrives twice, equal
+                start += count
     return out
 
 
