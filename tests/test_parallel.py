@@ -35,8 +35,15 @@ DPO = GQA + ["--stage", "dpo"]
 SIMPO = GQA + ["--stage", "simpo"]
 ORM = GQA + ["--stage", "orm"]
 PRM = GQA + ["--stage", "prm", "--reward-tokens", "+", "-"]
+# Gemma 2's layer with MindSpeed-LLM's flags: (1 + w) norms, post norms, scaled embeddings,
+# GeGLU, its score scale, soft-capped scores and logits, the first layer attending to a
+# 6-token window
+GEMMA2 = GQA + ["--add-rmsnorm-offset", "--post-norm", "--input-embeds-norm", "--gelu-tanh", "--query-pre-attn-scalar",
+                "24", "--attn-logit-softcapping", "2.0", "--output-logit-softcapping", "5.0",
+                "--interleave-sliding-window", "6"]
 MODELS = {"gqa": GQA, "mha": MHA, "moe": MOE, "sft": SFT, "lora": LORA, "dpo": DPO,
-          "dpo-lora": DPO + ["--lora-r", "4", "--lora-alpha", "8"], "simpo": SIMPO, "orm": ORM, "prm": PRM}
+          "dpo-lora": DPO + ["--lora-r", "4", "--lora-alpha", "8"], "simpo": SIMPO, "orm": ORM, "prm": PRM,
+          "gemma2": GEMMA2}
 ITERS = 10  # the single-process reference curves of the models whose checkpoints are resumed below
 RESUMED = ("gqa", "moe", "dpo")  # the others' reference curves stop at LAYOUT_ITERS
 # the layout launches run the first steps of the same schedule (--lr-decay-iters above): their
@@ -238,6 +245,7 @@ CASES = [  # (id, ranks, model, flags): the cases of each rank count share one l
     ("dpo-lora-tp2", 2, "dpo-lora", ["--tensor-model-parallel-size", "2"]),
     ("simpo-pp2", 2, "simpo", ["--pipeline-model-parallel-size", "2"]),
     ("orm-tp2-sp", 2, "orm", ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),  # the scalar head's gradient
+    ("gemma2-tp2-sp", 2, "gemma2", ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
     # with dynamic padding (--no-pad-to-seq-lengths) against the single process's full-length
     # micro-batches: the stages pass each micro-batch's own width, and the loss stays the same
     ("dpo-pp2-dp2", 4, "dpo", ["--pipeline-model-parallel-size", "2", "--save", "{tmp}/dpo-ckpt",
@@ -262,6 +270,8 @@ CP_CASES = [  # (id, model, flags)
                                         "--use-distributed-optimizer"]),
     ("cp4-hybrid", "gqa", ["--context-parallel-size", "4", "--context-parallel-algo", "hybrid_cp_algo",
                            "--ulysses-degree-in-cp", "2"]),
+    # Gemma 2's window crosses the ring's chunks of 8 columns; its caps apply per ring block
+    ("cp2-ring-gemma2", "gemma2", ["--context-parallel-size", "2"]),
 ]
 
 
@@ -428,6 +438,10 @@ def four_ranks(corpus, data, two_ranks, null_corpus, hf_references, tmp_path_fac
              ["hf-phi3-tp2-pp2", [*HF_LLAMA, "--seq-length", "20", "--data-path", null_corpus, "--load-hf",
                                   str(hf_references / "phi3-longrope"), "--tensor-model-parallel-size", "2",
                                   "--pipeline-model-parallel-size", "2"], False],
+             # Gemma 2 the same way: the second stage's layer numbers decide its window (none)
+             ["hf-gemma2-tp2-pp2", [*HF_LLAMA, "--seq-length", "20", "--data-path", null_corpus, "--load-hf",
+                                    str(hf_references / "gemma2"), "--tensor-model-parallel-size", "2",
+                                    "--pipeline-model-parallel-size", "2"], False],
              # the EP2 checkpoint of two_ranks (sharded: each expert once, by its owner) at EP1 x DP4
              ["moe-dp4-from-ep2", [*MOE, "--data-path", data["moe"], "--train-iters", str(ITERS), "--load",
                                    str(two_ranks / "ep2-ckpt")], False],
@@ -565,20 +579,25 @@ def test_a_megatron_checkpoint_trains_under_another_layout(capsys, corpus, two_r
     assert_same_curve(losses(four_ranks / "out" / "tp2-pp2-from-megatron.jsonl"), losses(tmp_path / "one.jsonl"))
 
 
-def first_batch_loss_of_transformers(hf_folder, null_corpus, seq_length, tmp_path) -> float:
-    """transformers' cross entropy on the first global batch of four sequences the trainer
-    reads from ``null_corpus`` (Megatron's default seed 1234)."""
+def first_batch_losses_of_transformers(hf_folders, null_corpus, seq_length, tmp_path) -> list[float]:
+    """transformers' cross entropy of each folder's model on the first global batch of four
+    sequences the trainer reads from ``null_corpus`` (Megatron's default seed 1234); one
+    transformers process for all."""
     from conftest import hf_reference_process
     from mindspeed_core.data import gpt_dataset
 
     samples = gpt_dataset.build_splits([null_corpus], "100,0,0", seq_length, 1234)["train"]
     tokens = gpt_dataset.batch(samples, 0, 4)
     np.save(tmp_path / "ids.npy", tokens[:, :-1])
-    hf_reference_process("--check", str(hf_folder), str(tmp_path / "ids.npy"), str(tmp_path / "logits.npy"))
-    logits = np.load(tmp_path / "logits.npy")
-    logp = logits - logits.max(-1, keepdims=True)
-    logp = logp - np.log(np.exp(logp).sum(-1, keepdims=True))
-    return -float(np.mean(np.take_along_axis(logp, tokens[:, 1:, None], -1)))
+    hf_reference_process("--check", *(x for i, folder in enumerate(hf_folders)
+                                      for x in (str(folder), str(tmp_path / "ids.npy"), str(tmp_path / f"{i}.npy"))))
+    out = []
+    for i in range(len(hf_folders)):
+        logits = np.load(tmp_path / f"{i}.npy")
+        logp = logits - logits.max(-1, keepdims=True)
+        logp = logp - np.log(np.exp(logp).sum(-1, keepdims=True))
+        out.append(-float(np.mean(np.take_along_axis(logp, tokens[:, 1:, None], -1))))
+    return out
 
 
 @pytest.mark.multiprocess
@@ -588,7 +607,7 @@ def test_a_converted_model_at_tp2_pp2_scores_the_first_batch_as_transformers(fou
     """transformers' Llama, converted to Megatron's layout at TP2 x PP2 and loaded by the trainer
     on four ranks: its loss on the first global batch equals the cross entropy of
     transformers' own logits for the same four sequences within 1e-4 (relative)."""
-    want = first_batch_loss_of_transformers(hf_references / "llama", null_corpus, 12, tmp_path)
+    want, = first_batch_losses_of_transformers([hf_references / "llama"], null_corpus, 12, tmp_path)
     got = losses(four_ranks / "out" / "hf-llama-tp2-pp2.jsonl")
     assert list(got) == [1] and abs(got[1] - want) <= 1e-4 * want, (got, want)
     log = (four_ranks / "out" / "hf-llama-tp2-pp2.log").read_text()
@@ -597,14 +616,21 @@ def test_a_converted_model_at_tp2_pp2_scores_the_first_batch_as_transformers(fou
 
 @pytest.mark.multiprocess
 @pytest.mark.feature("longrope")
-def test_phi3_at_tp2_pp2_scores_the_first_batch_as_transformers(four_ranks, null_corpus, hf_references, tmp_path):
-    """transformers' Phi-3 (fused qkv_proj and gate_up_proj, LongRoPE) read by --load-hf at
-    TP2 x PP2 on 20-token sequences (past its original 16 positions: the long factors): the
-    first batch's loss is transformers' within 1e-4."""
-    want = first_batch_loss_of_transformers(hf_references / "phi3-longrope", null_corpus, 20, tmp_path)
-    got = losses(four_ranks / "out" / "hf-phi3-tp2-pp2.jsonl")
-    assert list(got) == [1] and abs(got[1] - want) <= 1e-4 * want, (got, want)
-    assert "TP=2 DP=1 PP=2" in (four_ranks / "out" / "hf-phi3-tp2-pp2.log").read_text()
+@pytest.mark.feature("sliding-window-attention")
+@pytest.mark.feature("logit-softcapping")
+def test_phi3_and_gemma2_at_tp2_pp2_score_the_first_batch_as_transformers(four_ranks, null_corpus, hf_references,
+                                                                          tmp_path):
+    """transformers' Phi-3 (fused qkv_proj and gate_up_proj, LongRoPE) and Gemma 2 (a 5-token
+    window in its first layer, soft-capping) read by --load-hf at TP2 x PP2 on 20-token
+    sequences (past Phi-3's original 16 positions: the long factors): the first batch's loss is
+    transformers' within 1e-4."""
+    names = ["phi3-longrope", "gemma2"]
+    wants = first_batch_losses_of_transformers([hf_references / n for n in names], null_corpus, 20, tmp_path)
+    for name, want in zip(names, wants):
+        case = "hf-phi3-tp2-pp2" if name == "phi3-longrope" else f"hf-{name}-tp2-pp2"
+        got = losses(four_ranks / "out" / f"{case}.jsonl")
+        assert list(got) == [1] and abs(got[1] - want) <= 1e-4 * want, (name, got, want)
+        assert "TP=2 DP=1 PP=2" in (four_ranks / "out" / f"{case}.log").read_text()
 
 
 @pytest.mark.multiprocess
