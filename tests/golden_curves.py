@@ -32,7 +32,7 @@ LOSS_TOL = 1e-5  # relative, every step
 NORM_TOL = 1e-4  # relative, every step (Adam amplifies ulp-sized differences into later norms)
 
 MODEL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--num-query-groups", "2",
-         "--ffn-hidden-size", "128", "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
+         "--ffn-hidden-size", "128", "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "4",
          "--lr", "3e-3", "--min-lr", "3e-4", "--lr-warmup-iters", "2", "--lr-decay-iters", str(STEPS),
          "--eval-iters", "0", "--log-interval", "1", "--make-vocab-size-divisible-by", "8", "--no-progress",
          "--seed", "11", "--sample-tokens", "0", "--tokenizer-type", "ByteLevel", "--train-iters", str(STEPS)]
