@@ -4,7 +4,8 @@ Works on numpy state dicts, so it runs the same under either framework:
 ``load_folder`` -> (ModelConfig, state in our names); ``save_folder`` writes a folder that
 transformers loads. Supported model types: llama, mistral, qwen2, qwen3, phi3 (Phi-3 / 3.5:
 fused qkv_proj and gate_up_proj, LongRoPE), gemma2 (norms as offsets from one, post norms,
-scaled embeddings, soft-capping, sliding windows on alternate layers), gpt2, and the mixtures of experts mixtral,
+scaled embeddings, soft-capping, sliding windows on alternate layers), gemma3_text (the same with
+q/k norms, its layer pattern and a local RoPE base), gpt2, and the mixtures of experts mixtral,
 qwen2_moe, qwen3_moe (their experts written one by one, the layout every release of
 transformers reads).
 """
@@ -26,12 +27,13 @@ from mindspeed_core.models.config import ModelConfig, MoEConfig
 from mindspeed_core.models.gpt import whole_state
 from mindspeed_core.models.state import merge_lora, renumber_layers
 
-LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2")
+LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text")
 # each mixture of experts has the attention of a dense family
 MOE_BASE = {"mixtral": "mistral", "qwen2_moe": "qwen2", "qwen3_moe": "qwen3"}
 SUPPORTED = LLAMA_LIKE + ("gpt2",) + tuple(MOE_BASE)
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                   "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
+                  "gemma3": "Gemma3ForCausalLM",
                   "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 _ACTS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
 # Gemma's gated MLP: its hidden_activation on the gate half
@@ -48,7 +50,7 @@ def _rope(hf: dict) -> tuple[float, dict | None]:
     if scaling:
         if not isinstance(scaling, dict):
             raise CheckpointError(f"config.json: {key} must be an object, got {scaling!r}")
-        scaling = {k: v for k, v in scaling.items() if k != "rope_theta"}
+        scaling = {k: v for k, v in scaling.items() if k not in ("rope_theta", "partial_rotary_factor")}
         if "type" in scaling and "rope_type" not in scaling:
             scaling["rope_type"] = scaling.pop("type")
         if scaling.get("rope_type") in ("llama3", "yarn", "longrope"):
@@ -71,10 +73,13 @@ def _refuse_unsupported(hf: dict, kind: str) -> None:
     if windowed and window is not None and window < hf.get("max_position_embeddings", 2048):
         raise CheckpointError(f"config.json: sliding-window attention (sliding_window {window!r} below "
                               f"max_position_embeddings) is not supported; set sliding_window to null")
-    partial = (hf.get("rope_parameters") or {}).get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
-    if partial != 1.0:
-        raise CheckpointError(f"config.json: partial_rotary_factor {partial!r} (RoPE on part of each head) is not "
-                              f"supported")
+    if _partial_rotary(hf) != 1.0 and kind != "phi3":  # Phi-3's transformers rotates the first features
+        raise CheckpointError(f"config.json: partial_rotary_factor {_partial_rotary(hf)!r} (RoPE on part of each "
+                              f"head) is not supported for {kind}")
+
+
+def _partial_rotary(hf: dict) -> float:
+    return (hf.get("rope_parameters") or {}).get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
 
 
 # the sizes config_from_hf reads, checked before any arithmetic on them
@@ -114,6 +119,9 @@ def _config_from_hf(hf: dict) -> ModelConfig:
 
 def _decoder_config_from_hf(hf: dict) -> ModelConfig:
     kind = hf.get("model_type")
+    if kind == "gemma3":
+        raise CheckpointError("model_type 'gemma3' is Gemma 3's vision-language model: its text model alone "
+                              "(model_type gemma3_text, Gemma3ForCausalLM) is supported")
     if kind not in SUPPORTED:
         raise CheckpointError(f"model_type {kind!r} is not supported; supported: {', '.join(SUPPORTED)}")
     if kind == "gpt2":
@@ -125,8 +133,8 @@ def _decoder_config_from_hf(hf: dict) -> ModelConfig:
             norm_epsilon=hf.get("layer_norm_epsilon", 1e-5), activation=_ACTS.get(act, act),
             position_embedding_type="learned", add_qkv_bias=True, add_bias_linear=True,
             untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", True))
-    if kind == "gemma2":
-        return _gemma2_config(hf)
+    if kind in ("gemma2", "gemma3_text"):
+        return _gemma_config(hf, kind)
     if hf.get("hidden_act", "silu") != "silu":
         raise CheckpointError(f"hidden_act {hf.get('hidden_act')!r} is not supported for {kind} (silu only)")
     base = MOE_BASE.get(kind, kind)
@@ -147,20 +155,43 @@ def _decoder_config_from_hf(hf: dict) -> ModelConfig:
         rotary_base=theta, rope_scaling=scaling, add_qkv_bias=bool(qwen2_bias or attention_bias),
         add_bias_linear=bool(hf.get("mlp_bias")) and kind == "llama", attention_output_bias=attention_bias,
         qk_layernorm=base == "qwen3", untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
-        moe=moe, moe_layers=moe_layers)
+        rotary_percent=float(_partial_rotary(hf)), moe=moe, moe_layers=moe_layers)
 
 
-def _gemma2_config(hf: dict) -> ModelConfig:
+def _gemma3_rope(hf: dict) -> tuple[float, dict | None, float]:
+    """Gemma 3's two RoPEs: (global base, global scaling, local base). transformers 5 keeps them
+    per layer type in rope_parameters; older configs as rope_theta, rope_scaling and
+    rope_local_base_freq."""
+    params = hf.get("rope_parameters") or {}
+    if "full_attention" in params or "sliding_attention" in params:
+        local = dict(params.get("sliding_attention") or {})
+        if local.get("rope_type", "default") != "default":
+            raise CheckpointError(f"config.json: rope_parameters.sliding_attention.rope_type {local['rope_type']!r} "
+                                  f"is not supported (default only)")
+        theta, scaling = _rope({**hf, "rope_parameters": params.get("full_attention") or {}, "rope_scaling": None})
+        return theta, scaling, float(local.get("rope_theta", 10000.0))
+    theta, scaling = _rope({"rope_theta": 1000000.0, **hf})
+    return theta, scaling, float(hf.get("rope_local_base_freq", 10000.0))
+
+
+def _gemma_config(hf: dict, kind: str) -> ModelConfig:
+    """Gemma 2 (gemma2) and Gemma 3's text model (gemma3_text -> our gemma3)."""
     act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
     if act not in _GATED_ACTS:
-        raise CheckpointError(f"config.json: hidden_activation {act!r} is not supported for gemma2 "
+        raise CheckpointError(f"config.json: hidden_activation {act!r} is not supported for {kind} "
                               f"({', '.join(_GATED_ACTS)})")
     if hf.get("use_bidirectional_attention"):
         raise CheckpointError("config.json: use_bidirectional_attention (an encoder's attention) is not supported")
-    _refuse_unsupported(hf, "gemma2")
-    theta, scaling = _rope(hf)
+    _refuse_unsupported(hf, kind)
+    gemma3 = kind == "gemma3_text"
+    if gemma3:
+        theta, scaling, local = _gemma3_rope(hf)
+    else:
+        (theta, scaling), local = _rope(hf), None
     heads, layers = hf["num_attention_heads"], hf["num_hidden_layers"]
-    types = hf.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+    every = hf.get("sliding_window_pattern", 6) if gemma3 else 2  # each every-th layer attends globally
+    types = hf.get("layer_types") or ["full_attention" if (i + 1) % every == 0 else "sliding_attention"
+                                      for i in range(layers)]
     if len(types) != layers or set(types) - {"sliding_attention", "full_attention"}:
         raise CheckpointError(f"config.json: layer_types must name sliding_attention or full_attention for each of "
                               f"the {layers} layers")
@@ -168,32 +199,43 @@ def _gemma2_config(hf: dict) -> ModelConfig:
     sliding = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
     bias = bool(hf.get("attention_bias"))
     return ModelConfig(
-        family="gemma2", vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], num_layers=layers,
-        num_attention_heads=heads, num_query_groups=hf.get("num_key_value_heads") or heads,
+        family="gemma3" if gemma3 else "gemma2", vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
+        num_layers=layers, num_attention_heads=heads, num_query_groups=hf.get("num_key_value_heads") or heads,
         kv_channels=hf.get("head_dim") or hf["hidden_size"] // heads, ffn_hidden_size=hf["intermediate_size"],
-        max_position_embeddings=hf.get("max_position_embeddings", 8192), norm_epsilon=hf.get("rms_norm_eps", 1e-6),
-        activation=_GATED_ACTS[act], rotary_base=theta, rope_scaling=scaling, add_qkv_bias=bias,
-        attention_output_bias=bias, norm_offset=True, post_norm=True, scale_embeddings=True,
-        query_pre_attn_scalar=hf.get("query_pre_attn_scalar", 256),
-        attn_logit_softcapping=hf.get("attn_logit_softcapping", 50.0),
-        final_logit_softcapping=hf.get("final_logit_softcapping", 30.0),
+        max_position_embeddings=hf.get("max_position_embeddings", 131072 if gemma3 else 8192),
+        norm_epsilon=hf.get("rms_norm_eps", 1e-6), activation=_GATED_ACTS[act], rotary_base=theta,
+        rope_scaling=scaling, add_qkv_bias=bias, attention_output_bias=bias, qk_layernorm=gemma3, norm_offset=True,
+        post_norm=True, scale_embeddings=True, query_pre_attn_scalar=hf.get("query_pre_attn_scalar", 256),
+        attn_logit_softcapping=hf.get("attn_logit_softcapping", None if gemma3 else 50.0),
+        final_logit_softcapping=hf.get("final_logit_softcapping", None if gemma3 else 30.0),
         sliding_window=window if window and sliding else None,
         sliding_window_layers=sliding if window and sliding else None,
+        local_rotary_base=local if window and sliding else None,
         untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", True))
 
 
 # what ModelConfig fields beyond the LLaMA decoder only the gemma2 layout can express
 _GEMMA_FIELDS = ("norm_offset", "post_norm", "scale_embeddings", "query_pre_attn_scalar", "attn_logit_softcapping",
-                 "final_logit_softcapping", "sliding_window")
+                 "final_logit_softcapping", "sliding_window", "local_rotary_base")
+GEMMA = ("gemma2", "gemma3")
 
 
-def _gemma2_hf_config(cfg: ModelConfig, out: dict) -> None:
+def _gemma_hf_config(cfg: ModelConfig, out: dict) -> None:
     if not (cfg.norm_offset and cfg.post_norm and cfg.scale_embeddings) or cfg.activation not in ("geglu", "geglu_tanh"):
-        raise CheckpointError("gemma2 has RMSNorm weights as offsets from one, post norms, scaled embeddings and a "
-                              "GeGLU MLP: this model lacks one of them")
-    if cfg.add_qkv_bias != cfg.attention_output_bias or cfg.add_bias_linear or cfg.qk_layernorm:
-        raise CheckpointError("gemma2 has one attention_bias for q, k, v and o, no MLP bias and no q/k norms")
+        raise CheckpointError(f"{cfg.family} has RMSNorm weights as offsets from one, post norms, scaled embeddings "
+                              f"and a GeGLU MLP: this model lacks one of them")
+    gemma3 = cfg.family == "gemma3"
+    if cfg.add_qkv_bias != cfg.attention_output_bias or cfg.add_bias_linear or cfg.qk_layernorm != gemma3:
+        raise CheckpointError(f"{cfg.family} has one attention_bias for q, k, v and o, no MLP bias and "
+                              f"{'q/k norms' if gemma3 else 'no q/k norms'}")
     del out["hidden_act"]
+    if gemma3:  # its two RoPEs per layer type; the sliding layers' unscaled
+        local = cfg.local_rotary_base if cfg.local_rotary_base is not None else cfg.rotary_base
+        if cfg.sliding_window is not None and cfg.local_rotary_base is None and cfg.rope_scaling:
+            raise CheckpointError("gemma3 scales only its global layers' RoPE: this model scales every layer's")
+        out.update(model_type="gemma3_text", rope_parameters={
+            "full_attention": out["rope_parameters"], "sliding_attention": {"rope_type": "default", "rope_theta": local}})
+        del out["rope_theta"]
     every = list(range(cfg.num_layers))
     sliding = every if cfg.sliding_window_layers is None else cfg.sliding_window_layers
     out.update(hidden_activation="gelu_pytorch_tanh" if cfg.activation == "geglu_tanh" else "gelu",
@@ -254,12 +296,16 @@ def _decoder_hf_config(cfg: ModelConfig) -> dict:
     arch = _ARCHITECTURES[cfg.family]
     base = MOE_BASE.get(cfg.family, cfg.family)
     foreign = [f for f in _GEMMA_FIELDS if getattr(cfg, f)] + (["activation"] if cfg.activation != "swiglu" else [])
-    if cfg.family != "gemma2" and foreign:
+    if cfg.rotary_percent != 1.0 and cfg.family != "phi3":
+        foreign.append("partial_rotary_factor")
+    if cfg.family not in GEMMA and foreign:
         raise CheckpointError(f"{cfg.family} has no {foreign[0]} setting in transformers: this model cannot be "
                               f"written as a {cfg.family} folder")
     rope = {"rope_type": "default", "rope_theta": cfg.rotary_base}
     if cfg.rope_scaling:
         rope.update(cfg.rope_scaling)
+    if cfg.rotary_percent != 1.0:
+        rope["partial_rotary_factor"] = cfg.rotary_percent
     out = {"model_type": cfg.family, "architectures": [arch], "vocab_size": cfg.vocab_size,
            "hidden_size": cfg.hidden_size, "intermediate_size": cfg.ffn_hidden_size,
            "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_attention_heads,
@@ -267,7 +313,7 @@ def _decoder_hf_config(cfg: ModelConfig) -> dict:
            "max_position_embeddings": cfg.max_position_embeddings, "rms_norm_eps": cfg.norm_epsilon,
            "hidden_act": "silu", "rope_theta": cfg.rotary_base, "rope_parameters": rope,
            "tie_word_embeddings": not cfg.untie_embeddings_and_output_weights}
-    if base in ("llama", "qwen3", "gemma2"):
+    if base in ("llama", "qwen3", *GEMMA):
         if cfg.add_qkv_bias != cfg.attention_output_bias:
             raise CheckpointError(f"{cfg.family} has one attention_bias for q, k, v and o: this model has "
                                   f"q/k/v biases {cfg.add_qkv_bias} but an output bias {cfg.attention_output_bias}")
@@ -287,8 +333,8 @@ def _decoder_hf_config(cfg: ModelConfig) -> dict:
         out.update(sliding_window=None, pad_token_id=None, bos_token_id=None, eos_token_id=None,
                    original_max_position_embeddings=(cfg.rope_scaling or {}).get(
                        "original_max_position_embeddings", cfg.max_position_embeddings))
-    if cfg.family == "gemma2":
-        _gemma2_hf_config(cfg, out)
+    if cfg.family in GEMMA:
+        _gemma_hf_config(cfg, out)
     if cfg.family in MOE_BASE:
         out.update(_moe_to_hf(cfg))
     return out
@@ -368,7 +414,7 @@ def _layer_names_llama(i):
 def _layer_names(cfg: ModelConfig, i):
     """Hugging Face -> our names of layer i's tensors besides q/k/v and the MLP's fc1."""
     names = _layer_names_llama(i)
-    if cfg.family == "gemma2":  # its post_attention_layernorm is the norm after attention, not before the MLP
+    if cfg.family in GEMMA:  # its post_attention_layernorm is the norm after attention, not before the MLP
         a, b = f"model.layers.{i}.", f"decoder.layers.{i}."
         names.update({a + "post_attention_layernorm.weight": b + "post_attn_norm.weight",
                       a + "pre_feedforward_layernorm.weight": b + "pre_mlp_layernorm.weight",
@@ -617,7 +663,7 @@ def load_config(folder: str) -> ModelConfig:
 
 # MindSpeed-LLM's --model-type-hf names -> our model family
 MODEL_TYPES = {"llama2": "llama", "llama3": "llama", "qwen2": "qwen2", "qwen25": "qwen2", "qwen3": "qwen3",
-               "phi3.5": "phi3", "phi3": "phi3", "gemma2": "gemma2",
+               "phi3.5": "phi3", "phi3": "phi3", "gemma2": "gemma2", "gemma3": "gemma3",
                "mistral": "mistral", "gpt2": "gpt2", "mixtral": "mixtral", "qwen2-moe": "qwen2_moe",
                "qwen3-moe": "qwen3_moe"}
 # what a Hugging Face folder holds besides the model: copied along by --hf-cfg-dir

@@ -289,6 +289,8 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
     m.add_argument("--swiglu", action="store_true", default=None)
     m.add_argument("--position-embedding-type", choices=("rope", "learned_absolute"), default=None)
     m.add_argument("--rotary-base", type=POSITIVE, default=None)
+    m.add_argument("--rotary-percent", type=POSITIVE, default=None,
+                   help="the share of each head's features RoPE rotates (the first ones)")
     # RoPE scaling (with --rope-scaling-type), MindSpeed-LLM's spellings: llama3 takes the low /
     # high frequency factors and --original-max-position-embeddings, yarn the betas, mscales and
     # --rope-scaling-original-max-position-embeddings

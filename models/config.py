@@ -11,7 +11,8 @@ from mindspeed_core.models import rope
 
 FUSED_KERNELS = ("attention", "rms_norm", "swiglu", "rope", "grouped_matmul")
 # the model families (ModelConfig.family) that models/registry.py builds and compat/hf.py reads
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gpt2", "mixtral", "qwen2_moe", "qwen3_moe")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "gpt2", "mixtral", "qwen2_moe",
+            "qwen3_moe")
 # the MLP activations; the gated ones (fc1 holds gate rows, then up rows) first
 GATED_ACTIVATIONS = ("swiglu", "geglu", "geglu_tanh")
 ACTIVATIONS = GATED_ACTIVATIONS + ("gelu", "gelu_tanh")
@@ -111,6 +112,7 @@ class ModelConfig:
     activation: str = "swiglu"  # swiglu | geglu | geglu_tanh (gated: gelu or its tanh form) | gelu | gelu_tanh
     position_embedding_type: str = "rope"  # rope | learned
     rotary_base: float = 10000.0
+    rotary_percent: float = 1.0  # the share of each head's features RoPE rotates (the first ones; GLM-4.5: 0.5)
     rope_scaling: dict | None = None  # {"rope_type": linear|llama3|yarn|dynamic|longrope, "factor": ..., ...} (models/rope.py)
     add_qkv_bias: bool = False
     add_bias_linear: bool = False  # biases on the attention output and the MLP (Megatron's switch)
@@ -131,6 +133,8 @@ class ModelConfig:
     # in the layers numbered in sliding_window_layers (None: every layer; Gemma 2: every other)
     sliding_window: int | None = None
     sliding_window_layers: tuple | None = None
+    # Gemma 3: the sliding-window layers rotate with this base and no scaling (None: as the others)
+    local_rotary_base: float | None = None
     untie_embeddings_and_output_weights: bool = True
     init_method_std: float = 0.02
     attention_dropout: float = 0.0
@@ -180,6 +184,11 @@ class ModelConfig:
             if any(not 0 <= i < self.num_layers for i in self.sliding_window_layers):
                 raise ValueError(f"sliding_window_layers {list(self.sliding_window_layers)} must be among the layers "
                                  f"0..{self.num_layers - 1}")
+        if self.local_rotary_base is not None:
+            if not isinstance(self.local_rotary_base, (int, float)) or not self.local_rotary_base > 0:
+                raise ValueError(f"local_rotary_base must be a positive number, got {self.local_rotary_base!r}")
+            if self.sliding_window is None:
+                raise ValueError("local_rotary_base is the sliding-window layers' RoPE base: it needs a sliding_window")
         if self.norm_offset and self.normalization != "rmsnorm":
             raise ValueError("norm_offset (weights as offsets from one) is for RMSNorm only")
         for name in ("norm_epsilon", "rotary_base", "init_method_std"):
@@ -211,11 +220,16 @@ class ModelConfig:
             if self.hidden_size % self.num_attention_heads:
                 raise ValueError(f"hidden size {self.hidden_size} is not divisible by {self.num_attention_heads} heads")
             self.kv_channels = self.hidden_size // self.num_attention_heads
+        if not isinstance(self.rotary_percent, (int, float)) or not 0 < self.rotary_percent <= 1:
+            raise ValueError(f"rotary_percent must be in (0, 1], got {self.rotary_percent!r}")
+        if self.rotary_dim % 2 or self.rotary_dim == 0:
+            raise ValueError(f"rotary_percent {self.rotary_percent} of {self.kv_channels} head features is "
+                             f"{self.kv_channels * self.rotary_percent:g}: RoPE needs a positive even count")
         scaling = self.rope_scaling or {}
         for key in ("short_factor", "long_factor"):  # longrope: one factor per rotary frequency
-            if key in scaling and len(scaling[key]) != self.kv_channels // 2:
+            if key in scaling and len(scaling[key]) != self.rotary_dim // 2:
                 raise ValueError(f"rope_scaling's {key} holds {len(scaling[key])} numbers; heads of "
-                                 f"{self.kv_channels} dimensions rotate at {self.kv_channels // 2} frequencies")
+                                 f"{self.rotary_dim} rotated dimensions rotate at {self.rotary_dim // 2} frequencies")
         if self.num_attention_heads % self.num_query_groups:
             raise ValueError(f"{self.num_attention_heads} attention heads do not divide into "
                              f"{self.num_query_groups} query groups")
@@ -233,9 +247,18 @@ class ModelConfig:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
 
     @property
+    def rotary_dim(self) -> int:
+        """How many of each head's features RoPE rotates (the first ones)."""
+        return int(round(self.kv_channels * self.rotary_percent))
+
+    @property
     def gated(self) -> bool:
         """Whether the MLP is gated (fc1: gate rows, then up rows; twice the ffn width)."""
         return self.activation in GATED_ACTIVATIONS
+
+    def rotates_locally(self, number: int) -> bool:
+        """Whether layer ``number`` takes the local RoPE tables (Gemma 3's sliding layers)."""
+        return self.local_rotary_base is not None and self.window_of(number) is not None
 
     def window_of(self, number: int) -> int | None:
         """Layer ``number``'s sliding window (None: it attends to every earlier token)."""
@@ -360,6 +383,13 @@ PRESETS = {
                         norm_offset=True, post_norm=True, scale_embeddings=True, query_pre_attn_scalar=32,
                         attn_logit_softcapping=50.0, final_logit_softcapping=30.0, sliding_window=16,
                         sliding_window_layers=(0, 2), untie_embeddings_and_output_weights=False),
+    # Gemma 3's: q/k norms, five sliding layers (window 16, RoPE base 10000) to each global one
+    # (base 1e6), no soft-capping
+    "tiny-gemma3": dict(family="gemma3", hidden_size=128, num_layers=6, num_attention_heads=4, num_query_groups=2,
+                        kv_channels=32, ffn_hidden_size=256, activation="geglu_tanh", norm_epsilon=1e-6,
+                        norm_offset=True, post_norm=True, scale_embeddings=True, query_pre_attn_scalar=32,
+                        qk_layernorm=True, rotary_base=1000000.0, local_rotary_base=10000.0, sliding_window=16,
+                        sliding_window_layers=(0, 1, 2, 3, 4), untie_embeddings_and_output_weights=False),
     "tiny-gpt2": dict(family="gpt2", hidden_size=128, num_layers=4, num_attention_heads=4, normalization="layernorm",
                       activation="gelu_tanh", position_embedding_type="learned", add_qkv_bias=True,
                       add_bias_linear=True, untie_embeddings_and_output_weights=False),

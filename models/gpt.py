@@ -198,7 +198,11 @@ class SelfAttention(nn.Module):
             if "rope" in cfg.fused:
                 features.note_used("fused-rope")
                 rotary = ops.apply_rotary
-            q, k = rotary(q, cos, sin), rotary(k, cos, sin)
+            if cfg.rotary_dim < d:  # partial rotary (GLM-4.5): the first rotary_dim features of each head
+                q, k = (ops.cat([rotary(r, cos, sin), rest], dim=-1)
+                        for r, rest in (ops.split(t, [cfg.rotary_dim, d - cfg.rotary_dim], dim=-1) for t in (q, k)))
+            else:
+                q, k = rotary(q, cos, sin), rotary(k, cos, sin)
         if tokens is not None and tokens.cache is not None:  # attend to every key so far
             k, v = tokens.cache.extend(self.layer_number, k, v)
         p = cfg.attention_dropout if nn.is_training(self) else 0.0
@@ -280,19 +284,19 @@ class Decoder(nn.Module):
         self.numbers = tuple(numbers)
         self.layers = nn.ModuleList([TransformerLayer(cfg, None if make_mlp is None else make_mlp(n))
                                      for n in self.numbers])
+        self.local = [cfg.rotates_locally(n) for n in self.numbers]  # which layers take the local RoPE
         for number, layer in zip(self.numbers, self.layers):
             layer.self_attention.layer_number = number
         if final_norm:
             self.final_layernorm = make_norm(cfg, cfg.hidden_size)
         self.has_final_norm = final_norm
 
-    def forward(self, x, cos, sin, seams=SINGLE_DEVICE, tokens=None):
+    def forward(self, x, cos, sin, seams=SINGLE_DEVICE, tokens=None, local=None):
+        """``local``: the (cos, sin) of the layers that rotate locally (Gemma 3), or None."""
         for start, stop, recomputed in self.recompute_policy.groups(len(self.layers)):
-            layers = [self.layers[i] for i in range(start, stop)]
-
-            def run(x, layers=layers):
-                for layer in layers:
-                    x = layer(x, cos, sin, seams, tokens)
+            def run(x, indices=range(start, stop)):
+                for i in indices:
+                    x = self.layers[i](x, *(local if self.local[i] else (cos, sin)), seams, tokens)
                 return x
 
             if recomputed:
@@ -353,10 +357,12 @@ class GPTModel(nn.Module):
             # whose gradient the pipeline sums with the first stage's (Megatron's embedding group)
             self.output_layer = Linear(cfg.hidden_size, cfg.vocab_size, False, cfg.init_method_std)
         if cfg.position_embedding_type == "rope":  # longrope: the short factors' table (the long: _table)
-            self._rope = rope.tables(cfg.max_position_embeddings, cfg.kv_channels, cfg.rotary_base, cfg.rope_scaling,
+            self._rope = rope.tables(cfg.max_position_embeddings, cfg.rotary_dim, cfg.rotary_base, cfg.rope_scaling,
                                      cfg.max_position_embeddings, decided_by=rope.switch_length(cfg.rope_scaling))
         else:
             self._rope = None
+        self._local_rope = None if cfg.local_rotary_base is None else rope.tables(
+            cfg.max_position_embeddings, cfg.rotary_dim, cfg.local_rotary_base, None, cfg.max_position_embeddings)
         self._rope_cache = {}
         self._long_rope = {}
         self.seams = SINGLE_DEVICE
@@ -421,11 +427,18 @@ class GPTModel(nn.Module):
                              f"{self.cfg.max_position_embeddings}")
         return self.seams.local_tokens(whole)
 
-    def _table(self, length: int):
+    def _table(self, length: int, local: bool = False):
         """cos, sin (host) for positions 0..length-1. Past max_position_embeddings only a
         scaling made for it (dynamic NTK) has them, with frequencies set by the length;
-        longrope's long factors take over past its original length."""
+        longrope's long factors take over past its original length. ``local``: the unscaled
+        tables of local_rotary_base (Gemma 3's sliding layers), past max_position_embeddings
+        where the others go there."""
         cfg = self.cfg
+        if local:
+            if length <= cfg.max_position_embeddings:
+                return self._local_rope
+            self._table(length)  # the same refusal past max_position_embeddings
+            return rope.tables(length, cfg.rotary_dim, cfg.local_rotary_base, None, length)
         switch = rope.switch_length(cfg.rope_scaling)
         if length <= cfg.max_position_embeddings and (switch is None or length <= switch):
             return self._rope
@@ -433,23 +446,23 @@ class GPTModel(nn.Module):
             raise ValueError(f"sequence length {length} exceeds max_position_embeddings {cfg.max_position_embeddings}")
         size = max(length, cfg.max_position_embeddings)  # longrope: one long table, whatever the length past it
         if size not in self._long_rope:  # one length kept: generation grows it a token at a time
-            self._long_rope = {size: rope.tables(size, cfg.kv_channels, cfg.rotary_base, cfg.rope_scaling,
+            self._long_rope = {size: rope.tables(size, cfg.rotary_dim, cfg.rotary_base, cfg.rope_scaling,
                                                  cfg.max_position_embeddings, decided_by=length)}
         return self._long_rope[size]
 
-    def _rotary(self, seq_len: int, dtype: str, positions=None):
+    def _rotary(self, seq_len: int, dtype: str, positions=None, local: bool = False):
         if self._rope is None:
             return None, None
         if positions is not None:  # per token: [b or 1, s, 1, d] gathered on the host
-            cos, sin = self._table(int(positions.max()) + 1)  # dynamic NTK: set by the furthest position
+            cos, sin = self._table(int(positions.max()) + 1, local)  # dynamic NTK: set by the furthest position
             return tuple(ops.tensor(t[positions][:, :, None, :], dtype=dtype) for t in (cos, sin))
-        cos, sin = self._table(seq_len)
+        cos, sin = self._table(seq_len, local)
         if seq_len > self.cfg.max_position_embeddings:  # a length of its own, not kept
             return ops.tensor(cos, dtype=dtype), ops.tensor(sin, dtype=dtype)
-        if (seq_len, dtype) not in self._rope_cache:  # device tensors, built once per length
-            self._rope_cache[seq_len, dtype] = (ops.tensor(cos[:seq_len], dtype=dtype),
-                                                ops.tensor(sin[:seq_len], dtype=dtype))
-        return self._rope_cache[seq_len, dtype]
+        if (seq_len, dtype, local) not in self._rope_cache:  # device tensors, built once per length
+            self._rope_cache[seq_len, dtype, local] = (ops.tensor(cos[:seq_len], dtype=dtype),
+                                                       ops.tensor(sin[:seq_len], dtype=dtype))
+        return self._rope_cache[seq_len, dtype, local]
 
     def output_weight(self):
         if self.pre_process and not self.cfg.untie_embeddings_and_output_weights:
@@ -471,7 +484,8 @@ class GPTModel(nn.Module):
         if self.pre_process:
             x = seams.decoder_input(self.embedding(x, None if positions is None else ops.tensor(positions)))
         cos, sin = self._rotary(seq_len, ops.dtype_of(x), positions)
-        x = self.decoder(x, cos, sin, seams, tokens)
+        local = None if self._local_rope is None else self._rotary(seq_len, ops.dtype_of(x), positions, local=True)
+        x = self.decoder(x, cos, sin, seams, tokens, local)
         if not self.post_process:
             return x
         if self.cfg.reward_head:

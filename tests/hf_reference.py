@@ -54,11 +54,22 @@ MODELS = {
                                          rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
                                                           "short_factor": [1.0 + 0.05 * i for i in range(8)],
                                                           "long_factor": [1.0 + 0.5 * i for i in range(8)]})),
+    # Phi-4-mini's partial rotary: RoPE on the first half of each head's features
+    "phi3-partial-rotary": (T.Phi3Config, dict(COMMON, num_key_value_heads=2, pad_token_id=0, rope_parameters={
+        "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})),
     # Gemma 2: the first layer attends to a 5-token window (the 12 prompt tokens and the 8
     # generated cross it), caps small enough to bend the scores and the logits
     "gemma2": (T.Gemma2Config, dict(COMMON, num_key_value_heads=2, head_dim=16, sliding_window=5,
                                     query_pre_attn_scalar=24, attn_logit_softcapping=0.5,
                                     final_logit_softcapping=1.5, pad_token_id=0)),
+    # Gemma 3's text model: q/k norms, two sliding layers (window 5, RoPE base 100) to each global
+    # one (base 10000, linear scaling), no soft-capping
+    "gemma3": (T.Gemma3TextConfig, dict(COMMON, num_hidden_layers=4, num_key_value_heads=2, head_dim=16,
+                                        sliding_window=5, sliding_window_pattern=3, query_pre_attn_scalar=24,
+                                        pad_token_id=0, rope_parameters={
+                                            "full_attention": {"rope_type": "linear", "factor": 2.0,
+                                                               "rope_theta": 10000.0},
+                                            "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}})),
     "gpt2": (T.GPT2Config, dict(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64,
                                 resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)),
     # mixtures of experts: top-2 of 4, renormalised (Mixtral); a dense first layer, raw top-k
@@ -74,7 +85,7 @@ MODELS = {
 
 
 # greedy generate() with the cache: 8 tokens after the ids, the second row's first 3 ids padding
-GENERATED = ("llama", "qwen3", "gpt2", "llama-dynamic-rope", "phi3-longrope", "gemma2")
+GENERATED = ("llama", "qwen3", "gpt2", "llama-dynamic-rope", "phi3-longrope", "gemma2", "gemma3")
 PAD = 3
 
 

@@ -22,8 +22,9 @@ pytest.importorskip("transformers")
 GEMMA2 = pytest.param("gemma2", marks=[pytest.mark.feature("sliding-window-attention"),
                                        pytest.mark.feature("logit-softcapping")])
 NAMES = ["llama", "llama3-rope", "llama-linear-rope-tied", "llama-yarn", "qwen2-yarn-mscale", "llama-dynamic-rope",
-         "llama-attention-bias", "mistral", "qwen2", "qwen3", "phi3-longrope", GEMMA2, "gpt2", "mixtral", "qwen2-moe",
-         "qwen3-moe"]
+         "llama-attention-bias", "mistral", "qwen2", "qwen3", "phi3-longrope", "phi3-partial-rotary", GEMMA2, "gemma3",
+         "gpt2", "mixtral",
+         "qwen2-moe", "qwen3-moe"]
 
 
 _reference_process = hf_reference_process
@@ -44,12 +45,12 @@ def test_logits_match_transformers(references, name):
 
 @pytest.mark.feature("greedy-generation")
 @pytest.mark.feature("kv-cache")
-@pytest.mark.parametrize("name", ["llama", "qwen3", "gpt2", "llama-dynamic-rope", "phi3-longrope", GEMMA2])
+@pytest.mark.parametrize("name", ["llama", "qwen3", "gpt2", "llama-dynamic-rope", "phi3-longrope", GEMMA2, "gemma3"])
 def test_greedy_generation_matches_transformers(references, name):
     """transformers' generate() (greedy, with its cache) on a batch whose second prompt is
     padded on the left; dynamic NTK past max_position_embeddings as the sequence grows;
-    LongRoPE's long factors from the token past its original length on; Gemma 2's window
-    sliding over the cache."""
+    LongRoPE's long factors from the token past its original length on; Gemma 2's and Gemma 3's
+    windows sliding over the cache (Gemma 3's sliding layers on their own RoPE)."""
     from mindspeed_core.models import generate as gen
 
     ref = np.load(references / f"{name}.npz")
@@ -58,7 +59,7 @@ def test_greedy_generation_matches_transformers(references, name):
 
 
 EXPORTED = ["llama", "llama-attention-bias", "qwen3", "gpt2", "mixtral", "qwen2-moe", "qwen2-yarn-mscale",
-            "phi3-longrope", "gemma2"]
+            "phi3-longrope", "phi3-partial-rotary", "gemma2", "gemma3"]
 
 
 @pytest.fixture(scope="module")
@@ -125,7 +126,7 @@ def test_bad_folders_are_clear_errors(references, tmp_path):
 @pytest.mark.parametrize("change, key", [
     ({"rope_scaling": {"rope_type": "proportional", "factor": 4.0}}, "rope_scaling.rope_type 'proportional'"),
     ({"rope_scaling": {"rope_type": "longrope", "factor": 4.0}}, "rope_scaling.short_factor must be a list"),
-    ({"model_type": "phi3", "partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5"),
+    ({"partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "beta_fast": -1}}, "rope_scaling.beta_fast must be a positive"),
     ({"rope_scaling": {"rope_type": "dynamic"}}, "rope_scaling.factor must be a positive number"),
     ({"rope_scaling": {"rope_type": "linear"}}, "rope_scaling.factor must be a positive number"),

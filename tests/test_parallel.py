@@ -438,10 +438,15 @@ def four_ranks(corpus, data, two_ranks, null_corpus, hf_references, tmp_path_fac
              ["hf-phi3-tp2-pp2", [*HF_LLAMA, "--seq-length", "20", "--data-path", null_corpus, "--load-hf",
                                   str(hf_references / "phi3-longrope"), "--tensor-model-parallel-size", "2",
                                   "--pipeline-model-parallel-size", "2"], False],
-             # Gemma 2 the same way: the second stage's layer numbers decide its window (none)
+             # Gemma 2 and 3 the same way: each stage's layer numbers decide their windows (and
+             # Gemma 3's RoPE of each layer); Gemma 3's four layers, one per virtual stage
              ["hf-gemma2-tp2-pp2", [*HF_LLAMA, "--seq-length", "20", "--data-path", null_corpus, "--load-hf",
                                     str(hf_references / "gemma2"), "--tensor-model-parallel-size", "2",
                                     "--pipeline-model-parallel-size", "2"], False],
+             ["hf-gemma3-tp2-vpp", [*HF_LLAMA, "--num-layers", "4", "--seq-length", "20", "--data-path", null_corpus,
+                                    "--load-hf", str(hf_references / "gemma3"), "--tensor-model-parallel-size", "2",
+                                    "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage",
+                                    "1"], False],
              # the EP2 checkpoint of two_ranks (sharded: each expert once, by its owner) at EP1 x DP4
              ["moe-dp4-from-ep2", [*MOE, "--data-path", data["moe"], "--train-iters", str(ITERS), "--load",
                                    str(two_ranks / "ep2-ckpt")], False],
@@ -618,16 +623,16 @@ def test_a_converted_model_at_tp2_pp2_scores_the_first_batch_as_transformers(fou
 @pytest.mark.feature("longrope")
 @pytest.mark.feature("sliding-window-attention")
 @pytest.mark.feature("logit-softcapping")
-def test_phi3_and_gemma2_at_tp2_pp2_score_the_first_batch_as_transformers(four_ranks, null_corpus, hf_references,
-                                                                          tmp_path):
-    """transformers' Phi-3 (fused qkv_proj and gate_up_proj, LongRoPE) and Gemma 2 (a 5-token
-    window in its first layer, soft-capping) read by --load-hf at TP2 x PP2 on 20-token
+def test_phi3_and_gemma_at_tp2_pp2_score_the_first_batch_as_transformers(four_ranks, null_corpus, hf_references,
+                                                                         tmp_path):
+    """transformers' Phi-3 (fused qkv_proj and gate_up_proj, LongRoPE), Gemma 2 (a 5-token
+    window in its first layer, soft-capping) and Gemma 3 (q/k norms, windows and a local RoPE in
+    its sliding layers; over virtual stages) read by --load-hf at TP2 x PP2 on 20-token
     sequences (past Phi-3's original 16 positions: the long factors): the first batch's loss is
     transformers' within 1e-4."""
-    names = ["phi3-longrope", "gemma2"]
-    wants = first_batch_losses_of_transformers([hf_references / n for n in names], null_corpus, 20, tmp_path)
-    for name, want in zip(names, wants):
-        case = "hf-phi3-tp2-pp2" if name == "phi3-longrope" else f"hf-{name}-tp2-pp2"
+    cases = {"phi3-longrope": "hf-phi3-tp2-pp2", "gemma2": "hf-gemma2-tp2-pp2", "gemma3": "hf-gemma3-tp2-vpp"}
+    wants = first_batch_losses_of_transformers([hf_references / n for n in cases], null_corpus, 20, tmp_path)
+    for (name, case), want in zip(cases.items(), wants):
         got = losses(four_ranks / "out" / f"{case}.jsonl")
         assert list(got) == [1] and abs(got[1] - want) <= 1e-4 * want, (name, got, want)
         assert "TP=2 DP=1 PP=2" in (four_ranks / "out" / f"{case}.log").read_text()

@@ -131,6 +131,25 @@ def test_a_model_from_the_flags_is_the_model_from_the_hugging_face_config(kind):
         assert np.abs(logits[0] - logits[2]).max() > 1e-2 * np.abs(logits[0]).max()
 
 
+def test_rotary_percent_rotates_what_partial_rotary_factor_rotates():
+    """--rotary-percent 0.5 (Megatron's) and a Hugging Face Phi-3 config's partial_rotary_factor
+    0.5: the same logits, the first 8 of each head's 16 features rotated; other logits than
+    with every feature rotated."""
+    from mindspeed_core import nn
+    from mindspeed_core.compat import hf
+
+    from_flags = configuration.model_config(training_parser().parse_args([*SIZES, "--rotary-percent", "0.5"]), 32)
+    assert (from_flags.kv_channels, from_flags.rotary_dim) == (16, 8)
+    from_hf = hf.config_from_hf(hf.hf_config(dataclasses.replace(from_flags, family="phi3")))
+    assert from_hf.rotary_percent == 0.5
+    models = [GPTModel(c) for c in (from_flags, from_hf, dataclasses.replace(from_flags, rotary_percent=1.0))]
+    for m in models[1:]:
+        nn.load_state_dict(m, nn.state_dict(models[0]))
+    logits = [ops.to_numpy(m(ops.tensor(np.arange(8)[None]))) for m in models]
+    np.testing.assert_allclose(logits[0], logits[1], rtol=1e-6, atol=1e-6)
+    assert np.abs(logits[0] - logits[2]).max() > 1e-2 * np.abs(logits[0]).max()
+
+
 @pytest.mark.feature("yarn")
 def test_a_run_trains_with_yarn_flags(capsys, corpus, tmp_path):  # noqa: F811
     """The flags reach the trained model: the first loss is not the unscaled run's, and the run

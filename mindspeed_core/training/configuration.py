@@ -50,6 +50,7 @@ _MODEL_FLAGS = {  # flag -> ModelConfig field
     "num_layers": "num_layers", "hidden_size": "hidden_size", "ffn_hidden_size": "ffn_hidden_size",
     "num_attention_heads": "num_attention_heads", "num_query_groups": "num_query_groups",
     "kv_channels": "kv_channels", "norm_epsilon": "norm_epsilon", "rotary_base": "rotary_base",
+    "rotary_percent": "rotary_percent",
     "init_method_std": "init_method_std", "attention_dropout": "attention_dropout", "hidden_dropout": "hidden_dropout",
 }
 
