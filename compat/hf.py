@@ -66,13 +66,26 @@ def _rope(hf: dict) -> tuple[float, dict | None]:
     return theta, scaling or None
 
 
+def _window(hf: dict, base: str) -> tuple[int | None, tuple | None]:
+    """(sliding_window, sliding_window_layers) as transformers reads them: Mistral's and Phi-3's
+    window in every layer; Qwen's, with use_sliding_window, in its layer_types' sliding layers
+    (by default those from max_window_layers on); Llama has none."""
+    window = hf.get("sliding_window")
+    if not window or base not in ("mistral", "phi3", "qwen2", "qwen3"):
+        return None, None
+    if base in ("mistral", "phi3"):
+        return window, None
+    if not hf.get("use_sliding_window"):
+        return None, None
+    layers = hf["num_hidden_layers"]
+    types = hf.get("layer_types") or ["sliding_attention" if i >= hf.get("max_window_layers", 28) else "full_attention"
+                                      for i in range(layers)]
+    sliding = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+    return (window, sliding) if sliding else (None, None)
+
+
 def _refuse_unsupported(hf: dict, kind: str) -> None:
     """Settings that change the math and that our model does not implement."""
-    window = hf.get("sliding_window")
-    windowed = hf.get("use_sliding_window") if kind in ("qwen2", "qwen3") else kind in ("mistral", "phi3")
-    if windowed and window is not None and window < hf.get("max_position_embeddings", 2048):
-        raise CheckpointError(f"config.json: sliding-window attention (sliding_window {window!r} below "
-                              f"max_position_embeddings) is not supported; set sliding_window to null")
     if _partial_rotary(hf) != 1.0 and kind != "phi3":  # Phi-3's transformers rotates the first features
         raise CheckpointError(f"config.json: partial_rotary_factor {_partial_rotary(hf)!r} (RoPE on part of each "
                               f"head) is not supported for {kind}")
@@ -155,7 +168,8 @@ def _decoder_config_from_hf(hf: dict) -> ModelConfig:
         rotary_base=theta, rope_scaling=scaling, add_qkv_bias=bool(qwen2_bias or attention_bias),
         add_bias_linear=bool(hf.get("mlp_bias")) and kind == "llama", attention_output_bias=attention_bias,
         qk_layernorm=base == "qwen3", untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
-        rotary_percent=float(_partial_rotary(hf)), moe=moe, moe_layers=moe_layers)
+        rotary_percent=float(_partial_rotary(hf)), moe=moe, moe_layers=moe_layers,
+        **dict(zip(("sliding_window", "sliding_window_layers"), _window(hf, base))))
 
 
 def _gemma3_rope(hf: dict) -> tuple[float, dict | None, float]:
@@ -295,7 +309,9 @@ def _decoder_hf_config(cfg: ModelConfig) -> dict:
                 "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
     arch = _ARCHITECTURES[cfg.family]
     base = MOE_BASE.get(cfg.family, cfg.family)
-    foreign = [f for f in _GEMMA_FIELDS if getattr(cfg, f)] + (["activation"] if cfg.activation != "swiglu" else [])
+    windowed = base in ("mistral", "phi3", "qwen2", "qwen3")  # families whose transformers model has sliding windows
+    foreign = [f for f in _GEMMA_FIELDS if getattr(cfg, f) and not (windowed and f == "sliding_window")]
+    foreign += ["activation"] if cfg.activation != "swiglu" else []
     if cfg.rotary_percent != 1.0 and cfg.family != "phi3":
         foreign.append("partial_rotary_factor")
     if cfg.family not in GEMMA and foreign:
@@ -320,9 +336,17 @@ def _decoder_hf_config(cfg: ModelConfig) -> dict:
         out["attention_bias"] = cfg.add_qkv_bias
     if cfg.family == "llama":
         out["mlp_bias"] = cfg.add_bias_linear
-    if base in ("mistral", "qwen2", "qwen3"):
-        out["sliding_window"] = None
-        out["use_sliding_window"] = False
+    every = list(range(cfg.num_layers))
+    if base in ("mistral", "phi3"):
+        if cfg.sliding_window_layers not in (None, tuple(every)):
+            raise CheckpointError(f"{cfg.family} slides its window in every layer or none: this model slides it in "
+                                  f"layers {list(cfg.sliding_window_layers)}")
+        out["sliding_window"] = cfg.sliding_window
+    if base in ("qwen2", "qwen3"):
+        sliding = every if cfg.sliding_window_layers is None else cfg.sliding_window_layers
+        out.update(sliding_window=cfg.sliding_window, use_sliding_window=cfg.sliding_window is not None,
+                   max_window_layers=min(sliding, default=cfg.num_layers), layer_types=[
+                       "sliding_attention" if cfg.sliding_window and i in sliding else "full_attention" for i in every])
     if cfg.family == "phi3":
         if cfg.kv_channels * cfg.num_attention_heads != cfg.hidden_size or cfg.add_qkv_bias or cfg.add_bias_linear:
             raise CheckpointError("phi3 has heads of hidden_size / num_attention_heads and no biases")
@@ -330,7 +354,7 @@ def _decoder_hf_config(cfg: ModelConfig) -> dict:
             raise CheckpointError(f"phi3's RoPE scaling is longrope only, not {cfg.rope_scaling.get('rope_type')}")
         del out["head_dim"]
         # transformers' defaults name token 32000 as padding and end, which a smaller vocabulary lacks
-        out.update(sliding_window=None, pad_token_id=None, bos_token_id=None, eos_token_id=None,
+        out.update(pad_token_id=None, bos_token_id=None, eos_token_id=None,
                    original_max_position_embeddings=(cfg.rope_scaling or {}).get(
                        "original_max_position_embeddings", cfg.max_position_embeddings))
     if cfg.family in GEMMA:

@@ -483,7 +483,7 @@ FEATURES: tuple[Feature, ...] = (
                       "it (chosen by the furthest position, as transformers does), the attention scale; from the "
                       "flags (MindSpeed-LLM's) or a Hugging Face config"),
             supported("as on PyTorch (tables built on the host)"), _eq("rope_scaling_type", "longrope")),
-    Feature("sliding-window-attention", "Sliding-window attention (Gemma 2's alternate layers, Mistral's)", "models",
+    Feature("sliding-window-attention", "Sliding-window attention (Gemma 2/3's, Mistral's, Qwen's)", "models",
             ("--sliding-window", "--interleave-sliding-window"),
             supported("a query sees itself and the window - 1 tokens before it, in every layer (--sliding-window) "
                       "or every other one from the first (--interleave-sliding-window, Gemma 2's); one more mask "

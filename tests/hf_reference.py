@@ -47,6 +47,10 @@ MODELS = {
     "llama-attention-bias": (T.LlamaConfig, dict(COMMON, num_key_value_heads=2, attention_bias=True)),
     "mistral": (T.MistralConfig, dict(COMMON, num_key_value_heads=1, sliding_window=None, head_dim=16)),
     "qwen2": (T.Qwen2Config, dict(COMMON, num_key_value_heads=2, tie_word_embeddings=True)),
+    # sliding windows of 5 tokens: Mistral's in every layer, Qwen2's from layer max_window_layers on
+    "mistral-sliding": (T.MistralConfig, dict(COMMON, num_key_value_heads=1, sliding_window=5, head_dim=16)),
+    "qwen2-sliding": (T.Qwen2Config, dict(COMMON, num_key_value_heads=2, use_sliding_window=True, sliding_window=5,
+                                          max_window_layers=1)),
     "qwen3": (T.Qwen3Config, dict(COMMON, num_key_value_heads=2, head_dim=32)),
     # Phi-3.5: fused qkv_proj / gate_up_proj, LongRoPE switching from the short to the long
     # factors past 16 positions (the 12 prompt tokens use the short ones, generation crosses over)
@@ -85,7 +89,7 @@ MODELS = {
 
 
 # greedy generate() with the cache: 8 tokens after the ids, the second row's first 3 ids padding
-GENERATED = ("llama", "qwen3", "gpt2", "llama-dynamic-rope", "phi3-longrope", "gemma2", "gemma3")
+GENERATED = ("llama", "qwen3", "gpt2", "llama-dynamic-rope", "phi3-longrope", "gemma2", "gemma3", "mistral-sliding")
 PAD = 3
 
 

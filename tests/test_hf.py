@@ -22,7 +22,7 @@ pytest.importorskip("transformers")
 GEMMA2 = pytest.param("gemma2", marks=[pytest.mark.feature("sliding-window-attention"),
                                        pytest.mark.feature("logit-softcapping")])
 NAMES = ["llama", "llama3-rope", "llama-linear-rope-tied", "llama-yarn", "qwen2-yarn-mscale", "llama-dynamic-rope",
-         "llama-attention-bias", "mistral", "qwen2", "qwen3", "phi3-longrope", "phi3-partial-rotary", GEMMA2, "gemma3",
+         "llama-attention-bias", "mistral", "mistral-sliding", "qwen2", "qwen2-sliding", "qwen3", "phi3-longrope", "phi3-partial-rotary", GEMMA2, "gemma3",
          "gpt2", "mixtral",
          "qwen2-moe", "qwen3-moe"]
 
@@ -45,7 +45,8 @@ def test_logits_match_transformers(references, name):
 
 @pytest.mark.feature("greedy-generation")
 @pytest.mark.feature("kv-cache")
-@pytest.mark.parametrize("name", ["llama", "qwen3", "gpt2", "llama-dynamic-rope", "phi3-longrope", GEMMA2, "gemma3"])
+@pytest.mark.parametrize("name", ["llama", "qwen3", "gpt2", "llama-dynamic-rope", "phi3-longrope", GEMMA2, "gemma3",
+                                  "mistral-sliding"])
 def test_greedy_generation_matches_transformers(references, name):
     """transformers' generate() (greedy, with its cache) on a batch whose second prompt is
     padded on the left; dynamic NTK past max_position_embeddings as the sequence grows;
@@ -59,7 +60,7 @@ def test_greedy_generation_matches_transformers(references, name):
 
 
 EXPORTED = ["llama", "llama-attention-bias", "qwen3", "gpt2", "mixtral", "qwen2-moe", "qwen2-yarn-mscale",
-            "phi3-longrope", "phi3-partial-rotary", "gemma2", "gemma3"]
+            "phi3-longrope", "phi3-partial-rotary", "gemma2", "gemma3", "mistral-sliding", "qwen2-sliding"]
 
 
 @pytest.fixture(scope="module")
@@ -130,7 +131,6 @@ def test_bad_folders_are_clear_errors(references, tmp_path):
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "beta_fast": -1}}, "rope_scaling.beta_fast must be a positive"),
     ({"rope_scaling": {"rope_type": "dynamic"}}, "rope_scaling.factor must be a positive number"),
     ({"rope_scaling": {"rope_type": "linear"}}, "rope_scaling.factor must be a positive number"),
-    ({"use_sliding_window": True, "sliding_window": 16, "model_type": "qwen2"}, "sliding_window 16"),
 ])
 def test_unsupported_configs_are_refused_naming_the_key(references, tmp_path, change, key):
     """Refused naming the config key and its value; from the command line (once): exit 2 and
