@@ -657,7 +657,7 @@ def _read_tensors(folder: str) -> dict:
     for shard in shards:
         tensors, _ = tensor_files.load(_inside(folder, shard))
         for name, t in tensors.items():
-            state[name] = (t.array.astype(np.uint32) << 16).view(np.float32) if t.dtype == "bfloat16" else t.array
+            state[name] = t.float32() if t.dtype == "bfloat16" else t.array
     return state
 
 

@@ -41,7 +41,6 @@ import re
 
 import numpy as np
 
-from mindspeed_core.backends.common import float32_to_bf16_bits
 from mindspeed_core.compat import torch_dist, torch_pickle
 from mindspeed_core.errors import CheckpointError
 from mindspeed_core.models.config import LoRAConfig, ModelConfig, MoEConfig
@@ -173,12 +172,6 @@ def _layer_names(names: list[str], number: int) -> list[str]:
     return [n[len(prefix):] for n in names if n.startswith(prefix)]
 
 
-def _host(array: np.ndarray, dtype: str) -> HostTensor:
-    if dtype == "bfloat16":
-        return HostTensor(float32_to_bf16_bits(array), "bfloat16")
-    return HostTensor(np.ascontiguousarray(array, np.float16 if dtype == "float16" else np.float32), dtype)
-
-
 def split(cfg: ModelConfig, whole: dict, layout: Layout, dtype: str = "float32") -> dict:
     """{(tp rank, pp rank, ep rank): [state dict of each model chunk]} in mcore's names, each
     tensor a HostTensor of ``dtype``."""
@@ -198,7 +191,7 @@ def split(cfg: ModelConfig, whole: dict, layout: Layout, dtype: str = "float32")
                     def put(key, full, spec):
                         if spec is not None and layout.tp > 1:
                             full = shard(full, spec, layout.tp, t)
-                        state[key] = _host(full, dtype)
+                        state[key] = HostTensor.of(full, dtype)
 
                     for key, ours in _stage_names(cfg, stages, stage).items():
                         full = np.asarray(whole[ours])
@@ -244,7 +237,7 @@ def _put_experts(cfg, state, prefix, rest, full, layout, t, e, dtype) -> None:
             raise CheckpointError(f"unexpected expert tensor {rest}")
         if layout.tp > 1:
             weight = shard(np.ascontiguousarray(weight), spec, layout.tp, t)
-        state[f"{prefix}local_experts.{j}.{key}.weight"] = _host(weight, dtype)
+        state[f"{prefix}local_experts.{j}.{key}.weight"] = HostTensor.of(weight, dtype)
         state[f"{prefix}local_experts.{j}.{key}._extra_state"] = None
 
 
@@ -370,9 +363,7 @@ def _iteration_folder(root: str) -> str | None:
 def _float32(t) -> np.ndarray:
     if not isinstance(t, HostTensor):
         raise CheckpointError(f"expected a tensor, found {type(t).__name__}")
-    if t.dtype == "bfloat16":
-        return (t.array.astype(np.uint32) << 16).view(np.float32)
-    return t.array.astype(np.float32)
+    return t.float32()
 
 
 @dataclasses.dataclass

@@ -231,12 +231,6 @@ def read_index(folder: str) -> dict:
     return out
 
 
-def _float32(t: HostTensor) -> np.ndarray:
-    if t.dtype == "bfloat16":
-        return (t.array.astype(np.uint32) << 16).view(np.float32)
-    return t.array.astype(np.float32)
-
-
 def read_tensor(folder: str, key: str, tensor: Tensor) -> np.ndarray:
     """The whole of ``key`` (a model's tensor) as float32, from its chunks."""
     if tensor.dtype not in ("float32", "bfloat16", "float16"):
@@ -255,7 +249,7 @@ def read_tensor(folder: str, key: str, tensor: Tensor) -> np.ndarray:
         value = torch_pickle.loads(data, f"{path} (the chunk of {key} at {c.offset})")
         if not isinstance(value, HostTensor) or value.array.shape != c.shape:
             raise CheckpointError(f"{path}: the chunk of {key} at {c.offset} is not a tensor of {c.shape}")
-        out[tuple(slice(o, o + s) for o, s in zip(c.offset, c.shape))] = _float32(value)
+        out[tuple(slice(o, o + s) for o, s in zip(c.offset, c.shape))] = value.float32()
     return out
 
 
@@ -304,17 +298,6 @@ def _dcp(name: str, state) -> torch_pickle.Instance:
     return torch_pickle.Instance(torch_pickle.Global(_DCP, name), state)
 
 
-def _host(values: np.ndarray, dtype: str) -> HostTensor:
-    from mindspeed_core.backends.common import float32_to_bf16_bits
-
-    values = np.ascontiguousarray(values, np.float32)
-    if dtype == "bfloat16":
-        return HostTensor(float32_to_bf16_bits(values), "bfloat16")
-    if dtype == "float16":
-        return HostTensor(values.astype(np.float16), "float16")
-    return HostTensor(values, "float32")
-
-
 def write_rank_file(folder: str, rank: int, chunks: list, objects: list) -> tuple[list, str | None]:
     """Write this rank's ``chunks`` (model_chunks' tuples: megatron-core key, its whole shape,
     the box's offset and values, dtype) and ``objects`` (keys of _extra_state objects, None
@@ -327,7 +310,7 @@ def write_rank_file(folder: str, rank: int, chunks: list, objects: list) -> tupl
     path = os.path.join(folder, fname)
     with open(path, "wb") as fh:
         for key, whole, offset, values, dtype in chunks:
-            data = torch_pickle.dumps(_host(values, dtype))
+            data = torch_pickle.dumps(HostTensor.of(values, dtype))
             fh.write(data)
             index.append([key, list(whole), dtype, list(offset), list(np.shape(values)), fname, at, len(data)])
             at += len(data)

@@ -39,6 +39,22 @@ class HostTensor:
         self.array = np.ascontiguousarray(array)
         self.dtype = dtype or str(self.array.dtype)
 
+    @classmethod
+    def of(cls, values: np.ndarray, dtype: str) -> "HostTensor":
+        """Float values stored as ``dtype``: bfloat16 (rounded to nearest even), float16, else float32."""
+        from mindspeed_core.backends.common import float32_to_bf16_bits
+
+        values = np.ascontiguousarray(values, np.float32)
+        if dtype == "bfloat16":
+            return cls(float32_to_bf16_bits(values), "bfloat16")
+        return cls(values.astype(np.float16) if dtype == "float16" else values)
+
+    def float32(self) -> np.ndarray:
+        """The values widened to float32 (bfloat16's bits shifted into place)."""
+        if self.dtype == "bfloat16":
+            return (self.array.astype(np.uint32) << 16).view(np.float32)
+        return self.array.astype(np.float32)
+
 
 def save(path: str, tensors: dict[str, HostTensor], metadata: dict | None = None,
          raw_metadata: dict[str, str] | None = None) -> str:
@@ -194,7 +210,7 @@ def load_tensors(path: str, make_tensor) -> tuple[dict, dict | None]:
     out = {}
     for name, t in host.items():
         if t.dtype == "bfloat16":
-            out[name] = make_tensor((t.array.astype(np.uint32) << 16).view(np.float32), dtype="bfloat16")
+            out[name] = make_tensor(t.float32(), dtype="bfloat16")
         else:
             out[name] = make_tensor(t.array, dtype=str(t.array.dtype))
     return out, metadata

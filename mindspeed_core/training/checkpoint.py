@@ -287,8 +287,7 @@ def _digest(meta: dict, name: str) -> str | None:
 
 def _arrays(path: str, sha256: str | None) -> tuple[dict, dict | None]:
     host, meta = tensor_files.load(path, sha256)
-    return {k: (t.array.astype(np.uint32) << 16).view(np.float32) if t.dtype == "bfloat16"
-            else t.array.astype(np.float32) for k, t in host.items()}, meta
+    return {k: t.float32() for k, t in host.items()}, meta
 
 
 def load_model_arrays(root: str, iteration: int) -> dict:

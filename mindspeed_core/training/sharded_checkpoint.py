@@ -31,7 +31,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from mindspeed_core import features, files, tensor_files
-from mindspeed_core.backends.common import float32_to_bf16_bits
 from mindspeed_core.compat import torch_dist
 from mindspeed_core.errors import CheckpointError, MindSpeedError
 from mindspeed_core.parallel.sharding import flat_boxes, intersect, placement, region, with_experts
@@ -94,19 +93,6 @@ def _dtype_tag(dtype: str) -> str:
     return dtype if dtype in ("bfloat16", "float16") else "float32"
 
 
-def _stored(values: np.ndarray, dtype: str) -> tensor_files.HostTensor:
-    values = np.ascontiguousarray(values, np.float32)
-    if dtype == "bfloat16":
-        return tensor_files.HostTensor(float32_to_bf16_bits(values), "bfloat16")
-    return tensor_files.HostTensor(values.astype(np.float16) if dtype == "float16" else values)
-
-
-def _widened(t: tensor_files.HostTensor) -> np.ndarray:
-    if t.dtype == "bfloat16":
-        return (t.array.astype(np.uint32) << 16).view(np.float32)
-    return t.array.astype(np.float32)
-
-
 def write_rank_file(folder: str, rank: int, sections: dict) -> tuple[dict, str | None, str | None]:
     """Write this rank's pieces: ``sections`` {"model"|"optimizer": [(Held, values, dtype)]}
     (values: numpy, the held data: the rank's tensor, or its flat slice). Returns (its part of
@@ -121,7 +107,7 @@ def write_rank_file(folder: str, rank: int, sections: dict) -> tuple[dict, str |
                 continue
             for box, at, local, whole in h.parts(primary_only=True):
                 data = values if h.flat is None else values[at:at + int(np.prod(box[1]))].reshape(box[1])
-                stored = _stored(data[region(local, within=box)], dtype)
+                stored = tensor_files.HostTensor.of(data[region(local, within=box)], dtype)
                 key = f"{section}/{h.name}/{len(record['pieces'])}"
                 entries[key] = stored
                 record["pieces"].append([fname, key, list(whole[0]), list(whole[1]),
@@ -197,7 +183,7 @@ class Reader:
             got, nbytes, self._headers[fname] = tensor_files.read_some(self._path(fname), keys,
                                                                         self._headers.get(fname))
             self.bytes_read += nbytes
-            values.update({(fname, k): _widened(t) for k, t in got.items()})
+            values.update({(fname, k): t.float32() for k, t in got.items()})
         size = int(np.prod(h.shape)) if h.flat is None else h.flat[1] - h.flat[0]
         out, filled = np.zeros(size, np.float32), 0
         for box, at, local, whole in needed:
@@ -231,7 +217,7 @@ class Reader:
                 if key not in loaded[fname]:
                     raise CheckpointError(f"{self._path(fname)} holds no tensor {key!r}: the checkpoint's index names "
                                           f"one it lacks")
-                array[region((tuple(offset), tuple(shape)))] = _widened(loaded[fname][key]).reshape(shape)
+                array[region((tuple(offset), tuple(shape)))] = loaded[fname][key].float32().reshape(shape)
             out[name] = array
         return out
 
