@@ -85,6 +85,8 @@ def add_feature_args(parser: argparse.ArgumentParser) -> None:
     p = parser.add_argument_group("parallelism")
     p.add_argument("--tensor-model-parallel-size", type=POSITIVE_INT, default=1)
     p.add_argument("--pipeline-model-parallel-size", type=POSITIVE_INT, default=1)
+    p.add_argument("--schedules-method", choices=("dualpipev",), default=None,
+                   help="MindSpeed's DualPipeV schedule (refused: the matrix's dualpipe row)")
     p.add_argument("--num-layers-per-virtual-pipeline-stage", type=POSITIVE_INT, default=None)
     p.add_argument("--sequence-parallel", action="store_true")
     p.add_argument("--noop-layers", type=str, default=None,
@@ -119,9 +121,18 @@ def add_feature_args(parser: argparse.ArgumentParser) -> None:
     e.add_argument("--moe-router-num-groups", type=POSITIVE_INT, default=None)
     e.add_argument("--moe-router-group-topk", type=POSITIVE_INT, default=None)
     # softmax_topk: MindSpeed-LLM's softmax over every expert, then the top k (no aux loss term)
+    # pai_megatron_aux_loss: MindSpeed-LLM's (from PAI-Megatron) top-k of the softmax over every
+    # expert, kept as they are, with the aux loss
     e.add_argument("--moe-router-load-balancing-type", choices=("aux_loss", "seq_aux_loss", "none", "softmax_topk",
-                                                                "sparsemixer_topk"),
+                                                                "sparsemixer_topk", "pai_megatron_aux_loss"),
                    default="aux_loss")
+    e.add_argument("--seq-aux", action="store_true",
+                   help="MindSpeed-LLM's: the aux loss per sequence (as seq_aux_loss)")
+    e.add_argument("--n-shared-experts", type=POSITIVE_INT, default=None,
+                   help="MindSpeed-LLM's: a shared expert N times --moe-ffn-hidden-size wide (unless "
+                        "--moe-shared-expert-intermediate-size gives its width)")
+    e.add_argument("--moe-tp-extend-ep", action="store_true",
+                   help="MindSpeed's experts over TP x EP ranks (refused: the matrix's moe-tp-extend-ep row)")
     e.add_argument("--norm-topk-prob", action="store_true",
                    help="renormalise the top-k weights to sum to one (MindSpeed-LLM; with softmax_topk)")
     e.add_argument("--moe-aux-loss-coeff", type=NON_NEGATIVE, default=0.0)
@@ -153,6 +164,8 @@ def add_feature_args(parser: argparse.ArgumentParser) -> None:
     m.add_argument("--o2-optimizer", action="store_true")
     m.add_argument("--o2-gradient", action="store_true", help="MindSpeed's O2: gradients kept in bf16")
     m.add_argument("--swap-optimizer", action="store_true", help="MindSpeed: optimizer states swapped to the host")
+    m.add_argument("--swap-optimizer-times", type=POSITIVE_INT, default=None,
+                   help="--swap-optimizer's number of swaps per step (refused with it: the swap-optimizer row)")
     m.add_argument("--recompute-activation-function", action="store_true",
                    help="MindSpeed: recompute the MLP's activation function in backward (its output is not kept) in "
                         "the layers full recompute leaves alone")
@@ -316,6 +329,19 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
     m.add_argument("--add-output-layer-bias", action="store_true", default=None,
                    help="a bias on the output layer (refused: the matrix's output-layer-bias row)")
     m.add_argument("--qk-layernorm", action="store_true", default=None)
+    # DeepSeek's multi-head latent attention and multi-token prediction (refused: the matrix's
+    # multi-latent-attention and multi-token-prediction rows, not built yet)
+    m.add_argument("--multi-latent-attention", action="store_true", default=None)
+    m.add_argument("--q-lora-rank", type=POSITIVE_INT, default=None)
+    m.add_argument("--kv-lora-rank", type=POSITIVE_INT, default=None)
+    m.add_argument("--qk-head-dim", type=POSITIVE_INT, default=None)
+    m.add_argument("--qk-pos-emb-head-dim", type=POSITIVE_INT, default=None)
+    m.add_argument("--v-head-dim", type=POSITIVE_INT, default=None)
+    m.add_argument("--mla-fa-without-pad", action="store_true", default=None)
+    m.add_argument("--mla-mm-split", action="store_true", default=None)
+    m.add_argument("--mtp-num-layers", type=POSITIVE_INT, default=None)
+    m.add_argument("--mtp-loss-scaling-factor", type=NON_NEGATIVE, default=None)
+    m.add_argument("--mtp-mem-efficient-logits", action="store_true", default=None)
     # Gemma 2 (MindSpeed-LLM's spellings): RMSNorm weights as offsets from one, a norm after
     # attention and after the MLP, embeddings times sqrt(hidden), a gated GELU (--gelu-tanh: its
     # tanh form), the score scale query_pre_attn_scalar ** -0.5, tanh soft-capping, and a
@@ -355,6 +381,12 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
     d = parser.add_argument_group("data")
     d.add_argument("--data-path", nargs="+", default=None, help="prefix, or weight/prefix pairs")
     d.add_argument("--split", default="969,30,1")
+    d.add_argument("--alternative-prompt", action="store_true",
+                   help="evaluation: MindSpeed-LLM's other prompt wording (refused: the matrix's "
+                        "evaluation-alternative-prompt row)")
+    d.add_argument("--dataloader-type", choices=("single", "cyclic", "external"), default=None,
+                   help="single: each step's consecutive global batch (what runs here); cyclic and external are "
+                        "refused by the matrix's dataloader-order row")
     add_tokenizer_args(d)
 
     c = parser.add_argument_group("checkpoints and logging")
@@ -412,6 +444,22 @@ _SAME_RESULTS = ("a performance option of MindSpeed's MoE kernels; the experts h
 # are parsed so that those scripts run unchanged; tests/test_flags.py checks each has no effect.
 # (flag -> (argparse keywords, reason))
 ACCEPTED_NO_OPS = {
+    "--broadcast": ({"action": "store_true"},
+                    "evaluation runs in one process here and generation's tensor-parallel ranks draw the same "
+                    "tokens: there is nothing to broadcast"),
+    "--moe-router-dtype": ({"choices": ("fp32",), "default": None},
+                           "the router's logits, scores and weights are float32 here, whatever the model's dtype"),
+    "--distributed-timeout-minutes": ({"type": POSITIVE_INT, "default": None},
+                                      "the collectives keep the framework's default timeout; a rank that dies stops "
+                                      "the job through the launcher"),
+    "--num-workers": ({"type": COUNT, "default": None},
+                      "the data is read in the training process from memory-mapped indexed files; there are no loader "
+                      "workers"),
+    "--no-bias-swiglu-fusion": ({"action": "store_true"},
+                                "the MLP has no bias to fuse into SwiGLU here; --use-fused-swiglu chooses its kernel"),
+    "--shape-order": ({"choices": ("SBH", "BSH", "BSND", "BNSD", "TND"), "default": None},
+                      "the tensor layout inside MindSpeed's fused attention kernel; attention here takes [batch, seq, "
+                      "heads, dim] whatever the value"),
     "--use-mcore-models": ({"action": "store_true"}, "the models here are megatron-core's (there is no legacy model)"),
     "--distributed-backend": ({"choices": ("nccl", "gloo", "hccl", "mccl"), "default": None},
                               "the framework's launcher picks the collectives' backend for the device"),

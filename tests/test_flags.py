@@ -52,6 +52,7 @@ VALUES = {
     "--local-rank": ["0"], "--spec": ["mindspeed_llm.tasks.models.spec.qwen3_spec", "layer_spec"],
     "--model-type-hf": ["qwen3"], "--long-factor": ["2,2,3,3"], "--short-factor": ["1,1,1.5,1.5"],
     "--long-mscale": ["1.5"], "--short-mscale": ["1.25"], "--moe-input-jitter-eps": ["0.01"],
+    "--dataloader-type": ["cyclic"],  # single is what runs here; the others are gated
 }
 
 
@@ -75,6 +76,8 @@ REQUIRES = {
         "--moe-router-enable-expert-bias", "--moe-expert-capacity-factor", "--moe-layer-freq",
         "--first-k-dense-replace")},
     "--moe-input-jitter-eps": ["--num-experts", "4"],
+    "--seq-aux": ["--num-experts", "4", "--moe-aux-loss-coeff", "0.01"],
+    "--n-shared-experts": ["--num-experts", "4"],
     # longrope's lists and scales qualify --rope-scaling-type longrope (heads of 8 dimensions: 4 factors)
     "--long-factor": ["--rope-scaling-type", "longrope", "--short-factor", "1,1,1,1",
                       "--rope-scaling-original-max-position-embeddings", "4"],

@@ -3,8 +3,8 @@ becomes the text a chat model reads.
 
 Two kinds, as MindSpeed-LLM users know them:
 
-- ``--prompt-type NAME``: one of TEMPLATES (empty, alpaca, chatml, qwen, qwen3, llama2, llama3, gemma),
-  written here;
+- ``--prompt-type NAME``: one of TEMPLATES (empty, alpaca, chatml, qwen, qwen3, llama2, llama3,
+  deepseek2, deepseek2-lite, deepseek3, gemma), written here;
 - a Hugging Face ``chat_template`` (tokenizer_config.json's, or the folder's
   chat_template.jinja), rendered by jinja2's immutable sandbox as transformers renders it: the
   template language runs, Python attribute access and mutation of the messages do not.
@@ -93,6 +93,10 @@ TEMPLATES = {t.name: t for t in (
              user="<|start_header_id|>user<|end_header_id|>\n\n{content}<|eot_id|>",
              generation="<|start_header_id|>assistant<|end_header_id|>\n\n", assistant="{content}<|eot_id|>",
              stop=("<|eot_id|>",)),
+    # DeepSeek's, as MindSpeed-LLM writes them: each reply ends with the end of document
+    *(Template(name, begin="<｜begin▁of▁sentence｜>", system="{content}\n\n", user="User: {content}\n\nAssistant:",
+               assistant="{content}") for name in ("deepseek2", "deepseek2-lite")),
+    Template("deepseek3", begin="<｜begin▁of▁sentence｜>", user="<｜User｜>{content}<｜Assistant｜>", assistant="{content}"),
     # Gemma (as its own chat template writes it): turns of user and model, no system role (a
     # system message opens the first user turn)
     Template("gemma", begin="<bos>", system="<start_of_turn>user\n{content}\n\n", first_user="{content}<end_of_turn>\n",

@@ -396,9 +396,13 @@ def _model_config(args, vocab_size: int) -> ModelConfig:
     base["max_position_embeddings"] = max(args.max_position_embeddings or 0, args.seq_length,
                                           base.get("max_position_embeddings", 0))
     try:
-        return ModelConfig(**base)
+        cfg = ModelConfig(**base)
     except (TypeError, ValueError) as exc:
         raise MindSpeedError(f"model configuration: {exc}") from None
+    if cfg.moe is not None and cfg.moe.shared_expert_size is None and args.n_shared_experts:
+        # MindSpeed-LLM's --n-shared-experts: a shared expert as wide as N routed ones
+        cfg.moe.shared_expert_size = args.n_shared_experts * (cfg.moe.ffn_hidden_size or cfg.ffn_hidden_size)
+    return cfg
 
 
 # MindSpeed-LLM's layer specs (--spec MODULE FUNCTION) -> the model family that builds those layers here
@@ -476,6 +480,11 @@ def _moe_config(args, num_layers: int) -> tuple[MoEConfig, tuple | None]:
     softmax_topk = args.moe_router_load_balancing_type == "softmax_topk"
     norm = args.norm_topk_prob if softmax_topk else not args.moe_router_pre_softmax
     balancing = "none" if softmax_topk else args.moe_router_load_balancing_type
+    if balancing == "pai_megatron_aux_loss":  # the softmax over every expert's top k as they are, the aux loss
+        balancing, norm = "aux_loss", False
+    if args.seq_aux:  # MindSpeed-LLM's per-sequence aux loss, whatever the balancing type says
+        balancing = "seq_aux_loss"
+
     try:
         moe = MoEConfig(
             num_experts=args.num_experts, topk=args.moe_router_topk, ffn_hidden_size=args.moe_ffn_hidden_size,

@@ -14,7 +14,7 @@ import re
 import shlex
 import sys
 
-FAMILIES = ("llama2", "qwen25", "qwen3", "qwen3_moe", "phi35", "gemma2")
+FAMILIES = ("llama2", "qwen25", "qwen3", "qwen3_moe", "phi35", "gemma2", "deepseek3", "deepseek2_lite")
 ENTRY_POINTS = ("pretrain_gpt.py", "posttrain_gpt.py", "preprocess_data.py", "convert_ckpt.py", "convert_ckpt_v2.py",
                 "inference.py", "evaluation.py")
 PATHISH = re.compile(r"(path|dir|your|\.json|\.model|/)", re.I)
@@ -46,7 +46,8 @@ def script_calls(path: pathlib.Path) -> list[dict]:
         entry = next((e for e in ENTRY_POINTS if re.search(r"(^|[\s/])" + re.escape(e) + r"(\s|$)", line)), None)
         if entry is None or line.lstrip().startswith("#"):
             continue
-        command = _expand(line.split("|")[0].split(">")[0], env)
+        # the command ends at a pipe or a redirection (2>&1 included)
+        command = _expand(re.split(r"\|\s*|\d?>", line)[0], env)
         try:
             words = shlex.split(command, comments=True)
         except ValueError:
