@@ -71,16 +71,6 @@ def measure_matmul_rate(ops, synchronize, n: int = 1024, dtype: str = "float32",
                 return 2.0 * n ** 3 * reps / elapsed
 
 
-def float32_to_bf16_bits(values: np.ndarray) -> np.ndarray:
-    """float32 -> bfloat16 bit patterns, rounding to nearest even (exact for bf16 values)."""
-    v = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
-    rounded = v + 0x7FFF + ((v >> 16) & 1)
-    out = (rounded >> 16).astype(np.uint16)
-    nan = np.isnan(values)
-    if nan.any():
-        out[nan] = 0x7FC0
-    return out
-
 
 DEVICE_ALIASES = {"gpu": "cuda", "ascend": "npu"}
 

@@ -30,6 +30,17 @@ METADATA_KEY = "mindspeed"
 _MAX_HEADER = 100 * 1024 * 1024
 
 
+def float32_to_bf16_bits(values: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 bit patterns, rounding to nearest even (exact for bf16 values)."""
+    v = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
+    rounded = v + 0x7FFF + ((v >> 16) & 1)
+    out = (rounded >> 16).astype(np.uint16)
+    nan = np.isnan(values)
+    if nan.any():
+        out[nan] = 0x7FC0
+    return out
+
+
 class HostTensor:
     """A tensor on the host: numpy data plus the facade dtype name (keeps bfloat16 apart)."""
 
@@ -42,8 +53,6 @@ class HostTensor:
     @classmethod
     def of(cls, values: np.ndarray, dtype: str) -> "HostTensor":
         """Float values stored as ``dtype``: bfloat16 (rounded to nearest even), float16, else float32."""
-        from mindspeed_core.backends.common import float32_to_bf16_bits
-
         values = np.ascontiguousarray(values, np.float32)
         if dtype == "bfloat16":
             return cls(float32_to_bf16_bits(values), "bfloat16")

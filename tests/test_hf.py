@@ -22,9 +22,8 @@ pytest.importorskip("transformers")
 GEMMA2 = pytest.param("gemma2", marks=[pytest.mark.feature("sliding-window-attention"),
                                        pytest.mark.feature("logit-softcapping")])
 NAMES = ["llama", "llama3-rope", "llama-linear-rope-tied", "llama-yarn", "qwen2-yarn-mscale", "llama-dynamic-rope",
-         "llama-attention-bias", "mistral", "mistral-sliding", "qwen2", "qwen2-sliding", "qwen3", "phi3-longrope", "phi3-partial-rotary", GEMMA2, "gemma3",
-         "gpt2", "mixtral",
-         "qwen2-moe", "qwen3-moe"]
+         "llama-attention-bias", "mistral", "mistral-sliding", "qwen2", "qwen2-sliding", "qwen3", "phi3-longrope",
+         "phi3-partial-rotary", GEMMA2, "gemma3", "gpt2", "mixtral", "qwen2-moe", "qwen3-moe"]
 
 
 _reference_process = hf_reference_process

@@ -5,14 +5,13 @@ from __future__ import annotations
 import mindspore as ms
 
 from mindspeed_core import tensor_files
-from mindspeed_core.backends.common import float32_to_bf16_bits
 
 from . import ops
 
 
 def _to_host(x) -> tensor_files.HostTensor:
     if x.dtype == ms.bfloat16:
-        return tensor_files.HostTensor(float32_to_bf16_bits(x.astype(ms.float32).asnumpy()), "bfloat16")
+        return tensor_files.HostTensor(tensor_files.float32_to_bf16_bits(x.astype(ms.float32).asnumpy()), "bfloat16")
     return tensor_files.HostTensor(x.asnumpy())
 
 

@@ -36,7 +36,6 @@ import threading
 import numpy as np
 
 from mindspeed_core import features, files, tensor_files
-from mindspeed_core.backends.common import float32_to_bf16_bits
 from mindspeed_core.errors import CheckpointError, MindSpeedError
 from mindspeed_core.training import sharded_checkpoint
 
@@ -52,7 +51,7 @@ def iteration_dir(root: str, iteration: int) -> str:
 
 
 def _host(arrays: dict, dtypes: dict) -> dict:
-    return {k: tensor_files.HostTensor(float32_to_bf16_bits(v), "bfloat16") if dtypes.get(k) == "bfloat16"
+    return {k: tensor_files.HostTensor(tensor_files.float32_to_bf16_bits(v), "bfloat16") if dtypes.get(k) == "bfloat16"
             else tensor_files.HostTensor(v, dtypes.get(k)) for k, v in arrays.items()}
 
 
