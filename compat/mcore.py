@@ -43,7 +43,7 @@ import numpy as np
 
 from mindspeed_core.compat import torch_dist, torch_pickle
 from mindspeed_core.errors import CheckpointError
-from mindspeed_core.models.config import LoRAConfig, ModelConfig, MoEConfig
+from mindspeed_core.models.config import LoRAConfig, ModelConfig, MoEConfig, interleaved_window_layers
 from mindspeed_core.models.state import is_adapter
 from mindspeed_core.parallel import pipeline
 from mindspeed_core.parallel.sharding import shard, unshard
@@ -263,9 +263,9 @@ def megatron_args(cfg: ModelConfig, layout: Layout, dtype: str, iteration: int) 
     for field, name in _GEMMA_ARGS:
         setattr(a, name, getattr(cfg, field))
     if cfg.sliding_window is not None:  # MindSpeed-LLM's two window settings (another pattern: our config only)
-        every_other = tuple(range(0, cfg.num_layers, 2))
         a.sliding_window = cfg.sliding_window if cfg.sliding_window_layers is None else None
-        a.interleave_sliding_window = cfg.sliding_window if cfg.sliding_window_layers == every_other else None
+        a.interleave_sliding_window = (cfg.sliding_window if cfg.sliding_window_layers
+                                       == interleaved_window_layers(cfg.num_layers) else None)
     if cfg.lora is not None:  # MindSpeed-LLM's names for the run's LoRA flags
         a.lora_r, a.lora_alpha, a.lora_target_modules = cfg.lora.r, cfg.lora.alpha, list(cfg.lora.targets)
         a.lora_dropout = cfg.lora.dropout
@@ -561,7 +561,7 @@ def _window_from_args(args) -> dict:
     0, 2, 4, ...) as ModelConfig fields."""
     if _arg(args, "interleave_sliding_window", None):
         return {"sliding_window": args.interleave_sliding_window,
-                "sliding_window_layers": tuple(range(0, args.num_layers, 2))}
+                "sliding_window_layers": interleaved_window_layers(args.num_layers)}
     return {"sliding_window": _arg(args, "sliding_window", None)}
 
 

@@ -70,6 +70,12 @@ class MoEConfig:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
+def interleaved_window_layers(num_layers: int) -> tuple:
+    """The layers MindSpeed-LLM's --interleave-sliding-window gives a window (Gemma 2's): every
+    other one from the first (its layer numbers 1, 3, 5, ... counted from one)."""
+    return tuple(range(0, num_layers, 2))
+
+
 LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")  # Megatron's module names
 
 

@@ -22,7 +22,8 @@ from mindspeed_core.data.tokenizer import build_tokenizer, check_fits, padded_vo
 from mindspeed_core.errors import MindSpeedError
 from mindspeed_core.memory import recompute
 from mindspeed_core.models import rope
-from mindspeed_core.models.config import LORA_TARGETS, PRESETS, LoRAConfig, ModelConfig, MoEConfig
+from mindspeed_core.models.config import (LORA_TARGETS, PRESETS, LoRAConfig, ModelConfig, MoEConfig,
+                                          interleaved_window_layers)
 from mindspeed_core.parallel import context, experts, pipeline
 from mindspeed_core.parallel import layers as parallel_layers
 from mindspeed_core.training import alignment, boards, checkpoint, profiling
@@ -341,9 +342,9 @@ def _gemma_fields(args, num_layers: int) -> list[tuple]:
     if args.sliding_window:
         out += [("sliding_window", "sliding_window", args.sliding_window),
                 ("sliding_window", "sliding_window_layers", None)]
-    if args.interleave_sliding_window:  # MindSpeed-LLM's: its layers 1, 3, 5, ... counted from one
+    if args.interleave_sliding_window:
         out += [("interleave_sliding_window", "sliding_window", args.interleave_sliding_window),
-                ("interleave_sliding_window", "sliding_window_layers", tuple(range(0, num_layers, 2)))]
+                ("interleave_sliding_window", "sliding_window_layers", interleaved_window_layers(num_layers))]
     return out
 
 
