@@ -1,4 +1,4 @@
-"""One rank of the context-parallel attention check (4 ranks, torchrun or msrun).
+"""One rank of the context-parallel attention check (4 ranks, tests/launch.py).
 
 For C in {2, 4} and each algorithm, with a causal mask and with packed documents whose
 boundaries fall inside and across chunks: this rank's attention output and the gradients of

@@ -1,4 +1,4 @@
-"""One rank of the multi-process collective checks (run by torchrun or msrun).
+"""One rank of the multi-process collective checks (ranks started by tests/launch.py).
 
 Every rank computes what each collective must return from the ranks' known inputs, runs
 the facade's collective, and records each mismatch. Results go to <out>/rank<R>.json; the

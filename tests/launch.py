@@ -1,4 +1,4 @@
-"""Start a script on several ranks with the launcher of the selected framework."""
+"""Start a script on several local ranks: as torchrun / msrun would (the launch helper), or through them."""
 
 from __future__ import annotations
 
@@ -21,19 +21,77 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(framework: str, nproc: int, script: str, args: list[str], log_dir: str, timeout: int = 300):
-    """Run ``script`` on ``nproc`` local ranks; returns (exit code, combined launcher output)."""
+def _environment(framework: str) -> dict:
     env = dict(os.environ)
     env["MINDSPEED_AI_FRAMEWORK"] = framework
     env["OMP_NUM_THREADS"] = "1"  # several ranks share two cores
     # msrun starts workers with the "python" on PATH: make it this interpreter.
     env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
-    port = str(free_port())
+    return env if framework == "pytorch" else {**MSRUN_ENV_DEFAULTS, **env}
+
+
+def launch(framework: str, nproc: int, script: str, args: list[str], log_dir: str, timeout: int = 300,
+           launcher: bool = False):
+    """Run ``script`` on ``nproc`` local ranks; returns (exit code, the ranks' output).
+
+    ``launcher``: through torchrun / msrun, as a user's own launch line runs. Otherwise the ranks
+    are started here with the environment those launchers give them (torchrun's RANK /
+    WORLD_SIZE / MASTER_*; MindSpore's documented dynamic-cluster variables, a scheduler process
+    and the workers): the same job without the launcher's own start-up, about 4 s a launch (it
+    imports its framework before starting anything). The launchers themselves are tested where
+    users meet them, through `mindspeed launch`."""
+    if launcher:
+        return _through_launcher(framework, nproc, script, args, log_dir, timeout)
+    env, port = _environment(framework), str(free_port())
+    os.makedirs(log_dir, exist_ok=True)
+    roles = []  # (log name, environment)
+    if framework == "pytorch":
+        for rank in range(nproc):
+            roles.append((f"worker_{rank}", {**env, "RANK": str(rank), "LOCAL_RANK": str(rank),
+                                             "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),
+                                             "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}))
+    else:
+        cluster = {**env, "MS_WORKER_NUM": str(nproc), "MS_SCHED_HOST": "127.0.0.1", "MS_SCHED_PORT": port,
+                   "MS_TOPO_TIMEOUT": "600", "RANK_SIZE": str(nproc)}
+        roles.append(("scheduler", {**cluster, "MS_ROLE": "MS_SCHED", "RANK_ID": "0"}))
+        for rank in range(nproc):
+            roles.append((f"worker_{rank}", {**cluster, "MS_ROLE": "MS_WORKER", "MS_NODE_ID": str(rank),
+                                             "RANK_ID": str(rank), "DEVICE_ID": str(rank)}))
+    procs = []
+    for name, role_env in roles:
+        with open(os.path.join(log_dir, f"{name}.log"), "w") as fh:
+            procs.append((name, subprocess.Popen([sys.executable, script, *args], stdout=fh, stderr=subprocess.STDOUT,
+                                                 env=role_env, start_new_session=True)))
+    workers = [p for name, p in procs if name != "scheduler"]
+    deadline, code = time.time() + timeout, None
+    while code is None:
+        codes = [p.poll() for p in workers]
+        failed = [c for c in codes if c not in (None, 0)]
+        if failed:  # the others would wait for it in their next collective
+            code = failed[0]
+        elif all(c == 0 for c in codes):
+            code = 0
+        elif time.time() > deadline:
+            code = -1
+        else:
+            time.sleep(0.1)
+    for name, p in procs:
+        try:  # the scheduler leaves once the workers have
+            p.wait(timeout=30 if code == 0 else 0.01)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+    out = "".join(f"\n--- {name}.log ---\n" + pathlib.Path(log_dir, f"{name}.log").read_text(errors="replace")
+                  for name, _ in procs)
+    return code, out + (f"\n[timed out after {timeout}s]" if code == -1 else "")
+
+
+def _through_launcher(framework: str, nproc: int, script: str, args: list[str], log_dir: str, timeout: int):
+    env, port = _environment(framework), str(free_port())
     if framework == "pytorch":
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={port}",
                script, *args]
     else:
-        env = {**MSRUN_ENV_DEFAULTS, **env}
         cmd = [os.path.join(os.path.dirname(sys.executable), "msrun"), f"--worker_num={nproc}",
                f"--local_worker_num={nproc}", f"--master_port={port}", "--join=True", f"--log_dir={log_dir}",
                script, *args]

@@ -1,4 +1,4 @@
-"""One rank of the expert-parallel dispatch check (4 ranks, torchrun or msrun).
+"""One rank of the expert-parallel dispatch check (4 ranks, tests/launch.py).
 
 For EP in {2, 4} and both token dispatchers, with routing spread over the experts and routing
 that sends every token to experts 0 and 1 (so some ranks receive no token at all), and with

@@ -21,6 +21,7 @@ import io
 import json
 import os
 import sys
+import time
 
 import numpy as np
 
@@ -78,5 +79,8 @@ if __name__ == "__main__":
     runtime.bind()
     out, configs = sys.argv[1], json.loads(open(sys.argv[2]).read())
     for case in configs:
+        start = time.time()
         train_case(out, *case)
+        if dist.rank() == 0:  # in the rank's log: where a launch's time goes
+            print(f"case {case[0]}: {time.time() - start:.1f} s", file=sys.stderr, flush=True)
     dist.shutdown()

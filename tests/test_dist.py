@@ -1,5 +1,6 @@
-"""Collectives in real multi-process runs (torch: torchrun + gloo; MindSpore: msrun + mccl),
-and the single-process semantics with no launcher."""
+"""Collectives in real multi-process runs (torch: gloo; MindSpore: mccl; the ranks started with
+the environment torchrun / msrun give them, tests/launch.py), and the single-process
+semantics with no launcher."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""Data, tensor and sequence parallelism as real multi-process jobs (torchrun + gloo,
-msrun + mccl): the loss curve equals the single-process run's, and checkpoints re-shard."""
+"""Data, tensor and sequence parallelism as real multi-process jobs (gloo, mccl; the layout
+launches start their ranks as torchrun / msrun do, tests/launch.py; `mindspeed launch` runs
+through them): the loss curve equals the single-process run's, and checkpoints re-shard."""
 
 from __future__ import annotations
 

@@ -195,7 +195,8 @@ def test_a_scripts_own_launch_line_trains(framework, paths, tmp_path):
 
     cfg = _model_of(megatron_args.training_parser().parse_args(flags))
     hf.save_folder(str(tmp_path / "qwen3_hf"), cfg, nn.state_dict(registry.for_config(cfg).build(cfg)))
-    code, out = launch(framework, 2, str(ROOT / "tools" / "pretrain_gpt.py"), flags, str(tmp_path / "logs"))
+    code, out = launch(framework, 2, str(ROOT / "tools" / "pretrain_gpt.py"), flags, str(tmp_path / "logs"),
+                       launcher=True)
     status = features.get("bf16").status(framework, runtime.bound().device.type())
     if status.kind in ("unsupported", "planned"):
         assert code != 0 and "bf16 (--bf16) is" in out, out[-3000:]

@@ -110,7 +110,13 @@ def test_the_flag_binds_the_framework_in_a_fresh_process(framework, made, corpus
 
 def test_the_readme_block_runs_with_the_flag(framework, tmp_path):
     """The README's generate / chat / evaluate commands after the embedded default, each with
-    --ai-framework as the README tells MindSpore users to add, in fresh processes."""
+    --ai-framework as the README tells MindSpore users to add, in fresh processes. After the
+    default run, each `mindspeed train` of the block starts a chain of its own (it fine-tunes the
+    default's model into a folder of its own, which the lines after it read): the chains run side
+    by side, the lines of a chain in order."""
+    import shlex
+    from concurrent.futures import ThreadPoolExecutor
+
     fast = ["--sample-tokens", "0", "--eval-iters", "0", "--no-progress"]
     done, _ = run_as_user(framework, tmp_path, ["-m", "mindspeed_core.cli", "train", "--ai-framework", framework,
                                                 "--train-iters", "2", *fast])
@@ -119,19 +125,20 @@ def test_the_readme_block_runs_with_the_flag(framework, tmp_path):
     assert "add `--ai-framework mindspore` for MindSpore" in readme
     block = readme[readme.index("<!-- after-the-default -->"):]
     block = block[block.index("```bash\n") + 8:block.index("```\n", block.index("```bash\n") + 8)]
-    commands = [line.split("  #")[0].split() for line in block.replace("\\\n", " ").splitlines()
-                if line and not line.startswith("#")]
-    verbs = [c[1] for c in commands if c[0] == "mindspeed"]
+    lines = [line for line in block.replace("\\\n", " ").splitlines() if line and not line.startswith("#")]
+    verbs = [line.split()[1] for line in lines if line.startswith("mindspeed ")]
     assert {"generate", "evaluate", "train"} <= set(verbs)
+    chains = [[]]
+    for line in lines:
+        if line.startswith("mindspeed train"):
+            chains.append([])
+        chains[-1].append(line)
     folder = os.path.join("checkpoints", "tiny-llama")
-    for line in block.replace("\\\n", " ").splitlines():
-        if not line or line.startswith("#"):
-            continue
+
+    def run(line):
         if not line.startswith("mindspeed "):  # writing a file for the evaluation
             assert subprocess.run(line, shell=True, cwd=str(tmp_path)).returncode == 0, line
-            continue
-        import shlex
-
+            return
         argv = shlex.split(line.split("  #")[0])
         argv = [argv[1], "--ai-framework", framework, *argv[2:]]
         if argv[0] == "train":
@@ -141,3 +148,6 @@ def test_the_readme_block_runs_with_the_flag(framework, tmp_path):
         assert imported == [{"pytorch": "torch", "mindspore": "mindspore"}[framework]], (line, imported)
         if argv[:3] == ["train", "--ai-framework", framework] and "--stage" in argv:
             assert f"fine-tuning from the weights of {folder}" in done.stdout, done.stdout[-2000:]
+
+    with ThreadPoolExecutor(len(chains)) as pool:
+        list(pool.map(lambda chain: [run(line) for line in chain], chains))  # re-raises a chain's failure
