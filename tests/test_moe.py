@@ -5,6 +5,8 @@ also when an expert receives no token and when assignments are dropped over capa
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -163,6 +165,20 @@ def test_moe_training_reports_its_routing(capsys, corpus, tmp_path):  # noqa: F8
         assert moe["aux_loss"] > 0 and moe["z_loss"] > 0 and moe["dropped"] == 0
         assert moe["load_balance"][0] == max(moe["tokens_per_expert"][0]) / (4 * 32 * 2 / 4)
     assert "aux loss" in out and "expert load max/mean" in out
+
+
+def test_pai_megatron_aux_loss_routes_as_mindspeed_llm_whatever_the_router_flags_say(capsys, corpus):  # noqa: F811
+    """MindSpeed-LLM's pai_megatron_aux_loss router takes the softmax over every expert and
+    its top k as they are: DeepSeek-V2-Lite's script also passes groups, a scaling factor and a
+    score function, which that router never reads, and neither does ours."""
+    code, out, err = train(capsys, *MOE, "--data-path", corpus, "--moe-router-load-balancing-type",
+                           "pai_megatron_aux_loss", "--moe-router-num-groups", "2", "--moe-router-group-topk", "1",
+                           "--moe-router-topk-scaling-factor", "2.5", "--moe-router-score-function", "sigmoid",
+                           "--dry-run")
+    assert code == 0, err
+    moe = json.loads(out)["model"]["moe"]
+    assert (moe["score_function"], moe["num_groups"], moe["group_topk"], moe["scaling_factor"],
+            moe["norm_topk_prob"], moe["load_balancing_type"]) == ("softmax", None, None, 1.0, False, "aux_loss"), moe
 
 
 @pytest.mark.feature("moe")

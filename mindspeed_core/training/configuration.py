@@ -481,18 +481,20 @@ def _moe_config(args, num_layers: int) -> tuple[MoEConfig, tuple | None]:
     softmax_topk = args.moe_router_load_balancing_type == "softmax_topk"
     norm = args.norm_topk_prob if softmax_topk else not args.moe_router_pre_softmax
     balancing = "none" if softmax_topk else args.moe_router_load_balancing_type
-    if balancing == "pai_megatron_aux_loss":  # the softmax over every expert's top k as they are, the aux loss
+    routing = dict(score_function=args.moe_router_score_function, num_groups=args.moe_router_num_groups,
+                   group_topk=args.moe_router_group_topk, scaling_factor=args.moe_router_topk_scaling_factor or 1.0)
+    if balancing == "pai_megatron_aux_loss":
+        # MindSpeed-LLM's router then takes the softmax over every expert and its top k as they
+        # are, with the aux loss, and no groups, scaling or score function of the flags
         balancing, norm = "aux_loss", False
+        routing = dict(score_function="softmax", num_groups=None, group_topk=None, scaling_factor=1.0)
     if args.seq_aux:  # MindSpeed-LLM's per-sequence aux loss, whatever the balancing type says
         balancing = "seq_aux_loss"
 
     try:
         moe = MoEConfig(
             num_experts=args.num_experts, topk=args.moe_router_topk, ffn_hidden_size=args.moe_ffn_hidden_size,
-            score_function=args.moe_router_score_function, norm_topk_prob=norm,
-            num_groups=args.moe_router_num_groups, group_topk=args.moe_router_group_topk,
-            scaling_factor=args.moe_router_topk_scaling_factor or 1.0,
-            load_balancing_type=balancing, aux_loss_coeff=args.moe_aux_loss_coeff,
+            norm_topk_prob=norm, **routing, load_balancing_type=balancing, aux_loss_coeff=args.moe_aux_loss_coeff,
             z_loss_coeff=args.moe_z_loss_coeff or 0.0, enable_expert_bias=args.moe_router_enable_expert_bias,
             bias_update_rate=args.moe_router_bias_update_rate, capacity_factor=args.moe_expert_capacity_factor,
             pad_to_capacity=args.moe_pad_expert_input_to_capacity, drop_policy=args.moe_token_drop_policy,
