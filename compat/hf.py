@@ -23,18 +23,22 @@ from mindspeed_core.backends.common import check_fits_in_memory
 from mindspeed_core.errors import CheckpointError
 from mindspeed_core.models import registry
 from mindspeed_core.models import rope as rotary
-from mindspeed_core.models.config import ModelConfig, MoEConfig
+from mindspeed_core.models.config import MLAConfig, ModelConfig, MoEConfig
 from mindspeed_core.models.gpt import whole_state
 from mindspeed_core.models.state import merge_lora, renumber_layers
 
 LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text")
 # each mixture of experts has the attention of a dense family
 MOE_BASE = {"mixtral": "mistral", "qwen2_moe": "qwen2", "qwen3_moe": "qwen3"}
-SUPPORTED = LLAMA_LIKE + ("gpt2",) + tuple(MOE_BASE)
+# multi-head latent attention, dense layers first, then DeepSeek's MoE (models/mla.py)
+DEEPSEEK = ("deepseek_v2", "deepseek_v3")
+SUPPORTED = LLAMA_LIKE + ("gpt2",) + tuple(MOE_BASE) + DEEPSEEK
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                   "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
                   "gemma3": "Gemma3ForCausalLM",
-                  "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+                  "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+                  "qwen3_moe": "Qwen3MoeForCausalLM",
+                  "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
 _ACTS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
 # Gemma's gated MLP: its hidden_activation on the gate half
 _GATED_ACTS = {"gelu_pytorch_tanh": "geglu_tanh", "gelu_new": "geglu_tanh", "gelu": "geglu"}
@@ -148,6 +152,8 @@ def _decoder_config_from_hf(hf: dict) -> ModelConfig:
             untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", True))
     if kind in ("gemma2", "gemma3_text"):
         return _gemma_config(hf, kind)
+    if kind in DEEPSEEK:
+        return _deepseek_config(hf, kind)
     if hf.get("hidden_act", "silu") != "silu":
         raise CheckpointError(f"hidden_act {hf.get('hidden_act')!r} is not supported for {kind} (silu only)")
     base = MOE_BASE.get(kind, kind)
@@ -170,6 +176,85 @@ def _decoder_config_from_hf(hf: dict) -> ModelConfig:
         qk_layernorm=base == "qwen3", untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
         rotary_percent=float(_partial_rotary(hf)), moe=moe, moe_layers=moe_layers,
         **dict(zip(("sliding_window", "sliding_window_layers"), _window(hf, base))))
+
+
+def _deepseek_config(hf: dict, kind: str) -> ModelConfig:
+    if hf.get("hidden_act", "silu") != "silu":
+        raise CheckpointError(f"hidden_act {hf.get('hidden_act')!r} is not supported for {kind} (silu only)")
+    if hf.get("mlp_bias"):
+        raise CheckpointError(f"config.json: mlp_bias is not supported for {kind}")
+    theta, scaling = _rope(hf)
+    layers, heads = hf["num_hidden_layers"], hf["num_attention_heads"]
+    mla = MLAConfig(kv_lora_rank=hf["kv_lora_rank"], qk_nope_head_dim=hf["qk_nope_head_dim"],
+                    qk_rope_head_dim=hf["qk_rope_head_dim"], v_head_dim=hf["v_head_dim"],
+                    q_lora_rank=hf.get("q_lora_rank"),
+                    rope_interleave=kind == "deepseek_v2" or hf.get("rope_interleave", True))
+    dense = hf.get("first_k_dense_replace", 3 if kind == "deepseek_v3" else 0)
+    moe_layers = tuple(range(min(dense, layers), layers)) if hf.get("n_routed_experts") else ()
+    moe = _deepseek_moe(hf, kind) if moe_layers else None
+    return ModelConfig(
+        family=kind, vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], num_layers=layers,
+        num_attention_heads=heads, ffn_hidden_size=hf["intermediate_size"],
+        max_position_embeddings=hf.get("max_position_embeddings", 2048), norm_epsilon=hf.get("rms_norm_eps", 1e-6),
+        rotary_base=theta, rope_scaling=scaling, attention_output_bias=bool(hf.get("attention_bias")),
+        qk_layernorm=True, mla=mla, untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
+        moe=moe, moe_layers=moe_layers or None)
+
+
+def _deepseek_moe(hf: dict, kind: str) -> MoEConfig:
+    """DeepSeek-V2's softmax top-k (greedy) or DeepSeek-V3's sigmoid scores in groups."""
+    groups, topk_group = hf.get("n_group"), hf.get("topk_group")
+    if kind == "deepseek_v2":
+        method = hf.get("topk_method", "greedy")
+        if method not in ("greedy", "group_limited_greedy") or (method == "group_limited_greedy" and groups != 1):
+            raise CheckpointError(f"config.json: topk_method {method!r} with {groups} groups is not supported for "
+                                  f"deepseek_v2 (greedy top-k only: its groups score by their best expert)")
+        groups = topk_group = None
+    else:
+        # its aux-loss-free balancing: the folder's e_score_correction_bias steers the choice
+        raise CheckpointError("deepseek_v3's MoE layers (sigmoid routing steered by each router's "
+                              "e_score_correction_bias) are not read yet, the matrix's hf-deepseek-v3-moe row: "
+                              "only its dense layers are (first_k_dense_replace >= num_hidden_layers)")
+    shared = hf.get("n_shared_experts") or 0
+    return MoEConfig(num_experts=hf["n_routed_experts"], topk=hf["num_experts_per_tok"],
+                     ffn_hidden_size=hf["moe_intermediate_size"], score_function="softmax",
+                     norm_topk_prob=bool(hf.get("norm_topk_prob", False)), num_groups=groups, group_topk=topk_group,
+                     scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+                     shared_expert_size=hf["moe_intermediate_size"] * shared if shared else None)
+
+
+def _deepseek_hf_config(cfg: ModelConfig, out: dict) -> None:
+    mla = cfg.mla
+    if mla is None or not cfg.qk_layernorm or cfg.add_qkv_bias or cfg.add_bias_linear:
+        raise CheckpointError(f"{cfg.family} has multi-latent attention with its latents' norms, and no q/k/v or "
+                              f"MLP biases: this model lacks one of them or has more")
+    if cfg.family == "deepseek_v2" and not mla.rope_interleave:
+        raise CheckpointError("deepseek_v2 stores its rotated features interleaved; this model does not")
+    for key in ("num_key_value_heads", "head_dim"):
+        del out[key]
+    out.update(q_lora_rank=mla.q_lora_rank, kv_lora_rank=mla.kv_lora_rank, qk_nope_head_dim=mla.qk_nope_head_dim,
+               qk_rope_head_dim=mla.qk_rope_head_dim, v_head_dim=mla.v_head_dim,
+               attention_bias=cfg.attention_output_bias, first_k_dense_replace=cfg.num_layers)
+    if cfg.family == "deepseek_v3":
+        out["rope_interleave"] = mla.rope_interleave
+    moe = cfg.moe
+    if moe is None:
+        return
+    dense = min(cfg.moe_layers or (0,))
+    if cfg.family != "deepseek_v2":
+        raise CheckpointError(f"{cfg.family}'s MoE layers are not written yet (the matrix's hf-deepseek-v3-moe row); "
+                              f"deepseek_v2's are")
+    if cfg.moe_layers not in (None, tuple(range(dense, cfg.num_layers))):
+        raise CheckpointError("deepseek_v2 has dense layers first, then an MoE MLP in every layer")
+    if (moe.score_function != "softmax" or moe.num_groups or moe.enable_expert_bias or moe.shared_expert_gate
+            or moe.capacity_factor is not None or (moe.shared_expert_size or 0) % (moe.ffn_hidden_size or 1)):
+        raise CheckpointError("deepseek_v2 routes by softmax top-k, with shared experts a whole number of experts "
+                              "wide: this model's router has no equivalent there")
+    expert = moe.ffn_hidden_size or cfg.ffn_hidden_size
+    out.update(first_k_dense_replace=dense, n_routed_experts=moe.num_experts, num_experts_per_tok=moe.topk,
+               moe_intermediate_size=expert, n_shared_experts=(moe.shared_expert_size or 0) // expert,
+               norm_topk_prob=moe.norm_topk_prob, routed_scaling_factor=moe.scaling_factor, topk_method="greedy",
+               n_group=1, topk_group=1)
 
 
 def _gemma3_rope(hf: dict) -> tuple[float, dict | None, float]:
@@ -287,7 +372,7 @@ def _moe_from_hf(hf: dict, kind: str) -> tuple[MoEConfig, tuple | None]:
 
 
 def hf_config(cfg: ModelConfig) -> dict:
-    if cfg.moe is not None and cfg.family not in MOE_BASE:
+    if cfg.moe is not None and cfg.family not in (*MOE_BASE, *DEEPSEEK):
         raise CheckpointError(f"a {cfg.family} model with MoE layers has no Hugging Face architecture: export MoE "
                               f"models as {', '.join(MOE_BASE)} (their attention is mistral's, qwen2's, qwen3's)")
     out = _decoder_hf_config(cfg)
@@ -359,6 +444,10 @@ def _decoder_hf_config(cfg: ModelConfig) -> dict:
                        "original_max_position_embeddings", cfg.max_position_embeddings))
     if cfg.family in GEMMA:
         _gemma_hf_config(cfg, out)
+    if cfg.family in DEEPSEEK:
+        _deepseek_hf_config(cfg, out)
+    elif cfg.mla is not None:
+        raise CheckpointError(f"{cfg.family} has no multi-latent attention: export it as deepseek_v2 or deepseek_v3")
     if cfg.family in MOE_BASE:
         out.update(_moe_to_hf(cfg))
     return out
@@ -438,11 +527,30 @@ def _layer_names_llama(i):
 def _layer_names(cfg: ModelConfig, i):
     """Hugging Face -> our names of layer i's tensors besides q/k/v and the MLP's fc1."""
     names = _layer_names_llama(i)
+    if cfg.mla is not None:  # its q_layernorm is the query latent's (_mla_names)
+        names = {k: v for k, v in names.items() if not k.endswith(("q_norm.weight", "k_norm.weight"))}
     if cfg.family in GEMMA:  # its post_attention_layernorm is the norm after attention, not before the MLP
         a, b = f"model.layers.{i}.", f"decoder.layers.{i}."
         names.update({a + "post_attention_layernorm.weight": b + "post_attn_norm.weight",
                       a + "pre_feedforward_layernorm.weight": b + "pre_mlp_layernorm.weight",
                       a + "post_feedforward_layernorm.weight": b + "post_mlp_layernorm.weight"})
+    return names
+
+
+def _mla_names(cfg: ModelConfig, i: int) -> dict:
+    """Hugging Face -> our names of layer i's multi-latent attention tensors (o_proj aside)."""
+    a, b, mla = f"model.layers.{i}.self_attn.", f"decoder.layers.{i}.self_attention.", cfg.mla
+    pairs = [("q_proj", "linear_q_proj", False)] if mla.q_lora_rank is None else [
+        ("q_a_proj", "linear_q_down_proj", cfg.attention_output_bias), ("q_b_proj", "linear_q_up_proj", False)]
+    pairs += [("kv_a_proj_with_mqa", "linear_kv_down_proj", cfg.attention_output_bias),
+              ("kv_b_proj", "linear_kv_up_proj", False)]
+    if cfg.qk_layernorm:
+        pairs += [("kv_a_layernorm", "kv_layernorm", False)]
+        pairs += [("q_a_layernorm", "q_layernorm", False)] if mla.q_lora_rank is not None else []
+    names = {}
+    for theirs, ours, bias in pairs:
+        for kind in ("weight", "bias") if bias else ("weight",):
+            names[f"{a}{theirs}.{kind}"] = f"{b}{ours}.{kind}"
     return names
 
 
@@ -467,7 +575,7 @@ def _moe_from_hf_state(cfg: ModelConfig, i: int, take) -> dict:
         w2.append(take(f"{a}experts.{e}.{d}.weight").T)
     out[b + "experts.weight1"], out[b + "experts.weight2"] = np.stack(w1), np.stack(w2)
     if cfg.moe.shared_expert_size:
-        s = a + "shared_expert."
+        s = a + ("shared_experts." if cfg.family in DEEPSEEK else "shared_expert.")
         out[b + "shared_experts.linear_fc1.weight"] = np.concatenate([take(s + "gate_proj.weight"),
                                                                       take(s + "up_proj.weight")])
         out[b + "shared_experts.linear_fc2.weight"] = take(s + "down_proj.weight")
@@ -486,7 +594,7 @@ def _moe_to_hf_state(cfg: ModelConfig, i: int, ours: dict) -> dict:
         out[f"{a}experts.{e}.{u}.weight"] = np.ascontiguousarray(up)
         out[f"{a}experts.{e}.{d}.weight"] = np.ascontiguousarray(ours[b + "experts.weight2"][e].T)
     if cfg.moe.shared_expert_size:
-        s = a + "shared_expert."
+        s = a + ("shared_experts." if cfg.family in DEEPSEEK else "shared_expert.")
         out[s + "gate_proj.weight"], out[s + "up_proj.weight"] = np.split(ours[b + "shared_experts.linear_fc1.weight"],
                                                                           2)
         out[s + "down_proj.weight"] = ours[b + "shared_experts.linear_fc2.weight"]
@@ -543,7 +651,10 @@ def _from_hf_state(cfg: ModelConfig, hf: dict) -> dict:
                 if hf_n in hf:
                     out[ours] = take(hf_n)
             continue
-        out[b + "weight"] = _fuse_qkv(cfg, *(take(a + f"self_attn.{x}_proj.weight") for x in "qkv"))
+        if cfg.mla is not None:
+            out.update((ours, take(theirs)) for theirs, ours in _mla_names(cfg, i).items())
+        else:
+            out[b + "weight"] = _fuse_qkv(cfg, *(take(a + f"self_attn.{x}_proj.weight") for x in "qkv"))
         if cfg.add_qkv_bias:
             out[b + "bias"] = _fuse_qkv(cfg, *(take(a + f"self_attn.{x}_proj.bias") for x in "qkv"))
         if cfg.is_moe_layer(i):
@@ -617,8 +728,11 @@ def to_hf_state(cfg: ModelConfig, ours: dict) -> dict:
                 if mine in ours:
                     out[hf_n] = ours[mine]
             continue
-        for x, t in zip("qkv", split_qkv(cfg, ours[b + "weight"])):
-            out[a + f"self_attn.{x}_proj.weight"] = t
+        if cfg.mla is not None:
+            out.update((theirs, ours[mine]) for theirs, mine in _mla_names(cfg, i).items())
+        else:
+            for x, t in zip("qkv", split_qkv(cfg, ours[b + "weight"])):
+                out[a + f"self_attn.{x}_proj.weight"] = t
         if cfg.add_qkv_bias:
             for x, t in zip("qkv", split_qkv(cfg, ours[b + "bias"])):
                 out[a + f"self_attn.{x}_proj.bias"] = t
@@ -689,7 +803,7 @@ def load_config(folder: str) -> ModelConfig:
 MODEL_TYPES = {"llama2": "llama", "llama3": "llama", "qwen2": "qwen2", "qwen25": "qwen2", "qwen3": "qwen3",
                "phi3.5": "phi3", "phi3": "phi3", "gemma2": "gemma2", "gemma3": "gemma3",
                "mistral": "mistral", "gpt2": "gpt2", "mixtral": "mixtral", "qwen2-moe": "qwen2_moe",
-               "qwen3-moe": "qwen3_moe"}
+               "qwen3-moe": "qwen3_moe", "deepseek2-lite": "deepseek_v2", "deepseek3": "deepseek_v3"}
 # what a Hugging Face folder holds besides the model: copied along by --hf-cfg-dir
 COMPANIONS = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
               "generation_config.json", "vocab.json", "merges.txt", "chat_template.jinja")

@@ -43,7 +43,8 @@ import numpy as np
 
 from mindspeed_core.compat import torch_dist, torch_pickle
 from mindspeed_core.errors import CheckpointError
-from mindspeed_core.models.config import LoRAConfig, ModelConfig, MoEConfig, interleaved_window_layers
+from mindspeed_core.models.config import (MLA_DOWN, MLA_UP, LoRAConfig, MLAConfig, ModelConfig, MoEConfig,
+                                          interleaved_window_layers)
 from mindspeed_core.models.state import is_adapter
 from mindspeed_core.parallel import pipeline
 from mindspeed_core.parallel.sharding import shard, unshard
@@ -55,7 +56,8 @@ CHECKPOINT_VERSION = 3.0
 _RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
 # linear layers whose weights megatron-core pairs with an _extra_state entry
 _LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2",
-            "mlp.shared_experts.linear_fc1", "mlp.shared_experts.linear_fc2")
+            "mlp.shared_experts.linear_fc1", "mlp.shared_experts.linear_fc2", *(
+                f"self_attention.{n}" for n in MLA_UP + MLA_DOWN))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,7 +89,8 @@ def tp_spec(cfg: ModelConfig, name: str):
     swiglu = ("swiglu",) if cfg.activation == "swiglu" else ("split", 0)
     if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
         return ("split", 0)
-    if name.endswith(("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias")):
+    if name.endswith(("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias",
+                      *(f"self_attention.{n}.weight" for n in MLA_UP))):
         return ("split", 0)
     if name.endswith(("mlp.linear_fc1.weight", "mlp.linear_fc1.bias", "shared_experts.linear_fc1.weight")):
         return swiglu
@@ -266,6 +269,10 @@ def megatron_args(cfg: ModelConfig, layout: Layout, dtype: str, iteration: int) 
         a.sliding_window = cfg.sliding_window if cfg.sliding_window_layers is None else None
         a.interleave_sliding_window = (cfg.sliding_window if cfg.sliding_window_layers
                                        == interleaved_window_layers(cfg.num_layers) else None)
+    if cfg.mla is not None:  # Megatron's: --qk-head-dim is the part without position
+        a.multi_latent_attention, a.q_lora_rank, a.kv_lora_rank = True, cfg.mla.q_lora_rank, cfg.mla.kv_lora_rank
+        a.qk_head_dim, a.qk_pos_emb_head_dim = cfg.mla.qk_nope_head_dim, cfg.mla.qk_rope_head_dim
+        a.v_head_dim = cfg.mla.v_head_dim
     if cfg.lora is not None:  # MindSpeed-LLM's names for the run's LoRA flags
         a.lora_r, a.lora_alpha, a.lora_target_modules = cfg.lora.r, cfg.lora.alpha, list(cfg.lora.targets)
         a.lora_dropout = cfg.lora.dropout
@@ -580,6 +587,11 @@ def config_from_args(args) -> ModelConfig:
             moe = MoEConfig(num_experts=args.num_experts, topk=_arg(args, "moe_router_topk", 2),
                             ffn_hidden_size=_arg(args, "moe_ffn_hidden_size", None),
                             shared_expert_size=_arg(args, "moe_shared_expert_intermediate_size", None), **given)
+        mla = None
+        if _arg(args, "multi_latent_attention", False):
+            mla = MLAConfig(kv_lora_rank=args.kv_lora_rank, qk_nope_head_dim=args.qk_head_dim,
+                            qk_rope_head_dim=args.qk_pos_emb_head_dim, v_head_dim=args.v_head_dim,
+                            q_lora_rank=_arg(args, "q_lora_rank", None))
         lora = None
         if _arg(args, "lora_target_modules", None):  # MindSpeed-LLM's LoRA runs: on with target modules
             lora = LoRAConfig(r=_arg(args, "lora_r", 16), alpha=float(_arg(args, "lora_alpha", 32)),
@@ -588,7 +600,8 @@ def config_from_args(args) -> ModelConfig:
             vocab_size=_arg(args, "padded_vocab_size", None) or args.vocab_size, hidden_size=args.hidden_size,
             num_layers=args.num_layers, num_attention_heads=heads,
             num_query_groups=args.num_query_groups if _arg(args, "group_query_attention", False) else heads,
-            ffn_hidden_size=_arg(args, "ffn_hidden_size", None), kv_channels=_arg(args, "kv_channels", None),
+            ffn_hidden_size=_arg(args, "ffn_hidden_size", None), mla=mla,
+            kv_channels=None if mla is not None else _arg(args, "kv_channels", None),
             max_position_embeddings=_arg(args, "max_position_embeddings", 2048),
             normalization="layernorm" if _arg(args, "normalization", "LayerNorm") == "LayerNorm" else "rmsnorm",
             norm_epsilon=_arg(args, "norm_epsilon", 1e-5),

@@ -44,8 +44,7 @@ from mindspeed_core.training import model_source
 MODEL_TYPES = hf.MODEL_TYPES
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 # MindSpeed-LLM's --model-type-hf values of families not built here -> the matrix row that says so
-NOT_BUILT = {"phi3.5-moe": "family-phimoe", "deepseek2-lite": "multi-latent-attention",
-             "deepseek3": "multi-latent-attention"}
+NOT_BUILT = {"phi3.5-moe": "family-phimoe"}
 
 
 def parser():

@@ -190,6 +190,13 @@ def _ulysses_short_of_kv_heads(a) -> bool:
     return (heads // tp) % degree == 0 and max(groups // tp, 1) % degree != 0
 
 
+# DeepSeek-V3's routers keep their aux-loss-free bias as model state in its folders; here it is
+# the trainer's run state, so those folders' MoE layers are not read or written yet
+_DEEPSEEK_V3_MOE = ("its routers' e_score_correction_bias is model state there and run state here: reading and "
+                    "writing it is not built yet (its multi-latent attention and dense layers are)")
+_DEEPSEEK_V3_MOE_INSTEAD = ("DeepSeek-V2's folders (--model-type-hf deepseek2-lite), or DeepSeek-V3's MoE from flags "
+                            "without --load-hf / --enable-hf2mg-convert")
+
 FEATURES: tuple[Feature, ...] = (
     # ---- parallelism --------------------------------------------------------------------
     Feature("data-parallel", "Data parallelism (gradients averaged over ranks in buckets)", "parallelism", (),
@@ -561,6 +568,11 @@ FEATURES: tuple[Feature, ...] = (
             planned(instead="Phi-3.5-mini (--model-type-hf phi3.5) or another MoE family"),
             lambda a: getattr(a, "model_type_hf", None) == "phi3.5-moe"
             or getattr(a, "moe_router_load_balancing_type", None) == "sparsemixer_topk"),
+    Feature("hf-deepseek-v3-moe", "DeepSeek-V3's MoE layers in Hugging Face folders (e_score_correction_bias)",
+            "compatibility", ("--model-type-hf deepseek3",),
+            planned(_DEEPSEEK_V3_MOE, instead=_DEEPSEEK_V3_MOE_INSTEAD),
+            planned(_DEEPSEEK_V3_MOE, instead=_DEEPSEEK_V3_MOE_INSTEAD),
+            lambda a: getattr(a, "model_type_hf", None) == "deepseek3" and getattr(a, "num_experts", None) is not None),
     Feature("output-layer-bias", "A bias on the output layer (MindSpeed-LLM's Phi-3.5-MoE)", "compatibility",
             ("--add-output-layer-bias",), planned(instead="leave it off: the output layer has no bias here"),
             planned(instead="leave it off: the output layer has no bias here"), _on("add_output_layer_bias")),
@@ -571,8 +583,14 @@ FEATURES: tuple[Feature, ...] = (
     Feature("multi-latent-attention", "Multi-head latent attention (DeepSeek-V2/V3, MiniCPM3)", "models",
             ("--multi-latent-attention", "--q-lora-rank", "--kv-lora-rank", "--qk-head-dim", "--qk-pos-emb-head-dim",
              "--v-head-dim", "--mla-fa-without-pad", "--mla-mm-split"),
-            planned(instead="a grouped-query attention model (--num-query-groups)"),
-            planned(instead="a grouped-query attention model (--num-query-groups)"),
+            supported("models/mla.py: keys and values from one normed latent per token, queries straight or "
+                      "through their own latent, the rotated part of the key shared by the heads, values of their "
+                      "own width, YaRN's mscale on the softmax scale; the KV cache holds the latent and the rotated "
+                      "key; TP splits the up-projections by head; SP, PP and CP (ring, Ulysses) keep it exact; "
+                      "Hugging Face deepseek_v2 folders (deepseek_v3's with dense layers only) load and export. "
+                      "--mla-fa-without-pad and --mla-mm-split "
+                      "are MindSpeed-LLM's kernel choices: the same math here"),
+            supported("as on PyTorch"),
             lambda a: any(getattr(a, f, None) for f in ("multi_latent_attention", "q_lora_rank", "kv_lora_rank",
                                                         "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim",
                                                         "mla_fa_without_pad", "mla_mm_split"))),

@@ -12,7 +12,7 @@ from mindspeed_core.models import rope
 FUSED_KERNELS = ("attention", "rms_norm", "swiglu", "rope", "grouped_matmul")
 # the model families (ModelConfig.family) that models/registry.py builds and compat/hf.py reads
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "gpt2", "mixtral", "qwen2_moe",
-            "qwen3_moe")
+            "qwen3_moe", "deepseek_v2", "deepseek_v3")
 # the MLP activations; the gated ones (fc1 holds gate rows, then up rows) first
 GATED_ACTIVATIONS = ("swiglu", "geglu", "geglu_tanh")
 ACTIVATIONS = GATED_ACTIVATIONS + ("gelu", "gelu_tanh")
@@ -79,6 +79,43 @@ def interleaved_window_layers(num_layers: int) -> tuple:
 LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")  # Megatron's module names
 
 
+# multi-latent attention's projections as megatron-core names them: split by head under tensor
+# parallelism (up), or whole on every rank (down)
+MLA_UP = ("linear_q_proj", "linear_q_up_proj", "linear_kv_up_proj")
+MLA_DOWN = ("linear_q_down_proj", "linear_kv_down_proj")
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3, MiniCPM3; models/mla.py), in Megatron's
+    flags: keys and values come from one shared latent of ``kv_lora_rank`` features per token
+    (--kv-lora-rank), queries straight from the hidden state or through a latent of their own
+    (--q-lora-rank). Each head's query and key are ``qk_nope_head_dim`` features without
+    position (--qk-head-dim) then ``qk_rope_head_dim`` rotated ones (--qk-pos-emb-head-dim;
+    the key's shared by every head); its value has ``v_head_dim`` (--v-head-dim)."""
+
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    q_lora_rank: int | None = None
+    # the rotated features stored in (even, odd) pairs, as DeepSeek's weights are (Megatron's
+    # MLA regroups them as the model runs); False: halves, as in the other families
+    rope_interleave: bool = True
+
+    def __post_init__(self):
+        for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "q_lora_rank"):
+            value = getattr(self, name)
+            if (value is not None or name != "q_lora_rank") and (type(value) is not int or value <= 0):
+                raise ValueError(f"multi-latent attention's {name} must be a positive integer, got {value!r}")
+        if self.qk_rope_head_dim % 2:
+            raise ValueError(f"qk_rope_head_dim {self.qk_rope_head_dim}: RoPE rotates pairs of features")
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+
 @dataclass(frozen=True)
 class LoRAConfig:
     """Low-rank adapters on the decoder's linear layers (models/lora.py; --lora-* flags)."""
@@ -123,7 +160,10 @@ class ModelConfig:
     add_qkv_bias: bool = False
     add_bias_linear: bool = False  # biases on the attention output and the MLP (Megatron's switch)
     attention_output_bias: bool | None = None  # None: as add_bias_linear (Llama's attention_bias without mlp_bias)
-    qk_layernorm: bool = False
+    qk_layernorm: bool = False  # with mla: the norms of the query and key/value latents
+    # multi-head latent attention instead of linear_qkv (DeepSeek); kv_channels is then the
+    # query/key head dim and every head has its own key and value
+    mla: MLAConfig | None = None
     # Gemma's switches (MindSpeed-LLM's flags in brackets): RMSNorm weights held as offsets from
     # one, x * (1 + w) [--add-rmsnorm-offset]; a norm after attention and after the MLP, before
     # each residual add [--post-norm]; embeddings times sqrt(hidden) [--input-embeds-norm];
@@ -212,6 +252,19 @@ class ModelConfig:
             self.moe = MoEConfig(**self.moe)
         if isinstance(self.lora, dict):
             self.lora = LoRAConfig(**self.lora)
+        if isinstance(self.mla, dict):
+            self.mla = MLAConfig(**self.mla)
+        if self.mla is not None:
+            for name, value in (("kv_channels", self.mla.qk_head_dim), ("num_query_groups", self.num_attention_heads)):
+                if getattr(self, name) not in (None, value):
+                    raise ValueError(f"multi-latent attention has {name} {value} (each head its own key and value, "
+                                     f"of qk_nope_head_dim + qk_rope_head_dim features), got {getattr(self, name)}")
+                setattr(self, name, value)
+            if self.lora is not None:
+                raise ValueError("LoRA adapters target linear_qkv, which multi-latent attention does not have")
+            if self.position_embedding_type != "rope" or self.rotary_percent != 1.0:
+                raise ValueError("multi-latent attention rotates its qk_rope_head_dim features: it needs rope "
+                                 "position embeddings and no rotary_percent")
         if self.moe_layers is not None:
             if self.moe is None:
                 raise ValueError("moe_layers without a moe config")
@@ -254,7 +307,10 @@ class ModelConfig:
 
     @property
     def rotary_dim(self) -> int:
-        """How many of each head's features RoPE rotates (the first ones)."""
+        """How many of each head's features RoPE rotates (the first ones; with multi-latent
+        attention the last qk_rope_head_dim)."""
+        if self.mla is not None:
+            return self.mla.qk_rope_head_dim
         return int(round(self.kv_channels * self.rotary_percent))
 
     @property
@@ -320,10 +376,7 @@ class ModelConfig:
         h, f, L, v = self.hidden_size, self.ffn_hidden_size, self.real_layers, self.vocab_size
         norm = h * (2 if self.normalization == "layernorm" else 1)
         norms_per_layer = 4 if self.post_norm else 2
-        attn = h * self.qkv_width + self.num_attention_heads * self.kv_channels * h
-        attn += self.qkv_width if self.add_qkv_bias else 0
-        attn += h if self.attention_output_bias else 0
-        attn += 2 * self.kv_channels if self.qk_layernorm else 0
+        attn = self._attention_parameters()
         fc1 = (2 * f if self.gated else f)
         mlp = h * fc1 + f * h + ((fc1 + h) if self.add_bias_linear else 0)
         total = L * (attn + mlp + norms_per_layer * norm) + norm + v * h
@@ -333,6 +386,27 @@ class ModelConfig:
         total += h if self.reward_head else v * h if self.untie_embeddings_and_output_weights else 0
         total += self.max_position_embeddings * h if self.position_embedding_type == "learned" else 0
         return total
+
+    def _attention_weights(self) -> int:
+        """The attention's matrix entries in one layer (what its matmuls multiply by)."""
+        h, heads, mla = self.hidden_size, self.num_attention_heads, self.mla
+        if mla is None:
+            return h * self.qkv_width + heads * self.kv_channels * h
+        q = heads * mla.qk_head_dim
+        return ((h * q if mla.q_lora_rank is None else (h + q) * mla.q_lora_rank)
+                + h * (mla.kv_lora_rank + mla.qk_rope_head_dim)
+                + mla.kv_lora_rank * heads * (mla.qk_nope_head_dim + mla.v_head_dim) + heads * mla.v_head_dim * h)
+
+    def _attention_parameters(self) -> int:
+        attn = self._attention_weights() + (self.hidden_size if self.attention_output_bias else 0)
+        if self.mla is None:
+            attn += self.qkv_width if self.add_qkv_bias else 0
+            attn += 2 * self.kv_channels if self.qk_layernorm else 0
+        else:  # DeepSeek's attention_bias: the down-projections' too; the latents' norms
+            latents = self.mla.kv_lora_rank + (self.mla.q_lora_rank or 0)
+            attn += (latents + self.mla.qk_rope_head_dim) if self.attention_output_bias else 0
+            attn += latents if self.qk_layernorm else 0
+        return attn
 
     def training_bytes(self) -> int:
         """Host/device bytes one unsharded fp32 training process needs at least: parameters,
@@ -344,8 +418,8 @@ class ModelConfig:
         h, L = self.hidden_size, self.real_layers
         attn_width = self.num_attention_heads * self.kv_channels
         fc1 = (2 if self.gated else 1) * self.ffn_hidden_size
-        per_layer = 2 * (h * self.qkv_width + attn_width * h + h * fc1 + self.ffn_hidden_size * h)
-        per_layer += 2 * 2 * seq_length * attn_width  # QK^T and PV
+        per_layer = 2 * (self._attention_weights() + h * fc1 + self.ffn_hidden_size * h)
+        per_layer += 2 * 2 * seq_length * attn_width  # QK^T and PV (MLA: PV narrower, counted as wide)
         moe_layers = sum(self.is_moe_layer(i) for i in range(self.num_layers) if i not in self.noop_layers)
         # an MoE layer computes its router and the k experts each token goes to, not the dense MLP
         dense_mlp = h * fc1 + self.ffn_hidden_size * h

@@ -154,6 +154,19 @@ def linear(cfg: ModelConfig, name: str, n_in: int, n_out: int, bias: bool, std: 
     return Linear(n_in, n_out, bias, std)
 
 
+def layer_scores(cfg: ModelConfig, number: int, scale: float | None = None) -> Scores:
+    """Layer ``number``'s Scores: ``scale`` (default: query_pre_attn_scalar's, else the head
+    dim's), the soft cap and the layer's window."""
+    window = cfg.window_of(number)
+    if window is not None:
+        features.note_used("sliding-window-attention")
+    if cfg.attn_logit_softcapping is not None:
+        features.note_used("logit-softcapping")
+    if scale is None and cfg.query_pre_attn_scalar is not None:
+        scale = cfg.query_pre_attn_scalar ** -0.5
+    return Scores(scale, cfg.attn_logit_softcapping, window)
+
+
 class SelfAttention(nn.Module):
     # what to recompute in backward (GPTModel.use_recompute; not `recompute`: a MindSpore Cell method)
     recompute_policy = recompute.NONE
@@ -170,16 +183,6 @@ class SelfAttention(nn.Module):
         if cfg.qk_layernorm:
             self.q_layernorm = make_norm(cfg, cfg.kv_channels)
             self.k_layernorm = make_norm(cfg, cfg.kv_channels)
-
-    def scores(self) -> Scores:
-        cfg = self.cfg
-        window = cfg.window_of(self.layer_number)
-        if window is not None:
-            features.note_used("sliding-window-attention")
-        if cfg.attn_logit_softcapping is not None:
-            features.note_used("logit-softcapping")
-        return Scores(None if cfg.query_pre_attn_scalar is None else cfg.query_pre_attn_scalar ** -0.5,
-                      cfg.attn_logit_softcapping, window)
 
     def forward(self, x, cos, sin, seams=SINGLE_DEVICE, tokens=None):
         cfg = self.cfg
@@ -209,7 +212,7 @@ class SelfAttention(nn.Module):
         fused = "attention" in cfg.fused
         if fused:
             features.note_used("flash-attention")
-        scores = self.scores()
+        scores = layer_scores(cfg, self.layer_number)
 
         def core(q, k, v):
             with seams.attention_rng():
@@ -246,7 +249,12 @@ class TransformerLayer(nn.Module):
         super().__init__()
         self.hidden_dropout = cfg.hidden_dropout
         self.input_layernorm = make_norm(cfg, cfg.hidden_size)
-        self.self_attention = SelfAttention(cfg)
+        if cfg.mla is not None:
+            from mindspeed_core.models.mla import MLASelfAttention  # it builds on this module's pieces
+
+            self.self_attention = MLASelfAttention(cfg)
+        else:
+            self.self_attention = SelfAttention(cfg)
         self.pre_mlp_layernorm = make_norm(cfg, cfg.hidden_size)
         self.mlp = MLP(cfg) if mlp is None else mlp
         self.post_norm = cfg.post_norm

@@ -45,6 +45,11 @@ class KVCache:
         ops.write_slice_(self.values[layer], v, 1, self.length)
         return self.keys[layer][:, :end], self.values[layer][:, :end]
 
+    def values_per_token(self) -> int:
+        """Numbers held for one position of one row, over every layer (multi-latent attention:
+        its latent and rotated key, kv_lora_rank + qk_rope_head_dim a layer)."""
+        return sum(int(np.prod(t.shape[2:])) for store in (self.keys, self.values) for t in store.values())
+
     def key_documents(self):
         return self._documents
 

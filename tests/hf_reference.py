@@ -85,11 +85,28 @@ MODELS = {
                                          norm_topk_prob=False, mlp_only_layers=[0])),
     "qwen3-moe": (T.Qwen3MoeConfig, dict(COMMON, num_key_value_heads=2, head_dim=32, num_experts=4,
                                          num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True)),
+    # multi-head latent attention: DeepSeek-V2-Lite's shape (no query latent, YaRN with its
+    # mscale on cos/sin and the softmax scale) with a dense first layer, then top-2 of 4 softmax
+    # experts (raw weights, scaled) beside a shared one; DeepSeek-V3's with a query latent,
+    # attention biases and its features rotated in halves (rope_interleave false), dense only
+    "deepseek-v2": (T.DeepseekV2Config, dict(COMMON, kv_lora_rank=16, q_lora_rank=None, qk_nope_head_dim=8,
+                                             qk_rope_head_dim=4, v_head_dim=12, first_k_dense_replace=1,
+                                             n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+                                             n_shared_experts=1, routed_scaling_factor=1.5, topk_method="greedy",
+                                             norm_topk_prob=False, pad_token_id=0, rope_parameters={
+                                                 "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                                 "original_max_position_embeddings": 8, "beta_fast": 32.0,
+                                                 "beta_slow": 1.0, "mscale": 0.707, "mscale_all_dim": 0.707})),
+    "deepseek-v3-dense": (T.DeepseekV3Config, dict(COMMON, kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=8,
+                                                   qk_rope_head_dim=4, v_head_dim=12, first_k_dense_replace=2,
+                                                   n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+                                                   attention_bias=True, rope_interleave=False, pad_token_id=0)),
 }
 
 
 # greedy generate() with the cache: 8 tokens after the ids, the second row's first 3 ids padding
-GENERATED = ("llama", "qwen3", "gpt2", "llama-dynamic-rope", "phi3-longrope", "gemma2", "gemma3", "mistral-sliding")
+GENERATED = ("llama", "qwen3", "gpt2", "llama-dynamic-rope", "phi3-longrope", "gemma2", "gemma3", "mistral-sliding",
+             "deepseek-v2", "deepseek-v3-dense")
 PAD = 3
 
 

@@ -21,9 +21,12 @@ pytest.importorskip("transformers")
 # Gemma 2 runs both of its matrix rows (its first layer's window, its soft-capping)
 GEMMA2 = pytest.param("gemma2", marks=[pytest.mark.feature("sliding-window-attention"),
                                        pytest.mark.feature("logit-softcapping")])
+# DeepSeek's multi-latent attention, with V2's MoE layers and V3's query latent
+MLA = [pytest.param(name, marks=pytest.mark.feature("multi-latent-attention"))
+       for name in ("deepseek-v2", "deepseek-v3-dense")]
 NAMES = ["llama", "llama3-rope", "llama-linear-rope-tied", "llama-yarn", "qwen2-yarn-mscale", "llama-dynamic-rope",
          "llama-attention-bias", "mistral", "mistral-sliding", "qwen2", "qwen2-sliding", "qwen3", "phi3-longrope",
-         "phi3-partial-rotary", GEMMA2, "gemma3", "gpt2", "mixtral", "qwen2-moe", "qwen3-moe"]
+         "phi3-partial-rotary", GEMMA2, "gemma3", "gpt2", "mixtral", "qwen2-moe", "qwen3-moe", *MLA]
 
 
 _reference_process = hf_reference_process
@@ -45,12 +48,13 @@ def test_logits_match_transformers(references, name):
 @pytest.mark.feature("greedy-generation")
 @pytest.mark.feature("kv-cache")
 @pytest.mark.parametrize("name", ["llama", "qwen3", "gpt2", "llama-dynamic-rope", "phi3-longrope", GEMMA2, "gemma3",
-                                  "mistral-sliding"])
+                                  "mistral-sliding", *MLA])
 def test_greedy_generation_matches_transformers(references, name):
     """transformers' generate() (greedy, with its cache) on a batch whose second prompt is
     padded on the left; dynamic NTK past max_position_embeddings as the sequence grows;
     LongRoPE's long factors from the token past its original length on; Gemma 2's and Gemma 3's
-    windows sliding over the cache (Gemma 3's sliding layers on their own RoPE)."""
+    windows sliding over the cache (Gemma 3's sliding layers on their own RoPE); DeepSeek's
+    cache of latents."""
     from mindspeed_core.models import generate as gen
 
     ref = np.load(references / f"{name}.npz")
@@ -58,8 +62,24 @@ def test_greedy_generation_matches_transformers(references, name):
     assert gen.generate(hf.load_model(str(references / name)), prompts, 8) == ref["generated"].tolist()
 
 
+@pytest.mark.feature("multi-latent-attention")
+def test_the_latent_cache_holds_the_latent_and_the_rotated_key(references):
+    """DeepSeek's cache: kv_lora_rank + qk_rope_head_dim numbers a token and layer (16 + 4
+    here), against 2 x heads x head dim (2 x 4 x 12) a GQA layer of these heads would keep."""
+    from mindspeed_core.models import generate as gen
+
+    model = hf.load_model(str(references / "deepseek-v2"))
+    steps = gen._Steps(model, [[5, 6, 7]], 2, True)
+    steps.logits()
+    mla, layers = model.cfg.mla, model.cfg.num_layers
+    assert steps.cache.values_per_token() == layers * (mla.kv_lora_rank + mla.qk_rope_head_dim) == 2 * 20
+    print("cache numbers a token:", steps.cache.values_per_token(), "| multi-head keys and values:",
+          layers * 2 * model.cfg.num_attention_heads * mla.qk_head_dim)
+
+
 EXPORTED = ["llama", "llama-attention-bias", "qwen3", "gpt2", "mixtral", "qwen2-moe", "qwen2-yarn-mscale",
-            "phi3-longrope", "phi3-partial-rotary", "gemma2", "gemma3", "mistral-sliding", "qwen2-sliding"]
+            "phi3-longrope", "phi3-partial-rotary", "gemma2", "gemma3", "mistral-sliding", "qwen2-sliding",
+            "deepseek-v2", "deepseek-v3-dense"]
 
 
 @pytest.fixture(scope="module")

@@ -42,9 +42,14 @@ PRM = GQA + ["--stage", "prm", "--reward-tokens", "+", "-"]
 GEMMA2 = GQA + ["--add-rmsnorm-offset", "--post-norm", "--input-embeds-norm", "--gelu-tanh", "--query-pre-attn-scalar",
                 "24", "--attn-logit-softcapping", "2.0", "--output-logit-softcapping", "5.0",
                 "--interleave-sliding-window", "6"]
+# DeepSeek's multi-latent attention with MindSpeed-LLM's flags: a query latent, the key/value
+# latent, 8 features without position and 8 rotated per query/key head, values of 12
+MLA = BASE + ["--multi-latent-attention", "--q-lora-rank", "24", "--kv-lora-rank", "16", "--qk-head-dim", "8",
+              "--qk-pos-emb-head-dim", "8", "--v-head-dim", "12", "--qk-layernorm", "--spec",
+              "mindspeed_llm.tasks.models.spec.deepseek_spec", "layer_spec"]
 MODELS = {"gqa": GQA, "mha": MHA, "moe": MOE, "sft": SFT, "lora": LORA, "dpo": DPO,
           "dpo-lora": DPO + ["--lora-r", "4", "--lora-alpha", "8"], "simpo": SIMPO, "orm": ORM, "prm": PRM,
-          "gemma2": GEMMA2}
+          "gemma2": GEMMA2, "mla": MLA}
 ITERS = 10  # the single-process reference curves of the models whose checkpoints are resumed below
 RESUMED = ("gqa", "moe", "dpo")  # the others' reference curves stop at LAYOUT_ITERS
 # the layout launches run the first steps of the same schedule (--lr-decay-iters above): their
@@ -247,6 +252,9 @@ CASES = [  # (id, ranks, model, flags): the cases of each rank count share one l
     ("simpo-pp2", 2, "simpo", ["--pipeline-model-parallel-size", "2"]),
     ("orm-tp2-sp", 2, "orm", ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),  # the scalar head's gradient
     ("gemma2-tp2-sp", 2, "gemma2", ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+    # the up-projections split by head, the down-projections (and the latents' norms) whole
+    # with gradients summed over the heads of each rank
+    ("mla-tp2-sp", 2, "mla", ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
     # with dynamic padding (--no-pad-to-seq-lengths) against the single process's full-length
     # micro-batches: the stages pass each micro-batch's own width, and the loss stays the same
     ("dpo-pp2-dp2", 4, "dpo", ["--pipeline-model-parallel-size", "2", "--save", "{tmp}/dpo-ckpt",
@@ -260,7 +268,7 @@ TRAFFIC = ("tp2", "tp2-sp", "dp2-distopt", "tp2-dp2")
 
 # context parallelism (rank order tp, cp, dp), on four ranks in one launch: ring at C=2 with
 # DP2 and under TP2 + SP, ring at C=4 on packed (SFT) samples, Ulysses at C=2 with DP2 and the
-# distributed optimizer (sharded over DP x CP), hybrid 2 x 2
+# distributed optimizer (sharded over DP x CP), hybrid 2 x 2 (multi-latent attention)
 CP_CASES = [  # (id, model, flags)
     ("cp2-ring-dp2", "gqa", ["--context-parallel-size", "2"]),
     ("cp2-ring-tp2-sp", "gqa", ["--context-parallel-size", "2", "--tensor-model-parallel-size", "2",
@@ -269,10 +277,12 @@ CP_CASES = [  # (id, model, flags)
     ("cp4-ring-sft", "sft", ["--context-parallel-size", "4", "--no-pad-to-seq-lengths"]),
     ("cp2-ulysses-dp2-distopt", "gqa", ["--context-parallel-size", "2", "--context-parallel-algo", "ulysses_cp_algo",
                                         "--use-distributed-optimizer"]),
-    ("cp4-hybrid", "gqa", ["--context-parallel-size", "4", "--context-parallel-algo", "hybrid_cp_algo",
-                           "--ulysses-degree-in-cp", "2"]),
     # Gemma 2's window crosses the ring's chunks of 8 columns; its caps apply per ring block
     ("cp2-ring-gemma2", "gemma2", ["--context-parallel-size", "2"]),
+    # hybrid 2 x 2 on DeepSeek's latent attention: values narrower than queries and keys through
+    # Ulysses' exchange and the ring
+    ("cp4-hybrid-mla", "mla", ["--context-parallel-size", "4", "--context-parallel-algo", "hybrid_cp_algo",
+                               "--ulysses-degree-in-cp", "2"]),
 ]
 
 

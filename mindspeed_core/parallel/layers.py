@@ -31,6 +31,7 @@ from mindspeed_core import autograd, dist, nn, ops, random
 from mindspeed_core.errors import MindSpeedError
 from mindspeed_core.models import lora
 from mindspeed_core.models.gpt import MLP, Seams, vocab_selector
+from mindspeed_core.models.config import MLA_DOWN
 from mindspeed_core.parallel import mappings
 from mindspeed_core.parallel.plan import KVCopies, ParallelPlan, ParamPlan
 from mindspeed_core.parallel.sharding import shard
@@ -73,6 +74,36 @@ class RowParallelLinear(nn.Module):
             y = y + lora.adapter_output(self, x, _model_parallel_rng())
         y = mappings.reduce_scatter_to_sequence(y, self.group) if self.sp else mappings.reduce_from_region(y, self.group)
         return y if self.bias is None else y + self.bias
+
+
+class DuplicatedLinear(nn.Module):
+    """megatron-core's duplicated linear (multi-latent attention's down-projections): the whole
+    weight on every rank, applied to the whole sequence (gathered under SP, else copied into the
+    region); each rank's gradient, of its weight and of its input, is a partial sum over the
+    heads its output feeds."""
+
+    def __init__(self, full, group, sequence_parallel: bool):
+        super().__init__()
+        self.group, self.sp = group, sequence_parallel
+        self.weight = nn.Parameter(ops.to_numpy(full.weight))
+        self.bias = None if full.bias is None else nn.Parameter(ops.to_numpy(full.bias))
+
+    def forward(self, x):
+        x = mappings.gather_from_sequence(x, self.group) if self.sp else mappings.copy_to_region(x, self.group)
+        return ops.linear(x, self.weight, self.bias)
+
+
+class HeadParallelLinear(nn.Module):
+    """A column-parallel linear whose input is already whole on every rank (multi-latent
+    attention's up-projections, after a duplicated one): this rank's rows, no communication."""
+
+    def __init__(self, full, group):
+        super().__init__()
+        n, r = dist.world_size(group), dist.rank(group)
+        self.weight = nn.Parameter(np.split(ops.to_numpy(full.weight), n, axis=0)[r])
+
+    def forward(self, x):
+        return ops.linear(x, self.weight)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -209,6 +240,23 @@ def parallelize(model, ps, sequence_parallel: bool = False, overrides: dict | No
     return ParallelPlan(params, kv)
 
 
+def _shard_latent_attention(attn, prefix, group, sequence_parallel, spec, partial) -> None:
+    """Multi-latent attention's down-projections duplicated, their latents' norms with them
+    (gradients partial over the heads), the up-projections split by head."""
+    for attr in MLA_DOWN:
+        if hasattr(attn, attr):
+            full = getattr(attn, attr)
+            setattr(attn, attr, DuplicatedLinear(full, group, sequence_parallel))
+            partial.update(prefix + f"{attr}.{kind}" for kind in ("weight", "bias")[:1 + (full.bias is not None)])
+    for norm in ("q_layernorm", "kv_layernorm"):
+        if hasattr(attn, norm):
+            partial.add(prefix + f"{norm}.weight")
+    for attr in ("linear_q_up_proj", "linear_kv_up_proj"):
+        if hasattr(attn, attr):
+            setattr(attn, attr, HeadParallelLinear(getattr(attn, attr), group))
+            spec[prefix + f"{attr}.weight"] = ("split", 0)
+
+
 def _shard_layers(model, ps, group, sequence_parallel, spec, partial) -> KVCopies | None:
     """Replace the layers by their tensor-parallel versions; fills spec {local name: spec} and
     partial (local names of replicated LoRA factors, whose gradients are partial sums)."""
@@ -244,7 +292,12 @@ def _shard_layers(model, ps, group, sequence_parallel, spec, partial) -> KVCopie
     for i, layer in enumerate(model.decoder.layers):
         attn, mlp = layer.self_attention, layer.mlp
         prefix = f"decoder.layers.{i}."
-        column(attn, "linear_qkv", prefix + "self_attention.linear_qkv", qkv_spec, cfg.add_qkv_bias)
+        if cfg.mla is not None:
+            _shard_latent_attention(attn, prefix + "self_attention.", group, sequence_parallel, spec, partial)
+            if hasattr(attn, "linear_q_proj"):  # queries straight from the hidden state
+                column(attn, "linear_q_proj", prefix + "self_attention.linear_q_proj", ("split", 0), False)
+        else:
+            column(attn, "linear_qkv", prefix + "self_attention.linear_qkv", qkv_spec, cfg.add_qkv_bias)
         row(attn, "linear_proj", prefix + "self_attention.linear_proj")
         if isinstance(mlp, MLP):  # an MoE layer's MLP is cut by parallel/experts.py
             column(mlp, "linear_fc1", prefix + "mlp.linear_fc1", swiglu, cfg.add_bias_linear)

@@ -22,7 +22,7 @@ from mindspeed_core.data.tokenizer import build_tokenizer, check_fits, padded_vo
 from mindspeed_core.errors import MindSpeedError
 from mindspeed_core.memory import recompute
 from mindspeed_core.models import rope
-from mindspeed_core.models.config import (LORA_TARGETS, PRESETS, LoRAConfig, ModelConfig, MoEConfig,
+from mindspeed_core.models.config import (LORA_TARGETS, PRESETS, LoRAConfig, MLAConfig, ModelConfig, MoEConfig,
                                           interleaved_window_layers)
 from mindspeed_core.parallel import context, experts, pipeline
 from mindspeed_core.parallel import layers as parallel_layers
@@ -393,6 +393,12 @@ def _model_config(args, vocab_size: int) -> ModelConfig:
     base.update((field, value) for _, field, value in _gemma_fields(args, base.get("num_layers", ModelConfig.num_layers)))
     if args.num_experts is not None:
         base["moe"], base["moe_layers"] = _moe_config(args, base.get("num_layers", ModelConfig.num_layers))
+    mla = _mla_config(args)
+    if mla is not None:  # each head its own key and value, of the MLA flags' width (a preset's GQA aside)
+        base["mla"] = mla
+        for field in ("kv_channels", "num_query_groups"):
+            if getattr(args, field) is None or field == "kv_channels":  # --kv-channels checked in _mla_config
+                base.pop(field, None)
     base["vocab_size"] = _vocab_rows(args, vocab_size)
     base["max_position_embeddings"] = max(args.max_position_embeddings or 0, args.seq_length,
                                           base.get("max_position_embeddings", 0))
@@ -406,9 +412,39 @@ def _model_config(args, vocab_size: int) -> ModelConfig:
     return cfg
 
 
+# Megatron's defaults of the multi-latent attention sizes (its --multi-latent-attention flags)
+_MLA_DEFAULTS = {"kv_lora_rank": 32, "qk_head_dim": 128, "qk_pos_emb_head_dim": 64, "v_head_dim": 128}
+
+
+def _mla_config(args) -> MLAConfig | None:
+    """--multi-latent-attention and its sizes (Megatron's flags; --qk-head-dim is the part of
+    each query/key head without position, --qk-pos-emb-head-dim the rotated part)."""
+    sizes = ("q_lora_rank", *_MLA_DEFAULTS)
+    if not args.multi_latent_attention:
+        given = [f for f in sizes if getattr(args, f) is not None]
+        if given:
+            raise MindSpeedError(f"--{given[0].replace('_', '-')} sizes multi-latent attention: give "
+                                 f"--multi-latent-attention too")
+        return None
+    value = {f: getattr(args, f) if getattr(args, f) is not None else default for f, default in _MLA_DEFAULTS.items()}
+    if args.kv_channels is not None and args.kv_channels != value["qk_head_dim"] + value["qk_pos_emb_head_dim"]:
+        raise MindSpeedError(f"--kv-channels {args.kv_channels}: multi-latent attention's query/key heads have "
+                             f"--qk-head-dim + --qk-pos-emb-head-dim = "
+                             f"{value['qk_head_dim'] + value['qk_pos_emb_head_dim']} features")
+    try:
+        return MLAConfig(kv_lora_rank=value["kv_lora_rank"], qk_nope_head_dim=value["qk_head_dim"],
+                         qk_rope_head_dim=value["qk_pos_emb_head_dim"], v_head_dim=value["v_head_dim"],
+                         q_lora_rank=args.q_lora_rank)
+    except ValueError as exc:
+        raise MindSpeedError(str(exc)) from None
+
+
 # MindSpeed-LLM's layer specs (--spec MODULE FUNCTION) -> the model family that builds those layers here
 SPEC_FAMILIES = {"qwen3_spec": "qwen3", "qwen2_spec": "qwen2", "llama_spec": "llama", "mistral_spec": "mistral",
-                 "qwen3_moe_spec": "qwen3_moe", "mixtral_spec": "mixtral", "gemma2_spec": "gemma2"}
+                 "qwen3_moe_spec": "qwen3_moe", "mixtral_spec": "mixtral", "gemma2_spec": "gemma2",
+                 "deepseek_spec": "deepseek_v3"}
+# families whose folders a spec's layers also read: DeepSeek's spec builds V2's layers too
+SPEC_ALSO = {"deepseek_v3": ("deepseek_v2",)}
 
 
 def spec_family(spec: list, moe: bool = False) -> str:
@@ -468,7 +504,8 @@ def _agreeing_with_flags(args, cfg: ModelConfig, vocab_size: int, scaling: dict 
         raise MindSpeedError(f"--model-type-hf {args.model_type_hf}, but {args.load_hf}/config.json is a {cfg.family} "
                              "model" if args.model_type_hf in hf.MODEL_TYPES else
                              f"--model-type-hf {args.model_type_hf}: choose one of {', '.join(hf.MODEL_TYPES)}")
-    if args.spec and spec_family(args.spec, moe=cfg.moe is not None) != cfg.family:
+    built = spec_family(args.spec, moe=cfg.moe is not None) if args.spec else None
+    if args.spec and cfg.family not in (built, *SPEC_ALSO.get(built, ())):
         raise MindSpeedError(f"--spec {args.spec[0]} builds {spec_family(args.spec, moe=cfg.moe is not None)} layers, "
                              f"but the Hugging Face folder holds a {cfg.family} model")
     return cfg

@@ -1,0 +1,130 @@
+"""Multi-head latent attention (DeepSeek-V2/V3; Megatron-core's MLASelfAttention), written only
+against the facade.
+
+Keys and values are not projected from the hidden state per head: one latent of
+``kv_lora_rank`` features per token is (linear_kv_down_proj, which also yields the token's
+rotated key part, qk_rope_head_dim features shared by every head), normed (kv_layernorm), and
+projected up to each head's key features without position and its value (linear_kv_up_proj).
+Queries come from linear_q_proj, or through a latent of their own (linear_q_down_proj,
+q_layernorm, linear_q_up_proj). Parameter names are megatron-core's (its local spec).
+
+The rotated features are stored interleaved in pairs, as DeepSeek's weights have them
+(MLAConfig.rope_interleave); they are regrouped as (even features, odd features) before the usual rotate-half RoPE, which is
+what megatron-core and transformers do too: q.k does not depend on the order in which both
+lay out their features.
+
+Generation caches the normed latent and the rotated key part, kv_lora_rank +
+qk_rope_head_dim numbers a token per layer (the saving MLA exists for), and projects keys and
+values up from them at each step.
+
+Under tensor parallelism (parallel/layers.py) the up-projections split by head and the
+down-projections are replicated: their gradients (and the latents' norms') are partial sums
+over the heads of each rank, like the column layers' inputs.
+"""
+
+from __future__ import annotations
+
+import math
+
+from mindspeed_core import composite, features, nn, ops
+from mindspeed_core.memory import recompute
+from mindspeed_core.models import rope
+from mindspeed_core.models.gpt import SINGLE_DEVICE, linear, layer_scores
+from mindspeed_core.models.layers import Linear, make_norm
+
+
+def softmax_scale(cfg) -> float:
+    """1/sqrt(qk head dim), times YaRN's mscale(factor, mscale_all_dim) squared where the
+    scaling gives mscale_all_dim (DeepSeek's configs)."""
+    scale = cfg.mla.qk_head_dim ** -0.5
+    scaling = cfg.rope_scaling or {}
+    if rope.kind(scaling) not in (None, "default") and scaling.get("mscale_all_dim"):
+        factor = scaling["factor"]
+        mscale = 1.0 if factor <= 1 else 0.1 * scaling["mscale_all_dim"] * math.log(factor) + 1.0
+        scale *= mscale * mscale
+    return scale
+
+
+def deinterleave(x):
+    """The last dim's features as (even ones, odd ones)."""
+    *lead, d = x.shape
+    pairs = ops.reshape(x, (*lead, d // 2, 2))
+    return ops.reshape(ops.transpose(pairs, -1, -2), (*lead, d))
+
+
+class MLASelfAttention(nn.Module):
+    recompute_policy = recompute.NONE  # as SelfAttention's
+    layer_number = 0
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.cfg = cfg
+        mla, h, heads, std = cfg.mla, cfg.hidden_size, cfg.num_attention_heads, cfg.init_method_std
+        bias = cfg.attention_output_bias  # DeepSeek's attention_bias: the down-projections' and the output's
+        if mla.q_lora_rank is None:
+            self.linear_q_proj = Linear(h, heads * mla.qk_head_dim, False, std)
+        else:
+            self.linear_q_down_proj = Linear(h, mla.q_lora_rank, bias, std)
+            if cfg.qk_layernorm:
+                self.q_layernorm = make_norm(cfg, mla.q_lora_rank)
+            self.linear_q_up_proj = Linear(mla.q_lora_rank, heads * mla.qk_head_dim, False, std)
+        self.linear_kv_down_proj = Linear(h, mla.kv_lora_rank + mla.qk_rope_head_dim, bias, std)
+        if cfg.qk_layernorm:
+            self.kv_layernorm = make_norm(cfg, mla.kv_lora_rank)
+        self.linear_kv_up_proj = Linear(mla.kv_lora_rank, heads * (mla.qk_nope_head_dim + mla.v_head_dim), False, std)
+        out_std = std / math.sqrt(2.0 * cfg.num_layers)
+        self.linear_proj = linear(cfg, "linear_proj", heads * mla.v_head_dim, h, bias, out_std)
+        self.scale = softmax_scale(cfg)
+
+    def _queries(self, x):
+        if self.cfg.mla.q_lora_rank is None:
+            return self.linear_q_proj(x)
+        latent = self.linear_q_down_proj(x)
+        if self.cfg.qk_layernorm:
+            latent = self.recompute_policy.norm_of(self.q_layernorm, latent)
+        return self.linear_q_up_proj(latent)
+
+    def _rotate(self, x, cos, sin):
+        if self.cfg.mla.rope_interleave:
+            x = deinterleave(x)
+        if "rope" in self.cfg.fused:
+            features.note_used("fused-rope")
+            return ops.apply_rotary(x, cos, sin)
+        return composite.apply_rotary(x, cos, sin)
+
+    def forward(self, x, cos, sin, seams=SINGLE_DEVICE, tokens=None):
+        cfg, mla = self.cfg, self.cfg.mla
+        groups, per_group = seams.heads(cfg)
+        heads = groups * per_group  # this rank's
+        features.note_used("multi-latent-attention")
+        q = self._queries(x)
+        b, s = q.shape[0], q.shape[1]  # the full sequence, also under sequence parallelism
+        q_nope, q_rope = ops.split(ops.reshape(q, (b, s, heads, mla.qk_head_dim)),
+                                   [mla.qk_nope_head_dim, mla.qk_rope_head_dim], dim=-1)
+        combined = self.linear_kv_down_proj(x)
+        latent, k_rope = ops.split(combined, [mla.kv_lora_rank, mla.qk_rope_head_dim], dim=-1)
+        if cfg.qk_layernorm:
+            latent = self.recompute_policy.norm_of(self.kv_layernorm, latent)
+        q_rope = self._rotate(q_rope, cos, sin)
+        k_rope = self._rotate(ops.reshape(k_rope, (b, s, 1, mla.qk_rope_head_dim)), cos, sin)
+        latent = ops.reshape(latent, (b, s, 1, mla.kv_lora_rank))
+        if tokens is not None and tokens.cache is not None:  # the latents of every token so far
+            latent, k_rope = tokens.cache.extend(self.layer_number, latent, k_rope)
+        sk = latent.shape[1]
+        kv = ops.reshape(self.linear_kv_up_proj(ops.reshape(latent, (b, sk, mla.kv_lora_rank))),
+                         (b, sk, heads, mla.qk_nope_head_dim + mla.v_head_dim))
+        k_nope, v = ops.split(kv, [mla.qk_nope_head_dim, mla.v_head_dim], dim=-1)
+        q = ops.cat([q_nope, q_rope], dim=-1)
+        k = ops.cat([k_nope, ops.expand(k_rope, (b, sk, heads, mla.qk_rope_head_dim))], dim=-1)
+        p = cfg.attention_dropout if nn.is_training(self) else 0.0
+        fused = "attention" in cfg.fused
+        if fused:
+            features.note_used("flash-attention")
+        scores = layer_scores(cfg, self.layer_number, self.scale)
+
+        def core(q, k, v):
+            with seams.attention_rng():
+                return seams.attention(q, k, v, p, fused, tokens, scores)
+
+        out = self.recompute_policy.attention(core, q, k, v)
+        return self.linear_proj(ops.reshape(out, (b, s, heads * mla.v_head_dim)))
