@@ -405,6 +405,11 @@ HF_LLAMA = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "95", "--make-v
             "--no-progress", "--sample-tokens", "0", "--split", "100,0,0"]
 
 
+# the same for transformers' DeepSeek-V2 (hf_reference.py): each head its own key and value
+_GROUPS = HF_LLAMA.index("--num-query-groups")
+HF_DEEPSEEK = HF_LLAMA[:_GROUPS] + HF_LLAMA[_GROUPS + 2:]
+
+
 @pytest.fixture(scope="module")
 def null_corpus(tmp_path_factory):
     """Documents of random ids below 95, for the NullTokenizer."""
@@ -458,6 +463,10 @@ def four_ranks(corpus, data, two_ranks, null_corpus, hf_references, tmp_path_fac
                                     "--load-hf", str(hf_references / "gemma3"), "--tensor-model-parallel-size", "2",
                                     "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage",
                                     "1"], False],
+             # DeepSeek-V2's latent attention, dense first layer and MoE second layer, one per stage
+             ["hf-deepseek-v2-tp2-pp2", [*HF_DEEPSEEK, "--seq-length", "20", "--data-path", null_corpus, "--load-hf",
+                                         str(hf_references / "deepseek-v2"), "--tensor-model-parallel-size", "2",
+                                         "--pipeline-model-parallel-size", "2"], False],
              # the EP2 checkpoint of two_ranks (sharded: each expert once, by its owner) at EP1 x DP4
              ["moe-dp4-from-ep2", [*MOE, "--data-path", data["moe"], "--train-iters", str(ITERS), "--load",
                                    str(two_ranks / "ep2-ckpt")], False],
@@ -634,14 +643,16 @@ def test_a_converted_model_at_tp2_pp2_scores_the_first_batch_as_transformers(fou
 @pytest.mark.feature("longrope")
 @pytest.mark.feature("sliding-window-attention")
 @pytest.mark.feature("logit-softcapping")
-def test_phi3_and_gemma_at_tp2_pp2_score_the_first_batch_as_transformers(four_ranks, null_corpus, hf_references,
-                                                                         tmp_path):
+@pytest.mark.feature("multi-latent-attention")
+def test_phi3_gemma_and_deepseek_at_tp2_pp2_score_the_first_batch_as_transformers(four_ranks, null_corpus,
+                                                                                  hf_references, tmp_path):
     """transformers' Phi-3 (fused qkv_proj and gate_up_proj, LongRoPE), Gemma 2 (a 5-token
-    window in its first layer, soft-capping) and Gemma 3 (q/k norms, windows and a local RoPE in
-    its sliding layers; over virtual stages) read by --load-hf at TP2 x PP2 on 20-token
-    sequences (past Phi-3's original 16 positions: the long factors): the first batch's loss is
-    transformers' within 1e-4."""
-    cases = {"phi3-longrope": "hf-phi3-tp2-pp2", "gemma2": "hf-gemma2-tp2-pp2", "gemma3": "hf-gemma3-tp2-vpp"}
+    window in its first layer, soft-capping), Gemma 3 (q/k norms, windows and a local RoPE in
+    its sliding layers; over virtual stages) and DeepSeek-V2 (latent attention; the second stage
+    an MoE layer) read by --load-hf at TP2 x PP2 on 20-token sequences (past Phi-3's original 16
+    positions: the long factors): the first batch's loss is transformers' within 1e-4."""
+    cases = {"phi3-longrope": "hf-phi3-tp2-pp2", "gemma2": "hf-gemma2-tp2-pp2", "gemma3": "hf-gemma3-tp2-vpp",
+             "deepseek-v2": "hf-deepseek-v2-tp2-pp2"}
     wants = first_batch_losses_of_transformers([hf_references / n for n in cases], null_corpus, 20, tmp_path)
     for (name, case), want in zip(cases.items(), wants):
         got = losses(four_ranks / "out" / f"{case}.jsonl")
