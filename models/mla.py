@@ -9,9 +9,9 @@ Queries come from linear_q_proj, or through a latent of their own (linear_q_down
 q_layernorm, linear_q_up_proj). Parameter names are megatron-core's (its local spec).
 
 The rotated features are stored interleaved in pairs, as DeepSeek's weights have them
-(MLAConfig.rope_interleave); they are regrouped as (even features, odd features) before the usual rotate-half RoPE, which is
-what megatron-core and transformers do too: q.k does not depend on the order in which both
-lay out their features.
+(MLAConfig.rope_interleave); they are regrouped as (even features, odd features) before the
+usual rotate-half RoPE, which is what megatron-core and transformers do too: q.k does not
+depend on the order in which both lay out their features.
 
 Generation caches the normed latent and the rotated key part, kv_lora_rank +
 qk_rope_head_dim numbers a token per layer (the saving MLA exists for), and projects keys and
@@ -39,9 +39,7 @@ def softmax_scale(cfg) -> float:
     scale = cfg.mla.qk_head_dim ** -0.5
     scaling = cfg.rope_scaling or {}
     if rope.kind(scaling) not in (None, "default") and scaling.get("mscale_all_dim"):
-        factor = scaling["factor"]
-        mscale = 1.0 if factor <= 1 else 0.1 * scaling["mscale_all_dim"] * math.log(factor) + 1.0
-        scale *= mscale * mscale
+        scale *= rope.yarn_temperature(scaling["factor"], scaling["mscale_all_dim"]) ** 2
     return scale
 
 

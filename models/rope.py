@@ -93,15 +93,17 @@ def _yarn(head_dim: int, base: float, scaling: dict, max_positions: int) -> tupl
     powers = _powers(head_dim, base)
     inv = (1.0 / (factor * powers)) * ramp + (1.0 / powers) * (1.0 - ramp)
 
-    def temperature(scale: float, mscale: float = 1.0) -> float:
-        return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
-
     attention = scaling.get("attention_factor")
     if attention is None:
         mscale, all_dims = scaling.get("mscale"), scaling.get("mscale_all_dim")
-        attention = (temperature(factor, mscale) / temperature(factor, all_dims) if mscale and all_dims
-                     else temperature(factor))
+        attention = (yarn_temperature(factor, mscale) / yarn_temperature(factor, all_dims) if mscale and all_dims
+                     else yarn_temperature(factor))
     return inv, float(attention)
+
+
+def yarn_temperature(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature 0.1 mscale ln(factor) + 1 (1 when nothing is stretched)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 def _longrope(head_dim: int, base: float, scaling: dict, seq_len: int, max_positions: int | None):

@@ -47,9 +47,13 @@ GEMMA2 = GQA + ["--add-rmsnorm-offset", "--post-norm", "--input-embeds-norm", "-
 MLA = BASE + ["--multi-latent-attention", "--q-lora-rank", "24", "--kv-lora-rank", "16", "--qk-head-dim", "8",
               "--qk-pos-emb-head-dim", "8", "--v-head-dim", "12", "--qk-layernorm", "--spec",
               "mindspeed_llm.tasks.models.spec.deepseek_spec", "layer_spec"]
+# with DeepSeek-V2's experts in the second layer: softmax top-2 of 4, scaled, a shared expert
+MLA_MOE = MLA + ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32",
+                 "--moe-router-topk-scaling-factor", "1.5", "--n-shared-experts", "1", "--first-k-dense-replace", "1",
+                 "--moe-aux-loss-coeff", "0.01"]
 MODELS = {"gqa": GQA, "mha": MHA, "moe": MOE, "sft": SFT, "lora": LORA, "dpo": DPO,
           "dpo-lora": DPO + ["--lora-r", "4", "--lora-alpha", "8"], "simpo": SIMPO, "orm": ORM, "prm": PRM,
-          "gemma2": GEMMA2, "mla": MLA}
+          "gemma2": GEMMA2, "mla": MLA, "mla-moe": MLA_MOE}
 ITERS = 10  # the single-process reference curves of the models whose checkpoints are resumed below
 RESUMED = ("gqa", "moe", "dpo")  # the others' reference curves stop at LAYOUT_ITERS
 # the layout launches run the first steps of the same schedule (--lr-decay-iters above): their
@@ -255,6 +259,7 @@ CASES = [  # (id, ranks, model, flags): the cases of each rank count share one l
     # the up-projections split by head, the down-projections (and the latents' norms) whole
     # with gradients summed over the heads of each rank
     ("mla-tp2-sp", 2, "mla", ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+    ("mla-moe-ep2", 2, "mla-moe", ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall"]),
     # with dynamic padding (--no-pad-to-seq-lengths) against the single process's full-length
     # micro-batches: the stages pass each micro-batch's own width, and the loss stays the same
     ("dpo-pp2-dp2", 4, "dpo", ["--pipeline-model-parallel-size", "2", "--save", "{tmp}/dpo-ckpt",
