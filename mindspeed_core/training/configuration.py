@@ -396,9 +396,9 @@ def _model_config(args, vocab_size: int) -> ModelConfig:
     mla = _mla_config(args)
     if mla is not None:  # each head its own key and value, of the MLA flags' width (a preset's GQA aside)
         base["mla"] = mla
-        for field in ("kv_channels", "num_query_groups"):
-            if getattr(args, field) is None or field == "kv_channels":  # --kv-channels checked in _mla_config
-                base.pop(field, None)
+        base.pop("kv_channels", None)  # --kv-channels, when given, was checked by _mla_config
+        if args.num_query_groups is None:
+            base.pop("num_query_groups", None)
     base["vocab_size"] = _vocab_rows(args, vocab_size)
     base["max_position_embeddings"] = max(args.max_position_embeddings or 0, args.seq_length,
                                           base.get("max_position_embeddings", 0))
