@@ -138,3 +138,25 @@ def test_a_wrong_compiled_gradient_stops_the_run(capsys, corpus, monkeypatch):  
     monkeypatch.setattr(compiled, "autograd", shim)
     code, out, err = train(capsys, *FLAGS, "--compile", "--train-iters", "2", "--data-path", corpus)
     assert code != 0 and "disagrees with eager" in err and "run without --compile" in err, (out, err)
+
+
+class _Square(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(np.array([1.0, 2.0, 3.0], np.float32))
+
+    def forward(self, x):
+        return ops.sum(x * self.weight * self.weight)
+
+
+def test_compile_works_when_a_caller_has_no_source():
+    """``python -m mindspeed_core.cli train --compile`` has ``<frozen runpy>`` frames below
+    it, ``python -c`` a ``<string>``: MindSpore's trace capture reads its callers' source lines
+    and had failed there with a TypeError. Here the caller is code without a file."""
+    model = _Square()
+    step = autograd.compiled_value_and_grad(model, [model.weight], model)
+    scope = {"step": step, "x": ops.ones((3,))}
+    exec(compile("\n" * 40 + "result = step(x)", "<code without a file>", "exec"), scope)
+    loss, (grad,) = scope["result"]
+    assert float(ops.to_numpy(loss)) == 14.0
+    np.testing.assert_allclose(ops.to_numpy(grad), [2.0, 4.0, 6.0])

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import linecache
+import sys
+
 import mindspore as ms
 from mindspore import ops as P
 
@@ -47,6 +50,24 @@ def value_and_grad(fn, params, has_aux: bool = False):
     return run
 
 
+def _give_every_caller_a_source() -> None:
+    """Trace capture names a graph by its callers' source lines (``inspect.stack()``) and
+    fails with a TypeError on a frame whose source cannot be read: ``python -m`` puts
+    ``<frozen runpy>`` at the bottom of every stack, ``python -c`` a ``<string>``. Such
+    files get blank lines in linecache (what a traceback shows for them anyway)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        name, need = frame.f_code.co_filename, max(frame.f_lineno or 1, frame.f_code.co_firstlineno)
+        lines = linecache.getlines(name, frame.f_globals)
+        if not lines or (name in _BLANK_SOURCES and len(lines) < need):  # one file, several frames
+            linecache.cache[name] = (0, None, ["\n"] * max(need, len(lines)), name)
+            _BLANK_SOURCES.add(name)
+        frame = frame.f_back
+
+
+_BLANK_SOURCES: set = set()
+
+
 def compiled_value_and_grad(fn, params, module):
     """value_and_grad of ``mindspore.jit(fn, capture_mode="trace")``.
 
@@ -84,6 +105,7 @@ def compiled_value_and_grad(fn, params, module):
         if n not in cache:
             cache[n] = ms.value_and_grad(compiled, tuple(range(n, n + len(params))))
         _recorded[0] += 1
+        _give_every_caller_a_source()
         value, grads = cache[n](*args, *params)
         return value, list(grads) if isinstance(grads, (tuple, list)) else [grads]  # one position: a bare tensor
 
