@@ -17,14 +17,15 @@ from launch import TwoNodes, free_port, run_configs
 from test_training import corpus, losses, train  # noqa: F401  (corpus is a fixture)
 
 BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--ffn-hidden-size", "128",
-        "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "8", "--lr", "3e-3", "--min-lr", "3e-4",
+        "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "4", "--lr", "3e-3", "--min-lr", "3e-4",
         "--lr-warmup-iters", "2", "--eval-iters", "0", "--log-interval", "1", "--make-vocab-size-divisible-by", "8",
         "--no-progress", "--seed", "7", "--sample-tokens", "0", "--lr-decay-iters", "10"]
 GQA = BASE + ["--num-query-groups", "2"]
 MHA = BASE + ["--num-query-groups", "4"]
-# a mixture of experts in the second layer: top-2 of 4, aux and z losses
+# a mixture of experts in the second layer: top-2 of 4, aux and z losses; global batches of 8,
+# for its layouts of four data-parallel ranks
 MOE = GQA + ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "64", "--moe-aux-loss-coeff",
-             "0.01", "--moe-z-loss-coeff", "0.001", "--first-k-dense-replace", "1"]
+             "0.01", "--moe-z-loss-coeff", "0.001", "--first-k-dense-replace", "1", "--global-batch-size", "8"]
 # instruction fine-tuning on packed conversations (sft_corpus): the loss on the replies only
 SFT = GQA + ["--stage", "sft"]
 # LoRA adapters on every linear layer of the same fine-tuning (base weights frozen at their start)
@@ -299,6 +300,10 @@ def cp_size(flags) -> int:
     return int(flags[flags.index("--context-parallel-size") + 1]) if "--context-parallel-size" in flags else 1
 
 
+def global_batch(flags) -> int:
+    return int(flags[len(flags) - 1 - flags[::-1].index("--global-batch-size") + 1])
+
+
 def pp_size(flags) -> int:
     return (int(flags[flags.index("--pipeline-model-parallel-size") + 1])
             if "--pipeline-model-parallel-size" in flags else 1)
@@ -329,7 +334,7 @@ def check_cases(framework, out, ranks, cases, reference):
         table[name] = (max(abs(got[i] - reference[model][i]) / abs(reference[model][i]) for i in got), worst)
         if model == "moe":
             assert_same_curve(aux_losses(metrics), first(reference["moe-aux"]))
-        check_layout((out / f"{name}.log").read_text(), ranks, flags)
+        check_layout((out / f"{name}.log").read_text(), ranks, flags, global_batch(MODELS[model]))
         if name.endswith("-overlap"):  # the same bits as its twin without overlap
             assert same_records(metrics, out / f"{name[:-len('-overlap')]}.jsonl"), name
         tp = tp_size(flags)
@@ -544,12 +549,12 @@ def test_four_rank_layouts_equal_single_process(capsys, framework, data, four_ra
     resume_in_one_process(capsys, data["dpo"], four_ranks / "dpo-ckpt", DPO, reference["dpo"], "PP=2", tmp_path)
 
 
-def check_layout(out: str, ranks: int, flags: list) -> None:
+def check_layout(out: str, ranks: int, flags: list, batch: int) -> None:
     """The layout really ran (from what rank 0 printed): each data-parallel rank took its share
-    of the global batch of 8, and the distributed optimizer's state is sharded over DP x CP."""
+    of the global batch, and the distributed optimizer's state is sharded over DP x CP."""
     tp, cp, pp = tp_size(flags), cp_size(flags), pp_size(flags)
     dp = ranks // (tp * cp * pp)
-    assert f"TP={tp} DP={dp}" in out and f"each data-parallel rank: {8 // (2 * dp)} micro-batches of 2" in out, out
+    assert f"TP={tp} DP={dp}" in out and f"each data-parallel rank: {batch // (2 * dp)} micro-batches of 2" in out, out
     if cp > 1:
         assert f"CP={cp}" in out, out
     ep = int(flags[flags.index("--expert-model-parallel-size") + 1]) if "--expert-model-parallel-size" in flags else 1
@@ -731,7 +736,8 @@ def expected_traffic(ranks, flags, model: str = "gqa") -> dict:
                       ffn_hidden_size=128, max_position_embeddings=32, **moe)
     norms = (2 * cfg.num_layers + 1) * cfg.hidden_size  # replicated; every other weight is split over TP
     local = (cfg.num_parameters() - norms) // tp + norms
-    return step_bytes(cfg, micro_batch=2, seq_length=32, grad_accum=8 // (2 * dp), tp=tp, dp=dp,
+    grad_accum = global_batch(MODELS[model]) // (2 * dp)
+    return step_bytes(cfg, micro_batch=2, seq_length=32, grad_accum=grad_accum, tp=tp, dp=dp,
                       sp="--sequence-parallel" in flags, distributed_optimizer="--use-distributed-optimizer" in flags,
                       local_params=local, sp_partial_params=norms, moe_layers=1 if model == "moe" else 0)
 
