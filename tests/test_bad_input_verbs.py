@@ -159,9 +159,10 @@ CASES = [
      "history turn 0"),
     ("alpaca-surrogate", lambda t, m, c: _pre(t, ['{"instruction": "a\\ud800", "output": "b"}'], *ALPACA),
      "lone surrogate"),
-    ("alpaca-surrogate-workers", lambda t, m, c: _pre(t, [GOOD_ALPACA] * 3 + ['{"instruction": "x", "output": '
-                                                                               '"\\udc00"}'], *ALPACA, "--workers",
-                                                      "2"), "in.jsonl:4"),
+    # past the 128 records under which no worker pool is started: the bad one is met in a worker
+    ("alpaca-surrogate-workers", lambda t, m, c: _pre(t, [GOOD_ALPACA] * 130 + ['{"instruction": "x", "output": '
+                                                                                 '"\\udc00"}'], *ALPACA,
+                                                      "--workers", "2"), "in.jsonl:131"),
     ("alpaca-binary", lambda t, m, c: _pre(t, None, *ALPACA, raw=b'{"instruction": "a", "output": "\xff"}\n'),
      "not UTF-8"),
     ("alpaca-map-keys-list", lambda t, m, c: _pre(t, [GOOD_ALPACA], *ALPACA, "--map-keys", '{"prompt": ["a"]}'),

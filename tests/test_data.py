@@ -94,21 +94,22 @@ def test_megatron_core_reads_our_files(tmp_path):
 @pytest.mark.feature("handler-general-pretrain")
 @pytest.mark.parametrize("fmt", ["jsonl", "txt", "parquet"])
 def test_preprocess_formats_and_workers(tmp_path, fmt):
+    docs = DOCS * 40  # 160: past the 128 records under which no worker pool is started
     if fmt == "jsonl":
         src = tmp_path / "d.jsonl"
-        write_jsonl(src, DOCS)
+        write_jsonl(src, docs)
     elif fmt == "txt":
         src = tmp_path / "d.txt"
-        src.write_text("\n".join(DOCS) + "\n\n")
+        src.write_text("\n".join(docs) + "\n\n")
     else:
         pa = pytest.importorskip("pyarrow")
         import pyarrow.parquet as pq
 
         src = tmp_path / "d.parquet"
-        pq.write_table(pa.table({"text": DOCS}), str(src))
+        pq.write_table(pa.table({"text": docs}), str(src))
     one = preprocess.run(preprocess_args(src, tmp_path / "one"))
     two = preprocess.run(preprocess_args(src, tmp_path / "two", workers=2))
-    assert one["documents"] == len(DOCS) and one["tokens"] == two["tokens"]
+    assert one["documents"] == len(docs) and one["tokens"] == two["tokens"]
     assert (tmp_path / "one_text_document.bin").read_bytes() == (tmp_path / "two_text_document.bin").read_bytes()
     assert (tmp_path / "one_text_document.idx").read_bytes() == (tmp_path / "two_text_document.idx").read_bytes()
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import itertools
 import multiprocessing
 import os
 import re
@@ -180,6 +181,7 @@ def iter_objects(path: str):
 
 
 _worker_state: dict = {}
+_CHUNK = 64  # records a worker encodes at a time
 
 
 def _build_handler(tokenizer: tuple, handler_name: str, template: tuple | None, options: dict):
@@ -283,14 +285,18 @@ def run(args) -> dict:
     progress = Progress(None, "preprocess (documents)")
     counts = {"documents": 0, "tokens": 0}
     renames = []  # (temporary, final) of the outputs, published together at the end
-    if args.workers > 1:
-        pool = multiprocessing.get_context("spawn").Pool(args.workers, _init_worker, spec)
-        encoded = pool.imap(_encode, records, chunksize=64)
-    else:
-        pool = None
-        _worker_state["handler"] = handler
-        encoded = map(_encode, records)
+    pool = None
     try:
+        # a pool only for an input worth it: under two chunks of records, starting the workers
+        # (each loading the tokenizer; about a second for 4) costs more than they save
+        head = list(itertools.islice(records, 2 * _CHUNK)) if args.workers > 1 else []
+        records = itertools.chain(head, records)
+        if len(head) == 2 * _CHUNK:
+            pool = multiprocessing.get_context("spawn").Pool(args.workers, _init_worker, spec)
+            encoded = pool.imap(_encode, records, chunksize=_CHUNK)
+        else:
+            _worker_state["handler"] = handler
+            encoded = map(_encode, records)
         for doc in encoded:  # imap keeps input order, so the output is the same for any --workers
             doc, change = _fit(doc, keys, capacity, args.truncation) if instruction else (doc, None)
             if change is not None:
