@@ -18,7 +18,7 @@ import shutil
 
 import numpy as np
 
-from mindspeed_core import nn, tensor_files
+from mindspeed_core import features, nn, tensor_files
 from mindspeed_core.backends.common import check_fits_in_memory
 from mindspeed_core.errors import CheckpointError
 from mindspeed_core.models import registry
@@ -202,7 +202,9 @@ def _deepseek_config(hf: dict, kind: str) -> ModelConfig:
 
 
 def _deepseek_moe(hf: dict, kind: str) -> MoEConfig:
-    """DeepSeek-V2's softmax top-k (greedy) or DeepSeek-V3's sigmoid scores in groups."""
+    """DeepSeek-V2's softmax top-k (greedy), or DeepSeek-V3's sigmoid scores steered by each
+    router's e_score_correction_bias (our expert bias: aux-loss-free balancing) with top-k
+    among the best groups (a group scored by its two best experts)."""
     groups, topk_group = hf.get("n_group"), hf.get("topk_group")
     if kind == "deepseek_v2":
         method = hf.get("topk_method", "greedy")
@@ -211,15 +213,19 @@ def _deepseek_moe(hf: dict, kind: str) -> MoEConfig:
                                   f"deepseek_v2 (greedy top-k only: its groups score by their best expert)")
         groups = topk_group = None
     else:
-        # its aux-loss-free balancing: the folder's e_score_correction_bias steers the choice
-        raise CheckpointError("deepseek_v3's MoE layers (sigmoid routing steered by each router's "
-                              "e_score_correction_bias) are not read yet, the matrix's hf-deepseek-v3-moe row: "
-                              "only its dense layers are (first_k_dense_replace >= num_hidden_layers)")
+        if hf.get("topk_method", "noaux_tc") != "noaux_tc" or hf.get("scoring_func", "sigmoid") != "sigmoid":
+            raise CheckpointError(f"config.json: topk_method {hf.get('topk_method')!r} with scoring_func "
+                                  f"{hf.get('scoring_func')!r} is not supported for deepseek_v3 (noaux_tc, sigmoid)")
+        if groups and hf["n_routed_experts"] % groups:
+            raise CheckpointError(f"config.json: {hf['n_routed_experts']} routed experts do not split into "
+                                  f"n_group {groups} groups")
+        groups, topk_group = (groups, topk_group) if groups and groups > 1 else (None, None)
     shared = hf.get("n_shared_experts") or 0
+    v3 = kind == "deepseek_v3"
     return MoEConfig(num_experts=hf["n_routed_experts"], topk=hf["num_experts_per_tok"],
-                     ffn_hidden_size=hf["moe_intermediate_size"], score_function="softmax",
-                     norm_topk_prob=bool(hf.get("norm_topk_prob", False)), num_groups=groups, group_topk=topk_group,
-                     scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+                     ffn_hidden_size=hf["moe_intermediate_size"], score_function="sigmoid" if v3 else "softmax",
+                     norm_topk_prob=bool(hf.get("norm_topk_prob", v3)), num_groups=groups, group_topk=topk_group,
+                     scaling_factor=float(hf.get("routed_scaling_factor", 1.0)), enable_expert_bias=v3,
                      shared_expert_size=hf["moe_intermediate_size"] * shared if shared else None)
 
 
@@ -241,20 +247,23 @@ def _deepseek_hf_config(cfg: ModelConfig, out: dict) -> None:
     if moe is None:
         return
     dense = min(cfg.moe_layers or (0,))
-    if cfg.family != "deepseek_v2":
-        raise CheckpointError(f"{cfg.family}'s MoE layers are not written yet (the matrix's hf-deepseek-v3-moe row); "
-                              f"deepseek_v2's are")
+    v3 = cfg.family == "deepseek_v3"
     if cfg.moe_layers not in (None, tuple(range(dense, cfg.num_layers))):
-        raise CheckpointError("deepseek_v2 has dense layers first, then an MoE MLP in every layer")
-    if (moe.score_function != "softmax" or moe.num_groups or moe.enable_expert_bias or moe.shared_expert_gate
-            or moe.capacity_factor is not None or (moe.shared_expert_size or 0) % (moe.ffn_hidden_size or 1)):
-        raise CheckpointError("deepseek_v2 routes by softmax top-k, with shared experts a whole number of experts "
-                              "wide: this model's router has no equivalent there")
+        raise CheckpointError(f"{cfg.family} has dense layers first, then an MoE MLP in every layer")
+    router = ((moe.score_function, bool(moe.enable_expert_bias)) == (("sigmoid", True) if v3 else ("softmax", False))
+              and (v3 or not moe.num_groups))
+    if (not router or moe.shared_expert_gate or moe.capacity_factor is not None
+            or (moe.shared_expert_size or 0) % (moe.ffn_hidden_size or 1)):
+        raise CheckpointError(f"{cfg.family} routes by " + ("sigmoid scores with an expert bias (aux-loss-free)"
+                              if v3 else "softmax top-k") + ", with shared experts a whole number of experts wide: "
+                              "this model's router has no equivalent there")
     expert = moe.ffn_hidden_size or cfg.ffn_hidden_size
     out.update(first_k_dense_replace=dense, n_routed_experts=moe.num_experts, num_experts_per_tok=moe.topk,
                moe_intermediate_size=expert, n_shared_experts=(moe.shared_expert_size or 0) // expert,
-               norm_topk_prob=moe.norm_topk_prob, routed_scaling_factor=moe.scaling_factor, topk_method="greedy",
-               n_group=1, topk_group=1)
+               norm_topk_prob=moe.norm_topk_prob, routed_scaling_factor=moe.scaling_factor,
+               topk_method="noaux_tc" if v3 else "greedy", n_group=moe.num_groups or 1, topk_group=moe.group_topk or 1)
+    if v3:
+        out["scoring_func"] = "sigmoid"
 
 
 def _gemma3_rope(hf: dict) -> tuple[float, dict | None, float]:
@@ -568,6 +577,9 @@ def _moe_from_hf_state(cfg: ModelConfig, i: int, take) -> dict:
     a, (g, u, d) = _moe_names(cfg, i)
     b = f"decoder.layers.{i}.mlp."
     out = {b + "router.weight": take(a + "gate.weight")}
+    if cfg.moe.enable_expert_bias:  # DeepSeek-V3's steering of the choice
+        features.note_used("hf-deepseek-v3-moe")
+        out[b + "router.expert_bias"] = take(a + "gate.e_score_correction_bias").astype(np.float32)
     w1, w2 = [], []
     for e in range(cfg.moe.num_experts):
         gate, up = take(f"{a}experts.{e}.{g}.weight"), take(f"{a}experts.{e}.{u}.weight")
@@ -588,6 +600,9 @@ def _moe_to_hf_state(cfg: ModelConfig, i: int, ours: dict) -> dict:
     a, (g, u, d) = _moe_names(cfg, i)
     b = f"decoder.layers.{i}.mlp."
     out = {a + "gate.weight": ours[b + "router.weight"]}
+    if cfg.moe.enable_expert_bias:
+        features.note_used("hf-deepseek-v3-moe")
+        out[a + "gate.e_score_correction_bias"] = ours[b + "router.expert_bias"]
     for e in range(cfg.moe.num_experts):
         gate, up = np.split(ours[b + "experts.weight1"][e].T, 2)
         out[f"{a}experts.{e}.{g}.weight"] = np.ascontiguousarray(gate)

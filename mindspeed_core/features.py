@@ -192,10 +192,6 @@ def _ulysses_short_of_kv_heads(a) -> bool:
 
 # DeepSeek-V3's routers keep their aux-loss-free bias as model state in its folders; here it is
 # the trainer's run state, so those folders' MoE layers are not read or written yet
-_DEEPSEEK_V3_MOE = ("its routers' e_score_correction_bias is model state there and run state here: reading and "
-                    "writing it is not built yet (its multi-latent attention and dense layers are)")
-_DEEPSEEK_V3_MOE_INSTEAD = ("DeepSeek-V2's folders (--model-type-hf deepseek2-lite), or DeepSeek-V3's MoE from flags "
-                            "without --load-hf / --enable-hf2mg-convert")
 
 FEATURES: tuple[Feature, ...] = (
     # ---- parallelism --------------------------------------------------------------------
@@ -570,8 +566,9 @@ FEATURES: tuple[Feature, ...] = (
             or getattr(a, "moe_router_load_balancing_type", None) == "sparsemixer_topk"),
     Feature("hf-deepseek-v3-moe", "DeepSeek-V3's MoE layers in Hugging Face folders (e_score_correction_bias)",
             "compatibility", ("--model-type-hf deepseek3",),
-            planned(_DEEPSEEK_V3_MOE, instead=_DEEPSEEK_V3_MOE_INSTEAD),
-            planned(_DEEPSEEK_V3_MOE, instead=_DEEPSEEK_V3_MOE_INSTEAD),
+            supported("sigmoid scores, top-k within the best groups, each router's e_score_correction_bias read "
+                      "into and written from its expert bias (model state, moved by the loads in training)"),
+            supported("as on PyTorch"),
             lambda a: getattr(a, "model_type_hf", None) == "deepseek3" and getattr(a, "num_experts", None) is not None),
     Feature("output-layer-bias", "A bias on the output layer (MindSpeed-LLM's Phi-3.5-MoE)", "compatibility",
             ("--add-output-layer-bias",), planned(instead="leave it off: the output layer has no bias here"),

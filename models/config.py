@@ -427,13 +427,14 @@ class ModelConfig:
         return 3.0 * (L * per_layer + extra + 2 * h * (1 if self.reward_head else self.vocab_size))
 
     def _moe_mlp_parameters(self, active: bool) -> int:
-        """An MoE layer's MLP parameters (router, experts, shared expert); with ``active``
-        only the k experts a token uses."""
+        """An MoE layer's MLP parameters (router with its expert bias, experts, shared expert);
+        with ``active`` only the k experts a token uses."""
         moe, h = self.moe, self.hidden_size
         per_width = 2 if self.gated else 1
         f = moe.ffn_hidden_size or self.ffn_hidden_size
         expert = h * per_width * f + f * h
-        total = h * moe.num_experts + (moe.topk if active else moe.num_experts) * expert
+        router = (h + (1 if moe.enable_expert_bias else 0)) * moe.num_experts
+        total = router + (moe.topk if active else moe.num_experts) * expert
         if moe.shared_expert_size:
             s = moe.shared_expert_size
             total += h * per_width * s + s * h + (h if moe.shared_expert_gate else 0)

@@ -115,6 +115,17 @@ class MoESeams:
         return weigh_back(self.expert_output(out), order, routing.weights)
 
 
+class Router(Linear):
+    """Hidden states to expert logits; with aux-loss-free balancing (``enable_expert_bias``)
+    also ``expert_bias`` [E]: float32 state the step's loads move (training/routing.py), never
+    the optimizer. It is model state, saved and converted with the weights, as megatron-core's
+    buffer ``mlp.router.expert_bias`` and DeepSeek-V3's ``e_score_correction_bias`` are."""
+
+    def __init__(self, hidden: int, experts: int, std: float, expert_bias: bool):
+        super().__init__(hidden, experts, False, std)
+        self.expert_bias = nn.Parameter(np.zeros(experts, np.float32), requires_grad=False) if expert_bias else None
+
+
 class MoELayer(nn.Module):
     """x [b, s, hidden] -> [b, s, hidden]; ``self.routing`` keeps the last call's routing
     (its aux and z losses, tokens per expert) for the model's loss, and ``self.stats`` sums
@@ -123,16 +134,29 @@ class MoELayer(nn.Module):
     def __init__(self, cfg: ModelConfig, moe: MoEConfig, number: int = 0):
         super().__init__()
         self.moe, self.number = moe, number  # number: the layer's place in the whole model
-        self.router = Linear(cfg.hidden_size, moe.num_experts, False, cfg.init_method_std)
+        self.router = Router(cfg.hidden_size, moe.num_experts, cfg.init_method_std, moe.enable_expert_bias)
         self.experts = Experts(cfg, moe)
         self.shared_experts = (SharedExpert(cfg, moe.shared_expert_size, moe.shared_expert_gate)
                                if moe.shared_expert_size else None)
-        # aux-loss-free balancing: state, not a parameter (updated from the loads, not by the optimizer)
-        self.expert_bias = np.zeros(moe.num_experts, np.float32) if moe.enable_expert_bias else None
         self.grouped = "grouped_matmul" in cfg.fused  # --moe-grouped-gemm; else expert by expert
         self.seams = MoESeams()
         self.routing = None
         self.reset_stats()
+
+    def expert_bias(self) -> np.ndarray | None:
+        """The router's expert bias (aux-loss-free balancing), or None."""
+        bias = self.router.expert_bias
+        return None if bias is None else ops.to_numpy(bias).astype(np.float32)
+
+    def set_expert_bias(self, values) -> None:
+        nn.assign(self.router.expert_bias, np.asarray(values, np.float32))
+
+    def keep_expert_bias_float32(self, values) -> None:
+        """After the layer was cast to a 16-bit dtype: the bias back in float32 with these values
+        (saved before the cast), as megatron-core keeps it; in bfloat16 its 1e-3 steps would
+        round away."""
+        if values is not None:
+            self.router.expert_bias = nn.Parameter(np.asarray(values, np.float32), requires_grad=False)
 
     def use_seams(self, seams: MoESeams) -> None:
         self.seams = seams
@@ -147,7 +171,7 @@ class MoELayer(nn.Module):
         b, s, h = x.shape
         flat = ops.reshape(x, (b * s, h))
         logits = ops.cast(self.router(flat), "float32")
-        bias = None if self.expert_bias is None else ops.tensor(self.expert_bias)
+        bias = None if self.router.expert_bias is None else ops.cast(self.router.expert_bias, "float32")
         routing = self.routing = router.route(logits, self.moe, bias, sequences=b)
         features.note_used("moe")
         if self.grouped:

@@ -11,6 +11,12 @@ import numpy as np
 ADAPTER_TAGS = (".lora_A.", ".lora_B.")
 
 
+def is_expert_bias(name: str) -> bool:
+    """Whether a parameter is a router's expert bias (aux-loss-free balancing: state the
+    step's loads move, not the optimizer)."""
+    return name.endswith(".router.expert_bias")
+
+
 def is_adapter(name: str) -> bool:
     """Whether a parameter name is a LoRA factor (trained) rather than a base weight."""
     return any(tag in name for tag in ADAPTER_TAGS)

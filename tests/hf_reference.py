@@ -88,7 +88,9 @@ MODELS = {
     # multi-head latent attention: DeepSeek-V2-Lite's shape (no query latent, YaRN with its
     # mscale on cos/sin and the softmax scale) with a dense first layer, then top-2 of 4 softmax
     # experts (raw weights, scaled) beside a shared one; DeepSeek-V3's with a query latent,
-    # attention biases and its features rotated in halves (rope_interleave false), dense only
+    # attention biases and its features rotated in halves (rope_interleave false), a dense first
+    # layer, then sigmoid top-3 of 8 experts within the best 2 of 4 groups, steered by the
+    # router's e_score_correction_bias (set at random below), normalised and scaled
     "deepseek-v2": (T.DeepseekV2Config, dict(COMMON, kv_lora_rank=16, q_lora_rank=None, qk_nope_head_dim=8,
                                              qk_rope_head_dim=4, v_head_dim=12, first_k_dense_replace=1,
                                              n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
@@ -97,16 +99,18 @@ MODELS = {
                                                  "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                                                  "original_max_position_embeddings": 8, "beta_fast": 32.0,
                                                  "beta_slow": 1.0, "mscale": 0.707, "mscale_all_dim": 0.707})),
-    "deepseek-v3-dense": (T.DeepseekV3Config, dict(COMMON, kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=8,
-                                                   qk_rope_head_dim=4, v_head_dim=12, first_k_dense_replace=2,
-                                                   n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
-                                                   attention_bias=True, rope_interleave=False, pad_token_id=0)),
+    "deepseek-v3": (T.DeepseekV3Config, dict(COMMON, kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=8,
+                                             qk_rope_head_dim=4, v_head_dim=12, first_k_dense_replace=1,
+                                             n_routed_experts=8, num_experts_per_tok=3, n_group=4, topk_group=2,
+                                             moe_intermediate_size=24, n_shared_experts=1, routed_scaling_factor=2.5,
+                                             norm_topk_prob=True, attention_bias=True, rope_interleave=False,
+                                             pad_token_id=0)),
 }
 
 
 # greedy generate() with the cache: 8 tokens after the ids, the second row's first 3 ids padding
 GENERATED = ("llama", "qwen3", "gpt2", "llama-dynamic-rope", "phi3-longrope", "gemma2", "gemma3", "mistral-sliding",
-             "deepseek-v2", "deepseek-v3-dense")
+             "deepseek-v2", "deepseek-v3")
 PAD = 3
 
 
@@ -118,6 +122,9 @@ def build(name: str, out_dir: str) -> None:
     with torch.no_grad():  # random everything, biases and norms included, so no mapping hides
         for p in model.parameters():
             p.normal_(0.0, 0.1)
+        for buffer_name, b in model.named_buffers():  # DeepSeek-V3's routers' bias is a buffer
+            if buffer_name.endswith("e_score_correction_bias"):
+                b.uniform_(-0.1, 0.1)
     folder = os.path.join(out_dir, name)
     # one model saved sharded, to cover the index file
     model.save_pretrained(folder, max_shard_size="100KB" if name == "qwen3" else "1GB")

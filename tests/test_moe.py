@@ -213,16 +213,47 @@ def test_a_resumed_moe_run_continues_the_uninterrupted_one(capsys, corpus, tmp_p
     assert sorted(rest) == [4, 5, 6] and all(rest[i] == pytest.approx(whole[i], rel=1e-6) for i in rest)
     routed = [r["moe"]["tokens_per_expert"] for r in _records(tmp_path / "whole.jsonl")]
     assert [r["moe"]["tokens_per_expert"] for r in _records(tmp_path / "rest.jsonl")] == routed[3:]
-    if balancing:  # the saved bias is the update rule replayed on the logged loads of steps 1-3
+    if balancing:  # the saved bias (model state) is the update rule replayed on the logged loads of steps 1-3
         from mindspeed_core.training import checkpoint
 
-        state = checkpoint.load_trainer_state(str(tmp_path / "ckpt"), 3)
+        saved = checkpoint.load_model_arrays(str(tmp_path / "ckpt"), 3)["decoder.layers.1.mlp.router.expert_bias"]
         bias = np.zeros(4, np.float32)
         for load in routed[:3]:
             counts = np.asarray(load[0], np.float64)  # the one MoE layer (layer 1)
             bias = (bias + 0.05 * np.sign(counts.mean() - counts)).astype(np.float32)
         assert np.abs(bias).max() > 0
-        np.testing.assert_array_equal(np.asarray(state["rng"][0]["expert_bias"]["1"], np.float32), bias)
+        assert saved.dtype == np.float32
+        np.testing.assert_array_equal(saved, bias)
+
+
+def test_the_expert_bias_is_model_state_kept_in_float32():
+    """The router's expert bias is a parameter no optimizer trains (requires_grad off), and a
+    cast to bfloat16 for mixed precision leaves it in float32 with its value (bfloat16 would
+    round 0.501 to 0.5: the update's 1e-3 steps would vanish)."""
+    from mindspeed_core.training import routing
+
+    cfg = ModelConfig(vocab_size=32, hidden_size=16, num_layers=1, num_attention_heads=2, ffn_hidden_size=24)
+    layer = MoELayer(cfg, MoEConfig(num_experts=4, topk=2, enable_expert_bias=True), number=0)
+    assert not nn.requires_grad(layer.router.expert_bias)
+    assert "router.expert_bias" in nn.state_dict(layer)
+    layer.set_expert_bias([0.501, -0.25, 0.0, 1e-3])
+    routing.cast_keeping_expert_bias([layer], [layer], "bfloat16")
+    assert ops.dtype_of(layer.router.weight) == "bfloat16" and ops.dtype_of(layer.router.expert_bias) == "float32"
+    np.testing.assert_array_equal(layer.expert_bias(), np.asarray([0.501, -0.25, 0.0, 1e-3], np.float32))
+    assert "router.expert_bias" in nn.state_dict(layer)  # still the layer's, after the swap
+
+
+def test_a_checkpoint_from_when_the_bias_was_run_state_still_loads(tmp_path):
+    """Checkpoints written before the expert biases were model state kept them in the trainer
+    state (per rank, by layer number): reading the model fills them in from there."""
+    from mindspeed_core.training import checkpoint
+
+    weights = {"decoder.layers.1.mlp.router.weight": np.ones((4, 8), np.float32)}
+    legacy = {"rng": [{"expert_bias": {"1": [0.25, -0.5, 0.0, 0.125]}}, {}]}
+    checkpoint.save(str(tmp_path), 3, weights, {}, 3, {"model": {}}, trainer_state=legacy)
+    arrays = checkpoint.load_model_arrays(str(tmp_path), 3)
+    np.testing.assert_array_equal(arrays["decoder.layers.1.mlp.router.expert_bias"], [0.25, -0.5, 0.0, 0.125])
+    assert arrays["decoder.layers.1.mlp.router.expert_bias"].dtype == np.float32
 
 
 def test_router_losses_join_the_gradient_not_the_reported_loss():

@@ -48,15 +48,19 @@ GEMMA2 = GQA + ["--add-rmsnorm-offset", "--post-norm", "--input-embeds-norm", "-
 MLA = BASE + ["--multi-latent-attention", "--q-lora-rank", "24", "--kv-lora-rank", "16", "--qk-head-dim", "8",
               "--qk-pos-emb-head-dim", "8", "--v-head-dim", "12", "--qk-layernorm", "--spec",
               "mindspeed_llm.tasks.models.spec.deepseek_spec", "layer_spec"]
-# with DeepSeek-V2's experts in the second layer: softmax top-2 of 4, scaled, a shared expert
-MLA_MOE = MLA + ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32",
-                 "--moe-router-topk-scaling-factor", "1.5", "--n-shared-experts", "1", "--first-k-dense-replace", "1",
-                 "--moe-aux-loss-coeff", "0.01"]
+# with DeepSeek-V3's experts in the second layer: sigmoid scores, top-2 of 8 within the best 2
+# of 4 groups, steered by the expert bias that each step's loads move (fast here, so that it
+# does), scaled, a shared expert (V2's softmax experts: the hf-deepseek-v2 case below)
+MLA_MOE = MLA + ["--num-experts", "8", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32",
+                 "--moe-router-score-function", "sigmoid", "--moe-router-num-groups", "4", "--moe-router-group-topk",
+                 "2", "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "0.05",
+                 "--moe-router-topk-scaling-factor", "2.5", "--n-shared-experts", "1", "--first-k-dense-replace", "1",
+                 "--moe-aux-loss-coeff", "0"]
 MODELS = {"gqa": GQA, "mha": MHA, "moe": MOE, "sft": SFT, "lora": LORA, "dpo": DPO,
           "dpo-lora": DPO + ["--lora-r", "4", "--lora-alpha", "8"], "simpo": SIMPO, "orm": ORM, "prm": PRM,
           "gemma2": GEMMA2, "mla": MLA, "mla-moe": MLA_MOE}
 ITERS = 10  # the single-process reference curves of the models whose checkpoints are resumed below
-RESUMED = ("gqa", "moe", "dpo")  # the others' reference curves stop at LAYOUT_ITERS
+RESUMED = ("gqa", "moe", "dpo", "mla-moe")  # the others' reference curves stop at LAYOUT_ITERS
 # the layout launches run the first steps of the same schedule (--lr-decay-iters above): their
 # first-step gradients (MoE) and these losses are compared, which is where an error shows
 LAYOUT_ITERS = 4
@@ -260,7 +264,9 @@ CASES = [  # (id, ranks, model, flags): the cases of each rank count share one l
     # the up-projections split by head, the down-projections (and the latents' norms) whole
     # with gradients summed over the heads of each rank
     ("mla-tp2-sp", 2, "mla", ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
-    ("mla-moe-ep2", 2, "mla-moe", ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall"]),
+    # saved (the expert bias with the weights) and resumed in one process below
+    ("mla-moe-ep2", 2, "mla-moe", ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall",
+                                   "--save", "{tmp}/mla-moe-ckpt"]),
     # with dynamic padding (--no-pad-to-seq-lengths) against the single process's full-length
     # micro-batches: the stages pass each micro-batch's own width, and the loss stays the same
     ("dpo-pp2-dp2", 4, "dpo", ["--pipeline-model-parallel-size", "2", "--save", "{tmp}/dpo-ckpt",
@@ -509,13 +515,17 @@ def four_ranks(corpus, data, two_ranks, null_corpus, hf_references, tmp_path_fac
 def test_two_rank_layouts_equal_single_process(capsys, framework, corpus, two_ranks, reference,  # noqa: F811
                                                tmp_path):
     check_cases(framework, two_ranks / "out", 2, ranks_cases(2), reference)
-    # the EP2 checkpoint (all experts, optimizer state too) continues in one process
-    resume_in_one_process(capsys, corpus, two_ranks / "ep2-ckpt", MOE, reference["moe"], "DP=2", tmp_path)
+    # the EP2 checkpoints (all experts, optimizer state too; DeepSeek-V3's with its routers' expert
+    # bias as it stood) continue in one process
+    resume_in_one_process(capsys, corpus, two_ranks / "ep2-ckpt", MOE, reference["moe"], "DP=2", tmp_path / "moe")
+    resume_in_one_process(capsys, corpus, two_ranks / "mla-moe-ckpt", MLA_MOE, reference["mla-moe"], "DP=2",
+                          tmp_path / "mla-moe")
 
 
 def resume_in_one_process(capsys, corpus, folder, model, want, saved_layout, tmp_path):  # noqa: F811
     """The checkpoint ``folder`` (saved under ``saved_layout`` at the end of a layout case)
     continues in this process on the single-process curve ``want``."""
+    tmp_path.mkdir(exist_ok=True)
     code, out, err = train(capsys, *model, "--data-path", corpus, "--train-iters", str(ITERS), "--load", str(folder),
                            "--metrics-file", str(tmp_path / "resumed.jsonl"))
     assert code == 0 and f"iter_{LAYOUT_ITERS:07d}" in out and saved_layout in out, (out, err)

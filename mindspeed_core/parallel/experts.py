@@ -162,6 +162,8 @@ def parallelize_moe_layer(mlp: MoELayer, ps, sequence_parallel: bool, dispatcher
         setattr(mlp.experts, name, nn.Parameter(shard(full, spec, tp, tp_rank) if tp > 1 else full))
         fields["experts." + name] = {"shard": spec if tp > 1 else None, "expert": True, "partial": False}
     fields["router.weight"] = {"partial": False}  # sees every token on every TP rank
+    if mlp.router.expert_bias is not None:  # the same on every rank, never trained
+        fields["router.expert_bias"] = {"partial": False}
     shared = mlp.shared_experts
     if shared is not None:
         if shared.gate_weight is not None:

@@ -304,8 +304,26 @@ def reader(root: str, iteration: int) -> "sharded_checkpoint.Reader | None":
 
 def _model_arrays(folder: str, meta: dict) -> dict:
     if meta.get("format") == sharded_checkpoint.FORMAT:
-        return sharded_checkpoint.Reader(folder, meta).whole("model")
-    return _arrays(os.path.join(folder, "model.safetensors"), _digest(meta, "model.safetensors"))[0]
+        arrays = sharded_checkpoint.Reader(folder, meta).whole("model")
+    else:
+        arrays = _arrays(os.path.join(folder, "model.safetensors"), _digest(meta, "model.safetensors"))[0]
+    path = os.path.join(folder, STATE_FILE)
+    if os.path.exists(path):  # written before the expert biases were model state: they were run state
+        for number, bias in legacy_expert_biases(_read_json(path, _digest(meta, STATE_FILE))).items():
+            arrays.setdefault(expert_bias_name(number), bias)
+    return arrays
+
+
+def expert_bias_name(layer: int) -> str:
+    return f"decoder.layers.{layer}.mlp.router.expert_bias"
+
+
+def legacy_expert_biases(state: dict) -> dict:
+    """{MoE layer number: float32 bias} from a trainer state written before the routers'
+    expert biases were model state (each rank kept its stages' layers' under "expert_bias")."""
+    ranks = state.get("rng") if isinstance(state, dict) else None
+    return {int(n): np.asarray(b, np.float32) for r in (ranks if isinstance(ranks, list) else [])
+            for n, b in (r.get("expert_bias") or {}).items()}
 
 
 def load(root: str, iteration: int) -> tuple[dict, dict, int]:

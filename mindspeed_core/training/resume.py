@@ -1,7 +1,7 @@
 """What a run starts from: the weights of --load-hf, --load (one of our checkpoints to resume
 or fine-tune from, or a Megatron checkpoint at any layout) and --lora-load, put into the whole
 model before it is cut for this rank's layout; and the run's state beyond the tensors (random
-generators, loss scale, expert biases, DPO's reference) saved with each checkpoint and put
+generators, loss scale, DPO's reference) saved with each checkpoint and put
 back on resume. Each source is checked against the run's model configuration first; a
 mismatch is one line naming the flags to pass.
 """
@@ -9,8 +9,6 @@ mismatch is one line naming the flags to pass.
 from __future__ import annotations
 
 import dataclasses
-
-import numpy as np
 
 from mindspeed_core import nn, random, runtime
 from mindspeed_core.errors import CheckpointError
@@ -155,14 +153,12 @@ def resume(model, cfg: ModelConfig, root: str, finetune: bool, say, adapters_onl
     return it, (optimizer_arrays, steps)
 
 
-def run_state(ps, scaler, moe_layers: list, reference, rng: bool = True) -> dict:
+def run_state(ps, scaler, reference, rng: bool = True) -> dict:
     """What exact resumption needs beyond the tensors (collective: every rank calls it): each
     rank's generator states (dropout draws, the tracker's tensor-parallel streams), the fp16
-    loss scale with its clean-step counter, aux-loss-free balancing's expert biases and DPO's
-    reference log-likelihoods."""
-    mine = {  # aux-loss-free balancing's biases, by layer number (float32 survives JSON exactly)
-        "expert_bias": {str(layer.number): [float(b) for b in layer.expert_bias]
-                        for layer in moe_layers if layer.expert_bias is not None}}
+    loss scale with its clean-step counter and DPO's reference log-likelihoods (aux-loss-free
+    balancing's expert biases are model state: the routers' ``expert_bias``)."""
+    mine = {}
     if rng:  # --no-save-rng: none
         mine.update(default=random.get_state(), tracker=random.tracker().get_states())
     if reference and ps.local_rank("dp") == 0 and ps.local_rank("tp") == 0:
@@ -218,11 +214,8 @@ def _restore_reference(ranks: list, reference, pair_counts: dict, resumed_from: 
 
 
 def _restore_expert_bias(ranks: list, moe_layers: list) -> None:
-    saved = {int(n): b for r in ranks for n, b in r.get("expert_bias", {}).items()}  # any stage's rank
+    """Checkpoints written before the expert biases were model state kept them here."""
+    saved = checkpoint.legacy_expert_biases({"rng": ranks})
     for layer in moe_layers:
-        if layer.expert_bias is None:
-            continue
-        if layer.number not in saved:
-            raise CheckpointError(f"the checkpoint holds no expert bias for MoE layer {layer.number}: it was "
-                                  f"saved without --moe-router-enable-expert-bias")
-        layer.expert_bias = np.asarray(saved[layer.number], np.float32)
+        if layer.expert_bias() is not None and layer.number in saved:
+            layer.set_expert_bias(saved[layer.number])

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from mindspeed_core import dist, ops
+from mindspeed_core import dist, nn, ops
 from mindspeed_core.models import router
 
 
@@ -16,10 +16,20 @@ def update_expert_bias(moe_layers: list, cfg, tokens_per_expert: list) -> None:
     per expert over every data-parallel rank (the same on every rank)."""
     numbers = cfg.moe_layer_numbers()
     for layer in moe_layers:
-        if layer.expert_bias is not None:
-            layer.expert_bias = router.updated_expert_bias(
-                layer.expert_bias, np.asarray(tokens_per_expert[numbers.index(layer.number)]),
-                cfg.moe.bias_update_rate)
+        bias = layer.expert_bias()
+        if bias is not None:
+            layer.set_expert_bias(router.updated_expert_bias(
+                bias, np.asarray(tokens_per_expert[numbers.index(layer.number)]), cfg.moe.bias_update_rate))
+
+
+def cast_keeping_expert_bias(chunks: list, moe_layers: list, dtype: str) -> None:
+    """The model chunks cast to ``dtype`` for mixed precision, their routers' expert biases
+    kept in float32 with the values they had."""
+    biases = [(layer, layer.expert_bias()) for layer in moe_layers]
+    for chunk in chunks:
+        nn.cast_parameters(chunk, dtype)
+    for layer, values in biases:
+        layer.keep_expert_bias_float32(values)
 
 
 def step_stats(moe_layers: list, cfg, ps, grad_accum: int) -> dict:

@@ -29,6 +29,7 @@ from mindspeed_core.errors import MindSpeedError, Stopped
 from mindspeed_core.models import lora, registry
 from mindspeed_core.models.gpt import load_whole_state
 from mindspeed_core.models.moe import with_router_losses
+from mindspeed_core.models.state import is_expert_bias
 from mindspeed_core.parallel import state as parallel_state
 from mindspeed_core.progress import Progress
 from mindspeed_core.training import (alignment, batches, boards, build, checkpoint, compiled, configuration,
@@ -113,8 +114,10 @@ class Trainer:
             self.model = None
         shards = saved_optimizer if isinstance(saved_optimizer, sharded_checkpoint.Reader) else None
         if shards is not None:  # a sharded checkpoint: this rank's slices, read into the cut model
-            entry = {p.name: p for p in self.plan.params}
+            entry, held = {p.name: p for p in self.plan.params}, shards.names("model")
             for name, p in zip(self.plan.names, (p for c in self.chunks for p in nn.parameters(c))):
+                if name not in held and is_expert_bias(name):  # an older checkpoint's: in its run state
+                    continue
                 nn.assign(p, ops.tensor(shards.read("model", sharded_checkpoint.held(name, tuple(p.shape), entry[name],
                                                                                     ps))))
         # MoE layers report their routing (aux and z losses, tokens per expert) each step
@@ -124,15 +127,15 @@ class Trainer:
             saved = checkpoint.load_trainer_state(self.resumed_from, self.iteration)
             resume.restore_run_state(saved, self.ps, self.scaler, self.moe_layers, self.reference, self.stage_name,
                                      self.batches.pair_counts, self.resumed_from, self.say, not args.no_load_rng)
-        if self.dtype != "float32":
-            for chunk in self.chunks:
-                nn.cast_parameters(chunk, self.dtype)  # the optimizer keeps fp32 masters
+        if self.dtype != "float32":  # the optimizer keeps fp32 masters
+            routing.cast_keeping_expert_bias(self.chunks, self.moe_layers, self.dtype)
         chunk_params = [nn.parameters(c) for c in self.chunks]
         self.params = [p for params in chunk_params for p in params]
         self.names = self.plan.names
         # what is trained: every parameter, or with LoRA the adapters only (the base weights
-        # get no gradient and no optimizer state)
-        trained = [self.cfg.lora is None or lora.is_adapter(n) for n in self.names]
+        # get no gradient and no optimizer state); never the routers' expert biases (moved by
+        # the loads, training/routing.py)
+        trained = [(self.cfg.lora is None or lora.is_adapter(n)) and not is_expert_bias(n) for n in self.names]
         self.train_plan = self.plan.subset(trained)
         self.train_names = self.train_plan.names
         self.train_params = [p for p, t in zip(self.params, trained) if t]
@@ -400,7 +403,7 @@ class Trainer:
             writes = None if flat is None else (not entry[name].expert or ps.local_rank("cp") == 0)
             optimizer.append((sharded_checkpoint.held(state, shapes[name], entry[name], ps, flat, writes), values,
                               "float32"))
-        trainer_state = resume.run_state(ps, self.scaler, self.moe_layers, self.reference,
+        trainer_state = resume.run_state(ps, self.scaler, self.reference,
                                          rng=not self.flags.no_save_rng)  # collective: every rank
         megatron = None
         if self.flags.ckpt_format == "torch_dist":
@@ -453,7 +456,7 @@ class Trainer:
         optimizer_arrays = distributed.gather_pipeline(distributed.full_tensors(opt, opt_spec, self.ps, opt_experts),
                                                        self.ps)
         # collective: every rank
-        trainer_state = resume.run_state(self.ps, self.scaler, self.moe_layers, self.reference,
+        trainer_state = resume.run_state(self.ps, self.scaler, self.reference,
                                          rng=not self.flags.no_save_rng)
         if self.ps.rank == 0:
             path = checkpoint.save(self.flags.save, self.iteration, model_arrays, optimizer_arrays, self.optimizer.steps,
