@@ -18,7 +18,10 @@ from mindspeed_core import facade
 
 ENV_VAR = "MINDSPEED_USAGE_FILE"
 
-_seen: set = set()  # names already written to the file since the last reset()
+# names already written to the file since the last reset(); a dict, not a set: a compiler
+# tracing the facade (torch.compile) then guards on the one name each call looks up, not on
+# the whole collection, so names noted after a compilation do not force another
+_seen: dict = {}
 
 
 def enabled() -> bool:
@@ -32,7 +35,7 @@ def note(name: str) -> None:
     path = os.environ.get(ENV_VAR)
     if not path:
         return
-    _seen.add(name)
+    _seen[name] = True
     # one short O_APPEND write per name: lines from concurrent ranks do not interleave
     with open(path, "a") as fh:
         fh.write(name + "\n")

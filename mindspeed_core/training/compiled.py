@@ -36,16 +36,17 @@ class CheckedCompiledStep:
         return self._call(ids, labels)
 
     def check(self, ids, labels) -> None:
-        """Compiled and eager gradients of one micro-batch from the same random state (which is
-        left as it was)."""
+        """Eager and compiled gradients of one micro-batch from the same random state (which is
+        left as it was). Eager first: the model's caches (RoPE tables) are filled before the
+        compiler sees them, or it would compile the step again once they are."""
         saved = random.get_state(), random.tracker().get_states()
+        eager_loss, eager = self.eager(ids, labels)
+        random.set_state(saved[0])
+        random.tracker().set_states(saved[1])
         start = time.perf_counter()
         loss, grads = self._call(ids, labels)
         grads = [ops.to_numpy(g) for g in grads]
         self.seconds = time.perf_counter() - start
-        random.set_state(saved[0])
-        random.tracker().set_states(saved[1])
-        eager_loss, eager = self.eager(ids, labels)
         random.set_state(saved[0])
         random.tracker().set_states(saved[1])
         worst, where = 0.0, None
