@@ -32,13 +32,20 @@ LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_te
 MOE_BASE = {"mixtral": "mistral", "qwen2_moe": "qwen2", "qwen3_moe": "qwen3"}
 # multi-head latent attention, dense layers first, then DeepSeek's MoE (models/mla.py)
 DEEPSEEK = ("deepseek_v2", "deepseek_v3")
-SUPPORTED = LLAMA_LIKE + ("gpt2",) + tuple(MOE_BASE) + DEEPSEEK
+# GLM-4.5: grouped-query attention with q/k/v biases, optional q/k norms and RoPE on part of
+# each head; dense layers first, then DeepSeek-V3's router and shared experts
+GLM = ("glm4_moe",)
+# whose shared experts are `shared_experts` (plural, no gate), and whose folders may carry
+# multi-token prediction layers after the last one (num_nextn_predict_layers)
+SHARED_EXPERTS = DEEPSEEK + GLM
+SUPPORTED = LLAMA_LIKE + ("gpt2",) + tuple(MOE_BASE) + DEEPSEEK + GLM
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                   "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
                   "gemma3": "Gemma3ForCausalLM",
                   "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
                   "qwen3_moe": "Qwen3MoeForCausalLM",
-                  "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
+                  "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
+                  "glm4_moe": "Glm4MoeForCausalLM"}
 _ACTS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
 # Gemma's gated MLP: its hidden_activation on the gate half
 _GATED_ACTS = {"gelu_pytorch_tanh": "geglu_tanh", "gelu_new": "geglu_tanh", "gelu": "geglu"}
@@ -95,8 +102,8 @@ def _refuse_unsupported(hf: dict, kind: str) -> None:
                               f"head) is not supported for {kind}")
 
 
-def _partial_rotary(hf: dict) -> float:
-    return (hf.get("rope_parameters") or {}).get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+def _partial_rotary(hf: dict, default: float = 1.0) -> float:
+    return (hf.get("rope_parameters") or {}).get("partial_rotary_factor", hf.get("partial_rotary_factor", default))
 
 
 # the sizes config_from_hf reads, checked before any arithmetic on them
@@ -154,6 +161,8 @@ def _decoder_config_from_hf(hf: dict) -> ModelConfig:
         return _gemma_config(hf, kind)
     if kind in DEEPSEEK:
         return _deepseek_config(hf, kind)
+    if kind in GLM:
+        return _glm_config(hf)
     if hf.get("hidden_act", "silu") != "silu":
         raise CheckpointError(f"hidden_act {hf.get('hidden_act')!r} is not supported for {kind} (silu only)")
     base = MOE_BASE.get(kind, kind)
@@ -201,10 +210,28 @@ def _deepseek_config(hf: dict, kind: str) -> ModelConfig:
         moe=moe, moe_layers=moe_layers or None)
 
 
+def _glm_config(hf: dict) -> ModelConfig:
+    if hf.get("hidden_act", "silu") != "silu":
+        raise CheckpointError(f"hidden_act {hf.get('hidden_act')!r} is not supported for glm4_moe (silu only)")
+    theta, scaling = _rope(hf)
+    layers, heads = hf["num_hidden_layers"], hf["num_attention_heads"]
+    dense = hf.get("first_k_dense_replace", 1)
+    moe_layers = tuple(range(min(dense, layers), layers)) if hf.get("n_routed_experts") else ()
+    return ModelConfig(
+        family="glm4_moe", vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], num_layers=layers,
+        num_attention_heads=heads, num_query_groups=hf.get("num_key_value_heads") or heads,
+        kv_channels=hf.get("head_dim") or hf["hidden_size"] // heads, ffn_hidden_size=hf["intermediate_size"],
+        max_position_embeddings=hf.get("max_position_embeddings", 2048), norm_epsilon=hf.get("rms_norm_eps", 1e-5),
+        rotary_base=theta, rope_scaling=scaling, add_qkv_bias=bool(hf.get("attention_bias")),
+        qk_layernorm=bool(hf.get("use_qk_norm")), rotary_percent=float(_partial_rotary(hf, default=0.5)),
+        untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
+        moe=_deepseek_moe(hf, "glm4_moe") if moe_layers else None, moe_layers=moe_layers or None)
+
+
 def _deepseek_moe(hf: dict, kind: str) -> MoEConfig:
-    """DeepSeek-V2's softmax top-k (greedy), or DeepSeek-V3's sigmoid scores steered by each
-    router's e_score_correction_bias (our expert bias: aux-loss-free balancing) with top-k
-    among the best groups (a group scored by its two best experts)."""
+    """DeepSeek-V2's softmax top-k (greedy), or DeepSeek-V3's (and GLM-4.5's) sigmoid scores
+    steered by each router's e_score_correction_bias (our expert bias: aux-loss-free
+    balancing) with top-k among the best groups (a group scored by its two best experts)."""
     groups, topk_group = hf.get("n_group"), hf.get("topk_group")
     if kind == "deepseek_v2":
         method = hf.get("topk_method", "greedy")
@@ -215,18 +242,27 @@ def _deepseek_moe(hf: dict, kind: str) -> MoEConfig:
     else:
         if hf.get("topk_method", "noaux_tc") != "noaux_tc" or hf.get("scoring_func", "sigmoid") != "sigmoid":
             raise CheckpointError(f"config.json: topk_method {hf.get('topk_method')!r} with scoring_func "
-                                  f"{hf.get('scoring_func')!r} is not supported for deepseek_v3 (noaux_tc, sigmoid)")
+                                  f"{hf.get('scoring_func')!r} is not supported for {kind} (noaux_tc, sigmoid)")
         if groups and hf["n_routed_experts"] % groups:
             raise CheckpointError(f"config.json: {hf['n_routed_experts']} routed experts do not split into "
                                   f"n_group {groups} groups")
         groups, topk_group = (groups, topk_group) if groups and groups > 1 else (None, None)
     shared = hf.get("n_shared_experts") or 0
-    v3 = kind == "deepseek_v3"
+    v3 = kind != "deepseek_v2"
     return MoEConfig(num_experts=hf["n_routed_experts"], topk=hf["num_experts_per_tok"],
                      ffn_hidden_size=hf["moe_intermediate_size"], score_function="sigmoid" if v3 else "softmax",
                      norm_topk_prob=bool(hf.get("norm_topk_prob", v3)), num_groups=groups, group_topk=topk_group,
                      scaling_factor=float(hf.get("routed_scaling_factor", 1.0)), enable_expert_bias=v3,
                      shared_expert_size=hf["moe_intermediate_size"] * shared if shared else None)
+
+
+def _glm_hf_config(cfg: ModelConfig, out: dict) -> None:
+    if cfg.attention_output_bias or cfg.add_bias_linear or cfg.mla is not None:
+        raise CheckpointError("glm4_moe has grouped-query attention with biases on q, k and v only (attention_bias): "
+                              "this model has another attention or other biases")
+    out.update(attention_bias=cfg.add_qkv_bias, use_qk_norm=cfg.qk_layernorm, first_k_dense_replace=cfg.num_layers,
+               num_nextn_predict_layers=0)
+    _shared_experts_hf_config(cfg, out)
 
 
 def _deepseek_hf_config(cfg: ModelConfig, out: dict) -> None:
@@ -243,11 +279,16 @@ def _deepseek_hf_config(cfg: ModelConfig, out: dict) -> None:
                attention_bias=cfg.attention_output_bias, first_k_dense_replace=cfg.num_layers)
     if cfg.family == "deepseek_v3":
         out["rope_interleave"] = mla.rope_interleave
+    _shared_experts_hf_config(cfg, out)
+
+
+def _shared_experts_hf_config(cfg: ModelConfig, out: dict) -> None:
+    """DeepSeek's and GLM-4.5's MoE fields: dense layers first, then routed and shared experts."""
     moe = cfg.moe
     if moe is None:
         return
     dense = min(cfg.moe_layers or (0,))
-    v3 = cfg.family == "deepseek_v3"
+    v3 = cfg.family != "deepseek_v2"
     if cfg.moe_layers not in (None, tuple(range(dense, cfg.num_layers))):
         raise CheckpointError(f"{cfg.family} has dense layers first, then an MoE MLP in every layer")
     router = ((moe.score_function, bool(moe.enable_expert_bias)) == (("sigmoid", True) if v3 else ("softmax", False))
@@ -262,8 +303,10 @@ def _deepseek_hf_config(cfg: ModelConfig, out: dict) -> None:
                moe_intermediate_size=expert, n_shared_experts=(moe.shared_expert_size or 0) // expert,
                norm_topk_prob=moe.norm_topk_prob, routed_scaling_factor=moe.scaling_factor,
                topk_method="noaux_tc" if v3 else "greedy", n_group=moe.num_groups or 1, topk_group=moe.group_topk or 1)
-    if v3:
+    if cfg.family == "deepseek_v3":
         out["scoring_func"] = "sigmoid"
+    if cfg.family in GLM:  # its router has no method or scoring keys
+        del out["topk_method"]
 
 
 def _gemma3_rope(hf: dict) -> tuple[float, dict | None, float]:
@@ -381,7 +424,7 @@ def _moe_from_hf(hf: dict, kind: str) -> tuple[MoEConfig, tuple | None]:
 
 
 def hf_config(cfg: ModelConfig) -> dict:
-    if cfg.moe is not None and cfg.family not in (*MOE_BASE, *DEEPSEEK):
+    if cfg.moe is not None and cfg.family not in (*MOE_BASE, *SHARED_EXPERTS):
         raise CheckpointError(f"a {cfg.family} model with MoE layers has no Hugging Face architecture: export MoE "
                               f"models as {', '.join(MOE_BASE)} (their attention is mistral's, qwen2's, qwen3's)")
     out = _decoder_hf_config(cfg)
@@ -406,7 +449,7 @@ def _decoder_hf_config(cfg: ModelConfig) -> dict:
     windowed = base in ("mistral", "phi3", "qwen2", "qwen3")  # families whose transformers model has sliding windows
     foreign = [f for f in _GEMMA_FIELDS if getattr(cfg, f) and not (windowed and f == "sliding_window")]
     foreign += ["activation"] if cfg.activation != "swiglu" else []
-    if cfg.rotary_percent != 1.0 and cfg.family != "phi3":
+    if cfg.rotary_percent != 1.0 and cfg.family not in ("phi3", *GLM):
         foreign.append("partial_rotary_factor")
     if cfg.family not in GEMMA and foreign:
         raise CheckpointError(f"{cfg.family} has no {foreign[0]} setting in transformers: this model cannot be "
@@ -455,6 +498,8 @@ def _decoder_hf_config(cfg: ModelConfig) -> dict:
         _gemma_hf_config(cfg, out)
     if cfg.family in DEEPSEEK:
         _deepseek_hf_config(cfg, out)
+    elif cfg.family in GLM:
+        _glm_hf_config(cfg, out)
     elif cfg.mla is not None:
         raise CheckpointError(f"{cfg.family} has no multi-latent attention: export it as deepseek_v2 or deepseek_v3")
     if cfg.family in MOE_BASE:
@@ -587,7 +632,7 @@ def _moe_from_hf_state(cfg: ModelConfig, i: int, take) -> dict:
         w2.append(take(f"{a}experts.{e}.{d}.weight").T)
     out[b + "experts.weight1"], out[b + "experts.weight2"] = np.stack(w1), np.stack(w2)
     if cfg.moe.shared_expert_size:
-        s = a + ("shared_experts." if cfg.family in DEEPSEEK else "shared_expert.")
+        s = a + ("shared_experts." if cfg.family in SHARED_EXPERTS else "shared_expert.")
         out[b + "shared_experts.linear_fc1.weight"] = np.concatenate([take(s + "gate_proj.weight"),
                                                                       take(s + "up_proj.weight")])
         out[b + "shared_experts.linear_fc2.weight"] = take(s + "down_proj.weight")
@@ -609,7 +654,7 @@ def _moe_to_hf_state(cfg: ModelConfig, i: int, ours: dict) -> dict:
         out[f"{a}experts.{e}.{u}.weight"] = np.ascontiguousarray(up)
         out[f"{a}experts.{e}.{d}.weight"] = np.ascontiguousarray(ours[b + "experts.weight2"][e].T)
     if cfg.moe.shared_expert_size:
-        s = a + ("shared_experts." if cfg.family in DEEPSEEK else "shared_expert.")
+        s = a + ("shared_experts." if cfg.family in SHARED_EXPERTS else "shared_expert.")
         out[s + "gate_proj.weight"], out[s + "up_proj.weight"] = np.split(ours[b + "shared_experts.linear_fc1.weight"],
                                                                           2)
         out[s + "down_proj.weight"] = ours[b + "shared_experts.linear_fc2.weight"]
@@ -691,7 +736,9 @@ def _from_hf_state(cfg: ModelConfig, hf: dict) -> dict:
 def _all_taken(cfg: ModelConfig, out: dict, left: dict) -> dict:
     # a tied output layer may be saved beside the embedding it shares (a copy, not a weight)
     tied_copy = ("lm_head.weight",) if cfg.tied_output else ()
-    extra = sorted(k for k in left if not k.endswith(_NOT_WEIGHTS) and k not in tied_copy)
+    # the multi-token prediction layers after the last one, which transformers does not read either
+    mtp = tuple(f"model.layers.{cfg.num_layers + k}." for k in range(8)) if cfg.family in SHARED_EXPERTS else ()
+    extra = sorted(k for k in left if not k.endswith(_NOT_WEIGHTS) and k not in tied_copy and not k.startswith(mtp))
     if extra:
         raise CheckpointError(f"the Hugging Face checkpoint holds {len(extra)} tensors its config.json does not "
                               f"describe ({extra[0]}, ...): the configuration does not belong to these weights")
@@ -818,7 +865,8 @@ def load_config(folder: str) -> ModelConfig:
 MODEL_TYPES = {"llama2": "llama", "llama3": "llama", "qwen2": "qwen2", "qwen25": "qwen2", "qwen3": "qwen3",
                "phi3.5": "phi3", "phi3": "phi3", "gemma2": "gemma2", "gemma3": "gemma3",
                "mistral": "mistral", "gpt2": "gpt2", "mixtral": "mixtral", "qwen2-moe": "qwen2_moe",
-               "qwen3-moe": "qwen3_moe", "deepseek2-lite": "deepseek_v2", "deepseek3": "deepseek_v3"}
+               "qwen3-moe": "qwen3_moe", "deepseek2-lite": "deepseek_v2", "deepseek3": "deepseek_v3",
+               "glm45": "glm4_moe"}
 # what a Hugging Face folder holds besides the model: copied along by --hf-cfg-dir
 COMPANIONS = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
               "generation_config.json", "vocab.json", "merges.txt", "chat_template.jinja")

@@ -584,7 +584,7 @@ FEATURES: tuple[Feature, ...] = (
                       "through their own latent, the rotated part of the key shared by the heads, values of their "
                       "own width, YaRN's mscale on the softmax scale; the KV cache holds the latent and the rotated "
                       "key; TP splits the up-projections by head; SP, PP and CP (ring, Ulysses) keep it exact; "
-                      "Hugging Face deepseek_v2 folders (deepseek_v3's with dense layers only) load and export. "
+                      "Hugging Face deepseek_v2 and deepseek_v3 folders load and export. "
                       "--mla-fa-without-pad and --mla-mm-split "
                       "are MindSpeed-LLM's kernel choices: the same math here"),
             supported("as on PyTorch"),

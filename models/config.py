@@ -12,7 +12,7 @@ from mindspeed_core.models import rope
 FUSED_KERNELS = ("attention", "rms_norm", "swiglu", "rope", "grouped_matmul")
 # the model families (ModelConfig.family) that models/registry.py builds and compat/hf.py reads
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "gpt2", "mixtral", "qwen2_moe",
-            "qwen3_moe", "deepseek_v2", "deepseek_v3")
+            "qwen3_moe", "deepseek_v2", "deepseek_v3", "glm4_moe")
 # the MLP activations; the gated ones (fc1 holds gate rows, then up rows) first
 GATED_ACTIVATIONS = ("swiglu", "geglu", "geglu_tanh")
 ACTIVATIONS = GATED_ACTIVATIONS + ("gelu", "gelu_tanh")
@@ -495,6 +495,14 @@ PRESETS = {
                                       num_groups=4, group_topk=2, scaling_factor=2.5, enable_expert_bias=True,
                                       load_balancing_type="seq_aux_loss", aux_loss_coeff=1e-4,
                                       shared_expert_size=64)),
+    # GLM-4.5's layer: q/k/v biases, q/k norms, RoPE on half of each head, a dense first layer,
+    # then sigmoid routing with the expert bias, normalised and scaled, beside a shared expert
+    "tiny-glm45": dict(family="glm4_moe", hidden_size=128, num_layers=4, num_attention_heads=4, num_query_groups=2,
+                       kv_channels=32, ffn_hidden_size=352, add_qkv_bias=True, qk_layernorm=True, rotary_percent=0.5,
+                       norm_epsilon=1e-5, moe_layers=(1, 2, 3),
+                       moe=dict(num_experts=8, topk=2, ffn_hidden_size=96, score_function="sigmoid",
+                                scaling_factor=2.5, enable_expert_bias=True, load_balancing_type="none",
+                                aux_loss_coeff=0.0, shared_expert_size=96)),
     # the real shapes, for --dry-run arithmetic and conversion
     "llama2-7b": dict(family="llama", hidden_size=4096, num_layers=32, num_attention_heads=32, ffn_hidden_size=11008,
                       vocab_size=32000, max_position_embeddings=4096, norm_epsilon=1e-5),

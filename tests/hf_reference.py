@@ -105,12 +105,20 @@ MODELS = {
                                              moe_intermediate_size=24, n_shared_experts=1, routed_scaling_factor=2.5,
                                              norm_topk_prob=True, attention_bias=True, rope_interleave=False,
                                              pad_token_id=0)),
+    # GLM-4.5: q/k/v biases, per-head q/k norms, RoPE on the first half of each head (the
+    # config's default), a dense first layer, then DeepSeek-V3's router (top-2 of 8 in the best
+    # 2 of 4 groups, its bias set at random below) beside a shared expert
+    "glm4-moe": (T.Glm4MoeConfig, dict(COMMON, num_key_value_heads=2, head_dim=24, attention_bias=True,
+                                       use_qk_norm=True, first_k_dense_replace=1, n_routed_experts=8,
+                                       num_experts_per_tok=2, n_group=4, topk_group=2, moe_intermediate_size=24,
+                                       n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+                                       pad_token_id=0)),
 }
 
 
 # greedy generate() with the cache: 8 tokens after the ids, the second row's first 3 ids padding
 GENERATED = ("llama", "qwen3", "gpt2", "llama-dynamic-rope", "phi3-longrope", "gemma2", "gemma3", "mistral-sliding",
-             "deepseek-v2", "deepseek-v3")
+             "deepseek-v2", "deepseek-v3", "glm4-moe")
 PAD = 3
 
 

@@ -27,7 +27,7 @@ MLA = [pytest.param("deepseek-v2", marks=pytest.mark.feature("multi-latent-atten
                                          pytest.mark.feature("hf-deepseek-v3-moe")])]
 NAMES = ["llama", "llama3-rope", "llama-linear-rope-tied", "llama-yarn", "qwen2-yarn-mscale", "llama-dynamic-rope",
          "llama-attention-bias", "mistral", "mistral-sliding", "qwen2", "qwen2-sliding", "qwen3", "phi3-longrope",
-         "phi3-partial-rotary", GEMMA2, "gemma3", "gpt2", "mixtral", "qwen2-moe", "qwen3-moe", *MLA]
+         "phi3-partial-rotary", GEMMA2, "gemma3", "gpt2", "mixtral", "qwen2-moe", "qwen3-moe", *MLA, "glm4-moe"]
 
 
 _reference_process = hf_reference_process
@@ -80,7 +80,7 @@ def test_the_latent_cache_holds_the_latent_and_the_rotated_key(references):
 
 EXPORTED = ["llama", "llama-attention-bias", "qwen3", "gpt2", "mixtral", "qwen2-moe", "qwen2-yarn-mscale",
             "phi3-longrope", "phi3-partial-rotary", "gemma2", "gemma3", "mistral-sliding", "qwen2-sliding",
-            "deepseek-v2", "deepseek-v3"]
+            "deepseek-v2", "deepseek-v3", "glm4-moe"]
 
 
 @pytest.fixture(scope="module")
@@ -238,3 +238,18 @@ def test_every_family_a_config_allows_is_built_and_exchanged():
     assert sorted(f for spec in registry.SPECS for f in spec.families) == sorted(FAMILIES)
     with pytest.raises(ValueError, match="family must be one of"):
         ModelConfig(family="bogus")
+
+
+def test_multi_token_prediction_layers_after_the_last_are_skipped_where_folders_carry_them(references):
+    """GLM-4.5's and DeepSeek-V3's folders hold their multi-token prediction modules as layer
+    num_hidden_layers (transformers does not read them): they are left out, not taken for a
+    configuration that does not belong; another family's extra layer is still refused."""
+    extra = {"model.layers.2.eh_proj.weight": np.zeros((64, 128), np.float32),
+             "model.layers.2.enorm.weight": np.ones(64, np.float32)}
+    for name in ("glm4-moe", "deepseek-v3"):
+        cfg = hf.load_config(str(references / name))
+        state = hf._read_tensors(str(references / name))
+        assert sorted(hf.from_hf_state(cfg, {**state, **extra})) == sorted(hf.from_hf_state(cfg, state))
+    cfg = hf.load_config(str(references / "llama"))
+    with pytest.raises(CheckpointError, match="does not describe"):
+        hf.from_hf_state(cfg, {**hf._read_tensors(str(references / "llama")), **extra})

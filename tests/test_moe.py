@@ -293,7 +293,8 @@ def test_capacity_drops_are_counted(capsys, corpus, tmp_path):  # noqa: F811
 
 
 @pytest.mark.feature("moe")
-@pytest.mark.parametrize("name", ["tiny-mixtral", "tiny-qwen2-moe", "tiny-qwen3-moe", "tiny-deepseek-v3"])
+@pytest.mark.parametrize("name", ["tiny-mixtral", "tiny-qwen2-moe", "tiny-qwen3-moe", "tiny-deepseek-v3",
+                                  "tiny-glm45"])
 def test_moe_presets_train(capsys, corpus, tmp_path, name):  # noqa: F811
     from mindspeed_core.models.config import preset
 

@@ -483,6 +483,11 @@ def four_ranks(corpus, data, two_ranks, null_corpus, hf_references, tmp_path_fac
              ["hf-deepseek-v2-tp2-pp2", [*HF_DEEPSEEK, "--seq-length", "20", "--data-path", null_corpus, "--load-hf",
                                          str(hf_references / "deepseek-v2"), "--tensor-model-parallel-size", "2",
                                          "--pipeline-model-parallel-size", "2"], False],
+             # GLM-4.5's q/k/v biases, q/k norms and half-head RoPE; its second stage an MoE layer
+             # steered by the folder's e_score_correction_bias
+             ["hf-glm45-tp2-pp2", [*HF_LLAMA, "--seq-length", "20", "--data-path", null_corpus, "--load-hf",
+                                   str(hf_references / "glm4-moe"), "--tensor-model-parallel-size", "2",
+                                   "--pipeline-model-parallel-size", "2"], False],
              # the EP2 checkpoint of two_ranks (sharded: each expert once, by its owner) at EP1 x DP4
              ["moe-dp4-from-ep2", [*MOE, "--data-path", data["moe"], "--train-iters", str(ITERS), "--load",
                                    str(two_ranks / "ep2-ckpt")], False],
@@ -668,11 +673,12 @@ def test_phi3_gemma_and_deepseek_at_tp2_pp2_score_the_first_batch_as_transformer
                                                                                   hf_references, tmp_path):
     """transformers' Phi-3 (fused qkv_proj and gate_up_proj, LongRoPE), Gemma 2 (a 5-token
     window in its first layer, soft-capping), Gemma 3 (q/k norms, windows and a local RoPE in
-    its sliding layers; over virtual stages) and DeepSeek-V2 (latent attention; the second stage
-    an MoE layer) read by --load-hf at TP2 x PP2 on 20-token sequences (past Phi-3's original 16
-    positions: the long factors): the first batch's loss is transformers' within 1e-4."""
+    its sliding layers; over virtual stages), DeepSeek-V2 (latent attention; the second stage
+    an MoE layer) and GLM-4.5 (partial RoPE, q/k norms; V3's router on the second stage) read by
+    --load-hf at TP2 x PP2 on 20-token sequences (past Phi-3's original 16 positions: the long
+    factors): the first batch's loss is transformers' within 1e-4."""
     cases = {"phi3-longrope": "hf-phi3-tp2-pp2", "gemma2": "hf-gemma2-tp2-pp2", "gemma3": "hf-gemma3-tp2-vpp",
-             "deepseek-v2": "hf-deepseek-v2-tp2-pp2"}
+             "deepseek-v2": "hf-deepseek-v2-tp2-pp2", "glm4-moe": "hf-glm45-tp2-pp2"}
     wants = first_batch_losses_of_transformers([hf_references / n for n in cases], null_corpus, 20, tmp_path)
     for (name, case), want in zip(cases.items(), wants):
         got = losses(four_ranks / "out" / f"{case}.jsonl")
