@@ -63,7 +63,7 @@ ITERS = 10  # the single-process reference curves of the models whose checkpoint
 RESUMED = ("gqa", "moe", "dpo", "mla-moe")  # the others' reference curves stop at LAYOUT_ITERS
 # the layout launches run the first steps of the same schedule (--lr-decay-iters above): their
 # first-step gradients (MoE) and these losses are compared, which is where an error shows
-LAYOUT_ITERS = 4
+LAYOUT_ITERS = 3
 
 
 DOUBLED = "decoder.layers.0.self_attention.linear_qkv.weight"
