@@ -622,8 +622,9 @@ def _moe_from_hf_state(cfg: ModelConfig, i: int, take) -> dict:
     a, (g, u, d) = _moe_names(cfg, i)
     b = f"decoder.layers.{i}.mlp."
     out = {b + "router.weight": take(a + "gate.weight")}
-    if cfg.moe.enable_expert_bias:  # DeepSeek-V3's steering of the choice
-        features.note_used("hf-deepseek-v3-moe")
+    if cfg.moe.enable_expert_bias:  # DeepSeek-V3's and GLM-4.5's steering of the choice
+        if cfg.family == "deepseek_v3":
+            features.note_used("hf-deepseek-v3-moe")
         out[b + "router.expert_bias"] = take(a + "gate.e_score_correction_bias").astype(np.float32)
     w1, w2 = [], []
     for e in range(cfg.moe.num_experts):
@@ -646,7 +647,8 @@ def _moe_to_hf_state(cfg: ModelConfig, i: int, ours: dict) -> dict:
     b = f"decoder.layers.{i}.mlp."
     out = {a + "gate.weight": ours[b + "router.weight"]}
     if cfg.moe.enable_expert_bias:
-        features.note_used("hf-deepseek-v3-moe")
+        if cfg.family == "deepseek_v3":
+            features.note_used("hf-deepseek-v3-moe")
         out[a + "gate.e_score_correction_bias"] = ours[b + "router.expert_bias"]
     for e in range(cfg.moe.num_experts):
         gate, up = np.split(ours[b + "experts.weight1"][e].T, 2)

@@ -11,10 +11,17 @@ import numpy as np
 ADAPTER_TAGS = (".lora_A.", ".lora_B.")
 
 
+EXPERT_BIAS = ".mlp.router.expert_bias"
+
+
 def is_expert_bias(name: str) -> bool:
     """Whether a parameter is a router's expert bias (aux-loss-free balancing: state the
     step's loads move, not the optimizer)."""
-    return name.endswith(".router.expert_bias")
+    return name.endswith(EXPERT_BIAS)
+
+
+def expert_bias_name(layer: int) -> str:
+    return f"decoder.layers.{layer}{EXPERT_BIAS}"
 
 
 def is_adapter(name: str) -> bool:

@@ -250,7 +250,8 @@ def test_a_checkpoint_from_when_the_bias_was_run_state_still_loads(tmp_path):
 
     weights = {"decoder.layers.1.mlp.router.weight": np.ones((4, 8), np.float32)}
     legacy = {"rng": [{"expert_bias": {"1": [0.25, -0.5, 0.0, 0.125]}}, {}]}
-    checkpoint.save(str(tmp_path), 3, weights, {}, 3, {"model": {}}, trainer_state=legacy)
+    meta = {"model": {"moe": {"enable_expert_bias": True}}}
+    checkpoint.save(str(tmp_path), 3, weights, {}, 3, meta, trainer_state=legacy)
     arrays = checkpoint.load_model_arrays(str(tmp_path), 3)
     np.testing.assert_array_equal(arrays["decoder.layers.1.mlp.router.expert_bias"], [0.25, -0.5, 0.0, 0.125])
     assert arrays["decoder.layers.1.mlp.router.expert_bias"].dtype == np.float32

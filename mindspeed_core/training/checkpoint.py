@@ -37,6 +37,7 @@ import numpy as np
 
 from mindspeed_core import features, files, tensor_files
 from mindspeed_core.errors import CheckpointError, MindSpeedError
+from mindspeed_core.models.state import expert_bias_name
 from mindspeed_core.training import sharded_checkpoint
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -308,14 +309,12 @@ def _model_arrays(folder: str, meta: dict) -> dict:
     else:
         arrays = _arrays(os.path.join(folder, "model.safetensors"), _digest(meta, "model.safetensors"))[0]
     path = os.path.join(folder, STATE_FILE)
-    if os.path.exists(path):  # written before the expert biases were model state: they were run state
+    moe = (meta.get("model") or {}).get("moe") or {}
+    if moe.get("enable_expert_bias") and os.path.exists(path):
+        # written before the expert biases were model state: they were run state
         for number, bias in legacy_expert_biases(_read_json(path, _digest(meta, STATE_FILE))).items():
             arrays.setdefault(expert_bias_name(number), bias)
     return arrays
-
-
-def expert_bias_name(layer: int) -> str:
-    return f"decoder.layers.{layer}.mlp.router.expert_bias"
 
 
 def legacy_expert_biases(state: dict) -> dict:
