@@ -868,7 +868,7 @@ MODEL_TYPES = {"llama2": "llama", "llama3": "llama", "qwen2": "qwen2", "qwen25":
                "phi3.5": "phi3", "phi3": "phi3", "gemma2": "gemma2", "gemma3": "gemma3",
                "mistral": "mistral", "gpt2": "gpt2", "mixtral": "mixtral", "qwen2-moe": "qwen2_moe",
                "qwen3-moe": "qwen3_moe", "deepseek2-lite": "deepseek_v2", "deepseek3": "deepseek_v3",
-               "glm45": "glm4_moe"}
+               "glm45": "glm4_moe", "glm45-air": "glm4_moe"}
 # what a Hugging Face folder holds besides the model: copied along by --hf-cfg-dir
 COMPANIONS = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
               "generation_config.json", "vocab.json", "merges.txt", "chat_template.jinja")
