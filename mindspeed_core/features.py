@@ -173,6 +173,19 @@ _ALIGN_CP = ("a preference or reward stage with context parallelism is not built
 _COMPILE_ALIGN = "--compile with a preference or reward stage is not built yet"
 
 
+_MTP_CP = ("multi-token prediction with context parallelism is not built yet: the labels a depth further on "
+           "cross the context-parallel ranks' chunks")
+_MTP_LAYOUTS = "TP, SP, PP, DP and EP"
+_MTP_COMPILE = "--compile with multi-token prediction is not built yet (the compiled loss is the next-token loss)"
+_MTP_STAGES = ("multi-token prediction trains with the language-model loss of pre-training and fine-tuning; with a "
+               "preference or reward stage, or LoRA adapters, it is not built yet")
+_MTP_STAGES_INSTEAD = "leave --mtp-num-layers out"
+
+
+def _mtp(a) -> bool:
+    return bool(getattr(a, "mtp_num_layers", None))
+
+
 def _moe(a) -> bool:
     return getattr(a, "num_experts", None) is not None
 
@@ -593,8 +606,13 @@ FEATURES: tuple[Feature, ...] = (
                                                         "mla_fa_without_pad", "mla_mm_split"))),
     Feature("multi-token-prediction", "Multi-token prediction modules (DeepSeek-V3, --mtp-num-layers)", "models",
             ("--mtp-num-layers", "--mtp-loss-scaling-factor", "--mtp-mem-efficient-logits"),
-            planned(instead="leave --mtp-num-layers out (next-token prediction only)"),
-            planned(instead="leave --mtp-num-layers out (next-token prediction only)"),
+            supported("D modules after the last layer on the last pipeline stage, each predicting one token further "
+                      "from the embedding of the next and the previous depth's hidden state, with the shared "
+                      "embedding and output layer; their loss times --mtp-loss-scaling-factor / D joins the "
+                      "gradient and is logged apart (mtp_k loss); TP, SP, PP and EP keep it exact; Hugging Face "
+                      "deepseek_v3 and glm4_moe folders' extra layers load and export. --mtp-mem-efficient-logits "
+                      "is MindSpeed-LLM's memory choice for the logits: the same math here"),
+            supported("as on PyTorch"),
             lambda a: any(getattr(a, f, None) for f in ("mtp_num_layers", "mtp_loss_scaling_factor",
                                                         "mtp_mem_efficient_logits"))),
     Feature("moe-tp-extend-ep", "Experts over TP x EP ranks (MindSpeed's --moe-tp-extend-ep)", "parallelism",
@@ -657,6 +675,19 @@ FEATURES: tuple[Feature, ...] = (
             planned(_LORA_MOE, instead=_ALL_WEIGHTS), planned(_LORA_MOE, instead=_ALL_WEIGHTS),
             lambda a: _moe(a) and (getattr(a, "lora_r", None) is not None
                                    or getattr(a, "lora_target_modules", None) is not None)),
+    Feature("mtp-context-parallel", "Multi-token prediction with context parallelism", "combinations",
+            ("--mtp-num-layers", "--context-parallel-size"),
+            planned(_MTP_CP, instead=_MTP_LAYOUTS), planned(_MTP_CP, instead=_MTP_LAYOUTS),
+            lambda a: _mtp(a) and _gt1("context_parallel_size")(a)),
+    Feature("mtp-compile", "Compiled step with multi-token prediction", "combinations",
+            ("--compile", "--mtp-num-layers"),
+            planned(_MTP_COMPILE, instead="drop --compile"), planned(_MTP_COMPILE, instead="drop --compile"),
+            lambda a: _mtp(a) and bool(getattr(a, "compile", False))),
+    Feature("mtp-other-stages", "Multi-token prediction in a preference or reward stage, or with LoRA",
+            "combinations", ("--mtp-num-layers", "--stage", "--lora-r"),
+            planned(_MTP_STAGES, instead=_MTP_STAGES_INSTEAD), planned(_MTP_STAGES, instead=_MTP_STAGES_INSTEAD),
+            lambda a: _mtp(a) and (getattr(a, "stage", None) in _ALIGNMENT_STAGES or getattr(a, "lora_r", None)
+                                   is not None or getattr(a, "lora_target_modules", None) is not None)),
     Feature("compile-context-parallel", "Compiled step with context parallelism or packed sequences",
             "combinations", ("--compile", "--context-parallel-size", "--reset-attention-mask", "--reset-position-ids"),
             planned(_COMPILE_CP, instead="drop --compile"), planned(_COMPILE_CP, instead="drop --compile"),

@@ -197,6 +197,11 @@ class ModelConfig:
     # an outcome reward model: a scalar head (rm_head, [1, hidden]) where the output layer
     # would be; its value at a reply's last token is the reply's reward (--stage orm)
     reward_head: bool = False
+    # multi-token prediction (DeepSeek-V3, --mtp-num-layers): modules after the last layer that
+    # predict the tokens 2..1+mtp_num_layers ahead (models/mtp.py); their loss, times
+    # mtp_loss_scaling_factor / mtp_num_layers, joins the gradient
+    mtp_num_layers: int = 0
+    mtp_loss_scaling_factor: float = 0.1
     extra: dict = field(default_factory=dict)  # family-specific fields kept for export
     # Which fused kernels the layers call (ops.<op>: the device's native kernel, or the
     # composite where it has none; the flags --use-flash-attn, --use-fused-*); the others
@@ -248,6 +253,17 @@ class ModelConfig:
         if any(not 0 <= i < self.num_layers for i in self.noop_layers) or len(self.noop_layers) >= self.num_layers:
             raise ValueError(f"noop_layers {list(self.noop_layers)} must be some, not all, of the layers "
                              f"0..{self.num_layers - 1}")
+        if type(self.mtp_num_layers) is not int or self.mtp_num_layers < 0:
+            raise ValueError(f"mtp_num_layers must be a non-negative integer, got {self.mtp_num_layers!r}")
+        if (not isinstance(self.mtp_loss_scaling_factor, (int, float)) or not math.isfinite(self.mtp_loss_scaling_factor)
+                or self.mtp_loss_scaling_factor < 0):
+            raise ValueError(f"mtp_loss_scaling_factor must be a finite non-negative number, "
+                             f"got {self.mtp_loss_scaling_factor!r}")
+        if self.mtp_num_layers and self.reward_head:
+            raise ValueError("multi-token prediction predicts tokens: a reward model has no output layer for it")
+        if self.mtp_num_layers and self.position_embedding_type == "learned":
+            raise ValueError("multi-token prediction with learned position embeddings is not built (DeepSeek-V3 "
+                             "and GLM-4.5 use RoPE)")
         if isinstance(self.moe, dict):  # from to_dict / a saved config
             self.moe = MoEConfig(**self.moe)
         if isinstance(self.lora, dict):
@@ -338,17 +354,30 @@ class ModelConfig:
                                    moe_layers=moved(self.moe_layers),
                                    sliding_window_layers=moved(self.sliding_window_layers))
 
-    def is_moe_layer(self, number: int) -> bool:
-        return self.moe is not None and (self.moe_layers is None or number in self.moe_layers)
-
     def moe_layer_numbers(self) -> list[int]:
-        """The numbers of the layers that run an MoE MLP (no-op layers run none)."""
-        return [i for i in range(self.num_layers) if self.is_moe_layer(i) and i not in self.noop_layers]
+        """The numbers of the layers that run an MoE MLP (no-op layers run none), the
+        multi-token prediction layers' (numbered on from num_layers) among them."""
+        return [i for i in range(self.num_layers + self.mtp_num_layers)
+                if self.is_moe_layer(i) and i not in self.noop_layers]
+
+    def is_moe_layer(self, number: int) -> bool:
+        """Layer ``number``'s MLP is an MoE layer; a multi-token prediction layer's is when the
+        last layer's is (DeepSeek-V3's is)."""
+        if number >= self.num_layers:
+            number = self.num_layers - 1
+        return self.moe is not None and (self.moe_layers is None or number in self.moe_layers)
 
     @property
     def tied_output(self) -> bool:
         """Whether the output layer is the word embeddings (a reward model has no output layer)."""
         return not self.untie_embeddings_and_output_weights and not self.reward_head
+
+    @property
+    def last_stage_embeddings(self) -> bool:
+        """Whether a last pipeline stage without the embedding holds a copy of the word
+        embeddings, summed with the first stage's gradient: as its output layer (tied), or for
+        multi-token prediction's input."""
+        return self.tied_output or self.mtp_num_layers > 0
 
     @property
     def qkv_width(self) -> int:
@@ -385,6 +414,9 @@ class ModelConfig:
             total += moe_layers * (self._moe_mlp_parameters(active=False) - mlp)
         total += h if self.reward_head else v * h if self.untie_embeddings_and_output_weights else 0
         total += self.max_position_embeddings * h if self.position_embedding_type == "learned" else 0
+        if self.mtp_num_layers:  # each: a layer like the last, its three norms and eh_proj [h, 2h]
+            layer_mlp = self._moe_mlp_parameters(active=False) if self.is_moe_layer(self.num_layers) else mlp
+            total += self.mtp_num_layers * (attn + layer_mlp + (norms_per_layer + 3) * norm + 2 * h * h)
         return total
 
     def _attention_weights(self) -> int:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from mindspeed_core import composite, features, nn, ops, random
+from mindspeed_core import autograd, composite, features, nn, ops, random
 from mindspeed_core.errors import CheckpointError
 from mindspeed_core.memory import recompute
 from mindspeed_core.models import lora, rope
@@ -301,6 +301,11 @@ class Decoder(nn.Module):
 
     def forward(self, x, cos, sin, seams=SINGLE_DEVICE, tokens=None, local=None):
         """``local``: the (cos, sin) of the layers that rotate locally (Gemma 3), or None."""
+        x = self.run_layers(x, cos, sin, seams, tokens, local)
+        return self.final_layernorm(x) if self.has_final_norm else x
+
+    def run_layers(self, x, cos, sin, seams=SINGLE_DEVICE, tokens=None, local=None):
+        """The layers' output, before the final norm."""
         for start, stop, recomputed in self.recompute_policy.groups(len(self.layers)):
             def run(x, indices=range(start, stop)):
                 for i in indices:
@@ -312,7 +317,7 @@ class Decoder(nn.Module):
                 x = recompute.checkpoint(run, x)
             else:
                 x = run(x)
-        return self.final_layernorm(x) if self.has_final_norm else x
+        return x
 
 
 class LanguageEmbedding(nn.Module):
@@ -353,14 +358,21 @@ class GPTModel(nn.Module):
             layers = tuple(i for i in range(cfg.num_layers) if i not in cfg.noop_layers)
         if cfg.noop_layers:
             features.note_used("noop-layers")
-        if pre_process:
+        # the last stage's multi-token prediction reads the word embeddings: a stage without
+        # them holds a copy, summed with the first stage's like a tied output layer's
+        if pre_process or (post_process and cfg.mtp_num_layers):
             self.embedding = LanguageEmbedding(cfg)
         self.decoder = Decoder(cfg, layers, final_norm=post_process, make_mlp=self.make_mlp)
+        if post_process and cfg.mtp_num_layers:
+            from mindspeed_core.models.mtp import MultiTokenPrediction  # it builds on this module's layers
+
+            self.mtp = MultiTokenPrediction(cfg, self.make_mlp)
+        self._mtp_input = {}  # what the last forward leaves for mtp_loss (a dict: a Cell's attribute)
         if post_process and cfg.reward_head:
             self.rm_head = Linear(cfg.hidden_size, 1, False, cfg.init_method_std)
         elif post_process and cfg.untie_embeddings_and_output_weights:
             self.output_layer = Linear(cfg.hidden_size, cfg.vocab_size, False, cfg.init_method_std)
-        elif post_process and not pre_process:
+        elif post_process and not pre_process and not cfg.mtp_num_layers:
             # tied weights on a stage without the embedding: a copy of the word embeddings,
             # whose gradient the pipeline sums with the first stage's (Megatron's embedding group)
             self.output_layer = Linear(cfg.hidden_size, cfg.vocab_size, False, cfg.init_method_std)
@@ -374,6 +386,14 @@ class GPTModel(nn.Module):
         self._rope_cache = {}
         self._long_rope = {}
         self.seams = SINGLE_DEVICE
+
+    def transformer_layers(self) -> list:
+        """[(local name prefix, layer)] of this stage's transformer layers: the decoder's, then
+        multi-token prediction's."""
+        layers = [(f"decoder.layers.{i}.", layer) for i, layer in enumerate(self.decoder.layers)]
+        if hasattr(self, "mtp"):
+            layers += [(f"mtp.layers.{k}.transformer_layer.", m.transformer_layer) for k, m in enumerate(self.mtp.layers)]
+        return layers
 
     def make_mlp(self, number: int) -> nn.Module:
         """The MLP of layer ``number`` (a model family with other MLPs overrides this)."""
@@ -473,7 +493,7 @@ class GPTModel(nn.Module):
         return self._rope_cache[seq_len, dtype, local]
 
     def output_weight(self):
-        if self.pre_process and not self.cfg.untie_embeddings_and_output_weights:
+        if hasattr(self, "embedding") and not self.cfg.untie_embeddings_and_output_weights:
             return self.embedding.word_embeddings.weight
         return self.output_layer.weight
 
@@ -493,12 +513,22 @@ class GPTModel(nn.Module):
             x = seams.decoder_input(self.embedding(x, None if positions is None else ops.tensor(positions)))
         cos, sin = self._rotary(seq_len, ops.dtype_of(x), positions)
         local = None if self._local_rope is None else self._rotary(seq_len, ops.dtype_of(x), positions, local=True)
-        x = self.decoder(x, cos, sin, seams, tokens, local)
+        if not self.post_process or not hasattr(self, "mtp"):
+            x = self.decoder(x, cos, sin, seams, tokens, local)
+        else:  # the modules start from the layers' output before the final norm
+            x = self.decoder.run_layers(x, cos, sin, seams, tokens, local)
+            if tokens is None or tokens.cache is None:
+                self._mtp_input["last"] = (x, cos, sin, positions)
+            x = self.decoder.final_layernorm(x)
         if not self.post_process:
             return x
         if self.cfg.reward_head:
             return seams.scalar_head(x, self.rm_head.weight)
-        logits = ops.linear(seams.output_input(x), self.output_weight())
+        return self._head(x)
+
+    def _head(self, x):
+        """Logits from the final norm's output."""
+        logits = ops.linear(self.seams.output_input(x), self.output_weight())
         cap = self.cfg.final_logit_softcapping
         if cap is not None:  # Gemma 2: elementwise, so a vocabulary shard is capped as the whole is
             features.note_used("logit-softcapping")
@@ -523,6 +553,33 @@ class GPTModel(nn.Module):
         scale = self.seams.context_shards / max(float(whole.sum()), 1.0)
         mask = ops.tensor(np.ascontiguousarray(self.seams.local_tokens(whole)).reshape(-1) * scale)
         return ops.sum(per_token * mask)
+
+    def mtp_loss(self, labels, tokens: Tokens | None = None):
+        """Multi-token prediction's term of the gradient (models/mtp.py) from the last forward's
+        layers' output: mtp_loss_scaling_factor / D times the depths' mean cross entropies,
+        each also kept for the log (self.mtp.losses). Whole sequences (context parallelism
+        is refused with it)."""
+        if "last" not in self._mtp_input:
+            raise RuntimeError("mtp_loss needs a forward of the last stage first")
+        from mindspeed_core.models.mtp import depth_mask, shift_left
+
+        hidden, cos, sin, positions = self._mtp_input.pop("last")
+        features.note_used("multi-token-prediction")
+        seams, shape = self.seams, tuple(labels.shape)
+        position_tensor = None if positions is None else ops.tensor(positions)
+        total, ahead = None, labels  # ahead: the token k places on from each position
+        for k, (layer, norm) in enumerate(zip(self.mtp.layers, self.mtp.final_layernorms), 1):
+            embedded = seams.decoder_input(self.embedding(ahead, position_tensor))
+            hidden = layer(hidden, embedded, cos, sin, seams, tokens)
+            ahead = shift_left(ahead)
+            logits = ops.cast(self._head(norm(hidden)), "float32")
+            per_token = seams.token_losses(ops.reshape(logits, (-1, logits.shape[-1])), ops.reshape(ahead, (-1,)))
+            mask = depth_mask(None if tokens is None else tokens.loss_mask, shape, k)
+            weights = mask.reshape(-1) / max(float(mask.sum()), 1.0)
+            depth = ops.sum(per_token * ops.tensor(weights))
+            self.mtp.losses[k - 1].append(autograd.detach(depth))
+            total = depth if total is None else total + depth
+        return total * self.mtp.scale
 
     def loss(self, ids, labels, tokens: Tokens | None = None):
         """The whole model's loss (see loss_from_logits)."""

@@ -259,7 +259,7 @@ class MoEModel(GPTModel):
         return MoELayer(self.cfg, self.cfg.moe, number) if self.cfg.is_moe_layer(number) else MLP(self.cfg)
 
     def moe_layers(self) -> list:
-        return [layer.mlp for layer in self.decoder.layers if isinstance(layer.mlp, MoELayer)]
+        return [layer.mlp for _, layer in self.transformer_layers() if isinstance(layer.mlp, MoELayer)]
 
     def router_losses(self):
         """The sum of this model's (or pipeline chunk's) MoE layers' aux and z losses from

@@ -164,11 +164,10 @@ def rope_tables(s, d, base=10000.0):
     return np.cos(ang), np.sin(ang)
 
 
-def gpt_logits(state: dict, cfg, ids: np.ndarray) -> np.ndarray:
-    """Float64 logits [s, vocab] of one sequence ``ids`` [s] through a dense LLaMA-style model
-    (RMSNorm or LayerNorm, RoPE, SwiGLU or GELU, grouped-query attention, no biases) given its
-    whole-model state dict: our model's layout written out in numpy, a reference independent
-    of the facade."""
+def _dense_model(state: dict, cfg):
+    """(weights in float64, norm(x, name), layer(x, prefix, cos, sin)) of a dense LLaMA-style
+    model (RMSNorm or LayerNorm, RoPE, SwiGLU or GELU, grouped-query attention, no biases):
+    our model's layout written out in numpy, a reference independent of the facade."""
     w = {k: np.asarray(v, np.float64) for k, v in state.items()}
 
     def norm(x, name):
@@ -177,24 +176,63 @@ def gpt_logits(state: dict, cfg, ids: np.ndarray) -> np.ndarray:
         return rms_norm(x, w[name + ".weight"], cfg.norm_epsilon)
 
     act = swiglu if cfg.activation == "swiglu" else lambda h: gelu(h, "tanh" if cfg.activation == "gelu_tanh" else "none")
-    s, d = len(ids), cfg.kv_channels
+    d = cfg.kv_channels
     groups, per_group = cfg.num_query_groups, cfg.num_attention_heads // cfg.num_query_groups
-    cos, sin = rope_tables(s, d, cfg.rotary_base)
-    x = w["embedding.word_embeddings.weight"][ids][None]  # [1, s, h]
-    for n in range(cfg.num_layers):
-        p = f"decoder.layers.{n}."
+
+    def layer(x, p, cos, sin):
+        b, s = x.shape[:2]
         h = norm(x, p + "input_layernorm")
-        qkv = (h @ w[p + "self_attention.linear_qkv.weight"].T).reshape(1, s, groups, per_group + 2, d)
-        q = qkv[:, :, :, :per_group].reshape(1, s, groups * per_group, d)
+        qkv = (h @ w[p + "self_attention.linear_qkv.weight"].T).reshape(b, s, groups, per_group + 2, d)
+        q = qkv[:, :, :, :per_group].reshape(b, s, groups * per_group, d)
         k, v = qkv[:, :, :, per_group], qkv[:, :, :, per_group + 1]
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = attention(q, k, v, causal=True).reshape(1, s, -1)
+        out = attention(q, k, v, causal=True).reshape(b, s, -1)
         x = x + out @ w[p + "self_attention.linear_proj.weight"].T
         h = norm(x, p + "pre_mlp_layernorm")
-        x = x + act(h @ w[p + "mlp.linear_fc1.weight"].T) @ w[p + "mlp.linear_fc2.weight"].T
+        return x + act(h @ w[p + "mlp.linear_fc1.weight"].T) @ w[p + "mlp.linear_fc2.weight"].T
+
+    return w, norm, layer
+
+
+def gpt_logits(state: dict, cfg, ids: np.ndarray) -> np.ndarray:
+    """Float64 logits [s, vocab] of one sequence ``ids`` [s] through a dense LLaMA-style model
+    given its whole-model state dict (_dense_model)."""
+    w, norm, layer = _dense_model(state, cfg)
+    cos, sin = rope_tables(len(ids), cfg.kv_channels, cfg.rotary_base)
+    x = w["embedding.word_embeddings.weight"][ids][None]  # [1, s, h]
+    for n in range(cfg.num_layers):
+        x = layer(x, f"decoder.layers.{n}.", cos, sin)
     x = norm(x, "decoder.final_layernorm")
     head = w.get("output_layer.weight", w["embedding.word_embeddings.weight"])
     return (x @ head.T)[0]
+
+
+def mtp_losses(state: dict, cfg, ids: np.ndarray, labels: np.ndarray, loss_mask=None) -> list[float]:
+    """Float64 multi-token prediction losses of a dense model with cfg.mtp_num_layers modules
+    (DeepSeek-V3's eq. 21-25): depth k's mean cross entropy of the token k + 1 places on,
+    over the positions where it exists (and counts in ``loss_mask`` [b, S], k places on)."""
+    w, norm, layer = _dense_model(state, cfg)
+    b, s = ids.shape
+    cos, sin = rope_tables(s, cfg.kv_channels, cfg.rotary_base)
+    emb = w["embedding.word_embeddings.weight"]
+    head = w.get("output_layer.weight", emb)
+    hidden = emb[ids]
+    for n in range(cfg.num_layers):
+        hidden = layer(hidden, f"decoder.layers.{n}.", cos, sin)
+    mask = np.ones((b, s)) if loss_mask is None else np.asarray(loss_mask, np.float64)
+    out = []
+    for k in range(1, cfg.mtp_num_layers + 1):
+        p = f"mtp.layers.{k - 1}."
+        token_ahead = np.zeros_like(labels)
+        token_ahead[:, :s - k + 1] = labels[:, k - 1:]  # t_{i+k}
+        joined = np.concatenate([norm(emb[token_ahead], p + "enorm"), norm(hidden, p + "hnorm")], axis=-1)
+        hidden = layer(joined @ w[p + "eh_proj.weight"].T, p + "transformer_layer.", cos, sin)
+        logp = log_softmax(norm(hidden, f"mtp.final_layernorms.{k - 1}") @ head.T)
+        target, keep = np.zeros_like(labels), np.zeros((b, s))
+        target[:, :s - k], keep[:, :s - k] = labels[:, k:], mask[:, k:]
+        nll = -np.take_along_axis(logp, target[..., None], -1)[..., 0]
+        out.append(float((nll * keep).sum() / max(keep.sum(), 1.0)))
+    return out
 
 
 def token_log_probs(state: dict, cfg, ids) -> np.ndarray:

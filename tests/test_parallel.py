@@ -50,12 +50,13 @@ MLA = BASE + ["--multi-latent-attention", "--q-lora-rank", "24", "--kv-lora-rank
               "mindspeed_llm.tasks.models.spec.deepseek_spec", "layer_spec"]
 # with DeepSeek-V3's experts in the second layer: sigmoid scores, top-2 of 8 within the best 2
 # of 4 groups, steered by the expert bias that each step's loads move (fast here, so that it
-# does), scaled, a shared expert (V2's softmax experts: the hf-deepseek-v2 case below)
+# does), scaled, a shared expert (V2's softmax experts: the hf-deepseek-v2 case below), and
+# one multi-token prediction module (an MoE layer of its own) weighing in at 0.3
 MLA_MOE = MLA + ["--num-experts", "8", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32",
                  "--moe-router-score-function", "sigmoid", "--moe-router-num-groups", "4", "--moe-router-group-topk",
                  "2", "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "0.05",
                  "--moe-router-topk-scaling-factor", "2.5", "--n-shared-experts", "1", "--first-k-dense-replace", "1",
-                 "--moe-aux-loss-coeff", "0"]
+                 "--moe-aux-loss-coeff", "0", "--mtp-num-layers", "1", "--mtp-loss-scaling-factor", "0.3"]
 MODELS = {"gqa": GQA, "mha": MHA, "moe": MOE, "sft": SFT, "lora": LORA, "dpo": DPO,
           "dpo-lora": DPO + ["--lora-r", "4", "--lora-alpha", "8"], "simpo": SIMPO, "orm": ORM, "prm": PRM,
           "gemma2": GEMMA2, "mla": MLA, "mla-moe": MLA_MOE}
@@ -167,6 +168,8 @@ def reference(data, tmp_path_factory):
         out[f"{name}-grads"] = dict(np.load(root / f"{name}-grads.npz"))
         if name == "moe":
             out["moe-aux"] = aux_losses(root / f"{name}.jsonl")
+        if name == "mla-moe":
+            out["mla-moe-mtp"] = mtp_losses(root / f"{name}.jsonl")
     return out
 
 
@@ -185,6 +188,11 @@ def gradient_difference(got, want: dict) -> tuple[float, str]:
         if d >= worst:
             worst, where = d, name
     return worst, where
+
+
+def mtp_losses(path):
+    """{iteration: the first multi-token prediction depth's loss}."""
+    return {r["iteration"]: r["mtp_losses"][0] for r in map(json.loads, open(path)) if "mtp_losses" in r}
 
 
 def aux_losses(path):
@@ -271,6 +279,10 @@ CASES = [  # (id, ranks, model, flags): the cases of each rank count share one l
     # micro-batches: the stages pass each micro-batch's own width, and the loss stays the same
     ("dpo-pp2-dp2", 4, "dpo", ["--pipeline-model-parallel-size", "2", "--save", "{tmp}/dpo-ckpt",
                                "--no-pad-to-seq-lengths"]),
+    # the multi-token prediction module on the last stage, with its copy of the embeddings, cut
+    # over TP + SP like a decoder layer
+    ("mla-moe-tp2-sp-pp2", 4, "mla-moe", ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                          "--pipeline-model-parallel-size", "2"]),
     ("prm-tp2-pp2", 4, "prm", ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
                                "--no-pad-to-seq-lengths", "--pad-to-multiple-of", "4"]),
 ]
@@ -324,7 +336,7 @@ def case_spec(cases, data, tmp_path):
 
 
 def check_cases(framework, out, ranks, cases, reference):
-    """Each case's loss curve and grad norms (and the MoE aux losses) equal the single
+    """Each case's loss curve and grad norms (and the MoE aux and MTP losses) equal the single
     process's, and its first step's gradients as the optimizer took them, each whole; the layout
     ran as asked, and where TRAFFIC names the case, each collective moved the analytical bytes."""
     table = {}
@@ -340,6 +352,8 @@ def check_cases(framework, out, ranks, cases, reference):
         table[name] = (max(abs(got[i] - reference[model][i]) / abs(reference[model][i]) for i in got), worst)
         if model == "moe":
             assert_same_curve(aux_losses(metrics), first(reference["moe-aux"]))
+        if model == "mla-moe":  # the multi-token prediction loss, logged apart, as the single process's
+            assert_same_curve(mtp_losses(metrics), first(reference["mla-moe-mtp"]))
         check_layout((out / f"{name}.log").read_text(), ranks, flags, global_batch(MODELS[model]))
         if name.endswith("-overlap"):  # the same bits as its twin without overlap
             assert same_records(metrics, out / f"{name[:-len('-overlap')]}.jsonl"), name

@@ -143,10 +143,10 @@ def parallelize_moe_layers(model, ps, sequence_parallel: bool, dispatcher: str) 
         raise MindSpeedError(f"unknown MoE token dispatcher {dispatcher!r}: choose one of {', '.join(DISPATCHERS)}")
     check_layout(model.cfg, ps.ep)
     overrides = {}
-    for i, layer in enumerate(model.decoder.layers):
+    for prefix, layer in model.transformer_layers():
         if isinstance(layer.mlp, MoELayer):
             fields = parallelize_moe_layer(layer.mlp, ps, sequence_parallel, dispatcher, model.cfg.gated)
-            overrides.update({f"decoder.layers.{i}.mlp.{name}": f for name, f in fields.items()})
+            overrides.update({f"{prefix}mlp.{name}": f for name, f in fields.items()})
     return overrides
 
 

@@ -232,9 +232,11 @@ def parallelize(model, ps, sequence_parallel: bool = False, overrides: dict | No
     params = []
     for local, name in zip((n for n, _ in nn.named_parameters(model)), model.parameter_names()):
         fields = dict(shard=spec.get(local),
-                      partial=local in partial or (sequence_parallel and local not in spec and local.startswith("decoder.")),
+                      partial=local in partial or (sequence_parallel and local not in spec
+                                                   and local.startswith(("decoder.", "mtp."))),
                       kv_copies=kv is not None and spec.get(local, ("",))[0] == "qkv",
-                      tied_copy=local.startswith("output_layer.") and name.startswith("embedding."))
+                      tied_copy=name.startswith("embedding.") and (local.startswith("output_layer.")
+                                                                   or not model.pre_process))
         fields.update((overrides or {}).get(local, {}))
         params.append(ParamPlan(name, **fields))
     return ParallelPlan(params, kv)
@@ -289,9 +291,8 @@ def _shard_layers(model, ps, group, sequence_parallel, spec, partial) -> KVCopie
             spec[prefix + ".lora_A.weight"] = ("split", 1)
             partial.add(prefix + ".lora_B.weight")
 
-    for i, layer in enumerate(model.decoder.layers):
+    for prefix, layer in model.transformer_layers():
         attn, mlp = layer.self_attention, layer.mlp
-        prefix = f"decoder.layers.{i}."
         if cfg.mla is not None:
             _shard_latent_attention(attn, prefix + "self_attention.", group, sequence_parallel, spec, partial)
             if hasattr(attn, "linear_q_proj"):  # queries straight from the hidden state
@@ -302,7 +303,7 @@ def _shard_layers(model, ps, group, sequence_parallel, spec, partial) -> KVCopie
         if isinstance(mlp, MLP):  # an MoE layer's MLP is cut by parallel/experts.py
             column(mlp, "linear_fc1", prefix + "mlp.linear_fc1", swiglu, cfg.add_bias_linear)
             row(mlp, "linear_fc2", prefix + "mlp.linear_fc2")
-    if model.pre_process:
+    if hasattr(model, "embedding"):  # the first stage's, or the last's copy for multi-token prediction
         model.embedding.word_embeddings = VocabParallelEmbedding(model.embedding.word_embeddings, group)
         spec["embedding.word_embeddings.weight"] = ("split", 0)
     if model.post_process and hasattr(model, "output_layer"):

@@ -262,6 +262,12 @@ def default_save_folder(model_name: str) -> str:
 
 def model_config(args, vocab_size: int) -> ModelConfig:
     cfg = _model_config(args, vocab_size)
+    if args.mtp_num_layers:  # Megatron's default scaling factor 0.1
+        try:
+            cfg = dataclasses.replace(cfg, mtp_num_layers=args.mtp_num_layers, mtp_loss_scaling_factor=(
+                0.1 if args.mtp_loss_scaling_factor is None else args.mtp_loss_scaling_factor))
+        except ValueError as exc:
+            raise MindSpeedError(f"model configuration: {exc}") from None
     cfg.lora = lora_config(args)
     cfg.reward_head = stage_of(args) == "orm"
     cfg.fused = frozenset(op for flag, op in FUSED_FLAGS.items() if getattr(args, flag, False))

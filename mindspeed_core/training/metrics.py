@@ -51,11 +51,12 @@ class MetricsLog:
                                            "loss-scale": loss_scale, "batch-size": batch_size})
 
     def report(self, iteration: int, total: int, loss: float, lr: float, norm: float, moe: dict | None = None,
-               stage: dict | None = None) -> dict:
+               stage: dict | None = None, mtp: list | None = None) -> dict:
         """Print the line, write the record, and start the next interval. ``moe``: the last
         step's routing statistics (Trainer._moe_step_stats), when the model has MoE layers;
         ``stage``: the last step's preference or reward figures ({name: value}), when the
-        stage has them (Trainer._stage_stats)."""
+        stage has them (Trainer._stage_stats); ``mtp``: the last step's loss of each
+        multi-token prediction depth (Trainer._mtp_step_losses)."""
         tps = self._tokens / (time.perf_counter() - self._start)
         comm = dist.comm_stats()
         record = {"iteration": iteration, "loss": loss, "lr": lr, "grad_norm": norm, "tokens_per_s": tps,
@@ -74,6 +75,9 @@ class MetricsLog:
             record["moe"] = moe
             line += (f" | aux loss {moe['aux_loss']:.4g} | z loss {moe['z_loss']:.4g} | expert load max/mean "
                      f"{max(moe['load_balance']):.2f}" + (f" | dropped {moe['dropped']}" if moe["dropped"] else ""))
+        if mtp is not None:  # megatron-core's names
+            record["mtp_losses"] = mtp
+            line += "".join(f" | mtp_{k} loss {value:.4f}" for k, value in enumerate(mtp, 1))
         if stage:
             record.update(stage)
             line += "".join(f" | {name[6:].replace('_', ' ')} {value:.4f}" for name, value in stage.items())
@@ -89,6 +93,7 @@ class MetricsLog:
         figures = {"tokens-per-second": record["tokens_per_s"], "throughput": record["tflops"] / self.devices,
                    "tflops": record["tflops"], "mfu": record["mfu"],
                    "comm-bytes-per-step": record["comm_bytes_per_step"]}
+        figures.update({f"mtp_{k} loss": v for k, v in enumerate(record.get("mtp_losses", ()), 1)})
         moe = record.get("moe")
         if moe is not None:
             figures.update({"moe/aux-loss": moe["aux_loss"], "moe/z-loss": moe["z_loss"], "moe/dropped": moe["dropped"]})

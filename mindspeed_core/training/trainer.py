@@ -122,7 +122,8 @@ class Trainer:
                                                                                     ps))))
         # MoE layers report their routing (aux and z losses, tokens per expert) each step
         self.moe_layers = [layer for chunk in self.chunks for layer in getattr(chunk, "moe_layers", list)()]
-        self.moe_stats = self.stage_stats = self.eval_stats = None
+        self.moe_stats = self.stage_stats = self.eval_stats = self.mtp_stats = None
+        self.mtp_modules = [chunk.mtp for chunk in self.chunks if hasattr(chunk, "mtp")]  # the last stage's
         if saved_optimizer is not None:  # after the tracker is seeded: its streams are restored too
             saved = checkpoint.load_trainer_state(self.resumed_from, self.iteration)
             resume.restore_run_state(saved, self.ps, self.scaler, self.moe_layers, self.reference, self.stage_name,
@@ -152,7 +153,7 @@ class Trainer:
         self.overlap = None  # --overlap-grad-reduce: the optimizer's buckets reduced during backward
         if args.overlap_grad_reduce and ps.size("dp_cp") > 1:
             self.overlap = overlap.OverlappedReduction(self.optimizer.buckets(), distributed.summed_across_model_parallel(
-                self.train_plan, ps, self.cfg.tied_output))
+                self.train_plan, ps, self.cfg.last_stage_embeddings))
         self.param_gather = None  # --overlap-param-gather: the updated parameters gathered up to their use
         if args.overlap_param_gather and ps.size("dp_cp") > 1:
             self.param_gather = overlap.OverlappedParamGather(self.optimizer, self.chunks)
@@ -230,14 +231,19 @@ class Trainer:
             return out
         if labels is not None:
             out = self.scaler.scale_loss(out)
-        return self._with_router_losses(model, out)
+        return self._with_extra_losses(model, out, labels, tokens)
 
-    def _with_router_losses(self, model, out):
-        """MoE: the chunk's router losses (scaled as the loss) join the gradient through its
-        output, an activation or the loss (models/moe.py with_router_losses)."""
-        if not getattr(model, "moe_layers", list)():
+    def _with_extra_losses(self, model, out, labels=None, tokens=None):
+        """What joins the gradient but not the reported loss, scaled as the loss, through the
+        chunk's output (an activation or the loss: models/moe.py with_router_losses): the MoE
+        routers' losses, and on the last stage multi-token prediction's."""
+        extra = model.router_losses() if getattr(model, "moe_layers", list)() else None
+        if labels is not None and hasattr(model, "mtp"):
+            mtp = model.mtp_loss(labels, tokens)
+            extra = mtp if extra is None else extra + mtp
+        if extra is None:
             return out
-        return with_router_losses(out, self.scaler.scale_loss(model.router_losses()))
+        return with_router_losses(out, self.scaler.scale_loss(extra))
 
     def optimizer_bytes_unsharded(self) -> int:
         """What plain AdamW would hold on this rank: two fp32 moments per local parameter,
@@ -255,7 +261,7 @@ class Trainer:
 
     def _loss(self, ids, labels, tokens=None):
         loss = self._objective(self.model, self.model(ids, tokens), labels, tokens)
-        return self._with_router_losses(self.model, self.scaler.scale_loss(loss))
+        return self._with_extra_losses(self.model, self.scaler.scale_loss(loss), labels, tokens)
 
     # -- the loop ----------------------------------------------------------------------------
     def say(self, text: str) -> None:
@@ -276,6 +282,17 @@ class Trainer:
                 values = ops.to_numpy(dist.all_reduce(ops.tensor(values), group=self.ps.group(kind)))
         return {f"{record}_{name}": float(v) / self.ps.dp for name, v in zip(names, values)}
 
+    def _mtp_step_losses(self) -> list[float]:
+        """Each multi-token prediction depth's loss this step, the mean over micro-batches and
+        data-parallel ranks as the loss (a collective over DP and PP: the last stage has them)."""
+        mine = np.zeros(self.cfg.mtp_num_layers, np.float32)
+        for module in self.mtp_modules:
+            mine += (module.take_losses() / self.grad_accum).astype(np.float32)
+        for kind in ("dp", "pp"):
+            if self.ps.size(kind) > 1:
+                mine = ops.to_numpy(dist.all_reduce(ops.tensor(mine), group=self.ps.group(kind)))
+        return [float(v) / self.ps.dp for v in mine]
+
     def gradients(self, iteration: int) -> tuple[float, list]:
         """The step's mean loss (on every rank) and this rank's gradients, complete as the
         parallel plan asks but not yet reduced over data-parallel ranks."""
@@ -289,7 +306,7 @@ class Trainer:
         grads = distributed.sum_partial_over_tp(grads, self.ps, plan.indices("partial"))
         grads = distributed.sum_kv_copies(grads, plan)
         grads = distributed.sum_tied_embeddings(grads, plan, self.ps,
-                                                self.cfg.tied_output)
+                                                self.cfg.last_stage_embeddings)
         return loss, grads
 
     def train_step(self, iteration: int) -> tuple[float, float, float]:
@@ -300,6 +317,8 @@ class Trainer:
             features.note_used("bf16" if self.dtype == "bfloat16" else "fp16")
         for layer in self.moe_layers:
             layer.reset_stats()
+        for module in self.mtp_modules:
+            module.reset_stats()
         t0 = time.perf_counter()
         loss, grads = self.gradients(iteration)
         t1 = time.perf_counter()
@@ -309,6 +328,8 @@ class Trainer:
             loss = float(ops.to_numpy(dist.all_reduce(ops.tensor([loss]), group=self.ps.group("dp_cp")))[0]) / n
         if self.cfg.moe is not None:
             self.moe_stats = routing.step_stats(self.moe_layers, self.cfg, self.ps, self.grad_accum)
+        if self.cfg.mtp_num_layers:
+            self.mtp_stats = self._mtp_step_losses()
         self.stage_stats = self._stage_stats("train")
         norm = self.optimizer.grad_norm(grads)
         if self.after_reduction is not None:
@@ -537,7 +558,7 @@ class Trainer:
                     progress.update(1, f"loss {loss:.3f}")
                 if self.iteration % args.log_interval == 0 or self.iteration == args.train_iters:
                     log.report(self.iteration, args.train_iters, loss, lr, norm, moe=self.moe_stats,
-                               stage=self.stage_stats)
+                               stage=self.stage_stats, mtp=self.mtp_stats)
                 if args.eval_iters and args.eval_interval and self.iteration % args.eval_interval == 0:
                     with log.paused():
                         if collect is not None:
