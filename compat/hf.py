@@ -12,6 +12,8 @@ transformers reads).
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import os
 import shutil
@@ -261,7 +263,7 @@ def _glm_hf_config(cfg: ModelConfig, out: dict) -> None:
         raise CheckpointError("glm4_moe has grouped-query attention with biases on q, k and v only (attention_bias): "
                               "this model has another attention or other biases")
     out.update(attention_bias=cfg.add_qkv_bias, use_qk_norm=cfg.qk_layernorm, first_k_dense_replace=cfg.num_layers,
-               num_nextn_predict_layers=0)
+               num_nextn_predict_layers=cfg.mtp_num_layers)
     _shared_experts_hf_config(cfg, out)
 
 
@@ -278,7 +280,7 @@ def _deepseek_hf_config(cfg: ModelConfig, out: dict) -> None:
                qk_rope_head_dim=mla.qk_rope_head_dim, v_head_dim=mla.v_head_dim,
                attention_bias=cfg.attention_output_bias, first_k_dense_replace=cfg.num_layers)
     if cfg.family == "deepseek_v3":
-        out["rope_interleave"] = mla.rope_interleave
+        out.update(rope_interleave=mla.rope_interleave, num_nextn_predict_layers=cfg.mtp_num_layers)
     _shared_experts_hf_config(cfg, out)
 
 
@@ -705,34 +707,79 @@ def _from_hf_state(cfg: ModelConfig, hf: dict) -> dict:
         return _all_taken(cfg, out, left)
     out["embedding.word_embeddings.weight"] = take("model.embed_tokens.weight")
     for i in range(cfg.num_layers):
-        a, b = f"model.layers.{i}.", f"decoder.layers.{i}.self_attention.linear_qkv."
-        if cfg.family == "phi3":  # fused: all query rows, then the keys', then the values'; gate then up
-            out[b + "weight"] = _fuse_qkv(cfg, *_phi3_qkv(cfg, take(a + "self_attn.qkv_proj.weight")))
-            out[f"decoder.layers.{i}.mlp.linear_fc1.weight"] = take(a + "mlp.gate_up_proj.weight")
-            for hf_n, ours in _layer_names(cfg, i).items():
-                if hf_n in hf:
-                    out[ours] = take(hf_n)
-            continue
-        if cfg.mla is not None:
-            out.update((ours, take(theirs)) for theirs, ours in _mla_names(cfg, i).items())
-        else:
-            out[b + "weight"] = _fuse_qkv(cfg, *(take(a + f"self_attn.{x}_proj.weight") for x in "qkv"))
-        if cfg.add_qkv_bias:
-            out[b + "bias"] = _fuse_qkv(cfg, *(take(a + f"self_attn.{x}_proj.bias") for x in "qkv"))
-        if cfg.is_moe_layer(i):
-            out.update(_moe_from_hf_state(cfg, i, take))
-        else:
-            gate, up = take(a + "mlp.gate_proj.weight"), take(a + "mlp.up_proj.weight")
-            out[f"decoder.layers.{i}.mlp.linear_fc1.weight"] = np.concatenate([gate, up])
-            if cfg.add_bias_linear:
-                out[f"decoder.layers.{i}.mlp.linear_fc1.bias"] = np.concatenate([take(a + "mlp.gate_proj.bias"),
-                                                                                 take(a + "mlp.up_proj.bias")])
+        _layer_from_hf(cfg, i, hf, take, out)
+    out["decoder.final_layernorm.weight"] = take("model.norm.weight")
+    _head_from_hf(cfg, out, take)
+    _mtp_from_hf(cfg, hf, take, out)
+    return _all_taken(cfg, out, left)
+
+
+def _layer_from_hf(cfg: ModelConfig, i: int, hf: dict, take, out: dict) -> None:
+    """Hugging Face layer ``i`` into ``out`` as decoder.layers.<i>."""
+    a, b = f"model.layers.{i}.", f"decoder.layers.{i}.self_attention.linear_qkv."
+    if cfg.family == "phi3":  # fused: all query rows, then the keys', then the values'; gate then up
+        out[b + "weight"] = _fuse_qkv(cfg, *_phi3_qkv(cfg, take(a + "self_attn.qkv_proj.weight")))
+        out[f"decoder.layers.{i}.mlp.linear_fc1.weight"] = take(a + "mlp.gate_up_proj.weight")
         for hf_n, ours in _layer_names(cfg, i).items():
             if hf_n in hf:
                 out[ours] = take(hf_n)
-    out["decoder.final_layernorm.weight"] = take("model.norm.weight")
-    _head_from_hf(cfg, out, take)
-    return _all_taken(cfg, out, left)
+        return
+    if cfg.mla is not None:
+        out.update((ours, take(theirs)) for theirs, ours in _mla_names(cfg, i).items())
+    else:
+        out[b + "weight"] = _fuse_qkv(cfg, *(take(a + f"self_attn.{x}_proj.weight") for x in "qkv"))
+    if cfg.add_qkv_bias:
+        out[b + "bias"] = _fuse_qkv(cfg, *(take(a + f"self_attn.{x}_proj.bias") for x in "qkv"))
+    if cfg.is_moe_layer(i):
+        out.update(_moe_from_hf_state(cfg, i, take))
+    else:
+        gate, up = take(a + "mlp.gate_proj.weight"), take(a + "mlp.up_proj.weight")
+        out[f"decoder.layers.{i}.mlp.linear_fc1.weight"] = np.concatenate([gate, up])
+        if cfg.add_bias_linear:
+            out[f"decoder.layers.{i}.mlp.linear_fc1.bias"] = np.concatenate([take(a + "mlp.gate_proj.bias"),
+                                                                             take(a + "mlp.up_proj.bias")])
+    for hf_n, ours in _layer_names(cfg, i).items():
+        if hf_n in hf:
+            out[ours] = take(hf_n)
+
+
+# a multi-token prediction module in a Hugging Face folder (DeepSeek-V3, GLM-4.5): layer
+# num_hidden_layers + k holds a whole layer and these, by our names; it also saves copies of
+# the embedding and the output layer, which are the model's own
+_MTP_NAMES = ("enorm.weight", "hnorm.weight", "eh_proj.weight")
+_MTP_COPIES = {"embed_tokens.weight": "embedding.word_embeddings.weight", "shared_head.head.weight": "output_layer.weight"}
+
+
+def _mtp_layer_names(cfg: ModelConfig, k: int) -> tuple[str, str, str]:
+    """(Hugging Face prefix, our layer's prefix as numbered in the decoder, our module's prefix)."""
+    n = cfg.num_layers + k
+    return f"model.layers.{n}.", f"decoder.layers.{n}.", f"mtp.layers.{k}."
+
+
+def _check_mtp_family(cfg: ModelConfig) -> None:
+    if cfg.mtp_num_layers and cfg.family not in ("deepseek_v3",) + GLM:
+        raise CheckpointError(f"{cfg.family} folders hold no multi-token prediction layers (deepseek_v3 and "
+                              f"glm4_moe do): leave --mtp-num-layers out")
+
+
+def _mtp_from_hf(cfg: ModelConfig, hf: dict, take, out: dict) -> None:
+    _check_mtp_family(cfg)
+    for k in range(cfg.mtp_num_layers):
+        theirs, as_layer, mine = _mtp_layer_names(cfg, k)
+        if theirs + "eh_proj.weight" not in hf:
+            raise CheckpointError(f"the Hugging Face checkpoint has no multi-token prediction layer {k} "
+                                  f"({theirs}eh_proj.weight) for --mtp-num-layers {cfg.mtp_num_layers}")
+        out.update((mine + name, take(theirs + name)) for name in _MTP_NAMES)
+        out[f"mtp.final_layernorms.{k}.weight"] = take(theirs + "shared_head.norm.weight")
+        for name, model_name in _MTP_COPIES.items():
+            if theirs + name in hf:
+                copy, own = take(theirs + name), out.get(model_name, out["embedding.word_embeddings.weight"])
+                if not np.array_equal(copy, own):
+                    raise CheckpointError(f"{theirs}{name} differs from the model's own {model_name}: a module with "
+                                          f"an embedding or output layer of its own is not supported")
+        layer = {}
+        _layer_from_hf(cfg, cfg.num_layers + k, hf, take, layer)
+        out.update((mine + "transformer_layer." + name[len(as_layer):], value) for name, value in layer.items())
 
 
 def _all_taken(cfg: ModelConfig, out: dict, left: dict) -> dict:
@@ -784,36 +831,57 @@ def to_hf_state(cfg: ModelConfig, ours: dict) -> dict:
         return out
     out["model.embed_tokens.weight"] = ours["embedding.word_embeddings.weight"]
     for i in range(cfg.num_layers):
-        a, b = f"model.layers.{i}.", f"decoder.layers.{i}.self_attention.linear_qkv."
-        if cfg.family == "phi3":
-            out[a + "self_attn.qkv_proj.weight"] = np.concatenate(split_qkv(cfg, ours[b + "weight"]))
-            out[a + "mlp.gate_up_proj.weight"] = ours[f"decoder.layers.{i}.mlp.linear_fc1.weight"]
-            for hf_n, mine in _layer_names(cfg, i).items():
-                if mine in ours:
-                    out[hf_n] = ours[mine]
-            continue
-        if cfg.mla is not None:
-            out.update((theirs, ours[mine]) for theirs, mine in _mla_names(cfg, i).items())
-        else:
-            for x, t in zip("qkv", split_qkv(cfg, ours[b + "weight"])):
-                out[a + f"self_attn.{x}_proj.weight"] = t
-        if cfg.add_qkv_bias:
-            for x, t in zip("qkv", split_qkv(cfg, ours[b + "bias"])):
-                out[a + f"self_attn.{x}_proj.bias"] = t
-        if cfg.is_moe_layer(i):
-            out.update(_moe_to_hf_state(cfg, i, ours))
-        else:
-            gate, up = np.split(ours[f"decoder.layers.{i}.mlp.linear_fc1.weight"], 2)
-            out[a + "mlp.gate_proj.weight"], out[a + "mlp.up_proj.weight"] = gate, up
-            if cfg.add_bias_linear:
-                gate_b, up_b = np.split(ours[f"decoder.layers.{i}.mlp.linear_fc1.bias"], 2)
-                out[a + "mlp.gate_proj.bias"], out[a + "mlp.up_proj.bias"] = gate_b, up_b
+        _layer_to_hf(cfg, i, ours, out)
+    out["model.norm.weight"] = ours["decoder.final_layernorm.weight"]
+    _head_to_hf(cfg, out, ours)
+    _mtp_to_hf(cfg, ours, out)
+    return out
+
+
+def _layer_to_hf(cfg: ModelConfig, i: int, ours: dict, out: dict) -> None:
+    """Our decoder.layers.<i> into ``out`` as Hugging Face layer ``i``."""
+    a, b = f"model.layers.{i}.", f"decoder.layers.{i}.self_attention.linear_qkv."
+    if cfg.family == "phi3":
+        out[a + "self_attn.qkv_proj.weight"] = np.concatenate(split_qkv(cfg, ours[b + "weight"]))
+        out[a + "mlp.gate_up_proj.weight"] = ours[f"decoder.layers.{i}.mlp.linear_fc1.weight"]
         for hf_n, mine in _layer_names(cfg, i).items():
             if mine in ours:
                 out[hf_n] = ours[mine]
-    out["model.norm.weight"] = ours["decoder.final_layernorm.weight"]
-    _head_to_hf(cfg, out, ours)
-    return out
+        return
+    if cfg.mla is not None:
+        out.update((theirs, ours[mine]) for theirs, mine in _mla_names(cfg, i).items())
+    else:
+        for x, t in zip("qkv", split_qkv(cfg, ours[b + "weight"])):
+            out[a + f"self_attn.{x}_proj.weight"] = t
+    if cfg.add_qkv_bias:
+        for x, t in zip("qkv", split_qkv(cfg, ours[b + "bias"])):
+            out[a + f"self_attn.{x}_proj.bias"] = t
+    if cfg.is_moe_layer(i):
+        out.update(_moe_to_hf_state(cfg, i, ours))
+    else:
+        gate, up = np.split(ours[f"decoder.layers.{i}.mlp.linear_fc1.weight"], 2)
+        out[a + "mlp.gate_proj.weight"], out[a + "mlp.up_proj.weight"] = gate, up
+        if cfg.add_bias_linear:
+            gate_b, up_b = np.split(ours[f"decoder.layers.{i}.mlp.linear_fc1.bias"], 2)
+            out[a + "mlp.gate_proj.bias"], out[a + "mlp.up_proj.bias"] = gate_b, up_b
+    for hf_n, mine in _layer_names(cfg, i).items():
+        if mine in ours:
+            out[hf_n] = ours[mine]
+
+
+def _mtp_to_hf(cfg: ModelConfig, ours: dict, out: dict) -> None:
+    """The multi-token prediction modules as layers num_hidden_layers + k, with the copies of
+    the embedding and output layer DeepSeek-V3's folders carry."""
+    _check_mtp_family(cfg)
+    for k in range(cfg.mtp_num_layers):
+        theirs, as_layer, mine = _mtp_layer_names(cfg, k)
+        out.update((theirs + name, ours[mine + name]) for name in _MTP_NAMES)
+        out[theirs + "shared_head.norm.weight"] = ours[f"mtp.final_layernorms.{k}.weight"]
+        for name, model_name in _MTP_COPIES.items():
+            out[theirs + name] = ours.get(model_name, ours["embedding.word_embeddings.weight"])
+        inner = mine + "transformer_layer."
+        _layer_to_hf(cfg, cfg.num_layers + k,
+                     {as_layer + n[len(inner):]: v for n, v in ours.items() if n.startswith(inner)}, out)
 
 
 # ---- folders ---------------------------------------------------------------------------------
@@ -893,10 +961,13 @@ def copy_companions(source: str, target: str) -> None:
             shutil.copyfile(os.path.join(source, name), os.path.join(target, name))
 
 
-def load_folder(folder: str) -> tuple[ModelConfig, dict]:
+def load_folder(folder: str, mtp_num_layers: int = 0) -> tuple[ModelConfig, dict]:
     """A Hugging Face model folder -> (our config, our numpy state dict, float32). A config
-    too large for this machine is refused before any weight is read."""
+    too large for this machine is refused before any weight is read. ``mtp_num_layers``: the
+    multi-token prediction modules to read too (transformers reads none)."""
     cfg = load_config(folder)
+    if mtp_num_layers:
+        cfg = dataclasses.replace(cfg, mtp_num_layers=mtp_num_layers)
     check_fits_in_memory(4 * cfg.num_parameters(), f"the model in {folder} ({cfg.num_parameters():,} parameters)")
     try:
         state = from_hf_state(cfg, _read_tensors(folder))

@@ -90,8 +90,8 @@ def tp_spec(cfg: ModelConfig, name: str):
     if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
         return ("split", 0)
     if name.endswith(("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias",
-                      *(f"self_attention.{n}.weight" for n in MLA_UP))):
-        return ("split", 0)
+                      *(f"self_attention.{n}.weight" for n in MLA_UP), ".eh_proj.weight")):
+        return ("split", 0)  # multi-token prediction's eh_proj: a column-parallel layer in Megatron's files
     if name.endswith(("mlp.linear_fc1.weight", "mlp.linear_fc1.bias", "shared_experts.linear_fc1.weight")):
         return swiglu
     if name.endswith(("self_attention.linear_proj.weight", "mlp.linear_fc2.weight",
@@ -140,9 +140,16 @@ def _stage_names(cfg: ModelConfig, stages: pipeline.PipelineLayout, stage: int) 
         if cfg.position_embedding_type == "learned":
             out["embedding.position_embeddings.weight"] = "embedding.position_embeddings.weight"
     if stage == last:
-        out["decoder.final_layernorm.weight"] = "decoder.final_layernorm.weight"
+        # with multi-token prediction, MindSpeed-LLM's model holds the final norm itself
+        norm = "final_layernorm." if cfg.mtp_num_layers else "decoder.final_layernorm."
+        out[norm + "weight"] = "decoder.final_layernorm.weight"
         if cfg.normalization == "layernorm":
-            out["decoder.final_layernorm.bias"] = "decoder.final_layernorm.bias"
+            out[norm + "bias"] = "decoder.final_layernorm.bias"
+        if cfg.mtp_num_layers and stage != 0:  # the modules' copy of the embeddings (MindSpeed-LLM's)
+            out["embedding.word_embeddings.weight"] = "embedding.word_embeddings.weight"
+        for k in range(cfg.mtp_num_layers):
+            out.update((f"mtp.layers.{k}.{n}.weight",) * 2 for n in ("enorm", "hnorm", "eh_proj"))
+            out[f"mtp.final_layernorms.{k}.weight"] = f"mtp.final_layernorms.{k}.weight"
         if cfg.reward_head:
             out["rm_head.weight"] = "rm_head.weight"
         elif cfg.untie_embeddings_and_output_weights:
@@ -170,9 +177,19 @@ def _ours(key: str) -> str:
     return key.replace(".base_layer.", ".").replace(".default.", ".")
 
 
-def _layer_names(names: list[str], number: int) -> list[str]:
-    prefix = f"decoder.layers.{number}."
+def _layer_names(names: list[str], prefix: str) -> list[str]:
     return [n[len(prefix):] for n in names if n.startswith(prefix)]
+
+
+def _stage_layers(cfg: ModelConfig, stages: pipeline.PipelineLayout, stage: int) -> list[tuple[str, str, int]]:
+    """[(our whole-model prefix, its prefix in the stage's files, layer number)] of a virtual
+    stage's transformer layers: the decoder's (no-op layers hold none), then on the last
+    stage multi-token prediction's (numbered on from num_layers)."""
+    out = [(f"decoder.layers.{number}.", f"decoder.layers.{local}.", number)
+           for local, number in enumerate(stages.stages[stage]) if number not in stages.noop]
+    if stage == stages.virtual_stages - 1:
+        out += [(f"mtp.layers.{k}.transformer_layer.",) * 2 + (cfg.num_layers + k,) for k in range(cfg.mtp_num_layers)]
+    return out
 
 
 def split(cfg: ModelConfig, whole: dict, layout: Layout, dtype: str = "float32") -> dict:
@@ -203,23 +220,18 @@ def split(cfg: ModelConfig, whole: dict, layout: Layout, dtype: str = "float32")
                         put(key, full, tp_spec(cfg, key))
                         if key == "output_layer.weight":
                             state["output_layer._extra_state"] = None
-                    for local, number in enumerate(stages.stages[stage]):
-                        if number in stages.noop:
-                            continue
-                        adapted = {n.rsplit(".lora_A.", 1)[0] for n in _layer_names(names, number)
-                                   if ".lora_A." in n}
-                        for rest in _layer_names(names, number):
-                            ours, key = f"decoder.layers.{number}.{rest}", f"decoder.layers.{local}.{rest}"
+                    for mine, theirs, _ in _stage_layers(cfg, stages, stage):
+                        adapted = {n.rsplit(".lora_A.", 1)[0] for n in _layer_names(names, mine) if ".lora_A." in n}
+                        for rest in _layer_names(names, mine):
+                            ours = mine + rest
                             if rest.startswith("mlp.experts."):
-                                _put_experts(cfg, state, f"decoder.layers.{local}.mlp.experts.", rest, whole[ours],
-                                             layout, t, e, dtype)
+                                _put_experts(cfg, state, theirs + "mlp.experts.", rest, whole[ours], layout, t, e,
+                                             dtype)
                                 continue
-                            put(f"decoder.layers.{local}.{_peft_name(adapted, rest)}", np.asarray(whole[ours]),
-                                tp_spec(cfg, ours))
+                            put(theirs + _peft_name(adapted, rest), np.asarray(whole[ours]), tp_spec(cfg, ours))
                             for linear in _LINEARS:
                                 if rest == linear + ".weight":
-                                    extra = _peft_name(adapted, linear + "._extra_state")
-                                    state[f"decoder.layers.{local}.{extra}"] = None
+                                    state[theirs + _peft_name(adapted, linear + "._extra_state")] = None
                     chunks.append(state)
                 out[t, p, e] = chunks
     return out
@@ -273,6 +285,8 @@ def megatron_args(cfg: ModelConfig, layout: Layout, dtype: str, iteration: int) 
         a.multi_latent_attention, a.q_lora_rank, a.kv_lora_rank = True, cfg.mla.q_lora_rank, cfg.mla.kv_lora_rank
         a.qk_head_dim, a.qk_pos_emb_head_dim = cfg.mla.qk_nope_head_dim, cfg.mla.qk_rope_head_dim
         a.v_head_dim = cfg.mla.v_head_dim
+    if cfg.mtp_num_layers:
+        a.mtp_num_layers, a.mtp_loss_scaling_factor = cfg.mtp_num_layers, cfg.mtp_loss_scaling_factor
     if cfg.lora is not None:  # MindSpeed-LLM's names for the run's LoRA flags
         a.lora_r, a.lora_alpha, a.lora_target_modules = cfg.lora.r, cfg.lora.alpha, list(cfg.lora.targets)
         a.lora_dropout = cfg.lora.dropout
@@ -511,29 +525,29 @@ def merge(cfg: ModelConfig, pieces: dict, layout: Layout) -> dict:
                                       f"args give {stages.chunks}")
             stage = stages.stage(p, c)
             for key, ours in ({} if adapters_only else _stage_names(cfg, stages, stage)).items():
-                if key == "output_layer.weight" and ours != key:
-                    continue  # the tied copy: the embedding itself is on the first stage
+                if (key == "output_layer.weight" and ours != key) or (key == "embedding.word_embeddings.weight"
+                                                                      and stage != 0):
+                    continue  # the last stage's copies: the embedding itself is on the first stage
                 whole[ours] = take(p, c, 0, key, ours)
             keys = pieces[0, p, 0][c]
-            for local, number in enumerate(stages.stages[stage]):
-                prefix = f"decoder.layers.{local}."
+            for mine, prefix, number in _stage_layers(cfg, stages, stage):
                 for key in keys:
                     if not key.startswith(prefix) or key.endswith("_extra_state"):
                         continue
                     rest = key[len(prefix):]
                     if rest.startswith("mlp.experts."):
                         continue
-                    ours = f"decoder.layers.{number}.{rest}"
-                    whole[ours] = take(p, c, 0, key, ours)
-                if cfg.is_moe_layer(number) and number not in stages.noop and not adapters_only:
-                    whole.update(_experts(cfg, pieces, layout, p, c, local, number))
+                    whole[mine + rest] = take(p, c, 0, key, mine + rest)
+                if cfg.is_moe_layer(number) and not adapters_only:
+                    whole.update(_experts(cfg, pieces, layout, p, c, prefix, mine, number))
     return whole
 
 
-def _experts(cfg, pieces, layout, p, c, local, number) -> dict:
+def _experts(cfg, pieces, layout, p, c, theirs, mine, number) -> dict:
     """A layer's stacked experts from every EP rank's local experts (SequentialMLP or
-    GroupedMLP names), TP pieces joined."""
-    prefix = f"decoder.layers.{local}.mlp.experts."
+    GroupedMLP names), TP pieces joined; ``theirs``/``mine``: the layer's prefix in the files
+    and in our names."""
+    prefix = theirs + "mlp.experts."
     per_rank = cfg.moe.num_experts // layout.ep
     f, h = cfg.moe.ffn_hidden_size or cfg.ffn_hidden_size, cfg.hidden_size
     width = 2 * f if cfg.activation == "swiglu" else f
@@ -560,7 +574,7 @@ def _experts(cfg, pieces, layout, p, c, local, number) -> dict:
     w1, w2 = np.stack(w1), np.stack(w2)
     if w1.shape != (cfg.moe.num_experts, h, width) or w2.shape != (cfg.moe.num_experts, f, h):
         raise CheckpointError(f"layer {number}'s experts have shapes {w1.shape} and {w2.shape}, not what its args give")
-    return {f"decoder.layers.{number}.mlp.experts.weight1": w1, f"decoder.layers.{number}.mlp.experts.weight2": w2}
+    return {mine + "mlp.experts.weight1": w1, mine + "mlp.experts.weight2": w2}
 
 
 def _window_from_args(args) -> dict:
@@ -616,6 +630,8 @@ def config_from_args(args) -> ModelConfig:
             untie_embeddings_and_output_weights=bool(_arg(args, "untie_embeddings_and_output_weights", False)),
             noop_layers=pipeline.parse_layer_numbers(_arg(args, "noop_layers", None), "noop_layers"), moe=moe, lora=lora,
             moe_layers=_moe_layers(args, args.num_layers) if moe is not None else None,
+            mtp_num_layers=int(_arg(args, "mtp_num_layers", 0)),
+            mtp_loss_scaling_factor=float(_arg(args, "mtp_loss_scaling_factor", 0.1)),
             **_window_from_args(args), **{field: _arg(args, name, None) or ModelConfig.__dataclass_fields__[field].default
                                           for field, name in _GEMMA_ARGS})
     except (AttributeError, TypeError, ValueError, KeyError) as exc:

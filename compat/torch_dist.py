@@ -267,7 +267,7 @@ def load(folder: str) -> tuple[dict, dict]:
     features.note_used("ckpt-format-torch-dist")
     out = {}
     for key, tensor in read_index(folder).items():
-        if not (key.startswith(("embedding.", "decoder.", "output_layer.", "rm_head."))):
+        if not (key.startswith(("embedding.", "decoder.", "output_layer.", "rm_head.", "mtp."))):
             continue  # the optimizer's and other states
         whole = read_tensor(folder, key, tensor)
         if not key.startswith("decoder.layers.") or _LAYER.match(key):  # not a stack of layers

@@ -81,6 +81,11 @@ def parser():
     p.add_argument("--save-lora-to-hf", action="store_true",
                    help="write the --load-dir LoRA run's adapters as a PEFT folder (adapter_config.json, "
                         "adapter_model.safetensors) into --save-dir")
+    p.add_argument("--mtp-num-layers", type=megatron_args.POSITIVE_INT, default=None,
+                   help="multi-token prediction modules: read from a Hugging Face folder's layers after the last "
+                        "(hf -> mg); a Megatron checkpoint's must be these many")
+    p.add_argument("--first-k-dense-replace", type=megatron_args.DENSE_LAYERS, default=None,
+                   help="the dense layers before the MoE ones (MindSpeed-LLM's flag): checked against the model's")
     p.add_argument("--moe-grouped-gemm", action="store_true",
                    help="(no effect: a kernel choice of training; the weights are the same)")
     p.add_argument("--params-dtype", choices=tuple(DTYPES), default=None,
@@ -89,7 +94,7 @@ def parser():
 
 
 def _read_hf(args):
-    source = model_source.read(args.load_dir, "--load-dir", ("hf",))
+    source = model_source.read(args.load_dir, "--load-dir", ("hf",), mtp_num_layers=args.mtp_num_layers or 0)
     if args.model_type_hf and MODEL_TYPES[args.model_type_hf] != source.cfg.family:
         raise MindSpeedError(f"--model-type-hf {args.model_type_hf}, but {args.load_dir}/config.json is a "
                              f"{source.cfg.family} model")
@@ -240,6 +245,7 @@ def run(args, backend=None) -> int:
     if os.path.isdir(args.save_dir) and os.listdir(args.save_dir):
         raise MindSpeedError(f"--save-dir {args.save_dir} is not empty: choose a new folder")
     source = _read_hf(args) if args.load_model_type == "hf" else _read_mg(args)
+    _check_model_flags(args, source.cfg)
     if args.lora_load:
         source = _with_adapters(args, source)
     iteration, cfg, state, dtype = source.iteration, source.cfg, source.state, source.dtype
@@ -264,6 +270,20 @@ def run(args, backend=None) -> int:
           + (f", layers per stage {layout.num_layer_list}" if layout.num_layer_list else "")
           + (f", no-op layers {','.join(map(str, cfg.noop_layers))}" if cfg.noop_layers else "") + f", {dtype}")
     return 0
+
+
+def _check_model_flags(args, cfg) -> None:
+    """MindSpeed-LLM's model flags of a conversion describe the model read: they must agree."""
+    if args.mtp_num_layers is not None and args.mtp_num_layers != cfg.mtp_num_layers:
+        raise MindSpeedError(f"--mtp-num-layers {args.mtp_num_layers}, but {args.load_dir} holds "
+                             f"{cfg.mtp_num_layers} multi-token prediction modules")
+    if args.first_k_dense_replace is not None:  # -1: none (MindSpeed-LLM)
+        dense = 0 if cfg.moe is None else min(cfg.moe_layer_numbers(), default=cfg.num_layers)
+        if cfg.moe is None or dense != max(args.first_k_dense_replace, 0) or cfg.moe_layer_numbers() != list(
+                range(dense, cfg.num_layers + cfg.mtp_num_layers)):
+            raise MindSpeedError(f"--first-k-dense-replace {args.first_k_dense_replace}, but {args.load_dir} holds "
+                                 + (f"a model with {dense} dense layers before its MoE layers" if cfg.moe is not None
+                                    else "a model without MoE layers"))
 
 
 def _with_noop_layers(cfg, state, noop: tuple):

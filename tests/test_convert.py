@@ -174,6 +174,64 @@ def test_hf_to_megatron_and_back_is_bit_exact(capsys, hf_references, tmp_path, m
         assert hf.load_config(str(back)) == hf.load_config(str(source)), name
 
 
+def folder_with_mtp(source, dest):
+    """The Hugging Face folder ``source`` saved again with a fresh multi-token prediction module
+    (as DeepSeek-V3's and GLM-4.5's carry theirs: layer num_hidden_layers); returns the whole
+    model's state (our names)."""
+    import dataclasses
+
+    from mindspeed_core import nn, random
+    from mindspeed_core.models import registry
+    from mindspeed_core.models.gpt import whole_state
+
+    cfg, state = hf.load_folder(str(source))
+    cfg = dataclasses.replace(cfg, mtp_num_layers=1)
+    random.seed(3)
+    model = registry.for_config(cfg).build(cfg)
+    nn.load_state_dict(model, {**whole_state(model), **state})
+    hf.save_model(model, str(dest))
+    return whole_state(model)
+
+
+@pytest.mark.feature("weight-conversion")
+@pytest.mark.feature("multi-token-prediction")
+@pytest.mark.parametrize("model_type", ["deepseek3", "glm45"])
+def test_multi_token_prediction_modules_convert_to_megatron_and_back(capsys, hf_references, tmp_path, model_type):
+    """MindSpeed-LLM's flags of its DeepSeek-V3 and GLM-4.5 conversion scripts at TP2 x EP2 x PP2:
+    the module sits on the last stage under MindSpeed-LLM's names (mtp.layers.0.*, its layer
+    cut like a decoder layer, eh_proj cut by rows, mtp.final_layernorms.0, the model's own norm
+    as final_layernorm, a copy of the embeddings), and comes back to the very tensors."""
+    folder = tmp_path / "hf"
+    folder_with_mtp(hf_references / ARCHITECTURES[model_type], folder)
+    want = hf_tensors(folder)
+    mg, back = tmp_path / "mg", tmp_path / "back"
+    convert(capsys, "--load-model-type", "hf", "--save-model-type", "mg", "--model-type-hf", model_type,
+            "--load-dir", str(folder), "--save-dir", str(mg), "--target-tensor-parallel-size", "2",
+            "--target-pipeline-parallel-size", "2", "--target-expert-parallel-size", "2",
+            "--first-k-dense-replace", "1", "--mtp-num-layers", "1", "--moe-grouped-gemm")
+    cfg = hf.load_config(str(folder))
+    last = torch_pickle.load(str(mg / "iter_0000000" / "mp_rank_01_001_001" / "model_optim_rng.pt"))["model"]
+    first = torch_pickle.load(str(mg / "iter_0000000" / "mp_rank_01_000_001" / "model_optim_rng.pt"))["model"]
+    assert "final_layernorm.weight" in last and "decoder.final_layernorm.weight" not in last
+    assert last["embedding.word_embeddings.weight"].array.shape == first["embedding.word_embeddings.weight"].array.shape
+    assert last["mtp.layers.0.eh_proj.weight"].array.shape == (cfg.hidden_size // 2, 2 * cfg.hidden_size)
+    assert {"mtp.layers.0.enorm.weight", "mtp.layers.0.hnorm.weight", "mtp.final_layernorms.0.weight",
+            "mtp.layers.0.transformer_layer.mlp.router.weight",
+            "mtp.layers.0.transformer_layer.mlp.experts.local_experts.0.linear_fc1.weight"} <= set(last)
+    assert not any(k.startswith("mtp.") for k in first)
+    convert(capsys, "--load-model-type", "mg", "--save-model-type", "hf", "--model-type-hf", model_type,
+            "--load-dir", str(mg), "--save-dir", str(back), "--first-k-dense-replace", "1", "--mtp-num-layers", "1")
+    got = hf_tensors(back)
+    assert sorted(got) == sorted(want), set(got) ^ set(want)
+    assert not [k for k in want if not np.array_equal(got[k], want[k])]
+    err = convert(capsys, "--load-model-type", "mg", "--save-model-type", "hf", "--load-dir", str(mg),
+                  "--save-dir", str(tmp_path / "x"), "--mtp-num-layers", "2", fails=True)
+    assert "--mtp-num-layers 2, but" in err and "holds 1 multi-token prediction modules" in err
+    err = convert(capsys, "--load-model-type", "mg", "--save-model-type", "hf", "--load-dir", str(mg),
+                  "--save-dir", str(tmp_path / "y"), "--first-k-dense-replace", "3", fails=True)
+    assert "with 1 dense layers before its MoE layers" in err
+
+
 @pytest.mark.feature("weight-conversion")
 def test_megatron_resharding_round_trips_bit_exactly(capsys, hf_references, tmp_path):
     """mg -> mg without Hugging Face: TP2 x PP2 -> TP1 x PP4 -> TP2 x PP2 gives back every rank

@@ -253,3 +253,48 @@ def test_multi_token_prediction_layers_after_the_last_are_skipped_where_folders_
     cfg = hf.load_config(str(references / "llama"))
     with pytest.raises(CheckpointError, match="does not describe"):
         hf.from_hf_state(cfg, {**hf._read_tensors(str(references / "llama")), **extra})
+
+
+@pytest.mark.feature("multi-token-prediction")
+@pytest.mark.parametrize("name", ["deepseek-v3", "glm4-moe"])
+def test_multi_token_prediction_modules_load_and_export(references, tmp_path, name, capsys):
+    """With --mtp-num-layers, a folder's module k is read from layer num_hidden_layers + k (its
+    norms, eh_proj, shared_head.norm and a whole layer, here an MoE one; the copies of the
+    embedding and output layer it carries must be the model's own) and written there again;
+    without it, the main model alone; a module missing or with a head of its own is refused."""
+    import dataclasses
+
+    from mindspeed_core import cli
+    from test_convert import folder_with_mtp
+
+    cfg, state = hf.load_folder(str(references / name))
+    with_mtp = dataclasses.replace(cfg, mtp_num_layers=1)
+    out = tmp_path / "out"
+    want = folder_with_mtp(references / name, out)
+    assert "mtp.layers.0.transformer_layer.mlp.router.expert_bias" in want
+    n = cfg.num_layers
+    assert json.loads((out / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    tensors = hf._read_tensors(str(out))
+    np.testing.assert_array_equal(tensors[f"model.layers.{n}.embed_tokens.weight"],
+                                  want["embedding.word_embeddings.weight"])
+    assert f"model.layers.{n}.mlp.gate.e_score_correction_bias" in tensors
+    got_cfg, got = hf.load_folder(str(out), mtp_num_layers=1)
+    assert got_cfg == with_mtp and sorted(got) == sorted(want)
+    for key in want:
+        np.testing.assert_array_equal(got[key], want[key])
+    main_cfg, main = hf.load_folder(str(out))
+    assert main_cfg == cfg and sorted(main) == sorted(state)
+    own_head = {**tensors, f"model.layers.{n}.shared_head.head.weight": tensors["lm_head.weight"] + 1}
+    with pytest.raises(CheckpointError, match="differs from the model's own output_layer"):
+        hf.from_hf_state(with_mtp, own_head)
+    with pytest.raises(CheckpointError, match="no multi-token prediction layer 0"):
+        hf.load_folder(str(references / name), mtp_num_layers=1)
+    assert cli.main(["train", "--load-hf", str(out), "--mtp-num-layers", "1", "--tokenizer-type", "NullTokenizer",
+                     "--vocab-size", "95", "--seq-length", "16", "--data-path", "/nonexistent/corpus",
+                     "--dry-run"]) == 0
+    assert json.loads(capsys.readouterr().out)["model"]["mtp_num_layers"] == 1
+
+
+def test_a_family_without_multi_token_prediction_layers_refuses_them(references):
+    with pytest.raises(CheckpointError, match="llama folders hold no multi-token prediction layers"):
+        hf.load_folder(str(references / "llama"), mtp_num_layers=1)

@@ -27,7 +27,7 @@ def whole_model(spec, cfg, flags, say):
                              f"training this {cfg.num_parameters():,}-parameter model")
     hf_source = None
     if flags.load_hf:  # checked against its config before the model is built
-        hf_source = model_source.read(flags.load_hf, "--load-hf", ("hf",))
+        hf_source = model_source.read(flags.load_hf, "--load-hf", ("hf",), mtp_num_layers=cfg.mtp_num_layers)
     model = spec.build(cfg)
     if cfg.lora is not None:  # the adapters' start; a checkpoint may replace them
         features.note_used("lora")

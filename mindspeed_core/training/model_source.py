@@ -84,8 +84,8 @@ def _checked(source: Source) -> Source:
     return source
 
 
-def read_hf(folder: str) -> Source:
-    cfg, state = hf.load_folder(folder)
+def read_hf(folder: str, mtp_num_layers: int = 0) -> Source:
+    cfg, state = hf.load_folder(folder, mtp_num_layers)
     return _checked(Source(folder, "hf", cfg, state))
 
 
@@ -111,11 +111,12 @@ def read_ours(root: str, iteration: int | None = None) -> Source:
     return _checked(Source(root, "ours", cfg, checkpoint.load_model_arrays(root, it), it, meta=meta))
 
 
-def read(path: str, flag: str, kinds: tuple = KINDS, adapters: bool = False) -> Source:
+def read(path: str, flag: str, kinds: tuple = KINDS, adapters: bool = False, mtp_num_layers: int = 0) -> Source:
     """The model in ``path`` (given with ``flag``, for the messages), of one of ``kinds``;
-    ``adapters``: a LoRA checkpoint holding the adapters alone is welcome too."""
+    ``adapters``: a LoRA checkpoint holding the adapters alone is welcome too;
+    ``mtp_num_layers``: a Hugging Face folder's multi-token prediction modules to read."""
     if kinds == ("hf",):  # the folder's own checks name what is missing or wrong
-        return read_hf(path)
+        return read_hf(path, mtp_num_layers)
     if not os.path.isdir(path):
         raise MindSpeedError(f"{flag} {path} does not exist" if not os.path.exists(path)
                              else f"{flag} {path} is a file: give the folder that holds the model")

@@ -237,10 +237,11 @@ class Trainer:
         """What joins the gradient but not the reported loss, scaled as the loss, through the
         chunk's output (an activation or the loss: models/moe.py with_router_losses): the MoE
         routers' losses, and on the last stage multi-token prediction's."""
-        extra = model.router_losses() if getattr(model, "moe_layers", list)() else None
-        if labels is not None and hasattr(model, "mtp"):
-            mtp = model.mtp_loss(labels, tokens)
-            extra = mtp if extra is None else extra + mtp
+        extra = None
+        if labels is not None and hasattr(model, "mtp"):  # first: its MoE layers route in it
+            extra = model.mtp_loss(labels, tokens)
+        if getattr(model, "moe_layers", list)():
+            extra = model.router_losses() if extra is None else extra + model.router_losses()
         if extra is None:
             return out
         return with_router_losses(out, self.scaler.scale_loss(extra))
