@@ -987,6 +987,18 @@ def without_noop_layers(cfg: ModelConfig, state: dict) -> tuple[ModelConfig, dic
     return cfg.renumbered(index, len(real), ()), renamed
 
 
+def with_noop_layers(cfg: ModelConfig, state: dict | None, noop: tuple) -> tuple[ModelConfig, dict | None]:
+    """The inverse: a Hugging Face model with no-op layers at ``noop`` (MindSpeed's
+    --noop-layers, numbered among all the layers), the real ones keeping their order."""
+    total = cfg.num_layers + len(noop)
+    if any(not 0 <= i < total for i in noop) or len(set(noop)) != len(noop) or len(noop) >= total:
+        raise CheckpointError(f"--noop-layers {','.join(map(str, noop))}: layer numbers must be distinct, within the "
+                              f"{total} layers the model then has, and leave some real")
+    real = [i for i in range(total) if i not in noop]
+    renamed = None if state is None else renumber_layers(state, real.__getitem__)
+    return cfg.renumbered(dict(enumerate(real)), total, tuple(sorted(noop))), renamed
+
+
 def save_folder(folder: str, cfg: ModelConfig, state: dict, max_shard_bytes: int | None = None) -> None:
     """Write config.json and safetensors (sharded with an index past max_shard_bytes) from a
     whole model's state in our names (LoRA adapters merged into their base weights)."""

@@ -36,7 +36,7 @@ from mindspeed_core import features, runtime
 from mindspeed_core.compat import hf, mcore, megatron_args, peft
 from mindspeed_core.errors import CheckpointError, MindSpeedError
 from mindspeed_core.models.config import LORA_TARGETS, LoRAConfig
-from mindspeed_core.models.state import check_adapters, is_adapter, merge_lora, renumber_layers
+from mindspeed_core.models.state import check_adapters, is_adapter, merge_lora
 from mindspeed_core.parallel import pipeline
 from mindspeed_core.training import model_source
 
@@ -252,7 +252,7 @@ def run(args, backend=None) -> int:
     if args.noop_layers:
         if args.load_model_type != "hf" or cfg.noop_layers:
             raise MindSpeedError("--noop-layers adds no-op layers to a Hugging Face model's (hf -> mg)")
-        cfg, state = _with_noop_layers(cfg, state, pipeline.parse_layer_numbers(args.noop_layers, "--noop-layers"))
+        cfg, state = hf.with_noop_layers(cfg, state, pipeline.parse_layer_numbers(args.noop_layers, "--noop-layers"))
     if args.save_model_type == "hf":
         if args.hf_cfg_dir is not None:
             hf.check_same_model(args.hf_cfg_dir, cfg)  # before anything is written
@@ -279,20 +279,9 @@ def _check_model_flags(args, cfg) -> None:
                              f"{cfg.mtp_num_layers} multi-token prediction modules")
     if args.first_k_dense_replace is not None:  # -1: none (MindSpeed-LLM)
         dense = 0 if cfg.moe is None else min(cfg.moe_layer_numbers(), default=cfg.num_layers)
-        if cfg.moe is None or dense != max(args.first_k_dense_replace, 0) or cfg.moe_layer_numbers() != list(
-                range(dense, cfg.num_layers + cfg.mtp_num_layers)):
+        after = [i for i in range(dense, cfg.num_layers + cfg.mtp_num_layers) if i not in cfg.noop_layers]
+        if cfg.moe is None or dense != max(args.first_k_dense_replace, 0) or cfg.moe_layer_numbers() != after:
             raise MindSpeedError(f"--first-k-dense-replace {args.first_k_dense_replace}, but {args.load_dir} holds "
                                  + (f"a model with {dense} dense layers before its MoE layers" if cfg.moe is not None
                                     else "a model without MoE layers"))
 
-
-def _with_noop_layers(cfg, state, noop: tuple):
-    """A model with no-op layers at ``noop`` (MindSpeed's --noop-layers): the real layers keep
-    their order, renumbered around the gaps."""
-    total = cfg.num_layers + len(noop)
-    if any(not 0 <= i < total for i in noop) or len(set(noop)) != len(noop):
-        raise MindSpeedError(f"--noop-layers {','.join(map(str, noop))}: layer numbers must be distinct, within the "
-                             f"{total} layers the model then has")
-    real = [i for i in range(total) if i not in noop]
-    renamed = renumber_layers(state, real.__getitem__)
-    return cfg.renumbered(dict(enumerate(real)), total, tuple(noop)), renamed

@@ -362,9 +362,9 @@ class ModelConfig:
 
     def is_moe_layer(self, number: int) -> bool:
         """Layer ``number``'s MLP is an MoE layer; a multi-token prediction layer's is when the
-        last layer's is (DeepSeek-V3's is)."""
+        last real layer's is (DeepSeek-V3's is)."""
         if number >= self.num_layers:
-            number = self.num_layers - 1
+            number = max(i for i in range(self.num_layers) if i not in self.noop_layers)
         return self.moe is not None and (self.moe_layers is None or number in self.moe_layers)
 
     @property

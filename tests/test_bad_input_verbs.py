@@ -271,7 +271,7 @@ CASES = [
      "needs --rope-scaling-type"),
     ("train-unknown-preset", lambda t, m, c: ["train", "--model-name", "gpt-9", "--data-path", c], "unknown --model-name"),
     ("train-noop-load-hf", lambda t, m, c: ["train", *MODEL, "--data-path", c, "--load-hf", str(m / "hf"),
-                                            "--noop-layers", "0"], "--noop-layers cannot be combined with --load-hf"),
+                                            "--noop-layers", "7"], "--noop-layers 7: layer numbers must be distinct"),
     ("train-global-batch", lambda t, m, c: ["train", *MODEL, "--data-path", c, "--global-batch-size", "3"],
      "is not a multiple"),
     ("train-load-hf-edited", lambda t, m, c: ["train", "--seq-length", "32", "--eval-iters", "0", "--data-path",

@@ -253,3 +253,24 @@ def test_a_line_that_is_not_utf8_is_refused_and_the_chat_goes_on(capsys):
     out, err = capsys.readouterr()
     assert err.count("\n") == 1 and "not UTF-8 text (byte 0xe9)" in err, err
     assert [json.loads(x) for x in out.splitlines()] == [{"user": "fine?", "reply": "ok"}]
+
+
+def test_glm4_moe_learns_each_reply_end_where_the_next_turn_starts():
+    """MindSpeed-LLM's glm4_moe template (efficient_eos): the text runs from one turn's marker to
+    the next with no end of document between them; fine-tuning's label at the first token after
+    each reply is the end of document, and the last reply gets it appended."""
+    glm = ct.TEMPLATES["glm4_moe"]
+    talk = [{"role": "system", "content": "Be brief."}, *CONVERSATIONS[2], {"role": "assistant", "content": "7"}]
+    assert glm.render(talk) == ("[gMASK]<sop><|system|>\nBe brief.<|user|>\nHi<|assistant|>\nHello! How can I help?"
+                                "<|user|>\nName a prime.\nJust one.<|assistant|>\n7")
+    assert glm.render(talk[:2]) == "[gMASK]<sop><|system|>\nBe brief.<|user|>\nHi<|assistant|>"
+    tok = ByteTokenizer()
+    ids, mine = ct.encode_conversation(tok, glm, talk)
+    assert tok.eod not in ids
+    ids, labels = glm.labels(ids, mine, tok.eod, -100)
+    assert ids[-1] == tok.eod and labels[-1] == tok.eod
+    first_reply_end = next(j for j in range(1, len(mine)) if mine[j - 1] and not mine[j])
+    assert labels[first_reply_end] == tok.eod and ids[first_reply_end] == encode_plain(tok, "<|user|>")[0]
+    learnt = [lab for lab in labels if lab != -100]
+    assert tok.decode([t for t in learnt if t != tok.eod]) == "\nHello! How can I help?\n7"
+    assert learnt.count(tok.eod) == 2

@@ -498,10 +498,12 @@ def four_ranks(corpus, data, two_ranks, null_corpus, hf_references, tmp_path_fac
                                          str(hf_references / "deepseek-v2"), "--tensor-model-parallel-size", "2",
                                          "--pipeline-model-parallel-size", "2"], False],
              # GLM-4.5's q/k/v biases, q/k norms and half-head RoPE; its second stage an MoE layer
-             # steered by the folder's e_score_correction_bias
+             # steered by the folder's e_score_correction_bias; as GLM-4.5-Air's script does, with
+             # no-op layers around the folder's (layers 0 and 2 of 4 are its two)
              ["hf-glm45-tp2-pp2", [*HF_LLAMA, "--seq-length", "20", "--data-path", null_corpus, "--load-hf",
                                    str(hf_references / "glm4-moe"), "--tensor-model-parallel-size", "2",
-                                   "--pipeline-model-parallel-size", "2"], False],
+                                   "--pipeline-model-parallel-size", "2", "--num-layers", "4", "--noop-layers", "1,3"],
+              False],
              # the EP2 checkpoint of two_ranks (sharded: each expert once, by its owner) at EP1 x DP4
              ["moe-dp4-from-ep2", [*MOE, "--data-path", data["moe"], "--train-iters", str(ITERS), "--load",
                                    str(two_ranks / "ep2-ckpt")], False],

@@ -4,7 +4,7 @@ becomes the text a chat model reads.
 Two kinds, as MindSpeed-LLM users know them:
 
 - ``--prompt-type NAME``: one of TEMPLATES (empty, alpaca, chatml, qwen, qwen3, llama2, llama3,
-  deepseek2, deepseek2-lite, deepseek3, gemma), written here;
+  deepseek2, deepseek2-lite, deepseek3, gemma, glm4_moe), written here;
 - a Hugging Face ``chat_template`` (tokenizer_config.json's, or the folder's
   chat_template.jinja), rendered by jinja2's immutable sandbox as transformers renders it: the
   template language runs, Python attribute access and mutation of the messages do not.
@@ -42,12 +42,28 @@ class Template:
     begin: str = ""
     stop: tuple[str, ...] = ()
     first_user: str | None = None  # the first user message right after a system message (llama2: inside one [INST])
+    # the end of a reply is learnt, not written: the next turn's marker follows the reply in the
+    # text, and fine-tuning's label there is the end of document (LLaMA-Factory's efficient_eos,
+    # as MindSpeed-LLM's GLM templates set it); the last reply gets the end of document itself
+    efficient_eos: bool = False
 
     @property
     def writes_reply_end(self) -> bool:
-        """Whether the text ends each reply (a stop text); if not, the tokenizer's end of
-        document does (encode_conversation)."""
+        """Whether the text ends each reply (a stop text, or the next turn with efficient_eos);
+        if not, the tokenizer's end of document does (encode_conversation)."""
         return bool(self.stop)
+
+    def labels(self, ids: list[int], assistant: list[bool], eod: int, ignore: int) -> tuple[list[int], list[int]]:
+        """(input ids, labels) for fine-tuning from encode_conversation's: the assistant's tokens
+        are learnt; with efficient_eos, the end of document at the token after each reply (and
+        appended after the last)."""
+        labels = [i if a else ignore for i, a in zip(ids, assistant)]
+        if not self.efficient_eos:
+            return ids, labels
+        for j in range(1, len(ids)):
+            if assistant[j - 1] and not assistant[j]:
+                labels[j] = eod
+        return ids + [eod], labels + [eod]
 
     def segments(self, messages: list[dict], add_generation_prompt: bool = True) -> list[tuple[str, bool]]:
         """The rendered text in pieces, each (text, written by the assistant): the pieces a
@@ -97,6 +113,10 @@ TEMPLATES = {t.name: t for t in (
     *(Template(name, begin="<｜begin▁of▁sentence｜>", system="{content}\n\n", user="User: {content}\n\nAssistant:",
                assistant="{content}") for name in ("deepseek2", "deepseek2-lite")),
     Template("deepseek3", begin="<｜begin▁of▁sentence｜>", user="<｜User｜>{content}<｜Assistant｜>", assistant="{content}"),
+    # GLM-4.5's, as MindSpeed-LLM writes it: a reply ends where the next turn's marker starts
+    Template("glm4_moe", begin="[gMASK]<sop>", system="<|system|>\n{content}", user="<|user|>\n{content}",
+             generation="<|assistant|>", assistant="\n{content}", stop=("<|user|>", "<|observation|>"),
+             efficient_eos=True),
     # Gemma (as its own chat template writes it): turns of user and model, no system role (a
     # system message opens the first user turn)
     Template("gemma", begin="<bos>", system="<start_of_turn>user\n{content}\n\n", first_user="{content}<end_of_turn>\n",

@@ -204,6 +204,8 @@ class _Conversations:
         """(input ids, labels) of a conversation ending with ``reply``."""
         ids, assistant = encode_conversation(self.tok, self.template,
                                              messages + [{"role": "assistant", "content": reply}])
+        if getattr(self.template, "efficient_eos", False):  # the end of document after each reply is learnt
+            return self.template.labels(ids, assistant, self.tok.eod, IGNORE)
         if self.append_eod and (not ids or ids[-1] != self.tok.eod):
             ids, assistant = ids + [self.tok.eod], assistant + [True]
         return ids, [i if a else IGNORE for i, a in zip(ids, assistant)]

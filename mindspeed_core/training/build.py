@@ -6,6 +6,7 @@ the parameters it trains (torchtitan builds its train spec's parts the same way)
 from __future__ import annotations
 
 from mindspeed_core import device, features, ops
+from mindspeed_core.compat import hf
 from mindspeed_core.backends.common import check_fits_in_memory
 from mindspeed_core.memory import recompute
 from mindspeed_core.memory.swap import HostSwap
@@ -32,8 +33,10 @@ def whole_model(spec, cfg, flags, say):
     if cfg.lora is not None:  # the adapters' start; a checkpoint may replace them
         features.note_used("lora")
         lora.init_adapters(model, flags.seed)
-    if hf_source is not None:
-        resume.load_hf(model, cfg, hf_source.state)
+    if hf_source is not None:  # the folder's layers are the real ones among --noop-layers
+        state = hf.with_noop_layers(hf_source.cfg, hf_source.state, cfg.noop_layers)[1] if cfg.noop_layers else \
+            hf_source.state
+        resume.load_hf(model, cfg, state)
     iteration, saved_optimizer = 0, None
     for root, adapters_only in ((flags.load, False), (flags.lora_load, True)):
         if root:

@@ -357,10 +357,9 @@ def _gemma_fields(args, num_layers: int) -> list[tuple]:
 def _model_config(args, vocab_size: int) -> ModelConfig:
     scaling = _rope_scaling(args)
     if args.load_hf:
-        if args.noop_layers:
-            raise MindSpeedError("--noop-layers cannot be combined with --load-hf: a Hugging Face model has no "
-                                 "no-op layers")
         cfg = hf.load_config(args.load_hf)
+        if args.noop_layers:  # MindSpeed-LLM's --enable-hf2mg-convert: the folder's layers are the real ones
+            cfg, _ = hf.with_noop_layers(cfg, None, pipeline.parse_layer_numbers(args.noop_layers, "--noop-layers"))
         for flag, field, value in _gemma_fields(args, cfg.num_layers):
             if not _same_setting(getattr(cfg, field), value):
                 raise MindSpeedError(f"--{flag.replace('_', '-')} disagrees with the Hugging Face folder's "
@@ -497,8 +496,10 @@ def _agreeing_with_flags(args, cfg: ModelConfig, vocab_size: int, scaling: dict 
         if field in ("attention_dropout", "hidden_dropout", "init_method_std"):
             continue  # training settings, not the architecture
         if getattr(cfg, field) != value:
+            noop = (f", {len(cfg.noop_layers)} of them --noop-layers" if field == "num_layers" and cfg.noop_layers
+                    else "")
             raise MindSpeedError(f"--{field.replace('_', '-')} {value} disagrees with the Hugging Face folder's "
-                                 f"config.json ({field} {getattr(cfg, field)!r})")
+                                 f"config.json ({field} {getattr(cfg, field)!r}{noop})")
     theirs = cfg.rope_scaling or {}
     for key, value in (scaling or {}).items():
         if key not in theirs or not _same_setting(theirs[key], value):
