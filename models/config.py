@@ -456,7 +456,12 @@ class ModelConfig:
         # an MoE layer computes its router and the k experts each token goes to, not the dense MLP
         dense_mlp = h * fc1 + self.ffn_hidden_size * h
         extra = 2 * moe_layers * (self._moe_mlp_parameters(active=True) - dense_mlp) if moe_layers else 0
-        return 3.0 * (L * per_layer + extra + 2 * h * (1 if self.reward_head else self.vocab_size))
+        head = 2 * h * (1 if self.reward_head else self.vocab_size)
+        # each multi-token prediction module: a layer, eh_proj [h, 2h] and the output layer again
+        mtp = self.mtp_num_layers * (per_layer + 2 * 2 * h * h + head)
+        if self.mtp_num_layers and self.is_moe_layer(self.num_layers):
+            mtp += self.mtp_num_layers * 2 * (self._moe_mlp_parameters(active=True) - dense_mlp)
+        return 3.0 * (L * per_layer + extra + head + mtp)
 
     def _moe_mlp_parameters(self, active: bool) -> int:
         """An MoE layer's MLP parameters (router with its expert bias, experts, shared expert);

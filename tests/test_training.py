@@ -244,6 +244,36 @@ def test_bf16_training_where_the_matrix_allows_it(capsys, corpus, tmp_path, fram
     assert code == 0 and "resumed from" in out, err
 
 
+@pytest.mark.feature("bf16")
+@pytest.mark.parametrize("distributed", [False, True], ids=["adamw", "distributed-optimizer"])
+def test_a_float32_checkpoint_resumes_under_bf16_with_its_weights_as_masters(capsys, corpus, tmp_path, framework,
+                                                                              distributed):
+    """A float32 save holds no master weights (its weights are the masters): --bf16 resuming it
+    takes them from the saved weights, not from the bf16-rounded parameters. At lr 0 the bf16
+    run's own save then holds the float32 weights as masters, bit for bit."""
+    from mindspeed_core import device, features
+    from mindspeed_core.training import checkpoint
+
+    flags = [*SMALL, "--data-path", corpus, *(["--use-distributed-optimizer"] if distributed else [])]
+    code, _, err = train(capsys, *flags, "--train-iters", "2", "--save", str(tmp_path / "fp32"))
+    assert code == 0, err
+    code, out, err = train(capsys, *flags, "--train-iters", "3", "--bf16", "--lr", "0", "--min-lr", "0",
+                           "--load", str(tmp_path / "fp32"), "--save", str(tmp_path / "bf16"))
+    if features.get("bf16").status(framework, device.type()).kind != "supported":
+        assert code == 2 and "bf16" in err and "unsupported" in err
+        return
+    assert code == 0 and "resumed" in out, err
+    weights, _, _ = checkpoint.load(str(tmp_path / "fp32"), 2)
+    _, optimizer, _ = checkpoint.load(str(tmp_path / "bf16"), 3)
+    masters = {k[len("master."):]: v for k, v in optimizer.items() if k.startswith("master.")}
+    assert sorted(masters) == sorted(weights)
+    rounded = 0
+    for name, value in weights.items():
+        np.testing.assert_array_equal(masters[name], value, err_msg=name)
+        rounded += int(np.any(value.astype(np.float32).view(np.uint32) & 0xFFFF))  # bits bf16 drops
+    assert rounded == len(weights)  # each of them would have lost bits as a bf16 parameter
+
+
 @pytest.mark.feature("fp16")
 def test_fp16_training_with_loss_scaling(capsys, corpus, tmp_path, framework):
     from mindspeed_core import device, features

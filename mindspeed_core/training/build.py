@@ -92,16 +92,19 @@ def _load_slices(opt, shards, named: list, train_plan, ps) -> None:
         shards.names("optimizer")
 
     def read(state: str, name: str, shape: tuple, flat=None):
-        if state not in saved:
+        if state not in saved:  # a float32 save holds no masters (its weights are): a --bf16 resume takes them
+            if saved and state == f"master.{name}" and name in weights:
+                return shards.read("model", sharded_checkpoint.held(name, shape, entry[name], ps, flat))
             return None
         return shards.read("optimizer", sharded_checkpoint.held(state, shape, entry[name], ps, flat))
 
+    weights = set(shards.names("model"))
     if hasattr(opt, "load_slices"):
         opt.load_slices(read, shards.steps)
         return
     local = {}
-    for state in saved:
+    for state in [*saved, *(f"master.{n}" for n in shapes if f"master.{n}" not in saved and n in weights)]:
         name = state.split(".", 1)[1]
-        if name in shapes:
+        if name in shapes and saved:
             local[state] = ops.tensor(read(state, name, shapes[name]))
     opt.load_state(local, shards.steps)

@@ -145,6 +145,8 @@ def resume(model, cfg: ModelConfig, root: str, finetune: bool, say, adapters_onl
     if not optimizer_arrays:
         say(f"{checkpoint.iteration_dir(root, it)} holds no optimizer state (saved with --no-save-optim): the "
             "optimizer starts afresh")
+    else:  # a float32 save holds no masters (its weights are): a --bf16 resume takes them, unrounded
+        optimizer_arrays = {**{f"master.{n}": v for n, v in model_arrays.items()}, **optimizer_arrays}
     if adapters_only:  # the base weights stay those of --load / --load-hf
         model_arrays = {**nn.state_dict(model), **{n: v for n, v in model_arrays.items() if lora.is_adapter(n)}}
     load_whole_state(model, model_arrays)
