@@ -40,14 +40,17 @@ GLM = ("glm4_moe",)
 # whose shared experts are `shared_experts` (plural, no gate), and whose folders may carry
 # multi-token prediction layers after the last one (num_nextn_predict_layers)
 SHARED_EXPERTS = DEEPSEEK + GLM
-SUPPORTED = LLAMA_LIKE + ("gpt2",) + tuple(MOE_BASE) + DEEPSEEK + GLM
+# MiniCPM3: DeepSeek-V2's latent attention (its rotation in halves) in a dense model with MiniCPM's
+# scalings of the embeddings, the residual branches and the output
+MINICPM = ("minicpm3",)
+SUPPORTED = LLAMA_LIKE + ("gpt2",) + tuple(MOE_BASE) + DEEPSEEK + GLM + MINICPM
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                   "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
                   "gemma3": "Gemma3ForCausalLM",
                   "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
                   "qwen3_moe": "Qwen3MoeForCausalLM",
                   "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
-                  "glm4_moe": "Glm4MoeForCausalLM"}
+                  "glm4_moe": "Glm4MoeForCausalLM", "minicpm3": "MiniCPM3ForCausalLM"}
 _ACTS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
 # Gemma's gated MLP: its hidden_activation on the gate half
 _GATED_ACTS = {"gelu_pytorch_tanh": "geglu_tanh", "gelu_new": "geglu_tanh", "gelu": "geglu"}
@@ -165,6 +168,8 @@ def _decoder_config_from_hf(hf: dict) -> ModelConfig:
         return _deepseek_config(hf, kind)
     if kind in GLM:
         return _glm_config(hf)
+    if kind in MINICPM:
+        return _minicpm3_config(hf)
     if hf.get("hidden_act", "silu") != "silu":
         raise CheckpointError(f"hidden_act {hf.get('hidden_act')!r} is not supported for {kind} (silu only)")
     base = MOE_BASE.get(kind, kind)
@@ -189,17 +194,40 @@ def _decoder_config_from_hf(hf: dict) -> ModelConfig:
         **dict(zip(("sliding_window", "sliding_window_layers"), _window(hf, base))))
 
 
-def _deepseek_config(hf: dict, kind: str) -> ModelConfig:
+def _mla_from_hf(hf: dict, kind: str, interleave: bool) -> MLAConfig:
+    """A latent attention's sizes (DeepSeek's keys, which MiniCPM3 shares); ``interleave``: its
+    rotated features are pairs (DeepSeek-V2), not halves."""
     if hf.get("hidden_act", "silu") != "silu":
         raise CheckpointError(f"hidden_act {hf.get('hidden_act')!r} is not supported for {kind} (silu only)")
     if hf.get("mlp_bias"):
         raise CheckpointError(f"config.json: mlp_bias is not supported for {kind}")
+    return MLAConfig(kv_lora_rank=hf["kv_lora_rank"], qk_nope_head_dim=hf["qk_nope_head_dim"],
+                     qk_rope_head_dim=hf["qk_rope_head_dim"],
+                     v_head_dim=hf.get("v_head_dim") or hf["hidden_size"] // hf["num_attention_heads"],
+                     q_lora_rank=hf.get("q_lora_rank"), rope_interleave=interleave)
+
+
+def _minicpm3_config(hf: dict) -> ModelConfig:
+    mla = _mla_from_hf(hf, "minicpm3", interleave=False)
+    theta, scaling = _rope(hf)
+    depth = hf.get("scale_depth", 1.4)
+    base = hf.get("dim_model_base", 256)
+    return ModelConfig(
+        family="minicpm3", vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
+        num_layers=hf["num_hidden_layers"], num_attention_heads=hf["num_attention_heads"],
+        ffn_hidden_size=hf["intermediate_size"], max_position_embeddings=hf.get("max_position_embeddings", 32768),
+        norm_epsilon=hf.get("rms_norm_eps", 1e-5), rotary_base=theta, rope_scaling=scaling,
+        attention_output_bias=bool(hf.get("attention_bias")), qk_layernorm=True, mla=mla,
+        untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", True),
+        scale_emb=float(hf.get("scale_emb", 12)),
+        # None in the config: transformers' no-op values (sqrt(layers), the hidden size)
+        scale_depth=None if depth is None else float(depth), dim_model_base=None if base is None else float(base))
+
+
+def _deepseek_config(hf: dict, kind: str) -> ModelConfig:
+    mla = _mla_from_hf(hf, kind, interleave=kind == "deepseek_v2" or hf.get("rope_interleave", True))
     theta, scaling = _rope(hf)
     layers, heads = hf["num_hidden_layers"], hf["num_attention_heads"]
-    mla = MLAConfig(kv_lora_rank=hf["kv_lora_rank"], qk_nope_head_dim=hf["qk_nope_head_dim"],
-                    qk_rope_head_dim=hf["qk_rope_head_dim"], v_head_dim=hf["v_head_dim"],
-                    q_lora_rank=hf.get("q_lora_rank"),
-                    rope_interleave=kind == "deepseek_v2" or hf.get("rope_interleave", True))
     dense = hf.get("first_k_dense_replace", 3 if kind == "deepseek_v3" else 0)
     moe_layers = tuple(range(min(dense, layers), layers)) if hf.get("n_routed_experts") else ()
     moe = _deepseek_moe(hf, kind) if moe_layers else None
@@ -265,6 +293,21 @@ def _glm_hf_config(cfg: ModelConfig, out: dict) -> None:
     out.update(attention_bias=cfg.add_qkv_bias, use_qk_norm=cfg.qk_layernorm, first_k_dense_replace=cfg.num_layers,
                num_nextn_predict_layers=cfg.mtp_num_layers)
     _shared_experts_hf_config(cfg, out)
+
+
+def _minicpm3_hf_config(cfg: ModelConfig, out: dict) -> None:
+    mla = cfg.mla
+    if mla is None or mla.rope_interleave or not cfg.qk_layernorm or cfg.add_qkv_bias or cfg.add_bias_linear:
+        raise CheckpointError("minicpm3 has multi-latent attention (rotated in halves) with its latents' norms, and "
+                              "no q/k/v or MLP biases: this model lacks one of them or has more")
+    del out["head_dim"]
+    out.update(q_lora_rank=mla.q_lora_rank, kv_lora_rank=mla.kv_lora_rank, qk_nope_head_dim=mla.qk_nope_head_dim,
+               qk_rope_head_dim=mla.qk_rope_head_dim, v_head_dim=mla.v_head_dim,
+               num_key_value_heads=cfg.num_attention_heads, attention_bias=cfg.attention_output_bias,
+               scale_emb=cfg.scale_emb if cfg.scale_emb is not None else 1.0, scale_depth=cfg.scale_depth,
+               dim_model_base=None if cfg.dim_model_base is None else int(cfg.dim_model_base))  # an int there
+    if cfg.dim_model_base is not None and cfg.dim_model_base != int(cfg.dim_model_base):
+        raise CheckpointError(f"minicpm3's dim_model_base is a whole number, this model's is {cfg.dim_model_base}")
 
 
 def _deepseek_hf_config(cfg: ModelConfig, out: dict) -> None:
@@ -371,6 +414,8 @@ def _gemma_config(hf: dict, kind: str) -> ModelConfig:
 _GEMMA_FIELDS = ("norm_offset", "post_norm", "scale_embeddings", "query_pre_attn_scalar", "attn_logit_softcapping",
                  "final_logit_softcapping", "sliding_window", "local_rotary_base")
 GEMMA = ("gemma2", "gemma3")
+# and those only minicpm3's can
+_MINICPM_FIELDS = ("scale_emb", "scale_depth", "dim_model_base")
 
 
 def _gemma_hf_config(cfg: ModelConfig, out: dict) -> None:
@@ -453,9 +498,10 @@ def _decoder_hf_config(cfg: ModelConfig) -> dict:
     foreign += ["activation"] if cfg.activation != "swiglu" else []
     if cfg.rotary_percent != 1.0 and cfg.family not in ("phi3", *GLM):
         foreign.append("partial_rotary_factor")
-    if cfg.family not in GEMMA and foreign:
-        raise CheckpointError(f"{cfg.family} has no {foreign[0]} setting in transformers: this model cannot be "
-                              f"written as a {cfg.family} folder")
+    minicpm = [f for f in _MINICPM_FIELDS if getattr(cfg, f) is not None]
+    if (cfg.family not in GEMMA and foreign) or (cfg.family not in MINICPM and minicpm):
+        raise CheckpointError(f"{cfg.family} has no {(foreign or minicpm)[0]} setting in transformers: this model "
+                              f"cannot be written as a {cfg.family} folder")
     rope = {"rope_type": "default", "rope_theta": cfg.rotary_base}
     if cfg.rope_scaling:
         rope.update(cfg.rope_scaling)
@@ -500,6 +546,8 @@ def _decoder_hf_config(cfg: ModelConfig) -> dict:
         _gemma_hf_config(cfg, out)
     if cfg.family in DEEPSEEK:
         _deepseek_hf_config(cfg, out)
+    elif cfg.family in MINICPM:
+        _minicpm3_hf_config(cfg, out)
     elif cfg.family in GLM:
         _glm_hf_config(cfg, out)
     elif cfg.mla is not None:
@@ -936,7 +984,7 @@ MODEL_TYPES = {"llama2": "llama", "llama3": "llama", "qwen2": "qwen2", "qwen25":
                "phi3.5": "phi3", "phi3": "phi3", "gemma2": "gemma2", "gemma3": "gemma3",
                "mistral": "mistral", "gpt2": "gpt2", "mixtral": "mixtral", "qwen2-moe": "qwen2_moe",
                "qwen3-moe": "qwen3_moe", "deepseek2-lite": "deepseek_v2", "deepseek3": "deepseek_v3",
-               "glm45": "glm4_moe", "glm45-air": "glm4_moe"}
+               "glm45": "glm4_moe", "glm45-air": "glm4_moe", "minicpm3": "minicpm3"}
 # what a Hugging Face folder holds besides the model: copied along by --hf-cfg-dir
 COMPANIONS = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
               "generation_config.json", "vocab.json", "merges.txt", "chat_template.jinja")

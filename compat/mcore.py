@@ -275,7 +275,7 @@ def megatron_args(cfg: ModelConfig, layout: Layout, dtype: str, iteration: int) 
         num_layer_list=layout.num_layer_list, noop_layers=",".join(map(str, cfg.noop_layers)) or None,
         params_dtype=torch_pickle.TorchDType(dtype), bf16=dtype == "bfloat16", fp16=dtype == "float16",
         iteration=iteration, mindspeed_model_config=json.dumps(cfg.to_dict(), sort_keys=True))
-    for field, name in _GEMMA_ARGS:
+    for field, name in _LAYER_ARGS:
         setattr(a, name, getattr(cfg, field))
     if cfg.sliding_window is not None:  # MindSpeed-LLM's two window settings (another pattern: our config only)
         a.sliding_window = cfg.sliding_window if cfg.sliding_window_layers is None else None
@@ -301,11 +301,12 @@ def megatron_args(cfg: ModelConfig, layout: Layout, dtype: str, iteration: int) 
     return a
 
 
-# Gemma's ModelConfig fields under MindSpeed-LLM's argument names
-_GEMMA_ARGS = (("norm_offset", "add_rmsnorm_offset"), ("post_norm", "post_norm"),
+# Gemma's and MiniCPM's ModelConfig fields under MindSpeed-LLM's argument names
+_LAYER_ARGS = (("norm_offset", "add_rmsnorm_offset"), ("post_norm", "post_norm"),
                ("scale_embeddings", "input_embeds_norm"), ("query_pre_attn_scalar", "query_pre_attn_scalar"),
                ("attn_logit_softcapping", "attn_logit_softcapping"),
-               ("final_logit_softcapping", "output_logit_softcapping"))
+               ("final_logit_softcapping", "output_logit_softcapping"), ("scale_emb", "scale_emb"),
+               ("scale_depth", "scale_depth"), ("dim_model_base", "dim_model_base"))
 
 
 # MoEConfig's fields under Megatron's argument names (MindSpeed-LLM's for the shared expert's gate)
@@ -633,6 +634,6 @@ def config_from_args(args) -> ModelConfig:
             mtp_num_layers=int(_arg(args, "mtp_num_layers", 0)),
             mtp_loss_scaling_factor=float(_arg(args, "mtp_loss_scaling_factor", 0.1)),
             **_window_from_args(args), **{field: _arg(args, name, None) or ModelConfig.__dataclass_fields__[field].default
-                                          for field, name in _GEMMA_ARGS})
+                                          for field, name in _LAYER_ARGS})
     except (AttributeError, TypeError, ValueError, KeyError) as exc:
         raise CheckpointError(f"the checkpoint's args do not describe a model we can build ({exc})") from None

@@ -12,7 +12,7 @@ from mindspeed_core.models import rope
 FUSED_KERNELS = ("attention", "rms_norm", "swiglu", "rope", "grouped_matmul")
 # the model families (ModelConfig.family) that models/registry.py builds and compat/hf.py reads
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "gpt2", "mixtral", "qwen2_moe",
-            "qwen3_moe", "deepseek_v2", "deepseek_v3", "glm4_moe")
+            "qwen3_moe", "deepseek_v2", "deepseek_v3", "glm4_moe", "minicpm3")
 # the MLP activations; the gated ones (fc1 holds gate rows, then up rows) first
 GATED_ACTIVATIONS = ("swiglu", "geglu", "geglu_tanh")
 ACTIVATIONS = GATED_ACTIVATIONS + ("gelu", "gelu_tanh")
@@ -175,6 +175,13 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
+    # MiniCPM's scalings (its config's names; MindSpeed-LLM's flags --scale-emb, --scale-depth,
+    # --dim-model-base): embeddings times scale_emb, each residual branch times
+    # scale_depth / sqrt(layers, no-op ones not counted), the final norm's output divided by
+    # hidden / dim_model_base
+    scale_emb: float | None = None
+    scale_depth: float | None = None
+    dim_model_base: float | None = None
     # sliding-window attention: a query sees itself and the sliding_window - 1 tokens before it,
     # in the layers numbered in sliding_window_layers (None: every layer; Gemma 2: every other)
     sliding_window: int | None = None
@@ -222,7 +229,8 @@ class ModelConfig:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not low <= value < high:
                 raise ValueError(f"{name} must be in [{low}, {high}), got {value!r}")
-        for name in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping"):
+        for name in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping", "scale_emb",
+                     "scale_depth", "dim_model_base"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0):
                 raise ValueError(f"{name} must be a positive number or None, got {value!r}")
@@ -540,6 +548,13 @@ PRESETS = {
                        moe=dict(num_experts=8, topk=2, ffn_hidden_size=96, score_function="sigmoid",
                                 scaling_factor=2.5, enable_expert_bias=True, load_balancing_type="none",
                                 aux_loss_coeff=0.0, shared_expert_size=96)),
+    # MiniCPM3's: latent attention with a query latent (rotated in halves), tied embeddings,
+    # embeddings times 12, residual branches times 1.4 / sqrt(4), the output divided by 128 / 32
+    "tiny-minicpm3": dict(family="minicpm3", hidden_size=128, num_layers=4, num_attention_heads=4,
+                          ffn_hidden_size=352, qk_layernorm=True, untie_embeddings_and_output_weights=False,
+                          norm_epsilon=1e-5, scale_emb=12.0, scale_depth=1.4, dim_model_base=32.0,
+                          mla=dict(q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16,
+                                   v_head_dim=32, rope_interleave=False)),
     # the real shapes, for --dry-run arithmetic and conversion
     "llama2-7b": dict(family="llama", hidden_size=4096, num_layers=32, num_attention_heads=32, ffn_hidden_size=11008,
                       vocab_size=32000, max_position_embeddings=4096, norm_epsilon=1e-5),

@@ -258,11 +258,16 @@ class TransformerLayer(nn.Module):
         self.pre_mlp_layernorm = make_norm(cfg, cfg.hidden_size)
         self.mlp = MLP(cfg) if mlp is None else mlp
         self.post_norm = cfg.post_norm
+        # MiniCPM: each branch scaled before its residual add
+        self.branch_scale = None if cfg.scale_depth is None else cfg.scale_depth / math.sqrt(cfg.real_layers)
         if cfg.post_norm:  # Gemma 2: each block's output normed before its residual add (MindSpeed-LLM's names)
             self.post_attn_norm = make_norm(cfg, cfg.hidden_size)
             self.post_mlp_layernorm = make_norm(cfg, cfg.hidden_size)
 
-    def _dropout(self, x, seams):
+    def _branch(self, x, seams):
+        """What a block adds to the residual stream: its output, scaled (MiniCPM), dropped out."""
+        if self.branch_scale is not None:
+            x = x * self.branch_scale
         if not self.hidden_dropout or not nn.is_training(self):
             return x
         with seams.hidden_rng():
@@ -274,11 +279,11 @@ class TransformerLayer(nn.Module):
             attended = self.self_attention(norm(self.input_layernorm, x), cos, sin, seams, tokens)
         if self.post_norm:
             attended = norm(self.post_attn_norm, attended)
-        x = x + self._dropout(attended, seams)
+        x = x + self._branch(attended, seams)
         mixed = self.mlp(norm(self.pre_mlp_layernorm, x))
         if self.post_norm:
             mixed = norm(self.post_mlp_layernorm, mixed)
-        return x + self._dropout(mixed, seams)
+        return x + self._branch(mixed, seams)
 
 
 class Decoder(nn.Module):
@@ -329,7 +334,7 @@ class LanguageEmbedding(nn.Module):
         self.learned_positions = cfg.position_embedding_type == "learned"
         # Gemma: times sqrt(hidden) in the embeddings' dtype (bf16 rounds sqrt(3072) to 55.5, as
         # transformers does)
-        self.scale = math.sqrt(cfg.hidden_size) if cfg.scale_embeddings else None
+        self.scale = math.sqrt(cfg.hidden_size) if cfg.scale_embeddings else cfg.scale_emb  # MiniCPM: scale_emb
 
     def forward(self, ids, positions=None):
         """``positions``: [b or 1, s] int tensor (None: 0..s-1)."""
@@ -528,6 +533,8 @@ class GPTModel(nn.Module):
 
     def _head(self, x):
         """Logits from the final norm's output."""
+        if self.cfg.dim_model_base is not None:  # MiniCPM: the output divided by hidden / dim_model_base
+            x = x / (self.cfg.hidden_size / self.cfg.dim_model_base)
         logits = ops.linear(self.seams.output_input(x), self.output_weight())
         cap = self.cfg.final_logit_softcapping
         if cap is not None:  # Gemma 2: elementwise, so a vocabulary shard is capped as the whole is

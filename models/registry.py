@@ -29,7 +29,7 @@ class ModelSpec:
 
 SPECS = (
     ModelSpec("gpt", ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "gpt2", "deepseek_v2",
-                     "deepseek_v3", "glm4_moe"), gpt.GPTModel,
+                     "deepseek_v3", "glm4_moe", "minicpm3"), gpt.GPTModel,
               gpt.pipeline_chunks, "mindspeed_core.compat.hf"),
     ModelSpec("moe", ("mixtral", "qwen2_moe", "qwen3_moe"), moe.MoEModel, gpt.pipeline_chunks,
               "mindspeed_core.compat.hf"),

@@ -113,12 +113,18 @@ MODELS = {
                                        num_experts_per_tok=2, n_group=4, topk_group=2, moe_intermediate_size=24,
                                        n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True,
                                        pad_token_id=0)),
+    # MiniCPM3: DeepSeek-V2's latent attention with a query latent, rotated in halves, tied
+    # embeddings scaled by 12, residual branches by 1.4 / sqrt(2), the output by 256 / 64
+    "minicpm3": (T.MiniCPM3Config, dict(COMMON, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=24,
+                                        qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=12, scale_emb=12,
+                                        scale_depth=1.4, dim_model_base=256, tie_word_embeddings=True,
+                                        pad_token_id=0)),
 }
 
 
 # greedy generate() with the cache: 8 tokens after the ids, the second row's first 3 ids padding
 GENERATED = ("llama", "qwen3", "gpt2", "llama-dynamic-rope", "phi3-longrope", "gemma2", "gemma3", "mistral-sliding",
-             "deepseek-v2", "deepseek-v3", "glm4-moe")
+             "deepseek-v2", "deepseek-v3", "glm4-moe", "minicpm3")
 PAD = 3
 
 

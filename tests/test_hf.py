@@ -24,7 +24,8 @@ GEMMA2 = pytest.param("gemma2", marks=[pytest.mark.feature("sliding-window-atten
 # DeepSeek's multi-latent attention, with V2's MoE layers, V3's query latent and V3's MoE layers
 MLA = [pytest.param("deepseek-v2", marks=pytest.mark.feature("multi-latent-attention")),
        pytest.param("deepseek-v3", marks=[pytest.mark.feature("multi-latent-attention"),
-                                         pytest.mark.feature("hf-deepseek-v3-moe")])]
+                                         pytest.mark.feature("hf-deepseek-v3-moe")]),
+       pytest.param("minicpm3", marks=pytest.mark.feature("multi-latent-attention"))]
 NAMES = ["llama", "llama3-rope", "llama-linear-rope-tied", "llama-yarn", "qwen2-yarn-mscale", "llama-dynamic-rope",
          "llama-attention-bias", "mistral", "mistral-sliding", "qwen2", "qwen2-sliding", "qwen3", "phi3-longrope",
          "phi3-partial-rotary", GEMMA2, "gemma3", "gpt2", "mixtral", "qwen2-moe", "qwen3-moe", *MLA, "glm4-moe"]
@@ -80,7 +81,7 @@ def test_the_latent_cache_holds_the_latent_and_the_rotated_key(references):
 
 EXPORTED = ["llama", "llama-attention-bias", "qwen3", "gpt2", "mixtral", "qwen2-moe", "qwen2-yarn-mscale",
             "phi3-longrope", "phi3-partial-rotary", "gemma2", "gemma3", "mistral-sliding", "qwen2-sliding",
-            "deepseek-v2", "deepseek-v3", "glm4-moe"]
+            "deepseek-v2", "deepseek-v3", "glm4-moe", "minicpm3"]
 
 
 @pytest.fixture(scope="module")

@@ -44,19 +44,21 @@ GEMMA2 = GQA + ["--add-rmsnorm-offset", "--post-norm", "--input-embeds-norm", "-
                 "24", "--attn-logit-softcapping", "2.0", "--output-logit-softcapping", "5.0",
                 "--interleave-sliding-window", "6"]
 # DeepSeek's multi-latent attention with MindSpeed-LLM's flags: a query latent, the key/value
-# latent, 8 features without position and 8 rotated per query/key head, values of 12
-MLA = BASE + ["--multi-latent-attention", "--q-lora-rank", "24", "--kv-lora-rank", "16", "--qk-head-dim", "8",
-              "--qk-pos-emb-head-dim", "8", "--v-head-dim", "12", "--qk-layernorm", "--spec",
-              "mindspeed_llm.tasks.models.spec.deepseek_spec", "layer_spec"]
+# latent, 8 features without position and 8 rotated per query/key head, values of 12; as
+# MiniCPM3 runs it, with MiniCPM's scalings of the embeddings, residual branches and output
+LATENT = BASE + ["--multi-latent-attention", "--q-lora-rank", "24", "--kv-lora-rank", "16", "--qk-head-dim", "8",
+                 "--qk-pos-emb-head-dim", "8", "--v-head-dim", "12", "--qk-layernorm", "--spec",
+                 "mindspeed_llm.tasks.models.spec.deepseek_spec", "layer_spec"]
+MLA = LATENT + ["--scale-emb", "12", "--scale-depth", "1.4", "--dim-model-base", "16"]
 # with DeepSeek-V3's experts in the second layer: sigmoid scores, top-2 of 8 within the best 2
 # of 4 groups, steered by the expert bias that each step's loads move (fast here, so that it
 # does), scaled, a shared expert (V2's softmax experts: the hf-deepseek-v2 case below), and
 # one multi-token prediction module (an MoE layer of its own) weighing in at 0.3
-MLA_MOE = MLA + ["--num-experts", "8", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32",
-                 "--moe-router-score-function", "sigmoid", "--moe-router-num-groups", "4", "--moe-router-group-topk",
-                 "2", "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "0.05",
-                 "--moe-router-topk-scaling-factor", "2.5", "--n-shared-experts", "1", "--first-k-dense-replace", "1",
-                 "--moe-aux-loss-coeff", "0", "--mtp-num-layers", "1", "--mtp-loss-scaling-factor", "0.3"]
+MLA_MOE = LATENT + ["--num-experts", "8", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32",
+                    "--moe-router-score-function", "sigmoid", "--moe-router-num-groups", "4", "--moe-router-group-topk",
+                    "2", "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "0.05",
+                    "--moe-router-topk-scaling-factor", "2.5", "--n-shared-experts", "1", "--first-k-dense-replace",
+                    "1", "--moe-aux-loss-coeff", "0", "--mtp-num-layers", "1", "--mtp-loss-scaling-factor", "0.3"]
 MODELS = {"gqa": GQA, "mha": MHA, "moe": MOE, "sft": SFT, "lora": LORA, "dpo": DPO,
           "dpo-lora": DPO + ["--lora-r", "4", "--lora-alpha", "8"], "simpo": SIMPO, "orm": ORM, "prm": PRM,
           "gemma2": GEMMA2, "mla": MLA, "mla-moe": MLA_MOE}

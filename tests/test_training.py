@@ -244,6 +244,24 @@ def test_bf16_training_where_the_matrix_allows_it(capsys, corpus, tmp_path, fram
     assert code == 0 and "resumed from" in out, err
 
 
+@pytest.mark.feature("multi-latent-attention")
+def test_the_minicpm3_preset_trains_and_exports(capsys, corpus, tmp_path):
+    """MiniCPM3's layer (latent attention, MiniCPM's scalings, tied embeddings) trains from its
+    preset, and its checkpoint is a minicpm3 Hugging Face folder."""
+    metrics = tmp_path / "m.jsonl"
+    code, out, err = train(capsys, "--model-name", "tiny-minicpm3", "--data-path", corpus, "--train-iters", "3",
+                           "--seq-length", "32", "--micro-batch-size", "2", "--eval-iters", "0", "--no-progress",
+                           "--sample-tokens", "0", "--lr", "3e-3", "--log-interval", "1", "--metrics-file", str(metrics),
+                           "--save", str(tmp_path / "ckpt"))
+    assert code == 0, err
+    got = losses(metrics)
+    assert sorted(got) == [1, 2, 3] and got[3] < got[1]
+    assert cli.main(["convert", "--load-model-type", "mg", "--save-model-type", "hf", "--load-dir",
+                     str(tmp_path / "ckpt"), "--save-dir", str(tmp_path / "hf")]) == 0
+    written = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert written["model_type"] == "minicpm3" and written["dim_model_base"] == 32 and written["scale_emb"] == 12.0
+
+
 @pytest.mark.feature("bf16")
 @pytest.mark.parametrize("distributed", [False, True], ids=["adamw", "distributed-optimizer"])
 def test_a_float32_checkpoint_resumes_under_bf16_with_its_weights_as_masters(capsys, corpus, tmp_path, framework,

@@ -325,16 +325,18 @@ def _rope_scaling(args) -> dict | None:
     return scaling
 
 
-# Gemma's flags -> ModelConfig fields (switches and numbers; the activation and the window apart)
-_GEMMA_FLAGS = {"add_rmsnorm_offset": "norm_offset", "post_norm": "post_norm", "input_embeds_norm": "scale_embeddings",
+# Gemma's and MiniCPM's flags -> ModelConfig fields (switches and numbers; the activation and the
+# window apart)
+_LAYER_FLAGS = {"add_rmsnorm_offset": "norm_offset", "post_norm": "post_norm", "input_embeds_norm": "scale_embeddings",
                 "query_pre_attn_scalar": "query_pre_attn_scalar",
                 "attn_logit_softcapping": "attn_logit_softcapping",
-                "output_logit_softcapping": "final_logit_softcapping"}
+                "output_logit_softcapping": "final_logit_softcapping",
+                "scale_emb": "scale_emb", "scale_depth": "scale_depth", "dim_model_base": "dim_model_base"}
 
 
-def _gemma_fields(args, num_layers: int) -> list[tuple]:
-    """(flag, ModelConfig field, value) of each Gemma-style flag given."""
-    out = [(flag, field, getattr(args, flag)) for flag, field in _GEMMA_FLAGS.items() if getattr(args, flag) is not None]
+def _layer_fields(args, num_layers: int) -> list[tuple]:
+    """(flag, ModelConfig field, value) of each Gemma- or MiniCPM-style flag given."""
+    out = [(flag, field, getattr(args, flag)) for flag, field in _LAYER_FLAGS.items() if getattr(args, flag) is not None]
     gated = [f for f in ("swiglu", "gelu_tanh", "geglu") if getattr(args, f)]
     if len(gated) > 1:
         raise MindSpeedError(f"--{gated[0].replace('_', '-')} and --{gated[1].replace('_', '-')} choose different "
@@ -360,7 +362,7 @@ def _model_config(args, vocab_size: int) -> ModelConfig:
         cfg = hf.load_config(args.load_hf)
         if args.noop_layers:  # MindSpeed-LLM's --enable-hf2mg-convert: the folder's layers are the real ones
             cfg, _ = hf.with_noop_layers(cfg, None, pipeline.parse_layer_numbers(args.noop_layers, "--noop-layers"))
-        for flag, field, value in _gemma_fields(args, cfg.num_layers):
+        for flag, field, value in _layer_fields(args, cfg.num_layers):
             if not _same_setting(getattr(cfg, field), value):
                 raise MindSpeedError(f"--{flag.replace('_', '-')} disagrees with the Hugging Face folder's "
                                      f"config.json ({field} {getattr(cfg, field)!r})")
@@ -395,7 +397,7 @@ def _model_config(args, vocab_size: int) -> ModelConfig:
             base[flag] = True
     if args.noop_layers:
         base["noop_layers"] = pipeline.parse_layer_numbers(args.noop_layers, "--noop-layers")
-    base.update((field, value) for _, field, value in _gemma_fields(args, base.get("num_layers", ModelConfig.num_layers)))
+    base.update((field, value) for _, field, value in _layer_fields(args, base.get("num_layers", ModelConfig.num_layers)))
     if args.num_experts is not None:
         base["moe"], base["moe_layers"] = _moe_config(args, base.get("num_layers", ModelConfig.num_layers))
     mla = _mla_config(args)
