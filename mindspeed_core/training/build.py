@@ -93,17 +93,18 @@ def _load_slices(opt, shards, named: list, train_plan, ps) -> None:
 
     def read(state: str, name: str, shape: tuple, flat=None):
         if state not in saved:  # a float32 save holds no masters (its weights are): a --bf16 resume takes them
-            if saved and state == f"master.{name}" and name in weights:
+            if saved and state == f"master.{name}" and name in wanting:
                 return shards.read("model", sharded_checkpoint.held(name, shape, entry[name], ps, flat))
             return None
         return shards.read("optimizer", sharded_checkpoint.held(state, shape, entry[name], ps, flat))
 
-    weights = set(shards.names("model"))
+    # the low-precision parameters, whose masters a float32 save's weights are
+    wanting = set(shards.names("model")) & {n for n, p in named if ops.dtype_of(p) != "float32"}
     if hasattr(opt, "load_slices"):
         opt.load_slices(read, shards.steps)
         return
     local = {}
-    for state in [*saved, *(f"master.{n}" for n in shapes if f"master.{n}" not in saved and n in weights)]:
+    for state in [*saved, *(f"master.{n}" for n in sorted(wanting) if f"master.{n}" not in saved)]:
         name = state.split(".", 1)[1]
         if name in shapes and saved:
             local[state] = ops.tensor(read(state, name, shapes[name]))
