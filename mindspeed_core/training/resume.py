@@ -14,7 +14,7 @@ from mindspeed_core import nn, random, runtime
 from mindspeed_core.errors import CheckpointError
 from mindspeed_core.models import lora
 from mindspeed_core.models.config import LoRAConfig, ModelConfig
-from mindspeed_core.models.gpt import load_whole_state
+from mindspeed_core.models.gpt import load_whole_state, whole_state
 from mindspeed_core.training import checkpoint, distributed, model_source
 
 
@@ -43,8 +43,8 @@ def saved_lora(values: dict) -> LoRAConfig | None:
 
 
 def adapters(model) -> dict:
-    """The whole model's LoRA factors as they stand ({name: numpy})."""
-    return {n: v for n, v in nn.state_dict(model).items() if lora.is_adapter(n)}
+    """The whole model's LoRA factors as they stand ({whole-model name: numpy})."""
+    return {n: v for n, v in whole_state(model).items() if lora.is_adapter(n)}
 
 
 def with_head(model, cfg: ModelConfig, arrays: dict) -> dict:
@@ -58,8 +58,9 @@ def with_head(model, cfg: ModelConfig, arrays: dict) -> dict:
 
 
 def load_hf(model, cfg: ModelConfig, state: dict) -> None:
-    """A Hugging Face folder's weights (read with model_source.read_hf before the model was built)."""
-    nn.load_state_dict(model, with_head(model, cfg, {**adapters(model), **state}))
+    """A Hugging Face folder's weights (read with model_source.read_hf before the model was built;
+    whole-model names: with no-op layers its layers' numbers are not their places)."""
+    load_whole_state(model, with_head(model, cfg, {**adapters(model), **state}))
 
 
 def load_megatron(model, cfg: ModelConfig, root: str, say) -> None:
