@@ -35,7 +35,7 @@ for sp in (False, True):
     layer = model.decoder.layers[0]
     with model.seams.attention_rng():
         attention_mask = ops.to_numpy(ops.dropout(ops.ones((64,)), 0.5))
-    hidden_mask = ops.to_numpy(layer._dropout(ops.ones((64,)), model.seams))
+    hidden_mask = ops.to_numpy(layer._branch(ops.ones((64,)), model.seams))
     # the whole model runs with dropout on, and the tracker's stream moved on
     loss = float(ops.to_numpy(model.loss(ops.tensor(np.arange(16).reshape(1, 16) % 64),
                                          ops.tensor(np.arange(1, 17).reshape(1, 16) % 64))))
