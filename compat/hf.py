@@ -812,6 +812,8 @@ def _check_mtp_family(cfg: ModelConfig) -> None:
 
 def _mtp_from_hf(cfg: ModelConfig, hf: dict, take, out: dict) -> None:
     _check_mtp_family(cfg)
+    if cfg.mtp_num_layers:
+        features.note_used("multi-token-prediction")
     for k in range(cfg.mtp_num_layers):
         theirs, as_layer, mine = _mtp_layer_names(cfg, k)
         if theirs + "eh_proj.weight" not in hf:
@@ -921,6 +923,8 @@ def _mtp_to_hf(cfg: ModelConfig, ours: dict, out: dict) -> None:
     """The multi-token prediction modules as layers num_hidden_layers + k, with the copies of
     the embedding and output layer DeepSeek-V3's folders carry."""
     _check_mtp_family(cfg)
+    if cfg.mtp_num_layers:
+        features.note_used("multi-token-prediction")
     for k in range(cfg.mtp_num_layers):
         theirs, as_layer, mine = _mtp_layer_names(cfg, k)
         out.update((theirs + name, ours[mine + name]) for name in _MTP_NAMES)
