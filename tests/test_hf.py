@@ -50,7 +50,7 @@ def test_logits_match_transformers(references, name):
 @pytest.mark.feature("greedy-generation")
 @pytest.mark.feature("kv-cache")
 @pytest.mark.parametrize("name", ["llama", "qwen3", "gpt2", "llama-dynamic-rope", "phi3-longrope", GEMMA2, "gemma3",
-                                  "mistral-sliding", *MLA])
+                                  "mistral-sliding", *MLA, "glm4-moe"])
 def test_greedy_generation_matches_transformers(references, name):
     """transformers' generate() (greedy, with its cache) on a batch whose second prompt is
     padded on the left; dynamic NTK past max_position_embeddings as the sequence grows;
