@@ -579,11 +579,8 @@ class GPTModel(nn.Module):
             embedded = seams.decoder_input(self.embedding(ahead, position_tensor))
             hidden = layer(hidden, embedded, cos, sin, seams, tokens)
             ahead = shift_left(ahead)
-            logits = ops.cast(self._head(norm(hidden)), "float32")
-            per_token = seams.token_losses(ops.reshape(logits, (-1, logits.shape[-1])), ops.reshape(ahead, (-1,)))
             mask = depth_mask(None if tokens is None else tokens.loss_mask, shape, k)
-            weights = mask.reshape(-1) / max(float(mask.sum()), 1.0)
-            depth = ops.sum(per_token * ops.tensor(weights))
+            depth = self.loss_from_logits(self._head(norm(hidden)), ahead, Tokens(loss_mask=mask))
             self.mtp.losses[k - 1].append(autograd.detach(depth))
             total = depth if total is None else total + depth
         return total * self.mtp.scale

@@ -187,6 +187,15 @@ def over_pipeline(value: float, ps) -> float:
     return float(ops.to_numpy(dist.all_reduce(ops.tensor(np.array([value], np.float32)), group=ps.group("pp")))[0])
 
 
+def sum_over_dp_and_pp(values: np.ndarray, ps) -> np.ndarray:
+    """Host figures (float32) summed over the data-parallel and pipeline ranks: the step's
+    statistics of the other tokens (DP) and of the stages a rank does not hold (PP, zeros there)."""
+    for kind in ("dp", "pp"):
+        if ps.size(kind) > 1:
+            values = ops.to_numpy(dist.all_reduce(ops.tensor(values), group=ps.group(kind)))
+    return values
+
+
 def clip_coefficient(norm: float, max_norm: float) -> float:
     return max_norm / (norm + 1e-6) if max_norm and max_norm > 0 and norm > max_norm else 1.0
 

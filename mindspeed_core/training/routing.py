@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from mindspeed_core import dist, nn, ops
+from mindspeed_core import nn
 from mindspeed_core.models import router
+from mindspeed_core.training import distributed
 
 
 def update_expert_bias(moe_layers: list, cfg, tokens_per_expert: list) -> None:
@@ -46,9 +47,8 @@ def step_stats(moe_layers: list, cfg, ps, grad_accum: int) -> dict:
         dropped += layer.stats["dropped"]
         counts[row[layer.number]] = layer.stats["tokens_per_expert"]
     flat = np.concatenate([losses, [dropped], counts.reshape(-1)]).astype(np.float32)
-    for kind in ("dp", "pp"):  # counts are exact in float32 up to 2**24
-        if ps.size(kind) > 1:  # DP ranks routed other tokens; PP ranks hold other layers
-            flat = ops.to_numpy(dist.all_reduce(ops.tensor(flat), group=ps.group(kind)))
+    # DP ranks routed other tokens, PP ranks hold other layers; counts are exact in float32 up to 2**24
+    flat = distributed.sum_over_dp_and_pp(flat, ps)
     flat[:2] /= ps.dp
     counts = np.rint(flat[3:]).astype(np.int64).reshape(counts.shape)
     balance = [float(c.max() / c.mean()) if c.sum() else 0.0 for c in counts]

@@ -278,9 +278,7 @@ class Trainer:
         names = ("step_accuracy",) if self.stage_name == "prm" else alignment.STATS
         mine = self.objective.take_stats()
         values = np.zeros(len(names), np.float32) if mine is None else mine.astype(np.float32)
-        for kind in ("dp", "pp"):  # the last pipeline stage's figures; zeros on the others
-            if self.ps.size(kind) > 1:
-                values = ops.to_numpy(dist.all_reduce(ops.tensor(values), group=self.ps.group(kind)))
+        values = distributed.sum_over_dp_and_pp(values, self.ps)  # the last stage's figures; zeros elsewhere
         return {f"{record}_{name}": float(v) / self.ps.dp for name, v in zip(names, values)}
 
     def _mtp_step_losses(self) -> list[float]:
@@ -289,10 +287,7 @@ class Trainer:
         mine = np.zeros(self.cfg.mtp_num_layers, np.float32)
         for module in self.mtp_modules:
             mine += (module.take_losses() / self.grad_accum).astype(np.float32)
-        for kind in ("dp", "pp"):
-            if self.ps.size(kind) > 1:
-                mine = ops.to_numpy(dist.all_reduce(ops.tensor(mine), group=self.ps.group(kind)))
-        return [float(v) / self.ps.dp for v in mine]
+        return [float(v) / self.ps.dp for v in distributed.sum_over_dp_and_pp(mine, self.ps)]
 
     def gradients(self, iteration: int) -> tuple[float, list]:
         """The step's mean loss (on every rank) and this rank's gradients, complete as the
