@@ -12,9 +12,9 @@ from mindspeed_core.models import rope
 FUSED_KERNELS = ("attention", "rms_norm", "swiglu", "rope", "grouped_matmul")
 # the model families (ModelConfig.family) that models/registry.py builds and compat/hf.py reads
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "gpt2", "mixtral", "qwen2_moe",
-            "qwen3_moe", "deepseek_v2", "deepseek_v3", "glm4_moe", "minicpm3")
+            "qwen3_moe", "deepseek_v2", "deepseek_v3", "glm4_moe", "minicpm3", "gpt_oss")
 # the MLP activations; the gated ones (fc1 holds gate rows, then up rows) first
-GATED_ACTIVATIONS = ("swiglu", "geglu", "geglu_tanh")
+GATED_ACTIVATIONS = ("swiglu", "geglu", "geglu_tanh", "quick_geglu")
 ACTIVATIONS = GATED_ACTIVATIONS + ("gelu", "gelu_tanh")
 
 
@@ -152,13 +152,21 @@ class ModelConfig:
     max_position_embeddings: int = 256
     normalization: str = "rmsnorm"  # rmsnorm | layernorm
     norm_epsilon: float = 1e-5
-    activation: str = "swiglu"  # swiglu | geglu | geglu_tanh (gated: gelu or its tanh form) | gelu | gelu_tanh
+    # swiglu | geglu | geglu_tanh (gated: gelu or its tanh form) | quick_geglu (gated: x sigmoid(1.702 x),
+    # GPT-OSS's) | gelu | gelu_tanh
+    activation: str = "swiglu"
+    # Megatron's glu_linear_offset and activation_func_clamp_value (GPT-OSS: 1 and 7): a gated
+    # MLP computes act(min(gate, c)) * (clip(up, -c, c) + offset)
+    glu_linear_offset: float = 0.0
+    activation_func_clamp_value: float | None = None
     position_embedding_type: str = "rope"  # rope | learned
     rotary_base: float = 10000.0
     rotary_percent: float = 1.0  # the share of each head's features RoPE rotates (the first ones; GLM-4.5: 0.5)
     rope_scaling: dict | None = None  # {"rope_type": linear|llama3|yarn|dynamic|longrope, "factor": ..., ...} (models/rope.py)
     add_qkv_bias: bool = False
-    add_bias_linear: bool = False  # biases on the attention output and the MLP (Megatron's switch)
+    # biases on the attention output and the MLP (Megatron's switch; an MoE layer's router and
+    # experts too, as megatron-core's)
+    add_bias_linear: bool = False
     attention_output_bias: bool | None = None  # None: as add_bias_linear (Llama's attention_bias without mlp_bias)
     qk_layernorm: bool = False  # with mla: the norms of the query and key/value latents
     # multi-head latent attention instead of linear_qkv (DeepSeek); kv_channels is then the
@@ -188,6 +196,9 @@ class ModelConfig:
     sliding_window_layers: tuple | None = None
     # Gemma 3: the sliding-window layers rotate with this base and no scaling (None: as the others)
     local_rotary_base: float | None = None
+    # attention sinks (GPT-OSS; Megatron's --softmax-type learnable): a learned logit per head
+    # joins each query's softmax as one more key with no value, so a head may attend to nothing
+    attention_sinks: bool = False
     untie_embeddings_and_output_weights: bool = True
     init_method_std: float = 0.02
     attention_dropout: float = 0.0
@@ -234,6 +245,11 @@ class ModelConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0):
                 raise ValueError(f"{name} must be a positive number or None, got {value!r}")
+        if not isinstance(self.glu_linear_offset, (int, float)) or not math.isfinite(self.glu_linear_offset):
+            raise ValueError(f"glu_linear_offset must be a finite number, got {self.glu_linear_offset!r}")
+        clamp = self.activation_func_clamp_value
+        if clamp is not None and (not isinstance(clamp, (int, float)) or not math.isfinite(clamp) or clamp <= 0):
+            raise ValueError(f"activation_func_clamp_value must be a positive number or None, got {clamp!r}")
         if self.sliding_window is not None and (type(self.sliding_window) is not int or self.sliding_window <= 0):
             raise ValueError(f"sliding_window must be a positive integer or None, got {self.sliding_window!r}")
         if self.sliding_window_layers is not None:
@@ -328,6 +344,13 @@ class ModelConfig:
                               ("position_embedding_type", ("rope", "learned")), ("family", FAMILIES)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        if (self.glu_linear_offset or self.activation_func_clamp_value is not None) and not self.gated:
+            raise ValueError(f"glu_linear_offset and activation_func_clamp_value act on a gated MLP's halves: "
+                             f"activation {self.activation} is not gated")
+        if self.attention_sinks and self.mla is not None:
+            raise ValueError("attention sinks with multi-latent attention are not built")
+        if self.moe is not None and self.moe.shared_expert_size and self.add_bias_linear:
+            raise ValueError("add_bias_linear with a shared expert: biases on shared experts are not built")
 
     @property
     def rotary_dim(self) -> int:
@@ -439,6 +462,7 @@ class ModelConfig:
 
     def _attention_parameters(self) -> int:
         attn = self._attention_weights() + (self.hidden_size if self.attention_output_bias else 0)
+        attn += self.num_attention_heads if self.attention_sinks else 0
         if self.mla is None:
             attn += self.qkv_width if self.add_qkv_bias else 0
             attn += 2 * self.kv_channels if self.qk_layernorm else 0
@@ -477,8 +501,8 @@ class ModelConfig:
         moe, h = self.moe, self.hidden_size
         per_width = 2 if self.gated else 1
         f = moe.ffn_hidden_size or self.ffn_hidden_size
-        expert = h * per_width * f + f * h
-        router = (h + (1 if moe.enable_expert_bias else 0)) * moe.num_experts
+        expert = h * per_width * f + f * h + ((per_width * f + h) if self.add_bias_linear else 0)
+        router = (h + (1 if moe.enable_expert_bias else 0) + (1 if self.add_bias_linear else 0)) * moe.num_experts
         total = router + (moe.topk if active else moe.num_experts) * expert
         if moe.shared_expert_size:
             s = moe.shared_expert_size
@@ -555,6 +579,15 @@ PRESETS = {
                           norm_epsilon=1e-5, scale_emb=12.0, scale_depth=1.4, dim_model_base=32.0,
                           mla=dict(q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16,
                                    v_head_dim=32, rope_interleave=False)),
+    # GPT-OSS's: attention sinks, biases on q/k/v/o, windows of 16 on every other layer, YaRN,
+    # every layer an MoE of biased quick-GEGLU experts (offset 1, clamped at 7) with a biased router
+    "tiny-gpt-oss": dict(family="gpt_oss", hidden_size=128, num_layers=4, num_attention_heads=4, num_query_groups=2,
+                         kv_channels=32, ffn_hidden_size=96, add_qkv_bias=True, add_bias_linear=True,
+                         activation="quick_geglu", glu_linear_offset=1.0, activation_func_clamp_value=7.0,
+                         attention_sinks=True, sliding_window=16, sliding_window_layers=(0, 2), rotary_base=150000.0,
+                         rope_scaling=dict(rope_type="yarn", factor=4.0, beta_fast=32.0, beta_slow=1.0,
+                                           truncate=False, original_max_position_embeddings=64),
+                         moe=dict(num_experts=8, topk=2, aux_loss_coeff=0.01)),
     # the real shapes, for --dry-run arithmetic and conversion
     "llama2-7b": dict(family="llama", hidden_size=4096, num_layers=32, num_attention_heads=32, ffn_hidden_size=11008,
                       vocab_size=32000, max_position_embeddings=4096, norm_epsilon=1e-5),

@@ -27,7 +27,7 @@ from mindspeed_core.errors import CheckpointError
 from mindspeed_core.memory import recompute
 from mindspeed_core.models import lora, rope
 from mindspeed_core.models.config import ModelConfig
-from mindspeed_core.models.layers import Embedding, Linear, activate, make_norm
+from mindspeed_core.models.layers import Embedding, Linear, _param, make_norm, mlp_activation
 
 
 @dataclass
@@ -82,10 +82,12 @@ class Seams:
         """The columns of a whole-sequence array [b, S] that this rank's tokens are."""
         return whole
 
-    def attention(self, q, k, v, dropout_p: float, fused: bool, tokens: Tokens | None, scores: Scores = PLAIN):
-        """Causal self-attention of the local tokens (inside their documents when packed)."""
+    def attention(self, q, k, v, dropout_p: float, fused: bool, tokens: Tokens | None, scores: Scores = PLAIN,
+                  return_lse: bool = False):
+        """Causal self-attention of the local tokens (inside their documents when packed); with
+        ``return_lse`` also each query's log-sum-exp of its scores [b, s, heads]."""
         fn = ops.attention if fused else composite.attention
-        how = scores.arguments()
+        how = dict(scores.arguments(), return_lse=return_lse)
         if tokens is None or tokens.documents is None:
             return fn(q, k, v, causal=True, dropout_p=dropout_p, **how)
         if tokens.cache is not None:  # the new queries against every cached key, padding kept apart
@@ -167,6 +169,25 @@ def layer_scores(cfg: ModelConfig, number: int, scale: float | None = None) -> S
     return Scores(scale, cfg.attn_logit_softcapping, window)
 
 
+class CoreAttention(nn.Module):
+    """megatron-core's core_attention, here only as the home of the attention sinks' learned
+    logits, one per head (its ``softmax_offset``, --softmax-type learnable)."""
+
+    def __init__(self, heads: int, std: float):
+        super().__init__()
+        self.softmax_offset = _param((heads,), std=std)
+
+
+def with_sinks(out, lse, sinks):
+    """Attention output [b, s, heads, d] as if each head's softmax had one more key of logit
+    ``sinks`` [heads] and no value: the weights of the real keys shrink by
+    e^lse / (e^lse + e^sink) = sigmoid(lse - sink), from the log-sum-exp ``lse`` [b, s, heads]
+    of their scores. Exact for any attention that returns its log-sum-exp."""
+    features.note_used("attention-sinks")
+    keep = ops.sigmoid(lse - ops.cast(sinks, "float32"))
+    return out * ops.unsqueeze(ops.cast(keep, ops.dtype_of(out)), -1)
+
+
 class SelfAttention(nn.Module):
     # what to recompute in backward (GPTModel.use_recompute; not `recompute`: a MindSpore Cell method)
     recompute_policy = recompute.NONE
@@ -183,6 +204,8 @@ class SelfAttention(nn.Module):
         if cfg.qk_layernorm:
             self.q_layernorm = make_norm(cfg, cfg.kv_channels)
             self.k_layernorm = make_norm(cfg, cfg.kv_channels)
+        if cfg.attention_sinks:
+            self.core_attention = CoreAttention(cfg.num_attention_heads, cfg.init_method_std)
 
     def forward(self, x, cos, sin, seams=SINGLE_DEVICE, tokens=None):
         cfg = self.cfg
@@ -214,11 +237,15 @@ class SelfAttention(nn.Module):
             features.note_used("flash-attention")
         scores = layer_scores(cfg, self.layer_number)
 
-        def core(q, k, v):
-            with seams.attention_rng():
-                return seams.attention(q, k, v, p, fused, tokens, scores)
+        sinks = (self.core_attention.softmax_offset,) if cfg.attention_sinks else ()
 
-        out = self.recompute_policy.attention(core, q, k, v)
+        def core(q, k, v, *sinks):  # the sinks an input, so that recomputation differentiates them
+            with seams.attention_rng():
+                if not sinks:
+                    return seams.attention(q, k, v, p, fused, tokens, scores)
+                return with_sinks(*seams.attention(q, k, v, p, fused, tokens, scores, return_lse=True), *sinks)
+
+        out = self.recompute_policy.attention(core, q, k, v, *sinks)
         return self.linear_proj(ops.reshape(out, (b, s, groups * per_group * d)))
 
 
@@ -227,15 +254,11 @@ class MLP(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.activation = cfg.activation
-        self.fused_swiglu = "swiglu" in cfg.fused
+        self._activate = mlp_activation(cfg, "swiglu" in cfg.fused)
         width = 2 * cfg.ffn_hidden_size if cfg.gated else cfg.ffn_hidden_size
         out_std = cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers)
         self.linear_fc1 = linear(cfg, "linear_fc1", cfg.hidden_size, width, cfg.add_bias_linear, cfg.init_method_std)
         self.linear_fc2 = linear(cfg, "linear_fc2", cfg.ffn_hidden_size, cfg.hidden_size, cfg.add_bias_linear, out_std)
-
-    def _activate(self, h):
-        return activate(h, self.activation, self.fused_swiglu)
 
     def forward(self, x):
         return self.linear_fc2(recompute.activation(self._activate, self.linear_fc1(x), self.recompute_activation))

@@ -6,9 +6,12 @@ checkpoints map onto mcore layouts without renaming tables inside the model.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from mindspeed_core import composite, features, nn, ops
+from mindspeed_core.models.config import GATED_ACTIVATIONS
 
 
 def _param(shape, std=None, value=None):
@@ -74,19 +77,34 @@ class LayerNorm(nn.Module):
         return ops.layer_norm(x, self.weight, self.bias, self.eps)
 
 
-def activate(h, activation: str, fused_swiglu: bool = False):
+def activate(h, activation: str, fused_swiglu: bool = False, clamp: float | None = None, offset: float = 0.0):
     """The MLP activation of fc1's output: the gated ones take gate columns, then up columns
-    (mcore's fc1 layout) and return act(gate) * up."""
-    if activation == "swiglu":
+    (mcore's fc1 layout) and return act(gate) * up; with ``clamp`` (GPT-OSS) the gate is cut
+    from above and up on both sides first, and ``offset`` is added to up."""
+    if activation == "swiglu" and clamp is None and not offset:
         if fused_swiglu:
             features.note_used("fused-swiglu")
             return ops.swiglu(h)
         return composite.swiglu(h)
     approximate = "tanh" if activation.endswith("_tanh") else "none"
-    if activation.startswith("geglu"):
+    if activation in GATED_ACTIVATIONS:
         gate, up = ops.chunk(h, 2, dim=-1)
-        return ops.gelu(gate, approximate=approximate) * up
+        if clamp is not None:
+            gate, up = ops.clamp(gate, max=clamp), ops.clamp(up, min=-clamp, max=clamp)
+        if activation == "swiglu":
+            gate = ops.silu(gate)
+        elif activation == "quick_geglu":  # the sigmoid approximation of GELU
+            gate = gate * ops.sigmoid(gate * 1.702)
+        else:
+            gate = ops.gelu(gate, approximate=approximate)
+        return gate * (up + offset) if offset else gate * up
     return ops.gelu(h, approximate=approximate)
+
+
+def mlp_activation(cfg, fused_swiglu: bool = False):
+    """``activate`` with the configured activation, clamp and offset: h -> act(h)."""
+    return functools.partial(activate, activation=cfg.activation, fused_swiglu=fused_swiglu,
+                             clamp=cfg.activation_func_clamp_value, offset=cfg.glu_linear_offset)
 
 
 def make_norm(cfg, dim: int):

@@ -17,7 +17,6 @@ and expert parallelism.
 
 from __future__ import annotations
 
-import functools
 import math
 
 import numpy as np
@@ -27,38 +26,56 @@ from mindspeed_core.memory import recompute
 from mindspeed_core.models import router
 from mindspeed_core.models.config import ModelConfig, MoEConfig
 from mindspeed_core.models.gpt import MLP, GPTModel
-from mindspeed_core.models.layers import Linear, _param, activate
+from mindspeed_core.models.layers import Linear, _param, mlp_activation
 
 
 class Experts(nn.Module):
     recompute_activation = False  # GPTModel.use_memory
+    # whether the output bias is added here: under tensor parallelism the rows are partial sums,
+    # and one rank adds it (parallel/experts.py)
+    output_bias = True
 
     def __init__(self, cfg: ModelConfig, moe: MoEConfig, num_local: int | None = None):
         super().__init__()
-        self.activation = cfg.activation
+        self.activation = mlp_activation(cfg)
         f = moe.ffn_hidden_size or cfg.ffn_hidden_size
         width = 2 * f if cfg.gated else f
         n = num_local or moe.num_experts
         self.weight1 = _param((n, cfg.hidden_size, width), std=cfg.init_method_std)
         self.weight2 = _param((n, f, cfg.hidden_size), std=cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers))
+        # megatron-core's expert biases with --add-bias-linear (GPT-OSS): [E, width] and [E, hidden]
+        self.bias1 = _param((n, width), value=0.0) if cfg.add_bias_linear else None
+        self.bias2 = _param((n, cfg.hidden_size), value=0.0) if cfg.add_bias_linear else None
 
     def _activate(self, h):
-        return recompute.activation(functools.partial(activate, activation=self.activation), h,
-                                    self.recompute_activation)
+        return recompute.activation(self.activation, h, self.recompute_activation)
+
+    def _plus(self, x, bias, counts, output: bool = False):
+        """x [N, w] (rows sorted by expert, counts[e] of expert e) plus each row's expert's bias."""
+        if bias is None:
+            return x
+        if output and not self.output_bias:
+            bias = bias * 0.0  # still used, so every rank's graph holds the parameter
+        which = np.repeat(np.arange(len(counts)), counts).astype(np.int64)
+        if which.size == 0:
+            return x + ops.sum(bias) * 0.0
+        return x + ops.cast(ops.index_select(bias, 0, ops.tensor(which)), ops.dtype_of(x))
 
     def forward(self, rows, counts, grouped: bool = True):
         """rows [N, hidden] sorted by expert, ``counts`` [E] host ints (rows per expert)."""
         if grouped:
-            h = ops.grouped_matmul(rows, self.weight1, counts)
-            return ops.grouped_matmul(self._activate(h), self.weight2, counts)
+            h = self._plus(ops.grouped_matmul(rows, self.weight1, counts), self.bias1, counts)
+            return self._plus(ops.grouped_matmul(self._activate(h), self.weight2, counts), self.bias2, counts, True)
         outs, start = [], 0
         for e, n in enumerate(int(c) for c in counts):
             if n:
-                h = self._activate(ops.matmul(rows[start:start + n], self.weight1[e]))
-                outs.append(ops.matmul(h, self.weight2[e]))
+                one = np.zeros(len(counts), np.int64)
+                one[e] = n
+                h = self._plus(ops.matmul(rows[start:start + n], self.weight1[e]), self.bias1, one)
+                outs.append(self._plus(ops.matmul(self._activate(h), self.weight2[e]), self.bias2, one, True))
             start += n
         if not outs:  # no rows: still a product of them, so a backward pass reaches whatever sent them
-            return ops.matmul(activate(ops.matmul(rows, self.weight1[0]), self.activation), self.weight2[0])
+            return ops.matmul(self.activation(ops.matmul(rows, self.weight1[0])), self.weight2[0])
         return outs[0] if len(outs) == 1 else ops.cat(outs, dim=0)
 
 
@@ -69,15 +86,14 @@ class SharedExpert(nn.Module):
 
     def __init__(self, cfg: ModelConfig, size: int, gated: bool):
         super().__init__()
-        self.activation = cfg.activation
+        self.activation = mlp_activation(cfg)
         width = 2 * size if cfg.gated else size
         self.linear_fc1 = Linear(cfg.hidden_size, width, False, cfg.init_method_std)
         self.linear_fc2 = Linear(size, cfg.hidden_size, False, cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers))
         self.gate_weight = _param((1, cfg.hidden_size), std=cfg.init_method_std) if gated else None
 
     def forward(self, x):
-        y = self.linear_fc2(recompute.activation(functools.partial(activate, activation=self.activation),
-                                                 self.linear_fc1(x), self.recompute_activation))
+        y = self.linear_fc2(recompute.activation(self.activation, self.linear_fc1(x), self.recompute_activation))
         if self.gate_weight is not None:
             y = y * ops.sigmoid(ops.linear(x, self.gate_weight))
         return y
@@ -116,13 +132,14 @@ class MoESeams:
 
 
 class Router(Linear):
-    """Hidden states to expert logits; with aux-loss-free balancing (``enable_expert_bias``)
+    """Hidden states to expert logits (with a trained bias under --add-bias-linear, as
+    megatron-core's and GPT-OSS's); with aux-loss-free balancing (``enable_expert_bias``)
     also ``expert_bias`` [E]: float32 state the step's loads move (training/routing.py), never
     the optimizer. It is model state, saved and converted with the weights, as megatron-core's
     buffer ``mlp.router.expert_bias`` and DeepSeek-V3's ``e_score_correction_bias`` are."""
 
-    def __init__(self, hidden: int, experts: int, std: float, expert_bias: bool):
-        super().__init__(hidden, experts, False, std)
+    def __init__(self, hidden: int, experts: int, std: float, expert_bias: bool, bias: bool = False):
+        super().__init__(hidden, experts, bias, std)
         self.expert_bias = nn.Parameter(np.zeros(experts, np.float32), requires_grad=False) if expert_bias else None
 
 
@@ -134,7 +151,8 @@ class MoELayer(nn.Module):
     def __init__(self, cfg: ModelConfig, moe: MoEConfig, number: int = 0):
         super().__init__()
         self.moe, self.number = moe, number  # number: the layer's place in the whole model
-        self.router = Router(cfg.hidden_size, moe.num_experts, cfg.init_method_std, moe.enable_expert_bias)
+        self.router = Router(cfg.hidden_size, moe.num_experts, cfg.init_method_std, moe.enable_expert_bias,
+                             cfg.add_bias_linear)
         self.experts = Experts(cfg, moe)
         self.shared_experts = (SharedExpert(cfg, moe.shared_expert_size, moe.shared_expert_gate)
                                if moe.shared_expert_size else None)

@@ -6,7 +6,7 @@ of parallel/.
 
 Every dense decoder-only family (LLaMA, Mistral, Qwen2/3, Phi-3, Gemma 2, GPT-2) is the one GPTModel with
 config switches; the mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE) are MoEModel, the
-same decoder with MoE MLPs (models/moe.py).
+same decoder with MoE MLPs (models/moe.py); GPT-OSS too, with attention sinks and biased experts.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ SPECS = (
     ModelSpec("gpt", ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "gpt2", "deepseek_v2",
                      "deepseek_v3", "glm4_moe", "minicpm3"), gpt.GPTModel,
               gpt.pipeline_chunks, "mindspeed_core.compat.hf"),
-    ModelSpec("moe", ("mixtral", "qwen2_moe", "qwen3_moe"), moe.MoEModel, gpt.pipeline_chunks,
+    ModelSpec("moe", ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss"), moe.MoEModel, gpt.pipeline_chunks,
               "mindspeed_core.compat.hf"),
 )
 

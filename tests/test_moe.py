@@ -21,19 +21,30 @@ def _silu(x):
     return x / (1 + np.exp(-x))
 
 
-def reference(layer: MoELayer, x: np.ndarray) -> np.ndarray:
-    """Token by token: sum over its kept assignments of weight x expert MLP, plus the shared."""
+def _glu(h, cfg: ModelConfig):
+    """A gated MLP's activation: SwiGLU, or GPT-OSS's clamped quick-GEGLU with its offset."""
+    gate, up = np.split(h, 2)
+    if cfg.activation == "swiglu":
+        return _silu(gate) * up
+    c = cfg.activation_func_clamp_value
+    gate, up = np.minimum(gate, c), np.clip(up, -c, c)
+    return gate / (1 + np.exp(-1.702 * gate)) * (up + cfg.glu_linear_offset)
+
+
+def reference(layer: MoELayer, x: np.ndarray, cfg: ModelConfig = CFG) -> np.ndarray:
+    """Token by token: sum over its kept assignments of weight x expert MLP (with its biases
+    when it has them), plus the shared."""
     r = layer.routing
     w1, w2 = (ops.to_numpy(p).astype(np.float64) for p in (layer.experts.weight1, layer.experts.weight2))
+    b1, b2 = ((np.zeros((w1.shape[0], n)) if p is None else ops.to_numpy(p).astype(np.float64))
+              for p, n in ((layer.experts.bias1, w1.shape[2]), (layer.experts.bias2, w2.shape[2])))
     weights = ops.to_numpy(r.weights).astype(np.float64)
     flat = x.reshape(-1, x.shape[-1]).astype(np.float64)
     out = np.zeros_like(flat)
     for t in range(flat.shape[0]):
         for j, e in enumerate(r.experts[t]):
             if r.kept[t, j]:
-                h = flat[t] @ w1[e]
-                gate, up = np.split(h, 2)
-                out[t] += weights[t, j] * ((_silu(gate) * up) @ w2[e])
+                out[t] += weights[t, j] * (_glu(flat[t] @ w1[e] + b1[e], cfg) @ w2[e] + b2[e])
     if layer.shared_experts is not None:
         s = layer.shared_experts
         fc1, fc2 = (ops.to_numpy(p).astype(np.float64) for p in (s.linear_fc1.weight, s.linear_fc2.weight))
@@ -51,14 +62,20 @@ LAYERS = {
                                         shared_expert_gate=True),
     "capacity": MoEConfig(num_experts=4, topk=2, capacity_factor=0.5),
     "capacity-padded": MoEConfig(num_experts=4, topk=2, capacity_factor=1.5, pad_to_capacity=True),
+    "gpt-oss": MoEConfig(num_experts=4, topk=2),
 }
+# GPT-OSS's experts: biases on the router and both expert matrices, the quick-GEGLU with the
+# linear half offset by one and both halves clamped (at 0.5: the O(1) weights below cross it)
+CFGS = {"gpt-oss": ModelConfig(hidden_size=16, num_layers=2, num_attention_heads=2, ffn_hidden_size=24,
+                               activation="quick_geglu", glu_linear_offset=1.0, activation_func_clamp_value=0.5,
+                               add_bias_linear=True)}
 
 
 def _layer(name):
     """The layer with O(1) weights drawn here: outputs and gradients far from rounding noise,
     and router scores whose top-k choice no last-bit difference can flip."""
     random.seed(5)
-    layer = MoELayer(CFG, LAYERS[name])
+    layer = MoELayer(CFGS.get(name, CFG), LAYERS[name])
     g = np.random.default_rng(5)
     nn.load_state_dict(layer, {k: (g.standard_normal(v.shape) * 0.3).astype(np.float32)
                                for k, v in nn.state_dict(layer).items()})
@@ -70,7 +87,7 @@ def test_moe_layer_equals_token_by_token_reference(name):
     layer = _layer(name)
     x = np.random.default_rng(0).standard_normal((2, 6, 16)).astype(np.float32)
     got = ops.to_numpy(layer(ops.tensor(x)))
-    np.testing.assert_allclose(got, reference(layer, x), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(got, reference(layer, x, CFGS.get(name, CFG)), rtol=1e-4, atol=1e-5)
     if name == "capacity":
         assert layer.routing.dropped > 0
 
@@ -82,7 +99,7 @@ def _run(layer, x, grouped):
     return ops.to_numpy(layer(ops.tensor(x))), [ops.to_numpy(g) for g in grads]
 
 
-@pytest.mark.parametrize("name", ["mixtral", "capacity", "capacity-padded"])
+@pytest.mark.parametrize("name", ["mixtral", "capacity", "capacity-padded", "gpt-oss"])
 def test_grouped_and_sequential_experts_agree(name):
     layer = _layer(name)
     x = np.random.default_rng(1).standard_normal((2, 6, 16)).astype(np.float32)
@@ -295,9 +312,15 @@ def test_capacity_drops_are_counted(capsys, corpus, tmp_path):  # noqa: F811
 
 @pytest.mark.feature("moe")
 @pytest.mark.parametrize("name", ["tiny-mixtral", "tiny-qwen2-moe", "tiny-qwen3-moe", "tiny-deepseek-v3",
-                                  "tiny-glm45"])
+                                  "tiny-glm45", "tiny-gpt-oss"])
 def test_moe_presets_train(capsys, corpus, tmp_path, name):  # noqa: F811
+    from mindspeed_core.models import registry
     from mindspeed_core.models.config import preset
+
+    # the parameter count the planner and the log use is what the model holds
+    cfg = preset(name)
+    model = registry.for_config(cfg).build(cfg)
+    assert sum(int(np.prod(p.shape)) for p in nn.parameters(model)) == cfg.num_parameters()
 
     metrics = tmp_path / "m.jsonl"
     code, out, err = train(capsys, "--model-name", name, "--data-path", corpus, "--train-iters", "2", "--seq-length",

@@ -204,7 +204,9 @@ class ContextParallelSeams(Seams):
     def _columns(self, seq_len: int, cp_ranks) -> np.ndarray:
         return np.sort(np.concatenate([local_columns(seq_len, self.cp, r) for r in cp_ranks]))
 
-    def attention(self, q, k, v, dropout_p, fused, tokens, scores=PLAIN):
+    def attention(self, q, k, v, dropout_p, fused, tokens, scores=PLAIN, return_lse=False):
+        if return_lse:  # the matrix refuses the combination before a model is built
+            raise MindSpeedError("attention sinks under context parallelism are not built")
         features.note_used(FEATURE[self.algo])
         attention = ops.attention if fused else composite.attention
         u, seq_len = self.u, q.shape[1] * self.cp

@@ -19,8 +19,8 @@ then averages it over the expert-data-parallel group (the DP ranks holding the s
 with the data-parallel scale (parallel/plan.py ``expert``).
 
 Tensor parallelism cuts the experts like the dense MLP (weight1's columns, SwiGLU's gate and
-up halves apart; weight2's rows) and the shared expert as the dense MLP; the layer works on
-the whole sequence on every TP rank (gathered under --sequence-parallel), so routing is the
+up halves apart, bias1 with them; weight2's rows, bias2 added by one rank) and the shared
+expert as the dense MLP; the layer works on the whole sequence on every TP rank (gathered under --sequence-parallel), so routing is the
 one-device routing, and the experts' partial rows are summed over TP before the weighting.
 Router and shared-expert gate thus see every token on every TP rank: their gradients are
 whole, not partial, even under sequence parallelism.
@@ -157,11 +157,17 @@ def parallelize_moe_layer(mlp: MoELayer, ps, sequence_parallel: bool, dispatcher
     swiglu = gated  # fc1's gate and up halves are cut apart
     fields = {}
     specs = {"weight1": ("swiglu", 2) if swiglu else ("split", 2), "weight2": ("split", 1)}
+    if mlp.experts.bias1 is not None:  # fc1's bias cut with its columns; fc2's whole, added by TP rank 0
+        specs.update(bias1=("swiglu", 1) if swiglu else ("split", 1), bias2=None)
+        mlp.experts.output_bias = tp_rank == 0
     for name, spec in specs.items():
         full = np.split(ops.to_numpy(getattr(mlp.experts, name)), ep, axis=0)[ep_rank]
-        setattr(mlp.experts, name, nn.Parameter(shard(full, spec, tp, tp_rank) if tp > 1 else full))
-        fields["experts." + name] = {"shard": spec if tp > 1 else None, "expert": True, "partial": False}
+        setattr(mlp.experts, name, nn.Parameter(shard(full, spec, tp, tp_rank) if tp > 1 and spec else full))
+        fields["experts." + name] = {"shard": spec if tp > 1 else None, "expert": True,
+                                     "partial": spec is None and tp > 1}  # bias2: only rank 0's gradient
     fields["router.weight"] = {"partial": False}  # sees every token on every TP rank
+    if mlp.router.bias is not None:
+        fields["router.bias"] = {"partial": False}
     if mlp.router.expert_bias is not None:  # the same on every rank, never trained
         fields["router.expert_bias"] = {"partial": False}
     shared = mlp.shared_experts

@@ -8,6 +8,7 @@ initialisation:
     self_attention.linear_qkv   column-parallel, rows split by query group (mcore layout); with
                                 fewer query groups than ranks, key/value heads are copied
     self_attention.linear_proj  row-parallel
+    attention sinks             split by head, as the query rows
     mlp.linear_fc1              column-parallel; for SwiGLU the gate and up halves split apart
     mlp.linear_fc2              row-parallel
     word embeddings             vocab-parallel; the output layer and the loss likewise
@@ -299,6 +300,11 @@ def _shard_layers(model, ps, group, sequence_parallel, spec, partial) -> KVCopie
                 column(attn, "linear_q_proj", prefix + "self_attention.linear_q_proj", ("split", 0), False)
         else:
             column(attn, "linear_qkv", prefix + "self_attention.linear_qkv", qkv_spec, cfg.add_qkv_bias)
+            if cfg.attention_sinks:  # one per head: this rank's heads' (consecutive, also with copied kv heads)
+                sinks = attn.core_attention
+                sinks.softmax_offset = nn.Parameter(shard(ops.to_numpy(sinks.softmax_offset), ("split", 0), tp,
+                                                          ps.local_rank("tp")))
+                spec[prefix + "self_attention.core_attention.softmax_offset"] = ("split", 0)
         row(attn, "linear_proj", prefix + "self_attention.linear_proj")
         if isinstance(mlp, MLP):  # an MoE layer's MLP is cut by parallel/experts.py
             column(mlp, "linear_fc1", prefix + "mlp.linear_fc1", swiglu, cfg.add_bias_linear)
