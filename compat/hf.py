@@ -7,7 +7,9 @@ fused qkv_proj and gate_up_proj, LongRoPE), gemma2 (norms as offsets from one, p
 scaled embeddings, soft-capping, sliding windows on alternate layers), gemma3_text (the same with
 q/k norms, its layer pattern and a local RoPE base), gpt2, and the mixtures of experts mixtral,
 qwen2_moe, qwen3_moe (their experts written one by one, the layout every release of
-transformers reads).
+transformers reads), deepseek_v2 / deepseek_v3 (latent attention, their routers, MTP layers),
+glm4_moe, minicpm3, and gpt_oss (attention sinks, biased clamped experts; MXFP4 experts read
+dequantised).
 """
 
 from __future__ import annotations
@@ -43,14 +45,19 @@ SHARED_EXPERTS = DEEPSEEK + GLM
 # MiniCPM3: DeepSeek-V2's latent attention (its rotation in halves) in a dense model with MiniCPM's
 # scalings of the embeddings, the residual branches and the output
 MINICPM = ("minicpm3",)
-SUPPORTED = LLAMA_LIKE + ("gpt2",) + tuple(MOE_BASE) + DEEPSEEK + GLM + MINICPM
+# GPT-OSS: attention sinks, sliding windows on alternate layers, YaRN, biased experts with
+# the clamped SwiGLU, their gate and up columns interleaved; its released folders hold the
+# experts as MXFP4 blocks, read dequantised (dequantize_mxfp4)
+GPT_OSS = ("gpt_oss",)
+SUPPORTED = LLAMA_LIKE + ("gpt2",) + tuple(MOE_BASE) + DEEPSEEK + GLM + MINICPM + GPT_OSS
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                   "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
                   "gemma3": "Gemma3ForCausalLM",
                   "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
                   "qwen3_moe": "Qwen3MoeForCausalLM",
                   "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
-                  "glm4_moe": "Glm4MoeForCausalLM", "minicpm3": "MiniCPM3ForCausalLM"}
+                  "glm4_moe": "Glm4MoeForCausalLM", "minicpm3": "MiniCPM3ForCausalLM",
+                  "gpt_oss": "GptOssForCausalLM"}
 _ACTS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
 # Gemma's gated MLP: its hidden_activation on the gate half
 _GATED_ACTS = {"gelu_pytorch_tanh": "geglu_tanh", "gelu_new": "geglu_tanh", "gelu": "geglu"}
@@ -153,6 +160,12 @@ def _decoder_config_from_hf(hf: dict) -> ModelConfig:
                               "(model_type gemma3_text, Gemma3ForCausalLM) is supported")
     if kind not in SUPPORTED:
         raise CheckpointError(f"model_type {kind!r} is not supported; supported: {', '.join(SUPPORTED)}")
+    quantized = hf.get("quantization_config")
+    if quantized is not None:
+        method = quantized.get("quant_method") if isinstance(quantized, dict) else quantized
+        if not (kind in GPT_OSS and method == "mxfp4"):
+            raise CheckpointError(f"config.json: quantization_config: quant_method {method!r} weights are not read "
+                                  f"here (only gpt_oss's MXFP4 experts are): use a dequantised (bf16) folder")
     if kind == "gpt2":
         act = hf.get("activation_function", "gelu_new")
         return ModelConfig(
@@ -170,6 +183,8 @@ def _decoder_config_from_hf(hf: dict) -> ModelConfig:
         return _glm_config(hf)
     if kind in MINICPM:
         return _minicpm3_config(hf)
+    if kind in GPT_OSS:
+        return _gpt_oss_config(hf)
     if hf.get("hidden_act", "silu") != "silu":
         raise CheckpointError(f"hidden_act {hf.get('hidden_act')!r} is not supported for {kind} (silu only)")
     base = MOE_BASE.get(kind, kind)
@@ -256,6 +271,67 @@ def _glm_config(hf: dict) -> ModelConfig:
         qk_layernorm=bool(hf.get("use_qk_norm")), rotary_percent=float(_partial_rotary(hf, default=0.5)),
         untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
         moe=_deepseek_moe(hf, "glm4_moe") if moe_layers else None, moe_layers=moe_layers or None)
+
+
+# the sigmoid gain of transformers' GPT-OSS experts, which our quick_geglu has built in
+_QUICK_GELU_ALPHA = 1.702
+
+
+def _gpt_oss_config(hf: dict) -> ModelConfig:
+    alpha = hf.get("swiglu_alpha", _QUICK_GELU_ALPHA)
+    if alpha != _QUICK_GELU_ALPHA:
+        raise CheckpointError(f"config.json: swiglu_alpha {alpha!r} is not supported for gpt_oss (1.702 only, "
+                              f"megatron-core's quick GELU)")
+    theta, scaling = _rope(hf)
+    layers, heads = hf["num_hidden_layers"], hf["num_attention_heads"]
+    types = hf.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+    sliding = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+    window = hf.get("sliding_window") if sliding else None
+    topk = hf["num_experts_per_tok"]
+    # transformers' aux loss counts all k choices: k times Megatron's (see _moe_from_hf)
+    aux = hf.get("router_aux_loss_coef", 0.0) * topk if hf.get("output_router_logits") else 0.0
+    bias = bool(hf.get("attention_bias", True))
+    return ModelConfig(
+        family="gpt_oss", vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], num_layers=layers,
+        num_attention_heads=heads, num_query_groups=hf.get("num_key_value_heads") or heads,
+        kv_channels=hf.get("head_dim") or hf["hidden_size"] // heads, ffn_hidden_size=hf["intermediate_size"],
+        max_position_embeddings=hf.get("max_position_embeddings", 131072), norm_epsilon=hf.get("rms_norm_eps", 1e-5),
+        rotary_base=theta, rope_scaling=scaling, add_qkv_bias=bias, attention_output_bias=bias,
+        add_bias_linear=True, activation="quick_geglu", glu_linear_offset=1.0,
+        activation_func_clamp_value=float(hf.get("swiglu_limit", 7.0)), attention_sinks=True,
+        sliding_window=window, sliding_window_layers=sliding if window else None,
+        untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
+        moe=MoEConfig(num_experts=hf["num_local_experts"], topk=topk, ffn_hidden_size=hf["intermediate_size"],
+                      norm_topk_prob=True, aux_loss_coeff=aux))
+
+
+def _gpt_oss_hf_config(cfg: ModelConfig) -> dict:
+    moe = cfg.moe
+    if (moe is None or cfg.moe_layers is not None or not cfg.attention_sinks or cfg.activation != "quick_geglu"
+            or cfg.glu_linear_offset != 1.0 or cfg.activation_func_clamp_value is None or not cfg.add_bias_linear
+            or cfg.add_qkv_bias != cfg.attention_output_bias or cfg.qk_layernorm or cfg.mla is not None
+            or cfg.rotary_percent != 1.0 or moe.score_function != "softmax" or not moe.norm_topk_prob
+            or moe.num_groups or moe.scaling_factor != 1.0 or moe.enable_expert_bias or moe.shared_expert_size
+            or moe.capacity_factor is not None or (moe.ffn_hidden_size or cfg.ffn_hidden_size) != cfg.ffn_hidden_size):
+        raise CheckpointError("gpt_oss is attention with sinks and one bias switch, and in every layer an MoE MLP of "
+                              "biased quick-GEGLU experts (offset 1, clamped) routed by softmax top-k: this model "
+                              "differs, and cannot be written as a gpt_oss folder")
+    every = range(cfg.num_layers)
+    sliding = every if cfg.sliding_window_layers is None else cfg.sliding_window_layers
+    rope = {"rope_type": "default", "rope_theta": cfg.rotary_base}
+    rope.update(cfg.rope_scaling or {})
+    return {"model_type": "gpt_oss", "architectures": [_ARCHITECTURES["gpt_oss"]], "vocab_size": cfg.vocab_size,
+            "hidden_size": cfg.hidden_size, "intermediate_size": cfg.ffn_hidden_size,
+            "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_attention_heads,
+            "num_key_value_heads": cfg.num_query_groups, "head_dim": cfg.kv_channels,
+            "max_position_embeddings": cfg.max_position_embeddings, "rms_norm_eps": cfg.norm_epsilon,
+            "rope_theta": cfg.rotary_base, "rope_parameters": rope, "attention_bias": cfg.add_qkv_bias,
+            "sliding_window": cfg.sliding_window, "layer_types": [
+                "sliding_attention" if cfg.sliding_window and i in sliding else "full_attention" for i in every],
+            "num_local_experts": moe.num_experts, "num_experts_per_tok": moe.topk,
+            "swiglu_alpha": _QUICK_GELU_ALPHA, "swiglu_limit": cfg.activation_func_clamp_value,
+            "output_router_logits": moe.aux_loss_coeff > 0, "router_aux_loss_coef": moe.aux_loss_coeff / moe.topk,
+            "tie_word_embeddings": not cfg.untie_embeddings_and_output_weights, "hidden_act": "silu"}
 
 
 def _deepseek_moe(hf: dict, kind: str) -> MoEConfig:
@@ -471,7 +547,7 @@ def _moe_from_hf(hf: dict, kind: str) -> tuple[MoEConfig, tuple | None]:
 
 
 def hf_config(cfg: ModelConfig) -> dict:
-    if cfg.moe is not None and cfg.family not in (*MOE_BASE, *SHARED_EXPERTS):
+    if cfg.moe is not None and cfg.family not in (*MOE_BASE, *SHARED_EXPERTS, *GPT_OSS):
         raise CheckpointError(f"a {cfg.family} model with MoE layers has no Hugging Face architecture: export MoE "
                               f"models as {', '.join(MOE_BASE)} (their attention is mistral's, qwen2's, qwen3's)")
     out = _decoder_hf_config(cfg)
@@ -491,6 +567,11 @@ def _decoder_hf_config(cfg: ModelConfig) -> dict:
                 "activation_function": "gelu_new" if cfg.activation == "gelu_tanh" else "gelu",
                 "tie_word_embeddings": not cfg.untie_embeddings_and_output_weights,
                 "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
+    if cfg.family in GPT_OSS:
+        return _gpt_oss_hf_config(cfg)
+    if cfg.attention_sinks or cfg.glu_linear_offset or cfg.activation_func_clamp_value is not None:
+        raise CheckpointError(f"{cfg.family} has no attention sinks or clamped experts in transformers (gpt_oss "
+                              f"has): this model cannot be written as a {cfg.family} folder")
     arch = _ARCHITECTURES[cfg.family]
     base = MOE_BASE.get(cfg.family, cfg.family)
     windowed = base in ("mistral", "phi3", "qwen2", "qwen3")  # families whose transformers model has sliding windows
@@ -692,6 +773,59 @@ def _moe_from_hf_state(cfg: ModelConfig, i: int, take) -> dict:
     return out
 
 
+# MXFP4 (OCP microscaling): 4-bit e2m1 values, two to a byte (low nibble first), in blocks
+# of 32 sharing one power-of-two scale stored as its exponent + 127
+_FP4_E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
+                     np.float32)
+
+
+def dequantize_mxfp4(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """GPT-OSS's stored experts: ``blocks`` uint8 [E, rows, G, 16] and ``scales`` uint8
+    [E, rows, G] -> float32 [E, G x 32, rows] (the weight as transformers holds it, inputs
+    first). Exact: every value is a small float times a power of two."""
+    if blocks.dtype != np.uint8 or scales.dtype != np.uint8 or blocks.shape[:-1] != scales.shape or blocks.ndim != 4:
+        raise CheckpointError(f"MXFP4 blocks {blocks.dtype}{list(blocks.shape)} and scales "
+                              f"{scales.dtype}{list(scales.shape)}: expected uint8 [E, rows, G, B] and [E, rows, G]")
+    values = np.stack([_FP4_E2M1[blocks & 0x0F], _FP4_E2M1[blocks >> 4]], axis=-1)  # [E, rows, G, B, 2]
+    values = np.ldexp(values, (scales.astype(np.int32) - 127)[..., None, None])
+    e, rows = blocks.shape[:2]
+    return np.ascontiguousarray(values.reshape(e, rows, -1).swapaxes(1, 2))
+
+
+def _gpt_oss_experts_from_hf(cfg: ModelConfig, i: int, hf: dict, take) -> dict:
+    """Layer i's router and experts: gate_up_proj [E, h, 2f] with gate and up columns
+    interleaved (ours: gate columns, then up), down_proj [E, f, h] as ours; dequantised from
+    MXFP4 where the folder holds them so."""
+    features.note_used("hf-gpt-oss")
+    a, b = f"model.layers.{i}.mlp.", f"decoder.layers.{i}.mlp."
+
+    def weight(name):
+        if a + f"experts.{name}_blocks" in hf:
+            return dequantize_mxfp4(take(a + f"experts.{name}_blocks"), take(a + f"experts.{name}_scales"))
+        return take(a + f"experts.{name}")
+
+    gate_up, gate_up_bias = weight("gate_up_proj"), take(a + "experts.gate_up_proj_bias")
+    return {b + "router.weight": take(a + "router.weight"), b + "router.bias": take(a + "router.bias"),
+            b + "experts.weight1": np.concatenate([gate_up[..., 0::2], gate_up[..., 1::2]], axis=-1),
+            b + "experts.bias1": np.concatenate([gate_up_bias[..., 0::2], gate_up_bias[..., 1::2]], axis=-1),
+            b + "experts.weight2": weight("down_proj"), b + "experts.bias2": take(a + "experts.down_proj_bias")}
+
+
+def _interleave(gate_then_up: np.ndarray) -> np.ndarray:
+    """[..., 2f] gate columns then up columns -> GPT-OSS's alternating gate, up, gate, ..."""
+    gate, up = np.split(gate_then_up, 2, axis=-1)
+    return np.ascontiguousarray(np.stack([gate, up], axis=-1).reshape(gate_then_up.shape))
+
+
+def _gpt_oss_experts_to_hf(i: int, ours: dict) -> dict:
+    features.note_used("hf-gpt-oss")
+    a, b = f"model.layers.{i}.mlp.", f"decoder.layers.{i}.mlp."
+    return {a + "router.weight": ours[b + "router.weight"], a + "router.bias": ours[b + "router.bias"],
+            a + "experts.gate_up_proj": _interleave(ours[b + "experts.weight1"]),
+            a + "experts.gate_up_proj_bias": _interleave(ours[b + "experts.bias1"]),
+            a + "experts.down_proj": ours[b + "experts.weight2"], a + "experts.down_proj_bias": ours[b + "experts.bias2"]}
+
+
 def _moe_to_hf_state(cfg: ModelConfig, i: int, ours: dict) -> dict:
     a, (g, u, d) = _moe_names(cfg, i)
     b = f"decoder.layers.{i}.mlp."
@@ -778,7 +912,11 @@ def _layer_from_hf(cfg: ModelConfig, i: int, hf: dict, take, out: dict) -> None:
         out[b + "weight"] = _fuse_qkv(cfg, *(take(a + f"self_attn.{x}_proj.weight") for x in "qkv"))
     if cfg.add_qkv_bias:
         out[b + "bias"] = _fuse_qkv(cfg, *(take(a + f"self_attn.{x}_proj.bias") for x in "qkv"))
-    if cfg.is_moe_layer(i):
+    if cfg.attention_sinks:
+        out[f"decoder.layers.{i}.self_attention.core_attention.softmax_offset"] = take(a + "self_attn.sinks")
+    if cfg.family in GPT_OSS:
+        out.update(_gpt_oss_experts_from_hf(cfg, i, hf, take))
+    elif cfg.is_moe_layer(i):
         out.update(_moe_from_hf_state(cfg, i, take))
     else:
         gate, up = take(a + "mlp.gate_proj.weight"), take(a + "mlp.up_proj.weight")
@@ -906,7 +1044,11 @@ def _layer_to_hf(cfg: ModelConfig, i: int, ours: dict, out: dict) -> None:
     if cfg.add_qkv_bias:
         for x, t in zip("qkv", split_qkv(cfg, ours[b + "bias"])):
             out[a + f"self_attn.{x}_proj.bias"] = t
-    if cfg.is_moe_layer(i):
+    if cfg.attention_sinks:
+        out[a + "self_attn.sinks"] = ours[f"decoder.layers.{i}.self_attention.core_attention.softmax_offset"]
+    if cfg.family in GPT_OSS:
+        out.update(_gpt_oss_experts_to_hf(i, ours))
+    elif cfg.is_moe_layer(i):
         out.update(_moe_to_hf_state(cfg, i, ours))
     else:
         gate, up = np.split(ours[f"decoder.layers.{i}.mlp.linear_fc1.weight"], 2)
@@ -988,7 +1130,7 @@ MODEL_TYPES = {"llama2": "llama", "llama3": "llama", "qwen2": "qwen2", "qwen25":
                "phi3.5": "phi3", "phi3": "phi3", "gemma2": "gemma2", "gemma3": "gemma3",
                "mistral": "mistral", "gpt2": "gpt2", "mixtral": "mixtral", "qwen2-moe": "qwen2_moe",
                "qwen3-moe": "qwen3_moe", "deepseek2-lite": "deepseek_v2", "deepseek3": "deepseek_v3",
-               "glm45": "glm4_moe", "glm45-air": "glm4_moe", "minicpm3": "minicpm3"}
+               "glm45": "glm4_moe", "glm45-air": "glm4_moe", "minicpm3": "minicpm3", "gpt-oss": "gpt_oss"}
 # what a Hugging Face folder holds besides the model: copied along by --hf-cfg-dir
 COMPANIONS = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
               "generation_config.json", "vocab.json", "merges.txt", "chat_template.jinja")

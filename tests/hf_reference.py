@@ -119,12 +119,68 @@ MODELS = {
                                         qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=12, scale_emb=12,
                                         scale_depth=1.4, dim_model_base=256, tie_word_embeddings=True,
                                         pad_token_id=0)),
+    # GPT-OSS: attention sinks, q/k/v/o biases, a 5-token window on every other layer, YaRN
+    # (truncate false), top-2 of 4 experts with biases, the clamped quick-GEGLU with a limit low
+    # enough to clip (0.5); "gpt-oss-mxfp4" the same with its experts stored as MXFP4 blocks
+    "gpt-oss": (T.GptOssConfig, dict(COMMON, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+                                     num_experts_per_tok=2, sliding_window=5, swiglu_limit=0.5, pad_token_id=0,
+                                     rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0,
+                                                      "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                                                      "original_max_position_embeddings": 16})),
 }
+MODELS["gpt-oss-mxfp4"] = MODELS["gpt-oss"]
+FP4_E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+
+
+def to_mxfp4(weight: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """transformers' expert weight [E, in, out] -> (blocks uint8 [E, out, in / 32, 16], scales
+    uint8 [E, out, in / 32]): each block of 32 inputs scaled by a power of two so its largest
+    value fits 6, each value rounded to the nearest e2m1 number, two to a byte, low nibble first."""
+    rows = np.swapaxes(weight, 1, 2)
+    blocks = rows.reshape(rows.shape[:-1] + (-1, 32))
+    exponent = np.floor(np.log2(np.maximum(np.abs(blocks).max(-1), 1e-30))) - 2
+    scaled = blocks / np.exp2(exponent)[..., None]
+    nibbles = np.abs(scaled[..., None] - FP4_E2M1).argmin(-1).astype(np.uint8)
+    packed = nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)
+    # contiguous: safetensors' numpy writer copies the memory as it lies, whatever the strides
+    return np.ascontiguousarray(packed), np.ascontiguousarray((exponent + 127).astype(np.uint8))
+
+
+def store_experts_as_mxfp4(model, folder: str) -> None:
+    """Round the experts to MXFP4 (the model then holds what transformers dequantises from the
+    blocks) and write the folder as the released GPT-OSS checkpoints are: blocks and scales in
+    place of the expert weights, with a quantization_config."""
+    import json
+
+    from safetensors.numpy import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    stored = {}
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                blocks, scales = to_mxfp4(p.double().numpy())
+                p.copy_(convert_moe_packed_tensors(torch.as_tensor(blocks), torch.as_tensor(scales),
+                                                   dtype=torch.float32))
+                stored[name] = (blocks, scales)
+    model.save_pretrained(folder)
+    path = os.path.join(folder, "model.safetensors")
+    tensors = load_file(path)
+    for name, (blocks, scales) in stored.items():
+        del tensors[name]
+        tensors[name + "_blocks"], tensors[name + "_scales"] = blocks, scales
+    save_file(tensors, path, metadata={"format": "pt"})
+    with open(os.path.join(folder, "config.json")) as fh:
+        config = json.load(fh)
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    with open(os.path.join(folder, "config.json"), "w") as fh:
+        json.dump(config, fh)
 
 
 # greedy generate() with the cache: 8 tokens after the ids, the second row's first 3 ids padding
 GENERATED = ("llama", "qwen3", "gpt2", "llama-dynamic-rope", "phi3-longrope", "gemma2", "gemma3", "mistral-sliding",
-             "deepseek-v2", "deepseek-v3", "glm4-moe", "minicpm3")
+             "deepseek-v2", "deepseek-v3", "glm4-moe", "minicpm3", "gpt-oss")
 PAD = 3
 
 
@@ -140,8 +196,10 @@ def build(name: str, out_dir: str) -> None:
             if buffer_name.endswith("e_score_correction_bias"):
                 b.uniform_(-0.1, 0.1)
     folder = os.path.join(out_dir, name)
-    # one model saved sharded, to cover the index file
-    model.save_pretrained(folder, max_shard_size="100KB" if name == "qwen3" else "1GB")
+    if name.endswith("-mxfp4"):
+        store_experts_as_mxfp4(model, folder)
+    else:  # one model saved sharded, to cover the index file
+        model.save_pretrained(folder, max_shard_size="100KB" if name == "qwen3" else "1GB")
     ids = np.random.default_rng(1).integers(0, VOCAB, size=(2, 12))
     with torch.no_grad():
         logits = model(torch.as_tensor(ids)).logits.double().numpy()

@@ -26,9 +26,15 @@ MLA = [pytest.param("deepseek-v2", marks=pytest.mark.feature("multi-latent-atten
        pytest.param("deepseek-v3", marks=[pytest.mark.feature("multi-latent-attention"),
                                          pytest.mark.feature("hf-deepseek-v3-moe")]),
        pytest.param("minicpm3", marks=pytest.mark.feature("multi-latent-attention"))]
+# GPT-OSS: attention sinks, its folder format (biased experts, interleaved gate/up), and the
+# released MXFP4 experts dequantised
+GPT_OSS = pytest.param("gpt-oss", marks=[pytest.mark.feature("attention-sinks"), pytest.mark.feature("hf-gpt-oss"),
+                                         pytest.mark.feature("sliding-window-attention"), pytest.mark.feature("yarn")])
+GPT_OSS_MXFP4 = pytest.param("gpt-oss-mxfp4", marks=pytest.mark.feature("hf-gpt-oss"))
 NAMES = ["llama", "llama3-rope", "llama-linear-rope-tied", "llama-yarn", "qwen2-yarn-mscale", "llama-dynamic-rope",
          "llama-attention-bias", "mistral", "mistral-sliding", "qwen2", "qwen2-sliding", "qwen3", "phi3-longrope",
-         "phi3-partial-rotary", GEMMA2, "gemma3", "gpt2", "mixtral", "qwen2-moe", "qwen3-moe", *MLA, "glm4-moe"]
+         "phi3-partial-rotary", GEMMA2, "gemma3", "gpt2", "mixtral", "qwen2-moe", "qwen3-moe", *MLA, "glm4-moe",
+         GPT_OSS, GPT_OSS_MXFP4]
 
 
 _reference_process = hf_reference_process
@@ -50,13 +56,13 @@ def test_logits_match_transformers(references, name):
 @pytest.mark.feature("greedy-generation")
 @pytest.mark.feature("kv-cache")
 @pytest.mark.parametrize("name", ["llama", "qwen3", "gpt2", "llama-dynamic-rope", "phi3-longrope", GEMMA2, "gemma3",
-                                  "mistral-sliding", *MLA, "glm4-moe"])
+                                  "mistral-sliding", *MLA, "glm4-moe", GPT_OSS])
 def test_greedy_generation_matches_transformers(references, name):
     """transformers' generate() (greedy, with its cache) on a batch whose second prompt is
     padded on the left; dynamic NTK past max_position_embeddings as the sequence grows;
     LongRoPE's long factors from the token past its original length on; Gemma 2's and Gemma 3's
     windows sliding over the cache (Gemma 3's sliding layers on their own RoPE); DeepSeek's
-    cache of latents."""
+    cache of latents; GPT-OSS's sinks beside a padded row's hidden keys."""
     from mindspeed_core.models import generate as gen
 
     ref = np.load(references / f"{name}.npz")
@@ -81,7 +87,7 @@ def test_the_latent_cache_holds_the_latent_and_the_rotated_key(references):
 
 EXPORTED = ["llama", "llama-attention-bias", "qwen3", "gpt2", "mixtral", "qwen2-moe", "qwen2-yarn-mscale",
             "phi3-longrope", "phi3-partial-rotary", "gemma2", "gemma3", "mistral-sliding", "qwen2-sliding",
-            "deepseek-v2", "deepseek-v3", "glm4-moe", "minicpm3"]
+            "deepseek-v2", "deepseek-v3", "glm4-moe", "minicpm3", "gpt-oss"]
 
 
 @pytest.fixture(scope="module")
@@ -121,6 +127,24 @@ def test_export_round_trip_is_exact_and_loads_in_transformers(framework, referen
     np.testing.assert_allclose(np.load(exported / f"{name}-logits.npy"), ref["logits"], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.feature("hf-gpt-oss")
+def test_mxfp4_experts_are_read_as_transformers_dequantises_them(references):
+    """The released GPT-OSS layout: each expert weight as MXFP4 blocks and scales (made here by
+    rounding a random model's experts); the reference model holds what transformers'
+    dequantiser makes of them. Ours reads the same numbers, and writes floats back."""
+    cfg, state = hf.load_folder(str(references / "gpt-oss-mxfp4"))
+    with open(references / "gpt-oss-mxfp4" / "config.json") as fh:
+        assert json.load(fh)["quantization_config"]["quant_method"] == "mxfp4"
+    out = hf.to_hf_state(cfg, state)
+    assert "model.layers.0.mlp.experts.gate_up_proj" in out and not any(k.endswith("_blocks") for k in out)
+    weights = state["decoder.layers.0.mlp.experts.weight1"]
+    # every value a small float times a power of two: at most 4 significant bits
+    mantissa, _ = np.frexp(weights)
+    assert np.array_equal(mantissa * 16, np.round(mantissa * 16))
+    with pytest.raises(CheckpointError, match="MXFP4 blocks"):
+        hf.dequantize_mxfp4(np.zeros((2, 3, 4), np.uint8), np.zeros((2, 3), np.uint8))
+
+
 def test_a_mixtral_folder_starts_a_training_run_with_its_experts(references, capsys):
     from mindspeed_core import cli
 
@@ -152,6 +176,7 @@ def test_bad_folders_are_clear_errors(references, tmp_path):
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "beta_fast": -1}}, "rope_scaling.beta_fast must be a positive"),
     ({"rope_scaling": {"rope_type": "dynamic"}}, "rope_scaling.factor must be a positive number"),
     ({"rope_scaling": {"rope_type": "linear"}}, "rope_scaling.factor must be a positive number"),
+    ({"quantization_config": {"quant_method": "fp8"}}, "quantization_config: quant_method 'fp8'"),
 ])
 def test_unsupported_configs_are_refused_naming_the_key(references, tmp_path, change, key):
     """Refused naming the config key and its value; from the command line (once): exit 2 and
@@ -173,6 +198,7 @@ def test_unsupported_configs_are_refused_naming_the_key(references, tmp_path, ch
     ("mixtral", {"router_jitter_noise": 0.1}, "router_jitter_noise 0.1 is not supported"),
     ("qwen2-moe", {"shared_expert_intermediate_size": 0}, "needs a positive shared_expert_intermediate_size"),
     ("qwen3-moe", {"num_local_experts": None}, "has no 'num_experts'"),
+    ("gpt-oss", {"swiglu_alpha": 1.5}, "swiglu_alpha 1.5 is not supported"),
 ])
 def test_unsupported_moe_configs_are_refused(references, tmp_path, name, change, key):
     folder = tmp_path / "model"
