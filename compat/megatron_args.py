@@ -64,6 +64,20 @@ SEED = _number(int, 0, 2**32 - 1 - 100_000, what="in [0, 4294867295]")
 PORT = _number(int, 1, 65535, what="a TCP port (1-65535)")
 
 
+def _causal_window(text: str) -> int:
+    """megatron-core's --window-size "L,R" -> L + 1 keys a query sees (itself among them);
+    causal attention has no keys after the query, so R must be 0 (or -1, none)."""
+    parts = text.split(",")
+    try:
+        left, right = (int(p) for p in parts)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected two integers L,R, got {text!r}") from None
+    if left < 1 or right not in (0, -1):
+        raise argparse.ArgumentTypeError(f"expected L,0 with L a positive number of earlier keys (causal attention "
+                                         f"has none after the query), got {text!r}")
+    return left + 1
+
+
 def TRISTATE(text: str):  # noqa: N802 - an argparse type, named like the others
     """MindSpeed-LLM's true / false / none switches."""
     try:
@@ -360,6 +374,18 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
     m.add_argument("--output-logit-softcapping", type=POSITIVE, default=None)
     m.add_argument("--sliding-window", type=POSITIVE_INT, default=None)
     m.add_argument("--interleave-sliding-window", type=POSITIVE_INT, default=None)
+    # megatron-core's GPT-OSS switches: a window of L keys before each query (--window-size L,0)
+    # in every layer but each N-th (--window-attn-skip-freq N), the learned per-head softmax
+    # offset (attention sinks), the quick-GELU gated MLP with an offset on its linear half and
+    # both halves clamped
+    m.add_argument("--window-size", type=_causal_window, default=None,
+                   help="L,0: each query sees itself and the L keys before it (megatron-core's tuple)")
+    m.add_argument("--window-attn-skip-freq", type=POSITIVE_INT, default=None,
+                   help="N: every N-th layer attends without the window (the others slide)")
+    m.add_argument("--softmax-type", choices=("vanilla", "off-by-one", "learnable"), default=None)
+    m.add_argument("--quick-geglu", action="store_true", default=None)
+    m.add_argument("--glu-linear-offset", type=FINITE, default=None)
+    m.add_argument("--activation-func-clamp-value", type=POSITIVE, default=None)
     m.add_argument("--init-method-std", type=NON_NEGATIVE, default=None)
     m.add_argument("--attention-dropout", type=PROBABILITY, default=None)
     m.add_argument("--hidden-dropout", type=PROBABILITY, default=None)

@@ -500,13 +500,15 @@ FEATURES: tuple[Feature, ...] = (
                       "flags (MindSpeed-LLM's) or a Hugging Face config"),
             supported("as on PyTorch (tables built on the host)"), _eq("rope_scaling_type", "longrope")),
     Feature("sliding-window-attention", "Sliding-window attention (Gemma 2/3's, Mistral's, Qwen's)", "models",
-            ("--sliding-window", "--interleave-sliding-window"),
+            ("--sliding-window", "--interleave-sliding-window", "--window-size", "--window-attn-skip-freq"),
             supported("a query sees itself and the window - 1 tokens before it, in every layer (--sliding-window) "
-                      "or every other one from the first (--interleave-sliding-window, Gemma 2's); one more mask "
+                      "or every other one from the first (--interleave-sliding-window, Gemma 2's; megatron-core's "
+                      "--window-size L,0 with --window-attn-skip-freq N: all but every N-th); one more mask "
                       "of the attention op, so packed documents, the KV cache, TP/SP/PP and ring, Ulysses and "
                       "hybrid CP keep it exactly"),
             supported("as on PyTorch (the composite attention with the window's mask)"),
-            lambda a: bool(getattr(a, "sliding_window", None) or getattr(a, "interleave_sliding_window", None))),
+            lambda a: bool(getattr(a, "sliding_window", None) or getattr(a, "interleave_sliding_window", None)
+                           or getattr(a, "window_size", None))),
     Feature("logit-softcapping", "Soft-capping of attention scores and output logits (Gemma 2)", "models",
             ("--attn-logit-softcapping", "--output-logit-softcapping"),
             supported("cap * tanh(x / cap) on each attention score before the masks (the composite attention: "
@@ -514,6 +516,21 @@ FEATURES: tuple[Feature, ...] = (
                       "and CP's ring blocks cap exactly as the whole does"),
             supported("as on PyTorch"),
             lambda a: bool(getattr(a, "attn_logit_softcapping", None) or getattr(a, "output_logit_softcapping", None))),
+    Feature("attention-sinks", "Attention sinks: a learned logit per head in each softmax (GPT-OSS)", "models",
+            ("--softmax-type learnable",),
+            supported("megatron-core's learnable softmax offset (self_attention.core_attention.softmax_offset): "
+                      "each head's weights shrink by sigmoid(lse - sink) from the attention's log-sum-exp, exact "
+                      "for every attention path that returns it (TP splits the sinks by head; SP, PP, the KV "
+                      "cache); with context parallelism it is not built (GPT-OSS is MoE, which CP refuses)"),
+            supported("as on PyTorch"), _eq("softmax_type", "learnable")),
+    Feature("hf-gpt-oss", "GPT-OSS folders: biased experts with the clamped quick-GEGLU, MXFP4 experts read "
+            "dequantised", "compatibility", (),
+            supported("gpt_oss config.json and weights both ways: sinks, alternating sliding windows, YaRN, the "
+                      "router's bias, experts' gate/up columns de-interleaved with their biases "
+                      "(megatron-core's --quick-geglu, glu_linear_offset 1, activation_func_clamp_value); the "
+                      "released MXFP4 blocks and scales are dequantised exactly on load and written back in "
+                      "float"),
+            supported("as on PyTorch"), None),
     # ---- data and tools -------------------------------------------------------------------
     *(
         Feature(f"handler-{slug}", f"Data handler {name}", "data", (f"--handler-name {name}",),

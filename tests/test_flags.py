@@ -53,6 +53,7 @@ VALUES = {
     "--model-type-hf": ["qwen3"], "--long-factor": ["2,2,3,3"], "--short-factor": ["1,1,1.5,1.5"],
     "--long-mscale": ["1.5"], "--short-mscale": ["1.25"], "--moe-input-jitter-eps": ["0.01"],
     "--dataloader-type": ["cyclic"],  # single is what runs here; the others are gated
+    "--window-size": ["3,0"], "--softmax-type": ["learnable"],
 }
 
 
@@ -61,6 +62,7 @@ REQUIRES = {
     "--context-parallel-algo": ["--context-parallel-size", "2"],
     "--ulysses-degree-in-cp": ["--context-parallel-size", "2", "--context-parallel-algo", "hybrid_cp_algo"],
     "--recompute-method": ["--recompute-granularity", "full"],
+    "--window-attn-skip-freq": ["--window-size", "3,0"],
     "--recompute-num-layers": ["--recompute-granularity", "full"],
     "--vocab-file": ["--tokenizer-type", "GPT2BPETokenizer"],
     "--merge-file": ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", "{where}/vocab.json"],

@@ -331,28 +331,42 @@ _LAYER_FLAGS = {"add_rmsnorm_offset": "norm_offset", "post_norm": "post_norm", "
                 "query_pre_attn_scalar": "query_pre_attn_scalar",
                 "attn_logit_softcapping": "attn_logit_softcapping",
                 "output_logit_softcapping": "final_logit_softcapping",
-                "scale_emb": "scale_emb", "scale_depth": "scale_depth", "dim_model_base": "dim_model_base"}
+                "scale_emb": "scale_emb", "scale_depth": "scale_depth", "dim_model_base": "dim_model_base",
+                "glu_linear_offset": "glu_linear_offset", "activation_func_clamp_value": "activation_func_clamp_value"}
 
 
 def _layer_fields(args, num_layers: int) -> list[tuple]:
     """(flag, ModelConfig field, value) of each Gemma- or MiniCPM-style flag given."""
     out = [(flag, field, getattr(args, flag)) for flag, field in _LAYER_FLAGS.items() if getattr(args, flag) is not None]
-    gated = [f for f in ("swiglu", "gelu_tanh", "geglu") if getattr(args, f)]
+    gated = [f for f in ("swiglu", "gelu_tanh", "geglu", "quick_geglu") if getattr(args, f)]
     if len(gated) > 1:
         raise MindSpeedError(f"--{gated[0].replace('_', '-')} and --{gated[1].replace('_', '-')} choose different "
                              f"MLP activations: give one")
-    if args.gelu_tanh or args.geglu:
-        out.append(("gelu_tanh" if args.gelu_tanh else "geglu", "activation",
-                    "geglu_tanh" if args.gelu_tanh else "geglu"))
-    if args.sliding_window and args.interleave_sliding_window:
-        raise MindSpeedError("--sliding-window (every layer) and --interleave-sliding-window (every other layer): "
-                             "give one")
+    for flag, activation in (("gelu_tanh", "geglu_tanh"), ("geglu", "geglu"), ("quick_geglu", "quick_geglu")):
+        if getattr(args, flag):
+            out.append((flag, "activation", activation))
+    if args.softmax_type == "off-by-one":
+        raise MindSpeedError("--softmax-type off-by-one (a fixed zero logit beside the keys) is not built: "
+                             "--softmax-type learnable (attention sinks) is")
+    if args.softmax_type is not None:
+        out.append(("softmax_type", "attention_sinks", args.softmax_type == "learnable"))
+    windows = [f for f in ("sliding_window", "interleave_sliding_window", "window_size") if getattr(args, f)]
+    if len(windows) > 1:
+        raise MindSpeedError(f"--{windows[0].replace('_', '-')} and --{windows[1].replace('_', '-')} both set the "
+                             f"sliding window: give one")
+    if args.window_attn_skip_freq and not args.window_size:
+        raise MindSpeedError("--window-attn-skip-freq picks the layers without the window of --window-size: give both")
     if args.sliding_window:
         out += [("sliding_window", "sliding_window", args.sliding_window),
                 ("sliding_window", "sliding_window_layers", None)]
     if args.interleave_sliding_window:
         out += [("interleave_sliding_window", "sliding_window", args.interleave_sliding_window),
                 ("interleave_sliding_window", "sliding_window_layers", interleaved_window_layers(num_layers))]
+    if args.window_size:  # megatron-core counts layers from one: each skip_freq-th has no window
+        skip = args.window_attn_skip_freq
+        out += [("window_size", "sliding_window", args.window_size),
+                ("window_size", "sliding_window_layers",
+                 None if not skip else tuple(i for i in range(num_layers) if (i + 1) % skip))]
     return out
 
 
