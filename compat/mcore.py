@@ -86,11 +86,12 @@ def tp_spec(cfg: ModelConfig, name: str):
         if base is None or (base == ("split", 1)) == (".lora_B." in name):
             return None
         return base
-    swiglu = ("swiglu",) if cfg.activation == "swiglu" else ("split", 0)
+    swiglu = ("swiglu",) if cfg.gated else ("split", 0)  # any gated unit: [gate; up] cut apart
     if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
         return ("split", 0)
     if name.endswith(("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias",
-                      *(f"self_attention.{n}.weight" for n in MLA_UP), ".eh_proj.weight")):
+                      *(f"self_attention.{n}.weight" for n in MLA_UP), ".eh_proj.weight",
+                      "self_attention.core_attention.softmax_offset")):  # the sinks: one per head
         return ("split", 0)  # multi-token prediction's eh_proj: a column-parallel layer in Megatron's files
     if name.endswith(("mlp.linear_fc1.weight", "mlp.linear_fc1.bias", "shared_experts.linear_fc1.weight")):
         return swiglu
@@ -242,18 +243,21 @@ def _put_experts(cfg, state, prefix, rest, full, layout, t, e, dtype) -> None:
     rank's SequentialMLP local experts, cut over TP as their dense twins are."""
     full = np.asarray(full)
     mine = np.split(full, layout.ep, axis=0)[e]
-    fc1 = ("swiglu",) if cfg.activation == "swiglu" else ("split", 0)
+    fc1 = ("swiglu",) if cfg.gated else ("split", 0)
+    # (module, tensor, how TP cuts it); fc2's bias is whole on every TP rank, as Megatron's row layer's
+    key, kind, spec = {"mlp.experts.weight1": ("linear_fc1", "weight", fc1),
+                       "mlp.experts.weight2": ("linear_fc2", "weight", ("split", 1)),
+                       "mlp.experts.bias1": ("linear_fc1", "bias", fc1),
+                       "mlp.experts.bias2": ("linear_fc2", "bias", None)}.get(rest, (None, None, None))
+    if key is None:
+        raise CheckpointError(f"unexpected expert tensor {rest}")
     for j, expert in enumerate(mine):
-        if rest == "mlp.experts.weight1":
-            key, weight, spec = "linear_fc1", expert.T, fc1
-        elif rest == "mlp.experts.weight2":
-            key, weight, spec = "linear_fc2", expert.T, ("split", 1)
-        else:
-            raise CheckpointError(f"unexpected expert tensor {rest}")
-        if layout.tp > 1:
+        weight = expert.T if kind == "weight" else expert
+        if layout.tp > 1 and spec is not None:
             weight = shard(np.ascontiguousarray(weight), spec, layout.tp, t)
-        state[f"{prefix}local_experts.{j}.{key}.weight"] = HostTensor.of(weight, dtype)
-        state[f"{prefix}local_experts.{j}.{key}._extra_state"] = None
+        state[f"{prefix}local_experts.{j}.{key}.{kind}"] = HostTensor.of(weight, dtype)
+        if kind == "weight":
+            state[f"{prefix}local_experts.{j}.{key}._extra_state"] = None
 
 
 def megatron_args(cfg: ModelConfig, layout: Layout, dtype: str, iteration: int) -> argparse.Namespace:
@@ -266,6 +270,9 @@ def megatron_args(cfg: ModelConfig, layout: Layout, dtype: str, iteration: int) 
         max_position_embeddings=cfg.max_position_embeddings, padded_vocab_size=_padded_vocab(cfg, layout.tp),
         normalization="RMSNorm" if cfg.normalization == "rmsnorm" else "LayerNorm", norm_epsilon=cfg.norm_epsilon,
         swiglu=cfg.activation == "swiglu", gelu_tanh=cfg.activation == "geglu_tanh", geglu=cfg.activation == "geglu",
+        quick_geglu=cfg.activation == "quick_geglu", glu_linear_offset=cfg.glu_linear_offset,
+        activation_func_clamp_value=cfg.activation_func_clamp_value,
+        softmax_type="learnable" if cfg.attention_sinks else "vanilla",
         position_embedding_type="rope" if cfg.position_embedding_type == "rope" else "learned_absolute",
         rotary_base=cfg.rotary_base, rotary_percent=cfg.rotary_percent, add_qkv_bias=cfg.add_qkv_bias,
         add_bias_linear=cfg.add_bias_linear,
@@ -551,31 +558,44 @@ def _experts(cfg, pieces, layout, p, c, theirs, mine, number) -> dict:
     prefix = theirs + "mlp.experts."
     per_rank = cfg.moe.num_experts // layout.ep
     f, h = cfg.moe.ffn_hidden_size or cfg.ffn_hidden_size, cfg.hidden_size
-    width = 2 * f if cfg.activation == "swiglu" else f
-    fc1 = ("swiglu",) if cfg.activation == "swiglu" else ("split", 0)
-    w1, w2 = [], []
+    width = 2 * f if cfg.gated else f
+    fc1 = ("swiglu",) if cfg.gated else ("split", 0)
+    w1, w2, b1, b2 = [], [], [], []
+
+    def stacked(chunks, e, name):
+        try:
+            return [np.stack([_float32(ch[f"{prefix}local_experts.{j}.{name}"]) for j in range(per_rank)])
+                    for ch in chunks]
+        except KeyError as exc:
+            raise CheckpointError(f"{layout.rank_dir(0, p, e)} has no {exc.args[0]}") from None
+
     for e in range(layout.ep):
         chunks = [pieces[t, p, e][c] for t in range(layout.tp)]
         if prefix + "weight1" in chunks[0]:  # GroupedMLP: [hidden, local experts x width / TP], [.. x ffn / TP, hidden]
+            if cfg.add_bias_linear:
+                raise CheckpointError(f"{layout.rank_dir(0, p, e)} holds GroupedMLP experts, which have no biases; "
+                                      f"the model's experts have them (add_bias_linear)")
             ones = [_float32(ch[prefix + "weight1"]).reshape(h, per_rank, -1).transpose(1, 2, 0) for ch in chunks]
             twos = [_float32(ch[prefix + "weight2"]).reshape(per_rank, -1, h).transpose(0, 2, 1) for ch in chunks]
         else:
-            try:
-                ones = [np.stack([_float32(ch[f"{prefix}local_experts.{j}.linear_fc1.weight"]) for j in range(per_rank)])
-                        for ch in chunks]
-                twos = [np.stack([_float32(ch[f"{prefix}local_experts.{j}.linear_fc2.weight"]) for j in range(per_rank)])
-                        for ch in chunks]
-            except KeyError as exc:
-                raise CheckpointError(f"{layout.rank_dir(0, p, e)} has no {exc.args[0]}") from None
+            ones, twos = stacked(chunks, e, "linear_fc1.weight"), stacked(chunks, e, "linear_fc2.weight")
+            if cfg.add_bias_linear:
+                bias_ones, bias_twos = stacked(chunks, e, "linear_fc1.bias"), stacked(chunks, e, "linear_fc2.bias")
         for j in range(per_rank):  # [width, hidden] and [hidden, ffn] per expert, TP pieces joined
             one = unshard([o[j] for o in ones], fc1) if layout.tp > 1 else ones[0][j]
             two = unshard([t[j] for t in twos], ("split", 1)) if layout.tp > 1 else twos[0][j]
             w1.append(one.T)
             w2.append(two.T)
+            if cfg.add_bias_linear:
+                b1.append(unshard([o[j] for o in bias_ones], fc1) if layout.tp > 1 else bias_ones[0][j])
+                b2.append(bias_twos[0][j])
     w1, w2 = np.stack(w1), np.stack(w2)
     if w1.shape != (cfg.moe.num_experts, h, width) or w2.shape != (cfg.moe.num_experts, f, h):
         raise CheckpointError(f"layer {number}'s experts have shapes {w1.shape} and {w2.shape}, not what its args give")
-    return {mine + "mlp.experts.weight1": w1, mine + "mlp.experts.weight2": w2}
+    out = {mine + "mlp.experts.weight1": w1, mine + "mlp.experts.weight2": w2}
+    if cfg.add_bias_linear:
+        out.update({mine + "mlp.experts.bias1": np.stack(b1), mine + "mlp.experts.bias2": np.stack(b2)})
+    return out
 
 
 def _window_from_args(args) -> dict:
@@ -621,7 +641,11 @@ def config_from_args(args) -> ModelConfig:
             normalization="layernorm" if _arg(args, "normalization", "LayerNorm") == "LayerNorm" else "rmsnorm",
             norm_epsilon=_arg(args, "norm_epsilon", 1e-5),
             activation="swiglu" if _arg(args, "swiglu", False) else "geglu_tanh" if _arg(args, "gelu_tanh", False)
-            else "geglu" if _arg(args, "geglu", False) else "gelu",
+            else "geglu" if _arg(args, "geglu", False) else "quick_geglu" if _arg(args, "quick_geglu", False)
+            else "gelu",
+            glu_linear_offset=float(_arg(args, "glu_linear_offset", 0.0) or 0.0),
+            activation_func_clamp_value=_arg(args, "activation_func_clamp_value", None),
+            attention_sinks=_arg(args, "softmax_type", "vanilla") == "learnable",
             position_embedding_type="learned" if _arg(args, "position_embedding_type", "learned_absolute")
             == "learned_absolute" else "rope",
             rotary_base=float(_arg(args, "rotary_base", 10000)), rotary_percent=float(_arg(args, "rotary_percent", 1.0)),

@@ -46,7 +46,11 @@ _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _NORMS = (("input_layernorm.", "self_attention.linear_qkv.layer_norm_"),
           ("pre_mlp_layernorm.", "mlp.linear_fc1.layer_norm_"))
 _EXPERTS = {"mlp.experts.weight1": "mlp.experts.experts.linear_fc1.weight",
-            "mlp.experts.weight2": "mlp.experts.experts.linear_fc2.weight"}
+            "mlp.experts.weight2": "mlp.experts.experts.linear_fc2.weight",
+            "mlp.experts.bias1": "mlp.experts.experts.linear_fc1.bias",
+            "mlp.experts.bias2": "mlp.experts.experts.linear_fc2.bias"}
+_SWAPPED = ("mlp.experts.weight1", "mlp.experts.weight2")  # ours [E, in, out], theirs [E, out, in]
+_SWAPPED_KEYS = tuple(_EXPERTS[k] for k in _SWAPPED)
 # linear layers whose megatron-core modules carry an _extra_state object (None with the local spec)
 _LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2",
             "mlp.shared_experts.linear_fc1", "mlp.shared_experts.linear_fc2")
@@ -115,8 +119,8 @@ def key_of(name: str, stacked: bool) -> Key:
         return Key(name)
     layer, rest = int(m.group(1)), m.group(2)
     if stacked:
-        return Key("decoder.layers." + _theirs(rest), layer, rest in _EXPERTS)
-    return Key(f"decoder.layers.{layer}.{_theirs(rest)}", None, rest in _EXPERTS)
+        return Key("decoder.layers." + _theirs(rest), layer, rest in _SWAPPED)
+    return Key(f"decoder.layers.{layer}.{_theirs(rest)}", None, rest in _SWAPPED)
 
 
 def name_of(key: str, layer: int | None) -> str:
@@ -139,7 +143,7 @@ def extra_states(name: str, layers: int, stacked: bool, experts: range = range(0
     layer, rest = int(m.group(1)), m.group(2)
     prefix, at, among = ("decoder.layers.", [str(layer)], [str(layers)]) if stacked else \
         (f"decoder.layers.{layer}.", [], [])
-    if rest in _EXPERTS:
+    if rest in _SWAPPED:  # an expert weight (their biases have no _extra_state of their own)
         fc = _EXPERTS[rest].rsplit(".", 1)[0]
         return [f"{prefix}{fc}._extra_state/shard_{'.'.join(at + [str(e)])}_{'.'.join(among + [str(num_experts)])}"
                 for e in experts]
@@ -272,9 +276,9 @@ def load(folder: str) -> tuple[dict, dict]:
         whole = read_tensor(folder, key, tensor)
         if not key.startswith("decoder.layers.") or _LAYER.match(key):  # not a stack of layers
             out[name_of(key, None)] = np.ascontiguousarray(np.swapaxes(whole, -1, -2)) \
-                if key.endswith(tuple(_EXPERTS.values())) else whole
+                if key.endswith(_SWAPPED_KEYS) else whole
             continue
-        swapped = key.endswith(tuple(_EXPERTS.values()))
+        swapped = key.endswith(_SWAPPED_KEYS)
         per_layer = int(np.prod(tensor.shape[1:]))
         for layer, values in enumerate(whole):
             held = sum(int(np.prod(c.shape[1:])) for c in tensor.chunks

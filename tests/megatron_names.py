@@ -24,6 +24,8 @@ def build(rank: int, world: int, spec: dict, out: str) -> None:
 
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", spec["port"]
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    # the learned softmax offset (attention sinks) is made on the current CUDA device: here the CPU
+    torch.cuda.current_device = lambda: "cpu"
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec

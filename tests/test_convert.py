@@ -30,8 +30,8 @@ ARCHITECTURES = {"llama2": "llama", "llama3": "llama3-rope", "qwen2": "qwen2", "
                  "phi3.5": "phi3-longrope", "gemma2": "gemma2", "gemma3": "gemma3",
                  "gpt2": "gpt2", "mixtral": "mixtral", "qwen2-moe": "qwen2-moe", "qwen3-moe": "qwen3-moe",
                  "deepseek2-lite": "deepseek-v2", "deepseek3": "deepseek-v3", "glm45": "glm4-moe",
-                 "minicpm3": "minicpm3"}
-MOE = ("mixtral", "qwen2-moe", "qwen3-moe", "deepseek2-lite", "deepseek3", "glm45")
+                 "minicpm3": "minicpm3", "gpt-oss": "gpt-oss"}
+MOE = ("mixtral", "qwen2-moe", "qwen3-moe", "deepseek2-lite", "deepseek3", "glm45", "gpt-oss")
 
 
 def convert(capsys, *flags, fails=False) -> str:
@@ -262,9 +262,11 @@ def _megatron_config(cfg: ModelConfig) -> dict:
     """megatron-core's TransformerConfig arguments for our config."""
     out = dict(num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads,
                num_query_groups=cfg.num_query_groups, ffn_hidden_size=cfg.ffn_hidden_size, kv_channels=cfg.kv_channels,
-               gated_linear_unit=cfg.activation == "swiglu", add_bias_linear=cfg.add_bias_linear,
+               gated_linear_unit=cfg.gated, add_bias_linear=cfg.add_bias_linear,
                add_qkv_bias=cfg.add_qkv_bias, qk_layernorm=cfg.qk_layernorm,
                normalization="RMSNorm" if cfg.normalization == "rmsnorm" else "LayerNorm")
+    if cfg.attention_sinks:
+        out["softmax_type"] = "learnable"
     if cfg.moe is not None:
         out.update(num_moe_experts=cfg.moe.num_experts, moe_router_topk=cfg.moe.topk,
                    moe_ffn_hidden_size=cfg.moe.ffn_hidden_size or cfg.ffn_hidden_size)
@@ -280,12 +282,12 @@ def test_names_and_shapes_are_megatron_cores(capsys, hf_references, tmp_path):
     """Every rank file of a TP2 x PP2 conversion holds exactly the keys and shapes megatron-core's
     GPTModel has for that stage and tensor-parallel rank (its local layer spec, built on CPU):
     a dense GQA model with untied output, GPT-2 (LayerNorm, biases, learned positions, tied: the
-    last stage's copy of the embeddings), Qwen3 (q/k norms) and Qwen2-MoE (router, experts,
-    gated shared expert)."""
+    last stage's copy of the embeddings), Qwen3 (q/k norms), Qwen2-MoE (router, experts,
+    gated shared expert) and GPT-OSS (attention sinks, the router's and experts' biases)."""
     from launch import free_port
 
     spec, ours = {"tp": 2, "port": str(free_port()), "models": {}}, {}
-    for name in ("llama", "gpt2", "qwen3", "qwen2-moe"):
+    for name in ("llama", "gpt2", "qwen3", "qwen2-moe", "gpt-oss"):
         cfg, _ = hf.load_folder(str(hf_references / name))
         mg = tmp_path / name
         convert(capsys, "--load-model-type", "hf", "--save-model-type", "mg", "--load-dir", str(hf_references / name),

@@ -59,11 +59,18 @@ MLA_MOE = LATENT + ["--num-experts", "8", "--moe-router-topk", "2", "--moe-ffn-h
                     "2", "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "0.05",
                     "--moe-router-topk-scaling-factor", "2.5", "--n-shared-experts", "1", "--first-k-dense-replace",
                     "1", "--moe-aux-loss-coeff", "0", "--mtp-num-layers", "1", "--mtp-loss-scaling-factor", "0.3"]
+# GPT-OSS's layer (the tiny-gpt-oss preset's sinks, biases and YaRN) with megatron-core's
+# flags: a window of 5 earlier keys in every layer but each second, every layer top-2 of 4
+# biased experts with a biased router, their quick-GEGLU clamped at 0.1 (so the clamp bites)
+GPT_OSS = GQA + ["--model-name", "tiny-gpt-oss", "--window-size", "5,0", "--window-attn-skip-freq", "2",
+                 "--softmax-type", "learnable", "--quick-geglu", "--glu-linear-offset", "1.0",
+                 "--activation-func-clamp-value", "0.1", "--num-experts", "4", "--moe-router-topk", "2",
+                 "--moe-ffn-hidden-size", "64", "--moe-aux-loss-coeff", "0.01"]
 MODELS = {"gqa": GQA, "mha": MHA, "moe": MOE, "sft": SFT, "lora": LORA, "dpo": DPO,
           "dpo-lora": DPO + ["--lora-r", "4", "--lora-alpha", "8"], "simpo": SIMPO, "orm": ORM, "prm": PRM,
-          "gemma2": GEMMA2, "mla": MLA, "mla-moe": MLA_MOE}
+          "gemma2": GEMMA2, "mla": MLA, "mla-moe": MLA_MOE, "gpt-oss": GPT_OSS}
 ITERS = 10  # the single-process reference curves of the models whose checkpoints are resumed below
-RESUMED = ("gqa", "moe", "dpo", "mla-moe")  # the others' reference curves stop at LAYOUT_ITERS
+RESUMED = ("gqa", "moe", "dpo", "mla-moe", "gpt-oss")  # the others' reference curves stop at LAYOUT_ITERS
 # the layout launches run the first steps of the same schedule (--lr-decay-iters above): their
 # first-step gradients (MoE) and these losses are compared, which is where an error shows
 LAYOUT_ITERS = 3
@@ -285,6 +292,13 @@ CASES = [  # (id, ranks, model, flags): the cases of each rank count share one l
     # over TP + SP like a decoder layer
     ("mla-moe-tp2-sp-pp2", 4, "mla-moe", ["--tensor-model-parallel-size", "2", "--sequence-parallel",
                                           "--pipeline-model-parallel-size", "2"]),
+    # the sinks split by head (and recomputed with the core attention), fc1's biases cut with its
+    # columns, fc2's added on one TP rank; saved in megatron-core's torch_dist and resumed in one
+    # process below
+    ("gpt-oss-tp2-sp-ep2-selective", 4, "gpt-oss", [
+        "--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-model-parallel-size", "2",
+        "--moe-token-dispatcher-type", "alltoall", "--recompute-activations", "--save", "{tmp}/gpt-oss-ckpt",
+        "--ckpt-format", "torch_dist"]),
     ("prm-tp2-pp2", 4, "prm", ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
                                "--no-pad-to-seq-lengths", "--pad-to-multiple-of", "4"]),
 ]
@@ -575,11 +589,14 @@ def resume_in_one_process(capsys, corpus, folder, model, want, saved_layout, tmp
 @pytest.mark.feature("dynamic-padding")
 @pytest.mark.feature("grad-reduce-overlap")
 @pytest.mark.feature("param-gather-overlap")
+@pytest.mark.feature("attention-sinks")
 def test_four_rank_layouts_equal_single_process(capsys, framework, data, four_ranks, reference, tmp_path):
     check_cases(framework, four_ranks / "out", 4, ranks_cases(4), reference)
     # the PP2 x DP2 DPO checkpoint goes on in one process, past the iterations it was saved for:
     # the reference log-likelihoods it holds cover every pair
     resume_in_one_process(capsys, data["dpo"], four_ranks / "dpo-ckpt", DPO, reference["dpo"], "PP=2", tmp_path)
+    resume_in_one_process(capsys, data["gpt-oss"], four_ranks / "gpt-oss-ckpt", GPT_OSS, reference["gpt-oss"], "TP=2",
+                          tmp_path / "gpt-oss")
 
 
 def check_layout(out: str, ranks: int, flags: list, batch: int) -> None:
