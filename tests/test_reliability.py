@@ -232,10 +232,17 @@ def test_the_framework_launcher_dying_is_named_and_its_ranks_stopped(framework, 
     assert elapsed < 15, f"the job took {elapsed:.0f}s to stop"
 
 
-def test_launcher_checks_training_flags_once_before_any_rank_starts(tmp_path):
-    def launch(*argv):
-        return subprocess.run([sys.executable, "-m", "mindspeed_core.cli", "launch", *argv], capture_output=True,
-                              text=True, timeout=120, cwd=str(tmp_path))
+def test_launcher_checks_training_flags_once_before_any_rank_starts(capsys, tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from mindspeed_core import cli
+
+    monkeypatch.chdir(tmp_path)
+
+    def launch(*argv):  # `mindspeed launch` in this process: what it says, its exit code
+        code = cli.main(["launch", *argv])
+        said = capsys.readouterr()
+        return SimpleNamespace(returncode=code, stdout=said.out, stderr=said.err)
 
     for argv, fragment in (
             (["--nproc-per-node", "2", "--", "--tensor-model-parallel-size", "2", "--num-attention-heads", "3",
@@ -254,7 +261,10 @@ def test_launcher_checks_training_flags_once_before_any_rank_starts(tmp_path):
         busy.listen()
         out = launch("--nproc-per-node", "2", "--master-port", str(busy.getsockname()[1]), "--", "--train-iters", "1")
     assert out.returncode == 2 and "already in use" in out.stderr and "--master-port" in out.stderr, out.stderr
-    out = launch("--ai-framework", "mindspore", "--nproc-per-node", "2", "--print-command", "--", "--train-iters", "1")
+    # a fresh process: this one is bound to the suite's framework already
+    out = subprocess.run([sys.executable, "-m", "mindspeed_core.cli", "launch", "--ai-framework", "mindspore",
+                          "--nproc-per-node", "2", "--print-command", "--", "--train-iters", "1"], capture_output=True,
+                         text=True, timeout=120)
     assert out.returncode == 0 and "msrun" in out.stdout and "train --ai-framework mindspore" in out.stdout
 
 
