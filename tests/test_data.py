@@ -75,20 +75,35 @@ def test_indexed_dataset_round_trip(tmp_path):
     assert ds.document_indices.tolist() == [0, 1, 1, 2, 3]
 
 
-@pytest.mark.framework_free
-def test_megatron_core_reads_our_files(tmp_path):
+@pytest.fixture(scope="module")
+def megatron_made(tmp_path_factory):
+    """One process of megatron-core (megatron_preprocess.py; it imports torch, which this
+    process may not): what Megatron's preprocessing writes for PARITY_DOCS with and without the
+    tokenizer's special tokens, and what its IndexedDataset reads from our files of DOCS.
+    Returns (folder, the tokenizer's special ids, {job: its printed JSON})."""
     pytest.importorskip("megatron.core")
-    src = tmp_path / "docs.jsonl"
-    write_jsonl(src, DOCS)
-    preprocess.run(preprocess_args(src, tmp_path / "out"))
-    code = ("import sys, json\nfrom megatron.core.datasets.indexed_dataset import IndexedDataset\n"
-            "ds = IndexedDataset(sys.argv[1])\n"
-            "print(json.dumps([ds[i].tolist() for i in range(len(ds))]))")
-    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "out_text_document")], capture_output=True,
-                         text=True, timeout=300, env={k: v for k, v in os.environ.items() if k != "MINDSPEED_AI_FRAMEWORK"})
+    pytest.importorskip("transformers")
+    root = tmp_path_factory.mktemp("megatron")
+    ids = _llama_style_tokenizer(root / "tok")
+    write_jsonl(root / "parity.jsonl", PARITY_DOCS)
+    write_jsonl(root / "docs.jsonl", DOCS)
+    preprocess.run(preprocess_args(root / "docs.jsonl", root / "ours-docs"))
+    jobs = {"read": {"read": str(root / "ours-docs_text_document")}}
+    for special in (True, False):
+        jobs[special] = {"src": str(root / "parity.jsonl"), "tokenizer": str(root / "tok"),
+                         "prefix": str(root / f"megatron-{special}"), "special_tokens": special}
+    (root / "jobs.json").write_text(json.dumps(list(jobs.values())))
+    out = subprocess.run([sys.executable, str(Path(__file__).parent / "megatron_preprocess.py"), str(root / "jobs.json")],
+                         capture_output=True, text=True, timeout=300,
+                         env={k: v for k, v in os.environ.items() if k != "MINDSPEED_AI_FRAMEWORK"})
     assert out.returncode == 0, out.stderr[-3000:]
+    return root, ids, dict(zip(jobs, map(json.loads, out.stdout.strip().splitlines()[-len(jobs):])))
+
+
+@pytest.mark.framework_free
+def test_megatron_core_reads_our_files(megatron_made):
     tok = ByteTokenizer()
-    assert json.loads(out.stdout.strip().splitlines()[-1]) == [tok.encode(d) + [tok.eod] for d in DOCS]
+    assert megatron_made[2]["read"] == [tok.encode(d) + [tok.eod] for d in DOCS]
 
 
 @pytest.mark.feature("handler-general-pretrain")
@@ -211,27 +226,16 @@ def _llama_style_tokenizer(folder):
 
 @pytest.mark.framework_free
 @pytest.mark.parametrize("special_tokens", [True, False], ids=["special-tokens", "no-special-tokens"])
-def test_preprocess_writes_what_megatron_writes(tmp_path, special_tokens):
-    pytest.importorskip("megatron.core")
-    pytest.importorskip("transformers")
-    ids = _llama_style_tokenizer(tmp_path / "tok")
-    src = tmp_path / "docs.jsonl"
-    write_jsonl(src, PARITY_DOCS)
+def test_preprocess_writes_what_megatron_writes(tmp_path, megatron_made, special_tokens):
+    root, ids, printed = megatron_made
     extra = {} if special_tokens else {"tokenizer_hf_no_include_special_tokens": ""}
-    args = preprocess_args(src, tmp_path / "ours", tokenizer_name_or_path=tmp_path / "tok", **extra)
+    args = preprocess_args(root / "parity.jsonl", tmp_path / "ours", tokenizer_name_or_path=root / "tok", **extra)
     counts = preprocess.run(args)
     assert counts["end_of_document"] == "'</s>', the eos_token of tokenizer_config.json, id %d" % ids["</s>"]
-    # megatron-core imports torch: keep it out of this process (it may be bound to MindSpore)
-    out = subprocess.run([sys.executable, str(Path(__file__).parent / "megatron_preprocess.py"), str(src),
-                          str(tmp_path / "tok"), str(tmp_path / "megatron")] + ([] if special_tokens else
-                                                                                ["--no-special-tokens"]),
-                         capture_output=True, text=True, timeout=300,
-                         env={k: v for k, v in os.environ.items() if k != "MINDSPEED_AI_FRAMEWORK"})
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert json.loads(out.stdout.strip().splitlines()[-1]) == {"eod": ids["</s>"], "bos": ids["<s>"]}
+    assert printed[special_tokens] == {"eod": ids["</s>"], "bos": ids["<s>"]}
     for ext in (".bin", ".idx"):
         assert (tmp_path / f"ours_text_document{ext}").read_bytes() == \
-            (tmp_path / f"megatron_text_document{ext}").read_bytes(), ext
+            (root / f"megatron-{special_tokens}_text_document{ext}").read_bytes(), ext
 
     # the three rules, read back from our files
     ds = indexed.IndexedDataset(str(tmp_path / "ours_text_document"))
