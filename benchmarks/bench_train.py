@@ -5,8 +5,11 @@
                                      [--only ours-pytorch,ours-pytorch-compile,...]
 
 Contenders (each run in its own process, every round, in alternating order):
-  ours-pytorch, ours-pytorch-compile      our trainer's step on PyTorch, eager / --compile
-  ours-mindspore, ours-mindspore-compile  the same on MindSpore
+  cmd-pytorch, cmd-pytorch-compile        `mindspeed train` itself, the command users run, as a
+  cmd-mindspore, cmd-mindspore-compile    subprocess on an indexed dataset with --metrics-file and
+                                          a log line every step: its own tokens/s of each step
+  ours-pytorch, ours-pytorch-compile      our trainer's step called in-process on PyTorch, eager /
+  ours-mindspore, ours-mindspore-compile  --compile (no data loading, logging or metrics); MindSpore
   raw-torch                               the same LLaMA written in plain torch (facade overhead)
   transformers, transformers-compile      LlamaForCausalLM + torch fused AdamW, eager / torch.compile
 
@@ -38,8 +41,9 @@ MODELS = {
     "medium": dict(num_layers=6, hidden_size=512, num_attention_heads=8, num_query_groups=4, ffn_hidden_size=1408,
                    seq_length=256, micro_batch_size=8, vocab_size=8192),
 }
-CONTENDERS = ("ours-pytorch", "ours-pytorch-compile", "ours-mindspore", "ours-mindspore-compile", "raw-torch",
-              "transformers", "transformers-compile")
+CONTENDERS = ("cmd-pytorch", "cmd-pytorch-compile", "cmd-mindspore", "cmd-mindspore-compile", "ours-pytorch",
+              "ours-pytorch-compile", "ours-mindspore", "ours-mindspore-compile", "raw-torch", "transformers",
+              "transformers-compile")
 LR = 1e-4
 
 
@@ -67,16 +71,11 @@ def _timed(step, steps: int, warmup: int) -> dict:
 
 # ---- contenders ----------------------------------------------------------------------------
 
-def worker_ours(framework: str, compiled: bool, b: dict, steps: int, warmup: int) -> dict:
+def _dataset(b: dict) -> str:
+    """An indexed dataset of random tokens (64 documents of 4096); returns its prefix."""
     import numpy as np
 
-    from mindspeed_core import runtime
-
-    runtime.bind(framework)
-    from mindspeed_core import device
-    from mindspeed_core.compat import megatron_args
     from mindspeed_core.data import indexed
-    from mindspeed_core.training.trainer import Trainer
 
     prefix = os.path.join(tempfile.mkdtemp(), "random")
     w = indexed.IndexedDatasetWriter(prefix, np.uint16)
@@ -84,6 +83,10 @@ def worker_ours(framework: str, compiled: bool, b: dict, steps: int, warmup: int
     for _ in range(64):
         w.add_document(rng.integers(0, b["vocab_size"], 4096))
     w.finalize()
+    return prefix
+
+
+def _train_flags(prefix: str, b: dict, compiled: bool) -> list:
     argv = ["--data-path", prefix, "--split", "100,0,0", "--eval-iters", "0", "--num-layers", str(b["num_layers"]),
             "--hidden-size", str(b["hidden_size"]), "--num-attention-heads", str(b["num_attention_heads"]),
             "--num-query-groups", str(b["num_query_groups"]), "--ffn-hidden-size", str(b["ffn_hidden_size"]),
@@ -92,15 +95,54 @@ def worker_ours(framework: str, compiled: bool, b: dict, steps: int, warmup: int
             "--make-vocab-size-divisible-by", "1", "--untie-embeddings-and-output-weights", "--lr", str(LR), "--no-progress", "--weight-decay", "0.01",
             # every fused kernel the device has, as MindSpeed-LLM's scripts do
             "--use-flash-attn", "--use-fused-rmsnorm", "--use-fused-swiglu", "--use-fused-rotary-pos-emb"]
-    if compiled:
-        argv.append("--compile")
-    args = megatron_args.training_parser().parse_args(argv)
+    return argv + (["--compile"] if compiled else [])
+
+
+def worker_ours(framework: str, compiled: bool, b: dict, steps: int, warmup: int) -> dict:
+    from mindspeed_core import runtime
+
+    runtime.bind(framework)
+    from mindspeed_core import device
+    from mindspeed_core.compat import megatron_args
+    from mindspeed_core.training.trainer import Trainer
+
+    args = megatron_args.training_parser().parse_args(_train_flags(_dataset(b), b, compiled))
     with open(os.devnull, "w") as null:
         trainer = Trainer(args, out=null)
         trainer.build()
         it = iter(range(10 ** 6))
         result = _timed(lambda: trainer.train_step(next(it)), steps, warmup)
     return result | {"peak_flops": device.matmul_rate(n=1024, min_seconds=1.0)}
+
+
+def worker_command(framework: str, compiled: bool, b: dict, steps: int, warmup: int) -> dict:
+    """`mindspeed train` as users run it (its output to a file, as a terminal or a job log would
+    take it); a step's time from its own record's tokens/s (the wall time since the previous
+    log line: data, step, metrics and logging), over the timed steps after the first and the
+    warm-up."""
+    from mindspeed_core import runtime
+
+    folder = tempfile.mkdtemp()
+    prefix, metrics = _dataset(b), os.path.join(folder, "metrics.jsonl")
+    total = 1 + warmup + steps
+    argv = [*_train_flags(prefix, b, compiled), "--train-iters", str(total), "--log-interval", "1",
+            "--metrics-file", metrics, "--sample-tokens", "0"]
+    env = {k: v for k, v in os.environ.items() if k != "MINDSPEED_AI_FRAMEWORK"}
+    started = time.perf_counter()
+    with open(os.path.join(folder, "out.txt"), "w") as out:
+        done = subprocess.run([sys.executable, "-m", "mindspeed_core.cli", "train", "--ai-framework", framework, *argv],
+                              stdout=out, stderr=subprocess.STDOUT, env=env, timeout=3600)
+    wall = time.perf_counter() - started
+    if done.returncode:
+        raise SystemExit(f"mindspeed train failed: see {folder}/out.txt")
+    records = [r for r in map(json.loads, open(metrics)) if "tokens_per_s" in r]
+    tokens = b["micro_batch_size"] * b["seq_length"]
+    timed = [tokens / r["tokens_per_s"] for r in records[1 + warmup:]]
+    runtime.bind(framework)
+    from mindspeed_core import device
+
+    return {"seconds_per_step": statistics.mean(timed), "first_step_seconds": tokens / records[0]["tokens_per_s"],
+            "command_seconds": wall, "peak_flops": device.matmul_rate(n=1024, min_seconds=1.0)}
 
 
 def _torch_peak() -> float:
@@ -197,6 +239,8 @@ def worker_raw_torch(b: dict, steps: int, warmup: int) -> dict:
 
 
 def worker(name: str, b: dict, steps: int, warmup: int) -> dict:
+    if name.startswith("cmd-"):
+        return worker_command(name.split("-")[1], name.endswith("-compile"), b, steps, warmup)
     if name.startswith("ours-"):
         return worker_ours(name.split("-")[1], name.endswith("-compile"), b, steps, warmup)
     if name.startswith("transformers"):
@@ -258,9 +302,14 @@ def main() -> int:
                    "peak": statistics.median(x["peak_flops"] for x in runs[name]),
                    "first": statistics.median(x["first_step_seconds"] for x in runs[name])}
             table[name] = row
-            print(f"| {name} | {row['tokens_per_s']:,.0f} | {100 * row['mfu']:.1f}% | {row['peak'] / 1e9:.0f} | "
+            label = f"{name} (in-process)" if name.startswith("ours-") else name
+            print(f"| {label} | {row['tokens_per_s']:,.0f} | {100 * row['mfu']:.1f}% | {row['peak'] / 1e9:.0f} | "
                   f"{row['first']:.1f} |", flush=True)
-        ratios = [("ours-pytorch-compile", "ours-pytorch"), ("ours-pytorch", "transformers"),
+        ratios = [("cmd-pytorch", "ours-pytorch"), ("cmd-pytorch-compile", "ours-pytorch-compile"),
+                  ("cmd-mindspore", "ours-mindspore"), ("cmd-mindspore-compile", "ours-mindspore-compile"),
+                  ("cmd-mindspore", "cmd-pytorch"), ("cmd-mindspore-compile", "cmd-pytorch"),
+                  ("cmd-pytorch-compile", "transformers-compile"),
+                  ("ours-pytorch-compile", "ours-pytorch"), ("ours-pytorch", "transformers"),
                   ("ours-pytorch-compile", "transformers-compile"), ("ours-pytorch", "raw-torch"),
                   ("ours-mindspore-compile", "ours-mindspore"), ("ours-mindspore", "ours-pytorch"),
                   ("ours-mindspore", "ours-mindspore@baseline"), ("ours-pytorch", "ours-pytorch@baseline")]
