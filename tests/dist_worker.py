@@ -148,6 +148,30 @@ def check_send_recv():
     expect("send/recv int64 ring", got_ids, np.array([prv, 2 ** 40 + prv], np.int64))
 
 
+def check_traced_mappings(group, tag):
+    """Each tensor/sequence-parallel collective's traced formulation (what MindSpore's trace
+    capture runs) gives its Function's values and input gradients, here in eager, bit for bit."""
+    from mindspeed_core import autograd
+    from mindspeed_core.parallel import mappings
+
+    n = dist.world_size(group)
+    if n == 1:  # a group of one: every mapping is the identity, with no Function
+        return
+    x = ops.tensor(rank_value(R, (2, 2 * n, 2 * n), np.float32) / 7)
+    for kind, dim in (("copy", 0), ("reduce", 0), ("gather", -1), ("scatter", -1), ("gather_seq", 1),
+                      ("scatter_seq", 1)):
+        mappings._apply(kind, x, group, dim)  # makes the Function class
+        cls = mappings._CLASSES[(kind, group.ranks, dim)]
+        results = []
+        for fn in (cls.apply, cls.traced):
+            out, backward = autograd.vjp(fn, [x])
+            cotangent = ops.tensor(rank_value(R, tuple(out.shape), np.float32, base=3) / 5)
+            (grad,), _ = backward(cotangent)
+            results.append((ops.to_numpy(out), ops.to_numpy(grad)))
+        expect(f"{tag} traced {kind} values", results[1][0], results[0][0])
+        expect(f"{tag} traced {kind} gradient", results[1][1], results[0][1])
+
+
 def check_comm_stats():
     dist.reset_comm_stats()
     x = ops.zeros((2, 3))  # 24 bytes of float32
@@ -178,7 +202,7 @@ def main(out_dir):
         if tag == "pair" and group is None:
             continue
         for fn in (check_all_reduce, check_all_gather, check_reduce_scatter, check_all_to_all, check_shift,
-                   check_broadcast):
+                   check_broadcast, *([check_traced_mappings] if group is not None else [])):
             run(f"{tag} {fn.__name__}", lambda: fn(group, tag))
         dist.barrier(group)
     run("send/recv", check_send_recv)

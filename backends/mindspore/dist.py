@@ -27,7 +27,7 @@ import contextlib
 from mindspeed_core.backends.common import ITEMSIZE, CommStats, Group, Pending, env_int
 from mindspeed_core.backends.emulated_collectives import EmulatedCollectives
 
-from . import device, ops
+from . import autograd, device, ops
 
 _state = {"initialized": False, "groups": {}, "reducers": {}}
 _stats = CommStats()
@@ -152,11 +152,36 @@ def all_reduce(x, op: str = "sum", group: Group | None = None):
 
 
 def _reduce(x, op: str, group):
-    """The reduction itself: mccl's native SUM for float32/float16, the emulation otherwise."""
+    """The reduction itself: mccl's native SUM for float32/float16, the emulation otherwise
+    (while tracing, a sum of another float type is a float32 sum rounded back)."""
     if op == "sum" and x.dtype in (ms.float32, ms.float16):
         _stats.add_wire(_nbytes(x))
         return P.AllReduce(P.ReduceOp.SUM, _handle(group))(x)
-    return _back(_emulated.all_reduce(ops.to_numpy(x), op, group), x)
+    if op == "sum" and autograd.tracing() and x.dtype in (ms.bfloat16, ms.float64):
+        return _reduce(x.astype(ms.float32), op, group).astype(x.dtype)
+    return _back(_emulated.all_reduce(_to_host(x, f"all_reduce({op!r})"), op, group), x)
+
+
+def _to_host(x, what: str) -> np.ndarray:
+    """x's values for the host emulation; refused while tracing, where they would be frozen
+    into the graph as the values of the trace."""
+    if autograd.tracing():
+        raise NotImplementedError(f"{what} of {x.dtype} runs on the host here, which a compiled (traced) step "
+                                  f"cannot follow")
+    return ops.to_numpy(x)
+
+
+def sum_gradient(x, group: Group | None = None):
+    """x itself; its gradient is summed over the group in backward. InsertGradientOf keeps
+    that under trace capture too (it compiles the function it is given: plain primitives)."""
+    if _alone(group):
+        return x
+    reducer = P.AllReduce(P.ReduceOp.SUM, _handle(group))
+
+    def summed(grad):
+        return P.cast(reducer(P.cast(grad, ms.float32)), grad.dtype)
+
+    return P.InsertGradientOf(summed)(x)
 
 
 def all_reduce_async(x, group: Group | None = None):
@@ -191,7 +216,7 @@ def all_gather(x, group: Group | None = None, dim: int = 0):
     if _alone(group):
         return x.copy()
     with _recording("all_gather", _nbytes(x)):
-        parts = _emulated.all_gather_stack(ops.to_numpy(x), group)
+        parts = _emulated.all_gather_stack(_to_host(x, "all_gather"), group)
     return _back(np.concatenate(list(parts), axis=dim), x)
 
 
@@ -208,7 +233,7 @@ def all_to_all(x, group: Group | None = None, input_splits=None, output_splits=N
     n = world_size(group)
     if n == 1:
         return x.copy()
-    arr = ops.to_numpy(x)
+    arr = _to_host(x, "all_to_all")
     if input_splits is None:
         input_splits = [arr.shape[0] // n] * n
     chunks = np.split(arr, np.cumsum(input_splits)[:-1])
@@ -225,14 +250,14 @@ def broadcast(x, src: int, group: Group | None = None):
         return x.copy()
     src_in_group = src if group is None else group.ranks.index(src)
     with _recording("broadcast", _nbytes(x)):
-        return _back(_emulated.broadcast(ops.to_numpy(x), src_in_group, group), x)
+        return _back(_emulated.broadcast(_to_host(x, "broadcast"), src_in_group, group), x)
 
 
 def shift(x, offset: int = 1, group: Group | None = None):
     if _alone(group) or offset % world_size(group) == 0:
         return x.copy()
     with _recording("shift", _nbytes(x)):
-        return _back(_emulated.shift(ops.to_numpy(x), offset, group), x)
+        return _back(_emulated.shift(_to_host(x, "shift"), offset, group), x)
 
 
 def _pair(a: int, b: int) -> Group:

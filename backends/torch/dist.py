@@ -137,6 +137,22 @@ def all_reduce(x, op: str = "sum", group: Group | None = None):
     return out
 
 
+class _SumGradient(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_reduce(grad, group=ctx.group), None
+
+
+def sum_gradient(x, group: Group | None = None):
+    """x itself; its gradient is summed over the group in backward."""
+    return x if _alone(group) else _SumGradient.apply(x, group)
+
+
 def all_reduce_async(x, group: Group | None = None):
     """Start summing x over the group (gloo and nccl run it on their own threads/streams)."""
     out = x.clone()

@@ -28,7 +28,7 @@ import contextlib
 
 import numpy as np
 
-from mindspeed_core import autograd, dist, nn, ops, random
+from mindspeed_core import dist, nn, ops, random
 from mindspeed_core.errors import MindSpeedError
 from mindspeed_core.models import lora
 from mindspeed_core.models.gpt import MLP, Seams, vocab_selector
@@ -126,7 +126,7 @@ def vocab_parallel_cross_entropy(logits, labels, group, vocab_start: int):
     """Per-token cross entropy when each rank holds a slice of the vocabulary: the softmax
     normaliser and the target logit are summed over the group (differentiably)."""
     shard = logits.shape[-1]
-    peak = dist.all_reduce(ops.amax(autograd.detach(logits), dim=-1, keepdim=True), op="max", group=group)
+    peak = mappings.max_over(ops.amax(logits, dim=-1, keepdim=True), group)
     shifted = logits - peak
     total = mappings.reduce_from_region(ops.sum(ops.exp(shifted), dim=-1), group)
     inside = ops.logical_and(ops.ge(labels, vocab_start), ops.lt(labels, vocab_start + shard))

@@ -17,6 +17,10 @@ Each is a facade autograd.Function whose backward is the collective's adjoint:
 
 With a group of one rank they all reduce to the identity, so a model built for TP = 1 pays
 nothing.
+
+The tensor- and sequence-parallel ones also have a ``traced`` formulation (see the facade's
+Function): the forward's values detached, and the backward carried by ops whose autodiff is
+the adjoint (slicing, concatenation, dist.sum_gradient). MindSpore's trace capture runs it.
 """
 
 from __future__ import annotations
@@ -64,6 +68,50 @@ def _heads_to_sequence(x, group):
     return ops.reshape(ops.permute(got, (1, 2, 0, 3, 4)), (b, ns // n, n * hn, d))
 
 
+def _in_slot(x, group, dim):
+    """x in this rank's slot of n along dim, zeros elsewhere: summed over the group, every
+    member's x in rank order (an all-gather; exact, as the other addends are zeros)."""
+    zeros = ops.zeros_like(x)
+    return ops.cat([x if i == dist.rank(group) else zeros for i in range(_size(group))], dim=dim)
+
+
+def _values_of(value, carrier):
+    """value's values with carrier's gradient (same shape); exact: carrier minus itself
+    detached is zero."""
+    return autograd.detach(value) + (carrier - autograd.detach(carrier))
+
+
+def _traced_gather_seq(x, g, d):
+    slots = _in_slot(x, g, d)  # backward: the summed gradient's own slot, a reduce-scatter
+    return _values_of(dist.all_reduce(slots, group=g), dist.sum_gradient(slots, g))
+
+
+def _traced_gather(x, g, d):
+    slots = _in_slot(x, g, d)  # backward: the gradient's own slot
+    return _values_of(dist.all_reduce(slots, group=g), slots)
+
+
+# kind -> the same forward and backward in ops a tracing compiler differentiates correctly
+_TRACED = {
+    "copy": lambda x, g, d: dist.sum_gradient(x, g),
+    "reduce": lambda x, g, d: _values_of(dist.all_reduce(x, group=g), x),
+    "gather": _traced_gather,
+    "scatter": lambda x, g, d: _own_slice(dist.sum_gradient(x, g), g, d),  # backward: all-gather
+    "gather_seq": _traced_gather_seq,
+    "scatter_seq": lambda x, g, d: _values_of(_own_slice(dist.all_reduce(x, group=g), g, d),
+                                              _own_slice(dist.sum_gradient(x, g), g, d)),
+}
+
+
+def max_over(x, group):
+    """The element-wise maximum over the group, without gradient (every member's x gathered
+    by one float32 sum, then the max, which a tracing compiler can follow)."""
+    if _size(group) == 1:
+        return autograd.detach(x)
+    slots = _in_slot(ops.unsqueeze(ops.cast(autograd.detach(x), "float32"), 0), group, 0)
+    return ops.cast(ops.amax(dist.all_reduce(slots, group=group), dim=0), ops.dtype_of(x))
+
+
 _KINDS.update({
     "shift": (lambda x, g, d: dist.shift(x, 1, group=g), lambda dy, g, d: dist.shift(dy, -1, group=g)),
     "seq_to_heads": (lambda x, g, d: _sequence_to_heads(x, g), lambda dy, g, d: _heads_to_sequence(dy, g)),
@@ -101,6 +149,9 @@ def _apply(kind: str, x, group, dim=0):
             @staticmethod
             def backward(ctx, grad):
                 return bwd(grad, group, dim)
+
+        if kind in _TRACED:
+            _Collective.traced = staticmethod(lambda t, traced=_TRACED[kind]: traced(t, group, dim))
 
         _Collective.__name__ = f"{kind}_{'_'.join(map(str, group.ranks))}_{dim}"
         cls = _CLASSES[key] = _Collective
