@@ -20,6 +20,7 @@ class RNGStatesTracker:
         self._encode, self._decode = encode, decode
         self._states: dict[str, object] = {}
         self._seeds: set[int] = set()
+        self._forked: list[str] = []  # the names of the open forks, innermost last
 
     def reset(self) -> None:
         self._states.clear()
@@ -57,8 +58,15 @@ class RNGStatesTracker:
         features.note_used("rng-tracker")
         outer = self._get()
         self._set(self._states[name])
+        self._forked.append(name)
         try:
             yield
         finally:
+            self._forked.pop()
             self._states[name] = self._get()
             self._set(outer)
+
+    @property
+    def active(self) -> str | None:
+        """The state draws come from now: the innermost open fork's name, None outside any."""
+        return self._forked[-1] if self._forked else None

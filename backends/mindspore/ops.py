@@ -339,16 +339,15 @@ def dropout(x, p, training=True):
         return x * 0
     # MindSpore's CPU random kernels cannot be replayed from a saved state, so the mask
     # comes from the backend's own generator (see random.py); the tracker can then fork it.
-    keep = random.device_generator().random(tuple(x.shape)) >= p
-    return x * ms.Tensor(keep.astype(np.float32) / (1.0 - p)).astype(x.dtype)
+    return x * (random.draw("keep", x.shape, p) / (1.0 - p)).astype(x.dtype)
 
 
 def rand(shape, dtype="float32"):
-    return tensor(random.device_generator().random(tuple(shape)).astype(np.float32), dtype)
+    return cast(random.draw("random", shape), dtype)
 
 
 def randn(shape, dtype="float32"):
-    return tensor(random.device_generator().standard_normal(tuple(shape)).astype(np.float32), dtype)
+    return cast(random.draw("standard_normal", shape), dtype)
 
 
 # ---- fused operators: native where the device has a kernel, composite otherwise -----------

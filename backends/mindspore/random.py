@@ -10,6 +10,7 @@ use a second host generator, as on PyTorch, so weights match across frameworks.
 
 from __future__ import annotations
 
+import contextlib
 import random as _py_random
 
 import mindspore as ms
@@ -68,3 +69,59 @@ def tracker() -> RNGStatesTracker:
 
 def implementation() -> str:
     return "emulated"
+
+
+# ---- random draws of a compiled step (autograd.compiled_value_and_grad) -------------------
+# Trace capture would freeze a host draw into the graph as a constant: the same dropout mask
+# every step. So a compiled function's draws are recorded once (kind, tracker stream, shape)
+# from an eager forward, drawn on the host before each call from the same streams in the same
+# order (the numbers eager would draw), and passed in; while tracing, each draw takes the next.
+_capture: dict = {"plan": None, "inputs": None}
+
+
+def draw(kind: str, shape, p: float = 0.0) -> ms.Tensor:
+    """A float32 tensor of ``kind`` draws: "random" (uniform on [0, 1)), "standard_normal", or
+    "keep" (1 where a uniform draw is at least p, else 0: a dropout mask)."""
+    shape = tuple(int(n) for n in shape)
+    if _capture["inputs"] is not None:
+        if not _capture["inputs"]:
+            raise RuntimeError("a compiled step drew more random tensors than its eager forward")
+        value = _capture["inputs"].pop(0)
+        if tuple(value.shape) != shape:
+            raise RuntimeError(f"a compiled step drew a random tensor of shape {shape} where its eager forward drew "
+                               f"{tuple(value.shape)}")
+        return value
+    if _capture["plan"] is not None:
+        _capture["plan"].append((kind, _tracker.active, shape, p))
+    if kind == "keep":
+        return ms.Tensor((_gens["device"].random(shape) >= p).astype(np.float32))
+    return ms.Tensor(getattr(_gens["device"], kind)(shape).astype(np.float32))
+
+
+@contextlib.contextmanager
+def recording():
+    """Yields the list that the draws made inside are appended to."""
+    outer, _capture["plan"] = _capture["plan"], []
+    try:
+        yield _capture["plan"]
+    finally:
+        _capture["plan"] = outer
+
+
+def draw_plan(plan) -> list:
+    """The tensors a recorded forward would draw now (the generators advance as it would)."""
+    out = []
+    for kind, stream, shape, p in plan:
+        with _tracker.fork(stream) if stream is not None else contextlib.nullcontext():
+            out.append(draw(kind, shape, p))
+    return out
+
+
+@contextlib.contextmanager
+def replaying(tensors: list):
+    """Draws inside take ``tensors`` in order; yields a function: how many are left."""
+    outer, _capture["inputs"] = _capture["inputs"], tensors
+    try:
+        yield lambda: len(tensors)
+    finally:
+        _capture["inputs"] = outer
