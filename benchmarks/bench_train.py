@@ -8,6 +8,8 @@ Contenders (each run in its own process, every round, in alternating order):
   cmd-pytorch, cmd-pytorch-compile        `mindspeed train` itself, the command users run, as a
   cmd-mindspore, cmd-mindspore-compile    subprocess on an indexed dataset with --metrics-file and
                                           a log line every step: its own tokens/s of each step
+  cmd-pytorch-tp2, cmd-mindspore-tp2,     the same through `mindspeed launch` on two ranks with
+  cmd-pytorch-compile-tp2, ...            --tensor-model-parallel-size 2 --sequence-parallel
   ours-pytorch, ours-pytorch-compile      our trainer's step called in-process on PyTorch, eager /
   ours-mindspore, ours-mindspore-compile  --compile (no data loading, logging or metrics); MindSpore
   raw-torch                               the same LLaMA written in plain torch (facade overhead)
@@ -41,7 +43,8 @@ MODELS = {
     "medium": dict(num_layers=6, hidden_size=512, num_attention_heads=8, num_query_groups=4, ffn_hidden_size=1408,
                    seq_length=256, micro_batch_size=8, vocab_size=8192),
 }
-CONTENDERS = ("cmd-pytorch", "cmd-pytorch-compile", "cmd-mindspore", "cmd-mindspore-compile", "ours-pytorch",
+CONTENDERS = ("cmd-pytorch", "cmd-pytorch-compile", "cmd-mindspore", "cmd-mindspore-compile", "cmd-pytorch-tp2",
+              "cmd-mindspore-compile-tp2", "ours-pytorch",
               "ours-pytorch-compile", "ours-mindspore", "ours-mindspore-compile", "raw-torch", "transformers",
               "transformers-compile")
 LR = 1e-4
@@ -115,7 +118,7 @@ def worker_ours(framework: str, compiled: bool, b: dict, steps: int, warmup: int
     return result | {"peak_flops": device.matmul_rate(n=1024, min_seconds=1.0)}
 
 
-def worker_command(framework: str, compiled: bool, b: dict, steps: int, warmup: int) -> dict:
+def worker_command(framework: str, compiled: bool, b: dict, steps: int, warmup: int, tp: int = 1) -> dict:
     """`mindspeed train` as users run it (its output to a file, as a terminal or a job log would
     take it); a step's time from its own record's tokens/s (the wall time since the previous
     log line: data, step, metrics and logging), over the timed steps after the first and the
@@ -128,10 +131,20 @@ def worker_command(framework: str, compiled: bool, b: dict, steps: int, warmup: 
     argv = [*_train_flags(prefix, b, compiled), "--train-iters", str(total), "--log-interval", "1",
             "--metrics-file", metrics, "--sample-tokens", "0"]
     env = {k: v for k, v in os.environ.items() if k != "MINDSPEED_AI_FRAMEWORK"}
+    verb = ["train"]
+    if tp > 1:  # one micro-batch a step as on one rank (data-parallel size 1)
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        verb = ["launch", "--nproc-per-node", str(tp), "--master-port", str(port), "--log-dir",
+                os.path.join(folder, "logs"), "--"]
+        argv += ["--tensor-model-parallel-size", str(tp), "--sequence-parallel"]
     started = time.perf_counter()
     with open(os.path.join(folder, "out.txt"), "w") as out:
-        done = subprocess.run([sys.executable, "-m", "mindspeed_core.cli", "train", "--ai-framework", framework, *argv],
-                              stdout=out, stderr=subprocess.STDOUT, env=env, timeout=3600)
+        done = subprocess.run([sys.executable, "-m", "mindspeed_core.cli", *verb, "--ai-framework", framework, *argv],
+                              stdout=out, stderr=subprocess.STDOUT, env=env, timeout=3600, cwd=folder)
     wall = time.perf_counter() - started
     if done.returncode:
         raise SystemExit(f"mindspeed train failed: see {folder}/out.txt")
@@ -240,7 +253,8 @@ def worker_raw_torch(b: dict, steps: int, warmup: int) -> dict:
 
 def worker(name: str, b: dict, steps: int, warmup: int) -> dict:
     if name.startswith("cmd-"):
-        return worker_command(name.split("-")[1], name.endswith("-compile"), b, steps, warmup)
+        tp = 2 if name.endswith("-tp2") else 1
+        return worker_command(name.split("-")[1], "-compile" in name, b, steps, warmup, tp)
     if name.startswith("ours-"):
         return worker_ours(name.split("-")[1], name.endswith("-compile"), b, steps, warmup)
     if name.startswith("transformers"):
@@ -308,7 +322,8 @@ def main() -> int:
         ratios = [("cmd-pytorch", "ours-pytorch"), ("cmd-pytorch-compile", "ours-pytorch-compile"),
                   ("cmd-mindspore", "ours-mindspore"), ("cmd-mindspore-compile", "ours-mindspore-compile"),
                   ("cmd-mindspore", "cmd-pytorch"), ("cmd-mindspore-compile", "cmd-pytorch"),
-                  ("cmd-pytorch-compile", "transformers-compile"),
+                  ("cmd-pytorch-compile", "transformers-compile"), ("cmd-mindspore-compile-tp2", "cmd-pytorch-tp2"),
+                  ("cmd-mindspore-tp2", "cmd-pytorch-tp2"), ("cmd-pytorch-compile-tp2", "cmd-pytorch-tp2"),
                   ("ours-pytorch-compile", "ours-pytorch"), ("ours-pytorch", "transformers"),
                   ("ours-pytorch-compile", "transformers-compile"), ("ours-pytorch", "raw-torch"),
                   ("ours-mindspore-compile", "ours-mindspore"), ("ours-mindspore", "ours-pytorch"),

@@ -152,7 +152,13 @@ SPEC = {
                                     "param]): value_and_grad with fn's forward and backward compiled (torch.compile; "
                                     "mindspore.jit trace capture); fn reads params from module; compiled once per "
                                     "input shape, the first call pays the compilation"),
-        "Function": "Function: subclass with static forward(ctx, *args) and backward(ctx, *grads); call .apply(*args)",
+        "compiled_vjp": ("compiled_vjp(fn, params, module) -> f(inputs, interleaved=False) -> (outputs, backward): vjp "
+                         "with fn compiled (a pipeline stage); MindSpore runs an interleaved forward's graph again, "
+                         "with the same random draws, when its backward comes"),
+        "Function": ("Function: subclass with static forward(ctx, *args) and backward(ctx, *grads); call .apply(*args). "
+                     "Optional static traced(*args): the same forward and backward written in facade ops whose "
+                     "autodiff is that backward; MindSpore's trace capture (which ignores hand-written backwards) "
+                     "runs it, and refuses a Function without one"),
         "no_grad": "no_grad(): context manager without gradient recording",
         "grad_hooks": ("grad_hooks(params, callback): context manager; while open, callback(k, grad) runs as any "
                        "backward (value_and_grad, vjp, recompute) computes params[k]'s gradient, with its total over "
@@ -188,6 +194,9 @@ SPEC = {
         "all_reduce": ("all_reduce(x, op='sum'|'max'|'min', group=None) -> a new tensor, the element-wise reduction over "
                        "the group; x is unchanged. Framework: MindSpore's CPU collective sums float32/float16 natively "
                        "and emulates the rest (exactly, see implementations)"),
+        "sum_gradient": ("sum_gradient(x, group=None) -> x's values; in backward its gradient is summed over the group "
+                         "(Megatron's copy to the tensor-parallel region), written so a compiler keeps that backward "
+                         "(MindSpore: InsertGradientOf, also under trace capture)"),
         "all_reduce_async": ("all_reduce_async(x, group=None) -> work: start summing x over the group and return "
                              "at once; work.wait() blocks until done and returns the sum (a new tensor; x unchanged). "
                              "Framework: gloo/nccl work handles on PyTorch; mccl's async all-reduce on MindSpore for "

@@ -367,7 +367,8 @@ FEATURES: tuple[Feature, ...] = (
     Feature("compile", "Compiled training step (--compile)", "compilation", ("--compile",),
             supported("torch.compile (Inductor) of the loss; AOTAutograd compiles its backward"),
             supported("mindspore.jit trace capture of the loss, parameters as graph inputs; the backward is "
-                      "MindSpore's autodiff of the traced graph; no dropout (the masks would be frozen)"),
+                      "MindSpore's autodiff of the traced graph; dropout masks drawn on the host each step and "
+                      "passed in"),
             _on("compile")),
     Feature("compile-tensor-parallel", "Compiled step with tensor (and sequence) parallelism", "compilation",
             ("--compile", "--tensor-model-parallel-size"),
@@ -375,16 +376,14 @@ FEATURES: tuple[Feature, ...] = (
                       older="torch 2.6's Inductor computes a wrong word-embedding gradient in the tensor-parallel "
                             "model (the first-step check stops it); releases between are untested",
                       instead="--compile with data parallelism only, or tensor parallelism without --compile"),
-            unsupported("trace capture ignores a Cell's hand-written bprop, so the tensor-parallel collectives "
-                        "would get the wrong backward", instead="--compile with data parallelism only, or tensor "
-                        "parallelism without --compile"),
+            supported("trace capture ignores hand-written backwards, so the collectives run their traced "
+                      "formulation (InsertGradientOf for the gradient sums)"),
             lambda a: bool(getattr(a, "compile", False)) and (a.tensor_model_parallel_size or 1) > 1),
     Feature("compile-pipeline", "Compiled step with pipeline parallelism", "compilation",
             ("--compile", "--pipeline-model-parallel-size"),
-            planned("the pipeline schedule runs each stage through vjp; compiled stages are not built yet",
-                    instead="pipeline parallelism without --compile"),
-            planned("the pipeline schedule runs each stage through vjp; compiled stages are not built yet",
-                    instead="pipeline parallelism without --compile"),
+            supported("each model chunk's forward is torch.compile'd and run through autograd like an eager one"),
+            supported("each model chunk's forward is traced; an interleaved micro-batch's forward graph runs again, "
+                      "with the same draws, when its backward comes (as eager records it again)"),
             lambda a: bool(getattr(a, "compile", False)) and (a.pipeline_model_parallel_size or 1) > 1),
     # ---- communication ----------------------------------------------------------------------
     Feature("collectives", "Collectives: all-reduce, all-gather, reduce-scatter, all-to-all, broadcast, send/recv",

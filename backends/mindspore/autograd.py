@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import linecache
 import sys
 
@@ -15,6 +16,24 @@ _FLOATS = (ms.float16, ms.float32, ms.float64, ms.bfloat16)
 # PyNative keeps only the newest forward recorded for gradients: a vjp whose backward comes
 # after another forward was recorded (pipeline schedules hold several) must record its own again.
 _recorded = [0]
+# True while a compiled function's Python runs: in its eager rehearsal (which records its random
+# draws) and under trace capture. Functions then take their ``traced`` formulation and
+# collectives avoid the host; what cannot be traced is refused in the rehearsal, because an
+# exception under trace capture leaves MindSpore's tracer half-open for the rest of the process.
+_tracing = [False]
+
+
+def tracing() -> bool:
+    return _tracing[0]
+
+
+@contextlib.contextmanager
+def _compiling():
+    outer, _tracing[0] = _tracing[0], True
+    try:
+        yield
+    finally:
+        _tracing[0] = outer
 
 
 def _rng_snapshot():
@@ -68,48 +87,123 @@ def _give_every_caller_a_source() -> None:
 _BLANK_SOURCES: set = set()
 
 
-def compiled_value_and_grad(fn, params, module):
-    """value_and_grad of ``mindspore.jit(fn, capture_mode="trace")``.
+class _Traced:
+    """``mindspore.jit(fn, capture_mode="trace")`` made safe to differentiate and call again.
 
-    Two things trace capture gets wrong, measured (tests/test_compile.py):
+    Three things trace capture gets wrong, measured (tests/test_compile.py), and what is done:
     - parameters that fn reads from cells become constants of the graph, so later updates
       (in place or by set_data) are not seen: here each parameter is passed to the graph as
       an input, substituted into its cell while fn is traced;
-    - a Cell's hand-written ``bprop`` is ignored (the forward is differentiated instead):
-      the trainer refuses --compile where the model relies on one (collectives' adjoints
-      under tensor parallelism), and compares compiled with eager gradients on the first
-      step of every compiled run.
-    """
-    params = list(params)
-    position = {id(p): i for i, p in enumerate(params)}
-    slots = [(cell, name, position[id(p)]) for _, cell in module.cells_and_names()
-             for name, p in cell._params.items() if p is not None and id(p) in position]
-    if {i for _, _, i in slots} != set(range(len(params))):
-        raise ValueError("compiled_value_and_grad: some params are not parameters of module")
+    - a Cell's hand-written ``bprop`` is ignored (the forward is differentiated instead): here
+      a Function runs its ``traced`` formulation (differentiable ops whose autodiff is the
+      hand-written backward), and one without it is refused;
+    - host values are frozen into the graph: random draws (dropout masks) would repeat every
+      step. Each input shape's draws are recorded once by an eager rehearsal of the forward
+      (random.py), then drawn on the host before every call, exactly as eager would draw them,
+      and passed as inputs. The rehearsal also meets any refusal before tracing starts.
 
-    def with_weights(*args):
-        inputs, weights = args[:len(args) - len(params)], args[len(args) - len(params):]
-        for cell, name, i in slots:
-            cell._params[name] = weights[i]
-        try:
-            return fn(*inputs)
-        finally:
+    The graph's inputs are (*inputs, *params, *draws): ``arguments(inputs)`` makes them."""
+
+    def __init__(self, fn, params, module):
+        from . import random
+
+        self.params = params = list(params)
+        position = {id(p): i for i, p in enumerate(params)}
+        slots = [(cell, name, position[id(p)]) for _, cell in module.cells_and_names()
+                 for name, p in cell._params.items() if p is not None and id(p) in position]
+        if {i for _, _, i in slots} != set(range(len(params))):
+            raise ValueError("compiled function: some params are not parameters of module")
+        self.fn, self.plans = fn, {}  # input shapes -> the forward's random draws, in order
+        counts = self.counts = [0, 0]  # the call being traced: how many inputs, how many random draws
+
+        def with_weights(*args):
+            n_inputs, n_draws = counts
+            inputs, weights = args[:n_inputs], args[n_inputs:n_inputs + len(params)]
+            draws = args[n_inputs + len(params):]
             for cell, name, i in slots:
-                cell._params[name] = params[i]
+                cell._params[name] = weights[i]
+            try:
+                with _compiling(), random.replaying(list(draws)) as left:
+                    value = fn(*inputs)
+                if left():
+                    raise RuntimeError(f"compiled function: the traced forward drew {n_draws - left()} of the "
+                                       f"{n_draws} random tensors its eager forward drew")
+                return value
+            finally:
+                for cell, name, i in slots:
+                    cell._params[name] = params[i]
 
-    compiled = ms.jit(with_weights, capture_mode="trace")
+        self.graph = ms.jit(with_weights, capture_mode="trace")
+
+    def arguments(self, inputs) -> tuple:
+        """The graph's arguments for these inputs, this call's random draws made."""
+        from . import random
+
+        key = tuple(tuple(a.shape) for a in inputs)
+        if key not in self.plans:  # this shape's draws, from an eager rehearsal the random state is rewound after
+            snapshot = _rng_snapshot()
+            with no_grad(), _compiling(), random.recording() as plan:
+                self.fn(*inputs)
+            _rng_restore(snapshot)
+            self.plans[key] = plan
+        draws = random.draw_plan(self.plans[key])
+        self.counts[:] = [len(inputs), len(draws)]
+        _give_every_caller_a_source()
+        return (*inputs, *self.params, *draws)
+
+
+def compiled_value_and_grad(fn, params, module):
+    """value_and_grad of ``mindspore.jit(fn, capture_mode="trace")`` (see _Traced)."""
+    traced = _Traced(fn, params, module)
     cache: dict = {}
 
     def run(*args):
         n = len(args)
         if n not in cache:
-            cache[n] = ms.value_and_grad(compiled, tuple(range(n, n + len(params))))
+            cache[n] = ms.value_and_grad(traced.graph, tuple(range(n, n + len(traced.params))))
+        arguments = traced.arguments(args)
         _recorded[0] += 1
-        _give_every_caller_a_source()
-        value, grads = cache[n](*args, *params)
+        value, grads = cache[n](*arguments)
         return value, list(grads) if isinstance(grads, (tuple, list)) else [grads]  # one position: a bare tensor
 
     return run
+
+
+def compiled_vjp(fn, params, module):
+    """vjp with ``fn`` compiled by trace capture (see _Traced and vjp): ``f(inputs,
+    interleaved=False) -> (outputs, backward)``. An interleaved forward runs its graph without
+    recording and records it again, with the same random draws, when its backward comes."""
+    traced = _Traced(fn, params, module)
+    n_params = len(traced.params)
+
+    def call(inputs, interleaved: bool = False):
+        inputs = list(inputs)
+        arguments = traced.arguments(inputs)
+        counts = list(traced.counts)
+        if interleaved:
+            with no_grad():
+                out = traced.graph(*arguments)
+            mine, pullback = None, None
+        else:
+            _recorded[0] += 1
+            mine = _recorded[0]
+            out, pullback = ms.vjp(traced.graph, *arguments)
+
+        def backward(cotangents):
+            cots = tuple(cotangents) if isinstance(cotangents, (tuple, list)) else cotangents
+            replay = pullback
+            if _recorded[0] != mine:
+                traced.counts[:] = counts
+                _give_every_caller_a_source()
+                _recorded[0] += 1
+                _, replay = ms.vjp(traced.graph, *arguments)
+            grads = replay(cots)
+            in_grads = [g if x.dtype in _FLOATS else None for g, x in zip(grads[:len(inputs)], inputs)]
+            return in_grads, list(grads[len(inputs):len(inputs) + n_params])
+
+        return out, backward
+
+    return call
 
 
 def vjp(fn, inputs, params=(), interleaved: bool = False):
@@ -184,6 +278,12 @@ class Function:
 
     @classmethod
     def apply(cls, *args):
+        if _tracing[0]:  # trace capture would differentiate forward and ignore backward
+            traced = getattr(cls, "traced", None)
+            if traced is None:
+                raise NotImplementedError(f"{cls.__name__} has a hand-written backward and no traced formulation, "
+                                          f"which MindSpore's trace capture needs")
+            return traced(*args)
         return _FunctionCell(cls)(*args)
 
 

@@ -48,6 +48,19 @@ def compiled_value_and_grad(fn, params, module):
     return value_and_grad(torch.compile(fn, dynamic=False), params)
 
 
+def compiled_vjp(fn, params, module):
+    """vjp of ``torch.compile(fn)``: ``f(inputs, interleaved=False) -> (outputs, backward)``."""
+    import torch._inductor.config as inductor
+
+    inductor.fallback_random = True  # as in compiled_value_and_grad
+    compiled = torch.compile(fn, dynamic=False)
+
+    def call(inputs, interleaved: bool = False):
+        return vjp(compiled, inputs, params, interleaved)
+
+    return call
+
+
 def vjp(fn, inputs, params=(), interleaved: bool = False):
     """Run ``fn(*inputs)`` and return (outputs, backward).
 

@@ -629,10 +629,6 @@ def check_configuration(args, world: int):
                              f"--micro-batch-size x data-parallel size ({args.micro_batch_size} x {dp})")
     pipeline.check_micro_batches(layout, (args.global_batch_size or args.micro_batch_size * dp)
                                  // (args.micro_batch_size * dp))
-    if args.compile and runtime.bound().NAME == "mindspore" and (cfg.attention_dropout or cfg.hidden_dropout):
-        raise MindSpeedError(f"--compile on MindSpore needs dropout off (this model has attention dropout "
-                             f"{cfg.attention_dropout}, hidden dropout {cfg.hidden_dropout}): trace capture would "
-                             f"freeze the dropout masks; pass --attention-dropout 0 --hidden-dropout 0")
     _check_stage(args)
     if args.save:
         check_save_folder(args)

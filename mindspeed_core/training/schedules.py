@@ -164,7 +164,7 @@ class PipelineStage:
     the micro-batch's positions and documents (models/gpt.py Tokens) or None.
     ``send(x, peer)`` / ``recv(peer, ids)``: point-to-point with pipeline rank ``peer``; recv
     knows the dtype, and the hidden states' shape from the micro-batch's token ids (this rank's
-    [rows, columns]: their width varies with dynamic padding)."""
+    [rows, columns]: their width varies with dynamic padding). ``vjp``: see below."""
 
     pp: int
     rank: int
@@ -173,6 +173,9 @@ class PipelineStage:
     params: list  # per model chunk, the parameters gradients are taken of
     send: Callable
     recv: Callable
+    # vjp(chunk, x, labels, interleaved) -> (output, backward): a compiled forward
+    # (training/compiled.py CheckedCompiledStage); None: autograd.vjp of forward
+    vjp: Callable | None = None
 
 
 def _interleaved_forwards(program: list) -> set:
@@ -237,6 +240,8 @@ def forward_backward_pipelining(stage: PipelineStage, program: list, micro_batch
             if forward_only:
                 with autograd.no_grad():
                     out = run(x)
+            elif stage.vjp is not None:
+                out, pending[chunk, mb] = stage.vjp(chunk, x, target, (chunk, mb) in interleaved)
             else:
                 out, pending[chunk, mb] = autograd.vjp(run, [x], stage.params[chunk],
                                                        interleaved=(chunk, mb) in interleaved)

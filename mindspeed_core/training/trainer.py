@@ -197,12 +197,25 @@ class Trainer:
         def peer(pp_rank):
             return ps.rank_of(tp=me["tp"], cp=me["cp"], dp=me["dp"], pp=pp_rank)
 
-        def stage(forward):
+        def stage(forward, vjp=None):
             return schedules.PipelineStage(ps.pp, ps.local_rank("pp"), self.layout.chunks, forward, chunk_params,
                                            send=lambda x, to: dist.send(x, peer(to)),
-                                           recv=lambda src, ids: dist.recv(hidden(ids), self.dtype, peer(src)))
+                                           recv=lambda src, ids: dist.recv(hidden(ids), self.dtype, peer(src)),
+                                           vjp=vjp)
 
-        train_stage = stage(self._stage_forward)
+        vjp = None
+        if args.compile:  # each chunk's forward compiled, the first micro-batch checked against eager
+            names = iter(self.train_names)
+            first_of_stage = all(v == 0 for axis, v in me.items() if axis != "pp")  # each stage checks its own
+
+            def stage_say(text):
+                if first_of_stage:
+                    print(f"pipeline stage {ps.local_rank('pp')}: {text}", file=self._out or sys.stdout, flush=True)
+
+            vjp = compiled.CheckedCompiledStage(self._compiled_stage_forward, chunk_params, self.chunks,
+                                                [[next(names) for _ in params] for params in chunk_params],
+                                                self.scaler, self.dtype, stage_say)
+        train_stage = stage(self._stage_forward, vjp)
         eval_stage = stage(functools.partial(self._stage_forward, scaled=False))
         pp_rank = ps.local_rank("pp")
         program = schedules.pipeline_program(ps.pp, self.layout.chunks, self.grad_accum)[pp_rank]
@@ -220,6 +233,13 @@ class Trainer:
             return distributed.over_pipeline(loss, ps)
 
         return forward_backward, forward_only
+
+    def _compiled_stage_forward(self, chunk: int, x, labels=None, scale=None):
+        """_stage_forward as --compile runs it: the loss scale is a tensor input (a compiler
+        would freeze a number); no packed sequences, MoE or multi-token prediction (refused)."""
+        model = self.chunks[chunk]
+        out = model(x)
+        return out if labels is None else self._objective(model, out, labels, None) * scale
 
     def _stage_forward(self, chunk: int, x, labels, tokens=None, scaled: bool = True):
         """One model chunk; with labels (the last stage) the loss, scaled for training."""
