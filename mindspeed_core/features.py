@@ -164,8 +164,8 @@ _MOE_LAYOUTS = "TP, SP, PP, DP and EP with a mixture-of-experts model"
 _MOE_COMPILE = "routing decides on the host, which graph capture cannot follow"
 _LORA_MOE = "LoRA on mixture-of-experts models is not built yet (adapters on the experts' grouped weights)"
 _ALL_WEIGHTS = "fine-tuning of all weights (drop the --lora-* flags)"
-_COMPILE_CP = ("--compile with context parallelism or packed sequences is not built yet (the compiled loss takes no "
-               "positions or documents)")
+_COMPILE_PACKED = ("--compile with packed sequences or instruction data is not built yet (the compiled loss takes no "
+                   "positions, documents or loss mask)")
 _COMPILE_MEMORY = "--compile with activation recompute or --swap-attention is not built yet"
 _COMPILE_MEMORY_INSTEAD = "drop --compile or the memory flags"
 _ALIGN_CP = ("a preference or reward stage with context parallelism is not built yet: a reply's log-likelihood "
@@ -704,11 +704,18 @@ FEATURES: tuple[Feature, ...] = (
             planned(_MTP_STAGES, instead=_MTP_STAGES_INSTEAD), planned(_MTP_STAGES, instead=_MTP_STAGES_INSTEAD),
             lambda a: _mtp(a) and (getattr(a, "stage", None) in _ALIGNMENT_STAGES or getattr(a, "lora_r", None)
                                    is not None or getattr(a, "lora_target_modules", None) is not None)),
-    Feature("compile-context-parallel", "Compiled step with context parallelism or packed sequences",
-            "combinations", ("--compile", "--context-parallel-size", "--reset-attention-mask", "--reset-position-ids"),
-            planned(_COMPILE_CP, instead="drop --compile"), planned(_COMPILE_CP, instead="drop --compile"),
-            lambda a: bool(getattr(a, "compile", False)) and (_gt1("context_parallel_size")(a) or bool(
-                getattr(a, "reset_attention_mask", False)) or bool(getattr(a, "reset_position_ids", False)))),
+    Feature("compile-context-parallel", "Compiled step with context parallelism", "combinations",
+            ("--compile", "--context-parallel-size"),
+            supported("ring, Ulysses and hybrid attention inside the compiled graph"),
+            supported("the ring and all-to-all exchanges run their traced formulation (each an all-gather of "
+                      "zero-padded slots, n times the payload)"),
+            lambda a: bool(getattr(a, "compile", False)) and _gt1("context_parallel_size")(a)),
+    Feature("compile-packed-sequences", "Compiled step on packed sequences or instruction data", "combinations",
+            ("--compile", "--reset-attention-mask", "--reset-position-ids", "--stage sft", "--is-instruction-dataset"),
+            planned(_COMPILE_PACKED, instead="drop --compile"), planned(_COMPILE_PACKED, instead="drop --compile"),
+            lambda a: bool(getattr(a, "compile", False)) and (
+                bool(getattr(a, "reset_attention_mask", False)) or bool(getattr(a, "reset_position_ids", False))
+                or getattr(a, "stage", None) == "sft" or bool(getattr(a, "is_instruction_dataset", False)))),
     Feature("compile-recompute", "Compiled step with activation recompute or swap attention", "combinations",
             ("--compile", "--recompute-granularity", "--recompute-activations", "--recompute-norm", "--swap-attention",
              "--recompute-activation-function"),

@@ -149,7 +149,7 @@ def check_send_recv():
 
 
 def check_traced_mappings(group, tag):
-    """Each tensor/sequence-parallel collective's traced formulation (what MindSpore's trace
+    """Each tensor/sequence/context-parallel collective's traced formulation (what MindSpore's trace
     capture runs) gives its Function's values and input gradients, here in eager, bit for bit."""
     from mindspeed_core import autograd
     from mindspeed_core.parallel import mappings
@@ -157,9 +157,10 @@ def check_traced_mappings(group, tag):
     n = dist.world_size(group)
     if n == 1:  # a group of one: every mapping is the identity, with no Function
         return
-    x = ops.tensor(rank_value(R, (2, 2 * n, 2 * n), np.float32) / 7)
     for kind, dim in (("copy", 0), ("reduce", 0), ("gather", -1), ("scatter", -1), ("gather_seq", 1),
-                      ("scatter_seq", 1)):
+                      ("scatter_seq", 1), ("gather_ring", 1), ("shift", 0), ("seq_to_heads", 0),
+                      ("heads_to_seq", 0)):
+        x = ops.tensor(rank_value(R, (2, 2 * n, 2 * n, 2 * n), np.float32) / 7)  # [b, s, heads, d]
         mappings._apply(kind, x, group, dim)  # makes the Function class
         cls = mappings._CLASSES[(kind, group.ranks, dim)]
         results = []

@@ -61,9 +61,19 @@ else:
 PIPELINE = ["--pipeline-model-parallel-size", "2"]
 
 
-@pytest.mark.parametrize("layout,says", [
+LAYOUTS = [
     pytest.param(LAYOUT, SAYS, marks=MARKS, id=SAYS.replace(" ", "-")),
-    pytest.param(PIPELINE, "PP=2", marks=_marks("compile", "compile-pipeline", "pipeline-parallel"), id="PP=2")])
+    pytest.param(PIPELINE, "PP=2", marks=_marks("compile", "compile-pipeline", "pipeline-parallel"), id="PP=2"),
+    pytest.param(["--context-parallel-size", "2", "--context-parallel-algo", "ulysses_cp_algo"], "CP=2",
+                 marks=_marks("compile", "compile-context-parallel", "ulysses-cp"), id="Ulysses-CP=2")]
+if FRAMEWORK == "mindspore":  # the ring's own traced exchange; torch.compile takes its Functions as it takes
+    # Ulysses' (and compiles the ring's many blocks for 80 s here)
+    LAYOUTS.append(pytest.param(["--context-parallel-size", "2"], "CP=2",
+                                marks=_marks("compile", "compile-context-parallel", "ring-attention-cp"),
+                                id="ring-CP=2"))
+
+
+@pytest.mark.parametrize("layout,says", LAYOUTS)
 def test_compiled_parallel_run_equals_eager(framework, corpus, eager, tmp_path, layout, says):  # noqa: F811
     metrics = tmp_path / "m.jsonl"
     out = launch_train(framework, RANKS, [*FLAGS, *layout, "--compile", "--use-distributed-optimizer",
@@ -103,6 +113,25 @@ def test_compiled_dropout_draws_the_eager_masks_every_step(capsys, corpus, tmp_p
         curves.append(losses(metrics))
     assert "first-step gradients match eager" in out, out
     assert_same_curve(curves[1], curves[0])
+
+
+def test_a_packed_dataset_under_compile_stops_in_one_line(capsys, tmp_path):
+    """Its samples bring a loss mask (the packs' padding), which the compiled loss does not take:
+    training on without it would count the padding, so the run stops."""
+    import json
+
+    from mindspeed_core import cli
+
+    with open(tmp_path / "docs.jsonl", "w") as fh:
+        fh.writelines(json.dumps({"text": "word " * n}) + "\n" for n in range(1, 60))
+    prefix = str(tmp_path / "c")
+    assert cli.main(["preprocess", "--input", str(tmp_path / "docs.jsonl"), "--output-prefix", prefix, "--append-eod",
+                     "--pack", "--seq-length", "32"]) == 0
+    capsys.readouterr()
+    code, out, err = train(capsys, *FLAGS, "--compile", "--train-iters", "1", "--data-path",
+                           prefix + "_packed_text_document")
+    assert code != 0 and "packed dataset" in err and "run without --compile" in err, (out[-2000:], err)
+    assert err.strip().count("\n") == 0, err
 
 
 class _Doubled(autograd.Function):

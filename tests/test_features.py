@@ -161,14 +161,15 @@ COMBINATIONS = [  # row -> flags that ask for it (each feature alone is built)
     ("moe-context-parallel", ["--num-experts", "4", "--context-parallel-size", "2"]),
     ("moe-compile", ["--num-experts", "4", "--compile"]),
     ("lora-moe", ["--num-experts", "4", "--lora-r", "8"]),
-    ("compile-context-parallel", ["--compile", "--reset-attention-mask"]),
+    ("compile-packed-sequences", ["--compile", "--reset-attention-mask"]),
+    ("compile-packed-sequences", ["--compile", "--stage", "sft"]),
     ("compile-recompute", ["--compile", "--recompute-activations"]),
     ("alignment-context-parallel", ["--stage", "dpo", "--context-parallel-size", "2"]),
     ("compile-alignment", ["--stage", "simpo", "--compile"]),
 ]
 
 
-@pytest.mark.parametrize("row, flags", COMBINATIONS, ids=[c[0] for c in COMBINATIONS])
+@pytest.mark.parametrize("row, flags", COMBINATIONS, ids=[f"{c[0]}-{c[1][-1]}" for c in COMBINATIONS])
 def test_combinations_not_built_yet_are_rows_the_gate_refuses(capsys, framework, row, flags):
     from mindspeed_core import cli
 

@@ -16,7 +16,7 @@ from mindspore import ops as P
 from mindspeed_core import composite
 from mindspeed_core.backends.common import dtype_table, framework_dtype
 
-from . import kernels, random
+from . import autograd, kernels, random
 
 DTYPES = dtype_table({
     "float32": ms.float32, "float64": ms.float64, "float16": ms.float16,
@@ -274,7 +274,11 @@ def cat(xs, dim=0):
 
 
 def stack(xs, dim=0):
-    return P.stack(list(xs), dim)
+    xs = list(xs)
+    if autograd.tracing():  # trace capture cannot differentiate Stack ("Bprop Stack: the pointer is null")
+        dim = dim % (xs[0].ndim + 1)
+        return P.cat([P.expand_dims(x, dim) for x in xs], dim)
+    return P.stack(xs, dim)
 
 
 def split(x, split_size_or_sections, dim=0):

@@ -50,21 +50,25 @@ _KINDS = {
 }
 
 
-def _sequence_to_heads(x, group):
+def _all_to_all(parts, group):
+    return dist.all_to_all(parts, group=group)
+
+
+def _sequence_to_heads(x, group, exchange=_all_to_all):
     """[b, s, h, d] holding this rank's tokens of every head -> [b, n s, h / n, d] holding
     every rank's tokens (in group-rank order) of this rank's n-th of the heads."""
     n = _size(group)
     b, s, h, d = x.shape
     parts = ops.permute(ops.reshape(x, (b, s, n, h // n, d)), (2, 0, 1, 3, 4))  # [n, b, s, h/n, d]
-    got = dist.all_to_all(parts, group=group)  # [source rank, b, s, h/n, d]
+    got = exchange(parts, group)  # [source rank, b, s, h/n, d]
     return ops.reshape(ops.permute(got, (1, 0, 2, 3, 4)), (b, n * s, h // n, d))
 
 
-def _heads_to_sequence(x, group):
+def _heads_to_sequence(x, group, exchange=_all_to_all):
     n = _size(group)
     b, ns, hn, d = x.shape
     parts = ops.permute(ops.reshape(x, (b, n, ns // n, hn, d)), (1, 0, 2, 3, 4))  # [n, b, s, h/n, d]
-    got = dist.all_to_all(parts, group=group)  # [source rank (its heads), b, s, h/n, d]
+    got = exchange(parts, group)  # [source rank (its heads), b, s, h/n, d]
     return ops.reshape(ops.permute(got, (1, 2, 0, 3, 4)), (b, ns // n, n * hn, d))
 
 
@@ -91,6 +95,22 @@ def _traced_gather(x, g, d):
     return _values_of(dist.all_reduce(slots, group=g), slots)
 
 
+def _traced_exchange(x, g, pick):
+    """What pick(all) takes of every member's x gathered ([n, *x.shape], one sum of slots);
+    backward: each member's gradient goes back into its slots of the sum, so every rank gets
+    the gradients of what the others took of its x (the exchange's adjoint)."""
+    slots = _in_slot(ops.unsqueeze(x, 0), g, 0)
+    return _values_of(pick(dist.all_reduce(slots, group=g)), pick(dist.sum_gradient(slots, g)))
+
+
+def _traced_all_to_all(parts, g):  # [n, ...] -> [source rank, ...]: each member's part for this rank
+    return _traced_exchange(parts, g, lambda every: every[:, dist.rank(g)])
+
+
+def _traced_shift(x, g, d):  # from the previous member of the ring, as dist.shift(x, 1)
+    return _traced_exchange(x, g, lambda every: every[(dist.rank(g) - 1) % _size(g)])
+
+
 # kind -> the same forward and backward in ops a tracing compiler differentiates correctly
 _TRACED = {
     "copy": lambda x, g, d: dist.sum_gradient(x, g),
@@ -101,6 +121,13 @@ _TRACED = {
     "scatter_seq": lambda x, g, d: _values_of(_own_slice(dist.all_reduce(x, group=g), g, d),
                                               _own_slice(dist.sum_gradient(x, g), g, d)),
 }
+
+_TRACED.update({
+    "gather_ring": _traced_gather_seq, "gather_tokens": _traced_gather_seq, "scatter_tokens": _TRACED["scatter_seq"],
+    "shift": _traced_shift,
+    "seq_to_heads": lambda x, g, d: _sequence_to_heads(x, g, _traced_all_to_all),
+    "heads_to_seq": lambda x, g, d: _heads_to_sequence(x, g, _traced_all_to_all),
+})
 
 
 def max_over(x, group):

@@ -15,8 +15,9 @@ from mindspeed_core.errors import MindSpeedError
 class CheckedCompiledStep:
     """``(ids, labels, tokens=None) -> (loss, grads)`` like the eager gradient function it
     replaces. The loss scale is an input of the compiled graph (a constant would be frozen by
-    MindSpore's trace capture); packed sequences and context parallelism are refused with
-    --compile (the matrix's compile-context-parallel row), so no tokens reach it."""
+    MindSpore's trace capture). Packed sequences and instruction data are refused with --compile
+    (the matrix's compile-packed-sequences row); a micro-batch that still brings positions,
+    documents or a loss mask (a packed pre-training dataset) stops the run here."""
 
     def __init__(self, model, params: list, names: list, eager, scaler, dtype: str, tensor_parallel: bool, say):
         features.note_used("compile")
@@ -31,6 +32,7 @@ class CheckedCompiledStep:
         return self.compiled(ids, labels, ops.tensor(np.float32(self.scaler.scale)))
 
     def __call__(self, ids, labels, tokens=None):
+        _no_tokens(tokens)
         if self.seconds is None:
             self.check(ids, labels)
         return self._call(ids, labels)
@@ -52,6 +54,22 @@ class CheckedCompiledStep:
         worst = _agree(zip(self.names, grads, eager), loss, eager_loss, self.dtype)
         self.say(f"--compile: compiled in {self.seconds:.1f} s; first-step gradients match eager "
                  f"(largest relative difference {worst:.1e})")
+
+
+def _packed_refusal() -> MindSpeedError:
+    return MindSpeedError(f"{features.get('compile-packed-sequences').pytorch.note}: this data brings them (a packed "
+                          f"dataset); run without --compile")
+
+
+def check_data(splits: dict) -> None:
+    """Refuse a packed dataset (its samples' padding is masked out of the loss) at the start."""
+    if any(getattr(data, "packed", False) for data in splits.values() if data is not None):
+        raise _packed_refusal()
+
+
+def _no_tokens(tokens) -> None:
+    if tokens is not None:  # the compiled loss would train as if they were not there
+        raise _packed_refusal()
 
 
 def _agree(named_pairs, value, eager_value, dtype: str) -> float:
@@ -96,7 +114,8 @@ class CheckedCompiledStage:
             return self.forward(chunk, *inputs)
         return forward
 
-    def __call__(self, chunk: int, x, labels, interleaved: bool):
+    def __call__(self, chunk: int, x, labels, tokens, interleaved: bool):
+        _no_tokens(tokens)
         inputs = [x] if labels is None else [x, labels, ops.tensor(np.float32(self.scaler.scale))]
         if (chunk, len(inputs)) in self.checked:
             return self.compiled[chunk](inputs, interleaved)

@@ -173,7 +173,7 @@ class PipelineStage:
     params: list  # per model chunk, the parameters gradients are taken of
     send: Callable
     recv: Callable
-    # vjp(chunk, x, labels, interleaved) -> (output, backward): a compiled forward
+    # vjp(chunk, x, labels, tokens, interleaved) -> (output, backward): a compiled forward
     # (training/compiled.py CheckedCompiledStage); None: autograd.vjp of forward
     vjp: Callable | None = None
 
@@ -241,7 +241,7 @@ def forward_backward_pipelining(stage: PipelineStage, program: list, micro_batch
                 with autograd.no_grad():
                     out = run(x)
             elif stage.vjp is not None:
-                out, pending[chunk, mb] = stage.vjp(chunk, x, target, (chunk, mb) in interleaved)
+                out, pending[chunk, mb] = stage.vjp(chunk, x, target, tokens, (chunk, mb) in interleaved)
             else:
                 out, pending[chunk, mb] = autograd.vjp(run, [x], stage.params[chunk],
                                                        interleaved=(chunk, mb) in interleaved)

@@ -99,6 +99,8 @@ class Trainer:
     def build(self):
         args = self.flags
         self.data = batches.splits(self.config, self.data_path)
+        if args.compile:  # before any step: a packed dataset's masks appear only on the samples with padding
+            compiled.check_data(self.data)
         self.batches = batches.Batches(self.data, self.tokenizer, self.stage_name, self.ps, args, self.objective,
                                        self.reference, self.config.data.pad_multiple)
         random.seed(args.seed)
