@@ -7,7 +7,8 @@ where collectives are emulated, the ratio of wire bytes to this figure is the em
 overhead. Per micro-batch of T tokens, hidden size h, L layers, tensor-parallel size t:
 
     TP:      forward  embedding all-reduce T h, 2 all-reduces T h per layer (attention and MLP
-                      outputs), vocab-parallel loss 3 all-reduces of T (max, sum, target)
+                      outputs), vocab-parallel loss 2 all-reduces of T (sum, target) and
+                      one of t T (the max: each rank's in its slot, summed; mappings.max_over)
              backward 2 all-reduces T h per layer (attention and MLP inputs), 1 for the output
     TP + SP: each layer all-reduce becomes an all-gather of T h / t (input) plus a
              reduce-scatter of T h; the decoder input is sliced (backward: all-gather T h / t)
@@ -38,11 +39,11 @@ def step_bytes(cfg, *, micro_batch: int, seq_length: int, grad_accum: int, tp: i
         if sp:
             # per layer: 2 gathers forward (qkv, fc1 inputs) + 2 backward (proj, fc2), and the
             # mirror-image reduce-scatters; plus the output gather and the decoder-input slice
-            per_micro["all_reduce"] = T * h * f + 3 * T * f  # embedding (full sequence) and the loss
+            per_micro["all_reduce"] = T * h * f + (2 + tp) * T * f  # embedding (full sequence) and the loss
             per_micro["all_gather"] = (4 * L + 2) * (T // tp) * h * f
             per_micro["reduce_scatter"] = (4 * L + 1) * T * h * f
         else:
-            per_micro["all_reduce"] = (4 * L + 2) * T * h * f + 3 * T * f
+            per_micro["all_reduce"] = (4 * L + 2) * T * h * f + (2 + tp) * T * f
         for op, n in per_micro.items():
             add(op, grad_accum * n)
         add("all_reduce", f)  # the gradient norm's sharded part, over TP
