@@ -198,6 +198,32 @@ def test_a_wrong_compiled_gradient_stops_the_run(capsys, corpus, monkeypatch):  
     assert code != 0 and "disagrees with eager" in err and "run without --compile" in err, (out, err)
 
 
+class _Stage(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(np.array([[1.0, 2.0], [3.0, -1.0]], np.float32))
+
+    def forward(self, x):
+        return ops.tanh(ops.matmul(x, self.weight))
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_a_compiled_stage_gives_the_outputs_and_gradients_of_vjp(interleaved):
+    """What the pipeline schedule runs under --compile; interleaved: another forward is recorded
+    before this backward (MindSpore then runs the stage's graph again)."""
+    model = _Stage()
+    x = ops.tensor(np.array([[0.5, -1.0], [2.0, 0.25]], np.float32))
+    cotangent = ops.tensor(np.array([[1.0, 2.0], [-1.0, 0.5]], np.float32))
+    want, want_backward = autograd.vjp(model, [x], [model.weight])
+    (want_input,), (want_weight,) = want_backward(cotangent)
+    out, backward = autograd.compiled_vjp(model, [model.weight], model)([x], interleaved=interleaved)
+    if interleaved:
+        autograd.vjp(model, [x * 2.0], [model.weight])
+    (got_input,), (got_weight,) = backward(cotangent)
+    for got, expected in ((out, want), (got_input, want_input), (got_weight, want_weight)):
+        np.testing.assert_allclose(ops.to_numpy(got), ops.to_numpy(expected), rtol=1e-6, atol=1e-7)
+
+
 class _Square(nn.Module):
     def __init__(self):
         super().__init__()

@@ -19,10 +19,8 @@ class CheckedCompiledStep:
     (the matrix's compile-packed-sequences row); a micro-batch that still brings positions,
     documents or a loss mask (a packed pre-training dataset) stops the run here."""
 
-    def __init__(self, model, params: list, names: list, eager, scaler, dtype: str, tensor_parallel: bool, say):
-        features.note_used("compile")
-        if tensor_parallel:
-            features.note_used("compile-tensor-parallel")
+    def __init__(self, model, params: list, names: list, eager, scaler, dtype: str, ps, say):
+        _note_layout(ps)
         self.compiled = autograd.compiled_value_and_grad(lambda ids, labels, scale: model.loss(ids, labels) * scale,
                                                          params, model)
         self.names, self.eager, self.scaler, self.dtype, self.say = names, eager, scaler, dtype, say
@@ -67,6 +65,14 @@ def check_data(splits: dict) -> None:
         raise _packed_refusal()
 
 
+def _note_layout(ps) -> None:
+    """The matrix's compile rows this run's layout exercises."""
+    features.note_used("compile")
+    for axis, row in (("tp", "compile-tensor-parallel"), ("pp", "compile-pipeline"), ("cp", "compile-context-parallel")):
+        if ps.size(axis) > 1:
+            features.note_used(row)
+
+
 def _no_tokens(tokens) -> None:
     if tokens is not None:  # the compiled loss would train as if they were not there
         raise _packed_refusal()
@@ -100,9 +106,8 @@ class CheckedCompiledStage:
     the graph, as in CheckedCompiledStep). The first micro-batch through each chunk also runs
     eager from the same random state, and its backward compares the two."""
 
-    def __init__(self, forward, chunk_params: list, chunks: list, names: list, scaler, dtype: str, say):
-        features.note_used("compile")
-        features.note_used("compile-pipeline")
+    def __init__(self, forward, chunk_params: list, chunks: list, names: list, scaler, dtype: str, ps, say):
+        _note_layout(ps)
         self.compiled = [autograd.compiled_vjp(self._of_chunk(c), params, module)
                          for c, (params, module) in enumerate(zip(chunk_params, chunks))]
         self.forward, self.params, self.names = forward, chunk_params, names

@@ -172,7 +172,7 @@ class Trainer:
             self.grad_fn = autograd.value_and_grad(self._loss, self.train_params)
             if args.compile:  # the eager function stays for the first step's check
                 self.grad_fn = compiled.CheckedCompiledStep(self.model, self.train_params, self.train_names,
-                                                            self.grad_fn, self.scaler, self.dtype, ps.tp > 1, self.say)
+                                                            self.grad_fn, self.scaler, self.dtype, ps, self.say)
 
             hooks = {} if self.overlap is None else dict(on_final=self.overlap.final, params=self.train_params,
                                                          count=self.grad_accum)
@@ -216,7 +216,7 @@ class Trainer:
 
             vjp = compiled.CheckedCompiledStage(self._compiled_stage_forward, chunk_params, self.chunks,
                                                 [[next(names) for _ in params] for params in chunk_params],
-                                                self.scaler, self.dtype, stage_say)
+                                                self.scaler, self.dtype, ps, stage_say)
         train_stage = stage(self._stage_forward, vjp)
         eval_stage = stage(functools.partial(self._stage_forward, scaled=False))
         pp_rank = ps.local_rank("pp")
