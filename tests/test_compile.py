@@ -220,8 +220,9 @@ def test_a_compiled_stage_gives_the_outputs_and_gradients_of_vjp(interleaved):
     if interleaved:
         autograd.vjp(model, [x * 2.0], [model.weight])
     (got_input,), (got_weight,) = backward(cotangent)
+    # a compiler may fuse tanh's backward differently (torch 2.6's Inductor: 4.8e-7 off)
     for got, expected in ((out, want), (got_input, want_input), (got_weight, want_weight)):
-        np.testing.assert_allclose(ops.to_numpy(got), ops.to_numpy(expected), rtol=1e-6, atol=1e-7)
+        np.testing.assert_allclose(ops.to_numpy(got), ops.to_numpy(expected), rtol=1e-5, atol=1e-6)
 
 
 class _Square(nn.Module):
