@@ -18,9 +18,9 @@ Each is a facade autograd.Function whose backward is the collective's adjoint:
 With a group of one rank they all reduce to the identity, so a model built for TP = 1 pays
 nothing.
 
-The tensor- and sequence-parallel ones also have a ``traced`` formulation (see the facade's
-Function): the forward's values detached, and the backward carried by ops whose autodiff is
-the adjoint (slicing, concatenation, dist.sum_gradient). MindSpore's trace capture runs it.
+All but all_to_all_rows also have a ``traced`` formulation (see the facade's Function): the
+forward's values detached, and the backward carried by ops whose autodiff is the adjoint
+(slicing, concatenation, dist.sum_gradient). MindSpore's trace capture runs it.
 """
 
 from __future__ import annotations
@@ -111,23 +111,22 @@ def _traced_shift(x, g, d):  # from the previous member of the ring, as dist.shi
     return _traced_exchange(x, g, lambda every: every[(dist.rank(g) - 1) % _size(g)])
 
 
+def _traced_scatter_seq(x, g, d):  # backward: the gradient in its slot, summed (an all-gather)
+    return _values_of(_own_slice(dist.all_reduce(x, group=g), g, d), _own_slice(dist.sum_gradient(x, g), g, d))
+
+
 # kind -> the same forward and backward in ops a tracing compiler differentiates correctly
 _TRACED = {
     "copy": lambda x, g, d: dist.sum_gradient(x, g),
     "reduce": lambda x, g, d: _values_of(dist.all_reduce(x, group=g), x),
     "gather": _traced_gather,
     "scatter": lambda x, g, d: _own_slice(dist.sum_gradient(x, g), g, d),  # backward: all-gather
-    "gather_seq": _traced_gather_seq,
-    "scatter_seq": lambda x, g, d: _values_of(_own_slice(dist.all_reduce(x, group=g), g, d),
-                                              _own_slice(dist.sum_gradient(x, g), g, d)),
-}
-
-_TRACED.update({
-    "gather_ring": _traced_gather_seq, "gather_tokens": _traced_gather_seq, "scatter_tokens": _TRACED["scatter_seq"],
+    "gather_seq": _traced_gather_seq, "gather_ring": _traced_gather_seq, "gather_tokens": _traced_gather_seq,
+    "scatter_seq": _traced_scatter_seq, "scatter_tokens": _traced_scatter_seq,
     "shift": _traced_shift,
     "seq_to_heads": lambda x, g, d: _sequence_to_heads(x, g, _traced_all_to_all),
     "heads_to_seq": lambda x, g, d: _heads_to_sequence(x, g, _traced_all_to_all),
-})
+}
 
 
 def max_over(x, group):
