@@ -152,6 +152,9 @@ SPEC = {
                                     "param]): value_and_grad with fn's forward and backward compiled (torch.compile; "
                                     "mindspore.jit trace capture); fn reads params from module; compiled once per "
                                     "input shape, the first call pays the compilation"),
+        "compiled": ("compiled(fn, params, module) -> f(*tensors) -> fn's outputs: fn compiled, for calls without "
+                     "gradients (generation's decode step); fn reads params from module; compiled once per input "
+                     "shape"),
         "compiled_vjp": ("compiled_vjp(fn, params, module) -> f(inputs, interleaved=False) -> (outputs, backward): vjp "
                          "with fn compiled (a pipeline stage); MindSpore runs an interleaved forward's graph again, "
                          "with the same random draws, when its backward comes"),

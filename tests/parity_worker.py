@@ -4,7 +4,8 @@ above all under msrun). Also run in one process for the single-process reference
 
 For each configuration (name, flags[, with_grads[, options]]) it records on rank 0:
 <out>/<name>.jsonl (the metrics of a --train-iters run), <out>/<name>.log (what the trainer
-printed) and, unless with_grads is false, <out>/<name>-grads.npz: the first step's gradients as
+printed; rank k > 0's in <out>/<name>.rank<k>.log) and, unless with_grads is false,
+<out>/<name>-grads.npz: the first step's gradients as
 the optimizer took them (reduced over data-parallel ranks; the distributed optimizer's slices
 gathered), each whole (TP pieces, experts and pipeline stages joined), and its gradient norm
 under the name "grad_norm". ``options`` {"double": NAME} multiplies the reduced gradient of
@@ -68,11 +69,10 @@ def train_case(out_dir: str, name: str, flags: list, with_grads: bool = True, op
 
         trainer.after_reduction = record
         trainer.run()
-    if dist.rank() == 0:
-        if with_grads:
-            np.savez(os.path.join(out_dir, f"{name}-grads.npz"), **first)
-        with open(os.path.join(out_dir, f"{name}.log"), "w") as fh:
-            fh.write(log.getvalue())
+    if dist.rank() == 0 and with_grads:
+        np.savez(os.path.join(out_dir, f"{name}-grads.npz"), **first)
+    with open(os.path.join(out_dir, f"{name}.log" if dist.rank() == 0 else f"{name}.rank{dist.rank()}.log"), "w") as fh:
+        fh.write(log.getvalue())
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from mindspeed_core import autograd, features, nn, ops, runtime
-from test_parallel import GQA, assert_same_curve, launch_train
+from test_parallel import GQA, assert_same_curve
 from test_training import corpus, losses, train  # noqa: F401  (corpus is a fixture)
 
 ITERS = 20
@@ -44,15 +44,15 @@ def _marks(*ids):
     return [pytest.mark.multiprocess, *(pytest.mark.feature(i) for i in ids)]
 
 
-# One launch per framework: TP2 with sequence parallelism where the matrix supports --compile with
-# tensor parallelism (MindSpore, torch >= 2.13; two ranks: four would compile four graphs on two
-# cores); elsewhere (older torch) DP2 with the distributed optimizer, and the refusal is tested below.
+# TP2 with sequence parallelism where the matrix supports --compile with tensor parallelism
+# (MindSpore, torch >= 2.13; two ranks: four would compile four graphs on two cores); elsewhere
+# (older torch) DP2 with the distributed optimizer, and the refusal is tested below.
 if TP_STATUS.kind == "supported":
-    LAYOUT, RANKS, SAYS = ["--tensor-model-parallel-size", "2", "--sequence-parallel"], 2, "TP=2 DP=1"
+    LAYOUT, SAYS = ["--tensor-model-parallel-size", "2", "--sequence-parallel"], "TP=2 DP=1"
     MARKS = _marks("compile", "compile-tensor-parallel", "collectives", "tensor-parallel", "sequence-parallel",
                    "distributed-optimizer")
 else:
-    LAYOUT, RANKS, SAYS = [], 2, "TP=1 DP=2"
+    LAYOUT, SAYS = [], "TP=1 DP=2"
     MARKS = _marks("compile", "collectives", "data-parallel", "distributed-optimizer")
 
 
@@ -73,17 +73,29 @@ if FRAMEWORK == "mindspore":  # the ring's own traced exchange; torch.compile ta
                                 id="ring-CP=2"))
 
 
+@pytest.fixture(scope="module")
+def compiled_layouts(corpus, tmp_path_factory):  # noqa: F811
+    """Every compiled layout in one launch of two ranks (tests/launch.py run_configs): a launch
+    costs more than a tiny model's 20 compiled steps. Returns its folder."""
+    from launch import run_configs
+
+    tmp = tmp_path_factory.mktemp("compiled-layouts")
+    spec = [[param.id, [*FLAGS, *param.values[0], "--compile", "--use-distributed-optimizer", "--data-path", corpus],
+             False] for param in LAYOUTS]
+    return run_configs(FRAMEWORK, 2, spec, tmp)
+
+
 @pytest.mark.parametrize("layout,says", LAYOUTS)
-def test_compiled_parallel_run_equals_eager(framework, corpus, eager, tmp_path, layout, says):  # noqa: F811
-    metrics = tmp_path / "m.jsonl"
-    out = launch_train(framework, RANKS, [*FLAGS, *layout, "--compile", "--use-distributed-optimizer",
-                                          "--data-path", corpus, "--metrics-file", str(metrics)], tmp_path)
+def test_compiled_parallel_run_equals_eager(request, compiled_layouts, eager, layout, says):
+    name = request.node.callspec.id
+    out = (compiled_layouts / f"{name}.log").read_text()
     assert says in out, out
     if layout is PIPELINE:  # each stage checks its chunk (the last with the loss) on its first micro-batch
         assert "stage 0: --compile: model chunk 0 compiled" in out, out
-        assert "stage 1: --compile: model chunk 0 with the loss compiled" in out, out
+        last = (compiled_layouts / f"{name}.rank1.log").read_text()
+        assert "stage 1: --compile: model chunk 0 with the loss compiled" in last, last
     assert "first-step gradients match eager" in out, out
-    assert_same_curve(losses(metrics), eager)
+    assert_same_curve(losses(compiled_layouts / f"{name}.jsonl"), eager)
 
 
 def test_compiled_tensor_parallel_is_refused_exactly_where_the_matrix_says(capsys):
@@ -223,6 +235,20 @@ def test_a_compiled_stage_gives_the_outputs_and_gradients_of_vjp(interleaved):
     # a compiler may fuse tanh's backward differently (torch 2.6's Inductor: 4.8e-7 off)
     for got, expected in ((out, want), (got_input, want_input), (got_weight, want_weight)):
         np.testing.assert_allclose(ops.to_numpy(got), ops.to_numpy(expected), rtol=1e-5, atol=1e-6)
+
+
+def test_a_compiled_function_reads_the_parameters_as_they_are_now():
+    """autograd.compiled (generation's decode step): eager's outputs, and a parameter changed
+    after compilation is seen (not frozen into the graph)."""
+    model = _Stage()
+    x = ops.tensor(np.array([[0.5, -1.0], [2.0, 0.25]], np.float32))
+    run = autograd.compiled(lambda t: (model(t), t * 2.0), [model.weight], model)
+    for weight in ([[1.0, 2.0], [3.0, -1.0]], [[0.5, 0.0], [-2.0, 1.0]]):
+        nn.assign(model.weight, np.array(weight, np.float32))
+        out, doubled = run(x)
+        np.testing.assert_allclose(ops.to_numpy(out), np.tanh(ops.to_numpy(x) @ np.array(weight)), rtol=1e-5,
+                                   atol=1e-6)
+        np.testing.assert_array_equal(ops.to_numpy(doubled), ops.to_numpy(x) * 2.0)
 
 
 class _Square(nn.Module):

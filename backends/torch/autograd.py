@@ -48,6 +48,14 @@ def compiled_value_and_grad(fn, params, module):
     return value_and_grad(torch.compile(fn, dynamic=False), params)
 
 
+def compiled(fn, params, module):
+    """``torch.compile(fn)`` (params are read from the module as fn runs)."""
+    import torch._inductor.config as inductor
+
+    inductor.fallback_random = True  # as in compiled_value_and_grad
+    return torch.compile(fn, dynamic=False)
+
+
 def compiled_vjp(fn, params, module):
     """vjp of ``torch.compile(fn)``: ``f(inputs, interleaved=False) -> (outputs, backward)``."""
     import torch._inductor.config as inductor
