@@ -8,11 +8,15 @@ Contenders (each in its own process, every round, in alternating order), on the 
 LLaMA (random weights, greedy, no stop token so every row draws --new tokens):
   ours-pytorch, ours-mindspore   models/generate.py with the key/value cache
   ours-pytorch-no-cache          the same, every step rerunning the whole sequence
+  ours-mindspore-eager-decode    MindSpore without the compiled decode step (models/compiled_decode.py)
   transformers                   LlamaForCausalLM.generate (its dynamic cache), torch eager
 
 Time to first token is the prefill (the prompts' forward pass and the first draw); prefill
 tokens/s counts the prompt tokens over it; decode tokens/s counts the tokens drawn after the
-first over the rest. The table gives the median over rounds, then ratios to transformers.
+first over the rest. Each contender first runs the same generation once (warm-up: kernels, the
+allocator, and MindSpore's decode step for this batch and cache capacity, compiled and checked
+against eager once); the warm-up's seconds are shown. The table gives the median over rounds,
+then ratios to transformers.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import time
 
 MODEL = dict(num_layers=4, hidden_size=256, num_attention_heads=8, num_query_groups=4, ffn_hidden_size=704,
              vocab_size=512, max_position_embeddings=512)
-CONTENDERS = ("ours-pytorch", "ours-pytorch-no-cache", "ours-mindspore", "transformers")
+CONTENDERS = ("ours-pytorch", "ours-pytorch-no-cache", "ours-mindspore", "ours-mindspore-eager-decode", "transformers")
 
 
 def _prompts(batch: int, length: int) -> list[list[int]]:
@@ -37,26 +41,31 @@ def _prompts(batch: int, length: int) -> list[list[int]]:
     return [[int(t) for t in rng.integers(1, MODEL["vocab_size"], length)] for _ in range(batch)]
 
 
-def _ours(framework: str, prompts, new: int, use_cache: bool) -> tuple[float, float]:
+def _ours(framework: str, prompts, new: int, use_cache: bool, compiled: bool) -> tuple[float, float, float]:
     from mindspeed_core import runtime
 
     runtime.bind(framework)
     from mindspeed_core import nn, random
+    from mindspeed_core.models import compiled_decode
     from mindspeed_core.models import generate as gen
     from mindspeed_core.models.config import ModelConfig
     from mindspeed_core.models.gpt import GPTModel
 
+    if not compiled:
+        compiled_decode.eligible = lambda model: False
     random.seed(1)
     model = GPTModel(ModelConfig(**MODEL))
     nn.set_training(model, False)
-    gen.generate(model, [p[:8] for p in prompts], 2, use_cache=use_cache)  # warm-up: kernels, allocator
+    start = time.perf_counter()
+    gen.generate(model, prompts, new, use_cache=use_cache)  # warm-up (see the module's docstring)
+    warm = time.perf_counter() - start
     first = []
     start = time.perf_counter()
     out = gen.generate(model, prompts, new, use_cache=use_cache,
                        on_step=lambda tokens: first.append(time.perf_counter()) if not first else None)
     end = time.perf_counter()
     assert all(len(o) == new for o in out)
-    return first[0] - start, end - first[0]
+    return warm, first[0] - start, end - first[0]
 
 
 def _transformers(prompts, new: int) -> tuple[float, float]:
@@ -84,22 +93,25 @@ def _transformers(prompts, new: int) -> tuple[float, float]:
 
     options = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
     with torch.no_grad():
-        model.generate(ids[:1, :8], max_new_tokens=2, **options)
+        start = time.perf_counter()
+        model.generate(ids, max_new_tokens=new, min_new_tokens=new, **options)
+        warm = time.perf_counter() - start
         clock = Clock()
         start = time.perf_counter()
         out = model.generate(ids, max_new_tokens=new, min_new_tokens=new, streamer=clock, **options)
         end = time.perf_counter()
     assert out.shape[1] == ids.shape[1] + new
-    return clock.calls[1] - start, end - clock.calls[1]
+    return warm, clock.calls[1] - start, end - clock.calls[1]
 
 
 def worker(name: str, batch: int, length: int, new: int) -> dict:
     prompts = _prompts(batch, length)
     if name == "transformers":
-        prefill, decode = _transformers(prompts, new)
+        warm, prefill, decode = _transformers(prompts, new)
     else:
-        prefill, decode = _ours(name.split("-")[1], prompts, new, not name.endswith("no-cache"))
-    return {"ttft_ms": 1e3 * prefill, "prefill_tok_s": batch * length / prefill,
+        warm, prefill, decode = _ours(name.split("-")[1], prompts, new, not name.endswith("no-cache"),
+                                      not name.endswith("eager-decode"))
+    return {"warm_s": warm, "ttft_ms": 1e3 * prefill, "prefill_tok_s": batch * length / prefill,
             "decode_tok_s": batch * (new - 1) / decode}
 
 
@@ -132,15 +144,15 @@ def main() -> None:
           f"batch {args.batch}, prompts of {args.prompt} tokens, {args.new} new tokens, greedy; median of "
           f"{args.rounds} rounds")
     table = {n: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for n, rs in runs.items()}
-    print(f"{'contender':<24}{'first token ms':>16}{'prefill tok/s':>16}{'decode tok/s':>15}")
+    print(f"{'contender':<30}{'warm-up s':>10}{'first token ms':>16}{'prefill tok/s':>16}{'decode tok/s':>15}")
     for n, t in table.items():
-        print(f"{n:<24}{t['ttft_ms']:>16.1f}{t['prefill_tok_s']:>16.0f}{t['decode_tok_s']:>15.1f}")
+        print(f"{n:<30}{t['warm_s']:>10.2f}{t['ttft_ms']:>16.1f}{t['prefill_tok_s']:>16.0f}{t['decode_tok_s']:>15.1f}")
     if "transformers" in table:
         ref = table["transformers"]
         print("ratios to transformers (prefill tok/s, decode tok/s; above 1 is faster):")
         for n, t in table.items():
             if n != "transformers":
-                print(f"  {n:<22} prefill {t['prefill_tok_s'] / ref['prefill_tok_s']:.2f}x   "
+                print(f"  {n:<28} prefill {t['prefill_tok_s'] / ref['prefill_tok_s']:.2f}x   "
                       f"decode {t['decode_tok_s'] / ref['decode_tok_s']:.2f}x")
 
 

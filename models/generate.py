@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from mindspeed_core import autograd, features, ops
-from mindspeed_core.models import rope
+from mindspeed_core.models import compiled_decode, rope
 from mindspeed_core.models.gpt import Tokens
 from mindspeed_core.models.kv_cache import KVCache
 
@@ -88,6 +88,9 @@ class _Steps:
             self.documents[i, width - len(p):] = 1
         self.positions = np.maximum(np.cumsum(self.documents, axis=1) - 1, 0)
         self.model, self.pad_id, self.window = model, pad_id, window
+        self.compiled = use_cache and compiled_decode.wanted(model, len(prompts), width + room, room)
+        if self.compiled:  # a capacity shared by prompts of similar lengths, so they share a graph
+            room = compiled_decode.capacity(width + room) - width
         self.cache = KVCache(len(prompts), width + room) if use_cache else None
         self.fresh = width  # positions not yet run through the model
 
@@ -111,9 +114,16 @@ class _Steps:
             documents = np.pad(documents, ((0, 0), (0, pad)))
             positions = np.pad(positions, ((0, 0), (0, pad)), mode="edge")
             tokens = Tokens(positions=positions, documents=documents) if padded else None
-        with autograd.no_grad():
-            out = self.model.gather_logits(self.model(ops.tensor(ids), tokens))
-            last = ops.to_numpy(ops.cast(out[:, ids.shape[1] - 1 - pad], "float32"))
+
+        def eager():
+            with autograd.no_grad():
+                out = self.model.gather_logits(self.model(ops.tensor(ids), tokens))
+                return ops.to_numpy(ops.cast(out[:, ids.shape[1] - 1 - pad], "float32"))
+
+        if self.compiled and self.cache.length and self.fresh == 1:  # a decode step (after the prefill)
+            last = compiled_decode.step(self.model, self.cache, ids, tokens, eager)
+        else:
+            last = eager()
         if self.cache is not None:
             self.cache.end()
         self.fresh = 0

@@ -38,12 +38,16 @@ class Tokens:
     sequence (None: one per row; attention stays inside a document); ``loss_mask``, 1 where
     a label counts in the loss (None: everywhere; 0 on the padding of packed samples);
     ``cache``, generation's key/value cache (models/kv_cache.py): then the tokens are the new
-    positions only, and ``documents`` marks each 1 (a token) or 0 (left padding)."""
+    positions only, and ``documents`` marks each 1 (a token) or 0 (left padding).
+    ``position_inputs``: (position ids, (cos, sin), local (cos, sin) or None) as device tensors,
+    given by a compiled forward (GPTModel.rotary_tables, rotary_rows) in place of those forward
+    makes on the host (which a traced graph would freeze)."""
 
     positions: np.ndarray | None = None
     documents: np.ndarray | None = None
     loss_mask: np.ndarray | None = None
     cache: object = None
+    position_inputs: tuple | None = None
     _documents: object = field(default=None, repr=False, compare=False)
 
     def document_tensor(self):
@@ -520,6 +524,52 @@ class GPTModel(nn.Module):
                                                        ops.tensor(sin[:seq_len], dtype=dtype))
         return self._rope_cache[seq_len, dtype, local]
 
+    def _rotaries(self, seq_len: int, dtype: str, positions):
+        """(cos, sin) and the local layers' (cos, sin) or None."""
+        local = None if self._local_rope is None else self._rotary(seq_len, dtype, positions, local=True)
+        return self._rotary(seq_len, dtype, positions), local
+
+    def rotary_tables(self, tokens: Tokens, dtype: str, rows: int) -> tuple:
+        """For a compiled forward, made before it (a tensor made inside a traced graph is frozen
+        into it): ``tokens``' positions (whole sequences, below ``rows``) as a device tensor, and
+        the RoPE tables that cover them cut or padded to ``rows`` rows (so that their shape, a
+        graph input's, does not grow with dynamic NTK's), (cos, sin) and the local layers' (cos,
+        sin) or None (None without RoPE); rotary_rows picks their rows inside the graph."""
+        positions = self._positions(tokens.positions.shape[1], tokens)
+        if int(positions.max()) >= rows:
+            raise ValueError(f"position {int(positions.max())} is past the {rows} rows of the tables asked for")
+        tables = None
+        if self._rope is not None:
+            length = int(positions.max()) + 1  # dynamic NTK: set by the furthest position, as _rotary
+            tables = tuple(None if local and self._local_rope is None else self._table_tensors(length, local, dtype, rows)
+                           for local in (False, True))
+        return ops.tensor(positions), tables
+
+    def _table_tensors(self, length: int, local: bool, dtype: str, rows: int):
+        cos, sin = self._table(length, local)
+        kept = self._rope_cache.get(("table", local, dtype, rows))
+        if kept is None or kept[0] is not cos:  # the host table changed (a longer or scaled one)
+            def fit(t):
+                return np.pad(t[:rows], ((0, max(0, rows - len(t))), (0, 0)))
+
+            kept = self._rope_cache["table", local, dtype, rows] = (cos, ops.tensor(fit(cos), dtype=dtype),
+                                                                    ops.tensor(fit(sin), dtype=dtype))
+        return kept[1:]
+
+    @staticmethod
+    def rotary_rows(tables, positions) -> tuple:
+        """((cos, sin), local (cos, sin) or None) [b or 1, s, 1, d] of ``positions`` [b or 1,
+        s] from rotary_tables' tables, by device gathers: what forward's host gather makes."""
+        if tables is None:
+            return (None, None), None
+        b, s = positions.shape
+        flat = ops.reshape(positions, (-1,))
+
+        def rows(t):
+            return ops.reshape(ops.index_select(t, 0, flat), (b, s, 1, t.shape[-1]))
+
+        return tuple(None if pair is None else tuple(rows(t) for t in pair) for pair in tables)
+
     def output_weight(self):
         if hasattr(self, "embedding") and not self.cfg.untie_embeddings_and_output_weights:
             return self.embedding.word_embeddings.weight
@@ -536,11 +586,12 @@ class GPTModel(nn.Module):
         seams = self.seams
         local = x.shape[1] if self.pre_process else x.shape[1] * seams.sequence_shards
         seq_len = local * seams.context_shards  # the whole sequence
-        positions = self._positions(seq_len, tokens)
+        given = None if tokens is None else tokens.position_inputs
+        positions = self._positions(seq_len, tokens) if given is None else None
         if self.pre_process:
-            x = seams.decoder_input(self.embedding(x, None if positions is None else ops.tensor(positions)))
-        cos, sin = self._rotary(seq_len, ops.dtype_of(x), positions)
-        local = None if self._local_rope is None else self._rotary(seq_len, ops.dtype_of(x), positions, local=True)
+            where = given[0] if given is not None else None if positions is None else ops.tensor(positions)
+            x = seams.decoder_input(self.embedding(x, where))
+        _, (cos, sin), local = given or (None, *self._rotaries(seq_len, ops.dtype_of(x), positions))
         if not self.post_process or not hasattr(self, "mtp"):
             x = self.decoder(x, cos, sin, seams, tokens, local)
         else:  # the modules start from the layers' output before the final norm

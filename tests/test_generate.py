@@ -13,7 +13,7 @@ import sys
 import numpy as np
 import pytest
 
-from mindspeed_core import cli, nn, ops, random
+from mindspeed_core import cli, features, nn, ops, random
 from mindspeed_core.models import generate as gen
 from mindspeed_core.models.config import ModelConfig
 from mindspeed_core.models.gpt import GPTModel
@@ -40,6 +40,53 @@ def test_the_cache_changes_no_token_and_padding_changes_nothing(model):
     assert [len(c) for c in cached] == [12, 12, 12]
     # each prompt alone (no padding) continues as it does in the left-padded batch
     assert [gen.generate(model, [p], 12)[0] for p in PROMPTS] == cached
+
+
+@pytest.mark.feature("compiled-decode")
+def test_compiled_decode_steps_give_the_eager_tokens_with_one_graph_per_bucket(model, monkeypatch):
+    """Where the matrix supports it (MindSpore) each decode step is one graph per batch and
+    cache capacity: prompts of other lengths in the same bucket reuse it, and the tokens are
+    eager's. A graph is compiled for long generations only (MIN_STEPS new tokens: here 12
+    stand for them). Elsewhere generation decodes eagerly."""
+    from mindspeed_core import runtime
+    from mindspeed_core.models import compiled_decode
+
+    backend = runtime.bound()
+    graphs = model.__dict__.setdefault("_decode_graphs", {})
+    graphs.clear()
+    want = gen.generate(model, PROMPTS, 12)
+    assert not graphs  # too short to repay a compilation
+    monkeypatch.setattr(compiled_decode, "MIN_STEPS", 12)
+    compiled = gen.generate(model, PROMPTS, 12)
+    if features.get("compiled-decode").status(backend.NAME).kind != "supported":
+        assert not compiled_decode.eligible(model) and not graphs
+        return
+    assert compiled == want
+    # three rows, capacity 64: one graph; of the 11 decode steps the first is checked against eager
+    [graph] = graphs.values()
+    assert graph.checked and graph.steps == 10, graph.steps
+    # the same bucket: the same graph, checked already (and used for a short generation too)
+    gen.generate(model, [p + [1, 2] for p in PROMPTS], 12)
+    gen.generate(model, PROMPTS, 3)
+    assert len(graphs) == 1 and graph.steps == 23, (graphs, graph.steps)
+
+
+def test_a_compiled_decode_step_that_disagrees_with_eager_is_dropped_for_eager(model, monkeypatch, capsys):
+    from mindspeed_core import runtime
+    from mindspeed_core.models import compiled_decode
+
+    if features.get("compiled-decode").status(runtime.bound().NAME).kind != "supported":
+        assert not compiled_decode.eligible(model)  # eager decoding: nothing compiled to disagree
+        return
+    want = gen.generate(model, PROMPTS[:2], 8, use_cache=False)
+    graphs = model.__dict__.setdefault("_decode_graphs", {})
+    graphs.clear()
+    monkeypatch.setattr(compiled_decode, "MIN_STEPS", 8)
+    monkeypatch.setattr(compiled_decode, "TOLERANCE", -1.0)  # any difference, even none, is too much
+    assert gen.generate(model, PROMPTS[:2], 8) == want
+    assert list(graphs.values()) == [False]
+    err = capsys.readouterr().err
+    assert err.count("the compiled decode step's logits differ from eager's") == 1, err
 
 
 def test_a_stop_token_ends_its_row_only(model):

@@ -202,7 +202,7 @@ class TensorParallelSeams(Seams):
         return mappings.gather_from_sequence(x, self.group, dim=1) if self.sp else mappings.copy_to_region(x, self.group)
 
     def gather_logits(self, logits):
-        return dist.all_gather(logits, group=self.group, dim=-1)
+        return mappings.gather_from_region(logits, self.group, dim=-1)  # a mapping: a compiled decode step traces it
 
     def token_losses(self, logits, labels):
         return vocab_parallel_cross_entropy(logits, labels, self.group, self.vocab_start)
