@@ -68,6 +68,7 @@ def tokenizer_folder(path, template: str | None, bos: str = "<|endoftext|>"):
 @pytest.mark.parametrize("name, jinja, bos", [("qwen", QWEN_JINJA, "<|endoftext|>"),
                                               ("llama3", LLAMA3_JINJA, "<|begin_of_text|>"),
                                               ("gemma", GEMMA_JINJA, "<bos>")])
+@pytest.mark.framework_free
 def test_templates_render_what_transformers_renders(tmp_path, name, jinja, bos):
     transformers = pytest.importorskip("transformers")
     folder = tokenizer_folder(tmp_path / "tok", jinja, bos)
@@ -88,6 +89,7 @@ def test_templates_render_what_transformers_renders(tmp_path, name, jinja, bos):
     assert ct.TEMPLATES[name].stop[0] in pieces[-2][0]
 
 
+@pytest.mark.framework_free
 def test_alpaca_chatml_and_empty_layouts():
     talk = CONVERSATIONS[2]
     assert ct.TEMPLATES["empty"].render(talk) == "HiHello! How can I help?Name a prime.\nJust one."
@@ -107,6 +109,7 @@ def test_alpaca_chatml_and_empty_layouts():
     ("{% set x = messages.append({'role': 'user', 'content': 'again'}) %}{{ messages }}", "append"),
     ("{{ raise_exception('roles must alternate') }}", "roles must alternate"),
 ])
+@pytest.mark.framework_free
 def test_a_chat_template_runs_in_the_sandbox(tmp_path, template, message):
     pytest.importorskip("jinja2")
     folder = tokenizer_folder(tmp_path / "tok", template)
@@ -114,6 +117,7 @@ def test_a_chat_template_runs_in_the_sandbox(tmp_path, template, message):
         ct.hf_template(str(folder)).render(CONVERSATIONS[0])
 
 
+@pytest.mark.framework_free
 def test_the_template_is_chosen_as_the_flags_say(tmp_path):
     pytest.importorskip("jinja2")
     with_template = tokenizer_folder(tmp_path / "with", QWEN_JINJA)

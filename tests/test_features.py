@@ -36,6 +36,7 @@ def parse(*argv):
     return megatron_args.feature_parser().parse_args(list(argv))
 
 
+@pytest.mark.framework_free
 def test_rows_are_well_formed():
     ids = [f.id for f in features.FEATURES]
     assert len(ids) == len(set(ids))
@@ -49,6 +50,7 @@ def test_rows_are_well_formed():
                 assert dev_status.kind in features.STATUSES and dev_status.note
 
 
+@pytest.mark.framework_free
 def test_every_flag_exists_and_defaults_turn_nothing_on():
     from mindspeed_core import convert
 
@@ -61,6 +63,7 @@ def test_every_flag_exists_and_defaults_turn_nothing_on():
     assert features.active_features(defaults()) == []
 
 
+@pytest.mark.framework_free
 def test_swap_attention_and_mc2_are_unsupported_on_mindspore():
     assert features.get("swap-attention").status("mindspore").kind == "unsupported"
     assert features.get("mc2").status("mindspore").kind == "unsupported"
@@ -74,10 +77,12 @@ def test_swap_attention_and_mc2_are_unsupported_on_mindspore():
     (["--handler-name", "SharegptStyleInstructionHandler"], "handler-sharegpt"),
     (["--use-fused-rmsnorm"], "fused-rmsnorm"),
 ])
+@pytest.mark.framework_free
 def test_flags_turn_on_their_feature(argv, expected):
     assert expected in [f.id for f in features.active_features(parse(*argv))]
 
 
+@pytest.mark.framework_free
 def test_gate_rejects_with_the_reason_and_the_alternative():
     with pytest.raises(features.FeatureNotAvailable) as info:
         features.validate(parse("--swap-attention"), "mindspore", "cpu")
@@ -93,6 +98,7 @@ def test_gate_rejects_with_the_reason_and_the_alternative():
     assert [f.id for f in ok] == ["flash-attention", "fused-rmsnorm"]
 
 
+@pytest.mark.framework_free
 def test_a_cell_with_a_lowest_release_refuses_older_ones():
     argv = parse("--compile", "--tensor-model-parallel-size", "2")
     with pytest.raises(features.FeatureNotAvailable) as info:
@@ -119,6 +125,7 @@ def test_cli_gate_exits_2_with_one_line(framework):
     assert out.returncode == 0 and "fused-swiglu" in out.stdout, out.stderr
 
 
+@pytest.mark.framework_free
 def test_cli_json_lists_every_feature_with_its_status():
     out = _cli("features", "--ai-framework", "mindspore", "--format", "json")
     assert out.returncode == 0, out.stderr
@@ -135,6 +142,7 @@ def test_cli_json_lists_every_feature_with_its_status():
     assert "swap-attention" in text and "pytorch" in text and "mindspore" in text
 
 
+@pytest.mark.framework_free
 def test_readme_table_is_generated_from_the_matrix():
     table = features.readme_table((ROOT / "README.md").read_text()).strip()
     assert table == features.render_markdown().strip(), (
@@ -142,6 +150,7 @@ def test_readme_table_is_generated_from_the_matrix():
         "`mindspeed features --update-readme README.md`")
 
 
+@pytest.mark.framework_free
 def test_update_readme_rewrites_only_the_table(tmp_path):
     page = tmp_path / "README.md"
     page.write_text("intro\n<!-- feature-matrix:start -->\nold table\n<!-- feature-matrix:end -->\noutro\n")
@@ -152,6 +161,7 @@ def test_update_readme_rewrites_only_the_table(tmp_path):
     assert features.readme_table(text).strip() == features.render_markdown().strip()
 
 
+@pytest.mark.framework_free
 def test_unknown_feature_id_is_a_clear_error():
     with pytest.raises(KeyError, match="no feature 'warp-drive'"):
         features.get("warp-drive")

@@ -19,6 +19,8 @@ import pytest
 
 from mindspeed_core.data.indexed import IndexedDataset
 
+pytestmark = pytest.mark.framework_free  # preprocessing: no framework's code
+
 
 KEYS = ("input_ids", "attention_mask", "labels")
 FLAGS = ["--handler-name", "AlpacaStyleInstructionHandler", "--pack", "--seq-length", "64"]

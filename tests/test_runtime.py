@@ -1,6 +1,8 @@
 """Framework selection: precedence, device choice, and the errors a user can act on.
 
-Each case runs in a fresh interpreter, since binding happens once per process."""
+Each case runs in a fresh interpreter, since binding happens once per process. Those that set
+their interpreter's framework themselves (not the suite's) prove the same in either suite, so
+they are marked framework_free: the PyTorch suite runs them."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 
 from mindspeed_core import runtime
 
@@ -22,6 +25,7 @@ def run_py(code: str, env_framework: str | None = None, extra_env: dict | None =
                           timeout=120)
 
 
+@pytest.mark.framework_free
 def test_default_is_pytorch_and_env_selects():
     assert runtime.resolve.__module__ == "mindspeed_core.runtime"
     out = run_py("import mindspeed_core as m; print(m.get_backend())")
@@ -30,6 +34,7 @@ def test_default_is_pytorch_and_env_selects():
     assert out.stdout.strip() == "mindspore", out.stderr
 
 
+@pytest.mark.framework_free
 def test_precedence_flag_then_api_then_env():
     code = """
         from mindspeed_core import runtime
@@ -43,6 +48,7 @@ def test_precedence_flag_then_api_then_env():
     assert out.stdout.split("\n")[:3] == ["pytorch", "mindspore", "pytorch"], out.stderr
 
 
+@pytest.mark.framework_free
 def test_binding_is_once_per_process():
     code = """
         import mindspeed_core as m
@@ -62,6 +68,7 @@ def test_binding_is_once_per_process():
     assert len(lines) == 2 and all("already bound to pytorch" in line for line in lines)
 
 
+@pytest.mark.framework_free
 def test_unknown_framework_lists_the_choices():
     out = run_py("import mindspeed_core as m; m.set_backend('jax')")
     assert "unknown AI framework 'jax'; choose one of: pytorch, mindspore" in out.stderr
@@ -71,6 +78,7 @@ def test_unknown_framework_lists_the_choices():
     assert cli.stderr.strip().count("\n") == 0 and "unknown AI framework 'tensorflow'" in cli.stderr
 
 
+@pytest.mark.framework_free
 def test_missing_framework_names_the_extra_to_install(tmp_path):
     # A stand-in 'mindspore' package that fails to import, as on a machine without it.
     fake = tmp_path / "mindspore"
@@ -83,6 +91,7 @@ def test_missing_framework_names_the_extra_to_install(tmp_path):
     assert "pip install 'mindspeed-core[mindspore]'" in out.stderr and "Traceback" not in out.stderr
 
 
+@pytest.mark.framework_free
 def test_device_override_and_unknown_device():
     out = run_py("from mindspeed_core import runtime; b = runtime.bind(device='cpu'); print(b.device.type())")
     assert out.stdout.strip() == "cpu", out.stderr
@@ -106,6 +115,7 @@ def test_info_reports_kernels_per_device(framework):
     assert set(info["implementations"]["dist"]) >= {"all_reduce", "reduce_scatter", "all_to_all", "send"}
 
 
+@pytest.mark.framework_free
 def test_wheel_installs_everything_under_one_name(tmp_path):
     import pathlib
     import zipfile
