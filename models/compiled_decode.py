@@ -24,22 +24,16 @@ from mindspeed_core import autograd, features, nn, ops, runtime
 
 BUCKET = 64  # cache capacities are rounded up to a multiple of this
 TOLERANCE = 1e-4  # the first step's logits, relative to their largest magnitude
-# A graph is compiled for a generation of at least this many new tokens (one that exists is used
-# whatever the length): compiling and checking one took 3.3 s here, and each eager step it
-# replaces costs 45 ms more (bench_generate.py), so it pays back after about 75.
-MIN_STEPS = 64
+# A bucket's graph is compiled once that many of its steps have run eagerly (counted over
+# generations): compiling and checking one took 3.3 s here, and each eager step it replaces
+# costs 45 ms more (bench_generate.py), so it pays back after about 75. A one-off generation of
+# `mindspeed generate`'s default 64 tokens stays eager; a chat or an evaluation that keeps coming
+# back to a bucket compiles it.
+MIN_STEPS = 128
 
 
 def capacity(positions: int) -> int:
     return -(-positions // BUCKET) * BUCKET
-
-
-def wanted(model, rows: int, positions: int, new_tokens: int) -> bool:
-    """Whether generating ``new_tokens`` for ``rows`` prompts over ``positions`` in all decodes
-    with a graph (of capacity(positions))."""
-    if not eligible(model):
-        return False
-    return new_tokens >= MIN_STEPS or (rows, capacity(positions)) in model.__dict__.get("_decode_graphs", {})
 
 
 def eligible(model) -> bool:
@@ -110,11 +104,12 @@ def _first_slots(documents: np.ndarray, end: int) -> np.ndarray | None:
     return first.astype(np.int64) if np.array_equal(documents != 0, want) and documents[:, end - 1].all() else None
 
 
-def step(model, cache, ids: np.ndarray, tokens, eager) -> np.ndarray:
+def step(model, cache, ids: np.ndarray, tokens, eager, now: bool = False) -> np.ndarray:
     """The logits [rows, vocab] (float32, host) of one decode step of ``ids`` [rows, 1] whose
     host ``tokens`` (positions, documents) and ``cache`` (models/kv_cache.py, begun for them)
-    are given. ``eager()`` runs the same step eagerly (writing the cache): for a graph's first
-    step, which is compared, and where the graph disagreed."""
+    are given. ``eager()`` runs the same step eagerly (writing the cache): before the bucket's
+    graph is compiled (``now``: compile it at once), for its first step, which is compared, and
+    where the graph disagreed."""
     graphs = model.__dict__.setdefault("_decode_graphs", {})
     layers = sorted(cache.keys)
     first = _first_slots(cache.documents, cache.length + 1)
@@ -122,6 +117,11 @@ def step(model, cache, ids: np.ndarray, tokens, eager) -> np.ndarray:
     graph = graphs.get(key)
     if graph is False or first is None:  # this shape's graph disagreed with eager once; documents it cannot make
         return eager()
+    if graph is None and not now:
+        counts = model.__dict__.setdefault("_decode_steps", {})
+        counts[key] = counts.get(key, 0) + 1
+        if counts[key] <= MIN_STEPS:
+            return eager()
     positions, tables = model.rotary_tables(tokens, ops.dtype_of(cache.keys[layers[0]]), cache.capacity)
     tables = [] if tables is None else [t for pair in tables if pair is not None for t in pair]
     if graph is None:

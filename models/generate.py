@@ -74,7 +74,7 @@ class _Steps:
     positions); last-position logits."""
 
     def __init__(self, model, prompts: list[list[int]], room: int, use_cache: bool, pad_id: int = 0,
-                 window: int | None = None):
+                 window: int | None = None, compiled: bool | None = None):
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("an empty prompt: give each prompt at least one token")
         self.multiple = getattr(model, "sequence_multiple", 1)  # sequence parallelism cuts equal slices
@@ -88,7 +88,9 @@ class _Steps:
             self.documents[i, width - len(p):] = 1
         self.positions = np.maximum(np.cumsum(self.documents, axis=1) - 1, 0)
         self.model, self.pad_id, self.window = model, pad_id, window
-        self.compiled = use_cache and compiled_decode.wanted(model, len(prompts), width + room, room)
+        # compiled: None lets a bucket compile once it has been used enough (compiled_decode.MIN_STEPS)
+        self.compiled = use_cache and compiled is not False and compiled_decode.eligible(model)
+        self.compile_now = compiled is True
         if self.compiled:  # a capacity shared by prompts of similar lengths, so they share a graph
             room = compiled_decode.capacity(width + room) - width
         self.cache = KVCache(len(prompts), width + room) if use_cache else None
@@ -121,7 +123,7 @@ class _Steps:
                 return ops.to_numpy(ops.cast(out[:, ids.shape[1] - 1 - pad], "float32"))
 
         if self.compiled and self.cache.length and self.fresh == 1:  # a decode step (after the prefill)
-            last = compiled_decode.step(self.model, self.cache, ids, tokens, eager)
+            last = compiled_decode.step(self.model, self.cache, ids, tokens, eager, self.compile_now)
         else:
             last = eager()
         if self.cache is not None:
@@ -151,16 +153,18 @@ def next_token_logits(model, prompts: list[list[int]], pad_id: int = 0) -> np.nd
 
 def generate(model, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling | None = None,
              stop_ids=(), use_cache: bool = True, on_step=None, pad_id: int = 0,
-             window: int | None = None) -> list[list[int]]:
+             window: int | None = None, compiled: bool | None = None) -> list[list[int]]:
     """Each prompt's continuation (ids, without the prompt): up to ``max_new_tokens``, ending
     before the first of ``stop_ids``. ``on_step(tokens)`` is called after each step with each
     row's new token, None for a row that has ended (streaming); when it returns True the
     generation ends there (a chat's stop text). ``window`` (without the cache): the model sees
-    the last ``window`` tokens only (the training run's text sample)."""
+    the last ``window`` tokens only (the training run's text sample). ``compiled``: decode
+    steps as one graph (models/compiled_decode.py) at once (True), never (False), or once the
+    batch and cache size have been used enough (None), where the matrix has compiled-decode."""
     sampling = sampling or Sampling()
     features.note_used("greedy-generation" if sampling.greedy else "sampling-generation")
     rng = np.random.default_rng(sampling.seed)
-    steps = _Steps(model, prompts, max_new_tokens, use_cache, pad_id, window)
+    steps = _Steps(model, prompts, max_new_tokens, use_cache, pad_id, window, compiled)
     out, done = [[] for _ in prompts], [False] * len(prompts)
     for _ in range(max_new_tokens):
         picks = choose(steps.logits(), sampling, rng)

@@ -46,29 +46,34 @@ def test_the_cache_changes_no_token_and_padding_changes_nothing(model):
 def test_compiled_decode_steps_give_the_eager_tokens_with_one_graph_per_bucket(model, monkeypatch):
     """Where the matrix supports it (MindSpore) each decode step is one graph per batch and
     cache capacity: prompts of other lengths in the same bucket reuse it, and the tokens are
-    eager's. A graph is compiled for long generations only (MIN_STEPS new tokens: here 12
-    stand for them). Elsewhere generation decodes eagerly."""
+    eager's. A bucket compiles once MIN_STEPS of its steps have run eagerly (here 15), or at
+    once when asked. Elsewhere generation decodes eagerly."""
     from mindspeed_core import runtime
     from mindspeed_core.models import compiled_decode
 
     backend = runtime.bound()
-    graphs = model.__dict__.setdefault("_decode_graphs", {})
-    graphs.clear()
-    want = gen.generate(model, PROMPTS, 12)
-    assert not graphs  # too short to repay a compilation
-    monkeypatch.setattr(compiled_decode, "MIN_STEPS", 12)
-    compiled = gen.generate(model, PROMPTS, 12)
+    for store in ("_decode_graphs", "_decode_steps"):
+        model.__dict__.pop(store, None)
+    monkeypatch.setattr(compiled_decode, "MIN_STEPS", 15)
+    want = gen.generate(model, PROMPTS, 12)  # 11 decode steps: eager, counted
+    graphs = model.__dict__.get("_decode_graphs", {})
+    assert not graphs
     if features.get("compiled-decode").status(backend.NAME).kind != "supported":
-        assert not compiled_decode.eligible(model) and not graphs
+        assert not compiled_decode.eligible(model) and gen.generate(model, PROMPTS, 12, compiled=True) == want
+        assert not model.__dict__.get("_decode_graphs")
         return
-    assert compiled == want
-    # three rows, capacity 64: one graph; of the 11 decode steps the first is checked against eager
+    # three rows, capacity 64: 4 more eager steps reach 15, the 16th compiles (checked against
+    # eager), the 7 after it run the graph
+    assert gen.generate(model, PROMPTS, 12) == want
     [graph] = graphs.values()
-    assert graph.checked and graph.steps == 10, graph.steps
-    # the same bucket: the same graph, checked already (and used for a short generation too)
+    assert graph.checked and graph.steps == 6, graph.steps
+    # the same bucket: the same graph, checked already (prompts two tokens longer, and a short run)
     gen.generate(model, [p + [1, 2] for p in PROMPTS], 12)
     gen.generate(model, PROMPTS, 3)
-    assert len(graphs) == 1 and graph.steps == 23, (graphs, graph.steps)
+    assert len(graphs) == 1 and graph.steps == 19, (graphs, graph.steps)
+    # compiled=True: a new bucket (one row) compiles at its first step; False: never
+    assert gen.generate(model, PROMPTS[:1], 12, compiled=True) == want[:1] and len(graphs) == 2
+    assert gen.generate(model, PROMPTS[1:2], 12, compiled=False) == want[1:2] and graph.steps == 19
 
 
 def test_a_compiled_decode_step_that_disagrees_with_eager_is_dropped_for_eager(model, monkeypatch, capsys):
@@ -79,12 +84,10 @@ def test_a_compiled_decode_step_that_disagrees_with_eager_is_dropped_for_eager(m
         assert not compiled_decode.eligible(model)  # eager decoding: nothing compiled to disagree
         return
     want = gen.generate(model, PROMPTS[:2], 8, use_cache=False)
-    graphs = model.__dict__.setdefault("_decode_graphs", {})
-    graphs.clear()
-    monkeypatch.setattr(compiled_decode, "MIN_STEPS", 8)
+    model.__dict__.pop("_decode_graphs", None)
     monkeypatch.setattr(compiled_decode, "TOLERANCE", -1.0)  # any difference, even none, is too much
-    assert gen.generate(model, PROMPTS[:2], 8) == want
-    assert list(graphs.values()) == [False]
+    assert gen.generate(model, PROMPTS[:2], 8, compiled=True) == want
+    assert list(model.__dict__["_decode_graphs"].values()) == [False]
     err = capsys.readouterr().err
     assert err.count("the compiled decode step's logits differ from eager's") == 1, err
 

@@ -57,7 +57,7 @@ def test_logits_match_transformers(references, name):
 @pytest.mark.feature("kv-cache")
 @pytest.mark.parametrize("name", ["llama", "qwen3", "gpt2", "llama-dynamic-rope", "phi3-longrope", GEMMA2, "gemma3",
                                   "mistral-sliding", *MLA, "glm4-moe", GPT_OSS])
-def test_greedy_generation_matches_transformers(references, name, monkeypatch):
+def test_greedy_generation_matches_transformers(references, name):
     """transformers' generate() (greedy, with its cache) on a batch whose second prompt is
     padded on the left; dynamic NTK past max_position_embeddings as the sequence grows;
     LongRoPE's long factors from the token past its original length on; Gemma 2's and Gemma 3's
@@ -67,11 +67,10 @@ def test_greedy_generation_matches_transformers(references, name, monkeypatch):
     from mindspeed_core.models import compiled_decode
     from mindspeed_core.models import generate as gen
 
-    monkeypatch.setattr(compiled_decode, "MIN_STEPS", 0)
     ref = np.load(references / f"{name}.npz")
     prompts = [ref["ids"][0].tolist(), ref["ids"][1][3:].tolist()]
     model = hf.load_model(str(references / name))
-    assert gen.generate(model, prompts, 8) == ref["generated"].tolist()
+    assert gen.generate(model, prompts, 8, compiled=True) == ref["generated"].tolist()
     if compiled_decode.eligible(model):  # the first of the 7 decode steps checked against eager, then 6 graph runs
         assert [g.steps for g in model.__dict__["_decode_graphs"].values()] == [6]
 
