@@ -475,7 +475,8 @@ FEATURES: tuple[Feature, ...] = (
             planned("eager decoding (torch's cost per operation is a few microseconds; a torch.compile'd step is "
                     "not measured yet)"),
             supported("mindspore.jit trace capture, one graph per batch and cache capacity (a multiple of 64), "
-                      "checked against eager on its first step; not with sliding windows or MoE (eager there)")),
+                      "compiled once that size has run 128 decode steps eagerly and checked against eager on its "
+                      "first step; not with sliding windows or MoE (eager there)")),
     Feature("chat", "Chat (multi-turn, chat templates)", "inference", ("--task chat",),
             supported("one process: --prompt-type templates or the tokenizer's Hugging Face chat template (jinja2 "
                       "sandbox), --history-turns, /clear, /exit"),
