@@ -111,17 +111,17 @@ def step(model, cache, ids: np.ndarray, tokens, eager, now: bool = False) -> np.
     graph is compiled (``now``: compile it at once), for its first step, which is compared, and
     where the graph disagreed."""
     graphs = model.__dict__.setdefault("_decode_graphs", {})
-    layers = sorted(cache.keys)
-    first = _first_slots(cache.documents, cache.length + 1)
     key = (ids.shape[0], cache.capacity)
     graph = graphs.get(key)
-    if graph is False or first is None:  # this shape's graph disagreed with eager once; documents it cannot make
-        return eager()
     if graph is None and not now:
         counts = model.__dict__.setdefault("_decode_steps", {})
         counts[key] = counts.get(key, 0) + 1
         if counts[key] <= MIN_STEPS:
             return eager()
+    first = _first_slots(cache.documents, cache.length + 1)
+    if graph is False or first is None:  # this shape's graph disagreed with eager once; documents it cannot make
+        return eager()
+    layers = sorted(cache.keys)
     positions, tables = model.rotary_tables(tokens, ops.dtype_of(cache.keys[layers[0]]), cache.capacity)
     tables = [] if tables is None else [t for pair in tables if pair is not None for t in pair]
     if graph is None:
