@@ -37,31 +37,30 @@ def value_and_grad(fn, params, has_aux: bool = False):
 grad_hooks = GradHooks  # tensor hooks: a leaf's fires once per backward with its total gradient
 
 
+def _compile(fn):
+    """``torch.compile(fn)`` whose random ops draw from the eager generator, so a compiled step
+    with dropout makes the same draws as an eager one (the trainer compares the two on the first
+    step)."""
+    import torch._inductor.config as inductor
+
+    inductor.fallback_random = True
+    return torch.compile(fn, dynamic=False)
+
+
 def compiled_value_and_grad(fn, params, module):
     """value_and_grad of ``torch.compile(fn)``: Inductor compiles the forward, AOTAutograd
     the backward. ``module`` is not needed on PyTorch (parameters are graph inputs)."""
-    import torch._inductor.config as inductor
-
-    # random ops draw from the eager generator, so a compiled step with dropout makes the
-    # same draws as an eager one (the trainer compares the two on the first step)
-    inductor.fallback_random = True
-    return value_and_grad(torch.compile(fn, dynamic=False), params)
+    return value_and_grad(_compile(fn), params)
 
 
 def compiled(fn, params, module):
     """``torch.compile(fn)`` (params are read from the module as fn runs)."""
-    import torch._inductor.config as inductor
-
-    inductor.fallback_random = True  # as in compiled_value_and_grad
-    return torch.compile(fn, dynamic=False)
+    return _compile(fn)
 
 
 def compiled_vjp(fn, params, module):
     """vjp of ``torch.compile(fn)``: ``f(inputs, interleaved=False) -> (outputs, backward)``."""
-    import torch._inductor.config as inductor
-
-    inductor.fallback_random = True  # as in compiled_value_and_grad
-    compiled = torch.compile(fn, dynamic=False)
+    compiled = _compile(fn)
 
     def call(inputs, interleaved: bool = False):
         return vjp(compiled, inputs, params, interleaved)
