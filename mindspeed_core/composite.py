@@ -129,11 +129,13 @@ def attention(q, k, v, causal: bool = False, mask=None, dropout_p: float = 0.0, 
     sk, hk = k.shape[1], k.shape[2]
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     qh, kh, vh = (ops.transpose(t, 1, 2) for t in (q, k, v))  # [b, h, s, d]
-    if hk != hq:  # grouped-query attention: each kv head serves hq // hk query heads
-        rep = hq // hk
-        kh = ops.reshape(ops.expand(ops.unsqueeze(kh, 2), (b, hk, rep, sk, d)), (b, hq, sk, d))
-        vh = ops.reshape(ops.expand(ops.unsqueeze(vh, 2), (b, hk, rep, sk, v.shape[-1])), (b, hq, sk, v.shape[-1]))
-    scores = ops.matmul(ops.cast(qh, "float32"), ops.cast(ops.transpose(kh, -2, -1), "float32")) * scale
+    # grouped-query attention: each kv head serves rep = hq // hk query heads, which are
+    # neighbours in q; so the queries of a group are stacked as rows [b, hk, rep * sq, d] and
+    # meet their kv head once, instead of copying the keys and values out to every query head
+    rep = hq // hk
+    scores = ops.matmul(ops.cast(ops.reshape(qh, (b, hk, rep * sq, d)), "float32"),
+                        ops.cast(ops.transpose(kh, -2, -1), "float32"))
+    scores = ops.reshape(scores, (b, hq, sq, sk)) * scale
     if softcap is not None:  # Gemma 2: scores squashed into (-softcap, softcap) before the mask
         scores = ops.tanh(scores * (1.0 / softcap)) * softcap
     # every mask becomes one additive bias (0 or the masked score, plus any float mask), added once
@@ -152,7 +154,8 @@ def attention(q, k, v, causal: bool = False, mask=None, dropout_p: float = 0.0, 
         probs = ops.softmax(scores, dim=-1)
     if dropout_p > 0.0:
         probs = ops.dropout(probs, dropout_p)
-    out = ops.transpose(ops.matmul(ops.cast(probs, ops.dtype_of(v)), vh), 1, 2)
+    out = ops.matmul(ops.reshape(ops.cast(probs, ops.dtype_of(v)), (b, hk, rep * sq, sk)), vh)
+    out = ops.transpose(ops.reshape(out, (b, hq, sq, v.shape[-1])), 1, 2)
     return (out, ops.transpose(lse, 1, 2)) if return_lse else out
 
 
