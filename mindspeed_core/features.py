@@ -471,12 +471,13 @@ FEATURES: tuple[Feature, ...] = (
     Feature("kv-cache", "Key/value cache for generation", "inference", (),
             supported("preallocated per layer (this rank's key/value heads); on unless --no-kv-cache"),
             supported("as on PyTorch"), _on("use_kv_cache")),
-    Feature("compiled-decode", "Generation: each decode step one compiled graph", "inference", (),
+    Feature("compiled-decode", "Generation: each decode step one compiled graph", "inference", ("--decode-graph always",),
             planned("eager decoding (torch's cost per operation is a few microseconds; a torch.compile'd step is "
                     "not measured yet)"),
             supported("mindspore.jit trace capture, one graph per batch and cache capacity (a multiple of 64), "
                       "compiled once that size has run 128 decode steps eagerly and checked against eager on its "
-                      "first step; not with sliding windows or MoE (eager there)")),
+                      "first step (--decode-graph always: at once); not with sliding windows or MoE (eager "
+                      "there)"), lambda a: getattr(a, "decode_graph", "auto") == "always"),
     Feature("chat", "Chat (multi-turn, chat templates)", "inference", ("--task chat",),
             supported("one process: --prompt-type templates or the tokenizer's Hugging Face chat template (jinja2 "
                       "sandbox), --history-turns, /clear, /exit"),

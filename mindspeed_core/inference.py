@@ -44,6 +44,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--length-penalty", type=megatron_args.FINITE, default=1.0)
     g.add_argument("--no-kv-cache", action="store_true", help="rerun the whole sequence at each step")
     g.add_argument("--use-kv-cache", action="store_true", help="(the default; MindSpeed-LLM's spelling)")
+    g.add_argument("--decode-graph", choices=("auto", "always", "never"), default="auto",
+                   help="decode steps as one compiled graph (where the matrix has compiled-decode): once a "
+                   "batch and cache size has run enough steps eagerly (auto), at once, or never")
     g.add_argument("--json", action="store_true", help="print one JSON object per prompt (chat: per reply)")
     c = parser.add_argument_group("chat (--task chat)")
     chat_templates.add_args(c, "default: the tokenizer's chat template, else empty")
@@ -157,6 +160,7 @@ def run(args, backend) -> int:
     speak = ps.rank == 0
     use_cache = not args.no_kv_cache
     streamed = args.stream and task != "beam_search"  # beams reorder until the end: printed when done
+    compiled = {"auto": None, "always": True, "never": False}[args.decode_graph]
     results = []
     if task == "beam_search":
         results = [gen.beam_search(model, e, args.max_new_tokens, args.num_beams, stop, args.length_penalty,
@@ -170,10 +174,11 @@ def run(args, backend) -> int:
                 if speak:
                     sys.stdout.write(prompt)
                 printer = TextStream(tokenizer, speak)
-                results += gen.generate(model, [e], args.max_new_tokens, sampling, stop, use_cache, printer.step)
+                results += gen.generate(model, [e], args.max_new_tokens, sampling, stop, use_cache, printer.step,
+                                        compiled=compiled)
                 printer.close()
         else:
-            results = gen.generate(model, encoded, args.max_new_tokens, sampling, stop, use_cache)
+            results = gen.generate(model, encoded, args.max_new_tokens, sampling, stop, use_cache, compiled=compiled)
     if speak and not streamed:
         for prompt, ids in zip(prompts, results):
             text = tokenizer.decode(ids)

@@ -52,10 +52,10 @@ def test_rows_are_well_formed():
 
 @pytest.mark.framework_free
 def test_every_flag_exists_and_defaults_turn_nothing_on():
-    from mindspeed_core import convert
+    from mindspeed_core import convert, inference
 
-    # the rows' flags are train's (check-args takes the same), and convert's for its own rows
-    known = {opt for parser in (megatron_args.training_parser(), convert.parser())
+    # the rows' flags are train's (check-args takes the same), and convert's and generate's for their own rows
+    known = {opt for parser in (megatron_args.training_parser(), convert.parser(), inference.parser())
              for action in parser._actions for opt in action.option_strings}
     for f in features.FEATURES:
         for flag in f.flags:

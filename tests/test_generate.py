@@ -225,7 +225,10 @@ def test_generate_needs_a_model(capsys, tmp_path):
 @pytest.mark.multiprocess
 @pytest.mark.feature("sampling-generation")
 @pytest.mark.feature("tensor-parallel")
+@pytest.mark.feature("compiled-decode")
 def test_tensor_parallel_generation_draws_what_one_process_draws(framework, capsys, checkpoint, tmp_path):
+    """Where the matrix has compiled-decode, the two ranks decode through the graph from the
+    second step (the TP vocabulary gather traced inside it), against one eager process."""
     from launch import free_port
 
     common = ["--load", str(checkpoint), "--prompt", "def f(", "--prompt", "class", "--max-new-tokens", "8",
@@ -236,6 +239,8 @@ def test_tensor_parallel_generation_draws_what_one_process_draws(framework, caps
     cmd = [sys.executable, "-m", "mindspeed_core.cli", "launch", "--nproc-per-node", "2", "--master-port",
            str(free_port()), "--log-dir", str(tmp_path / "logs"), "--", "generate", "--ai-framework", framework,
            *common, "--tensor-model-parallel-size", "2", "--task", "do_sample", "--seed", "4"]
+    graph = features.get("compiled-decode").status(framework).kind == "supported"
+    cmd += ["--decode-graph", "always"] if graph else []
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=str(tmp_path),
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     logs = "".join(p.read_text() for p in sorted((tmp_path / "logs").glob("*")) if p.is_file()) \
@@ -244,6 +249,7 @@ def test_tensor_parallel_generation_draws_what_one_process_draws(framework, caps
     text = done.stdout if '{"prompt"' in done.stdout else logs  # msrun: in the workers' logs (and echoed)
     got = [json.loads(x[x.index("{"):])["ids"] for x in text.splitlines() if '{"prompt"' in x]
     assert got == want, (got, want)
+    assert "differ from eager" not in done.stderr + logs  # the graph ran: it agreed on its first step
 
 
 def test_the_embedded_default_saves_where_generate_finds_it(capsys, monkeypatch, tmp_path, framework):
