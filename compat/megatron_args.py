@@ -17,7 +17,7 @@ from mindspeed_core.models.config import LORA_TARGETS
 CONTEXT_PARALLEL_ALGOS = ("megatron_cp_algo", "ulysses_cp_algo", "hybrid_cp_algo")
 GENERATION_TASKS = ("greedy", "do_sample", "beam_search", "chat")
 EVALUATION_TASKS = ("mmlu", "ceval", "gsm8k", "boolq", "perplexity")
-STAGES = ("sft", "dpo", "simpo", "orm", "rm", "prm")  # rm: the outcome reward model (orm)
+STAGES = ("sft", "dpo", "simpo", "orm", "rm", "prm", "grpo")  # rm: the outcome reward model (orm)
 DATA_HANDLERS = (
     "GeneralPretrainHandler", "AlpacaStyleInstructionHandler", "SharegptStyleInstructionHandler",
     "AlpacaStylePairwiseHandler", "SharegptStylePairwiseHandler", "AlpacaStyleProcessRewardHandler",
@@ -265,7 +265,8 @@ def add_feature_args(parser: argparse.ArgumentParser) -> None:
     a = parser.add_argument_group("fine-tuning and alignment")
     a.add_argument("--stage", choices=STAGES, default=None,
                    help="sft: instruction fine-tuning; dpo, simpo: preference alignment on pairwise data; orm (or rm): "
-                        "a pairwise outcome reward model; prm: a process reward model (the default is pre-training)")
+                        "a pairwise outcome reward model; prm: a process reward model; grpo: online reinforcement "
+                        "learning with rollouts from the policy (the default is pre-training)")
     a.add_argument("--is-instruction-dataset", action="store_true",
                    help="--data-path is instruction data (MindSpeed-LLM's spelling; --stage sft implies it)")
     # preference alignment and reward models (training/alignment.py)
@@ -278,6 +279,33 @@ def add_feature_args(parser: argparse.ArgumentParser) -> None:
     a.add_argument("--simpo-label-smoothing", type=SMOOTHING, default=0.0)
     a.add_argument("--reward-tokens", nargs="+", default=None,
                    help="--stage prm: the step labels of the data, one token each (as given to mindspeed preprocess)")
+    # online RL (training/grpo.py); the names as TRL's GRPOTrainer has them, where it has them
+    a.add_argument("--num-generations", type=POSITIVE_INT, default=8,
+                   help="--stage grpo: completions drawn per prompt (a group)")
+    a.add_argument("--max-completion-length", type=POSITIVE_INT, default=256,
+                   help="--stage grpo: the longest completion, in tokens")
+    a.add_argument("--reward-funcs", nargs="+", default=["accuracy"],
+                   help="--stage grpo: accuracy (the final answer, after #### or in \\boxed{}, equals the reference's), "
+                        "format (<think>...</think> then an answer), or package.module:function, called as "
+                        "function(completions, references, prompts) -> [float]")
+    a.add_argument("--reward-weights", nargs="+", type=FINITE, default=None,
+                   help="--stage grpo: one weight per --reward-funcs entry (default: 1 each)")
+    a.add_argument("--scale-rewards", choices=("group", "none"), default="group",
+                   help="--stage grpo: divide advantages by their group's standard deviation, or not (Dr. GRPO)")
+    a.add_argument("--grpo-loss-type", choices=("grpo", "bnpo", "dr_grpo"), default="grpo",
+                   help="--stage grpo: average over each completion's tokens then completions (grpo), over the "
+                        "micro-batch's tokens (bnpo), or sum / (completions x --max-completion-length) (dr_grpo)")
+    a.add_argument("--kl-coef", type=NON_NEGATIVE, default=0.04,
+                   help="--stage grpo: weight of the k3 KL estimate to the starting model (0: no reference)")
+    a.add_argument("--clip-ratio", type=UNIT, default=0.2, help="--stage grpo: the policy ratio's clip epsilon")
+    a.add_argument("--clip-ratio-high", type=UNIT, default=None,
+                   help="--stage grpo: the upper clip epsilon (default: --clip-ratio; DAPO raises it)")
+    a.add_argument("--ppo-epochs", type=POSITIVE_INT, default=1,
+                   help="--stage grpo: optimizer steps over each iteration's rollouts")
+    # sampling: generation's (mindspeed generate --task do_sample, chat --do-sample) and GRPO's rollouts
+    a.add_argument("--temperature", type=POSITIVE, default=1.0)
+    a.add_argument("--top-k", type=COUNT, default=0)
+    a.add_argument("--top-p", type=UNIT, default=1.0)
     # LoRA (models/lora.py): on when a rank or target modules are given
     a.add_argument("--lora-r", type=POSITIVE_INT, default=None, help="LoRA rank (default 16 when targets are given)")
     a.add_argument("--lora-alpha", type=POSITIVE, default=None, help="LoRA scaling numerator (default 32)")

@@ -575,6 +575,13 @@ FEATURES: tuple[Feature, ...] = (
             supported("cross entropy over the --reward-tokens' logits where each step ends; TP2 x PP2 checked "
                       "against one process"),
             supported("as on PyTorch"), _eq("stage", "prm")),
+    Feature("stage-grpo", "Online RL: GRPO with rollouts from the policy (--stage grpo)", "fine-tuning",
+            ("--stage grpo", "--num-generations", "--reward-funcs", "--kl-coef", "--grpo-loss-type"),
+            supported("rollouts drawn by the trained weights in the same processes (KV cache, sampling), rewards: "
+                      "exact final answer, <think> format, or a Python function; group-relative advantages, clipped "
+                      "ratio, k3 KL to the starting weights (kept on the host); grpo, bnpo and dr_grpo averaging; TP "
+                      "and DP (not PP or CP)"),
+            supported("as on PyTorch"), _eq("stage", "grpo")),
     Feature("weight-conversion", "Hugging Face <-> Megatron-core weight conversion with re-sharding", "tools",
             ("--load-model-type", "--save-model-type"),
             supported("mindspeed convert: hf <-> mg (Megatron's legacy layout, TP / PP / VPP / EP, no-op layers, "

@@ -196,10 +196,11 @@ def _apply_defaults(args, framework: str) -> bool:
     run's model when that is saved)."""
     embedded = not args.data_path
     if embedded and args.stage not in (None, "sft"):
-        raise MindSpeedError(f"--stage {args.stage} trains on preprocessed "
-                             f"{'step-labelled' if args.stage == 'prm' else 'preference'} data: give --data-path "
-                             f"(the --output-prefix of mindspeed preprocess --handler-name "
-                             f"{'AlpacaStyleProcessRewardHandler' if args.stage == 'prm' else 'AlpacaStylePairwiseHandler'})")
+        kind, handler = {"prm": ("step-labelled", "AlpacaStyleProcessRewardHandler"),
+                         "grpo": ("instruction (prompts with reference answers)", "AlpacaStyleInstructionHandler")
+                         }.get(args.stage, ("preference", "AlpacaStylePairwiseHandler"))
+        raise MindSpeedError(f"--stage {args.stage} trains on preprocessed {kind} data: give --data-path (the "
+                             f"--output-prefix of mindspeed preprocess --handler-name {handler})")
     sft = args.stage == "sft" or args.is_instruction_dataset
     if embedded and args.train_iters is None:
         args.train_iters = (EMBEDDED_SFT_ITERS if sft else EMBEDDED_ITERS)[framework]
@@ -624,12 +625,13 @@ def check_configuration(args, world: int):
                              + (f" x the context parallel size {cp}" if cp > 1 else ""))
     dp = world // (tp * pp * cp)
     experts.check_layout(cfg, args.expert_model_parallel_size, dp)
-    if args.global_batch_size is not None and args.global_batch_size % (args.micro_batch_size * dp):
+    grpo = stage_of(args) == "grpo"  # its global batch counts prompts, its micro-batches completions
+    if args.global_batch_size is not None and not grpo and args.global_batch_size % (args.micro_batch_size * dp):
         raise MindSpeedError(f"--global-batch-size {args.global_batch_size} is not a multiple of "
                              f"--micro-batch-size x data-parallel size ({args.micro_batch_size} x {dp})")
     pipeline.check_micro_batches(layout, (args.global_batch_size or args.micro_batch_size * dp)
                                  // (args.micro_batch_size * dp))
-    _check_stage(args)
+    _check_stage(args, dp)
     if args.save:
         check_save_folder(args)
     return tokenizer, cfg
@@ -642,7 +644,7 @@ def stage_of(args) -> str:
     return args.stage or ("sft" if args.is_instruction_dataset else "pretrain")
 
 
-def _check_stage(args) -> None:
+def _check_stage(args, dp: int = 1) -> None:
     """What the preference and reward stages' flags must agree on, refused before any rank starts
     (the layouts they cannot run are rows of the matrix)."""
     stage = stage_of(args)
@@ -654,6 +656,34 @@ def _check_stage(args) -> None:
     if stage == "prm" and not args.reward_tokens:
         raise MindSpeedError("--stage prm needs --reward-tokens: the step labels of the data, as given to mindspeed "
                              "preprocess (e.g. --reward-tokens + -)")
+    if stage == "grpo":
+        _check_grpo(args, dp)
+
+
+def _check_grpo(args, dp: int) -> None:
+    from mindspeed_core.training import grpo
+
+    if args.pipeline_model_parallel_size > 1 or args.context_parallel_size > 1:
+        raise MindSpeedError("--stage grpo draws its rollouts with each rank's model, which needs the whole sequence "
+                             "and every layer: not with pipeline or context parallelism yet (tensor and data "
+                             "parallelism work)")
+    prompts = args.global_batch_size or args.micro_batch_size * dp  # the default, as configure() sets it
+    if prompts % dp:
+        raise MindSpeedError(f"--stage grpo: --global-batch-size {prompts} (prompts per iteration) is not a "
+                             f"multiple of the {dp} data-parallel ranks")
+    rows = prompts // dp * args.num_generations
+    if rows % args.micro_batch_size:
+        raise MindSpeedError(f"--stage grpo: each data-parallel rank trains on {rows} completions per iteration "
+                             f"(--global-batch-size / data-parallel ranks x --num-generations), not a multiple of "
+                             f"--micro-batch-size {args.micro_batch_size}")
+    if args.compile:
+        raise MindSpeedError("--stage grpo runs eagerly: drop --compile (its objective reads host rollouts)")
+    if args.scale_rewards == "group" and args.num_generations < 2:
+        raise MindSpeedError("--stage grpo: a group's advantages need --num-generations 2 or more")
+    if args.reward_weights is not None and len(args.reward_weights) != len(args.reward_funcs):
+        raise MindSpeedError(f"--reward-weights gives {len(args.reward_weights)} weights for {len(args.reward_funcs)} "
+                             "--reward-funcs")
+    grpo.reward_functions(args.reward_funcs)  # each importable, before any rank starts
 
 
 def pipeline_layout(args, cfg: ModelConfig) -> pipeline.PipelineLayout:
@@ -712,6 +742,14 @@ def alignment_settings(a, reward_token_ids=None) -> dict | None:
         return {"reward_tokens": a.reward_tokens, "reward_token_ids": reward_token_ids}
     if stage == "orm":
         return {"head": "rm_head [1, hidden], read at each reply's last token"}
+    if stage == "grpo":
+        return {"num_generations": a.num_generations, "max_completion_length": a.max_completion_length,
+                "reward_funcs": a.reward_funcs, "reward_weights": a.reward_weights or [1.0] * len(a.reward_funcs),
+                "scale_rewards": a.scale_rewards, "loss_type": a.grpo_loss_type, "kl_coef": a.kl_coef,
+                "clip_ratio": [a.clip_ratio, a.clip_ratio if a.clip_ratio_high is None else a.clip_ratio_high],
+                "ppo_epochs": a.ppo_epochs, "sampling": {"temperature": a.temperature, "top_k": a.top_k,
+                                                         "top_p": a.top_p},
+                "reference": "the starting weights, kept on the host" if a.kl_coef else None}
     return None
 
 

@@ -33,7 +33,7 @@ from mindspeed_core.models.state import is_expert_bias
 from mindspeed_core.parallel import state as parallel_state
 from mindspeed_core.progress import Progress
 from mindspeed_core.training import (alignment, batches, boards, build, checkpoint, compiled, configuration,
-                                     distributed, overlap, preemption, profiling, resume, routing, sample,
+                                     distributed, grpo, overlap, preemption, profiling, resume, routing, sample,
                                      schedules, sharded_checkpoint)
 from mindspeed_core.training.loss_scale import LossScaler
 from mindspeed_core.training.metrics import MetricsLog
@@ -66,6 +66,12 @@ class Trainer:
                 self.stage_name, args,
                 alignment.reward_token_ids(self.tokenizer, args.reward_tokens) if self.stage_name == "prm" else None)
         self.reference = alignment.ReferenceTable()  # DPO's, filled by build()
+        self.rl = self.stage_name == "grpo"  # online RL: each iteration trains on rollouts it draws
+        if self.rl:
+            self.objective = grpo.Objective(args)
+            self.reward_functions = grpo.reward_functions(args.reward_funcs)
+            self.reward_weights = args.reward_weights or [1.0] * len(args.reward_funcs)
+        self.rollouts = self.grpo_reference = None
         self.data_path = batches.data_path(self.config)
         self.dtype = self.config.optimization.precision
         self.scaler = LossScaler(dynamic=bool(args.fp16), initial=args.initial_loss_scale)
@@ -80,10 +86,15 @@ class Trainer:
                                             cp=args.context_parallel_size, ep=args.expert_model_parallel_size)
         self.layout = configuration.pipeline_layout(args, self.cfg)
         self.model_spec = registry.for_config(self.cfg)
-        self.sampler = PretrainingSampler(args.global_batch_size, args.micro_batch_size, self.ps.dp,
-                                          self.ps.local_rank("dp"))
+        # GRPO's global batch counts prompts (the sampler gives this rank's, one by one), its
+        # micro-batches completions
+        self.sampler = PretrainingSampler(args.global_batch_size, 1 if self.rl else args.micro_batch_size,
+                                          self.ps.dp, self.ps.local_rank("dp"))
         self.grad_accum = self.sampler.micro_batches_per_step
         self.tokens_per_step = args.global_batch_size * args.seq_length
+        if self.rl:
+            self.grad_accum = self.grad_accum * args.num_generations // args.micro_batch_size
+            self.tokens_per_step *= args.num_generations
         self.timeline = None  # a list to receive the pipeline schedule's timings (benchmarks)
         # called as (iteration, gradients, norm) once a step's gradients are reduced, before the
         # update: the gradients as the optimizer takes them (the layout tests compare them)
@@ -160,6 +171,11 @@ class Trainer:
         if args.overlap_param_gather and ps.size("dp_cp") > 1:
             self.param_gather = overlap.OverlappedParamGather(self.optimizer, self.chunks)
         self.forward_backward, self.forward_only = self._schedule(chunk_params)
+        if self.rl and args.kl_coef:  # the starting weights of this rank's parameters, for the KL term
+            if saved_optimizer is not None:
+                self.say("GRPO: the KL reference is the weights this run resumes from (the starting weights of the "
+                         "run before are not kept)")
+            self.grpo_reference = grpo.Reference(self.params)
 
     def _schedule(self, chunk_params: list):
         """The step's forward-backward function and the evaluation's forward-only one, chosen
@@ -297,7 +313,7 @@ class Trainer:
         objective). ``record``: "train" or "valid", the prefix of the names."""
         if self.objective is None:
             return None
-        names = ("step_accuracy",) if self.stage_name == "prm" else alignment.STATS
+        names = ("step_accuracy",) if self.stage_name == "prm" else grpo.STATS if self.rl else alignment.STATS
         mine = self.objective.take_stats()
         values = np.zeros(len(names), np.float32) if mine is None else mine.astype(np.float32)
         values = distributed.sum_over_dp_and_pp(values, self.ps)  # the last stage's figures; zeros elsewhere
@@ -317,8 +333,12 @@ class Trainer:
         args = self.flags
         if args.compile:  # a compiled step runs no forward hooks (--overlap-param-gather)
             self.parameters_ready()
-        micro_batches = (self.batches.micro_batch("train", start, args.micro_batch_size)
-                         for start in self.sampler.micro_batch_starts(iteration))
+        if self.rl:  # this iteration's rollouts
+            micro_batches = (self.rollouts.micro_batch(start, args.micro_batch_size)
+                             for start in range(0, self.rollouts.rows, args.micro_batch_size))
+        else:
+            micro_batches = (self.batches.micro_batch("train", start, args.micro_batch_size)
+                             for start in self.sampler.micro_batch_starts(iteration))
         loss, grads = self.forward_backward(micro_batches)
         plan = self.train_plan
         grads = distributed.sum_partial_over_tp(grads, self.ps, plan.indices("partial"))
@@ -328,6 +348,38 @@ class Trainer:
         return loss, grads
 
     def train_step(self, iteration: int) -> tuple[float, float, float]:
+        if self.rl:
+            return self._rl_iteration(iteration)
+        return self._step(iteration)
+
+    def _rl_iteration(self, iteration: int) -> tuple[float, float, float]:
+        """GRPO: draw and score this iteration's rollouts, then --ppo-epochs optimizer steps on them."""
+        args, ps = self.flags, self.ps
+        t0 = time.perf_counter()
+        samples = [self.data["train"][i] for i in self.sampler.micro_batch_starts(iteration)]
+        # the same draws on a data-parallel rank's tensor-parallel ranks, other ones on each rank
+        seed = (args.seed * 1_000_003 + iteration * 7919 + ps.local_rank("dp")) % 2**32
+        rollouts = grpo.draw(self.model, self.tokenizer, samples, args, self.reward_functions, self.reward_weights,
+                             seed)
+        if self.grpo_reference is not None:
+            rollouts.reference = self.grpo_reference.log_probs(self.model, rollouts, args.micro_batch_size)
+        if args.ppo_epochs > 1:  # the policy that drew them, before it moves
+            rollouts.old = grpo.log_probs(self.model, rollouts, args.micro_batch_size)
+        self.rollouts = rollouts
+        rollout_seconds = time.perf_counter() - t0
+        losses = []
+        for _ in range(args.ppo_epochs):
+            loss, lr, norm = self._step(iteration)
+            losses.append(loss)
+        figures = sorted(rollouts.stats)
+        mine = np.array([rollouts.stats[k] for k in figures], np.float32)
+        mean = distributed.sum_over_dp_and_pp(mine, ps) / ps.dp
+        self.stage_stats = {**{f"train_{k}": float(v) for k, v in zip(figures, mean)}, **(self.stage_stats or {})}
+        self.timers = {"rollout": rollout_seconds, **self.timers, "iteration": time.perf_counter() - t0}
+        return float(np.mean(losses)), lr, norm
+
+    def _step(self, iteration: int) -> tuple[float, float, float]:
+        """One optimizer step on iteration ``iteration``'s micro-batches."""
         args = self.flags
         lr = learning_rate(iteration, args.lr, args.min_lr, args.lr_warmup_iters, args.lr_decay_iters,
                            args.lr_decay_style)
@@ -577,7 +629,8 @@ class Trainer:
                 if self.iteration % args.log_interval == 0 or self.iteration == args.train_iters:
                     log.report(self.iteration, args.train_iters, loss, lr, norm, moe=self.moe_stats,
                                stage=self.stage_stats, mtp=self.mtp_stats)
-                if args.eval_iters and args.eval_interval and self.iteration % args.eval_interval == 0:
+                # GRPO has no validation loss: its rollouts' rewards are the figures
+                if args.eval_iters and args.eval_interval and self.iteration % args.eval_interval == 0 and not self.rl:
                     with log.paused():
                         if collect is not None:
                             gc.collect()

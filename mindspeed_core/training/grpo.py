@@ -1,0 +1,345 @@
+"""Online reinforcement learning: GRPO (``--stage grpo``), rollouts from the policy being trained.
+
+Each iteration (Shao et al. 2024, DeepSeekMath; the flags as TRL's GRPOTrainer names them):
+1. --global-batch-size prompts (each data-parallel rank a share) from instruction data: a
+   sample's prompt is its tokens before the reply, the reply is the reference answer;
+2. the policy, as it is now and in the same processes and layout (no copy of the weights to a
+   second engine), draws --num-generations completions of each, up to
+   --max-completion-length tokens (models/generate.py, its key/value cache, the run's
+   --temperature / --top-k / --top-p, seeded by --seed, the iteration and the rank);
+3. each completion is scored by --reward-funcs (``accuracy``: its final answer, after ``####``
+   or in ``\\boxed{}``, equals the reference's; ``format``: ``<think>...</think>`` then an
+   answer; or ``package.module:function``, called as ``function(completions, references,
+   prompts) -> [float]``), weighted by --reward-weights and summed;
+4. a completion's advantage is its reward minus its group's mean (a group: the completions of
+   one prompt), divided by the group's standard deviation + 1e-4 (--scale-rewards group; none:
+   not divided, as Dr. GRPO);
+5. --ppo-epochs optimizer steps over the rollouts (micro-batches of --micro-batch-size
+   completions) minimise, per completion token t,
+
+       -min(r_t A, clip(r_t, 1 - e, 1 + e_high) A) + kl_coef * (exp(q_t) - q_t - 1),
+       r_t = exp(log p_t - log p_old_t),  q_t = log p_ref_t - log p_t  (the k3 KL estimator)
+
+   where p_old is the policy that drew the completions and p_ref the model the run started
+   from. --grpo-loss-type says how tokens are averaged: grpo (each completion's mean, then
+   the mean over completions), bnpo (the mean over the micro-batch's tokens), dr_grpo (the
+   sum over tokens / (completions x --max-completion-length)).
+
+The reference log-probabilities are computed with the starting weights, kept on the host (this
+rank's shards) and put in the model for that forward only, so no second model is held. The
+old ones: with one epoch, the policy that drew the completions is the one being differentiated,
+so r_t = 1 and only its gradient counts (the detached log-probability is used); with more, a
+no-gradient forward before the first update records them.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from mindspeed_core import autograd, features, nn, ops
+from mindspeed_core.data.handlers import IGNORE
+from mindspeed_core.errors import MindSpeedError
+
+STATS = ("clip_fraction", "kl")  # the objective's per-step figures, over completion tokens
+SCALE_EPS = 1e-4  # added to a group's standard deviation (as TRL)
+
+
+# ---- rewards ---------------------------------------------------------------------------------
+
+_BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
+_MARKED = re.compile(r"####\s*([^\n]*)")
+
+
+def final_answer(text: str) -> str | None:
+    """The answer a text gives: the last ``\\boxed{...}``, else what follows the last ``####``
+    (GSM8K's mark), normalised (spaces, thousands' commas and a final full stop dropped; a
+    number written as one, 3.0 as 3); None without either mark."""
+    found = _BOXED.findall(text) or _MARKED.findall(text)
+    if not found:
+        return None
+    answer = found[-1].strip().replace(",", "").rstrip(".").strip()
+    try:
+        number = float(answer)
+    except ValueError:
+        return " ".join(answer.split())
+    return str(int(number)) if number.is_integer() else repr(number)
+
+
+def accuracy_reward(completions: list[str], references: list[str | None], prompts: list[str]) -> list[float]:
+    """1 where the completion's final answer equals the reference's (a reference without a
+    mark is the answer itself), else 0."""
+    out = []
+    for completion, reference in zip(completions, references):
+        if reference is None:
+            raise MindSpeedError("--reward-funcs accuracy needs reference answers: instruction data whose replies "
+                                 "hold them (e.g. GSM8K's '#### 42')")
+        want = final_answer(reference)
+        if want is None:
+            want = final_answer(f"#### {reference}")
+        out.append(float(want is not None and final_answer(completion) == want))
+    return out
+
+
+_THINK = re.compile(r"\s*<think>.*?</think>\s*\S.*", re.DOTALL)
+
+
+def format_reward(completions: list[str], references: list[str | None], prompts: list[str]) -> list[float]:
+    """1 where the completion is ``<think>...</think>`` followed by an answer, else 0."""
+    return [float(_THINK.fullmatch(c) is not None) for c in completions]
+
+
+BUILT_IN = {"accuracy": accuracy_reward, "format": format_reward}
+
+
+def reward_functions(names: list[str]) -> list[tuple[str, object]]:
+    """(name, function) for each --reward-funcs entry: a built-in or ``module:function``."""
+    out = []
+    for name in names:
+        if name in BUILT_IN:
+            out.append((name, BUILT_IN[name]))
+            continue
+        module, _, attribute = name.partition(":")
+        if not module or not attribute:
+            raise MindSpeedError(f"--reward-funcs {name}: not one of {', '.join(BUILT_IN)}, nor package.module:function")
+        try:
+            fn = getattr(importlib.import_module(module), attribute)
+        except (ImportError, AttributeError) as e:
+            raise MindSpeedError(f"--reward-funcs {name}: cannot import it ({e})") from None
+        if not callable(fn):
+            raise MindSpeedError(f"--reward-funcs {name}: not a function")
+        out.append((name, fn))
+    return out
+
+
+def score(functions, weights, completions, references, prompts) -> tuple[np.ndarray, np.ndarray]:
+    """(the weighted total [n], each function's rewards [functions, n])."""
+    each = []
+    for (name, fn), weight in zip(functions, weights):
+        values = fn(completions, references, prompts)
+        try:
+            values = np.asarray(values, np.float64).reshape(-1)
+        except (TypeError, ValueError):
+            raise MindSpeedError(f"reward function {name} returned {type(values).__name__}, not a list of numbers") \
+                from None
+        if values.shape != (len(completions),) or not np.isfinite(values).all():
+            raise MindSpeedError(f"reward function {name} must return one finite number per completion "
+                                 f"({len(completions)}), got {values.shape[0]} values")
+        each.append(values)
+    each = np.stack(each)
+    return np.asarray(weights, np.float64) @ each, each
+
+
+def group_advantages(rewards: np.ndarray, group: int, scale: str = "group") -> np.ndarray:
+    """Each reward minus its group's mean (groups: ``group`` consecutive completions of one
+    prompt), divided by the group's standard deviation (ddof 1, as torch.std) + SCALE_EPS
+    when ``scale`` is "group"."""
+    r = np.asarray(rewards, np.float64).reshape(-1, group)
+    advantages = r - r.mean(axis=1, keepdims=True)
+    if scale == "group":
+        advantages = advantages / ((r.std(axis=1, ddof=1, keepdims=True) if group > 1 else 0.0) + SCALE_EPS)
+    return advantages.reshape(-1)
+
+
+# ---- the objective ---------------------------------------------------------------------------
+
+@dataclass
+class Rollout:
+    """The target of a micro-batch of completions: ``labels`` [rows, S] (the model's layout),
+    host numpy ``mask`` [rows, S] (1 at completion tokens), ``advantages`` [rows], and the
+    per-token log-probabilities of the policy that drew them (``old``) and of the reference
+    (``reference``), [rows, S] each or None (old: the policy itself, detached; reference: no KL)."""
+
+    labels: object
+    mask: np.ndarray
+    advantages: np.ndarray
+    old: np.ndarray | None = None
+    reference: np.ndarray | None = None
+
+
+def token_log_probs(model, logits, labels, rows: int, length: int):
+    """log p(label) at every position, [rows, length] float32, differentiable (a vocabulary
+    shard's logits under TP: the seam gathers what it needs)."""
+    flat = ops.reshape(ops.cast(logits, "float32"), (-1, logits.shape[-1]))
+    return -ops.reshape(model.seams.token_losses(flat, ops.reshape(labels, (-1,))), (rows, length))
+
+
+class Objective:
+    """GRPO's loss of one micro-batch of completions (the module docstring's formula)."""
+
+    def __init__(self, args):
+        self.low = args.clip_ratio
+        self.high = args.clip_ratio_high if args.clip_ratio_high is not None else args.clip_ratio
+        self.beta, self.loss_type = args.kl_coef, args.grpo_loss_type
+        self.max_length = args.max_completion_length
+        self.stats: list[np.ndarray] = []
+
+    def __call__(self, model, out, target: Rollout, tokens=None):
+        features.note_used("stage-grpo")
+        rows, length = target.mask.shape
+        logp = token_log_probs(model, out, target.labels, rows, length)
+        old = autograd.detach(logp) if target.old is None else ops.tensor(np.asarray(target.old, np.float32))
+        ratio = ops.exp(logp - old)
+        advantage = ops.tensor(np.asarray(target.advantages, np.float32).reshape(rows, 1))
+        surrogate = ops.minimum(ratio * advantage, ops.clamp(ratio, 1.0 - self.low, 1.0 + self.high) * advantage)
+        per_token = -surrogate
+        kl = None
+        if self.beta:
+            if target.reference is None:
+                raise RuntimeError("a GRPO micro-batch without reference log-probabilities")
+            q = ops.tensor(np.asarray(target.reference, np.float32)) - logp
+            kl = ops.exp(q) - q - 1.0
+            per_token = per_token + kl * self.beta
+        mask = np.asarray(target.mask, np.float32)
+        kept = ops.tensor(mask)
+        if self.loss_type == "grpo":
+            loss = ops.mean(ops.sum(per_token * kept, dim=1) * ops.tensor(1.0 / np.maximum(mask.sum(axis=1), 1.0)))
+        elif self.loss_type == "bnpo":
+            loss = ops.sum(per_token * kept) * (1.0 / max(float(mask.sum()), 1.0))
+        else:  # dr_grpo
+            loss = ops.sum(per_token * kept) * (1.0 / (rows * self.max_length))
+        self._record(ops.to_numpy(autograd.detach(ratio)), target.advantages, mask,
+                     None if kl is None else ops.to_numpy(autograd.detach(kl)))
+        return loss
+
+    def _record(self, ratio, advantages, mask, kl) -> None:
+        a = np.asarray(advantages).reshape(-1, 1)
+        clipped = ((ratio < 1.0 - self.low) & (a < 0)) | ((ratio > 1.0 + self.high) & (a > 0))
+        tokens = max(float(mask.sum()), 1.0)
+        self.stats.append(np.array([float((clipped * mask).sum()) / tokens,
+                                    0.0 if kl is None else float((kl * mask).sum()) / tokens]))
+
+    def take_stats(self) -> np.ndarray | None:
+        if not self.stats:
+            return None
+        out, self.stats = np.mean(self.stats, axis=0), []
+        return out
+
+
+# ---- rollouts --------------------------------------------------------------------------------
+
+def prompt_and_reference(tokens: np.ndarray, labels: np.ndarray, documents: np.ndarray,
+                         tokenizer) -> tuple[list[int], str | None]:
+    """An instruction sample's prompt (its tokens before the first trained label) and reference
+    (the trained labels' text, the end-of-document token left out); a sample of prompts only
+    (labels all IGNORE) has no reference."""
+    if documents.max() > 0:
+        raise MindSpeedError("--stage grpo reads one conversation per sample: preprocess the prompts without --pack")
+    trained = np.flatnonzero(labels != IGNORE)
+    if not trained.size:
+        kept = tokens[tokens >= 0]
+        return [int(t) for t in kept], None
+    answer = [int(t) for t in labels[trained] if int(t) != getattr(tokenizer, "eod", None)]
+    return [int(t) for t in tokens[:trained[0]]], tokenizer.decode(answer)
+
+
+class Rollouts:
+    """One iteration's completions on this data-parallel rank, as training rows."""
+
+    def __init__(self, ids: np.ndarray, labels: np.ndarray, mask: np.ndarray, advantages: np.ndarray,
+                 stats: dict):
+        self.ids, self.labels, self.mask, self.advantages, self.stats = ids, labels, mask, advantages, stats
+        self.old: np.ndarray | None = None
+        self.reference: np.ndarray | None = None
+
+    @property
+    def rows(self) -> int:
+        return self.ids.shape[0]
+
+    def micro_batch(self, start: int, size: int):
+        """(ids, Rollout, None) of rows [start, start + size)."""
+        cut = slice(start, start + size)
+        target = Rollout(ops.tensor(np.ascontiguousarray(self.labels[cut])), self.mask[cut], self.advantages[cut],
+                         None if self.old is None else self.old[cut],
+                         None if self.reference is None else self.reference[cut])
+        return ops.tensor(np.ascontiguousarray(self.ids[cut])), target, None
+
+
+def rows_of(prompts: list[list[int]], completions: list[list[int]], ended: list[bool], width: int, pad: int,
+            eod: int | None):
+    """Training rows (ids, labels, mask), each [n, width]: prompt + completion (+ the stop token
+    where the completion ended on it), shifted by one as the language-model loss reads them."""
+    n = len(completions)
+    tokens = np.full((n, width + 1), pad, np.int64)
+    labels = np.full((n, width + 1), IGNORE, np.int64)
+    for i, (prompt, completion, stop) in enumerate(zip(prompts, completions, ended)):
+        reply = completion + ([eod] if stop and eod is not None else [])
+        row = prompt + reply
+        tokens[i, :len(row)] = row
+        labels[i, len(prompt):len(row)] = reply
+    mask = (labels[:, 1:] != IGNORE).astype(np.float32)
+    return tokens[:, :-1], np.where(labels[:, 1:] == IGNORE, 0, labels[:, 1:]), mask
+
+
+def draw(model, tokenizer, samples: list, args, functions, weights, seed: int) -> Rollouts:
+    """Generate and score one iteration's completions for ``samples`` [(tokens, labels, documents)]."""
+    from mindspeed_core.models import generate as gen
+
+    group = args.num_generations
+    prompts, references = zip(*(prompt_and_reference(*sample, tokenizer) for sample in samples))
+    longest = max(len(p) for p in prompts)
+    if longest + args.max_completion_length + 1 > args.seq_length + 1:
+        raise MindSpeedError(f"a prompt of {longest} tokens and --max-completion-length {args.max_completion_length} "
+                             f"(and a stop token) do not fit --seq-length {args.seq_length}: raise --seq-length or "
+                             "lower --max-completion-length")
+    every = [list(p) for p in prompts for _ in range(group)]
+    eod = getattr(tokenizer, "eod", None)
+    sampling = gen.Sampling(greedy=False, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                            seed=seed)
+    started = time.perf_counter()
+    nn.set_training(model, False)
+    try:
+        completions = gen.generate(model, every, args.max_completion_length, sampling,
+                                   stop_ids=() if eod is None else (eod,), pad_id=0)
+    finally:
+        nn.set_training(model, True)
+    generation = time.perf_counter() - started
+    ended = [len(c) < args.max_completion_length for c in completions]
+    texts = [tokenizer.decode(c) for c in completions]
+    prompt_texts = [tokenizer.decode(p) for p in every]
+    refs = [r for r in references for _ in range(group)]
+    total, each = score(functions, weights, texts, refs, prompt_texts)
+    ids, labels, mask = rows_of(every, completions, ended, args.seq_length, 0, eod)
+    stats = {f"reward_{name.replace(':', '_').replace('.', '_')}": float(v.mean())
+             for (name, _), v in zip(functions, each)}
+    stats.update(reward=float(total.mean()), reward_std=float(total.std()),
+                 completion_length=float(np.mean([len(c) for c in completions])), generation_seconds=generation)
+    return Rollouts(ids, labels, mask, group_advantages(total, group, args.scale_rewards), stats)
+
+
+def log_probs(model, rollouts: Rollouts, size: int) -> np.ndarray:
+    """Per-token log-probabilities [rows, S] of the rollouts' rows under ``model``, no gradient."""
+    out = []
+    nn.set_training(model, False)
+    try:
+        with autograd.no_grad():
+            for start in range(0, rollouts.rows, size):
+                ids, target, _ = rollouts.micro_batch(start, size)
+                rows, length = target.mask.shape
+                out.append(ops.to_numpy(token_log_probs(model, model(ids), target.labels, rows, length)))
+    finally:
+        nn.set_training(model, True)
+    return np.concatenate(out).astype(np.float32)
+
+
+class Reference:
+    """The starting weights of this rank's parameters, on the host; ``log_probs`` puts them in
+    the model for one forward and the trained ones back."""
+
+    def __init__(self, params):
+        self.params = list(params)
+        self.values = [ops.to_numpy(p).copy() for p in self.params]
+
+    def log_probs(self, model, rollouts: Rollouts, size: int) -> np.ndarray:
+        now = [ops.to_numpy(p).copy() for p in self.params]
+        try:
+            for p, v in zip(self.params, self.values):
+                nn.assign(p, ops.tensor(v))
+            return log_probs(model, rollouts, size)
+        finally:
+            for p, v in zip(self.params, now):
+                nn.assign(p, ops.tensor(v))
