@@ -54,6 +54,8 @@ VALUES = {
     "--long-mscale": ["1.5"], "--short-mscale": ["1.25"], "--moe-input-jitter-eps": ["0.01"],
     "--dataloader-type": ["cyclic"],  # single is what runs here; the others are gated
     "--window-size": ["3,0"], "--softmax-type": ["learnable"],
+    "--reward-funcs": ["format"], "--reward-weights": ["2"], "--clip-ratio": ["0.3"], "--clip-ratio-high": ["0.3"],
+    "--top-p": ["0.5"],
 }
 
 
@@ -99,6 +101,11 @@ REQUIRES = {
     **{flag: ["--stage", "dpo"] for flag in ("--dpo-loss-type", "--dpo-beta", "--dpo-label-smoothing")},
     **{flag: ["--stage", "simpo"] for flag in ("--simpo-beta", "--simpo-gamma", "--simpo-label-smoothing")},
     "--reward-tokens": ["--stage", "prm"],
+    # online RL's settings and its rollouts' sampling qualify --stage grpo (generate's sampling is its own verb's)
+    **{flag: ["--stage", "grpo"] for flag in (
+        "--num-generations", "--max-completion-length", "--reward-funcs", "--reward-weights", "--scale-rewards",
+        "--grpo-loss-type", "--kl-coef", "--clip-ratio", "--clip-ratio-high", "--ppo-epochs", "--temperature",
+        "--top-k", "--top-p")},
     # the other --lora-* flags qualify the adapters that --lora-r switches on
     **{flag: ["--lora-r", "4"] for flag in ("--lora-alpha", "--lora-dropout")},
     "--tokenizer-hf-no-include-special-tokens": ["--tokenizer-type", "PretrainedFromHF", "--tokenizer-name-or-path",

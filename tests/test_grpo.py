@@ -1,0 +1,219 @@
+"""Online RL (mindspeed train --stage grpo, training/grpo.py) on a tiny model, in this process.
+
+The objective is checked against the GRPO formula written out again here in float64 numpy,
+on log-probabilities from numeric.py's own forward pass; the loop against a reward it can
+learn quickly (the share of digits in a completion), whose mean must rise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import numpy as np
+import pytest
+
+from mindspeed_core import cli, nn, ops, random
+from mindspeed_core.errors import MindSpeedError
+from mindspeed_core.models.config import ModelConfig
+from mindspeed_core.models.gpt import GPTModel
+from mindspeed_core.training import grpo
+
+import numeric
+
+MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--num-query-groups", "2",
+         "--ffn-hidden-size", "64", "--seq-length", "32", "--make-vocab-size-divisible-by", "8",
+         "--tokenizer-type", "ByteLevel", "--eval-iters", "0", "--no-progress", "--split", "100,0,0", "--seed", "3",
+         "--sample-tokens", "0"]
+REWARDS = '''
+def digits(completions, references, prompts):
+    return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions]
+
+
+def wrong_length(completions, references, prompts):
+    return [1.0]
+'''
+
+
+# ---- rewards and advantages ------------------------------------------------------------------
+
+@pytest.mark.framework_free
+@pytest.mark.parametrize("text, answer", [
+    ("so the total is #### 42", "42"), ("#### 1,234.", "1234"), ("a \\boxed{7} then \\boxed{3.0}", "3"),
+    ("#### 2.5", "2.5"), ("#### x + 1", "x + 1"), ("no answer here", None)])
+def test_final_answer(text, answer):
+    assert grpo.final_answer(text) == answer
+
+
+@pytest.mark.framework_free
+def test_accuracy_and_format_rewards():
+    completions = ["<think>2 and 3</think> #### 5", "#### 6", "\\boxed{5}", "<think>x</think>"]
+    assert grpo.accuracy_reward(completions, ["#### 5", "5", "5", "5"], [""] * 4) == [1.0, 0.0, 1.0, 0.0]
+    assert grpo.format_reward(completions, [None] * 4, [""] * 4) == [1.0, 0.0, 0.0, 0.0]
+    with pytest.raises(MindSpeedError, match="needs reference answers"):
+        grpo.accuracy_reward(["#### 1"], [None], [""])
+
+
+@pytest.mark.framework_free
+def test_group_advantages():
+    rewards = np.array([1.0, 0.0, 0.0, 1.0, 2.0, 2.0, 2.0, 2.0])
+    got = grpo.group_advantages(rewards, 4)
+    first = np.array([0.5, -0.5, -0.5, 0.5]) / (np.std([1, 0, 0, 1], ddof=1) + grpo.SCALE_EPS)
+    np.testing.assert_allclose(got, np.concatenate([first, np.zeros(4)]))
+    np.testing.assert_allclose(grpo.group_advantages(rewards, 4, "none"), [0.5, -0.5, -0.5, 0.5, 0, 0, 0, 0])
+
+
+@pytest.mark.framework_free
+def test_reward_functions_by_import_path(tmp_path, monkeypatch):
+    (tmp_path / "my_rewards.py").write_text(REWARDS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    functions = grpo.reward_functions(["accuracy", "my_rewards:digits"])
+    total, each = grpo.score(functions, [1.0, 0.5], ["#### 12", "ab"], ["12", "3"], ["", ""])
+    np.testing.assert_allclose(each, [[1.0, 0.0], [2 / 7, 0.0]])
+    np.testing.assert_allclose(total, [1.0 + 1 / 7, 0.0])
+    with pytest.raises(MindSpeedError, match="one finite number per completion"):
+        grpo.score(grpo.reward_functions(["my_rewards:wrong_length"]), [1.0], ["a", "b"], [None, None], ["", ""])
+    for bad, message in (("nothing", "nor package.module:function"), ("my_rewards:absent", "cannot import it"),
+                         ("no_such_module:f", "cannot import it")):
+        with pytest.raises(MindSpeedError, match=message):
+            grpo.reward_functions([bad])
+
+
+# ---- the objective against numpy -------------------------------------------------------------
+
+def _numpy_grpo(logp, old, ref, mask, advantages, low, high, beta, loss_type, max_length):
+    ratio = np.exp(logp - old)
+    a = advantages[:, None]
+    per_token = -np.minimum(ratio * a, np.clip(ratio, 1 - low, 1 + high) * a)
+    if beta:
+        q = ref - logp
+        per_token = per_token + beta * (np.exp(q) - q - 1)
+    if loss_type == "grpo":
+        return float(np.mean((per_token * mask).sum(1) / mask.sum(1)))
+    if loss_type == "bnpo":
+        return float((per_token * mask).sum() / mask.sum())
+    return float((per_token * mask).sum() / (mask.shape[0] * max_length))
+
+
+@pytest.mark.feature("stage-grpo")
+@pytest.mark.parametrize("loss_type, beta", [("grpo", 0.04), ("bnpo", 0.0), ("dr_grpo", 0.1)])
+def test_objective_equals_numpy(loss_type, beta):
+    random.seed(5)
+    cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=64,
+                      vocab_size=64, max_position_embeddings=32)
+    model = GPTModel(cfg)
+    state = {n: ops.to_numpy(p).astype(np.float64) for n, p in nn.named_parameters(model)}
+    rng = np.random.default_rng(0)
+    rows, length, max_length = 4, 12, 8
+    tokens = rng.integers(1, 64, (rows, length + 1))
+    mask = np.zeros((rows, length), np.float32)
+    for i, (start, end) in enumerate([(3, 11), (5, 12), (2, 6), (4, 9)]):  # each row's completion tokens
+        mask[i, start:end] = 1.0
+    logp = np.stack([numeric.token_log_probs(state, cfg, row) for row in tokens])
+    old = logp + rng.normal(0, 0.3, logp.shape)  # ratios on both sides of the clip range
+    ref = logp + rng.normal(0, 0.3, logp.shape)
+    advantages = np.array([1.2, -0.7, 0.3, -1.5])
+    args = argparse.Namespace(clip_ratio=0.2, clip_ratio_high=0.28, kl_coef=beta, grpo_loss_type=loss_type,
+                              max_completion_length=max_length)
+    objective = grpo.Objective(args)
+    ids = ops.tensor(np.ascontiguousarray(tokens[:, :-1]))
+    target = grpo.Rollout(ops.tensor(np.ascontiguousarray(tokens[:, 1:])), mask, advantages, old.astype(np.float32),
+                          ref.astype(np.float32))
+    got = float(ops.to_numpy(objective(model, model(ids), target)))
+    want = _numpy_grpo(logp, old.astype(np.float32), ref.astype(np.float32), mask, advantages, 0.2, 0.28, beta,
+                       loss_type, max_length)
+    assert got == pytest.approx(want, rel=1e-4, abs=1e-6)
+    clip_fraction, kl = objective.take_stats()
+    ratio = np.exp(logp - old)
+    clipped = ((ratio < 0.8) & (advantages[:, None] < 0)) | ((ratio > 1.28) & (advantages[:, None] > 0))
+    assert clip_fraction == pytest.approx((clipped * mask).sum() / mask.sum(), abs=1e-6) and clip_fraction > 0
+    q = ref - logp
+    assert kl == (pytest.approx(((np.exp(q) - q - 1) * mask).sum() / mask.sum(), rel=1e-4) if beta else 0.0)
+
+
+# ---- the loop --------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def prompts(tmp_path_factory):
+    """Sums of two digits as instruction data (the answers after GSM8K's ####), preprocessed,
+    and a module of reward functions on the path."""
+    root = tmp_path_factory.mktemp("grpo")
+    rng = np.random.default_rng(0)
+    with open(root / "sums.jsonl", "w") as fh:
+        for a, b in rng.integers(0, 5, (64, 2)):
+            fh.write(json.dumps({"instruction": f"{a}+{b}=", "output": f"#### {a + b}"}) + "\n")
+    prefix = str(root / "out" / "sums")
+    assert cli.main(["preprocess", "--input", str(root / "sums.jsonl"), "--output-prefix", prefix, "--handler-name",
+                     "AlpacaStyleInstructionHandler", "--tokenizer-type", "ByteLevel", "--seq-length", "32"]) == 0
+    (root / "grpo_rewards.py").write_text(REWARDS)
+    sys.path.insert(0, str(root))
+    yield {"root": root, "data": prefix}
+    sys.path.remove(str(root))
+
+
+def records(path) -> list[dict]:
+    return [r for r in map(json.loads, open(path)) if "loss" in r]
+
+
+@pytest.mark.feature("stage-grpo")
+@pytest.mark.feature("sampling-generation")
+def test_the_reward_rises(prompts, tmp_path, capsys):
+    """20 iterations of 4 prompts x 8 completions of 8 tokens, rewarded by their share of
+    digits (about 4% of the byte vocabulary at the start): the mean reward of the last five
+    iterations must be at least 0.3 above the first three's; every figure is logged."""
+    metrics = str(tmp_path / "m.jsonl")
+    assert cli.main(["train", *MODEL, "--stage", "grpo", "--data-path", prompts["data"], "--num-generations", "8",
+                     "--global-batch-size", "4", "--micro-batch-size", "16", "--max-completion-length", "8",
+                     "--reward-funcs", "grpo_rewards:digits", "accuracy", "--reward-weights", "1", "0.5",
+                     "--train-iters", "20", "--lr", "3e-2", "--lr-decay-style", "constant", "--log-interval", "1",
+                     "--metrics-file", metrics]) == 0
+    out = capsys.readouterr().out
+    assert "reward grpo rewards:digits" not in out  # names are made safe for boards
+    rows = records(metrics)
+    assert [r["iteration"] for r in rows] == list(range(1, 21))
+    reward = [r["train_reward_grpo_rewards_digits"] for r in rows]
+    first, last = np.mean(reward[:3]), np.mean(reward[-5:])
+    assert last >= first + 0.3, reward
+    for r in rows:  # the total is the weighted sum of the functions' means
+        assert r["train_reward"] == pytest.approx(r["train_reward_grpo_rewards_digits"] + 0.5 * r["train_reward_accuracy"],
+                                                  abs=1e-5)
+        assert {"train_clip_fraction", "train_kl", "train_completion_length", "train_reward_std"} <= set(r)
+        assert 0 < r["train_completion_length"] <= 8 and r["train_kl"] >= 0
+        assert {"rollout", "forward-backward", "optimizer"} <= set(r["timers"])
+    assert max(r["train_kl"] for r in rows) > 0  # the policy moved away from the reference
+
+
+@pytest.mark.feature("stage-grpo")
+def test_two_epochs_clip_against_the_drawing_policy(prompts, tmp_path):
+    """With --ppo-epochs 2 the second step's ratios are to the policy that drew the rollouts
+    (recorded before the first step): at a large learning rate some are clipped."""
+    metrics = str(tmp_path / "m.jsonl")
+    assert cli.main(["train", *MODEL, "--stage", "grpo", "--data-path", prompts["data"], "--num-generations", "4",
+                     "--global-batch-size", "2", "--micro-batch-size", "8", "--max-completion-length", "6",
+                     "--reward-funcs", "grpo_rewards:digits", "--ppo-epochs", "2", "--kl-coef", "0",
+                     "--train-iters", "3", "--lr", "1e-1", "--log-interval", "1", "--metrics-file", metrics]) == 0
+    rows = records(metrics)
+    assert len(rows) == 3 and all(r["train_kl"] == 0 for r in rows)
+    assert max(r["train_clip_fraction"] for r in rows) > 0
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--num-generations", "1", "--micro-batch-size", "2"], "need --num-generations 2 or more"),
+    (["--global-batch-size", "2", "--micro-batch-size", "3"], "not a multiple of --micro-batch-size 3"),
+    (["--reward-weights", "1", "2"], "--reward-weights gives 2 weights for 1 --reward-funcs"),
+    (["--reward-funcs", "no_such_module:f"], "cannot import it"),
+    (["--max-completion-length", "30"], "do not fit --seq-length 32"),
+])
+def test_bad_grpo_options_are_one_line_errors(prompts, capsys, flags, message):
+    argv = ["train", *MODEL, "--stage", "grpo", "--data-path", prompts["data"], "--train-iters", "1",
+            "--num-generations", "4", "--global-batch-size", "2", "--micro-batch-size", "8", *flags]
+    assert cli.main(argv) != 0
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err
+
+
+def test_grpo_without_data_says_what_to_preprocess(capsys):
+    assert cli.main(["train", "--stage", "grpo", "--train-iters", "1"]) != 0
+    err = capsys.readouterr().err
+    assert "--stage grpo trains on preprocessed instruction (prompts with reference answers) data" in err, err
