@@ -14,7 +14,8 @@ measures that cost on the shapes of a decode step, each framework in its own pro
   - the number of operators one eager decode step dispatches (PyTorch's dispatcher, counted
     with a TorchDispatchMode over models/generate.py's step; the model code is the same on
     both frameworks, so the count stands for both);
-  - the product of the two: the step time the kernels' fixed cost alone accounts for.
+  - the product of the two: the step time the kernels' fixed cost alone accounts for;
+  - the time of a decode step's 17 matmuls on their own shapes, compiled and eager.
 """
 
 from __future__ import annotations
@@ -105,8 +106,42 @@ def worker(framework: str, repeats: int) -> dict:
                 t[n] = _time(fn, x, repeats)
             per = out[f"{kind}_{mode}_us_per_kernel"] = 1e6 * (t[LONG] - t[SHORT]) / (LONG - SHORT)
             out[f"{kind}_{mode}_launch_us"] = 1e6 * t[SHORT] - SHORT * per
+    out.update(_decode_matmuls(repeats))
     if framework == "pytorch":
         out["decode_operators"] = _decode_operators()
+    return out
+
+
+def _decode_matmuls(repeats: int) -> dict:
+    """Milliseconds of the 17 matmuls of one decode step of bench_generate's model (per layer
+    the fused qkv, the attention's output, the MLP's two; then the output layer), [4, k] by
+    [k, n]: the difference between graphs holding 5 sets of them and one, over 4; eager likewise."""
+    sys.path.insert(0, os.path.dirname(__file__))
+    import numpy as np
+    from bench_generate import MODEL
+
+    from mindspeed_core import autograd, nn, ops
+
+    h, f, v = MODEL["hidden_size"], MODEL["ffn_hidden_size"], MODEL["vocab_size"]
+    kv = h // MODEL["num_attention_heads"] * MODEL["num_query_groups"]
+    shapes = [(h, h + 2 * kv), (h, h), (h, 2 * f), (f, h)] * MODEL["num_layers"] + [(h, v)]
+    rng = np.random.default_rng(0)
+    # a set of weights per repetition: a graph compiler would compute a repeated product once
+    sets = [[ops.tensor(rng.standard_normal(s).astype(np.float32) * 0.05) for s in shapes] for _ in range(5)]
+    inputs = {k: ops.tensor(rng.standard_normal((4, k)).astype(np.float32)) for k in {s[0] for s in shapes}}
+
+    def products(times: int):
+        def run(x):
+            outs = [ops.matmul(inputs[w.shape[0]] if w.shape[0] != x.shape[1] else x, w)
+                    for weights in sets[:times] for w in weights]
+            return ops.cat([ops.reshape(o, (-1,)) for o in outs], dim=0)
+        return run
+
+    out, x = {}, inputs[h]
+    for mode in ("compiled", "eager"):
+        t = {n: _time(autograd.compiled(products(n), [], nn.ModuleList()) if mode == "compiled" else products(n), x,
+                      repeats) for n in (1, 5)}
+        out[f"decode_matmuls_{mode}_ms"] = 1e3 * (t[5] - t[1]) / 4
     return out
 
 
@@ -137,6 +172,9 @@ def main() -> None:
                 floor = f"{per * ops_per_step / 1e3:.2f}" if kind == "elementwise" else ""
                 print(f"{framework:<12}{kind:<13}{mode:<10}{per:>15.1f}{r[f'{kind}_{mode}_launch_us']:>11.0f}{floor:>22}")
     print(f"one eager decode step of bench_generate's model dispatches {ops_per_step} operators (PyTorch)")
+    print("the 17 matmuls of one decode step ([4, k] x [k, n], its shapes), ms:")
+    for framework, r in results.items():
+        print(f"  {framework:<12} compiled {r['decode_matmuls_compiled_ms']:.2f}   eager {r['decode_matmuls_eager_ms']:.2f}")
 
 
 if __name__ == "__main__":

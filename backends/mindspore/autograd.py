@@ -202,6 +202,12 @@ def compiled(fn, params, module):
         with no_grad():
             graph, arguments = traced.call(args)
             out = graph(*arguments)
+        outs = out if isinstance(out, (tuple, list)) else [out]
+        # Wait for the graph (a result's shape is known once it has run) before queueing more
+        # work: on CPU, eager operations queued while a graph runs slow both (measured on the
+        # decode step: 235-271 tok/s without the wait, 313-361 with it)
+        for o in outs:
+            o.shape  # noqa: B018
         shapes = traced.out_shapes[tuple(tuple(a.shape) for a in args)]  # what the graph gave flat
         if not isinstance(out, (tuple, list)):
             return P.reshape(out, shapes[0])
