@@ -39,13 +39,13 @@ class Sampling:
             raise ValueError(f"top_k must be >= 0 and top_p in (0, 1], got {self.top_k} and {self.top_p}")
 
 
-def choose(logits: np.ndarray, sampling: Sampling, rng: np.random.Generator) -> list[int]:
-    """One token per row of ``logits`` [rows, vocab]."""
+def choose(logits: np.ndarray, sampling: Sampling, rng) -> list[int]:
+    """One token per row of ``logits`` [rows, vocab]; ``rng``: a numpy Generator, or one per row."""
     logits = np.asarray(logits, np.float64)
     if sampling.greedy:
         return [int(i) for i in np.argmax(logits, axis=-1)]
     picks = []
-    for row in logits / sampling.temperature:
+    for i, row in enumerate(logits / sampling.temperature):
         if sampling.top_k and sampling.top_k < row.size:
             row = np.where(row < np.sort(row)[-sampling.top_k], -np.inf, row)
         p = np.exp(row - row.max())
@@ -57,7 +57,7 @@ def choose(logits: np.ndarray, sampling: Sampling, rng: np.random.Generator) -> 
             kept = np.zeros_like(p)
             kept[keep] = p[keep]
             p = kept / kept.sum()
-        picks.append(int(rng.choice(p.size, p=p)))
+        picks.append(int((rng[i] if isinstance(rng, list) else rng).choice(p.size, p=p)))
     return picks
 
 
@@ -153,17 +153,19 @@ def next_token_logits(model, prompts: list[list[int]], pad_id: int = 0) -> np.nd
 
 def generate(model, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling | None = None,
              stop_ids=(), use_cache: bool = True, on_step=None, pad_id: int = 0,
-             window: int | None = None, compiled: bool | None = None) -> list[list[int]]:
+             window: int | None = None, compiled: bool | None = None, row_seeds=None) -> list[list[int]]:
     """Each prompt's continuation (ids, without the prompt): up to ``max_new_tokens``, ending
     before the first of ``stop_ids``. ``on_step(tokens)`` is called after each step with each
     row's new token, None for a row that has ended (streaming); when it returns True the
     generation ends there (a chat's stop text). ``window`` (without the cache): the model sees
     the last ``window`` tokens only (the training run's text sample). ``compiled``: decode
     steps as one graph (models/compiled_decode.py) at once (True), never (False), or once the
-    batch and cache size have been used enough (None), where the matrix has compiled-decode."""
+    batch and cache size have been used enough (None), where the matrix has compiled-decode.
+    ``row_seeds``: each row's draws from a generator of its own (seeded by that entry, which
+    may be a list of ints), so a row draws the same tokens in whatever batch it runs."""
     sampling = sampling or Sampling()
     features.note_used("greedy-generation" if sampling.greedy else "sampling-generation")
-    rng = np.random.default_rng(sampling.seed)
+    rng = np.random.default_rng(sampling.seed) if row_seeds is None else [np.random.default_rng(s) for s in row_seeds]
     steps = _Steps(model, prompts, max_new_tokens, use_cache, pad_id, window, compiled)
     out, done = [[] for _ in prompts], [False] * len(prompts)
     for _ in range(max_new_tokens):

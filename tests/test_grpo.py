@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 
 import numpy as np
 import pytest
@@ -26,15 +25,6 @@ MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4
          "--ffn-hidden-size", "64", "--seq-length", "32", "--make-vocab-size-divisible-by", "8",
          "--tokenizer-type", "ByteLevel", "--eval-iters", "0", "--no-progress", "--split", "100,0,0", "--seed", "3",
          "--sample-tokens", "0"]
-REWARDS = '''
-def digits(completions, references, prompts):
-    return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions]
-
-
-def wrong_length(completions, references, prompts):
-    return [1.0]
-'''
-
 
 # ---- rewards and advantages ------------------------------------------------------------------
 
@@ -65,16 +55,14 @@ def test_group_advantages():
 
 
 @pytest.mark.framework_free
-def test_reward_functions_by_import_path(tmp_path, monkeypatch):
-    (tmp_path / "my_rewards.py").write_text(REWARDS)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    functions = grpo.reward_functions(["accuracy", "my_rewards:digits"])
+def test_reward_functions_by_import_path():
+    functions = grpo.reward_functions(["accuracy", "grpo_rewards:digits"])
     total, each = grpo.score(functions, [1.0, 0.5], ["#### 12", "ab"], ["12", "3"], ["", ""])
     np.testing.assert_allclose(each, [[1.0, 0.0], [2 / 7, 0.0]])
     np.testing.assert_allclose(total, [1.0 + 1 / 7, 0.0])
     with pytest.raises(MindSpeedError, match="one finite number per completion"):
-        grpo.score(grpo.reward_functions(["my_rewards:wrong_length"]), [1.0], ["a", "b"], [None, None], ["", ""])
-    for bad, message in (("nothing", "nor package.module:function"), ("my_rewards:absent", "cannot import it"),
+        grpo.score(grpo.reward_functions(["grpo_rewards:wrong_length"]), [1.0], ["a", "b"], [None, None], ["", ""])
+    for bad, message in (("nothing", "nor package.module:function"), ("grpo_rewards:absent", "cannot import it"),
                          ("no_such_module:f", "cannot import it")):
         with pytest.raises(MindSpeedError, match=message):
             grpo.reward_functions([bad])
@@ -134,11 +122,9 @@ def test_objective_equals_numpy(loss_type, beta):
 
 # ---- the loop --------------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def prompts(tmp_path_factory):
-    """Sums of two digits as instruction data (the answers after GSM8K's ####), preprocessed,
-    and a module of reward functions on the path."""
-    root = tmp_path_factory.mktemp("grpo")
+def sums_corpus(root) -> str:
+    """Sums of two digits as instruction data (the answers after GSM8K's ####), preprocessed for
+    --seq-length 32; every prompt is 4 tokens."""
     rng = np.random.default_rng(0)
     with open(root / "sums.jsonl", "w") as fh:
         for a, b in rng.integers(0, 5, (64, 2)):
@@ -146,10 +132,13 @@ def prompts(tmp_path_factory):
     prefix = str(root / "out" / "sums")
     assert cli.main(["preprocess", "--input", str(root / "sums.jsonl"), "--output-prefix", prefix, "--handler-name",
                      "AlpacaStyleInstructionHandler", "--tokenizer-type", "ByteLevel", "--seq-length", "32"]) == 0
-    (root / "grpo_rewards.py").write_text(REWARDS)
-    sys.path.insert(0, str(root))
-    yield {"root": root, "data": prefix}
-    sys.path.remove(str(root))
+    return prefix
+
+
+@pytest.fixture(scope="module")
+def prompts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("grpo")
+    return {"root": root, "data": sums_corpus(root)}
 
 
 def records(path) -> list[dict]:

@@ -66,6 +66,11 @@ GPT_OSS = GQA + ["--model-name", "tiny-gpt-oss", "--window-size", "5,0", "--wind
                  "--softmax-type", "learnable", "--quick-geglu", "--glu-linear-offset", "1.0",
                  "--activation-func-clamp-value", "0.1", "--num-experts", "4", "--moe-router-topk", "2",
                  "--moe-ffn-hidden-size", "64", "--moe-aux-loss-coeff", "0.01"]
+# online RL (GRPO): 2 prompts of sums x 4 completions of up to 6 tokens per iteration, rewarded
+# by their share of digits (tests/grpo_rewards.py), 4 completions per micro-batch
+GRPO = GQA + ["--stage", "grpo", "--num-generations", "4", "--max-completion-length", "6", "--reward-funcs",
+              "grpo_rewards:digits", "--global-batch-size", "2", "--micro-batch-size", "4", "--lr", "3e-2"]
+GRPO_CASES = {"grpo-tp2": ["--tensor-model-parallel-size", "2"], "grpo-dp2": []}
 MODELS = {"gqa": GQA, "mha": MHA, "moe": MOE, "sft": SFT, "lora": LORA, "dpo": DPO,
           "dpo-lora": DPO + ["--lora-r", "4", "--lora-alpha", "8"], "simpo": SIMPO, "orm": ORM, "prm": PRM,
           "gemma2": GEMMA2, "mla": MLA, "mla-moe": MLA_MOE, "gpt-oss": GPT_OSS}
@@ -408,7 +413,14 @@ SAMPLE = [*with_sample(GQA, 12), "--train-iters", "2"]
 
 
 @pytest.fixture(scope="module")
-def two_ranks(corpus, data, tmp_path_factory):  # noqa: F811
+def grpo_corpus(tmp_path_factory):
+    from test_grpo import sums_corpus
+
+    return sums_corpus(tmp_path_factory.mktemp("grpo"))
+
+
+@pytest.fixture(scope="module")
+def two_ranks(corpus, data, grpo_corpus, tmp_path_factory):  # noqa: F811
     """One launch of two ranks: the two-rank CASES (tp2, dp2-distopt and moe-ep2-alltoall save
     when they end, after the steps whose traffic is checked; resumed below on other layouts) and
     the TP2 + SP text sample. Returns its folder."""
@@ -422,6 +434,8 @@ def two_ranks(corpus, data, tmp_path_factory):  # noqa: F811
              # the fault the gradient comparison exists for: one TP-cut weight's reduced gradient doubled
              ["tp2-qkv-doubled", [*MODELS["gqa"], "--data-path", data["gqa"], "--train-iters", "2",
                                   "--tensor-model-parallel-size", "2"], True, {"double": DOUBLED}]]
+    extra += [[name, [*GRPO, *flags, "--data-path", grpo_corpus, "--train-iters", str(LAYOUT_ITERS)]]
+              for name, flags in GRPO_CASES.items()]
     run_configs(FRAMEWORK, 2, case_spec(ranks_cases(2), data, tmp) + extra, tmp)
     return tmp
 
@@ -557,6 +571,31 @@ def test_two_rank_layouts_equal_single_process(capsys, framework, corpus, two_ra
     resume_in_one_process(capsys, corpus, two_ranks / "ep2-ckpt", MOE, reference["moe"], "DP=2", tmp_path / "moe")
     resume_in_one_process(capsys, corpus, two_ranks / "mla-moe-ckpt", MLA_MOE, reference["mla-moe"], "DP=2",
                           tmp_path / "mla-moe")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.feature("stage-grpo")
+@pytest.mark.feature("tensor-parallel")
+@pytest.mark.feature("data-parallel")
+def test_grpo_layouts_draw_and_train_as_one_process(two_ranks, grpo_corpus, tmp_path):
+    """GRPO under TP2 and DP2 (in two_ranks' launch): the same rollouts (each completion seeded
+    by its sample and number, whichever rank draws it), so the same rewards, the same first-step
+    gradients and the same loss curve as one process."""
+    from parity_worker import train_case
+
+    train_case(str(tmp_path), "grpo", [*GRPO, "--data-path", grpo_corpus, "--train-iters", str(LAYOUT_ITERS)])
+    want = [json.loads(x) for x in open(tmp_path / "grpo.jsonl") if '"loss"' in x]
+    assert len({r["train_reward"] for r in want}) > 1 and max(r["train_kl"] for r in want) > 0  # it moved
+    for name in GRPO_CASES:
+        out = two_ranks / "out"
+        got = [json.loads(x) for x in open(out / f"{name}.jsonl") if '"loss"' in x]
+        for key in ("train_reward", "train_completion_length"):
+            assert [r[key] for r in got] == pytest.approx([r[key] for r in want], abs=1e-6), (name, key)
+        # the first loss is about 0 (ratios of 1, advantages summing to 0 in each group): absolute too
+        assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in want], rel=1e-4, abs=1e-7), name
+        worst, where = gradient_difference(np.load(out / f"{name}-grads.npz"), dict(np.load(tmp_path / "grpo-grads.npz")))
+        assert worst < 1e-5, (name, where, worst)
+        assert ("TP=2 DP=1" if "tp2" in name else "TP=1 DP=2") in (out / f"{name}.log").read_text()
 
 
 def resume_in_one_process(capsys, corpus, folder, model, want, saved_layout, tmp_path):  # noqa: F811

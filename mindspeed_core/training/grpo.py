@@ -6,7 +6,8 @@ Each iteration (Shao et al. 2024, DeepSeekMath; the flags as TRL's GRPOTrainer n
 2. the policy, as it is now and in the same processes and layout (no copy of the weights to a
    second engine), draws --num-generations completions of each, up to
    --max-completion-length tokens (models/generate.py, its key/value cache, the run's
-   --temperature / --top-k / --top-p, seeded by --seed, the iteration and the rank);
+   --temperature / --top-k / --top-p; each completion's draws seeded by --seed, its sample's
+   number and its own, so any layout draws the same rollouts);
 3. each completion is scored by --reward-funcs (``accuracy``: its final answer, after ``####``
    or in ``\\boxed{}``, equals the reference's; ``format``: ``<think>...</think>`` then an
    answer; or ``package.module:function``, called as ``function(completions, references,
@@ -275,8 +276,10 @@ def rows_of(prompts: list[list[int]], completions: list[list[int]], ended: list[
     return tokens[:, :-1], np.where(labels[:, 1:] == IGNORE, 0, labels[:, 1:]), mask
 
 
-def draw(model, tokenizer, samples: list, args, functions, weights, seed: int) -> Rollouts:
-    """Generate and score one iteration's completions for ``samples`` [(tokens, labels, documents)]."""
+def draw(model, tokenizer, samples: list, indices: list[int], args, functions, weights) -> Rollouts:
+    """Generate and score one iteration's completions for ``samples`` [(tokens, labels,
+    documents)], the data's samples number ``indices``: completion g of sample i draws from a
+    generator seeded by (--seed, i, g), so it is the same whichever rank, batch or layout draws it."""
     from mindspeed_core.models import generate as gen
 
     group = args.num_generations
@@ -288,13 +291,13 @@ def draw(model, tokenizer, samples: list, args, functions, weights, seed: int) -
                              "lower --max-completion-length")
     every = [list(p) for p in prompts for _ in range(group)]
     eod = getattr(tokenizer, "eod", None)
-    sampling = gen.Sampling(greedy=False, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                            seed=seed)
+    sampling = gen.Sampling(greedy=False, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    seeds = [[args.seed, index, g] for index in indices for g in range(group)]
     started = time.perf_counter()
     nn.set_training(model, False)
     try:
         completions = gen.generate(model, every, args.max_completion_length, sampling,
-                                   stop_ids=() if eod is None else (eod,), pad_id=0)
+                                   stop_ids=() if eod is None else (eod,), pad_id=0, row_seeds=seeds)
     finally:
         nn.set_training(model, True)
     generation = time.perf_counter() - started

@@ -356,11 +356,9 @@ class Trainer:
         """GRPO: draw and score this iteration's rollouts, then --ppo-epochs optimizer steps on them."""
         args, ps = self.flags, self.ps
         t0 = time.perf_counter()
-        samples = [self.data["train"][i] for i in self.sampler.micro_batch_starts(iteration)]
-        # the same draws on a data-parallel rank's tensor-parallel ranks, other ones on each rank
-        seed = (args.seed * 1_000_003 + iteration * 7919 + ps.local_rank("dp")) % 2**32
-        rollouts = grpo.draw(self.model, self.tokenizer, samples, args, self.reward_functions, self.reward_weights,
-                             seed)
+        indices = self.sampler.micro_batch_starts(iteration)  # this rank's prompts
+        rollouts = grpo.draw(self.model, self.tokenizer, [self.data["train"][i] for i in indices], indices, args,
+                             self.reward_functions, self.reward_weights)
         if self.grpo_reference is not None:
             rollouts.reference = self.grpo_reference.log_probs(self.model, rollouts, args.micro_batch_size)
         if args.ppo_epochs > 1:  # the policy that drew them, before it moves
