@@ -292,9 +292,10 @@ def add_feature_args(parser: argparse.ArgumentParser) -> None:
                    help="--stage grpo: one weight per --reward-funcs entry (default: 1 each)")
     a.add_argument("--scale-rewards", choices=("group", "none"), default="group",
                    help="--stage grpo: divide advantages by their group's standard deviation, or not (Dr. GRPO)")
-    a.add_argument("--grpo-loss-type", choices=("grpo", "bnpo", "dr_grpo"), default="grpo",
+    a.add_argument("--grpo-loss-type", choices=("grpo", "bnpo", "dr_grpo", "dapo"), default="grpo",
                    help="--stage grpo: average over each completion's tokens then completions (grpo), over the "
-                        "micro-batch's tokens (bnpo), or sum / (completions x --max-completion-length) (dr_grpo)")
+                        "micro-batch's tokens (bnpo), sum / (completions x --max-completion-length) (dr_grpo), or "
+                        "over the step's tokens (dapo, TRL's default)")
     a.add_argument("--kl-coef", type=NON_NEGATIVE, default=0.04,
                    help="--stage grpo: weight of the k3 KL estimate to the starting model (0: no reference)")
     a.add_argument("--clip-ratio", type=UNIT, default=0.2, help="--stage grpo: the policy ratio's clip epsilon")

@@ -153,7 +153,8 @@ def next_token_logits(model, prompts: list[list[int]], pad_id: int = 0) -> np.nd
 
 def generate(model, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling | None = None,
              stop_ids=(), use_cache: bool = True, on_step=None, pad_id: int = 0,
-             window: int | None = None, compiled: bool | None = None, row_seeds=None) -> list[list[int]]:
+             window: int | None = None, compiled: bool | None = None, row_seeds=None,
+             on_logits=None) -> list[list[int]]:
     """Each prompt's continuation (ids, without the prompt): up to ``max_new_tokens``, ending
     before the first of ``stop_ids``. ``on_step(tokens)`` is called after each step with each
     row's new token, None for a row that has ended (streaming); when it returns True the
@@ -162,14 +163,18 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, sampling: Sam
     steps as one graph (models/compiled_decode.py) at once (True), never (False), or once the
     batch and cache size have been used enough (None), where the matrix has compiled-decode.
     ``row_seeds``: each row's draws from a generator of its own (seeded by that entry, which
-    may be a list of ints), so a row draws the same tokens in whatever batch it runs."""
+    may be a list of ints), so a row draws the same tokens in whatever batch it runs.
+    ``on_logits(logits)``: each step's last-position logits [rows, vocab] (host), before the draw."""
     sampling = sampling or Sampling()
     features.note_used("greedy-generation" if sampling.greedy else "sampling-generation")
     rng = np.random.default_rng(sampling.seed) if row_seeds is None else [np.random.default_rng(s) for s in row_seeds]
     steps = _Steps(model, prompts, max_new_tokens, use_cache, pad_id, window, compiled)
     out, done = [[] for _ in prompts], [False] * len(prompts)
     for _ in range(max_new_tokens):
-        picks = choose(steps.logits(), sampling, rng)
+        logits = steps.logits()
+        if on_logits is not None:
+            on_logits(logits)
+        picks = choose(logits, sampling, rng)
         new = []
         for i, token in enumerate(picks):
             if not done[i] and token in stop_ids:

@@ -81,11 +81,13 @@ def _numpy_grpo(logp, old, ref, mask, advantages, low, high, beta, loss_type, ma
         return float(np.mean((per_token * mask).sum(1) / mask.sum(1)))
     if loss_type == "bnpo":
         return float((per_token * mask).sum() / mask.sum())
+    if loss_type == "dapo":  # this micro-batch's share: the step's tokens over its micro-batches (here 17)
+        return float((per_token * mask).sum() / 17.0)
     return float((per_token * mask).sum() / (mask.shape[0] * max_length))
 
 
 @pytest.mark.feature("stage-grpo")
-@pytest.mark.parametrize("loss_type, beta", [("grpo", 0.04), ("bnpo", 0.0), ("dr_grpo", 0.1)])
+@pytest.mark.parametrize("loss_type, beta", [("grpo", 0.04), ("bnpo", 0.0), ("dr_grpo", 0.1), ("dapo", 0.04)])
 def test_objective_equals_numpy(loss_type, beta):
     random.seed(5)
     cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=64,
@@ -107,7 +109,7 @@ def test_objective_equals_numpy(loss_type, beta):
     objective = grpo.Objective(args)
     ids = ops.tensor(np.ascontiguousarray(tokens[:, :-1]))
     target = grpo.Rollout(ops.tensor(np.ascontiguousarray(tokens[:, 1:])), mask, advantages, old.astype(np.float32),
-                          ref.astype(np.float32))
+                          ref.astype(np.float32), tokens_per_micro_batch=17.0)
     got = float(ops.to_numpy(objective(model, model(ids), target)))
     want = _numpy_grpo(logp, old.astype(np.float32), ref.astype(np.float32), mask, advantages, 0.2, 0.28, beta,
                        loss_type, max_length)
@@ -168,6 +170,7 @@ def test_the_reward_rises(prompts, tmp_path, capsys):
         assert r["train_reward"] == pytest.approx(r["train_reward_grpo_rewards_digits"] + 0.5 * r["train_reward_accuracy"],
                                                   abs=1e-5)
         assert {"train_clip_fraction", "train_kl", "train_completion_length", "train_reward_std"} <= set(r)
+        assert 0 < r["train_entropy"] < np.log(264)  # nats, of the distributions drawn from
         assert 0 < r["train_completion_length"] <= 8 and r["train_kl"] >= 0
         assert {"rollout", "forward-backward", "optimizer"} <= set(r["timers"])
     assert max(r["train_kl"] for r in rows) > 0  # the policy moved away from the reference
@@ -185,6 +188,23 @@ def test_two_epochs_clip_against_the_drawing_policy(prompts, tmp_path):
     rows = records(metrics)
     assert len(rows) == 3 and all(r["train_kl"] == 0 for r in rows)
     assert max(r["train_clip_fraction"] for r in rows) > 0
+
+
+@pytest.mark.feature("stage-grpo")
+def test_dapo_does_not_depend_on_the_micro_batches(prompts, tmp_path):
+    """dapo averages over the step's completion tokens: one micro-batch of 8 completions or two
+    of 4 give the same steps."""
+    runs = []
+    for size in ("8", "4"):
+        metrics = str(tmp_path / f"m{size}.jsonl")
+        assert cli.main(["train", *MODEL, "--stage", "grpo", "--data-path", prompts["data"], "--num-generations", "4",
+                         "--global-batch-size", "2", "--micro-batch-size", size, "--max-completion-length", "6",
+                         "--reward-funcs", "grpo_rewards:digits", "--grpo-loss-type", "dapo", "--train-iters", "2",
+                         "--lr", "3e-2", "--log-interval", "1", "--metrics-file", metrics]) == 0
+        runs.append(records(metrics))
+    for key in ("loss", "grad_norm"):
+        assert [r[key] for r in runs[1]] == pytest.approx([r[key] for r in runs[0]], rel=1e-5, abs=1e-7), key
+    assert runs[0][1]["loss"] != 0
 
 
 @pytest.mark.parametrize("flags, message", [

@@ -24,7 +24,8 @@ Each iteration (Shao et al. 2024, DeepSeekMath; the flags as TRL's GRPOTrainer n
    where p_old is the policy that drew the completions and p_ref the model the run started
    from. --grpo-loss-type says how tokens are averaged: grpo (each completion's mean, then
    the mean over completions), bnpo (the mean over the micro-batch's tokens), dr_grpo (the
-   sum over tokens / (completions x --max-completion-length)).
+   sum over tokens / (completions x --max-completion-length)), dapo (the mean over the step's
+   tokens, all micro-batches and ranks: TRL's default).
 
 The reference log-probabilities are computed with the starting weights, kept on the host (this
 rank's shards) and put in the model for that forward only, so no second model is held. The
@@ -160,6 +161,9 @@ class Rollout:
     advantages: np.ndarray
     old: np.ndarray | None = None
     reference: np.ndarray | None = None
+    # dapo: the step's completion tokens (all micro-batches, all data-parallel ranks) over its
+    # micro-batches, so the mean of the micro-batches' losses is the sum over tokens / their count
+    tokens_per_micro_batch: float = 1.0
 
 
 def token_log_probs(model, logits, labels, rows: int, length: int):
@@ -201,8 +205,10 @@ class Objective:
             loss = ops.mean(ops.sum(per_token * kept, dim=1) * ops.tensor(1.0 / np.maximum(mask.sum(axis=1), 1.0)))
         elif self.loss_type == "bnpo":
             loss = ops.sum(per_token * kept) * (1.0 / max(float(mask.sum()), 1.0))
-        else:  # dr_grpo
+        elif self.loss_type == "dr_grpo":
             loss = ops.sum(per_token * kept) * (1.0 / (rows * self.max_length))
+        else:  # dapo: over the step's completion tokens, every micro-batch and data-parallel rank
+            loss = ops.sum(per_token * kept) * (1.0 / target.tokens_per_micro_batch)
         self._record(ops.to_numpy(autograd.detach(ratio)), target.advantages, mask,
                      None if kl is None else ops.to_numpy(autograd.detach(kl)))
         return loss
@@ -246,6 +252,7 @@ class Rollouts:
         self.ids, self.labels, self.mask, self.advantages, self.stats = ids, labels, mask, advantages, stats
         self.old: np.ndarray | None = None
         self.reference: np.ndarray | None = None
+        self.tokens_per_micro_batch = 1.0  # dapo's (Rollout); the trainer sets it
 
     @property
     def rows(self) -> int:
@@ -256,7 +263,7 @@ class Rollouts:
         cut = slice(start, start + size)
         target = Rollout(ops.tensor(np.ascontiguousarray(self.labels[cut])), self.mask[cut], self.advantages[cut],
                          None if self.old is None else self.old[cut],
-                         None if self.reference is None else self.reference[cut])
+                         None if self.reference is None else self.reference[cut], self.tokens_per_micro_batch)
         return ops.tensor(np.ascontiguousarray(self.ids[cut])), target, None
 
 
@@ -294,14 +301,17 @@ def draw(model, tokenizer, samples: list, indices: list[int], args, functions, w
     sampling = gen.Sampling(greedy=False, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     seeds = [[args.seed, index, g] for index in indices for g in range(group)]
     started = time.perf_counter()
+    entropies = []  # each step's, per row: of the distribution drawn from (at --temperature, before top-k/p)
     nn.set_training(model, False)
     try:
         completions = gen.generate(model, every, args.max_completion_length, sampling,
-                                   stop_ids=() if eod is None else (eod,), pad_id=0, row_seeds=seeds)
+                                   stop_ids=() if eod is None else (eod,), pad_id=0, row_seeds=seeds,
+                                   on_logits=lambda logits: entropies.append(entropy(logits / args.temperature)))
     finally:
         nn.set_training(model, True)
     generation = time.perf_counter() - started
     ended = [len(c) < args.max_completion_length for c in completions]
+    drawn = np.arange(len(entropies))[:, None] < np.array([len(c) + e for c, e in zip(completions, ended)])[None]
     texts = [tokenizer.decode(c) for c in completions]
     prompt_texts = [tokenizer.decode(p) for p in every]
     refs = [r for r in references for _ in range(group)]
@@ -310,8 +320,18 @@ def draw(model, tokenizer, samples: list, indices: list[int], args, functions, w
     stats = {f"reward_{name.replace(':', '_').replace('.', '_')}": float(v.mean())
              for (name, _), v in zip(functions, each)}
     stats.update(reward=float(total.mean()), reward_std=float(total.std()),
-                 completion_length=float(np.mean([len(c) for c in completions])), generation_seconds=generation)
+                 completion_length=float(np.mean([len(c) for c in completions])), generation_seconds=generation,
+                 entropy=float((np.stack(entropies) * drawn).sum() / max(drawn.sum(), 1)))
     return Rollouts(ids, labels, mask, group_advantages(total, group, args.scale_rewards), stats)
+
+
+def entropy(logits: np.ndarray) -> np.ndarray:
+    """Each row's entropy (nats) of softmax(logits), [rows, vocab] -> [rows]."""
+    z = np.asarray(logits, np.float64)
+    z = z - z.max(axis=-1, keepdims=True)
+    log_total = np.log(np.exp(z).sum(axis=-1, keepdims=True))
+    p = np.exp(z - log_total)
+    return -(p * (z - log_total)).sum(axis=-1)
 
 
 def log_probs(model, rollouts: Rollouts, size: int) -> np.ndarray:
