@@ -1,5 +1,5 @@
-"""``mindspeed plot METRICS.jsonl [more runs ...] -o curves.png``: the loss, validation loss and
-throughput curves of one or several runs (PyTorch against MindSpore, TP1 against TP2, ...) in
+"""``mindspeed plot METRICS.jsonl [more runs ...] -o curves.png``: the loss, validation loss,
+reward (online RL) and throughput curves of one or several runs (PyTorch against MindSpore, TP1 against TP2, ...) in
 one PNG.
 
 A run is a metrics file (the trainer's --metrics-file) or a folder holding metrics.jsonl (a
@@ -17,7 +17,8 @@ from mindspeed_core import files
 from mindspeed_core.compat.megatron_args import ArgumentParser
 from mindspeed_core.errors import MindSpeedError
 
-PANELS = (("loss", "training loss"), ("eval_loss", "validation loss"), ("tokens_per_s", "tokens/s"))
+PANELS = (("loss", "training loss"), ("eval_loss", "validation loss"), ("train_reward", "mean reward (--stage grpo)"),
+          ("tokens_per_s", "tokens/s"))
 
 
 def read_run(path: str) -> dict:

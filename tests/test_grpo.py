@@ -226,3 +226,33 @@ def test_grpo_without_data_says_what_to_preprocess(capsys):
     assert cli.main(["train", "--stage", "grpo", "--train-iters", "1"]) != 0
     err = capsys.readouterr().err
     assert "--stage grpo trains on preprocessed instruction (prompts with reference answers) data" in err, err
+
+
+@pytest.mark.feature("stage-grpo")
+@pytest.mark.feature("sft")
+def test_the_readme_example_raises_the_share_of_right_answers(framework, tmp_path):
+    """The README's GRPO block as written (bash, fresh processes, --ai-framework added to its
+    `mindspeed train` lines): fine-tuning on half-wrong sums, then GRPO with the exact-answer
+    reward. The mean reward of iterations 21-30 must be at least 0.03 above that of 1-5 (the
+    runs are seeded: measured 0.475 -> 0.52 on PyTorch, 0.459 -> 0.50 on MindSpore), and the
+    plot is drawn."""
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = readme[readme.index("<!-- grpo-example -->"):]
+    block = block[block.index("```bash\n") + 8:block.index("\n```\n", block.index("```bash\n"))]
+    assert block.count("mindspeed train ") == 2
+    script = block.replace("mindspeed train ", f"mindspeed train --ai-framework {framework} ")
+    env = {**os.environ, "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]}
+    done = subprocess.run(["bash", "-e", "-c", script], cwd=str(tmp_path), env=env, capture_output=True, text=True,
+                          timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    reward = [r["train_reward"] for r in records(tmp_path / "rl" / "grpo.jsonl")]
+    assert len(reward) == 30
+    first, last = float(np.mean(reward[:5])), float(np.mean(reward[20:]))
+    print(f"mean reward, iterations 1-5: {first:.3f}, 21-30: {last:.3f}")
+    assert last >= first + 0.03, reward
+    assert (tmp_path / "rl" / "reward.png").stat().st_size > 0
