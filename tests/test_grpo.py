@@ -87,8 +87,10 @@ def _numpy_grpo(logp, old, ref, mask, advantages, low, high, beta, loss_type, ma
 
 
 @pytest.mark.feature("stage-grpo")
-@pytest.mark.parametrize("loss_type, beta", [("grpo", 0.04), ("bnpo", 0.0), ("dr_grpo", 0.1), ("dapo", 0.04)])
-def test_objective_equals_numpy(loss_type, beta):
+@pytest.mark.parametrize("loss_type, beta, temperature", [("grpo", 0.04, 1.0), ("bnpo", 0.0, 1.0),
+                                                          ("dr_grpo", 0.1, 0.7), ("dapo", 0.04, 1.0)])
+def test_objective_equals_numpy(loss_type, beta, temperature):
+    """(log-probabilities at the sampling temperature, as the completions were drawn)"""
     random.seed(5)
     cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=64,
                       vocab_size=64, max_position_embeddings=32)
@@ -100,12 +102,13 @@ def test_objective_equals_numpy(loss_type, beta):
     mask = np.zeros((rows, length), np.float32)
     for i, (start, end) in enumerate([(3, 11), (5, 12), (2, 6), (4, 9)]):  # each row's completion tokens
         mask[i, start:end] = 1.0
-    logp = np.stack([numeric.token_log_probs(state, cfg, row) for row in tokens])
+    logits = np.stack([numeric.gpt_logits(state, cfg, row[:-1]) for row in tokens]) / temperature
+    logp = np.take_along_axis(numeric.log_softmax(logits), tokens[:, 1:, None], axis=-1)[..., 0]
     old = logp + rng.normal(0, 0.3, logp.shape)  # ratios on both sides of the clip range
     ref = logp + rng.normal(0, 0.3, logp.shape)
     advantages = np.array([1.2, -0.7, 0.3, -1.5])
     args = argparse.Namespace(clip_ratio=0.2, clip_ratio_high=0.28, kl_coef=beta, grpo_loss_type=loss_type,
-                              max_completion_length=max_length)
+                              max_completion_length=max_length, temperature=temperature)
     objective = grpo.Objective(args)
     ids = ops.tensor(np.ascontiguousarray(tokens[:, :-1]))
     target = grpo.Rollout(ops.tensor(np.ascontiguousarray(tokens[:, 1:])), mask, advantages, old.astype(np.float32),

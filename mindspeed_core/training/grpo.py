@@ -21,6 +21,8 @@ Each iteration (Shao et al. 2024, DeepSeekMath; the flags as TRL's GRPOTrainer n
        -min(r_t A, clip(r_t, 1 - e, 1 + e_high) A) + kl_coef * (exp(q_t) - q_t - 1),
        r_t = exp(log p_t - log p_old_t),  q_t = log p_ref_t - log p_t  (the k3 KL estimator)
 
+   (every p at --temperature, the distribution the completions were drawn from, as TRL has it)
+
    where p_old is the policy that drew the completions and p_ref the model the run started
    from. --grpo-loss-type says how tokens are averaged: grpo (each completion's mean, then
    the mean over completions), bnpo (the mean over the micro-batch's tokens), dr_grpo (the
@@ -166,10 +168,13 @@ class Rollout:
     tokens_per_micro_batch: float = 1.0
 
 
-def token_log_probs(model, logits, labels, rows: int, length: int):
+def token_log_probs(model, logits, labels, rows: int, length: int, temperature: float = 1.0):
     """log p(label) at every position, [rows, length] float32, differentiable (a vocabulary
-    shard's logits under TP: the seam gathers what it needs)."""
+    shard's logits under TP: the seam gathers what it needs), of the distribution the rollouts
+    are drawn from: softmax(logits / temperature), as TRL computes them."""
     flat = ops.reshape(ops.cast(logits, "float32"), (-1, logits.shape[-1]))
+    if temperature != 1.0:
+        flat = flat * (1.0 / temperature)
     return -ops.reshape(model.seams.token_losses(flat, ops.reshape(labels, (-1,))), (rows, length))
 
 
@@ -180,13 +185,13 @@ class Objective:
         self.low = args.clip_ratio
         self.high = args.clip_ratio_high if args.clip_ratio_high is not None else args.clip_ratio
         self.beta, self.loss_type = args.kl_coef, args.grpo_loss_type
-        self.max_length = args.max_completion_length
+        self.max_length, self.temperature = args.max_completion_length, args.temperature
         self.stats: list[np.ndarray] = []
 
     def __call__(self, model, out, target: Rollout, tokens=None):
         features.note_used("stage-grpo")
         rows, length = target.mask.shape
-        logp = token_log_probs(model, out, target.labels, rows, length)
+        logp = token_log_probs(model, out, target.labels, rows, length, self.temperature)
         old = autograd.detach(logp) if target.old is None else ops.tensor(np.asarray(target.old, np.float32))
         ratio = ops.exp(logp - old)
         advantage = ops.tensor(np.asarray(target.advantages, np.float32).reshape(rows, 1))
@@ -334,8 +339,9 @@ def entropy(logits: np.ndarray) -> np.ndarray:
     return -(p * (z - log_total)).sum(axis=-1)
 
 
-def log_probs(model, rollouts: Rollouts, size: int) -> np.ndarray:
-    """Per-token log-probabilities [rows, S] of the rollouts' rows under ``model``, no gradient."""
+def log_probs(model, rollouts: Rollouts, size: int, temperature: float) -> np.ndarray:
+    """Per-token log-probabilities [rows, S] of the rollouts' rows under ``model`` at
+    ``temperature``, no gradient."""
     out = []
     nn.set_training(model, False)
     try:
@@ -343,7 +349,7 @@ def log_probs(model, rollouts: Rollouts, size: int) -> np.ndarray:
             for start in range(0, rollouts.rows, size):
                 ids, target, _ = rollouts.micro_batch(start, size)
                 rows, length = target.mask.shape
-                out.append(ops.to_numpy(token_log_probs(model, model(ids), target.labels, rows, length)))
+                out.append(ops.to_numpy(token_log_probs(model, model(ids), target.labels, rows, length, temperature)))
     finally:
         nn.set_training(model, True)
     return np.concatenate(out).astype(np.float32)
@@ -357,12 +363,12 @@ class Reference:
         self.params = list(params)
         self.values = [ops.to_numpy(p).copy() for p in self.params]
 
-    def log_probs(self, model, rollouts: Rollouts, size: int) -> np.ndarray:
+    def log_probs(self, model, rollouts: Rollouts, size: int, temperature: float) -> np.ndarray:
         now = [ops.to_numpy(p).copy() for p in self.params]
         try:
             for p, v in zip(self.params, self.values):
                 nn.assign(p, ops.tensor(v))
-            return log_probs(model, rollouts, size)
+            return log_probs(model, rollouts, size, temperature)
         finally:
             for p, v in zip(self.params, now):
                 nn.assign(p, ops.tensor(v))

@@ -360,12 +360,13 @@ class Trainer:
         rollouts = grpo.draw(self.model, self.tokenizer, [self.data["train"][i] for i in indices], indices, args,
                              self.reward_functions, self.reward_weights)
         if self.grpo_reference is not None:
-            rollouts.reference = self.grpo_reference.log_probs(self.model, rollouts, args.micro_batch_size)
+            rollouts.reference = self.grpo_reference.log_probs(self.model, rollouts, args.micro_batch_size,
+                                                               args.temperature)
         if args.grpo_loss_type == "dapo":  # the step's completion tokens, over all ranks
             tokens = distributed.sum_over_dp_and_pp(np.array([rollouts.mask.sum()], np.float32), ps)[0]
             rollouts.tokens_per_micro_batch = max(float(tokens), 1.0) / (self.grad_accum * ps.dp)
         if args.ppo_epochs > 1:  # the policy that drew them, before it moves
-            rollouts.old = grpo.log_probs(self.model, rollouts, args.micro_batch_size)
+            rollouts.old = grpo.log_probs(self.model, rollouts, args.micro_batch_size, args.temperature)
         self.rollouts = rollouts
         rollout_seconds = time.perf_counter() - t0
         losses = []
