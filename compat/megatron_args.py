@@ -298,6 +298,8 @@ def add_feature_args(parser: argparse.ArgumentParser) -> None:
                         "over the step's tokens (dapo, TRL's default)")
     a.add_argument("--kl-coef", type=NON_NEGATIVE, default=0.04,
                    help="--stage grpo: weight of the k3 KL estimate to the starting model (0: no reference)")
+    a.add_argument("--use-bias-correction-kl", action="store_true",
+                   help="--stage grpo: weigh the KL term by the policy ratio (DeepSeek-V3.2; TRL's default)")
     a.add_argument("--clip-ratio", type=UNIT, default=0.2, help="--stage grpo: the policy ratio's clip epsilon")
     a.add_argument("--clip-ratio-high", type=UNIT, default=None,
                    help="--stage grpo: the upper clip epsilon (default: --clip-ratio; DAPO raises it)")

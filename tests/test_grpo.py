@@ -259,3 +259,72 @@ def test_the_readme_example_raises_the_share_of_right_answers(framework, tmp_pat
     print(f"mean reward, iterations 1-5: {first:.3f}, 21-30: {last:.3f}")
     assert last >= first + 0.03, reward
     assert (tmp_path / "rl" / "reward.png").stat().st_size > 0
+
+
+@pytest.mark.feature("stage-grpo")
+@pytest.mark.parametrize("loss_type, kl_correction", [("grpo", False), ("bnpo", False), ("dr_grpo", True)])
+def test_loss_and_gradients_equal_trls(loss_type, kl_correction, tmp_path):
+    """TRL's GRPOTrainer (its own _compute_loss, in an environment of its own: trl_reference.py)
+    on the same weights, completions, advantages and old / reference log-probabilities, at a
+    sampling temperature of 0.8, with ratios both sides of the clip range and the KL term (and
+    TRL's default weighting of it by the ratio, --use-bias-correction-kl): the same loss, and the same gradient of every weight (ours put in Hugging Face's layout by the
+    weight converter, which is linear)."""
+    import os
+    import subprocess
+
+    from mindspeed_core import autograd
+    from mindspeed_core.compat import hf
+
+    trl_python = os.environ.get("MINDSPEED_TRL_PYTHON")
+    if not trl_python:
+        pytest.skip("MINDSPEED_TRL_PYTHON (a Python with trl installed) is not set; .ci/run makes one")
+    random.seed(7)
+    cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=64,
+                      vocab_size=64, max_position_embeddings=32)
+    model = GPTModel(cfg)
+    names = [n for n, _ in nn.named_parameters(model)]
+    state = {n: ops.to_numpy(p) for n, p in nn.named_parameters(model)}
+    hf.save_folder(str(tmp_path / "hf"), cfg, state)
+    rng = np.random.default_rng(1)
+    rows, prompt, completion, temperature = 4, 5, 6, 0.8
+    tokens = rng.integers(2, 64, (rows, prompt + completion))
+    completion_mask = np.ones((rows, completion), np.int64)
+    completion_mask[1, 4:] = completion_mask[3, 2:] = 0  # two completions ended early
+    logits = np.stack([numeric.gpt_logits({n: v.astype(np.float64) for n, v in state.items()}, cfg, row[:-1])
+                       for row in tokens]) / temperature
+    policy = np.take_along_axis(numeric.log_softmax(logits), tokens[:, 1:, None], axis=-1)[:, prompt - 1:, 0]
+    old = (policy + rng.normal(0, 0.3, policy.shape)).astype(np.float32)
+    reference = (policy + rng.normal(0, 0.3, policy.shape)).astype(np.float32)
+    advantages = np.array([1.1, -0.6, 0.4, -0.9], np.float32)
+
+    def ours_layout(x):  # [rows, completion] -> [rows, positions]: completion token j is read at prompt - 1 + j
+        out = np.zeros((rows, prompt + completion - 1), np.float32)
+        out[:, prompt - 1:] = x
+        return out
+
+    args = argparse.Namespace(clip_ratio=0.2, clip_ratio_high=0.28, kl_coef=0.05, grpo_loss_type=loss_type,
+                              max_completion_length=completion, temperature=temperature,
+                              use_bias_correction_kl=kl_correction)
+    target = grpo.Rollout(ops.tensor(np.ascontiguousarray(tokens[:, 1:])), ours_layout(completion_mask),
+                          advantages, ours_layout(old), ours_layout(reference))
+    objective = grpo.Objective(args)
+    loss, grads = autograd.value_and_grad(lambda ids: objective(model, model(ids), target),
+                                          nn.parameters(model))(ops.tensor(np.ascontiguousarray(tokens[:, :-1])))
+    ours = hf.to_hf_state(cfg, {n: ops.to_numpy(g) for n, g in zip(names, grads)})
+
+    np.savez(tmp_path / "batch.npz", prompt_ids=tokens[:, :prompt], completion_ids=tokens[:, prompt:],
+             completion_mask=completion_mask, advantages=advantages, old=old, reference=reference)
+    settings = {"beta": 0.05, "epsilon": 0.2, "epsilon_high": 0.28, "loss_type": loss_type,
+                "temperature": temperature, "max_completion_length": completion, "num_generations": 2,
+                "kl_correction": kl_correction}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MINDSPEED", "PYTHON"))}
+    done = subprocess.run([trl_python, os.path.join(os.path.dirname(__file__), "trl_reference.py"),
+                           str(tmp_path / "batch.npz"), str(tmp_path / "hf"), json.dumps(settings),
+                           str(tmp_path / "trl.npz")], capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stderr[-4000:]
+    theirs = dict(np.load(tmp_path / "trl.npz"))
+    assert float(ops.to_numpy(loss)) == pytest.approx(float(theirs.pop("loss")), rel=1e-5, abs=1e-7)
+    assert sorted(theirs) == sorted(ours)
+    for name, want in theirs.items():
+        worst = float(np.max(np.abs(ours[name] - want))) / max(float(np.max(np.abs(want))), 1e-12)
+        assert worst < 1e-4, (name, worst)

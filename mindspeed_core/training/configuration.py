@@ -746,6 +746,7 @@ def alignment_settings(a, reward_token_ids=None) -> dict | None:
         return {"num_generations": a.num_generations, "max_completion_length": a.max_completion_length,
                 "reward_funcs": a.reward_funcs, "reward_weights": a.reward_weights or [1.0] * len(a.reward_funcs),
                 "scale_rewards": a.scale_rewards, "loss_type": a.grpo_loss_type, "kl_coef": a.kl_coef,
+                "kl_bias_correction": a.use_bias_correction_kl,
                 "clip_ratio": [a.clip_ratio, a.clip_ratio if a.clip_ratio_high is None else a.clip_ratio_high],
                 "ppo_epochs": a.ppo_epochs, "sampling": {"temperature": a.temperature, "top_k": a.top_k,
                                                          "top_p": a.top_p},

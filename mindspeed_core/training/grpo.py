@@ -21,7 +21,9 @@ Each iteration (Shao et al. 2024, DeepSeekMath; the flags as TRL's GRPOTrainer n
        -min(r_t A, clip(r_t, 1 - e, 1 + e_high) A) + kl_coef * (exp(q_t) - q_t - 1),
        r_t = exp(log p_t - log p_old_t),  q_t = log p_ref_t - log p_t  (the k3 KL estimator)
 
-   (every p at --temperature, the distribution the completions were drawn from, as TRL has it)
+   (every p at --temperature, the distribution the completions were drawn from, as TRL has it;
+   --use-bias-correction-kl multiplies the KL term by r_t, DeepSeek-V3.2's unbiased estimate of
+   the reverse KL's gradient, on by default in TRL 1.x)
 
    where p_old is the policy that drew the completions and p_ref the model the run started
    from. --grpo-loss-type says how tokens are averaged: grpo (each completion's mean, then
@@ -185,6 +187,7 @@ class Objective:
         self.low = args.clip_ratio
         self.high = args.clip_ratio_high if args.clip_ratio_high is not None else args.clip_ratio
         self.beta, self.loss_type = args.kl_coef, args.grpo_loss_type
+        self.kl_correction = getattr(args, "use_bias_correction_kl", False)
         self.max_length, self.temperature = args.max_completion_length, args.temperature
         self.stats: list[np.ndarray] = []
 
@@ -203,7 +206,8 @@ class Objective:
                 raise RuntimeError("a GRPO micro-batch without reference log-probabilities")
             q = ops.tensor(np.asarray(target.reference, np.float32)) - logp
             kl = ops.exp(q) - q - 1.0
-            per_token = per_token + kl * self.beta
+            # DeepSeek-V3.2's unbiased reverse-KL gradient (TRL's default): weighted by the ratio
+            per_token = per_token + (kl * ratio if self.kl_correction else kl) * self.beta
         mask = np.asarray(target.mask, np.float32)
         kept = ops.tensor(mask)
         if self.loss_type == "grpo":
