@@ -284,12 +284,16 @@ def add_feature_args(parser: argparse.ArgumentParser) -> None:
                    help="--stage grpo: completions drawn per prompt (a group)")
     a.add_argument("--max-completion-length", type=POSITIVE_INT, default=256,
                    help="--stage grpo: the longest completion, in tokens")
-    a.add_argument("--reward-funcs", nargs="+", default=["accuracy"],
+    a.add_argument("--reward-funcs", nargs="*", default=["accuracy"],
                    help="--stage grpo: accuracy (the final answer, after #### or in \\boxed{}, equals the reference's), "
                         "format (<think>...</think> then an answer), or package.module:function, called as "
                         "function(completions, references, prompts) -> [float]")
+    a.add_argument("--reward-model", default=None,
+                   help="--stage grpo: an outcome reward model (a --stage orm checkpoint, or a Hugging Face "
+                        "folder of one) that scores each completion too, after the --reward-funcs")
     a.add_argument("--reward-weights", nargs="+", type=FINITE, default=None,
-                   help="--stage grpo: one weight per --reward-funcs entry (default: 1 each)")
+                   help="--stage grpo: one weight per --reward-funcs entry, then one for --reward-model "
+                        "(default: 1 each)")
     a.add_argument("--scale-rewards", choices=("group", "none"), default="group",
                    help="--stage grpo: divide advantages by their group's standard deviation, or not (Dr. GRPO)")
     a.add_argument("--grpo-loss-type", choices=("grpo", "bnpo", "dr_grpo", "dapo"), default="grpo",

@@ -578,9 +578,10 @@ FEATURES: tuple[Feature, ...] = (
     Feature("stage-grpo", "Online RL: GRPO with rollouts from the policy (--stage grpo)", "fine-tuning",
             ("--stage grpo", "--num-generations", "--reward-funcs", "--kl-coef", "--grpo-loss-type"),
             supported("rollouts drawn by the trained weights in the same processes (KV cache, sampling), rewards: "
-                      "exact final answer, <think> format, or a Python function; group-relative advantages, clipped "
-                      "ratio, k3 KL to the starting weights (kept on the host); grpo, bnpo and dr_grpo averaging; TP "
-                      "and DP (not PP or CP)"),
+                      "exact final answer, <think> format, a Python function or an outcome reward model; "
+                      "group-relative advantages, clipped ratio, k3 KL to the starting weights (kept on the host); "
+                      "grpo, bnpo, dr_grpo and dapo averaging, loss and gradients equal to TRL's; TP and DP (not PP "
+                      "or CP)"),
             supported("as on PyTorch"), _eq("stage", "grpo")),
     Feature("weight-conversion", "Hugging Face <-> Megatron-core weight conversion with re-sharding", "tools",
             ("--load-model-type", "--save-model-type"),

@@ -103,7 +103,8 @@ REQUIRES = {
     "--reward-tokens": ["--stage", "prm"],
     # online RL's settings and its rollouts' sampling qualify --stage grpo (generate's sampling is its own verb's)
     **{flag: ["--stage", "grpo"] for flag in (
-        "--num-generations", "--max-completion-length", "--reward-funcs", "--reward-weights", "--scale-rewards",
+        "--num-generations", "--max-completion-length", "--reward-funcs", "--reward-model", "--reward-weights",
+        "--scale-rewards",
         "--grpo-loss-type", "--kl-coef", "--use-bias-correction-kl", "--clip-ratio", "--clip-ratio-high", "--ppo-epochs", "--temperature",
         "--top-k", "--top-p")},
     # the other --lora-* flags qualify the adapters that --lora-r switches on

@@ -216,6 +216,8 @@ def test_dapo_does_not_depend_on_the_micro_batches(prompts, tmp_path):
     (["--reward-weights", "1", "2"], "--reward-weights gives 2 weights for 1 --reward-funcs"),
     (["--reward-funcs", "no_such_module:f"], "cannot import it"),
     (["--max-completion-length", "30"], "do not fit --seq-length 32"),
+    (["--reward-funcs"], "--stage grpo needs a reward"),
+    (["--reward-model", "/nonexistent/orm"], "--reward-model /nonexistent/orm does not exist"),
 ])
 def test_bad_grpo_options_are_one_line_errors(prompts, capsys, flags, message):
     argv = ["train", *MODEL, "--stage", "grpo", "--data-path", prompts["data"], "--train-iters", "1",
@@ -328,3 +330,51 @@ def test_loss_and_gradients_equal_trls(loss_type, kl_correction, tmp_path):
     for name, want in theirs.items():
         worst = float(np.max(np.abs(ours[name] - want))) / max(float(np.max(np.abs(want))), 1e-12)
         assert worst < 1e-4, (name, worst)
+
+
+@pytest.fixture(scope="module")
+def reward_model(prompts):
+    """An outcome reward model (--stage orm, three steps from scratch) on pairs of answers to the
+    sums: the right one chosen, one off by one rejected."""
+    root = prompts["root"]
+    with open(root / "pairs.jsonl", "w") as fh:
+        for a in range(5):
+            for b in range(5):
+                fh.write(json.dumps({"instruction": f"{a}+{b}=", "chosen": f"#### {a + b}",
+                                     "rejected": f"#### {a + b + 1}"}) + "\n")
+    pairs = str(root / "out" / "pairs")
+    assert cli.main(["preprocess", "--input", str(root / "pairs.jsonl"), "--output-prefix", pairs, "--handler-name",
+                     "AlpacaStylePairwiseHandler", "--tokenizer-type", "ByteLevel", "--seq-length", "32"]) == 0
+    folder = str(root / "orm")
+    assert cli.main(["train", *MODEL, "--stage", "orm", "--data-path", pairs, "--micro-batch-size", "4",
+                     "--global-batch-size", "4", "--train-iters", "3", "--lr", "1e-2", "--save", folder]) == 0
+    return folder
+
+
+@pytest.mark.feature("stage-grpo")
+@pytest.mark.feature("stage-orm")
+def test_a_reward_model_scores_completions(prompts, reward_model, tmp_path):
+    """--reward-model: the value where the model has read a completion's last token, as a float64
+    numpy forward of its weights gives it; then GRPO runs on it alone."""
+    from mindspeed_core.training import checkpoint
+
+    rm = grpo.RewardModel(reward_model, 264)
+    prompt, replies = [ord(c) for c in "3+4="], [[ord(c) for c in "#### 7"], [ord(c) for c in "#### 8"], [ord("#")]]
+    ids, _, mask = grpo.rows_of([prompt] * 3, replies, [True, False, True], 32, 0, 256)
+    got = rm.score(ids, mask, 2)
+    iteration = checkpoint.latest_iteration(reward_model)
+    state = checkpoint.load_model_arrays(reward_model, iteration)
+    cfg = ModelConfig.from_dict(checkpoint.read_meta(reward_model, iteration)["model"])
+    head = {k: v.astype(np.float64) for k, v in {**state, "output_layer.weight": state["rm_head.weight"]}.items()}
+    want = [numeric.gpt_logits(head, cfg, np.array(prompt + reply + ([256] if stop else [])))[-1, 0]
+            for reply, stop in zip(replies, [True, False, True])]
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+    metrics = str(tmp_path / "m.jsonl")
+    assert cli.main(["train", *MODEL, "--stage", "grpo", "--data-path", prompts["data"], "--num-generations", "4",
+                     "--global-batch-size", "2", "--micro-batch-size", "8", "--max-completion-length", "6",
+                     "--reward-funcs", "--reward-model", reward_model, "--train-iters", "2", "--log-interval", "1",
+                     "--metrics-file", metrics]) == 0
+    rows = records(metrics)
+    assert all(r["train_reward"] == pytest.approx(r["train_reward_model"], abs=1e-6) for r in rows)
+    assert all(r["train_reward_std"] > 0 for r in rows)

@@ -680,10 +680,16 @@ def _check_grpo(args, dp: int) -> None:
         raise MindSpeedError("--stage grpo runs eagerly: drop --compile (its objective reads host rollouts)")
     if args.scale_rewards == "group" and args.num_generations < 2:
         raise MindSpeedError("--stage grpo: a group's advantages need --num-generations 2 or more")
-    if args.reward_weights is not None and len(args.reward_weights) != len(args.reward_funcs):
+    sources = len(args.reward_funcs) + bool(args.reward_model)
+    if not sources:
+        raise MindSpeedError("--stage grpo needs a reward: --reward-funcs (accuracy, format, package.module:function) "
+                             "or --reward-model")
+    if args.reward_weights is not None and len(args.reward_weights) != sources:
         raise MindSpeedError(f"--reward-weights gives {len(args.reward_weights)} weights for {len(args.reward_funcs)} "
-                             "--reward-funcs")
+                             f"--reward-funcs{' and --reward-model' if args.reward_model else ''}")
     grpo.reward_functions(args.reward_funcs)  # each importable, before any rank starts
+    if args.reward_model:
+        grpo.read_reward_model(args.reward_model)
 
 
 def pipeline_layout(args, cfg: ModelConfig) -> pipeline.PipelineLayout:
@@ -744,7 +750,8 @@ def alignment_settings(a, reward_token_ids=None) -> dict | None:
         return {"head": "rm_head [1, hidden], read at each reply's last token"}
     if stage == "grpo":
         return {"num_generations": a.num_generations, "max_completion_length": a.max_completion_length,
-                "reward_funcs": a.reward_funcs, "reward_weights": a.reward_weights or [1.0] * len(a.reward_funcs),
+                "reward_funcs": a.reward_funcs, "reward_model": a.reward_model,
+                "reward_weights": a.reward_weights or [1.0] * (len(a.reward_funcs) + bool(a.reward_model)),
                 "scale_rewards": a.scale_rewards, "loss_type": a.grpo_loss_type, "kl_coef": a.kl_coef,
                 "kl_bias_correction": a.use_bias_correction_kl,
                 "clip_ratio": [a.clip_ratio, a.clip_ratio if a.clip_ratio_high is None else a.clip_ratio_high],

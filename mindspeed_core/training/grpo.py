@@ -11,7 +11,8 @@ Each iteration (Shao et al. 2024, DeepSeekMath; the flags as TRL's GRPOTrainer n
 3. each completion is scored by --reward-funcs (``accuracy``: its final answer, after ``####``
    or in ``\\boxed{}``, equals the reference's; ``format``: ``<think>...</think>`` then an
    answer; or ``package.module:function``, called as ``function(completions, references,
-   prompts) -> [float]``), weighted by --reward-weights and summed;
+   prompts) -> [float]``) and by --reward-model (an outcome reward model of --stage orm: its
+   value at the completion's last token), weighted by --reward-weights and summed;
 4. a completion's advantage is its reward minus its group's mean (a group: the completions of
    one prompt), divided by the group's standard deviation + 1e-4 (--scale-rewards group; none:
    not divided, as Dr. GRPO);
@@ -122,6 +123,49 @@ def reward_functions(names: list[str]) -> list[tuple[str, object]]:
     return out
 
 
+def read_reward_model(path: str):
+    """--reward-model: the whole model (a Source, training/model_source.py) of an outcome reward
+    model, checked to be one."""
+    from mindspeed_core.training import model_source
+
+    source = model_source.read(path, "--reward-model", ("ours", "hf")).merged()
+    if not source.cfg.reward_head:
+        raise MindSpeedError(f"--reward-model {path} is a language model, not a reward model (train one with "
+                             "--stage orm)")
+    return source
+
+
+class RewardModel:
+    """An outcome reward model (--stage orm) scoring completions: its value where it has read a
+    completion's last token (alignment.last_token_values, as it was trained). Whole on every
+    rank (not cut), without gradients."""
+
+    def __init__(self, path: str, vocab_size: int):
+        from mindspeed_core.models import registry
+        from mindspeed_core.models.gpt import load_whole_state
+
+        source = read_reward_model(path)
+        if source.cfg.vocab_size != vocab_size:
+            raise MindSpeedError(f"--reward-model {path} has a vocabulary of {source.cfg.vocab_size} tokens, the "
+                                 f"policy {vocab_size}: it must read the same token ids")
+        self.model = registry.for_config(source.cfg).build(source.cfg)
+        load_whole_state(self.model, source.state)
+        nn.set_training(self.model, False)
+
+    def score(self, ids: np.ndarray, mask: np.ndarray, size: int) -> np.ndarray:
+        """[rows] float64: each training row's value (``mask``: 1 at the completion's labels)."""
+        from mindspeed_core.training.alignment import last_token_values
+
+        out = []
+        with autograd.no_grad():
+            for start in range(0, ids.shape[0], size):
+                cut = slice(start, start + size)
+                values = self.model(ops.tensor(np.ascontiguousarray(ids[cut])))
+                values = ops.reshape(ops.cast(values, "float32"), values.shape[:2])
+                out.append(ops.to_numpy(last_token_values(values, mask[cut])))
+        return np.concatenate(out).astype(np.float64)
+
+
 def score(functions, weights, completions, references, prompts) -> tuple[np.ndarray, np.ndarray]:
     """(the weighted total [n], each function's rewards [functions, n])."""
     each = []
@@ -136,8 +180,8 @@ def score(functions, weights, completions, references, prompts) -> tuple[np.ndar
             raise MindSpeedError(f"reward function {name} must return one finite number per completion "
                                  f"({len(completions)}), got {values.shape[0]} values")
         each.append(values)
-    each = np.stack(each)
-    return np.asarray(weights, np.float64) @ each, each
+    each = np.stack(each) if each else np.zeros((0, len(completions)))
+    return np.asarray(weights[:len(functions)], np.float64) @ each, each
 
 
 def group_advantages(rewards: np.ndarray, group: int, scale: str = "group") -> np.ndarray:
@@ -292,7 +336,8 @@ def rows_of(prompts: list[list[int]], completions: list[list[int]], ended: list[
     return tokens[:, :-1], np.where(labels[:, 1:] == IGNORE, 0, labels[:, 1:]), mask
 
 
-def draw(model, tokenizer, samples: list, indices: list[int], args, functions, weights) -> Rollouts:
+def draw(model, tokenizer, samples: list, indices: list[int], args, functions, weights,
+         reward_model: RewardModel | None = None) -> Rollouts:
     """Generate and score one iteration's completions for ``samples`` [(tokens, labels,
     documents)], the data's samples number ``indices``: completion g of sample i draws from a
     generator seeded by (--seed, i, g), so it is the same whichever rank, batch or layout draws it."""
@@ -328,6 +373,10 @@ def draw(model, tokenizer, samples: list, indices: list[int], args, functions, w
     ids, labels, mask = rows_of(every, completions, ended, args.seq_length, 0, eod)
     stats = {f"reward_{name.replace(':', '_').replace('.', '_')}": float(v.mean())
              for (name, _), v in zip(functions, each)}
+    if reward_model is not None:
+        values = reward_model.score(ids, mask, args.micro_batch_size)
+        total = total + weights[len(functions)] * values
+        stats["reward_model"] = float(values.mean())
     stats.update(reward=float(total.mean()), reward_std=float(total.std()),
                  completion_length=float(np.mean([len(c) for c in completions])), generation_seconds=generation,
                  entropy=float((np.stack(entropies) * drawn).sum() / max(drawn.sum(), 1)))

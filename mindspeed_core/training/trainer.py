@@ -70,7 +70,7 @@ class Trainer:
         if self.rl:
             self.objective = grpo.Objective(args)
             self.reward_functions = grpo.reward_functions(args.reward_funcs)
-            self.reward_weights = args.reward_weights or [1.0] * len(args.reward_funcs)
+            self.reward_weights = args.reward_weights or [1.0] * (len(args.reward_funcs) + bool(args.reward_model))
         self.rollouts = self.grpo_reference = None
         self.data_path = batches.data_path(self.config)
         self.dtype = self.config.optimization.precision
@@ -171,6 +171,8 @@ class Trainer:
         if args.overlap_param_gather and ps.size("dp_cp") > 1:
             self.param_gather = overlap.OverlappedParamGather(self.optimizer, self.chunks)
         self.forward_backward, self.forward_only = self._schedule(chunk_params)
+        self.reward_model = grpo.RewardModel(args.reward_model, self.cfg.vocab_size) \
+            if self.rl and args.reward_model else None
         if self.rl and args.kl_coef:  # the starting weights of this rank's parameters, for the KL term
             if saved_optimizer is not None:
                 self.say("GRPO: the KL reference is the weights this run resumes from (the starting weights of the "
@@ -358,7 +360,7 @@ class Trainer:
         t0 = time.perf_counter()
         indices = self.sampler.micro_batch_starts(iteration)  # this rank's prompts
         rollouts = grpo.draw(self.model, self.tokenizer, [self.data["train"][i] for i in indices], indices, args,
-                             self.reward_functions, self.reward_weights)
+                             self.reward_functions, self.reward_weights, self.reward_model)
         if self.grpo_reference is not None:
             rollouts.reference = self.grpo_reference.log_probs(self.model, rollouts, args.micro_batch_size,
                                                                args.temperature)
