@@ -101,7 +101,7 @@ HANDLER_ROWS = (  # (row id suffix, --handler-name, what it writes)
     ("sharegpt-pairwise", "SharegptStylePairwiseHandler", "a conversation with chosen and rejected replies"),
     ("alpaca-prm", "AlpacaStyleProcessRewardHandler", "step-labelled solutions (placeholder and reward tokens)"),
     ("alpaca-ppo", "PPOAlpacaStyleInstructionHandler", "Alpaca prompts alone (the conversation up to the assistant's "
-                                                       "turn, no labels): online-RL data, read by GRPO when it comes"),
+                                                       "turn, no labels): online-RL data, --stage grpo's prompts"),
 )
 
 

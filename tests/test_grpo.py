@@ -210,6 +210,29 @@ def test_dapo_does_not_depend_on_the_micro_batches(prompts, tmp_path):
     assert runs[0][1]["loss"] != 0
 
 
+@pytest.mark.feature("stage-grpo")
+@pytest.mark.feature("handler-alpaca-ppo")
+def test_prompt_only_data(prompts, tmp_path, capsys):
+    """PPOAlpacaStyleInstructionHandler's prompts (no replies): rewards that need no reference
+    train on them; the exact-answer reward says what it misses, in one line."""
+    records_in = [{"instruction": f"{a}+{b}=", "output": f"#### {a + b}"} for a in range(4) for b in range(4)]
+    (tmp_path / "ppo.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records_in))
+    prefix = str(tmp_path / "out" / "ppo")
+    assert cli.main(["preprocess", "--input", str(tmp_path / "ppo.jsonl"), "--output-prefix", prefix,
+                     "--handler-name", "PPOAlpacaStyleInstructionHandler", "--tokenizer-type", "ByteLevel",
+                     "--seq-length", "32"]) == 0
+    common = ["train", *MODEL, "--stage", "grpo", "--data-path", prefix, "--num-generations", "4",
+              "--global-batch-size", "2", "--micro-batch-size", "8", "--max-completion-length", "6",
+              "--train-iters", "2", "--log-interval", "1"]
+    metrics = str(tmp_path / "m.jsonl")
+    assert cli.main([*common, "--reward-funcs", "grpo_rewards:digits", "--metrics-file", metrics]) == 0
+    assert len(records(metrics)) == 2
+    capsys.readouterr()
+    assert cli.main([*common, "--reward-funcs", "accuracy"]) != 0
+    err = capsys.readouterr().err
+    assert "--reward-funcs accuracy needs reference answers" in err and err.count("\n") == 1, err
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--num-generations", "1", "--micro-batch-size", "2"], "need --num-generations 2 or more"),
     (["--global-batch-size", "2", "--micro-batch-size", "3"], "not a multiple of --micro-batch-size 3"),

@@ -30,11 +30,17 @@ from mindspeed_core.errors import MindSpeedError
 PAIR = ("chosen_", "rejected_")
 
 
+def prompts_only(prefix: str) -> bool:
+    """Whether ``prefix`` holds prompts without replies (PPOAlpacaStyleInstructionHandler's data)."""
+    return (not os.path.isfile(f"{prefix}_packed_labels_document.idx")
+            and os.path.isfile(f"{prefix}_packed_input_ids_document.idx"))
+
+
 def _part(prefix: str, key: str) -> IndexedDataset:
     path = f"{prefix}_packed_{key}_document"
-    if key == "labels" and not os.path.isfile(path + ".idx") and os.path.isfile(f"{prefix}_packed_input_ids_document.idx"):
+    if key == "labels" and prompts_only(prefix):
         raise MindSpeedError(f"{prefix} holds prompts without replies (PPOAlpacaStyleInstructionHandler): data for "
-                             "online RL, which no --stage here trains on yet")
+                             "online RL (--stage grpo), not for this stage")
     if not os.path.isfile(path + ".idx"):
         pairwise = key.startswith(PAIR)
         raise MindSpeedError(f"{path}.idx does not exist: {'a preference' if pairwise else 'an instruction'} "
@@ -50,9 +56,11 @@ class InstructionSamples(Shuffled):
     (0 without packing); the padding is -1."""
 
     def __init__(self, prefix: str, first: int, last: int, seq_length: int, seed: int, name: str, pad: int,
-                 side: str = ""):
-        self.ids, self.labels = _part(prefix, side + "input_ids"), _part(prefix, side + "labels")
-        if (not np.array_equal(self.ids.lengths, self.labels.lengths)
+                 side: str = "", prompts: bool = False):
+        # prompts: prompt-only data is welcome (its labels all IGNORE: online RL's prompts)
+        self.ids = _part(prefix, side + "input_ids")
+        self.labels = None if prompts and prompts_only(prefix) else _part(prefix, side + "labels")
+        if self.labels is not None and (not np.array_equal(self.ids.lengths, self.labels.lengths)
                 or not np.array_equal(self.ids.document_indices, self.labels.document_indices)):
             raise MindSpeedError(f"{prefix}: the input_ids and labels files describe different samples; "
                                  "preprocess again")
@@ -79,7 +87,9 @@ class InstructionSamples(Shuffled):
         at = 0
         for k, s in enumerate(range(a, b)):
             length = int(self.ids.lengths[s])
-            tokens[at:at + length], labels[at:at + length] = self.ids[s], self.labels[s]
+            tokens[at:at + length] = self.ids[s]
+            if self.labels is not None:
+                labels[at:at + length] = self.labels[s]
             documents[at:at + length] = k
             at += length
         return tokens, labels, documents
@@ -113,9 +123,10 @@ class PairSamples:
 
 
 def build_splits(data_path: list[str], split: str, seq_length: int, seed: int, pad: int,
-                 pairs: bool = False, shuffle: bool = True) -> dict:
+                 pairs: bool = False, shuffle: bool = True, prompts: bool = False) -> dict:
     """{"train": BlendedSamples | None, "valid": ..., "test": ...} of instruction samples, or
-    with ``pairs`` of preference pairs (PairSamples); ``shuffle`` False: in file order."""
+    with ``pairs`` of preference pairs (PairSamples); ``shuffle`` False: in file order;
+    ``prompts``: prompt-only data (PPOAlpacaStyleInstructionHandler's) is read too."""
     blends = {name: [] for name in SPLITS}
     kind = PairSamples if pairs else InstructionSamples
     for weight, prefix in parse_data_path(data_path):
@@ -124,7 +135,9 @@ def build_splits(data_path: list[str], split: str, seq_length: int, seed: int, p
             a, b = split_ranges(count, split)[name]
             if b > a:
                 order = seed + k if shuffle else None
-                blends[name].append((weight, kind(prefix, a, b, seq_length, order, f"{prefix} ({name})", pad)))
+                extra = {} if pairs else {"prompts": prompts}
+                blends[name].append((weight, kind(prefix, a, b, seq_length, order, f"{prefix} ({name})", pad,
+                                                  **extra)))
     if not blends["train"]:
         raise MindSpeedError("the training split is empty: check --data-path and --split")
     return {name: (BlendedSamples(parts) if parts else None) for name, parts in blends.items()}

@@ -32,7 +32,8 @@ def splits(config, paths: list) -> dict:
     d, flags = config.data, config.flags
     if config.stage.instruction:
         data = finetune_dataset.build_splits(paths, d.split, d.seq_length, d.seed, pad=config.tokenizer.eod,
-                                             pairs=config.stage.pairwise, shuffle=d.shuffle)
+                                             pairs=config.stage.pairwise, shuffle=d.shuffle,
+                                             prompts=config.stage.name == "grpo")
     else:
         data = gpt_dataset.build_splits(paths, d.split, d.seq_length, d.seed, shuffle=d.shuffle)
     if flags.eval_iters and flags.eval_interval and data["valid"] is None:

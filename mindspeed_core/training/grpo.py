@@ -290,9 +290,8 @@ def prompt_and_reference(tokens: np.ndarray, labels: np.ndarray, documents: np.n
     if documents.max() > 0:
         raise MindSpeedError("--stage grpo reads one conversation per sample: preprocess the prompts without --pack")
     trained = np.flatnonzero(labels != IGNORE)
-    if not trained.size:
-        kept = tokens[tokens >= 0]
-        return [int(t) for t in kept], None
+    if not trained.size:  # the sample's tokens are the prompt (its padding: documents -1)
+        return [int(t) for t in tokens[documents >= 0]], None
     answer = [int(t) for t in labels[trained] if int(t) != getattr(tokenizer, "eod", None)]
     return [int(t) for t in tokens[:trained[0]]], tokenizer.decode(answer)
 
