@@ -286,14 +286,17 @@ def test_the_readme_example_raises_the_share_of_right_answers(framework, tmp_pat
     assert (tmp_path / "rl" / "reward.png").stat().st_size > 0
 
 
+TRL_CASES = [("grpo", False), ("bnpo", False), ("dr_grpo", True)]  # (loss type, --use-bias-correction-kl)
+
+
 @pytest.mark.feature("stage-grpo")
-@pytest.mark.parametrize("loss_type, kl_correction", [("grpo", False), ("bnpo", False), ("dr_grpo", True)])
-def test_loss_and_gradients_equal_trls(loss_type, kl_correction, tmp_path):
+def test_loss_and_gradients_equal_trls(tmp_path):
     """TRL's GRPOTrainer (its own _compute_loss, in an environment of its own: trl_reference.py)
     on the same weights, completions, advantages and old / reference log-probabilities, at a
     sampling temperature of 0.8, with ratios both sides of the clip range and the KL term (and
-    TRL's default weighting of it by the ratio, --use-bias-correction-kl): the same loss, and the same gradient of every weight (ours put in Hugging Face's layout by the
-    weight converter, which is linear)."""
+    TRL's default weighting of it by the ratio, --use-bias-correction-kl), for each of
+    TRL_CASES: the same loss, and the same gradient of every weight (ours put in Hugging Face's
+    layout by the weight converter, which is linear)."""
     import os
     import subprocess
 
@@ -321,38 +324,38 @@ def test_loss_and_gradients_equal_trls(loss_type, kl_correction, tmp_path):
     old = (policy + rng.normal(0, 0.3, policy.shape)).astype(np.float32)
     reference = (policy + rng.normal(0, 0.3, policy.shape)).astype(np.float32)
     advantages = np.array([1.1, -0.6, 0.4, -0.9], np.float32)
+    np.savez(tmp_path / "batch.npz", prompt_ids=tokens[:, :prompt], completion_ids=tokens[:, prompt:],
+             completion_mask=completion_mask, advantages=advantages, old=old, reference=reference)
+    settings = [{"beta": 0.05, "epsilon": 0.2, "epsilon_high": 0.28, "loss_type": loss_type,
+                 "temperature": temperature, "max_completion_length": completion, "num_generations": 2,
+                 "kl_correction": correction} for loss_type, correction in TRL_CASES]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MINDSPEED", "PYTHON"))}
+    done = subprocess.run([trl_python, os.path.join(os.path.dirname(__file__), "trl_reference.py"),
+                           str(tmp_path / "batch.npz"), str(tmp_path / "hf"), json.dumps(settings),
+                           str(tmp_path / "trl")], capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stderr[-4000:]
 
     def ours_layout(x):  # [rows, completion] -> [rows, positions]: completion token j is read at prompt - 1 + j
         out = np.zeros((rows, prompt + completion - 1), np.float32)
         out[:, prompt - 1:] = x
         return out
 
-    args = argparse.Namespace(clip_ratio=0.2, clip_ratio_high=0.28, kl_coef=0.05, grpo_loss_type=loss_type,
-                              max_completion_length=completion, temperature=temperature,
-                              use_bias_correction_kl=kl_correction)
-    target = grpo.Rollout(ops.tensor(np.ascontiguousarray(tokens[:, 1:])), ours_layout(completion_mask),
-                          advantages, ours_layout(old), ours_layout(reference))
-    objective = grpo.Objective(args)
-    loss, grads = autograd.value_and_grad(lambda ids: objective(model, model(ids), target),
-                                          nn.parameters(model))(ops.tensor(np.ascontiguousarray(tokens[:, :-1])))
-    ours = hf.to_hf_state(cfg, {n: ops.to_numpy(g) for n, g in zip(names, grads)})
-
-    np.savez(tmp_path / "batch.npz", prompt_ids=tokens[:, :prompt], completion_ids=tokens[:, prompt:],
-             completion_mask=completion_mask, advantages=advantages, old=old, reference=reference)
-    settings = {"beta": 0.05, "epsilon": 0.2, "epsilon_high": 0.28, "loss_type": loss_type,
-                "temperature": temperature, "max_completion_length": completion, "num_generations": 2,
-                "kl_correction": kl_correction}
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("MINDSPEED", "PYTHON"))}
-    done = subprocess.run([trl_python, os.path.join(os.path.dirname(__file__), "trl_reference.py"),
-                           str(tmp_path / "batch.npz"), str(tmp_path / "hf"), json.dumps(settings),
-                           str(tmp_path / "trl.npz")], capture_output=True, text=True, timeout=600, env=env)
-    assert done.returncode == 0, done.stderr[-4000:]
-    theirs = dict(np.load(tmp_path / "trl.npz"))
-    assert float(ops.to_numpy(loss)) == pytest.approx(float(theirs.pop("loss")), rel=1e-5, abs=1e-7)
-    assert sorted(theirs) == sorted(ours)
-    for name, want in theirs.items():
-        worst = float(np.max(np.abs(ours[name] - want))) / max(float(np.max(np.abs(want))), 1e-12)
-        assert worst < 1e-4, (name, worst)
+    for k, (loss_type, correction) in enumerate(TRL_CASES):
+        args = argparse.Namespace(clip_ratio=0.2, clip_ratio_high=0.28, kl_coef=0.05, grpo_loss_type=loss_type,
+                                  max_completion_length=completion, temperature=temperature,
+                                  use_bias_correction_kl=correction)
+        target = grpo.Rollout(ops.tensor(np.ascontiguousarray(tokens[:, 1:])), ours_layout(completion_mask),
+                              advantages, ours_layout(old), ours_layout(reference))
+        objective = grpo.Objective(args)
+        loss, grads = autograd.value_and_grad(lambda ids: objective(model, model(ids), target),
+                                              nn.parameters(model))(ops.tensor(np.ascontiguousarray(tokens[:, :-1])))
+        ours = hf.to_hf_state(cfg, {n: ops.to_numpy(g) for n, g in zip(names, grads)})
+        theirs = dict(np.load(tmp_path / f"trl{k}.npz"))
+        assert float(ops.to_numpy(loss)) == pytest.approx(float(theirs.pop("loss")), rel=1e-5, abs=1e-7), loss_type
+        assert sorted(theirs) == sorted(ours)
+        for name, want in theirs.items():
+            worst = float(np.max(np.abs(ours[name] - want))) / max(float(np.max(np.abs(want))), 1e-12)
+            assert worst < 1e-4, (loss_type, name, worst)
 
 
 @pytest.fixture(scope="module")

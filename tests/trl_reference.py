@@ -3,13 +3,14 @@
 Runs in an environment of its own, with trl (whose datasets needs pyarrow 21+ and numpy 2, which
 the project's test environment pins below; .ci/run makes it, MINDSPEED_TRL_PYTHON names it):
 
-    python trl_reference.py BATCH.npz HF_FOLDER SETTINGS_JSON OUT.npz
+    python trl_reference.py BATCH.npz HF_FOLDER SETTINGS_JSON OUT_PREFIX
 
 BATCH.npz holds prompt_ids [B, P], completion_ids [B, C], completion_mask [B, C], advantages
-[B], old and reference per-token log-probabilities [B, C]. A GRPOTrainer is built on the
+[B], old and reference per-token log-probabilities [B, C]. SETTINGS_JSON is a list of settings
+(one process for all: importing trl takes seconds). For each, a GRPOTrainer is built on the
 Hugging Face folder (a tokenizer of two tokens: the batch is given as ids) and its own
-``_compute_loss`` runs on the batch, in training mode, then backward. OUT.npz: "loss" and each
-parameter's gradient under its Hugging Face name.
+``_compute_loss`` runs on the batch, in training mode, then backward. OUT_PREFIX<k>.npz: "loss"
+and each parameter's gradient under its Hugging Face name.
 """
 
 from __future__ import annotations
@@ -21,7 +22,12 @@ import tempfile
 import numpy as np
 
 
-def main(batch_path: str, folder: str, settings: str, out_path: str) -> None:
+def main(batch_path: str, folder: str, settings: str, out_prefix: str) -> None:
+    for k, one in enumerate(json.loads(settings)):
+        run(batch_path, folder, one, f"{out_prefix}{k}.npz")
+
+
+def run(batch_path: str, folder: str, settings: dict, out_path: str) -> None:
     import datasets
     import torch
     import transformers
@@ -29,7 +35,6 @@ def main(batch_path: str, folder: str, settings: str, out_path: str) -> None:
     from tokenizers import Tokenizer, models
 
     torch.manual_seed(0)
-    settings = json.loads(settings)
     batch = dict(np.load(batch_path))
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     tokenizer = transformers.PreTrainedTokenizerFast(
