@@ -250,6 +250,23 @@ def test_bad_grpo_options_are_one_line_errors(prompts, capsys, flags, message):
     assert message in err and err.count("\n") == 1, err
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--pipeline-model-parallel-size", "2"], "not with pipeline or context parallelism yet"),
+    (["--context-parallel-size", "2"], "not with pipeline or context parallelism yet"),
+    (["--tensor-model-parallel-size", "2", "--sequence-parallel"], "drop --sequence-parallel"),
+    (["--num-experts", "4", "--expert-model-parallel-size", "2"], "drop --expert-model-parallel-size"),
+])
+def test_grpo_refuses_the_layouts_its_generator_cannot_run(prompts, flags, message):
+    """(on four ranks, as a launch would configure them)"""
+    from mindspeed_core.compat import megatron_args
+    from mindspeed_core.training import configuration
+
+    args = megatron_args.training_parser().parse_args([*MODEL, "--stage", "grpo", "--data-path", prompts["data"],
+                                                       "--num-generations", "4", "--micro-batch-size", "4", *flags])
+    with pytest.raises(MindSpeedError, match=message):
+        configuration.configure(args, 4)
+
+
 def test_grpo_without_data_says_what_to_preprocess(capsys):
     assert cli.main(["train", "--stage", "grpo", "--train-iters", "1"]) != 0
     err = capsys.readouterr().err

@@ -667,6 +667,11 @@ def _check_grpo(args, dp: int) -> None:
         raise MindSpeedError("--stage grpo draws its rollouts with each rank's model, which needs the whole sequence "
                              "and every layer: not with pipeline or context parallelism yet (tensor and data "
                              "parallelism work)")
+    for flag, on in (("--sequence-parallel", args.sequence_parallel),
+                     ("--expert-model-parallel-size", args.expert_model_parallel_size > 1)):
+        if on:  # generation runs with tensor parallelism alone (inference.load_model says the same)
+            raise MindSpeedError(f"--stage grpo draws its rollouts with the generator, which runs with tensor "
+                                 f"parallelism alone: drop {flag}")
     prompts = args.global_batch_size or args.micro_batch_size * dp  # the default, as configure() sets it
     if prompts % dp:
         raise MindSpeedError(f"--stage grpo: --global-batch-size {prompts} (prompts per iteration) is not a "
