@@ -384,11 +384,10 @@ def draw(model, tokenizer, samples: list, indices: list[int], args, functions, w
 
 def entropy(logits: np.ndarray) -> np.ndarray:
     """Each row's entropy (nats) of softmax(logits), [rows, vocab] -> [rows]."""
-    z = np.asarray(logits, np.float64)
-    z = z - z.max(axis=-1, keepdims=True)
-    log_total = np.log(np.exp(z).sum(axis=-1, keepdims=True))
-    p = np.exp(z - log_total)
-    return -(p * (z - log_total)).sum(axis=-1)
+    from mindspeed_core.models.generate import log_softmax
+
+    logp = log_softmax(logits)  # float64
+    return -(np.exp(logp) * logp).sum(axis=-1)
 
 
 def log_probs(model, rollouts: Rollouts, size: int, temperature: float) -> np.ndarray:
