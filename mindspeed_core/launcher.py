@@ -304,7 +304,9 @@ class Watch:
     def culprit(self) -> str:
         if self.torchrun_rank is not None:
             return f"rank {self.torchrun_rank} failed first"
-        if self.first_deaths == {SCHEDULER} and not self.scheduler_stopped:
+        # found gone with ranks in one scan, the scheduler still went first: after a rank fails it
+        # lingers for the heartbeat timeout (about 30 s) unless we stop it
+        if SCHEDULER in self.first_deaths and not self.scheduler_stopped:
             return "the msrun scheduler died first (not a rank)"
         if self.msrun_failed:
             return f"{self.msrun_failed} failed first"
@@ -328,16 +330,21 @@ class Job:
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
         monitor = threading.Thread(target=self._monitor, daemon=True)
         monitor.start()
+        scheduler_handled = False
         try:
             for line in proc.stdout:
                 sys.stdout.write(line)
                 self.watch.feed(line)
-                if self.watch.msrun_failed and not self.watch.scheduler_stopped:
+                if self.watch.msrun_failed and not scheduler_handled:
                     # msrun names the failed rank, kills the others, then waits for its
                     # scheduler, which waits out the heartbeat timeout of the dead ranks (about
-                    # 30 s): the job has failed already
-                    self.watch.scheduler_stopped = True
-                    self.watch.signal_all(signal.SIGTERM, role=SCHEDULER)
+                    # 30 s): the job has failed already. A rank may also fail because the
+                    # scheduler was killed: then the scheduler is gone already and stays the culprit.
+                    scheduler_handled = True
+                    self.watch.scan()
+                    if SCHEDULER not in self.watch.first_deaths:
+                        self.watch.scheduler_stopped = True
+                        self.watch.signal_all(signal.SIGTERM, role=SCHEDULER)
             code = proc.wait()
         finally:
             self._done.set()
@@ -357,7 +364,7 @@ class Job:
         scheduler_lost, scheduler_gone = False, None
         while not self._done.wait(POLL_SECONDS):
             self.watch.scan()
-            if (self.watch.first_deaths == {SCHEDULER} and not self.watch.scheduler_stopped and not scheduler_lost
+            if (SCHEDULER in self.watch.first_deaths and not self.watch.scheduler_stopped and not scheduler_lost
                     and self.stopped_by is None):
                 scheduler_gone = scheduler_gone or time.time()
                 if time.time() - scheduler_gone >= SCHEDULER_GRACE_SECONDS:

@@ -147,6 +147,11 @@ def test_root_cause_parsing_prefers_the_process_that_exited():
     assert msrun.culprit() == "rank 1 failed first"  # the dead process, not the survivor that timed out
     msrun.first_deaths = {"the msrun scheduler"}  # seen gone before any rank
     assert msrun.culprit() == "the msrun scheduler died first (not a rank)"
+    # a rank that noticed the killed scheduler within one scan (CI saw this named as the rank)
+    msrun.first_deaths = {"the msrun scheduler", "rank 1"}
+    assert msrun.culprit() == "the msrun scheduler died first (not a rank)"
+    msrun.scheduler_stopped = True  # we stopped it after the rank failed
+    assert msrun.culprit() == "rank 1 failed first"
     assert Watch(root=1).culprit() == "a rank failed"
 
 
