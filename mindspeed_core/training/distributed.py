@@ -187,10 +187,11 @@ def over_pipeline(value: float, ps) -> float:
     return float(ops.to_numpy(dist.all_reduce(ops.tensor(np.array([value], np.float32)), group=ps.group("pp")))[0])
 
 
-def sum_over_dp_and_pp(values: np.ndarray, ps) -> np.ndarray:
+def sum_over_dp_and_pp(values: np.ndarray, ps, kinds=("dp", "pp")) -> np.ndarray:
     """Host figures (float32) summed over the data-parallel and pipeline ranks: the step's
-    statistics of the other tokens (DP) and of the stages a rank does not hold (PP, zeros there)."""
-    for kind in ("dp", "pp"):
+    statistics of the other tokens (DP) and of the stages a rank does not hold (PP, zeros
+    there). ``kinds=("dp",)``: figures every stage holds alike (GRPO's rollouts)."""
+    for kind in kinds:
         if ps.size(kind) > 1:
             values = ops.to_numpy(dist.all_reduce(ops.tensor(values), group=ps.group(kind)))
     return values

@@ -41,6 +41,7 @@ no-gradient forward before the first update records them.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import re
 import time
@@ -355,13 +356,10 @@ def draw(model, tokenizer, samples: list, indices: list[int], args, functions, w
     seeds = [[args.seed, index, g] for index in indices for g in range(group)]
     started = time.perf_counter()
     entropies = []  # each step's, per row: of the distribution drawn from (at --temperature, before top-k/p)
-    nn.set_training(model, False)
-    try:
+    with evaluating(model):
         completions = gen.generate(model, every, args.max_completion_length, sampling,
                                    stop_ids=() if eod is None else (eod,), pad_id=0, row_seeds=seeds,
                                    on_logits=lambda logits: entropies.append(entropy(logits / args.temperature)))
-    finally:
-        nn.set_training(model, True)
     generation = time.perf_counter() - started
     ended = [len(c) < args.max_completion_length for c in completions]
     drawn = np.arange(len(entropies))[:, None] < np.array([len(c) + e for c, e in zip(completions, ended)])[None]
@@ -394,16 +392,26 @@ def log_probs(model, rollouts: Rollouts, size: int, temperature: float) -> np.nd
     """Per-token log-probabilities [rows, S] of the rollouts' rows under ``model`` at
     ``temperature``, no gradient."""
     out = []
-    nn.set_training(model, False)
-    try:
-        with autograd.no_grad():
-            for start in range(0, rollouts.rows, size):
-                ids, target, _ = rollouts.micro_batch(start, size)
-                rows, length = target.mask.shape
-                out.append(ops.to_numpy(token_log_probs(model, model(ids), target.labels, rows, length, temperature)))
-    finally:
-        nn.set_training(model, True)
+    with evaluating(model), autograd.no_grad():
+        for start in range(0, rollouts.rows, size):
+            ids, target, _ = rollouts.micro_batch(start, size)
+            rows, length = target.mask.shape
+            out.append(ops.to_numpy(token_log_probs(model, model(ids), target.labels, rows, length, temperature)))
     return np.concatenate(out).astype(np.float32)
+
+
+@contextlib.contextmanager
+def evaluating(model):
+    """No dropout while drawing or scoring: ``model``, or under pipeline parallelism each of
+    this rank's chunks (training/schedules.py StagedModel)."""
+    modules = getattr(model, "chunks", None) or [model]
+    for module in modules:
+        nn.set_training(module, False)
+    try:
+        yield
+    finally:
+        for module in modules:
+            nn.set_training(module, True)
 
 
 class Reference:

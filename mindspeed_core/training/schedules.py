@@ -279,3 +279,39 @@ def forward_backward_pipelining(stage: PipelineStage, program: list, micro_batch
     if count > 1 or scale != 1.0:
         flat = [g / (count * scale) for g in flat]
     return total_loss / count, flat
+
+
+class StagedModel:
+    """This rank's model chunks, run with the other pipeline ranks' as one model for
+    forwards without gradients (GRPO's rollouts and log-probabilities): the virtual stages one
+    after another, each on its rank, the hidden states passed on point to point; every rank of
+    the pipeline returns the last stage's output (logits, this rank's vocabulary shard under
+    TP). A key/value cache serves every chunk of a rank (it is keyed by layer number).
+
+    ``send(x, pp_rank)``, ``recv(pp_rank, ids)`` as PipelineStage's; ``from_last(out, ids)``:
+    the last stage's output on every pipeline rank (``out`` is None elsewhere)."""
+
+    sequence_multiple = 1  # whole sequences: the generator refuses sequence parallelism anyway
+
+    def __init__(self, chunks: list, layout, pp_rank: int, send: Callable, recv: Callable, from_last: Callable):
+        self.chunks, self.layout = chunks, layout
+        self.mine = {layout.stage(pp_rank, chunk): chunk for chunk in range(layout.chunks)}
+        self.send, self.recv, self.from_last = send, recv, from_last
+
+    @property
+    def seams(self):
+        return self.chunks[0].seams  # every chunk's: the same tensor-parallel group
+
+    def gather_logits(self, logits):
+        return self.seams.gather_logits(logits)
+
+    def __call__(self, ids, tokens=None):
+        last, out = self.layout.virtual_stages - 1, None
+        for stage in sorted(self.mine):
+            x = ids if stage == 0 else self.recv(self.layout.rank_of_stage(stage - 1), ids)
+            x = self.chunks[self.mine[stage]](x, tokens)
+            if stage == last:
+                out = x
+            else:
+                self.send(x, self.layout.rank_of_stage(stage + 1))
+        return self.from_last(out, ids)

@@ -187,6 +187,7 @@ class Trainer:
         args, ps = self.flags, self.ps
         float32_grads = self.dtype != "float32"
         if ps.pp == 1:
+            self.policy = self.model  # what GRPO draws and scores its rollouts with
             self.grad_fn = autograd.value_and_grad(self._loss, self.train_params)
             if args.compile:  # the eager function stays for the first step's check
                 self.grad_fn = compiled.CheckedCompiledStep(self.model, self.train_params, self.train_names,
@@ -217,6 +218,13 @@ class Trainer:
         def peer(pp_rank):
             return ps.rank_of(tp=me["tp"], cp=me["cp"], dp=me["dp"], pp=pp_rank)
 
+        def from_last(out, ids):
+            """The last stage's output (logits, this rank's vocabulary shard) on every pipeline rank."""
+            if out is None:
+                out = ops.zeros((ids.shape[0], ids.shape[1], self.cfg.vocab_size // ps.tp), dtype=self.dtype)
+            return dist.broadcast(out, peer(self.layout.rank_of_stage(self.layout.virtual_stages - 1)),
+                                  ps.group("pp"))
+
         def stage(forward, vjp=None):
             return schedules.PipelineStage(ps.pp, ps.local_rank("pp"), self.layout.chunks, forward, chunk_params,
                                            send=lambda x, to: dist.send(x, peer(to)),
@@ -236,6 +244,9 @@ class Trainer:
                                                 [[next(names) for _ in params] for params in chunk_params],
                                                 self.scaler, self.dtype, ps, stage_say)
         train_stage = stage(self._stage_forward, vjp)
+        # GRPO draws and scores its rollouts with the whole pipeline
+        self.policy = schedules.StagedModel(self.chunks, self.layout, ps.local_rank("pp"), train_stage.send,
+                                            train_stage.recv, from_last)
         eval_stage = stage(functools.partial(self._stage_forward, scaled=False))
         pp_rank = ps.local_rank("pp")
         program = schedules.pipeline_program(ps.pp, self.layout.chunks, self.grad_accum)[pp_rank]
@@ -359,16 +370,16 @@ class Trainer:
         args, ps = self.flags, self.ps
         t0 = time.perf_counter()
         indices = self.sampler.micro_batch_starts(iteration)  # this rank's prompts
-        rollouts = grpo.draw(self.model, self.tokenizer, [self.data["train"][i] for i in indices], indices, args,
+        rollouts = grpo.draw(self.policy, self.tokenizer, [self.data["train"][i] for i in indices], indices, args,
                              self.reward_functions, self.reward_weights, self.reward_model)
         if self.grpo_reference is not None:
-            rollouts.reference = self.grpo_reference.log_probs(self.model, rollouts, args.micro_batch_size,
+            rollouts.reference = self.grpo_reference.log_probs(self.policy, rollouts, args.micro_batch_size,
                                                                args.temperature)
         if args.grpo_loss_type == "dapo":  # the step's completion tokens, over all ranks
-            tokens = distributed.sum_over_dp_and_pp(np.array([rollouts.mask.sum()], np.float32), ps)[0]
+            tokens = distributed.sum_over_dp_and_pp(np.array([rollouts.mask.sum()], np.float32), ps, ("dp",))[0]
             rollouts.tokens_per_micro_batch = max(float(tokens), 1.0) / (self.grad_accum * ps.dp)
         if args.ppo_epochs > 1:  # the policy that drew them, before it moves
-            rollouts.old = grpo.log_probs(self.model, rollouts, args.micro_batch_size, args.temperature)
+            rollouts.old = grpo.log_probs(self.policy, rollouts, args.micro_batch_size, args.temperature)
         self.rollouts = rollouts
         rollout_seconds = time.perf_counter() - t0
         losses = []
@@ -377,7 +388,7 @@ class Trainer:
             losses.append(loss)
         figures = sorted(rollouts.stats)
         mine = np.array([rollouts.stats[k] for k in figures], np.float32)
-        mean = distributed.sum_over_dp_and_pp(mine, ps) / ps.dp
+        mean = distributed.sum_over_dp_and_pp(mine, ps, ("dp",)) / ps.dp  # every stage drew the same rollouts
         self.stage_stats = {**{f"train_{k}": float(v) for k, v in zip(figures, mean)}, **(self.stage_stats or {})}
         self.timers = {"rollout": rollout_seconds, **self.timers, "iteration": time.perf_counter() - t0}
         return float(np.mean(losses)), lr, norm
