@@ -420,3 +420,26 @@ def test_a_reward_model_scores_completions(prompts, reward_model, tmp_path):
     rows = records(metrics)
     assert all(r["train_reward"] == pytest.approx(r["train_reward_model"], abs=1e-6) for r in rows)
     assert all(r["train_reward_std"] > 0 for r in rows)
+
+
+def test_the_reward_model_is_checked_from_its_configuration_alone(prompts, reward_model, tmp_path, monkeypatch):
+    """The check before any rank starts reads no weights (the trainer reads them once); a
+    language model's folder (config.json alone is enough to tell) is a one-line error."""
+    from mindspeed_core.compat import hf, megatron_args
+    from mindspeed_core.training import checkpoint, configuration
+
+    def parsed(folder):
+        return megatron_args.training_parser().parse_args(
+            [*MODEL, "--stage", "grpo", "--data-path", prompts["data"], "--num-generations", "4",
+             "--micro-batch-size", "4", "--reward-funcs", "--reward-model", folder])
+
+    read = []
+    monkeypatch.setattr(checkpoint, "load_model_arrays", lambda *a, **k: read.append(a))
+    configuration.configure(parsed(reward_model), 1)
+    assert read == []
+    lm = tmp_path / "lm"
+    lm.mkdir()
+    cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, vocab_size=264)
+    (lm / "config.json").write_text(json.dumps(hf.hf_config(cfg)))
+    with pytest.raises(MindSpeedError, match="is a language model, not a reward model"):
+        configuration.configure(parsed(str(lm)), 1)

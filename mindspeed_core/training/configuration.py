@@ -693,7 +693,7 @@ def _check_grpo(args, dp: int) -> None:
                              f"--reward-funcs{' and --reward-model' if args.reward_model else ''}")
     grpo.reward_functions(args.reward_funcs)  # each importable, before any rank starts
     if args.reward_model:
-        grpo.read_reward_model(args.reward_model)
+        grpo.read_reward_model(args.reward_model, weights=False)
 
 
 def pipeline_layout(args, cfg: ModelConfig) -> pipeline.PipelineLayout:

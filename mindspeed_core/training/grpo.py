@@ -124,13 +124,18 @@ def reward_functions(names: list[str]) -> list[tuple[str, object]]:
     return out
 
 
-def read_reward_model(path: str):
+def read_reward_model(path: str, weights: bool = True):
     """--reward-model: the whole model (a Source, training/model_source.py) of an outcome reward
-    model, checked to be one."""
+    model, checked to be one; ``weights=False``: its configuration alone (the check before any
+    rank starts)."""
     from mindspeed_core.training import model_source
 
-    source = model_source.read(path, "--reward-model", ("ours", "hf")).merged()
-    if not source.cfg.reward_head:
+    if weights:
+        source = model_source.read(path, "--reward-model", ("ours", "hf")).merged()
+        cfg = source.cfg
+    else:
+        source = cfg = model_source.read_config(path, "--reward-model", ("ours", "hf"))
+    if not cfg.reward_head:
         raise MindSpeedError(f"--reward-model {path} is a language model, not a reward model (train one with "
                              "--stage orm)")
     return source

@@ -98,25 +98,26 @@ def read_megatron(root: str) -> Source:
 def read_ours(root: str, iteration: int | None = None) -> Source:
     """The newest (or the given) iteration of one of our checkpoints: weights only, not the
     optimizer's copies."""
+    it, meta, cfg = _ours_config(root, iteration)
+    check_fits_in_memory(4 * cfg.num_parameters(), f"the model in {root} ({cfg.num_parameters():,} parameters)")
+    return _checked(Source(root, "ours", cfg, checkpoint.load_model_arrays(root, it), it, meta=meta))
+
+
+def _ours_config(root: str, iteration: int | None = None) -> tuple[int, dict, ModelConfig]:
+    """(iteration, meta, model configuration) of one of our checkpoints, no weights read."""
     it = checkpoint.latest_iteration(root) if iteration is None else iteration
     if it is None:
         raise CheckpointError(f"no checkpoint in {root} (no {checkpoint.TRACKER})")
     meta = checkpoint.read_meta(root, it)
     try:
-        cfg = ModelConfig.from_dict(meta["model"])
+        return it, meta, ModelConfig.from_dict(meta["model"])
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise CheckpointError(f"the checkpoint in {root} (iteration {it}) holds no valid model configuration "
                               f"({exc})") from None
-    check_fits_in_memory(4 * cfg.num_parameters(), f"the model in {root} ({cfg.num_parameters():,} parameters)")
-    return _checked(Source(root, "ours", cfg, checkpoint.load_model_arrays(root, it), it, meta=meta))
 
 
-def read(path: str, flag: str, kinds: tuple = KINDS, adapters: bool = False, mtp_num_layers: int = 0) -> Source:
-    """The model in ``path`` (given with ``flag``, for the messages), of one of ``kinds``;
-    ``adapters``: a LoRA checkpoint holding the adapters alone is welcome too;
-    ``mtp_num_layers``: a Hugging Face folder's multi-token prediction modules to read."""
-    if kinds == ("hf",):  # the folder's own checks name what is missing or wrong
-        return read_hf(path, mtp_num_layers)
+def _kind(path: str, flag: str, kinds: tuple) -> str:
+    """Which of ``kinds`` the folder ``path`` holds, or a one-line error naming what ``flag`` takes."""
     if not os.path.isdir(path):
         raise MindSpeedError(f"{flag} {path} does not exist" if not os.path.exists(path)
                              else f"{flag} {path} is a file: give the folder that holds the model")
@@ -125,6 +126,27 @@ def read(path: str, flag: str, kinds: tuple = KINDS, adapters: bool = False, mtp
         wanted = {"hf": "a Hugging Face folder (config.json)", "megatron": f"a Megatron checkpoint ({mcore.TRACKER})",
                   "ours": f"one of our checkpoints ({checkpoint.TRACKER})"}
         raise CheckpointError(f"no checkpoint in {path}: {flag} takes " + " or ".join(wanted[k] for k in kinds))
+    return kind
+
+
+def read_config(path: str, flag: str, kinds: tuple = KINDS) -> ModelConfig:
+    """The configuration of the model ``read`` would return, reading no weights (a Megatron
+    checkpoint's architecture comes with its weights: read whole)."""
+    kind = "hf" if kinds == ("hf",) else _kind(path, flag, kinds)
+    if kind == "hf":
+        return hf.load_config(path)
+    if kind == "ours":
+        return _ours_config(path)[2]
+    return read_megatron(path).cfg
+
+
+def read(path: str, flag: str, kinds: tuple = KINDS, adapters: bool = False, mtp_num_layers: int = 0) -> Source:
+    """The model in ``path`` (given with ``flag``, for the messages), of one of ``kinds``;
+    ``adapters``: a LoRA checkpoint holding the adapters alone is welcome too;
+    ``mtp_num_layers``: a Hugging Face folder's multi-token prediction modules to read."""
+    if kinds == ("hf",):  # the folder's own checks name what is missing or wrong
+        return read_hf(path, mtp_num_layers)
+    kind = _kind(path, flag, kinds)
     source = {"hf": read_hf, "megatron": read_megatron, "ours": read_ours}[kind](path)
     if source.adapters_only and not adapters:
         raise CheckpointError(f"{flag} {path} holds LoRA adapters only, no base model: give the model they were "
