@@ -148,10 +148,12 @@ SPEC = {
         "vjp": ("vjp(fn, inputs, params=(), interleaved=False) -> (outputs, backward(cotangents) -> (input grads, "
                 "param grads)); interleaved: other forwards run before this backward (MindSpore then records the "
                 "forward at backward time)"),
-        "compiled_value_and_grad": ("compiled_value_and_grad(fn, params, module) -> f(*tensors) -> (value, [grad per "
-                                    "param]): value_and_grad with fn's forward and backward compiled (torch.compile; "
-                                    "mindspore.jit trace capture); fn reads params from module; compiled once per "
-                                    "input shape, the first call pays the compilation"),
+        "compiled_value_and_grad": ("compiled_value_and_grad(fn, params, module, has_aux=False) -> f(*tensors) -> "
+                                    "(value, [grad per param]): value_and_grad with fn's forward and backward "
+                                    "compiled (torch.compile; mindspore.jit trace capture); fn reads params from "
+                                    "module; compiled once per input shape, the first call pays the compilation; "
+                                    "has_aux: fn returns (value, *aux tensors) and f's value is (value, (aux...)), "
+                                    "the aux without gradient"),
         "compiled": ("compiled(fn, params, module) -> f(*tensors) -> fn's outputs: fn compiled, for calls without "
                      "gradients (generation's decode step); fn reads params from module; compiled once per input "
                      "shape"),

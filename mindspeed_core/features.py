@@ -161,7 +161,9 @@ _ALIGNMENT_STAGES = ("dpo", "simpo", "orm", "rm", "prm")
 _MOE_CP = ("context parallelism with MoE layers is planned: the aux loss of a sequence cut into CP chunks needs its "
            "statistics summed over the CP group")
 _MOE_LAYOUTS = "TP, SP, PP, DP and EP with a mixture-of-experts model"
-_MOE_COMPILE = "routing decides on the host, which graph capture cannot follow"
+_MOE_COMPILE = ("a compiled MoE step routes on the device and runs every expert on every token: expert "
+                "parallelism's uneven exchanges, pipeline stages' compiled chunks and a capacity's drops are not "
+                "built for it yet")
 _LORA_MOE = "LoRA on mixture-of-experts models is not built yet (adapters on the experts' grouped weights)"
 _ALL_WEIGHTS = "fine-tuning of all weights (drop the --lora-* flags)"
 _COMPILE_PACKED = ("--compile with packed sequences or instruction data is not built yet (the compiled loss takes no "
@@ -700,8 +702,19 @@ FEATURES: tuple[Feature, ...] = (
             planned(_MOE_CP, instead=_MOE_LAYOUTS), planned(_MOE_CP, instead=_MOE_LAYOUTS),
             lambda a: _moe(a) and _gt1("context_parallel_size")(a)),
     Feature("moe-compile", "Compiled step with MoE layers", "combinations", ("--compile", "--num-experts"),
-            unsupported(_MOE_COMPILE, instead="drop --compile"), unsupported(_MOE_COMPILE, instead="drop --compile"),
+            supported("routing on the device (the same top-k, weights, expert bias, aux and z losses as eager), "
+                      "every token through every expert weighted by its routing: fixed shapes at E/k times the "
+                      "routed path's expert FLOPs; one process, data and tensor parallelism"),
+            supported("as on PyTorch"),
             lambda a: _moe(a) and bool(getattr(a, "compile", False))),
+    Feature("moe-compile-routing", "Compiled MoE step with expert parallelism, pipeline stages or a capacity factor",
+            "combinations", ("--compile", "--expert-model-parallel-size", "--pipeline-model-parallel-size",
+                             "--moe-expert-capacity-factor"),
+            planned(_MOE_COMPILE, instead="drop --compile"), planned(_MOE_COMPILE, instead="drop --compile"),
+            lambda a: _moe(a) and bool(getattr(a, "compile", False)) and (
+                _gt1("expert_model_parallel_size")(a) or _gt1("pipeline_model_parallel_size")(a)
+                or getattr(a, "moe_expert_capacity_factor", None) is not None
+                or bool(getattr(a, "moe_pad_expert_input_to_capacity", False)))),
     Feature("lora-moe", "LoRA adapters on mixture-of-experts models", "combinations", ("--lora-r", "--num-experts"),
             planned(_LORA_MOE, instead=_ALL_WEIGHTS), planned(_LORA_MOE, instead=_ALL_WEIGHTS),
             lambda a: _moe(a) and (getattr(a, "lora_r", None) is not None

@@ -78,6 +78,24 @@ class Experts(nn.Module):
             return ops.matmul(self.activation(ops.matmul(rows, self.weight1[0])), self.weight2[0])
         return outs[0] if len(outs) == 1 else ops.cat(outs, dim=0)
 
+    def dense(self, tokens, combine, expert_output=lambda y: y):
+        """Every token through every expert, weighted by ``combine`` [T, E] (0 for an expert it
+        did not choose) and summed: [T, h] -> [T, h] float32. Fixed shapes, no host counts (a
+        compiled step's dispatch), at E / k times the routed path's expert FLOPs.
+        ``expert_output``: the seam the experts' outputs [E, T, h] pass before the weighting
+        (under TP their sum over the ranks: weighting partial rows would leave the router a
+        partial gradient)."""
+        e, t = self.weight1.shape[0], tokens.shape[0]
+        rows = ops.expand(ops.unsqueeze(tokens, 0), (e, t, tokens.shape[-1]))
+        h = ops.matmul(rows, self.weight1)  # [E, T, width]
+        if self.bias1 is not None:
+            h = h + ops.unsqueeze(ops.cast(self.bias1, ops.dtype_of(h)), 1)
+        y = ops.matmul(self._activate(h), self.weight2)  # [E, T, h]
+        if self.bias2 is not None:
+            y = y + ops.unsqueeze(ops.cast(self.bias2 if self.output_bias else self.bias2 * 0.0, ops.dtype_of(y)), 1)
+        weights = ops.unsqueeze(ops.transpose(combine, 0, 1), -1)  # [E, T, 1]
+        return ops.sum(ops.cast(expert_output(y), "float32") * weights, dim=0)
+
 
 class SharedExpert(nn.Module):
     """An MLP every token passes through; with a gate, scaled by sigmoid(x . gate_weight)."""
@@ -159,6 +177,9 @@ class MoELayer(nn.Module):
         self.grouped = "grouped_matmul" in cfg.fused  # --moe-grouped-gemm; else expert by expert
         self.seams = MoESeams()
         self.routing = None
+        # a compiled step (training/compiled.py) routes on the device: the expert bias arrives
+        # as a graph input here, and the routing's figures leave as outputs (figures())
+        self.on_device, self.bias_input = False, None
         self.reset_stats()
 
     def expert_bias(self) -> np.ndarray | None:
@@ -183,15 +204,33 @@ class MoELayer(nn.Module):
         self.stats = {"calls": 0, "aux_loss": 0.0, "z_loss": 0.0, "dropped": 0,
                       "tokens_per_expert": np.zeros(self.moe.num_experts, np.int64)}
 
+    def figures(self):
+        """[3 + E] float32 of the last device routing: aux loss, z loss, dropped (0), tokens per expert."""
+        r = self.routing
+        return ops.cat([ops.stack([r.aux_loss, r.z_loss, ops.zeros(())]), r.tokens_per_expert], dim=0)
+
+    def record(self, figures: np.ndarray) -> None:
+        """Add one device routing's figures() to the stats, as forward does for host routing."""
+        self.stats["calls"] += 1
+        self.stats["aux_loss"] += float(figures[0])
+        self.stats["z_loss"] += float(figures[1])
+        self.stats["tokens_per_expert"] += np.rint(figures[3:]).astype(np.int64)
+
     def forward(self, x):
         seams = self.seams
         x = seams.layer_input(x)
         b, s, h = x.shape
         flat = ops.reshape(x, (b * s, h))
         logits = ops.cast(self.router(flat), "float32")
-        bias = None if self.router.expert_bias is None else ops.cast(self.router.expert_bias, "float32")
-        routing = self.routing = router.route(logits, self.moe, bias, sequences=b)
+        bias = self.bias_input if self.on_device else self.router.expert_bias
+        bias = None if bias is None else ops.cast(bias, "float32")
         features.note_used("moe")
+        if self.on_device:
+            features.note_used("moe-compile")
+            routing = self.routing = router.route_on_device(logits, self.moe, bias, sequences=b)
+            y = self.experts.dense(seams.expert_input(flat), routing.combine, seams.expert_output)
+            return self._output(y, x, flat)
+        routing = self.routing = router.route(logits, self.moe, bias, sequences=b)
         if self.grouped:
             features.note_used("gmm")
         if not recompute.recomputing():  # a recomputation in backward routes the same tokens again
@@ -203,10 +242,14 @@ class MoELayer(nn.Module):
             stats["tokens_per_expert"] += routing.tokens_per_expert
         pad_to = router.capacity(b * s, self.moe) if self.moe.pad_to_capacity else None
         y = seams.dispatch(self.experts, seams.expert_input(flat), routing, self.grouped, pad_to)
+        return self._output(y, x, flat)
+
+    def _output(self, y, x, flat):
+        """The experts' weighted rows [T, h] (float32) plus the shared expert, as the layer's output."""
         y = ops.cast(y, ops.dtype_of(x))
         if self.shared_experts is not None:
             y = y + self.shared_experts(flat)
-        return seams.layer_output(ops.reshape(y, (b, s, h)))
+        return self.seams.layer_output(ops.reshape(y, x.shape))
 
 
 def assignment_order(routing: router.Routing) -> np.ndarray:

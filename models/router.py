@@ -100,7 +100,6 @@ def keep_within_capacity(experts: np.ndarray, weights: np.ndarray, moe: MoEConfi
 def balance_loss(scores, experts: np.ndarray, moe: MoEConfig, sequences: int):
     """The load-balancing loss (aux_loss or seq_aux_loss) before its coefficient."""
     t, e = scores.shape
-    probs = scores if moe.score_function == "softmax" else scores / ops.sum(scores, dim=-1, keepdim=True)
     groups = 1 if moe.load_balancing_type == "aux_loss" else sequences
     if t % groups:
         raise ValueError(f"{t} tokens do not split into {groups} sequences")
@@ -108,8 +107,15 @@ def balance_loss(scores, experts: np.ndarray, moe: MoEConfig, sequences: int):
     counts = np.zeros((groups, e), np.float32)
     for g in range(groups):
         np.add.at(counts[g], experts[g * per:(g + 1) * per].reshape(-1), 1.0)
-    fraction = ops.tensor(counts / per)  # f_e per group: assignments / tokens
-    mean_probs = ops.mean(ops.reshape(probs, (groups, per, e)), dim=1)  # P_e per group
+    return _balance(scores, ops.tensor(counts / per), moe, groups)
+
+
+def _balance(scores, fraction, moe: MoEConfig, groups: int):
+    """sum_e f_e P_e (times E / k, averaged over the groups) from ``fraction`` [groups, E]: f_e,
+    the assignments to expert e per token of the group."""
+    t, e = scores.shape
+    probs = scores if moe.score_function == "softmax" else scores / ops.sum(scores, dim=-1, keepdim=True)
+    mean_probs = ops.mean(ops.reshape(probs, (groups, t // groups, e)), dim=1)  # P_e per group
     return ops.sum(mean_probs * fraction) * (e / moe.topk / groups)
 
 
@@ -138,6 +144,47 @@ def route(logits, moe: MoEConfig, expert_bias=None, sequences: int = 1) -> Routi
     z = z_loss(logits) * moe.z_loss_coeff if moe.z_loss_coeff > 0 else zero
     tokens = np.bincount(experts[kept], minlength=moe.num_experts).astype(np.int64)
     return Routing(weights, experts, kept, aux, z, tokens)
+
+
+@dataclass
+class DenseRouting:
+    """Routing decided on the device, for a compiled step (--compile): no host reads, fixed
+    shapes. Without a capacity every assignment is kept, so this is route()'s routing."""
+    combine: object  # [T, E] float32: each token's weight for each expert (0 where not chosen)
+    aux_loss: object  # scalar tensor
+    z_loss: object  # scalar tensor
+    tokens_per_expert: object  # [E] float32 tensor
+
+
+def route_on_device(logits, moe: MoEConfig, expert_bias=None, sequences: int = 1) -> DenseRouting:
+    """route() as device operations (the same top-k, weights and losses), its choice as one-hot
+    masks rather than host indices. No capacity factor (dropping is a host decision here)."""
+    t, e = logits.shape
+    scores = scores_of(logits, moe)
+    choice = scores if expert_bias is None else ops.add(scores, expert_bias)
+    if moe.num_groups is not None:
+        per_group = e // moe.num_groups
+        best, _ = ops.topk(ops.reshape(choice, (t, moe.num_groups, per_group)), min(2, per_group), dim=-1)
+        _, groups = ops.topk(ops.sum(best, dim=-1), moe.group_topk, dim=-1)  # [T, group_topk]
+        allowed = ops.sum(ops.one_hot(groups, moe.num_groups), dim=1)  # [T, G]: 1 for a chosen group
+        allowed = ops.reshape(ops.expand(ops.unsqueeze(allowed, -1), (t, moe.num_groups, per_group)), (t, e))
+        choice = ops.where(allowed > 0.5, choice, ops.full((t, e), float("-inf")))
+    _, idx = ops.topk(choice, moe.topk, dim=-1)
+    chosen = ops.one_hot(idx, e)  # [T, k, E]
+    weights = ops.gather(scores, 1, idx)
+    if moe.norm_topk_prob and moe.topk > 1:
+        weights = weights / ops.sum(weights, dim=-1, keepdim=True)
+    if moe.scaling_factor != 1.0:
+        weights = weights * moe.scaling_factor
+    combine = ops.sum(chosen * ops.unsqueeze(weights, -1), dim=1)
+    aux = ops.zeros(())
+    if moe.load_balancing_type != "none" and moe.aux_loss_coeff > 0:
+        groups = 1 if moe.load_balancing_type == "aux_loss" else sequences
+        per = t // groups
+        fraction = ops.sum(ops.reshape(chosen, (groups, per * moe.topk, e)), dim=1) * (1.0 / per)
+        aux = _balance(scores, fraction, moe, groups) * moe.aux_loss_coeff
+    z = z_loss(logits) * moe.z_loss_coeff if moe.z_loss_coeff > 0 else ops.zeros(())
+    return DenseRouting(combine, aux, z, ops.sum(ops.reshape(chosen, (t * moe.topk, e)), dim=0))
 
 
 def updated_expert_bias(bias: np.ndarray, tokens_per_expert: np.ndarray, rate: float) -> np.ndarray:

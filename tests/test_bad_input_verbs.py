@@ -457,7 +457,8 @@ CASES = [
                                            "--tensor-model-parallel-size", "3"], "3"),
     # ---- the matrix commands -----------------------------------------------------------------
     ("check-args-unknown", lambda t, m, c: ["check-args", "--no-such-flag"], "unrecognized"),
-    ("check-args-combination", lambda t, m, c: ["check-args", "--num-experts", "4", "--compile"], "moe-compile"),
+    ("check-args-combination", lambda t, m, c: ["check-args", "--num-experts", "4", "--compile",
+                                                "--pipeline-model-parallel-size", "2"], "moe-compile-routing"),
     ("check-args-config", lambda t, m, c: ["check-args", *MODEL, "--data-path", c, "--num-query-groups", "3"],
      "query groups"),
     ("features-device", lambda t, m, c: ["features", "--device", "tpu"], "tpu"),

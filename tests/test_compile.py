@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from mindspeed_core import autograd, features, nn, ops, runtime
-from test_parallel import GQA, assert_same_curve
+from test_parallel import GQA, MOE, assert_same_curve
 from test_training import corpus, losses, train  # noqa: F401  (corpus is a fixture)
 
 ITERS = 20
@@ -73,16 +73,75 @@ if FRAMEWORK == "mindspore":  # the ring's own traced exchange; torch.compile ta
                                 id="ring-CP=2"))
 
 
+# MoE with what its device routing has to reproduce: DeepSeek-V3's sigmoid scores within the best
+# of two groups, the aux-loss-free expert bias (moved by the loads after every step), a
+# per-sequence aux loss and the z loss
+MOE_FLAGS = [*MOE, "--moe-router-score-function", "sigmoid", "--moe-router-num-groups", "2",
+             "--moe-router-group-topk", "1", "--moe-router-enable-expert-bias", "--moe-router-load-balancing-type",
+             "seq_aux_loss", "--train-iters", "6"]
+MOE_LAYOUT = LAYOUT if TP_STATUS.kind == "supported" else []  # as the dense model's layout above
+
+
+@pytest.fixture(scope="module")
+def moe_eager(corpus, tmp_path_factory):  # noqa: F811
+    """The eager MoE run, one process: {iteration: metrics record}."""
+    import contextlib
+    import io
+    import json
+
+    from mindspeed_core import cli
+
+    path = tmp_path_factory.mktemp("moe-eager") / "m.jsonl"
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert cli.main(["train", *MOE_FLAGS, "--data-path", corpus, "--metrics-file", str(path)]) == 0
+    return {r["iteration"]: r for r in map(json.loads, open(path)) if "loss" in r}
+
+
+def assert_same_moe_run(path, eager):
+    """The compiled run's losses, and every step's routing (tokens per expert, which the expert
+    bias follows, and the aux and z losses), are the eager run's."""
+    import json
+
+    got = {r["iteration"]: r for r in map(json.loads, open(path)) if "loss" in r}
+    assert_same_curve({i: r["loss"] for i, r in got.items()}, {i: r["loss"] for i, r in eager.items()})
+    for i, record in eager.items():
+        assert got[i]["moe"]["tokens_per_expert"] == record["moe"]["tokens_per_expert"], i
+        for key in ("aux_loss", "z_loss"):
+            assert got[i]["moe"][key] == pytest.approx(record["moe"][key], rel=1e-4), (i, key)
+
+
+@pytest.mark.feature("compile")
+@pytest.mark.feature("moe-compile")
+@pytest.mark.feature("moe")
+def test_compiled_moe_routes_and_trains_as_eager(capsys, corpus, moe_eager, tmp_path):  # noqa: F811
+    metrics = tmp_path / "m.jsonl"
+    code, out, err = train(capsys, *MOE_FLAGS, "--compile", "--data-path", corpus, "--metrics-file", str(metrics))
+    assert code == 0, err
+    assert "first-step gradients match eager" in out, out
+    assert len({str(r["moe"]["tokens_per_expert"]) for r in moe_eager.values()}) > 1  # the routing moved
+    assert_same_moe_run(metrics, moe_eager)
+
+
 @pytest.fixture(scope="module")
 def compiled_layouts(corpus, tmp_path_factory):  # noqa: F811
     """Every compiled layout in one launch of two ranks (tests/launch.py run_configs): a launch
-    costs more than a tiny model's 20 compiled steps. Returns its folder."""
+    costs more than a tiny model's 20 compiled steps; the MoE model's under tensor (or data)
+    parallelism too. Returns its folder."""
     from launch import run_configs
 
     tmp = tmp_path_factory.mktemp("compiled-layouts")
     spec = [[param.id, [*FLAGS, *param.values[0], "--compile", "--use-distributed-optimizer", "--data-path", corpus],
              False] for param in LAYOUTS]
+    spec.append(["moe", [*MOE_FLAGS, *MOE_LAYOUT, "--compile", "--data-path", corpus], False])
     return run_configs(FRAMEWORK, 2, spec, tmp)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.feature("moe-compile")
+def test_compiled_moe_under_tensor_parallelism_equals_eager(compiled_layouts, moe_eager):
+    out = (compiled_layouts / "moe.log").read_text()
+    assert SAYS in out and "first-step gradients match eager" in out, out
+    assert_same_moe_run(compiled_layouts / "moe.jsonl", moe_eager)
 
 
 @pytest.mark.parametrize("layout,says", LAYOUTS)

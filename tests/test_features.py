@@ -169,7 +169,8 @@ def test_unknown_feature_id_is_a_clear_error():
 
 COMBINATIONS = [  # row -> flags that ask for it (each feature alone is built)
     ("moe-context-parallel", ["--num-experts", "4", "--context-parallel-size", "2"]),
-    ("moe-compile", ["--num-experts", "4", "--compile"]),
+    ("moe-compile-routing", ["--num-experts", "4", "--compile", "--expert-model-parallel-size", "2"]),
+    ("moe-compile-routing", ["--num-experts", "4", "--compile", "--moe-expert-capacity-factor", "1.0"]),
     ("lora-moe", ["--num-experts", "4", "--lora-r", "8"]),
     ("compile-packed-sequences", ["--compile", "--reset-attention-mask"]),
     ("compile-packed-sequences", ["--compile", "--stage", "sft"]),

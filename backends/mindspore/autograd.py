@@ -216,8 +216,9 @@ def compiled(fn, params, module):
     return run
 
 
-def compiled_value_and_grad(fn, params, module):
-    """value_and_grad of ``mindspore.jit(fn, capture_mode="trace")`` (see _Traced)."""
+def compiled_value_and_grad(fn, params, module, has_aux: bool = False):
+    """value_and_grad of ``mindspore.jit(fn, capture_mode="trace")`` (see _Traced). With
+    ``has_aux`` fn returns (value, *aux): the first output alone is differentiated."""
     traced = _Traced(fn, params, module)
     grads_of: dict = {}
 
@@ -225,9 +226,11 @@ def compiled_value_and_grad(fn, params, module):
         n = len(args)
         graph, arguments = traced.call(args)
         if graph not in grads_of:
-            grads_of[graph] = ms.value_and_grad(graph, tuple(range(n, n + len(traced.params))))
+            grads_of[graph] = ms.value_and_grad(graph, tuple(range(n, n + len(traced.params))), has_aux=has_aux)
         _recorded[0] += 1
         value, grads = grads_of[graph](*arguments)
+        if has_aux:
+            value = (value[0], tuple(value[1:]))
         return value, list(grads) if isinstance(grads, (tuple, list)) else [grads]  # one position: a bare tensor
 
     return run

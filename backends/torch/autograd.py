@@ -47,10 +47,19 @@ def _compile(fn):
     return torch.compile(fn, dynamic=False)
 
 
-def compiled_value_and_grad(fn, params, module):
+def compiled_value_and_grad(fn, params, module, has_aux: bool = False):
     """value_and_grad of ``torch.compile(fn)``: Inductor compiles the forward, AOTAutograd
-    the backward. ``module`` is not needed on PyTorch (parameters are graph inputs)."""
-    return value_and_grad(_compile(fn), params)
+    the backward. ``module`` is not needed on PyTorch (parameters are graph inputs). With
+    ``has_aux`` fn returns (value, *aux) and the value is (value, aux)."""
+    compiled = _compile(fn)
+    if not has_aux:
+        return value_and_grad(compiled, params)
+
+    def split(*args):
+        value, *aux = compiled(*args)
+        return value, tuple(a.detach() for a in aux)
+
+    return value_and_grad(split, params, has_aux=True)
 
 
 def compiled(fn, params, module):

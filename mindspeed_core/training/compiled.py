@@ -4,6 +4,7 @@ compiler that gets a gradient wrong stops the run in one line, never silently.""
 
 from __future__ import annotations
 
+import copy
 import time
 
 import numpy as np
@@ -21,37 +22,69 @@ class CheckedCompiledStep:
 
     def __init__(self, model, params: list, names: list, eager, scaler, dtype: str, ps, say):
         _note_layout(ps)
-        self.compiled = autograd.compiled_value_and_grad(lambda ids, labels, scale: model.loss(ids, labels) * scale,
-                                                         params, model)
+        self.model, self.moe = model, getattr(model, "moe_layers", list)()
+        if self.moe:
+            self.biased = [layer for layer in self.moe if layer.router.expert_bias is not None]
+            self.compiled = autograd.compiled_value_and_grad(self._moe_step, params, model, has_aux=True)
+        else:
+            self.compiled = autograd.compiled_value_and_grad(
+                lambda ids, labels, scale: model.loss(ids, labels) * scale, params, model)
         self.names, self.eager, self.scaler, self.dtype, self.say = names, eager, scaler, dtype, say
         self.seconds = None  # the first call's duration, compilation included
 
+    def _moe_step(self, ids, labels, scale, *biases):
+        """The MoE model's step as the graph runs it: routing on the device (models/router.py
+        route_on_device), the routers' losses in the gradient but not in the reported loss, and
+        each layer's routing figures out for the log and the expert-bias update. The expert
+        biases are inputs (a trace would freeze them as constants; the loads move them)."""
+        for layer in self.moe:
+            layer.on_device = True
+        for layer, bias in zip(self.biased, biases):
+            layer.bias_input = bias
+        try:
+            loss = self.model.loss(ids, labels) * scale
+            figures = ops.stack([layer.figures() for layer in self.moe])
+            return loss + self.model.router_losses() * scale, loss, figures
+        finally:
+            for layer in self.moe:
+                layer.on_device, layer.bias_input = False, None
+
     def _call(self, ids, labels):
-        return self.compiled(ids, labels, ops.tensor(np.float32(self.scaler.scale)))
+        scale = ops.tensor(np.float32(self.scaler.scale))
+        if not self.moe:
+            return self.compiled(ids, labels, scale)
+        (_, (loss, figures)), grads = self.compiled(ids, labels, scale,
+                                                    *(layer.router.expert_bias for layer in self.biased))
+        for layer, row in zip(self.moe, ops.to_numpy(figures)):
+            layer.record(row)
+        return loss, grads
 
     def __call__(self, ids, labels, tokens=None):
         _no_tokens(tokens)
         if self.seconds is None:
-            self.check(ids, labels)
+            return self.check(ids, labels)
         return self._call(ids, labels)
 
-    def check(self, ids, labels) -> None:
-        """Eager and compiled gradients of one micro-batch from the same random state (which is
-        left as it was). Eager first: the model's caches (RoPE tables) are filled before the
-        compiler sees them, or it would compile the step again once they are."""
+    def check(self, ids, labels) -> tuple:
+        """Eager and compiled gradients of one micro-batch from the same random state; returns
+        the compiled step's (loss, gradients), the random state left after its draws. Eager
+        first: the model's caches (RoPE tables) are filled before the compiler sees them, or it
+        would compile the step again once they are."""
         saved = random.get_state(), random.tracker().get_states()
+        stats = [copy.deepcopy(layer.stats) for layer in self.moe]
         eager_loss, eager = self.eager(ids, labels)
+        for layer, before in zip(self.moe, stats):  # the micro-batch is counted once, by the compiled step
+            layer.stats = before
         random.set_state(saved[0])
         random.tracker().set_states(saved[1])
         start = time.perf_counter()
         loss, grads = self._call(ids, labels)
         ops.to_numpy(loss)  # the step has run (MindSpore returns before it has)
         self.seconds = time.perf_counter() - start
-        random.set_state(saved[0])
-        random.tracker().set_states(saved[1])
         worst = _agree(zip(self.names, grads, eager), loss, eager_loss, self.dtype)
         self.say(f"--compile: compiled in {self.seconds:.1f} s; first-step gradients match eager "
                  f"(largest relative difference {worst:.1e})")
+        return loss, grads
 
 
 def _packed_refusal() -> MindSpeedError:
