@@ -582,8 +582,7 @@ FEATURES: tuple[Feature, ...] = (
             supported("rollouts drawn by the trained weights in the same processes (KV cache, sampling), rewards: "
                       "exact final answer, <think> format, a Python function or an outcome reward model; "
                       "group-relative advantages, clipped ratio, k3 KL to the starting weights (kept on the host); "
-                      "grpo, bnpo, dr_grpo and dapo averaging, loss and gradients equal to TRL's; TP, PP and DP "
-                      "(not CP)"),
+                      "grpo, bnpo, dr_grpo and dapo averaging, loss and gradients equal to TRL's; TP, PP, CP and DP"),
             supported("as on PyTorch"), _eq("stage", "grpo")),
     Feature("weight-conversion", "Hugging Face <-> Megatron-core weight conversion with re-sharding", "tools",
             ("--load-model-type", "--save-model-type"),

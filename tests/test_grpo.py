@@ -251,7 +251,6 @@ def test_bad_grpo_options_are_one_line_errors(prompts, capsys, flags, message):
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--context-parallel-size", "2"], "not with context parallelism yet"),
     (["--tensor-model-parallel-size", "2", "--sequence-parallel"], "drop --sequence-parallel"),
     (["--num-experts", "4", "--expert-model-parallel-size", "2"], "drop --expert-model-parallel-size"),
 ])

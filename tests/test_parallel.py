@@ -71,7 +71,7 @@ GPT_OSS = GQA + ["--model-name", "tiny-gpt-oss", "--window-size", "5,0", "--wind
 GRPO = GQA + ["--stage", "grpo", "--num-generations", "4", "--max-completion-length", "6", "--reward-funcs",
               "grpo_rewards:digits", "--global-batch-size", "2", "--micro-batch-size", "4", "--lr", "3e-2"]
 GRPO_CASES = {"grpo-tp2": ["--tensor-model-parallel-size", "2"], "grpo-dp2": [],
-              "grpo-pp2": ["--pipeline-model-parallel-size", "2"]}
+              "grpo-pp2": ["--pipeline-model-parallel-size", "2"], "grpo-cp2": ["--context-parallel-size", "2"]}
 MODELS = {"gqa": GQA, "mha": MHA, "moe": MOE, "sft": SFT, "lora": LORA, "dpo": DPO,
           "dpo-lora": DPO + ["--lora-r", "4", "--lora-alpha", "8"], "simpo": SIMPO, "orm": ORM, "prm": PRM,
           "gemma2": GEMMA2, "mla": MLA, "mla-moe": MLA_MOE, "gpt-oss": GPT_OSS}
@@ -579,8 +579,9 @@ def test_two_rank_layouts_equal_single_process(capsys, framework, corpus, two_ra
 @pytest.mark.feature("tensor-parallel")
 @pytest.mark.feature("data-parallel")
 @pytest.mark.feature("pipeline-parallel")
+@pytest.mark.feature("ring-attention-cp")
 def test_grpo_layouts_draw_and_train_as_one_process(two_ranks, grpo_corpus, tmp_path):
-    """GRPO under TP2, DP2 and PP2 (in two_ranks' launch): the same rollouts (each completion seeded
+    """GRPO under TP2, DP2, PP2 and CP2 (in two_ranks' launch): the same rollouts (each completion seeded
     by its sample and number, whichever rank draws it), so the same rewards, the same first-step
     gradients and the same loss curve as one process."""
     from parity_worker import train_case
@@ -597,7 +598,7 @@ def test_grpo_layouts_draw_and_train_as_one_process(two_ranks, grpo_corpus, tmp_
         assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in want], rel=1e-4, abs=1e-7), name
         worst, where = gradient_difference(np.load(out / f"{name}-grads.npz"), dict(np.load(tmp_path / "grpo-grads.npz")))
         assert worst < 1e-5, (name, where, worst)
-        layout = {"grpo-tp2": "TP=2 DP=1", "grpo-dp2": "TP=1 DP=2", "grpo-pp2": "PP=2"}[name]
+        layout = {"grpo-tp2": "TP=2 DP=1", "grpo-dp2": "TP=1 DP=2", "grpo-pp2": "PP=2", "grpo-cp2": "CP=2"}[name]
         assert layout in (out / f"{name}.log").read_text(), name
 
 

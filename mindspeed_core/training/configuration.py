@@ -663,9 +663,6 @@ def _check_stage(args, dp: int = 1) -> None:
 def _check_grpo(args, dp: int) -> None:
     from mindspeed_core.training import grpo
 
-    if args.context_parallel_size > 1:
-        raise MindSpeedError("--stage grpo draws its rollouts with the key/value cache, which needs whole sequences: "
-                             "not with context parallelism yet (tensor, pipeline and data parallelism work)")
     for flag, on in (("--sequence-parallel", args.sequence_parallel),
                      ("--expert-model-parallel-size", args.expert_model_parallel_size > 1)):
         if on:  # generation runs with tensor parallelism alone (inference.load_model says the same)

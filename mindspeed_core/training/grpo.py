@@ -218,6 +218,10 @@ class Rollout:
     # dapo: the step's completion tokens (all micro-batches, all data-parallel ranks) over its
     # micro-batches, so the mean of the micro-batches' losses is the sum over tokens / their count
     tokens_per_micro_batch: float = 1.0
+    # under context parallelism: the columns of each row this rank holds (labels are those
+    # already; mask, old and reference stay whole), and the number of CP ranks
+    columns: np.ndarray | None = None
+    shards: int = 1
 
 
 def token_log_probs(model, logits, labels, rows: int, length: int, temperature: float = 1.0):
@@ -241,11 +245,27 @@ class Objective:
         self.max_length, self.temperature = args.max_completion_length, args.temperature
         self.stats: list[np.ndarray] = []
 
+    def token_weights(self, mask: np.ndarray, tokens_per_micro_batch: float) -> np.ndarray:
+        """[rows, S] float64: each token's weight in the micro-batch's loss (the loss is the sum of
+        weight x per-token loss), by --grpo-loss-type, from the whole rows' mask."""
+        rows = mask.shape[0]
+        if self.loss_type == "grpo":  # per completion, then the mean over completions
+            return mask / (np.maximum(mask.sum(axis=1, keepdims=True), 1.0) * rows)
+        if self.loss_type == "bnpo":  # over the micro-batch's tokens
+            return mask / max(float(mask.sum()), 1.0)
+        if self.loss_type == "dr_grpo":  # over completions x the length cap
+            return mask / (rows * self.max_length)
+        return mask / tokens_per_micro_batch  # dapo: over the step's completion tokens, every micro-batch and rank
+
     def __call__(self, model, out, target: Rollout, tokens=None):
         features.note_used("stage-grpo")
-        rows, length = target.mask.shape
+        local = slice(None) if target.columns is None else target.columns
+        whole = np.asarray(target.mask, np.float64)
+        weights = self.token_weights(whole, target.tokens_per_micro_batch)[:, local] * target.shards
+        mask = whole[:, local]
+        rows, length = mask.shape
         logp = token_log_probs(model, out, target.labels, rows, length, self.temperature)
-        old = autograd.detach(logp) if target.old is None else ops.tensor(np.asarray(target.old, np.float32))
+        old = autograd.detach(logp) if target.old is None else ops.tensor(np.asarray(target.old[:, local], np.float32))
         ratio = ops.exp(logp - old)
         advantage = ops.tensor(np.asarray(target.advantages, np.float32).reshape(rows, 1))
         surrogate = ops.minimum(ratio * advantage, ops.clamp(ratio, 1.0 - self.low, 1.0 + self.high) * advantage)
@@ -254,28 +274,22 @@ class Objective:
         if self.beta:
             if target.reference is None:
                 raise RuntimeError("a GRPO micro-batch without reference log-probabilities")
-            q = ops.tensor(np.asarray(target.reference, np.float32)) - logp
+            q = ops.tensor(np.asarray(target.reference[:, local], np.float32)) - logp
             kl = ops.exp(q) - q - 1.0
             # DeepSeek-V3.2's unbiased reverse-KL gradient (TRL's default): weighted by the ratio
             per_token = per_token + (kl * ratio if self.kl_correction else kl) * self.beta
-        mask = np.asarray(target.mask, np.float32)
-        kept = ops.tensor(mask)
-        if self.loss_type == "grpo":
-            loss = ops.mean(ops.sum(per_token * kept, dim=1) * ops.tensor(1.0 / np.maximum(mask.sum(axis=1), 1.0)))
-        elif self.loss_type == "bnpo":
-            loss = ops.sum(per_token * kept) * (1.0 / max(float(mask.sum()), 1.0))
-        elif self.loss_type == "dr_grpo":
-            loss = ops.sum(per_token * kept) * (1.0 / (rows * self.max_length))
-        else:  # dapo: over the step's completion tokens, every micro-batch and data-parallel rank
-            loss = ops.sum(per_token * kept) * (1.0 / target.tokens_per_micro_batch)
-        self._record(ops.to_numpy(autograd.detach(ratio)), target.advantages, mask,
+        # under context parallelism each rank sums its columns, times the CP ranks: the trainer
+        # averages over them (as loss_from_logits)
+        loss = ops.sum(per_token * ops.tensor(weights.astype(np.float32)))
+        self._record(ops.to_numpy(autograd.detach(ratio)), target.advantages, mask, max(float(whole.sum()), 1.0),
                      None if kl is None else ops.to_numpy(autograd.detach(kl)))
         return loss
 
-    def _record(self, ratio, advantages, mask, kl) -> None:
+    def _record(self, ratio, advantages, mask, tokens: float, kl) -> None:
+        """The clip fraction and the KL over the micro-batch's ``tokens`` completion tokens (a
+        CP rank's share of them: the shares are summed)."""
         a = np.asarray(advantages).reshape(-1, 1)
         clipped = ((ratio < 1.0 - self.low) & (a < 0)) | ((ratio > 1.0 + self.high) & (a > 0))
-        tokens = max(float(mask.sum()), 1.0)
         self.stats.append(np.array([float((clipped * mask).sum()) / tokens,
                                     0.0 if kl is None else float((kl * mask).sum()) / tokens]))
 
@@ -316,13 +330,16 @@ class Rollouts:
     def rows(self) -> int:
         return self.ids.shape[0]
 
-    def micro_batch(self, start: int, size: int):
-        """(ids, Rollout, None) of rows [start, start + size)."""
+    def micro_batch(self, start: int, size: int, columns: np.ndarray | None = None, shards: int = 1):
+        """(ids, Rollout, None) of rows [start, start + size); ``columns``: only these columns of
+        the ids and labels (a context-parallel rank's, of ``shards``)."""
         cut = slice(start, start + size)
-        target = Rollout(ops.tensor(np.ascontiguousarray(self.labels[cut])), self.mask[cut], self.advantages[cut],
-                         None if self.old is None else self.old[cut],
-                         None if self.reference is None else self.reference[cut], self.tokens_per_micro_batch)
-        return ops.tensor(np.ascontiguousarray(self.ids[cut])), target, None
+        local = slice(None) if columns is None else columns
+        target = Rollout(ops.tensor(np.ascontiguousarray(self.labels[cut][:, local])), self.mask[cut],
+                         self.advantages[cut], None if self.old is None else self.old[cut],
+                         None if self.reference is None else self.reference[cut], self.tokens_per_micro_batch,
+                         columns, shards)
+        return ops.tensor(np.ascontiguousarray(self.ids[cut][:, local])), target, None
 
 
 def rows_of(prompts: list[list[int]], completions: list[list[int]], ended: list[bool], width: int, pad: int,
@@ -407,16 +424,22 @@ def log_probs(model, rollouts: Rollouts, size: int, temperature: float) -> np.nd
 
 @contextlib.contextmanager
 def evaluating(model):
-    """No dropout while drawing or scoring: ``model``, or under pipeline parallelism each of
-    this rank's chunks (training/schedules.py StagedModel)."""
+    """Drawing or scoring: no dropout, and whole sequences (under context parallelism the
+    chunks run with the seams inside the CP ones: every CP rank computes the whole rows, as
+    the key/value cache needs). ``model``, or under pipeline parallelism each of this rank's
+    chunks (training/schedules.py StagedModel)."""
     modules = getattr(model, "chunks", None) or [model]
+    seams = [module.seams for module in modules]
     for module in modules:
         nn.set_training(module, False)
+        if module.seams.context_shards > 1:
+            module.use_seams(module.seams.inner)
     try:
         yield
     finally:
-        for module in modules:
+        for module, own in zip(modules, seams):
             nn.set_training(module, True)
+            module.use_seams(own)
 
 
 class Reference:

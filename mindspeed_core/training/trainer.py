@@ -30,6 +30,7 @@ from mindspeed_core.models import lora, registry
 from mindspeed_core.models.gpt import load_whole_state
 from mindspeed_core.models.moe import with_router_losses
 from mindspeed_core.models.state import is_expert_bias
+from mindspeed_core.parallel import context
 from mindspeed_core.parallel import state as parallel_state
 from mindspeed_core.progress import Progress
 from mindspeed_core.training import (alignment, batches, boards, build, checkpoint, compiled, configuration,
@@ -329,7 +330,8 @@ class Trainer:
         names = ("step_accuracy",) if self.stage_name == "prm" else grpo.STATS if self.rl else alignment.STATS
         mine = self.objective.take_stats()
         values = np.zeros(len(names), np.float32) if mine is None else mine.astype(np.float32)
-        values = distributed.sum_over_dp_and_pp(values, self.ps)  # the last stage's figures; zeros elsewhere
+        # the last stage's figures (zeros elsewhere); GRPO's CP ranks each hold a share of them
+        values = distributed.sum_over_dp_and_pp(values, self.ps, ("dp", "pp", "cp") if self.rl else ("dp", "pp"))
         return {f"{record}_{name}": float(v) / self.ps.dp for name, v in zip(names, values)}
 
     def _mtp_step_losses(self) -> list[float]:
@@ -346,8 +348,10 @@ class Trainer:
         args = self.flags
         if args.compile:  # a compiled step runs no forward hooks (--overlap-param-gather)
             self.parameters_ready()
-        if self.rl:  # this iteration's rollouts
-            micro_batches = (self.rollouts.micro_batch(start, args.micro_batch_size)
+        if self.rl:  # this iteration's rollouts; under CP this rank's columns of each row
+            columns = None if self.ps.cp == 1 else context.local_columns(self.rollouts.ids.shape[1], self.ps.cp,
+                                                                         self.ps.local_rank("cp"))
+            micro_batches = (self.rollouts.micro_batch(start, args.micro_batch_size, columns, self.ps.cp)
                              for start in range(0, self.rollouts.rows, args.micro_batch_size))
         else:
             micro_batches = (self.batches.micro_batch("train", start, args.micro_batch_size)
