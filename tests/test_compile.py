@@ -17,27 +17,37 @@ FRAMEWORK, VERSION = runtime.bound().NAME, runtime.bound().FRAMEWORK_VERSION
 TP_STATUS = features.get("compile-tensor-parallel").status(FRAMEWORK, version=VERSION)
 
 
-@pytest.fixture(scope="module")
-def eager(corpus, tmp_path_factory):  # noqa: F811
-    """The eager loss curve, one process."""
+def eager_run(flags, corpus, folder):
+    """The metrics file of an eager run, one process."""
     import contextlib
     import io
 
     from mindspeed_core import cli
 
-    path = tmp_path_factory.mktemp("eager") / "m.jsonl"
+    path = folder / "m.jsonl"
     with contextlib.redirect_stdout(io.StringIO()):
-        assert cli.main(["train", *FLAGS, "--data-path", corpus, "--metrics-file", str(path)]) == 0
-    return losses(path)
+        assert cli.main(["train", *flags, "--data-path", corpus, "--metrics-file", str(path)]) == 0
+    return path
+
+
+def compiled_run(capsys, flags, corpus, folder):
+    """The metrics file of a --compile run, one process, its first step checked against eager."""
+    path = folder / "m.jsonl"
+    code, out, err = train(capsys, *flags, "--compile", "--data-path", corpus, "--metrics-file", str(path))
+    assert code == 0, err
+    assert "first-step gradients match eager" in out, out
+    return path
+
+
+@pytest.fixture(scope="module")
+def eager(corpus, tmp_path_factory):  # noqa: F811
+    """The eager loss curve, one process."""
+    return losses(eager_run(FLAGS, corpus, tmp_path_factory.mktemp("eager")))
 
 
 @pytest.mark.feature("compile")
 def test_compiled_losses_equal_eager(capsys, corpus, eager, tmp_path):  # noqa: F811
-    metrics = tmp_path / "m.jsonl"
-    code, out, err = train(capsys, *FLAGS, "--compile", "--data-path", corpus, "--metrics-file", str(metrics))
-    assert code == 0, err
-    assert "first-step gradients match eager" in out, out
-    assert_same_curve(losses(metrics), eager)
+    assert_same_curve(losses(compiled_run(capsys, FLAGS, corpus, tmp_path)), eager)
 
 
 def _marks(*ids):
@@ -85,15 +95,9 @@ MOE_LAYOUT = LAYOUT if TP_STATUS.kind == "supported" else []  # as the dense mod
 @pytest.fixture(scope="module")
 def moe_eager(corpus, tmp_path_factory):  # noqa: F811
     """The eager MoE run, one process: {iteration: metrics record}."""
-    import contextlib
-    import io
     import json
 
-    from mindspeed_core import cli
-
-    path = tmp_path_factory.mktemp("moe-eager") / "m.jsonl"
-    with contextlib.redirect_stdout(io.StringIO()):
-        assert cli.main(["train", *MOE_FLAGS, "--data-path", corpus, "--metrics-file", str(path)]) == 0
+    path = eager_run(MOE_FLAGS, corpus, tmp_path_factory.mktemp("moe-eager"))
     return {r["iteration"]: r for r in map(json.loads, open(path)) if "loss" in r}
 
 
@@ -114,12 +118,8 @@ def assert_same_moe_run(path, eager):
 @pytest.mark.feature("moe-compile")
 @pytest.mark.feature("moe")
 def test_compiled_moe_routes_and_trains_as_eager(capsys, corpus, moe_eager, tmp_path):  # noqa: F811
-    metrics = tmp_path / "m.jsonl"
-    code, out, err = train(capsys, *MOE_FLAGS, "--compile", "--data-path", corpus, "--metrics-file", str(metrics))
-    assert code == 0, err
-    assert "first-step gradients match eager" in out, out
     assert len({str(r["moe"]["tokens_per_expert"]) for r in moe_eager.values()}) > 1  # the routing moved
-    assert_same_moe_run(metrics, moe_eager)
+    assert_same_moe_run(compiled_run(capsys, MOE_FLAGS, corpus, tmp_path), moe_eager)
 
 
 @pytest.fixture(scope="module")
