@@ -580,7 +580,7 @@ FEATURES: tuple[Feature, ...] = (
     Feature("stage-grpo", "Online RL: GRPO with rollouts from the policy (--stage grpo)", "fine-tuning",
             ("--stage grpo", "--num-generations", "--reward-funcs", "--kl-coef", "--grpo-loss-type"),
             supported("rollouts drawn by the trained weights in the same processes (KV cache, sampling), rewards: "
-                      "exact final answer, <think> format, a Python function or an outcome reward model; "
+                      "exact final answer, <think> format, a Python function or an outcome reward model (cut for TP); "
                       "group-relative advantages, clipped ratio, k3 KL to the starting weights (kept on the host); "
                       "grpo, bnpo, dr_grpo and dapo averaging, loss and gradients equal to TRL's; TP, PP, CP and DP"),
             supported("as on PyTorch"), _eq("stage", "grpo")),

@@ -375,9 +375,12 @@ def test_loss_and_gradients_equal_trls(tmp_path):
 
 @pytest.fixture(scope="module")
 def reward_model(prompts):
+    return train_reward_model(prompts["root"])
+
+
+def train_reward_model(root) -> str:
     """An outcome reward model (--stage orm, three steps from scratch) on pairs of answers to the
-    sums: the right one chosen, one off by one rejected."""
-    root = prompts["root"]
+    sums: the right one chosen, one off by one rejected. Returns its checkpoint folder."""
     with open(root / "pairs.jsonl", "w") as fh:
         for a in range(5):
             for b in range(5):

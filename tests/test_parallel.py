@@ -421,7 +421,14 @@ def grpo_corpus(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def two_ranks(corpus, data, grpo_corpus, tmp_path_factory):  # noqa: F811
+def grpo_reward_model(tmp_path_factory):
+    from test_grpo import train_reward_model
+
+    return train_reward_model(tmp_path_factory.mktemp("orm"))
+
+
+@pytest.fixture(scope="module")
+def two_ranks(corpus, data, grpo_corpus, grpo_reward_model, tmp_path_factory):  # noqa: F811
     """One launch of two ranks: the two-rank CASES (tp2, dp2-distopt and moe-ep2-alltoall save
     when they end, after the steps whose traffic is checked; resumed below on other layouts) and
     the TP2 + SP text sample. Returns its folder."""
@@ -437,6 +444,9 @@ def two_ranks(corpus, data, grpo_corpus, tmp_path_factory):  # noqa: F811
                                   "--tensor-model-parallel-size", "2"], True, {"double": DOUBLED}]]
     extra += [[name, [*GRPO, *flags, "--data-path", grpo_corpus, "--train-iters", str(LAYOUT_ITERS)]]
               for name, flags in GRPO_CASES.items()]
+    # the reward model cut for tensor parallelism, scoring beside the reward function
+    extra += [["grpo-rm-tp2", [*GRPO, "--reward-model", grpo_reward_model, "--tensor-model-parallel-size", "2",
+                               "--data-path", grpo_corpus, "--train-iters", "2"]]]
     run_configs(FRAMEWORK, 2, case_spec(ranks_cases(2), data, tmp) + extra, tmp)
     return tmp
 
@@ -600,6 +610,28 @@ def test_grpo_layouts_draw_and_train_as_one_process(two_ranks, grpo_corpus, tmp_
         assert worst < 1e-5, (name, where, worst)
         layout = {"grpo-tp2": "TP=2 DP=1", "grpo-dp2": "TP=1 DP=2", "grpo-pp2": "PP=2", "grpo-cp2": "CP=2"}[name]
         assert layout in (out / f"{name}.log").read_text(), name
+
+
+@pytest.mark.multiprocess
+@pytest.mark.feature("stage-grpo")
+@pytest.mark.feature("stage-orm")
+@pytest.mark.feature("tensor-parallel")
+def test_grpo_reward_model_cut_for_tensor_parallelism_scores_as_one_process(two_ranks, grpo_corpus,
+                                                                             grpo_reward_model, tmp_path):
+    """--reward-model under TP2: each rank holds its shard of the reward model, and the scores
+    (so the rewards, the advantages and the loss) are the whole model's in one process."""
+    from parity_worker import train_case
+
+    flags = [*GRPO, "--reward-model", grpo_reward_model, "--data-path", grpo_corpus, "--train-iters", "2"]
+    train_case(str(tmp_path), "grpo-rm", flags)
+    want = [json.loads(x) for x in open(tmp_path / "grpo-rm.jsonl") if '"loss"' in x]
+    got = [json.loads(x) for x in open(two_ranks / "out" / "grpo-rm-tp2.jsonl") if '"loss"' in x]
+    assert len(got) == len(want) == 2 and all(r["train_reward_model"] != 0 for r in want)
+    held = re.search(r"reward model \S+: ([\d,]+) of its ([\d,]+) parameters", (two_ranks / "out" / "grpo-rm-tp2.log")
+                     .read_text())
+    assert held and int(held[1].replace(",", "")) < 0.75 * int(held[2].replace(",", "")), held  # cut, not whole
+    for key in ("train_reward_model", "train_reward", "loss"):
+        assert [r[key] for r in got] == pytest.approx([r[key] for r in want], rel=1e-4, abs=1e-6), key
 
 
 def resume_in_one_process(capsys, corpus, folder, model, want, saved_layout, tmp_path):  # noqa: F811

@@ -689,8 +689,12 @@ def _check_grpo(args, dp: int) -> None:
         raise MindSpeedError(f"--reward-weights gives {len(args.reward_weights)} weights for {len(args.reward_funcs)} "
                              f"--reward-funcs{' and --reward-model' if args.reward_model else ''}")
     grpo.reward_functions(args.reward_funcs)  # each importable, before any rank starts
-    if args.reward_model:
-        grpo.read_reward_model(args.reward_model, weights=False)
+    if args.reward_model:  # cut for the policy's tensor parallelism
+        rm = grpo.read_reward_model(args.reward_model, weights=False)
+        try:
+            parallel_layers.check_layout(rm, args.tensor_model_parallel_size)
+        except MindSpeedError as e:
+            raise MindSpeedError(f"--reward-model {args.reward_model}: {e}") from None
 
 
 def pipeline_layout(args, cfg: ModelConfig) -> pipeline.PipelineLayout:

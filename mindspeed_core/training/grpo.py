@@ -143,19 +143,25 @@ def read_reward_model(path: str, weights: bool = True):
 
 class RewardModel:
     """An outcome reward model (--stage orm) scoring completions: its value where it has read a
-    completion's last token (alignment.last_token_values, as it was trained). Whole on every
-    rank (not cut), without gradients."""
+    completion's last token (alignment.last_token_values, as it was trained). Cut for the run's
+    tensor parallelism (``ps``: every rank of a TP group scores the same rows, each with its
+    shard), whole on every other axis, without gradients."""
 
-    def __init__(self, path: str, vocab_size: int):
+    def __init__(self, path: str, vocab_size: int, ps=None):
         from mindspeed_core.models import registry
         from mindspeed_core.models.gpt import load_whole_state
+        from mindspeed_core.parallel import families
 
         source = read_reward_model(path)
         if source.cfg.vocab_size != vocab_size:
             raise MindSpeedError(f"--reward-model {path} has a vocabulary of {source.cfg.vocab_size} tokens, the "
                                  f"policy {vocab_size}: it must read the same token ids")
-        self.model = registry.for_config(source.cfg).build(source.cfg)
+        self.cfg = source.cfg
+        spec = registry.for_config(source.cfg)
+        self.model = spec.build(source.cfg)
         load_whole_state(self.model, source.state)
+        if ps is not None and ps.tp > 1:
+            families.parallelize(spec, self.model, ps, False, cp_algo=None)
         nn.set_training(self.model, False)
 
     def score(self, ids: np.ndarray, mask: np.ndarray, size: int) -> np.ndarray:

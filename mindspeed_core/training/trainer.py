@@ -172,8 +172,12 @@ class Trainer:
         if args.overlap_param_gather and ps.size("dp_cp") > 1:
             self.param_gather = overlap.OverlappedParamGather(self.optimizer, self.chunks)
         self.forward_backward, self.forward_only = self._schedule(chunk_params)
-        self.reward_model = grpo.RewardModel(args.reward_model, self.cfg.vocab_size) \
+        self.reward_model = grpo.RewardModel(args.reward_model, self.cfg.vocab_size, ps) \
             if self.rl and args.reward_model else None
+        if self.reward_model is not None:
+            held = sum(ops.numel(p) for p in nn.parameters(self.reward_model.model))
+            self.say(f"GRPO: reward model {args.reward_model}: {held:,} of its {self.reward_model.cfg.num_parameters():,} "
+                     f"parameters on this rank")
         if self.rl and args.kl_coef:  # the starting weights of this rank's parameters, for the KL term
             if saved_optimizer is not None:
                 self.say("GRPO: the KL reference is the weights this run resumes from (the starting weights of the "
