@@ -430,15 +430,18 @@ def test_the_reward_model_is_checked_from_its_configuration_alone(prompts, rewar
     from mindspeed_core.compat import hf, megatron_args
     from mindspeed_core.training import checkpoint, configuration
 
-    def parsed(folder):
+    def parsed(folder, *extra):
         return megatron_args.training_parser().parse_args(
             [*MODEL, "--stage", "grpo", "--data-path", prompts["data"], "--num-generations", "4",
-             "--micro-batch-size", "4", "--reward-funcs", "--reward-model", folder])
+             "--micro-batch-size", "4", "--reward-funcs", "--reward-model", folder, *extra])
 
     read = []
     monkeypatch.setattr(checkpoint, "load_model_arrays", lambda *a, **k: read.append(a))
     configuration.configure(parsed(reward_model), 1)
     assert read == []
+    # a policy padded to another vocabulary than the reward model's: said before any rank starts
+    with pytest.raises(MindSpeedError, match="has a vocabulary of 264 tokens, the policy 384"):
+        configuration.configure(parsed(reward_model, "--make-vocab-size-divisible-by", "128"), 1)
     lm = tmp_path / "lm"
     lm.mkdir()
     cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, vocab_size=264)

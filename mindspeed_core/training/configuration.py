@@ -631,7 +631,7 @@ def check_configuration(args, world: int):
                              f"--micro-batch-size x data-parallel size ({args.micro_batch_size} x {dp})")
     pipeline.check_micro_batches(layout, (args.global_batch_size or args.micro_batch_size * dp)
                                  // (args.micro_batch_size * dp))
-    _check_stage(args, dp)
+    _check_stage(args, dp, cfg.vocab_size)
     if args.save:
         check_save_folder(args)
     return tokenizer, cfg
@@ -644,7 +644,7 @@ def stage_of(args) -> str:
     return args.stage or ("sft" if args.is_instruction_dataset else "pretrain")
 
 
-def _check_stage(args, dp: int = 1) -> None:
+def _check_stage(args, dp: int = 1, vocab_size: int | None = None) -> None:
     """What the preference and reward stages' flags must agree on, refused before any rank starts
     (the layouts they cannot run are rows of the matrix)."""
     stage = stage_of(args)
@@ -657,10 +657,10 @@ def _check_stage(args, dp: int = 1) -> None:
         raise MindSpeedError("--stage prm needs --reward-tokens: the step labels of the data, as given to mindspeed "
                              "preprocess (e.g. --reward-tokens + -)")
     if stage == "grpo":
-        _check_grpo(args, dp)
+        _check_grpo(args, dp, vocab_size)
 
 
-def _check_grpo(args, dp: int) -> None:
+def _check_grpo(args, dp: int, vocab_size: int | None = None) -> None:
     from mindspeed_core.training import grpo
 
     for flag, on in (("--sequence-parallel", args.sequence_parallel),
@@ -691,6 +691,8 @@ def _check_grpo(args, dp: int) -> None:
     grpo.reward_functions(args.reward_funcs)  # each importable, before any rank starts
     if args.reward_model:  # cut for the policy's tensor parallelism
         rm = grpo.read_reward_model(args.reward_model, weights=False)
+        if vocab_size is not None:
+            grpo.check_reward_vocabulary(args.reward_model, rm, vocab_size)
         try:
             parallel_layers.check_layout(rm, args.tensor_model_parallel_size)
         except MindSpeedError as e:

@@ -141,6 +141,14 @@ def read_reward_model(path: str, weights: bool = True):
     return source
 
 
+def check_reward_vocabulary(path: str, cfg, vocab_size: int) -> None:
+    """The reward model must read the policy's token ids: the same (padded) vocabulary."""
+    if cfg.vocab_size != vocab_size:
+        raise MindSpeedError(f"--reward-model {path} has a vocabulary of {cfg.vocab_size} tokens, the policy "
+                             f"{vocab_size}: it must read the same token ids (train it with the policy's tokenizer "
+                             "and --make-vocab-size-divisible-by)")
+
+
 class RewardModel:
     """An outcome reward model (--stage orm) scoring completions: its value where it has read a
     completion's last token (alignment.last_token_values, as it was trained). Cut for the run's
@@ -153,9 +161,7 @@ class RewardModel:
         from mindspeed_core.parallel import families
 
         source = read_reward_model(path)
-        if source.cfg.vocab_size != vocab_size:
-            raise MindSpeedError(f"--reward-model {path} has a vocabulary of {source.cfg.vocab_size} tokens, the "
-                                 f"policy {vocab_size}: it must read the same token ids")
+        check_reward_vocabulary(path, source.cfg, vocab_size)
         self.cfg = source.cfg
         spec = registry.for_config(source.cfg)
         self.model = spec.build(source.cfg)
