@@ -1197,10 +1197,12 @@ def save_folder(folder: str, cfg: ModelConfig, state: dict, max_shard_bytes: int
     """Write config.json and safetensors (sharded with an index past max_shard_bytes) from a
     whole model's state in our names (LoRA adapters merged into their base weights)."""
     cfg, state = without_noop_layers(*merge_lora(cfg, state))
-    os.makedirs(folder, exist_ok=True)
+    # both can refuse the model: before the folder exists, so that a refusal leaves nothing
+    config = {**hf_config(cfg), "torch_dtype": "float32"}
     hf = {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in to_hf_state(cfg, state).items()}
+    os.makedirs(folder, exist_ok=True)
     with open(os.path.join(folder, "config.json"), "w") as fh:
-        json.dump({**hf_config(cfg), "torch_dtype": "float32"}, fh, indent=2)
+        json.dump(config, fh, indent=2)
     shards, current, size = [], {}, 0
     for name in sorted(hf):
         if current and max_shard_bytes and size + hf[name].nbytes > max_shard_bytes:

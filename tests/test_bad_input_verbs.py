@@ -391,6 +391,9 @@ CASES = [
                                         "model": 5}), t / "o"), "not a dict of tensors"),
     ("conv-ours-edited", lambda t, m, c: _convert("mg", "hf", _edit_meta(m, t, family="bogus"), t / "o"),
      "family must be one of"),
+    # refused after the source is read, when only the export can tell: no --save-dir left behind
+    ("conv-hf-no-architecture", lambda t, m, c: _convert("mg", "hf", _edit_meta(m, t, scale_emb=12.0), t / "new"),
+     "no scale_emb setting in transformers"),
     ("conv-ours-other-mlp", lambda t, m, c: _convert("mg", "mg", _edit_meta(m, t, ffn_hidden_size=64), t / "o"),
      "does not belong to these weights"),
     ("conv-hf-with-target", lambda t, m, c: _convert("mg", "hf", m / "ckpt", t / "o", "--target-tensor-parallel-size",
