@@ -82,6 +82,11 @@ CASES = [
     ("train-blend-inf", lambda t, c: ["train", *SMALL, "--data-path", "inf", c, "1", c], "must be a positive number"),
     ("train-split-negative", lambda t, c: ["train", *SMALL, "--data-path", c, "--split", "100,-10,10"],
      "each zero or positive"),
+    # multi-token prediction: every depth needs targets, and a module is a layer of its own
+    ("train-mtp-past-the-sequence", lambda t, c: ["train", *SMALL, "--data-path", c, "--mtp-num-layers", "10",
+                                                  "--seq-length", "8"], "depths 8 and beyond have no targets"),
+    ("train-mtp-deeper-than-the-model", lambda t, c: ["train", *SMALL, "--data-path", c, "--mtp-num-layers", "3"],
+     "--mtp-num-layers 3 exceeds the model's 2 layers"),
     ("train-save-under-file", lambda t, c: ["train", *SMALL, "--data-path", c, "--save", str(t / "f" / "ckpt")],
      "is not a folder"),
     ("train-save-is-file", lambda t, c: ["train", *SMALL, "--data-path", c, "--save", str(t / "f")], "is a file"),

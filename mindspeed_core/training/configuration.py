@@ -590,6 +590,7 @@ def check_configuration(args, world: int):
     if args.seq_length > cfg.max_position_embeddings:
         raise MindSpeedError(f"--seq-length {args.seq_length} exceeds the model's max_position_embeddings "
                              f"{cfg.max_position_embeddings}")
+    _check_mtp_depth(cfg, args.seq_length)
     if args.finetune and not args.load:
         raise MindSpeedError("--finetune takes the weights of the checkpoint in --load: give --load")
     profiling.check(args, world)
@@ -635,6 +636,19 @@ def check_configuration(args, world: int):
     if args.save:
         check_save_folder(args)
     return tokenizer, cfg
+
+
+def _check_mtp_depth(cfg: ModelConfig, seq_length: int) -> None:
+    """Depth k predicts the token k + 1 places on, so a sequence of S tokens gives it S - k
+    targets: a depth without any would train on nothing and dilute the others' term."""
+    depth = cfg.mtp_num_layers
+    if depth >= seq_length:
+        raise MindSpeedError(f"--mtp-num-layers {depth} with --seq-length {seq_length}: depth k predicts the token "
+                             f"k + 1 places on, so depths {seq_length} and beyond have no targets; give "
+                             f"--mtp-num-layers below --seq-length")
+    if depth > cfg.num_layers:  # each module is a whole transformer layer on top of the model
+        raise MindSpeedError(f"--mtp-num-layers {depth} exceeds the model's {cfg.num_layers} layers (--num-layers): "
+                             f"each prediction module is a transformer layer of its own (DeepSeek-V3 uses 1 on 61)")
 
 
 def stage_of(args) -> str:
