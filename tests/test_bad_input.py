@@ -82,6 +82,12 @@ CASES = [
     ("train-blend-inf", lambda t, c: ["train", *SMALL, "--data-path", "inf", c, "1", c], "must be a positive number"),
     ("train-split-negative", lambda t, c: ["train", *SMALL, "--data-path", c, "--split", "100,-10,10"],
      "each zero or positive"),
+    ("train-split-zero", lambda t, c: ["train", *SMALL, "--data-path", c, "--split", "0,0,0"], "has no positive part"),
+    ("train-split-text", lambda t, c: ["train", *SMALL, "--data-path", c, "--split", "98,x"], "must be numbers"),
+    ("train-blend-odd", lambda t, c: ["train", *SMALL, "--data-path", "0.5", c, c], "weight/prefix pairs"),
+    ("train-mtp-scaling-without-modules", lambda t, c: ["train", *SMALL, "--data-path", c,
+                                                        "--mtp-loss-scaling-factor", "0.3"],
+     "--mtp-loss-scaling-factor qualifies the multi-token prediction modules of --mtp-num-layers"),
     # multi-token prediction: every depth needs targets, and a module is a layer of its own
     ("train-mtp-past-the-sequence", lambda t, c: ["train", *SMALL, "--data-path", c, "--mtp-num-layers", "10",
                                                   "--seq-length", "8"], "depths 8 and beyond have no targets"),
@@ -142,6 +148,20 @@ def assert_refused_in_one_line(capsys, tmp_path, argv, fragment):
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(capsys, corpus, tmp_path, case, build, fragment):  # noqa: F811
     (tmp_path / "f").write_text("a file where a folder would go")
     assert_refused_in_one_line(capsys, tmp_path, build(tmp_path, corpus), fragment)
+
+
+# the rows refused from the flags alone (no data, checkpoint or Hugging Face weights read)
+FLAG_ROWS = [case for case in CASES if case[0].startswith("train-")]
+
+
+@pytest.mark.parametrize("case, build, fragment", FLAG_ROWS, ids=[c[0] for c in FLAG_ROWS])
+def test_check_args_refuses_what_train_refuses(capsys, corpus, tmp_path, case, build, fragment):  # noqa: F811
+    """`mindspeed check-args` runs train's configuration (configuration.configure, the one
+    function both call): every flag row of the table is its refusal too, in the same words."""
+    (tmp_path / "f").write_text("a file where a folder would go")
+    argv = build(tmp_path, corpus)
+    assert argv[0] == "train"
+    assert_refused_in_one_line(capsys, tmp_path, ["check-args", *argv[1:]], fragment)
 
 
 def test_token_ids_beyond_the_tokenizer_stop_at_the_first_batch(capsys, corpus, tmp_path):  # noqa: F811

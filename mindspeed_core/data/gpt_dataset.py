@@ -43,7 +43,8 @@ def parse_data_path(values: list[str]) -> list[tuple[float, str]]:
     return [(w / total, p) for w, p in pairs]
 
 
-def split_ranges(num_docs: int, split: str) -> dict:
+def split_parts(split: str) -> list[float]:
+    """``--split 98,1,1`` (or 98/1/1, fewer parts meaning zero) -> [train, valid, test] weights."""
     try:
         parts = [float(x) for x in split.replace("/", ",").split(",")]
     except ValueError:
@@ -53,6 +54,11 @@ def split_ranges(num_docs: int, split: str) -> dict:
     parts = (parts + [0.0, 0.0])[:3]
     if sum(parts) <= 0:
         raise MindSpeedError(f"--split {split!r} has no positive part")
+    return parts
+
+
+def split_ranges(num_docs: int, split: str) -> dict:
+    parts = split_parts(split)
     bounds = [0]
     for frac in np.cumsum(parts) / sum(parts):
         bounds.append(int(round(frac * num_docs)))

@@ -6,7 +6,8 @@ data, stage, operations). Nothing assigns into the parsed flags afterwards.
 
 `mindspeed train` (each rank), `mindspeed check-args`, `mindspeed launch` (once, before any
 rank starts) and `mindspeed plan` (for each candidate layout) call the same :func:`configure`;
-none of them builds a model here.
+none of them builds a model here. So a refusal that needs only the flags belongs here, not where
+the data or the model are built: there, check-args would pass what train refuses.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import os
 
 from mindspeed_core import device, features, files, ops, runtime
 from mindspeed_core.compat import hf
+from mindspeed_core.data import gpt_dataset
 from mindspeed_core.data.tokenizer import build_tokenizer, check_fits, padded_vocab_size, tokenizer_args
 from mindspeed_core.errors import MindSpeedError
 from mindspeed_core.memory import recompute
@@ -269,6 +271,11 @@ def model_config(args, vocab_size: int) -> ModelConfig:
                 0.1 if args.mtp_loss_scaling_factor is None else args.mtp_loss_scaling_factor))
         except ValueError as exc:
             raise MindSpeedError(f"model configuration: {exc}") from None
+    else:  # Megatron ignores them without modules; refused here, as a stray flag that weighs nothing
+        given = [f for f in ("mtp_loss_scaling_factor", "mtp_mem_efficient_logits") if getattr(args, f) is not None]
+        if given:
+            raise MindSpeedError(f"--{given[0].replace('_', '-')} qualifies the multi-token prediction modules of "
+                                 f"--mtp-num-layers, which this run has none of: give --mtp-num-layers or drop it")
     cfg.lora = lora_config(args)
     cfg.reward_head = stage_of(args) == "orm"
     cfg.fused = frozenset(op for flag, op in FUSED_FLAGS.items() if getattr(args, flag, False))
@@ -593,6 +600,9 @@ def check_configuration(args, world: int):
     _check_mtp_depth(cfg, args.seq_length)
     if args.finetune and not args.load:
         raise MindSpeedError("--finetune takes the weights of the checkpoint in --load: give --load")
+    if args.data_path:  # the data's flags alone, as the data sets read them (before any file is)
+        gpt_dataset.parse_data_path(args.data_path)
+    gpt_dataset.split_parts(args.split)
     profiling.check(args, world)
     if args.wandb_project:
         boards.check_wandb()
