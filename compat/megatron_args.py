@@ -455,7 +455,9 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
     add_tokenizer_args(d)
 
     c = parser.add_argument_group("checkpoints and logging")
-    c.add_argument("--save", default=None)
+    c.add_argument("--save", default=None,
+                   help="where checkpoints go (default: none; a run on the embedded data without --load saves in "
+                        "./checkpoints/<its --model-name, or its --load-hf folder's name>)")
     c.add_argument("--save-interval", type=POSITIVE_INT, default=None)
     c.add_argument("--load", default=None)
     c.add_argument("--finetune", action="store_true",

@@ -107,6 +107,12 @@ def _edit_hf(m, t, **changes):
     return str(folder)
 
 
+def _holding(m, t, folder, *argv):
+    """``argv``, once our checkpoint is copied into ``folder`` (of the test's own folder)."""
+    shutil.copytree(m / "ckpt", t / folder)
+    return list(argv)
+
+
 def _mixed_ranks(m, t, other: str):
     """mg1 with its second tensor-parallel rank taken from ``other``."""
     folder = _copy(m, t, "mg1")
@@ -258,6 +264,10 @@ CASES = [
         "train", *SMALL, "--data-path", c, "--load",
         str(shutil.copytree(m / "ckpt" / "iter_0000001", t / "half" / "iter_0000001").parent)],
      "holds iteration folders but no"),
+    # the default save folder (no data flags, no --save) is guarded as a --save given
+    ("train-default-save-held", lambda t, m, c: _holding(m, t, "checkpoints/tiny-llama", "train", "--train-iters",
+                                                         "1", "--no-progress"),
+     "the default save folder checkpoints/tiny-llama already holds another run's checkpoints"),
     ("train-load-file", lambda t, m, c: ["train", *SMALL, "--data-path", c, "--load", _write(t, "x.txt", "x")],
      "is a file"),
     ("train-finetune-no-load", lambda t, m, c: ["train", *MODEL, "--data-path", c, "--finetune"],

@@ -254,8 +254,9 @@ def test_tensor_parallel_generation_draws_what_one_process_draws(framework, caps
 
 def test_the_embedded_default_saves_where_generate_finds_it(capsys, monkeypatch, tmp_path, framework):
     """`mindspeed train` with no data flags keeps its model in ./checkpoints/tiny-llama and says
-    how to go on from it; a second run replaces the model. (The README's commands on that model
-    run in fresh processes, with the flag: test_verbs.py.)"""
+    how to go on from it; a second run leaves that model alone, as a --save given would, unless
+    --overwrite-checkpoints. (The README's commands on that model run in fresh processes, with
+    the flag: test_verbs.py.)"""
     monkeypatch.chdir(tmp_path)
     fast = ["--sample-tokens", "0", "--eval-iters", "0", "--no-progress"]
     assert cli.main(["train", "--train-iters", "2", *fast]) == 0
@@ -264,5 +265,9 @@ def test_the_embedded_default_saves_where_generate_finds_it(capsys, monkeypatch,
     assert f"mindspeed generate --ai-framework {framework} --load {folder} --prompt 'def ' --stream" in out
     assert cli.main(["generate", "--load", folder, "--prompt", "def ", "--max-new-tokens", "4", "--json"]) == 0
     assert len(json.loads(capsys.readouterr().out.splitlines()[-1])["ids"]) <= 4
-    assert cli.main(["train", "--train-iters", "1", *fast]) == 0
+    assert cli.main(["train", "--train-iters", "1", *fast]) == 2
+    err = capsys.readouterr().err
+    assert f"the default save folder {folder} already holds another run's checkpoints (up to iteration 2)" in err
+    assert err.count("\n") == 1 and "--overwrite-checkpoints" in err
+    assert cli.main(["train", "--train-iters", "1", "--overwrite-checkpoints", *fast]) == 0
     assert "the model is saved in" in capsys.readouterr().out

@@ -48,6 +48,36 @@ def losses(path):
     return {r["iteration"]: r["loss"] for r in map(json.loads, open(path)) if "loss" in r}
 
 
+def test_the_default_save_folder_is_named_after_the_model_and_guarded(monkeypatch, tmp_path):
+    """Without data flags or --save, a run keeps its model in ./checkpoints/<its --model-name
+    preset, or its --load-hf folder's name>, guarded as a --save given: another run's
+    checkpoints there are refused, not replaced, unless --overwrite-checkpoints."""
+    from mindspeed_core.compat import megatron_args
+    from mindspeed_core.errors import MindSpeedError
+    from mindspeed_core.training import checkpoint, configuration
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "Qwen-mini").mkdir()
+    (tmp_path / "Qwen-mini" / "config.json").write_text(json.dumps(
+        {"model_type": "qwen2", "vocab_size": 300, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "intermediate_size": 128, "max_position_embeddings": 256}))
+
+    def save(*argv):
+        return configuration.configure(megatron_args.training_parser().parse_args(list(argv)), 1).flags.save
+
+    assert save() == os.path.join("checkpoints", "tiny-llama")
+    assert save("--model-name", "tiny-qwen3") == os.path.join("checkpoints", "tiny-qwen3")
+    assert save("--load-hf", "Qwen-mini/") == os.path.join("checkpoints", "Qwen-mini")
+    assert save("--load-hf", "Qwen-mini", "--stage", "sft") == os.path.join("checkpoints", "Qwen-mini-sft")
+    held = tmp_path / "checkpoints" / "Qwen-mini"
+    (held / "iter_0000003").mkdir(parents=True)
+    (held / checkpoint.TRACKER).write_text("3")
+    with pytest.raises(MindSpeedError, match=r"the default save folder checkpoints/Qwen-mini already holds another "
+                                             r"run's checkpoints \(up to iteration 3\): add --overwrite-checkpoints"):
+        save("--load-hf", "Qwen-mini")
+    assert save("--load-hf", "Qwen-mini", "--overwrite-checkpoints") == os.path.join("checkpoints", "Qwen-mini")
+
+
 def test_loss_falls_and_metrics_are_written(capsys, corpus, tmp_path):
     metrics = tmp_path / "m.jsonl"
     code, out, err = train(capsys, *SMALL, "--data-path", corpus, "--train-iters", "30", "--metrics-file", str(metrics),

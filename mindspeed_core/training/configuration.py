@@ -157,7 +157,7 @@ def configure(args, world: int, framework: str | None = None) -> RunConfig:
     ranks on ``framework`` (default: the bound one)."""
     work = argparse.Namespace(**(args.as_dict() if isinstance(args, Flags) else vars(args)))
     embedded = _apply_defaults(work, framework or runtime.bound().NAME)
-    tokenizer, model = check_configuration(work, world)
+    tokenizer, model = check_configuration(work, world, default_save=bool(work.save) and not args.save)
     tp, pp, cp = work.tensor_model_parallel_size, work.pipeline_model_parallel_size, work.context_parallel_size
     dp = world // (tp * pp * cp)
     if work.global_batch_size is None:  # one micro-batch per data-parallel rank
@@ -210,7 +210,7 @@ def _apply_defaults(args, framework: str) -> bool:
         for key, value in EMBEDDED_SFT_DEFAULTS.items():
             if getattr(args, key, None) is None:
                 setattr(args, key, value)
-        pretrained = default_save_folder(EMBEDDED_DEFAULTS["model_name"])
+        pretrained = default_save_folder(args.model_name or EMBEDDED_DEFAULTS["model_name"])
         if not (args.load or args.load_hf) and os.path.isdir(pretrained) and \
                 checkpoint.latest_iteration(pretrained) is not None:
             args.load, args.finetune = pretrained, True
@@ -224,10 +224,10 @@ def _apply_defaults(args, framework: str) -> bool:
         args.tokenizer_type, args.tokenizer_name_or_path = "ByteLevel", None
     if embedded and not args.save and (not args.load or args.finetune):
         # the default run keeps its model where `mindspeed generate` finds it (printed at the
-        # end); running it again replaces it
+        # end), named after that model; check_save_folder guards it as it does a --save given
         lora_on = args.lora_r is not None or args.lora_target_modules is not None
-        args.save = default_save_folder(args.model_name + ("-lora" if sft and lora_on else "-sft" if sft else ""))
-        args.overwrite_checkpoints = True
+        name = os.path.basename(os.path.abspath(args.load_hf)) if args.load_hf else args.model_name
+        args.save = default_save_folder(name + ("-lora" if sft and lora_on else "-sft" if sft else ""))
     if embedded:  # our own run: every fused kernel the device has
         for flag in FUSED_FLAGS:
             setattr(args, flag, True)
@@ -258,8 +258,8 @@ def _apply_defaults(args, framework: str) -> bool:
 
 
 def default_save_folder(model_name: str) -> str:
-    """Where the embedded default run saves its model: ./checkpoints/<model> (our checkpoints
-    load on either framework)."""
+    """Where the embedded default run saves its model: ./checkpoints/<model>, the --model-name
+    preset's name or the --load-hf folder's (our checkpoints load on either framework)."""
     return os.path.join("checkpoints", model_name)
 
 
@@ -576,9 +576,10 @@ def _moe_config(args, num_layers: int) -> tuple[MoEConfig, tuple | None]:
     return moe, None if len(layers) == num_layers else layers
 
 
-def check_configuration(args, world: int):
+def check_configuration(args, world: int, default_save: bool = False):
     """Every check that needs no process group, no data and no weights: the launcher runs it
-    once before starting any rank, and each rank again. Returns (tokenizer, model config)."""
+    once before starting any rank, and each rank again. Returns (tokenizer, model config).
+    ``default_save``: --save is the embedded run's default folder, not the user's."""
     tokenizer = build_tokenizer(*tokenizer_args(args))
     cfg = model_config(args, tokenizer.vocab_size)
     # the matrix's gate again, with the model's own MoE layers (from flags or a Hugging Face
@@ -644,7 +645,7 @@ def check_configuration(args, world: int):
                                  // (args.micro_batch_size * dp))
     _check_stage(args, dp, cfg.vocab_size)
     if args.save:
-        check_save_folder(args)
+        check_save_folder(args, default_save)
     return tokenizer, cfg
 
 
@@ -730,14 +731,20 @@ def pipeline_layout(args, cfg: ModelConfig) -> pipeline.PipelineLayout:
                                 ",".join(map(str, cfg.noop_layers)) or None)
 
 
-def check_save_folder(args) -> None:
-    """--save must be writable, and must not silently take over another run's checkpoints."""
-    files.check_writable(args.save, f"--save {args.save}")
+def check_save_folder(args, default: bool = False) -> None:
+    """--save must be writable, and must not silently take over another run's checkpoints;
+    ``default``: it is the embedded run's default folder (the same guard, its own words)."""
+    what = f"the default save folder {args.save}" if default else f"--save {args.save}"
+    files.check_writable(args.save, what)
     latest = checkpoint.holds_checkpoints(args.save)
     same = any(src and os.path.realpath(src) == os.path.realpath(args.save) for src in (args.load, args.lora_load))
     if latest is not None and not same and not args.overwrite_checkpoints:
         held = f"up to iteration {latest}" if latest >= 0 else "iteration folders"
-        raise MindSpeedError(f"--save {args.save} already holds another run's checkpoints ({held}): pass "
+        if default:  # resuming it needs --save too: with --load alone a run saves nothing
+            raise MindSpeedError(f"{what} already holds another run's checkpoints ({held}): add "
+                                 f"--overwrite-checkpoints to replace them, give --save another folder, or "
+                                 f"--load {args.save} --save {args.save} to resume that run")
+        raise MindSpeedError(f"{what} already holds another run's checkpoints ({held}): pass "
                              f"--load {args.save} to resume that run, choose a new --save folder, or add "
                              f"--overwrite-checkpoints to replace them")
 
