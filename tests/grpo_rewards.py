@@ -10,3 +10,8 @@ def digits(completions, references, prompts):
 
 def wrong_length(completions, references, prompts):
     return [1.0]
+
+
+def boom(completions, references, prompts):
+    """A user's function that fails: named in one line, the run stopped with its checkpoints kept."""
+    raise RuntimeError("boom")

@@ -113,6 +113,19 @@ def _holding(m, t, folder, *argv):
     return list(argv)
 
 
+def _grpo_resuming(m, t, reward):
+    """GRPO on sums (instruction data made here) from a copy of our checkpoint, saving into that
+    copy, rewarded by ``reward``."""
+    _records(t, [{"instruction": f"{a}+{b}=", "output": f"#### {a + b}"} for a in range(4) for b in range(4)],
+             "sums.jsonl")
+    assert cli.main(["preprocess", "--input", str(t / "sums.jsonl"), "--output-prefix", str(t / "sums"), *ALPACA,
+                     "--tokenizer-type", "ByteLevel", "--seq-length", "32"]) == 0
+    run = str(_copy(m, t, "ckpt"))
+    return ["train", *SMALL, "--stage", "grpo", "--data-path", str(t / "sums"), "--split", "100,0,0", "--load", run,
+            "--finetune", "--save", run, "--train-iters", "1", "--num-generations", "2", "--global-batch-size", "2",
+            "--micro-batch-size", "4", "--max-completion-length", "4", "--sample-tokens", "0", "--reward-funcs", reward]
+
+
 def _mixed_ranks(m, t, other: str):
     """mg1 with its second tensor-parallel rank taken from ``other``."""
     folder = _copy(m, t, "mg1")
@@ -289,6 +302,9 @@ CASES = [
      "does not belong to these weights"),
     ("train-load-hf-flag-disagrees", lambda t, m, c: ["train", *MODEL, "--data-path", c, "--load-hf", str(m / "hf")],
      "--hidden-size 32 disagrees with the Hugging Face folder's config.json"),
+    # a user's reward function that raises: named in one line, the checkpoint it resumed kept
+    ("train-grpo-reward-raises", lambda t, m, c: _grpo_resuming(m, t, "grpo_rewards:boom"),
+     "reward function grpo_rewards:boom raised RuntimeError: boom"),
     # ---- generate ---------------------------------------------------------------------------
     ("gen-no-model", lambda t, m, c: ["generate", "--prompt", "x"], "--load CHECKPOINT_DIR or --load-hf"),
     ("gen-load-missing", lambda t, m, c: ["generate", "--load", str(t / "nope"), "--prompt", "x"], "does not exist"),

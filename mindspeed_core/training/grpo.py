@@ -188,7 +188,14 @@ def score(functions, weights, completions, references, prompts) -> tuple[np.ndar
     """(the weighted total [n], each function's rewards [functions, n])."""
     each = []
     for (name, fn), weight in zip(functions, weights):
-        values = fn(completions, references, prompts)
+        try:
+            values = fn(completions, references, prompts)
+        except MindSpeedError:  # a built-in's refusal, already one line
+            raise
+        except Exception as e:  # the user's code: its error, named, is the run's one line
+            said = str(e).strip().splitlines()
+            raise MindSpeedError(f"reward function {name} raised {type(e).__name__}"
+                                 + (f": {said[0]}" if said else "")) from None
         try:
             values = np.asarray(values, np.float64).reshape(-1)
         except (TypeError, ValueError):
