@@ -65,11 +65,15 @@ def pytest_report_header(config):
 def pytest_collection_modifyitems(config, items):
     # a test of no framework's code (marked framework_free) proves the same on either suite: it
     # runs in the PyTorch one (megatron-core, which such tests compare with, needs torch anyway)
+    # and so does a test that runs both frameworks itself with the same result either way round
+    # (marked both_frameworks)
     if FRAMEWORK != "pytorch":
-        elsewhere = [item for item in items if item.get_closest_marker("framework_free")]
+        def once(item):
+            return item.get_closest_marker("framework_free") or item.get_closest_marker("both_frameworks")
+        elsewhere = [item for item in items if once(item)]
         if elsewhere:
             config.hook.pytest_deselected(items=elsewhere)
-            items[:] = [item for item in items if not item.get_closest_marker("framework_free")]
+            items[:] = [item for item in items if not once(item)]
     for item in items:
         ids = {m.args[0] for m in item.iter_markers("feature")}
         for fid in ids:
