@@ -38,6 +38,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import math
 import shlex
 import socket
 import time
@@ -348,30 +349,76 @@ class _Sizes:
 
 # ---- enumeration -----------------------------------------------------------------------------
 
-def _divisors(n: int) -> list[int]:
-    small = [d for d in range(1, int(n ** 0.5) + 1) if n % d == 0]
-    return sorted(set(small + [n // d for d in small]))
+# The search's bounds, so that `plan` answers within seconds whatever the sizes, or says in one
+# line why it will not. Checking and predicting one layout costs about as much as going through
+# CHECK_LAYERS layers, plus each layer of the model once (~3 us a layer on a 2-core host): the
+# layouts times (CHECK_LAYERS + layers) stay within MAX_WORK (~10 s there).
+CHECK_LAYERS = 400
+MAX_WORK = 3_000_000
+MAX_LAYERS = 100_000  # the deepest models trained have about 130
+MAX_DIVISIONS = 5_000_000  # the trial divisions that list the layouts (~0.5 s)
+
+
+def _divisors(n: int, limit: int | None = None) -> list[int]:
+    """``n``'s divisors up to ``limit``, by at most min(limit, sqrt n) trial divisions."""
+    limit = n if limit is None else min(limit, n)
+    root = math.isqrt(n)
+    if limit <= root:
+        return [d for d in range(1, limit + 1) if n % d == 0]
+    small = [d for d in range(1, root + 1) if n % d == 0]
+    return sorted(d for d in set(small + [n // d for d in small]) if d <= limit)
+
+
+def layout_space(cfg, args, world: int, devices_per_node: int) -> list[Layout]:
+    """The layouts worth asking the trainer about, found by arithmetic: each size no larger than
+    what it cuts (TP the heads, PP the layers, CP the sequence, DP the batch, EP the experts),
+    TP within a node. Refused in one line past MAX_DIVISIONS or MAX_WORK."""
+    gbs, seq, out = args.global_batch_size, args.seq_length, []
+    divisions = 0
+
+    def divisors(n: int, limit: int, what: str) -> list[int]:
+        nonlocal divisions
+        divisions += min(limit, math.isqrt(n))
+        if divisions > MAX_DIVISIONS:
+            raise MindSpeedError(f"{what}: too large to search (more than {MAX_DIVISIONS:,} trial divisions to list "
+                                 f"the layouts)")
+        return _divisors(n, limit)
+
+    devices = f"--devices {world}"
+    for tp in divisors(world, min(devices_per_node, cfg.num_attention_heads), devices):
+        for pp in divisors(world // tp, cfg.num_layers, devices):
+            for cp in divisors(world // (tp * pp), seq, devices):
+                dp = world // (tp * pp * cp)
+                if gbs % dp:
+                    continue
+                eps = [e for e in divisors(dp * cp, cfg.moe.num_experts, devices) if cfg.moe.num_experts % e == 0] \
+                    if cfg.moe is not None else [1]
+                mbss = divisors(gbs // dp, args.max_micro_batch_size,
+                                f"--global-batch-size {gbs} with --max-micro-batch-size {args.max_micro_batch_size}")
+                out += [Layout(tp, pp, dp, cp, ep, mbs, recompute, distopt)
+                        for ep, mbs, recompute, distopt in itertools.product(
+                            eps, mbss, ("none", "selective", "full"), (False, True) if dp * cp > 1 else (False,))]
+                if len(out) * (CHECK_LAYERS + cfg.num_layers) > MAX_WORK:
+                    most = MAX_WORK // (CHECK_LAYERS + cfg.num_layers)
+                    raise MindSpeedError(f"--devices {world} with --global-batch-size {gbs}: more layouts to check "
+                                         f"(TP x PP x CP x DP x EP, micro-batch sizes up to --max-micro-batch-size "
+                                         f"{args.max_micro_batch_size}, recompute, distributed optimizer) than the "
+                                         f"{most:,} the planner checks for a model of {cfg.num_layers} layers (each "
+                                         f"check goes through every layer); lower --max-micro-batch-size or give "
+                                         f"--devices-per-node")
+    return out
 
 
 def candidates(cfg, args, world: int, devices_per_node: int, check) -> list[Layout]:
     """Every layout of ``world`` devices the trainer accepts (``check(layout)`` raises
     MindSpeedError otherwise): TP within a node."""
-    gbs, out = args.global_batch_size, []
-    for tp in (t for t in _divisors(world) if t <= devices_per_node):
-        for pp, cp in ((p, c) for p in _divisors(world // tp) for c in _divisors(world // (tp * p))):
-            dp = world // (tp * pp * cp)
-            if gbs % dp:
-                continue
-            eps = [e for e in _divisors(dp * cp) if cfg.moe is not None and cfg.moe.num_experts % e == 0] or [1]
-            mbss = [m for m in _divisors(gbs // dp) if m <= args.max_micro_batch_size]
-            for ep, mbs, recompute, distopt in itertools.product(eps, mbss, ("none", "selective", "full"),
-                                                                  (False, True) if dp * cp > 1 else (False,)):
-                lay = Layout(tp, pp, dp, cp, ep, mbs, recompute, distopt)
-                try:
-                    check(lay)
-                except MindSpeedError:
-                    continue
-                out.append(lay)
+    out = []
+    for lay in layout_space(cfg, args, world, devices_per_node):
+        try:
+            check(lay)
+        except MindSpeedError:
+            continue
+        out.append(lay)
     return out
 
 
@@ -618,7 +665,12 @@ def plan(args) -> dict:
     def check(lay: Layout):
         return configuration.configure(train_parser.parse_args([*base_check, *lay.flags()]), world)
 
-    cfg = configuration.configure(train_parser.parse_args([*base_check, "--micro-batch-size", "1"]), 1).model
+    one = train_parser.parse_args([*base_check, "--micro-batch-size", "1"])
+    depth = configuration.model_only(one).num_layers  # each check below walks the layers: bounded first
+    if depth > MAX_LAYERS:
+        raise MindSpeedError(f"--num-layers {depth}: the planner checks each layout with the trainer's configuration, "
+                             f"which goes through every layer, and plans models of up to {MAX_LAYERS:,} layers")
+    cfg = configuration.configure(one, 1).model
     # each kind of parallelism cuts something finite: the batch (DP), the layers (PP), the heads
     # (TP) and the sequence (CP); a job larger than all of them has no layout (and none is tried)
     most = args.global_batch_size * cfg.num_layers * cfg.num_attention_heads * args.seq_length

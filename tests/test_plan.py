@@ -4,6 +4,9 @@ launch commands (benchmarks/bench_plan.py compares its predictions with measured
 
 from __future__ import annotations
 
+import contextlib
+import signal
+
 import pytest
 
 from mindspeed_core import cli, planner
@@ -154,6 +157,41 @@ def test_plan_needs_the_batch_it_divides(capsys):
     argv = MODEL[:i] + MODEL[i + 2:]
     assert cli.main(["plan", *argv, "--devices", "2", "--memory-per-device", "4", *MACHINE]) == 2
     assert "give --seq-length and --global-batch-size" in capsys.readouterr().err
+
+
+@contextlib.contextmanager
+def within(seconds: float):
+    """Fails the block that runs longer than ``seconds`` (it is interrupted)."""
+    def stop(signum, frame):
+        raise TimeoutError(f"no answer within {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, stop)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+@pytest.mark.parametrize("flags, said", [
+    (["--num-layers", "100000000"], "plans models of up to 100,000 layers"),
+    (["--global-batch-size", "100000000000000000000"], None),  # an answer: arithmetic at any batch
+    (["--global-batch-size", "100000000000000000000", "--max-micro-batch-size", "1000000000000"],
+     "too large to search"),
+    (["--num-layers", "50000", "--devices", "8"], "than the 59 the planner checks for a model of 50000 layers"),
+    (["--devices", "720720", "--global-batch-size", "100000000000000000000"], "no layout of 720720 devices"),
+], ids=["deep", "huge-batch", "huge-micro-batches", "deep-and-many-layouts", "many-devices"])
+def test_plan_answers_within_seconds_at_any_size(capsys, flags, said):
+    """The search is bounded (planner.MAX_LAYERS, MAX_WORK, MAX_DIVISIONS): absurd sizes get an
+    answer or a one-line refusal in seconds, not a search that runs for hours."""
+    with within(60):
+        code = cli.main(["plan", *MODEL, "--devices", "2", "--memory-per-device", "4", *MACHINE, *flags])
+    out, err = capsys.readouterr()
+    if said is None:
+        assert code == 0 and "layouts the trainer accepts" in out, err
+    else:
+        assert code == 2 and said in err and err.count("\n") == 1, err
 
 
 # the bands the planner's predictions keep on layouts none of its constants were read from

@@ -182,6 +182,14 @@ def configure(args, world: int, framework: str | None = None) -> RunConfig:
         operations=operations(flags))
 
 
+def model_only(args, framework: str | None = None) -> ModelConfig:
+    """The model the flags describe, as :func:`configure` makes it, without its checks (some go
+    through every layer): for a caller that bounds its work by the model's size first (plan)."""
+    work = argparse.Namespace(**(args.as_dict() if isinstance(args, Flags) else vars(args)))
+    _apply_defaults(work, framework or runtime.bound().NAME)
+    return model_config(work, build_tokenizer(*tokenizer_args(work)).vocab_size)
+
+
 def pad_multiple(wanted: int, tp: int, cp: int, sequence_parallel: bool) -> int:
     """The multiple a dynamically padded micro-batch's length is rounded up to: --pad-to-multiple-of,
     and what context parallelism (2 x CP chunks) and sequence parallelism (TP slices) cut it by."""
