@@ -191,7 +191,7 @@ def test_each_kind_of_damage_is_one_line(tmp_path):
     path.write_bytes(good)
     lacking = json.loads(json.dumps(meta))
     lacking["index"]["model"]["qkv"]["pieces"].pop()
-    with pytest.raises(CheckpointError, match="lacks part of model tensor qkv"):
+    with pytest.raises(CheckpointError, match="leaves a hole in model tensor qkv"):
         read(lacking)
     wrong = json.loads(json.dumps(meta))
     wrong["index"]["model"]["qkv"]["pieces"][0][0] = "../elsewhere"
@@ -201,6 +201,42 @@ def test_each_kind_of_damage_is_one_line(tmp_path):
         sc.Reader(str(folder), meta).read("model", sc.held("fc9", (3,), ParamPlan("fc9"), ps))
     with pytest.raises(CheckpointError, match="holds no valid index"):
         sc.Reader(str(folder), {"steps": 1})
+
+
+@pytest.mark.parametrize("layout", ["one", "tp2-dp2"])
+def test_pieces_must_tile_each_tensor_before_any_is_read(tmp_path, layout):
+    """A piece moved (a hole and an overlap), moved off the tensor's end, or shrunk (a hole)
+    is refused when the index is read, whatever layout reads it and whichever slice it wants;
+    the message names the problem (issue 59 items 2 and 12)."""
+    values = values_of()
+    meta = save(tmp_path / "ckpt", ranks(**LAYOUTS[layout]), values, False)
+    folder = str(tmp_path / "ckpt")
+
+    def edited(change):
+        copy = json.loads(json.dumps(meta))
+        change(copy["index"]["model"]["fc1"]["pieces"])
+        return copy
+
+    def moved(pieces, to):
+        pieces[-1][2][0] = to
+
+    def shrunk(pieces):
+        pieces[-1][3][0] -= 1
+
+    single = len(meta["index"]["model"]["fc1"]["pieces"]) == 1
+    cases = [(lambda p: moved(p, 1), "outside it" if single else "overlapping pieces"),
+             (lambda p: moved(p, 8), "outside it"), (shrunk, "leaves a hole in model tensor fc1")]
+    if not single:
+        cases.append((lambda p: p.pop(), "leaves a hole in model tensor fc1"))
+    for change, message in cases:
+        damaged = edited(change)
+        with pytest.raises(CheckpointError, match=message) as info:
+            sc.Reader(folder, damaged)
+        assert "\n" not in str(info.value)
+    # a hole in rows nobody at TP1 would notice missing: refused all the same
+    holed = edited(lambda p: p.__setitem__(slice(None), [[*q[:2], q[2], [q[3][0] - 2, *q[3][1:]], q[4]] for q in p]))
+    with pytest.raises(CheckpointError, match="leaves a hole"):
+        sc.Reader(folder, holed).read("model", sc.held("fc1", (8, 6), TENSORS[1][2], ranks()[0]))
 
 
 def test_pieces_that_do_not_add_up_are_never_saved():

@@ -145,6 +145,11 @@ class Reader:
         if not isinstance(index, dict):
             raise CheckpointError(f"{folder}/meta.json holds no valid index of its shards")
         self.index = index
+        for section, tensors in index.items():
+            if not isinstance(tensors, dict):
+                raise CheckpointError(f"{folder}/meta.json holds no valid index of its shards")
+            for name, record in tensors.items():
+                _check_tiling(record, folder, section, name)
         self.steps = meta.get("steps")
         if type(self.steps) is not int or self.steps < 0:
             raise CheckpointError(f"{folder}/meta.json holds no valid step count ({self.steps!r})")
@@ -235,6 +240,35 @@ def _piece(piece, folder: str, name: str) -> tuple:
     except (TypeError, ValueError):
         raise CheckpointError(f"{folder}/meta.json has a malformed index entry for {name}") from None
     return fname, key, offset, shape, sha
+
+
+def _check_tiling(record, folder: str, section: str, name: str) -> None:
+    """Refuse a tensor whose pieces do not tile it exactly (a piece outside it, two pieces
+    overlapping, or a hole no piece covers), before any of its pieces is read."""
+    shape = record.get("shape") if isinstance(record, dict) else None
+    if not (isinstance(shape, list) and all(type(x) is int and x >= 0 for x in shape)
+            and isinstance(record.get("pieces"), list)):
+        raise CheckpointError(f"{folder}/meta.json has a malformed index entry for {name}")
+    boxes = []
+    for piece in record["pieces"]:
+        _, _, offset, size, _ = _piece(piece, folder, name)
+        if len(offset) != len(shape) or any(o + s > n for o, s, n in zip(offset, size, shape)):
+            raise CheckpointError(f"{folder}/meta.json places a piece of {section} tensor {name} outside it "
+                                  f"(offset {offset}, shape {size}; the tensor's shape is {shape})")
+        if all(size):
+            boxes.append((tuple(offset), tuple(size)))
+    boxes.sort()
+    for i, a in enumerate(boxes):  # sorted by first offset: only the boxes starting before a ends can meet it
+        for b in boxes[i + 1:]:
+            if len(shape) and b[0][0] >= a[0][0] + a[1][0]:
+                break
+            if intersect(a, b) is not None:
+                raise CheckpointError(f"{folder}/meta.json has overlapping pieces of {section} tensor {name} "
+                                      f"(offsets {list(a[0])} and {list(b[0])})")
+    covered = sum(int(np.prod(b[1], dtype=np.int64)) for b in boxes)
+    if covered != int(np.prod(shape, dtype=np.int64)):
+        raise CheckpointError(f"{folder}/meta.json leaves a hole in {section} tensor {name}: its pieces cover "
+                              f"{covered} of its {int(np.prod(shape, dtype=np.int64))} elements")
 
 
 class TorchDistCopy:
