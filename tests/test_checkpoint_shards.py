@@ -239,6 +239,23 @@ def test_pieces_must_tile_each_tensor_before_any_is_read(tmp_path, layout):
         sc.Reader(folder, holed).read("model", sc.held("fc1", (8, 6), TENSORS[1][2], ranks()[0]))
 
 
+def test_a_pieces_shape_edited_in_the_index_is_one_line_naming_the_tensor_and_the_file(tmp_path):
+    """fc2's two TP pieces ([6, 2] at columns 0 and 2) edited to [6, 1] and [6, 3]: they still
+    tile the tensor, but no longer match what the files hold (issue 59 item 8: a reshape
+    ValueError before)."""
+    meta = save(tmp_path / "ckpt", ranks(tp=2), values_of(), False)
+    folder = str(tmp_path / "ckpt")
+    edited = json.loads(json.dumps(meta))
+    first, second = edited["index"]["model"]["fc2"]["pieces"]
+    first[3], second[2], second[3] = [6, 1], [0, 1], [6, 3]
+    message = r"rank_0000\d.safetensors holds 'model/fc2/0' of shape \[6, 2\], but meta.json's index gives this piece " \
+              r"of model tensor fc2 the shape \[6, 1\]"
+    with pytest.raises(CheckpointError, match=message):
+        sc.Reader(folder, edited).whole("model")
+    with pytest.raises(CheckpointError, match="gives this piece of model tensor fc2 the shape"):
+        sc.Reader(folder, edited).read("model", sc.held("fc2", (6, 4), TENSORS[2][2], ranks()[0]))
+
+
 def test_pieces_that_do_not_add_up_are_never_saved():
     """Two ranks both writing a replicated tensor (or none writing it) is a bug in who writes
     what: merge_indices refuses it before any meta.json names the files."""

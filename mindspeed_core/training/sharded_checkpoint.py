@@ -189,6 +189,10 @@ class Reader:
                                                                         self._headers.get(fname))
             self.bytes_read += nbytes
             values.update({(fname, k): t.float32() for k, t in got.items()})
+        for piece in record["pieces"]:
+            fname, key, _, shape, _ = _piece(piece, self.folder, h.name)
+            if (fname, key) in values:
+                _check_stored(values[(fname, key)], shape, self._path(fname), key, section, h.name)
         size = int(np.prod(h.shape)) if h.flat is None else h.flat[1] - h.flat[0]
         out, filled = np.zeros(size, np.float32), 0
         for box, at, local, whole in needed:
@@ -222,7 +226,9 @@ class Reader:
                 if key not in loaded[fname]:
                     raise CheckpointError(f"{self._path(fname)} holds no tensor {key!r}: the checkpoint's index names "
                                           f"one it lacks")
-                array[region((tuple(offset), tuple(shape)))] = loaded[fname][key].float32().reshape(shape)
+                stored = loaded[fname][key].float32()
+                _check_stored(stored, shape, self._path(fname), key, section, name)
+                array[region((tuple(offset), tuple(shape)))] = stored.reshape(shape)
             out[name] = array
         return out
 
@@ -240,6 +246,14 @@ def _piece(piece, folder: str, name: str) -> tuple:
     except (TypeError, ValueError):
         raise CheckpointError(f"{folder}/meta.json has a malformed index entry for {name}") from None
     return fname, key, offset, shape, sha
+
+
+def _check_stored(array: np.ndarray, shape: list, path: str, key: str, section: str, name: str) -> None:
+    """A piece's stored tensor must have the shape the index gives it (an edited index would
+    otherwise fail to reshape, or place values where they do not belong)."""
+    if tuple(array.shape) != tuple(shape):
+        raise CheckpointError(f"{path} holds {key!r} of shape {list(array.shape)}, but meta.json's index gives this "
+                              f"piece of {section} tensor {name} the shape {list(shape)}")
 
 
 def _check_tiling(record, folder: str, section: str, name: str) -> None:
