@@ -34,6 +34,20 @@ def _flip_header_byte(ckpt):
     path.write_bytes(bytes(data))
 
 
+def _edit_meta(edit):
+    """A damage that rewrites iter_0000001/meta.json through ``edit(meta)``."""
+    def damage(ckpt):
+        path = ckpt / "iter_0000001" / "meta.json"
+        meta = json.loads(path.read_text())
+        edit(meta)
+        path.write_text(json.dumps(meta))
+    return damage
+
+
+def _first_model_record(meta):
+    return next(iter(meta["index"]["model"].values()))
+
+
 def _hf(tmp, corpus, config, extra=None):  # noqa: F811
     folder = tmp / "hf"
     folder.mkdir()
@@ -110,6 +124,15 @@ CASES = [
      "not a JSON object"),
     ("ckpt-meta-binary", lambda t, c: _checkpoint(t, c, lambda k: (k / "iter_0000001" / "meta.json")
                                                   .write_bytes(b"\xff\xfe")), "not JSON"),
+    # meta.json against the folder, the tracker, the run state and the tensors (issue 59 item 3)
+    ("ckpt-meta-other-iteration", lambda t, c: _checkpoint(t, c, _edit_meta(lambda m: m.update(iteration=2))),
+     "says iteration 2, but its folder and the tracker say 1"),
+    ("ckpt-meta-tp", lambda t, c: _checkpoint(t, c, _edit_meta(lambda m: m["parallel"].update(tp=2))),
+     "records TP=2, but its trainer_state.json was saved at TP=1"),
+    ("ckpt-meta-tp-zero", lambda t, c: _checkpoint(t, c, _edit_meta(lambda m: m["parallel"].update(tp=0))),
+     "records no valid layout"),
+    ("ckpt-meta-dtype", lambda t, c: _checkpoint(t, c, _edit_meta(lambda m: _first_model_record(m).update(
+        dtype="bfloat16"))), "as float32, but meta.json's index records model tensor"),
     ("ckpt-header-byte", lambda t, c: _checkpoint(t, c, _flip_header_byte), "corrupt"),
     ("ckpt-state-garbled", lambda t, c: _checkpoint(t, c, lambda k: (k / "iter_0000001" / "trainer_state.json")
                                                     .write_text("{}")), "SHA-256"),

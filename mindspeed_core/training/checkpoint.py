@@ -259,7 +259,33 @@ def read_meta(root: str, iteration: int) -> dict:
     meta = _read_json(path)
     if not isinstance(meta, dict):
         raise CheckpointError(f"checkpoint {path} is corrupt (not a JSON object)")
+    _check_meta(path, meta, iteration)
     return meta
+
+
+LAYOUT_SIZES = ("tp", "dp", "pp", "cp")
+
+
+def _check_meta(path: str, meta: dict, iteration: int) -> None:
+    """meta.json's own fields against what else names them: its iteration against the folder's
+    name and the tracker (which chose ``iteration``), its layout's sizes (positive whole
+    numbers) against the rank files it names."""
+    saved = meta.get("iteration", iteration)
+    if type(saved) is not int or saved != iteration:
+        raise CheckpointError(f"{path} says iteration {saved!r}, but its folder and the tracker say {iteration}: the "
+                              f"folder holds another iteration's checkpoint")
+    layout = meta.get("parallel", {})
+    if not isinstance(layout, dict) or any(k in layout and (type(layout[k]) is not int or layout[k] < 1)
+                                           for k in LAYOUT_SIZES):
+        raise CheckpointError(f"{path} records no valid layout ('parallel': {layout!r})")
+    world = int(np.prod([layout.get(k, 1) for k in LAYOUT_SIZES]))
+    digests = meta.get("sha256")
+    ranks = [int(f[5:10]) for f in (digests if isinstance(digests, dict) else {})
+             if f.startswith("rank_") and f[5:10].isdigit()]
+    if "parallel" in meta and ranks and max(ranks) >= world:
+        raise CheckpointError(f"{path} records a layout of {world} ranks "
+                              f"({', '.join(f'{k.upper()}={layout.get(k, 1)}' for k in LAYOUT_SIZES)}), but names the "
+                              f"file of rank {max(ranks)}")
 
 
 def _read_json(path: str, sha256: str | None = None):
@@ -349,6 +375,12 @@ def load_trainer_state(root: str, iteration: int) -> dict:
     state = _read_json(path, _digest(meta, STATE_FILE))
     if not isinstance(state, dict):
         raise CheckpointError(f"{path} is corrupt (not a JSON object)")
+    saved, layout = state.get("layout"), meta.get("parallel")
+    if isinstance(saved, dict) and isinstance(layout, dict):
+        differ = [k for k in LAYOUT_SIZES if k in saved and k in layout and saved[k] != layout[k]]
+        if differ:
+            raise CheckpointError(f"{folder}/meta.json records {differ[0].upper()}={layout[differ[0]]}, but its "
+                                  f"{STATE_FILE} was saved at {differ[0].upper()}={saved[differ[0]]}")
     return state
 
 

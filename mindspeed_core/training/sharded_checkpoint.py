@@ -188,6 +188,8 @@ class Reader:
             got, nbytes, self._headers[fname] = tensor_files.read_some(self._path(fname), keys,
                                                                         self._headers.get(fname))
             self.bytes_read += nbytes
+            for k, t in got.items():
+                _check_dtype(t, record, self._path(fname), k, section, h.name)
             values.update({(fname, k): t.float32() for k, t in got.items()})
         for piece in record["pieces"]:
             fname, key, _, shape, _ = _piece(piece, self.folder, h.name)
@@ -226,6 +228,7 @@ class Reader:
                 if key not in loaded[fname]:
                     raise CheckpointError(f"{self._path(fname)} holds no tensor {key!r}: the checkpoint's index names "
                                           f"one it lacks")
+                _check_dtype(loaded[fname][key], record, self._path(fname), key, section, name)
                 stored = loaded[fname][key].float32()
                 _check_stored(stored, shape, self._path(fname), key, section, name)
                 array[region((tuple(offset), tuple(shape)))] = stored.reshape(shape)
@@ -246,6 +249,13 @@ def _piece(piece, folder: str, name: str) -> tuple:
     except (TypeError, ValueError):
         raise CheckpointError(f"{folder}/meta.json has a malformed index entry for {name}") from None
     return fname, key, offset, shape, sha
+
+
+def _check_dtype(stored, record: dict, path: str, key: str, section: str, name: str) -> None:
+    """A piece's stored dtype must be the one meta.json's index records for its tensor."""
+    if stored.dtype != record.get("dtype"):
+        raise CheckpointError(f"{path} holds {key!r} as {stored.dtype}, but meta.json's index records {section} "
+                              f"tensor {name} as {record.get('dtype')!r}")
 
 
 def _check_stored(array: np.ndarray, shape: list, path: str, key: str, section: str, name: str) -> None:
