@@ -48,3 +48,38 @@ def test_the_golden_comparison_fails_on_what_it_guards():
         "default: its configuration changed since the golden values were written"]
     assert moved(lambda g: g["pp2-vpp"]["steps"].pop("10"))[0].startswith("pp2-vpp: logged steps")
     assert moved(lambda g: g.pop("tp2-sp-distopt")) == ["tp2-sp-distopt: not run"]
+
+
+CROSS_LOSS_TOL = 5e-6  # relative, every step: measured 3.2e-6 (moe-ep2), as test_parity's bound
+CROSS_NORM_TOL = 1e-4  # relative: measured 3.8e-5 (tp2-sp-distopt; Adam amplifies ulp-sized differences)
+
+
+def cross_framework_problems(a: dict, b: dict) -> list[str]:
+    """Where two frameworks' golden records of the same configurations part, one line each."""
+    problems = []
+    for name in sorted(a):
+        if a[name]["flags"] != b[name]["flags"] or sorted(a[name]["steps"]) != sorted(b[name]["steps"]):
+            problems.append(f"{name}: the two files record other runs")
+            continue
+        for step, (loss, norm, skipped) in a[name]["steps"].items():
+            loss1, norm1, skipped1 = b[name]["steps"][step]
+            if abs(loss - loss1) > CROSS_LOSS_TOL * abs(loss1) or skipped != skipped1:
+                problems.append(f"{name} step {step}: loss {loss!r} / {loss1!r}, skipped {skipped} / {skipped1}")
+            if abs(norm - norm1) > CROSS_NORM_TOL * abs(norm1):
+                problems.append(f"{name} step {step}: grad norm {norm!r} / {norm1!r}")
+    return problems
+
+
+@pytest.mark.framework_free
+def test_the_two_frameworks_golden_curves_agree():
+    """PyTorch's and MindSpore's golden runs of the same configurations, step by step: the same
+    losses within 5e-6 and grad norms within 1e-4 (relative), the same skipped steps; and the
+    comparison sees a loss moved by 1e-5."""
+    pytorch = json.loads((golden_curves.GOLDEN / "pytorch.json").read_text())
+    mindspore = json.loads((golden_curves.GOLDEN / "mindspore.json").read_text())
+    assert sorted(pytorch) == sorted(mindspore) == sorted(golden_curves.CONFIGS)
+    problems = cross_framework_problems(pytorch, mindspore)
+    assert not problems, "\n".join(problems)
+    moved = copy.deepcopy(mindspore)
+    moved["cp2"]["steps"]["4"][0] *= 1 + 1e-5
+    assert [p.split(":")[0] for p in cross_framework_problems(pytorch, moved)] == ["cp2 step 4"]
