@@ -312,3 +312,101 @@ def test_gpt2_bpe_tokenizer_matches_transformers(tmp_path):
         ids = ours.encode(text)
         assert ids == ref.encode(text, add_special_tokens=False), text
         assert ours.decode(ids) == ref.decode(ids, skip_special_tokens=True), text
+
+
+def _load_everything(root, shapes):
+    """What a resume reads of a sharded checkpoint, in this process: meta.json, each tensor whole
+    and as a one-rank layout's slice, the step count and the run state."""
+    from mindspeed_core.parallel.plan import ParamPlan
+    from mindspeed_core.parallel.state import ParallelState
+    from mindspeed_core.training import sharded_checkpoint as sc
+
+    it = checkpoint.latest_iteration(str(root))
+    shards, ps, out = checkpoint.reader(str(root), it), ParallelState(1, 0), {}
+    for section in ("model", "optimizer"):
+        out.update({(section, n, "whole"): a for n, a in shards.whole(section).items()})
+        for name in sorted(shards.names(section)):
+            out[section, name, "read"] = shards.read(section, sc.held(name, shapes[section, name], ParamPlan(name), ps))
+    out["steps"] = shards.steps
+    out["state"] = json.dumps(checkpoint.load_trainer_state(str(root), it), sort_keys=True)
+    return out
+
+
+def _fuzz_edit(meta, rng):
+    """One random edit of a sharded checkpoint's meta.json: its pieces (offsets, shapes, files,
+    entries, digests, pieces dropped, doubled or taken from a tensor of the same shape), a
+    tensor's shape or dtype, the iteration, the layout. Returns what it did."""
+    records = [(s, n, r) for s, tensors in meta["index"].items() for n, r in tensors.items()]
+    section, name, record = rng.choice(records)
+    piece = rng.choice(record["pieces"])
+    kind = rng.choice(["offset", "shape", "whole-shape", "dtype", "iteration", "drop", "double", "swap", "entry",
+                       "file", "digest", "rank", "tp"])
+    if kind in ("offset", "shape", "whole-shape"):
+        dims = piece[2 if kind == "offset" else 3] if kind != "whole-shape" else record["shape"]
+        if not dims or rng.random() < 0.15:
+            dims.append(rng.choice([0, 1, 2]))
+        else:
+            d = rng.randrange(len(dims))
+            dims[d] = max(0, dims[d] + rng.choice([-64, -3, -1, 1, 2, 64, 10 ** 6]))
+    elif kind == "dtype":
+        record["dtype"] = rng.choice(["bfloat16", "float16", "int8", "float64", None, 4])
+    elif kind == "iteration":
+        meta["iteration"] = rng.choice([0, 2, -1, "1", None, 1.0, 10 ** 9])
+    elif kind == "drop":
+        record["pieces"].remove(piece)
+    elif kind == "double":
+        record["pieces"].append(list(piece))
+    elif kind == "swap":  # another tensor's pieces of the same shape (or any other's)
+        same = [r for s, n, r in records if r is not record and r["shape"] == record["shape"]] or \
+               [r for s, n, r in records if r is not record]
+        other = rng.choice(same)
+        record["pieces"], other["pieces"] = other["pieces"], record["pieces"]
+    elif kind == "entry":
+        piece[1] = rng.choice([f"{section}/{name}/1", "model/other/0", "", piece[1] + "x"])
+    elif kind == "file":
+        piece[0] = rng.choice(["rank_00001.safetensors", "rank_00000.safetensors.bak", "trainer_state.json"])
+    elif kind == "digest":
+        piece[4] = rng.choice(["0" * 64, piece[4][::-1], ""])
+    elif kind == "rank":
+        meta["sha256"]["rank_00001.safetensors"] = "0" * 64
+    else:
+        meta["parallel"]["tp"] = rng.choice([2, 4, 0, "1", None])
+    return f"{kind} of {section} tensor {name}"
+
+
+@pytest.mark.feature("sharded-checkpoints")
+def test_a_fuzzed_index_is_refused_in_one_line_or_loads_the_same_values(capsys, corpus, tmp_path):  # noqa: F811
+    """Seeded random edits of a real sharded checkpoint's meta.json (issue 59, deliver 2): each
+    either is refused with one CheckpointError line before a value is used, or loads exactly
+    what the untouched checkpoint holds. Any other outcome (another exception, other values)
+    fails."""
+    import random
+    import shutil
+
+    ckpt = tmp_path / "ckpt"
+    assert train(capsys, *SMALL, "--data-path", corpus, "--train-iters", "1", "--save", str(ckpt))[0] == 0
+    meta_path = ckpt / "iter_0000001" / "meta.json"
+    good = meta_path.read_text()
+    meta = json.loads(good)
+    shapes = {(s, n): tuple(r["shape"]) for s, tensors in meta["index"].items() for n, r in tensors.items()}
+    clean = _load_everything(ckpt, shapes)
+    outcomes = {"refused": 0, "same": 0}
+    for seed in range(48):
+        rng = random.Random(seed)
+        edited = json.loads(good)
+        did = [_fuzz_edit(edited, rng) for _ in range(rng.choice([1, 1, 2]))]
+        meta_path.write_text(json.dumps(edited))
+        try:
+            got = _load_everything(ckpt, shapes)
+        except CheckpointError as exc:
+            assert "\n" not in str(exc), (seed, did, str(exc))
+            outcomes["refused"] += 1
+            continue
+        finally:
+            meta_path.write_text(good)
+        assert got.keys() == clean.keys(), (seed, did)
+        assert all(np.array_equal(got[k], clean[k]) if isinstance(clean[k], np.ndarray) else got[k] == clean[k]
+                   for k in clean), (seed, did)
+        outcomes["same"] += 1
+    assert outcomes["refused"] > 30, outcomes
+    shutil.rmtree(ckpt)

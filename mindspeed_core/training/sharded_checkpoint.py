@@ -275,7 +275,10 @@ def _check_tiling(record, folder: str, section: str, name: str) -> None:
         raise CheckpointError(f"{folder}/meta.json has a malformed index entry for {name}")
     boxes = []
     for piece in record["pieces"]:
-        _, _, offset, size, _ = _piece(piece, folder, name)
+        _, key, offset, size, _ = _piece(piece, folder, name)
+        if not key.startswith(f"{section}/{name}/"):  # write_rank_file names each entry after its tensor
+            raise CheckpointError(f"{folder}/meta.json gives {section} tensor {name} a piece of another tensor "
+                                  f"({key!r})")
         if len(offset) != len(shape) or any(o + s > n for o, s, n in zip(offset, size, shape)):
             raise CheckpointError(f"{folder}/meta.json places a piece of {section} tensor {name} outside it "
                                   f"(offset {offset}, shape {size}; the tensor's shape is {shape})")
