@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -197,8 +199,14 @@ def run(args, backend) -> int:
     _check_port(args)
     if args.nnodes > 1:
         _say_interface(args, env)
-    job = Job(cmd, env, "torchrun" if framework == "pytorch" else "msrun")
-    code = job.run()
+    errors = tempfile.mkdtemp(prefix="mindspeed-launch-")
+    env[ERRORS_ENV] = errors
+    try:
+        job = Job(cmd, env, "torchrun" if framework == "pytorch" else "msrun")
+        code = job.run()
+        reason = _rank_error(errors, job.culprit()) if code != 0 and job.stopped_by is None else None
+    finally:
+        shutil.rmtree(errors, ignore_errors=True)
     if job.stopped_by is not None:
         name = signal.Signals(job.stopped_by).name
         print(f"mindspeed launch: {name} received: the job's {job.stopped_count} processes were stopped "
@@ -208,8 +216,46 @@ def run(args, backend) -> int:
         hint = ""
         if "--save" in train_argv and train_argv.index("--save") + 1 < len(train_argv):
             hint = f"; rerun with --load {train_argv[train_argv.index('--save') + 1]} to resume from its last checkpoint"
+        if reason is not None:  # the failed rank's own words, and its exit code (2: a refusal)
+            print(reason[0], file=sys.stderr)
+            code = reason[1] if reason[1] == 2 else code
         print(f"mindspeed launch: {job.culprit()}; the job stopped (exit code {code}){hint}", file=sys.stderr)
     return code if code >= 0 else 128 - code  # killed by signal N: the shell's 128 + N
+
+
+ERRORS_ENV = "MINDSPEED_RANK_ERRORS"  # a folder `launch` gives its ranks for their one-line errors
+
+
+def note_rank_error(line: str, code: int) -> None:
+    """A rank started by `mindspeed launch` leaves its one-line error (and exit code) where the
+    launcher finds it: on stdout, among torchrun's and msrun's output, nobody would."""
+    folder = os.environ.get(ERRORS_ENV)
+    rank = os.environ.get("RANK", os.environ.get("RANK_ID"))
+    if not folder or rank is None or not rank.isdigit():
+        return
+    try:
+        with open(os.path.join(folder, f"rank_{int(rank)}"), "w") as fh:
+            fh.write(f"{code}\n{line}")
+    except OSError:
+        pass
+
+
+def _rank_error(folder: str, culprit: str) -> tuple[str, int] | None:
+    """(one-line error, exit code) of the rank that failed first, else of the lowest failed rank."""
+    m = re.match(r"rank (\d+) failed first", culprit)
+    try:
+        found = sorted((int(f[5:]), f) for f in os.listdir(folder) if f.startswith("rank_") and f[5:].isdigit())
+    except OSError:
+        return None
+    chosen = [f for r, f in found if m and r == int(m.group(1))] or ([found[0][1]] if found and not m else [])
+    if not chosen:
+        return None
+    try:
+        with open(os.path.join(folder, chosen[0])) as fh:
+            code, line = fh.read().split("\n", 1)
+        return line.splitlines()[0], int(code)
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _stat(pid: int):

@@ -132,6 +132,33 @@ def test_a_signal_saves_the_step_it_stopped_at_and_the_run_continues_the_same_cu
     assert steps(done / "resumed.jsonl") == {i: steps(done / "straight.jsonl")[i] for i in (last + 1, last + 2)}
 
 
+@pytest.mark.multiprocess
+@pytest.mark.feature("data-parallel")
+def test_a_ranks_own_refusal_reaches_stderr_and_the_launcher_exits_2(capsys, framework, corpus, tmp_path):  # noqa: F811
+    """A damaged checkpoint under `mindspeed launch`: the failed rank's one line is on stderr (not
+    only among the launcher's output on stdout) and the job exits 2 as the rank did (issue 59
+    item 10)."""
+    import json
+
+    ckpt = tmp_path / "ckpt"
+    code, _, err = run(capsys, *GQA, "--data-path", corpus, "--train-iters", "1", "--save", str(ckpt))
+    assert code == 0, err[-2000:]
+    meta_path = ckpt / "iter_0000001" / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    meta["iteration"] = 2  # another iteration's meta.json: every rank refuses it when it loads
+    meta_path.write_text(json.dumps(meta))
+    argv = [sys.executable, "-m", "mindspeed_core.cli", "launch", "--nproc-per-node", "2", "--master-port",
+            str(free_port()), "--log-dir", str(tmp_path / "logs"), "--", "--ai-framework", framework, *GQA,
+            "--data-path", corpus, "--load", str(ckpt), "--train-iters", "2"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=240,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert any(line.startswith("mindspeed train: error: ") and "says iteration 2" in line for line in lines), \
+        done.stderr[-3000:]
+    assert "failed first; the job stopped (exit code 2)" in lines[-1], done.stderr[-3000:]
+
+
 def test_root_cause_parsing_prefers_the_process_that_exited():
     from mindspeed_core.launcher import Watch
 
