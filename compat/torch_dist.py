@@ -57,8 +57,33 @@ _LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.line
 
 
 def is_torch_dist(folder: str) -> bool:
-    """Whether ``folder`` (an iteration folder) holds a torch_dist checkpoint."""
-    return os.path.isfile(os.path.join(folder, METADATA)) and os.path.isfile(os.path.join(folder, COMMON))
+    """Whether ``folder`` (an iteration folder) holds a torch_dist checkpoint, or what is left of
+    one (any of its files: a missing one is then named by :func:`check_files`)."""
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return False
+    return any(n in (METADATA, COMMON, CONFIG) or re.fullmatch(r"__\d+_\d+\.distcp", n) for n in names)
+
+
+def check_files(folder: str) -> None:
+    """The files megatron-core's dist_checkpointing reads before any tensor: metadata.json (JSON
+    naming the torch_dist backend), .metadata and common.pt, each present."""
+    for name in (CONFIG, METADATA, COMMON):
+        if not os.path.isfile(os.path.join(folder, name)):
+            raise CheckpointError(f"the torch_dist checkpoint in {folder} has no {name}: megatron-core cannot load it")
+    path = os.path.join(folder, CONFIG)
+    try:
+        with open(path, "rb") as fh:
+            config = json.loads(fh.read())
+    except OSError as exc:
+        raise CheckpointError(f"cannot read {path}: {exc.strerror or exc}") from None
+    except ValueError:  # UnicodeDecodeError included
+        raise CheckpointError(f"{path} is corrupt (not JSON)") from None
+    backend = config.get("sharded_backend") if isinstance(config, dict) else None
+    if backend != BACKEND["sharded_backend"]:
+        raise CheckpointError(f"{path} names the sharded backend {backend!r}, not 'torch_dist': this folder's "
+                              f"files are torch_dist's, and only torch_dist is read")
 
 
 # ---- names ----------------------------------------------------------------------------------
@@ -269,6 +294,7 @@ def load(folder: str) -> tuple[dict, dict]:
     """(common state, {our name: float32 array}) of the torch_dist checkpoint in ``folder``: the
     model whole (what Megatron saves besides it, its optimizer's state, is not read)."""
     features.note_used("ckpt-format-torch-dist")
+    check_files(folder)
     out = {}
     for key, tensor in read_index(folder).items():
         if not (key.startswith(("embedding.", "decoder.", "output_layer.", "rm_head.", "mtp."))):

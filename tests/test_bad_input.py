@@ -27,6 +27,23 @@ def _checkpoint(tmp, corpus, damage):  # noqa: F811
     return ["train", *SMALL, "--data-path", corpus, "--train-iters", "2", "--load", str(ckpt)]
 
 
+def _torch_dist(tmp, corpus, damage):  # noqa: F811
+    """A real checkpoint of SMALL with Megatron's torch_dist files beside ours, those damaged by
+    ``damage(iteration folder)``: resuming it must fail (a folder we load is one megatron-core
+    can load)."""
+    ckpt = tmp / "ckpt"
+    assert cli.main(["train", *SMALL, "--data-path", corpus, "--train-iters", "1", "--save", str(ckpt),
+                     "--ckpt-format", "torch_dist"]) == 0
+    damage(ckpt / "iter_0000001")
+    return ["train", *SMALL, "--data-path", corpus, "--train-iters", "2", "--load", str(ckpt)]
+
+
+def _garble(path):
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2:] = b"\x00" * (len(data) - len(data) // 2)
+    path.write_bytes(bytes(data))
+
+
 def _flip_header_byte(ckpt):
     path = ckpt / "iter_0000001" / "rank_00000.safetensors"
     data = bytearray(path.read_bytes())
@@ -133,6 +150,16 @@ CASES = [
      "records no valid layout"),
     ("ckpt-meta-dtype", lambda t, c: _checkpoint(t, c, _edit_meta(lambda m: _first_model_record(m).update(
         dtype="bfloat16"))), "as float32, but meta.json's index records model tensor"),
+    # Megatron's torch_dist files beside ours (issue 59 items 6 and 12)
+    ("ckpt-td-config-not-json", lambda t, c: _torch_dist(t, c, lambda f: (f / "metadata.json").write_text("{")),
+     "metadata.json is corrupt (not JSON)"),
+    ("ckpt-td-zarr", lambda t, c: _torch_dist(t, c, lambda f: (f / "metadata.json").write_text(
+        '{"sharded_backend": "zarr"}')), "names the sharded backend 'zarr'"),
+    ("ckpt-td-distcp", lambda t, c: _torch_dist(t, c, lambda f: _garble(f / "__0_0.distcp")), "__0_0.distcp"),
+    ("ckpt-td-no-metadata", lambda t, c: _torch_dist(t, c, lambda f: (f / ".metadata").unlink()),
+     "has no .metadata: megatron-core cannot load it"),
+    ("ckpt-td-no-common", lambda t, c: _torch_dist(t, c, lambda f: (f / "common.pt").unlink()),
+     "has no common.pt: megatron-core cannot load it"),
     ("ckpt-header-byte", lambda t, c: _checkpoint(t, c, _flip_header_byte), "corrupt"),
     ("ckpt-state-garbled", lambda t, c: _checkpoint(t, c, lambda k: (k / "iter_0000001" / "trainer_state.json")
                                                     .write_text("{}")), "SHA-256"),

@@ -126,3 +126,22 @@ def test_damage_is_one_line(saved, tmp_path):
     (folder / ".metadata").write_bytes(b"\x80\x02}q\x00.")  # a dict, not torch's Metadata
     with pytest.raises(CheckpointError, match="is not a Metadata"):
         torch_dist.load(str(folder))
+
+
+@FEATURE
+@pytest.mark.parametrize("damage, message", [
+    (lambda f: (f / ".metadata").unlink(), "has no .metadata: megatron-core cannot load it"),
+    (lambda f: (f / "common.pt").unlink(), "has no common.pt: megatron-core cannot load it"),
+    (lambda f: (f / "metadata.json").unlink(), "has no metadata.json: megatron-core cannot load it"),
+    (lambda f: (f / "metadata.json").write_bytes(b"\xff{"), "metadata.json is corrupt \\(not JSON\\)"),
+    (lambda f: (f / "metadata.json").write_text('{"sharded_backend": "zarr"}'), "sharded backend 'zarr'"),
+    (lambda f: (f / "metadata.json").write_text("[1]"), "sharded backend None"),
+], ids=["no-metadata", "no-common", "no-config", "config-not-json", "zarr", "config-list"])
+def test_megatrons_own_files_are_checked_and_a_missing_one_named(saved, damage, message):
+    """What megatron-core reads before any tensor (issue 59 items 6 and 12): a folder missing one
+    of them is still seen as torch_dist, and the file is named (not a missing meta.json)."""
+    folder, _ = saved
+    damage(folder)
+    assert torch_dist.is_torch_dist(str(folder))
+    with pytest.raises(CheckpointError, match=message):
+        torch_dist.load(str(folder))

@@ -36,6 +36,7 @@ import threading
 import numpy as np
 
 from mindspeed_core import features, files, tensor_files
+from mindspeed_core.compat import torch_dist
 from mindspeed_core.errors import CheckpointError, MindSpeedError
 from mindspeed_core.models.state import expert_bias_name
 from mindspeed_core.training import sharded_checkpoint
@@ -286,6 +287,15 @@ def _check_meta(path: str, meta: dict, iteration: int) -> None:
         raise CheckpointError(f"{path} records a layout of {world} ranks "
                               f"({', '.join(f'{k.upper()}={layout.get(k, 1)}' for k in LAYOUT_SIZES)}), but names the "
                               f"file of rank {max(ranks)}")
+
+
+def check_megatron_copy(root: str, iteration: int) -> None:
+    """--ckpt-format torch_dist put Megatron's files beside ours: a folder we load must be one
+    megatron-core can load too, so they are read as it reads them (metadata.json, .metadata,
+    common.pt, every chunk of every .distcp named), whatever we then read of our own files."""
+    folder = _folder(root, iteration)
+    if torch_dist.is_torch_dist(folder):
+        torch_dist.load(folder)
 
 
 def _read_json(path: str, sha256: str | None = None):

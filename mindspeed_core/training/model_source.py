@@ -109,6 +109,7 @@ def _ours_config(root: str, iteration: int | None = None) -> tuple[int, dict, Mo
     if it is None:
         raise CheckpointError(f"no checkpoint in {root} (no {checkpoint.TRACKER})")
     meta = checkpoint.read_meta(root, it)
+    checkpoint.check_megatron_copy(root, it)
     try:
         return it, meta, ModelConfig.from_dict(meta["model"])
     except (KeyError, TypeError, ValueError, AttributeError) as exc:

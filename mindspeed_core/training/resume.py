@@ -110,6 +110,7 @@ def resume(model, cfg: ModelConfig, root: str, finetune: bool, say, adapters_onl
         say(f"no checkpoint in {root} yet: starting from scratch")
         return 0, None
     meta = checkpoint.read_meta(root, it)
+    checkpoint.check_megatron_copy(root, it)
     saved = meta.get("model") or {}
     saved_adapters = saved.get("lora")
     base_only = cfg.lora is not None and saved_adapters is None and not adapters_only
