@@ -119,7 +119,13 @@ def _read_mg(args, adapters: bool = False):
         if args.model_type_hf:
             cfg.family = MODEL_TYPES[args.model_type_hf]
     elif args.model_type_hf and cfg.family != MODEL_TYPES[args.model_type_hf]:
-        raise MindSpeedError(f"--model-type-hf {args.model_type_hf}, but {args.load_dir} holds a {cfg.family} model")
+        want, why = MODEL_TYPES[args.model_type_hf], ""
+        if want in ("deepseek_v2", "deepseek_v3") and cfg.mla is None:  # tiny-deepseek-v3's routing on GQA, say
+            why = (f" (Hugging Face's {want} is multi-latent attention, which this model has not: a DeepSeek run "
+                   f"to export trains with --multi-latent-attention and --spec mindspeed_llm.tasks.models.spec."
+                   f"deepseek_spec layer_spec, or from a {want} folder with --load-hf)")
+        raise MindSpeedError(f"--model-type-hf {args.model_type_hf}, but {args.load_dir} holds a {cfg.family} "
+                             f"model{why}")
     return source
 
 

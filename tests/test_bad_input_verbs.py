@@ -426,6 +426,9 @@ CASES = [
                                                      "2"), "describes a Megatron checkpoint"),
     ("conv-model-type", lambda t, m, c: _convert("mg", "hf", m / "ckpt", t / "o", "--model-type-hf", "qwen2"),
      "--model-type-hf qwen2, but"),
+    # a model without DeepSeek's latent attention (the tiny-deepseek-v3 preset's routing on GQA) says what exports
+    ("conv-deepseek-without-mla", lambda t, m, c: _convert("mg", "hf", m / "ckpt", t / "o", "--model-type-hf",
+                                                           "deepseek3"), "is multi-latent attention, which this model"),
     ("conv-noop-mg", lambda t, m, c: _convert("mg", "mg", m / "ckpt", t / "o", "--noop-layers", "0"),
      "--noop-layers adds no-op layers"),
     ("conv-tp-heads", lambda t, m, c: _convert("mg", "mg", m / "ckpt", t / "o", "--target-tensor-parallel-size",
