@@ -133,7 +133,6 @@ def test_a_signal_saves_the_step_it_stopped_at_and_the_run_continues_the_same_cu
 
 
 @pytest.mark.multiprocess
-@pytest.mark.feature("data-parallel")
 def test_a_ranks_own_refusal_reaches_stderr_and_the_launcher_exits_2(capsys, framework, corpus, tmp_path):  # noqa: F811
     """A damaged checkpoint under `mindspeed launch`: the failed rank's one line is on stderr (not
     only among the launcher's output on stdout) and the job exits 2 as the rank did (issue 59
