@@ -141,7 +141,12 @@ class Function:
             user = cls
 
             class _Bound(torch.autograd.Function):
+                # Under torch.compile the graph breaks at apply (the class lookup above), and
+                # Dynamo would then compile this frame again for every Function and shape that
+                # passes through it (tensor parallelism's collectives: up to its recompile limit,
+                # a minute of Inductor on these cores), to run what the eager frame runs anyway.
                 @staticmethod
+                @torch.compiler.disable
                 def forward(ctx, *a):
                     return user.forward(_Ctx(ctx), *a)
 
