@@ -208,8 +208,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"mindspeed {argv[0]}: {exc}", file=sys.stderr)
         return exc.exit_code
     except MindSpeedError as exc:
-        print(f"mindspeed {argv[0]}: error: {exc}", file=sys.stderr)
-        launcher.note_rank_error(f"mindspeed {argv[0]}: error: {exc}", exc.exit_code)
+        line = f"mindspeed {argv[0]}: error: {exc}"
+        print(line, file=sys.stderr)
+        launcher.note_rank_error(line, exc.exit_code)
         return exc.exit_code
     if verb.announce and code == 0:  # at the end: a refusal stays one line
         print(f"mindspeed {argv[0]}: ran on {backend.NAME} {backend.FRAMEWORK_VERSION} ({backend.device.type()})",
