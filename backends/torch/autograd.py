@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-
+import sys
 
 import torch
 import torch.utils.checkpoint
@@ -133,30 +133,33 @@ class Function:
     Call it with ``MyFn.apply(*args)``.
     """
 
-    _bound = None
-
     @classmethod
     def apply(cls, *args):
-        if cls.__dict__.get("_bound") is None:
+        # Under torch.compile the graph breaks at apply (the class lookup below), and Dynamo would
+        # then compile the forward's frame again for every Function and shape that passes through
+        # it (tensor parallelism's collectives: up to its recompile limit, a minute of Inductor on
+        # these cores), to run what the eager frame runs anyway; so once a compile has loaded
+        # Dynamo the forward is kept from it. Not before: importing Dynamo after the process group
+        # exists keeps that group alive past dist.shutdown() (torch's modules hold it as default
+        # arguments), and with it gloo's threads into the interpreter's exit (test_dist).
+        compiling = "torch._dynamo" in sys.modules
+        slot = "_bound_under_dynamo" if compiling else "_bound"
+        bound = cls.__dict__.get(slot)
+        if bound is None:
             user = cls
 
-            class _Bound(torch.autograd.Function):
-                # Under torch.compile the graph breaks at apply (the class lookup above), and
-                # Dynamo would then compile this frame again for every Function and shape that
-                # passes through it (tensor parallelism's collectives: up to its recompile limit,
-                # a minute of Inductor on these cores), to run what the eager frame runs anyway.
-                @staticmethod
-                @torch.compiler.disable
-                def forward(ctx, *a):
-                    return user.forward(_Ctx(ctx), *a)
+            def forward(ctx, *a):
+                return user.forward(_Ctx(ctx), *a)
 
+            class bound(torch.autograd.Function):
                 @staticmethod
                 def backward(ctx, *g):
                     grads = user.backward(_Ctx(ctx), *g)
                     return tuple(grads) if isinstance(grads, (tuple, list)) else (grads,)
 
-            cls._bound = _Bound
-        return cls._bound.apply(*args)
+            bound.forward = staticmethod(torch.compiler.disable(forward) if compiling else forward)
+            setattr(cls, slot, bound)
+        return bound.apply(*args)
 
 
 def no_grad():
