@@ -111,6 +111,116 @@ def test_resume_reproduces_the_uninterrupted_run(capsys, corpus, tmp_path):
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "8"
 
 
+# The checkpoint flags, each shown by what a resume does: with dropout the random generators'
+# state changes the losses, with Adam the optimizer's moments do (a step after the resume).
+DROPOUT = [*SMALL, "--hidden-dropout", "0.1", "--attention-dropout", "0.1", "--train-iters", "4"]
+RESUMES = {"resumed": ("saved", []), "no-load-optim": ("saved", ["--no-load-optim"]),
+           "no-load-rng": ("saved", ["--no-load-rng"]),
+           "no-load-either": ("saved", ["--no-load-optim", "--no-load-rng"]),
+           "from-bare": ("bare", []), "from-bare-whole": ("bare-whole", []),
+           "finetune": ("saved", ["--finetune", "--train-iters", "2"])}
+
+
+@pytest.fixture(scope="module")
+def flag_runs(corpus, tmp_path_factory):
+    """(checkpoint root, {run: (exit code, stderr, losses by iteration, stdout)}): a dropout run
+    of 4 iterations, the same run stopped at 2 with its checkpoint saved in full ("saved"),
+    without its optimizer and RNG states ("bare", sharded; "bare-whole", --save-whole), and
+    resumed as RESUMES says."""
+    from contextlib import redirect_stderr, redirect_stdout
+    from io import StringIO
+
+    root = tmp_path_factory.mktemp("checkpoint-flags")
+    runs = {}
+
+    def run(name, *argv):
+        out, err, metrics = StringIO(), StringIO(), root / f"{name}.jsonl"
+        with redirect_stdout(out), redirect_stderr(err):
+            code = cli.main(["train", *DROPOUT, "--data-path", corpus, "--metrics-file", str(metrics), *argv])
+        # a run that fails fails the tests that look at it (a flag's reader removed), not all of them
+        runs[name] = (code, err.getvalue(), losses(metrics) if metrics.exists() else {}, out.getvalue())
+
+    run("uninterrupted")
+    for name, extra in (("saved", []), ("bare", ["--no-save-optim", "--no-save-rng"]),
+                        ("bare-whole", ["--save-whole", "--no-save-optim", "--no-save-rng"])):
+        run(f"save-{name}", "--save", str(root / name), "--save-interval", "2", "--exit-interval", "2", *extra)
+    for name, (ckpt, extra) in RESUMES.items():
+        run(name, "--load", str(root / ckpt), *extra)
+    return root, runs
+
+
+def ran(flag_runs, name):
+    """(losses by iteration, stdout) of a run that succeeded."""
+    code, err, losses_, out = flag_runs[1][name]
+    assert code == 0, (name, err)
+    return losses_, out
+
+
+def test_a_resume_with_dropout_continues_the_random_draws(flag_runs):
+    """The control for the flags below: a full resume is the uninterrupted run, bit for bit."""
+    resumed, out = ran(flag_runs, "resumed")
+    assert "resumed from" in out and resumed == {i: ran(flag_runs, "uninterrupted")[0][i] for i in (3, 4)}
+
+
+def test_no_load_optim_resumes_with_a_fresh_optimizer(flag_runs):
+    """--no-load-optim: the weights and RNG states are loaded, so iteration 3's loss is the full
+    resume's; the optimizer starts afresh (no moments, step 1), so iteration 4's weights are not."""
+    plain, fresh = ran(flag_runs, "resumed")[0], ran(flag_runs, "no-load-optim")[0]
+    assert sorted(fresh) == [3, 4] and fresh[3] == plain[3]
+    assert fresh[4] != plain[4], (fresh, plain)
+
+
+def test_no_load_rng_resumes_with_fresh_dropout_draws(flag_runs):
+    """--no-load-rng: the first step after the resume draws other dropout masks than the
+    uninterrupted run (same weights, same batch)."""
+    (losses_, out), plain = ran(flag_runs, "no-load-rng"), ran(flag_runs, "resumed")[0]
+    assert sorted(losses_) == [3, 4] and losses_[3] != plain[3], (losses_, plain)
+    assert "--no-load-rng: dropout draws start afresh" in out
+
+
+@pytest.mark.parametrize("saved", ["bare", "bare-whole"], ids=["sharded", "save-whole"])
+def test_no_save_optim_and_no_save_rng_leave_them_out_of_the_checkpoint(flag_runs, saved):
+    """--no-save-optim / --no-save-rng: the checkpoint holds no optimizer state and no generator
+    states (the full save, the control, holds both); resuming from it is resuming the full
+    checkpoint with --no-load-optim --no-load-rng, bit for bit, and says why."""
+    from mindspeed_core.training import checkpoint
+
+    root = flag_runs[0]
+    for name, held in (("saved", True), (saved, False)):
+        assert bool(checkpoint.load(str(root / name), 2)[1]) == held, name
+        assert ("default" in checkpoint.load_trainer_state(str(root / name), 2)["rng"][0]) == held, name
+    losses_, out = ran(flag_runs, f"from-{saved}")
+    assert losses_ == ran(flag_runs, "no-load-either")[0]
+    assert "holds no optimizer state (saved with --no-save-optim)" in out
+    assert "saved without RNG states (--no-save-rng)" in out
+
+
+def test_finetune_takes_the_weights_and_starts_at_iteration_one(flag_runs):
+    """--finetune: the checkpoint's weights (iteration 1's loss is not a fresh model's on the same
+    batch and dropout masks), iteration 0, the data from its start."""
+    losses_, out = ran(flag_runs, "finetune")
+    assert sorted(losses_) == [1, 2] and losses_[1] != ran(flag_runs, "uninterrupted")[0][1], losses_
+    assert "fine-tuning from the weights" in out and "(--finetune)" in out
+
+
+def test_exit_on_missing_checkpoint_refuses_an_empty_load_folder(capsys, corpus, tmp_path):
+    """--exit-on-missing-checkpoint: --load of a folder without a checkpoint is one line and exit
+    code 2, nothing trained or saved (as with --finetune); without the flag the run starts from
+    scratch."""
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    argv = [*SMALL, "--data-path", corpus, "--train-iters", "1", "--load", str(empty), "--save", str(empty)]
+    code, out, err = train(capsys, *argv, "--exit-on-missing-checkpoint")
+    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert f"--load {empty} holds no checkpoint (--exit-on-missing-checkpoint)" in err
+    assert not os.listdir(empty) and "iteration" not in out
+    code, _, err = train(capsys, *argv, "--finetune")  # no weights to take: never a start from scratch
+    assert code == 2 and f"--load: {empty} holds no checkpoint to take the weights from" in err, err
+    code, out, err = train(capsys, *argv)
+    assert code == 0 and "starting from scratch" in out, err
+    assert (empty / "latest_checkpointed_iteration.txt").read_text() == "1"
+
+
 def test_nan_loss_stops_cleanly_and_keeps_the_last_checkpoint(capsys, corpus, tmp_path):
     ckpt = tmp_path / "ckpt"
     code, out, err = train(capsys, *SMALL, "--data-path", corpus, "--train-iters", "6", "--lr", "1e30",
