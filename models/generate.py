@@ -137,6 +137,14 @@ class _Steps:
         self.documents = np.concatenate([self.documents, np.ones((rows, 1), np.int64)], axis=1)
         self.positions = np.concatenate([self.positions, self.positions[:, -1:] + 1], axis=1)
         self.fresh = 1
+        cfg = getattr(self.model, "cfg", None)
+        switch = rope.switch_length(cfg.rope_scaling) if cfg is not None else None
+        if self.cache is not None and switch is not None and self.ids.shape[1] == switch + 1:
+            # LongRoPE: from here on every position takes the long factors, so the keys cached
+            # with the short ones are computed again, all positions at once (as transformers
+            # does for Phi-3: dropping its cache at the switch)
+            self.cache = KVCache(self.cache.batch, self.cache.capacity)
+            self.fresh = self.ids.shape[1]
 
     def keep(self, rows: list[int]) -> None:
         """Continue with these rows (beam search: each beam from its parent)."""
