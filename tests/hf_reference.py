@@ -2,8 +2,9 @@
 
 Run as a separate process (``python hf_reference.py OUT_DIR``) so that a test bound to
 MindSpore never imports torch: for each architecture it writes OUT_DIR/<name>/ (a model
-folder, saved by transformers) and OUT_DIR/<name>.npz (input ids and logits, float64; for the
-GENERATED ones also transformers' greedy continuation of a batch padded on the left).
+folder, saved by transformers) and OUT_DIR/<name>.npz (input ids and logits, float64; the logits
+of the same weights with each of WITHOUT's mechanisms taken away; for the GENERATED ones also
+transformers' greedy continuation of a batch padded on the left).
 ``python hf_reference.py --check FOLDER IDS.npy OUT.npy [FOLDER IDS.npy OUT.npy ...]`` loads
 each folder with transformers and writes its logits: the check that our exported folders load in
 transformers (several in one process: importing transformers is most of its time); for a
@@ -178,20 +179,69 @@ def store_experts_as_mxfp4(model, folder: str) -> None:
         json.dump(config, fh)
 
 
-# greedy generate() with the cache: 8 tokens after the ids, the second row's first 3 ids padding
+# greedy generate() with the cache: 8 tokens after the first PROMPT ids, the second row's first
+# 3 ids padding
 GENERATED = ("llama", "qwen3", "gpt2", "llama-dynamic-rope", "phi3-longrope", "gemma2", "gemma3", "mistral-sliding",
              "deepseek-v2", "deepseek-v3", "glm4-moe", "minicpm3", "gpt-oss")
-PAD = 3
+PAD, PROMPT = 3, 12
+# the logits are of 24 tokens: past every original context above (8 or 16), so that dynamic
+# NTK's base grows and LongRoPE takes its long factors; weights of spread 0.2 (transformers'
+# default initialisation gives logits of ~0.4, where a 10% change of a softmax scale hides
+# inside 1e-4), so logits of O(1) to O(10)
+SEQUENCE, SPREAD = 24, 0.2
+DEFAULT_ROPE = {"rope_type": "default"}
+
+
+def _rope(name: str, **changes) -> dict:
+    """MODELS[name]'s rope_parameters with ``changes`` (a key set to None is dropped)."""
+    rope = {**MODELS[name][1]["rope_parameters"], **changes}
+    return {k: v for k, v in rope.items() if v is not None}
+
+
+# Each mechanism taken away from the same weights: the test asserts that these logits are far
+# from the model's, so a tolerance that hid the mechanism would fail there. (name -> {label:
+# config changes, or a function changing the loaded model})
+WITHOUT = {
+    "llama3-rope": {"llama3 scaling": {"rope_parameters": _rope("llama3-rope", rope_type="default", factor=None,
+                                                                   low_freq_factor=None, high_freq_factor=None,
+                                                                   original_max_position_embeddings=None)}},
+    "llama-linear-rope-tied": {"linear scaling": {"rope_parameters": {"rope_type": "default", "rope_theta": 500.0}}},
+    "llama-yarn": {"YaRN": {"rope_parameters": {"rope_type": "default", "rope_theta": 10.0}}},
+    "qwen2-yarn-mscale": {"mscale ratio": {"rope_parameters": _rope("qwen2-yarn-mscale", mscale=None,
+                                                                     mscale_all_dim=None)}},
+    "llama-dynamic-rope": {"dynamic NTK": {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}},
+    "phi3-longrope": {"long factors": {"rope_parameters": _rope("phi3-longrope",
+                                                                long_factor=[1.0 + 0.05 * i for i in range(8)])}},
+    "phi3-partial-rotary": {"partial rotary": {"rope_parameters": _rope("phi3-partial-rotary",
+                                                                        partial_rotary_factor=None)}},
+    "gemma2": {"soft-capping": {"attn_logit_softcapping": None, "final_logit_softcapping": None},
+               "window": {"sliding_window": 64}},
+    "gemma3": {"window": {"sliding_window": 64}},
+    "mistral-sliding": {"window": {"sliding_window": None}},
+    "qwen2-sliding": {"window": {"use_sliding_window": False}},
+    # DeepSeek's mscale of the softmax (squared) and of cos/sin
+    "deepseek-v2": {"mscale": {"rope_parameters": _rope("deepseek-v2", mscale=None, mscale_all_dim=None)}},
+    # each head's rotated features taken in halves, not as interleaved pairs
+    "deepseek-v3": {"rotation in halves": {"rope_interleave": True}},
+    "minicpm3": {"MiniCPM scalings": {"scale_emb": 1, "scale_depth": 1.0, "dim_model_base": 64}},
+    "gpt-oss": {"sinks": lambda model: [m.sinks.fill_(-1e4) for m in model.modules() if hasattr(m, "sinks")],
+                "window": {"sliding_window": 64}},
+}
+
+
+def _model(cls, kwargs: dict):
+    return T.AutoModelForCausalLM.from_config(cls(**kwargs)).float().eval()
 
 
 def build(name: str, out_dir: str) -> None:
     cls, kwargs = MODELS[name]
     torch.manual_seed(0)
-    config = cls(**kwargs)
-    model = T.AutoModelForCausalLM.from_config(config).float().eval()
+    model = _model(cls, kwargs)
     with torch.no_grad():  # random everything, biases and norms included, so no mapping hides
-        for p in model.parameters():
-            p.normal_(0.0, 0.1)
+        for pname, p in model.named_parameters():
+            p.normal_(0.0, SPREAD)
+            if p.dim() == 1 and pname.endswith("weight") and ("norm" in pname or ".ln_" in pname):
+                p.add_(1.0)  # a norm's gains about 1: centred at 0 they would shrink the logits 5-fold
         for buffer_name, b in model.named_buffers():  # DeepSeek-V3's routers' bias is a buffer
             if buffer_name.endswith("e_score_correction_bias"):
                 b.uniform_(-0.1, 0.1)
@@ -200,20 +250,33 @@ def build(name: str, out_dir: str) -> None:
         store_experts_as_mxfp4(model, folder)
     else:  # one model saved sharded, to cover the index file
         model.save_pretrained(folder, max_shard_size="100KB" if name == "qwen3" else "1GB")
-    ids = np.random.default_rng(1).integers(0, VOCAB, size=(2, 12))
-    with torch.no_grad():
-        logits = model(torch.as_tensor(ids)).logits.double().numpy()
+    ids = np.random.default_rng(1).integers(0, VOCAB, size=(2, SEQUENCE))
+
+    def logits_of(m, rows):
+        with torch.no_grad():
+            return m(torch.as_tensor(rows)).logits.double().numpy()
+
     extra = {}
+    if name == "phi3-longrope":  # within the original 16 positions: the short factors
+        extra["short_ids"], extra["short_logits"] = ids[:, :PROMPT], logits_of(model, ids[:, :PROMPT])
+    for label, change in WITHOUT.get(name, {}).items():
+        other = _model(cls, kwargs if callable(change) else {**kwargs, **change})
+        other.load_state_dict(model.state_dict())
+        if callable(change):
+            with torch.no_grad():
+                change(other)
+        extra[f"without {label}"] = logits_of(other, ids)
     if name in GENERATED:
         model.generation_config.eos_token_id = None  # never stop early: 8 tokens each
         model.generation_config.pad_token_id = 0
-        mask = np.ones_like(ids)
+        prompts = ids[:, :PROMPT]
+        mask = np.ones_like(prompts)
         mask[1, :PAD] = 0
         with torch.no_grad():
-            out = model.generate(torch.as_tensor(ids * mask), attention_mask=torch.as_tensor(mask), max_new_tokens=8,
-                                 do_sample=False)
-        extra["generated"] = out[:, ids.shape[1]:].numpy()
-    np.savez(os.path.join(out_dir, f"{name}.npz"), ids=ids, logits=logits, **extra)
+            out = model.generate(torch.as_tensor(prompts * mask), attention_mask=torch.as_tensor(mask),
+                                 max_new_tokens=8, do_sample=False)
+        extra["generated"] = out[:, PROMPT:].numpy()
+    np.savez(os.path.join(out_dir, f"{name}.npz"), ids=ids, logits=logits_of(model, ids), **extra)
 
 
 def check(folder: str, ids_path: str, out_path: str) -> None:
