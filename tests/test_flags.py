@@ -1,11 +1,15 @@
 """No accepted flag is silently ignored: each flag of `mindspeed train` is gated by a row of
 the feature matrix, or changes what `--dry-run` prints (the resolved configuration, or the
-one-line refusal when the value cannot be used here), or is on the short list below."""
+one-line refusal when the value cannot be used here), or is on the short list below. A flag
+the dry run only echoes (its "run" settings: what to save, load, log and when) shows nothing
+acting there, so each such flag names the behavioural test that shows what it does
+(RUN_SETTING_TESTS)."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import pathlib
 
 import pytest
 
@@ -29,6 +33,30 @@ ACCEPTED_NO_OPS = {
 }
 # The walk's own instrument: every run below passes it.
 INSTRUMENT = {"--dry-run"}
+
+# Flags whose only mark on the dry run is their echo in its "run" settings, and the test (in
+# tests/) that runs each and checks what it does: the walk fails on an echoed flag without one.
+RUN_SETTING_TESTS = {
+    "--split": "test_training.py::test_loss_falls_and_metrics_are_written",
+    "--save": "test_training.py::test_resume_reproduces_the_uninterrupted_run",
+    "--save-interval": "test_faults.py::test_dead_rank_stops_the_job_and_the_run_resumes",
+    "--load": "test_training.py::test_resume_reproduces_the_uninterrupted_run",
+    "--overwrite-checkpoints": "test_reliability.py::test_save_folder_of_another_run_is_refused_unless_resumed_or_overwritten",
+    "--eval-interval": "test_training.py::test_loss_falls_and_metrics_are_written",
+    "--eval-iters": "test_training.py::test_loss_falls_and_metrics_are_written",
+    "--log-interval": "test_operations.py::test_tensorboard_shows_what_the_metrics_file_holds",
+    "--exit-interval": "test_training.py::test_resume_reproduces_the_uninterrupted_run",
+    "--metrics-file": "test_training.py::test_loss_falls_and_metrics_are_written",
+    "--sample-tokens": "test_training.py::test_loss_falls_and_metrics_are_written",
+    "--exit-on-missing-checkpoint": "test_training.py::test_exit_on_missing_checkpoint_refuses_an_empty_load_folder",
+    "--no-load-optim": "test_training.py::test_no_load_optim_resumes_with_a_fresh_optimizer",
+    "--no-load-rng": "test_training.py::test_no_load_rng_resumes_with_fresh_dropout_draws",
+    "--no-save-optim": "test_training.py::test_no_save_optim_and_no_save_rng_leave_them_out_of_the_checkpoint",
+    "--no-save-rng": "test_training.py::test_no_save_optim_and_no_save_rng_leave_them_out_of_the_checkpoint",
+    "--manual-gc": "test_training.py::test_manual_gc_collects_at_its_interval_only",
+    "--manual-gc-interval": "test_training.py::test_manual_gc_collects_at_its_interval_only",
+    "--no-progress": "test_training.py::test_dry_run_and_hf_initialisation",
+}
 
 # Two models, so that a switch that is already the default of one shows on the other:
 # the LLaMA-style default and GPT-2 (LayerNorm, GELU, learned positions, tied, biases).
@@ -167,12 +195,23 @@ def _effects(capsys, flag, probe, where) -> list[str]:
         if gates:
             effects.append(f"gated by {gates}")
         if flag == "--no-progress":  # every run of the walk passes it: compare with its absence
-            changed = _dry_run(capsys, base) != _dry_run(capsys, base, progress=True)
+            before, after = _dry_run(capsys, base), _dry_run(capsys, base, progress=True)
         else:
-            changed = _dry_run(capsys, base) != _dry_run(capsys, [*base, *probe])
-        if changed:
-            effects.append("changes the dry run")
+            before, after = _dry_run(capsys, base), _dry_run(capsys, [*base, *probe])
+        if before != after:
+            effects.append(ECHOED if _only_echoed(before, after) else "changes the dry run")
     return effects
+
+
+ECHOED = "echoed in the dry run's run settings"
+
+
+def _only_echoed(before, after) -> bool:
+    """Both dry runs printed a configuration, and they differ only in its "run" settings."""
+    (code_a, a, _), (code_b, b, _) = before, after
+    if code_a or code_b:
+        return False
+    return {k: v for k, v in a.items() if k != "run"} == {k: v for k, v in b.items() if k != "run"}
 
 
 @pytest.mark.parametrize("action", _flags(), ids=lambda a: a.option_strings[0])
@@ -189,6 +228,12 @@ def test_every_flag_is_gated_or_takes_effect_or_is_a_listed_no_op(capsys, framew
         else:
             assert effects, f"{' '.join(probe)} is accepted but changes nothing: make it take effect, gate it in " \
                             f"the matrix, or list it (with the reason) in ACCEPTED_NO_OPS"
+        if set(effects) == {ECHOED}:
+            assert flag in RUN_SETTING_TESTS, f"{flag} is only echoed by the dry run: name the test that shows it act " \
+                                              "in RUN_SETTING_TESTS"
+            module, test = RUN_SETTING_TESTS[flag].split("::")
+            source = (pathlib.Path(__file__).with_name(module)).read_text()
+            assert f"def {test}(" in source and f'"{flag}"' in source, (flag, RUN_SETTING_TESTS[flag])
 
 
 def test_the_walk_catches_a_flag_that_does_nothing(capsys, monkeypatch, tmp_path):
@@ -203,3 +248,11 @@ def test_the_walk_catches_a_flag_that_does_nothing(capsys, monkeypatch, tmp_path
     dead = next(a for a in _flags() if a.option_strings[0] == "--dead-flag")
     with pytest.raises(AssertionError, match="changes nothing"):
         test_every_flag_is_gated_or_takes_effect_or_is_a_listed_no_op(capsys, "pytorch", tmp_path, dead)
+
+
+def test_the_walk_asks_an_echoed_flag_for_its_test(capsys, monkeypatch, tmp_path):
+    """A flag the dry run only echoes, without a test named in RUN_SETTING_TESTS, fails the walk."""
+    monkeypatch.delitem(RUN_SETTING_TESTS, "--manual-gc")
+    echoed = next(a for a in _flags() if a.option_strings[0] == "--manual-gc")
+    with pytest.raises(AssertionError, match="only echoed by the dry run"):
+        test_every_flag_is_gated_or_takes_effect_or_is_a_listed_no_op(capsys, "pytorch", tmp_path, echoed)

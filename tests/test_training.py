@@ -221,6 +221,33 @@ def test_exit_on_missing_checkpoint_refuses_an_empty_load_folder(capsys, corpus,
     assert (empty / "latest_checkpointed_iteration.txt").read_text() == "1"
 
 
+def test_manual_gc_collects_at_its_interval_only(capsys, corpus, monkeypatch, tmp_path):
+    """--manual-gc: Python's collector is off while training and the trainer collects at each
+    --manual-gc-interval-th step (and before an evaluation), then the collector is on again;
+    without the flag the trainer never collects itself."""
+    import gc
+    import sys
+
+    from mindspeed_core.training import trainer
+
+    calls, real = [], gc.collect
+
+    def collect(*args, **kwargs):
+        if sys._getframe(1).f_code.co_filename == trainer.__file__:  # the trainer's own, not a library's
+            calls.append(gc.isenabled())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(trainer.gc, "collect", collect)
+    argv = [*SMALL, "--data-path", corpus, "--train-iters", "6", "--eval-iters", "0", "--sample-tokens", "0"]
+    assert train(capsys, *argv, "--manual-gc", "--manual-gc-interval", "2")[0] == 0
+    assert calls == [False, False, False] and gc.isenabled()  # steps 2, 4 and 6, the collector off
+    calls.clear()
+    assert train(capsys, *argv, "--manual-gc", "--manual-gc-interval", "0")[0] == 0
+    assert calls == [] and gc.isenabled()  # off all run, never collected
+    assert train(capsys, *argv)[0] == 0
+    assert calls == []
+
+
 def test_nan_loss_stops_cleanly_and_keeps_the_last_checkpoint(capsys, corpus, tmp_path):
     ckpt = tmp_path / "ckpt"
     code, out, err = train(capsys, *SMALL, "--data-path", corpus, "--train-iters", "6", "--lr", "1e30",
