@@ -262,19 +262,26 @@ def predict_memory(cfg, lay: Layout, seq: int, gbs: int, machine: Machine, dtype
         acts = in_flight * copies.activations * _activation_bytes(cfg, lay, seq, layers, element)
         logits = (copies.logits[lay.tp > 1] * 4 * lay.mbs * (seq // lay.cp) * cfg.vocab_size / lay.tp
                   if stage == lay.pp - 1 else 0)
-        at_loss = acts + logits + (grads if accumulates else 0)
         after_backward = copies.gradients[accumulates] * grads
         if lay.distopt and lay.dp * lay.cp > 1:
             after_backward = max(after_backward, (copies.distopt + copies.distopt_shard / (lay.dp * lay.cp)) * grads)
         # every rank builds the whole model in fp32 and keeps its cut
         built = 4 * (copies.built * (whole - params) + copies.build_extra * whole)
         parts = {"baseline": machine.baseline_bytes, "weights": weights, "optimizer": state, "built": built,
-                 "activations": acts, "logits": logits, "gradients": after_backward,
-                 "total": machine.baseline_bytes + weights + state + built + max(at_loss, after_backward),
-                 "stage": stage}
+                 "activations": acts, "logits": logits, "held_gradients": grads if accumulates else 0,
+                 "gradients": after_backward, "stage": stage}
+        parts["total"] = memory_total(parts)
         if best is None or parts["total"] > best["total"]:
             best = parts
     return best
+
+
+def memory_total(parts: dict) -> float:
+    """predict_memory's total from its parts: the fixed parts plus the larger of the step's two
+    peaks, at the loss (activations, logits, the gradients accumulated so far) and after the
+    backward (gradients)."""
+    at_loss = parts["activations"] + parts["logits"] + parts["held_gradients"]
+    return parts["baseline"] + parts["weights"] + parts["optimizer"] + parts["built"] + max(at_loss, parts["gradients"])
 
 
 def _flops_per_micro(cfg, lay: Layout, seq: int) -> float:
