@@ -189,7 +189,6 @@ PAD, PROMPT = 3, 12
 # default initialisation gives logits of ~0.4, where a 10% change of a softmax scale hides
 # inside 1e-4), so logits of O(1) to O(10)
 SEQUENCE, SPREAD = 24, 0.2
-DEFAULT_ROPE = {"rope_type": "default"}
 
 
 def _rope(name: str, **changes) -> dict:

@@ -168,6 +168,8 @@ def tanh(x):
     if x.dtype == ms.float64:
         return P.tanh(x)
     return P.sigmoid(x * 2.0) * 2.0 - 1.0
+
+
 maximum, minimum = P.maximum, P.minimum
 silu, relu = P.silu, P.relu
 eq, ne, lt, le, gt, ge = P.equal, P.ne, P.lt, P.le, P.gt, P.ge
