@@ -108,6 +108,8 @@ def launch_command(args, train_argv: list[str], framework: str, command: str = "
                *train_argv]
     else:
         env = {**MSRUN_ENV_DEFAULTS, **env}
+        if args.nproc_per_node > 1:  # as torchrun does: ranks of a node share its cores
+            env.setdefault("OMP_NUM_THREADS", "1")
         msrun = os.path.join(os.path.dirname(sys.executable), "msrun")
         cli = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cli.py")
         cmd = [msrun if os.path.exists(msrun) else "msrun", f"--worker_num={args.nproc_per_node * args.nnodes}",

@@ -140,6 +140,7 @@ def run_configs(framework: str, nproc: int, spec: list, tmp_path: pathlib.Path, 
     (tmp_path / "configs.json").write_text(json.dumps(spec))
     code, output = launch(framework, nproc, str(pathlib.Path(__file__).with_name("parity_worker.py")),
                           [str(out), str(tmp_path / "configs.json")], str(tmp_path / "logs"), timeout=timeout)
+    (tmp_path / "launch.log").write_text(output)  # each case's time is in rank 0's lines "case NAME: S s"
     assert code == 0, output[-8000:]
     return out
 

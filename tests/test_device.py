@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -54,3 +58,17 @@ def test_matmul_rate_is_a_plausible_rate():
     rate = device.matmul_rate(n=256, min_seconds=0.2)
     # Even one slow core does far more than 0.1 GFLOP/s, and nothing here reaches 100 TFLOP/s.
     assert 1e8 < rate < 1e14
+
+
+def test_the_mindspore_backend_sizes_its_thread_pools_by_omp_num_threads():
+    """In a process started with OMP_NUM_THREADS=1, MindSpore's kernel and runtime pools are
+    set to one thread as the backend is imported (the pools spin waiting for work, and ranks
+    sharing cores slow each other down: backends/mindspore/device.py)."""
+    pytest.importorskip("mindspore")
+    probe = ("from mindspeed_core.backends import mindspore as _\n"
+             "from mindspore._c_expression import RuntimeConf\n"
+             "c = RuntimeConf.get_instance()\n"
+             "print(c.is_op_threads_num_configured(), c.is_dispatch_threads_num_configured())")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0 and out.stdout.split("\n")[-2] == "True True", (out.stdout[-500:], out.stderr[-2000:])

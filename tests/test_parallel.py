@@ -849,6 +849,26 @@ def test_launch_sets_the_gloo_interface_only_across_nodes(monkeypatch):
     assert env(2)["GLOO_SOCKET_IFNAME"] == "eth7"
 
 
+def test_msrun_ranks_of_a_node_get_one_thread_each_as_torchruns_do(monkeypatch):
+    """torchrun sets OMP_NUM_THREADS=1 when a node runs several ranks; `mindspeed launch` does
+    the same for msrun (the MindSpore backend sizes its thread pools by it), and a user's own
+    setting stands."""
+    import argparse
+
+    from mindspeed_core import launcher
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+
+    def env(nproc):
+        args = argparse.Namespace(nproc_per_node=nproc, nnodes=1, node_rank=0, master_addr="127.0.0.1",
+                                  master_port=29500, log_dir="logs")
+        return launcher.launch_command(args, [], "mindspore")[1]
+
+    assert env(2)["OMP_NUM_THREADS"] == "1" and "OMP_NUM_THREADS" not in env(1)
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert env(2)["OMP_NUM_THREADS"] == "3"
+
+
 def expected_traffic(ranks, flags, model: str = "gqa") -> dict:
     """Bytes per step and collective on rank 0 for the GQA model of these tests, or its MoE
     variant (parallel/traffic.py)."""

@@ -8,7 +8,11 @@ os.environ.setdefault("GLOG_v", "3")
 
 import mindspore  # noqa: E402
 
-from . import autograd, device, dist, io, nn, ops, profiler, random  # noqa: E402
+from . import device  # noqa: E402  (first: it sizes the thread pools before any op starts them)
+
+device.share_the_cores()
+
+from . import autograd, dist, io, nn, ops, profiler, random  # noqa: E402
 
 NAME = "mindspore"
 FRAMEWORK_VERSION = mindspore.__version__

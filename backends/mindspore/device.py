@@ -6,7 +6,10 @@ mapped to MindSpore's targets (CPU, GPU, Ascend).
 
 from __future__ import annotations
 
+import os
+
 import mindspore as ms
+from mindspore._c_expression import RuntimeConf
 
 from mindspeed_core.backends.common import choose_device, host_memory_stats, measure_matmul_rate
 
@@ -20,6 +23,8 @@ def available() -> list[str]:
 
 def select(wanted: str = "auto") -> str:
     wanted = choose_device(wanted, available(), "MindSpore")
+    if wanted == "cpu":
+        host_blocking_run()
     ms.set_device(_TARGETS[wanted])
     if wanted == "cpu":
         # PyNative's asynchronous dispatch hands every op to another thread; on a CPU that
@@ -29,6 +34,32 @@ def select(wanted: str = "auto") -> str:
         ms.runtime.launch_blocking()
     _selected["type"] = wanted
     return wanted
+
+
+def host_blocking_run() -> None:
+    """Even with launch_blocking, each op passes through a queue whose worker thread waits for
+    work by spinning (sched_yield); MS_DEV_HOST_BLOCKING_RUN runs the op on the calling thread
+    instead (MindSpore reads it at the first op). See share_the_cores for what was measured."""
+    os.environ.setdefault("MS_DEV_HOST_BLOCKING_RUN", "1")
+
+
+def share_the_cores() -> None:
+    """Where the job says how many threads a rank gets (OMP_NUM_THREADS: torchrun sets 1 for
+    several ranks a node, and so does `mindspeed launch` for msrun), MindSpore's CPU kernel
+    pool and its runtime pool are sized to it, as torch sizes its intra-op pool; by default
+    they spin waiting for work, and several ranks on a few cores then spend their time
+    yielding to each other. Set as MindSpore is imported, before any op starts the pools.
+    Measured on 2 cores: the 35 cases of test_parallel's four-rank launch took 166 s against
+    222 s (its 25 two-rank cases 48 s against 59 s); launches of a few cases vary too much from
+    run to run to show it (31-44 s without, 34-40 s with). One process alone: unchanged."""
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if not (threads.isdigit() and int(threads) > 0):
+        return
+    conf = RuntimeConf.get_instance()  # each can be set once a process
+    if not conf.is_op_threads_num_configured():
+        ms.device_context.cpu.op_tuning.threads_num(int(threads))
+    if not conf.is_dispatch_threads_num_configured():
+        ms.runtime.dispatch_threads_num(int(threads))
 
 
 def type() -> str:  # noqa: A001 - facade name
