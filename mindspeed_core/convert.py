@@ -236,11 +236,18 @@ def run(args, backend=None) -> int:
     if args.load_model_type == "hf" and args.save_model_type == "hf":
         raise MindSpeedError("--load-model-type hf --save-model-type hf converts nothing: one of them is mg")
     if args.save_model_type == "hf":
-        for flag in ("target_tensor_parallel_size", "target_pipeline_parallel_size", "target_expert_parallel_size",
-                     "num_layers_per_virtual_pipeline_stage", "num_layer_list", "noop_layers", "params_dtype"):
-            if getattr(args, flag) is not None:
-                raise MindSpeedError(f"--{flag.replace('_', '-')} describes a Megatron checkpoint; a Hugging Face "
-                                     f"folder (--save-model-type hf) has no layout or dtype to set")
+        if args.params_dtype is not None:
+            raise MindSpeedError("--params-dtype sets a Megatron checkpoint's dtype; a Hugging Face folder "
+                                 "(--save-model-type hf) is written in the dtype it was trained in")
+        # MindSpeed-LLM's scripts pass their layout to the export too, and its converter ignores it
+        layout = [f for f in ("target_tensor_parallel_size", "target_pipeline_parallel_size",
+                              "target_expert_parallel_size", "num_layers_per_virtual_pipeline_stage", "num_layer_list")
+                  if getattr(args, f) is not None]
+        if layout:
+            print(f"note: {', '.join('--' + f.replace('_', '-') for f in layout)} describe a Megatron layout; a "
+                  f"Hugging Face folder has none, so they are ignored")
+            for f in layout:
+                setattr(args, f, None)
     if os.path.realpath(args.load_dir) == os.path.realpath(args.save_dir):
         raise MindSpeedError("--save-dir is --load-dir: write the conversion to another folder")
     if args.save_lora_to_hf:
@@ -256,9 +263,15 @@ def run(args, backend=None) -> int:
         source = _with_adapters(args, source)
     iteration, cfg, state, dtype = source.iteration, source.cfg, source.state, source.dtype
     if args.noop_layers:
-        if args.load_model_type != "hf" or cfg.noop_layers:
+        noop = pipeline.parse_layer_numbers(args.noop_layers, "--noop-layers")
+        if args.save_model_type == "hf" and args.load_model_type == "mg":  # MindSpeed-LLM's export names them again
+            if tuple(noop) != tuple(cfg.noop_layers):
+                raise MindSpeedError(f"--noop-layers {args.noop_layers}, but {args.load_dir} holds no-op layers "
+                                     f"{','.join(map(str, cfg.noop_layers)) or 'none'}")
+        elif args.load_model_type != "hf" or cfg.noop_layers:
             raise MindSpeedError("--noop-layers adds no-op layers to a Hugging Face model's (hf -> mg)")
-        cfg, state = hf.with_noop_layers(cfg, state, pipeline.parse_layer_numbers(args.noop_layers, "--noop-layers"))
+        else:
+            cfg, state = hf.with_noop_layers(cfg, state, noop)
     if args.save_model_type == "hf":
         if args.hf_cfg_dir is not None:
             hf.check_same_model(args.hf_cfg_dir, cfg)  # before anything is written

@@ -422,8 +422,9 @@ CASES = [
      "no scale_emb setting in transformers"),
     ("conv-ours-other-mlp", lambda t, m, c: _convert("mg", "mg", _edit_meta(m, t, ffn_hidden_size=64), t / "o"),
      "does not belong to these weights"),
-    ("conv-hf-with-target", lambda t, m, c: _convert("mg", "hf", m / "ckpt", t / "o", "--target-tensor-parallel-size",
-                                                     "2"), "describes a Megatron checkpoint"),
+    # MindSpeed-LLM's exports name the no-op layers again: they must be the checkpoint's
+    ("conv-hf-other-noop", lambda t, m, c: _convert("mg", "hf", m / "ckpt", t / "o", "--noop-layers", "0"),
+     "holds no-op layers none"),
     ("conv-model-type", lambda t, m, c: _convert("mg", "hf", m / "ckpt", t / "o", "--model-type-hf", "qwen2"),
      "--model-type-hf qwen2, but"),
     # a model without DeepSeek's latent attention (the tiny-deepseek-v3 preset's routing on GQA) says what exports
