@@ -53,8 +53,8 @@ def share_the_cores() -> None:
     222 s (its 25 two-rank cases 48 s against 59 s); launches of a few cases vary too much from
     run to run to show it (31-44 s without, 34-40 s with). One process alone: unchanged."""
     threads = os.environ.get("OMP_NUM_THREADS", "")
-    if not (threads.isdigit() and int(threads) > 0):
-        return
+    if not (threads.isdigit() and int(threads) > 0) or available() != ["cpu"]:
+        return  # with an accelerator the runtime pool dispatches its kernels: left as MindSpore sets it
     conf = RuntimeConf.get_instance()  # each can be set once a process
     if not conf.is_op_threads_num_configured():
         ms.device_context.cpu.op_tuning.threads_num(int(threads))
