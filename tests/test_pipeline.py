@@ -162,6 +162,7 @@ MODELS = {"base": SMALL4 + ["--eval-iters", "2", "--eval-interval", "3", "--spli
           "packed": SMALL4 + ["--reset-attention-mask", "--reset-position-ids"]}
 ITERS = 10  # the single-process runs and resumes
 LAYOUT_ITERS = 3  # the pipelined launches: the first steps of the same schedule (--lr-decay-iters)
+RESUMED_TO = LAYOUT_ITERS + 2  # the resumes at other layouts: two steps on the loaded weights and moments
 PP = ["--pipeline-model-parallel-size"]
 TWO = [  # (name, model, flags), on two ranks
     ("pp2", "base", PP + ["2", "--save", "{out}/ckpt-pp2", "--save-interval", "3"]),
@@ -280,7 +281,7 @@ def test_pipelines_on_two_ranks_equal_one_process(capsys, framework, corpus, sin
 
 
 # sharded checkpoints (training/sharded_checkpoint.py) resumed at other layouts in the four-rank
-# launch, each to ITERS on the single-process curve: name -> (flags after the model's, the
+# launch, each to RESUMED_TO on the single-process curve: name -> (flags after the model's, the
 # checkpoint: four's tp2-pp2-distopt or two's pp2-interleaved-recompute, both of LAYOUT_ITERS)
 RESHARD = {
     "dp4-distopt-from-tp2-pp2": (["--use-distributed-optimizer"], "four", "ckpt-tp2-pp2"),
@@ -310,7 +311,7 @@ def four(corpus, two, tmp_path_factory):  # noqa: F811
 
     tmp = tmp_path_factory.mktemp("four")
     out = {"two": two, "four": tmp / "out"}
-    extra = [[name, [*MODELS["base"], *flags, "--data-path", corpus, "--train-iters", str(ITERS), "--load",
+    extra = [[name, [*MODELS["base"], *flags, "--data-path", corpus, "--train-iters", str(RESUMED_TO), "--load",
                      str(out[where] / ckpt)], False] for name, (flags, where, ckpt) in RESHARD.items()]
     return run_configs(FRAMEWORK, 4, FOUR, corpus, tmp, extra=extra)
 
@@ -366,7 +367,7 @@ def test_sharded_checkpoints_resume_at_other_layouts_reading_their_slices(framew
     for name in RESHARD:
         log = (four / f"{name}.log").read_text()
         assert "resumed from" in log and "sharded" in log, log
-        assert_same_curve(losses(four / f"{name}.jsonl"), {i: want[i] for i in range(LAYOUT_ITERS + 1, ITERS + 1)})
+        assert_same_curve(losses(four / f"{name}.jsonl"), {i: want[i] for i in range(LAYOUT_ITERS + 1, RESUMED_TO + 1)})
     # TP2 x PP2 at DP1: four owners of distinct pieces, four files
     last = f"iter_{LAYOUT_ITERS:07d}"
     assert len(list((four / "ckpt-tp2-pp2" / last).glob("rank_*.safetensors"))) == 4
