@@ -132,8 +132,8 @@ def pytest_runtest_teardown(item, nextitem):
 def pytest_runtest_logreport(report):
     if report.when == "call" and report.passed:
         _passed.add(report.nodeid)
-    if report.skipped:  # (a worker's report reaches the controller with its tuple as a list)
-        reason = report.longrepr[2] if isinstance(report.longrepr, (tuple, list)) else str(report.longrepr)
+    if report.skipped:
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
         _skips.append((report.nodeid, reason))
 
 
