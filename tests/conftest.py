@@ -34,8 +34,8 @@ from mindspeed_core import usage
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # Two workers share the cores (README: -n 2): one thread each for torch's and MindSpore's
     # pools, as torchrun gives each of several ranks, in this process and in those its tests start.
-    # Two threads each made the pools wait on each other: a MindSpore greedy decode of test_hf
-    # took 40-63 s beside a four-rank launch, 3 s alone.
+    # Measured once each way on one machine: the MindSpore suite took 1461 s so, 1579 s with the
+    # pools as the frameworks size them.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 # Before binding: the bound facade then records its use, and every process the tests start
