@@ -271,6 +271,14 @@ def _stat(pid: int):
         return None
 
 
+def _cmdline(pid: int) -> list[bytes]:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            return fh.read().split(b"\0")
+    except OSError:
+        return []
+
+
 def _environ(pid: int) -> dict:
     try:
         with open(f"/proc/{pid}/environ", "rb") as fh:
@@ -309,13 +317,24 @@ class Watch:
                 for pid, (ppid, start) in parents.items():
                     if pid not in self.members and (ppid == self.root or ppid in self.members or pid == self.root):
                         self.members[pid] = start
-                        self._classify(pid)
                         grown = True
+            for pid, (ppid, start) in parents.items():
+                # until a child has exec'd, it shows msrun's own command line and environment
+                if ppid == self.root and pid not in self.roles and self.members.get(pid) == start:
+                    self._classify(pid)
             if not self.first_deaths:
                 self.first_deaths = {role for pid, role in self.roles.items()
                                      if not (pid in parents and parents[pid][1] == self.members[pid])}
 
     def _classify(self, pid: int) -> None:
+        """Only msrun's own Python children have a role: their helpers (the
+        `lscpu` MindSpore runs at import, msrun's `tail -f` of each log) inherit MS_ROLE and
+        RANK_ID, and a scheduler's helper that exits would read as the scheduler dying."""
+        argv = _cmdline(pid)
+        if not argv or argv == _cmdline(self.root):
+            return  # gone, or forked and not yet exec'd: it still shows msrun's own command line
+        if not os.path.basename(argv[0].decode(errors="replace")).startswith("python"):
+            return  # msrun starts its scheduler and workers with "python", its log tails with tail
         env = _environ(pid)
         if env.get(b"MS_ROLE") == b"MS_SCHED":
             self.roles[pid] = SCHEDULER

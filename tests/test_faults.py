@@ -181,6 +181,35 @@ def test_root_cause_parsing_prefers_the_process_that_exited():
     assert Watch(root=1).culprit() == "a rank failed"
 
 
+def test_a_helper_of_the_scheduler_exiting_is_not_the_scheduler_dying():
+    """MindSpore's scheduler runs `lscpu` at import, and msrun tails each worker's log: both
+    inherit MS_ROLE and RANK_ID. CI once saw the `lscpu` exit read as the scheduler dying, and
+    the launcher stopped a healthy job. Here a stand-in msrun starts a "scheduler" that runs a
+    short helper, and a log tail with a worker's environment."""
+    from mindspeed_core.launcher import SCHEDULER, Watch
+
+    msrun = ("import os, subprocess, sys, time\n"
+             "sched = {**os.environ, 'MS_ROLE': 'MS_SCHED', 'RANK_ID': '0'}\n"
+             "helper = 'import subprocess, time; subprocess.Popen([\"sleep\", \"1\"]); time.sleep(30)'\n"
+             "subprocess.Popen([sys.executable, '-c', helper], env=sched)\n"
+             "subprocess.Popen(['tail', '-f', '/dev/null'], "
+             "env={**os.environ, 'MS_ROLE': 'MS_WORKER', 'RANK_ID': '0', 'MS_NODE_ID': '0'})\n"
+             "time.sleep(30)\n")
+    root = subprocess.Popen([sys.executable, "-c", msrun])
+    watch = Watch(root.pid)
+    try:
+        deadline = time.time() + 3  # the helper lives 1 s: scans see it come and go
+        while time.time() < deadline:
+            watch.scan()
+            time.sleep(0.05)
+        assert len(watch.members) == 4, watch.members  # msrun, its two children and the helper: all seen
+        assert sorted(watch.roles.values()) == [SCHEDULER], watch.roles  # the stand-in scheduler alone
+        assert not watch.first_deaths, watch.first_deaths
+    finally:
+        watch.signal_all(signal.SIGKILL)
+        root.wait()
+
+
 # wide enough that writing a checkpoint (about 50 MB with the optimizer state) takes longer
 # than a step: with a save after every step, a writer is nearly always busy when the kill lands
 WIDE = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "4", "--ffn-hidden-size", "1024",
