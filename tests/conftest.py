@@ -14,10 +14,15 @@ torch must still call every facade name.
 
 Under CI (``CI`` or ``MINDSPEED_CI`` set) a skip outside coverage_check.ALLOWED_SKIPS fails
 the run, and the skip count is printed for .ci/run to report.
+
+Under pytest-xdist (``-n 2``) each worker records what its tests marked, ran and called, and
+hands it to the controller when it stops (``workeroutput``); the controller, which sees every
+report, checks the union.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import tempfile
@@ -25,6 +30,13 @@ import tempfile
 import pytest
 
 from mindspeed_core import usage
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # Two workers share the cores (README: -n 2): one thread each for torch's and MindSpore's
+    # pools, as torchrun gives each of several ranks, in this process and in those its tests start.
+    # Measured once each way on one machine: the MindSpore suite took 1461 s so, 1579 s with the
+    # pools as the frameworks size them.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 # Before binding: the bound facade then records its use, and every process the tests start
 # inherits the file to report to.
@@ -47,6 +59,7 @@ _used: dict[str, set] = {}  # test id -> feature ids recorded while it and its f
 _start: dict[str, int] = {}  # test id -> usage file offset when its setup began
 _fixture_used: dict[int, set] = {}  # id(fixturedef) -> features recorded while it was set up
 _skips: list[tuple[str, str]] = []
+_workers_called: set = set()  # facade names the xdist workers' tests called
 
 
 def pytest_addoption(parser):
@@ -131,11 +144,31 @@ def required_features() -> set:
 
 def _facade_called() -> set:
     names, _ = usage.read(USAGE_FILE)
-    return {n.split(":", 1)[1] for n in names if n.startswith("facade:")}
+    return {n.split(":", 1)[1] for n in names if n.startswith("facade:")} | _workers_called
+
+
+def _is_xdist_worker(config) -> bool:
+    return hasattr(config, "workerinput")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """The controller gathers a stopped worker's records (see the module's docstring)."""
+    record = json.loads(getattr(node, "workeroutput", {}).get("mindspeed", "{}"))
+    for nodeid, ids in record.get("marked", {}).items():
+        _marked.setdefault(nodeid, set()).update(ids)
+    for nodeid, ids in record.get("used", {}).items():
+        _used.setdefault(nodeid, set()).update(ids)
+    _workers_called.update(record.get("called", []))
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_sessionfinish(session, exitstatus):
+    if _is_xdist_worker(session.config):  # the controller checks; it has every worker's part
+        session.config.workeroutput["mindspeed"] = json.dumps(
+            {"marked": {k: sorted(v) for k, v in _marked.items()}, "used": {k: sorted(v) for k, v in _used.items()},
+             "called": sorted(_facade_called())})
+        return
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
 
     def fail(title, problems):

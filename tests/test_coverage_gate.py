@@ -59,6 +59,12 @@ def test_skips_for_a_missing_dependency():
 
 def test_skips_for_an_allowed_reason():
     pytest.skip("bfloat16 math is not available on this device")
+
+@pytest.mark.feature("sft")
+def test_marked_and_runs_it():
+    from mindspeed_core import features, ops
+    features.note_used("sft")
+    ops.add(ops.tensor([1.0]), ops.tensor([2.0]))
 '''
 
 
@@ -89,3 +95,26 @@ def test_a_run_with_the_gate_on_fails_on_each_problem(tmp_path):
     assert done.returncode == 0 and "skips on " in done.stdout, done.stdout[-2000:]
     done = _run(tmp_path, "test_crafted.py", "-k", "skips", ci=False)  # outside CI a skip is reported, not failed
     assert done.returncode == 0, done.stdout[-2000:]
+
+
+@pytest.mark.framework_free
+def test_the_gate_sees_what_xdist_workers_ran(tmp_path):
+    """The README's command runs the suite on two pytest-xdist workers: the controller checks what
+    the workers' tests marked and ran (a feature and facade names run on a worker count, a marker
+    never honoured there still fails) and counts their skips under CI."""
+    pytest.importorskip("xdist")
+    for name in ("conftest.py", "coverage_check.py"):
+        shutil.copy(HERE / name, tmp_path / name)
+    (tmp_path / "test_crafted.py").write_text(CRAFTED)
+    done = _run(tmp_path, "test_crafted.py::test_marked_but_runs_nothing", "test_crafted.py::test_marked_and_runs_it",
+                "--feature-coverage", "-n", "2", "--dist", "load", ci=False)
+    assert done.returncode == 1, done.stdout[-2000:]
+    assert "test_crafted.py::test_marked_but_runs_nothing is marked 'deterministic' but never ran it" in done.stdout
+    assert "test_marked_and_runs_it is marked" not in done.stdout, done.stdout[-2000:]
+    missing = done.stdout.split("no passing marked test ran: ")[1].split("\n")[0].split(", ")
+    assert "deterministic" in missing and "sft" not in missing, missing
+    unused = done.stdout.split("facade names no test used: ")[1].split("\n")[0].split(", ")
+    assert "ops.tensor" not in unused and "ops.add" not in unused and "ops.matmul" in unused, unused
+    done = _run(tmp_path, "test_crafted.py", "-k", "skips", "-n", "2", ci=True)
+    assert done.returncode == 1 and "SKIPS OUTSIDE THE ALLOW-LIST" in done.stdout, done.stdout[-2000:]
+    assert "skips on " in done.stdout and "No module named 'peft'" in done.stdout.split("ALLOW-LIST")[1]
