@@ -41,11 +41,18 @@ from mindspeed_core.training.metrics import MetricsLog
 from mindspeed_core.training.optimizer import learning_rate
 
 
+def _probe_matmul() -> float:
+    """The device's matmul rate, the best of three 0.1 s rounds (a round that shares the cores
+    with another process reads low)."""
+    return max(device.matmul_rate(n=512, min_seconds=0.1) for _ in range(3))
+
+
 @functools.cache
 def _matmul_peak() -> float:
-    """The device's measured matmul rate (MFU's denominator), once per process: runs that follow
-    one another in a process (the tests' launches) share it instead of spending 0.3 s each."""
-    return device.matmul_rate(n=512, min_seconds=0.3)
+    """MFU's denominator, probed once per process: runs that follow one another in a process (the
+    tests' launches) share it instead of spending 0.3 s each (MetricsLog probes again when the
+    steps beat it)."""
+    return _probe_matmul()
 
 
 class Trainer:
@@ -626,7 +633,7 @@ class Trainer:
         history = []
         board = boards.build(args, self.describe()) if self.ps.rank == 0 else None
         log = MetricsLog(metrics_path if self.ps.rank == 0 else None, self.say, flops_per_token, peak, self.ps.world,
-                         board, "lm loss" if self.objective is None else f"{self.stage_name} loss")
+                         board, "lm loss" if self.objective is None else f"{self.stage_name} loss", _probe_matmul)
         window = profiling.Window(args, self.ps.rank, self.ps.world, lambda text: print(text, flush=True,
                                                                                          file=self._out or sys.stdout))
         collect = None
