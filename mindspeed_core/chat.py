@@ -4,7 +4,8 @@ Each line read is the user's message; the reply is generated from the whole conv
 rendered by the template (``--prompt-type`` or the tokenizer's Hugging Face chat template,
 data/chat_templates.py) and printed as it is drawn. The last ``--history-turns`` rounds are
 kept (and fewer when they would not leave room for ``--max-new-tokens`` in the model's
-positions). ``/clear`` forgets the history, ``/exit`` (or the end of input) ends the session.
+positions). ``/clear`` forgets the history, ``/exit`` (or the end of input) ends the session;
+MindSpeed-LLM's words do the same (EXIT_WORDS, CLEAR_WORDS), so its users' habits carry over.
 ``--system-prompt`` replaces the template's default system message. Greedy unless
 ``--do-sample`` (then --temperature/--top-k/--top-p, seeded by --seed).
 """
@@ -66,13 +67,17 @@ class Session:
         return text
 
 
+EXIT_WORDS = ("/exit", "q", "exit", "quit")  # a whole line, as MindSpeed-LLM's chat task reads them
+CLEAR_WORDS = ("/clear", "clear", "new")
+
+
 def run(session: Session, speak: bool, as_json: bool, lines=None) -> None:
     """Read messages (from ``lines``, default stdin) until /exit or the end of input."""
     interactive = speak and not as_json and sys.stdin.isatty() and lines is None
     # the terminal's bytes, decoded a line at a time: a line that is not UTF-8 is refused alone
     lines = getattr(sys.stdin, "buffer", sys.stdin) if lines is None else lines
     if interactive:
-        print("chat: /clear forgets the conversation, /exit ends it")
+        print("chat: /clear (or clear, new) forgets the conversation, /exit (or q, exit, quit) ends it")
     while True:
         if interactive:
             sys.stdout.write("You> ")
@@ -89,9 +94,9 @@ def run(session: Session, speak: bool, as_json: bool, lines=None) -> None:
                 continue
         message = line.rstrip("\n")
         command = message.strip()
-        if command == "/exit":
+        if command in EXIT_WORDS:
             break
-        if command == "/clear":
+        if command in CLEAR_WORDS:
             session.clear()
             if speak and not as_json:
                 print("(history cleared)")

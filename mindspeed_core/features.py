@@ -482,7 +482,7 @@ FEATURES: tuple[Feature, ...] = (
                       "there)"), lambda a: getattr(a, "decode_graph", "auto") == "always"),
     Feature("chat", "Chat (multi-turn, chat templates)", "inference", ("--task chat",),
             supported("one process: --prompt-type templates or the tokenizer's Hugging Face chat template (jinja2 "
-                      "sandbox), --history-turns, /clear, /exit"),
+                      "sandbox), --history-turns, /clear and /exit (and MindSpeed-LLM's clear, new; q, exit, quit)"),
             supported("as on PyTorch"), _eq("task", "chat")),
     Feature("benchmark-evaluation", "Evaluation: MMLU, CEval, BoolQ (option likelihood), GSM8K (generated answer)",
             "inference", ("--task mmlu", "--task ceval", "--task gsm8k", "--task boolq"),

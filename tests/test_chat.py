@@ -222,6 +222,12 @@ def test_chat_command_reads_messages_until_exit(capsys, monkeypatch, checkpoint)
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
     assert f"Assistant> {rows[0]['reply']}\n" in out and "(history cleared)" in out
+    # MindSpeed-LLM's words: clear and new forget, q, exit and quit end
+    for forget, stop in (("clear", "q"), (" new", "exit"), ("new", "quit")):
+        monkeypatch.setattr("sys.stdin", io.StringIO(f"def \n{forget}\ndef \nclass\n{stop}\nnever read\n"))
+        assert cli.main([*argv, "--json"]) == 0
+        got = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{")]
+        assert got == rows, (stop, got)
 
 
 @pytest.mark.parametrize("flags, message", [
