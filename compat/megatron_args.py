@@ -15,7 +15,8 @@ from mindspeed_core.errors import MindSpeedError
 from mindspeed_core.models.config import LORA_TARGETS
 
 CONTEXT_PARALLEL_ALGOS = ("megatron_cp_algo", "ulysses_cp_algo", "hybrid_cp_algo")
-GENERATION_TASKS = ("greedy", "do_sample", "beam_search", "chat")
+# MindSpeed-LLM's inference.py runs these in this order when --task is not given
+GENERATION_TASKS = ("greedy", "do_sample", "beam_search", "beam_search_with_sampling", "chat")
 EVALUATION_TASKS = ("mmlu", "ceval", "gsm8k", "boolq", "perplexity")
 STAGES = ("sft", "dpo", "simpo", "orm", "rm", "prm", "grpo")  # rm: the outcome reward model (orm)
 DATA_HANDLERS = (
@@ -256,8 +257,9 @@ def add_feature_args(parser: argparse.ArgumentParser) -> None:
     o.add_argument("--wandb-exp-name", default=None, help="the run's name in Weights & Biases")
     o.add_argument("--wandb-save-dir", default=None, help="where the offline run is kept (default: <save>/wandb)")
     o.add_argument("--stream", action="store_true")
-    o.add_argument("--task", choices=GENERATION_TASKS + EVALUATION_TASKS, default=None,
-                   help="mindspeed generate: " + ", ".join(GENERATION_TASKS) + "; mindspeed evaluate: "
+    o.add_argument("--task", nargs="+", choices=GENERATION_TASKS + EVALUATION_TASKS, default=None,
+                   help="mindspeed generate: one or more of " + ", ".join(GENERATION_TASKS) + " (run in that "
+                   "order; default: greedy with --prompt, all of them without); mindspeed evaluate: one of "
                    + ", ".join(EVALUATION_TASKS))
     o.add_argument("--rope-scaling-type", choices=("linear", "llama3", "yarn", "dynamic", "longrope"), default=None)
     o.add_argument("--handler-name", choices=DATA_HANDLERS, default=None)

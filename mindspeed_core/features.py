@@ -117,6 +117,14 @@ def _eq(name, value):
     return lambda a: getattr(a, name, None) == value
 
 
+def _task(*names):
+    """--task names one of ``names`` (it takes several: `mindspeed generate` runs each)."""
+    def asked(a):
+        task = getattr(a, "task", None)
+        return any(t in names for t in ([task] if isinstance(task, str) else task or ()))
+    return asked
+
+
 def _cp(algo):
     return lambda a: (getattr(a, "context_parallel_size", 1) or 1) > 1 and a.context_parallel_algo == algo
 
@@ -463,13 +471,16 @@ FEATURES: tuple[Feature, ...] = (
     Feature("greedy-generation", "Generation: greedy decoding", "inference", ("--task greedy",),
             supported("`mindspeed generate`; batched prompts padded on the left; tensor parallel via `mindspeed "
                       "launch -- generate`"),
-            supported("as on PyTorch"), _eq("task", "greedy")),
+            supported("as on PyTorch"), _task("greedy")),
     Feature("sampling-generation", "Generation: sampling (temperature, top-k, top-p)", "inference",
             ("--task do_sample",), supported("seeded host draws: every tensor-parallel rank picks the same token"),
-            supported("as on PyTorch"), _eq("task", "do_sample")),
-    Feature("beam-search", "Generation: beam search", "inference", ("--task beam_search",),
-            supported("log-probability over length ** --length-penalty"), supported("as on PyTorch"),
-            _eq("task", "beam_search")),
+            supported("as on PyTorch"), _task("do_sample")),
+    Feature("beam-search", "Generation: beam search", "inference", ("--task beam_search",
+                                                                    "--task beam_search_with_sampling"),
+            supported("log-probability over length ** --length-penalty, as transformers' generate(num_beams=...); "
+                      "with sampling: the candidates drawn as transformers' beam sampling draws them"),
+            supported("as on PyTorch"),
+            _task("beam_search", "beam_search_with_sampling")),
     Feature("kv-cache", "Key/value cache for generation", "inference", (),
             supported("preallocated per layer (this rank's key/value heads); on unless --no-kv-cache"),
             supported("as on PyTorch"), _on("use_kv_cache")),
@@ -483,14 +494,16 @@ FEATURES: tuple[Feature, ...] = (
     Feature("chat", "Chat (multi-turn, chat templates)", "inference", ("--task chat",),
             supported("one process: --prompt-type templates or the tokenizer's Hugging Face chat template (jinja2 "
                       "sandbox), --history-turns, /clear and /exit (and MindSpeed-LLM's clear, new; q, exit, quit)"),
-            supported("as on PyTorch"), _eq("task", "chat")),
+            supported("as on PyTorch"), _task("chat")),
     Feature("benchmark-evaluation", "Evaluation: MMLU, CEval, BoolQ (option likelihood), GSM8K (generated answer)",
             "inference", ("--task mmlu", "--task ceval", "--task gsm8k", "--task boolq"),
-            supported("mindspeed evaluate, one process: k-shot prompts, batched, per-subject and overall accuracy"),
-            supported("as on PyTorch"), lambda a: getattr(a, "task", None) in ("mmlu", "ceval", "gsm8k", "boolq")),
+            supported("mindspeed evaluate, one process or tensor parallel (rank 0 reports): k-shot prompts, batched, "
+                      "per-subject and overall accuracy"),
+            supported("as on PyTorch"), _task("mmlu", "ceval", "gsm8k", "boolq")),
     Feature("perplexity", "Evaluation: perplexity of a text or indexed dataset", "inference", ("--task perplexity",),
-            supported("mindspeed evaluate: windows of the model's positions, the model's own cross entropy"),
-            supported("as on PyTorch"), _eq("task", "perplexity")),
+            supported("mindspeed evaluate: windows of the model's positions, the model's own (vocabulary-parallel "
+                      "under TP) cross entropy"),
+            supported("as on PyTorch"), _task("perplexity")),
     Feature("rope-scaling-flags", "RoPE scaling set by flags (linear, llama3, dynamic NTK)", "inference",
             ("--rope-scaling-type linear", "--rope-scaling-type llama3", "--rope-scaling-type dynamic"),
             supported("the model's rope_scaling from the flags (or a Hugging Face config's); dynamic NTK grows the "

@@ -3,7 +3,9 @@
 The model comes from one of our checkpoints (--load: its saved configuration, no model flags
 needed) or a Hugging Face folder (--load-hf); the prompts from --prompt (repeatable) or
 --prompt-file (one per line); --task greedy, do_sample (--temperature, --top-k, --top-p,
---seed) or beam_search (--num-beams). The key/value cache is used unless --no-kv-cache.
+--seed), beam_search (--num-beams), beam_search_with_sampling or chat, or several of them, run
+in turn; without --task and prompts, all of them on MindSpeed-LLM's prompt, as its inference.py
+does. The key/value cache is used unless --no-kv-cache.
 --stream prints each token as it is drawn (one prompt at a time; beam search prints when it
 ends, its beams reorder until then). Under tensor parallelism
 (`mindspeed launch ... -- generate ...`) every rank runs the same generation and rank 0
@@ -77,7 +79,7 @@ def _prompts(args) -> list[str]:
             raise MindSpeedError(f"--prompt-file {args.prompt_file}: {exc.strerror}") from None
         prompts += [line for line in text.splitlines() if line.strip()]
     if not prompts:
-        raise MindSpeedError("no prompt: give --prompt TEXT or --prompt-file FILE")
+        raise MindSpeedError(f"--prompt-file {args.prompt_file} holds no prompt: give one a line")
     if any(not p.strip() for p in prompts):
         raise MindSpeedError("an empty prompt: each prompt needs some text")
     return prompts
@@ -138,63 +140,98 @@ def load_model(args):
     return model, cfg, tokenizer, ps, tokenizer_path
 
 
+# MindSpeed-LLM's inference.py asks each of its tasks this when it runs them all
+DEFAULT_PROMPT = "how are you?"
+
+
+def _tasks(args) -> list[str]:
+    """The tasks to run: --task's (in its order), else greedy when prompts are given, else all of
+    MindSpeed-LLM's in its order (chat last; left out, with a note, under tensor parallelism,
+    where it cannot run). Without --prompt / --prompt-file the prompt is DEFAULT_PROMPT."""
+    if args.task:
+        wrong = [t for t in args.task if t not in megatron_args.GENERATION_TASKS]
+        if wrong:
+            raise MindSpeedError(f"--task {wrong[0]} is an evaluation: run it with 'mindspeed evaluate'")
+        return list(dict.fromkeys(args.task))
+    if args.prompt or args.prompt_file:
+        return ["greedy"]
+    tasks = list(megatron_args.GENERATION_TASKS)
+    if args.tensor_model_parallel_size != 1:
+        tasks.remove("chat")
+    return tasks
+
+
 def run(args, backend) -> int:
     """`mindspeed generate` once its flags are parsed and the framework bound."""
-    task = args.task or "greedy"
-    if task not in megatron_args.GENERATION_TASKS:
-        raise MindSpeedError(f"--task {task} is an evaluation: run it with 'mindspeed evaluate'")
+    tasks = _tasks(args)
     features.validate(args, backend.NAME, backend.device.type(), backend.FRAMEWORK_VERSION)
-    if task == "chat":
-        return _chat(args)
-    prompts = _prompts(args)
-    model, cfg, tokenizer, ps, _ = load_model(args)
+    if "chat" in tasks:
+        _check_chat(args)
+    prompts = _prompts(args) if args.prompt or args.prompt_file else [DEFAULT_PROMPT]
+    model, cfg, tokenizer, ps, tokenizer_path = load_model(args)
+    if any(t.startswith("beam_search") for t in tasks) and args.num_beams > cfg.vocab_size:
+        raise MindSpeedError(f"--num-beams {args.num_beams} is more than the model's {cfg.vocab_size} tokens")
+    speak = ps.rank == 0
+    if speak and not args.task and "chat" not in tasks and not (args.prompt or args.prompt_file):
+        print("note: the chat task is left out: it runs in one process", file=sys.stderr)
+    for task in tasks:
+        if len(tasks) > 1 and speak and not args.json:  # JSON objects carry their task
+            print(f"=== {task} ===", flush=True)
+        if task == "chat":
+            _chat(args, model, cfg, tokenizer, tokenizer_path)
+        else:
+            _continue(args, task, prompts, model, cfg, tokenizer, speak)
+    dist.shutdown()
+    return 0
+
+
+def _continue(args, task: str, prompts: list[str], model, cfg, tokenizer, speak: bool) -> None:
+    """One of the tasks that continue prompts: greedy, do_sample, beam_search (with sampling)."""
     encoded = [tokenizer.encode(p) for p in prompts]
     longest = max(len(e) for e in encoded)
     wrong = gen.fits(cfg.max_position_embeddings, longest, args.max_new_tokens, cfg.rope_scaling)
     if wrong:
         raise MindSpeedError(f"--max-new-tokens {args.max_new_tokens}: {wrong}")
     stop = (tokenizer.eod,) if getattr(tokenizer, "eod", None) is not None else ()
-    speak = ps.rank == 0
     use_cache = not args.no_kv_cache
-    streamed = args.stream and task != "beam_search"  # beams reorder until the end: printed when done
+    beams = task.startswith("beam_search")
+    streamed = args.stream and not beams  # beams reorder until the end: printed when done
     compiled = {"auto": None, "always": True, "never": False}[args.decode_graph]
+    sampling = gen.Sampling(greedy=task in ("greedy", "beam_search"), temperature=args.temperature,
+                            top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     results = []
-    if task == "beam_search":
+    if beams:
         results = [gen.beam_search(model, e, args.max_new_tokens, args.num_beams, stop, args.length_penalty,
-                                   use_cache) for e in encoded]
+                                   use_cache, sampling=sampling) for e in encoded]
+    elif streamed:
+        features.note_used("streaming-inference")
+        for prompt, e in zip(prompts, encoded):
+            if speak:
+                sys.stdout.write(prompt)
+            printer = TextStream(tokenizer, speak)
+            results += gen.generate(model, [e], args.max_new_tokens, sampling, stop, use_cache, printer.step,
+                                    compiled=compiled)
+            printer.close()
     else:
-        sampling = gen.Sampling(greedy=task == "greedy", temperature=args.temperature, top_k=args.top_k,
-                                top_p=args.top_p, seed=args.seed)
-        if streamed:
-            features.note_used("streaming-inference")
-            for prompt, e in zip(prompts, encoded):
-                if speak:
-                    sys.stdout.write(prompt)
-                printer = TextStream(tokenizer, speak)
-                results += gen.generate(model, [e], args.max_new_tokens, sampling, stop, use_cache, printer.step,
-                                        compiled=compiled)
-                printer.close()
-        else:
-            results = gen.generate(model, encoded, args.max_new_tokens, sampling, stop, use_cache, compiled=compiled)
+        results = gen.generate(model, encoded, args.max_new_tokens, sampling, stop, use_cache, compiled=compiled)
     if speak and not streamed:
         for prompt, ids in zip(prompts, results):
             text = tokenizer.decode(ids)
-            print(json.dumps({"prompt": prompt, "output": text, "ids": ids}) if args.json else prompt + text)
-    dist.shutdown()
-    return 0
+            print(json.dumps({"prompt": prompt, "output": text, "ids": ids, "task": task}) if args.json
+                  else prompt + text)
 
 
-def _chat(args) -> int:
+def _check_chat(args) -> None:
     if args.prompt or args.prompt_file:
         raise MindSpeedError("--task chat reads its messages from the terminal: drop --prompt / --prompt-file")
     if args.tensor_model_parallel_size != 1:
         raise MindSpeedError("--task chat runs in one process: drop --tensor-model-parallel-size")
-    model, cfg, tokenizer, ps, tokenizer_path = load_model(args)
+
+
+def _chat(args, model, cfg, tokenizer, tokenizer_path) -> None:
     template = chat_templates.choose(args.prompt_type, args.hf_chat_template, tokenizer_path)
     sampling = gen.Sampling(greedy=not args.do_sample, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed)
     session = chat.Session(model, cfg, tokenizer, template, sampling, args.max_new_tokens, args.history_turns,
                            args.system_prompt, not args.no_kv_cache)
     chat.run(session, speak=True, as_json=args.json)
-    dist.shutdown()
-    return 0

@@ -28,7 +28,7 @@ import tempfile
 import threading
 import time
 
-from mindspeed_core import features, inference
+from mindspeed_core import evaluation, features, inference
 from mindspeed_core.backends.common import check_fits_in_memory
 from mindspeed_core.compat import megatron_args
 from mindspeed_core.errors import MindSpeedError
@@ -92,7 +92,7 @@ def _ipv4_address(interface: str) -> str | None:
 
 def launch_command(args, train_argv: list[str], framework: str, command: str = "train",
                    script: str | None = None) -> tuple[list[str], dict]:
-    """The torchrun or msrun command line (and environment) that runs `train` (or `generate`)
+    """The torchrun or msrun command line (and environment) that runs `train` (or `generate`, `evaluate`)
     on every rank; with ``script``, that Python file with ``train_argv`` instead."""
     env = dict(os.environ, MINDSPEED_AI_FRAMEWORK=framework)
     if args.nnodes > 1 and not env.get("GLOO_SOCKET_IFNAME"):
@@ -166,8 +166,8 @@ def parse(argv: list[str]):
     either side; the two must agree."""
     own, rank_argv = _split(argv)
     command = "train"
-    if rank_argv[:1] == ["generate"]:  # `mindspeed launch ... -- generate ...`: generation on every rank
-        command, rank_argv = "generate", rank_argv[1:]
+    if rank_argv[:1] in (["generate"], ["evaluate"]):  # `mindspeed launch ... -- generate ...`: on every rank
+        command, rank_argv = rank_argv[0], rank_argv[1:]
     args = parser().parse_args(own)
     if args.node_rank >= args.nnodes:
         raise MindSpeedError(f"--node-rank {args.node_rank} must be below --nnodes {args.nnodes}")
@@ -176,7 +176,8 @@ def parse(argv: list[str]):
     except (OSError, UnicodeError):
         raise MindSpeedError(f"--master-addr {args.master_addr!r} is neither an address nor a host name this machine "
                              "can resolve") from None
-    rank_args = (megatron_args.training_parser() if command == "train" else inference.parser()).parse_args(rank_argv)
+    rank_args = {"train": megatron_args.training_parser, "generate": inference.parser,
+                 "evaluate": evaluation.parser}[command]().parse_args(rank_argv)
     if args.ai_framework and rank_args.ai_framework and rank_args.ai_framework != args.ai_framework:
         raise MindSpeedError(f"--ai-framework {args.ai_framework} before -- and --ai-framework "
                              f"{rank_args.ai_framework} after it disagree")

@@ -8,8 +8,9 @@ import time
 
 
 class Progress:
-    def __init__(self, total: int | None, desc: str, stream=None, min_interval: float = 0.5):
-        self.total, self.desc = total, desc
+    def __init__(self, total: int | None, desc: str, stream=None, min_interval: float = 0.5, quiet: bool = False):
+        """``quiet``: count, draw nothing (the ranks of a job but the one that reports)."""
+        self.total, self.desc, self.quiet = total, desc, quiet
         self.stream = stream or sys.stderr
         self.n = 0
         self.start = self._last = time.perf_counter()
@@ -28,6 +29,8 @@ class Progress:
             self._draw(now)
 
     def _draw(self, now: float) -> None:
+        if self.quiet:
+            return
         elapsed = now - self.start
         rate = self.n / elapsed if elapsed > 0 else 0.0
         if self.total:
@@ -42,6 +45,6 @@ class Progress:
 
     def close(self) -> None:
         self._draw(time.perf_counter())
-        if self.tty:
+        if self.tty and not self.quiet:
             self.stream.write("\n")
         self.stream.flush()

@@ -1,5 +1,5 @@
-"""Text generation: greedy decoding, sampling (temperature, top-k, top-p) and beam search,
-for a batch of prompts of different lengths (padded on the left), with the key/value cache
+"""Text generation: greedy decoding, sampling (temperature, top-k, top-p) and beam search (with
+sampling too), for a batch of prompts of different lengths (padded on the left), with the key/value cache
 (models/kv_cache.py) unless told otherwise: the prompts are run once (prefill), then each
 step runs the new tokens only (decode).
 
@@ -45,20 +45,28 @@ def choose(logits: np.ndarray, sampling: Sampling, rng) -> list[int]:
     if sampling.greedy:
         return [int(i) for i in np.argmax(logits, axis=-1)]
     picks = []
-    for i, row in enumerate(logits / sampling.temperature):
-        if sampling.top_k and sampling.top_k < row.size:
-            row = np.where(row < np.sort(row)[-sampling.top_k], -np.inf, row)
-        p = np.exp(row - row.max())
-        p /= p.sum()
-        if sampling.top_p < 1:
-            order = np.argsort(-p, kind="stable")
-            # the most likely tokens until their probability reaches top_p (at least one)
-            keep = order[:int(np.searchsorted(np.cumsum(p[order]), sampling.top_p)) + 1]
-            kept = np.zeros_like(p)
-            kept[keep] = p[keep]
-            p = kept / kept.sum()
+    for i, row in enumerate(logits):
+        p = _distribution(row, sampling)
         picks.append(int((rng[i] if isinstance(rng, list) else rng).choice(p.size, p=p)))
     return picks
+
+
+def _distribution(row: np.ndarray, sampling: Sampling) -> np.ndarray:
+    """The probabilities a sampled draw uses: ``row`` (logits or log-probabilities) at the
+    temperature, cut to top_k, then to top_p."""
+    row = row / sampling.temperature
+    if sampling.top_k and sampling.top_k < row.size:
+        row = np.where(row < np.sort(row)[-sampling.top_k], -np.inf, row)
+    p = np.exp(row - row.max())
+    p /= p.sum()
+    if sampling.top_p < 1:
+        order = np.argsort(-p, kind="stable")
+        # the most likely tokens until their probability reaches top_p (at least one)
+        keep = order[:int(np.searchsorted(np.cumsum(p[order]), sampling.top_p)) + 1]
+        kept = np.zeros_like(p)
+        kept[keep] = p[keep]
+        p = kept / kept.sum()
+    return p
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:
@@ -199,14 +207,24 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, sampling: Sam
 
 
 def beam_search(model, prompt: list[int], max_new_tokens: int, num_beams: int, stop_ids=(),
-                length_penalty: float = 1.0, use_cache: bool = True, pad_id: int = 0) -> list[int]:
+                length_penalty: float = 1.0, use_cache: bool = True, pad_id: int = 0,
+                sampling: Sampling | None = None) -> list[int]:
     """The continuation with the best score, log-probability / (tokens drawn) ** length_penalty,
     over ``num_beams`` beams. A beam that draws a stop token ends there (the stop token counts
     as drawn, and is not returned); the search ends when no open beam can beat the worst of
-    ``num_beams`` ended ones, or after max_new_tokens."""
+    ``num_beams`` ended ones, or after max_new_tokens.
+
+    With a ``sampling`` that is not greedy (beam search with sampling, as transformers'
+    ``generate(num_beams=..., do_sample=True)`` draws): each beam's log-probabilities are taken
+    to the temperature and cut to top_k / top_p, its score added, and the 2 x num_beams
+    candidates are drawn without replacement from the softmax over every beam's tokens at
+    once (seeded by sampling.seed), then ranked by score as the search's are. The scores are
+    the sums of those tempered log-probabilities."""
     if num_beams < 1:
         raise ValueError(f"num_beams must be positive, got {num_beams}")
+    sampled = sampling is not None and not sampling.greedy
     features.note_used("beam-search")
+    rng = np.random.default_rng(sampling.seed) if sampled else None
     steps = _Steps(model, [list(prompt)], max_new_tokens, use_cache, pad_id)
     scores = np.zeros(1)  # the open beams' log-probabilities
     sequences: list[list[int]] = [[]]
@@ -216,8 +234,18 @@ def beam_search(model, prompt: list[int], max_new_tokens: int, num_beams: int, s
         return float(logp) / drawn ** length_penalty
 
     for step in range(max_new_tokens):
-        logp = log_softmax(steps.logits()) + scores[:, None]  # [beams, vocab]
-        order = np.argsort(-logp, axis=None, kind="stable")[:2 * num_beams]
+        logp = log_softmax(steps.logits())  # [beams, vocab]
+        if sampled:
+            # each beam's own cut; the tokens it drops cannot be drawn
+            allowed = np.stack([_distribution(row, sampling) > 0 for row in logp])
+            logp = np.where(allowed, logp / sampling.temperature, -np.inf) + scores[:, None]
+            q = np.exp(logp.ravel() - logp.max())
+            q /= q.sum()
+            drawn = rng.choice(q.size, min(2 * num_beams, int(np.count_nonzero(q))), replace=False, p=q)
+            order = drawn[np.argsort(-logp.ravel()[drawn], kind="stable")]
+        else:
+            logp = logp + scores[:, None]
+            order = np.argsort(-logp, axis=None, kind="stable")[:2 * num_beams]
         parents, chosen, kept = [], [], []
         for rank, flat in enumerate(order):
             beam, token = divmod(int(flat), logp.shape[1])

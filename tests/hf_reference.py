@@ -184,6 +184,7 @@ def store_experts_as_mxfp4(model, folder: str) -> None:
 GENERATED = ("llama", "qwen3", "gpt2", "llama-dynamic-rope", "phi3-longrope", "gemma2", "gemma3", "mistral-sliding",
              "deepseek-v2", "deepseek-v3", "glm4-moe", "minicpm3", "gpt-oss")
 PAD, PROMPT = 3, 12
+BEAMS = ("llama", "qwen3", "deepseek-v2")  # transformers' beam search, for test_hf's
 # the logits are of 24 tokens: past every original context above (8 or 16), so that dynamic
 # NTK's base grows and LongRoPE takes its long factors; weights of spread 0.2 (transformers'
 # default initialisation gives logits of ~0.4, where a 10% change of a softmax scale hides
@@ -275,6 +276,17 @@ def build(name: str, out_dir: str) -> None:
             out = model.generate(torch.as_tensor(prompts * mask), attention_mask=torch.as_tensor(mask),
                                  max_new_tokens=8, do_sample=False)
         extra["generated"] = out[:, PROMPT:].numpy()
+    if name in BEAMS:
+        # beam search on the first prompt: beams end at the greedy run's third token (so some end
+        # early), scored per token (length penalty 1) and by probability alone (0)
+        eos = int(extra["generated"][0, 2])
+        extra["beam_eos"] = np.array(eos)
+        for penalty in (1.0, 0.0):
+            with torch.no_grad():
+                out = model.generate(torch.as_tensor(ids[:1, :PROMPT]), max_new_tokens=8, do_sample=False,
+                                     num_beams=3, length_penalty=penalty, early_stopping=False, eos_token_id=eos,
+                                     pad_token_id=0)
+            extra[f"beam_{penalty:g}"] = out[0, PROMPT:].numpy()
     np.savez(os.path.join(out_dir, f"{name}.npz"), ids=ids, logits=logits_of(model, ids), **extra)
 
 

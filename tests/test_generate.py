@@ -164,6 +164,28 @@ def test_beam_search_on_a_hand_checked_case():
                            use_cache=False) == [2, 0, 2, 0, 2, 0]
 
 
+@pytest.mark.feature("beam-search")
+def test_beam_search_with_sampling_draws_candidates_over_the_beams_and_ranks_them():
+    """One beam, one step from 0 (p = 0.05, 0.5, 0.4, 0.05; 3 ends): two candidates are drawn
+    without replacement, then ranked by score, so the result is 1 whenever 1 is drawn: with
+    probability 1 - sum_a p_a (1 - 0.5 / (1 - p_a)) = 0.886 (not 0.5, as taking the first draw
+    would give, nor 0.75 with replacement), and 2 with 0.109."""
+    model = Bigram()
+    got = [tuple(gen.beam_search(model, [0], 1, num_beams=1, stop_ids=(3,), use_cache=False,
+                                 sampling=gen.Sampling(greedy=False, seed=seed))) for seed in range(2000)]
+    share = {k: got.count(k) / len(got) for k in set(got)}
+    assert abs(share[(1,)] - 0.886) < 0.03 and abs(share[(2,)] - 0.109) < 0.03, share
+    # seeded: the same draws again; at temperature 3 (flatter) the seeds draw different beams
+    runs = {seed: gen.beam_search(model, [0], 6, 2, (3,), 1.0, False,
+                                  sampling=gen.Sampling(greedy=False, seed=seed, temperature=3.0))
+            for seed in range(12)}
+    assert gen.beam_search(model, [0], 6, 2, (3,), 1.0, False,
+                           sampling=gen.Sampling(greedy=False, seed=0, temperature=3.0)) == runs[0]
+    assert len({tuple(r) for r in runs.values()}) >= 3, runs
+    # top_k cuts each beam's own tokens: with 1, every beam follows its likeliest token
+    assert gen.beam_search(model, [0], 6, 2, (3,), 0.0, False, sampling=gen.Sampling(greedy=False, top_k=1)) == [1]
+
+
 def test_beam_search_with_the_cache_equals_without(model):
     for prompt in PROMPTS:
         want = gen.beam_search(model, prompt, 8, num_beams=3, stop_ids=(0,), use_cache=False)
@@ -202,9 +224,39 @@ def test_generate_command_continues_prompts_from_a_checkpoint(capsys, checkpoint
     assert [b["prompt"] for b in beams] == ["def f(", "import"]
 
 
+@pytest.mark.feature("chat")
+@pytest.mark.feature("sampling-generation")
+def test_without_a_prompt_the_tasks_of_mindspeed_llms_inference_run(capsys, monkeypatch, checkpoint):
+    """MindSpeed-LLM's inference.py without --task: greedy, do_sample, beam_search,
+    beam_search_with_sampling, then chat, each on "how are you?"; --task picks and orders them."""
+    import io
+
+    base = ["generate", "--load", str(checkpoint), "--max-new-tokens", "5", "--num-beams", "2", "--json"]
+    monkeypatch.setattr("sys.stdin", io.StringIO("def \nq\nnever read\n"))
+    capsys.readouterr()
+    assert cli.main(base) == 0
+    out = capsys.readouterr().out
+    rows = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
+    tasks = ["greedy", "do_sample", "beam_search", "beam_search_with_sampling"]
+    assert [r.get("task") for r in rows] == [*tasks, None] and rows[-1]["user"] == "def ", rows
+    assert all(r["prompt"] == "how are you?" for r in rows[:4])
+    monkeypatch.setattr("sys.stdin", io.StringIO("quit\n"))
+    assert cli.main(base[:-1]) == 0  # as text: a heading before each task
+    out = capsys.readouterr().out
+    assert [x for x in out.splitlines() if x.startswith("===")] == [f"=== {t} ===" for t in [*tasks, "chat"]]
+    assert "how are you?" + rows[0]["output"] in out
+    # each equals the task run alone on the prompt; a list runs in its own order
+    for task in ("greedy", "beam_search"):
+        assert cli.main([*base, "--task", task, "--prompt", "how are you?"]) == 0
+        alone = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{")]
+        assert alone == [r for r in rows if r.get("task") == task]
+    assert cli.main([*base, "--task", "beam_search_with_sampling", "do_sample"]) == 0
+    again = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{")]
+    assert again == [rows[3], rows[1]]  # seeded draws: the same as in the whole set
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--prompt", ""], "an empty prompt"),
-    ([], "no prompt"),
     (["--prompt", "x", "--max-new-tokens", "100"], "passes the model's 32 positions"),
     (["--prompt", "x", "--sequence-parallel", "--tensor-model-parallel-size", "2"], "without sequence parallelism"),
 ])

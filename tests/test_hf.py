@@ -94,6 +94,25 @@ def test_greedy_generation_matches_transformers(references, name):
         assert [g.steps for g in model.__dict__["_decode_graphs"].values()] == [5 if name == "phi3-longrope" else 6]
 
 
+@pytest.mark.feature("beam-search")
+@pytest.mark.parametrize("name", ["llama", "qwen3", "deepseek-v2"])
+def test_beam_search_matches_transformers(references, name):
+    """transformers' generate(num_beams=3) on the same folder: 8 tokens, beams ending at a token
+    the greedy run draws third, with length penalty 1 and 0 (its output keeps the end token and
+    pads after it; ours stops before it)."""
+    from mindspeed_core.models import generate as gen
+
+    ref = np.load(references / f"{name}.npz")
+    model = hf.load_model(str(references / name))
+    eos = int(ref["beam_eos"])
+    for penalty in (1.0, 0.0):
+        want = ref[f"beam_{penalty:g}"].tolist()
+        want = want[:want.index(eos)] if eos in want else want
+        got = gen.beam_search(model, ref["ids"][0][:12].tolist(), 8, num_beams=3, stop_ids=(eos,),
+                              length_penalty=penalty)
+        assert got == want, (penalty, got, want)
+
+
 @pytest.mark.feature("multi-latent-attention")
 def test_the_latent_cache_holds_the_latent_and_the_rotated_key(references):
     """DeepSeek's cache: kv_lora_rank + qk_rope_head_dim numbers a token and layer (16 + 4

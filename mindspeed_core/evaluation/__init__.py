@@ -49,38 +49,44 @@ def parser():
 
 def run(args, backend) -> int:
     """`mindspeed evaluate` once its flags are parsed and the framework bound."""
-    if args.task not in megatron_args.EVALUATION_TASKS:
+    given = args.task or []
+    if len(given) > 1:
+        raise MindSpeedError(f"--task {' '.join(given)}: evaluate runs one task at a time")
+    task = given[0] if given else None
+    if task not in megatron_args.EVALUATION_TASKS:
         raise MindSpeedError(f"--task: choose one of {', '.join(megatron_args.EVALUATION_TASKS)}"
-                             + (" (generation tasks run with 'mindspeed generate')" if args.task else ""))
+                             + (" (generation tasks run with 'mindspeed generate')" if task else ""))
     if not args.task_data_path:
-        raise MindSpeedError(f"--task {args.task} needs --task-data-path")
-    if args.tensor_model_parallel_size != 1:
-        raise MindSpeedError("evaluate runs in one process: drop --tensor-model-parallel-size")
-    results_file = args.results_file or f"{args.task}_results.json"
+        raise MindSpeedError(f"--task {task} needs --task-data-path")
+    results_file = args.results_file or f"{task}_results.json"
     check_results_file(results_file)  # before the evaluation, not after it
     features.validate(args, backend.NAME, backend.device.type(), backend.FRAMEWORK_VERSION)
-    model, cfg, tokenizer, _, tokenizer_path = load_model(args)
+    # under tensor parallelism (`mindspeed launch ... -- evaluate`) every rank scores every
+    # question through the vocabulary-parallel loss and gathered logits; rank 0 reports
+    model, cfg, tokenizer, ps, tokenizer_path = load_model(args)
+    speak = ps.rank == 0
     template = None
     if args.prompt_type or args.hf_chat_template:
         template = chat_templates.choose(args.prompt_type, args.hf_chat_template, tokenizer_path)
     positions = cfg.max_position_embeddings
     scorer = scoring.Scorer(model, tokenizer, args.evaluation_batch_size, positions, template)
-    if args.task == "perplexity":
+    if task == "perplexity":
         window = min(positions, args.seq_length or positions)
-        results = perplexity(model, tokenizer, args.task_data_path, window, args.evaluation_batch_size)
+        results = perplexity(model, tokenizer, args.task_data_path, window, args.evaluation_batch_size, speak)
     else:
-        if args.task == "gsm8k" and args.max_new_tokens >= positions:
+        if task == "gsm8k" and args.max_new_tokens >= positions:
             raise MindSpeedError(f"--max-new-tokens {args.max_new_tokens} leaves no room for the question in the "
                                  f"model's {positions} positions")
-        results = accuracy(scorer, args.task, tasks.read(args.task, args.task_data_path, args.shot), args)
-    results.update(task=args.task, shot=args.shot, model=args.load or args.load_hf, prompts_cut=scorer.cut)
-    print(table(results))
-    if scorer.cut:
-        print(f"note: {scorer.cut} prompts were longer than the model's {positions} positions and lost their "
-              "beginning")
-    os.makedirs(os.path.dirname(os.path.abspath(results_file)), exist_ok=True)
-    files.write_atomically(results_file, json.dumps(results, indent=2, ensure_ascii=False))
-    print(f"results written to {results_file}")
+        results = accuracy(scorer, task, tasks.read(task, args.task_data_path, args.shot), args, speak)
+    results.update(task=task, shot=args.shot, model=args.load or args.load_hf, prompts_cut=scorer.cut)
+    if speak:
+        print(table(results))
+        if scorer.cut:
+            print(f"note: {scorer.cut} prompts were longer than the model's {positions} positions and lost their "
+                  "beginning")
+        os.makedirs(os.path.dirname(os.path.abspath(results_file)), exist_ok=True)
+        files.write_atomically(results_file, json.dumps(results, indent=2, ensure_ascii=False))
+        print(f"results written to {results_file}")
     dist.shutdown()
     return 0
 
@@ -92,12 +98,12 @@ def check_results_file(path: str) -> None:
     files.check_writable(os.path.dirname(os.path.abspath(path)), f"--results-file {path}'s folder")
 
 
-def accuracy(scorer, task: str, subjects: dict, args) -> dict:
-    """Accuracy per subject and over all questions."""
+def accuracy(scorer, task: str, subjects: dict, args, speak: bool = True) -> dict:
+    """Accuracy per subject and over all questions (``speak``: show the progress)."""
     features.note_used("benchmark-evaluation")
     if args.max_eval_samples:
         subjects = {name: items[:args.max_eval_samples] for name, items in subjects.items()}
-    progress = Progress(sum(len(items) for items in subjects.values()), task)
+    progress = Progress(sum(len(items) for items in subjects.values()), task, quiet=not speak)
     rows = {}
     for name, items in subjects.items():
         if task == "gsm8k":
@@ -114,9 +120,9 @@ def accuracy(scorer, task: str, subjects: dict, args) -> dict:
                                          "accuracy": correct / total if total else 0.0}}
 
 
-def perplexity(model, tokenizer, path: str, window: int, batch: int) -> dict:
+def perplexity(model, tokenizer, path: str, window: int, batch: int, speak: bool = True) -> dict:
     texts = tasks.texts(path, tokenizer)
-    progress = Progress(len(texts), "perplexity")
+    progress = Progress(len(texts), "perplexity", quiet=not speak)
     rows, total, count = {}, 0.0, 0
     for name, tokens in texts.items():
         nll, n = scoring.perplexity_sums(model, tokens, window, batch)
