@@ -258,8 +258,9 @@ def add_feature_args(parser: argparse.ArgumentParser) -> None:
     o.add_argument("--wandb-save-dir", default=None, help="where the offline run is kept (default: <save>/wandb)")
     o.add_argument("--stream", action="store_true")
     o.add_argument("--task", nargs="+", choices=GENERATION_TASKS + EVALUATION_TASKS, default=None,
-                   help="mindspeed generate: one or more of " + ", ".join(GENERATION_TASKS) + " (run in that "
-                   "order; default: greedy with --prompt, all of them without); mindspeed evaluate: one of "
+                   help="mindspeed generate: one or more of " + ", ".join(GENERATION_TASKS) + " (run in the "
+                   "order given; default: greedy with --prompt, all of them in this order without); mindspeed "
+                   "evaluate: one of "
                    + ", ".join(EVALUATION_TASKS))
     o.add_argument("--rope-scaling-type", choices=("linear", "llama3", "yarn", "dynamic", "longrope"), default=None)
     o.add_argument("--handler-name", choices=DATA_HANDLERS, default=None)

@@ -4,14 +4,14 @@
     mindspeed check-args [--ai-framework X] [--device D] <the flags of mindspeed train ...>
     mindspeed info [--ai-framework X] [--device D] [--measure]
     mindspeed train [--ai-framework X] <Megatron-style training flags ...>
-    mindspeed generate (--load DIR | --load-hf FOLDER) --prompt TEXT [--task greedy|do_sample|beam_search ...]
+    mindspeed generate (--load DIR | --load-hf FOLDER) [--prompt TEXT] [--task greedy do_sample beam_search ...]
     mindspeed generate (--load DIR | --load-hf FOLDER) --task chat [--prompt-type NAME | --hf-chat-template]
     mindspeed evaluate (--load DIR | --load-hf FOLDER) --task mmlu|ceval|gsm8k|boolq|perplexity --task-data-path P
     mindspeed preprocess --input FILE --output-prefix PREFIX [--tokenizer-type ...]
     mindspeed convert --load-model-type hf|mg --save-model-type hf|mg --load-dir D --save-dir D [--target-* ...]
     mindspeed plot METRICS.jsonl [more runs ...] -o curves.png [--labels A B ...]
     mindspeed plan (--model-name P | <model flags> | --load-hf FOLDER) --devices N --memory-per-device GB [--measure]
-    mindspeed launch --nproc-per-node N [--nnodes --node-rank --master-addr --master-port] -- [generate] <flags>
+    mindspeed launch --nproc-per-node N [--nnodes --node-rank --master-addr --master-port] -- [generate|evaluate] <flags>
 
 Every verb goes the same way: its flags are parsed once, the framework is bound once (the
 ``--ai-framework`` flag, else ``$MINDSPEED_AI_FRAMEWORK``, else pytorch), then the verb runs.

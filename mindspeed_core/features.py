@@ -497,7 +497,7 @@ FEATURES: tuple[Feature, ...] = (
             supported("as on PyTorch"), _task("chat")),
     Feature("benchmark-evaluation", "Evaluation: MMLU, CEval, BoolQ (option likelihood), GSM8K (generated answer)",
             "inference", ("--task mmlu", "--task ceval", "--task gsm8k", "--task boolq"),
-            supported("mindspeed evaluate, one process or tensor parallel (rank 0 reports): k-shot prompts, batched, "
+            supported("mindspeed evaluate, one process: k-shot prompts, batched, "
                       "per-subject and overall accuracy"),
             supported("as on PyTorch"), _task("mmlu", "ceval", "gsm8k", "boolq")),
     Feature("perplexity", "Evaluation: perplexity of a text or indexed dataset", "inference", ("--task perplexity",),

@@ -96,9 +96,16 @@ def load_model(args):
                         ("--context-parallel-size", args.context_parallel_size),
                         ("--expert-model-parallel-size", args.expert_model_parallel_size)):
         if value != 1:
-            raise MindSpeedError(f"generation runs with tensor parallelism only: drop {flag}")
+            raise MindSpeedError(f"generation and evaluation run with tensor parallelism only: drop {flag}")
     if args.sequence_parallel:
         raise MindSpeedError("generation runs without sequence parallelism: drop --sequence-parallel")
+    ranks, tp = dist.launched_world_size(), args.tensor_model_parallel_size
+    if ranks != tp:  # every rank holds a share of one model: no data-parallel copies (not built)
+        raise MindSpeedError(
+            f"--tensor-model-parallel-size {tp} needs {tp} ranks: start it with `mindspeed launch --nproc-per-node "
+            f"{tp} -- generate|evaluate ...`" if ranks == 1 else
+            f"this job has {ranks} ranks for --tensor-model-parallel-size {tp}: generation and evaluation run on "
+            f"exactly that many (data-parallel copies are not built)")
     tokenizer_type, tokenizer_path = args.tokenizer_type, args.tokenizer_name_or_path
     named_tokenizer = tokenizer_type is not None or tokenizer_path is not None
     if args.load_hf:
@@ -152,11 +159,11 @@ def _tasks(args) -> list[str]:
         wrong = [t for t in args.task if t not in megatron_args.GENERATION_TASKS]
         if wrong:
             raise MindSpeedError(f"--task {wrong[0]} is an evaluation: run it with 'mindspeed evaluate'")
-        return list(dict.fromkeys(args.task))
+        return list(args.task)  # a name given twice runs twice, as upstream's loop does
     if args.prompt or args.prompt_file:
         return ["greedy"]
     tasks = list(megatron_args.GENERATION_TASKS)
-    if args.tensor_model_parallel_size != 1:
+    if dist.launched_world_size() > 1:
         tasks.remove("chat")
     return tasks
 
@@ -173,7 +180,7 @@ def run(args, backend) -> int:
         raise MindSpeedError(f"--num-beams {args.num_beams} is more than the model's {cfg.vocab_size} tokens")
     speak = ps.rank == 0
     if speak and not args.task and "chat" not in tasks and not (args.prompt or args.prompt_file):
-        print("note: the chat task is left out: it runs in one process", file=sys.stderr)
+        print("note: the chat task is left out: it runs in one process, not under a launcher", file=sys.stderr)
     for task in tasks:
         if len(tasks) > 1 and speak and not args.json:  # JSON objects carry their task
             print(f"=== {task} ===", flush=True)
@@ -226,6 +233,8 @@ def _check_chat(args) -> None:
         raise MindSpeedError("--task chat reads its messages from the terminal: drop --prompt / --prompt-file")
     if args.tensor_model_parallel_size != 1:
         raise MindSpeedError("--task chat runs in one process: drop --tensor-model-parallel-size")
+    if dist.launched_world_size() > 1:
+        raise MindSpeedError("--task chat runs in one process: run it without a launcher")
 
 
 def _chat(args, model, cfg, tokenizer, tokenizer_path) -> None:

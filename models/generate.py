@@ -51,20 +51,21 @@ def choose(logits: np.ndarray, sampling: Sampling, rng) -> list[int]:
     return picks
 
 
-def _distribution(row: np.ndarray, sampling: Sampling) -> np.ndarray:
+def _distribution(row: np.ndarray, sampling: Sampling, keep: int = 1) -> np.ndarray:
     """The probabilities a sampled draw uses: ``row`` (logits or log-probabilities) at the
-    temperature, cut to top_k, then to top_p."""
+    temperature, cut to top_k, then to top_p, each keeping at least ``keep`` tokens."""
     row = row / sampling.temperature
-    if sampling.top_k and sampling.top_k < row.size:
-        row = np.where(row < np.sort(row)[-sampling.top_k], -np.inf, row)
+    top_k = max(sampling.top_k, keep) if sampling.top_k else 0
+    if top_k and top_k < row.size:
+        row = np.where(row < np.sort(row)[-top_k], -np.inf, row)
     p = np.exp(row - row.max())
     p /= p.sum()
     if sampling.top_p < 1:
         order = np.argsort(-p, kind="stable")
         # the most likely tokens until their probability reaches top_p (at least one)
-        keep = order[:int(np.searchsorted(np.cumsum(p[order]), sampling.top_p)) + 1]
+        chosen = order[:max(int(np.searchsorted(np.cumsum(p[order]), sampling.top_p)) + 1, keep)]
         kept = np.zeros_like(p)
-        kept[keep] = p[keep]
+        kept[chosen] = p[chosen]
         p = kept / kept.sum()
     return p
 
@@ -216,9 +217,10 @@ def beam_search(model, prompt: list[int], max_new_tokens: int, num_beams: int, s
 
     With a ``sampling`` that is not greedy (beam search with sampling, as transformers'
     ``generate(num_beams=..., do_sample=True)`` draws): each beam's log-probabilities are taken
-    to the temperature and cut to top_k / top_p, its score added, and the 2 x num_beams
-    candidates are drawn without replacement from the softmax over every beam's tokens at
-    once (seeded by sampling.seed), then ranked by score as the search's are. The scores are
+    to the temperature and cut to top_k / top_p (keeping, with several beams, at least one token
+    more than there are stop tokens, and at least 2, as transformers does), its score added, and
+    the 2 x num_beams candidates are drawn without replacement from the softmax over every
+    beam's tokens at once (seeded by sampling.seed), then ranked by score as the search's are. The scores are
     the sums of those tempered log-probabilities."""
     if num_beams < 1:
         raise ValueError(f"num_beams must be positive, got {num_beams}")
@@ -237,7 +239,8 @@ def beam_search(model, prompt: list[int], max_new_tokens: int, num_beams: int, s
         logp = log_softmax(steps.logits())  # [beams, vocab]
         if sampled:
             # each beam's own cut; the tokens it drops cannot be drawn
-            allowed = np.stack([_distribution(row, sampling) > 0 for row in logp])
+            keep = max(2, len(stop_ids) + 1) if num_beams > 1 else 1
+            allowed = np.stack([_distribution(row, sampling, keep) > 0 for row in logp])
             logp = np.where(allowed, logp / sampling.temperature, -np.inf) + scores[:, None]
             q = np.exp(logp.ravel() - logp.max())
             q /= q.sum()

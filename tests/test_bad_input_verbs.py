@@ -365,7 +365,7 @@ CASES = [
     ("eval-no-data", lambda t, m, c: ["evaluate", "--load", str(m / "ckpt"), "--task", "mmlu"],
      "needs --task-data-path"),
     ("eval-tensor-parallel", lambda t, m, c: _eval(m, t, "mmlu", str(t), "--tensor-model-parallel-size", "2"),
-     "is not divisible by tensor (2)"),
+     "needs 2 ranks: start it with `mindspeed launch --nproc-per-node 2"),
     ("eval-results-folder", lambda t, m, c: _eval(m, t, "perplexity", _write(t, "a.txt", "text"))[:-1] + [str(t)],
      "is a folder"),
     ("eval-results-unwritable", lambda t, m, c: _eval(m, t, "perplexity", _write(t, "a.txt", "text"))[:-1]

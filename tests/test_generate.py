@@ -182,8 +182,13 @@ def test_beam_search_with_sampling_draws_candidates_over_the_beams_and_ranks_the
     assert gen.beam_search(model, [0], 6, 2, (3,), 1.0, False,
                            sampling=gen.Sampling(greedy=False, seed=0, temperature=3.0)) == runs[0]
     assert len({tuple(r) for r in runs.values()}) >= 3, runs
-    # top_k cuts each beam's own tokens: with 1, every beam follows its likeliest token
-    assert gen.beam_search(model, [0], 6, 2, (3,), 0.0, False, sampling=gen.Sampling(greedy=False, top_k=1)) == [1]
+    # top_k cuts each beam's own tokens: one beam with top_k 1 follows its likeliest token (1, then
+    # the end). With two beams each keeps 2 (1 + the stop tokens, as transformers does): [1] and
+    # [2], then all four candidates are drawn and ranked, and [2, 0] (0.36) beats the ended [1]
+    # (0.30); a cut to 1 token would leave [1] alone
+    one = gen.Sampling(greedy=False, top_k=1)
+    assert gen.beam_search(model, [0], 6, 1, (3,), 0.0, False, sampling=one) == [1]
+    assert gen.beam_search(model, [0], 2, 2, (3,), 0.0, False, sampling=one) == [2, 0]
 
 
 def test_beam_search_with_the_cache_equals_without(model):
@@ -253,6 +258,20 @@ def test_without_a_prompt_the_tasks_of_mindspeed_llms_inference_run(capsys, monk
     assert cli.main([*base, "--task", "beam_search_with_sampling", "do_sample"]) == 0
     again = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{")]
     assert again == [rows[3], rows[1]]  # seeded draws: the same as in the whole set
+
+
+def test_generation_runs_on_exactly_its_tensor_parallel_ranks(capsys, checkpoint, monkeypatch):
+    """A job of more ranks than the TP size would generate the same text on each (data-parallel
+    copies are not built); chat reads the terminal, so it runs without a launcher."""
+    from mindspeed_core import dist
+
+    monkeypatch.setattr(dist, "launched_world_size", lambda: 2)
+    capsys.readouterr()
+    for argv, message in ((["--prompt", "x"], "this job has 2 ranks for --tensor-model-parallel-size 1"),
+                          (["--task", "chat"], "--task chat runs in one process: run it without a launcher")):
+        assert cli.main(["generate", "--load", str(checkpoint), *argv]) == 2
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1, err
 
 
 @pytest.mark.parametrize("flags, message", [

@@ -61,10 +61,11 @@ class MetricsLog:
         multi-token prediction depth (Trainer._mtp_step_losses)."""
         tps = self._tokens / (time.perf_counter() - self._start)
         comm = dist.comm_stats()
-        peak = self._peak(tps * self.flops_per_token / self.devices)
+        achieved = tps * self.flops_per_token / self.devices  # a device's rate
+        peak = self._peak(achieved)
         record = {"iteration": iteration, "loss": loss, "lr": lr, "grad_norm": norm, "tokens_per_s": tps,
                   "tflops": tps * self.flops_per_token / 1e12,
-                  "mfu": tps * self.flops_per_token / (peak * self.devices), "peak_flops": peak,
+                  "mfu": achieved / peak, "peak_flops": peak,
                   "comm_bytes_per_step": sum(v["bytes"] for v in comm.values()) / self._steps,
                   "comm_wire_bytes_per_step": sum(v["wire_bytes"] for v in comm.values()) / self._steps,
                   "comm": comm, "timers": {name: total / count for name, (total, count) in self._timers.items()},
@@ -96,7 +97,7 @@ class MetricsLog:
         """MFU's denominator, never below what a device achieved. The probe at start can run on a
         busy machine and read low (a fresh clone's first run printed MFU 155%): when the steps beat
         it, probe again and keep the better; if they still beat it, the steps' own rate is the
-        best measured, and the peak from then on. Either change is said once, with the figure."""
+        best measured, and the peak from then on. Each change is said, with its figures."""
         if achieved <= self.peak_flops:
             return self.peak_flops
         before = self.peak_flops

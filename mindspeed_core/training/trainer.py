@@ -41,18 +41,19 @@ from mindspeed_core.training.metrics import MetricsLog
 from mindspeed_core.training.optimizer import learning_rate
 
 
-def _probe_matmul() -> float:
-    """The device's matmul rate, the best of three 0.1 s rounds (a round that shares the cores
-    with another process reads low)."""
-    return max(device.matmul_rate(n=512, min_seconds=0.1) for _ in range(3))
+def _probe_matmul(dtype: str) -> float:
+    """The device's matmul rate in the training's dtype (a bf16 run measured against an fp32
+    peak could beat it), the best of three 0.1 s rounds (a round that shares the cores with
+    another process reads low)."""
+    return max(device.matmul_rate(n=512, dtype=dtype, min_seconds=0.1) for _ in range(3))
 
 
 @functools.cache
-def _matmul_peak() -> float:
-    """MFU's denominator, probed once per process: runs that follow one another in a process (the
-    tests' launches) share it instead of spending 0.3 s each (MetricsLog probes again when the
-    steps beat it)."""
-    return _probe_matmul()
+def _matmul_peak(dtype: str) -> float:
+    """MFU's denominator, probed once per process and dtype: runs that follow one another in a
+    process (the tests' launches) share it instead of spending 0.3 s each (MetricsLog probes
+    again when the steps beat it)."""
+    return _probe_matmul(dtype)
 
 
 class Trainer:
@@ -611,12 +612,12 @@ class Trainer:
             removed = checkpoint.remove_stale_temporaries(args.save)
             if removed:
                 self.say(f"removed what interrupted saves left in {args.save}: {', '.join(removed)}")
-        peak = _matmul_peak()
+        peak = _matmul_peak(self.dtype)
         flops_per_token = self.cfg.flops_per_token(args.seq_length)
         metrics_path = args.metrics_file or (os.path.join(args.save, "metrics.jsonl") if args.save else None)
         self.say(f"training {self.cfg.num_parameters() / 1e6:.2f}M parameters on {runtime.bound().NAME} "
                  f"({device.current()}), {args.train_iters} iterations of {self.tokens_per_step} tokens; "
-                 f"measured matmul peak {peak / 1e9:.1f} GFLOP/s")
+                 f"measured {self.dtype} matmul peak {peak / 1e9:.1f} GFLOP/s")
         if self.ps.world > 1:
             pp = f" PP={self.ps.pp}" + (f" x {self.layout.chunks} chunks" if self.layout.chunks > 1 else "")
             cp = f" CP={self.ps.cp} ({args.context_parallel_algo})" if self.ps.cp > 1 else ""
@@ -633,7 +634,8 @@ class Trainer:
         history = []
         board = boards.build(args, self.describe()) if self.ps.rank == 0 else None
         log = MetricsLog(metrics_path if self.ps.rank == 0 else None, self.say, flops_per_token, peak, self.ps.world,
-                         board, "lm loss" if self.objective is None else f"{self.stage_name} loss", _probe_matmul)
+                         board, "lm loss" if self.objective is None else f"{self.stage_name} loss",
+                         functools.partial(_probe_matmul, self.dtype))
         window = profiling.Window(args, self.ps.rank, self.ps.world, lambda text: print(text, flush=True,
                                                                                          file=self._out or sys.stdout))
         collect = None
