@@ -153,8 +153,8 @@ DEFAULT_PROMPT = "how are you?"
 
 def _tasks(args) -> list[str]:
     """The tasks to run: --task's (in its order), else greedy when prompts are given, else all of
-    MindSpeed-LLM's in its order (chat last; left out, with a note, under tensor parallelism,
-    where it cannot run). Without --prompt / --prompt-file the prompt is DEFAULT_PROMPT."""
+    MindSpeed-LLM's in its order (chat last; left out, with a note, under a launcher, where it
+    cannot run). Without --prompt / --prompt-file the prompt is DEFAULT_PROMPT."""
     if args.task:
         wrong = [t for t in args.task if t not in megatron_args.GENERATION_TASKS]
         if wrong:

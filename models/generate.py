@@ -1,7 +1,7 @@
 """Text generation: greedy decoding, sampling (temperature, top-k, top-p) and beam search (with
-sampling too), for a batch of prompts of different lengths (padded on the left), with the key/value cache
-(models/kv_cache.py) unless told otherwise: the prompts are run once (prefill), then each
-step runs the new tokens only (decode).
+sampling too), for a batch of prompts of different lengths (padded on the left), with the
+key/value cache (models/kv_cache.py) unless told otherwise: the prompts are run once
+(prefill), then each step runs the new tokens only (decode).
 
 Under tensor parallelism every rank of the group calls these with the same arguments: the
 logits are gathered whole on every rank and the draws come from the same seeded host
@@ -220,8 +220,8 @@ def beam_search(model, prompt: list[int], max_new_tokens: int, num_beams: int, s
     to the temperature and cut to top_k / top_p (keeping, with several beams, at least one token
     more than there are stop tokens, and at least 2, as transformers does), its score added, and
     the 2 x num_beams candidates are drawn without replacement from the softmax over every
-    beam's tokens at once (seeded by sampling.seed), then ranked by score as the search's are. The scores are
-    the sums of those tempered log-probabilities."""
+    beam's tokens at once (seeded by sampling.seed), then ranked by score as the search's are.
+    The scores are the sums of those tempered log-probabilities."""
     if num_beams < 1:
         raise ValueError(f"num_beams must be positive, got {num_beams}")
     sampled = sampling is not None and not sampling.greedy
