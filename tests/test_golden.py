@@ -1,5 +1,5 @@
 """The golden curves (tests/golden_curves.py): this framework's six canonical runs (the first
-10 steps of 20-step schedules) against tests/golden/<framework>.json, and the comparison failing where it must."""
+6 steps of 20-step schedules) against tests/golden/<framework>.json, and the comparison failing where it must."""
 
 from __future__ import annotations
 
@@ -37,16 +37,16 @@ def test_the_golden_comparison_fails_on_what_it_guards():
             got[name]["steps"][step][field] *= factor
         return change
 
-    assert moved(scale("sft", "7", 0, 1 + 5e-6)) == []  # within the loss tolerance
-    assert moved(scale("sft", "7", 0, 1 + 3e-5)) == [f"sft step 7: loss {golden['sft']['steps']['7'][0] * (1 + 3e-5)!r}, "
-                                                     f"golden {golden['sft']['steps']['7'][0]!r}"]
-    assert moved(scale("cp2", "10", 1, 1 + 5e-5)) == []
-    assert [p.split(":")[0] for p in moved(scale("cp2", "10", 1, 1 + 3e-4))] == ["cp2 step 10"]
+    assert moved(scale("sft", "5", 0, 1 + 5e-6)) == []  # within the loss tolerance
+    assert moved(scale("sft", "5", 0, 1 + 3e-5)) == [f"sft step 5: loss {golden['sft']['steps']['5'][0] * (1 + 3e-5)!r}, "
+                                                     f"golden {golden['sft']['steps']['5'][0]!r}"]
+    assert moved(scale("cp2", "6", 1, 1 + 5e-5)) == []
+    assert [p.split(":")[0] for p in moved(scale("cp2", "6", 1, 1 + 3e-4))] == ["cp2 step 6"]
     assert moved(lambda g: g["moe-ep2"]["steps"]["3"].__setitem__(2, 1))[0].startswith("moe-ep2 step 3: 1 steps "
                                                                                        "skipped")
     assert moved(lambda g: g["default"]["flags"].append("--seed")) == [
         "default: its configuration changed since the golden values were written"]
-    assert moved(lambda g: g["pp2-vpp"]["steps"].pop("10"))[0].startswith("pp2-vpp: logged steps")
+    assert moved(lambda g: g["pp2-vpp"]["steps"].pop("6"))[0].startswith("pp2-vpp: logged steps")
     assert moved(lambda g: g.pop("tp2-sp-distopt")) == ["tp2-sp-distopt: not run"]
 
 

@@ -155,17 +155,17 @@ SMALL4 = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "
           "--lr", "3e-3", "--min-lr", "3e-4", "--lr-warmup-iters", "2", "--eval-iters", "0", "--log-interval", "1",
           "--make-vocab-size-divisible-by", "8", "--no-progress", "--seed", "7", "--sample-tokens", "0",
           "--lr-decay-iters", "10"]
-MODELS = {"base": SMALL4 + ["--eval-iters", "2", "--eval-interval", "3", "--split", "90,10,0"],  # evaluation runs forward-only too
+MODELS = {"base": SMALL4 + ["--eval-iters", "2", "--eval-interval", "2", "--split", "90,10,0"],  # evaluation runs forward-only too
           "noop": SMALL4 + ["--noop-layers", "3"],
           "tied": SMALL4 + ["--model-name", "tiny-gpt2", "--num-query-groups", "4"],
           # documents packed into samples: every stage needs their attention boundaries and positions
           "packed": SMALL4 + ["--reset-attention-mask", "--reset-position-ids"]}
 ITERS = 10  # the single-process runs and resumes
-LAYOUT_ITERS = 3  # the pipelined launches: the first steps of the same schedule (--lr-decay-iters)
+LAYOUT_ITERS = 2  # the pipelined launches: the first steps of the same schedule (--lr-decay-iters)
 RESUMED_TO = LAYOUT_ITERS + 2  # the resumes at other layouts: two steps on the loaded weights and moments
 PP = ["--pipeline-model-parallel-size"]
 TWO = [  # (name, model, flags), on two ranks
-    ("pp2", "base", PP + ["2", "--save", "{out}/ckpt-pp2", "--save-interval", "3"]),
+    ("pp2", "base", PP + ["2", "--save", "{out}/ckpt-pp2", "--save-interval", str(LAYOUT_ITERS)]),
     ("pp2-interleaved-recompute", "base", PP + ["2", "--num-layers-per-virtual-pipeline-stage", "1",
                                                 "--recompute-granularity", "full", "--recompute-method", "uniform",
                                                 "--recompute-num-layers", "1", "--save", "{out}/ckpt-vpp"]),
@@ -177,7 +177,7 @@ TWO = [  # (name, model, flags), on two ranks
     ("pp2-tied", "tied", PP + ["2"]),
 ]
 FOUR = [
-    ("pp4", "base", PP + ["4", "--save", "{out}/ckpt-pp4", "--save-interval", "3"]),
+    ("pp4", "base", PP + ["4", "--save", "{out}/ckpt-pp4", "--save-interval", str(LAYOUT_ITERS)]),
     ("tp2-pp2-sp-tied-selective-norm", "tied", PP + ["2", "--tensor-model-parallel-size", "2", "--sequence-parallel",
                                                      "--recompute-activations", "--recompute-norm"]),
     ("pp4-packed", "packed", PP + ["4"]),  # the middle stages too
@@ -208,7 +208,7 @@ def single(corpus, tmp_path_factory):  # noqa: F811
         out[name] = {"losses": losses(root / f"{name}.jsonl"), "eval": eval_losses(root / f"{name}.jsonl"),
                      "norms": grad_norms(root / f"{name}.jsonl"), "grads": dict(np.load(root / f"{name}-grads.npz")),
                      "ckpt5": iteration_only(ckpt, 5, root / f"ckpt5-{name}")}
-    assert sorted(out["base"]["eval"]) == [3, 6, 9]  # so the pipelined evaluation is compared
+    assert sorted(out["base"]["eval"]) == [2, 4, 6, 8, 10]  # so the pipelined evaluation is compared
     return out
 
 
@@ -272,8 +272,8 @@ def test_pipelines_on_two_ranks_equal_one_process(capsys, framework, corpus, sin
     plain, recomputed = np.load(out / "pp2-grads.npz"), np.load(out / "pp2-recompute-block-norm-grads.npz")
     assert all(np.array_equal(plain[n], recomputed[n]) for n in plain.files)
     # a PP2 checkpoint continues on one process
-    text = resume_single(capsys, corpus, iteration_only(out / "ckpt-pp2", 3, tmp_path / "pp2-3"), "base", tmp_path,
-                         single["base"]["losses"], 4)
+    text = resume_single(capsys, corpus, iteration_only(out / "ckpt-pp2", LAYOUT_ITERS, tmp_path / "pp2-last"), "base",
+                         tmp_path, single["base"]["losses"], LAYOUT_ITERS + 1)
     assert "PP=2" in text
     # and a single-process checkpoint started a PP2 run from the same weights
     assert_same_curve(losses(out / "pp2-from-single.jsonl"), {i: single["base"]["losses"][i] for i in range(6, 11)})
@@ -334,8 +334,8 @@ def test_pipelines_on_four_ranks_equal_one_process(capsys, framework, corpus, si
     out = four
     check_parity(out, FOUR, single, table)
     assert same_records(out / "pp2-dp2-distopt-overlap.jsonl", out / "pp2-dp2-distopt.jsonl")
-    text = resume_single(capsys, corpus, iteration_only(out / "ckpt-pp4", 3, tmp_path / "pp4-3"), "base", tmp_path,
-                         single["base"]["losses"], 4)
+    text = resume_single(capsys, corpus, iteration_only(out / "ckpt-pp4", LAYOUT_ITERS, tmp_path / "pp4-last"), "base",
+                         tmp_path, single["base"]["losses"], LAYOUT_ITERS + 1)
     assert "PP=4" in text
     print("parity (max relative loss difference):", json.dumps(table))
 
