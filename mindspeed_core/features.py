@@ -469,8 +469,8 @@ FEATURES: tuple[Feature, ...] = (
             supported("`mindspeed generate --stream`: each token printed as it is drawn"),
             supported("as on PyTorch"), _on("stream")),
     Feature("greedy-generation", "Generation: greedy decoding", "inference", ("--task greedy",),
-            supported("`mindspeed generate`; batched prompts padded on the left; tensor parallel via `mindspeed "
-                      "launch -- generate`"),
+            supported("`mindspeed generate`; batched prompts padded on the left; tensor and pipeline parallel via "
+                      "`mindspeed launch -- generate`"),
             supported("as on PyTorch"), _task("greedy")),
     Feature("sampling-generation", "Generation: sampling (temperature, top-k, top-p)", "inference",
             ("--task do_sample",), supported("seeded host draws: every tensor-parallel rank picks the same token"),
@@ -481,6 +481,14 @@ FEATURES: tuple[Feature, ...] = (
                       "with sampling: the candidates drawn as transformers' beam sampling draws them"),
             supported("as on PyTorch"),
             _task("beam_search", "beam_search_with_sampling")),
+    Feature("pipeline-inference", "Generation and evaluation at a pipeline layout", "inference",
+            ("--pipeline-model-parallel-size",),
+            supported("`mindspeed launch -- generate|evaluate`: the stages run one after another as one model (with "
+                      "tensor parallelism inside them), each keeping its layers' key/value cache; the last stage's "
+                      "logits go to every stage, where the same tokens are drawn"),
+            emulated("send/recv and the logits' broadcast emulated by sum all-reduces over the pipeline's group "
+                     "(exact)"),
+            lambda a: hasattr(a, "max_new_tokens") and _gt1("pipeline_model_parallel_size")(a)),
     Feature("kv-cache", "Key/value cache for generation", "inference", (),
             supported("preallocated per layer (this rank's key/value heads); on unless --no-kv-cache"),
             supported("as on PyTorch"), _on("use_kv_cache")),

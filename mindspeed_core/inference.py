@@ -7,9 +7,9 @@ needed) or a Hugging Face folder (--load-hf); the prompts from --prompt (repeata
 in turn; without --task and prompts, all of them on MindSpeed-LLM's prompt, as its inference.py
 does. The key/value cache is used unless --no-kv-cache.
 --stream prints each token as it is drawn (one prompt at a time; beam search prints when it
-ends, its beams reorder until then). Under tensor parallelism
-(`mindspeed launch ... -- generate ...`) every rank runs the same generation and rank 0
-prints.
+ends, its beams reorder until then). Under tensor and pipeline parallelism (`mindspeed launch
+... -- generate ...`) every rank runs the same generation loop on the last stage's logits and
+rank 0 prints.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import json
 import os
 import sys
 
-from mindspeed_core import chat, dist, features, files, nn
+from mindspeed_core import chat, dist, features, files, nn, ops
 from mindspeed_core.compat import megatron_args
 from mindspeed_core.data import chat_templates
 from mindspeed_core.data.tokenizer import build_tokenizer, check_fits, tokenizer_args
@@ -31,7 +31,7 @@ from mindspeed_core.parallel import families
 from mindspeed_core.parallel import layers as parallel_layers
 from mindspeed_core.parallel import state as parallel_state
 from mindspeed_core.streaming import TextStream
-from mindspeed_core.training import model_source
+from mindspeed_core.training import configuration, model_source, schedules
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -87,25 +87,20 @@ def _prompts(args) -> list[str]:
 
 def load_model(args):
     """(model, config, tokenizer, parallel state, the tokenizer's folder or None) from --load or
-    --load-hf, cut for this rank's tensor-parallel share; the model in evaluation mode. The
-    tokenizer is the one the flags name, else the model's own (a Hugging Face folder's, or the
-    byte-level one our checkpoints record)."""
+    --load-hf, cut for this rank's tensor-parallel share and pipeline stages (the stages run as
+    one model: training/schedules.py StagedModel); the model in evaluation mode. The tokenizer
+    is the one the flags name, else the model's own (a Hugging Face folder's, or the byte-level
+    one our checkpoints record)."""
     if bool(args.load) == bool(args.load_hf):
         raise MindSpeedError("give the model to generate with: --load CHECKPOINT_DIR or --load-hf FOLDER")
-    for flag, value in (("--pipeline-model-parallel-size", args.pipeline_model_parallel_size),
-                        ("--context-parallel-size", args.context_parallel_size),
+    for flag, value in (("--context-parallel-size", args.context_parallel_size),
                         ("--expert-model-parallel-size", args.expert_model_parallel_size)):
         if value != 1:
-            raise MindSpeedError(f"generation and evaluation run with tensor parallelism only: drop {flag}")
+            raise MindSpeedError(f"generation and evaluation run with tensor and pipeline parallelism only: drop "
+                                 f"{flag}")
     if args.sequence_parallel:
         raise MindSpeedError("generation runs without sequence parallelism: drop --sequence-parallel")
-    ranks, tp = dist.launched_world_size(), args.tensor_model_parallel_size
-    if ranks != tp:  # every rank holds a share of one model: no data-parallel copies (not built)
-        raise MindSpeedError(
-            f"--tensor-model-parallel-size {tp} needs {tp} ranks: start it with `mindspeed launch --nproc-per-node "
-            f"{tp} -- generate|evaluate ...`" if ranks == 1 else
-            f"this job has {ranks} ranks for --tensor-model-parallel-size {tp}: generation and evaluation run on "
-            f"exactly that many (data-parallel copies are not built)")
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     tokenizer_type, tokenizer_path = args.tokenizer_type, args.tokenizer_name_or_path
     named_tokenizer = tokenizer_type is not None or tokenizer_path is not None
     if args.load_hf:
@@ -134,17 +129,40 @@ def load_model(args):
     tokenizer = build_tokenizer(*tokenizer_args(argparse.Namespace(
         **{**vars(args), "tokenizer_type": tokenizer_type, "tokenizer_name_or_path": tokenizer_path})))
     check_fits(tokenizer, cfg.vocab_size)
+    if tp > 1:
+        parallel_layers.check_layout(cfg, tp, False)
+    layout = configuration.pipeline_layout(args, cfg)  # the layers of each stage, as training cuts them
+    ranks = dist.launched_world_size()
+    if ranks != tp * pp:  # every rank holds a share of one model: no data-parallel copies (not built)
+        sizes = f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp}"
+        raise MindSpeedError(
+            f"{sizes} needs {tp * pp} ranks: start it with `mindspeed launch --nproc-per-node {tp * pp} -- "
+            f"generate|evaluate ...`" if ranks == 1 else
+            f"this job has {ranks} ranks for {sizes}: generation and evaluation run on exactly {tp * pp} "
+            f"(data-parallel copies are not built)")
     dist.init()
-    ps = parallel_state.initialize(tp=args.tensor_model_parallel_size)
+    ps = parallel_state.initialize(tp=tp, pp=pp)
+    return _on_this_rank(cfg, state, layout, ps, args.seed), cfg, tokenizer, ps, tokenizer_path
+
+
+def _on_this_rank(cfg, state: dict, layout, ps, seed: int):
+    """The whole model's ``state`` as this rank's share: its pipeline stages (run with the
+    other ranks' as one model) cut for tensor parallelism, in evaluation mode."""
     spec = registry.for_config(cfg)
     model = spec.build(cfg)
     load_whole_state(model, state)
+    chunks = spec.pipeline_chunks(model, layout, ps.local_rank("pp")) if ps.pp > 1 else [model]
     if ps.tp > 1:
-        parallel_layers.check_layout(cfg, ps.tp, False)
-        families.parallelize(spec, model, ps, False, "megatron_cp_algo", 1, "allgather")
-        parallel_layers.seed_model_parallel_rng(args.seed, ps)  # the layers fork its streams (no dropout here)
-    nn.set_training(model, False)
-    return model, cfg, tokenizer, ps, tokenizer_path
+        for chunk in chunks:
+            families.parallelize(spec, chunk, ps, False, "megatron_cp_algo", 1, "allgather")
+        parallel_layers.seed_model_parallel_rng(seed, ps)  # the layers fork its streams (no dropout here)
+    for chunk in chunks:
+        nn.set_training(chunk, False)
+    if ps.pp == 1:
+        return model
+    features.note_used("pipeline-inference")
+    dtype = ops.dtype_of(nn.parameters(chunks[0])[0])
+    return schedules.StagedModel(chunks, layout, ps.local_rank("pp"), *schedules.pipeline_links(ps, cfg, layout, dtype))
 
 
 # MindSpeed-LLM's inference.py asks each of its tasks this when it runs them all
@@ -231,8 +249,9 @@ def _continue(args, task: str, prompts: list[str], model, cfg, tokenizer, speak:
 def _check_chat(args) -> None:
     if args.prompt or args.prompt_file:
         raise MindSpeedError("--task chat reads its messages from the terminal: drop --prompt / --prompt-file")
-    if args.tensor_model_parallel_size != 1:
-        raise MindSpeedError("--task chat runs in one process: drop --tensor-model-parallel-size")
+    for flag in ("--tensor-model-parallel-size", "--pipeline-model-parallel-size"):
+        if getattr(args, flag[2:].replace("-", "_")) != 1:
+            raise MindSpeedError(f"--task chat runs in one process: drop {flag}")
     if dist.launched_world_size() > 1:
         raise MindSpeedError("--task chat runs in one process: run it without a launcher")
 

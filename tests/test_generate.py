@@ -212,6 +212,17 @@ def checkpoint(corpus, tmp_path_factory):  # noqa: F811
     return root / "ckpt"
 
 
+@pytest.fixture(scope="module")
+def wide_checkpoint(corpus, tmp_path_factory):  # noqa: F811
+    """A model whose next token depends on the whole context: weights drawn with std 0.3 (one
+    step; the loss about 9), where three steps at 0.02 have learnt little but to repeat a
+    space. A layout that loses a stage's cache or positions changes its tokens."""
+    root = tmp_path_factory.mktemp("wide")
+    assert cli.main(["train", *SMALL, "--data-path", corpus, "--train-iters", "1", "--init-method-std", "0.3",
+                     "--save", str(root / "ckpt"), "--sample-tokens", "0"]) == 0
+    return root / "ckpt"
+
+
 @pytest.mark.feature("greedy-generation")
 @pytest.mark.feature("streaming-inference")
 def test_generate_command_continues_prompts_from_a_checkpoint(capsys, checkpoint):
@@ -293,24 +304,44 @@ def test_generate_needs_a_model(capsys, tmp_path):
     assert "no checkpoint in" in capsys.readouterr().err
 
 
+# layout -> (ranks, flags, tasks): each launch runs its tasks one after another, as one process does
+PARALLEL_GENERATION = {
+    # where the matrix has compiled-decode, from the second step through the graph (the TP
+    # vocabulary gather traced inside it), against one eager process
+    "tp2": (2, ["--tensor-model-parallel-size", "2"], ["do_sample"]),
+    # the stages one after another, each with its layer's cache; beams reorder every stage's
+    "pp2": (2, ["--pipeline-model-parallel-size", "2"], ["greedy", "beam_search"]),
+    "tp2-pp2": (4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"],
+                ["greedy", "do_sample", "beam_search"]),
+}
+
+
+def _marks(*ids):
+    return [pytest.mark.feature(i) for i in ids]
+
+
 @pytest.mark.multiprocess
-@pytest.mark.feature("sampling-generation")
-@pytest.mark.feature("tensor-parallel")
-@pytest.mark.feature("compiled-decode")
-def test_tensor_parallel_generation_draws_what_one_process_draws(framework, capsys, checkpoint, tmp_path):
-    """Where the matrix has compiled-decode, the two ranks decode through the graph from the
-    second step (the TP vocabulary gather traced inside it), against one eager process."""
+@pytest.mark.parametrize("layout", [
+    pytest.param("tp2", marks=_marks("sampling-generation", "tensor-parallel", "compiled-decode")),
+    pytest.param("pp2", marks=_marks("greedy-generation", "beam-search", "pipeline-inference")),
+    pytest.param("tp2-pp2", marks=_marks("greedy-generation", "sampling-generation", "beam-search", "tensor-parallel",
+                                         "pipeline-inference"))])
+def test_parallel_generation_draws_what_one_process_draws(framework, capsys, wide_checkpoint, tmp_path, layout):
+    """`mindspeed launch -- generate` at the layout: every task's tokens are one process's."""
     from launch import free_port
 
-    common = ["--load", str(checkpoint), "--prompt", "def f(", "--prompt", "class", "--max-new-tokens", "8",
-              "--json"]
+    ranks, flags, tasks = PARALLEL_GENERATION[layout]
+    common = ["--load", str(wide_checkpoint), "--prompt", "def f(", "--prompt", "class", "--max-new-tokens", "8",
+              "--json", "--task", *tasks, "--seed", "4", "--num-beams", "3"]
     capsys.readouterr()
-    assert cli.main(["generate", *common, "--task", "do_sample", "--seed", "4"]) == 0
-    want = [json.loads(x)["ids"] for x in capsys.readouterr().out.splitlines() if x.startswith("{")]
-    cmd = [sys.executable, "-m", "mindspeed_core.cli", "launch", "--nproc-per-node", "2", "--master-port",
+    assert cli.main(["generate", *common]) == 0
+    want = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{")]
+    assert [w["task"] for w in want] == [t for t in tasks for _ in range(2)]
+    assert all(len(set(w["ids"])) > 4 for w in want)  # not a repeated token
+    cmd = [sys.executable, "-m", "mindspeed_core.cli", "launch", "--nproc-per-node", str(ranks), "--master-port",
            str(free_port()), "--log-dir", str(tmp_path / "logs"), "--", "generate", "--ai-framework", framework,
-           *common, "--tensor-model-parallel-size", "2", "--task", "do_sample", "--seed", "4"]
-    graph = features.get("compiled-decode").status(framework).kind == "supported"
+           *common, *flags]
+    graph = layout == "tp2" and features.get("compiled-decode").status(framework).kind == "supported"
     cmd += ["--decode-graph", "always"] if graph else []
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=str(tmp_path),
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -318,8 +349,8 @@ def test_tensor_parallel_generation_draws_what_one_process_draws(framework, caps
         if (tmp_path / "logs").is_dir() else ""
     assert done.returncode == 0, done.stderr[-3000:] + logs[-3000:]
     text = done.stdout if '{"prompt"' in done.stdout else logs  # msrun: in the workers' logs (and echoed)
-    got = [json.loads(x[x.index("{"):])["ids"] for x in text.splitlines() if '{"prompt"' in x]
-    assert got == want, (got, want)
+    got = [json.loads(x[x.index("{"):]) for x in text.splitlines() if '{"prompt"' in x]
+    assert [(g["task"], g["ids"]) for g in got] == [(w["task"], w["ids"]) for w in want], (got, want)
     assert "differ from eager" not in done.stderr + logs  # the graph ran: it agreed on its first step
 
 

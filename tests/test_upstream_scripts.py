@@ -222,9 +222,9 @@ def _convert(call: dict, references, stand_ins: dict, tmp_path) -> str:
 
 # what a call did here: preprocessing ran on a few records; a conversion ran on a stand-in
 # folder; a training line was gated and its whole run configured (one also trains: the launch
-# test below); an inference or evaluation line was parsed and gated (they run at one process
-# only: generation at the scripts' layouts is issue 62's); a LoRA conversion was parsed (they
-# run in test_lora)
+# test below); an inference or evaluation line was parsed and gated (generation and evaluation
+# at TP and PP layouts run in test_generate and test_evaluate, scaled down); a LoRA conversion was
+# parsed (they run in test_lora)
 DID = ("preprocessed", "converted", "configured", "gated", "parsed")
 # measured here, per entry point (the refused stop at the rows they name: Ascend-only kernels,
 # ...; on MindSpore's CPU also bfloat16, which most scripts ask for)

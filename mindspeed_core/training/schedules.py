@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from mindspeed_core import autograd, features, ops
+from mindspeed_core import autograd, dist, features, ops
 
 
 class FinalGradients:
@@ -281,17 +281,48 @@ def forward_backward_pipelining(stage: PipelineStage, program: list, micro_batch
     return total_loss / count, flat
 
 
+def pipeline_links(ps, cfg, layout, dtype: str, sequence_shards: int = 1) -> tuple[Callable, Callable, Callable]:
+    """(send, recv, from_last) between this rank and the ranks of its pipeline (the same
+    tensor, context and data-parallel coordinates): ``send(x, pp_rank)``; ``recv(pp_rank, ids)``
+    the hidden states of the micro-batch ``ids`` (a pair's two conversations travel together;
+    dynamic padding makes each as wide as its samples; sequence parallelism cuts
+    ``sequence_shards``); ``from_last(out, ids)`` the last stage's output (logits, this rank's
+    vocabulary shard) on every pipeline rank, ``out`` being None elsewhere."""
+    me = ps.coords(ps.rank)
+
+    def peer(pp_rank):
+        return ps.rank_of(tp=me["tp"], cp=me["cp"], dp=me["dp"], pp=pp_rank)
+
+    def send(x, to):
+        dist.send(x, peer(to))
+
+    def recv(src, ids):
+        return dist.recv((ids.shape[0], ids.shape[1] // sequence_shards, cfg.hidden_size), dtype, peer(src))
+
+    last = peer(layout.rank_of_stage(layout.virtual_stages - 1))
+
+    def from_last(out, ids):
+        if out is None:
+            out = ops.zeros((ids.shape[0], ids.shape[1], cfg.vocab_size // ps.tp), dtype=dtype)
+        return dist.broadcast(out, last, ps.group("pp"))
+
+    return send, recv, from_last
+
+
 class StagedModel:
     """This rank's model chunks, run with the other pipeline ranks' as one model for
-    forwards without gradients (GRPO's rollouts and log-probabilities): the virtual stages one
-    after another, each on its rank, the hidden states passed on point to point; every rank of
-    the pipeline returns the last stage's output (logits, this rank's vocabulary shard under
-    TP). A key/value cache serves every chunk of a rank (it is keyed by layer number).
+    forwards without gradients (GRPO's rollouts and log-probabilities, generation and
+    evaluation at a pipeline layout): the virtual stages one after another, each on its rank,
+    the hidden states passed on point to point; every rank of the pipeline returns the last
+    stage's output (logits, this rank's vocabulary shard under TP). A key/value cache serves
+    every chunk of a rank (it is keyed by layer number), so each stage keeps its own layers'.
 
-    ``send(x, pp_rank)``, ``recv(pp_rank, ids)`` as PipelineStage's; ``from_last(out, ids)``:
-    the last stage's output on every pipeline rank (``out`` is None elsewhere)."""
+    ``send``, ``recv``, ``from_last``: pipeline_links'."""
 
     sequence_multiple = 1  # whole sequences: the generator refuses sequence parallelism anyway
+    # the stages run on other ranks, one after another: no one graph holds a decode step
+    # (models/compiled_decode.py)
+    pipelined = True
 
     def __init__(self, chunks: list, layout, pp_rank: int, send: Callable, recv: Callable, from_last: Callable):
         self.chunks, self.layout = chunks, layout

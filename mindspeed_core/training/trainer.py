@@ -220,29 +220,13 @@ class Trainer:
                                           for ids, labels, tokens in micro_batches]))
 
             return forward_backward, forward_only
-        sequence_shards = self.chunks[0].sequence_multiple
         me = ps.coords(ps.rank)
-
-        def hidden(ids):
-            """The hidden states' shape of a micro-batch, from its token ids (a pair's two
-            conversations travel together; dynamic padding makes each as wide as its samples)."""
-            return ids.shape[0], ids.shape[1] // sequence_shards, self.cfg.hidden_size
-
-        def peer(pp_rank):
-            return ps.rank_of(tp=me["tp"], cp=me["cp"], dp=me["dp"], pp=pp_rank)
-
-        def from_last(out, ids):
-            """The last stage's output (logits, this rank's vocabulary shard) on every pipeline rank."""
-            if out is None:
-                out = ops.zeros((ids.shape[0], ids.shape[1], self.cfg.vocab_size // ps.tp), dtype=self.dtype)
-            return dist.broadcast(out, peer(self.layout.rank_of_stage(self.layout.virtual_stages - 1)),
-                                  ps.group("pp"))
+        send, recv, from_last = schedules.pipeline_links(ps, self.cfg, self.layout, self.dtype,
+                                                         self.chunks[0].sequence_multiple)
 
         def stage(forward, vjp=None):
             return schedules.PipelineStage(ps.pp, ps.local_rank("pp"), self.layout.chunks, forward, chunk_params,
-                                           send=lambda x, to: dist.send(x, peer(to)),
-                                           recv=lambda src, ids: dist.recv(hidden(ids), self.dtype, peer(src)),
-                                           vjp=vjp)
+                                           send=send, recv=recv, vjp=vjp)
 
         vjp = None
         if args.compile:  # each chunk's forward compiled, the first micro-batch checked against eager
@@ -258,8 +242,7 @@ class Trainer:
                                                 self.scaler, self.dtype, ps, stage_say)
         train_stage = stage(self._stage_forward, vjp)
         # GRPO draws and scores its rollouts with the whole pipeline
-        self.policy = schedules.StagedModel(self.chunks, self.layout, ps.local_rank("pp"), train_stage.send,
-                                            train_stage.recv, from_last)
+        self.policy = schedules.StagedModel(self.chunks, self.layout, ps.local_rank("pp"), send, recv, from_last)
         eval_stage = stage(functools.partial(self._stage_forward, scaled=False))
         pp_rank = ps.local_rank("pp")
         program = schedules.pipeline_program(ps.pp, self.layout.chunks, self.grad_accum)[pp_rank]
