@@ -3,9 +3,10 @@ sampling too), for a batch of prompts of different lengths (padded on the left),
 key/value cache (models/kv_cache.py) unless told otherwise: the prompts are run once
 (prefill), then each step runs the new tokens only (decode).
 
-Under tensor parallelism every rank of the group calls these with the same arguments: the
-logits are gathered whole on every rank and the draws come from the same seeded host
-generator, so all ranks pick the same tokens.
+Under tensor and pipeline parallelism every rank of the model calls these with the same
+arguments: the logits are gathered whole on every rank (a pipeline's last stage sends them to
+the others) and the draws come from the same seeded host generator, so all ranks pick the same
+tokens.
 """
 
 from __future__ import annotations
