@@ -236,14 +236,13 @@ def test_evaluate_command_from_a_checkpoint(capsys, checkpoint, tmp_path):  # no
 
 @pytest.mark.multiprocess
 @pytest.mark.feature("perplexity")
-@pytest.mark.parametrize("flag", [
-    pytest.param("--tensor-model-parallel-size", id="tp2", marks=pytest.mark.feature("tensor-parallel")),
-    pytest.param("--pipeline-model-parallel-size", id="pp2", marks=pytest.mark.feature("pipeline-inference"))])
-def test_parallel_evaluation_scores_as_one_process(framework, capsys, wide_checkpoint, tmp_path, flag):  # noqa: F811
-    """`mindspeed launch -- evaluate` at TP2 or PP2 (MindSpeed-LLM's evaluate scripts run at
-    their training layout): at TP2 each rank holds half the vocabulary and the loss is
-    vocabulary-parallel; at PP2 each rank holds one layer and the last stage's logits reach the
-    first; rank 0 alone writes the results, equal to one process's."""
+@pytest.mark.feature("tensor-parallel")
+@pytest.mark.feature("pipeline-inference")
+def test_parallel_evaluation_scores_as_one_process(framework, capsys, wide_checkpoint, tmp_path):  # noqa: F811
+    """`mindspeed launch -- evaluate` at TP2 x PP2 (MindSpeed-LLM's evaluate scripts run at
+    their training layout): each rank holds one layer and half its stage's vocabulary, the loss
+    is vocabulary-parallel on the last stage and its logits reach the first; rank 0 alone writes
+    the results, equal to one process's."""
     import os
     import subprocess
     import sys
@@ -253,9 +252,10 @@ def test_parallel_evaluation_scores_as_one_process(framework, capsys, wide_check
     (tmp_path / "text.txt").write_text("def add(a, b):\n    return a + b\n" * 4 + "class Foo:\n    pass\n")
     common = ["--load", str(wide_checkpoint), "--task", "perplexity", "--task-data-path", str(tmp_path / "text.txt")]
     assert cli.main(["evaluate", *common, "--results-file", str(tmp_path / "one.json")]) == 0
-    cmd = [sys.executable, "-m", "mindspeed_core.cli", "launch", "--nproc-per-node", "2", "--master-port",
+    cmd = [sys.executable, "-m", "mindspeed_core.cli", "launch", "--nproc-per-node", "4", "--master-port",
            str(free_port()), "--log-dir", str(tmp_path / "logs"), "--", "evaluate", "--ai-framework", framework,
-           *common, "--results-file", str(tmp_path / "tp.json"), flag, "2"]
+           *common, "--results-file", str(tmp_path / "tp.json"), "--tensor-model-parallel-size", "2",
+           "--pipeline-model-parallel-size", "2"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=str(tmp_path),
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
