@@ -75,7 +75,8 @@ GRPO_CASES = {"grpo-tp2": ["--tensor-model-parallel-size", "2"], "grpo-dp2": [],
 MODELS = {"gqa": GQA, "mha": MHA, "moe": MOE, "sft": SFT, "lora": LORA, "dpo": DPO,
           "dpo-lora": DPO + ["--lora-r", "4", "--lora-alpha", "8"], "simpo": SIMPO, "orm": ORM, "prm": PRM,
           "gemma2": GEMMA2, "mla": MLA, "mla-moe": MLA_MOE, "gpt-oss": GPT_OSS}
-ITERS = 10  # the single-process reference curves of the models whose checkpoints are resumed below
+ITERS = 6  # the single-process reference curves of the models whose checkpoints are resumed below
+TP4_SAVES = ITERS - 1  # the TP4 run resumed from TP2 saves there and stops; TP1 continues it
 RESUMED = ("gqa", "moe", "dpo", "mla-moe", "gpt-oss")  # the others' reference curves stop at LAYOUT_ITERS
 # the layout launches run the first steps of the same schedule (--lr-decay-iters above): their
 # first-step gradients (MoE) and these losses are compared, which is where an error shows
@@ -500,7 +501,7 @@ def null_corpus(tmp_path_factory):
 @pytest.fixture(scope="module")
 def four_ranks(corpus, data, two_ranks, null_corpus, hf_references, tmp_path_factory):  # noqa: F811
     """One launch for the four-rank layouts, the CP cases and TP4 resuming the TP2 checkpoint
-    of two_ranks (and saving at iteration 8): each launch pays the framework's start-up again
+    of two_ranks (and saving at TP4_SAVES): each launch pays the framework's start-up again
     (about 30 s on MindSpore here)."""
     from conftest import FRAMEWORK
 
@@ -515,8 +516,8 @@ def four_ranks(corpus, data, two_ranks, null_corpus, hf_references, tmp_path_fac
                      str(hf_references / "llama"), "--save-dir", str(tmp / "hf-llama-mg"),
                      "--target-tensor-parallel-size", "2", "--target-pipeline-parallel-size", "2"]) == 0
     extra = [["tp4-from-tp2", [*GQA, "--data-path", corpus, "--train-iters", str(ITERS), "--tensor-model-parallel-size",
-                               "4", "--load", str(tp2), "--save", str(tmp / "tp4-ckpt"), "--save-interval", "8",
-                               "--exit-interval", "8"], False],
+                               "4", "--load", str(tp2), "--save", str(tmp / "tp4-ckpt"), "--save-interval",
+                               str(TP4_SAVES), "--exit-interval", str(TP4_SAVES)], False],
              ["tp2-pp2-from-megatron", [*GQA, "--data-path", corpus, "--train-iters", "2", "--load", str(tmp / "megatron"),
                                         "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"],
               False],
@@ -715,16 +716,16 @@ def test_context_parallel_loss_curves_equal_single_process(framework, four_ranks
 def test_checkpoints_reshard_between_tp1_tp2_and_tp4(capsys, corpus, reference, two_ranks, four_ranks,  # noqa: F811
                                                      tmp_path):
     """GQA with 2 query groups: TP2 splits them, TP4 copies each key/value head to 2 ranks. The
-    TP2 checkpoint (two_ranks' tp2 case, iteration 4) continues at TP1 here and at TP4
-    (four_ranks' tp4-from-tp2, which saves again at iteration 8), and that one continues at TP1."""
+    TP2 checkpoint (two_ranks' tp2 case, iteration LAYOUT_ITERS) continues at TP1 here and at TP4
+    (four_ranks' tp4-from-tp2, which saves again at TP4_SAVES), and that one continues at TP1."""
     want = reference["gqa"]
     resume_in_one_process(capsys, corpus, two_ranks / "tp2-ckpt", GQA, want, "TP=2", tmp_path)
     tp4 = losses(four_ranks / "out" / "tp4-from-tp2.jsonl")
-    assert_same_curve(tp4, {i: want[i] for i in range(LAYOUT_ITERS + 1, 9)})
+    assert_same_curve(tp4, {i: want[i] for i in range(LAYOUT_ITERS + 1, TP4_SAVES + 1)})
     code, out, err = train(capsys, *GQA, "--data-path", corpus, "--train-iters", str(ITERS), "--load",
                            str(four_ranks / "tp4-ckpt"), "--metrics-file", str(tmp_path / "back.jsonl"))
     assert code == 0 and "TP=4" in out, err
-    assert_same_curve(losses(tmp_path / "back.jsonl"), {i: want[i] for i in range(9, ITERS + 1)})
+    assert_same_curve(losses(tmp_path / "back.jsonl"), {i: want[i] for i in range(TP4_SAVES + 1, ITERS + 1)})
 
 
 @pytest.mark.multiprocess

@@ -160,7 +160,8 @@ MODELS = {"base": SMALL4 + ["--eval-iters", "2", "--eval-interval", "2", "--spli
           "tied": SMALL4 + ["--model-name", "tiny-gpt2", "--num-query-groups", "4"],
           # documents packed into samples: every stage needs their attention boundaries and positions
           "packed": SMALL4 + ["--reset-attention-mask", "--reset-position-ids"]}
-ITERS = 10  # the single-process runs and resumes
+ITERS = 6  # the single-process run of the base model and the resumes
+FROM_SINGLE = 3  # the iteration of the single-process checkpoint a PP2 run continues
 LAYOUT_ITERS = 2  # the pipelined launches: the first steps of the same schedule (--lr-decay-iters)
 RESUMED_TO = LAYOUT_ITERS + 2  # the resumes at other layouts: two steps on the loaded weights and moments
 PP = ["--pipeline-model-parallel-size"]
@@ -194,21 +195,22 @@ FOUR = [
 
 @pytest.fixture(scope="module")
 def single(corpus, tmp_path_factory):  # noqa: F811
-    """Per model: the single-process loss curve and grad norms, first-step gradients as the
-    optimizer took them, and a checkpoint of iteration 5 (parity_worker.train_case, in this
-    process)."""
+    """Per model: the single-process loss curve and grad norms and first-step gradients as the
+    optimizer took them (parity_worker.train_case, in this process); the base model's over ITERS
+    steps with a checkpoint of iteration FROM_SINGLE, the others' over the launches' steps."""
     from parity_worker import train_case
 
     root = tmp_path_factory.mktemp("single")
     out = {}
     for name, argv in MODELS.items():
         ckpt = root / f"ckpt-{name}"
-        train_case(str(root), name, [*argv, "--data-path", corpus, "--train-iters", str(ITERS), "--save", str(ckpt),
-                                     "--save-interval", "5"])
+        saves = ["--train-iters", str(ITERS), "--save", str(ckpt), "--save-interval", str(FROM_SINGLE)] \
+            if name == "base" else ["--train-iters", str(LAYOUT_ITERS)]
+        train_case(str(root), name, [*argv, "--data-path", corpus, *saves])
         out[name] = {"losses": losses(root / f"{name}.jsonl"), "eval": eval_losses(root / f"{name}.jsonl"),
-                     "norms": grad_norms(root / f"{name}.jsonl"), "grads": dict(np.load(root / f"{name}-grads.npz")),
-                     "ckpt5": iteration_only(ckpt, 5, root / f"ckpt5-{name}")}
-    assert sorted(out["base"]["eval"]) == [2, 4, 6, 8, 10]  # so the pipelined evaluation is compared
+                     "norms": grad_norms(root / f"{name}.jsonl"), "grads": dict(np.load(root / f"{name}-grads.npz"))}
+    out["base"]["ckpt"] = iteration_only(root / "ckpt-base", FROM_SINGLE, root / "ckpt-from-single")
+    assert sorted(out["base"]["eval"]) == list(range(2, ITERS + 1, 2))  # so the pipelined evaluation is compared
     return out
 
 
@@ -276,7 +278,8 @@ def test_pipelines_on_two_ranks_equal_one_process(capsys, framework, corpus, sin
                          tmp_path, single["base"]["losses"], LAYOUT_ITERS + 1)
     assert "PP=2" in text
     # and a single-process checkpoint started a PP2 run from the same weights
-    assert_same_curve(losses(out / "pp2-from-single.jsonl"), {i: single["base"]["losses"][i] for i in range(6, 11)})
+    assert_same_curve(losses(out / "pp2-from-single.jsonl"), {i: single["base"]["losses"][i]
+                                                                 for i in range(FROM_SINGLE + 1, ITERS + 1)})
     print("parity (max relative loss difference):", json.dumps(table))
 
 
@@ -300,7 +303,7 @@ def two(corpus, single, tmp_path_factory):  # noqa: F811
 
     tmp = tmp_path_factory.mktemp("two")
     from_single = ["pp2-from-single", [*MODELS["base"], *PP, "2", "--data-path", corpus, "--train-iters", str(ITERS),
-                                       "--load", str(single["base"]["ckpt5"])], False]
+                                       "--load", str(single["base"]["ckpt"])], False]
     return run_configs(FRAMEWORK, 2, TWO, corpus, tmp, extra=[from_single])
 
 
