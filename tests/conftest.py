@@ -77,16 +77,19 @@ def pytest_report_header(config):
 
 def pytest_collection_modifyitems(config, items):
     # a test of no framework's code (marked framework_free) proves the same on either suite: it
-    # runs in the PyTorch one (megatron-core, which such tests compare with, needs torch anyway)
+    # runs in the PyTorch one (megatron-core, which such tests compare with, needs torch anyway),
     # and so does a test that runs both frameworks itself with the same result either way round
-    # (marked both_frameworks)
-    if FRAMEWORK != "pytorch":
-        def once(item):
-            return item.get_closest_marker("framework_free") or item.get_closest_marker("both_frameworks")
-        elsewhere = [item for item in items if once(item)]
-        if elsewhere:
-            config.hook.pytest_deselected(items=elsewhere)
-            items[:] = [item for item in items if not once(item)]
+    # (marked both_frameworks); a test of MindSpore in a process of its own, whatever the suite
+    # binds (marked mindspore_process), runs in the MindSpore one
+    def elsewhere(item):
+        if item.get_closest_marker("mindspore_process"):
+            return FRAMEWORK != "mindspore"
+        return FRAMEWORK != "pytorch" and bool(item.get_closest_marker("framework_free")
+                                               or item.get_closest_marker("both_frameworks"))
+    left = [item for item in items if elsewhere(item)]
+    if left:
+        config.hook.pytest_deselected(items=left)
+        items[:] = [item for item in items if not elsewhere(item)]
     for item in items:
         ids = {m.args[0] for m in item.iter_markers("feature")}
         for fid in ids:

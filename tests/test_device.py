@@ -60,6 +60,7 @@ def test_matmul_rate_is_a_plausible_rate():
     assert 1e8 < rate < 1e14
 
 
+@pytest.mark.mindspore_process
 def test_the_mindspore_backend_sizes_its_thread_pools_by_omp_num_threads():
     """In a process started with OMP_NUM_THREADS=1, MindSpore's kernel and runtime pools are
     set to one thread as the backend is imported (the pools spin waiting for work, and ranks
