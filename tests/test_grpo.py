@@ -153,19 +153,20 @@ def records(path) -> list[dict]:
 @pytest.mark.feature("stage-grpo")
 @pytest.mark.feature("sampling-generation")
 def test_the_reward_rises(prompts, tmp_path, capsys):
-    """20 iterations of 4 prompts x 8 completions of 8 tokens, rewarded by their share of
+    """10 iterations of 4 prompts x 8 completions of 8 tokens, rewarded by their share of
     digits (about 4% of the byte vocabulary at the start): the mean reward of the last five
-    iterations must be at least 0.3 above the first three's; every figure is logged."""
+    iterations must be at least 0.3 above the first three's (measured: 0.04 -> 0.7 on both
+    frameworks, about 0.9 by the tenth); every figure is logged."""
     metrics = str(tmp_path / "m.jsonl")
     assert cli.main(["train", *MODEL, "--stage", "grpo", "--data-path", prompts["data"], "--num-generations", "8",
                      "--global-batch-size", "4", "--micro-batch-size", "16", "--max-completion-length", "8",
                      "--reward-funcs", "grpo_rewards:digits", "accuracy", "--reward-weights", "1", "0.5",
-                     "--train-iters", "20", "--lr", "3e-2", "--lr-decay-style", "constant", "--log-interval", "1",
+                     "--train-iters", "10", "--lr", "5e-2", "--lr-decay-style", "constant", "--log-interval", "1",
                      "--metrics-file", metrics]) == 0
     out = capsys.readouterr().out
     assert "reward grpo rewards:digits" not in out  # names are made safe for boards
     rows = records(metrics)
-    assert [r["iteration"] for r in rows] == list(range(1, 21))
+    assert [r["iteration"] for r in rows] == list(range(1, 11))
     reward = [r["train_reward_grpo_rewards_digits"] for r in rows]
     first, last = np.mean(reward[:3]), np.mean(reward[-5:])
     assert last >= first + 0.3, reward
