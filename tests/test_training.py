@@ -396,6 +396,7 @@ def test_dry_run_and_hf_initialisation(capsys, corpus, tmp_path):
     assert len(losses(metrics)) == 2
 
 
+@pytest.mark.mindspore_process
 def test_gate_stops_before_anything_heavy():
     env = {**os.environ, "MINDSPEED_AI_FRAMEWORK": "pytorch"}
     out = subprocess.run([sys.executable, "-m", "mindspeed_core.cli", "train", "--ai-framework", "mindspore",
