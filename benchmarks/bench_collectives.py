@@ -5,7 +5,7 @@ Under tensor parallelism with --sequence-parallel every layer gathers its input 
 scatters its output, forward and backward: on the medium model of bench_train.py ([8, 256,
 512] float32 activations, 4 MiB) that is 8 exchanges per layer. PyTorch runs them as gloo's
 all-gather and reduce-scatter (each rank sends its half); MindSpore's CPU backend (mccl) has
-AllReduce alone on a sub-group (ARCHITECTURE.md), so its compiled step sums the whole tensor
+AllReduce alone on a sub-group (docs/architecture.md, "Kernels on CPU"), so its compiled step sums the whole tensor
 in slots for each of them (parallel/mappings.py, the traced formulations), and its eager step
 emulates them on the host.
 

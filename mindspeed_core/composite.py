@@ -1,7 +1,7 @@
 """Composite fallbacks of the fused operators, written once with facade ops.
 
 A backend binds ``ops.<fused>`` to a native kernel where its device has one and to the
-function here otherwise (ARCHITECTURE principle 4). The conformance suite checks that the
+function here otherwise (docs/architecture.md, "Kernels on CPU"). The conformance suite checks that the
 native binding and this composite agree, so the composite is also the reference of what
 each fused op means. Shapes follow the facade contract in :mod:`mindspeed_core.facade`.
 """

@@ -8,7 +8,7 @@ overridden per device (cpu, cuda, npu). The same rows
   stops before any model is built, with exit code 2 and a message naming the feature, its
   flag, the framework, why, and what to use instead;
 * print themselves (``mindspeed features``) as text, markdown or JSON;
-* generate the README's table (a test fails when the two drift);
+* generate the table of docs/feature-matrix.md (a test fails when the two drift);
 * demand tests: every supported or emulated cell needs a test marked
   ``@pytest.mark.feature("<id>")`` that runs on that framework (checked by tests/conftest.py).
 
@@ -87,7 +87,7 @@ class Feature:
     active: Callable | None = None  # args -> bool; None: a capability no flag turns on
 
     def status(self, framework: str, device: str | None = None, version: str | None = None) -> Status:
-        """``version``: the installed framework's (None: the newest, as the README shows)."""
+        """``version``: the installed framework's (None: the newest, as docs/feature-matrix.md shows)."""
         return getattr(self, framework).on(device, version)
 
 

@@ -274,18 +274,18 @@ def test_grpo_without_data_says_what_to_preprocess(capsys):
 
 @pytest.mark.feature("stage-grpo")
 @pytest.mark.feature("sft")
-def test_the_readme_example_runs_as_written(framework, tmp_path):
-    """The README's GRPO block as written (bash, fresh processes, --ai-framework added to its
+def test_the_documented_example_runs_as_written(framework, tmp_path):
+    """The GRPO block of docs/rl.md as written (bash, fresh processes, --ai-framework added to its
     `mindspeed train` lines), at a tenth of its iterations: fine-tuning on half-wrong sums, then
     GRPO with the exact-answer reward, then the plot. The same code path as the full block, which
-    takes minutes here; that GRPO raises a reward is test_the_reward_rises' proof, and the README's
+    takes minutes here; that GRPO raises a reward is test_the_reward_rises' proof, and the page's
     measured rise was measured with the block as written."""
     import os
     import pathlib
     import subprocess
     import sys
 
-    readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "rl.md").read_text()
     block = readme[readme.index("<!-- grpo-example -->"):]
     block = block[block.index("```bash\n") + 8:block.index("\n```\n", block.index("```bash\n"))]
     assert block.count("mindspeed train ") == 2

@@ -108,9 +108,9 @@ def test_the_flag_binds_the_framework_in_a_fresh_process(framework, made, corpus
     assert framework in said.lower(), said[-2000:]
 
 
-def test_the_readme_block_runs_with_the_flag(framework, tmp_path, capsys, monkeypatch):
-    """The README's generate / chat / evaluate commands after the embedded default, each with
-    --ai-framework as the README tells MindSpore users to add, in the order written, from the
+def test_the_documented_commands_after_the_default_run_with_the_flag(framework, tmp_path, capsys, monkeypatch):
+    """The generate / chat / evaluate commands after the embedded default (docs/generation.md),
+    each with --ai-framework as the page tells MindSpore users to add, in the order written, from the
     folder the default run saved in. They run in this process (a fresh process each cost some
     80 s of imports per suite): that every verb binds its flag in a fresh process is
     test_the_flag_binds_the_framework_in_a_fresh_process above."""
@@ -120,7 +120,7 @@ def test_the_readme_block_runs_with_the_flag(framework, tmp_path, capsys, monkey
     monkeypatch.chdir(tmp_path)
     fast = ["--sample-tokens", "0", "--eval-iters", "0", "--no-progress"]
     assert cli.main(["train", "--ai-framework", framework, "--train-iters", "2", *fast]) == 0
-    readme = (ROOT / "README.md").read_text()
+    readme = (ROOT / "docs" / "generation.md").read_text()
     assert "add `--ai-framework mindspore` for MindSpore" in readme
     block = readme[readme.index("<!-- after-the-default -->"):]
     block = block[block.index("```bash\n") + 8:block.index("```\n", block.index("```bash\n") + 8)]

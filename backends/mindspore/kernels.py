@@ -2,7 +2,7 @@
 native kernel (the CPU).
 
 The reference composites in ``mindspeed_core.composite`` are right on MindSpore but slow
-there, for reasons measured on 2 cores (PERFORMANCE-NOTES, README "Performance"):
+there, for reasons measured on 2 cores (docs/benchmarks.md has the step times they give):
 
 - an elementwise op with a broadcast operand costs 10-20x the same op on full tensors
   ([2048, 8192] * [2048, 1]: 244 ms against 14 ms; tiling the small operand first: 23 ms),
