@@ -11,6 +11,7 @@ import numpy as np
 from mindspeed_core import features
 from mindspeed_core.errors import BackendError, MindSpeedError
 from mindspeed_core.facade import DTYPES
+from mindspeed_core.runtime import DEVICE_ALIASES
 
 
 def host_memory_stats() -> dict:
@@ -71,8 +72,6 @@ def measure_matmul_rate(ops, synchronize, n: int = 1024, dtype: str = "float32",
                 return 2.0 * n ** 3 * reps / elapsed
 
 
-
-DEVICE_ALIASES = {"gpu": "cuda", "ascend": "npu"}
 
 
 def choose_device(wanted: str, available: list[str], framework: str) -> str:

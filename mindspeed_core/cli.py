@@ -50,7 +50,7 @@ def _features(args, backend) -> int:
     framework = backend.NAME if args.ai_framework else None  # without the flag: every framework's column
     device = args.device
     if device is not None:
-        device = {"gpu": "cuda", "ascend": "npu"}.get(device, device)
+        device = runtime.DEVICE_ALIASES.get(device, device)
         if device not in features.DEVICES:
             raise MindSpeedError(f"unknown device {args.device!r} for the matrix; choose one of {', '.join(features.DEVICES)}")
     if args.format == "json":

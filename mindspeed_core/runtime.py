@@ -27,7 +27,7 @@ FRAMEWORKS = {
     "mindspore": ("mindspeed_core.backends.mindspore", "mindspore", "mindspore"),
 }
 DEVICES = ("auto", "cpu", "cuda", "npu", "gpu", "ascend")
-_DEVICE_ALIASES = {"gpu": "cuda", "ascend": "npu"}
+DEVICE_ALIASES = {"gpu": "cuda", "ascend": "npu"}  # the one definition: every device flag takes them
 
 _lock = threading.Lock()
 _requested: str | None = None  # set_backend()
@@ -81,7 +81,7 @@ def bind(flag: str | None = None, device: str | None = None):
                     f"the facade is already bound to {_bound.NAME} in this process; a second "
                     f"framework ({name}) cannot be bound (start a new process)"
                 )
-            wanted = _DEVICE_ALIASES.get((device or "auto").lower(), (device or "auto").lower())
+            wanted = DEVICE_ALIASES.get((device or "auto").lower(), (device or "auto").lower())
             if wanted != "auto" and wanted != _bound.device.type():
                 raise BackendError(f"the facade is already bound to {_bound.device.type()} in this process; "
                                    f"--device {device} needs a new process")
