@@ -37,7 +37,8 @@ from mindspeed_core.training import configuration
 GRACE_SECONDS = 15.0  # after the forwarded signal, before SIGKILL (a scheduler's own grace is ~30 s)
 POLL_SECONDS = 0.5
 # msrun's scheduler may leave before its ranks at a clean end too (they deregister, it exits,
-# they are still tearing down): ranks that outlive it by this long were cut off mid-run
+# they are still tearing down): ranks that outlive a scheduler that did not exit cleanly (or
+# whose exit status was not seen) by this long were cut off mid-run
 SCHEDULER_GRACE_SECONDS = 5.0
 SCHEDULER = "the msrun scheduler"  # the role Watch gives msrun's scheduler process
 # MindSpore's cluster start-up: a worker that reaches msrun's scheduler before it listens
@@ -272,6 +273,18 @@ def _stat(pid: int):
         return None
 
 
+def _exit_status(pid: int, start: int) -> int | None:
+    """The wait status (as waitpid gives it: 0 for a clean exit, the signal's number when
+    killed) of the process ``pid`` started at ``start``, if it has exited and its parent has not
+    reaped it yet (a zombie); None otherwise."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            fields = fh.read().rsplit(")", 1)[1].split()
+        return int(fields[49]) if fields[0] == "Z" and int(fields[19]) == start else None
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def _cmdline(pid: int) -> list[bytes]:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as fh:
@@ -301,6 +314,9 @@ class Watch:
         self.torchrun_rank: int | None = None
         self.msrun_failed: str | None = None
         self.scheduler_stopped = False  # we stopped msrun's scheduler ourselves (after a rank failed)
+        # msrun's scheduler seen exiting with status 0: at a clean end it may leave before its
+        # ranks, which are still tearing down (seen taking over 5 s on a busy machine)
+        self.scheduler_clean = False
         self._in_root = False
         self._lock = threading.RLock()  # the signal handler may scan while the main thread does
 
@@ -326,6 +342,9 @@ class Watch:
             if not self.first_deaths:
                 self.first_deaths = {role for pid, role in self.roles.items()
                                      if not (pid in parents and parents[pid][1] == self.members[pid])}
+            for pid, role in self.roles.items():
+                if role == SCHEDULER and pid not in parents and _exit_status(pid, self.members[pid]) == 0:
+                    self.scheduler_clean = True
 
     def _classify(self, pid: int) -> None:
         """Only msrun's own Python children have a role: their helpers (the
@@ -374,7 +393,7 @@ class Watch:
             return f"rank {self.torchrun_rank} failed first"
         # found gone with ranks in one scan, the scheduler still went first: after a rank fails it
         # lingers for the heartbeat timeout (about 30 s) unless we stop it
-        if SCHEDULER in self.first_deaths and not self.scheduler_stopped:
+        if SCHEDULER in self.first_deaths and not self.scheduler_stopped and not self.scheduler_clean:
             return "the msrun scheduler died first (not a rank)"
         if self.msrun_failed:
             return f"{self.msrun_failed} failed first"
@@ -433,7 +452,7 @@ class Job:
         while not self._done.wait(POLL_SECONDS):
             self.watch.scan()
             if (SCHEDULER in self.watch.first_deaths and not self.watch.scheduler_stopped and not scheduler_lost
-                    and self.stopped_by is None):
+                    and not self.watch.scheduler_clean and self.stopped_by is None):
                 scheduler_gone = scheduler_gone or time.time()
                 if time.time() - scheduler_gone >= SCHEDULER_GRACE_SECONDS:
                     # without their scheduler msrun's ranks cannot go on; left alone they would

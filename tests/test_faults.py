@@ -210,6 +210,37 @@ def test_a_helper_of_the_scheduler_exiting_is_not_the_scheduler_dying():
         root.wait()
 
 
+@pytest.mark.parametrize("scheduler_exit, blamed", [("sys.exit(0)", False), ("os.kill(os.getpid(), 9)", True)])
+def test_a_scheduler_that_ends_cleanly_before_its_ranks_is_not_a_failure(scheduler_exit, blamed):
+    """At a clean end msrun's scheduler may leave while its ranks are still tearing down (CI saw a
+    finished 4-rank generation stopped 5 s later as "the scheduler died first"). msrun reaps it
+    only when the job ends: its exit status, read from the zombie, tells a clean exit (0) from a
+    kill. A stand-in msrun with a scheduler that exits (or is killed) while its rank lives on."""
+    from mindspeed_core.launcher import SCHEDULER, Watch
+
+    msrun = ("import os, subprocess, sys, time\n"
+             "sched = {**os.environ, 'MS_ROLE': 'MS_SCHED', 'RANK_ID': '0'}\n"
+             f"subprocess.Popen([sys.executable, '-c', 'import os, sys, time; time.sleep(1); {scheduler_exit}'], "
+             "env=sched)\n"
+             "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(30)'], "
+             "env={**os.environ, 'MS_ROLE': 'MS_WORKER', 'RANK_ID': '0', 'MS_NODE_ID': '0'})\n"
+             "time.sleep(30)\n")  # never reaps its children, as msrun until the job ends
+    root = subprocess.Popen([sys.executable, "-c", msrun])
+    watch = Watch(root.pid)
+    try:
+        deadline = time.time() + 15
+        while time.time() < deadline and SCHEDULER not in watch.first_deaths:
+            watch.scan()
+            time.sleep(0.05)
+        watch.scan()
+        assert watch.first_deaths == {SCHEDULER} and sorted(watch.roles.values()) == ["rank 0", SCHEDULER]
+        assert watch.scheduler_clean is not blamed
+        assert (watch.culprit() == "the msrun scheduler died first (not a rank)") is blamed, watch.culprit()
+    finally:
+        watch.signal_all(signal.SIGKILL)
+        root.wait()
+
+
 # wide enough that writing a checkpoint (about 50 MB with the optimizer state) takes longer
 # than a step: with a save after every step, a writer is nearly always busy when the kill lands
 WIDE = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "4", "--ffn-hidden-size", "1024",
