@@ -72,8 +72,6 @@ def measure_matmul_rate(ops, synchronize, n: int = 1024, dtype: str = "float32",
                 return 2.0 * n ** 3 * reps / elapsed
 
 
-
-
 def choose_device(wanted: str, available: list[str], framework: str) -> str:
     """Resolve a requested device (auto, cpu, cuda/gpu, npu/ascend) against what the
     framework sees, best first; BackendError when it is not there."""

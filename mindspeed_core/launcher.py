@@ -262,14 +262,22 @@ def _rank_error(folder: str, culprit: str) -> tuple[str, int] | None:
         return None
 
 
+def _stat_fields(pid: int) -> list[str] | None:
+    """/proc/<pid>/stat's fields after the command name (the state first), None once gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
 def _stat(pid: int):
     """(parent pid, start time) of a running process; None once it is gone or a zombie (msrun
     reaps a dead scheduler only when the job ends, so it lingers as one)."""
+    fields = _stat_fields(pid)
     try:
-        with open(f"/proc/{pid}/stat") as fh:
-            fields = fh.read().rsplit(")", 1)[1].split()
-        return None if fields[0] in "ZX" else (int(fields[1]), int(fields[19]))
-    except (OSError, ValueError, IndexError):
+        return None if not fields or fields[0] in "ZX" else (int(fields[1]), int(fields[19]))
+    except (ValueError, IndexError):
         return None
 
 
@@ -277,11 +285,10 @@ def _exit_status(pid: int, start: int) -> int | None:
     """The wait status (as waitpid gives it: 0 for a clean exit, the signal's number when
     killed) of the process ``pid`` started at ``start``, if it has exited and its parent has not
     reaped it yet (a zombie); None otherwise."""
+    fields = _stat_fields(pid)
     try:
-        with open(f"/proc/{pid}/stat") as fh:
-            fields = fh.read().rsplit(")", 1)[1].split()
-        return int(fields[49]) if fields[0] == "Z" and int(fields[19]) == start else None
-    except (OSError, ValueError, IndexError):
+        return int(fields[49]) if fields and fields[0] == "Z" and int(fields[19]) == start else None
+    except (ValueError, IndexError):
         return None
 
 
@@ -343,7 +350,8 @@ class Watch:
                 self.first_deaths = {role for pid, role in self.roles.items()
                                      if not (pid in parents and parents[pid][1] == self.members[pid])}
             for pid, role in self.roles.items():
-                if role == SCHEDULER and pid not in parents and _exit_status(pid, self.members[pid]) == 0:
+                if (role == SCHEDULER and not self.scheduler_clean and pid not in parents
+                        and _exit_status(pid, self.members[pid]) == 0):
                     self.scheduler_clean = True
 
     def _classify(self, pid: int) -> None:
