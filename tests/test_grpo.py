@@ -285,8 +285,8 @@ def test_the_documented_example_runs_as_written(framework, tmp_path):
     import subprocess
     import sys
 
-    readme = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "rl.md").read_text()
-    block = readme[readme.index("<!-- grpo-example -->"):]
+    page = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "rl.md").read_text()
+    block = page[page.index("<!-- grpo-example -->"):]
     block = block[block.index("```bash\n") + 8:block.index("\n```\n", block.index("```bash\n"))]
     assert block.count("mindspeed train ") == 2
     script = block.replace("mindspeed train ", f"mindspeed train --ai-framework {framework} ")

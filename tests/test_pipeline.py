@@ -201,15 +201,14 @@ def single(corpus, tmp_path_factory):  # noqa: F811
     from parity_worker import train_case
 
     root = tmp_path_factory.mktemp("single")
-    out = {}
+    out, ckpt = {}, root / "ckpt-base"
     for name, argv in MODELS.items():
-        ckpt = root / f"ckpt-{name}"
         saves = ["--train-iters", str(ITERS), "--save", str(ckpt), "--save-interval", str(FROM_SINGLE)] \
             if name == "base" else ["--train-iters", str(LAYOUT_ITERS)]
         train_case(str(root), name, [*argv, "--data-path", corpus, *saves])
         out[name] = {"losses": losses(root / f"{name}.jsonl"), "eval": eval_losses(root / f"{name}.jsonl"),
                      "norms": grad_norms(root / f"{name}.jsonl"), "grads": dict(np.load(root / f"{name}-grads.npz"))}
-    out["base"]["ckpt"] = iteration_only(root / "ckpt-base", FROM_SINGLE, root / "ckpt-from-single")
+    out["base"]["ckpt"] = iteration_only(ckpt, FROM_SINGLE, root / "ckpt-from-single")
     assert sorted(out["base"]["eval"]) == list(range(2, ITERS + 1, 2))  # so the pipelined evaluation is compared
     return out
 
