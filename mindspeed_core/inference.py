@@ -98,8 +98,6 @@ def load_model(args):
         if value != 1:
             raise MindSpeedError(f"generation and evaluation run with tensor and pipeline parallelism only: drop "
                                  f"{flag}")
-    if args.sequence_parallel:
-        raise MindSpeedError("generation runs without sequence parallelism: drop --sequence-parallel")
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     tokenizer_type, tokenizer_path = args.tokenizer_type, args.tokenizer_name_or_path
     named_tokenizer = tokenizer_type is not None or tokenizer_path is not None
@@ -142,6 +140,9 @@ def load_model(args):
             f"(data-parallel copies are not built)")
     dist.init()
     ps = parallel_state.initialize(tp=tp, pp=pp)
+    if args.sequence_parallel and ps.rank == 0:  # MindSpeed-LLM's generation scripts pass it at TP
+        print("note: --sequence-parallel is set aside: generation and evaluation run whole sequences on each "
+              "tensor-parallel rank (the key/value cache needs them); the results are the same", file=sys.stderr)
     return _on_this_rank(cfg, state, layout, ps, args.seed), cfg, tokenizer, ps, tokenizer_path
 
 

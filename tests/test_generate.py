@@ -288,7 +288,6 @@ def test_generation_runs_on_exactly_its_tensor_parallel_ranks(capsys, checkpoint
 @pytest.mark.parametrize("flags, message", [
     (["--prompt", ""], "an empty prompt"),
     (["--prompt", "x", "--max-new-tokens", "100"], "passes the model's 32 positions"),
-    (["--prompt", "x", "--sequence-parallel", "--tensor-model-parallel-size", "2"], "without sequence parallelism"),
 ])
 def test_bad_generate_flags_are_one_line(capsys, checkpoint, flags, message):
     capsys.readouterr()
@@ -311,7 +310,8 @@ PARALLEL_GENERATION = {
     "tp2": (2, ["--tensor-model-parallel-size", "2"], ["do_sample"]),
     # the stages one after another, each with its layer's cache, each cut for TP; beams reorder
     # every stage's (PP without TP runs the same stages: a launch of its own proved nothing more)
-    "tp2-pp2": (4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"],
+    # --sequence-parallel as MindSpeed-LLM's generation scripts pass it at TP: set aside, the same tokens
+    "tp2-pp2": (4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--sequence-parallel"],
                 ["greedy", "beam_search"]),
 }
 
@@ -350,6 +350,7 @@ def test_parallel_generation_draws_what_one_process_draws(framework, capsys, wid
     got = [json.loads(x[x.index("{"):]) for x in text.splitlines() if '{"prompt"' in x]
     assert [(g["task"], g["ids"]) for g in got] == [(w["task"], w["ids"]) for w in want], (got, want)
     assert "differ from eager" not in done.stderr + logs  # the graph ran: it agreed on its first step
+    assert ("--sequence-parallel is set aside" in done.stdout + done.stderr + logs) == ("--sequence-parallel" in flags)
 
 
 def test_the_embedded_default_saves_where_generate_finds_it(capsys, monkeypatch, tmp_path, framework):

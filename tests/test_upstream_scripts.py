@@ -13,17 +13,26 @@ matrix row that refuses it:
 - convert_ckpt*.py: a real conversion of the family's stand-in folder (hf_reference.py), the
   script's layout scaled to it (LoRA's lines: their parsers; test_lora runs LoRA conversions);
 - inference.py, evaluation.py: their parsers and the gate.
-The test reports per entry point what its calls did.
+
+Beyond those: each family's first fine-tuning line (--stage sft) that configures here trains a
+step after its own data-preprocessing line ran, and its first generation line that the gate
+passes (a generate_* script's) runs MindSpeed-LLM's task set (chat included) on the fine-tuned checkpoint, or on a
+checkpoint of its own model where the two lines describe different sizes: scaled to a tiny model
+in one process (RUN_SCALE; every other flag as the script has it). The test reports per entry
+point what its calls did.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
+import io
 import json
 import os
 import pathlib
 import re
+import sys
 
 import pytest
 
@@ -90,7 +99,8 @@ def _model_of(args):
     plain = megatron_args.training_parser().parse_args([])
     for key, value in vars(args).items():
         setattr(plain, key, value)
-    plain.enable_hf2mg_convert, plain.load, plain.model_type_hf, plain.finetune = False, None, None, False
+    plain.enable_hf2mg_convert, plain.load, plain.save, plain.model_type_hf, plain.finetune = False, None, None, None, False
+    plain.data_path = plain.data_path or ["corpus"]  # not the embedded run's defaults (its byte tokenizer)
     # the architecture only (this host may lack the script's precision, which these settings need)
     plain.bf16 = plain.fp16 = plain.reuse_fp32_param = plain.o2_optimizer = False
     return configuration.configure(plain, _world(args)).model
@@ -99,13 +109,19 @@ def _model_of(args):
 def _hf_folder(root: pathlib.Path, args) -> str:
     """A Hugging Face folder (config.json only) describing the model the script's flags describe
     (its real layers: the script adds its --noop-layers to the folder's)."""
-    cfg, _ = hf.without_noop_layers(_model_of(args), {})
-    if args.model_type_hf:  # the flags say how the layers are built; the folder's type says which family
-        cfg = dataclasses.replace(cfg, family=hf.MODEL_TYPES[args.model_type_hf])
+    cfg = _family_model(args, args.model_type_hf)
     folder = root / f"hf-{abs(hash(json.dumps(cfg.to_dict(), default=str)))}"
     folder.mkdir(exist_ok=True)
     (folder / "config.json").write_text(json.dumps(hf.hf_config(cfg)))
     return str(folder)
+
+
+def _family_model(args, kind: str | None):
+    """The model the flags describe without its no-op layers, of the family --model-type-hf
+    names if it names one (the flags say how the layers are built; a folder's type says which
+    family)."""
+    cfg, _ = hf.without_noop_layers(_model_of(args), {})
+    return dataclasses.replace(cfg, family=hf.MODEL_TYPES[kind]) if kind else cfg
 
 
 def _world(args) -> int:
@@ -113,10 +129,11 @@ def _world(args) -> int:
             * args.expert_model_parallel_size)
 
 
-def _outcome(call: dict, paths: dict, tmp_path, references, stand_ins: dict) -> str:
-    """What the call did here ("preprocessed", "converted", "configured", "gated", "parsed"),
-    "refused by <row>", or what went wrong (unknown flags, another error). ``stand_ins``: the
-    stand-in folders made so far beside hf_reference.py's."""
+def _outcome(call: dict, paths: dict, tmp_path, references, stand_ins: dict, ran: dict) -> str:
+    """What the call did here ("preprocessed", "converted", "trained", "configured", "generated",
+    "gated", "parsed"), "refused by <row>", or what went wrong (unknown flags, another error).
+    ``stand_ins``: the stand-in folders made so far beside hf_reference.py's; ``ran``: per family,
+    the fine-tuning run made so far (its model and checkpoint) and whether a generation line ran."""
     flags = _stand_ins(call["flags"], {**paths, "--output-prefix": str(tmp_path / "out" / "data"),
                                        "--save-dir": str(tmp_path / "converted"), "--save": str(tmp_path / "save")})
     parser = _parser(call["entry"])
@@ -136,7 +153,15 @@ def _outcome(call: dict, paths: dict, tmp_path, references, stand_ins: dict) -> 
             if args.enable_hf2mg_convert:
                 args.load = _hf_folder(paths["root"], args)
             configuration.configure(args, _world(args))
+            family = call["script"].split("/")[0]
+            if call["entry"] == "posttrain_gpt.py" and args.stage == "sft" and family not in ran:
+                ran[family] = _tune(call, paths, tmp_path)
+                return "trained"
             return "configured"
+        family = call["script"].split("/")[0]
+        if call["script"].split("/")[1].startswith("generate_") and f"{family} generated" not in ran:
+            ran[f"{family} generated"] = _generate(call, paths, tmp_path, ran.get(family))
+            return "generated"
         return "gated"
     except FeatureNotAvailable as exc:
         found = ROWS.search(str(exc))
@@ -220,21 +245,133 @@ def _convert(call: dict, references, stand_ins: dict, tmp_path) -> str:
     return "converted" if wrote else f"error: {args.save_dir} does not hold the stand-in's model"
 
 
+# a run line scaled to a tiny model in one process (the tokenizer stand-in's 128 tokens, rows of
+# 128 tokens that hold a chat template's turn, a step, four new tokens); the layout flags the
+# scaled line no longer needs are dropped, and LongRoPE's factor lists keep one factor per rotated
+# pair of the 16 features a head has
+RUN_SCALE = {"--num-layers": "2", "--hidden-size": "64", "--ffn-hidden-size": "128", "--num-attention-heads": "4",
+             "--num-query-groups": "2", "--kv-channels": "16", "--padded-vocab-size": "128", "--vocab-size": "128",
+             "--seq-length": "128", "--micro-batch-size": "1", "--global-batch-size": "1", "--train-iters": "1",
+             "--save-interval": "1", "--max-new-tokens": "4", "--num-experts": "4", "--moe-router-topk": "2",
+             "--moe-ffn-hidden-size": "32", "--moe-shared-expert-intermediate-size": "32", "--moe-router-num-groups": "2",
+             "--moe-router-group-topk": "1", "--q-lora-rank": "32", "--kv-lora-rank": "16", "--qk-head-dim": "16",
+             "--qk-pos-emb-head-dim": "8", "--v-head-dim": "16", "--tensor-model-parallel-size": "1",
+             "--pipeline-model-parallel-size": "1", "--expert-model-parallel-size": "1", "--context-parallel-size": "1",
+             "--recompute-num-layers": "1", "--workers": "1"}
+RUN_DROPPED = ("--num-layer-list", "--num-layers-per-virtual-pipeline-stage", "--noop-layers")
+ROTATED_PAIRS = 8
+
+
+def _scaled_run(flags: list, values: dict) -> list:
+    """A run line's flags with RUN_SCALE's and ``values``' flags set (a flag's value may have
+    been split at its spaces), RUN_DROPPED's dropped, a positive --first-k-dense-replace made 1
+    (one dense layer, then MoE) and LongRoPE's factor lists cut to ROTATED_PAIRS."""
+    values = {**RUN_SCALE, **values}
+    out, i = [], 0
+    while i < len(flags):
+        flag, i = flags[i], i + 1
+        given = []
+        while i < len(flags) and not flags[i].startswith("--"):
+            given.append(flags[i])
+            i += 1
+        if flag in RUN_DROPPED:
+            continue
+        if flag in values:
+            given = [values[flag]]
+        elif flag == "--first-k-dense-replace" and int(given[0]) > 0:
+            given = ["1"]
+        elif flag in ("--long-factor", "--short-factor"):
+            given = [",".join(given[0].split(",")[:ROTATED_PAIRS])]
+        out += [flag, *given]
+    return out
+
+
+def _run_verb(argv: list, stdin: str = "") -> tuple[int, str]:
+    """``mindspeed <argv>`` in this process: its exit code and what it printed."""
+    out = io.StringIO()
+    saved, sys.stdin = sys.stdin, io.StringIO(stdin)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+            code = cli.main(argv)
+    finally:
+        sys.stdin = saved
+    return code, out.getvalue()
+
+
+def _tune(call: dict, paths: dict, tmp_path) -> dict:
+    """Trains the fine-tuning line's step, scaled, on its family's own preprocessing of a few
+    Alpaca records (the line for its handler, packed where the line trains on packed rows), from a
+    Hugging Face folder of its model (the lines convert at load: --enable-hf2mg-convert)."""
+    from mindspeed_core import nn
+    from mindspeed_core.models import registry
+
+    root = tmp_path / "tune"
+    flags = _scaled_run(call["flags"], {"--tokenizer-name-or-path": paths["--tokenizer-name-or-path"],
+                                        "--save": str(root / "tuned"), "--load": str(root / "hf"),
+                                        "--data-path": str(root / "data" / "alpaca")})
+    assert "--enable-hf2mg-convert" in flags, call["script"]  # every fine-tuning line here starts from a folder
+    args = megatron_args.training_parser().parse_args(flags)
+    cfg = _family_model(args, args.model_type_hf)
+    hf.save_folder(str(root / "hf"), cfg, nn.state_dict(registry.for_config(cfg).build(cfg)))
+    family = call["script"].split("/")[0]
+    packed = "--neat-pack" in flags
+    prep = next(c for c in CALLS if c["entry"] == "preprocess_data.py" and c["script"].startswith(family + "/")
+                and _value(c["flags"], "--handler-name") == args.handler_name and ("--pack" in c["flags"]) == packed
+                and _value(c["flags"], "--prompt-type") == args.prompt_type)
+    code, out = _run_verb(["preprocess", *_scaled_run(prep["flags"], {
+        "--input": paths["--input"], "--output-prefix": str(root / "data" / "alpaca"),
+        "--tokenizer-name-or-path": paths["--tokenizer-name-or-path"]})])
+    assert code == 0, f"{prep['script']}: {out[-2000:]}"
+    code, out = _run_verb(["train", *flags])
+    saved = os.path.isfile(root / "tuned" / "latest_checkpointed_iteration.txt")
+    assert code == 0 and re.search(r"iteration +1/1", out) and saved, f"{call['script']}: {out[-3000:]}"
+    return {"model": _model_of(args), "checkpoint": str(root / "tuned")}
+
+
+def _generate(call: dict, paths: dict, tmp_path, tuned: dict | None) -> str:
+    """Runs the generation line, scaled: its --task, or MindSpeed-LLM's task set where it names
+    none; the chat answers one message and ends at "exit". It reads the family's fine-tuned checkpoint
+    where the two lines describe the same model, else a checkpoint of its own model's weights."""
+    from mindspeed_core import nn
+    from mindspeed_core.models import registry
+
+    root = tmp_path / "generate"
+    flags = _scaled_run(call["flags"], {"--tokenizer-name-or-path": paths["--tokenizer-name-or-path"],
+                                        "--load": str(root / "ckpt")})
+    args = cli.inference.parser().parse_args(flags)
+    cfg = _model_of(args)
+    if tuned is not None and tuned["model"] == cfg:
+        flags[flags.index("--load") + 1] = tuned["checkpoint"]
+    else:
+        from mindspeed_core.compat import mcore
+
+        mcore.save(str(root / "ckpt"), 1, cfg, nn.state_dict(registry.for_config(cfg).build(cfg)), mcore.Layout())
+    code, out = _run_verb(["generate", *flags], stdin="add 1 2\nexit\n")
+    tasks = args.task or megatron_args.GENERATION_TASKS
+    shown = len(tasks) == 1 or all(f"=== {t} ===" in out for t in tasks)
+    assert code == 0 and shown and ("chat" not in tasks or "Assistant> " in out), f"{call['script']}: {out[-3000:]}"
+    return "the fine-tuned checkpoint" if flags[flags.index("--load") + 1] == (tuned or {}).get("checkpoint") \
+        else "a checkpoint of its own"
+
+
 # what a call did here: preprocessing ran on a few records; a conversion ran on a stand-in
-# folder; a training line was gated and its whole run configured (one also trains: the launch
-# test below); an inference or evaluation line was parsed and gated (generation and evaluation
-# at TP and PP layouts run in test_generate and test_evaluate, scaled down); a LoRA conversion was
-# parsed (they run in test_lora)
-DID = ("preprocessed", "converted", "configured", "gated", "parsed")
+# folder; a training line was gated and its whole run configured (a family's first fine-tuning
+# line also trains a step, scaled; a pre-training line trains in the launch test below); an
+# inference line was gated (a family's first also generates, scaled) and an evaluation line
+# parsed and gated (generation and evaluation at TP and PP layouts run in test_generate and
+# test_evaluate, scaled down); a LoRA conversion was parsed (they run in test_lora)
+DID = ("preprocessed", "converted", "trained", "configured", "generated", "gated", "parsed")
 # measured here, per entry point (the refused stop at the rows they name: Ascend-only kernels,
 # ...; on MindSpore's CPU also bfloat16, which most scripts ask for)
 DONE = {
     "pytorch": {"convert_ckpt_v2.py": {"converted": 20, "parsed": 6, "refused": 1},
-                "evaluation.py": {"gated": 13, "refused": 3}, "inference.py": {"gated": 18, "refused": 3},
-                "posttrain_gpt.py": {"configured": 18, "refused": 23}, "preprocess_data.py": {"preprocessed": 26},
+                "evaluation.py": {"gated": 13, "refused": 3}, "inference.py": {"gated": 9, "generated": 9, "refused": 3},
+                "posttrain_gpt.py": {"configured": 13, "refused": 23, "trained": 5},
+                "preprocess_data.py": {"preprocessed": 26},
                 "pretrain_gpt.py": {"configured": 12, "refused": 16}},
     "mindspore": {"convert_ckpt_v2.py": {"converted": 20, "parsed": 6, "refused": 1},
-                  "evaluation.py": {"refused": 16}, "inference.py": {"gated": 3, "refused": 18},
+                  "evaluation.py": {"refused": 16},
+                  "inference.py": {"gated": 1, "generated": 2, "refused": 18},
                   "posttrain_gpt.py": {"refused": 41}, "preprocess_data.py": {"preprocessed": 26},
                   "pretrain_gpt.py": {"refused": 28}},
 }
@@ -242,9 +379,10 @@ DONE = {
 
 def test_every_upstream_script_call_is_accepted_or_refused_by_a_matrix_row(framework, paths, hf_references, tmp_path,
                                                                             capsys):
-    outcomes, stand_ins = [], {}
-    for n, call in enumerate(CALLS):
-        outcomes.append((call, _outcome(call, paths, tmp_path / str(n), hf_references, stand_ins)))
+    outcomes, stand_ins, ran = [], {}, {}
+    # a family's fine-tuning lines first: its generation line may read what one of them trained
+    for n, call in sorted(enumerate(CALLS), key=lambda nc: nc[1]["entry"] != "posttrain_gpt.py"):
+        outcomes.append((call, _outcome(call, paths, tmp_path / str(n), hf_references, stand_ins, ran)))
     capsys.readouterr()
     assert len(CALLS) == 159
     wrong = {f"{c['script']} ({c['entry']})": v for c, v in outcomes if v not in DID and not v.startswith("refused by ")}
@@ -254,7 +392,8 @@ def test_every_upstream_script_call_is_accepted_or_refused_by_a_matrix_row(frame
         table[call["entry"]][v if v in DID else "refused"] += 1
     by_row = collections.Counter(v[len("refused by "):] for _, v in outcomes if v.startswith("refused by "))
     table = {entry: dict(sorted(counts.items())) for entry, counts in sorted(table.items())}
-    print(f"upstream calls: {table}; refusals by row: {dict(by_row)}")
+    read = {k.split()[0]: v for k, v in ran.items() if k.endswith(" generated")}
+    print(f"upstream calls: {table}; refusals by row: {dict(by_row)}; generation read: {read}")
     assert table == DONE[framework], table
 
 
@@ -269,27 +408,16 @@ def test_a_scripts_own_launch_line_trains(framework, paths, tmp_path):
 
     root = paths["root"]
     call = next(c for c in CALLS if c["script"] == "qwen3/pretrain_qwen3_0point6b_4K_ptd.sh")
-    scaled = {"--num-layers": "2", "--hidden-size": "64", "--num-attention-heads": "4", "--kv-channels": "16",
-              "--num-query-groups": "2", "--ffn-hidden-size": "128", "--padded-vocab-size": "128",
-              "--max-position-embeddings": "256", "--seq-length": "32", "--micro-batch-size": "1",
-              "--global-batch-size": "4", "--train-iters": "2", "--save-interval": "2"}
     corpus = root / "corpus.jsonl"
     corpus.write_text("".join(json.dumps({"text": "def f(x): return x + 1 " * 4}) + "\n" for _ in range(40)))
     assert cli.main(["preprocess", "--input", str(corpus), "--output-prefix", str(tmp_path / "enwiki"),
                      "--tokenizer-type", "PretrainedFromHF", "--tokenizer-name-or-path", paths["--tokenizer-name-or-path"],
                      "--append-eod"]) == 0
-    flags, i = [], 0
-    values = {**scaled, "--tokenizer-name-or-path": paths["--tokenizer-name-or-path"],
-              "--data-path": str(tmp_path / "enwiki_text_document"), "--load": str(tmp_path / "qwen3_hf"),
-              "--save": str(tmp_path / "run")}
-    while i < len(call["flags"]):
-        flag = call["flags"][i]
-        flags.append(flag)
-        i += 1
-        if flag in values:
-            while i < len(call["flags"]) and not call["flags"][i].startswith("--"):
-                i += 1
-            flags.append(values[flag])
+    flags = _scaled_run(call["flags"], {
+        "--max-position-embeddings": "256", "--seq-length": "32", "--global-batch-size": "4", "--train-iters": "2",
+        "--save-interval": "2", "--tokenizer-name-or-path": paths["--tokenizer-name-or-path"],
+        "--data-path": str(tmp_path / "enwiki_text_document"), "--load": str(tmp_path / "qwen3_hf"),
+        "--save": str(tmp_path / "run")})
     # the Hugging Face folder the script starts from: a model of the scaled sizes, exported
     from mindspeed_core import nn
     from mindspeed_core.models import registry
