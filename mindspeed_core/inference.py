@@ -27,9 +27,9 @@ from mindspeed_core.errors import MindSpeedError
 from mindspeed_core.models import generate as gen
 from mindspeed_core.models import registry
 from mindspeed_core.models.gpt import load_whole_state
-from mindspeed_core.parallel import families
 from mindspeed_core.parallel import layers as parallel_layers
 from mindspeed_core.parallel import state as parallel_state
+from mindspeed_core.parallel.parallelize import parallelize
 from mindspeed_core.streaming import TextStream
 from mindspeed_core.training import configuration, model_source, schedules
 
@@ -155,7 +155,7 @@ def _on_this_rank(cfg, state: dict, layout, ps, seed: int):
     chunks = spec.pipeline_chunks(model, layout, ps.local_rank("pp")) if ps.pp > 1 else [model]
     if ps.tp > 1:
         for chunk in chunks:
-            families.parallelize(spec, chunk, ps, False, "megatron_cp_algo", 1, "allgather")
+            parallelize(spec, chunk, ps, False, "megatron_cp_algo", 1, "allgather")
         parallel_layers.seed_model_parallel_rng(seed, ps)  # the layers fork its streams (no dropout here)
     for chunk in chunks:
         nn.set_training(chunk, False)

@@ -1,6 +1,6 @@
-"""How each model family (models/registry.py) is parallelised: the tensor-parallel plan of
-its layers, context parallelism around attention, and expert parallelism for the MoE layers
-(torchtitan keeps a parallelize function per model the same way)."""
+"""How each model spec (models/registry.py: the dense decoder, MoE) is parallelised: the
+tensor-parallel plan of its layers, context parallelism around attention, and expert parallelism
+for the MoE layers (torchtitan keeps a parallelize function per model the same way)."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ BY_SPEC = {"gpt": _dense, "moe": _moe}  # ModelSpec.name -> its parallelisation
 
 def parallelize(spec, chunk, ps, sequence_parallel: bool, cp_algo: str | None = "megatron_cp_algo",
                 ulysses_degree: int | None = None, moe_dispatcher: str = "allgather") -> ParallelPlan:
-    """Apply the family's parallel layout to one model chunk in place; returns its plan.
+    """Apply the spec's parallel layout to one model chunk in place; returns its plan.
     ``cp_algo`` None: whole sequences whatever the context-parallel size (a model that only
     scores them, as GRPO's reward model)."""
     return BY_SPEC[spec.name](chunk, ps, sequence_parallel, cp_algo, ulysses_degree, moe_dispatcher)

@@ -11,8 +11,8 @@ from mindspeed_core.backends.common import check_fits_in_memory
 from mindspeed_core.memory import recompute
 from mindspeed_core.memory.swap import HostSwap
 from mindspeed_core.models import lora
-from mindspeed_core.parallel import families
 from mindspeed_core.parallel import layers as parallel_layers
+from mindspeed_core.parallel.parallelize import parallelize
 from mindspeed_core.parallel.plan import ParallelPlan
 from mindspeed_core.training import distributed, model_source, resume, sharded_checkpoint
 from mindspeed_core.training.configuration import memory_needed
@@ -51,7 +51,7 @@ def cut_for_layout(model, spec, pipeline_layout, ps, flags):
     cut into this rank's pipeline stages, each parallelised as its family says, with the
     recompute and swap policy, and the tensor-parallel random streams seeded."""
     chunks = spec.pipeline_chunks(model, pipeline_layout, ps.local_rank("pp")) if ps.pp > 1 else [model]
-    plan = ParallelPlan.join(families.parallelize(spec, c, ps, flags.sequence_parallel, flags.context_parallel_algo,
+    plan = ParallelPlan.join(parallelize(spec, c, ps, flags.sequence_parallel, flags.context_parallel_algo,
                                                   flags.ulysses_degree_in_cp, flags.moe_token_dispatcher_type)
                              for c in chunks)
     memory_policy = recompute.from_args(flags)

@@ -158,7 +158,7 @@ class RewardModel:
     def __init__(self, path: str, vocab_size: int, ps=None):
         from mindspeed_core.models import registry
         from mindspeed_core.models.gpt import load_whole_state
-        from mindspeed_core.parallel import families
+        from mindspeed_core.parallel.parallelize import parallelize
 
         source = read_reward_model(path)
         check_reward_vocabulary(path, source.cfg, vocab_size)
@@ -167,7 +167,7 @@ class RewardModel:
         self.model = spec.build(source.cfg)
         load_whole_state(self.model, source.state)
         if ps is not None and ps.tp > 1:
-            families.parallelize(spec, self.model, ps, False, cp_algo=None)
+            parallelize(spec, self.model, ps, False, cp_algo=None)
         nn.set_training(self.model, False)
 
     def score(self, ids: np.ndarray, mask: np.ndarray, size: int) -> np.ndarray:
