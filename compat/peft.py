@@ -21,7 +21,9 @@ import numpy as np
 from mindspeed_core import tensor_files
 from mindspeed_core.compat import hf
 from mindspeed_core.errors import MindSpeedError
+from mindspeed_core.models import families
 from mindspeed_core.models.config import ModelConfig
+from mindspeed_core.models.families.base import split_qkv
 
 CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"
@@ -33,7 +35,7 @@ _BLOCKS = {"linear_qkv": "self_attention", "linear_proj": "self_attention", "lin
 
 def _split_rows(cfg: ModelConfig, module: str, b: np.ndarray) -> tuple:
     if module == "linear_qkv":
-        return hf.split_qkv(cfg, b)
+        return split_qkv(cfg, b)
     if module == "linear_fc1":
         return tuple(np.split(b, 2))  # gate rows, then up rows
     return (b,)
@@ -70,9 +72,9 @@ def adapter_config(cfg: ModelConfig) -> dict:
 def check_exportable(cfg: ModelConfig) -> None:
     if cfg.lora is None:
         raise MindSpeedError("the checkpoint holds no LoRA adapters to export")
-    if cfg.family not in hf.LLAMA_LIKE:
-        raise MindSpeedError(f"PEFT export is built for the {', '.join(hf.LLAMA_LIKE)} families; this is a "
-                             f"{cfg.family} model")
+    if not families.get(cfg.family).peft_export:
+        built = ", ".join(f.name for f in families.FAMILIES.values() if f.peft_export)
+        raise MindSpeedError(f"PEFT export is built for the {built} families; this is a {cfg.family} model")
 
 
 def save_adapter(folder: str, cfg: ModelConfig, state: dict) -> list:

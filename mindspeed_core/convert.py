@@ -35,13 +35,14 @@ import numpy as np
 from mindspeed_core import features, runtime
 from mindspeed_core.compat import hf, mcore, megatron_args, peft
 from mindspeed_core.errors import CheckpointError, MindSpeedError
+from mindspeed_core.models import families
 from mindspeed_core.models.config import LORA_TARGETS, LoRAConfig
 from mindspeed_core.models.state import check_adapters, is_adapter, merge_lora
 from mindspeed_core.parallel import pipeline
 from mindspeed_core.training import model_source
 
 # --model-type-hf -> our model family
-MODEL_TYPES = hf.MODEL_TYPES
+MODEL_TYPES = families.ALIASES
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 # MindSpeed-LLM's --model-type-hf values of families not built here -> the matrix row that says so
 NOT_BUILT = {"phi3.5-moe": "family-phimoe"}

@@ -1,3 +1,4 @@
 """Model definitions and presets, written only against the facade (mindspeed_core.ops, nn, ...)."""
 
-from mindspeed_core.models.config import PRESETS, ModelConfig, preset  # noqa: E402,F401
+from mindspeed_core.models.config import ModelConfig  # noqa: E402,F401
+from mindspeed_core.models.families import PRESETS, preset  # noqa: E402,F401

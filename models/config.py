@@ -1,5 +1,5 @@
-"""Model configuration: one decoder-only transformer that covers the LLaMA family, Mistral,
-Qwen2/2.5, Qwen3 and GPT-2 through a handful of switches, plus named presets."""
+"""Model configuration: one decoder-only transformer whose switches cover every family
+(models/families/: each family's Hugging Face reading and writing and its presets)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,6 @@ from dataclasses import dataclass, field
 from mindspeed_core.models import rope
 
 FUSED_KERNELS = ("attention", "rms_norm", "swiglu", "rope", "grouped_matmul")
-# the model families (ModelConfig.family) that models/registry.py builds and compat/hf.py reads
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "gpt2", "mixtral", "qwen2_moe",
-            "qwen3_moe", "deepseek_v2", "deepseek_v3", "glm4_moe", "minicpm3", "gpt_oss")
 # the MLP activations; the gated ones (fc1 holds gate rows, then up rows) first
 GATED_ACTIVATIONS = ("swiglu", "geglu", "geglu_tanh", "quick_geglu")
 ACTIVATIONS = GATED_ACTIVATIONS + ("gelu", "gelu_tanh")
@@ -206,7 +203,7 @@ class ModelConfig:
     # MindSpeed's --noop-layers: positions among the num_layers that hold an identity layer
     # (no parameters), so that the layer count divides over pipeline stages
     noop_layers: tuple = ()
-    family: str = "llama"  # one of FAMILIES
+    family: str = "llama"  # a family of models/families/
     # mixture of experts: the MLP of the layers numbered in moe_layers (None: every layer)
     moe: MoEConfig | None = None
     moe_layers: tuple | None = None
@@ -340,8 +337,10 @@ class ModelConfig:
         self.fused = frozenset(self.fused)
         if not self.fused <= set(FUSED_KERNELS):
             raise ValueError(f"fused kernels must be among {FUSED_KERNELS}, got {sorted(self.fused)}")
+        from mindspeed_core.models.families import FAMILIES  # they are built of this module's configs
+
         for name, allowed in (("normalization", ("rmsnorm", "layernorm")), ("activation", ACTIVATIONS),
-                              ("position_embedding_type", ("rope", "learned")), ("family", FAMILIES)):
+                              ("position_embedding_type", ("rope", "learned")), ("family", tuple(FAMILIES))):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
         if (self.glu_linear_offset or self.activation_func_clamp_value is not None) and not self.gated:
@@ -508,98 +507,3 @@ class ModelConfig:
             s = moe.shared_expert_size
             total += h * per_width * s + s * h + (h if moe.shared_expert_gate else 0)
         return total
-
-
-PRESETS = {
-    # tiny shapes that train on a CPU in minutes
-    "tiny-llama": dict(family="llama", hidden_size=128, num_layers=4, num_attention_heads=4, num_query_groups=2,
-                       ffn_hidden_size=352, max_position_embeddings=256),
-    "tiny-qwen2": dict(family="qwen2", hidden_size=128, num_layers=4, num_attention_heads=4, num_query_groups=2,
-                       ffn_hidden_size=352, add_qkv_bias=True, norm_epsilon=1e-6, rotary_base=1000000.0),
-    "tiny-qwen3": dict(family="qwen3", hidden_size=128, num_layers=4, num_attention_heads=4, num_query_groups=2,
-                       kv_channels=32, ffn_hidden_size=352, qk_layernorm=True, norm_epsilon=1e-6),
-    "tiny-mistral": dict(family="mistral", hidden_size=128, num_layers=4, num_attention_heads=4, num_query_groups=1,
-                         ffn_hidden_size=352),
-    # Phi-3.5's shape in small: LongRoPE with its short factors up to 64 positions, long ones past them
-    "tiny-phi3": dict(family="phi3", hidden_size=128, num_layers=4, num_attention_heads=4, ffn_hidden_size=352,
-                      max_position_embeddings=256, rope_scaling={
-                          "rope_type": "longrope", "original_max_position_embeddings": 64,
-                          "short_factor": [1.0 + 0.01 * i for i in range(16)],
-                          "long_factor": [1.0 + 0.25 * i for i in range(16)]}),
-    # Gemma 2's shape in small: (1 + w) norms before and after each block, GeGLU, scores scaled by
-    # query_pre_attn_scalar and soft-capped, every other layer attending to a 16-token window
-    "tiny-gemma2": dict(family="gemma2", hidden_size=128, num_layers=4, num_attention_heads=4, num_query_groups=2,
-                        kv_channels=32, ffn_hidden_size=256, activation="geglu_tanh", norm_epsilon=1e-6,
-                        norm_offset=True, post_norm=True, scale_embeddings=True, query_pre_attn_scalar=32,
-                        attn_logit_softcapping=50.0, final_logit_softcapping=30.0, sliding_window=16,
-                        sliding_window_layers=(0, 2), untie_embeddings_and_output_weights=False),
-    # Gemma 3's: q/k norms, five sliding layers (window 16, RoPE base 10000) to each global one
-    # (base 1e6), no soft-capping
-    "tiny-gemma3": dict(family="gemma3", hidden_size=128, num_layers=6, num_attention_heads=4, num_query_groups=2,
-                        kv_channels=32, ffn_hidden_size=256, activation="geglu_tanh", norm_epsilon=1e-6,
-                        norm_offset=True, post_norm=True, scale_embeddings=True, query_pre_attn_scalar=32,
-                        qk_layernorm=True, rotary_base=1000000.0, local_rotary_base=10000.0, sliding_window=16,
-                        sliding_window_layers=(0, 1, 2, 3, 4), untie_embeddings_and_output_weights=False),
-    "tiny-gpt2": dict(family="gpt2", hidden_size=128, num_layers=4, num_attention_heads=4, normalization="layernorm",
-                      activation="gelu_tanh", position_embedding_type="learned", add_qkv_bias=True,
-                      add_bias_linear=True, untie_embeddings_and_output_weights=False),
-    # tiny mixtures of experts: Mixtral's top-2 of 8 (softmax, renormalised), Qwen2-MoE's gated
-    # shared expert beside raw softmax weights, Qwen3-MoE's renormalised top-k without one, and
-    # DeepSeek-V3's routing on this decoder (sigmoid scores, 4 groups of which each token may
-    # use 2, weights renormalised and scaled, aux-loss-free bias, a tiny sequence aux loss,
-    # one shared expert, the first layer dense). DeepSeek-V3's multi-head latent attention is
-    # not here: its attention is this decoder's.
-    "tiny-mixtral": dict(family="mixtral", hidden_size=128, num_layers=4, num_attention_heads=4, num_query_groups=2,
-                         ffn_hidden_size=256, moe=dict(num_experts=8, topk=2)),
-    "tiny-qwen2-moe": dict(family="qwen2_moe", hidden_size=128, num_layers=4, num_attention_heads=4,
-                           num_query_groups=2, ffn_hidden_size=352, add_qkv_bias=True, norm_epsilon=1e-6,
-                           moe=dict(num_experts=8, topk=2, ffn_hidden_size=96, norm_topk_prob=False,
-                                    shared_expert_size=256, shared_expert_gate=True)),
-    "tiny-qwen3-moe": dict(family="qwen3_moe", hidden_size=128, num_layers=4, num_attention_heads=4,
-                           num_query_groups=2, kv_channels=32, ffn_hidden_size=352, qk_layernorm=True,
-                           norm_epsilon=1e-6, moe=dict(num_experts=8, topk=2, ffn_hidden_size=96)),
-    "tiny-deepseek-v3": dict(family="llama", hidden_size=128, num_layers=4, num_attention_heads=4, num_query_groups=4,
-                             ffn_hidden_size=352, moe_layers=(1, 2, 3),
-                             moe=dict(num_experts=8, topk=2, ffn_hidden_size=64, score_function="sigmoid",
-                                      num_groups=4, group_topk=2, scaling_factor=2.5, enable_expert_bias=True,
-                                      load_balancing_type="seq_aux_loss", aux_loss_coeff=1e-4,
-                                      shared_expert_size=64)),
-    # GLM-4.5's layer: q/k/v biases, q/k norms, RoPE on half of each head, a dense first layer,
-    # then sigmoid routing with the expert bias, normalised and scaled, beside a shared expert
-    "tiny-glm45": dict(family="glm4_moe", hidden_size=128, num_layers=4, num_attention_heads=4, num_query_groups=2,
-                       kv_channels=32, ffn_hidden_size=352, add_qkv_bias=True, qk_layernorm=True, rotary_percent=0.5,
-                       norm_epsilon=1e-5, moe_layers=(1, 2, 3),
-                       moe=dict(num_experts=8, topk=2, ffn_hidden_size=96, score_function="sigmoid",
-                                scaling_factor=2.5, enable_expert_bias=True, load_balancing_type="none",
-                                aux_loss_coeff=0.0, shared_expert_size=96)),
-    # MiniCPM3's: latent attention with a query latent (rotated in halves), tied embeddings,
-    # embeddings times 12, residual branches times 1.4 / sqrt(4), the output divided by 128 / 32
-    "tiny-minicpm3": dict(family="minicpm3", hidden_size=128, num_layers=4, num_attention_heads=4,
-                          ffn_hidden_size=352, qk_layernorm=True, untie_embeddings_and_output_weights=False,
-                          norm_epsilon=1e-5, scale_emb=12.0, scale_depth=1.4, dim_model_base=32.0,
-                          mla=dict(q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16,
-                                   v_head_dim=32, rope_interleave=False)),
-    # GPT-OSS's: attention sinks, biases on q/k/v/o, windows of 16 on every other layer, YaRN,
-    # every layer an MoE of biased quick-GEGLU experts (offset 1, clamped at 7) with a biased router
-    "tiny-gpt-oss": dict(family="gpt_oss", hidden_size=128, num_layers=4, num_attention_heads=4, num_query_groups=2,
-                         kv_channels=32, ffn_hidden_size=96, add_qkv_bias=True, add_bias_linear=True,
-                         activation="quick_geglu", glu_linear_offset=1.0, activation_func_clamp_value=7.0,
-                         attention_sinks=True, sliding_window=16, sliding_window_layers=(0, 2), rotary_base=150000.0,
-                         rope_scaling=dict(rope_type="yarn", factor=4.0, beta_fast=32.0, beta_slow=1.0,
-                                           truncate=False, original_max_position_embeddings=64),
-                         moe=dict(num_experts=8, topk=2, aux_loss_coeff=0.01)),
-    # the real shapes, for --dry-run arithmetic and conversion
-    "llama2-7b": dict(family="llama", hidden_size=4096, num_layers=32, num_attention_heads=32, ffn_hidden_size=11008,
-                      vocab_size=32000, max_position_embeddings=4096, norm_epsilon=1e-5),
-    "llama3-8b": dict(family="llama", hidden_size=4096, num_layers=32, num_attention_heads=32, num_query_groups=8,
-                      ffn_hidden_size=14336, vocab_size=128256, max_position_embeddings=8192, rotary_base=500000.0),
-    "qwen2.5-7b": dict(family="qwen2", hidden_size=3584, num_layers=28, num_attention_heads=28, num_query_groups=4,
-                       ffn_hidden_size=18944, vocab_size=152064, max_position_embeddings=32768, add_qkv_bias=True,
-                       norm_epsilon=1e-6, rotary_base=1000000.0),
-}
-
-
-def preset(name: str, **overrides) -> ModelConfig:
-    if name not in PRESETS:
-        raise ValueError(f"unknown model name {name!r}; presets: {', '.join(sorted(PRESETS))}")
-    return ModelConfig(**{**PRESETS[name], **overrides})

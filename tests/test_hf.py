@@ -13,6 +13,7 @@ import pytest
 from mindspeed_core import ops
 from mindspeed_core.compat import hf
 from mindspeed_core.errors import CheckpointError
+from mindspeed_core.models.families.gpt_oss import dequantize_mxfp4
 
 from conftest import hf_reference_process
 
@@ -185,7 +186,7 @@ def test_mxfp4_experts_are_read_as_transformers_dequantises_them(references):
     mantissa, _ = np.frexp(weights)
     assert np.array_equal(mantissa * 16, np.round(mantissa * 16))
     with pytest.raises(CheckpointError, match="MXFP4 blocks"):
-        hf.dequantize_mxfp4(np.zeros((2, 3, 4), np.uint8), np.zeros((2, 3), np.uint8))
+        dequantize_mxfp4(np.zeros((2, 3, 4), np.uint8), np.zeros((2, 3), np.uint8))
 
 
 def test_a_mixtral_folder_starts_a_training_run_with_its_experts(references, capsys):
@@ -303,11 +304,33 @@ def test_generate_command_reads_a_hugging_face_folder(references, capsys):
 
 def test_every_family_a_config_allows_is_built_and_exchanged():
     from mindspeed_core.models import registry
-    from mindspeed_core.models.config import FAMILIES, ModelConfig
+    from mindspeed_core.models.config import ModelConfig
+    from mindspeed_core.models.families import FAMILIES
 
     assert sorted(f for spec in registry.SPECS for f in spec.families) == sorted(FAMILIES)
     with pytest.raises(ValueError, match="family must be one of"):
         ModelConfig(family="bogus")
+
+
+@pytest.mark.framework_free
+def test_each_family_is_one_room_the_registry_finds():
+    """models/families/ holds every family's knowledge: compat/hf.py names no family or model
+    type (it asks the family config.json's model_type picks), and each family's MindSpeed-LLM
+    names, model types and presets resolve to it alone."""
+    import pathlib
+
+    from mindspeed_core.models import families
+
+    source = (pathlib.Path(hf.__file__)).read_text()
+    named = sorted(n for n in {*families.FAMILIES, *families.BY_MODEL_TYPE} if f'"{n}"' in source or f"'{n}'" in source)
+    assert named == [], named
+    assert len(families.FAMILIES) >= 16 and all(f.architecture and f.aliases for f in families.FAMILIES.values())
+    types = [t for f in families.FAMILIES.values() for t in (f.model_types or (f.name,))]
+    assert len(types) == len(set(types)) and set(types) == set(hf.SUPPORTED)
+    for alias, name in {**families.ALIASES, **families.SPECS}.items():
+        assert alias in families.get(name).aliases + families.get(name).specs
+    assert all(families.PRESETS[p]["family"] in families.FAMILIES for p in families.PRESETS)
+    assert families.moe_of("qwen3") == "qwen3_moe" and families.moe_of("llama") is None
 
 
 def test_multi_token_prediction_layers_after_the_last_are_skipped_where_folders_carry_them(references):

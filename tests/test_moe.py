@@ -315,7 +315,7 @@ def test_capacity_drops_are_counted(capsys, corpus, tmp_path):  # noqa: F811
                                   "tiny-glm45", "tiny-gpt-oss"])
 def test_moe_presets_train(capsys, corpus, tmp_path, name):  # noqa: F811
     from mindspeed_core.models import registry
-    from mindspeed_core.models.config import preset
+    from mindspeed_core.models.families import preset
 
     # the parameter count the planner and the log use is what the model holds
     cfg = preset(name)

@@ -39,6 +39,7 @@ import pytest
 from mindspeed_core import cli, features, runtime
 from mindspeed_core.compat import hf, megatron_args
 from mindspeed_core.errors import FeatureNotAvailable, MindSpeedError
+from mindspeed_core.models import families
 from mindspeed_core.training import configuration
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -121,7 +122,7 @@ def _family_model(args, kind: str | None):
     names if it names one (the flags say how the layers are built; a folder's type says which
     family)."""
     cfg, _ = hf.without_noop_layers(_model_of(args), {})
-    return dataclasses.replace(cfg, family=hf.MODEL_TYPES[kind]) if kind else cfg
+    return dataclasses.replace(cfg, family=families.ALIASES[kind]) if kind else cfg
 
 
 def _world(args) -> int:

@@ -24,8 +24,10 @@ from mindspeed_core.data.tokenizer import build_tokenizer, check_fits, padded_vo
 from mindspeed_core.errors import MindSpeedError
 from mindspeed_core.memory import recompute
 from mindspeed_core.models import rope
-from mindspeed_core.models.config import (LORA_TARGETS, PRESETS, LoRAConfig, MLAConfig, ModelConfig, MoEConfig,
+from mindspeed_core.models import families
+from mindspeed_core.models.config import (LORA_TARGETS, LoRAConfig, MLAConfig, ModelConfig, MoEConfig,
                                           interleaved_window_layers)
+from mindspeed_core.models.families import PRESETS
 from mindspeed_core.parallel import context, experts, pipeline
 from mindspeed_core.parallel import layers as parallel_layers
 from mindspeed_core.training import alignment, boards, checkpoint, profiling
@@ -476,25 +478,15 @@ def _mla_config(args) -> MLAConfig | None:
         raise MindSpeedError(str(exc)) from None
 
 
-# MindSpeed-LLM's layer specs (--spec MODULE FUNCTION) -> the model family that builds those layers here
-SPEC_FAMILIES = {"qwen3_spec": "qwen3", "qwen2_spec": "qwen2", "llama_spec": "llama", "mistral_spec": "mistral",
-                 "qwen3_moe_spec": "qwen3_moe", "mixtral_spec": "mixtral", "gemma2_spec": "gemma2",
-                 "deepseek_spec": "deepseek_v3"}
-# families whose folders a spec's layers also read: DeepSeek's spec builds V2's layers too
-SPEC_ALSO = {"deepseek_v3": ("deepseek_v2",)}
-
-
 def spec_family(spec: list, moe: bool = False) -> str:
     """The family a layer spec builds; ``moe``: the model has experts, and MindSpeed-LLM's MoE
     scripts pass their dense family's spec (qwen3_spec with --num-experts is a qwen3_moe model)."""
     module = spec[0].rsplit(".", 1)[-1]
-    if module not in SPEC_FAMILIES:
+    if module not in families.SPECS:  # MindSpeed-LLM's layer specs (--spec MODULE FUNCTION): the families'
         raise MindSpeedError(f"--spec {' '.join(spec)}: no model family here builds that layer spec; known specs: "
-                             f"{', '.join(sorted(SPEC_FAMILIES))}")
-    family = SPEC_FAMILIES[module]
-    if moe:
-        family = next((name for name, dense in hf.MOE_BASE.items() if dense == family), family)
-    return family
+                             f"{', '.join(sorted(families.SPECS))}")
+    family = families.SPECS[module]
+    return (families.moe_of(family) or family) if moe else family
 
 
 def _vocab_rows(args, vocab_size: int) -> int:
@@ -539,12 +531,12 @@ def _agreeing_with_flags(args, cfg: ModelConfig, vocab_size: int, scaling: dict 
                 key, "--rope-scaling-original-max-position-embeddings")
             raise MindSpeedError(f"{flag} disagrees with the Hugging Face folder's config.json (rope_scaling {key}: "
                                  f"{theirs.get(key, 'not set')!r:.80})")
-    if args.model_type_hf is not None and hf.MODEL_TYPES.get(args.model_type_hf) != cfg.family:
+    if args.model_type_hf is not None and families.ALIASES.get(args.model_type_hf) != cfg.family:
         raise MindSpeedError(f"--model-type-hf {args.model_type_hf}, but {args.load_hf}/config.json is a {cfg.family} "
-                             "model" if args.model_type_hf in hf.MODEL_TYPES else
-                             f"--model-type-hf {args.model_type_hf}: choose one of {', '.join(hf.MODEL_TYPES)}")
+                             "model" if args.model_type_hf in families.ALIASES else
+                             f"--model-type-hf {args.model_type_hf}: choose one of {', '.join(families.ALIASES)}")
     built = spec_family(args.spec, moe=cfg.moe is not None) if args.spec else None
-    if args.spec and cfg.family not in (built, *SPEC_ALSO.get(built, ())):
+    if args.spec and cfg.family not in (built, *families.get(built).spec_also):
         raise MindSpeedError(f"--spec {args.spec[0]} builds {spec_family(args.spec, moe=cfg.moe is not None)} layers, "
                              f"but the Hugging Face folder holds a {cfg.family} model")
     return cfg
