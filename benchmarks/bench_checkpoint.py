@@ -80,9 +80,9 @@ def rank_worker(mode: str, out: str, argv: list[str]) -> None:
             saver.iteration = 1
             dist.barrier()
             with PeakRSS() as save:
-                saver.save()  # --async-save: returns once the host copy is taken
+                saver.checkpoints.save(saver.iteration)  # --async-save: returns once the host copy is taken
             with PeakRSS() as publish:  # --async-save: the writers' remaining time, which steps would hide
-                saver.finish_save()
+                saver.checkpoints.finish()
             record = {"seconds": save.seconds, "added": save.added, "publish": publish.seconds}
         else:
             dist.barrier()

@@ -76,6 +76,38 @@ def test_dead_rank_stops_the_job_and_the_run_resumes(capsys, framework, corpus, 
     assert code == 0 and f"resumed from {ckpt}" in out, err[-3000:]
 
 
+# a run that gets SIGTERM in its second step, and the signal again while it writes its last
+# checkpoint (torchrun and msrun pass on the copy `mindspeed launch` already sent its ranks)
+_SIGNAL_TWICE = """
+import os, signal, sys
+from mindspeed_core import cli
+from mindspeed_core.training import checkpoint_manager, trainer
+step, save = trainer.Trainer.train_step, checkpoint_manager.CheckpointManager.save
+def train_step(self, iteration):
+    if iteration == 1:
+        os.kill(os.getpid(), signal.SIGTERM)
+    return step(self, iteration)
+def save_again(self, iteration):
+    os.kill(os.getpid(), signal.SIGTERM)
+    return save(self, iteration)
+trainer.Trainer.train_step, checkpoint_manager.CheckpointManager.save = train_step, save_again
+sys.exit(cli.main(["train", *sys.argv[1:]]))
+"""
+
+
+@pytest.mark.feature("exit-signal-handler")
+def test_a_second_copy_of_the_signal_during_the_last_save_is_ignored(framework, corpus, tmp_path):  # noqa: F811
+    """The rank keeps its handler until the last checkpoint is written: a later copy of the
+    signal (in the launcher's race, one rank in 16 died mid-save and the other failed its
+    collective) must not kill it there."""
+    done = subprocess.run([sys.executable, "-c", _SIGNAL_TWICE, "--ai-framework", framework, *GQA, "--data-path",
+                           corpus, "--exit-signal-handler", "--train-iters", "50", "--save", str(tmp_path / "ckpt")],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 128 + signal.SIGTERM, (done.returncode, done.stderr[-3000:])
+    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+    assert "stopped by SIGTERM after iteration 2: saved iteration 2" in done.stderr + done.stdout
+
+
 @pytest.mark.multiprocess
 @pytest.mark.feature("exit-signal-handler")
 def test_a_signal_saves_the_step_it_stopped_at_and_the_run_continues_the_same_curve(framework, corpus,  # noqa: F811

@@ -254,8 +254,8 @@ RUN_SCALE = {"--num-layers": "2", "--hidden-size": "64", "--ffn-hidden-size": "1
              "--num-query-groups": "2", "--kv-channels": "16", "--padded-vocab-size": "128", "--vocab-size": "128",
              "--seq-length": "128", "--micro-batch-size": "1", "--global-batch-size": "1", "--train-iters": "1",
              "--save-interval": "1", "--max-new-tokens": "4", "--num-experts": "4", "--moe-router-topk": "2",
-             "--moe-ffn-hidden-size": "32", "--moe-shared-expert-intermediate-size": "32", "--moe-router-num-groups": "2",
-             "--moe-router-group-topk": "1", "--q-lora-rank": "32", "--kv-lora-rank": "16", "--qk-head-dim": "16",
+             "--moe-ffn-hidden-size": "32", "--moe-shared-expert-intermediate-size": "32",
+             "--moe-router-num-groups": "2", "--moe-router-group-topk": "1", "--q-lora-rank": "32", "--kv-lora-rank": "16", "--qk-head-dim": "16",
              "--qk-pos-emb-head-dim": "8", "--v-head-dim": "16", "--tensor-model-parallel-size": "1",
              "--pipeline-model-parallel-size": "1", "--expert-model-parallel-size": "1", "--context-parallel-size": "1",
              "--recompute-num-layers": "1", "--workers": "1"}
@@ -366,7 +366,8 @@ DID = ("preprocessed", "converted", "trained", "configured", "generated", "gated
 # ...; on MindSpore's CPU also bfloat16, which most scripts ask for)
 DONE = {
     "pytorch": {"convert_ckpt_v2.py": {"converted": 20, "parsed": 6, "refused": 1},
-                "evaluation.py": {"gated": 13, "refused": 3}, "inference.py": {"gated": 9, "generated": 9, "refused": 3},
+                "evaluation.py": {"gated": 13, "refused": 3},
+                "inference.py": {"gated": 9, "generated": 9, "refused": 3},
                 "posttrain_gpt.py": {"configured": 13, "refused": 23, "trained": 5},
                 "preprocess_data.py": {"preprocessed": 26},
                 "pretrain_gpt.py": {"configured": 12, "refused": 16}},

@@ -16,12 +16,28 @@ loss (and perplexity, when asked) at each evaluation.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import os
 import time
 
 from mindspeed_core import device, dist
+
+
+def probe_matmul(dtype: str) -> float:
+    """The device's matmul rate in the training's dtype (a bf16 run measured against an fp32
+    peak could beat it), the best of three 0.1 s rounds (a round that shares the cores with
+    another process reads low)."""
+    return max(device.matmul_rate(n=512, dtype=dtype, min_seconds=0.1) for _ in range(3))
+
+
+@functools.cache
+def matmul_peak(dtype: str) -> float:
+    """MFU's denominator, probed once per process and dtype: runs that follow one another in a
+    process (the tests' launches) share it instead of spending 0.3 s each (MetricsLog probes
+    again when the steps beat it)."""
+    return probe_matmul(dtype)
 
 
 class MetricsLog:

@@ -23,7 +23,6 @@ import time
 import numpy as np
 
 from mindspeed_core import autograd, device, dist, features, nn, ops, random, runtime
-from mindspeed_core.compat import mcore
 from mindspeed_core.data.sampler import PretrainingSampler
 from mindspeed_core.errors import MindSpeedError, Stopped
 from mindspeed_core.models import lora, registry
@@ -34,26 +33,12 @@ from mindspeed_core.parallel import context
 from mindspeed_core.parallel import state as parallel_state
 from mindspeed_core.progress import Progress
 from mindspeed_core.training import (alignment, batches, boards, build, checkpoint, compiled, configuration,
-                                     distributed, grpo, overlap, preemption, profiling, resume, routing, sample,
-                                     schedules, sharded_checkpoint)
+                                     distributed, grpo, metrics, overlap, preemption, profiling, resume, routing,
+                                     sample, schedules, sharded_checkpoint)
+from mindspeed_core.training.checkpoint_manager import CheckpointManager, whole_model_arrays
 from mindspeed_core.training.loss_scale import LossScaler
 from mindspeed_core.training.metrics import MetricsLog
 from mindspeed_core.training.optimizer import learning_rate
-
-
-def _probe_matmul(dtype: str) -> float:
-    """The device's matmul rate in the training's dtype (a bf16 run measured against an fp32
-    peak could beat it), the best of three 0.1 s rounds (a round that shares the cores with
-    another process reads low)."""
-    return max(device.matmul_rate(n=512, dtype=dtype, min_seconds=0.1) for _ in range(3))
-
-
-@functools.cache
-def _matmul_peak(dtype: str) -> float:
-    """MFU's denominator, probed once per process and dtype: runs that follow one another in a
-    process (the tests' launches) share it instead of spending 0.3 s each (MetricsLog probes
-    again when the steps beat it)."""
-    return _probe_matmul(dtype)
 
 
 class Trainer:
@@ -108,7 +93,7 @@ class Trainer:
         # called as (iteration, gradients, norm) once a step's gradients are reduced, before the
         # update: the gradients as the optimizer takes them (the layout tests compare them)
         self.after_reduction = None
-        self.pending_save = None  # a checkpoint being written (--async-save), not yet published
+        self.checkpoints = CheckpointManager(self)  # what is saved when (reads the built run)
 
     # -- set-up ------------------------------------------------------------------------------
     def describe(self) -> dict:
@@ -464,116 +449,11 @@ class Trainer:
         self.eval_stats = self._stage_stats("valid")
         return loss
 
-    def _first_non_finite_parameter(self):
-        for name, p in zip(self.names, self.params):
-            bad = ops.sum(ops.cast(ops.logical_not(ops.isfinite(p)), "float32"))
-            if float(ops.to_numpy(bad)):
-                return name
-        return None
-
-    def full_model_arrays(self) -> dict:
-        """{name: numpy} of the whole model on rank 0 (a collective: every rank calls it)."""
-        named = dict(zip(self.names, self.params))
-        return distributed.gather_pipeline(distributed.full_tensors(named, self.plan.shard_specs, self.ps,
-                                                                    self.plan.expert_names), self.ps)
-
-    def save(self) -> None:
-        self.finish_save()  # --async-save: the previous save first
-        self.parameters_ready()
-        bad = self._first_non_finite_parameter()
-        if bad is not None:  # never let a diverged model overwrite the last good checkpoint
-            raise MindSpeedError(f"parameter {bad} is no longer finite at iteration {self.iteration}; not saving "
-                                 f"(the last checkpoint on disk is intact); lower --lr or check the data")
-        meta = {"framework": runtime.bound().NAME, "model": self.cfg.to_dict(), "tokenizer": self.tokenizer.name,
-                "consumed_samples": self.iteration * self.flags.global_batch_size,
-                "parallel": {"tp": self.ps.tp, "dp": self.ps.dp, "pp": self.ps.pp, "cp": self.ps.cp, "ep": self.ps.ep,
-                             "chunks": self.layout.chunks,
-                             "sequence_parallel": bool(self.flags.sequence_parallel)}}
-        if self.flags.save_whole:
-            self._save_whole(meta)
-        else:
-            self._save_sharded(meta)
-
-    def _save_sharded(self, meta: dict) -> None:
-        """Every rank writes the pieces it owns (training/sharded_checkpoint.py)."""
-        ps = self.ps
-        entry = {p.name: p for p in self.plan.params}
-        shapes = {n: tuple(p.shape) for n, p in zip(self.names, self.params)}
-        model = [(sharded_checkpoint.held(n, shapes[n], entry[n], ps), ops.to_numpy(p), ops.dtype_of(p))
-                 for n, p in zip(self.names, self.params)]
-        optimizer = []
-        for state, name, flat, values in ([] if self.flags.no_save_optim else self.optimizer.held_state()):
-            # a distributed optimizer's slices: each rank writes its own (expert slices are
-            # repeated over CP ranks: the first writes them)
-            writes = None if flat is None else (not entry[name].expert or ps.local_rank("cp") == 0)
-            optimizer.append((sharded_checkpoint.held(state, shapes[name], entry[name], ps, flat, writes), values,
-                              "float32"))
-        trainer_state = resume.run_state(ps, self.scaler, self.reference,
-                                         rng=not self.flags.no_save_rng)  # collective: every rank
-        megatron = None
-        if self.flags.ckpt_format == "torch_dist":
-            features.note_used("ckpt-format-torch-dist")
-            layout = mcore.Layout(ps.tp, ps.pp, ps.ep, self.flags.num_layers_per_virtual_pipeline_stage,
-                                  self.flags.num_layer_list)
-            common = {"args": mcore.megatron_args(self.cfg, layout, self.dtype, self.iteration),
-                      "checkpoint_version": mcore.CHECKPOINT_VERSION, "iteration": self.iteration}
-            cfg = self.cfg  # megatron-core stacks the layers' tensors when the layers are alike
-            alike = cfg.moe is None or all(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
-            megatron = sharded_checkpoint.TorchDistCopy(cfg.num_layers, alike, cfg.moe.num_experts if cfg.moe else 0,
-                                                        ps.local_rank("tp"), common)
-        background = self.flags.async_save
-        if background:  # the writer must not see the next steps' in-place updates
-            features.note_used("async-save")
-            model = [(h, np.array(v, copy=True), d) for h, v, d in model]
-            optimizer = [(h, np.array(v, copy=True), d) for h, v, d in optimizer]
-        self.pending_save = checkpoint.start_sharded(self.flags.save, self.iteration, ps.rank,
-                                                     {"model": model, "optimizer": optimizer}, self.optimizer.steps,
-                                                     meta, trainer_state, self._gather, dist.barrier, background,
-                                                     megatron)
-        if not background:
-            self.finish_save()
-
-    def _gather(self, value) -> list:
-        return distributed.gather_json(value, self.ps)
-
-    def finish_save(self, only_if_written: bool = False) -> None:
-        """Publish the save under way, if any (a collective); ``only_if_written``: only if every
-        rank's file is written by now (--async-save's check after each step; else it waits)."""
-        pending = self.pending_save
-        if pending is None:
-            return
-        if only_if_written:
-            flag = ops.tensor(np.array([0.0 if pending.written() else 1.0], np.float32))
-            if float(ops.to_numpy(dist.all_reduce(flag, op="max"))[0]) > 0:
-                return
-        self.pending_save = None
-        t0 = time.perf_counter()
-        path = pending.finish(self._gather, dist.barrier)
-        waited = f" (waited {time.perf_counter() - t0:.2f} s for the writers)" if pending.thread is not None else ""
-        self.say(f"saved checkpoint {path}{waited}")
-
-    def _save_whole(self, meta: dict) -> None:
-        """--save-whole: the whole state gathered to rank 0, which writes it."""
-        model_arrays = self.full_model_arrays()  # collective: every rank
-        opt, specs = ({} if self.flags.no_save_optim else self.optimizer.state()), self.plan.shard_specs
-        opt_spec = {k: specs[k.split(".", 1)[1]] for k in opt if k.split(".", 1)[1] in specs}
-        opt_experts = {k for k in opt if k.split(".", 1)[1] in self.plan.expert_names}
-        optimizer_arrays = distributed.gather_pipeline(distributed.full_tensors(opt, opt_spec, self.ps, opt_experts),
-                                                       self.ps)
-        # collective: every rank
-        trainer_state = resume.run_state(self.ps, self.scaler, self.reference,
-                                         rng=not self.flags.no_save_rng)
-        if self.ps.rank == 0:
-            path = checkpoint.save(self.flags.save, self.iteration, model_arrays, optimizer_arrays, self.optimizer.steps,
-                                   meta, {n: self.dtype for n in model_arrays}, trainer_state)
-            self.say(f"saved checkpoint {path}")
-        dist.barrier()
-
     def _sample(self, result: dict, log) -> None:
         """A text sample of the trained model on rank 0 (training/sample.py), printed and logged."""
         model = self.model
         if self.ps.pp > 1 or self.ps.cp > 1:  # one whole single-device model on rank 0
-            arrays = self.full_model_arrays()
+            arrays = whole_model_arrays(self)
             model = None
             if self.ps.rank == 0:
                 model = self.model_spec.build(self.cfg)
@@ -588,14 +468,63 @@ class Trainer:
         if self.ps.pp > 1 or self.ps.cp > 1:
             dist.barrier()
 
+    def _loop(self, log, window, progress, collect, watch, history: list) -> int | None:
+        """The steps up to --train-iters (or --exit-interval, or a signal the ranks agree on:
+        returned), each logged, evaluated and saved at its intervals."""
+        args = self.flags
+        while self.iteration < args.train_iters:
+            window.before_step(self.iteration)
+            loss, lr, norm = self.train_step(self.iteration)
+            self.iteration += 1
+            with log.paused():
+                window.after_step(self.iteration)
+            log.step(self.tokens_per_step, self.iteration, loss, lr, norm, self.scaler.scale,
+                     args.global_batch_size, self.timers)
+            if collect and self.iteration % collect == 0:
+                gc.collect()
+            history.append(loss)
+            if progress:
+                progress.update(1, f"loss {loss:.3f}")
+            if self.iteration % args.log_interval == 0 or self.iteration == args.train_iters:
+                log.report(self.iteration, args.train_iters, loss, lr, norm, moe=self.moe_stats,
+                           stage=self.stage_stats, mtp=self.mtp_stats)
+            # GRPO has no validation loss: its rollouts' rewards are the figures
+            if args.eval_iters and args.eval_interval and self.iteration % args.eval_interval == 0 and not self.rl:
+                with log.paused():
+                    if collect is not None:
+                        gc.collect()
+                    eval_loss = self.evaluate()
+                    if self.objective is None:
+                        self.say(f" validation at iteration {self.iteration} | lm loss {eval_loss:.4f} | "
+                                 f"ppl {math.exp(min(eval_loss, 50)):.2f}")
+                    else:
+                        self.say(f" validation at iteration {self.iteration} | {self.stage_name} loss "
+                                 f"{eval_loss:.4f}" + "".join(f" | {k[6:].replace('_', ' ')} {v:.4f}"
+                                                              for k, v in self.eval_stats.items()))
+                    log.validation(self.iteration, eval_loss, self.eval_stats)
+            if args.save and args.save_interval and self.iteration % args.save_interval == 0:
+                with log.paused():
+                    self.checkpoints.save(self.iteration)
+            elif self.checkpoints.pending is not None:  # published once every rank's writer is done
+                with log.paused():
+                    self.checkpoints.finish(only_if_written=True)
+            stopped_by = watch.agreed(self.ps) if watch is not None else None
+            if stopped_by:  # saved at the end of the run
+                features.note_used("exit-signal-handler")
+                self.say(f"received {signal.Signals(stopped_by).name}: stopping after iteration {self.iteration}")
+                self.parameters_ready()
+                return stopped_by
+            if args.exit_interval and self.iteration % args.exit_interval == 0 and self.iteration < args.train_iters:
+                self.say(f"exiting at iteration {self.iteration} (--exit-interval)")
+                break
+        self.parameters_ready()
+        return None
+
     def run(self) -> dict:
         args = self.flags
         self.build()
-        if args.save and self.ps.rank == 0:
-            removed = checkpoint.remove_stale_temporaries(args.save)
-            if removed:
-                self.say(f"removed what interrupted saves left in {args.save}: {', '.join(removed)}")
-        peak = _matmul_peak(self.dtype)
+        self.checkpoints.remove_stale_temporaries()
+        peak = metrics.matmul_peak(self.dtype)
         flops_per_token = self.cfg.flops_per_token(args.seq_length)
         metrics_path = args.metrics_file or (os.path.join(args.save, "metrics.jsonl") if args.save else None)
         self.say(f"training {self.cfg.num_parameters() / 1e6:.2f}M parameters on {runtime.bound().NAME} "
@@ -618,7 +547,7 @@ class Trainer:
         board = boards.build(args, self.describe()) if self.ps.rank == 0 else None
         log = MetricsLog(metrics_path if self.ps.rank == 0 else None, self.say, flops_per_token, peak, self.ps.world,
                          board, "lm loss" if self.objective is None else f"{self.stage_name} loss",
-                         functools.partial(_probe_matmul, self.dtype))
+                         functools.partial(metrics.probe_matmul, self.dtype))
         window = profiling.Window(args, self.ps.rank, self.ps.world, lambda text: print(text, flush=True,
                                                                                          file=self._out or sys.stdout))
         collect = None
@@ -626,65 +555,22 @@ class Trainer:
             gc.disable()
             collect = args.manual_gc_interval
         watch = preemption.SignalWatch() if args.exit_signal_handler else None
-        stopped_by = None
-        try:
-            while self.iteration < args.train_iters:
-                window.before_step(self.iteration)
-                loss, lr, norm = self.train_step(self.iteration)
-                self.iteration += 1
-                with log.paused():
-                    window.after_step(self.iteration)
-                log.step(self.tokens_per_step, self.iteration, loss, lr, norm, self.scaler.scale,
-                         args.global_batch_size, self.timers)
-                if collect and self.iteration % collect == 0:
-                    gc.collect()
-                history.append(loss)
+        try:  # the watch outlives the last save: a later copy of the signal must not kill a rank mid-save
+            try:
+                stopped_by = self._loop(log, window, progress, collect, watch, history)
+            finally:
+                if collect is not None:
+                    gc.enable()
+                window.close()
                 if progress:
-                    progress.update(1, f"loss {loss:.3f}")
-                if self.iteration % args.log_interval == 0 or self.iteration == args.train_iters:
-                    log.report(self.iteration, args.train_iters, loss, lr, norm, moe=self.moe_stats,
-                               stage=self.stage_stats, mtp=self.mtp_stats)
-                # GRPO has no validation loss: its rollouts' rewards are the figures
-                if args.eval_iters and args.eval_interval and self.iteration % args.eval_interval == 0 and not self.rl:
-                    with log.paused():
-                        if collect is not None:
-                            gc.collect()
-                        eval_loss = self.evaluate()
-                        if self.objective is None:
-                            self.say(f" validation at iteration {self.iteration} | lm loss {eval_loss:.4f} | "
-                                     f"ppl {math.exp(min(eval_loss, 50)):.2f}")
-                        else:
-                            self.say(f" validation at iteration {self.iteration} | {self.stage_name} loss "
-                                     f"{eval_loss:.4f}" + "".join(f" | {k[6:].replace('_', ' ')} {v:.4f}"
-                                                                  for k, v in self.eval_stats.items()))
-                        log.validation(self.iteration, eval_loss, self.eval_stats)
-                if args.save and args.save_interval and self.iteration % args.save_interval == 0:
-                    with log.paused():
-                        self.save()
-                elif self.pending_save is not None:  # published once every rank's writer is done
-                    with log.paused():
-                        self.finish_save(only_if_written=True)
-                stopped_by = watch.agreed(self.ps) if watch is not None else None
-                if stopped_by:  # saved below, as at the end of the run
-                    features.note_used("exit-signal-handler")
-                    self.say(f"received {signal.Signals(stopped_by).name}: stopping after iteration {self.iteration}")
-                    break
-                if args.exit_interval and self.iteration % args.exit_interval == 0 and self.iteration < args.train_iters:
-                    self.say(f"exiting at iteration {self.iteration} (--exit-interval)")
-                    break
-            self.parameters_ready()
+                    progress.close()
+                log.close()
+            if args.save and (not args.save_interval or self.iteration % args.save_interval) and history:
+                self.checkpoints.save(self.iteration)
+            self.checkpoints.finish()
         finally:
             if watch is not None:
                 watch.close()
-            if collect is not None:
-                gc.enable()
-            window.close()
-            if progress:
-                progress.close()
-            log.close()
-        if args.save and (not args.save_interval or self.iteration % args.save_interval) and history:
-            self.save()
-        self.finish_save()
         if stopped_by:
             where = (f"saved iteration {self.iteration} in {args.save}; --load {args.save} continues it" if args.save
                      else "nothing saved (no --save)")

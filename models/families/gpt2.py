@@ -51,7 +51,8 @@ class GPT2(Family):
         for i in range(cfg.num_layers):
             a, b = f"{p}h.{i}.", f"decoder.layers.{i}."
             for hf_n, ours in _NORMS:
-                out[b + ours + ".weight"], out[b + ours + ".bias"] = take(a + hf_n + ".weight"), take(a + hf_n + ".bias")
+                for kind in (".weight", ".bias"):
+                    out[b + ours + kind] = take(a + hf_n + kind)
             w, bias = take(a + "attn.c_attn.weight").T, take(a + "attn.c_attn.bias")
             out[b + "self_attention.linear_qkv.weight"] = fuse_qkv(cfg, *np.split(w, 3, axis=0))
             out[b + "self_attention.linear_qkv.bias"] = fuse_qkv(cfg, *np.split(bias, 3, axis=0))
@@ -68,7 +69,8 @@ class GPT2(Family):
         for i in range(cfg.num_layers):
             a, b = f"{p}h.{i}.", f"decoder.layers.{i}."
             for hf_n, mine in _NORMS:
-                out[a + hf_n + ".weight"], out[a + hf_n + ".bias"] = ours[b + mine + ".weight"], ours[b + mine + ".bias"]
+                for kind in (".weight", ".bias"):
+                    out[a + hf_n + kind] = ours[b + mine + kind]
             q, k, v = split_qkv(cfg, ours[b + "self_attention.linear_qkv.weight"])
             out[a + "attn.c_attn.weight"] = np.ascontiguousarray(np.concatenate([q, k, v]).T)
             out[a + "attn.c_attn.bias"] = np.concatenate(split_qkv(cfg, ours[b + "self_attention.linear_qkv.bias"]))

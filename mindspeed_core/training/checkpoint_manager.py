@@ -1,0 +1,146 @@
+"""Saving a run (torchtitan's CheckpointManager, in small): what each rank writes and when it is
+published. The formats are checkpoint.py's (folders, atomicity, the whole format) and
+sharded_checkpoint.py's (each rank's pieces and their index); reading a checkpoint back is
+build.py's and resume.py's.
+
+A save is whole (--save-whole: gathered to rank 0, which writes it) or sharded (every rank
+writes the pieces it owns, with a torch_dist copy for --ckpt-format torch_dist); with
+--async-save the pieces are copied on the host and written by a thread while training goes on,
+and published (every rank's file written, the tracker moved) at the next step that finds them
+done, or before the next save, or at the end.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from mindspeed_core import dist, features, ops, runtime
+from mindspeed_core.compat import mcore
+from mindspeed_core.errors import MindSpeedError
+from mindspeed_core.training import checkpoint, distributed, resume, sharded_checkpoint
+
+
+class CheckpointManager:
+    """The run's saves. ``run``: the trainer, built (its flags, parallel state, model pieces,
+    optimizer, loss scaler, DPO reference and say())."""
+
+    def __init__(self, run):
+        self.run = run
+        self.pending = None  # a checkpoint being written (--async-save), not yet published
+
+    def remove_stale_temporaries(self) -> None:
+        """What interrupted saves left in --save (rank 0, before the first step)."""
+        save = self.run.flags.save
+        if save and self.run.ps.rank == 0:
+            removed = checkpoint.remove_stale_temporaries(save)
+            if removed:
+                self.run.say(f"removed what interrupted saves left in {save}: {', '.join(removed)}")
+
+    def save(self, iteration: int) -> None:
+        """Every rank saves iteration ``iteration`` (a collective)."""
+        run = self.run
+        self.finish()  # --async-save: the previous save first
+        run.parameters_ready()
+        bad = _first_non_finite(run.names, run.params)
+        if bad is not None:  # never let a diverged model overwrite the last good checkpoint
+            raise MindSpeedError(f"parameter {bad} is no longer finite at iteration {iteration}; not saving "
+                                 f"(the last checkpoint on disk is intact); lower --lr or check the data")
+        ps, flags = run.ps, run.flags
+        meta = {"framework": runtime.bound().NAME, "model": run.cfg.to_dict(), "tokenizer": run.tokenizer.name,
+                "consumed_samples": iteration * flags.global_batch_size,
+                "parallel": {"tp": ps.tp, "dp": ps.dp, "pp": ps.pp, "cp": ps.cp, "ep": ps.ep,
+                             "chunks": run.layout.chunks, "sequence_parallel": bool(flags.sequence_parallel)}}
+        if flags.save_whole:
+            self._save_whole(iteration, meta)
+        else:
+            self._save_sharded(iteration, meta)
+
+    def _save_sharded(self, iteration: int, meta: dict) -> None:
+        """Every rank writes the pieces it owns (training/sharded_checkpoint.py)."""
+        run = self.run
+        ps, flags = run.ps, run.flags
+        entry = {p.name: p for p in run.plan.params}
+        shapes = {n: tuple(p.shape) for n, p in zip(run.names, run.params)}
+        model = [(sharded_checkpoint.held(n, shapes[n], entry[n], ps), ops.to_numpy(p), ops.dtype_of(p))
+                 for n, p in zip(run.names, run.params)]
+        optimizer = []
+        for state, name, flat, values in ([] if flags.no_save_optim else run.optimizer.held_state()):
+            # a distributed optimizer's slices: each rank writes its own (expert slices are
+            # repeated over CP ranks: the first writes them)
+            writes = None if flat is None else (not entry[name].expert or ps.local_rank("cp") == 0)
+            optimizer.append((sharded_checkpoint.held(state, shapes[name], entry[name], ps, flat, writes), values,
+                              "float32"))
+        trainer_state = resume.run_state(ps, run.scaler, run.reference, rng=not flags.no_save_rng)  # collective
+        megatron = None
+        if flags.ckpt_format == "torch_dist":
+            features.note_used("ckpt-format-torch-dist")
+            layout = mcore.Layout(ps.tp, ps.pp, ps.ep, flags.num_layers_per_virtual_pipeline_stage,
+                                  flags.num_layer_list)
+            common = {"args": mcore.megatron_args(run.cfg, layout, run.dtype, iteration),
+                      "checkpoint_version": mcore.CHECKPOINT_VERSION, "iteration": iteration}
+            cfg = run.cfg  # megatron-core stacks the layers' tensors when the layers are alike
+            alike = cfg.moe is None or all(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
+            megatron = sharded_checkpoint.TorchDistCopy(cfg.num_layers, alike, cfg.moe.num_experts if cfg.moe else 0,
+                                                        ps.local_rank("tp"), common)
+        background = flags.async_save
+        if background:  # the writer must not see the next steps' in-place updates
+            features.note_used("async-save")
+            model = [(h, np.array(v, copy=True), d) for h, v, d in model]
+            optimizer = [(h, np.array(v, copy=True), d) for h, v, d in optimizer]
+        pieces = {"model": model, "optimizer": optimizer}
+        self.pending = checkpoint.start_sharded(flags.save, iteration, ps.rank, pieces, run.optimizer.steps, meta,
+                                                trainer_state, self._gather, dist.barrier, background, megatron)
+        if not background:
+            self.finish()
+
+    def _gather(self, value) -> list:
+        return distributed.gather_json(value, self.run.ps)
+
+    def finish(self, only_if_written: bool = False) -> None:
+        """Publish the save under way, if any (a collective); ``only_if_written``: only if every
+        rank's file is written by now (--async-save's check after each step; else it waits)."""
+        pending = self.pending
+        if pending is None:
+            return
+        if only_if_written:
+            flag = ops.tensor(np.array([0.0 if pending.written() else 1.0], np.float32))
+            if float(ops.to_numpy(dist.all_reduce(flag, op="max"))[0]) > 0:
+                return
+        self.pending = None
+        t0 = time.perf_counter()
+        path = pending.finish(self._gather, dist.barrier)
+        waited = f" (waited {time.perf_counter() - t0:.2f} s for the writers)" if pending.thread is not None else ""
+        self.run.say(f"saved checkpoint {path}{waited}")
+
+    def _save_whole(self, iteration: int, meta: dict) -> None:
+        """--save-whole: the whole state gathered to rank 0, which writes it."""
+        run = self.run
+        ps, flags = run.ps, run.flags
+        model_arrays = whole_model_arrays(run)  # collective: every rank
+        opt, specs = ({} if flags.no_save_optim else run.optimizer.state()), run.plan.shard_specs
+        opt_spec = {k: specs[k.split(".", 1)[1]] for k in opt if k.split(".", 1)[1] in specs}
+        opt_experts = {k for k in opt if k.split(".", 1)[1] in run.plan.expert_names}
+        optimizer_arrays = distributed.gather_pipeline(distributed.full_tensors(opt, opt_spec, ps, opt_experts), ps)
+        trainer_state = resume.run_state(ps, run.scaler, run.reference, rng=not flags.no_save_rng)  # collective
+        if ps.rank == 0:
+            path = checkpoint.save(flags.save, iteration, model_arrays, optimizer_arrays, run.optimizer.steps, meta,
+                                   {n: run.dtype for n in model_arrays}, trainer_state)
+            run.say(f"saved checkpoint {path}")
+        dist.barrier()
+
+
+def whole_model_arrays(run) -> dict:
+    """{name: numpy} of the whole model on rank 0 (a collective: every rank calls it)."""
+    named = dict(zip(run.names, run.params))
+    return distributed.gather_pipeline(distributed.full_tensors(named, run.plan.shard_specs, run.ps,
+                                                                run.plan.expert_names), run.ps)
+
+
+def _first_non_finite(names: list, params: list):
+    for name, p in zip(names, params):
+        bad = ops.sum(ops.cast(ops.logical_not(ops.isfinite(p)), "float32"))
+        if float(ops.to_numpy(bad)):
+            return name
+    return None
