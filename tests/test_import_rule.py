@@ -128,3 +128,27 @@ def test_the_layer_rule_catches_an_upward_import():
     assert layer_violations(graph) == [
         "mindspeed_core.features (the foundation) imports mindspeed_core.training.trainer (training)",
         "mindspeed_core.models.gpt (models) imports mindspeed_core.parallel.layers (parallel)"]
+
+
+def _packages_in(pyproject: str) -> list[str]:
+    import tomllib
+
+    return tomllib.loads(pyproject)["tool"]["setuptools"]["packages"]
+
+
+def _source_packages() -> set[str]:
+    """Every package of the source tree (a folder with an __init__.py), by its installed name."""
+    return {_module_name(init) for top in SOURCE_ROOTS for init in (ROOT / top).rglob("__init__.py")}
+
+
+def test_every_package_of_the_source_is_installed():
+    """pyproject.toml lists the packages (backends/, compat/, models/ map under mindspeed_core):
+    a package missing there is absent from every install, and the editable one used while
+    developing hides it."""
+    missing = sorted(_source_packages() - set(_packages_in((ROOT / "pyproject.toml").read_text())))
+    assert missing == [], f"add to pyproject.toml's packages: {missing}"
+
+
+def test_the_package_check_sees_a_missing_package():
+    pyproject = (ROOT / "pyproject.toml").read_text().replace('    "mindspeed_core.models.families",\n', "")
+    assert sorted(_source_packages() - set(_packages_in(pyproject))) == ["mindspeed_core.models.families"]
