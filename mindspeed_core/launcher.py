@@ -27,6 +27,7 @@ import sys
 import tempfile
 import threading
 import time
+import types
 
 from mindspeed_core import evaluation, features, inference
 from mindspeed_core.backends.common import check_fits_in_memory
@@ -118,6 +119,18 @@ def launch_command(args, train_argv: list[str], framework: str, command: str = "
                f"--master_port={args.master_port}", f"--node_rank={args.node_rank}", "--join=True",
                f"--log_dir={args.log_dir}", *([script] if script else [cli, command]), *train_argv]
     return cmd, env
+
+
+def local_script_command(nproc: int, script: str, script_argv: list[str], framework: str,
+                         log_dir: str) -> tuple[list[str], dict]:
+    """launch_command for a Python file on ``nproc`` ranks of this machine, on a free port (the
+    planner's probe of the collectives, the benchmarks' rank workers)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    args = types.SimpleNamespace(nproc_per_node=nproc, nnodes=1, node_rank=0, master_addr="127.0.0.1",
+                                 master_port=port, log_dir=log_dir)
+    return launch_command(args, script_argv, framework, script=script)
 
 
 def _split(argv: list[str]) -> tuple[list[str], list[str]]:

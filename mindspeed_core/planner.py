@@ -40,7 +40,6 @@ import itertools
 import json
 import math
 import shlex
-import socket
 import time
 
 from mindspeed_core import device, dist, launcher, ops, runtime
@@ -449,17 +448,12 @@ def probe_collectives(ranks: int = 2, small: int = 1 << 10, large: int = 1 << 22
     import os
     import subprocess
     import tempfile
-    import types
 
     with tempfile.TemporaryDirectory(prefix="mindspeed-plan-") as folder:
         out = os.path.join(folder, "collectives.json")
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        args = types.SimpleNamespace(nproc_per_node=ranks, nnodes=1, node_rank=0, master_addr="127.0.0.1",
-                                     master_port=port, log_dir=os.path.join(folder, "logs"))
-        cmd, env = launcher.launch_command(args, ["--collectives-rank", out, str(small), str(large)],
-                                           runtime.bound().NAME, script=os.path.abspath(__file__))
+        cmd, env = launcher.local_script_command(ranks, os.path.abspath(__file__),
+                                                 ["--collectives-rank", out, str(small), str(large)],
+                                                 runtime.bound().NAME, os.path.join(folder, "logs"))
         env["OMP_NUM_THREADS"] = "1"
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=folder, timeout=300)
