@@ -93,12 +93,10 @@ def load_model(args):
     one our checkpoints record)."""
     if bool(args.load) == bool(args.load_hf):
         raise MindSpeedError("give the model to generate with: --load CHECKPOINT_DIR or --load-hf FOLDER")
-    for flag, value in (("--context-parallel-size", args.context_parallel_size),
-                        ("--expert-model-parallel-size", args.expert_model_parallel_size)):
-        if value != 1:
-            raise MindSpeedError(f"generation and evaluation run with tensor and pipeline parallelism only: drop "
-                                 f"{flag}")
-    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    if args.context_parallel_size != 1:
+        raise MindSpeedError("generation and evaluation run with tensor, pipeline and expert parallelism only: drop "
+                             "--context-parallel-size")
+    tp, pp, ep = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.expert_model_parallel_size
     tokenizer_type, tokenizer_path = args.tokenizer_type, args.tokenizer_name_or_path
     named_tokenizer = tokenizer_type is not None or tokenizer_path is not None
     if args.load_hf:
@@ -129,17 +127,24 @@ def load_model(args):
     check_fits(tokenizer, cfg.vocab_size)
     if tp > 1:
         parallel_layers.check_layout(cfg, tp, False)
+    if ep > 1 and (cfg.moe is None or cfg.moe.num_experts % ep):
+        raise MindSpeedError(f"--expert-model-parallel-size {ep} splits a mixture of experts' experts: this model "
+                             + ("has none" if cfg.moe is None else f"has {cfg.moe.num_experts}, which {ep} does not "
+                                                                   f"divide"))
     layout = configuration.pipeline_layout(args, cfg)  # the layers of each stage, as training cuts them
-    ranks = dist.launched_world_size()
-    if ranks != tp * pp:  # every rank holds a share of one model: no data-parallel copies (not built)
-        sizes = f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp}"
+    ranks, needed = dist.launched_world_size(), tp * pp * ep
+    if ranks != needed:  # every rank holds a share of one model: no data-parallel copies (not built)
+        sizes = f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp}" + (
+            f" x --expert-model-parallel-size {ep}" if ep > 1 else "")
         raise MindSpeedError(
-            f"{sizes} needs {tp * pp} ranks: start it with `mindspeed launch --nproc-per-node {tp * pp} -- "
+            f"{sizes} needs {needed} ranks: start it with `mindspeed launch --nproc-per-node {needed} -- "
             f"generate|evaluate ...`" if ranks == 1 else
-            f"this job has {ranks} ranks for {sizes}: generation and evaluation run on exactly {tp * pp} "
+            f"this job has {ranks} ranks for {sizes}: generation and evaluation run on exactly {needed} "
             f"(data-parallel copies are not built)")
     dist.init()
-    ps = parallel_state.initialize(tp=tp, pp=pp)
+    # expert parallelism's ranks are data-parallel copies of the rest of the model: each runs
+    # the same prompts, its experts serving every copy's tokens
+    ps = parallel_state.initialize(tp=tp, pp=pp, ep=ep)
     if args.sequence_parallel and ps.rank == 0:  # MindSpeed-LLM's generation scripts pass it at TP
         print("note: --sequence-parallel is set aside: generation and evaluation run whole sequences on each "
               "tensor-parallel rank (the key/value cache needs them); the results are the same", file=sys.stderr)
@@ -153,7 +158,7 @@ def _on_this_rank(cfg, state: dict, layout, ps, seed: int):
     model = spec.build(cfg)
     load_whole_state(model, state)
     chunks = spec.pipeline_chunks(model, layout, ps.local_rank("pp")) if ps.pp > 1 else [model]
-    if ps.tp > 1:
+    if ps.tp > 1 or ps.ep > 1:
         for chunk in chunks:
             parallelize(spec, chunk, ps, False, "megatron_cp_algo", 1, "allgather")
         parallel_layers.seed_model_parallel_rng(seed, ps)  # the layers fork its streams (no dropout here)

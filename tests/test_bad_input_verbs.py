@@ -335,7 +335,7 @@ CASES = [
     ("gen-pipeline-past-layers", lambda t, m, c: _gen(m, "--prompt", "x", "--pipeline-model-parallel-size", "4"),
      "pipeline parallel size 4 does not divide the 2 layers"),
     ("gen-context-parallel", lambda t, m, c: _gen(m, "--prompt", "x", "--context-parallel-size", "2"),
-     "tensor and pipeline parallelism only: drop --context-parallel-size"),
+     "tensor, pipeline and expert parallelism only: drop --context-parallel-size"),
     ("gen-evaluation-task", lambda t, m, c: _gen(m, "--prompt", "x", "--task", "mmlu"), "is an evaluation"),
     ("gen-meta-negative-hidden", lambda t, m, c: ["generate", "--load", _edit_meta(m, t, hidden_size=-32), "--prompt",
                                                   "x"], "hidden_size must be a positive integer"),

@@ -223,6 +223,16 @@ def wide_checkpoint(corpus, tmp_path_factory):  # noqa: F811
     return root / "ckpt"
 
 
+@pytest.fixture(scope="module")
+def wide_moe_checkpoint(corpus, tmp_path_factory):  # noqa: F811
+    """wide_checkpoint's model with a mixture of 4 experts (top 2) in each layer."""
+    root = tmp_path_factory.mktemp("wide-moe")
+    assert cli.main(["train", *SMALL, "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "64",
+                     "--data-path", corpus, "--train-iters", "1", "--init-method-std", "0.3",
+                     "--save", str(root / "ckpt"), "--sample-tokens", "0"]) == 0
+    return root / "ckpt"
+
+
 @pytest.mark.feature("greedy-generation")
 @pytest.mark.feature("streaming-inference")
 def test_generate_command_continues_prompts_from_a_checkpoint(capsys, checkpoint):
@@ -313,6 +323,9 @@ PARALLEL_GENERATION = {
     # --sequence-parallel as MindSpeed-LLM's generation scripts pass it at TP: set aside, the same tokens
     "tp2-pp2": (4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--sequence-parallel"],
                 ["greedy", "beam_search"]),
+    # a mixture of experts with each rank holding half the experts (DeepSeek-V3's generate
+    # script runs at EP): both ranks run the prompts, each one's experts serving both
+    "ep2": (2, ["--expert-model-parallel-size", "2"], ["greedy", "do_sample"]),
 }
 
 
@@ -323,13 +336,15 @@ def _marks(*ids):
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("layout", [
     pytest.param("tp2", marks=_marks("sampling-generation", "tensor-parallel", "compiled-decode")),
-    pytest.param("tp2-pp2", marks=_marks("greedy-generation", "beam-search", "tensor-parallel", "pipeline-inference"))])
-def test_parallel_generation_draws_what_one_process_draws(framework, capsys, wide_checkpoint, tmp_path, layout):
+    pytest.param("tp2-pp2", marks=_marks("greedy-generation", "beam-search", "tensor-parallel", "pipeline-inference")),
+    pytest.param("ep2", marks=_marks("greedy-generation", "sampling-generation", "expert-parallel"))])
+def test_parallel_generation_draws_what_one_process_draws(framework, capsys, request, tmp_path, layout):
     """`mindspeed launch -- generate` at the layout: every task's tokens are one process's."""
     from launch import free_port
 
     ranks, flags, tasks = PARALLEL_GENERATION[layout]
-    common = ["--load", str(wide_checkpoint), "--prompt", "def f(", "--prompt", "class", "--max-new-tokens", "8",
+    checkpoint = request.getfixturevalue("wide_moe_checkpoint" if layout == "ep2" else "wide_checkpoint")
+    common = ["--load", str(checkpoint), "--prompt", "def f(", "--prompt", "class", "--max-new-tokens", "8",
               "--json", "--task", *tasks, "--seed", "4", "--num-beams", "3"]
     capsys.readouterr()
     assert cli.main(["generate", *common]) == 0

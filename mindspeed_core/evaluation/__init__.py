@@ -61,6 +61,9 @@ def run(args, backend) -> int:
     results_file = args.results_file or f"{task}_results.json"
     check_results_file(results_file)  # before the evaluation, not after it
     features.validate(args, backend.NAME, backend.device.type(), backend.FRAMEWORK_VERSION)
+    if args.expert_model_parallel_size != 1:  # load_model cuts the experts; no evaluation test runs it yet
+        raise MindSpeedError("evaluation runs with tensor and pipeline parallelism (expert parallelism is built for "
+                             "generation): drop --expert-model-parallel-size")
     # under tensor parallelism (`mindspeed launch ... -- evaluate`) every rank scores every
     # question through the vocabulary-parallel loss and gathered logits; rank 0 reports
     model, cfg, tokenizer, ps, tokenizer_path = load_model(args)
