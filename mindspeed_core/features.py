@@ -391,7 +391,11 @@ FEATURES: tuple[Feature, ...] = (
             lambda a: bool(getattr(a, "compile", False)) and (a.tensor_model_parallel_size or 1) > 1),
     Feature("compile-pipeline", "Compiled step with pipeline parallelism", "compilation",
             ("--compile", "--pipeline-model-parallel-size"),
-            supported("each model chunk's forward is torch.compile'd and run through autograd like an eager one"),
+            supported("each model chunk's forward is torch.compile'd and run through autograd like an eager one",
+                      since=(2, 13),
+                      older="torch 2.6's Inductor computed a wrong word-embedding gradient at PP2 (measured on an "
+                            "AVX-512 CPU; the first-step check stops it); releases between are untested",
+                      instead="pipeline parallelism without --compile"),
             supported("each model chunk's forward is traced; an interleaved micro-batch's forward graph runs again, "
                       "with the same draws, when its backward comes (as eager records it again)"),
             lambda a: bool(getattr(a, "compile", False)) and (a.pipeline_model_parallel_size or 1) > 1),
