@@ -56,21 +56,29 @@ def _parser(entry: str):
             "evaluation.py": cli.evaluation.parser}[entry]()
 
 
-def _stand_ins(flags: list, paths: dict) -> list:
-    """The script's flags with each path (a value that may have been split at its spaces) replaced
-    by a stand-in, and shell arithmetic the extractor could not expand replaced by a number."""
-    out, i = [], 0
+def _groups(flags: list):
+    """(flag, [its values]) of a script line in order: a value is every token up to the next
+    --flag (the extractor splits a value, a path say, at its spaces)."""
+    i = 0
     while i < len(flags):
-        flag = flags[i]
-        out.append(flag)
-        i += 1
-        if flag in PATH_FLAGS:
-            while i < len(flags) and not flags[i].startswith("--"):
-                i += 1
-            out.append(paths.get(flag, paths["default"]))
-        elif i < len(flags) and flags[i].startswith("$(("):
-            out.append("8")
+        flag, i = flags[i], i + 1
+        given = []
+        while i < len(flags) and not flags[i].startswith("--"):
+            given.append(flags[i])
             i += 1
+        yield flag, given
+
+
+def _stand_ins(flags: list, paths: dict) -> list:
+    """The script's flags with each path replaced by a stand-in, and shell arithmetic the
+    extractor could not expand replaced by a number."""
+    out = []
+    for flag, given in _groups(flags):
+        if flag in PATH_FLAGS:
+            given = [paths.get(flag, paths["default"])]
+        elif given and given[0].startswith("$(("):
+            given = ["8", *given[1:]]
+        out += [flag, *given]
     return out
 
 
@@ -195,21 +203,15 @@ def _scaled_conversion(flags: list, stand_in: str, source: str | None, tmp_path)
     dense = 0 if cfg.moe is None else min(cfg.moe_layer_numbers(), default=cfg.num_layers)
     own = {"--load-dir": source or stand_in, "--save-dir": str(tmp_path / "converted"), "--hf-cfg-dir": stand_in,
            "--first-k-dense-replace": str(dense)}
-    out, i = [], 0
-    while i < len(flags):
-        flag = flags[i]
-        out.append(flag)
-        i += 1
-        if flag in own or flag in SCALED_TARGETS or flag == "--noop-layers":
-            value = flags[i]
-            i += 1
-            if flag in own:
-                value = own[flag]
-            elif flag == "--noop-layers":  # after the stand-in's layers, as many as the script adds
-                value = ",".join(str(cfg.num_layers + k) for k in range(len(value.split(","))))
-            else:
-                value = str(min(int(value), SCALED_TARGETS[flag]))
-            out.append(value)
+    out = []
+    for flag, given in _groups(flags):
+        if flag in own:
+            given = [own[flag]]
+        elif flag == "--noop-layers":  # after the stand-in's layers, as many as the script adds
+            given = [",".join(str(cfg.num_layers + k) for k in range(len(given[0].split(","))))]
+        elif flag in SCALED_TARGETS:
+            given = [str(min(int(given[0]), SCALED_TARGETS[flag]))]
+        out += [flag, *given]
     return out
 
 
@@ -264,17 +266,11 @@ ROTATED_PAIRS = 8
 
 
 def _scaled_run(flags: list, values: dict) -> list:
-    """A run line's flags with RUN_SCALE's and ``values``' flags set (a flag's value may have
-    been split at its spaces), RUN_DROPPED's dropped, a positive --first-k-dense-replace made 1
+    """A run line's flags with RUN_SCALE's and ``values``' flags set, RUN_DROPPED's dropped, a positive --first-k-dense-replace made 1
     (one dense layer, then MoE) and LongRoPE's factor lists cut to ROTATED_PAIRS."""
     values = {**RUN_SCALE, **values}
-    out, i = [], 0
-    while i < len(flags):
-        flag, i = flags[i], i + 1
-        given = []
-        while i < len(flags) and not flags[i].startswith("--"):
-            given.append(flags[i])
-            i += 1
+    out = []
+    for flag, given in _groups(flags):
         if flag in RUN_DROPPED:
             continue
         if flag in values:

@@ -537,7 +537,7 @@ def _agreeing_with_flags(args, cfg: ModelConfig, vocab_size: int, scaling: dict 
                              f"--model-type-hf {args.model_type_hf}: choose one of {', '.join(families.ALIASES)}")
     built = spec_family(args.spec, moe=cfg.moe is not None) if args.spec else None
     if args.spec and cfg.family not in (built, *families.get(built).spec_also):
-        raise MindSpeedError(f"--spec {args.spec[0]} builds {spec_family(args.spec, moe=cfg.moe is not None)} layers, "
+        raise MindSpeedError(f"--spec {args.spec[0]} builds {built} layers, "
                              f"but the Hugging Face folder holds a {cfg.family} model")
     return cfg
 
