@@ -7,7 +7,6 @@ learn quickly (the share of digits in a completion), whose mean must rise.
 
 from __future__ import annotations
 
-import argparse
 import json
 
 import numpy as np
@@ -70,6 +69,14 @@ def test_reward_functions_by_import_path():
 
 # ---- the objective against numpy -------------------------------------------------------------
 
+def _settings(**given) -> grpo.Settings:
+    """GRPO's settings as the flags' defaults make them (clip range 0.2 / 0.28), with ``given``."""
+    return grpo.Settings(**{**dict(num_generations=4, max_completion_length=8, temperature=1.0, top_k=0, top_p=1.0,
+                                   clip_ratio=0.2, clip_ratio_high=0.28, kl_coef=0.0, loss_type="grpo",
+                                   kl_correction=False, scale_rewards="group", ppo_epochs=1,
+                                   reward_funcs=("accuracy",), reward_model=None, reward_weights=(1.0,)), **given})
+
+
 def _numpy_grpo(logp, old, ref, mask, advantages, low, high, beta, loss_type, max_length):
     ratio = np.exp(logp - old)
     a = advantages[:, None]
@@ -107,9 +114,8 @@ def test_objective_equals_numpy(loss_type, beta, temperature):
     old = logp + rng.normal(0, 0.3, logp.shape)  # ratios on both sides of the clip range
     ref = logp + rng.normal(0, 0.3, logp.shape)
     advantages = np.array([1.2, -0.7, 0.3, -1.5])
-    args = argparse.Namespace(clip_ratio=0.2, clip_ratio_high=0.28, kl_coef=beta, grpo_loss_type=loss_type,
-                              max_completion_length=max_length, temperature=temperature)
-    objective = grpo.Objective(args)
+    objective = grpo.Objective(_settings(kl_coef=beta, loss_type=loss_type, max_completion_length=max_length,
+                                         temperature=temperature))
     ids = ops.tensor(np.ascontiguousarray(tokens[:, :-1]))
     target = grpo.Rollout(ops.tensor(np.ascontiguousarray(tokens[:, 1:])), mask, advantages, old.astype(np.float32),
                           ref.astype(np.float32), tokens_per_micro_batch=17.0)
@@ -357,12 +363,11 @@ def test_loss_and_gradients_equal_trls(tmp_path):
         return out
 
     for k, (loss_type, correction) in enumerate(TRL_CASES):
-        args = argparse.Namespace(clip_ratio=0.2, clip_ratio_high=0.28, kl_coef=0.05, grpo_loss_type=loss_type,
-                                  max_completion_length=completion, temperature=temperature,
-                                  use_bias_correction_kl=correction)
+        settings = _settings(kl_coef=0.05, loss_type=loss_type, max_completion_length=completion,
+                             temperature=temperature, kl_correction=correction)
         target = grpo.Rollout(ops.tensor(np.ascontiguousarray(tokens[:, 1:])), ours_layout(completion_mask),
                               advantages, ours_layout(old), ours_layout(reference))
-        objective = grpo.Objective(args)
+        objective = grpo.Objective(settings)
         loss, grads = autograd.value_and_grad(lambda ids: objective(model, model(ids), target),
                                               nn.parameters(model))(ops.tensor(np.ascontiguousarray(tokens[:, :-1])))
         ours = hf.to_hf_state(cfg, {n: ops.to_numpy(g) for n, g in zip(names, grads)})

@@ -82,16 +82,26 @@ def last_token_values(values, mask: np.ndarray):
     return ops.sum(values * ops.tensor(pick), dim=1)
 
 
+@dataclass(frozen=True)
+class Settings:
+    """A preference stage's loss: DPO's (--dpo-loss-type, --dpo-beta, --dpo-label-smoothing) or
+    SimPO's (--simpo-beta, --simpo-label-smoothing, --simpo-gamma)."""
+    loss_type: str = "sigmoid"
+    beta: float = 0.1
+    label_smoothing: float = 0.0
+    gamma: float = 0.0  # SimPO's target reward margin
+
+
 class Objective:
     """The loss of one micro-batch from the model's output, for one stage. ``stats``
-    collects each micro-batch's host figures (``STATS``, or PRM's step accuracy) for the log."""
+    collects each micro-batch's host figures (``STATS``, or PRM's step accuracy) for the log.
+    ``settings``: the preference stages' (None for the reward models')."""
 
-    def __init__(self, stage: str, args, reward_token_ids: list[int] | None = None):
+    def __init__(self, stage: str, settings: Settings | None = None, reward_token_ids: list[int] | None = None):
         self.stage = stage
-        self.loss_type = args.dpo_loss_type
-        self.beta = args.simpo_beta if stage == "simpo" else args.dpo_beta
-        self.smoothing = args.simpo_label_smoothing if stage == "simpo" else args.dpo_label_smoothing
-        self.gamma = args.simpo_gamma
+        settings = settings or Settings()
+        self.loss_type, self.beta = settings.loss_type, settings.beta
+        self.smoothing, self.gamma = settings.label_smoothing, settings.gamma
         self.candidates = reward_token_ids
         self.stats: list[np.ndarray] = []
 

@@ -29,31 +29,31 @@ def data_path(config) -> list:
 
 def splits(config, paths: list) -> dict:
     """{"train", "valid", "test"} of the blended data (None for an empty split)."""
-    d, flags = config.data, config.flags
+    d = config.data
     if config.stage.instruction:
         data = finetune_dataset.build_splits(paths, d.split, d.seq_length, d.seed, pad=config.tokenizer.eod,
                                              pairs=config.stage.pairwise, shuffle=d.shuffle,
                                              prompts=config.stage.name == "grpo")
     else:
         data = gpt_dataset.build_splits(paths, d.split, d.seq_length, d.seed, shuffle=d.shuffle)
-    if flags.eval_iters and flags.eval_interval and data["valid"] is None:
+    if config.loop.eval_iters and config.loop.eval_interval and data["valid"] is None:
         raise MindSpeedError("the validation split is empty: give --split a larger second part or use --eval-iters 0")
     return data
 
 
 class Batches:
-    """``pad_multiple``: dynamic padding's multiple (configuration.Data.pad_multiple), or None:
-    fine-tuning micro-batches --seq-length wide."""
+    """The micro-batches of the ``data`` splits for ``stage`` (configuration.Stage), cut as
+    ``settings`` (configuration.Data) say: fine-tuning micro-batches --seq-length wide, or with
+    dynamic padding as wide as their longest sample, rounded up to ``settings.pad_multiple``."""
 
-    def __init__(self, data: dict, tokenizer, stage_name: str, ps, args, objective=None, reference=None,
-                 pad_multiple: int | None = None):
-        self.data, self.tokenizer, self.stage_name, self.ps = data, tokenizer, stage_name, ps
-        self.pad_multiple = pad_multiple
-        self.instruction = stage_name != "pretrain"
-        self.pairwise = stage_name in alignment.PAIRWISE
+    def __init__(self, data: dict, tokenizer, stage, settings, micro_batch_size: int, ps, objective=None,
+                 reference=None):
+        self.data, self.tokenizer, self.stage_name, self.ps = data, tokenizer, stage.name, ps
+        self.pad_multiple = settings.pad_multiple
+        self.instruction, self.pairwise = stage.instruction, stage.pairwise
         self.objective, self.reference = objective, reference
-        self.micro_batch_size, self.reward_tokens = args.micro_batch_size, args.reward_tokens
-        self.reset_position_ids, self.reset_attention_mask = args.reset_position_ids, args.reset_attention_mask
+        self.micro_batch_size, self.reward_tokens = micro_batch_size, stage.reward_tokens
+        self.reset_position_ids, self.reset_attention_mask = settings.reset_position_ids, settings.reset_attention_mask
 
     def check_ids(self, split: str, ids: np.ndarray) -> None:
         low, high = int(ids.min()), int(ids.max())  # cheap: one micro-batch

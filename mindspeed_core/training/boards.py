@@ -4,10 +4,33 @@
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 from mindspeed_core import features
 from mindspeed_core.errors import MindSpeedError
 from mindspeed_core.training.tensorboard import EventWriter
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Which boards a run writes and what goes on them (Megatron's and MindSpeed-LLM's flags)."""
+    tensorboard_dir: str | None
+    interval: int  # --tensorboard-log-interval
+    queue_size: int
+    timers: bool  # --log-timers-to-tensorboard
+    memory: bool
+    validation_ppl: bool
+    wandb_project: str | None
+    wandb_name: str | None
+    wandb_dir: str | None  # the offline run's folder (resolved when --wandb-project is given)
+
+
+def settings(args) -> Settings:
+    """From the parsed flags (the flag layer's: training/configuration.py)."""
+    return Settings(args.tensorboard_dir, args.tensorboard_log_interval, args.tensorboard_queue_size,
+                    bool(args.log_timers_to_tensorboard), bool(args.log_memory_to_tensorboard),
+                    bool(args.log_validation_ppl_to_tensorboard), args.wandb_project, args.wandb_exp_name,
+                    wandb_folder(args) if args.wandb_project else args.wandb_save_dir)
 
 
 class Board:
@@ -43,13 +66,12 @@ def wandb_folder(args) -> str:
 class WandbSink:
     """An offline Weights & Biases run (``wandb sync <folder>`` uploads it later)."""
 
-    def __init__(self, args, config: dict):
+    def __init__(self, chosen: Settings, config: dict):
         import wandb
 
-        folder = wandb_folder(args)
-        os.makedirs(folder, exist_ok=True)
-        self.run = wandb.init(project=args.wandb_project, name=args.wandb_exp_name, dir=folder, mode="offline",
-                              config=config)
+        os.makedirs(chosen.wandb_dir, exist_ok=True)
+        self.run = wandb.init(project=chosen.wandb_project, name=chosen.wandb_name, dir=chosen.wandb_dir,
+                              mode="offline", config=config)
 
     def scalars(self, step: int, values: dict) -> None:
         self.run.log(values, step=step)
@@ -60,17 +82,16 @@ class WandbSink:
             self.run = None
 
 
-def build(args, config: dict) -> Board | None:
+def build(chosen: Settings, config: dict) -> Board | None:
     """The run's board, or None when no board was asked for. ``config``: the resolved
     configuration (Weights & Biases keeps it with the run)."""
     sinks = []
-    if args.tensorboard_dir:
+    if chosen.tensorboard_dir:
         features.note_used("tensorboard")
-        sinks.append(EventWriter(args.tensorboard_dir, args.tensorboard_queue_size))
-    if args.wandb_project:
+        sinks.append(EventWriter(chosen.tensorboard_dir, chosen.queue_size))
+    if chosen.wandb_project:
         features.note_used("wandb")
-        sinks.append(WandbSink(args, config))
+        sinks.append(WandbSink(chosen, config))
     if not sinks:
         return None
-    return Board(sinks, args.tensorboard_log_interval, args.log_timers_to_tensorboard, args.log_memory_to_tensorboard,
-                 args.log_validation_ppl_to_tensorboard)
+    return Board(sinks, chosen.interval, chosen.timers, chosen.memory, chosen.validation_ppl)

@@ -8,7 +8,6 @@ from __future__ import annotations
 from mindspeed_core import device, features, ops
 from mindspeed_core.compat import hf
 from mindspeed_core.backends.common import check_fits_in_memory
-from mindspeed_core.memory import recompute
 from mindspeed_core.memory.swap import HostSwap
 from mindspeed_core.models import lora
 from mindspeed_core.parallel import layers as parallel_layers
@@ -20,60 +19,62 @@ from mindspeed_core.training.distributed_optimizer import DistributedAdamW
 from mindspeed_core.training.optimizer import AdamW
 
 
-def whole_model(spec, cfg, flags, say):
+def whole_model(spec, cfg, ckpt, tp: int, seed: int, say):
     """(the whole model, the iteration it resumes at, the saved optimizer (arrays, steps) or None):
-    LoRA adapters started, then the weights of --load-hf, --load and --lora-load."""
+    LoRA adapters started (from ``seed``), then the weights of --load-hf, --load and --lora-load
+    (``ckpt``: configuration.Checkpointing)."""
     if device.type() == "cpu":
-        check_fits_in_memory(memory_needed(cfg, flags.tensor_model_parallel_size),
-                             f"training this {cfg.num_parameters():,}-parameter model")
+        check_fits_in_memory(memory_needed(cfg, tp), f"training this {cfg.num_parameters():,}-parameter model")
     hf_source = None
-    if flags.load_hf:  # checked against its config before the model is built
-        hf_source = model_source.read(flags.load_hf, "--load-hf", ("hf",), mtp_num_layers=cfg.mtp_num_layers)
+    if ckpt.load_hf:  # checked against its config before the model is built
+        hf_source = model_source.read(ckpt.load_hf, "--load-hf", ("hf",), mtp_num_layers=cfg.mtp_num_layers)
     model = spec.build(cfg)
     if cfg.lora is not None:  # the adapters' start; a checkpoint may replace them
         features.note_used("lora")
-        lora.init_adapters(model, flags.seed)
+        lora.init_adapters(model, seed)
     if hf_source is not None:  # the folder's layers are the real ones among --noop-layers
         state = hf.with_noop_layers(hf_source.cfg, hf_source.state, cfg.noop_layers)[1] if cfg.noop_layers else \
             hf_source.state
         resume.load_hf(model, cfg, state)
     iteration, saved_optimizer = 0, None
-    for root, adapters_only in ((flags.load, False), (flags.lora_load, True)):
+    for root, adapters_only in ((ckpt.load, False), (ckpt.lora_load, True)):
         if root:
-            it, saved_optimizer = resume.resume(model, cfg, root, flags.finetune, say, adapters_only,
-                                                flags.exit_on_missing_checkpoint)
+            it, saved_optimizer = resume.resume(model, cfg, root, ckpt.finetune, say, adapters_only,
+                                                ckpt.exit_on_missing)
             iteration = it if saved_optimizer is not None else iteration
     return model, iteration, saved_optimizer
 
 
-def cut_for_layout(model, spec, pipeline_layout, ps, flags):
+def cut_for_layout(model, spec, pipeline_layout, ps, layout, memory, seed: int):
     """(this rank's model chunks, their parallel plan, the host swap or None): the whole model
-    cut into this rank's pipeline stages, each parallelised as its family says, with the
-    recompute and swap policy, and the tensor-parallel random streams seeded."""
+    cut into this rank's pipeline stages, each parallelised as its family says (``layout``:
+    configuration.ParallelLayout), with the recompute and swap policy (``memory``:
+    configuration.Memory), and the tensor-parallel random streams seeded from ``seed``."""
     chunks = spec.pipeline_chunks(model, pipeline_layout, ps.local_rank("pp")) if ps.pp > 1 else [model]
-    plan = ParallelPlan.join(parallelize(spec, c, ps, flags.sequence_parallel, flags.context_parallel_algo,
-                                                  flags.ulysses_degree_in_cp, flags.moe_token_dispatcher_type)
+    plan = ParallelPlan.join(parallelize(spec, c, ps, layout.sequence_parallel, layout.context_parallel_algo,
+                                         layout.ulysses_degree_in_cp, layout.moe_dispatcher)
                              for c in chunks)
-    memory_policy = recompute.from_args(flags)
-    swap = HostSwap() if flags.swap_attention else None
-    if memory_policy.active or swap:
+    swap = HostSwap() if memory.swap_attention else None
+    if memory.recompute.active or swap:
         for chunk in chunks:
-            chunk.use_memory(memory_policy, swap)
+            chunk.use_memory(memory.recompute, swap)
     if ps.tp > 1:
-        parallel_layers.seed_model_parallel_rng(flags.seed, ps)
+        parallel_layers.seed_model_parallel_rng(seed, ps)
     return chunks, plan, swap
 
 
-def optimizer(named: list, train_plan, plan, ps, flags, saved=None):
-    """AdamW, or the distributed optimizer, over the trained parameters ``named``; with ``saved``
-    (arrays, steps) of a checkpoint, this rank's slices of its state."""
-    args = (named, flags.lr, flags.weight_decay, (flags.adam_beta1, flags.adam_beta2), flags.adam_eps)
-    moment_dtype = "bfloat16" if flags.o2_optimizer else "float32"
-    if flags.use_distributed_optimizer:
-        opt = DistributedAdamW(*args, ps=ps, plan=train_plan, moment_dtype=moment_dtype,
-                               reuse_fp32_param=flags.reuse_fp32_param, bucket_elements=flags.ddp_bucket_size)
+def optimizer(named: list, train_plan, plan, ps, optimization, distributed_optimizer: bool, saved=None):
+    """AdamW, or the distributed optimizer, over the trained parameters ``named``, as
+    ``optimization`` (configuration.Optimization) says; with ``saved`` (arrays, steps) of a
+    checkpoint, this rank's slices of its state."""
+    o = optimization
+    common = (named, o.lr, o.weight_decay, o.betas, o.eps)
+    moment_dtype = "bfloat16" if o.o2_optimizer else "float32"
+    if distributed_optimizer:
+        opt = DistributedAdamW(*common, ps=ps, plan=train_plan, moment_dtype=moment_dtype,
+                               reuse_fp32_param=o.reuse_fp32_param, bucket_elements=o.bucket_elements)
     else:
-        opt = AdamW(*args, ps=ps, plan=train_plan, moment_dtype=moment_dtype, bucket_elements=flags.ddp_bucket_size)
+        opt = AdamW(*common, ps=ps, plan=train_plan, moment_dtype=moment_dtype, bucket_elements=o.bucket_elements)
     if isinstance(saved, sharded_checkpoint.Reader):
         _load_slices(opt, saved, named, train_plan, ps)
     elif saved is not None:

@@ -23,8 +23,8 @@ from mindspeed_core.training import checkpoint, distributed, resume, sharded_che
 
 
 class CheckpointManager:
-    """The run's saves. ``run``: the trainer, built (its flags, parallel state, model pieces,
-    optimizer, loss scaler, DPO reference and say())."""
+    """The run's saves. ``run``: the trainer, built (its configuration, parallel state, model
+    pieces, optimizer, loss scaler, DPO reference and say())."""
 
     def __init__(self, run):
         self.run = run
@@ -32,7 +32,7 @@ class CheckpointManager:
 
     def remove_stale_temporaries(self) -> None:
         """What interrupted saves left in --save (rank 0, before the first step)."""
-        save = self.run.flags.save
+        save = self.run.ckpt.save
         if save and self.run.ps.rank == 0:
             removed = checkpoint.remove_stale_temporaries(save)
             if removed:
@@ -47,12 +47,12 @@ class CheckpointManager:
         if bad is not None:  # never let a diverged model overwrite the last good checkpoint
             raise MindSpeedError(f"parameter {bad} is no longer finite at iteration {iteration}; not saving "
                                  f"(the last checkpoint on disk is intact); lower --lr or check the data")
-        ps, flags = run.ps, run.flags
+        ps = run.ps
         meta = {"framework": runtime.bound().NAME, "model": run.cfg.to_dict(), "tokenizer": run.tokenizer.name,
-                "consumed_samples": iteration * flags.global_batch_size,
+                "consumed_samples": iteration * run.opt.global_batch_size,
                 "parallel": {"tp": ps.tp, "dp": ps.dp, "pp": ps.pp, "cp": ps.cp, "ep": ps.ep,
-                             "chunks": run.layout.chunks, "sequence_parallel": bool(flags.sequence_parallel)}}
-        if flags.save_whole:
+                             "chunks": run.layout.chunks, "sequence_parallel": run.config.layout.sequence_parallel}}
+        if run.ckpt.whole:
             self._save_whole(iteration, meta)
         else:
             self._save_sharded(iteration, meta)
@@ -60,37 +60,37 @@ class CheckpointManager:
     def _save_sharded(self, iteration: int, meta: dict) -> None:
         """Every rank writes the pieces it owns (training/sharded_checkpoint.py)."""
         run = self.run
-        ps, flags = run.ps, run.flags
+        ps, ckpt = run.ps, run.ckpt
         entry = {p.name: p for p in run.plan.params}
         shapes = {n: tuple(p.shape) for n, p in zip(run.names, run.params)}
         model = [(sharded_checkpoint.held(n, shapes[n], entry[n], ps), ops.to_numpy(p), ops.dtype_of(p))
                  for n, p in zip(run.names, run.params)]
         optimizer = []
-        for state, name, flat, values in ([] if flags.no_save_optim else run.optimizer.held_state()):
+        for state, name, flat, values in (run.optimizer.held_state() if ckpt.save_optimizer else []):
             # a distributed optimizer's slices: each rank writes its own (expert slices are
             # repeated over CP ranks: the first writes them)
             writes = None if flat is None else (not entry[name].expert or ps.local_rank("cp") == 0)
             optimizer.append((sharded_checkpoint.held(state, shapes[name], entry[name], ps, flat, writes), values,
                               "float32"))
-        trainer_state = resume.run_state(ps, run.scaler, run.reference, rng=not flags.no_save_rng)  # collective
+        trainer_state = resume.run_state(ps, run.scaler, run.reference, rng=ckpt.save_rng)  # collective
         megatron = None
-        if flags.ckpt_format == "torch_dist":
+        if ckpt.torch_dist:
             features.note_used("ckpt-format-torch-dist")
-            layout = mcore.Layout(ps.tp, ps.pp, ps.ep, flags.num_layers_per_virtual_pipeline_stage,
-                                  flags.num_layer_list)
+            lay = run.config.layout
+            layout = mcore.Layout(ps.tp, ps.pp, ps.ep, lay.layers_per_virtual_stage, lay.num_layer_list)
             common = {"args": mcore.megatron_args(run.cfg, layout, run.dtype, iteration),
                       "checkpoint_version": mcore.CHECKPOINT_VERSION, "iteration": iteration}
             cfg = run.cfg  # megatron-core stacks the layers' tensors when the layers are alike
             alike = cfg.moe is None or all(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
             megatron = sharded_checkpoint.TorchDistCopy(cfg.num_layers, alike, cfg.moe.num_experts if cfg.moe else 0,
                                                         ps.local_rank("tp"), common)
-        background = flags.async_save
+        background = ckpt.asynchronous
         if background:  # the writer must not see the next steps' in-place updates
             features.note_used("async-save")
             model = [(h, np.array(v, copy=True), d) for h, v, d in model]
             optimizer = [(h, np.array(v, copy=True), d) for h, v, d in optimizer]
         pieces = {"model": model, "optimizer": optimizer}
-        self.pending = checkpoint.start_sharded(flags.save, iteration, ps.rank, pieces, run.optimizer.steps, meta,
+        self.pending = checkpoint.start_sharded(ckpt.save, iteration, ps.rank, pieces, run.optimizer.steps, meta,
                                                 trainer_state, self._gather, dist.barrier, background, megatron)
         if not background:
             self.finish()
@@ -117,15 +117,15 @@ class CheckpointManager:
     def _save_whole(self, iteration: int, meta: dict) -> None:
         """--save-whole: the whole state gathered to rank 0, which writes it."""
         run = self.run
-        ps, flags = run.ps, run.flags
+        ps, ckpt = run.ps, run.ckpt
         model_arrays = whole_model_arrays(run)  # collective: every rank
-        opt, specs = ({} if flags.no_save_optim else run.optimizer.state()), run.plan.shard_specs
+        opt, specs = (run.optimizer.state() if ckpt.save_optimizer else {}), run.plan.shard_specs
         opt_spec = {k: specs[k.split(".", 1)[1]] for k in opt if k.split(".", 1)[1] in specs}
         opt_experts = {k for k in opt if k.split(".", 1)[1] in run.plan.expert_names}
         optimizer_arrays = distributed.gather_pipeline(distributed.full_tensors(opt, opt_spec, ps, opt_experts), ps)
-        trainer_state = resume.run_state(ps, run.scaler, run.reference, rng=not flags.no_save_rng)  # collective
+        trainer_state = resume.run_state(ps, run.scaler, run.reference, rng=ckpt.save_rng)  # collective
         if ps.rank == 0:
-            path = checkpoint.save(flags.save, iteration, model_arrays, optimizer_arrays, run.optimizer.steps, meta,
+            path = checkpoint.save(ckpt.save, iteration, model_arrays, optimizer_arrays, run.optimizer.steps, meta,
                                    {n: run.dtype for n in model_arrays}, trainer_state)
             run.say(f"saved checkpoint {path}")
         dist.barrier()

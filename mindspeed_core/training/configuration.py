@@ -30,7 +30,7 @@ from mindspeed_core.models.config import (LORA_TARGETS, LoRAConfig, MLAConfig, M
 from mindspeed_core.models.families import PRESETS
 from mindspeed_core.parallel import context, experts, pipeline
 from mindspeed_core.parallel import layers as parallel_layers
-from mindspeed_core.training import alignment, boards, checkpoint, profiling
+from mindspeed_core.training import alignment, boards, checkpoint, grpo, profiling
 from mindspeed_core.training.distributed import BUCKET_ELEMENTS
 
 # What `mindspeed train` does with no data flags: a small LLaMA on the standard library's
@@ -95,9 +95,18 @@ class ParallelLayout:
     dp: int
     sequence_parallel: bool
     layers_per_virtual_stage: int | None
+    num_layer_list: str | None  # --num-layer-list: the layers of each pipeline stage, "a,b,..."
     context_parallel_algo: str
+    ulysses_degree_in_cp: int | None  # hybrid CP: --ulysses-degree-in-cp (None: the algorithm's own)
     moe_dispatcher: str
     distributed_optimizer: bool
+    overlap_grad_reduce: bool
+    overlap_param_gather: bool
+
+    def stages(self, cfg: ModelConfig) -> pipeline.PipelineLayout:
+        """Which of ``cfg``'s layers each pipeline stage holds (parallel/pipeline.py)."""
+        return pipeline.plan_layout(cfg.num_layers, self.pp, self.layers_per_virtual_stage, self.num_layer_list,
+                                    ",".join(map(str, cfg.noop_layers)) or None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,6 +127,7 @@ class Optimization:
     initial_loss_scale: float | None
     o2_optimizer: bool
     reuse_fp32_param: bool
+    bucket_elements: int | None  # --ddp-bucket-size (None: the default's)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,6 +143,8 @@ class Data:
     # rounded up to this (--pad-to-multiple-of, and what CP and SP cut the sequence by); None:
     # every micro-batch is --seq-length wide
     pad_multiple: int | None
+    reset_position_ids: bool  # packed pretraining documents: positions restart at each document
+    reset_attention_mask: bool  # ... and attention stays inside it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,6 +152,70 @@ class Stage:
     name: str  # pretrain, sft, dpo, simpo, orm or prm
     instruction: bool  # the loss counts the assistant's tokens only
     pairwise: bool  # the data are preference pairs
+    reward_tokens: tuple | None  # PRM: the step labels' tokens
+    settings: alignment.Settings | grpo.Settings | None  # DPO's or SimPO's loss, or GRPO's
+
+
+@dataclasses.dataclass(frozen=True)
+class Memory:
+    recompute: recompute.Recompute
+    swap_attention: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Checkpointing:
+    """What is saved and loaded, and when."""
+    save: str | None
+    save_interval: int | None
+    whole: bool  # --save-whole: gathered to rank 0, which writes it (else each rank its pieces)
+    torch_dist: bool  # --ckpt-format torch_dist: megatron-core's files of the model too
+    asynchronous: bool  # --async-save
+    save_optimizer: bool
+    save_rng: bool
+    load: str | None
+    load_hf: str | None
+    lora_load: str | None
+    finetune: bool  # --finetune: the weights only, from iteration 0
+    load_optimizer: bool
+    load_rng: bool
+    exit_on_missing: bool  # --exit-on-missing-checkpoint
+    exit_on_signal: bool  # --exit-signal-handler: a SIGTERM or SIGINT saves and stops the run
+
+
+@dataclasses.dataclass(frozen=True)
+class Loop:
+    """What the loop does around the steps."""
+    log_interval: int
+    eval_interval: int | None
+    eval_iters: int
+    exit_interval: int | None
+    gc_interval: int | None  # --manual-gc: the collector runs every this many steps only (None: Python's own)
+    progress: bool
+    sample_tokens: int
+    metrics_file: str | None  # --metrics-file, or <save>/metrics.jsonl
+    compile: bool
+    dry_run: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Operations:
+    """What a run does besides training: determinism, the boards, the profiled window."""
+    deterministic: bool
+    boards: boards.Settings
+    profile: profiling.Settings
+
+    def as_dict(self) -> dict:
+        """As --dry-run prints them."""
+        b, p = self.boards, self.profile
+        return {
+            "deterministic": self.deterministic,
+            "tensorboard": {"dir": b.tensorboard_dir, "log_interval": b.interval, "queue_size": b.queue_size,
+                            "timers": b.timers, "memory": b.memory, "validation_ppl": b.validation_ppl},
+            "wandb": {"project": b.wandb_project, "name": b.wandb_name, "save_dir": b.wandb_dir},
+            "profile": {"on": p.on, "steps": [p.step_start, p.step_end], "ranks": list(p.ranks), "level": p.level,
+                        "with_cpu": p.with_cpu, "with_stack": p.with_stack, "with_memory": p.with_memory,
+                        "record_shapes": p.record_shapes, "save_path": p.save_path},
+        }
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,7 +227,10 @@ class RunConfig:
     optimization: Optimization
     data: Data
     stage: Stage
-    operations: dict  # logging, profiling, determinism (operations())
+    memory: Memory
+    checkpointing: Checkpointing
+    loop: Loop
+    operations: Operations
 
 
 def configure(args, world: int, framework: str | None = None) -> RunConfig:
@@ -169,19 +248,49 @@ def configure(args, world: int, framework: str | None = None) -> RunConfig:
     return RunConfig(
         flags=flags, model=model, tokenizer=tokenizer,
         layout=ParallelLayout(world, tp, pp, cp, work.expert_model_parallel_size, dp, bool(work.sequence_parallel),
-                              work.num_layers_per_virtual_pipeline_stage, work.context_parallel_algo,
-                              work.moe_token_dispatcher_type, bool(work.use_distributed_optimizer)),
+                              work.num_layers_per_virtual_pipeline_stage, work.num_layer_list,
+                              work.context_parallel_algo,
+                              work.ulysses_degree_in_cp, work.moe_token_dispatcher_type,
+                              bool(work.use_distributed_optimizer), bool(work.overlap_grad_reduce),
+                              bool(work.overlap_param_gather)),
         optimization=Optimization(
             work.train_iters, work.micro_batch_size, work.global_batch_size, work.lr, work.min_lr,
             work.lr_warmup_iters, work.lr_decay_iters, work.lr_decay_style, work.weight_decay, work.clip_grad,
             (work.adam_beta1, work.adam_beta2), work.adam_eps, precision(flags), work.initial_loss_scale,
-            bool(work.o2_optimizer), bool(work.reuse_fp32_param)),
+            bool(work.o2_optimizer), bool(work.reuse_fp32_param), work.ddp_bucket_size),
         data=Data(embedded, tuple(work.data_path) if work.data_path else None, work.split, work.seq_length, work.seed,
                   tokenizer.name, not work.no_shuffle,
                   pad_multiple(work.pad_to_multiple_of, tp, cp, work.sequence_parallel)
-                  if work.no_pad_to_seq_lengths and stage != "pretrain" else None),
-        stage=Stage(stage, stage != "pretrain", stage in alignment.PAIRWISE),
+                  if work.no_pad_to_seq_lengths and stage != "pretrain" else None,
+                  bool(work.reset_position_ids), bool(work.reset_attention_mask)),
+        stage=Stage(stage, stage != "pretrain", stage in alignment.PAIRWISE,
+                    tuple(work.reward_tokens) if work.reward_tokens else None, stage_settings(flags, stage)),
+        memory=Memory(recompute.from_args(flags), bool(work.swap_attention)),
+        checkpointing=Checkpointing(
+            work.save, work.save_interval, bool(work.save_whole), work.ckpt_format == "torch_dist",
+            bool(work.async_save), not work.no_save_optim, not work.no_save_rng, work.load, work.load_hf,
+            work.lora_load, bool(work.finetune), not work.no_load_optim, not work.no_load_rng,
+            bool(work.exit_on_missing_checkpoint), bool(work.exit_signal_handler)),
+        loop=Loop(work.log_interval, work.eval_interval, work.eval_iters, work.exit_interval,
+                  work.manual_gc_interval if work.manual_gc else None, not work.no_progress, work.sample_tokens,
+                  work.metrics_file or (os.path.join(work.save, "metrics.jsonl") if work.save else None),
+                  bool(work.compile), bool(work.dry_run)),
         operations=operations(flags))
+
+
+def stage_settings(a, stage: str):
+    """The preference stage's loss settings (training/alignment.py) or GRPO's (training/grpo.py)."""
+    if stage in ("dpo", "simpo"):
+        simpo = stage == "simpo"
+        return alignment.Settings(a.dpo_loss_type, a.simpo_beta if simpo else a.dpo_beta,
+                                  a.simpo_label_smoothing if simpo else a.dpo_label_smoothing, a.simpo_gamma)
+    if stage == "grpo":
+        return grpo.Settings(
+            a.num_generations, a.max_completion_length, a.temperature, a.top_k, a.top_p, a.clip_ratio,
+            a.clip_ratio if a.clip_ratio_high is None else a.clip_ratio_high, a.kl_coef, a.grpo_loss_type,
+            bool(a.use_bias_correction_kl), a.scale_rewards, a.ppo_epochs, tuple(a.reward_funcs), a.reward_model,
+            tuple(a.reward_weights or [1.0] * (len(a.reward_funcs) + bool(a.reward_model))))
+    return None
 
 
 def model_only(args, framework: str | None = None) -> ModelConfig:
@@ -686,8 +795,6 @@ def _check_stage(args, dp: int = 1, vocab_size: int | None = None) -> None:
 
 
 def _check_grpo(args, dp: int, vocab_size: int | None = None) -> None:
-    from mindspeed_core.training import grpo
-
     for flag, on in (("--sequence-parallel", args.sequence_parallel),
                      ("--expert-model-parallel-size", args.expert_model_parallel_size > 1)):
         if on:  # generation runs with tensor parallelism alone (inference.load_model says the same)
@@ -725,7 +832,8 @@ def _check_grpo(args, dp: int, vocab_size: int | None = None) -> None:
 
 
 def pipeline_layout(args, cfg: ModelConfig) -> pipeline.PipelineLayout:
-    """Which layers each pipeline stage holds (parallel/pipeline.py)."""
+    """Which layers each pipeline stage holds (parallel/pipeline.py), from the flags (a run's
+    configuration has it as ParallelLayout.stages)."""
     return pipeline.plan_layout(cfg.num_layers, args.pipeline_model_parallel_size,
                                 args.num_layers_per_virtual_pipeline_stage, args.num_layer_list,
                                 ",".join(map(str, cfg.noop_layers)) or None)
@@ -756,22 +864,9 @@ def memory_needed(cfg: ModelConfig, tp: int) -> int:
     return 4 * params + 12 * params // tp
 
 
-def operations(a) -> dict:
-    """The logging, profiling and determinism settings."""
-    return {
-        "deterministic": bool(a.use_deterministic_algorithms or a.use_deterministic_comm),
-        "tensorboard": {"dir": a.tensorboard_dir, "log_interval": a.tensorboard_log_interval,
-                        "queue_size": a.tensorboard_queue_size, "timers": a.log_timers_to_tensorboard,
-                        "memory": a.log_memory_to_tensorboard,
-                        "validation_ppl": a.log_validation_ppl_to_tensorboard},
-        "wandb": {"project": a.wandb_project, "name": a.wandb_exp_name,
-                  "save_dir": boards.wandb_folder(a) if a.wandb_project else a.wandb_save_dir},
-        "profile": {"on": bool(a.profile), "steps": [a.profile_step_start, a.profile_step_end],
-                    "ranks": a.profile_ranks, "level": a.profile_level, "with_cpu": a.profile_with_cpu,
-                    "with_stack": a.profile_with_stack, "with_memory": a.profile_with_memory,
-                    "record_shapes": a.profile_record_shapes, "save_path": a.profile_save_path},
-    }
-
+def operations(a) -> Operations:
+    return Operations(bool(a.use_deterministic_algorithms or a.use_deterministic_comm), boards.settings(a),
+                      profiling.settings(a))
 
 
 def alignment_settings(a, reward_token_ids=None) -> dict | None:
@@ -863,5 +958,5 @@ def describe(config: RunConfig, data_path, pipeline_layout, grad_accum: int, los
         "packed_sequences": {"reset_attention_mask": bool(flags.reset_attention_mask),
                              "reset_position_ids": bool(flags.reset_position_ids)},
         "run": {key: getattr(flags, key) for key in _RUN_SETTINGS} | {"progress": not flags.no_progress},
-        "operations": config.operations,
+        "operations": config.operations.as_dict(),
     }

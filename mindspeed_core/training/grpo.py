@@ -253,15 +253,34 @@ def token_log_probs(model, logits, labels, rows: int, length: int, temperature: 
     return -ops.reshape(model.seams.token_losses(flat, ops.reshape(labels, (-1,))), (rows, length))
 
 
+@dataclass(frozen=True)
+class Settings:
+    """GRPO's flags, resolved (TRL's GRPOTrainer names where it has them)."""
+    num_generations: int
+    max_completion_length: int
+    temperature: float
+    top_k: int
+    top_p: float
+    clip_ratio: float  # the lower clip, 1 - eps
+    clip_ratio_high: float  # the upper, 1 + eps_high (DAPO's clip-higher; --clip-ratio when not given)
+    kl_coef: float
+    loss_type: str  # grpo, bnpo, dr_grpo or dapo
+    kl_correction: bool  # --use-bias-correction-kl
+    scale_rewards: str  # group or none
+    ppo_epochs: int
+    reward_funcs: tuple
+    reward_model: str | None
+    reward_weights: tuple  # one per reward function, then the reward model's
+
+
 class Objective:
     """GRPO's loss of one micro-batch of completions (the module docstring's formula)."""
 
-    def __init__(self, args):
-        self.low = args.clip_ratio
-        self.high = args.clip_ratio_high if args.clip_ratio_high is not None else args.clip_ratio
-        self.beta, self.loss_type = args.kl_coef, args.grpo_loss_type
-        self.kl_correction = getattr(args, "use_bias_correction_kl", False)
-        self.max_length, self.temperature = args.max_completion_length, args.temperature
+    def __init__(self, settings: Settings):
+        self.low, self.high = settings.clip_ratio, settings.clip_ratio_high
+        self.beta, self.loss_type = settings.kl_coef, settings.loss_type
+        self.kl_correction = settings.kl_correction
+        self.max_length, self.temperature = settings.max_completion_length, settings.temperature
         self.stats: list[np.ndarray] = []
 
     def token_weights(self, mask: np.ndarray, tokens_per_micro_batch: float) -> np.ndarray:
@@ -377,48 +396,48 @@ def rows_of(prompts: list[list[int]], completions: list[list[int]], ended: list[
     return tokens[:, :-1], np.where(labels[:, 1:] == IGNORE, 0, labels[:, 1:]), mask
 
 
-def draw(model, tokenizer, samples: list, indices: list[int], args, functions, weights,
-         reward_model: RewardModel | None = None) -> Rollouts:
+def draw(model, tokenizer, samples: list, indices: list[int], settings: Settings, functions,
+         reward_model: RewardModel | None = None, *, seq_length: int, micro_batch_size: int, seed: int) -> Rollouts:
     """Generate and score one iteration's completions for ``samples`` [(tokens, labels,
     documents)], the data's samples number ``indices``: completion g of sample i draws from a
-    generator seeded by (--seed, i, g), so it is the same whichever rank, batch or layout draws it."""
+    generator seeded by (``seed``, i, g), so it is the same whichever rank, batch or layout draws it."""
     from mindspeed_core.models import generate as gen
 
-    group = args.num_generations
+    group, weights = settings.num_generations, settings.reward_weights
     prompts, references = zip(*(prompt_and_reference(*sample, tokenizer) for sample in samples))
     longest = max(len(p) for p in prompts)
-    if longest + args.max_completion_length + 1 > args.seq_length + 1:
-        raise MindSpeedError(f"a prompt of {longest} tokens and --max-completion-length {args.max_completion_length} "
-                             f"(and a stop token) do not fit --seq-length {args.seq_length}: raise --seq-length or "
-                             "lower --max-completion-length")
+    if longest + settings.max_completion_length + 1 > seq_length + 1:
+        raise MindSpeedError(f"a prompt of {longest} tokens and --max-completion-length "
+                             f"{settings.max_completion_length} (and a stop token) do not fit --seq-length "
+                             f"{seq_length}: raise --seq-length or lower --max-completion-length")
     every = [list(p) for p in prompts for _ in range(group)]
     eod = getattr(tokenizer, "eod", None)
-    sampling = gen.Sampling(greedy=False, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
-    seeds = [[args.seed, index, g] for index in indices for g in range(group)]
+    sampling = gen.Sampling(greedy=False, temperature=settings.temperature, top_k=settings.top_k, top_p=settings.top_p)
+    seeds = [[seed, index, g] for index in indices for g in range(group)]
     started = time.perf_counter()
     entropies = []  # each step's, per row: of the distribution drawn from (at --temperature, before top-k/p)
     with evaluating(model):
-        completions = gen.generate(model, every, args.max_completion_length, sampling,
+        completions = gen.generate(model, every, settings.max_completion_length, sampling,
                                    stop_ids=() if eod is None else (eod,), pad_id=0, row_seeds=seeds,
-                                   on_logits=lambda logits: entropies.append(entropy(logits / args.temperature)))
+                                   on_logits=lambda logits: entropies.append(entropy(logits / settings.temperature)))
     generation = time.perf_counter() - started
-    ended = [len(c) < args.max_completion_length for c in completions]
+    ended = [len(c) < settings.max_completion_length for c in completions]
     drawn = np.arange(len(entropies))[:, None] < np.array([len(c) + e for c, e in zip(completions, ended)])[None]
     texts = [tokenizer.decode(c) for c in completions]
     prompt_texts = [tokenizer.decode(p) for p in every]
     refs = [r for r in references for _ in range(group)]
     total, each = score(functions, weights, texts, refs, prompt_texts)
-    ids, labels, mask = rows_of(every, completions, ended, args.seq_length, 0, eod)
+    ids, labels, mask = rows_of(every, completions, ended, seq_length, 0, eod)
     stats = {f"reward_{name.replace(':', '_').replace('.', '_')}": float(v.mean())
              for (name, _), v in zip(functions, each)}
     if reward_model is not None:
-        values = reward_model.score(ids, mask, args.micro_batch_size)
+        values = reward_model.score(ids, mask, micro_batch_size)
         total = total + weights[len(functions)] * values
         stats["reward_model"] = float(values.mean())
     stats.update(reward=float(total.mean()), reward_std=float(total.std()),
                  completion_length=float(np.mean([len(c) for c in completions])), generation_seconds=generation,
                  entropy=float((np.stack(entropies) * drawn).sum() / max(drawn.sum(), 1)))
-    return Rollouts(ids, labels, mask, group_advantages(total, group, args.scale_rewards), stats)
+    return Rollouts(ids, labels, mask, group_advantages(total, group, settings.scale_rewards), stats)
 
 
 def entropy(logits: np.ndarray) -> np.ndarray:

@@ -11,6 +11,7 @@ prints its table when the window closes.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 from mindspeed_core import features, profiler
 from mindspeed_core.errors import MindSpeedError
@@ -46,24 +47,45 @@ def table(ops: list, top: int = TOP) -> str:
     return "\n".join(lines)
 
 
+@dataclass(frozen=True)
+class Settings:
+    """The profiled window (--profile and MindSpeed's --profile-* flags)."""
+    on: bool
+    step_start: int  # counted from 0
+    step_end: int  # the first step not profiled
+    ranks: tuple  # -1: every rank
+    level: str
+    with_cpu: bool
+    with_stack: bool
+    with_memory: bool
+    record_shapes: bool
+    save_path: str
+
+
+def settings(args) -> Settings:
+    """From the parsed flags (the flag layer's: training/configuration.py)."""
+    return Settings(bool(args.profile), args.profile_step_start, args.profile_step_end, tuple(args.profile_ranks),
+                    args.profile_level, bool(args.profile_with_cpu), bool(args.profile_with_stack),
+                    bool(args.profile_with_memory), bool(args.profile_record_shapes), args.profile_save_path)
+
+
 class Window:
-    def __init__(self, args, rank: int, world: int, say_all):
+    def __init__(self, chosen: Settings, train_iters: int, rank: int, world: int, say_all):
         """``say_all``: print from this rank (the table comes from a profiled rank, maybe not 0)."""
-        self.args = args
-        ranks = sorted(set(range(world)) if -1 in args.profile_ranks else set(args.profile_ranks))
-        self.on = bool(args.profile) and rank in ranks
+        self.chosen, self.train_iters = chosen, train_iters
+        ranks = sorted(set(range(world)) if -1 in chosen.ranks else set(chosen.ranks))
+        self.on = chosen.on and rank in ranks
         self.rank, self.first = rank, ranks[0] if ranks else None
         self.say_all = say_all
         self.open = False
         self.result = None
 
     def before_step(self, iteration: int) -> None:
-        a = self.args
-        if self.on and iteration == a.profile_step_start:
+        a = self.chosen
+        if self.on and iteration == a.step_start:
             features.note_used("profiling")
-            profiler.start(a.profile_save_path, f"rank{self.rank}", level=a.profile_level, with_cpu=a.profile_with_cpu,
-                           with_stack=a.profile_with_stack, with_memory=a.profile_with_memory,
-                           record_shapes=a.profile_record_shapes)
+            profiler.start(a.save_path, f"rank{self.rank}", level=a.level, with_cpu=a.with_cpu,
+                           with_stack=a.with_stack, with_memory=a.with_memory, record_shapes=a.record_shapes)
             self.open = True
 
     def after_step(self, iteration: int) -> bool:
@@ -71,7 +93,7 @@ class Window:
         the trace took time that is not training's)."""
         if self.open:
             profiler.step()
-            if iteration >= self.args.profile_step_end:
+            if iteration >= self.chosen.step_end:
                 self.close()
                 return True
         return False
@@ -81,14 +103,14 @@ class Window:
         if not self.open:
             return
         self.open = False
-        a = self.args
+        a = self.chosen
         self.result = profiler.stop()
-        last = min(a.profile_step_end, a.train_iters)
+        last = min(a.step_end, self.train_iters)
         text = table(self.result["ops"])
-        path = os.path.join(a.profile_save_path, f"top_ops_rank{self.rank}.txt")
+        path = os.path.join(a.save_path, f"top_ops_rank{self.rank}.txt")
         with open(path, "w") as fh:
             fh.write(text + "\n")
         if self.rank == self.first:
-            self.say_all(f"profiled steps {a.profile_step_start + 1}-{last} on rank {self.rank}; traces: "
-                         f"{', '.join(self.result['files']) or a.profile_save_path}\n"
+            self.say_all(f"profiled steps {a.step_start + 1}-{last} on rank {self.rank}; traces: "
+                         f"{', '.join(self.result['files']) or a.save_path}\n"
                          f"top operators by time (rank {self.rank}, {path}):\n{text}")

@@ -15,7 +15,6 @@ from __future__ import annotations
 import functools
 import gc
 import math
-import os
 import signal
 import sys
 import time
@@ -44,9 +43,9 @@ from mindspeed_core.training.optimizer import learning_rate
 class Trainer:
     def __init__(self, args, out=None):
         """``args``: the parsed flags of `mindspeed train`; they are configured once
-        (training/configuration.py) and read from ``self.flags`` (frozen) from then on."""
-        self.config = configuration.configure(args, dist.launched_world_size())
-        self.flags = args = self.config.flags
+        (training/configuration.py), and the run reads the configuration's typed sections."""
+        self.config = config = configuration.configure(args, dist.launched_world_size())
+        self.opt, self.loop, self.ckpt = config.optimization, config.loop, config.checkpointing
         self._out = out
         self.embedded = self.config.data.embedded
         # instruction fine-tuning and the stages after it: the loss counts the assistant's tokens only
@@ -55,40 +54,41 @@ class Trainer:
         self.tokenizer, self.cfg = self.config.tokenizer, self.config.model
         # the preference and reward stages' loss (training/alignment.py); None: the LM loss
         self.objective = None
+        stage = config.stage
         if self.stage_name in ("dpo", "simpo", "orm", "prm"):
             self.objective = alignment.Objective(
-                self.stage_name, args,
-                alignment.reward_token_ids(self.tokenizer, args.reward_tokens) if self.stage_name == "prm" else None)
+                self.stage_name, stage.settings,
+                alignment.reward_token_ids(self.tokenizer, stage.reward_tokens) if self.stage_name == "prm" else None)
         self.reference = alignment.ReferenceTable()  # DPO's, filled by build()
         self.rl = self.stage_name == "grpo"  # online RL: each iteration trains on rollouts it draws
         if self.rl:
-            self.objective = grpo.Objective(args)
-            self.reward_functions = grpo.reward_functions(args.reward_funcs)
-            self.reward_weights = args.reward_weights or [1.0] * (len(args.reward_funcs) + bool(args.reward_model))
+            self.grpo = stage.settings
+            self.objective = grpo.Objective(self.grpo)
+            self.reward_functions = grpo.reward_functions(self.grpo.reward_funcs)
         self.rollouts = self.grpo_reference = None
         self.data_path = batches.data_path(self.config)
         self.dtype = self.config.optimization.precision
-        self.scaler = LossScaler(dynamic=bool(args.fp16), initial=args.initial_loss_scale)
-        self.deterministic = self.config.operations["deterministic"]
+        self.scaler = LossScaler(dynamic=self.dtype == "float16", initial=self.opt.initial_loss_scale)
+        self.deterministic = config.operations.deterministic
         # before the collectives are set up: HCCL and MindSpore read it there (a dry run leaves the
         # process as it was)
-        if self.deterministic and not args.dry_run:
+        if self.deterministic and not self.loop.dry_run:
             features.note_used("deterministic")
             device.set_deterministic(True)
         dist.init()
-        self.ps = parallel_state.initialize(tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
-                                            cp=args.context_parallel_size, ep=args.expert_model_parallel_size)
-        self.layout = configuration.pipeline_layout(args, self.cfg)
+        lay = config.layout
+        self.ps = parallel_state.initialize(tp=lay.tp, pp=lay.pp, cp=lay.cp, ep=lay.ep)
+        self.layout = lay.stages(self.cfg)
         self.model_spec = registry.for_config(self.cfg)
         # GRPO's global batch counts prompts (the sampler gives this rank's, one by one), its
         # micro-batches completions
-        self.sampler = PretrainingSampler(args.global_batch_size, 1 if self.rl else args.micro_batch_size,
+        self.sampler = PretrainingSampler(self.opt.global_batch_size, 1 if self.rl else self.opt.micro_batch_size,
                                           self.ps.dp, self.ps.local_rank("dp"))
         self.grad_accum = self.sampler.micro_batches_per_step
-        self.tokens_per_step = args.global_batch_size * args.seq_length
+        self.tokens_per_step = self.opt.global_batch_size * config.data.seq_length
         if self.rl:
-            self.grad_accum = self.grad_accum * args.num_generations // args.micro_batch_size
-            self.tokens_per_step *= args.num_generations
+            self.grad_accum = self.grad_accum * self.grpo.num_generations // self.opt.micro_batch_size
+            self.tokens_per_step *= self.grpo.num_generations
         self.timeline = None  # a list to receive the pipeline schedule's timings (benchmarks)
         # called as (iteration, gradients, norm) once a step's gradients are reduced, before the
         # update: the gradients as the optimizer takes them (the layout tests compare them)
@@ -102,21 +102,23 @@ class Trainer:
                                       self.objective.candidates if self.stage_name == "prm" else None)
 
     def build(self):
-        args = self.flags
-        self.data = batches.splits(self.config, self.data_path)
-        if args.compile:  # before any step: a packed dataset's masks appear only on the samples with padding
+        config, ckpt = self.config, self.ckpt
+        self.data = batches.splits(config, self.data_path)
+        if self.loop.compile:  # before any step: a packed dataset's masks appear only on the samples with padding
             compiled.check_data(self.data)
-        self.batches = batches.Batches(self.data, self.tokenizer, self.stage_name, self.ps, args, self.objective,
-                                       self.reference, self.config.data.pad_multiple)
-        random.seed(args.seed)
+        self.batches = batches.Batches(self.data, self.tokenizer, config.stage, config.data, self.opt.micro_batch_size,
+                                       self.ps, self.objective, self.reference)
+        random.seed(config.data.seed)
         # The full model is built (and loaded) on every rank, then cut for this rank: a
         # parallel run starts from exactly the single-process weights.
-        self.model, self.iteration, saved_optimizer = build.whole_model(self.model_spec, self.cfg, args, self.say)
-        self.resumed_from = args.lora_load or args.load
+        self.model, self.iteration, saved_optimizer = build.whole_model(self.model_spec, self.cfg, ckpt,
+                                                                        config.layout.tp, config.data.seed, self.say)
+        self.resumed_from = ckpt.lora_load or ckpt.load
         if self.stage_name == "dpo" and saved_optimizer is None:  # the starting weights are the reference
             self.batches.compute_reference(self.model, self.say)
         ps = self.ps
-        self.chunks, self.plan, self.swap = build.cut_for_layout(self.model, self.model_spec, self.layout, ps, args)
+        self.chunks, self.plan, self.swap = build.cut_for_layout(self.model, self.model_spec, self.layout, ps,
+                                                                 config.layout, config.memory, config.data.seed)
         if ps.pp > 1:  # this rank keeps its stages only
             self.model = None
         shards = saved_optimizer if isinstance(saved_optimizer, sharded_checkpoint.Reader) else None
@@ -134,7 +136,7 @@ class Trainer:
         if saved_optimizer is not None:  # after the tracker is seeded: its streams are restored too
             saved = checkpoint.load_trainer_state(self.resumed_from, self.iteration)
             resume.restore_run_state(saved, self.ps, self.scaler, self.moe_layers, self.reference, self.stage_name,
-                                     self.batches.pair_counts, self.resumed_from, self.say, not args.no_load_rng)
+                                     self.batches.pair_counts, self.resumed_from, self.say, ckpt.load_rng)
         if self.dtype != "float32":  # the optimizer keeps fp32 masters
             routing.cast_keeping_expert_bias(self.chunks, self.moe_layers, self.dtype)
         chunk_params = [nn.parameters(c) for c in self.chunks]
@@ -150,28 +152,29 @@ class Trainer:
         chunk_trained = iter(trained)
         chunk_params = [[p for p in params if next(chunk_trained)] for params in chunk_params]
         keep = (saved_optimizer is not None and (shards.names("optimizer") if shards else saved_optimizer[0])
-                and not args.no_load_optim)
+                and ckpt.load_optimizer)
         self.optimizer = build.optimizer(list(zip(self.train_names, self.train_params)), self.train_plan,
-                                         self.plan, ps, args, saved_optimizer if keep else None)
+                                         self.plan, ps, self.opt, config.layout.distributed_optimizer,
+                                         saved_optimizer if keep else None)
         if shards is not None:
             read = distributed.gather_json(shards.bytes_read, ps)
             self.say(f"read {sum(read) / 2**20:.2f} MiB of the checkpoint's {shards.total_bytes() / 2**20:.2f} MiB; "
                      f"bytes read per rank: {read}")
         self.overlap = None  # --overlap-grad-reduce: the optimizer's buckets reduced during backward
-        if args.overlap_grad_reduce and ps.size("dp_cp") > 1:
+        if config.layout.overlap_grad_reduce and ps.size("dp_cp") > 1:
             self.overlap = overlap.OverlappedReduction(self.optimizer.buckets(), distributed.summed_across_model_parallel(
                 self.train_plan, ps, self.cfg.last_stage_embeddings))
         self.param_gather = None  # --overlap-param-gather: the updated parameters gathered up to their use
-        if args.overlap_param_gather and ps.size("dp_cp") > 1:
+        if config.layout.overlap_param_gather and ps.size("dp_cp") > 1:
             self.param_gather = overlap.OverlappedParamGather(self.optimizer, self.chunks)
         self.forward_backward, self.forward_only = self._schedule(chunk_params)
-        self.reward_model = grpo.RewardModel(args.reward_model, self.cfg.vocab_size, ps) \
-            if self.rl and args.reward_model else None
+        self.reward_model = grpo.RewardModel(self.grpo.reward_model, self.cfg.vocab_size, ps) \
+            if self.rl and self.grpo.reward_model else None
         if self.reward_model is not None:
             held = sum(ops.numel(p) for p in nn.parameters(self.reward_model.model))
-            self.say(f"GRPO: reward model {args.reward_model}: {held:,} of its {self.reward_model.cfg.num_parameters():,} "
-                     f"parameters on this rank")
-        if self.rl and args.kl_coef:  # the starting weights of this rank's parameters, for the KL term
+            self.say(f"GRPO: reward model {self.grpo.reward_model}: {held:,} of its "
+                     f"{self.reward_model.cfg.num_parameters():,} parameters on this rank")
+        if self.rl and self.grpo.kl_coef:  # the starting weights of this rank's parameters, for the KL term
             if saved_optimizer is not None:
                 self.say("GRPO: the KL reference is the weights this run resumes from (the starting weights of the "
                          "run before are not kept)")
@@ -182,12 +185,12 @@ class Trainer:
         once for this rank (Megatron's get_forward_backward_func): one gradient call per
         micro-batch, or the pipeline program over this rank's model chunks. Each returns the
         mean loss on every rank of the pipeline."""
-        args, ps = self.flags, self.ps
+        ps, compile_ = self.ps, self.loop.compile
         float32_grads = self.dtype != "float32"
         if ps.pp == 1:
             self.policy = self.model  # what GRPO draws and scores its rollouts with
             self.grad_fn = autograd.value_and_grad(self._loss, self.train_params)
-            if args.compile:  # the eager function stays for the first step's check
+            if compile_:  # the eager function stays for the first step's check
                 self.grad_fn = compiled.CheckedCompiledStep(self.model, self.train_params, self.train_names,
                                                             self.grad_fn, self.scaler, self.dtype, ps, self.say)
 
@@ -214,7 +217,7 @@ class Trainer:
                                            send=send, recv=recv, vjp=vjp)
 
         vjp = None
-        if args.compile:  # each chunk's forward compiled, the first micro-batch checked against eager
+        if compile_:  # each chunk's forward compiled, the first micro-batch checked against eager
             names = iter(self.train_names)
             first_of_stage = all(v == 0 for axis, v in me.items() if axis != "pp")  # each stage checks its own
 
@@ -231,7 +234,7 @@ class Trainer:
         eval_stage = stage(functools.partial(self._stage_forward, scaled=False))
         pp_rank = ps.local_rank("pp")
         program = schedules.pipeline_program(ps.pp, self.layout.chunks, self.grad_accum)[pp_rank]
-        eval_program = schedules.pipeline_program(ps.pp, self.layout.chunks, max(args.eval_iters, 1),
+        eval_program = schedules.pipeline_program(ps.pp, self.layout.chunks, max(self.loop.eval_iters, 1),
                                                   forward_only=True)[pp_rank]
 
         def forward_backward(micro_batches):
@@ -325,16 +328,16 @@ class Trainer:
     def gradients(self, iteration: int) -> tuple[float, list]:
         """The step's mean loss (on every rank) and this rank's gradients, complete as the
         parallel plan asks but not yet reduced over data-parallel ranks."""
-        args = self.flags
-        if args.compile:  # a compiled step runs no forward hooks (--overlap-param-gather)
+        mbs = self.opt.micro_batch_size
+        if self.loop.compile:  # a compiled step runs no forward hooks (--overlap-param-gather)
             self.parameters_ready()
         if self.rl:  # this iteration's rollouts; under CP this rank's columns of each row
             columns = None if self.ps.cp == 1 else context.local_columns(self.rollouts.ids.shape[1], self.ps.cp,
                                                                          self.ps.local_rank("cp"))
-            micro_batches = (self.rollouts.micro_batch(start, args.micro_batch_size, columns, self.ps.cp)
-                             for start in range(0, self.rollouts.rows, args.micro_batch_size))
+            micro_batches = (self.rollouts.micro_batch(start, mbs, columns, self.ps.cp)
+                             for start in range(0, self.rollouts.rows, mbs))
         else:
-            micro_batches = (self.batches.micro_batch("train", start, args.micro_batch_size)
+            micro_batches = (self.batches.micro_batch("train", start, mbs)
                              for start in self.sampler.micro_batch_starts(iteration))
         loss, grads = self.forward_backward(micro_batches)
         plan = self.train_plan
@@ -351,23 +354,23 @@ class Trainer:
 
     def _rl_iteration(self, iteration: int) -> tuple[float, float, float]:
         """GRPO: draw and score this iteration's rollouts, then --ppo-epochs optimizer steps on them."""
-        args, ps = self.flags, self.ps
+        ps, settings, mbs = self.ps, self.grpo, self.opt.micro_batch_size
         t0 = time.perf_counter()
         indices = self.sampler.micro_batch_starts(iteration)  # this rank's prompts
-        rollouts = grpo.draw(self.policy, self.tokenizer, [self.data["train"][i] for i in indices], indices, args,
-                             self.reward_functions, self.reward_weights, self.reward_model)
+        rollouts = grpo.draw(self.policy, self.tokenizer, [self.data["train"][i] for i in indices], indices, settings,
+                             self.reward_functions, self.reward_model, seq_length=self.config.data.seq_length,
+                             micro_batch_size=mbs, seed=self.config.data.seed)
         if self.grpo_reference is not None:
-            rollouts.reference = self.grpo_reference.log_probs(self.policy, rollouts, args.micro_batch_size,
-                                                               args.temperature)
-        if args.grpo_loss_type == "dapo":  # the step's completion tokens, over all ranks
+            rollouts.reference = self.grpo_reference.log_probs(self.policy, rollouts, mbs, settings.temperature)
+        if settings.loss_type == "dapo":  # the step's completion tokens, over all ranks
             tokens = distributed.sum_over_dp_and_pp(np.array([rollouts.mask.sum()], np.float32), ps, ("dp",))[0]
             rollouts.tokens_per_micro_batch = max(float(tokens), 1.0) / (self.grad_accum * ps.dp)
-        if args.ppo_epochs > 1:  # the policy that drew them, before it moves
-            rollouts.old = grpo.log_probs(self.policy, rollouts, args.micro_batch_size, args.temperature)
+        if settings.ppo_epochs > 1:  # the policy that drew them, before it moves
+            rollouts.old = grpo.log_probs(self.policy, rollouts, mbs, settings.temperature)
         self.rollouts = rollouts
         rollout_seconds = time.perf_counter() - t0
         losses = []
-        for _ in range(args.ppo_epochs):
+        for _ in range(settings.ppo_epochs):
             loss, lr, norm = self._step(iteration)
             losses.append(loss)
         figures = sorted(rollouts.stats)
@@ -379,9 +382,8 @@ class Trainer:
 
     def _step(self, iteration: int) -> tuple[float, float, float]:
         """One optimizer step on iteration ``iteration``'s micro-batches."""
-        args = self.flags
-        lr = learning_rate(iteration, args.lr, args.min_lr, args.lr_warmup_iters, args.lr_decay_iters,
-                           args.lr_decay_style)
+        opt = self.opt
+        lr = learning_rate(iteration, opt.lr, opt.min_lr, opt.lr_warmup_iters, opt.lr_decay_iters, opt.lr_decay_style)
         if self.dtype != "float32":
             features.note_used("bf16" if self.dtype == "bfloat16" else "fp16")
         for layer in self.moe_layers:
@@ -413,7 +415,7 @@ class Trainer:
             raise MindSpeedError(f"the gradient norm became {norm} at iteration {iteration + 1}; stopping without "
                                  f"saving (the last checkpoint on disk is intact); lower --lr or check the data")
         self.parameters_ready()  # what no forward waited for (parameters unused last step) first
-        started = self.optimizer.step(grads, lr, distributed.clip_coefficient(norm, args.clip_grad),
+        started = self.optimizer.step(grads, lr, distributed.clip_coefficient(norm, opt.clip_grad),
                                       gather_later=self.param_gather is not None)
         if self.param_gather is not None:
             self.param_gather.started(started)
@@ -434,9 +436,8 @@ class Trainer:
 
     def evaluate(self) -> float:
         self.parameters_ready()
-        args = self.flags
-        mbs = args.micro_batch_size
-        micro_batches = [self.batches.micro_batch("valid", k * mbs, mbs) for k in range(args.eval_iters)]
+        mbs = self.opt.micro_batch_size
+        micro_batches = [self.batches.micro_batch("valid", k * mbs, mbs) for k in range(self.loop.eval_iters)]
         for chunk in self.chunks:
             nn.set_training(chunk, False)  # no dropout
         try:
@@ -460,7 +461,8 @@ class Trainer:
                 load_whole_state(model, arrays)
         if model is not None:
             prompt, ids, text, shown = sample.draw(model, self.tokenizer, self.instruction and self.embedded,
-                                                   self.flags.sample_tokens, self.flags.seq_length, self.flags.seed)
+                                                   self.loop.sample_tokens, self.config.data.seq_length,
+                                                   self.config.data.seed)
             self.say(shown)
             result["sample"] = text
             log.write({"iteration": self.iteration, "sample_prompt": prompt, "sample_ids": ids, "sample": text})
@@ -471,25 +473,25 @@ class Trainer:
     def _loop(self, log, window, progress, collect, watch, history: list) -> int | None:
         """The steps up to --train-iters (or --exit-interval, or a signal the ranks agree on:
         returned), each logged, evaluated and saved at its intervals."""
-        args = self.flags
-        while self.iteration < args.train_iters:
+        loop, ckpt, train_iters = self.loop, self.ckpt, self.opt.train_iters
+        while self.iteration < train_iters:
             window.before_step(self.iteration)
             loss, lr, norm = self.train_step(self.iteration)
             self.iteration += 1
             with log.paused():
                 window.after_step(self.iteration)
             log.step(self.tokens_per_step, self.iteration, loss, lr, norm, self.scaler.scale,
-                     args.global_batch_size, self.timers)
+                     self.opt.global_batch_size, self.timers)
             if collect and self.iteration % collect == 0:
                 gc.collect()
             history.append(loss)
             if progress:
                 progress.update(1, f"loss {loss:.3f}")
-            if self.iteration % args.log_interval == 0 or self.iteration == args.train_iters:
-                log.report(self.iteration, args.train_iters, loss, lr, norm, moe=self.moe_stats,
+            if self.iteration % loop.log_interval == 0 or self.iteration == train_iters:
+                log.report(self.iteration, train_iters, loss, lr, norm, moe=self.moe_stats,
                            stage=self.stage_stats, mtp=self.mtp_stats)
             # GRPO has no validation loss: its rollouts' rewards are the figures
-            if args.eval_iters and args.eval_interval and self.iteration % args.eval_interval == 0 and not self.rl:
+            if loop.eval_iters and loop.eval_interval and self.iteration % loop.eval_interval == 0 and not self.rl:
                 with log.paused():
                     if collect is not None:
                         gc.collect()
@@ -502,7 +504,7 @@ class Trainer:
                                  f"{eval_loss:.4f}" + "".join(f" | {k[6:].replace('_', ' ')} {v:.4f}"
                                                               for k, v in self.eval_stats.items()))
                     log.validation(self.iteration, eval_loss, self.eval_stats)
-            if args.save and args.save_interval and self.iteration % args.save_interval == 0:
+            if ckpt.save and ckpt.save_interval and self.iteration % ckpt.save_interval == 0:
                 with log.paused():
                     self.checkpoints.save(self.iteration)
             elif self.checkpoints.pending is not None:  # published once every rank's writer is done
@@ -514,47 +516,47 @@ class Trainer:
                 self.say(f"received {signal.Signals(stopped_by).name}: stopping after iteration {self.iteration}")
                 self.parameters_ready()
                 return stopped_by
-            if args.exit_interval and self.iteration % args.exit_interval == 0 and self.iteration < args.train_iters:
+            if loop.exit_interval and self.iteration % loop.exit_interval == 0 and self.iteration < train_iters:
                 self.say(f"exiting at iteration {self.iteration} (--exit-interval)")
                 break
         self.parameters_ready()
         return None
 
     def run(self) -> dict:
-        args = self.flags
+        config, loop, ckpt = self.config, self.loop, self.ckpt
         self.build()
         self.checkpoints.remove_stale_temporaries()
         peak = metrics.matmul_peak(self.dtype)
-        flops_per_token = self.cfg.flops_per_token(args.seq_length)
-        metrics_path = args.metrics_file or (os.path.join(args.save, "metrics.jsonl") if args.save else None)
+        flops_per_token = self.cfg.flops_per_token(config.data.seq_length)
         self.say(f"training {self.cfg.num_parameters() / 1e6:.2f}M parameters on {runtime.bound().NAME} "
-                 f"({device.current()}), {args.train_iters} iterations of {self.tokens_per_step} tokens; "
+                 f"({device.current()}), {self.opt.train_iters} iterations of {self.tokens_per_step} tokens; "
                  f"measured {self.dtype} matmul peak {peak / 1e9:.1f} GFLOP/s")
         if self.ps.world > 1:
             pp = f" PP={self.ps.pp}" + (f" x {self.layout.chunks} chunks" if self.layout.chunks > 1 else "")
-            cp = f" CP={self.ps.cp} ({args.context_parallel_algo})" if self.ps.cp > 1 else ""
+            lay = config.layout
+            cp = f" CP={self.ps.cp} ({lay.context_parallel_algo})" if self.ps.cp > 1 else ""
             if self.ps.ep > 1:
-                cp += f" EP={self.ps.ep} ({args.moe_token_dispatcher_type} dispatcher)"
+                cp += f" EP={self.ps.ep} ({lay.moe_dispatcher} dispatcher)"
             self.say(f"parallel layout: TP={self.ps.tp} DP={self.ps.dp}{pp if self.ps.pp > 1 else ''}{cp}"
-                     f"{' +SP' if args.sequence_parallel else ''}; "
-                     f"each data-parallel rank: {self.grad_accum} micro-batches of {args.micro_batch_size} per step; "
+                     f"{' +SP' if lay.sequence_parallel else ''}; "
+                     f"each data-parallel rank: {self.grad_accum} micro-batches of {self.opt.micro_batch_size} per step; "
                      f"optimizer state {self.optimizer.state_bytes() / 2**20:.2f} MiB on this rank "
                      f"({self.optimizer_bytes_unsharded() / 2**20:.2f} MiB without --use-distributed-optimizer)")
-        progress = None if args.no_progress or self.ps.rank else Progress(args.train_iters, "train", min_interval=1.0)
+        progress = Progress(self.opt.train_iters, "train", min_interval=1.0) if loop.progress and not self.ps.rank \
+            else None
         if progress:
             progress.n = self.iteration
         history = []
-        board = boards.build(args, self.describe()) if self.ps.rank == 0 else None
-        log = MetricsLog(metrics_path if self.ps.rank == 0 else None, self.say, flops_per_token, peak, self.ps.world,
+        board = boards.build(config.operations.boards, self.describe()) if self.ps.rank == 0 else None
+        log = MetricsLog(loop.metrics_file if self.ps.rank == 0 else None, self.say, flops_per_token, peak, self.ps.world,
                          board, "lm loss" if self.objective is None else f"{self.stage_name} loss",
                          functools.partial(metrics.probe_matmul, self.dtype))
-        window = profiling.Window(args, self.ps.rank, self.ps.world, lambda text: print(text, flush=True,
-                                                                                         file=self._out or sys.stdout))
-        collect = None
-        if args.manual_gc:  # Megatron's --manual-gc: the collector runs at fixed steps only, not mid-step
+        window = profiling.Window(config.operations.profile, self.opt.train_iters, self.ps.rank, self.ps.world,
+                                  lambda text: print(text, flush=True, file=self._out or sys.stdout))
+        collect = loop.gc_interval
+        if collect is not None:  # Megatron's --manual-gc: the collector runs at fixed steps only, not mid-step
             gc.disable()
-            collect = args.manual_gc_interval
-        watch = preemption.SignalWatch() if args.exit_signal_handler else None
+        watch = preemption.SignalWatch() if ckpt.exit_on_signal else None
         try:  # the watch outlives the last save: a later copy of the signal must not kill a rank mid-save
             try:
                 stopped_by = self._loop(log, window, progress, collect, watch, history)
@@ -565,20 +567,20 @@ class Trainer:
                 if progress:
                     progress.close()
                 log.close()
-            if args.save and (not args.save_interval or self.iteration % args.save_interval) and history:
+            if ckpt.save and (not ckpt.save_interval or self.iteration % ckpt.save_interval) and history:
                 self.checkpoints.save(self.iteration)
             self.checkpoints.finish()
         finally:
             if watch is not None:
                 watch.close()
         if stopped_by:
-            where = (f"saved iteration {self.iteration} in {args.save}; --load {args.save} continues it" if args.save
+            where = (f"saved iteration {self.iteration} in {ckpt.save}; --load {ckpt.save} continues it" if ckpt.save
                      else "nothing saved (no --save)")
             raise Stopped(f"stopped by {signal.Signals(stopped_by).name} after iteration {self.iteration}: {where}",
                           stopped_by)
         result = {"iterations": self.iteration, "losses": history}
-        if args.sample_tokens and not self.cfg.reward_head:  # a reward model scores text, it writes none
+        if loop.sample_tokens and not self.cfg.reward_head:  # a reward model scores text, it writes none
             self._sample(result, log)
-        if self.embedded and args.save and history:
-            self.say(sample.next_steps(args.save, runtime.bound().NAME, self.instruction))
+        if self.embedded and ckpt.save and history:
+            self.say(sample.next_steps(ckpt.save, runtime.bound().NAME, self.instruction))
         return result
