@@ -13,6 +13,7 @@ than the step's wall time: the rest is Python, dispatch and what runs between ke
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import csv
 import glob
 import os
@@ -43,7 +44,7 @@ def main() -> int:
 
     b = MODELS[args.model]
     cfg = model_config(b)
-    cfg.fused = frozenset({"attention", "rms_norm", "swiglu", "rope"})
+    cfg = dataclasses.replace(cfg, fused=frozenset({"attention", "rms_norm", "swiglu", "rope"}))
     random.seed(0)
     model = GPTModel(cfg)
     named = nn.named_parameters(model)

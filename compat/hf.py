@@ -63,7 +63,7 @@ def _config_from_hf(hf: dict) -> ModelConfig:
     if any(str(a).endswith("ForSequenceClassification") for a in architectures):
         if hf.get("num_labels", len(hf.get("id2label") or {0: 0})) != 1:
             raise CheckpointError("config.json: a sequence classifier with more than one label is not a reward model")
-        cfg.reward_head = True
+        cfg = dataclasses.replace(cfg, reward_head=True)
     return cfg
 
 

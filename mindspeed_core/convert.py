@@ -118,7 +118,7 @@ def _read_mg(args, adapters: bool = False):
             raise MindSpeedError(f"{args.load_dir} does not say which Hugging Face architecture it is: give "
                                  f"--model-type-hf")
         if args.model_type_hf:
-            cfg.family = MODEL_TYPES[args.model_type_hf]
+            source.cfg = cfg = dataclasses.replace(cfg, family=MODEL_TYPES[args.model_type_hf])
     elif args.model_type_hf and cfg.family != MODEL_TYPES[args.model_type_hf]:
         want, why = MODEL_TYPES[args.model_type_hf], ""
         if want in ("deepseek_v2", "deepseek_v3") and cfg.mla is None:  # tiny-deepseek-v3's routing on GQA, say

@@ -15,7 +15,7 @@ GATED_ACTIVATIONS = ("swiglu", "geglu", "geglu_tanh", "quick_geglu")
 ACTIVATIONS = GATED_ACTIVATIONS + ("gelu", "gelu_tanh")
 
 
-@dataclass
+@dataclass(frozen=True)
 class MoEConfig:
     """A mixture-of-experts MLP (Megatron's --num-experts and --moe-* flags): the router
     (models/router.py) sends each token to ``topk`` of ``num_experts`` experts."""
@@ -137,7 +137,7 @@ class LoRAConfig:
         return self.alpha / self.r
 
 
-@dataclass
+@dataclass(frozen=True)
 class ModelConfig:
     vocab_size: int = 256
     hidden_size: int = 128
@@ -224,6 +224,9 @@ class ModelConfig:
     fused: frozenset = field(default_factory=frozenset, compare=False)
 
     def __post_init__(self):
+        # frozen once built: the checks below, and the derived defaults filled here (with
+        # object.__setattr__), are the only writes; a changed configuration is a new one
+        # (dataclasses.replace runs them again)
         for name in ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "num_query_groups",
                      "ffn_hidden_size", "kv_channels", "max_position_embeddings"):
             value = getattr(self, name)
@@ -252,7 +255,8 @@ class ModelConfig:
         if self.sliding_window_layers is not None:
             if self.sliding_window is None:
                 raise ValueError("sliding_window_layers without a sliding_window")
-            self.sliding_window_layers = tuple(sorted({int(i) for i in self.sliding_window_layers}))
+            object.__setattr__(self, "sliding_window_layers",
+                               tuple(sorted({int(i) for i in self.sliding_window_layers})))
             if any(not 0 <= i < self.num_layers for i in self.sliding_window_layers):
                 raise ValueError(f"sliding_window_layers {list(self.sliding_window_layers)} must be among the layers "
                                  f"0..{self.num_layers - 1}")
@@ -268,7 +272,7 @@ class ModelConfig:
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
                 raise ValueError(f"{name} must be a finite non-negative number, got {value!r}")
         try:
-            self.noop_layers = tuple(sorted({int(i) for i in self.noop_layers}))
+            object.__setattr__(self, "noop_layers", tuple(sorted({int(i) for i in self.noop_layers})))
         except (TypeError, ValueError):
             raise ValueError(f"noop_layers must be layer numbers, got {self.noop_layers!r}") from None
         if any(not 0 <= i < self.num_layers for i in self.noop_layers) or len(self.noop_layers) >= self.num_layers:
@@ -286,17 +290,17 @@ class ModelConfig:
             raise ValueError("multi-token prediction with learned position embeddings is not built (DeepSeek-V3 "
                              "and GLM-4.5 use RoPE)")
         if isinstance(self.moe, dict):  # from to_dict / a saved config
-            self.moe = MoEConfig(**self.moe)
+            object.__setattr__(self, "moe", MoEConfig(**self.moe))
         if isinstance(self.lora, dict):
-            self.lora = LoRAConfig(**self.lora)
+            object.__setattr__(self, "lora", LoRAConfig(**self.lora))
         if isinstance(self.mla, dict):
-            self.mla = MLAConfig(**self.mla)
+            object.__setattr__(self, "mla", MLAConfig(**self.mla))
         if self.mla is not None:
             for name, value in (("kv_channels", self.mla.qk_head_dim), ("num_query_groups", self.num_attention_heads)):
                 if getattr(self, name) not in (None, value):
                     raise ValueError(f"multi-latent attention has {name} {value} (each head its own key and value, "
                                      f"of qk_nope_head_dim + qk_rope_head_dim features), got {getattr(self, name)}")
-                setattr(self, name, value)
+                object.__setattr__(self, name, value)
             if self.lora is not None:
                 raise ValueError("LoRA adapters target linear_qkv, which multi-latent attention does not have")
             if self.position_embedding_type != "rope" or self.rotary_percent != 1.0:
@@ -305,17 +309,17 @@ class ModelConfig:
         if self.moe_layers is not None:
             if self.moe is None:
                 raise ValueError("moe_layers without a moe config")
-            self.moe_layers = tuple(sorted({int(i) for i in self.moe_layers}))
+            object.__setattr__(self, "moe_layers", tuple(sorted({int(i) for i in self.moe_layers})))
             if any(not 0 <= i < self.num_layers for i in self.moe_layers):
                 raise ValueError(f"moe_layers {list(self.moe_layers)} must be among the layers 0..{self.num_layers - 1}")
         if self.num_query_groups is None:
-            self.num_query_groups = self.num_attention_heads
+            object.__setattr__(self, "num_query_groups", self.num_attention_heads)
         if self.attention_output_bias is None:
-            self.attention_output_bias = self.add_bias_linear
+            object.__setattr__(self, "attention_output_bias", self.add_bias_linear)
         if self.kv_channels is None:
             if self.hidden_size % self.num_attention_heads:
                 raise ValueError(f"hidden size {self.hidden_size} is not divisible by {self.num_attention_heads} heads")
-            self.kv_channels = self.hidden_size // self.num_attention_heads
+            object.__setattr__(self, "kv_channels", self.hidden_size // self.num_attention_heads)
         if not isinstance(self.rotary_percent, (int, float)) or not 0 < self.rotary_percent <= 1:
             raise ValueError(f"rotary_percent must be in (0, 1], got {self.rotary_percent!r}")
         if self.rotary_dim % 2 or self.rotary_dim == 0:
@@ -331,10 +335,10 @@ class ModelConfig:
                              f"{self.num_query_groups} query groups")
         if self.ffn_hidden_size is None:
             if self.gated:  # LLaMA: 2/3 of 4h, rounded up to a multiple of 64
-                self.ffn_hidden_size = 64 * ((int(8 * self.hidden_size / 3) + 63) // 64)
+                object.__setattr__(self, "ffn_hidden_size", 64 * ((int(8 * self.hidden_size / 3) + 63) // 64))
             else:
-                self.ffn_hidden_size = 4 * self.hidden_size
-        self.fused = frozenset(self.fused)
+                object.__setattr__(self, "ffn_hidden_size", 4 * self.hidden_size)
+        object.__setattr__(self, "fused", frozenset(self.fused))
         if not self.fused <= set(FUSED_KERNELS):
             raise ValueError(f"fused kernels must be among {FUSED_KERNELS}, got {sorted(self.fused)}")
         from mindspeed_core.models.families import FAMILIES  # they are built of this module's configs

@@ -6,6 +6,7 @@ reading of EOD tokens (Megatron's --reset-attention-mask / --reset-position-ids)
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import math
 
@@ -27,7 +28,7 @@ def _model(fused: bool, learned: bool):
     cfg = ModelConfig(vocab_size=48, hidden_size=32, num_layers=2, num_attention_heads=4, num_query_groups=2,
                       ffn_hidden_size=64, max_position_embeddings=32,
                       position_embedding_type="learned" if learned else "rope")
-    cfg.fused = frozenset({"attention"} if fused else ())
+    cfg = dataclasses.replace(cfg, fused=frozenset({"attention"} if fused else ()))
     return GPTModel(cfg)
 
 

@@ -395,10 +395,8 @@ def model_config(args, vocab_size: int) -> ModelConfig:
         if given:
             raise MindSpeedError(f"--{given[0].replace('_', '-')} qualifies the multi-token prediction modules of "
                                  f"--mtp-num-layers, which this run has none of: give --mtp-num-layers or drop it")
-    cfg.lora = lora_config(args)
-    cfg.reward_head = stage_of(args) == "orm"
-    cfg.fused = frozenset(op for flag, op in FUSED_FLAGS.items() if getattr(args, flag, False))
-    return cfg
+    return dataclasses.replace(cfg, lora=lora_config(args), reward_head=stage_of(args) == "orm",
+                               fused=frozenset(op for flag, op in FUSED_FLAGS.items() if getattr(args, flag, False)))
 
 
 def lora_config(args) -> LoRAConfig | None:
@@ -552,11 +550,13 @@ def _model_config(args, vocab_size: int) -> ModelConfig:
                                           base.get("max_position_embeddings", 0))
     try:
         cfg = ModelConfig(**base)
+        if cfg.moe is not None and cfg.moe.shared_expert_size is None and args.n_shared_experts:
+            # MindSpeed-LLM's --n-shared-experts: a shared expert as wide as N routed ones (of the
+            # experts' width, or the dense MLP's when they have none of their own)
+            width = args.n_shared_experts * (cfg.moe.ffn_hidden_size or cfg.ffn_hidden_size)
+            cfg = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, shared_expert_size=width))
     except (TypeError, ValueError) as exc:
         raise MindSpeedError(f"model configuration: {exc}") from None
-    if cfg.moe is not None and cfg.moe.shared_expert_size is None and args.n_shared_experts:
-        # MindSpeed-LLM's --n-shared-experts: a shared expert as wide as N routed ones
-        cfg.moe.shared_expert_size = args.n_shared_experts * (cfg.moe.ffn_hidden_size or cfg.ffn_hidden_size)
     return cfg
 
 
