@@ -143,7 +143,14 @@ class MetricsLog:
         return figures
 
     def validation(self, iteration: int, loss: float, stats: dict | None) -> None:
-        """The evaluation's record and board figures (Megatron's names)."""
+        """The evaluation's line, record and board figures (Megatron's names). ``stats``: a stage
+        objective's figures ("valid_..."), or None for the language model (its perplexity)."""
+        line = f" validation at iteration {iteration} | {self.loss_name} {loss:.4f}"
+        if stats is None:
+            line += f" | ppl {math.exp(min(loss, 50)):.2f}"
+        else:
+            line += "".join(f" | {k[6:].replace('_', ' ')} {v:.4f}" for k, v in stats.items())
+        self.say(line)
         self.write({"iteration": iteration, "eval_loss": loss, **(stats or {})})
         if self.board:
             figures = {f"{self.loss_name} validation": loss}

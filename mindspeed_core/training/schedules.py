@@ -12,7 +12,10 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
+
 from mindspeed_core import autograd, dist, features, ops
+from mindspeed_core.training import compiled, distributed
 
 
 class FinalGradients:
@@ -346,3 +349,70 @@ class StagedModel:
             else:
                 self.send(x, self.layout.rank_of_stage(stage + 1))
         return self.from_last(out, ids)
+
+
+def forward_backward_func(run, chunk_params: list):
+    """(forward_backward, forward_only, the model rollouts are drawn with, the gradient call of one
+    micro-batch or None), chosen once for this rank (megatron-core's get_forward_backward_func):
+    without pipelining one gradient call per micro-batch, else the pipeline program over this
+    rank's model chunks. forward_backward(micro_batches) -> (mean loss, this rank's gradients),
+    forward_only(micro_batches) -> the mean loss, both on every rank of the pipeline. ``run``:
+    the trainer, built (its parallel state, model chunks, trained parameters, StepLoss, loss
+    scaler, precision, --compile, overlapped reduction and timeline)."""
+    ps, losses = run.ps, run.losses
+    float32_grads = run.dtype != "float32"
+    if ps.pp == 1:
+        model = run.model
+        grad_fn = autograd.value_and_grad(losses.of_model(model), run.train_params)
+        if run.loop.compile:  # the eager function stays for the first step's check
+            grad_fn = compiled.CheckedCompiledStep(model, run.train_params, run.train_names, grad_fn, run.scaler,
+                                                   run.dtype, ps, run.say)
+        hooks = {} if run.overlap is None else dict(on_final=run.overlap.final, params=run.train_params,
+                                                    count=run.grad_accum)
+
+        def forward_backward(micro_batches):
+            return forward_backward_no_pipelining(grad_fn, micro_batches, run.scaler.scale,
+                                                  float32_grads=float32_grads, **hooks)
+
+        def forward_only(micro_batches):
+            with autograd.no_grad():
+                return float(np.mean([float(ops.to_numpy(losses(model, model(ids, tokens), labels, tokens)))
+                                      for ids, labels, tokens in micro_batches]))
+
+        return forward_backward, forward_only, model, grad_fn
+    me = ps.coords(ps.rank)
+    send, recv, from_last = pipeline_links(ps, run.cfg, run.layout, run.dtype, run.chunks[0].sequence_multiple)
+    pp_rank = ps.local_rank("pp")
+
+    def stage(forward, vjp=None):
+        return PipelineStage(ps.pp, pp_rank, run.layout.chunks, forward, chunk_params, send=send, recv=recv, vjp=vjp)
+
+    vjp = None
+    if run.loop.compile:  # each chunk's forward compiled, the first micro-batch checked against eager
+        names = iter(run.train_names)
+        first_of_stage = all(v == 0 for axis, v in me.items() if axis != "pp")  # each stage checks its own
+
+        def stage_say(text):
+            if first_of_stage:
+                run.say_all(f"pipeline stage {pp_rank}: {text}")
+
+        vjp = compiled.CheckedCompiledStage(losses.of_compiled_chunk(run.chunks), chunk_params, run.chunks,
+                                            [[next(names) for _ in params] for params in chunk_params],
+                                            run.scaler, run.dtype, ps, stage_say)
+    train_stage = stage(losses.of_chunk(run.chunks), vjp)
+    eval_stage = stage(losses.of_chunk(run.chunks, scaled=False))
+    program = pipeline_program(ps.pp, run.layout.chunks, run.grad_accum)[pp_rank]
+    eval_program = pipeline_program(ps.pp, run.layout.chunks, max(run.loop.eval_iters, 1), forward_only=True)[pp_rank]
+
+    def forward_backward(micro_batches):
+        loss, grads = forward_backward_pipelining(train_stage, program, micro_batches, run.scaler.scale,
+                                                  float32_grads=float32_grads, timeline=run.timeline,
+                                                  on_final=run.overlap and run.overlap.final)
+        return distributed.over_pipeline(loss, ps), grads  # the last stage's loss; zero elsewhere
+
+    def forward_only(micro_batches):
+        loss, _ = forward_backward_pipelining(eval_stage, eval_program, micro_batches, forward_only=True)
+        return distributed.over_pipeline(loss, ps)
+
+    # GRPO draws and scores its rollouts with the whole pipeline
+    return forward_backward, forward_only, StagedModel(run.chunks, run.layout, pp_rank, send, recv, from_last), None

@@ -21,12 +21,11 @@ import time
 
 import numpy as np
 
-from mindspeed_core import autograd, device, dist, features, nn, ops, random, runtime
+from mindspeed_core import device, dist, features, nn, ops, random, runtime
 from mindspeed_core.data.sampler import PretrainingSampler
 from mindspeed_core.errors import MindSpeedError, Stopped
 from mindspeed_core.models import lora, registry
 from mindspeed_core.models.gpt import load_whole_state
-from mindspeed_core.models.moe import with_router_losses
 from mindspeed_core.models.state import is_expert_bias
 from mindspeed_core.parallel import context
 from mindspeed_core.parallel import state as parallel_state
@@ -36,6 +35,7 @@ from mindspeed_core.training import (alignment, batches, boards, build, checkpoi
                                      sample, schedules, sharded_checkpoint)
 from mindspeed_core.training.checkpoint_manager import CheckpointManager, whole_model_arrays
 from mindspeed_core.training.loss_scale import LossScaler
+from mindspeed_core.training.losses import StepLoss
 from mindspeed_core.training.metrics import MetricsLog
 from mindspeed_core.training.optimizer import learning_rate
 
@@ -69,6 +69,7 @@ class Trainer:
         self.data_path = batches.data_path(self.config)
         self.dtype = self.config.optimization.precision
         self.scaler = LossScaler(dynamic=self.dtype == "float16", initial=self.opt.initial_loss_scale)
+        self.losses = StepLoss(self.objective, self.scaler)
         self.deterministic = config.operations.deterministic
         # before the collectives are set up: HCCL and MindSpore read it there (a dry run leaves the
         # process as it was)
@@ -167,7 +168,8 @@ class Trainer:
         self.param_gather = None  # --overlap-param-gather: the updated parameters gathered up to their use
         if config.layout.overlap_param_gather and ps.size("dp_cp") > 1:
             self.param_gather = overlap.OverlappedParamGather(self.optimizer, self.chunks)
-        self.forward_backward, self.forward_only = self._schedule(chunk_params)
+        self.forward_backward, self.forward_only, self.policy, self.grad_fn = schedules.forward_backward_func(
+            self, chunk_params)
         self.reward_model = grpo.RewardModel(self.grpo.reward_model, self.cfg.vocab_size, ps) \
             if self.rl and self.grpo.reward_model else None
         if self.reward_model is not None:
@@ -180,107 +182,6 @@ class Trainer:
                          "run before are not kept)")
             self.grpo_reference = grpo.Reference(self.params)
 
-    def _schedule(self, chunk_params: list):
-        """The step's forward-backward function and the evaluation's forward-only one, chosen
-        once for this rank (Megatron's get_forward_backward_func): one gradient call per
-        micro-batch, or the pipeline program over this rank's model chunks. Each returns the
-        mean loss on every rank of the pipeline."""
-        ps, compile_ = self.ps, self.loop.compile
-        float32_grads = self.dtype != "float32"
-        if ps.pp == 1:
-            self.policy = self.model  # what GRPO draws and scores its rollouts with
-            self.grad_fn = autograd.value_and_grad(self._loss, self.train_params)
-            if compile_:  # the eager function stays for the first step's check
-                self.grad_fn = compiled.CheckedCompiledStep(self.model, self.train_params, self.train_names,
-                                                            self.grad_fn, self.scaler, self.dtype, ps, self.say)
-
-            hooks = {} if self.overlap is None else dict(on_final=self.overlap.final, params=self.train_params,
-                                                         count=self.grad_accum)
-
-            def forward_backward(micro_batches):
-                return schedules.forward_backward_no_pipelining(self.grad_fn, micro_batches, self.scaler.scale,
-                                                                float32_grads=float32_grads, **hooks)
-
-            def forward_only(micro_batches):
-                with autograd.no_grad():
-                    return float(np.mean([float(ops.to_numpy(self._objective(self.model, self.model(ids, tokens),
-                                                                             labels, tokens)))
-                                          for ids, labels, tokens in micro_batches]))
-
-            return forward_backward, forward_only
-        me = ps.coords(ps.rank)
-        send, recv, from_last = schedules.pipeline_links(ps, self.cfg, self.layout, self.dtype,
-                                                         self.chunks[0].sequence_multiple)
-
-        def stage(forward, vjp=None):
-            return schedules.PipelineStage(ps.pp, ps.local_rank("pp"), self.layout.chunks, forward, chunk_params,
-                                           send=send, recv=recv, vjp=vjp)
-
-        vjp = None
-        if compile_:  # each chunk's forward compiled, the first micro-batch checked against eager
-            names = iter(self.train_names)
-            first_of_stage = all(v == 0 for axis, v in me.items() if axis != "pp")  # each stage checks its own
-
-            def stage_say(text):
-                if first_of_stage:
-                    print(f"pipeline stage {ps.local_rank('pp')}: {text}", file=self._out or sys.stdout, flush=True)
-
-            vjp = compiled.CheckedCompiledStage(self._compiled_stage_forward, chunk_params, self.chunks,
-                                                [[next(names) for _ in params] for params in chunk_params],
-                                                self.scaler, self.dtype, ps, stage_say)
-        train_stage = stage(self._stage_forward, vjp)
-        # GRPO draws and scores its rollouts with the whole pipeline
-        self.policy = schedules.StagedModel(self.chunks, self.layout, ps.local_rank("pp"), send, recv, from_last)
-        eval_stage = stage(functools.partial(self._stage_forward, scaled=False))
-        pp_rank = ps.local_rank("pp")
-        program = schedules.pipeline_program(ps.pp, self.layout.chunks, self.grad_accum)[pp_rank]
-        eval_program = schedules.pipeline_program(ps.pp, self.layout.chunks, max(self.loop.eval_iters, 1),
-                                                  forward_only=True)[pp_rank]
-
-        def forward_backward(micro_batches):
-            loss, grads = schedules.forward_backward_pipelining(train_stage, program, micro_batches, self.scaler.scale,
-                                                                float32_grads=float32_grads, timeline=self.timeline,
-                                                                on_final=self.overlap and self.overlap.final)
-            return distributed.over_pipeline(loss, ps), grads  # the last stage's loss; zero elsewhere
-
-        def forward_only(micro_batches):
-            loss, _ = schedules.forward_backward_pipelining(eval_stage, eval_program, micro_batches, forward_only=True)
-            return distributed.over_pipeline(loss, ps)
-
-        return forward_backward, forward_only
-
-    def _compiled_stage_forward(self, chunk: int, x, labels=None, scale=None):
-        """_stage_forward as --compile runs it: the loss scale is a tensor input (a compiler
-        would freeze a number); no packed sequences, MoE or multi-token prediction (refused)."""
-        model = self.chunks[chunk]
-        out = model(x)
-        return out if labels is None else self._objective(model, out, labels, None) * scale
-
-    def _stage_forward(self, chunk: int, x, labels, tokens=None, scaled: bool = True):
-        """One model chunk; with labels (the last stage) the loss, scaled for training."""
-        model = self.chunks[chunk]
-        out = model(x, tokens)
-        if labels is not None:
-            out = self._objective(model, out, labels, tokens)
-        if not scaled:
-            return out
-        if labels is not None:
-            out = self.scaler.scale_loss(out)
-        return self._with_extra_losses(model, out, labels, tokens)
-
-    def _with_extra_losses(self, model, out, labels=None, tokens=None):
-        """What joins the gradient but not the reported loss, scaled as the loss, through the
-        chunk's output (an activation or the loss: models/moe.py with_router_losses): the MoE
-        routers' losses, and on the last stage multi-token prediction's."""
-        extra = None
-        if labels is not None and hasattr(model, "mtp"):  # first: its MoE layers route in it
-            extra = model.mtp_loss(labels, tokens)
-        if getattr(model, "moe_layers", list)():
-            extra = model.router_losses() if extra is None else extra + model.router_losses()
-        if extra is None:
-            return out
-        return with_router_losses(out, self.scaler.scale_loss(extra))
-
     def optimizer_bytes_unsharded(self) -> int:
         """What plain AdamW would hold on this rank: two fp32 moments per local parameter,
         plus fp32 masters for low-precision ones."""
@@ -288,21 +189,14 @@ class Trainer:
         masters = sum(ops.numel(p) for p in self.train_params if ops.dtype_of(p) != "float32")
         return 4 * (2 * elements + masters)
 
-    def _objective(self, model, out, labels, tokens=None):
-        """The micro-batch's loss from the model's output: the stage's (training/alignment.py),
-        or the language-modelling loss."""
-        if self.objective is not None:
-            return self.objective(model, out, labels, tokens)
-        return model.loss_from_logits(out, labels, tokens)
-
-    def _loss(self, ids, labels, tokens=None):
-        loss = self._objective(self.model, self.model(ids, tokens), labels, tokens)
-        return self._with_extra_losses(self.model, self.scaler.scale_loss(loss), labels, tokens)
-
     # -- the loop ----------------------------------------------------------------------------
     def say(self, text: str) -> None:
         if self.ps.rank == 0:
-            print(text, file=self._out or sys.stdout, flush=True)
+            self.say_all(text)
+
+    def say_all(self, text: str) -> None:
+        """Print from this rank, whichever it is."""
+        print(text, file=self._out or sys.stdout, flush=True)
 
     def _stage_stats(self, record: str) -> dict | None:
         """The preference or reward figures of the micro-batches since the last call, over every
@@ -495,15 +389,7 @@ class Trainer:
                 with log.paused():
                     if collect is not None:
                         gc.collect()
-                    eval_loss = self.evaluate()
-                    if self.objective is None:
-                        self.say(f" validation at iteration {self.iteration} | lm loss {eval_loss:.4f} | "
-                                 f"ppl {math.exp(min(eval_loss, 50)):.2f}")
-                    else:
-                        self.say(f" validation at iteration {self.iteration} | {self.stage_name} loss "
-                                 f"{eval_loss:.4f}" + "".join(f" | {k[6:].replace('_', ' ')} {v:.4f}"
-                                                              for k, v in self.eval_stats.items()))
-                    log.validation(self.iteration, eval_loss, self.eval_stats)
+                    log.validation(self.iteration, self.evaluate(), self.eval_stats)
             if ckpt.save and ckpt.save_interval and self.iteration % ckpt.save_interval == 0:
                 with log.paused():
                     self.checkpoints.save(self.iteration)
@@ -552,7 +438,7 @@ class Trainer:
                          board, "lm loss" if self.objective is None else f"{self.stage_name} loss",
                          functools.partial(metrics.probe_matmul, self.dtype))
         window = profiling.Window(config.operations.profile, self.opt.train_iters, self.ps.rank, self.ps.world,
-                                  lambda text: print(text, flush=True, file=self._out or sys.stdout))
+                                  self.say_all)
         collect = loop.gc_interval
         if collect is not None:  # Megatron's --manual-gc: the collector runs at fixed steps only, not mid-step
             gc.disable()

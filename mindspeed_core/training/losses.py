@@ -1,0 +1,69 @@
+"""A micro-batch's loss as the step differentiates it: the stage's objective (the language
+model's cross entropy, a preference or reward loss, GRPO's), scaled by the loss scaler, plus what
+joins the gradient but not the reported loss (the MoE routers' losses, and multi-token
+prediction's on the last pipeline stage), for the whole model or one pipeline chunk."""
+
+from __future__ import annotations
+
+from mindspeed_core.models.moe import with_router_losses
+
+
+class StepLoss:
+    """``objective``: the stage's (training/alignment.py, training/grpo.py), or None for the
+    language-modelling loss; ``scaler``: the run's LossScaler."""
+
+    def __init__(self, objective, scaler):
+        self.objective, self.scaler = objective, scaler
+
+    def __call__(self, model, out, labels, tokens=None):
+        """The micro-batch's loss from the model's output, unscaled (what is reported)."""
+        if self.objective is not None:
+            return self.objective(model, out, labels, tokens)
+        return model.loss_from_logits(out, labels, tokens)
+
+    def of_model(self, model):
+        """fn(ids, labels, tokens) -> the scaled loss of the whole ``model``, what its gradient is taken of."""
+        def loss(ids, labels, tokens=None):
+            out = self.scaler.scale_loss(self(model, model(ids, tokens), labels, tokens))
+            return self.with_extra_losses(model, out, labels, tokens)
+
+        return loss
+
+    def of_chunk(self, chunks: list, scaled: bool = True):
+        """fn(chunk, x, labels, tokens) for the pipeline: one model chunk's output, and with labels
+        (the last stage) the loss, scaled for training (``scaled``) or as reported."""
+        def forward(chunk: int, x, labels, tokens=None):
+            model = chunks[chunk]
+            out = model(x, tokens)
+            if labels is not None:
+                out = self(model, out, labels, tokens)
+            if not scaled:
+                return out
+            if labels is not None:
+                out = self.scaler.scale_loss(out)
+            return self.with_extra_losses(model, out, labels, tokens)
+
+        return forward
+
+    def of_compiled_chunk(self, chunks: list):
+        """of_chunk as --compile runs it: the loss scale is a tensor input (a compiler would freeze
+        a number); no packed sequences, MoE or multi-token prediction (refused)."""
+        def forward(chunk: int, x, labels=None, scale=None):
+            model = chunks[chunk]
+            out = model(x)
+            return out if labels is None else self(model, out, labels, None) * scale
+
+        return forward
+
+    def with_extra_losses(self, model, out, labels=None, tokens=None):
+        """What joins the gradient but not the reported loss, scaled as the loss, through the
+        chunk's output (an activation or the loss: models/moe.py with_router_losses): the MoE
+        routers' losses, and on the last stage multi-token prediction's."""
+        extra = None
+        if labels is not None and hasattr(model, "mtp"):  # first: its MoE layers route in it
+            extra = model.mtp_loss(labels, tokens)
+        if getattr(model, "moe_layers", list)():
+            extra = model.router_losses() if extra is None else extra + model.router_losses()
+        if extra is None:
+            return out
+        return with_router_losses(out, self.scaler.scale_loss(extra))
