@@ -503,7 +503,9 @@ def _collectives_rank(out: str, small: int, large: int) -> None:
         fitted = {}
         for op in COLLECTIVES:
             t_small, t_large = seconds[op, small], seconds[op, large]
-            per_byte = max(t_large - t_small, 1e-12) / (large - small)
+            per_byte = (t_large - t_small) / (large - small)
+            if per_byte <= 0:  # noise hid the payload's cost (seen for send): the large call's whole time
+                per_byte = t_large / large  # prices it, a lower bound on the rate, never an absurd one
             fitted[op] = (max(t_small - small * per_byte, 0.0), 1.0 / per_byte)
         with open(out, "w") as fh:
             json.dump(fitted, fh)
