@@ -29,7 +29,7 @@ import threading
 import time
 import types
 
-from mindspeed_core import evaluation, features, inference
+from mindspeed_core import evaluation, features, inference, runtime
 from mindspeed_core.backends.common import check_fits_in_memory
 from mindspeed_core.compat import megatron_args
 from mindspeed_core.errors import MindSpeedError
@@ -42,10 +42,6 @@ POLL_SECONDS = 0.5
 # whose exit status was not seen) by this long were cut off mid-run
 SCHEDULER_GRACE_SECONDS = 5.0
 SCHEDULER = "the msrun scheduler"  # the role Watch gives msrun's scheduler process
-# MindSpore's cluster start-up: a worker that reaches msrun's scheduler before it listens
-# retries after 3-5 s by default. Retrying within a second starts a two-rank job here about
-# 5 s sooner (20 -> 15 s for an empty job); a value the user set wins.
-MSRUN_ENV_DEFAULTS = {"MS_RETRY_INTERVAL_LOWER": "0", "MS_RETRY_INTERVAL_UPPER": "1"}
 
 
 def parser():
@@ -94,31 +90,22 @@ def _ipv4_address(interface: str) -> str | None:
 
 def launch_command(args, train_argv: list[str], framework: str, command: str = "train",
                    script: str | None = None) -> tuple[list[str], dict]:
-    """The torchrun or msrun command line (and environment) that runs `train` (or `generate`, `evaluate`)
-    on every rank; with ``script``, that Python file with ``train_argv`` instead."""
-    env = dict(os.environ, MINDSPEED_AI_FRAMEWORK=framework)
+    """The framework's launcher command line (backends/<name>/__init__.py: torchrun, msrun) and
+    environment that runs `train` (or `generate`, `evaluate`) on every rank; with ``script``,
+    that Python file with ``train_argv`` instead."""
+    backend = runtime.declaration(framework)
+    env = {**backend.LAUNCH_ENV, **os.environ, "MINDSPEED_AI_FRAMEWORK": framework}
     if args.nnodes > 1 and not env.get("GLOO_SOCKET_IFNAME"):
         interface = interface_towards(args.master_addr)
         if interface:
             env["GLOO_SOCKET_IFNAME"] = interface
     # msrun starts its workers with the "python" on PATH: make it this interpreter
     env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
-    if framework == "pytorch":
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.nproc_per_node}",
-               f"--nnodes={args.nnodes}", f"--node-rank={args.node_rank}", f"--master-addr={args.master_addr}",
-               f"--master-port={args.master_port}", *([script] if script else ["-m", "mindspeed_core.cli", command]),
-               *train_argv]
-    else:
-        env = {**MSRUN_ENV_DEFAULTS, **env}
-        if args.nproc_per_node > 1:  # as torchrun does: ranks of a node share its cores
-            env.setdefault("OMP_NUM_THREADS", "1")
-        msrun = os.path.join(os.path.dirname(sys.executable), "msrun")
-        cli = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cli.py")
-        cmd = [msrun if os.path.exists(msrun) else "msrun", f"--worker_num={args.nproc_per_node * args.nnodes}",
-               f"--local_worker_num={args.nproc_per_node}", f"--master_addr={args.master_addr}",
-               f"--master_port={args.master_port}", f"--node_rank={args.node_rank}", "--join=True",
-               f"--log_dir={args.log_dir}", *([script] if script else [cli, command]), *train_argv]
-    return cmd, env
+    if args.nproc_per_node > 1:  # as torchrun does for its ranks: the ranks of a node share its cores
+        env.setdefault("OMP_NUM_THREADS", "1")
+    cmd = backend.launch_command(args.nproc_per_node, args.nnodes, args.node_rank, args.master_addr,
+                                 args.master_port, args.log_dir, script, command)
+    return [*cmd, *train_argv], env
 
 
 def local_script_command(nproc: int, script: str, script_argv: list[str], framework: str,
@@ -219,7 +206,7 @@ def run(args, backend) -> int:
     errors = tempfile.mkdtemp(prefix="mindspeed-launch-")
     env[ERRORS_ENV] = errors
     try:
-        job = Job(cmd, env, "torchrun" if framework == "pytorch" else "msrun")
+        job = Job(cmd, env, runtime.declaration(framework).LAUNCHER)
         code = job.run()
         reason = _rank_error(errors, job.culprit()) if code != 0 and job.stopped_by is None else None
     finally:

@@ -2,7 +2,8 @@
 
 Precedence: the ``--ai-framework`` flag of an entry point, then ``set_backend()``, then the
 environment variable ``MINDSPEED_AI_FRAMEWORK``, then the default ``pytorch``. Binding
-imports the backend package (``mindspeed_core.backends.<name>``) and selects the device; it
+imports the backend's facade (``mindspeed_core.backends.<name>.facade``; the package itself,
+:func:`declaration`, imports no framework) and selects the device; it
 happens once, before any model code runs, and binding to a second framework later in the
 same process is an error: tensors, modules and parameters of one framework cannot be mixed
 with the other's.
@@ -21,10 +22,10 @@ ENV_VAR = "MINDSPEED_AI_FRAMEWORK"
 DEVICE_ENV_VAR = "MINDSPEED_DEVICE"
 DEFAULT = "pytorch"
 
-# framework name -> (backend module, the framework's own import name, pip extra)
+# framework name -> its backend package (what it declares: backends/<name>/__init__.py)
 FRAMEWORKS = {
-    "pytorch": ("mindspeed_core.backends.torch", "torch", "torch"),
-    "mindspore": ("mindspeed_core.backends.mindspore", "mindspore", "mindspore"),
+    "pytorch": "mindspeed_core.backends.torch",
+    "mindspore": "mindspeed_core.backends.mindspore",
 }
 DEVICES = ("auto", "cpu", "cuda", "npu", "gpu", "ascend")
 DEVICE_ALIASES = {"gpu": "cuda", "ascend": "npu"}  # the one definition: every device flag takes them
@@ -42,6 +43,12 @@ def check_name(name: str) -> str:
             f"unknown AI framework {name!r}; choose one of: {', '.join(FRAMEWORKS)}"
         )
     return key
+
+
+def declaration(name: str):
+    """The backend package of framework ``name``, imported without its framework: NAME,
+    IMPORT_NAME, EXTRA, FACADE, LAUNCHER, LAUNCH_ENV, launch_command()."""
+    return importlib.import_module(FRAMEWORKS[check_name(name)])
 
 
 def set_backend(name: str, device: str | None = None) -> None:
@@ -86,15 +93,15 @@ def bind(flag: str | None = None, device: str | None = None):
                 raise BackendError(f"the facade is already bound to {_bound.device.type()} in this process; "
                                    f"--device {device} needs a new process")
             return _bound
-        module_name, import_name, extra = FRAMEWORKS[name]
+        declared = declaration(name)
         try:
-            backend = importlib.import_module(module_name)
+            backend = importlib.import_module(declared.FACADE)
         except ImportError as exc:
-            if (exc.name or "").split(".")[0] != import_name:
+            if (exc.name or "").split(".")[0] != declared.IMPORT_NAME:
                 raise
             raise BackendError(
-                f"--ai-framework {name} needs the {import_name!r} package, which cannot be "
-                f"imported ({exc}); install it with: pip install 'mindspeed-core[{extra}]'"
+                f"--ai-framework {name} needs the {declared.IMPORT_NAME!r} package, which cannot be "
+                f"imported ({exc}); install it with: pip install 'mindspeed-core[{declared.EXTRA}]'"
             ) from None
         wanted = device or _requested_device or os.environ.get(DEVICE_ENV_VAR) or "auto"
         if wanted.lower() not in DEVICES:

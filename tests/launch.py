@@ -12,7 +12,8 @@ import subprocess
 import sys
 import time
 
-from mindspeed_core.launcher import MSRUN_ENV_DEFAULTS
+from mindspeed_core.backends.mindspore import LAUNCH_ENV as MSRUN_ENV
+from mindspeed_core.launcher import local_script_command
 
 
 def free_port() -> int:
@@ -25,9 +26,12 @@ def _environment(framework: str) -> dict:
     env = dict(os.environ)
     env["MINDSPEED_AI_FRAMEWORK"] = framework
     env["OMP_NUM_THREADS"] = "1"  # several ranks share two cores
+    # a rank that crashes (a signal, not an exception) leaves its Python stack in its log: a
+    # MindSpore rank once died of SIGSEGV after its run with nothing else to go on
+    env.setdefault("PYTHONFAULTHANDLER", "1")
     # msrun starts workers with the "python" on PATH: make it this interpreter.
     env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
-    return env if framework == "pytorch" else {**MSRUN_ENV_DEFAULTS, **env}
+    return env if framework == "pytorch" else {**MSRUN_ENV, **env}
 
 
 def launch(framework: str, nproc: int, script: str, args: list[str], log_dir: str, timeout: int = 300,
@@ -87,14 +91,8 @@ def launch(framework: str, nproc: int, script: str, args: list[str], log_dir: st
 
 
 def _through_launcher(framework: str, nproc: int, script: str, args: list[str], log_dir: str, timeout: int):
-    env, port = _environment(framework), str(free_port())
-    if framework == "pytorch":
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={port}",
-               script, *args]
-    else:
-        cmd = [os.path.join(os.path.dirname(sys.executable), "msrun"), f"--worker_num={nproc}",
-               f"--local_worker_num={nproc}", f"--master_port={port}", "--join=True", f"--log_dir={log_dir}",
-               script, *args]
+    env = _environment(framework)
+    cmd, _ = local_script_command(nproc, script, args, framework, log_dir)  # the launcher's own command line
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             start_new_session=True)
     try:

@@ -66,7 +66,7 @@ def test_the_mindspore_backend_sizes_its_thread_pools_by_omp_num_threads():
     set to one thread as the backend is imported (the pools spin waiting for work, and ranks
     sharing cores slow each other down: backends/mindspore/device.py)."""
     pytest.importorskip("mindspore")
-    probe = ("from mindspeed_core.backends import mindspore as _\n"
+    probe = ("from mindspeed_core.backends.mindspore import facade as _\n"
              "from mindspore._c_expression import RuntimeConf\n"
              "c = RuntimeConf.get_instance()\n"
              "print(c.is_op_threads_num_configured(), c.is_dispatch_threads_num_configured())")

@@ -10,7 +10,8 @@ FRAMEWORK_FREE = ["models", "mindspeed_core/parallel", "mindspeed_core/training"
                   "mindspeed_core/memory",
                   "mindspeed_core/composite.py", "mindspeed_core/features.py", "mindspeed_core/rng_tracker.py",
                   "mindspeed_core/tensor_files.py", "mindspeed_core/usage.py", "backends/emulated_collectives.py",
-                  "backends/common.py",
+                  "backends/common.py", "backends/torch/__init__.py", "backends/mindspore/__init__.py",
+                  "mindspeed_core/launcher.py", "mindspeed_core/runtime.py",
                   "backends/initializers.py", "backends/state.py", "compat/mcore.py", "compat/torch_pickle.py",
                   "mindspeed_core/convert.py"]
 FORBIDDEN = {"torch", "mindspore", "torch_npu"}
