@@ -202,6 +202,8 @@ def add_feature_args(parser: argparse.ArgumentParser) -> None:
     f.add_argument("--use-fused-rotary-pos-emb", action="store_true")
     f.add_argument("--moe-grouped-gemm", action="store_true")
     f.add_argument("--gemm-gradient-accumulation-fusion", action="store_true")
+    f.add_argument("--use-triton-gdn", action="store_true",
+                   help="gated DeltaNet's fused (Triton) kernels on CUDA / Ascend")
 
     f.add_argument("--compile", action="store_true",
                    help="compile the loss and its gradient (torch.compile / mindspore.jit); the first step pays "
@@ -356,6 +358,22 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
     m.add_argument("--rotary-base", type=POSITIVE, default=None)
     m.add_argument("--rotary-percent", type=POSITIVE, default=None,
                    help="the share of each head's features RoPE rotates (the first ones)")
+    m.add_argument("--partial-rotary-factor", type=POSITIVE, default=None,
+                   help="MindSpeed-LLM's name of --rotary-percent (Qwen3-Next: 0.25)")
+    # linear-attention hybrids (Qwen3-Next and MindSpeed-LLM's gated-DeltaNet models,
+    # models/gated_deltanet.py): megatron-core's linear_* settings and MindSpeed-LLM's --mamba-*
+    m.add_argument("--full-attention-interval", type=POSITIVE_INT, default=None,
+                   help="every N-th layer attends, the others are gated DeltaNet (Qwen3-Next: 4)")
+    m.add_argument("--linear-num-key-heads", type=POSITIVE_INT, default=None)
+    m.add_argument("--linear-num-value-heads", type=POSITIVE_INT, default=None)
+    m.add_argument("--linear-key-head-dim", type=POSITIVE_INT, default=None)
+    m.add_argument("--linear-value-head-dim", type=POSITIVE_INT, default=None)
+    m.add_argument("--mamba-d-conv", type=POSITIVE_INT, default=None,
+                   help="the width of gated DeltaNet's causal convolution (default 4)")
+    m.add_argument("--mamba-chunk-size", type=POSITIVE_INT, default=None,
+                   help="gated DeltaNet's chunk in training (default 64; the values do not depend on it)")
+    m.add_argument("--mamba-expand", type=POSITIVE_INT, default=None,
+                   help="Mamba's inner expansion; gated DeltaNet's widths are the --linear-* flags' (1 only)")
     # RoPE scaling (with --rope-scaling-type), MindSpeed-LLM's spellings: llama3 takes the low /
     # high frequency factors and --original-max-position-embeddings, yarn the betas, mscales and
     # --rope-scaling-original-max-position-embeddings
@@ -537,6 +555,9 @@ ACCEPTED_NO_OPS = {
                                     "attention's softmax accumulates in float32 here in every precision"),
     "--no-masked-softmax-fusion": ({"action": "store_true"},
                                    "attention has no separate masked-softmax kernel to fuse here"),
+    "--no-enable-linear-qkv": ({"action": "store_true"},
+                               "MindSpeed-LLM's separate q, k and v projections (for its fused kernels): here "
+                               "linear_qkv is one layer, computing the same values"),
     "--no-gradient-accumulation-fusion": ({"action": "store_true"},
                                           "gradient accumulation is not fused here (--gemm-gradient-accumulation-fusion "
                                           "is the matrix's row for it)"),

@@ -556,6 +556,27 @@ FEATURES: tuple[Feature, ...] = (
                       "for every attention path that returns it (TP splits the sinks by head; SP, PP, the KV "
                       "cache); with context parallelism it is not built (GPT-OSS is MoE, which CP refuses)"),
             supported("as on PyTorch"), _eq("softmax_type", "learnable")),
+    Feature("triton-gdn", "Gated DeltaNet's fused kernels (flash-linear-attention's Triton chunked rule)",
+            "fused-ops", ("--use-triton-gdn",),
+            planned("the chunked rule runs as composite ops everywhere (models/gated_deltanet.py); the Triton kernels "
+                    "need a GPU or an NPU", cpu=unsupported("Triton kernels need a GPU or an NPU",
+                                                           instead="drop it: the composite chunked rule runs on CPU")),
+            planned("as on PyTorch", cpu=unsupported("Triton kernels need a GPU or an NPU",
+                                                     instead="drop it: the composite chunked rule runs on CPU")),
+            _on("use_triton_gdn")),
+    Feature("gated-deltanet", "Gated DeltaNet linear attention in hybrid models (Qwen3-Next, Qwen3.5)", "models",
+            ("--full-attention-interval", "--linear-num-key-heads", "--linear-num-value-heads", "--linear-key-head-dim",
+             "--linear-value-head-dim", "--mamba-d-conv", "--mamba-chunk-size"),
+            supported("models/gated_deltanet.py: the delta rule by chunks (a unit-triangular solve per chunk, the "
+                      "WY/UT form) for training and prefill, a token at a time with the cache's state for decoding, "
+                      "equal values; the short causal convolution, L2-normed q/k, the gated RMSNorm; one process "
+                      "and pipeline stages (tensor, sequence and context parallelism are refused: not built)"),
+            supported("as on PyTorch"), lambda a: getattr(a, "full_attention_interval", None) is not None),
+    Feature("attention-output-gate", "Gated attention: each head's output times sigmoid of its own gate "
+            "(Qwen3-Next)", "models", (),
+            supported("megatron-core's attention_output_gate: linear_qkv holds each query group's heads, their "
+                      "gates, the key and the value, so tensor parallelism splits it by group as before"),
+            supported("as on PyTorch"), None),
     Feature("hf-gpt-oss", "GPT-OSS folders: biased experts with the clamped quick-GEGLU, MXFP4 experts read "
             "dequantised", "compatibility", (),
             supported("gpt_oss config.json and weights both ways: sinks, alternating sliding windows, YaRN, the "

@@ -40,15 +40,17 @@ def eligible(model) -> bool:
     """Whether the decode step of ``model`` can be one graph here: the backend gains from it
     (features: compiled-decode), and attention needs no position-relative mask (a sliding
     window is counted back from the newest key, which is not the capacity's last slot) and no
-    host-sized expert batches (MoE routing), and the model runs in this process (not a
-    pipeline's stages, one after another on other ranks)."""
+    host-sized expert batches (MoE routing), no linear-attention state (its decode step is not
+    written as a graph), and the model runs in this process (not a pipeline's stages, one after
+    another on other ranks)."""
     if getattr(model, "pipelined", False):
         return False
     backend = runtime.bound()
     if features.get("compiled-decode").status(backend.NAME, backend.device.type()).kind != "supported":
         return False
     cfg = getattr(model, "cfg", None)
-    return cfg is not None and cfg.moe is None and all(cfg.window_of(n) is None for n in range(cfg.num_layers))
+    return (cfg is not None and cfg.moe is None and cfg.linear_attention is None
+            and all(cfg.window_of(n) is None for n in range(cfg.num_layers)))
 
 
 class _GraphCache:

@@ -138,6 +138,28 @@ class LoRAConfig:
 
 
 @dataclass(frozen=True)
+class LinearAttentionConfig:
+    """Gated DeltaNet layers (models/gated_deltanet.py): transformers' linear_* keys, MindSpeed-LLM's
+    --linear-* flags, --mamba-d-conv (the convolution's width) and --mamba-chunk-size (the chunk of
+    the training form; the values do not depend on it)."""
+    key_heads: int = 4
+    value_heads: int = 8
+    key_dim: int = 32
+    value_dim: int = 32
+    conv_kernel: int = 4
+    chunk_size: int = 64
+
+    def __post_init__(self):
+        for name in ("key_heads", "value_heads", "key_dim", "value_dim", "conv_kernel", "chunk_size"):
+            value = getattr(self, name)
+            if type(value) is not int or value <= 0:
+                raise ValueError(f"linear attention's {name} must be a positive integer, got {value!r}")
+        if self.value_heads % self.key_heads:
+            raise ValueError(f"linear attention's {self.value_heads} value heads do not divide among its "
+                             f"{self.key_heads} key heads")
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     vocab_size: int = 256
     hidden_size: int = 128
@@ -196,6 +218,13 @@ class ModelConfig:
     # attention sinks (GPT-OSS; Megatron's --softmax-type learnable): a learned logit per head
     # joins each query's softmax as one more key with no value, so a head may attend to nothing
     attention_sinks: bool = False
+    # gated attention (Qwen3-Next; megatron-core's attention_output_gate): linear_qkv also makes a
+    # gate per query head, and each head's output is times sigmoid(gate) before linear_proj
+    attention_output_gate: bool = False
+    # linear-attention hybrids (Qwen3-Next, Qwen3.5): gated DeltaNet in place of self-attention in
+    # the layers numbered in linear_layers (None: every layer)
+    linear_attention: LinearAttentionConfig | None = None
+    linear_layers: tuple | None = None
     untie_embeddings_and_output_weights: bool = True
     init_method_std: float = 0.02
     attention_dropout: float = 0.0
@@ -295,6 +324,17 @@ class ModelConfig:
             object.__setattr__(self, "lora", LoRAConfig(**self.lora))
         if isinstance(self.mla, dict):
             object.__setattr__(self, "mla", MLAConfig(**self.mla))
+        if isinstance(self.linear_attention, dict):
+            object.__setattr__(self, "linear_attention", LinearAttentionConfig(**self.linear_attention))
+        if self.linear_layers is not None:
+            if self.linear_attention is None:
+                raise ValueError("linear_layers without a linear_attention config")
+            object.__setattr__(self, "linear_layers", tuple(sorted({int(i) for i in self.linear_layers})))
+            if any(not 0 <= i < self.num_layers for i in self.linear_layers):
+                raise ValueError(f"linear_layers {list(self.linear_layers)} must be among the layers "
+                                 f"0..{self.num_layers - 1}")
+        if self.linear_attention is not None and self.mla is not None:
+            raise ValueError("linear attention layers beside multi-latent attention are not built")
         if self.mla is not None:
             for name, value in (("kv_channels", self.mla.qk_head_dim), ("num_query_groups", self.num_attention_heads)):
                 if getattr(self, name) not in (None, value):
@@ -368,6 +408,12 @@ class ModelConfig:
         """Whether the MLP is gated (fc1: gate rows, then up rows; twice the ffn width)."""
         return self.activation in GATED_ACTIVATIONS
 
+    def is_linear_layer(self, number: int) -> bool:
+        """Layer ``number`` runs gated DeltaNet instead of self-attention (multi-token prediction's
+        layers, numbered on from num_layers, attend)."""
+        return (self.linear_attention is not None and number < self.num_layers
+                and (self.linear_layers is None or number in self.linear_layers))
+
     def rotates_locally(self, number: int) -> bool:
         """Whether layer ``number`` takes the local RoPE tables (Gemma 3's sliding layers)."""
         return self.local_rotary_base is not None and self.window_of(number) is not None
@@ -386,7 +432,8 @@ class ModelConfig:
 
         return dataclasses.replace(self, num_layers=num_layers, noop_layers=noop_layers,
                                    moe_layers=moved(self.moe_layers),
-                                   sliding_window_layers=moved(self.sliding_window_layers))
+                                   sliding_window_layers=moved(self.sliding_window_layers),
+                                   linear_layers=moved(self.linear_layers))
 
     def moe_layer_numbers(self) -> list[int]:
         """The numbers of the layers that run an MoE MLP (no-op layers run none), the
@@ -415,7 +462,23 @@ class ModelConfig:
 
     @property
     def qkv_width(self) -> int:
-        return (self.num_attention_heads + 2 * self.num_query_groups) * self.kv_channels
+        """linear_qkv's output rows: the query heads (and their gates), a key and a value per group."""
+        heads = self.num_attention_heads * (2 if self.attention_output_gate else 1)
+        return (heads + 2 * self.num_query_groups) * self.kv_channels
+
+    def linear_layer_count(self) -> int:
+        return sum(self.is_linear_layer(i) for i in range(self.num_layers) if i not in self.noop_layers)
+
+    def _linear_attention_weights(self) -> int:
+        """A gated DeltaNet layer's matrix entries (in_proj, out_proj)."""
+        la, h = self.linear_attention, self.hidden_size
+        qk, v = la.key_heads * la.key_dim, la.value_heads * la.value_dim
+        return h * (2 * qk + 2 * v + 2 * la.value_heads) + v * h
+
+    def _linear_attention_parameters(self) -> int:
+        la = self.linear_attention
+        conv = (2 * la.key_heads * la.key_dim + la.value_heads * la.value_dim) * la.conv_kernel
+        return self._linear_attention_weights() + conv + 2 * la.value_heads + la.value_dim
 
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)
@@ -443,6 +506,8 @@ class ModelConfig:
         fc1 = (2 * f if self.gated else f)
         mlp = h * fc1 + f * h + ((fc1 + h) if self.add_bias_linear else 0)
         total = L * (attn + mlp + norms_per_layer * norm) + norm + v * h
+        if self.linear_attention is not None:
+            total += self.linear_layer_count() * (self._linear_attention_parameters() - attn)
         moe_layers = sum(self.is_moe_layer(i) for i in range(self.num_layers) if i not in self.noop_layers)
         if moe_layers:
             total += moe_layers * (self._moe_mlp_parameters(active=False) - mlp)
@@ -491,6 +556,10 @@ class ModelConfig:
         # an MoE layer computes its router and the k experts each token goes to, not the dense MLP
         dense_mlp = h * fc1 + self.ffn_hidden_size * h
         extra = 2 * moe_layers * (self._moe_mlp_parameters(active=True) - dense_mlp) if moe_layers else 0
+        if self.linear_attention is not None:  # in_proj and out_proj, and the chunks' products in place of QK^T, PV
+            la = self.linear_attention
+            linear = 2 * self._linear_attention_weights() + 2 * 2 * 2 * la.chunk_size * la.value_heads * la.value_dim
+            extra += self.linear_layer_count() * (linear - 2 * self._attention_weights() - 2 * 2 * seq_length * attn_width)
         head = 2 * h * (1 if self.reward_head else self.vocab_size)
         # each multi-token prediction module: a layer, eh_proj [h, 2h] and the output layer again
         mtp = self.mtp_num_layers * (per_layer + 2 * 2 * h * h + head)

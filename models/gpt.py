@@ -216,8 +216,13 @@ class SelfAttention(nn.Module):
         (groups, per_group), d = seams.heads(cfg), cfg.kv_channels
         qkv = self.linear_qkv(x)
         b, s = qkv.shape[0], qkv.shape[1]  # the full sequence, also under sequence parallelism
-        qkv = ops.reshape(qkv, (b, s, groups, per_group + 2, d))
-        q, k, v = ops.split(qkv, [per_group, 1, 1], dim=3)
+        gated = cfg.attention_output_gate  # per group: its query heads, their gates, a key, a value
+        qkv = ops.reshape(qkv, (b, s, groups, per_group * (2 if gated else 1) + 2, d))
+        if gated:
+            q, gate, k, v = ops.split(qkv, [per_group, per_group, 1, 1], dim=3)
+            gate = ops.reshape(gate, (b, s, groups * per_group, d))
+        else:
+            q, k, v = ops.split(qkv, [per_group, 1, 1], dim=3)
         q = ops.reshape(q, (b, s, groups * per_group, d))
         k, v = ops.squeeze(k, 3), ops.squeeze(v, 3)
         if cfg.qk_layernorm:
@@ -250,6 +255,9 @@ class SelfAttention(nn.Module):
                 return with_sinks(*seams.attention(q, k, v, p, fused, tokens, scores, return_lse=True), *sinks)
 
         out = self.recompute_policy.attention(core, q, k, v, *sinks)
+        if gated:
+            features.note_used("attention-output-gate")
+            out = ops.cast(ops.cast(out, "float32") * ops.sigmoid(ops.cast(gate, "float32")), ops.dtype_of(out))
         return self.linear_proj(ops.reshape(out, (b, s, groups * per_group * d)))
 
 
@@ -272,11 +280,16 @@ class TransformerLayer(nn.Module):
     recompute_policy = recompute.NONE
     swap = contextlib.nullcontext  # GPTModel.use_memory
 
-    def __init__(self, cfg: ModelConfig, mlp: nn.Module | None = None):
+    def __init__(self, cfg: ModelConfig, mlp: nn.Module | None = None, number: int | None = None):
+        """``number``: the layer's global number (its kind of token mixer); None: attention."""
         super().__init__()
         self.hidden_dropout = cfg.hidden_dropout
         self.input_layernorm = make_norm(cfg, cfg.hidden_size)
-        if cfg.mla is not None:
+        if number is not None and cfg.is_linear_layer(number):
+            from mindspeed_core.models.gated_deltanet import GatedDeltaNet  # it builds on this module's pieces
+
+            self.self_attention = GatedDeltaNet(cfg)
+        elif cfg.mla is not None:
             from mindspeed_core.models.mla import MLASelfAttention  # it builds on this module's pieces
 
             self.self_attention = MLASelfAttention(cfg)
@@ -322,7 +335,7 @@ class Decoder(nn.Module):
     def __init__(self, cfg: ModelConfig, numbers: tuple, final_norm: bool = True, make_mlp=None):
         super().__init__()
         self.numbers = tuple(numbers)
-        self.layers = nn.ModuleList([TransformerLayer(cfg, None if make_mlp is None else make_mlp(n))
+        self.layers = nn.ModuleList([TransformerLayer(cfg, None if make_mlp is None else make_mlp(n), n)
                                      for n in self.numbers])
         self.local = [cfg.rotates_locally(n) for n in self.numbers]  # which layers take the local RoPE
         for number, layer in zip(self.numbers, self.layers):

@@ -20,6 +20,9 @@ class KVCache:
         self.batch, self.capacity = batch, capacity
         self.length = 0  # positions filled (the same for every row: padding fills the rest)
         self.keys, self.values = {}, {}  # layer number -> [batch, capacity, groups, head_dim]
+        # layer number -> (convolution history, delta-rule state) of a linear-attention layer
+        # (models/gated_deltanet.py): its whole past in a fixed size, whatever the length
+        self.linear = {}
         self.documents = np.zeros((batch, capacity), np.int64)
         self._documents = None  # the device copy of documents[:, :length + new]
 
@@ -50,6 +53,13 @@ class KVCache:
         its latent and rotated key, kv_lora_rank + qk_rope_head_dim a layer)."""
         return sum(int(np.prod(t.shape[2:])) for store in (self.keys, self.values) for t in store.values())
 
+    def linear_state(self, layer: int) -> tuple:
+        """A linear-attention layer's (convolution history, state), (None, None) before its first pass."""
+        return self.linear.get(layer, (None, None))
+
+    def keep_linear_state(self, layer: int, history, state) -> None:
+        self.linear[layer] = (history, state)
+
     def key_documents(self):
         return self._documents
 
@@ -64,5 +74,7 @@ class KVCache:
         for store in (self.keys, self.values):
             for layer, buffer in store.items():
                 store[layer] = ops.index_select(buffer, 0, index)
+        for layer, kept in self.linear.items():
+            self.linear[layer] = tuple(ops.index_select(t, 0, index) for t in kept)
         self.documents = self.documents[np.asarray(rows)]
         self.batch = len(rows)

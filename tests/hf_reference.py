@@ -128,6 +128,23 @@ MODELS = {
                                      rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0,
                                                       "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                                                       "original_max_position_embeddings": 16})),
+    # linear-attention hybrid: layers 0-2 gated DeltaNet (grouped value heads), 3 gated attention on a
+    # quarter of each head; MoE with a gated shared expert except in layer 1
+    "qwen3-next": (T.Qwen3NextConfig, dict(COMMON, num_hidden_layers=4, num_key_value_heads=2, head_dim=16,
+                                           max_position_embeddings=128, linear_num_key_heads=2,
+                                           linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+                                           num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                           shared_expert_intermediate_size=48, mlp_only_layers=[1])),
+    # Qwen3.5's text models: the same layers with separate, ungrouped linear-attention projections
+    "qwen3.5": (T.Qwen3_5TextConfig, dict(COMMON, num_hidden_layers=4, num_key_value_heads=2, head_dim=16,
+                                          max_position_embeddings=128, linear_num_key_heads=2, linear_num_value_heads=4,
+                                          linear_key_head_dim=8, linear_value_head_dim=8)),
+    "qwen3.5-moe": (T.Qwen3_5MoeTextConfig, dict({k: v for k, v in COMMON.items() if k != "intermediate_size"},
+                                                 num_hidden_layers=4, num_key_value_heads=2, head_dim=16,
+                                                 max_position_embeddings=128, linear_num_key_heads=2,
+                                                 linear_num_value_heads=4, linear_key_head_dim=8,
+                                                 linear_value_head_dim=8, num_experts=4, num_experts_per_tok=2,
+                                                 moe_intermediate_size=32, shared_expert_intermediate_size=48)),
 }
 MODELS["gpt-oss-mxfp4"] = MODELS["gpt-oss"]
 FP4_E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
@@ -182,7 +199,7 @@ def store_experts_as_mxfp4(model, folder: str) -> None:
 # greedy generate() with the cache: 8 tokens after the first PROMPT ids, the second row's first
 # 3 ids padding
 GENERATED = ("llama", "qwen3", "gpt2", "llama-dynamic-rope", "phi3-longrope", "gemma2", "gemma3", "mistral-sliding",
-             "deepseek-v2", "deepseek-v3", "glm4-moe", "minicpm3", "gpt-oss")
+             "deepseek-v2", "deepseek-v3", "glm4-moe", "minicpm3", "gpt-oss", "qwen3-next", "qwen3.5")
 PAD, PROMPT = 3, 12
 BEAMS = ("llama", "qwen3", "deepseek-v2")  # transformers' beam search, for test_hf's
 # the logits are of 24 tokens: past every original context above (8 or 16), so that dynamic
@@ -190,6 +207,8 @@ BEAMS = ("llama", "qwen3", "deepseek-v2")  # transformers' beam search, for test
 # default initialisation gives logits of ~0.4, where a 10% change of a softmax scale hides
 # inside 1e-4), so logits of O(1) to O(10)
 SEQUENCE, SPREAD = 24, 0.2
+# past one 64-token chunk of the delta rule's training form: the carried state between chunks acts
+LENGTHS = {"qwen3-next": 80, "qwen3.5": 80, "qwen3.5-moe": 80}
 
 
 def _rope(name: str, **changes) -> dict:
@@ -224,9 +243,19 @@ WITHOUT = {
     # each head's rotated features taken in halves, not as interleaved pairs
     "deepseek-v3": {"rotation in halves": {"rope_interleave": True}},
     "minicpm3": {"MiniCPM scalings": {"scale_emb": 1, "scale_depth": 1.0, "dim_model_base": 64}},
+    # the delta rule's decay (A -> 0: a state that never forgets) and the short convolution (the
+    # identity: each channel its own input)
+    "qwen3-next": {"decay": lambda model: [m.A_log.fill_(-30.0) for m in model.modules() if hasattr(m, "A_log")],
+                   "convolution": lambda model: [_identity_conv(m.conv1d.weight) for m in model.modules()
+                                                 if hasattr(m, "A_log")]},
     "gpt-oss": {"sinks": lambda model: [m.sinks.fill_(-1e4) for m in model.modules() if hasattr(m, "sinks")],
                 "window": {"sliding_window": 64}},
 }
+
+
+def _identity_conv(weight) -> None:
+    weight.zero_()
+    weight[:, :, -1] = 1.0
 
 
 def _model(cls, kwargs: dict):
@@ -242,6 +271,8 @@ def build(name: str, out_dir: str) -> None:
             p.normal_(0.0, SPREAD)
             if p.dim() == 1 and pname.endswith("weight") and ("norm" in pname or ".ln_" in pname):
                 p.add_(1.0)  # a norm's gains about 1: centred at 0 they would shrink the logits 5-fold
+            if pname.endswith("A_log"):  # decays of about 0.95 a token: the state outlives a 64-token chunk
+                p.add_(-3.0)
         for buffer_name, b in model.named_buffers():  # DeepSeek-V3's routers' bias is a buffer
             if buffer_name.endswith("e_score_correction_bias"):
                 b.uniform_(-0.1, 0.1)
@@ -250,7 +281,7 @@ def build(name: str, out_dir: str) -> None:
         store_experts_as_mxfp4(model, folder)
     else:  # one model saved sharded, to cover the index file
         model.save_pretrained(folder, max_shard_size="100KB" if name == "qwen3" else "1GB")
-    ids = np.random.default_rng(1).integers(0, VOCAB, size=(2, SEQUENCE))
+    ids = np.random.default_rng(1).integers(0, VOCAB, size=(2, LENGTHS.get(name, SEQUENCE)))
 
     def logits_of(m, rows):
         with torch.no_grad():

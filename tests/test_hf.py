@@ -32,10 +32,16 @@ MLA = [pytest.param("deepseek-v2", marks=pytest.mark.feature("multi-latent-atten
 GPT_OSS = pytest.param("gpt-oss", marks=[pytest.mark.feature("attention-sinks"), pytest.mark.feature("hf-gpt-oss"),
                                          pytest.mark.feature("sliding-window-attention"), pytest.mark.feature("yarn")])
 GPT_OSS_MXFP4 = pytest.param("gpt-oss-mxfp4", marks=pytest.mark.feature("hf-gpt-oss"))
+# Qwen3-Next: gated DeltaNet over 80 tokens (two chunks) beside gated attention
+QWEN3_NEXT = pytest.param("qwen3-next", marks=[pytest.mark.feature("gated-deltanet"),
+                                                pytest.mark.feature("attention-output-gate")])
+# Qwen3.5 (text), dense and MoE: its ungrouped projections
+QWEN3_5 = [pytest.param(name, marks=[pytest.mark.feature("gated-deltanet"), pytest.mark.feature("attention-output-gate")])
+           for name in ("qwen3.5", "qwen3.5-moe")]
 NAMES = ["llama", "llama3-rope", "llama-linear-rope-tied", "llama-yarn", "qwen2-yarn-mscale", "llama-dynamic-rope",
          "llama-attention-bias", "mistral", "mistral-sliding", "qwen2", "qwen2-sliding", "qwen3", "phi3-longrope",
          "phi3-partial-rotary", GEMMA2, "gemma3", "gpt2", "mixtral", "qwen2-moe", "qwen3-moe", *MLA, "glm4-moe",
-         GPT_OSS, GPT_OSS_MXFP4]
+         GPT_OSS, GPT_OSS_MXFP4, QWEN3_NEXT, *QWEN3_5]
 
 
 _reference_process = hf_reference_process
@@ -74,14 +80,15 @@ def test_logits_match_transformers(references, name):
 @pytest.mark.feature("greedy-generation")
 @pytest.mark.feature("kv-cache")
 @pytest.mark.parametrize("name", ["llama", "qwen3", "gpt2", "llama-dynamic-rope", "phi3-longrope", GEMMA2, "gemma3",
-                                  "mistral-sliding", *MLA, "glm4-moe", GPT_OSS])
+                                  "mistral-sliding", *MLA, "glm4-moe", GPT_OSS, QWEN3_NEXT, QWEN3_5[0]])
 def test_greedy_generation_matches_transformers(references, name):
     """transformers' generate() (greedy, with its cache) on a batch whose second prompt is
     padded on the left; dynamic NTK past max_position_embeddings as the sequence grows;
     LongRoPE's long factors once the sequence passes its original length (the cache computed
     again with them, as transformers' Phi-3 does); Gemma 2's and Gemma 3's
     windows sliding over the cache (Gemma 3's sliding layers on their own RoPE); DeepSeek's
-    cache of latents; GPT-OSS's sinks beside a padded row's hidden keys. Where the matrix has
+    cache of latents; GPT-OSS's sinks beside a padded row's hidden keys; Qwen3-Next's linear
+    layers decoding from the state their prefill left (padding zeroed first). Where the matrix has
     compiled-decode, the decode steps run as one graph (even for these 8 tokens)."""
     from mindspeed_core.models import compiled_decode
     from mindspeed_core.models import generate as gen
@@ -131,7 +138,7 @@ def test_the_latent_cache_holds_the_latent_and_the_rotated_key(references):
 
 EXPORTED = ["llama", "llama-attention-bias", "qwen3", "gpt2", "mixtral", "qwen2-moe", "qwen2-yarn-mscale",
             "phi3-longrope", "phi3-partial-rotary", "gemma2", "gemma3", "mistral-sliding", "qwen2-sliding",
-            "deepseek-v2", "deepseek-v3", "glm4-moe", "minicpm3", "gpt-oss"]
+            "deepseek-v2", "deepseek-v3", "glm4-moe", "minicpm3", "gpt-oss", "qwen3-next", "qwen3.5", "qwen3.5-moe"]
 
 
 @pytest.fixture(scope="module")

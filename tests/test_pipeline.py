@@ -159,7 +159,14 @@ MODELS = {"base": SMALL4 + ["--eval-iters", "2", "--eval-interval", "2", "--spli
           "noop": SMALL4 + ["--noop-layers", "3"],
           "tied": SMALL4 + ["--model-name", "tiny-gpt2", "--num-query-groups", "4"],
           # documents packed into samples: every stage needs their attention boundaries and positions
-          "packed": SMALL4 + ["--reset-attention-mask", "--reset-position-ids"]}
+          "packed": SMALL4 + ["--reset-attention-mask", "--reset-position-ids"],
+          # MindSpeed-LLM's dense gated-DeltaNet hybrid (its qwen3_next spec): layers 0 and 2 linear
+          # attention (chunks of 8 over the 32 tokens), 1 and 3 gated attention; one of each a stage
+          "hybrid": SMALL4 + ["--spec", "mindspeed_llm.tasks.models.spec.qwen3_next_spec", "layer_spec",
+                              "--qk-layernorm", "--add-rmsnorm-offset", "--full-attention-interval", "2",
+                              "--linear-num-key-heads", "2", "--linear-num-value-heads", "4",
+                              "--linear-key-head-dim", "16", "--linear-value-head-dim", "16", "--mamba-chunk-size", "8",
+                              "--partial-rotary-factor", "0.5"]}
 ITERS = 6  # the single-process run of the base model and the resumes
 FROM_SINGLE = 3  # the iteration of the single-process checkpoint a PP2 run continues
 LAYOUT_ITERS = 2  # the pipelined launches: the first steps of the same schedule (--lr-decay-iters)
@@ -176,6 +183,7 @@ TWO = [  # (name, model, flags), on two ranks
     ("pp2-noop", "noop", PP + ["2"]),
     ("pp2-uneven", "base", PP + ["2", "--num-layer-list", "1,3"]),
     ("pp2-tied", "tied", PP + ["2"]),
+    ("pp2-hybrid", "hybrid", PP + ["2"]),
 ]
 FOUR = [
     ("pp4", "base", PP + ["4", "--save", "{out}/ckpt-pp4", "--save-interval", str(LAYOUT_ITERS)]),
@@ -262,9 +270,11 @@ def resume_single(capsys, corpus, ckpt, model, tmp_path, want, first):  # noqa: 
 @pytest.mark.feature("noop-layers")
 @pytest.mark.feature("recompute")
 @pytest.mark.feature("norm-recompute")
+@pytest.mark.feature("gated-deltanet")
+@pytest.mark.feature("attention-output-gate")
 def test_pipelines_on_two_ranks_equal_one_process(capsys, framework, corpus, single, two, tmp_path):  # noqa: F811
-    """PP2 (saving), interleaved, no-op layers, an uneven split, tied embeddings, and a PP2 run
-    started from a single-process checkpoint: one launch."""
+    """PP2 (saving), interleaved, no-op layers, an uneven split, tied embeddings, a gated-DeltaNet
+    hybrid, and a PP2 run started from a single-process checkpoint: one launch."""
     table = {}
     out = two
     check_parity(out, TWO, single, table)

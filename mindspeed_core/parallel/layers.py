@@ -159,6 +159,10 @@ def check_layout(cfg, tp: int, sequence_parallel: bool = False) -> None:
         if sequence_parallel:
             raise MindSpeedError("--sequence-parallel needs --tensor-model-parallel-size > 1")
         return
+    if cfg.linear_attention is not None:
+        raise MindSpeedError(f"tensor parallel size {tp}: the gated DeltaNet layers of this model are not cut by "
+                             "tensor parallelism yet (not built); run them at TP 1 (pipeline and data parallelism "
+                             "work)")
     sizes = [("attention heads", cfg.num_attention_heads), ("ffn hidden size", cfg.ffn_hidden_size),
              ("padded vocabulary", cfg.vocab_size)]
     if cfg.moe is not None:

@@ -25,8 +25,8 @@ from mindspeed_core.errors import MindSpeedError
 from mindspeed_core.memory import recompute
 from mindspeed_core.models import rope
 from mindspeed_core.models import families
-from mindspeed_core.models.config import (LORA_TARGETS, LoRAConfig, MLAConfig, ModelConfig, MoEConfig,
-                                          interleaved_window_layers)
+from mindspeed_core.models.config import (LORA_TARGETS, LinearAttentionConfig, LoRAConfig, MLAConfig, ModelConfig,
+                                          MoEConfig, interleaved_window_layers)
 from mindspeed_core.models.families import PRESETS
 from mindspeed_core.parallel import context, experts, pipeline
 from mindspeed_core.parallel import layers as parallel_layers
@@ -529,6 +529,9 @@ def _model_config(args, vocab_size: int) -> ModelConfig:
         base["attention_output_bias"] = True
     if args.spec:
         base["family"] = spec_family(args.spec, moe=args.num_experts is not None)
+        base.update(families.get(base["family"]).spec_fields)
+    if _rotary_percent(args) is not None:
+        base["rotary_percent"] = _rotary_percent(args)
     if scaling:
         base["rope_scaling"] = scaling
     for flag in ("untie_embeddings_and_output_weights", "add_qkv_bias", "qk_layernorm"):
@@ -539,6 +542,9 @@ def _model_config(args, vocab_size: int) -> ModelConfig:
     base.update((field, value) for _, field, value in _layer_fields(args, base.get("num_layers", ModelConfig.num_layers)))
     if args.num_experts is not None:
         base["moe"], base["moe_layers"] = _moe_config(args, base.get("num_layers", ModelConfig.num_layers))
+    linear, linear_layers = _linear_attention(args, base.get("num_layers", ModelConfig.num_layers))
+    if linear is not None:
+        base["linear_attention"], base["linear_layers"] = linear, linear_layers
     mla = _mla_config(args)
     if mla is not None:  # each head its own key and value, of the MLA flags' width (a preset's GQA aside)
         base["mla"] = mla
@@ -562,6 +568,43 @@ def _model_config(args, vocab_size: int) -> ModelConfig:
 
 # Megatron's defaults of the multi-latent attention sizes (its --multi-latent-attention flags)
 _MLA_DEFAULTS = {"kv_lora_rank": 32, "qk_head_dim": 128, "qk_pos_emb_head_dim": 64, "v_head_dim": 128}
+
+
+# the gated DeltaNet layers' flags, besides --full-attention-interval that asks for them
+_LINEAR_FLAGS = {"linear_num_key_heads": "key_heads", "linear_num_value_heads": "value_heads",
+                 "linear_key_head_dim": "key_dim", "linear_value_head_dim": "value_dim", "mamba_d_conv": "conv_kernel",
+                 "mamba_chunk_size": "chunk_size"}
+
+
+def _linear_attention(args, num_layers: int) -> tuple[LinearAttentionConfig | None, tuple | None]:
+    """Gated DeltaNet's settings and the layers that run it, from --full-attention-interval N
+    (every N-th layer attends) and the --linear-* / --mamba-* flags (megatron-core's defaults)."""
+    given = [f for f in (*_LINEAR_FLAGS, "mamba_expand") if getattr(args, f) is not None]
+    if args.mamba_expand not in (None, 1):
+        raise MindSpeedError(f"--mamba-expand {args.mamba_expand}: gated DeltaNet's widths are the --linear-* flags'; "
+                             "an expansion other than 1 is not built")
+    if args.full_attention_interval is None:
+        if given:
+            raise MindSpeedError(f"--{given[0].replace('_', '-')} qualifies the gated DeltaNet layers of "
+                                 "--full-attention-interval, which this run has none of: give it or drop the flag")
+        return None, None
+    defaults = dict(key_heads=16, value_heads=32, key_dim=128, value_dim=128, conv_kernel=4, chunk_size=64)
+    try:
+        la = LinearAttentionConfig(**{**defaults, **{field: getattr(args, flag) for flag, field in _LINEAR_FLAGS.items()
+                                                     if getattr(args, flag) is not None}})
+    except ValueError as exc:
+        raise MindSpeedError(f"model configuration: {exc}") from None
+    return la, tuple(i for i in range(num_layers) if (i + 1) % args.full_attention_interval)
+
+
+def _rotary_percent(args) -> float | None:
+    """--rotary-percent, or MindSpeed-LLM's --partial-rotary-factor (the same number)."""
+    if args.partial_rotary_factor is None:
+        return args.rotary_percent
+    if args.rotary_percent is not None and args.rotary_percent != args.partial_rotary_factor:
+        raise MindSpeedError(f"--partial-rotary-factor {args.partial_rotary_factor} and --rotary-percent "
+                             f"{args.rotary_percent} are one setting: give one")
+    return args.partial_rotary_factor
 
 
 def _mla_config(args) -> MLAConfig | None:
@@ -648,6 +691,37 @@ def _agreeing_with_flags(args, cfg: ModelConfig, vocab_size: int, scaling: dict 
     if args.spec and cfg.family not in (built, *families.get(built).spec_also):
         raise MindSpeedError(f"--spec {args.spec[0]} builds {built} layers, "
                              f"but the Hugging Face folder holds a {cfg.family} model")
+    if _rotary_percent(args) is not None and _rotary_percent(args) != cfg.rotary_percent:
+        raise MindSpeedError(f"--partial-rotary-factor / --rotary-percent {_rotary_percent(args)} disagrees with the "
+                             f"Hugging Face folder's config.json (partial_rotary_factor {cfg.rotary_percent})")
+    return _linear_agreeing_with_flags(args, cfg)
+
+
+def _linear_agreeing_with_flags(args, cfg: ModelConfig) -> ModelConfig:
+    """A folder's gated DeltaNet layers against the flags: each architecture flag given must be
+    the folder's; --mamba-chunk-size (how training computes, not what) is taken."""
+    la = cfg.linear_attention
+    given = [f for f in (*_LINEAR_FLAGS, "full_attention_interval") if getattr(args, f) is not None]
+    if la is None:
+        if given:
+            raise MindSpeedError(f"--{given[0].replace('_', '-')}: the Hugging Face folder's model has no gated "
+                                 "DeltaNet layers")
+        return cfg
+    if args.mamba_expand not in (None, 1):
+        raise MindSpeedError(f"--mamba-expand {args.mamba_expand}: gated DeltaNet's widths are the --linear-* flags'; "
+                             "an expansion other than 1 is not built")
+    if args.full_attention_interval is not None:
+        layers = tuple(i for i in range(cfg.num_layers) if (i + 1) % args.full_attention_interval)
+        if layers != (cfg.linear_layers or tuple(range(cfg.num_layers))):
+            raise MindSpeedError(f"--full-attention-interval {args.full_attention_interval} disagrees with the "
+                                 f"Hugging Face folder's config.json (layer_types: gated DeltaNet in layers "
+                                 f"{list(cfg.linear_layers or range(cfg.num_layers))})")
+    for flag, field in _LINEAR_FLAGS.items():
+        if field != "chunk_size" and getattr(args, flag) is not None and getattr(args, flag) != getattr(la, field):
+            raise MindSpeedError(f"--{flag.replace('_', '-')} {getattr(args, flag)} disagrees with the Hugging Face "
+                                 f"folder's config.json ({field} {getattr(la, field)})")
+    if args.mamba_chunk_size is not None:
+        return dataclasses.replace(cfg, linear_attention=dataclasses.replace(la, chunk_size=args.mamba_chunk_size))
     return cfg
 
 
@@ -708,6 +782,9 @@ def check_configuration(args, world: int, default_save: bool = False):
         raise MindSpeedError(f"--seq-length {args.seq_length} exceeds the model's max_position_embeddings "
                              f"{cfg.max_position_embeddings}")
     _check_mtp_depth(cfg, args.seq_length)
+    if cfg.linear_attention is not None and args.reset_attention_mask:
+        raise MindSpeedError("--reset-attention-mask: gated DeltaNet layers carry their state along the whole row, "
+                             "so packed sequences are not built for them; drop it (one sequence a row)")
     if args.finetune and not args.load:
         raise MindSpeedError("--finetune takes the weights of the checkpoint in --load: give --load")
     if args.data_path:  # the data's flags alone, as the data sets read them (before any file is)

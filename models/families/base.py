@@ -31,6 +31,7 @@ class Family:
     architecture = ""  # transformers' class
     aliases: tuple = ()  # MindSpeed-LLM's --model-type-hf names
     specs: tuple = ()  # MindSpeed-LLM's layer spec modules (--spec) that build it
+    spec_fields: dict = {}  # ModelConfig fields its --spec implies (no flag of their own)
     builds = "gpt"  # models/registry.py's spec: gpt (dense decoder) or moe
     dense = None  # a mixture of experts: the dense family whose attention it has
     experts = False  # its Hugging Face layout holds MoE layers
@@ -46,7 +47,9 @@ class Family:
     window = None  # "every": a sliding window in every layer or none; "typed": in layer_types' sliding layers
     one_attention_bias = False  # attention_bias: biases on q, k, v and o together
     partial_rotary = False  # partial_rotary_factor below 1 read and written
-    expresses: tuple = ()  # field groups beyond the decoder it writes: "gemma", "minicpm"
+    # field groups beyond the decoder it writes: "gemma", "minicpm", "hybrid" (gated attention and
+    # linear-attention layers), or single fields of GEMMA_FIELDS
+    expresses: tuple = ()
     shared_experts_prefix = "shared_expert."  # Hugging Face's name of the shared expert's module
 
     def config_from_hf(self, hf: dict) -> ModelConfig:
@@ -75,15 +78,8 @@ class Family:
 
     def layer_from_hf(self, cfg: ModelConfig, i: int, hf: dict, take, out: dict) -> None:
         """Hugging Face layer ``i`` into ``out`` as decoder.layers.<i>."""
-        a, b = f"model.layers.{i}.", f"decoder.layers.{i}.self_attention.linear_qkv."
-        if cfg.mla is not None:
-            out.update((ours, take(theirs)) for theirs, ours in mla_names(cfg, i).items())
-        else:
-            out[b + "weight"] = fuse_qkv(cfg, *(take(a + f"self_attn.{x}_proj.weight") for x in "qkv"))
-        if cfg.add_qkv_bias:
-            out[b + "bias"] = fuse_qkv(cfg, *(take(a + f"self_attn.{x}_proj.bias") for x in "qkv"))
-        if cfg.attention_sinks:
-            out[f"decoder.layers.{i}.self_attention.core_attention.softmax_offset"] = take(a + "self_attn.sinks")
+        a = f"model.layers.{i}."
+        self.attention_from_hf(cfg, i, hf, take, out)
         if cfg.is_moe_layer(i):
             out.update(self.experts_from_hf(cfg, i, hf, take))
         else:
@@ -96,19 +92,23 @@ class Family:
             if hf_n in hf:
                 out[ours] = take(hf_n)
 
-    def layer_to_hf(self, cfg: ModelConfig, i: int, ours: dict, out: dict) -> None:
-        """Our decoder.layers.<i> into ``out`` as Hugging Face layer ``i``."""
+    def attention_from_hf(self, cfg: ModelConfig, i: int, hf: dict, take, out: dict) -> None:
+        """Layer ``i``'s q/k/v projections (fused per query group), or its latent attention, and
+        its sinks (the other attention tensors are layer_names')."""
         a, b = f"model.layers.{i}.", f"decoder.layers.{i}.self_attention.linear_qkv."
         if cfg.mla is not None:
-            out.update((theirs, ours[mine]) for theirs, mine in mla_names(cfg, i).items())
+            out.update((ours, take(theirs)) for theirs, ours in mla_names(cfg, i).items())
         else:
-            for x, t in zip("qkv", split_qkv(cfg, ours[b + "weight"])):
-                out[a + f"self_attn.{x}_proj.weight"] = t
+            out[b + "weight"] = fuse_qkv(cfg, *(take(a + f"self_attn.{x}_proj.weight") for x in "qkv"))
         if cfg.add_qkv_bias:
-            for x, t in zip("qkv", split_qkv(cfg, ours[b + "bias"])):
-                out[a + f"self_attn.{x}_proj.bias"] = t
+            out[b + "bias"] = fuse_qkv(cfg, *(take(a + f"self_attn.{x}_proj.bias") for x in "qkv"))
         if cfg.attention_sinks:
-            out[a + "self_attn.sinks"] = ours[f"decoder.layers.{i}.self_attention.core_attention.softmax_offset"]
+            out[f"decoder.layers.{i}.self_attention.core_attention.softmax_offset"] = take(a + "self_attn.sinks")
+
+    def layer_to_hf(self, cfg: ModelConfig, i: int, ours: dict, out: dict) -> None:
+        """Our decoder.layers.<i> into ``out`` as Hugging Face layer ``i``."""
+        a = f"model.layers.{i}."
+        self.attention_to_hf(cfg, i, ours, out)
         if cfg.is_moe_layer(i):
             out.update(self.experts_to_hf(cfg, i, ours))
         else:
@@ -120,6 +120,19 @@ class Family:
         for hf_n, mine in self.layer_names(cfg, i).items():
             if mine in ours:
                 out[hf_n] = ours[mine]
+
+    def attention_to_hf(self, cfg: ModelConfig, i: int, ours: dict, out: dict) -> None:
+        a, b = f"model.layers.{i}.", f"decoder.layers.{i}.self_attention.linear_qkv."
+        if cfg.mla is not None:
+            out.update((theirs, ours[mine]) for theirs, mine in mla_names(cfg, i).items())
+        else:
+            for x, t in zip("qkv", split_qkv(cfg, ours[b + "weight"])):
+                out[a + f"self_attn.{x}_proj.weight"] = t
+        if cfg.add_qkv_bias:
+            for x, t in zip("qkv", split_qkv(cfg, ours[b + "bias"])):
+                out[a + f"self_attn.{x}_proj.bias"] = t
+        if cfg.attention_sinks:
+            out[a + "self_attn.sinks"] = ours[f"decoder.layers.{i}.self_attention.core_attention.softmax_offset"]
 
     def layer_names(self, cfg: ModelConfig, i: int) -> dict:
         """Hugging Face -> our names of layer i's tensors besides q/k/v and the MLP's fc1."""
@@ -257,8 +270,12 @@ def decoder_hf_config(family: Family, cfg: ModelConfig) -> dict:
     if cfg.attention_sinks or cfg.glu_linear_offset or cfg.activation_func_clamp_value is not None:
         raise CheckpointError(f"{cfg.family} has no attention sinks or clamped experts in transformers (gpt_oss "
                               f"has): this model cannot be written as a {cfg.family} folder")
+    if (cfg.attention_output_gate or cfg.linear_attention is not None) and "hybrid" not in family.expresses:
+        raise CheckpointError(f"{cfg.family} has no gated attention or linear-attention layers in transformers "
+                              f"(qwen3_next has): this model cannot be written as a {cfg.family} folder")
     windowed = family.window is not None
-    foreign = [f for f in GEMMA_FIELDS if getattr(cfg, f) and not (windowed and f == "sliding_window")]
+    foreign = [f for f in GEMMA_FIELDS if getattr(cfg, f) and not (windowed and f == "sliding_window")
+               and f not in family.expresses]
     foreign += ["activation"] if cfg.activation != "swiglu" else []
     if cfg.rotary_percent != 1.0 and not family.partial_rotary:
         foreign.append("partial_rotary_factor")
