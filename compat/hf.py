@@ -36,6 +36,7 @@ SUPPORTED = tuple(families.BY_MODEL_TYPE)
 _SIZES = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
           "intermediate_size", "max_position_embeddings", "n_embd", "n_layer", "n_head", "n_inner", "n_positions",
           "num_local_experts", "num_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step")
+_COUNTS = ("num_experts",)  # sizes that may also be 0 (none: Qwen3-Next's dense hybrids)
 
 
 def config_from_hf(hf: dict) -> ModelConfig:
@@ -45,8 +46,9 @@ def config_from_hf(hf: dict) -> ModelConfig:
         raise CheckpointError(f"config.json is a JSON {type(hf).__name__}, not an object")
     for key in _SIZES:
         value = hf.get(key)
-        if value is not None and (type(value) is not int or value <= 0):
-            raise CheckpointError(f"config.json: {key} must be a positive integer, got {value!r}")
+        if value is not None and (type(value) is not int or value < (key not in _COUNTS)):
+            raise CheckpointError(f"config.json: {key} must be a "
+                                  f"{'non-negative' if key in _COUNTS else 'positive'} integer, got {value!r}")
     try:
         return _config_from_hf(hf)
     except KeyError as exc:

@@ -109,6 +109,10 @@ def check(cfg: ModelConfig, layout: Layout) -> None:
     if cfg.moe is not None and cfg.moe.num_experts % layout.ep:
         raise CheckpointError(f"--target-expert-parallel-size {layout.ep} does not divide the model's "
                               f"{cfg.moe.num_experts} experts")
+    if cfg.linear_attention is not None and layout.tp > 1:
+        raise CheckpointError(f"--target-tensor-parallel-size {layout.tp}: the model's gated DeltaNet layers are not "
+                              "cut by tensor parallelism yet (not built); convert at TP 1 (pipeline and expert "
+                              "parallelism work)")
     if cfg.moe is None and layout.ep > 1:
         raise CheckpointError("--target-expert-parallel-size applies to mixture-of-experts models; this one has none")
     for size, what in ((cfg.ffn_hidden_size, "ffn_hidden_size"), (cfg.hidden_size, "hidden_size"),
@@ -294,6 +298,13 @@ def megatron_args(cfg: ModelConfig, layout: Layout, dtype: str, iteration: int) 
         a.v_head_dim = cfg.mla.v_head_dim
     if cfg.mtp_num_layers:
         a.mtp_num_layers, a.mtp_loss_scaling_factor = cfg.mtp_num_layers, cfg.mtp_loss_scaling_factor
+    if cfg.linear_attention is not None:  # MindSpeed-LLM's gated DeltaNet arguments (its qwen3_next spec)
+        la = cfg.linear_attention
+        a.linear_num_key_heads, a.linear_num_value_heads = la.key_heads, la.value_heads
+        a.linear_key_head_dim, a.linear_value_head_dim, a.mamba_d_conv = la.key_dim, la.value_dim, la.conv_kernel
+        a.mamba_chunk_size, a.partial_rotary_factor = la.chunk_size, cfg.rotary_percent
+        # megatron-core's pattern: 1 = linear attention, 0 = full attention, per layer
+        a.linear_attention_freq = [int(cfg.is_linear_layer(i)) for i in range(cfg.num_layers)]
     if cfg.lora is not None:  # MindSpeed-LLM's names for the run's LoRA flags
         a.lora_r, a.lora_alpha, a.lora_target_modules = cfg.lora.r, cfg.lora.alpha, list(cfg.lora.targets)
         a.lora_dropout = cfg.lora.dropout

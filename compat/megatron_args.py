@@ -202,6 +202,9 @@ def add_feature_args(parser: argparse.ArgumentParser) -> None:
     f.add_argument("--use-fused-rotary-pos-emb", action="store_true")
     f.add_argument("--moe-grouped-gemm", action="store_true")
     f.add_argument("--gemm-gradient-accumulation-fusion", action="store_true")
+    f.add_argument("--loss-compute-mode", choices=("default", "chunk"), default="default",
+                   help="MindSpeed-LLM's cross entropy: default (the logits whole), or chunk (the output layer and "
+                        "the loss a sequence chunk at a time, to save memory; a planned row)")
     f.add_argument("--use-triton-gdn", action="store_true",
                    help="gated DeltaNet's fused (Triton) kernels on CUDA / Ascend")
 
@@ -417,6 +420,9 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
     # tanh form), the score scale query_pre_attn_scalar ** -0.5, tanh soft-capping, and a
     # sliding window in every layer or in every other layer from the first
     m.add_argument("--add-rmsnorm-offset", action="store_true", default=None)
+    m.add_argument("--rmsnorm-weight-in-fp32", action="store_true",
+                   help="RMSNorm: the normed input times the weight in float32, then cast to the model's dtype "
+                        "(under --bf16 / --fp16; the offset norms always do)")
     m.add_argument("--post-norm", action="store_true", default=None)
     m.add_argument("--input-embeds-norm", action="store_true", default=None)
     m.add_argument("--gelu-tanh", action="store_true", default=None)
@@ -555,6 +561,10 @@ ACCEPTED_NO_OPS = {
                                     "attention's softmax accumulates in float32 here in every precision"),
     "--no-masked-softmax-fusion": ({"action": "store_true"},
                                    "attention has no separate masked-softmax kernel to fuse here"),
+    "--topk-softmax-in-fp32": ({"action": "store_true"},
+                               "the router's softmax and top-k run on float32 logits here in every precision"),
+    "--loss-chunk-size": ({"type": POSITIVE_INT, "default": None},
+                          "the chunk of --loss-compute-mode chunk, a planned row (the default mode reads none)"),
     "--no-enable-linear-qkv": ({"action": "store_true"},
                                "MindSpeed-LLM's separate q, k and v projections (for its fused kernels): here "
                                "linear_qkv is one layer, computing the same values"),
@@ -643,6 +653,16 @@ def add_mindspeed_llm_args(parser: argparse.ArgumentParser) -> None:
                         "folders; zarr and fsdp_dtensor are refused")
     g.add_argument("--enable-hf2mg-convert", action="store_true",
                    help="--load is a Hugging Face folder, converted into this run's layout as it loads")
+    # MindSpeed-LLM's training with Hugging Face folders out (training/checkpoint_manager.py)
+    g.add_argument("--enable-mg2hf-convert", action="store_true",
+                   help="after each save, also write the model as a Hugging Face folder, "
+                        "<--hf-save-dir or --save>/mg2hf_iteration<N>")
+    g.add_argument("--only-convert-last-checkpoint", action="store_true",
+                   help="--enable-mg2hf-convert: the folder of the last iteration only, when training ends")
+    g.add_argument("--hf-save-dir", default=None, help="--enable-mg2hf-convert: where the folders go (default --save)")
+    g.add_argument("--hf-cfg-dir", default=None,
+                   help="--enable-mg2hf-convert: a Hugging Face folder of this model whose tokenizer and generation "
+                        "files go with each folder written (its config.json must describe the model)")
     g.add_argument("--model-type-hf", default=None,
                    help="with --enable-hf2mg-convert: the Hugging Face architecture (checked against its config)")
     g.add_argument("--manual-gc", action="store_true",

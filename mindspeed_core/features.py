@@ -556,6 +556,20 @@ FEATURES: tuple[Feature, ...] = (
                       "for every attention path that returns it (TP splits the sinks by head; SP, PP, the KV "
                       "cache); with context parallelism it is not built (GPT-OSS is MoE, which CP refuses)"),
             supported("as on PyTorch"), _eq("softmax_type", "learnable")),
+    Feature("chunk-loss", "The output layer and the loss a sequence chunk at a time (--loss-compute-mode chunk)",
+            "memory", ("--loss-compute-mode chunk", "--loss-chunk-size"),
+            planned("the logits are computed whole; --loss-compute-mode default computes the same loss",
+                    instead="--loss-compute-mode default"),
+            planned("the logits are computed whole; --loss-compute-mode default computes the same loss",
+                    instead="--loss-compute-mode default"),
+            _eq("loss_compute_mode", "chunk")),
+    Feature("mg2hf-convert", "A Hugging Face folder of the model after each save (--enable-mg2hf-convert)",
+            "checkpointing", ("--enable-mg2hf-convert", "--only-convert-last-checkpoint", "--hf-save-dir",
+                              "--hf-cfg-dir"),
+            supported("training/checkpoint_manager.py: the whole model gathered after each save (or the last) and "
+                      "written by rank 0 as <--hf-save-dir or --save>/mg2hf_iteration<N>, with --hf-cfg-dir's "
+                      "tokenizer files; the family's config.json and tensors (compat/hf.py)"),
+            supported("as on PyTorch"), _on("enable_mg2hf_convert")),
     Feature("triton-gdn", "Gated DeltaNet's fused kernels (flash-linear-attention's Triton chunked rule)",
             "fused-ops", ("--use-triton-gdn",),
             planned("the chunked rule runs as composite ops everywhere (models/gated_deltanet.py); the Triton kernels "

@@ -251,6 +251,9 @@ class ModelConfig:
     # composite where it has none; the flags --use-flash-attn, --use-fused-*); the others
     # run mindspeed_core.composite. How the math runs, not what it is: not saved, not compared.
     fused: frozenset = field(default_factory=frozenset, compare=False)
+    # --rmsnorm-weight-in-fp32: a plain RMSNorm scales by its weight in float32 and casts after (the
+    # offset norms always compute so); how the math runs, not saved, not compared
+    norm_weight_float32: bool = field(default=False, compare=False)
 
     def __post_init__(self):
         # frozen once built: the checks below, and the derived defaults filled here (with
@@ -482,7 +485,7 @@ class ModelConfig:
 
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)
-        del out["fused"]
+        del out["fused"], out["norm_weight_float32"]
         return out
 
     @classmethod

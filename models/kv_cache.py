@@ -60,6 +60,11 @@ class KVCache:
     def keep_linear_state(self, layer: int, history, state) -> None:
         self.linear[layer] = (history, state)
 
+    def fixed_values(self) -> int:
+        """Numbers held for one row whatever its length, over every layer: the linear-attention
+        layers' convolution histories and states."""
+        return sum(int(np.prod(t.shape)) for kept in self.linear.values() for t in kept) // max(self.batch, 1)
+
     def key_documents(self):
         return self._documents
 

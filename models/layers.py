@@ -46,12 +46,17 @@ class RMSNorm(nn.Module):
     """With ``offset`` (Gemma) the weight is held as an offset from one, starts at zero, and
     the norm is computed and scaled in float32 before the cast back, as Gemma does."""
 
-    def __init__(self, dim: int, eps: float, fused: bool = False, offset: bool = False):
+    def __init__(self, dim: int, eps: float, fused: bool = False, offset: bool = False, weight_float32: bool = False):
+        """``weight_float32`` (--rmsnorm-weight-in-fp32): the normed input times the weight in
+        float32, cast to the input's dtype after (as the offset form always is)."""
         super().__init__()
-        self.eps, self.fused, self.offset = eps, fused, offset
+        self.eps, self.fused, self.offset, self.weight_float32 = eps, fused, offset, weight_float32
         self.weight = _param((dim,), value=0.0 if offset else 1.0)
 
     def forward(self, x):
+        if self.weight_float32 and not self.offset and ops.dtype_of(x) != "float32":
+            norm = ops.rms_norm if self.fused else composite.rms_norm
+            return ops.cast(norm(ops.cast(x, "float32"), ops.cast(self.weight, "float32"), self.eps), ops.dtype_of(x))
         if self.offset:
             weight = ops.cast(self.weight, "float32") + 1.0
             norm = ops.rms_norm if self.fused else composite.rms_norm
@@ -110,5 +115,5 @@ def mlp_activation(cfg, fused_swiglu: bool = False):
 def make_norm(cfg, dim: int):
     """The configured normalisation over ``dim`` features."""
     if cfg.normalization == "rmsnorm":
-        return RMSNorm(dim, cfg.norm_epsilon, "rms_norm" in cfg.fused, cfg.norm_offset)
+        return RMSNorm(dim, cfg.norm_epsilon, "rms_norm" in cfg.fused, cfg.norm_offset, cfg.norm_weight_float32)
     return LayerNorm(dim, cfg.norm_epsilon)

@@ -138,6 +138,32 @@ def test_low_precision_norm_agrees_with_composite(dtype):
     assert ops.dtype_of(ops.rms_norm(x, w)) == dtype
 
 
+def test_rmsnorm_weight_in_fp32_scales_before_the_cast():
+    """--rmsnorm-weight-in-fp32 (MindSpeed-LLM's): in bf16 the normed input times the (bf16) weight
+    in float32, then cast (one rounding), where the default casts the normed input first and scales
+    in bf16 (two); in float32 both are the same arithmetic."""
+    from mindspeed_core.models.layers import RMSNorm
+
+    x, w = X.astype(np.float32), (W * 3.1).astype(np.float32)
+    plain, fp32 = RMSNorm(8, 1e-6), RMSNorm(8, 1e-6, weight_float32=True)
+    for norm in (plain, fp32):
+        nn.assign(norm.weight, ops.tensor(w))
+    assert np.array_equal(ops.to_numpy(plain(ops.tensor(x))), ops.to_numpy(fp32(ops.tensor(x))))
+    if not device.supports_dtype("bfloat16"):
+        pytest.skip("bfloat16 math is not available on this device (the matrix marks it unsupported)")
+    for norm in (plain, fp32):
+        nn.cast_parameters(norm, "bfloat16")
+    xb = ops.tensor(x, dtype="bfloat16")
+    x64, w64 = (ops.to_numpy(ops.cast(t, "float32")).astype(np.float64) for t in (xb, fp32.weight))
+    exact = x64 / np.sqrt((x64 ** 2).mean(-1, keepdims=True) + 1e-6) * w64
+    errors = {}
+    for name, norm in (("fp32", fp32), ("plain", plain)):
+        out = norm(xb)
+        assert ops.dtype_of(out) == "bfloat16"
+        errors[name] = float(np.abs(ops.to_numpy(ops.cast(out, "float32")) - exact).mean())
+    assert errors["fp32"] < errors["plain"], errors  # one rounding, not two
+
+
 # flag -> (ModelConfig.fused entry, feature id)
 SWITCHES = {
     "--use-flash-attn": ("attention", "flash-attention"),

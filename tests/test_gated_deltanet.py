@@ -131,28 +131,38 @@ HYBRID = ["--spec", "mindspeed_llm.tasks.models.spec.qwen3_next_spec", "layer_sp
 
 
 @pytest.mark.feature("gated-deltanet")
+@pytest.mark.feature("mg2hf-convert")
 def test_the_flags_build_the_hybrid_and_it_trains(capsys, tmp_path):
     """Every third layer attends (gated, a quarter of each head rotated), the others are gated
-    DeltaNet of the --linear-* widths; 12 steps on the embedded corpus lower the loss."""
+    DeltaNet of the --linear-* widths; 12 steps on the embedded corpus lower the loss. As
+    MindSpeed-LLM's script asks (--enable-mg2hf-convert --model-type-hf qwen3-next), each save
+    also leaves a Hugging Face folder holding the checkpoint's very weights."""
     import json
 
-    from mindspeed_core.compat import megatron_args
-    from mindspeed_core.training import configuration
+    from mindspeed_core.compat import hf, megatron_args
+    from mindspeed_core.training import checkpoint, configuration
 
     cfg = configuration.model_only(megatron_args.training_parser().parse_args(HYBRID))
     assert (cfg.family, cfg.linear_layers, cfg.attention_output_gate, cfg.rotary_dim) == ("qwen3_next", (0, 1), True, 4)
     assert (cfg.linear_attention.key_heads, cfg.linear_attention.value_dim, cfg.linear_attention.chunk_size) == (2, 16, 16)
-    metrics = tmp_path / "m.jsonl"
-    assert cli.main(["train", *HYBRID, "--train-iters", "12", "--metrics-file", str(metrics), "--save",
-                     str(tmp_path / "ckpt")]) == 0
+    metrics, ckpt = tmp_path / "m.jsonl", tmp_path / "ckpt"
+    assert cli.main(["train", *HYBRID, "--train-iters", "12", "--metrics-file", str(metrics), "--save", str(ckpt),
+                     "--save-interval", "6", "--enable-mg2hf-convert", "--model-type-hf", "qwen3-next"]) == 0
     loss = [r["loss"] for r in map(json.loads, open(metrics)) if "loss" in r]
     assert len(loss) == 12 and loss[-1] < loss[0] - 0.5, loss
+    assert sorted(p.name for p in ckpt.glob("mg2hf_*")) == ["mg2hf_iteration12", "mg2hf_iteration6"]
+    folder_cfg, state = hf.load_folder(str(ckpt / "mg2hf_iteration12"))
+    saved = checkpoint.load_model_arrays(str(ckpt), 12)
+    assert folder_cfg.linear_layers == (0, 1) and sorted(state) == sorted(saved)
+    assert all(np.array_equal(state[k], saved[k]) for k in saved)
 
 
 @pytest.mark.parametrize("extra, says", [
     (["--tensor-model-parallel-size", "2"], "not cut by tensor parallelism"),
     (["--mamba-expand", "2"], "--mamba-expand 2"),
     (["--reset-attention-mask"], "packed sequences"),
+    (["--mamba-chunk-size", "48"], "not a power of two"),
+    (["--linear-num-value-heads", "3"], "do not divide among"),
 ])
 def test_what_the_hybrid_cannot_do_yet_is_one_line(capsys, extra, says):
     code = cli.main(["check-args", *HYBRID, *extra])

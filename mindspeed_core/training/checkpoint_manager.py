@@ -12,12 +12,13 @@ done, or before the next save, or at the end.
 
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
 
 from mindspeed_core import dist, features, ops, runtime
-from mindspeed_core.compat import mcore
+from mindspeed_core.compat import hf, mcore
 from mindspeed_core.errors import MindSpeedError
 from mindspeed_core.training import checkpoint, distributed, resume, sharded_checkpoint
 
@@ -56,6 +57,22 @@ class CheckpointManager:
             self._save_whole(iteration, meta)
         else:
             self._save_sharded(iteration, meta)
+        if run.ckpt.hf_folders is not None and not run.ckpt.hf_last_only:
+            self.write_hf_folder(iteration)
+
+    def write_hf_folder(self, iteration: int) -> None:
+        """--enable-mg2hf-convert: the whole model (gathered, a collective) as a Hugging Face folder
+        <folders>/mg2hf_iteration<N> on rank 0, with --hf-cfg-dir's tokenizer files."""
+        run, ckpt = self.run, self.run.ckpt
+        features.note_used("mg2hf-convert")
+        arrays = whole_model_arrays(run)
+        if run.ps.rank == 0:
+            folder = os.path.join(ckpt.hf_folders, f"mg2hf_iteration{iteration}")
+            hf.save_folder(folder, run.cfg, arrays)
+            if ckpt.hf_companions is not None:
+                hf.copy_companions(ckpt.hf_companions, folder)
+            run.say(f"wrote the Hugging Face folder {folder}")
+        dist.barrier()
 
     def _save_sharded(self, iteration: int, meta: dict) -> None:
         """Every rank writes the pieces it owns (training/sharded_checkpoint.py)."""

@@ -21,7 +21,7 @@ from mindspeed_core import device, features, files, ops, runtime
 from mindspeed_core.compat import hf
 from mindspeed_core.data import gpt_dataset
 from mindspeed_core.data.tokenizer import build_tokenizer, check_fits, padded_vocab_size, tokenizer_args
-from mindspeed_core.errors import MindSpeedError
+from mindspeed_core.errors import CheckpointError, MindSpeedError
 from mindspeed_core.memory import recompute
 from mindspeed_core.models import rope
 from mindspeed_core.models import families
@@ -180,6 +180,11 @@ class Checkpointing:
     load_rng: bool
     exit_on_missing: bool  # --exit-on-missing-checkpoint
     exit_on_signal: bool  # --exit-signal-handler: a SIGTERM or SIGINT saves and stops the run
+    # --enable-mg2hf-convert: where each save's Hugging Face folder goes (None: none written), whether
+    # only the last iteration's, and the folder whose tokenizer files go with them
+    hf_folders: str | None = None
+    hf_last_only: bool = False
+    hf_companions: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -270,7 +275,9 @@ def configure(args, world: int, framework: str | None = None) -> RunConfig:
             work.save, work.save_interval, bool(work.save_whole), work.ckpt_format == "torch_dist",
             bool(work.async_save), not work.no_save_optim, not work.no_save_rng, work.load, work.load_hf,
             work.lora_load, bool(work.finetune), not work.no_load_optim, not work.no_load_rng,
-            bool(work.exit_on_missing_checkpoint), bool(work.exit_signal_handler)),
+            bool(work.exit_on_missing_checkpoint), bool(work.exit_signal_handler),
+            (work.hf_save_dir or work.save) if work.enable_mg2hf_convert else None,
+            bool(work.only_convert_last_checkpoint), work.hf_cfg_dir),
         loop=Loop(work.log_interval, work.eval_interval, work.eval_iters, work.exit_interval,
                   work.manual_gc_interval if work.manual_gc else None, not work.no_progress, work.sample_tokens,
                   work.metrics_file or (os.path.join(work.save, "metrics.jsonl") if work.save else None),
@@ -361,9 +368,10 @@ def _apply_defaults(args, framework: str) -> bool:
     if args.ckpt_format == "torch_dist" and args.save_whole:
         raise MindSpeedError("--ckpt-format torch_dist is written by every rank (Megatron's distributed format); "
                              "drop --save-whole")
-    if args.model_type_hf is not None and not (args.enable_hf2mg_convert or args.load_hf):
+    if args.model_type_hf is not None and not (args.enable_hf2mg_convert or args.load_hf or args.enable_mg2hf_convert):
         raise MindSpeedError("--model-type-hf names the Hugging Face architecture of --load with "
-                             "--enable-hf2mg-convert (or of --load-hf): give one of them")
+                             "--enable-hf2mg-convert (or of --load-hf, or of the folders --enable-mg2hf-convert "
+                             "writes): give one of them")
     if args.enable_hf2mg_convert:  # --load is a Hugging Face folder, converted into this run's layout
         if not args.load or args.load_hf:
             raise MindSpeedError("--enable-hf2mg-convert converts the Hugging Face folder of --load: give --load "
@@ -396,7 +404,8 @@ def model_config(args, vocab_size: int) -> ModelConfig:
             raise MindSpeedError(f"--{given[0].replace('_', '-')} qualifies the multi-token prediction modules of "
                                  f"--mtp-num-layers, which this run has none of: give --mtp-num-layers or drop it")
     return dataclasses.replace(cfg, lora=lora_config(args), reward_head=stage_of(args) == "orm",
-                               fused=frozenset(op for flag, op in FUSED_FLAGS.items() if getattr(args, flag, False)))
+                               fused=frozenset(op for flag, op in FUSED_FLAGS.items() if getattr(args, flag, False)),
+                               norm_weight_float32=bool(getattr(args, "rmsnorm_weight_in_fp32", False)))
 
 
 def lora_config(args) -> LoRAConfig | None:
@@ -588,6 +597,9 @@ def _linear_attention(args, num_layers: int) -> tuple[LinearAttentionConfig | No
             raise MindSpeedError(f"--{given[0].replace('_', '-')} qualifies the gated DeltaNet layers of "
                                  "--full-attention-interval, which this run has none of: give it or drop the flag")
         return None, None
+    chunk = args.mamba_chunk_size
+    if chunk is not None and chunk & (chunk - 1):  # MindSpeed-LLM's kernels tile by powers of two
+        raise MindSpeedError(f"--mamba-chunk-size {chunk} is not a power of two (16, 32, 64, ...)")
     defaults = dict(key_heads=16, value_heads=32, key_dim=128, value_dim=128, conv_kernel=4, chunk_size=64)
     try:
         la = LinearAttentionConfig(**{**defaults, **{field: getattr(args, flag) for flag, field in _LINEAR_FLAGS.items()
@@ -832,7 +844,32 @@ def check_configuration(args, world: int, default_save: bool = False):
     _check_stage(args, dp, cfg.vocab_size)
     if args.save:
         check_save_folder(args, default_save)
+    _check_hf_folders(args, cfg)
     return tokenizer, cfg
+
+
+def _check_hf_folders(args, cfg: ModelConfig) -> None:
+    """--enable-mg2hf-convert: a folder to write to, a model a Hugging Face family can hold, and
+    --hf-cfg-dir describing it (checked before any step, not at the first save)."""
+    given = [f for f in ("only_convert_last_checkpoint", "hf_save_dir", "hf_cfg_dir") if getattr(args, f)]
+    if not args.enable_mg2hf_convert:
+        if given:
+            raise MindSpeedError(f"--{given[0].replace('_', '-')} qualifies --enable-mg2hf-convert: add it or drop "
+                                 "the flag")
+        return
+    if not (args.save or args.hf_save_dir):
+        raise MindSpeedError("--enable-mg2hf-convert writes the folders beside the checkpoints: give --save (or "
+                             "--hf-save-dir)")
+    if args.model_type_hf is not None and families.ALIASES.get(args.model_type_hf) != cfg.family:
+        raise MindSpeedError(f"--model-type-hf {args.model_type_hf}: the model trained here is a {cfg.family} model"
+                             if args.model_type_hf in families.ALIASES else
+                             f"--model-type-hf {args.model_type_hf}: choose one of {', '.join(families.ALIASES)}")
+    try:
+        hf.hf_config(cfg)  # the family can hold this model
+        if args.hf_cfg_dir is not None:
+            hf.check_same_model(args.hf_cfg_dir, dataclasses.replace(cfg, lora=None))
+    except CheckpointError as exc:
+        raise MindSpeedError(f"--enable-mg2hf-convert: {exc}") from None
 
 
 def _check_mtp_depth(cfg: ModelConfig, seq_length: int) -> None:
@@ -994,6 +1031,8 @@ def describe(config: RunConfig, data_path, pipeline_layout, grad_accum: int, los
     return {
         "framework": runtime.bound().NAME, "device": device.current(),
         "model": cfg.to_dict(), "kernels": kernels(cfg), "parameters": cfg.num_parameters(),
+        "rms_norm_weight": ("times the normed input in float32, cast after" if cfg.norm_weight_float32 or cfg.norm_offset
+                            else "times the normed input cast to the model's dtype"),
         "flops_per_token": cfg.flops_per_token(flags.seq_length),
         "tokenizer": {"type": tokenizer.name, "end_of_document": tokenizer.eod,
                       "end_of_document_from": tokenizer.eod_source, "bos": tokenizer.bos,

@@ -456,6 +456,8 @@ class Trainer:
             if ckpt.save and (not ckpt.save_interval or self.iteration % ckpt.save_interval) and history:
                 self.checkpoints.save(self.iteration)
             self.checkpoints.finish()
+            if ckpt.hf_folders is not None and ckpt.hf_last_only and history:
+                self.checkpoints.write_hf_folder(self.iteration)
         finally:
             if watch is not None:
                 watch.close()
