@@ -174,3 +174,24 @@ def test_linear_flags_without_the_interval_are_refused(capsys):
     code = cli.main(["check-args", "--num-layers", "2", "--linear-key-head-dim", "16"])
     err = capsys.readouterr().err
     assert code == 2 and "--full-attention-interval" in err, err
+
+
+@pytest.mark.feature("gated-deltanet")
+@pytest.mark.parametrize("name", ["tiny-qwen3-next", "tiny-gated-deltanet", "tiny-qwen3.5", "tiny-qwen3.5-moe"])
+def test_the_hybrid_presets_build_count_and_export(name, tmp_path):
+    """Each preset builds, runs, holds the parameters its config counts (the planner's and the
+    log's figure) and round-trips through its Hugging Face family exactly."""
+    from mindspeed_core.compat import hf
+    from mindspeed_core.models import registry
+    from mindspeed_core.models.families import preset
+    from mindspeed_core.models.gpt import whole_state
+
+    cfg = preset(name)
+    model = registry.for_config(cfg).build(cfg)
+    assert sum(ops.numel(p) for p in nn.parameters(model)) == cfg.num_parameters()
+    logits = ops.to_numpy(model(ops.tensor(np.arange(40).reshape(2, 20) % cfg.vocab_size)))
+    assert np.isfinite(logits).all() and logits.shape == (2, 20, cfg.vocab_size)
+    hf.save_model(model, str(tmp_path / name))
+    cfg2, state = hf.load_folder(str(tmp_path / name))
+    assert cfg2 == cfg
+    assert all(np.array_equal(state[k], v) for k, v in whole_state(model).items())

@@ -69,7 +69,7 @@ class Qwen35Moe(Qwen35):
     builds = "moe"
     presets = {
         "tiny-qwen3.5-moe": dict(
-            Qwen35.presets["tiny-qwen3.5"], family="qwen3_5_moe",
+            Qwen35.presets["tiny-qwen3.5"], family="qwen3_5_moe", ffn_hidden_size=64,  # no dense MLP: the experts
             moe=dict(num_experts=8, topk=2, ffn_hidden_size=64, norm_topk_prob=True, shared_expert_size=64,
                      shared_expert_gate=True)),
     }

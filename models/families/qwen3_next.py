@@ -45,6 +45,13 @@ class Qwen3Next(QwenMoE, Qwen3):
             linear_attention=dict(key_heads=2, value_heads=4, key_dim=32, value_dim=32),
             moe=dict(num_experts=8, topk=2, ffn_hidden_size=64, norm_topk_prob=True, shared_expert_size=64,
                      shared_expert_gate=True)),
+        # MindSpeed-LLM's dense gated-DeltaNet models (its qwen3_next spec without experts), shrunk:
+        # --full-attention-interval 3, as its 340M script
+        "tiny-gated-deltanet": dict(
+            family="qwen3_next", hidden_size=128, num_layers=6, num_attention_heads=4, num_query_groups=2,
+            kv_channels=32, ffn_hidden_size=352, qk_layernorm=True, norm_epsilon=1e-6, norm_offset=True,
+            rotary_percent=0.25, attention_output_gate=True, linear_layers=(0, 1, 3, 4),
+            linear_attention=dict(key_heads=2, value_heads=2, key_dim=64, value_dim=64)),
     }
 
     def moe_from_hf(self, hf: dict) -> tuple:
