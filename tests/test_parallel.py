@@ -72,7 +72,9 @@ GRPO = GQA + ["--stage", "grpo", "--num-generations", "4", "--max-completion-len
               "grpo_rewards:digits", "--global-batch-size", "2", "--micro-batch-size", "4", "--lr", "3e-2"]
 GRPO_CASES = {"grpo-tp2": ["--tensor-model-parallel-size", "2"], "grpo-dp2": [],
               "grpo-pp2": ["--pipeline-model-parallel-size", "2"], "grpo-cp2": ["--context-parallel-size", "2"]}
-MODELS = {"gqa": GQA, "mha": MHA, "moe": MOE, "sft": SFT, "lora": LORA, "dpo": DPO,
+# Qwen3's per-head q/k norms: replicated weights applied to each rank's heads under TP
+QK_NORM = GQA + ["--qk-layernorm"]
+MODELS = {"gqa": GQA, "mha": MHA, "moe": MOE, "sft": SFT, "lora": LORA, "dpo": DPO, "qk-norm": QK_NORM,
           "dpo-lora": DPO + ["--lora-r", "4", "--lora-alpha", "8"], "simpo": SIMPO, "orm": ORM, "prm": PRM,
           "gemma2": GEMMA2, "mla": MLA, "mla-moe": MLA_MOE, "gpt-oss": GPT_OSS}
 ITERS = 6  # the single-process reference curves of the models whose checkpoints are resumed below
@@ -245,6 +247,10 @@ CASES = [  # (id, ranks, model, flags): the cases of each rank count share one l
     ("lora-pp2", 2, "lora", ["--pipeline-model-parallel-size", "2"]),
     ("lora-tp4-kv-copies-sp", 4, "lora", ["--tensor-model-parallel-size", "4", "--sequence-parallel"]),
     ("tp4", 4, "mha", ["--tensor-model-parallel-size", "4"]),
+    # the q/k norms' gradients summed over the TP ranks' heads (without SP, which sums them anyway),
+    # also where the two key/value heads are copied to four ranks
+    ("qk-norm-tp2", 2, "qk-norm", ["--tensor-model-parallel-size", "2"]),
+    ("qk-norm-tp4-kv-copies", 4, "qk-norm", ["--tensor-model-parallel-size", "4"]),
     # 2 key/value heads copied to 4 ranks (with SP and the distributed optimizer on top)
     ("tp4-kv-copies-sp-distopt", 4, "gqa", ["--tensor-model-parallel-size", "4", "--sequence-parallel",
                                              "--use-distributed-optimizer"]),

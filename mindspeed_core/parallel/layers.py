@@ -304,6 +304,9 @@ def _shard_layers(model, ps, group, sequence_parallel, spec, partial) -> KVCopie
                 column(attn, "linear_q_proj", prefix + "self_attention.linear_q_proj", ("split", 0), False)
         else:
             column(attn, "linear_qkv", prefix + "self_attention.linear_qkv", qkv_spec, cfg.add_qkv_bias)
+            if cfg.qk_layernorm:  # replicated, applied to this rank's heads: their gradients sum over TP
+                partial.update(f"{prefix}self_attention.{norm}.{kind}" for norm in ("q_layernorm", "k_layernorm")
+                               for kind in ("weight", "bias")[:1 + (cfg.normalization == "layernorm")])
             if cfg.attention_sinks:  # one per head: this rank's heads' (consecutive, also with copied kv heads)
                 sinks = attn.core_attention
                 sinks.softmax_offset = nn.Parameter(shard(ops.to_numpy(sinks.softmax_offset), ("split", 0), tp,
