@@ -96,8 +96,16 @@ def tp_spec(cfg: ModelConfig, name: str):
     if name.endswith(("mlp.linear_fc1.weight", "mlp.linear_fc1.bias", "shared_experts.linear_fc1.weight")):
         return swiglu
     if name.endswith(("self_attention.linear_proj.weight", "mlp.linear_fc2.weight",
-                      "shared_experts.linear_fc2.weight")):
+                      "shared_experts.linear_fc2.weight", "self_attention.out_proj.weight")):
         return ("split", 1)
+    if cfg.linear_attention is not None:  # gated DeltaNet (parallel/layers.py cuts it the same way)
+        projections, channels = cfg.linear_attention.sections()
+        if name.endswith("self_attention.in_proj.weight"):
+            return ("sections", projections)
+        if name.endswith("self_attention.conv1d.weight"):
+            return ("sections", channels)
+        if name.endswith(("self_attention.dt_bias", "self_attention.A_log")):
+            return ("split", 0)
     return None
 
 
@@ -109,10 +117,11 @@ def check(cfg: ModelConfig, layout: Layout) -> None:
     if cfg.moe is not None and cfg.moe.num_experts % layout.ep:
         raise CheckpointError(f"--target-expert-parallel-size {layout.ep} does not divide the model's "
                               f"{cfg.moe.num_experts} experts")
-    if cfg.linear_attention is not None and layout.tp > 1:
-        raise CheckpointError(f"--target-tensor-parallel-size {layout.tp}: the model's gated DeltaNet layers are not "
-                              "cut by tensor parallelism yet (not built); convert at TP 1 (pipeline and expert "
-                              "parallelism work)")
+    if cfg.linear_attention is not None:
+        for heads, what in ((cfg.linear_attention.key_heads, "key"), (cfg.linear_attention.value_heads, "value")):
+            if heads % layout.tp:
+                raise CheckpointError(f"--target-tensor-parallel-size {layout.tp} does not divide the model's {heads} "
+                                      f"linear-attention {what} heads")
     if cfg.moe is None and layout.ep > 1:
         raise CheckpointError("--target-expert-parallel-size applies to mixture-of-experts models; this one has none")
     for size, what in ((cfg.ffn_hidden_size, "ffn_hidden_size"), (cfg.hidden_size, "hidden_size"),

@@ -583,8 +583,11 @@ FEATURES: tuple[Feature, ...] = (
              "--linear-value-head-dim", "--mamba-d-conv", "--mamba-chunk-size"),
             supported("models/gated_deltanet.py: the delta rule by chunks (a unit-triangular solve per chunk, the "
                       "WY/UT form) for training and prefill, a token at a time with the cache's state for decoding, "
-                      "equal values; the short causal convolution, L2-normed q/k, the gated RMSNorm; one process "
-                      "and pipeline stages (tensor, sequence and context parallelism are refused: not built)"),
+                      "equal values; the short causal convolution, L2-normed q/k, the gated RMSNorm. Tensor "
+                      "parallelism cuts it by heads (in_proj's q, k, v, z, b, a slices, the convolution's channels, "
+                      "out_proj's columns), with sequence parallelism around it; TP2, TP2 + SP, PP2 and TP2 x PP2 "
+                      "generation equal one process. Context parallelism is refused: the state runs along the "
+                      "whole sequence (a hand-over between CP ranks is not built), as are packed sequences"),
             supported("as on PyTorch"), lambda a: getattr(a, "full_attention_interval", None) is not None),
     Feature("attention-output-gate", "Gated attention: each head's output times sigmoid of its own gate "
             "(Qwen3-Next)", "models", (),

@@ -158,6 +158,12 @@ class LinearAttentionConfig:
             raise ValueError(f"linear attention's {self.value_heads} value heads do not divide among its "
                              f"{self.key_heads} key heads")
 
+    def sections(self) -> tuple[tuple, tuple]:
+        """(in_proj's row sections: q, k, v, z, b, a; the convolution's channel sections: q, k, v).
+        Tensor parallelism cuts each in equal slices (megatron-core's GatedDeltaNet holds them so)."""
+        qk, v = self.key_heads * self.key_dim, self.value_heads * self.value_dim
+        return (qk, qk, v, v, self.value_heads, self.value_heads), (qk, qk, v)
+
 
 @dataclass(frozen=True)
 class ModelConfig:

@@ -172,6 +172,7 @@ class GatedDeltaNet(nn.Module):
     cache keeps each layer's convolution history and delta-rule state in it."""
 
     layer_number = 0  # the layer's global number (its slot in a cache); set by Decoder
+    tp_shards = 1  # tensor parallelism: this rank holds 1/tp_shards of the heads (parallel/layers.py)
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -195,27 +196,29 @@ class GatedDeltaNet(nn.Module):
         cache (``tokens.cache``) the state continues from the cache's and is written back;
         padding on the left (``tokens.documents`` 0) is zeroed first, so it changes no state."""
         features.note_used("gated-deltanet")
-        la = self.la
-        b, s, _ = x.shape
+        la, t = self.la, self.tp_shards
+        key_heads, value_heads = la.key_heads // t, la.value_heads // t  # this rank's
+        qk_dim, v_dim = key_heads * la.key_dim, value_heads * la.value_dim
         cache = None if tokens is None else tokens.cache
         if cache is None and tokens is not None and tokens.documents is not None:
             _one_document_a_row(tokens.documents)
         if cache is not None and tokens.documents is not None:
-            x = x * ops.unsqueeze(ops.cast(ops.tensor(np.asarray(tokens.documents)[:, -s:] != 0),
+            x = x * ops.unsqueeze(ops.cast(ops.tensor(np.asarray(tokens.documents)[:, -x.shape[1]:] != 0),
                                            ops.dtype_of(x)), -1)
         history, state = (None, None) if cache is None else cache.linear_state(self.layer_number)
-        qkv, z, beta, alpha = ops.split(self.in_proj(x), [self.conv_dim, self.v_dim, la.value_heads, la.value_heads],
-                                        dim=-1)
+        projected = self.in_proj(x)
+        b, s = projected.shape[0], projected.shape[1]  # the whole sequence, also under sequence parallelism
+        qkv, z, beta, alpha = ops.split(projected, [2 * qk_dim + v_dim, v_dim, value_heads, value_heads], dim=-1)
         qkv, history = causal_conv(qkv, self.conv1d.weight, history)
         qkv = ops.silu(qkv)
-        q, k, v = ops.split(qkv, [self.qk_dim, self.qk_dim, self.v_dim], dim=-1)
-        q = l2_normalized(ops.cast(ops.reshape(q, (b, s, la.key_heads, la.key_dim)), "float32"))
-        k = l2_normalized(ops.cast(ops.reshape(k, (b, s, la.key_heads, la.key_dim)), "float32"))
-        v = ops.reshape(v, (b, s, la.value_heads, la.value_dim))
+        q, k, v = ops.split(qkv, [qk_dim, qk_dim, v_dim], dim=-1)
+        q = l2_normalized(ops.cast(ops.reshape(q, (b, s, key_heads, la.key_dim)), "float32"))
+        k = l2_normalized(ops.cast(ops.reshape(k, (b, s, key_heads, la.key_dim)), "float32"))
+        v = ops.reshape(v, (b, s, value_heads, la.value_dim))
         per_key = la.value_heads // la.key_heads
         if per_key > 1:  # each query/key head serves that many consecutive value heads
-            q, k = (ops.reshape(ops.expand(ops.unsqueeze(t, 3), (b, s, la.key_heads, per_key, la.key_dim)),
-                                (b, s, la.value_heads, la.key_dim)) for t in (q, k))
+            q, k = (ops.reshape(ops.expand(ops.unsqueeze(h, 3), (b, s, key_heads, per_key, la.key_dim)),
+                                (b, s, value_heads, la.key_dim)) for h in (q, k))
         g = ops.neg(ops.exp(ops.cast(self.A_log, "float32"))) * softplus(ops.cast(alpha, "float32")
                                                                           + ops.cast(self.dt_bias, "float32"))
         beta = ops.sigmoid(ops.cast(beta, "float32"))
@@ -225,9 +228,9 @@ class GatedDeltaNet(nn.Module):
             out, state = chunk_rule(q, k, v, g, beta, la.chunk_size, state)
         if cache is not None:
             cache.keep_linear_state(self.layer_number, history, state)
-        out = ops.reshape(out, (b * s * la.value_heads, la.value_dim))
-        gate = ops.reshape(ops.cast(z, "float32"), (b * s * la.value_heads, la.value_dim))
+        out = ops.reshape(out, (b * s * value_heads, la.value_dim))
+        gate = ops.reshape(ops.cast(z, "float32"), (b * s * value_heads, la.value_dim))
         normed = self.out_norm(ops.cast(out, ops.dtype_of(self.out_norm.weight)))
         out = ops.cast(ops.cast(normed, "float32") * ops.silu(gate), ops.dtype_of(x))
-        return self.out_proj(ops.reshape(out, (b, s, self.v_dim)))
+        return self.out_proj(ops.reshape(out, (b, s, v_dim)))
 

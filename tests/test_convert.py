@@ -142,14 +142,13 @@ def test_a_pickle_that_would_run_a_command_is_refused(capsys, tmp_path):
 @pytest.mark.parametrize("model_type", list(ARCHITECTURES))
 def test_hf_to_megatron_and_back_is_bit_exact(capsys, hf_references, tmp_path, model_type):
     """Each architecture at TP2 x PP2 (Mistral's one key/value head: TP1, as Megatron wants
-    the heads divisible by TP; the gated-DeltaNet hybrids too, whose linear layers TP does not cut
-    yet); with two no-op layers added, over virtual pipeline stages of one layer; mixtures of
-    experts over EP2 too (TP2 x EP2 x PP2). Each Megatron checkpoint back to Hugging Face gives
-    the very tensors and config transformers saved (the vpp-noop one with its layout flags given
-    again, as MindSpeed-LLM's export scripts give them)."""
+    the heads divisible by TP); with two no-op layers added, over virtual pipeline stages of
+    one layer; mixtures of experts over EP2 too (TP2 x EP2 x PP2). Each Megatron checkpoint
+    back to Hugging Face gives the very tensors and config transformers saved (the vpp-noop one
+    with its layout flags given again, as MindSpeed-LLM's export scripts give them)."""
     source = hf_references / ARCHITECTURES[model_type]
     cfg = hf.load_config(str(source))
-    tp = 2 if cfg.num_query_groups % 2 == 0 and cfg.linear_attention is None else 1
+    tp = 2 if cfg.num_query_groups % 2 == 0 else 1
     cut = ["--target-tensor-parallel-size", str(tp), "--target-pipeline-parallel-size", "2"]
     layouts = {"tp2-pp2": cut, "vpp-noop": [*cut, "--noop-layers", "1,3", "--num-layers-per-virtual-pipeline-stage", "1"]}
     if model_type in MOE:

@@ -224,6 +224,20 @@ def wide_checkpoint(corpus, tmp_path_factory):  # noqa: F811
 
 
 @pytest.fixture(scope="module")
+def wide_hybrid_checkpoint(corpus, tmp_path_factory):  # noqa: F811
+    """wide_checkpoint's sizes as MindSpeed-LLM's gated-DeltaNet hybrid (its qwen3_next spec):
+    layer 0 gated DeltaNet (2 key heads, 4 value heads), layer 1 gated attention."""
+    root = tmp_path_factory.mktemp("wide-hybrid")
+    assert cli.main(["train", *SMALL, "--spec", "mindspeed_llm.tasks.models.spec.qwen3_next_spec", "layer_spec",
+                     "--qk-layernorm", "--add-rmsnorm-offset", "--full-attention-interval", "2",
+                     "--linear-num-key-heads", "2", "--linear-num-value-heads", "4", "--linear-key-head-dim", "16",
+                     "--linear-value-head-dim", "16", "--mamba-chunk-size", "8", "--partial-rotary-factor", "0.5",
+                     "--data-path", corpus, "--train-iters", "1", "--init-method-std", "0.3",
+                     "--save", str(root / "ckpt"), "--sample-tokens", "0"]) == 0
+    return root / "ckpt"
+
+
+@pytest.fixture(scope="module")
 def wide_moe_checkpoint(corpus, tmp_path_factory):  # noqa: F811
     """wide_checkpoint's model with a mixture of 4 experts (top 2) in each layer."""
     root = tmp_path_factory.mktemp("wide-moe")
@@ -319,7 +333,9 @@ PARALLEL_GENERATION = {
     # vocabulary gather traced inside it), against one eager process
     "tp2": (2, ["--tensor-model-parallel-size", "2"], ["do_sample"]),
     # the stages one after another, each with its layer's cache, each cut for TP; beams reorder
-    # every stage's (PP without TP runs the same stages: a launch of its own proved nothing more)
+    # every stage's (PP without TP runs the same stages: a launch of its own proved nothing more).
+    # The model is the gated-DeltaNet hybrid: stage 0's linear layer keeps its convolution history
+    # and state (its heads cut by TP), stage 1's gated attention its keys and values.
     # --sequence-parallel as MindSpeed-LLM's generation scripts pass it at TP: set aside, the same tokens
     "tp2-pp2": (4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--sequence-parallel"],
                 ["greedy", "beam_search"]),
@@ -336,14 +352,16 @@ def _marks(*ids):
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("layout", [
     pytest.param("tp2", marks=_marks("sampling-generation", "tensor-parallel", "compiled-decode")),
-    pytest.param("tp2-pp2", marks=_marks("greedy-generation", "beam-search", "tensor-parallel", "pipeline-inference")),
+    pytest.param("tp2-pp2", marks=_marks("greedy-generation", "beam-search", "tensor-parallel", "pipeline-inference",
+                                         "gated-deltanet")),
     pytest.param("ep2", marks=_marks("greedy-generation", "sampling-generation", "expert-parallel"))])
 def test_parallel_generation_draws_what_one_process_draws(framework, capsys, request, tmp_path, layout):
     """`mindspeed launch -- generate` at the layout: every task's tokens are one process's."""
     from launch import free_port
 
     ranks, flags, tasks = PARALLEL_GENERATION[layout]
-    checkpoint = request.getfixturevalue("wide_moe_checkpoint" if layout == "ep2" else "wide_checkpoint")
+    checkpoint = request.getfixturevalue({"ep2": "wide_moe_checkpoint", "tp2-pp2": "wide_hybrid_checkpoint"}.get(
+        layout, "wide_checkpoint"))
     common = ["--load", str(checkpoint), "--prompt", "def f(", "--prompt", "class", "--max-new-tokens", "8",
               "--json", "--task", *tasks, "--seed", "4", "--num-beams", "3"]
     capsys.readouterr()

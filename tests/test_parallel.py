@@ -74,7 +74,13 @@ GRPO_CASES = {"grpo-tp2": ["--tensor-model-parallel-size", "2"], "grpo-dp2": [],
               "grpo-pp2": ["--pipeline-model-parallel-size", "2"], "grpo-cp2": ["--context-parallel-size", "2"]}
 # Qwen3's per-head q/k norms: replicated weights applied to each rank's heads under TP
 QK_NORM = GQA + ["--qk-layernorm"]
-MODELS = {"gqa": GQA, "mha": MHA, "moe": MOE, "sft": SFT, "lora": LORA, "dpo": DPO, "qk-norm": QK_NORM,
+# MindSpeed-LLM's gated-DeltaNet hybrid (its qwen3_next spec): layer 0 linear attention (2 key heads,
+# 4 value heads: chunks of 8 over the 32 tokens), layer 1 gated attention
+HYBRID = QK_NORM + ["--spec", "mindspeed_llm.tasks.models.spec.qwen3_next_spec", "layer_spec", "--add-rmsnorm-offset",
+                    "--full-attention-interval", "2", "--linear-num-key-heads", "2", "--linear-num-value-heads", "4",
+                    "--linear-key-head-dim", "16", "--linear-value-head-dim", "16", "--mamba-chunk-size", "8",
+                    "--partial-rotary-factor", "0.5"]
+MODELS = {"gqa": GQA, "mha": MHA, "moe": MOE, "sft": SFT, "lora": LORA, "dpo": DPO, "qk-norm": QK_NORM, "hybrid": HYBRID,
           "dpo-lora": DPO + ["--lora-r", "4", "--lora-alpha", "8"], "simpo": SIMPO, "orm": ORM, "prm": PRM,
           "gemma2": GEMMA2, "mla": MLA, "mla-moe": MLA_MOE, "gpt-oss": GPT_OSS}
 ITERS = 6  # the single-process reference curves of the models whose checkpoints are resumed below
@@ -251,6 +257,10 @@ CASES = [  # (id, ranks, model, flags): the cases of each rank count share one l
     # also where the two key/value heads are copied to four ranks
     ("qk-norm-tp2", 2, "qk-norm", ["--tensor-model-parallel-size", "2"]),
     ("qk-norm-tp4-kv-copies", 4, "qk-norm", ["--tensor-model-parallel-size", "4"]),
+    # gated DeltaNet cut by heads: in_proj's q, k, v, z, b, a slices, the convolution's channels,
+    # out_proj's columns, the per-head norm's gradient summed; with SP the sequence gathered around it
+    ("hybrid-tp2", 2, "hybrid", ["--tensor-model-parallel-size", "2"]),
+    ("hybrid-tp2-sp", 2, "hybrid", ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
     # 2 key/value heads copied to 4 ranks (with SP and the distributed optimizer on top)
     ("tp4-kv-copies-sp-distopt", 4, "gqa", ["--tensor-model-parallel-size", "4", "--sequence-parallel",
                                              "--use-distributed-optimizer"]),

@@ -33,6 +33,7 @@ from mindspeed_core.errors import MindSpeedError
 from mindspeed_core.models import lora
 from mindspeed_core.models.gpt import MLP, Seams, vocab_selector
 from mindspeed_core.models.config import MLA_DOWN
+from mindspeed_core.models.gated_deltanet import GatedDeltaNet
 from mindspeed_core.parallel import mappings
 from mindspeed_core.parallel.plan import KVCopies, ParallelPlan, ParamPlan
 from mindspeed_core.parallel.sharding import shard
@@ -159,12 +160,11 @@ def check_layout(cfg, tp: int, sequence_parallel: bool = False) -> None:
         if sequence_parallel:
             raise MindSpeedError("--sequence-parallel needs --tensor-model-parallel-size > 1")
         return
-    if cfg.linear_attention is not None:
-        raise MindSpeedError(f"tensor parallel size {tp}: the gated DeltaNet layers of this model are not cut by "
-                             "tensor parallelism yet (not built); run them at TP 1 (pipeline and data parallelism "
-                             "work)")
     sizes = [("attention heads", cfg.num_attention_heads), ("ffn hidden size", cfg.ffn_hidden_size),
              ("padded vocabulary", cfg.vocab_size)]
+    if cfg.linear_attention is not None:  # gated DeltaNet: each rank its key heads and their value heads
+        sizes += [("linear attention's key heads", cfg.linear_attention.key_heads),
+                  ("linear attention's value heads", cfg.linear_attention.value_heads)]
     if cfg.moe is not None:
         sizes.append(("experts' ffn hidden size", cfg.moe.ffn_hidden_size or cfg.ffn_hidden_size))
         if cfg.moe.shared_expert_size:
@@ -264,6 +264,23 @@ def _shard_latent_attention(attn, prefix, group, sequence_parallel, spec, partia
             spec[prefix + f"{attr}.weight"] = ("split", 0)
 
 
+def _shard_gated_deltanet(attn, prefix, ps, column, row, spec, partial) -> None:
+    """A gated DeltaNet layer cut by heads: in_proj's sections and the convolution's channels
+    (each rank its q, k, v, z, b, a slices), dt_bias and A_log by value head, out_proj by its input
+    columns; out_norm (per head, replicated) with a gradient summed over the ranks' heads."""
+    projections, channels = attn.la.sections()
+    tp, r = ps.tp, ps.local_rank("tp")
+    column(attn, "in_proj", prefix + "in_proj", ("sections", projections), False)
+    attn.conv1d.weight = nn.Parameter(shard(ops.to_numpy(attn.conv1d.weight), ("sections", channels), tp, r))
+    spec[prefix + "conv1d.weight"] = ("sections", channels)
+    for name in ("dt_bias", "A_log"):
+        setattr(attn, name, nn.Parameter(shard(ops.to_numpy(getattr(attn, name)), ("split", 0), tp, r)))
+        spec[prefix + name] = ("split", 0)
+    partial.add(prefix + "out_norm.weight")
+    row(attn, "out_proj", prefix + "out_proj")
+    attn.tp_shards = tp
+
+
 def _shard_layers(model, ps, group, sequence_parallel, spec, partial) -> KVCopies | None:
     """Replace the layers by their tensor-parallel versions; fills spec {local name: spec} and
     partial (local names of replicated LoRA factors, whose gradients are partial sums)."""
@@ -298,7 +315,9 @@ def _shard_layers(model, ps, group, sequence_parallel, spec, partial) -> KVCopie
 
     for prefix, layer in model.transformer_layers():
         attn, mlp = layer.self_attention, layer.mlp
-        if cfg.mla is not None:
+        if isinstance(attn, GatedDeltaNet):
+            _shard_gated_deltanet(attn, prefix + "self_attention.", ps, column, row, spec, partial)
+        elif cfg.mla is not None:
             _shard_latent_attention(attn, prefix + "self_attention.", group, sequence_parallel, spec, partial)
             if hasattr(attn, "linear_q_proj"):  # queries straight from the hidden state
                 column(attn, "linear_q_proj", prefix + "self_attention.linear_q_proj", ("split", 0), False)
@@ -312,7 +331,8 @@ def _shard_layers(model, ps, group, sequence_parallel, spec, partial) -> KVCopie
                 sinks.softmax_offset = nn.Parameter(shard(ops.to_numpy(sinks.softmax_offset), ("split", 0), tp,
                                                           ps.local_rank("tp")))
                 spec[prefix + "self_attention.core_attention.softmax_offset"] = ("split", 0)
-        row(attn, "linear_proj", prefix + "self_attention.linear_proj")
+        if not isinstance(attn, GatedDeltaNet):
+            row(attn, "linear_proj", prefix + "self_attention.linear_proj")
         if isinstance(mlp, MLP):  # an MoE layer's MLP is cut by parallel/experts.py
             column(mlp, "linear_fc1", prefix + "mlp.linear_fc1", swiglu, cfg.add_bias_linear)
             row(mlp, "linear_fc2", prefix + "mlp.linear_fc2")

@@ -12,10 +12,20 @@ import numpy as np
 #   ("qkv", groups, per, d)   fused qkv rows when the query groups are fewer than the TP
 #                             ranks: each rank keeps a slice of its group's query heads and a
 #                             copy of the group's key and value heads
+#   ("sections", sizes)       rows made of sections of these sizes (dim 0), each cut in equal
+#                             slices: [a_r; b_r; ...] (gated DeltaNet's in_proj: q, k, v, z, b, a)
+
+
+def _sections(full: np.ndarray, sizes) -> list:
+    if sum(sizes) != full.shape[0]:
+        raise ValueError(f"sections {list(sizes)} do not add up to the {full.shape[0]} rows")
+    return np.split(full, np.cumsum(sizes)[:-1], axis=0)
 
 
 def shard(full: np.ndarray, spec: tuple, n: int, r: int) -> np.ndarray:
     kind = spec[0]
+    if kind == "sections":
+        return np.concatenate([np.split(part, n, axis=0)[r] for part in _sections(full, spec[1])], axis=0)
     if kind == "split":
         return np.split(full, n, axis=spec[1])[r]
     if kind == "swiglu":
@@ -32,6 +42,10 @@ def shard(full: np.ndarray, spec: tuple, n: int, r: int) -> np.ndarray:
 
 def unshard(parts: list, spec: tuple) -> np.ndarray:
     kind = spec[0]
+    if kind == "sections":
+        local = [s // len(parts) for s in spec[1]]
+        pieces = [_sections(p, local) for p in parts]
+        return np.concatenate([piece[i] for i in range(len(local)) for piece in pieces], axis=0)
     if kind == "split":
         return np.concatenate(parts, axis=spec[1])
     if kind == "swiglu":
@@ -65,6 +79,14 @@ def placement(spec, local_shape: tuple, n: int, r: int) -> tuple[tuple, list]:
     if spec is None or n == 1:
         return local_shape, [(zero, zero, local_shape, True)]
     kind = spec[0]
+    if kind == "sections":  # each local section at its slice of the whole one
+        pieces, local_at, whole_at = [], 0, 0
+        rest = (0,) * (len(local_shape) - 1)
+        for size in spec[1]:
+            mine = size // n
+            pieces.append(((local_at,) + rest, (whole_at + r * mine,) + rest, (mine,) + local_shape[1:], True))
+            local_at, whole_at = local_at + mine, whole_at + size
+        return (whole_at,) + local_shape[1:], pieces
     if kind in ("split", "swiglu"):
         axis = spec[1] if len(spec) > 1 else 0
         whole = _with(local_shape, axis, local_shape[axis] * n)
