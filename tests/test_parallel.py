@@ -85,7 +85,7 @@ MODELS = {"gqa": GQA, "mha": MHA, "moe": MOE, "sft": SFT, "lora": LORA, "dpo": D
           "gemma2": GEMMA2, "mla": MLA, "mla-moe": MLA_MOE, "gpt-oss": GPT_OSS}
 ITERS = 6  # the single-process reference curves of the models whose checkpoints are resumed below
 TP4_SAVES = ITERS - 1  # the TP4 run resumed from TP2 saves there and stops; TP1 continues it
-RESUMED = ("gqa", "moe", "dpo", "mla-moe", "gpt-oss")  # the others' reference curves stop at LAYOUT_ITERS
+RESUMED = ("gqa", "moe", "dpo", "mla-moe", "gpt-oss", "hybrid")  # the others' reference curves stop at LAYOUT_ITERS
 # the layout launches run the first steps of the same schedule (--lr-decay-iters above): their
 # first-step gradients (MoE) and these losses are compared, which is where an error shows
 LAYOUT_ITERS = 2
@@ -259,7 +259,7 @@ CASES = [  # (id, ranks, model, flags): the cases of each rank count share one l
     ("qk-norm-tp4-kv-copies", 4, "qk-norm", ["--tensor-model-parallel-size", "4"]),
     # gated DeltaNet cut by heads: in_proj's q, k, v, z, b, a slices, the convolution's channels,
     # out_proj's columns, the per-head norm's gradient summed; with SP the sequence gathered around it
-    ("hybrid-tp2", 2, "hybrid", ["--tensor-model-parallel-size", "2"]),
+    ("hybrid-tp2", 2, "hybrid", ["--tensor-model-parallel-size", "2", "--save", "{tmp}/hybrid-tp2-ckpt"]),
     ("hybrid-tp2-sp", 2, "hybrid", ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
     # 2 key/value heads copied to 4 ranks (with SP and the distributed optimizer on top)
     ("tp4-kv-copies-sp-distopt", 4, "gqa", ["--tensor-model-parallel-size", "4", "--sequence-parallel",
@@ -733,9 +733,13 @@ def test_checkpoints_reshard_between_tp1_tp2_and_tp4(capsys, corpus, reference, 
                                                      tmp_path):
     """GQA with 2 query groups: TP2 splits them, TP4 copies each key/value head to 2 ranks. The
     TP2 checkpoint (two_ranks' tp2 case, iteration LAYOUT_ITERS) continues at TP1 here and at TP4
-    (four_ranks' tp4-from-tp2, which saves again at TP4_SAVES), and that one continues at TP1."""
+    (four_ranks' tp4-from-tp2, which saves again at TP4_SAVES), and that one continues at TP1. The
+    gated-DeltaNet hybrid's TP2 checkpoint continues at TP1 too."""
     want = reference["gqa"]
     resume_in_one_process(capsys, corpus, two_ranks / "tp2-ckpt", GQA, want, "TP=2", tmp_path)
+    # the hybrid's linear layers: each rank's q, k, v, z, b, a slices and channels read back whole
+    resume_in_one_process(capsys, corpus, two_ranks / "hybrid-tp2-ckpt", HYBRID, reference["hybrid"], "TP=2",
+                          tmp_path / "hybrid")
     tp4 = losses(four_ranks / "out" / "tp4-from-tp2.jsonl")
     assert_same_curve(tp4, {i: want[i] for i in range(LAYOUT_ITERS + 1, TP4_SAVES + 1)})
     code, out, err = train(capsys, *GQA, "--data-path", corpus, "--train-iters", str(ITERS), "--load",
