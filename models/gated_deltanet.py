@@ -27,6 +27,7 @@ import numpy as np
 
 from mindspeed_core import features, nn, ops
 from mindspeed_core.errors import MindSpeedError
+from mindspeed_core.memory import recompute
 from mindspeed_core.models.config import ModelConfig
 from mindspeed_core.models.layers import Linear, RMSNorm, _param
 
@@ -82,10 +83,11 @@ def _unit_lower_inverse(strict):
     return inverse
 
 
-def chunk_rule(q, k, v, g, beta, chunk_size: int = 64, state=None):
+def chunk_rule(q, k, v, g, beta, chunk_size: int = 64, state=None, final_state: bool = True):
     """The delta rule by chunks of ``chunk_size`` tokens (recurrent_rule's arguments and
-    results). The sequence is padded to whole chunks with tokens that change nothing (k = v = 0,
-    no decay) and the padding's outputs dropped."""
+    results; without ``final_state`` the state after the last chunk is not computed: None). The
+    sequence is padded to whole chunks with tokens that change nothing (k = v = 0, no decay) and
+    the padding's outputs dropped."""
     features.note_used("gated-deltanet")
     q, k, v, g, beta = _heads_first(q, k, v, g, beta)
     b, h, s, dk = k.shape
@@ -123,6 +125,9 @@ def chunk_rule(q, k, v, g, beta, chunk_size: int = 64, state=None):
     for i in range(n):
         written = u[:, :, i] - ops.matmul(w[:, :, i], state)
         outs.append(ops.matmul(q_decayed[:, :, i], state) + ops.matmul(inside[:, :, i], written))
+        if i == n - 1 and not final_state:  # nothing reads it: not even saved for backward
+            state = None
+            break
         state = state * ops.unsqueeze(ops.exp(last[:, :, i]), -1) + \
             ops.matmul(ops.transpose(k_to_end[:, :, i], -1, -2), written)
     o = ops.reshape(ops.stack(outs, dim=2), (b, h, n * c, dv))
@@ -172,6 +177,9 @@ class GatedDeltaNet(nn.Module):
     cache keeps each layer's convolution history and delta-rule state in it."""
 
     layer_number = 0  # the layer's global number (its slot in a cache); set by Decoder
+    # what to recompute in backward (GPTModel.use_memory): selective recomputes the delta rule, as it
+    # does attention's core
+    recompute_policy = recompute.NONE
     tp_shards = 1  # tensor parallelism: this rank holds 1/tp_shards of the heads (parallel/layers.py)
 
     def __init__(self, cfg: ModelConfig):
@@ -222,7 +230,10 @@ class GatedDeltaNet(nn.Module):
         g = ops.neg(ops.exp(ops.cast(self.A_log, "float32"))) * softplus(ops.cast(alpha, "float32")
                                                                           + ops.cast(self.dt_bias, "float32"))
         beta = ops.sigmoid(ops.cast(beta, "float32"))
-        if cache is not None and s == 1 and state is not None:
+        if cache is None:  # training, scoring: the outputs only
+            out = self.recompute_policy.attention(lambda *a: chunk_rule(*a, la.chunk_size, final_state=False)[0],
+                                                  q, k, v, g, beta)
+        elif s == 1 and state is not None:
             out, state = recurrent_rule(q, k, v, g, beta, state)
         else:
             out, state = chunk_rule(q, k, v, g, beta, la.chunk_size, state)

@@ -23,8 +23,12 @@ from mindspeed_core.memory import accounting
 from test_training import SMALL, corpus, train  # noqa: F401  (corpus is a fixture)
 
 # three layers (uniform groups of 2 leave one over), q/k norms, dropout everywhere: the
-# recomputation must replay every dropout mask
-MODEL = [*SMALL, "--num-layers", "3", "--qk-layernorm", "--attention-dropout", "0.2", "--hidden-dropout", "0.2"]
+# recomputation must replay every dropout mask. Layers 0 and 2 are gated DeltaNet (MindSpeed-LLM's
+# qwen3_next spec), layer 1 gated attention: every policy acts on both kinds of token mixer
+MODEL = [*SMALL, "--num-layers", "3", "--qk-layernorm", "--attention-dropout", "0.2", "--hidden-dropout", "0.2",
+         "--spec", "mindspeed_llm.tasks.models.spec.qwen3_next_spec", "layer_spec", "--full-attention-interval", "2",
+         "--linear-num-key-heads", "2", "--linear-num-value-heads", "4", "--linear-key-head-dim", "16",
+         "--linear-value-head-dim", "16", "--mamba-chunk-size", "8"]
 STEPS = 5
 FRAMEWORK = runtime.bound().NAME
 

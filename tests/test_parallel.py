@@ -80,7 +80,12 @@ HYBRID = QK_NORM + ["--spec", "mindspeed_llm.tasks.models.spec.qwen3_next_spec",
                     "--full-attention-interval", "2", "--linear-num-key-heads", "2", "--linear-num-value-heads", "4",
                     "--linear-key-head-dim", "16", "--linear-value-head-dim", "16", "--mamba-chunk-size", "8",
                     "--partial-rotary-factor", "0.5"]
+# ... as Qwen3-Next: its second layer's MLP top-2 of 4 experts beside a gated shared expert
+HYBRID_MOE = HYBRID + ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "64",
+                       "--moe-shared-expert-intermediate-size", "64", "--shared-expert-gate", "--norm-topk-prob",
+                       "--first-k-dense-replace", "1", "--moe-aux-loss-coeff", "0.01"]
 MODELS = {"gqa": GQA, "mha": MHA, "moe": MOE, "sft": SFT, "lora": LORA, "dpo": DPO, "qk-norm": QK_NORM, "hybrid": HYBRID,
+          "hybrid-moe": HYBRID_MOE,
           "dpo-lora": DPO + ["--lora-r", "4", "--lora-alpha", "8"], "simpo": SIMPO, "orm": ORM, "prm": PRM,
           "gemma2": GEMMA2, "mla": MLA, "mla-moe": MLA_MOE, "gpt-oss": GPT_OSS}
 ITERS = 6  # the single-process reference curves of the models whose checkpoints are resumed below
@@ -261,6 +266,8 @@ CASES = [  # (id, ranks, model, flags): the cases of each rank count share one l
     # out_proj's columns, the per-head norm's gradient summed; with SP the sequence gathered around it
     ("hybrid-tp2", 2, "hybrid", ["--tensor-model-parallel-size", "2", "--save", "{tmp}/hybrid-tp2-ckpt"]),
     ("hybrid-tp2-sp", 2, "hybrid", ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+    ("hybrid-dp2-distopt", 2, "hybrid", ["--use-distributed-optimizer"]),
+    ("hybrid-moe-ep2", 2, "hybrid-moe", ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall"]),
     # 2 key/value heads copied to 4 ranks (with SP and the distributed optimizer on top)
     ("tp4-kv-copies-sp-distopt", 4, "gqa", ["--tensor-model-parallel-size", "4", "--sequence-parallel",
                                              "--use-distributed-optimizer"]),
@@ -903,6 +910,12 @@ def expected_traffic(ranks, flags, model: str = "gqa") -> dict:
     moe = dict(moe=MoEConfig(num_experts=4, topk=2, ffn_hidden_size=64), moe_layers=(1,)) if model == "moe" else {}
     cfg = ModelConfig(vocab_size=264, hidden_size=64, num_layers=2, num_attention_heads=4, num_query_groups=2,
                       ffn_hidden_size=128, max_position_embeddings=32, **moe)
+    if model not in ("gqa", "moe"):  # another model of MODELS, data-parallel only: all its parameters
+        from mindspeed_core.compat.megatron_args import training_parser
+        from mindspeed_core.training.configuration import model_only
+
+        assert tp == 1, (model, flags)
+        cfg = model_only(training_parser().parse_args(MODELS[model]))
     norms = (2 * cfg.num_layers + 1) * cfg.hidden_size  # replicated; every other weight is split over TP
     local = (cfg.num_parameters() - norms) // tp + norms
     grad_accum = global_batch(MODELS[model]) // (2 * dp)
