@@ -51,7 +51,8 @@ def main() -> None:
 
     lengths = [int(n) for n in args.lengths.split(",")]
     cfg = ModelConfig(hidden_size=HIDDEN, num_layers=1, num_attention_heads=8, num_query_groups=2, kv_channels=128,
-                      max_position_embeddings=max(lengths), linear_attention=LINEAR, init_method_std=0.02)
+                      max_position_embeddings=max(lengths), linear_attention=LINEAR, init_method_std=0.02,
+                      norm_epsilon=1e-6)  # transformers' rms_norm_eps
     ours, attention = GatedDeltaNet(cfg), SelfAttention(cfg)
     theirs = _transformers_layer(ours) if args.ai_framework == "pytorch" else None
 
