@@ -116,6 +116,7 @@ def from_hf_state(cfg: ModelConfig, hf: dict) -> dict:
 
 def _from_hf_state(cfg: ModelConfig, hf: dict) -> dict:
     out = {}
+    hf = families.get(cfg.family).unwrap_tensors(hf)
     left = hf  # what take() has not consumed, checked at the end
 
     def take(name):

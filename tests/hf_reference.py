@@ -139,6 +139,14 @@ MODELS = {
     "qwen3.5": (T.Qwen3_5TextConfig, dict(COMMON, num_hidden_layers=4, num_key_value_heads=2, head_dim=16,
                                           max_position_embeddings=128, linear_num_key_heads=2, linear_num_value_heads=4,
                                           linear_key_head_dim=8, linear_value_head_dim=8)),
+    # a released Qwen3.5 folder's shape: the text model inside Qwen3_5ForConditionalGeneration, with a
+    # (tiny) vision tower we set aside
+    "qwen3.5-vl": (T.Qwen3_5Config, dict(
+        text_config=dict(COMMON, num_hidden_layers=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=128,
+                         linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                         linear_value_head_dim=8),
+        vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                           patch_size=4, temporal_patch_size=2, spatial_merge_size=1, num_position_embeddings=16))),
     "qwen3.5-moe": (T.Qwen3_5MoeTextConfig, dict({k: v for k, v in COMMON.items() if k != "intermediate_size"},
                                                  num_hidden_layers=4, num_key_value_heads=2, head_dim=16,
                                                  max_position_embeddings=128, linear_num_key_heads=2,
@@ -208,7 +216,7 @@ BEAMS = ("llama", "qwen3", "deepseek-v2")  # transformers' beam search, for test
 # inside 1e-4), so logits of O(1) to O(10)
 SEQUENCE, SPREAD = 24, 0.2
 # past one 64-token chunk of the delta rule's training form: the carried state between chunks acts
-LENGTHS = {"qwen3-next": 80, "qwen3.5": 80, "qwen3.5-moe": 80}
+LENGTHS = {"qwen3-next": 80, "qwen3.5": 80, "qwen3.5-moe": 80, "qwen3.5-vl": 80}
 
 
 def _rope(name: str, **changes) -> dict:
@@ -259,6 +267,8 @@ def _identity_conv(weight) -> None:
 
 
 def _model(cls, kwargs: dict):
+    if cls is T.Qwen3_5Config:  # multimodal: its text-only forward is what the logits compare with
+        return T.Qwen3_5ForConditionalGeneration(cls(**kwargs)).float().eval()
     return T.AutoModelForCausalLM.from_config(cls(**kwargs)).float().eval()
 
 

@@ -37,7 +37,7 @@ QWEN3_NEXT = pytest.param("qwen3-next", marks=[pytest.mark.feature("gated-deltan
                                                 pytest.mark.feature("attention-output-gate")])
 # Qwen3.5 (text), dense and MoE: its ungrouped projections
 QWEN3_5 = [pytest.param(name, marks=[pytest.mark.feature("gated-deltanet"), pytest.mark.feature("attention-output-gate")])
-           for name in ("qwen3.5", "qwen3.5-moe")]
+           for name in ("qwen3.5", "qwen3.5-moe", "qwen3.5-vl")]
 NAMES = ["llama", "llama3-rope", "llama-linear-rope-tied", "llama-yarn", "qwen2-yarn-mscale", "llama-dynamic-rope",
          "llama-attention-bias", "mistral", "mistral-sliding", "qwen2", "qwen2-sliding", "qwen3", "phi3-longrope",
          "phi3-partial-rotary", GEMMA2, "gemma3", "gpt2", "mixtral", "qwen2-moe", "qwen3-moe", *MLA, "glm4-moe",
@@ -138,7 +138,8 @@ def test_the_latent_cache_holds_the_latent_and_the_rotated_key(references):
 
 EXPORTED = ["llama", "llama-attention-bias", "qwen3", "gpt2", "mixtral", "qwen2-moe", "qwen2-yarn-mscale",
             "phi3-longrope", "phi3-partial-rotary", "gemma2", "gemma3", "mistral-sliding", "qwen2-sliding",
-            "deepseek-v2", "deepseek-v3", "glm4-moe", "minicpm3", "gpt-oss", "qwen3-next", "qwen3.5", "qwen3.5-moe"]
+            "deepseek-v2", "deepseek-v3", "glm4-moe", "minicpm3", "gpt-oss", "qwen3-next", "qwen3.5", "qwen3.5-moe",
+            "qwen3.5-vl"]
 
 
 @pytest.fixture(scope="module")

@@ -55,6 +55,12 @@ class Family:
     def config_from_hf(self, hf: dict) -> ModelConfig:
         raise NotImplementedError
 
+    def unwrap_tensors(self, hf: dict) -> dict:
+        """A folder's tensors as the family's layout names them: a wrapper's (a multimodal
+        folder's) text model renamed, what the text model does not use set aside (default: as
+        they are)."""
+        return hf
+
     def hf_config(self, cfg: ModelConfig) -> dict:
         """config.json for ``cfg``; a model that this family cannot hold is a CheckpointError."""
         out = decoder_hf_config(self, cfg)

@@ -16,9 +16,15 @@ from mindspeed_core.errors import CheckpointError
 from mindspeed_core.models.families.qwen3_next import Qwen3Next
 
 
+# a qwen3_5 / qwen3_5_moe folder (Qwen3_5ForConditionalGeneration: the released Qwen3.5 models) is
+# a vision tower around the text model: its text_config and model.language_model.* tensors are the
+# text model; the tower (model.visual.*) is set aside (images are not read here)
+TEXT, TOWER = "model.language_model.", "model.visual."
+
+
 class Qwen35(Qwen3Next):
     name = "qwen3_5"
-    model_types = ("qwen3_5_text",)
+    model_types = ("qwen3_5_text", "qwen3_5")
     architecture = "Qwen3_5ForCausalLM"
     aliases = ("qwen3.5",)  # ours: MindSpeed-LLM's examples have no Qwen3.5 yet
     specs = ()
@@ -33,6 +39,15 @@ class Qwen35(Qwen3Next):
 
     def moe_from_hf(self, hf: dict) -> tuple:
         return None, None
+
+    def config_from_hf(self, hf: dict):
+        return super().config_from_hf(text_config(hf))
+
+    def unwrap_tensors(self, hf: dict) -> dict:
+        if not any(k.startswith(TEXT) for k in hf):
+            return hf
+        return {"model." + k[len(TEXT):] if k.startswith(TEXT) else k: v for k, v in hf.items()
+                if not k.startswith(TOWER)}
 
     def hf_config(self, cfg):
         if cfg.moe is not None:
@@ -63,7 +78,7 @@ class Qwen35(Qwen3Next):
 
 class Qwen35Moe(Qwen35):
     name = "qwen3_5_moe"
-    model_types = ("qwen3_5_moe_text",)
+    model_types = ("qwen3_5_moe_text", "qwen3_5_moe")
     architecture = "Qwen3_5MoeForCausalLM"
     aliases = ("qwen3.5-moe",)  # ours, as Qwen35's
     builds = "moe"
@@ -76,6 +91,7 @@ class Qwen35Moe(Qwen35):
 
     def config_from_hf(self, hf: dict):
         # no dense MLP and no choice of sparse layers: experts everywhere, renormalised
+        hf = text_config(hf)
         hf = {**hf, "intermediate_size": hf.get("moe_intermediate_size"), "norm_topk_prob": True,
               "decoder_sparse_step": 1, "mlp_only_layers": []}
         return super().config_from_hf(hf)
@@ -91,6 +107,18 @@ class Qwen35Moe(Qwen35):
         for key in ("intermediate_size", "decoder_sparse_step", "norm_topk_prob", "mlp_only_layers"):
             out.pop(key, None)
         return out
+
+
+def text_config(hf: dict) -> dict:
+    """The text model's config.json of a folder: a wrapper's text_config (its top-level
+    tie_word_embeddings the text model's), or the folder's own."""
+    if "text_config" not in hf:
+        return hf
+    text = hf["text_config"]
+    if not isinstance(text, dict) or text.get("model_type") not in ("qwen3_5_text", "qwen3_5_moe_text"):
+        raise CheckpointError(f"config.json: a {hf.get('model_type')} folder's text_config must be a qwen3_5_text or "
+                              f"qwen3_5_moe_text config")
+    return {**text, "tie_word_embeddings": hf.get("tie_word_embeddings", text.get("tie_word_embeddings", False))}
 
 
 FAMILY = (Qwen35(), Qwen35Moe())
