@@ -129,6 +129,8 @@ def add_feature_args(parser: argparse.ArgumentParser) -> None:
                    help="each expert's; default --ffn-hidden-size")
     e.add_argument("--moe-shared-expert-intermediate-size", type=POSITIVE_INT, default=None)
     e.add_argument("--shared-expert-gate", action="store_true", help="scale the shared expert by sigmoid(x . gate)")
+    e.add_argument("--router-gating-in-fp32", action="store_true",
+                   help="the router's linear on float32 copies of its input and weight (under --bf16 / --fp16)")
     e.add_argument("--moe-router-score-function", choices=("softmax", "sigmoid"), default="softmax")
     e.add_argument("--moe-router-pre-softmax", action="store_true",
                    help="the top-k weights are the softmax over all experts, not renormalised over the k")

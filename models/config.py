@@ -260,6 +260,9 @@ class ModelConfig:
     # --rmsnorm-weight-in-fp32: a plain RMSNorm scales by its weight in float32 and casts after (the
     # offset norms always compute so); how the math runs, not saved, not compared
     norm_weight_float32: bool = field(default=False, compare=False)
+    # --router-gating-in-fp32: the MoE routers' linear on float32 copies of its input and weight
+    # (else in the model's dtype, the logits cast after); how the math runs, as above
+    router_float32: bool = field(default=False, compare=False)
 
     def __post_init__(self):
         # frozen once built: the checks below, and the derived defaults filled here (with
@@ -491,7 +494,7 @@ class ModelConfig:
 
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)
-        del out["fused"], out["norm_weight_float32"]
+        del out["fused"], out["norm_weight_float32"], out["router_float32"]
         return out
 
     @classmethod

@@ -156,9 +156,17 @@ class Router(Linear):
     the optimizer. It is model state, saved and converted with the weights, as megatron-core's
     buffer ``mlp.router.expert_bias`` and DeepSeek-V3's ``e_score_correction_bias`` are."""
 
-    def __init__(self, hidden: int, experts: int, std: float, expert_bias: bool, bias: bool = False):
+    def __init__(self, hidden: int, experts: int, std: float, expert_bias: bool, bias: bool = False,
+                 float32: bool = False):
         super().__init__(hidden, experts, bias, std)
         self.expert_bias = nn.Parameter(np.zeros(experts, np.float32), requires_grad=False) if expert_bias else None
+        self.float32 = float32  # --router-gating-in-fp32
+
+    def forward(self, x):
+        if not self.float32 or ops.dtype_of(x) == "float32":
+            return super().forward(x)
+        return ops.linear(ops.cast(x, "float32"), ops.cast(self.weight, "float32"),
+                          None if self.bias is None else ops.cast(self.bias, "float32"))
 
 
 class MoELayer(nn.Module):
@@ -170,7 +178,7 @@ class MoELayer(nn.Module):
         super().__init__()
         self.moe, self.number = moe, number  # number: the layer's place in the whole model
         self.router = Router(cfg.hidden_size, moe.num_experts, cfg.init_method_std, moe.enable_expert_bias,
-                             cfg.add_bias_linear)
+                             cfg.add_bias_linear, cfg.router_float32)
         self.experts = Experts(cfg, moe)
         self.shared_experts = (SharedExpert(cfg, moe.shared_expert_size, moe.shared_expert_gate)
                                if moe.shared_expert_size else None)

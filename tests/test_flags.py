@@ -110,6 +110,7 @@ REQUIRES = {
     "--moe-input-jitter-eps": ["--num-experts", "4"],
     "--seq-aux": ["--num-experts", "4", "--moe-aux-loss-coeff", "0.01"],
     "--n-shared-experts": ["--num-experts", "4"],
+    "--router-gating-in-fp32": ["--num-experts", "4"],
     # longrope's lists and scales qualify --rope-scaling-type longrope (heads of 8 dimensions: 4 factors)
     "--long-factor": ["--rope-scaling-type", "longrope", "--short-factor", "1,1,1,1",
                       "--rope-scaling-original-max-position-embeddings", "4"],

@@ -164,6 +164,30 @@ def test_rmsnorm_weight_in_fp32_scales_before_the_cast():
     assert errors["fp32"] < errors["plain"], errors  # one rounding, not two
 
 
+def test_router_gating_in_fp32_computes_the_logits_in_float32():
+    """--router-gating-in-fp32 (MindSpeed-LLM's): in bf16 the router's logits are a float32 linear
+    of the (bf16) input and weight, one rounding off the exact product, where the default's bf16
+    linear rounds them to bf16; in float32 both are the same arithmetic."""
+    from mindspeed_core.models.moe import Router
+
+    rng = np.random.default_rng(5)
+    x, w = rng.normal(size=(6, 16)).astype(np.float32), rng.normal(size=(4, 16)).astype(np.float32)
+    plain, fp32 = Router(16, 4, 0.02, False), Router(16, 4, 0.02, False, float32=True)
+    for r in (plain, fp32):
+        nn.assign(r.weight, ops.tensor(w))
+    assert np.array_equal(ops.to_numpy(plain(ops.tensor(x))), ops.to_numpy(fp32(ops.tensor(x))))
+    if not device.supports_dtype("bfloat16"):
+        pytest.skip("bfloat16 math is not available on this device (the matrix marks it unsupported)")
+    for r in (plain, fp32):
+        nn.cast_parameters(r, "bfloat16")
+    xb = ops.tensor(x, dtype="bfloat16")
+    x64, w64 = (ops.to_numpy(ops.cast(t, "float32")).astype(np.float64) for t in (xb, fp32.weight))
+    exact = x64 @ w64.T
+    got = {name: ops.to_numpy(ops.cast(r(xb), "float32")) for name, r in (("fp32", fp32), ("plain", plain))}
+    assert ops.dtype_of(fp32(xb)) == "float32"
+    assert np.abs(got["fp32"] - exact).max() < 1e-5 * np.abs(exact).max() < np.abs(got["plain"] - exact).max()
+
+
 # flag -> (ModelConfig.fused entry, feature id)
 SWITCHES = {
     "--use-flash-attn": ("attention", "flash-attention"),

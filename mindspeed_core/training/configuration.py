@@ -405,7 +405,8 @@ def model_config(args, vocab_size: int) -> ModelConfig:
                                  f"--mtp-num-layers, which this run has none of: give --mtp-num-layers or drop it")
     return dataclasses.replace(cfg, lora=lora_config(args), reward_head=stage_of(args) == "orm",
                                fused=frozenset(op for flag, op in FUSED_FLAGS.items() if getattr(args, flag, False)),
-                               norm_weight_float32=bool(getattr(args, "rmsnorm_weight_in_fp32", False)))
+                               norm_weight_float32=bool(getattr(args, "rmsnorm_weight_in_fp32", False)),
+                               router_float32=bool(getattr(args, "router_gating_in_fp32", False)))
 
 
 def lora_config(args) -> LoRAConfig | None:
@@ -1033,6 +1034,8 @@ def describe(config: RunConfig, data_path, pipeline_layout, grad_accum: int, los
         "model": cfg.to_dict(), "kernels": kernels(cfg), "parameters": cfg.num_parameters(),
         "rms_norm_weight": ("times the normed input in float32, cast after" if cfg.norm_weight_float32 or cfg.norm_offset
                             else "times the normed input cast to the model's dtype"),
+        "router_logits": (None if cfg.moe is None else "a float32 linear (--router-gating-in-fp32)"
+                          if cfg.router_float32 else "a linear in the model's dtype, cast to float32"),
         "flops_per_token": cfg.flops_per_token(flags.seq_length),
         "tokenizer": {"type": tokenizer.name, "end_of_document": tokenizer.eod,
                       "end_of_document_from": tokenizer.eod_source, "bos": tokenizer.bos,
