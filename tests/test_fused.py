@@ -138,23 +138,29 @@ def test_low_precision_norm_agrees_with_composite(dtype):
     assert ops.dtype_of(ops.rms_norm(x, w)) == dtype
 
 
+def _bf16_pair(plain, fp32, weight: np.ndarray, x: np.ndarray):
+    """A layer and its float32-switched twin holding ``weight``: the same output in float32,
+    then both cast to bf16 (skipped where bf16 math is not available); returns (x in bf16, x and
+    the weight as float64 of their bf16 values)."""
+    for layer in (plain, fp32):
+        nn.assign(layer.weight, ops.tensor(weight))
+    assert np.array_equal(ops.to_numpy(plain(ops.tensor(x))), ops.to_numpy(fp32(ops.tensor(x))))
+    if not device.supports_dtype("bfloat16"):
+        pytest.skip("bfloat16 math is not available on this device (the matrix marks it unsupported)")
+    for layer in (plain, fp32):
+        nn.cast_parameters(layer, "bfloat16")
+    xb = ops.tensor(x, dtype="bfloat16")
+    return (xb, *(ops.to_numpy(ops.cast(t, "float32")).astype(np.float64) for t in (xb, fp32.weight)))
+
+
 def test_rmsnorm_weight_in_fp32_scales_before_the_cast():
     """--rmsnorm-weight-in-fp32 (MindSpeed-LLM's): in bf16 the normed input times the (bf16) weight
     in float32, then cast (one rounding), where the default casts the normed input first and scales
     in bf16 (two); in float32 both are the same arithmetic."""
     from mindspeed_core.models.layers import RMSNorm
 
-    x, w = X.astype(np.float32), (W * 3.1).astype(np.float32)
     plain, fp32 = RMSNorm(8, 1e-6), RMSNorm(8, 1e-6, weight_float32=True)
-    for norm in (plain, fp32):
-        nn.assign(norm.weight, ops.tensor(w))
-    assert np.array_equal(ops.to_numpy(plain(ops.tensor(x))), ops.to_numpy(fp32(ops.tensor(x))))
-    if not device.supports_dtype("bfloat16"):
-        pytest.skip("bfloat16 math is not available on this device (the matrix marks it unsupported)")
-    for norm in (plain, fp32):
-        nn.cast_parameters(norm, "bfloat16")
-    xb = ops.tensor(x, dtype="bfloat16")
-    x64, w64 = (ops.to_numpy(ops.cast(t, "float32")).astype(np.float64) for t in (xb, fp32.weight))
+    xb, x64, w64 = _bf16_pair(plain, fp32, (W * 3.1).astype(np.float32), X.astype(np.float32))
     exact = x64 / np.sqrt((x64 ** 2).mean(-1, keepdims=True) + 1e-6) * w64
     errors = {}
     for name, norm in (("fp32", fp32), ("plain", plain)):
@@ -171,17 +177,9 @@ def test_router_gating_in_fp32_computes_the_logits_in_float32():
     from mindspeed_core.models.moe import Router
 
     rng = np.random.default_rng(5)
-    x, w = rng.normal(size=(6, 16)).astype(np.float32), rng.normal(size=(4, 16)).astype(np.float32)
     plain, fp32 = Router(16, 4, 0.02, False), Router(16, 4, 0.02, False, float32=True)
-    for r in (plain, fp32):
-        nn.assign(r.weight, ops.tensor(w))
-    assert np.array_equal(ops.to_numpy(plain(ops.tensor(x))), ops.to_numpy(fp32(ops.tensor(x))))
-    if not device.supports_dtype("bfloat16"):
-        pytest.skip("bfloat16 math is not available on this device (the matrix marks it unsupported)")
-    for r in (plain, fp32):
-        nn.cast_parameters(r, "bfloat16")
-    xb = ops.tensor(x, dtype="bfloat16")
-    x64, w64 = (ops.to_numpy(ops.cast(t, "float32")).astype(np.float64) for t in (xb, fp32.weight))
+    xb, x64, w64 = _bf16_pair(plain, fp32, rng.normal(size=(4, 16)).astype(np.float32),
+                              rng.normal(size=(6, 16)).astype(np.float32))
     exact = x64 @ w64.T
     got = {name: ops.to_numpy(ops.cast(r(xb), "float32")) for name, r in (("fp32", fp32), ("plain", plain))}
     assert ops.dtype_of(fp32(xb)) == "float32"
