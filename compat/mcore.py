@@ -71,8 +71,7 @@ class Layout:
     num_layer_list: str | None = None
 
     def stages(self, cfg: ModelConfig) -> pipeline.PipelineLayout:
-        noop = ",".join(map(str, cfg.noop_layers)) or None
-        return pipeline.plan_layout(cfg.num_layers, self.pp, self.layers_per_virtual_stage, self.num_layer_list, noop)
+        return pipeline.model_layout(cfg, self.pp, self.layers_per_virtual_stage, self.num_layer_list)
 
     def rank_dir(self, t: int, p: int, e: int) -> str:
         return f"mp_rank_{t:02d}" + (f"_{p:03d}" if self.pp > 1 else "") + (f"_{e:03d}" if self.ep > 1 else "")

@@ -240,7 +240,7 @@ def predict_memory(cfg, lay: Layout, seq: int, gbs: int, machine: Machine, dtype
     """Bytes per device on the most loaded pipeline stage, by part: the fixed parts (baseline,
     weights, optimizer states, what building the whole model left) plus the larger of the
     step's two peaks: at the loss (activations, logits) and after the backward (gradients)."""
-    layout = pipeline.plan_layout(cfg.num_layers, lay.pp, None, None, ",".join(map(str, cfg.noop_layers)) or None)
+    layout = pipeline.model_layout(cfg, lay.pp)
     element = 4 if dtype == "float32" else 2
     copies = machine.counts()
     micro = gbs // (lay.mbs * lay.dp)

@@ -60,6 +60,13 @@ def parse_layer_numbers(text: str | None, flag: str) -> tuple:
     return numbers
 
 
+def model_layout(cfg, pp: int, layers_per_virtual_stage: int | None = None,
+                 num_layer_list: str | None = None) -> PipelineLayout:
+    """plan_layout for the model ``cfg`` (its layer count and its no-op layers)."""
+    return plan_layout(cfg.num_layers, pp, layers_per_virtual_stage, num_layer_list,
+                       ",".join(map(str, cfg.noop_layers)) or None)
+
+
 def plan_layout(num_layers: int, pp: int = 1, layers_per_virtual_stage: int | None = None,
                 num_layer_list: str | None = None, noop_layers: str | None = None) -> PipelineLayout:
     """The layout for these flags, or a MindSpeedError naming the flag that does not fit."""

@@ -105,8 +105,7 @@ class ParallelLayout:
 
     def stages(self, cfg: ModelConfig) -> pipeline.PipelineLayout:
         """Which of ``cfg``'s layers each pipeline stage holds (parallel/pipeline.py)."""
-        return pipeline.plan_layout(cfg.num_layers, self.pp, self.layers_per_virtual_stage, self.num_layer_list,
-                                    ",".join(map(str, cfg.noop_layers)) or None)
+        return pipeline.model_layout(cfg, self.pp, self.layers_per_virtual_stage, self.num_layer_list)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -590,9 +589,7 @@ def _linear_attention(args, num_layers: int) -> tuple[LinearAttentionConfig | No
     """Gated DeltaNet's settings and the layers that run it, from --full-attention-interval N
     (every N-th layer attends) and the --linear-* / --mamba-* flags (megatron-core's defaults)."""
     given = [f for f in (*_LINEAR_FLAGS, "mamba_expand") if getattr(args, f) is not None]
-    if args.mamba_expand not in (None, 1):
-        raise MindSpeedError(f"--mamba-expand {args.mamba_expand}: gated DeltaNet's widths are the --linear-* flags'; "
-                             "an expansion other than 1 is not built")
+    _check_mamba_expand(args)
     if args.full_attention_interval is None:
         if given:
             raise MindSpeedError(f"--{given[0].replace('_', '-')} qualifies the gated DeltaNet layers of "
@@ -608,6 +605,12 @@ def _linear_attention(args, num_layers: int) -> tuple[LinearAttentionConfig | No
     except ValueError as exc:
         raise MindSpeedError(f"model configuration: {exc}") from None
     return la, tuple(i for i in range(num_layers) if (i + 1) % args.full_attention_interval)
+
+
+def _check_mamba_expand(args) -> None:
+    if args.mamba_expand not in (None, 1):
+        raise MindSpeedError(f"--mamba-expand {args.mamba_expand}: gated DeltaNet's widths are the --linear-* flags'; "
+                             "an expansion other than 1 is not built")
 
 
 def _rotary_percent(args) -> float | None:
@@ -720,9 +723,7 @@ def _linear_agreeing_with_flags(args, cfg: ModelConfig) -> ModelConfig:
             raise MindSpeedError(f"--{given[0].replace('_', '-')}: the Hugging Face folder's model has no gated "
                                  "DeltaNet layers")
         return cfg
-    if args.mamba_expand not in (None, 1):
-        raise MindSpeedError(f"--mamba-expand {args.mamba_expand}: gated DeltaNet's widths are the --linear-* flags'; "
-                             "an expansion other than 1 is not built")
+    _check_mamba_expand(args)
     if args.full_attention_interval is not None:
         layers = tuple(i for i in range(cfg.num_layers) if (i + 1) % args.full_attention_interval)
         if layers != (cfg.linear_layers or tuple(range(cfg.num_layers))):
@@ -949,9 +950,8 @@ def _check_grpo(args, dp: int, vocab_size: int | None = None) -> None:
 def pipeline_layout(args, cfg: ModelConfig) -> pipeline.PipelineLayout:
     """Which layers each pipeline stage holds (parallel/pipeline.py), from the flags (a run's
     configuration has it as ParallelLayout.stages)."""
-    return pipeline.plan_layout(cfg.num_layers, args.pipeline_model_parallel_size,
-                                args.num_layers_per_virtual_pipeline_stage, args.num_layer_list,
-                                ",".join(map(str, cfg.noop_layers)) or None)
+    return pipeline.model_layout(cfg, args.pipeline_model_parallel_size, args.num_layers_per_virtual_pipeline_stage,
+                                 args.num_layer_list)
 
 
 def check_save_folder(args, default: bool = False) -> None:
