@@ -218,5 +218,10 @@ def main(argv: list[str] | None = None) -> int:
     return code
 
 
+def console() -> None:
+    """The `mindspeed` command (pyproject's script): main, then runtime.exit_process."""
+    runtime.exit_process(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    console()

@@ -752,3 +752,4 @@ if __name__ == "__main__":  # one rank of probe_collectives, started by the fram
 
     if sys.argv[1:2] == ["--collectives-rank"]:
         _collectives_rank(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
+        runtime.exit_process(0)

@@ -48,4 +48,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from mindspeed_core import runtime
+
+    runtime.exit_process(main())

@@ -248,4 +248,4 @@ def torch_process_groups() -> list:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    runtime.exit_process(main(sys.argv[1]))

@@ -84,3 +84,4 @@ if __name__ == "__main__":
         if dist.rank() == 0:  # in the rank's log: where a launch's time goes
             print(f"case {case[0]}: {time.time() - start:.1f} s", file=sys.stderr, flush=True)
     dist.shutdown()
+    runtime.exit_process(0)

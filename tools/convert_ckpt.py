@@ -7,7 +7,8 @@
 
 import sys
 
+from mindspeed_core import runtime
 from mindspeed_core.cli import main
 
 if __name__ == "__main__":
-    sys.exit(main(["convert", *sys.argv[1:]]))
+    runtime.exit_process(main(["convert", *sys.argv[1:]]))

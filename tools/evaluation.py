@@ -6,7 +6,8 @@
 
 import sys
 
+from mindspeed_core import runtime
 from mindspeed_core.cli import main
 
 if __name__ == "__main__":
-    sys.exit(main(["evaluate", *sys.argv[1:]]))
+    runtime.exit_process(main(["evaluate", *sys.argv[1:]]))
