@@ -476,11 +476,12 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
     d.add_argument("--data-path", nargs="+", default=None, help="prefix, or weight/prefix pairs")
     d.add_argument("--split", default="969,30,1")
     d.add_argument("--alternative-prompt", action="store_true",
-                   help="evaluation: MindSpeed-LLM's other prompt wording (refused: the matrix's "
-                        "evaluation-alternative-prompt row)")
+                   help="evaluation: MindSpeed-LLM's other prompt wording, for mmlu (every dev question first) "
+                        "and boolq (the passage's title, options A. Yes / B. No)")
     d.add_argument("--dataloader-type", choices=("single", "cyclic", "external"), default=None,
-                   help="single: each step's consecutive global batch (what runs here); cyclic and external are "
-                        "refused by the matrix's dataloader-order row")
+                   help="single: each step's consecutive global batch; cyclic: Megatron's random sampler (each "
+                        "data-parallel rank's bucket of the run's samples, reshuffled each epoch); external is "
+                        "refused by the matrix's dataloader-external row")
     add_tokenizer_args(d)
 
     c = parser.add_argument_group("checkpoints and logging")

@@ -57,7 +57,7 @@ def main(argv=None) -> int:
         # A framework that keeps freed memory in a pool of its own (MindSpore on CPU) grows
         # the pool to its peak once, in the first full-size step, and never gives it back:
         # so warm every operator up on a short sequence, then measure the first full step.
-        ids, labels, _ = trainer.batches.micro_batch("train", 0, args.micro_batch_size)
+        ids, labels, _ = trainer.batches.micro_batch("train", range(args.micro_batch_size))
         short = [ops.tensor(ops.to_numpy(t)[:, :16].copy()) for t in (ids, labels)]
         trainer.grad_fn(*short)
         _, first_peak = host_peak_during(lambda: trainer.gradients(0))

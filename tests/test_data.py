@@ -154,12 +154,12 @@ def test_samples_splits_and_blends_are_deterministic(tmp_path):
     b = _dataset(tmp_path, "b", [f"doc b{i} " * 8 for i in range(40)])
     splits = gpt_dataset.build_splits([a], "90,10,0", 16, seed=3)
     assert splits["test"] is None and splits["valid"] is not None
-    first = gpt_dataset.batch(splits["train"], 0, 4)
+    first = gpt_dataset.batch(splits["train"], range(4))
     assert first.shape == (4, 17)
     again = gpt_dataset.build_splits([a], "90,10,0", 16, seed=3)
-    np.testing.assert_array_equal(gpt_dataset.batch(again["train"], 0, 4), first)
+    np.testing.assert_array_equal(gpt_dataset.batch(again["train"], range(4)), first)
     other_seed = gpt_dataset.build_splits([a], "90,10,0", 16, seed=4)
-    assert not np.array_equal(gpt_dataset.batch(other_seed["train"], 0, 4), first)
+    assert not np.array_equal(gpt_dataset.batch(other_seed["train"], range(4)), first)
     # past one epoch the samples keep coming, in a new order
     train = splits["train"]
     count = train.parts[0][1].count
@@ -275,15 +275,43 @@ def test_tokenizer_end_of_document_comes_from_its_config(tmp_path):
     assert tok.eod == ids["<|endoftext|>"] and "no eos_token" in tok.eod_source
 
 
-def test_sampler_splits_each_global_batch_into_contiguous_data_parallel_shares():
+def test_sampler_reads_each_global_batch_as_megatron_single_does():
+    """Step i's global batch [16i, 16i + 16), read in rounds of micro-batch x DP samples, rank r
+    the r-th micro-batch of each round (MegatronPretrainingSampler's order)."""
     from mindspeed_core.data.sampler import PretrainingSampler
 
     for dp in (1, 2, 4):
         samplers = [PretrainingSampler(16, 2, dp, r) for r in range(dp)]
         for it in (0, 3):
-            starts = [s.micro_batch_starts(it) for s in samplers]
-            samples = [i for rank in starts for start in rank for i in range(start, start + 2)]
-            assert samples == list(range(16 * it, 16 * it + 16))  # rank order, no gap, no overlap
-            assert all(len(rank) == 8 // dp for rank in starts)
+            got = [s.micro_batches(it) for s in samplers]
+            assert all(len(rank) == 8 // dp for rank in got)
+            rounds = [[i for rank in got for i in rank[k]] for k in range(8 // dp)]  # round k: rank 0's, rank 1's, ...
+            assert [i for r in rounds for i in r] == list(range(16 * it, 16 * it + 16))
+    assert PretrainingSampler(8, 1, 2, 1).micro_batches(1) == [[9], [11], [13], [15]]
     with pytest.raises(ValueError, match="not a multiple"):
         PretrainingSampler(12, 4, 2, 0)
+
+
+@pytest.mark.framework_free
+@pytest.mark.feature("dataloader-cyclic")
+def test_cyclic_sampler_reshuffles_each_ranks_bucket_every_epoch():
+    """--dataloader-type cyclic: the run's samples (here 5 steps of 16, less no remainder) cut into
+    a bucket per DP rank; each epoch every rank reads its whole bucket once, in a new order; a
+    sampler made at any step (a resumed run) reads what the first one read."""
+    from mindspeed_core.data import sampler
+
+    steps, per_epoch = 5, 16 * 5
+    for dp in (1, 2, 4):
+        ranks = [sampler.for_run("cyclic", 16, 2, dp, r, steps) for r in range(dp)]
+        epochs = [[[i for it in range(e * steps, (e + 1) * steps) for rows in s.micro_batches(it) for i in rows]
+                   for s in ranks] for e in range(2)]
+        for r in range(dp):
+            bucket = list(range(r * per_epoch // dp, (r + 1) * per_epoch // dp))
+            assert sorted(epochs[0][r]) == bucket and sorted(epochs[1][r]) == bucket
+            assert epochs[0][r] != bucket and epochs[1][r] != epochs[0][r]  # shuffled, and anew
+        fresh = sampler.for_run("cyclic", 16, 2, dp, dp - 1, steps)
+        assert fresh.micro_batches(7) == ranks[dp - 1].micro_batches(7)
+    # a remainder of less than a round (micro-batch x DP) is left out of every epoch, as Megatron's
+    odd = sampler.CyclicSampler(4, 1, 2, 0, total=9)
+    assert odd.bucket == 4 and sorted(i for it in range(2) for rows in odd.micro_batches(it) for i in rows) == [0, 1, 2, 3]
+    assert isinstance(sampler.for_run(None, 16, 2, 1, 0, steps), sampler.PretrainingSampler)

@@ -243,6 +243,42 @@ def test_o2_optimizer_keeps_bf16_moments_and_resumes_exactly(capsys, framework, 
     assert [whole[i] for i in range(1, 7)] == pytest.approx(o2_curve, rel=0, abs=0)
 
 
+@pytest.mark.feature("o2-gradient")
+@pytest.mark.parametrize("distributed", [False, True])
+def test_o2_gradient_accumulates_in_bf16(capsys, framework, corpus, distributed):  # noqa: F811
+    """MindSpeed's --o2-gradient: the micro-batches' gradients summed in bf16, not in fp32 (the
+    optimizer takes bf16 gradients, its slice too under the distributed optimizer); the same
+    training within bf16's rounding, not the same bits."""
+    flags = [*SMALL, "--data-path", corpus, "--bf16", "--micro-batch-size", "1", "--global-batch-size", "4",
+             *(["--use-distributed-optimizer"] if distributed else [])]
+    if framework == "mindspore":  # no bf16 on MindSpore's CPU kernels: the matrix refuses it
+        code, out, err = train(capsys, *flags, "--train-iters", "1", "--o2-gradient")
+        assert code == 2 and "o2-gradient" in err and "Traceback" not in err, err
+        return
+    from mindspeed_core import ops
+    from mindspeed_core.compat.megatron_args import training_parser
+    from mindspeed_core.training.trainer import Trainer
+
+    runs = {}
+    for o2 in (False, True):
+        trainer = Trainer(training_parser().parse_args([*flags, "--train-iters", "4",
+                                                        *(["--o2-gradient"] if o2 else [])]))
+        trainer.build()
+        dtypes = set()
+        trainer.after_reduction = lambda i, grads, norm: dtypes.update(ops.dtype_of(g) for g in grads)
+        runs[o2] = ([trainer.train_step(i)[0] for i in range(4)], dtypes)
+    (plain, plain_dtypes), (o2, o2_dtypes) = runs[False], runs[True]
+    assert plain_dtypes == {"float32"} and o2_dtypes == {"bfloat16"}, (plain_dtypes, o2_dtypes)
+    assert plain[0] == o2[0] and plain[1:] != o2[1:]  # the first loss precedes any update
+    assert max(abs(a - b) / a for a, b in zip(plain, o2)) < 0.02, (plain, o2)
+
+
+def test_o2_gradient_needs_bf16(capsys, framework, corpus):  # noqa: F811
+    code, out, err = train(capsys, *MODEL, "--data-path", corpus, "--train-iters", "1", "--o2-gradient")
+    want = "o2-gradient" if framework == "mindspore" else "needs bf16 training: add --bf16"
+    assert code == 2 and want in err and "Traceback" not in err, err
+
+
 def test_o2_optimizer_needs_bf16(capsys, framework, corpus):  # noqa: F811
     code, out, err = train(capsys, *MODEL, "--data-path", corpus, "--train-iters", "1", "--o2-optimizer")
     # MindSpore: the matrix refuses O2 first (no bf16 on its CPU kernels)
@@ -326,7 +362,9 @@ def test_reuse_fp32_param_trains_as_the_fp32_master_does(capsys, framework, corp
 @pytest.mark.feature("reuse-fp32-param")
 def test_reuse_fp32_param_under_data_parallelism(framework, corpus, tmp_path):  # noqa: F811
     """DP2, each rank a slice of its own: the same curve as the fp32 master slice, 2 bytes per
-    element of the slice fewer."""
+    element of the slice fewer. In the same launch MindSpeed-LLM's O2 scripts' combination
+    (--o2-optimizer --o2-gradient on top, buckets reduced during backward): the gradients
+    reduce-scattered in bf16, the same training within bf16's rounding."""
     from launch import run_configs
     from test_training import losses
 
@@ -337,9 +375,14 @@ def test_reuse_fp32_param_under_data_parallelism(framework, corpus, tmp_path):  
                               text=True, timeout=300, cwd=str(tmp_path))
         assert done.returncode == 2 and "reuse-fp32-param" in done.stderr and "Traceback" not in done.stderr, done
         return
-    out = run_configs(framework, 2, [["plain", flags, False], ["reuse", [*flags, "--reuse-fp32-param"], False]],
-                      tmp_path)
+    o2 = [*flags, "--reuse-fp32-param", "--o2-optimizer", "--o2-gradient", "--overlap-grad-reduce",
+          "--overlap-param-gather", "--ddp-bucket-size", "3000"]
+    out = run_configs(framework, 2, [["plain", flags, False], ["reuse", [*flags, "--reuse-fp32-param"], False],
+                                     ["o2", o2, False]], tmp_path)
     assert losses(out / "reuse.jsonl") == losses(out / "plain.jsonl")
+    plain, half = losses(out / "plain.jsonl"), losses(out / "o2.jsonl")
+    assert plain[1] == half[1] and plain != half, (plain, half)
+    assert max(abs(plain[i] - half[i]) / plain[i] for i in plain) < 0.02, (plain, half)
     state = {name: float(re.search(r"optimizer state ([0-9.]+) MiB", (out / f"{name}.log").read_text()).group(1))
              for name in ("plain", "reuse")}
     assert state["reuse"] == pytest.approx(state["plain"] * 10 / 12, abs=0.01), state  # master 2 + moments 8 vs 4 + 8

@@ -208,8 +208,8 @@ def test_trainer_first_step_gradients_are_the_whole_objectives(depths, corpus, t
         seen["cfg"] = self.cfg
         seen["state"] = {k: np.array(v, copy=True) for k, v in whole_state(self.model).items()}
 
-    def recording_micro_batch(self, split, start, size):
-        out = micro_batch(self, split, start, size)
+    def recording_micro_batch(self, split, samples):
+        out = micro_batch(self, split, samples)
         assert out[2] is None  # plain sequences: no packing, positions or loss mask to mirror
         seen["batches"].append((ops.to_numpy(out[0]), ops.to_numpy(out[1])))
         return out

@@ -777,7 +777,7 @@ def first_batch_losses_of_transformers(hf_folders, null_corpus, seq_length, tmp_
     from mindspeed_core.data import gpt_dataset
 
     samples = gpt_dataset.build_splits([null_corpus], "100,0,0", seq_length, 1234)["train"]
-    tokens = gpt_dataset.batch(samples, 0, 4)
+    tokens = gpt_dataset.batch(samples, range(4))
     np.save(tmp_path / "ids.npy", tokens[:, :-1])
     hf_reference_process("--check", *(x for i, folder in enumerate(hf_folders)
                                       for x in (str(folder), str(tmp_path / "ids.npy"), str(tmp_path / f"{i}.npy"))))

@@ -191,8 +191,9 @@ def build_splits(data_path: list[str], split: str, seq_length: int, seed: int, s
     return {name: (BlendedSamples(parts) if parts else None) for name, parts in blends.items()}
 
 
-def batch(samples, start: int, size: int) -> np.ndarray:
-    return np.stack([samples[start + i] for i in range(size)])
+def batch(samples, rows) -> np.ndarray:
+    """The samples at indices ``rows``, stacked."""
+    return np.stack([samples[k] for k in rows])
 
 
 def document_layout(ids: np.ndarray, eod: int, reset_position_ids: bool, reset_attention_mask: bool):

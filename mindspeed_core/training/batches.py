@@ -63,20 +63,20 @@ class Batches:
                                  f"{self.tokenizer.vocab_size} ids: it seems to have been tokenized with a vocabulary of "
                                  f"at least {high + 1} tokens; train with the tokenizer it was preprocessed with")
 
-    def _instruction(self, split: str, start: int, size: int):
+    def _instruction(self, split: str, samples: list):
         features.note_used("sft")
-        rows = finetune_dataset.trimmed([self.data[split][start + i] for i in range(size)], self.pad_multiple)
-        ids, labels, loss_mask, positions, documents = finetune_dataset.batch(None, 0, size, rows)
+        rows = finetune_dataset.trimmed([self.data[split][k] for k in samples], self.pad_multiple)
+        ids, labels, loss_mask, positions, documents = finetune_dataset.batch(None, 0, len(rows), rows)
         self.check_ids(split, ids)
         self.check_ids(split, labels)
         return ids, labels, Tokens(positions, documents, loss_mask)
 
-    def _pairs(self, split: str, start: int, size: int):
-        """A micro-batch of ``size`` preference pairs: 2 x size rows, the chosen ones first;
+    def _pairs(self, split: str, samples: list):
+        """A micro-batch of preference pairs ``samples``: 2 x len(samples) rows, the chosen ones first;
         for DPO where the loss is computed (the last pipeline stage), with the pairs'
         reference log-likelihoods."""
         blend = self.data[split]
-        where = [blend.locate(start + i) for i in range(size)]  # (part, sample of the part)
+        where = [blend.locate(k) for k in samples]  # (part, sample of the part)
         pairs = [blend.parts[part][1] for part, _ in where]
         reference = None
         if self.stage_name == "dpo" and self.ps.local_rank("pp") == self.ps.pp - 1:
@@ -93,11 +93,11 @@ class Batches:
         target = alignment.Pairs(ops.tensor(np.ascontiguousarray(labels)), mask, reference)
         return ops.tensor(np.ascontiguousarray(ids)), target, None
 
-    def _process_reward(self, split: str, start: int, size: int):
+    def _process_reward(self, split: str, samples: list):
         """Step-labelled samples: each label sits where its step ends (no shift), as the index
         of its verdict among --reward-tokens."""
-        rows = finetune_dataset.trimmed([self.data[split][start + i] for i in range(size)], self.pad_multiple)
-        ids, labels, mask, positions, documents = finetune_dataset.batch(None, 0, size, rows, shift=False)
+        rows = finetune_dataset.trimmed([self.data[split][k] for k in samples], self.pad_multiple)
+        ids, labels, mask, positions, documents = finetune_dataset.batch(None, 0, len(rows), rows, shift=False)
         self.check_ids(split, ids)
         candidates = self.objective.candidates
         verdicts = np.zeros_like(labels)
@@ -110,15 +110,17 @@ class Batches:
                                  f"{' '.join(map(str, candidates))})")
         return self._on_device(ids, verdicts, Tokens(positions, documents, mask))
 
-    def micro_batch(self, split: str, start: int, size: int):
+    def micro_batch(self, split: str, samples):
+        """The micro-batch of the split's samples ``samples`` (indices, as the sampler gives them)."""
+        samples = list(samples)
         if self.pairwise:
-            return self._pairs(split, start, size)
+            return self._pairs(split, samples)
         if self.stage_name == "prm":
-            return self._process_reward(split, start, size)
+            return self._process_reward(split, samples)
         if self.instruction:
-            ids, labels, packed = self._instruction(split, start, size)
+            ids, labels, packed = self._instruction(split, samples)
             return self._on_device(ids, labels, packed)
-        tokens = gpt_dataset.batch(self.data[split], start, size)
+        tokens = gpt_dataset.batch(self.data[split], samples)
         loss_mask = None
         if self.data[split].packed:
             tokens, loss_mask = gpt_dataset.unpad(tokens, self.tokenizer.eod)

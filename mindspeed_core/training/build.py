@@ -70,9 +70,12 @@ def optimizer(named: list, train_plan, plan, ps, optimization, distributed_optim
     o = optimization
     common = (named, o.lr, o.weight_decay, o.betas, o.eps)
     moment_dtype = "bfloat16" if o.o2_optimizer else "float32"
+    if o.o2_gradient:
+        features.note_used("o2-gradient")
     if distributed_optimizer:
         opt = DistributedAdamW(*common, ps=ps, plan=train_plan, moment_dtype=moment_dtype,
-                               reuse_fp32_param=o.reuse_fp32_param, bucket_elements=o.bucket_elements)
+                               reuse_fp32_param=o.reuse_fp32_param, bucket_elements=o.bucket_elements,
+                               grad_dtype="bfloat16" if o.o2_gradient else "float32")
     else:
         opt = AdamW(*common, ps=ps, plan=train_plan, moment_dtype=moment_dtype, bucket_elements=o.bucket_elements)
     if isinstance(saved, sharded_checkpoint.Reader):

@@ -125,6 +125,7 @@ class Optimization:
     precision: str  # float32, bfloat16 or float16 (dynamic loss scaling)
     initial_loss_scale: float | None
     o2_optimizer: bool
+    o2_gradient: bool  # MindSpeed's O2: gradients accumulated, reduced and clipped in bf16
     reuse_fp32_param: bool
     bucket_elements: int | None  # --ddp-bucket-size (None: the default's)
 
@@ -144,6 +145,7 @@ class Data:
     pad_multiple: int | None
     reset_position_ids: bool  # packed pretraining documents: positions restart at each document
     reset_attention_mask: bool  # ... and attention stays inside it
+    dataloader_type: str  # single (in order) or cyclic (Megatron's reshuffled buckets): data/sampler.py
 
 
 @dataclasses.dataclass(frozen=True)
@@ -261,12 +263,12 @@ def configure(args, world: int, framework: str | None = None) -> RunConfig:
             work.train_iters, work.micro_batch_size, work.global_batch_size, work.lr, work.min_lr,
             work.lr_warmup_iters, work.lr_decay_iters, work.lr_decay_style, work.weight_decay, work.clip_grad,
             (work.adam_beta1, work.adam_beta2), work.adam_eps, precision(flags), work.initial_loss_scale,
-            bool(work.o2_optimizer), bool(work.reuse_fp32_param), work.ddp_bucket_size),
+            bool(work.o2_optimizer), bool(work.o2_gradient), bool(work.reuse_fp32_param), work.ddp_bucket_size),
         data=Data(embedded, tuple(work.data_path) if work.data_path else None, work.split, work.seq_length, work.seed,
                   tokenizer.name, not work.no_shuffle,
                   pad_multiple(work.pad_to_multiple_of, tp, cp, work.sequence_parallel)
                   if work.no_pad_to_seq_lengths and stage != "pretrain" else None,
-                  bool(work.reset_position_ids), bool(work.reset_attention_mask)),
+                  bool(work.reset_position_ids), bool(work.reset_attention_mask), work.dataloader_type or "single"),
         stage=Stage(stage, stage != "pretrain", stage in alignment.PAIRWISE,
                     tuple(work.reward_tokens) if work.reward_tokens else None, stage_settings(flags, stage)),
         memory=Memory(recompute.from_args(flags), bool(work.swap_attention)),
@@ -809,6 +811,9 @@ def check_configuration(args, world: int, default_save: bool = False):
         boards.check_wandb()
     if args.bf16 and args.fp16:
         raise MindSpeedError("--bf16 and --fp16 exclude each other")
+    if args.o2_gradient and not args.bf16:
+        raise MindSpeedError("--o2-gradient keeps the gradients in bf16 and needs bf16 training: add --bf16 "
+                             "(as MindSpeed-LLM's O2, it supports bf16 parameters only)")
     if args.o2_optimizer and not args.bf16:
         raise MindSpeedError("--o2-optimizer keeps the Adam moments in bf16 and needs bf16 training: add --bf16 "
                              "(as MindSpeed-LLM's O2, it supports bf16 parameters only)")

@@ -36,17 +36,20 @@ def by_size(indices: list[int], sizes: list[int], limit: int | None = None) -> l
 @dataclass(frozen=True)
 class Bucket:
     """Gradients reduced together: their positions in the gradient list, laid end to end
-    (cast to float32 for the distributed optimizer's flat vector, with ``pad`` zeros after
+    (cast to ``dtype`` for the distributed optimizer's flat vector, with ``pad`` zeros after
     them), summed over ``group``; None: a group of one, nothing to sum."""
 
     indices: tuple
     group: object
     pad: int = 0
-    float32: bool = False
+    dtype: str | None = None  # None: the gradients' own
 
     def flat(self, grads):
-        pieces = [ops.reshape(ops.cast(grads[i], "float32") if self.float32 else grads[i], (-1,)) for i in self.indices]
-        return ops.cat(pieces + [ops.zeros((self.pad,))] if self.pad else pieces)
+        pieces = [ops.reshape(grads[i] if self.dtype is None else ops.cast(grads[i], self.dtype), (-1,))
+                  for i in self.indices]
+        if self.pad:
+            pieces.append(ops.zeros((self.pad,), dtype=ops.dtype_of(pieces[0])))
+        return ops.cat(pieces)
 
     def reduce(self, grads):
         """The summed flat vector, or None for a group of one."""

@@ -36,12 +36,16 @@ class _Partition:
     padded to a multiple of ``ranks`` and sharded over ``group`` (``ranks`` ranks, this one the
     ``index``-th owns the index-th slice of every bucket: Megatron's layout, so that each
     bucket is reduce-scattered, and all-gathered, on its own); gradients arrive summed over the
-    group and are multiplied by ``grad_scale``. With ``reuse_fp32_param`` the fp32 master
-    slice is not stored: the parameters (bf16) are its high half, ``residual`` the rest."""
+    group and are multiplied by ``grad_scale``, in ``grad_dtype`` (bfloat16 under MindSpeed's
+    --o2-gradient, whose gradient buffer is bf16; the update widens the slice). With
+    ``reuse_fp32_param`` the fp32 master slice is not stored: the parameters (bf16) are its high
+    half, ``residual`` the rest."""
 
     def __init__(self, named, sharded, weights, weight_decay, group, ranks: int, index: int, grad_scale: float,
-                 moment_dtype: str = "float32", reuse_fp32_param: bool = False, bucket_elements: int | None = None):
+                 moment_dtype: str = "float32", reuse_fp32_param: bool = False, bucket_elements: int | None = None,
+                 grad_dtype: str = "float32"):
         self.named, self.group, self.ranks, self.grad_scale = named, group, ranks, grad_scale
+        self.grad_dtype = grad_dtype
         self.sizes = [ops.numel(p) for _, p in named]
         self.runs = by_size(list(range(len(self.sizes))), self.sizes, bucket_elements)  # parameters per bucket
         # per bucket: where it starts in the padded flat vector, its padded length, this rank's slice
@@ -92,14 +96,14 @@ class _Partition:
         high = ops.cast(self.window([autograd.detach(p) for _, p in self.named]), "bfloat16")
         return reuse_fp32_param.join(high, self.residual)
 
-    def window(self, tensors):
+    def window(self, tensors, dtype: str = "float32"):
         """This rank's slices of the flat vector of ``tensors``, built from the pieces inside them:
         tensors of their own (a slice of the whole flat vector would keep all of it alive)."""
-        return self.window_from(lambda k, a, b: ops.reshape(ops.cast(tensors[k], "float32"), (-1,))[a:b])
+        return self.window_from(lambda k, a, b: ops.reshape(ops.cast(tensors[k], dtype), (-1,))[a:b], dtype)
 
-    def window_from(self, piece):
+    def window_from(self, piece, dtype: str = "float32"):
         """This rank's slices, ``piece(k, a, b)`` giving parameter k's flat elements a..b-1."""
-        return ops.cat([ops.zeros((b - a,)) if k is None else piece(k, a, b) for k, a, b in self.owned()])
+        return ops.cat([ops.zeros((b - a,), dtype=dtype) if k is None else piece(k, a, b) for k, a, b in self.owned()])
 
     def owned(self) -> list:
         """What this rank's slices hold, in order: (parameter k, its flat elements a..b-1), or
@@ -146,7 +150,8 @@ class _Partition:
         """The buckets for a reduction overlapped with backward; ``positions``: these parameters'
         places in the step's gradient list."""
         group = self.group if self.ranks > 1 else None
-        return [Bucket(tuple(positions[k] for k in run), group, length - sum(self.sizes[k] for k in run), float32=True)
+        return [Bucket(tuple(positions[k] for k in run), group, length - sum(self.sizes[k] for k in run),
+                       dtype=self.grad_dtype)
                 for run, length in zip(self.runs, self.bucket_lengths)]
 
     def reduce(self, grads, reduced: list | None = None):
@@ -155,7 +160,7 @@ class _Partition:
         is then cut from it, as a reduce-scatter is an all-reduce and a slice where the
         collectives have no reduce-scatter (gloo, MindSpore's CPU): the same values."""
         if self.ranks == 1:
-            flat = self.window(grads)
+            flat = self.window(grads, self.grad_dtype)
         else:
             parts, local = [], self.buckets(list(range(len(self.sizes))))  # by this partition's own positions
             for b, (lo, hi) in enumerate(self.slices):
@@ -178,7 +183,8 @@ class _Partition:
 
 class DistributedAdamW:
     def __init__(self, named_params, lr: float, weight_decay: float, betas, eps: float, ps, plan,
-                 moment_dtype: str = "float32", reuse_fp32_param: bool = False, bucket_elements: int | None = None):
+                 moment_dtype: str = "float32", reuse_fp32_param: bool = False, bucket_elements: int | None = None,
+                 grad_dtype: str = "float32"):
         named_params = list(named_params)
         self.bucket_elements = bucket_elements
         trainable = [i for i, (_, p) in enumerate(named_params) if nn.requires_grad(p)]
@@ -201,7 +207,8 @@ class DistributedAdamW:
             self.partitions.append(_Partition(
                 [self.named[k] for k in mine], [sharded[trainable[k]] for k in mine],
                 [weights[trainable[k]] for k in mine], weight_decay, ps.group(kind), ps.size(kind),
-                ps.local_rank(kind), 1.0 / ps.size("dp_cp"), moment_dtype, reuse_fp32_param, bucket_elements))
+                ps.local_rank(kind), 1.0 / ps.size("dp_cp"), moment_dtype, reuse_fp32_param, bucket_elements,
+                grad_dtype))
 
     # -- the trainer's interface -------------------------------------------------------------
     def buckets(self) -> list[Bucket]:

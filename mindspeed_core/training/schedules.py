@@ -360,7 +360,9 @@ def forward_backward_func(run, chunk_params: list):
     the trainer, built (its parallel state, model chunks, trained parameters, StepLoss, loss
     scaler, precision, --compile, overlapped reduction and timeline)."""
     ps, losses = run.ps, run.losses
-    float32_grads = run.dtype != "float32"
+    # low-precision gradients are accumulated in fp32 (Megatron's main_grad), but in bf16 under
+    # MindSpeed's --o2-gradient
+    float32_grads = run.dtype != "float32" and not run.opt.o2_gradient
     if ps.pp == 1:
         model = run.model
         grad_fn = autograd.value_and_grad(losses.of_model(model), run.train_params)

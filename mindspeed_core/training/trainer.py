@@ -22,7 +22,7 @@ import time
 import numpy as np
 
 from mindspeed_core import device, dist, features, nn, ops, random, runtime
-from mindspeed_core.data.sampler import PretrainingSampler
+from mindspeed_core.data import sampler
 from mindspeed_core.errors import MindSpeedError, Stopped
 from mindspeed_core.models import lora, registry
 from mindspeed_core.models.gpt import load_whole_state
@@ -83,8 +83,9 @@ class Trainer:
         self.model_spec = registry.for_config(self.cfg)
         # GRPO's global batch counts prompts (the sampler gives this rank's, one by one), its
         # micro-batches completions
-        self.sampler = PretrainingSampler(self.opt.global_batch_size, 1 if self.rl else self.opt.micro_batch_size,
-                                          self.ps.dp, self.ps.local_rank("dp"))
+        self.sampler = sampler.for_run(config.data.dataloader_type, self.opt.global_batch_size,
+                                       1 if self.rl else self.opt.micro_batch_size, self.ps.dp,
+                                       self.ps.local_rank("dp"), self.opt.train_iters)
         self.grad_accum = self.sampler.micro_batches_per_step
         self.tokens_per_step = self.opt.global_batch_size * config.data.seq_length
         if self.rl:
@@ -231,8 +232,7 @@ class Trainer:
             micro_batches = (self.rollouts.micro_batch(start, mbs, columns, self.ps.cp)
                              for start in range(0, self.rollouts.rows, mbs))
         else:
-            micro_batches = (self.batches.micro_batch("train", start, mbs)
-                             for start in self.sampler.micro_batch_starts(iteration))
+            micro_batches = (self.batches.micro_batch("train", rows) for rows in self.sampler.micro_batches(iteration))
         loss, grads = self.forward_backward(micro_batches)
         plan = self.train_plan
         grads = distributed.sum_partial_over_tp(grads, self.ps, plan.indices("partial"))
@@ -250,7 +250,7 @@ class Trainer:
         """GRPO: draw and score this iteration's rollouts, then --ppo-epochs optimizer steps on them."""
         ps, settings, mbs = self.ps, self.grpo, self.opt.micro_batch_size
         t0 = time.perf_counter()
-        indices = self.sampler.micro_batch_starts(iteration)  # this rank's prompts
+        indices = [k for rows in self.sampler.micro_batches(iteration) for k in rows]  # this rank's prompts
         rollouts = grpo.draw(self.policy, self.tokenizer, [self.data["train"][i] for i in indices], indices, settings,
                              self.reward_functions, self.reward_model, seq_length=self.config.data.seq_length,
                              micro_batch_size=mbs, seed=self.config.data.seed)
@@ -331,7 +331,8 @@ class Trainer:
     def evaluate(self) -> float:
         self.parameters_ready()
         mbs = self.opt.micro_batch_size
-        micro_batches = [self.batches.micro_batch("valid", k * mbs, mbs) for k in range(self.loop.eval_iters)]
+        micro_batches = [self.batches.micro_batch("valid", range(k * mbs, (k + 1) * mbs))
+                         for k in range(self.loop.eval_iters)]
         for chunk in self.chunks:
             nn.set_training(chunk, False)  # no dropout
         try:
