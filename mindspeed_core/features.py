@@ -158,6 +158,12 @@ _TORCH_DIST = ("--ckpt-format torch_dist: every rank also writes its pieces of t
                "dist_checkpointing does (.metadata, __R_0.distcp, common.pt), which its GPTModel loads at any layout; "
                "--load and mindspeed convert read Megatron's torch_dist checkpoints (the model; without torch: the "
                "pickled metadata through the allow-list reader)")
+_DP_EVALUATION = ("`mindspeed launch -- evaluate` on a multiple of TP x PP x EP ranks: each copy of the model scores "
+                  "every copies-th question (or perplexity window), the sums gathered once")
+_ALTERNATIVE = ("mmlu and boolq in MindSpeed-LLM's other wording, the answer still the most likely option "
+                "(framework-free prompts); ceval's needs C-Eval's subject names in Chinese and is refused in one line")
+_CYCLIC = ("Megatron's random sampler with data sharding: one bucket of the run's samples per DP rank, read in "
+           "an order drawn per epoch (numpy's permutation seeded by the epoch, where Megatron draws torch's)")
 _ETP = "the experts' tensor parallelism is the model's (--tensor-model-parallel-size)"
 _ETP_INSTEAD = "--expert-tensor-parallel-size equal to --tensor-model-parallel-size"
 _CONVERT_LORA = ("--lora-load merges a LoRA run's adapters (ours, or a Megatron checkpoint in peft's names, whole or "
@@ -493,6 +499,8 @@ FEATURES: tuple[Feature, ...] = (
             emulated("send/recv and the logits' broadcast emulated by sum all-reduces over the pipeline's group "
                      "(exact)"),
             lambda a: hasattr(a, "max_new_tokens") and _gt1("pipeline_model_parallel_size")(a)),
+    Feature("data-parallel-evaluation", "Evaluation on several copies of the model", "inference", (),
+            supported(_DP_EVALUATION), supported(_DP_EVALUATION)),
     Feature("kv-cache", "Key/value cache for generation", "inference", (),
             supported("preallocated per layer (this rank's key/value heads); on unless --no-kv-cache"),
             supported("as on PyTorch"), _on("use_kv_cache")),
@@ -719,13 +727,15 @@ FEATURES: tuple[Feature, ...] = (
             planned(instead="the 1F1B or interleaved schedule (--num-layers-per-virtual-pipeline-stage)"),
             _eq("schedules_method", "dualpipev")),
     Feature("evaluation-alternative-prompt", "MindSpeed-LLM's alternative evaluation prompts (--alternative-prompt)",
-            "tools", ("--alternative-prompt",), planned(instead="the task's standard prompt (leave the flag out)"),
-            planned(instead="the task's standard prompt (leave the flag out)"), _on("alternative_prompt")),
-    Feature("dataloader-order", "Megatron's cyclic (reshuffled each epoch) and external data loaders", "data",
-            ("--dataloader-type cyclic", "--dataloader-type external"),
-            planned(instead="--dataloader-type single (the preprocessed order, fixed by --seed)"),
-            planned(instead="--dataloader-type single (the preprocessed order, fixed by --seed)"),
-            lambda a: getattr(a, "dataloader_type", None) in ("cyclic", "external")),
+            "tools", ("--alternative-prompt",), supported(_ALTERNATIVE), supported(_ALTERNATIVE),
+            _on("alternative_prompt")),
+    Feature("dataloader-cyclic", "Megatron's cyclic data loader (each rank's bucket reshuffled each epoch)", "data",
+            ("--dataloader-type cyclic",), supported(_CYCLIC), supported(_CYCLIC),
+            lambda a: getattr(a, "dataloader_type", None) == "cyclic"),
+    Feature("dataloader-external", "An external data loader (the user's own iterator)", "data",
+            ("--dataloader-type external",),
+            planned(instead="--dataloader-type single or cyclic"), planned(instead="--dataloader-type single or cyclic"),
+            lambda a: getattr(a, "dataloader_type", None) == "external"),
     Feature("recompute-activation-function", "Recompute of the MLP's activation function", "memory",
             ("--recompute-activation-function", "--recompute-activation-function-num-layers"),
             supported(_ACTIVATION_RECOMPUTE), supported(_ACTIVATION_RECOMPUTE), _on("recompute_activation_function")),
@@ -734,7 +744,12 @@ FEATURES: tuple[Feature, ...] = (
             planned(instead="--use-distributed-optimizer"), planned(instead="--use-distributed-optimizer"),
             lambda a: bool(getattr(a, "swap_optimizer", False) or getattr(a, "swap_optimizer_times", None))),
     Feature("o2-gradient", "bf16 gradients (MindSpeed's O2)", "memory", ("--o2-gradient",),
-            planned(instead="--o2-optimizer"), planned(instead="--o2-optimizer"), _on("o2_gradient")),
+            supported("gradients accumulated over micro-batches and reduced over DP in bf16 (the distributed "
+                      "optimizer's buckets too), widened to fp32 for the update (with --bf16)"),
+            planned("needs --bf16, not yet run on a MindSpore GPU/Ascend device",
+                    cpu=unsupported("needs --bf16: MindSpore's CPU MatMul has no bfloat16 kernel",
+                                    instead="fp32 gradient accumulation (drop --o2-gradient)")),
+            _on("o2_gradient")),
     Feature("dynamic-padding", "Micro-batches padded to their longest sample", "fine-tuning",
             ("--no-pad-to-seq-lengths", "--pad-to-multiple-of"),
             supported(_DYNAMIC_PADDING), supported(_DYNAMIC_PADDING), _on("no_pad_to_seq_lengths")),

@@ -85,12 +85,13 @@ def _prompts(args) -> list[str]:
     return prompts
 
 
-def load_model(args):
+def load_model(args, replicas: bool = False):
     """(model, config, tokenizer, parallel state, the tokenizer's folder or None) from --load or
     --load-hf, cut for this rank's tensor-parallel share and pipeline stages (the stages run as
     one model: training/schedules.py StagedModel); the model in evaluation mode. The tokenizer
     is the one the flags name, else the model's own (a Hugging Face folder's, or the byte-level
-    one our checkpoints record)."""
+    one our checkpoints record). ``replicas``: the job may hold several copies of the model
+    (data parallelism: evaluation splits its questions over them); else exactly one."""
     if bool(args.load) == bool(args.load_hf):
         raise MindSpeedError("give the model to generate with: --load CHECKPOINT_DIR or --load-hf FOLDER")
     if args.context_parallel_size != 1:
@@ -133,17 +134,20 @@ def load_model(args):
                                                                    f"divide"))
     layout = configuration.pipeline_layout(args, cfg)  # the layers of each stage, as training cuts them
     ranks, needed = dist.launched_world_size(), tp * pp * ep
-    if ranks != needed:  # every rank holds a share of one model: no data-parallel copies (not built)
+    if ranks != needed and not (replicas and ranks % needed == 0):
         sizes = f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp}" + (
             f" x --expert-model-parallel-size {ep}" if ep > 1 else "")
         raise MindSpeedError(
             f"{sizes} needs {needed} ranks: start it with `mindspeed launch --nproc-per-node {needed} -- "
             f"generate|evaluate ...`" if ranks == 1 else
-            f"this job has {ranks} ranks for {sizes}: generation and evaluation run on exactly {needed} "
-            f"(data-parallel copies are not built)")
+            f"this job has {ranks} ranks for {sizes}: " + (
+                f"evaluation runs on a multiple of {needed} (each {needed} a copy of the model)" if replicas else
+                f"generation runs on exactly {needed} (a prompt's tokens depend on the ones before: copies of the "
+                f"model would wait on each other)"))
     dist.init()
     # expert parallelism's ranks are data-parallel copies of the rest of the model: each runs
-    # the same prompts, its experts serving every copy's tokens
+    # the same prompts, its experts serving every copy's tokens; further data-parallel ranks
+    # (evaluation) are copies of the whole model, each its own questions
     ps = parallel_state.initialize(tp=tp, pp=pp, ep=ep)
     if args.sequence_parallel and ps.rank == 0:  # MindSpeed-LLM's generation scripts pass it at TP
         print("note: --sequence-parallel is set aside: generation and evaluation run whole sequences on each "

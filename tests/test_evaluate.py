@@ -14,11 +14,12 @@ import pytest
 
 from mindspeed_core import cli, nn, ops, random
 from mindspeed_core.data.tokenizer import ByteTokenizer
+from mindspeed_core.errors import MindSpeedError
 from mindspeed_core.evaluation import accuracy, scoring, tasks
 from mindspeed_core.models.config import ModelConfig
 from mindspeed_core.models.gpt import GPTModel
 from scripted import ScriptedModel
-from test_generate import checkpoint, wide_checkpoint  # noqa: F401  (fixtures)
+from test_generate import checkpoint, wide_checkpoint, wide_moe_checkpoint  # noqa: F401  (fixtures)
 from test_training import corpus  # noqa: F401  (a fixture)
 
 # (question, A, B, C, D, answer) per subject
@@ -211,6 +212,58 @@ def test_perplexity_equals_the_models_own_log_probabilities():
 
 
 @pytest.mark.feature("benchmark-evaluation")
+@pytest.mark.framework_free
+@pytest.mark.feature("evaluation-alternative-prompt")
+def test_alternative_prompts_are_mindspeed_llms_wording(tmp_path):
+    """--alternative-prompt: MMLU's questions open with the single-choice instruction, every dev
+    question first whatever --shot says, the letter on the line after "Answer: " (so the options
+    are a line break and a letter); BoolQ's name the title and offer A. Yes / B. No."""
+    data = mmlu_folder(tmp_path / "data")
+    write_csv(data / "dev" / "astronomy_dev.csv", [("Shot question?", "w", "x", "y", "z", "D"),
+                                                   ("Second shot?", "p", "q", "r", "s", "B")])
+    subjects = tasks.read("mmlu", str(data), shot=0, alternative=True)
+    head = "There is a single choice question about {}. Answer the question by replying A, B, C or D. \nQuestion: "
+    assert subjects["astronomy"][1].prompt == (
+        head.format("astronomy") + "Shot question?\nA. w\nB. x\nC. y\nD. z\nAnswer: \nD\n\n"
+        + head.format("astronomy") + "Second shot?\nA. p\nB. q\nC. r\nD. s\nAnswer: \nB\n\n"
+        + head.format("astronomy") + "Red planet?\nA. Venus\nB. Mars\nC. Earth\nD. Moon\nAnswer: ")
+    assert subjects["high_school_math"][0].prompt.startswith(head.format("high school math"))
+    assert subjects["astronomy"][1].options == ("\nA", "\nB", "\nC", "\nD") and subjects["astronomy"][1].answer == "\nB"
+    table = {q: a for rows in MMLU.values() for q, *_, a in rows}
+
+    def knows_on_the_next_line(text):  # the letter after a line break, as the solved questions show
+        if text.endswith("Answer: "):
+            return "\n"
+        if text.endswith("Answer: \n"):
+            return table.get(text[:text.rindex("\nA. ")].split("Question: ")[-1], "")  # "" in the shots
+        return ""
+
+    res = accuracy(scorer(knows_on_the_next_line, every_position=True), "mmlu", subjects, Args)
+    assert res["overall"] == {"questions": 7, "correct": 7, "accuracy": 1.0}
+    # the standard prompt's options (" A" after "Answer:") are not what this model writes
+    standard = tasks.read("mmlu", str(data), shot=1)
+    assert accuracy(scorer(knows_on_the_next_line, every_position=True), "mmlu", standard, Args)["overall"]["correct"] < 7
+    rows = [{"question": "is the sky blue", "passage": "The sky is blue.", "title": "Sky", "answer": True},
+            {"question": "is fire cold", "passage": "Fire is hot.", "title": "Fire", "answer": False}]
+    (tmp_path / "dev.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    items = tasks.read("boolq", str(tmp_path), shot=0, alternative=True)["dev"]
+    assert items[1].prompt == "Fire -- Fire is hot.\nQuestion: is fire cold\nA. Yes\nB. No\nAnswer:"
+    assert [i.answer for i in items] == [" A", " B"] and items[0].options == (" A", " B")
+    with pytest.raises(MindSpeedError, match="built for mmlu and boolq, not ceval"):
+        tasks.read("ceval", str(tmp_path), shot=0, alternative=True)
+
+
+@pytest.mark.feature("evaluation-alternative-prompt")
+def test_evaluate_with_the_alternative_prompt_from_a_checkpoint(capsys, checkpoint, tmp_path):  # noqa: F811
+    """The flag as the upstream evaluate script passes it, through the command, on the model."""
+    data = mmlu_folder(tmp_path / "data")
+    out_file = tmp_path / "mmlu.json"
+    assert cli.main(["evaluate", "--load", str(checkpoint), "--task", "mmlu", "--task-data-path", str(data),
+                     "--alternative-prompt", "--results-file", str(out_file)]) == 0
+    res = json.loads(out_file.read_text())
+    assert res["alternative_prompt"] is True and res["overall"]["questions"] == 7
+
+
 @pytest.mark.feature("perplexity")
 def test_evaluate_command_from_a_checkpoint(capsys, checkpoint, tmp_path):  # noqa: F811
     rows = [{"question": f"is {n} even", "passage": f"{n} is a number.", "answer": n % 2 == 0} for n in range(5)]
@@ -234,35 +287,55 @@ def test_evaluate_command_from_a_checkpoint(capsys, checkpoint, tmp_path):  # no
     assert 1 < ppl["overall"]["perplexity"] < 257
 
 
+# layout -> (ranks, layout flags, checkpoint fixture, task)
+PARALLEL_EVALUATION = {
+    # each rank one layer and half its stage's vocabulary: the loss vocabulary-parallel on the
+    # last stage, its logits reaching the first
+    "tp2-pp2": (4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"], "wide_checkpoint",
+                "perplexity"),
+    # a mixture of experts with each rank half the experts, and two copies of that pair: each
+    # copy scores every other question, the counts gathered once
+    "ep2-dp2": (4, ["--expert-model-parallel-size", "2"], "wide_moe_checkpoint", "mmlu"),
+}
+
+
 @pytest.mark.multiprocess
-@pytest.mark.feature("perplexity")
-@pytest.mark.feature("tensor-parallel")
-@pytest.mark.feature("pipeline-inference")
-def test_parallel_evaluation_scores_as_one_process(framework, capsys, wide_checkpoint, tmp_path):  # noqa: F811
-    """`mindspeed launch -- evaluate` at TP2 x PP2 (MindSpeed-LLM's evaluate scripts run at
-    their training layout): each rank holds one layer and half its stage's vocabulary, the loss
-    is vocabulary-parallel on the last stage and its logits reach the first; rank 0 alone writes
-    the results, equal to one process's."""
+@pytest.mark.parametrize("layout", [
+    pytest.param("tp2-pp2", marks=[pytest.mark.feature(i) for i in ("perplexity", "tensor-parallel",
+                                                                      "pipeline-inference")]),
+    pytest.param("ep2-dp2", marks=[pytest.mark.feature(i) for i in ("data-parallel-evaluation", "expert-parallel",
+                                                                      "benchmark-evaluation")])])
+def test_parallel_evaluation_scores_as_one_process(framework, capsys, request, tmp_path, layout):
+    """`mindspeed launch -- evaluate` at MindSpeed-LLM's evaluate scripts' layouts: rank 0 alone
+    writes the results, equal to one process's."""
     import os
     import subprocess
     import sys
 
     from launch import free_port
 
-    (tmp_path / "text.txt").write_text("def add(a, b):\n    return a + b\n" * 4 + "class Foo:\n    pass\n")
-    common = ["--load", str(wide_checkpoint), "--task", "perplexity", "--task-data-path", str(tmp_path / "text.txt")]
+    ranks, flags, fixture, task = PARALLEL_EVALUATION[layout]
+    if task == "perplexity":
+        data = tmp_path / "text.txt"
+        data.write_text("def add(a, b):\n    return a + b\n" * 4 + "class Foo:\n    pass\n")
+    else:
+        data = mmlu_folder(tmp_path / "mmlu")
+    common = ["--load", str(request.getfixturevalue(fixture)), "--task", task, "--task-data-path", str(data),
+              *(["--shot", "1"] if task == "mmlu" else [])]
     assert cli.main(["evaluate", *common, "--results-file", str(tmp_path / "one.json")]) == 0
-    cmd = [sys.executable, "-m", "mindspeed_core.cli", "launch", "--nproc-per-node", "4", "--master-port",
+    cmd = [sys.executable, "-m", "mindspeed_core.cli", "launch", "--nproc-per-node", str(ranks), "--master-port",
            str(free_port()), "--log-dir", str(tmp_path / "logs"), "--", "evaluate", "--ai-framework", framework,
-           *common, "--results-file", str(tmp_path / "tp.json"), "--tensor-model-parallel-size", "2",
-           "--pipeline-model-parallel-size", "2"]
+           *common, "--results-file", str(tmp_path / "launched.json"), *flags]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=str(tmp_path),
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
-    one, tp = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("one", "tp"))
-    assert tp["overall"]["tokens"] == one["overall"]["tokens"] > 140
-    # float32 sums over 148 tokens in another order: within 1e-6 of the nll (about 8)
-    assert tp["overall"]["nll"] == pytest.approx(one["overall"]["nll"], rel=1e-6), (tp, one)
+    one, launched = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("one", "launched"))
+    if task == "perplexity":
+        assert launched["overall"]["tokens"] == one["overall"]["tokens"] > 140
+        # float32 sums over 148 tokens in another order: within 1e-6 of the nll (about 8)
+        assert launched["overall"]["nll"] == pytest.approx(one["overall"]["nll"], rel=1e-6), (launched, one)
+    else:  # every question counted once, and each scored as one process scores it
+        assert launched["subjects"] == one["subjects"] and launched["overall"]["questions"] == 7, (launched, one)
 
 
 @pytest.mark.parametrize("flags, message", [

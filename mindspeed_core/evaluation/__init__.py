@@ -25,6 +25,7 @@ from mindspeed_core.errors import MindSpeedError
 from mindspeed_core.evaluation import scoring, tasks
 from mindspeed_core.inference import load_model
 from mindspeed_core.progress import Progress
+from mindspeed_core.training import distributed
 
 # where a generated answer ends (GSM8K's prompts put a blank line between examples)
 ANSWER_STOPS = ("\n\n", "Question:")
@@ -61,12 +62,11 @@ def run(args, backend) -> int:
     results_file = args.results_file or f"{task}_results.json"
     check_results_file(results_file)  # before the evaluation, not after it
     features.validate(args, backend.NAME, backend.device.type(), backend.FRAMEWORK_VERSION)
-    if args.expert_model_parallel_size != 1:  # load_model cuts the experts; no evaluation test runs it yet
-        raise MindSpeedError("evaluation runs with tensor and pipeline parallelism (expert parallelism is built for "
-                             "generation): drop --expert-model-parallel-size")
-    # under tensor parallelism (`mindspeed launch ... -- evaluate`) every rank scores every
-    # question through the vocabulary-parallel loss and gathered logits; rank 0 reports
-    model, cfg, tokenizer, ps, tokenizer_path = load_model(args)
+    # under a launcher (`mindspeed launch ... -- evaluate`) the ranks of one copy of the model
+    # (its TP, PP and EP ranks) score the same questions, through the vocabulary-parallel loss
+    # and gathered logits; the copies (data parallelism) each a share; rank 0 reports
+    model, cfg, tokenizer, ps, tokenizer_path = load_model(args, replicas=True)
+    share = Share(ps)
     speak = ps.rank == 0
     template = None
     if args.prompt_type or args.hf_chat_template:
@@ -75,12 +75,17 @@ def run(args, backend) -> int:
     scorer = scoring.Scorer(model, tokenizer, args.evaluation_batch_size, positions, template)
     if task == "perplexity":
         window = min(positions, args.seq_length or positions)
-        results = perplexity(model, tokenizer, args.task_data_path, window, args.evaluation_batch_size, speak)
+        results = perplexity(model, tokenizer, args.task_data_path, window, args.evaluation_batch_size, speak, share)
     else:
         if task == "gsm8k" and args.max_new_tokens >= positions:
             raise MindSpeedError(f"--max-new-tokens {args.max_new_tokens} leaves no room for the question in the "
                                  f"model's {positions} positions")
-        results = accuracy(scorer, task, tasks.read(task, args.task_data_path, args.shot), args, speak)
+        alternative = bool(getattr(args, "alternative_prompt", False))
+        if alternative:
+            features.note_used("evaluation-alternative-prompt")
+        results = accuracy(scorer, task, tasks.read(task, args.task_data_path, args.shot, alternative), args, speak,
+                           share)
+        results.update(alternative_prompt=alternative)
     results.update(task=task, shot=args.shot, model=args.load or args.load_hf, prompts_cut=scorer.cut)
     if speak:
         print(table(results))
@@ -101,39 +106,76 @@ def check_results_file(path: str) -> None:
     files.check_writable(os.path.dirname(os.path.abspath(path)), f"--results-file {path}'s folder")
 
 
-def accuracy(scorer, task: str, subjects: dict, args, speak: bool = True) -> dict:
-    """Accuracy per subject and over all questions (``speak``: show the progress)."""
+class Share:
+    """This rank's share of an evaluation: the job holds ``copies`` copies of the model (the
+    expert-data-parallel size: TP, PP and EP ranks make one copy), this rank's is the
+    ``index``-th; each copy takes every copies-th question (or perplexity window), and the
+    first rank of each copy reports its sums for ``total``."""
+
+    def __init__(self, ps=None):
+        self.ps = ps
+        self.copies, self.index = (1, 0) if ps is None else (ps.size("edp"), ps.local_rank("edp"))
+        if self.copies > 1:
+            features.note_used("data-parallel-evaluation")
+
+    def mine(self, items: list) -> list:
+        return items[self.index::self.copies]
+
+    def total(self, sums: dict) -> dict:
+        """{name: [numbers]} summed over the copies (a collective of every rank)."""
+        if self.ps is None or self.ps.world == 1:
+            return sums
+        c = self.ps.coords(self.ps.rank)
+        first = c["tp"] == 0 and c["pp"] == 0 and self.ps.local_rank("ep") == 0
+        out = {name: [0] * len(values) for name, values in sums.items()}
+        for theirs in distributed.gather_json(sums if first else None, self.ps):
+            for name, values in (theirs or {}).items():
+                out[name] = [a + b for a, b in zip(out[name], values)]
+        return out
+
+
+def accuracy(scorer, task: str, subjects: dict, args, speak: bool = True, share: Share | None = None) -> dict:
+    """Accuracy per subject and over all questions (``speak``: show the progress); ``share``:
+    this copy's questions, the counts summed over the copies."""
     features.note_used("benchmark-evaluation")
+    share = share or Share()
     if args.max_eval_samples:
         subjects = {name: items[:args.max_eval_samples] for name, items in subjects.items()}
+    subjects = {name: share.mine(items) for name, items in subjects.items()}
     progress = Progress(sum(len(items) for items in subjects.values()), task, quiet=not speak)
-    rows = {}
+    counts = {}
     for name, items in subjects.items():
         if task == "gsm8k":
             written = scorer.write([i.prompt for i in items], args.max_new_tokens, ANSWER_STOPS, not args.no_kv_cache)
             right = [tasks.number(text) == item.answer for text, item in zip(written, items)]
         else:
-            right = [item.options[k] == item.answer for k, item in zip(scorer.pick(items), items)]
-        rows[name] = {"questions": len(items), "correct": sum(right),
-                      "accuracy": sum(right) / len(items) if items else 0.0}
+            right = [item.options[k] == item.answer for k, item in zip(scorer.pick(items), items)] if items else []
+        counts[name] = [len(items), sum(right)]
         progress.update(len(items), postfix=name)
+    rows = {name: {"questions": n, "correct": right, "accuracy": right / n if n else 0.0}
+            for name, (n, right) in share.total(counts).items()}
     total = sum(r["questions"] for r in rows.values())
     correct = sum(r["correct"] for r in rows.values())
     return {"subjects": rows, "overall": {"questions": total, "correct": correct,
                                          "accuracy": correct / total if total else 0.0}}
 
 
-def perplexity(model, tokenizer, path: str, window: int, batch: int, speak: bool = True) -> dict:
+def perplexity(model, tokenizer, path: str, window: int, batch: int, speak: bool = True,
+               share: Share | None = None) -> dict:
+    share = share or Share()
     texts = tasks.texts(path, tokenizer)
-    progress = Progress(len(texts), "perplexity", quiet=not speak)
-    rows, total, count = {}, 0.0, 0
     for name, tokens in texts.items():
-        nll, n = scoring.perplexity_sums(model, tokens, window, batch)
-        if n == 0:
+        if len(tokens) < 2:
             raise MindSpeedError(f"{name}: too short to measure (it needs 2 tokens or more)")
+    progress = Progress(len(texts), "perplexity", quiet=not speak)
+    sums = {}
+    for name, tokens in texts.items():
+        sums[name] = list(scoring.perplexity_sums(model, tokens, window, batch, share.mine))
+        progress.update(1, postfix=name)
+    rows, total, count = {}, 0.0, 0
+    for name, (nll, n) in share.total(sums).items():
         rows[name] = {"tokens": n, "nll": nll / n, "perplexity": math.exp(nll / n)}
         total, count = total + nll, count + n
-        progress.update(1, postfix=name)
     return {"subjects": rows, "window": window,
             "overall": {"tokens": count, "nll": total / count, "perplexity": math.exp(total / count)}}
 

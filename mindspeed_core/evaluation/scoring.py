@@ -107,13 +107,16 @@ class Scorer:
         return out
 
 
-def perplexity_sums(model, tokens: list[int], window: int, batch: int) -> tuple[float, int]:
+def perplexity_sums(model, tokens: list[int], window: int, batch: int, mine=None) -> tuple[float, int]:
     """(summed negative log-likelihood, tokens predicted) of ``tokens`` read in windows of
     ``window`` tokens, each starting at the last token of the one before: every token but the
-    first is predicted once, from the tokens before it in its window."""
+    first is predicted once, from the tokens before it in its window. ``mine``: the windows
+    this copy of the model reads, of all (data-parallel evaluation)."""
     features.note_used("perplexity")
     pieces = [tokens[i:i + window] for i in range(0, max(len(tokens) - 1, 1), window - 1)]
     pieces = [p for p in pieces if len(p) > 1]
+    if mine is not None:
+        pieces = mine(pieces)
     total, count = 0.0, 0
     for start in range(0, len(pieces), batch):
         for nll in token_nll(model, pieces[start:start + batch]):

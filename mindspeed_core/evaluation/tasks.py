@@ -13,6 +13,9 @@
   ``train.jsonl``;
 - perplexity: text (a .txt file, a folder of them, or .jsonl lines with "text") or our
   indexed data (the prefix of a .bin/.idx pair).
+
+--alternative-prompt words MMLU's and BoolQ's prompts as MindSpeed-LLM's evaluation does with
+that flag (ALTERNATIVE); the answer is still the option the model finds most likely.
 """
 
 from __future__ import annotations
@@ -43,10 +46,16 @@ class Item:
     answer: str
 
 
-def read(task: str, path: str, shot: int) -> dict[str, list[Item]]:
-    """{subject: items} of a multiple-choice or question-answering task."""
+def read(task: str, path: str, shot: int, alternative: bool = False) -> dict[str, list[Item]]:
+    """{subject: items} of a multiple-choice or question-answering task; ``alternative``: in
+    MindSpeed-LLM's other wording (--alternative-prompt)."""
     if not os.path.exists(path):
         raise MindSpeedError(f"--task-data-path {path}: no such file or folder")
+    if alternative:
+        if task not in ALTERNATIVE:
+            raise MindSpeedError(f"--alternative-prompt is built for {' and '.join(ALTERNATIVE)}, not {task} "
+                                 f"(leave the flag out for the task's standard prompt)")
+        return ALTERNATIVE[task](path, shot)
     return {"mmlu": _mmlu, "ceval": _ceval, "gsm8k": _gsm8k, "boolq": _boolq}[task](path, shot)
 
 
@@ -118,6 +127,29 @@ def _subject_files(path: str, shot: int, split: str, read_rows, head, cue: str, 
 def _mmlu(path: str, shot: int) -> dict[str, list[Item]]:
     return _subject_files(path, shot, "test", _mmlu_rows, lambda subject: "The following are multiple choice "
                           f"questions (with answers) about {subject.replace('_', ' ')}.\n\n", "Answer:", " ")
+
+
+def _mmlu_alternative(path: str, shot: int) -> dict[str, list[Item]]:
+    """MindSpeed-LLM's other MMLU wording: each question, the dev split's solved ones first (all
+    of them, whatever --shot says, as upstream), opens with a single-choice instruction and ends
+    at "Answer: "; a solved one's letter follows on the next line, so the options are scored
+    as a line break and a letter."""
+    files, dev = _split_files(path, "test", ".csv")
+    out = {}
+    for file in files:
+        subject = os.path.basename(file)[:-len("_test.csv")]
+        head = (f"There is a single choice question about {subject.replace('_', ' ')}. Answer the question by "
+                f"replying A, B, C or D. \nQuestion: ")
+        shots_file = os.path.join(dev, f"{subject}_dev.csv")
+        if not os.path.isfile(shots_file):
+            raise MindSpeedError(f"--alternative-prompt puts the dev split's questions first: no {shots_file}")
+        shots = "".join(head + _choice(q, o, "Answer: ") + f"\n{a}\n\n" for q, o, a in _mmlu_rows(shots_file))
+        rows = _mmlu_rows(file)
+        if not rows:
+            raise MindSpeedError(f"{file} holds no questions")
+        out[subject] = [Item(shots + head + _choice(q, o, "Answer: "), tuple(f"\n{x}" for x in LETTERS), f"\n{a}")
+                        for q, o, a in rows]
+    return out
 
 
 def _ceval_rows(file: str) -> list[tuple]:
@@ -222,6 +254,23 @@ def _boolq(path: str, shot: int) -> dict[str, list[Item]]:
     shots = "".join(f"{ask(r)} {'yes' if _yes(r, file) else 'no'}\n\n" for r in _train_shots(file, shot, keys))
     items = [Item(shots + ask(r), (" no", " yes"), " yes" if _yes(r, file) else " no") for r in _jsonl(file, keys)]
     return {os.path.splitext(os.path.basename(file))[0]: items}
+
+
+def _boolq_alternative(path: str, shot: int) -> dict[str, list[Item]]:
+    """MindSpeed-LLM's other BoolQ wording: the passage under its title, and the question with
+    the options A. Yes and B. No (its rows need a "title")."""
+    file = _data_file(path, ("dev.jsonl", "val.jsonl", "validation.jsonl"))
+    keys = ("question", "passage", "title")
+
+    def ask(r):
+        return f"{r['title']} -- {r['passage']}\nQuestion: {r['question']}\nA. Yes\nB. No\nAnswer:"
+
+    shots = "".join(f"{ask(r)} {'A' if _yes(r, file) else 'B'}\n\n" for r in _train_shots(file, shot, keys))
+    items = [Item(shots + ask(r), (" A", " B"), " A" if _yes(r, file) else " B") for r in _jsonl(file, keys)]
+    return {os.path.splitext(os.path.basename(file))[0]: items}
+
+
+ALTERNATIVE = {"mmlu": _mmlu_alternative, "boolq": _boolq_alternative}
 
 
 def texts(path: str, tokenizer) -> dict[str, list[int]]:
