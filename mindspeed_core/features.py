@@ -158,6 +158,9 @@ _TORCH_DIST = ("--ckpt-format torch_dist: every rank also writes its pieces of t
                "dist_checkpointing does (.metadata, __R_0.distcp, common.pt), which its GPTModel loads at any layout; "
                "--load and mindspeed convert read Megatron's torch_dist checkpoints (the model; without torch: the "
                "pickled metadata through the allow-list reader)")
+_MATMUL_ADD = ("with --moe-grouped-gemm (as MindSpeed's npu_groupmatmul_add_fp32): each expert's weight gradient "
+               "computed by ops.matmul_add in fp32 into an fp32 gradient of its own, never rounded to bf16 (in fp32 "
+               "the same arithmetic as without the flag); not with --compile")
 _DP_EVALUATION = ("`mindspeed launch -- evaluate` on a multiple of TP x PP x EP ranks: each copy of the model scores "
                   "every copies-th question (or perplexity window), the sums gathered once")
 _ALTERNATIVE = ("mmlu and boolq in MindSpeed-LLM's other wording, the answer still the most likely option "
@@ -371,9 +374,7 @@ FEATURES: tuple[Feature, ...] = (
             _on("moe_grouped_gemm")),
     Feature("matmul-add", "Fused weight-gradient accumulation (matmul + add in fp32)", "fused-ops",
             ("--gemm-gradient-accumulation-fusion",),
-            planned("the facade's ops.matmul_add exists; the linear layers' backward does not accumulate with it"),
-            planned("the facade's ops.matmul_add exists; the linear layers' backward does not accumulate with it"),
-            _on("gemm_gradient_accumulation_fusion")),
+            supported(_MATMUL_ADD), supported(_MATMUL_ADD), _on("gemm_gradient_accumulation_fusion")),
     Feature("fused-adamw", "Fused AdamW step (always on, as MindSpeed's fused Adam)", "fused-ops", (),
             supported("torch._fused_adamw_ (CPU and CUDA kernel)",
                       npu=supported(f"torch._fused_adamw_ as torch_npu provides it; {_UNTESTED}")),

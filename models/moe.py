@@ -64,8 +64,10 @@ class Experts(nn.Module):
     def forward(self, rows, counts, grouped: bool = True):
         """rows [N, hidden] sorted by expert, ``counts`` [E] host ints (rows per expert)."""
         if grouped:
-            h = self._plus(ops.grouped_matmul(rows, self.weight1, counts), self.bias1, counts)
-            return self._plus(ops.grouped_matmul(self._activate(h), self.weight2, counts), self.bias2, counts, True)
+            sinks = getattr(self, "grad_sinks", None)  # --gemm-gradient-accumulation-fusion (gradient_sinks)
+            h = self._plus(_grouped(rows, self.weight1, counts, sinks and sinks[0]), self.bias1, counts)
+            return self._plus(_grouped(self._activate(h), self.weight2, counts, sinks and sinks[1]), self.bias2,
+                              counts, True)
         outs, start = [], 0
         for e, n in enumerate(int(c) for c in counts):
             if n:
@@ -95,6 +97,55 @@ class Experts(nn.Module):
             y = y + ops.unsqueeze(ops.cast(self.bias2 if self.output_bias else self.bias2 * 0.0, ops.dtype_of(y)), 1)
         weights = ops.unsqueeze(ops.transpose(combine, 0, 1), -1)  # [E, T, 1]
         return ops.sum(ops.cast(expert_output(y), "float32") * weights, dim=0)
+
+
+def _grouped(x, weight, counts, sink=None):
+    """The experts' grouped matmul; with a ``sink`` (gradient_sinks) the weight's gradient goes
+    there, computed in fp32 by ops.matmul_add, and the weight itself gets none."""
+    if sink is None:
+        return ops.grouped_matmul(x, weight, counts)
+    sizes = [int(c) for c in counts]
+
+    class _GroupedMatmulAdd(autograd.Function):  # a class per call: the group sizes change every step
+        @staticmethod
+        def forward(ctx, x, weight, sink):
+            ctx.save(x, weight)
+            return ops.grouped_matmul(x, weight, sizes)
+
+        @staticmethod
+        def backward(ctx, dy):
+            x, weight = ctx.saved
+            dx = ops.grouped_matmul(dy, ops.transpose(weight, 1, 2), sizes)
+            per_expert, start = [], 0
+            for n in sizes:  # x_e^T dy_e added in fp32 to a zero accumulator, never rounded to bf16
+                acc = ops.zeros(tuple(weight.shape[1:]))
+                if n:
+                    acc = ops.matmul_add(ops.transpose(x[start:start + n], 0, 1), dy[start:start + n], acc)
+                per_expert.append(acc)
+                start += n
+            return dx, None, ops.stack(per_expert)
+
+    return _GroupedMatmulAdd.apply(x, weight, sink)
+
+
+def gradient_sinks(moe_layers) -> dict:
+    """MindSpeed's --gemm-gradient-accumulation-fusion (npu_groupmatmul_add_fp32: the grouped
+    matmul's weight gradient added straight into the fp32 main gradient). Each grouped expert
+    weight of ``moe_layers`` gets an fp32 tensor of its shape (a leaf the trainer differentiates
+    in the weight's place) that receives its gradient computed in fp32: with bf16 weights the
+    per-micro-batch gradient is not rounded to bf16 before the fp32 accumulation; in fp32 it is
+    the same arithmetic as without the flag. Returns {id(weight): sink}."""
+    sinks = {}
+    for layer in moe_layers:
+        if not layer.grouped:
+            continue
+        experts = layer.experts
+        pair = tuple(nn.Parameter(np.zeros(tuple(w.shape), np.float32)) for w in (experts.weight1, experts.weight2))
+        object.__setattr__(experts, "grad_sinks", pair)  # not a parameter of the module: never saved or updated
+        sinks[id(experts.weight1)], sinks[id(experts.weight2)] = pair
+    if sinks:
+        features.note_used("matmul-add")
+    return sinks
 
 
 class SharedExpert(nn.Module):

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from mindspeed_core import runtime
+from mindspeed_core.errors import MindSpeedError
 from mindspeed_core import measure
 from mindspeed_core.memory import accounting
 from test_training import SMALL, corpus, train  # noqa: F401  (corpus is a fixture)
@@ -131,6 +132,26 @@ def assert_swap_refused(capsys, corpus):  # noqa: F811
 def test_bad_recompute_flags_are_clear_errors(capsys, corpus, flags, message):  # noqa: F811
     code, out, err = train(capsys, *MODEL, "--data-path", corpus, "--train-iters", "1", *flags)
     assert code == 2 and message in err and "Traceback" not in err, err
+
+
+@pytest.mark.framework_free
+def test_a_recompute_count_above_a_chunks_layers_recomputes_all_of_them():
+    """megatron-core bounds --recompute-num-layers by a pipeline rank's layers and applies it per
+    model chunk: MindSpeed-LLM's Qwen3-235B script recomputes 12 layers of chunks holding 8."""
+    from mindspeed_core.memory.recompute import Recompute, check
+
+    assert Recompute("full", "block", 12).groups(8) == [(i, i + 1, True) for i in range(8)]
+    assert Recompute("full", "uniform", 12).groups(8) == [(0, 8, True)]
+    assert Recompute("full", "block", 2).groups(3) == [(0, 1, True), (1, 2, True), (2, 3, False)]
+
+    class Flags:
+        recompute_granularity, recompute_method, recompute_num_layers = "full", "block", 12
+        recompute_activations = recompute_norm = False
+        recompute_activation_function, recompute_activation_function_num_layers = False, None
+
+    check(Flags, [24, 24, 24, 22])  # four ranks of three 8-layer chunks (the last with two no-op layers)
+    with pytest.raises(MindSpeedError, match="exceeds the 11 layers a pipeline rank holds"):
+        check(Flags, [11, 11])
 
 
 # ---- measured savings ------------------------------------------------------------------------

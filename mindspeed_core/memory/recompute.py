@@ -146,18 +146,20 @@ def activation(fn, h, recomputed: bool):
     return checkpoint(fn, h)
 
 
-def check(args, chunk_layers: list) -> None:
+def check(args, rank_layers: list) -> None:
     """Flag combinations Megatron refuses, refused the same way before any rank starts.
-    ``chunk_layers``: how many layers each model chunk (pipeline stage, virtual stage) holds."""
+    ``rank_layers``: how many layers each pipeline rank holds (over its model chunks)."""
     granularity = _granularity(args)
     if granularity == "full":
         if args.recompute_method is None or args.recompute_num_layers is None:
             raise MindSpeedError("--recompute-granularity full needs --recompute-method (uniform or block) and "
                                  "--recompute-num-layers N")
-        most = max(chunk_layers, default=0)
+        # megatron-core's bound is the layers of a pipeline rank; the count applies per model
+        # chunk, so with virtual stages a larger one recomputes every layer of a chunk (groups)
+        most = max(rank_layers, default=0)
         if args.recompute_num_layers > most:
             raise MindSpeedError(f"--recompute-num-layers {args.recompute_num_layers} exceeds the {most} layers a "
-                                 "model chunk holds (the count is per pipeline stage and virtual stage)")
+                                 "pipeline rank holds")
     elif args.recompute_method is not None or args.recompute_num_layers is not None:
         given = "--recompute-method" if args.recompute_method is not None else "--recompute-num-layers"
         raise MindSpeedError(f"{given} applies to --recompute-granularity full only"

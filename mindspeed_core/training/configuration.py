@@ -49,7 +49,8 @@ TRAINING_DEFAULTS = dict(seq_length=256, micro_batch_size=4, global_batch_size=N
 
 # flag -> the fused kernel it switches on (ModelConfig.fused); Megatron's defaults: all off
 FUSED_FLAGS = {"use_flash_attn": "attention", "use_fused_rmsnorm": "rms_norm", "use_fused_swiglu": "swiglu",
-               "use_fused_rotary_pos_emb": "rope", "moe_grouped_gemm": "grouped_matmul"}
+               "use_fused_rotary_pos_emb": "rope", "moe_grouped_gemm": "grouped_matmul",
+               "gemm_gradient_accumulation_fusion": "matmul_add"}
 
 _MODEL_FLAGS = {  # flag -> ModelConfig field
     "num_layers": "num_layers", "hidden_size": "hidden_size", "ffn_hidden_size": "ffn_hidden_size",
@@ -811,6 +812,9 @@ def check_configuration(args, world: int, default_save: bool = False):
         boards.check_wandb()
     if args.bf16 and args.fp16:
         raise MindSpeedError("--bf16 and --fp16 exclude each other")
+    if getattr(args, "gemm_gradient_accumulation_fusion", False) and getattr(args, "compile", False):
+        raise MindSpeedError("--gemm-gradient-accumulation-fusion routes the experts' weight gradients past autograd's "
+                             "own (a hand-written backward), which --compile does not trace here: drop one of them")
     if args.o2_gradient and not args.bf16:
         raise MindSpeedError("--o2-gradient keeps the gradients in bf16 and needs bf16 training: add --bf16 "
                              "(as MindSpeed-LLM's O2, it supports bf16 parameters only)")
@@ -835,7 +839,8 @@ def check_configuration(args, world: int, default_save: bool = False):
     context.check_layout(cfg, cp, args.context_parallel_algo, args.ulysses_degree_in_cp, tp, args.seq_length,
                          args.sequence_parallel)
     layout = pipeline_layout(args, cfg)
-    recompute.check(args, [len(layout.layers(stage)) for stage in range(layout.virtual_stages)])
+    recompute.check(args, [sum(len(layout.layers(layout.stage(r, c))) for c in range(layout.chunks))
+                           for r in range(layout.pp)])
     if world % (tp * pp * cp):
         raise MindSpeedError(f"world size {world} is not divisible by the tensor parallel size {tp}"
                              + (f" x the pipeline parallel size {pp}" if pp > 1 else "")
@@ -1026,7 +1031,7 @@ def kernels(cfg: ModelConfig) -> dict:
     in for a fused op the device lacks, or the composite because its flag is off."""
     bound = ops.implementations()
     names = {"attention": "attention", "rms_norm": "rms_norm", "swiglu": "swiglu", "rope": "apply_rotary",
-             "grouped_matmul": "grouped_matmul"}
+             "grouped_matmul": "grouped_matmul", "matmul_add": "matmul_add"}
     return {op: (bound[names[op]] if op in cfg.fused else "composite (flag off)") for op in names}
 
 

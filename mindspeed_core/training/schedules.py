@@ -365,11 +365,11 @@ def forward_backward_func(run, chunk_params: list):
     float32_grads = run.dtype != "float32" and not run.opt.o2_gradient
     if ps.pp == 1:
         model = run.model
-        grad_fn = autograd.value_and_grad(losses.of_model(model), run.train_params)
+        grad_fn = autograd.value_and_grad(losses.of_model(model), run.grad_targets)
         if run.loop.compile:  # the eager function stays for the first step's check
-            grad_fn = compiled.CheckedCompiledStep(model, run.train_params, run.train_names, grad_fn, run.scaler,
+            grad_fn = compiled.CheckedCompiledStep(model, run.grad_targets, run.train_names, grad_fn, run.scaler,
                                                    run.dtype, ps, run.say)
-        hooks = {} if run.overlap is None else dict(on_final=run.overlap.final, params=run.train_params,
+        hooks = {} if run.overlap is None else dict(on_final=run.overlap.final, params=run.grad_targets,
                                                     count=run.grad_accum)
 
         def forward_backward(micro_batches):

@@ -24,7 +24,7 @@ import numpy as np
 from mindspeed_core import device, dist, features, nn, ops, random, runtime
 from mindspeed_core.data import sampler
 from mindspeed_core.errors import MindSpeedError, Stopped
-from mindspeed_core.models import lora, registry
+from mindspeed_core.models import lora, moe, registry
 from mindspeed_core.models.gpt import load_whole_state
 from mindspeed_core.models.state import is_expert_bias
 from mindspeed_core.parallel import context
@@ -153,6 +153,11 @@ class Trainer:
         self.train_params = [p for p, t in zip(self.params, trained) if t]
         chunk_trained = iter(trained)
         chunk_params = [[p for p in params if next(chunk_trained)] for params in chunk_params]
+        # what the backward differentiates: the trained parameters, but where the experts' weight
+        # gradients go to fp32 sinks (--gemm-gradient-accumulation-fusion) the sinks in their place
+        sinks = moe.gradient_sinks(self.moe_layers) if "matmul_add" in self.cfg.fused else {}
+        self.grad_targets = [sinks.get(id(p), p) for p in self.train_params]
+        chunk_targets = [[sinks.get(id(p), p) for p in params] for params in chunk_params]
         keep = (saved_optimizer is not None and (shards.names("optimizer") if shards else saved_optimizer[0])
                 and ckpt.load_optimizer)
         self.optimizer = build.optimizer(list(zip(self.train_names, self.train_params)), self.train_plan,
@@ -170,7 +175,7 @@ class Trainer:
         if config.layout.overlap_param_gather and ps.size("dp_cp") > 1:
             self.param_gather = overlap.OverlappedParamGather(self.optimizer, self.chunks)
         self.forward_backward, self.forward_only, self.policy, self.grad_fn = schedules.forward_backward_func(
-            self, chunk_params)
+            self, chunk_targets)
         self.reward_model = grpo.RewardModel(self.grpo.reward_model, self.cfg.vocab_size, ps) \
             if self.rl and self.grpo.reward_model else None
         if self.reward_model is not None:
