@@ -158,6 +158,8 @@ _TORCH_DIST = ("--ckpt-format torch_dist: every rank also writes its pieces of t
                "dist_checkpointing does (.metadata, __R_0.distcp, common.pt), which its GPTModel loads at any layout; "
                "--load and mindspeed convert read Megatron's torch_dist checkpoints (the model; without torch: the "
                "pickled metadata through the allow-list reader)")
+_GDN_COMPOSITE = ("the same chunked rule as composite ops (models/gated_deltanet.py) on every device: "
+                  "flash-linear-attention's Triton kernels are not bound (CPU has no Triton)")
 _MATMUL_ADD = ("with --moe-grouped-gemm (as MindSpeed's npu_groupmatmul_add_fp32): each expert's weight gradient "
                "computed by ops.matmul_add in fp32 into an fp32 gradient of its own, never rounded to bf16 (in fp32 "
                "the same arithmetic as without the flag); not with --compile")
@@ -581,12 +583,7 @@ FEATURES: tuple[Feature, ...] = (
             supported("as on PyTorch"), _on("enable_mg2hf_convert")),
     Feature("triton-gdn", "Gated DeltaNet's fused kernels (flash-linear-attention's Triton chunked rule)",
             "fused-ops", ("--use-triton-gdn",),
-            planned("the chunked rule runs as composite ops everywhere (models/gated_deltanet.py); the Triton kernels "
-                    "need a GPU or an NPU", cpu=unsupported("Triton kernels need a GPU or an NPU",
-                                                           instead="drop it: the composite chunked rule runs on CPU")),
-            planned("as on PyTorch", cpu=unsupported("Triton kernels need a GPU or an NPU",
-                                                     instead="drop it: the composite chunked rule runs on CPU")),
-            _on("use_triton_gdn")),
+            emulated(_GDN_COMPOSITE), emulated(_GDN_COMPOSITE), _on("use_triton_gdn")),
     Feature("gated-deltanet", "Gated DeltaNet linear attention in hybrid models (Qwen3-Next, Qwen3.5)", "models",
             ("--full-attention-interval", "--linear-num-key-heads", "--linear-num-value-heads", "--linear-key-head-dim",
              "--linear-value-head-dim", "--mamba-d-conv", "--mamba-chunk-size"),

@@ -204,6 +204,8 @@ class GatedDeltaNet(nn.Module):
         cache (``tokens.cache``) the state continues from the cache's and is written back;
         padding on the left (``tokens.documents`` 0) is zeroed first, so it changes no state."""
         features.note_used("gated-deltanet")
+        if "gated_delta_rule" in self.cfg.fused:  # --use-triton-gdn: its kernels are not bound, the same rule runs
+            features.note_used("triton-gdn")
         la, t = self.la, self.tp_shards
         key_heads, value_heads = la.key_heads // t, la.value_heads // t  # this rank's
         qk_dim, v_dim = key_heads * la.key_dim, value_heads * la.value_dim

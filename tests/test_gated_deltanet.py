@@ -132,11 +132,13 @@ HYBRID = ["--spec", "mindspeed_llm.tasks.models.spec.qwen3_next_spec", "layer_sp
 
 @pytest.mark.feature("gated-deltanet")
 @pytest.mark.feature("mg2hf-convert")
+@pytest.mark.feature("triton-gdn")
 def test_the_flags_build_the_hybrid_and_it_trains(capsys, tmp_path):
     """Every third layer attends (gated, a quarter of each head rotated), the others are gated
     DeltaNet of the --linear-* widths; 12 steps on the embedded corpus lower the loss. As
     MindSpeed-LLM's script asks (--enable-mg2hf-convert --model-type-hf qwen3-next), each save
-    also leaves a Hugging Face folder holding the checkpoint's very weights."""
+    also leaves a Hugging Face folder holding the checkpoint's very weights; its --use-triton-gdn
+    runs the same composite chunked rule (the matrix: emulated)."""
     import json
 
     from mindspeed_core.compat import hf, megatron_args
@@ -147,7 +149,8 @@ def test_the_flags_build_the_hybrid_and_it_trains(capsys, tmp_path):
     assert (cfg.linear_attention.key_heads, cfg.linear_attention.value_dim, cfg.linear_attention.chunk_size) == (2, 16, 16)
     metrics, ckpt = tmp_path / "m.jsonl", tmp_path / "ckpt"
     assert cli.main(["train", *HYBRID, "--train-iters", "12", "--metrics-file", str(metrics), "--save", str(ckpt),
-                     "--save-interval", "6", "--enable-mg2hf-convert", "--model-type-hf", "qwen3-next"]) == 0
+                     "--save-interval", "6", "--enable-mg2hf-convert", "--model-type-hf", "qwen3-next",
+                     "--use-triton-gdn"]) == 0
     loss = [r["loss"] for r in map(json.loads, open(metrics)) if "loss" in r]
     assert len(loss) == 12 and loss[-1] < loss[0] - 0.5, loss
     assert sorted(p.name for p in ckpt.glob("mg2hf_*")) == ["mg2hf_iteration12", "mg2hf_iteration6"]

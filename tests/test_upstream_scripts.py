@@ -110,6 +110,7 @@ def _model_of(args):
     for key, value in vars(args).items():
         setattr(plain, key, value)
     plain.enable_hf2mg_convert, plain.load, plain.save, plain.model_type_hf, plain.finetune = False, None, None, None, False
+    plain.enable_mg2hf_convert, plain.hf_cfg_dir, plain.hf_save_dir = False, None, None
     plain.data_path = plain.data_path or ["corpus"]  # not the embedded run's defaults (its byte tokenizer)
     # the architecture only (this host may lack the script's precision, which these settings need)
     plain.bf16 = plain.fp16 = plain.reuse_fp32_param = plain.o2_optimizer = False
@@ -162,6 +163,8 @@ def _outcome(call: dict, paths: dict, tmp_path, references, stand_ins: dict, ran
         if call["entry"] in ("pretrain_gpt.py", "posttrain_gpt.py"):
             if args.enable_hf2mg_convert:
                 args.load = _hf_folder(paths["root"], args)
+            if args.enable_mg2hf_convert:  # the folder whose config the export takes
+                args.hf_cfg_dir = _hf_folder(paths["root"], args)
             configuration.configure(args, _world(args))
             family = call["script"].split("/")[0]
             if call["entry"] == "posttrain_gpt.py" and args.stage == "sft" and family not in ran:
@@ -367,7 +370,7 @@ DONE = {
                 "inference.py": {"gated": 10, "generated": 11, "refused": 2},
                 "posttrain_gpt.py": {"configured": 15, "refused": 22, "trained": 6},
                 "preprocess_data.py": {"preprocessed": 30},
-                "pretrain_gpt.py": {"configured": 13, "refused": 19}},
+                "pretrain_gpt.py": {"configured": 14, "refused": 18}},
     "mindspore": {"convert_ckpt_v2.py": {"converted": 24, "parsed": 6, "refused": 1},
                   "evaluation.py": {"refused": 18},
                   "inference.py": {"gated": 1, "generated": 2, "refused": 20},

@@ -50,7 +50,7 @@ TRAINING_DEFAULTS = dict(seq_length=256, micro_batch_size=4, global_batch_size=N
 # flag -> the fused kernel it switches on (ModelConfig.fused); Megatron's defaults: all off
 FUSED_FLAGS = {"use_flash_attn": "attention", "use_fused_rmsnorm": "rms_norm", "use_fused_swiglu": "swiglu",
                "use_fused_rotary_pos_emb": "rope", "moe_grouped_gemm": "grouped_matmul",
-               "gemm_gradient_accumulation_fusion": "matmul_add"}
+               "gemm_gradient_accumulation_fusion": "matmul_add", "use_triton_gdn": "gated_delta_rule"}
 
 _MODEL_FLAGS = {  # flag -> ModelConfig field
     "num_layers": "num_layers", "hidden_size": "hidden_size", "ffn_hidden_size": "ffn_hidden_size",
