@@ -182,7 +182,7 @@ def add_feature_args(parser: argparse.ArgumentParser) -> None:
     m.add_argument("--o2-gradient", action="store_true", help="MindSpeed's O2: gradients kept in bf16")
     m.add_argument("--swap-optimizer", action="store_true", help="MindSpeed: optimizer states swapped to the host")
     m.add_argument("--swap-optimizer-times", type=POSITIVE_INT, default=None,
-                   help="--swap-optimizer's number of swaps per step (refused with it: the swap-optimizer row)")
+                   help="--swap-optimizer's pieces per update (default 16)")
     m.add_argument("--recompute-activation-function", action="store_true",
                    help="MindSpeed: recompute the MLP's activation function in backward (its output is not kept) in "
                         "the layers full recompute leaves alone")

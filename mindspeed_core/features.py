@@ -158,6 +158,9 @@ _TORCH_DIST = ("--ckpt-format torch_dist: every rank also writes its pieces of t
                "dist_checkpointing does (.metadata, __R_0.distcp, common.pt), which its GPTModel loads at any layout; "
                "--load and mindspeed convert read Megatron's torch_dist checkpoints (the model; without torch: the "
                "pickled metadata through the allow-list reader)")
+_SWAP_OPTIMIZER = ("the distributed optimizer's master slice and moments held in host memory between steps "
+                   "(device.to_host), each update bringing them to the device in --swap-optimizer-times pieces "
+                   "(default 16) and back; the same bits as without (on a CPU-only host both are host memory)")
 _GDN_COMPOSITE = ("the same chunked rule as composite ops (models/gated_deltanet.py) on every device: "
                   "flash-linear-attention's Triton kernels are not bound (CPU has no Triton)")
 _MATMUL_ADD = ("with --moe-grouped-gemm (as MindSpeed's npu_groupmatmul_add_fp32): each expert's weight gradient "
@@ -739,7 +742,7 @@ FEATURES: tuple[Feature, ...] = (
             supported(_ACTIVATION_RECOMPUTE), supported(_ACTIVATION_RECOMPUTE), _on("recompute_activation_function")),
     Feature("swap-optimizer", "Optimizer states swapped to host memory", "memory",
             ("--swap-optimizer", "--swap-optimizer-times"),
-            planned(instead="--use-distributed-optimizer"), planned(instead="--use-distributed-optimizer"),
+            supported(_SWAP_OPTIMIZER), supported(_SWAP_OPTIMIZER),
             lambda a: bool(getattr(a, "swap_optimizer", False) or getattr(a, "swap_optimizer_times", None))),
     Feature("o2-gradient", "bf16 gradients (MindSpeed's O2)", "memory", ("--o2-gradient",),
             supported("gradients accumulated over micro-batches and reduced over DP in bf16 (the distributed "

@@ -383,7 +383,8 @@ def test_reuse_fp32_param_trains_as_the_fp32_master_does(capsys, framework, corp
 @pytest.mark.feature("reuse-fp32-param")
 def test_reuse_fp32_param_under_data_parallelism(framework, corpus, tmp_path):  # noqa: F811
     """DP2, each rank a slice of its own: the same curve as the fp32 master slice, 2 bytes per
-    element of the slice fewer. In the same launch MindSpeed-LLM's O2 scripts' combination
+    element of the slice fewer; and with the slices swapped to host memory. In the same launch
+    MindSpeed-LLM's O2 scripts' combination
     (--o2-optimizer --o2-gradient on top, buckets reduced during backward): the gradients
     reduce-scattered in bf16, the same training within bf16's rounding."""
     from launch import run_configs
@@ -398,15 +399,58 @@ def test_reuse_fp32_param_under_data_parallelism(framework, corpus, tmp_path):  
         return
     o2 = [*flags, "--reuse-fp32-param", "--o2-optimizer", "--o2-gradient", "--overlap-grad-reduce",
           "--overlap-param-gather", "--ddp-bucket-size", "3000"]
+    swap = [*flags, "--swap-optimizer", "--swap-optimizer-times", "4"]  # each rank's slice moved in 4 pieces
     out = run_configs(framework, 2, [["plain", flags, False], ["reuse", [*flags, "--reuse-fp32-param"], False],
-                                     ["o2", o2, False]], tmp_path)
-    assert losses(out / "reuse.jsonl") == losses(out / "plain.jsonl")
+                                     ["o2", o2, False], ["swap", swap, False]], tmp_path)
+    assert losses(out / "reuse.jsonl") == losses(out / "plain.jsonl") == losses(out / "swap.jsonl")
+    assert "(in host memory: --swap-optimizer)" in (out / "swap.log").read_text()
     plain, half = losses(out / "plain.jsonl"), losses(out / "o2.jsonl")
     assert plain[1] == half[1] and plain != half, (plain, half)
     assert max(abs(plain[i] - half[i]) / plain[i] for i in plain) < 0.02, (plain, half)
     state = {name: float(re.search(r"optimizer state ([0-9.]+) MiB", (out / f"{name}.log").read_text()).group(1))
              for name in ("plain", "reuse")}
     assert state["reuse"] == pytest.approx(state["plain"] * 10 / 12, abs=0.01), state  # master 2 + moments 8 vs 4 + 8
+
+
+@pytest.mark.feature("swap-optimizer")
+def test_the_swapped_optimizer_updates_as_on_the_device_and_resumes(capsys, framework, corpus, tmp_path, monkeypatch):  # noqa: F811
+    """--swap-optimizer (MindSpeed-LLM's Qwen3-Next scripts pass it): the distributed optimizer's
+    state lives in host memory and each update moves it in --swap-optimizer-times pieces; the
+    same curve bit for bit as the state on the device, and a run resumed from its checkpoint
+    continues it."""
+    from mindspeed_core import device
+    from test_training import losses
+
+    flags = [*SMALL, "--data-path", corpus, "--use-distributed-optimizer", "--train-iters", "4"]
+    swap = ["--swap-optimizer", "--swap-optimizer-times", "3"]
+    code, _, err = train(capsys, *flags, "--metrics-file", str(tmp_path / "device.jsonl"))
+    assert code == 0, err
+    moved = []
+    to_host = device.to_host
+    monkeypatch.setattr(device, "to_host", lambda x: (moved.append(tuple(x.shape)), to_host(x))[1])
+    code, out, err = train(capsys, *flags, *swap, "--metrics-file", str(tmp_path / "host.jsonl"), "--save",
+                           str(tmp_path / "ckpt"), "--save-interval", "2")
+    assert code == 0, err
+    assert losses(tmp_path / "host.jsonl") == losses(tmp_path / "device.jsonl")
+    # per step: each moment in 3 pieces, then the whole master slice
+    shard = max(moved)[0]
+    assert moved.count((shard,)) >= 4 and len({m for m in moved if m != (shard,)}) >= 2, moved
+    from test_pipeline import iteration_only
+
+    half = iteration_only(tmp_path / "ckpt", 2, tmp_path / "ckpt2")
+    code, out, err = train(capsys, *flags, *swap, "--load", str(half), "--metrics-file", str(tmp_path / "resumed.jsonl"))
+    assert code == 0 and "resumed" in out, err
+    whole = losses(tmp_path / "host.jsonl")
+    assert losses(tmp_path / "resumed.jsonl") == {i: whole[i] for i in (3, 4)}
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--swap-optimizer"], "add --use-distributed-optimizer"),
+    (["--swap-optimizer-times", "4"], "qualifies --swap-optimizer"),
+])
+def test_swap_optimizer_needs_the_distributed_optimizer(capsys, corpus, flags, message):  # noqa: F811
+    code, out, err = train(capsys, *MODEL, "--data-path", corpus, "--train-iters", "1", *flags)
+    assert code == 2 and message in err and "Traceback" not in err, err
 
 
 @pytest.mark.parametrize("flags,want", [

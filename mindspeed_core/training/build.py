@@ -75,7 +75,7 @@ def optimizer(named: list, train_plan, plan, ps, optimization, distributed_optim
     if distributed_optimizer:
         opt = DistributedAdamW(*common, ps=ps, plan=train_plan, moment_dtype=moment_dtype,
                                reuse_fp32_param=o.reuse_fp32_param, bucket_elements=o.bucket_elements,
-                               grad_dtype="bfloat16" if o.o2_gradient else "float32")
+                               grad_dtype="bfloat16" if o.o2_gradient else "float32", swap_pieces=o.swap_pieces)
     else:
         opt = AdamW(*common, ps=ps, plan=train_plan, moment_dtype=moment_dtype, bucket_elements=o.bucket_elements)
     if isinstance(saved, sharded_checkpoint.Reader):

@@ -47,6 +47,8 @@ EMBEDDED_SFT_DEFAULTS = dict(seq_length=256, lr=1e-3, min_lr=1e-4, lr_warmup_ite
 TRAINING_DEFAULTS = dict(seq_length=256, micro_batch_size=4, global_batch_size=None, train_iters=100, lr=1e-3,
                          eval_interval=1000, eval_iters=100, log_interval=100)
 
+SWAP_OPTIMIZER_TIMES = 16  # MindSpeed's default number of pieces a swapped update moves
+
 # flag -> the fused kernel it switches on (ModelConfig.fused); Megatron's defaults: all off
 FUSED_FLAGS = {"use_flash_attn": "attention", "use_fused_rmsnorm": "rms_norm", "use_fused_swiglu": "swiglu",
                "use_fused_rotary_pos_emb": "rope", "moe_grouped_gemm": "grouped_matmul",
@@ -129,6 +131,9 @@ class Optimization:
     o2_gradient: bool  # MindSpeed's O2: gradients accumulated, reduced and clipped in bf16
     reuse_fp32_param: bool
     bucket_elements: int | None  # --ddp-bucket-size (None: the default's)
+    # --swap-optimizer: the distributed optimizer's state in host memory, updated in this many
+    # pieces (--swap-optimizer-times, MindSpeed's default 16); None: on the device
+    swap_pieces: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -264,7 +269,8 @@ def configure(args, world: int, framework: str | None = None) -> RunConfig:
             work.train_iters, work.micro_batch_size, work.global_batch_size, work.lr, work.min_lr,
             work.lr_warmup_iters, work.lr_decay_iters, work.lr_decay_style, work.weight_decay, work.clip_grad,
             (work.adam_beta1, work.adam_beta2), work.adam_eps, precision(flags), work.initial_loss_scale,
-            bool(work.o2_optimizer), bool(work.o2_gradient), bool(work.reuse_fp32_param), work.ddp_bucket_size),
+            bool(work.o2_optimizer), bool(work.o2_gradient), bool(work.reuse_fp32_param), work.ddp_bucket_size,
+            (work.swap_optimizer_times or SWAP_OPTIMIZER_TIMES) if work.swap_optimizer else None),
         data=Data(embedded, tuple(work.data_path) if work.data_path else None, work.split, work.seq_length, work.seed,
                   tokenizer.name, not work.no_shuffle,
                   pad_multiple(work.pad_to_multiple_of, tp, cp, work.sequence_parallel)
@@ -815,6 +821,14 @@ def check_configuration(args, world: int, default_save: bool = False):
     if getattr(args, "gemm_gradient_accumulation_fusion", False) and getattr(args, "compile", False):
         raise MindSpeedError("--gemm-gradient-accumulation-fusion routes the experts' weight gradients past autograd's "
                              "own (a hand-written backward), which --compile does not trace here: drop one of them")
+    if args.swap_optimizer_times and not args.swap_optimizer:
+        raise MindSpeedError("--swap-optimizer-times qualifies --swap-optimizer: add it or drop the flag")
+    if args.swap_optimizer and not args.use_distributed_optimizer:
+        raise MindSpeedError("--swap-optimizer moves the distributed optimizer's state to host memory: add "
+                             "--use-distributed-optimizer")
+    if args.swap_optimizer and args.reuse_fp32_param:
+        raise MindSpeedError("--swap-optimizer with --reuse-fp32-param is not built (the master's residual stays on "
+                             "the device): drop one of them")
     if args.o2_gradient and not args.bf16:
         raise MindSpeedError("--o2-gradient keeps the gradients in bf16 and needs bf16 training: add --bf16 "
                              "(as MindSpeed-LLM's O2, it supports bf16 parameters only)")

@@ -24,7 +24,7 @@ import math
 
 import numpy as np
 
-from mindspeed_core import autograd, dist, features, nn, ops
+from mindspeed_core import autograd, device, dist, features, nn, ops
 from mindspeed_core.errors import CheckpointError
 from mindspeed_core.memory import reuse_fp32_param
 from mindspeed_core.training.distributed import Bucket, by_size, over_pipeline, sum_of_squares
@@ -43,9 +43,12 @@ class _Partition:
 
     def __init__(self, named, sharded, weights, weight_decay, group, ranks: int, index: int, grad_scale: float,
                  moment_dtype: str = "float32", reuse_fp32_param: bool = False, bucket_elements: int | None = None,
-                 grad_dtype: str = "float32"):
+                 grad_dtype: str = "float32", swap_pieces: int | None = None):
         self.named, self.group, self.ranks, self.grad_scale = named, group, ranks, grad_scale
         self.grad_dtype = grad_dtype
+        # --swap-optimizer: the master and moments live in host memory between steps, and the
+        # update moves them to the device and back in this many pieces
+        self.swap_pieces, self._held = swap_pieces, {}
         self.sizes = [ops.numel(p) for _, p in named]
         self.runs = by_size(list(range(len(self.sizes))), self.sizes, bucket_elements)  # parameters per bucket
         # per bucket: where it starts in the padded flat vector, its padded length, this rank's slice
@@ -80,6 +83,42 @@ class _Partition:
         self.moment_dtype = moment_dtype  # bfloat16 under --o2-optimizer
         self.exp_avg = ops.zeros((self.shard,), dtype=moment_dtype)
         self.exp_avg_sq = ops.zeros((self.shard,), dtype=moment_dtype)
+
+    # the state (master slice, moments): device tensors, or host copies under --swap-optimizer
+    def _get(self, key: str):
+        if key not in self._held:
+            raise AttributeError(key)
+        return device.to_device(self._held[key]) if self.swap_pieces else self._held[key]
+
+    def _put(self, key: str, value) -> None:
+        self._held[key] = device.to_host(value) if self.swap_pieces else value
+
+    exp_avg = property(lambda self: self._get("exp_avg"), lambda self, v: self._put("exp_avg", v))
+    exp_avg_sq = property(lambda self: self._get("exp_avg_sq"), lambda self, v: self._put("exp_avg_sq", v))
+    _master = property(lambda self: self._get("master"), lambda self, v: self._put("master", v))
+
+    def swapped_update(self, grad, lr: float, betas, eps: float, step: int):
+        """The update of this slice (decoupled weight decay, then AdamW) with the state brought
+        from host memory piece by piece and put back: elementwise, so the same bits as at once.
+        Returns the new fp32 master slice (on the device, for the gather)."""
+        features.note_used("swap-optimizer")
+        bounds = [int(b) for b in np.linspace(0, self.shard, min(self.swap_pieces, self.shard) + 1)]
+        masters, first, second = [], [], []
+        for lo, hi in zip(bounds[:-1], bounds[1:]):
+            master = device.to_device(self._held["master"][lo:hi])
+            master = master - master * (self.decay[lo:hi] * lr)
+            # tensors of their own (x 1.0): MindSpore's in-place AdamWeightDecay does not write
+            # through a slice of the host tensor
+            moments = [device.to_device(self._held[k][lo:hi]) * 1.0 for k in ("exp_avg", "exp_avg_sq")]
+            (master,), exp_avg, exp_avg_sq = adamw([master], [grad[lo:hi]], widen(moments[:1]), widen(moments[1:]), lr,
+                                                   [0.0], betas, eps, step)
+            masters.append(master)
+            first.append(device.to_host(narrow(exp_avg, self.moment_dtype)[0]))
+            second.append(device.to_host(narrow(exp_avg_sq, self.moment_dtype)[0]))
+        self._held["exp_avg"], self._held["exp_avg_sq"] = ops.cat(first), ops.cat(second)
+        master = ops.cat(masters)
+        self._put("master", master)
+        return master
 
     def keep_master(self, flat) -> None:
         """Keep ``flat`` (this rank's fp32 slice) as the master; under --reuse-fp32-param only its
@@ -184,7 +223,7 @@ class _Partition:
 class DistributedAdamW:
     def __init__(self, named_params, lr: float, weight_decay: float, betas, eps: float, ps, plan,
                  moment_dtype: str = "float32", reuse_fp32_param: bool = False, bucket_elements: int | None = None,
-                 grad_dtype: str = "float32"):
+                 grad_dtype: str = "float32", swap_pieces: int | None = None):
         named_params = list(named_params)
         self.bucket_elements = bucket_elements
         trainable = [i for i, (_, p) in enumerate(named_params) if nn.requires_grad(p)]
@@ -208,7 +247,7 @@ class DistributedAdamW:
                 [self.named[k] for k in mine], [sharded[trainable[k]] for k in mine],
                 [weights[trainable[k]] for k in mine], weight_decay, ps.group(kind), ps.size(kind),
                 ps.local_rank(kind), 1.0 / ps.size("dp_cp"), moment_dtype, reuse_fp32_param, bucket_elements,
-                grad_dtype))
+                grad_dtype, swap_pieces))
 
     # -- the trainer's interface -------------------------------------------------------------
     def buckets(self) -> list[Bucket]:
@@ -258,6 +297,14 @@ class DistributedAdamW:
             for part, grad in zip(self.partitions, g):
                 if scale != 1.0:
                     grad = grad * scale
+                if part.swap_pieces:
+                    master = part.swapped_update(grad, lr, self.betas, self.eps, self.steps)
+                    if gather_later:
+                        started += [(part, b, work) for b, work in enumerate(part.start_gather(master))]
+                        continue
+                    for (_, p), value in zip(part.named, part.unflatten(part.gather(master))):
+                        nn.assign(p, value)
+                    continue
                 # decoupled weight decay first (per element: the flat shard mixes decayed and
                 # undecayed parameters), then the fused step without decay: the same update, as
                 # Adam's term does not read the weights

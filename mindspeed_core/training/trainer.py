@@ -433,6 +433,7 @@ class Trainer:
                      f"{' +SP' if lay.sequence_parallel else ''}; "
                      f"each data-parallel rank: {self.grad_accum} micro-batches of {self.opt.micro_batch_size} per step; "
                      f"optimizer state {self.optimizer.state_bytes() / 2**20:.2f} MiB on this rank "
+                     f"{'(in host memory: --swap-optimizer) ' if self.opt.swap_pieces else ''}"
                      f"({self.optimizer_bytes_unsharded() / 2**20:.2f} MiB without --use-distributed-optimizer)")
         progress = Progress(self.opt.train_iters, "train", min_interval=1.0) if loop.progress and not self.ps.rank \
             else None
