@@ -14,6 +14,8 @@ Contenders (each run in its own process, every round, in alternating order):
   ours-mindspore, ours-mindspore-compile  --compile (no data loading, logging or metrics); MindSpore
   raw-torch                               the same LLaMA written in plain torch (facade overhead)
   transformers, transformers-compile      LlamaForCausalLM + torch fused AdamW, eager / torch.compile
+                                          (--models hybrid: Qwen3NextForCausalLM, the linear-attention
+                                          hybrid of the same sizes)
 
 With --baseline DIR, ours-pytorch and ours-mindspore also run from an older version installed
 in DIR (`pip install --no-deps --target DIR <checkout>`), as ours-pytorch@baseline and
@@ -42,7 +44,17 @@ MODELS = {
                  seq_length=256, micro_batch_size=8, vocab_size=512),
     "medium": dict(num_layers=6, hidden_size=512, num_attention_heads=8, num_query_groups=4, ffn_hidden_size=1408,
                    seq_length=256, micro_batch_size=8, vocab_size=8192),
+    # Qwen3-Next's layers with a dense MLP: three gated DeltaNet layers (4 key, 8 value heads of 32;
+    # chunks of 64) and one gated attention layer (a quarter of each head rotated); transformers'
+    # contender is its Qwen3NextForCausalLM of the same sizes (mlp_only_layers: every layer)
+    "hybrid": dict(num_layers=4, hidden_size=256, num_attention_heads=8, num_query_groups=4, ffn_hidden_size=704,
+                   seq_length=1024, micro_batch_size=2, vocab_size=512, hybrid=True),
 }
+HYBRID_FLAGS = ["--spec", "mindspeed_llm.tasks.models.spec.qwen3_next_spec", "layer_spec", "--qk-layernorm",
+                "--add-rmsnorm-offset", "--full-attention-interval", "4", "--linear-num-key-heads", "4",
+                "--linear-num-value-heads", "8", "--linear-key-head-dim", "32", "--linear-value-head-dim", "32",
+                "--mamba-chunk-size", "64", "--partial-rotary-factor", "0.25", "--kv-channels", "32",
+                "--max-position-embeddings", "1024"]
 CONTENDERS = ("cmd-pytorch", "cmd-pytorch-compile", "cmd-mindspore", "cmd-mindspore-compile", "cmd-pytorch-tp2",
               "cmd-mindspore-compile-tp2", "ours-pytorch",
               "ours-pytorch-compile", "ours-mindspore", "ours-mindspore-compile", "raw-torch", "transformers",
@@ -53,6 +65,11 @@ LR = 1e-4
 def model_config(b):
     from mindspeed_core.models.config import ModelConfig
 
+    if b.get("hybrid"):  # the model the flags build (its linear layers' FLOPs differ from attention's)
+        from mindspeed_core.compat import megatron_args
+        from mindspeed_core.training import configuration
+
+        return configuration.model_only(megatron_args.training_parser().parse_args(_train_flags("-", b, False)))
     return ModelConfig(vocab_size=b["vocab_size"], hidden_size=b["hidden_size"], num_layers=b["num_layers"],
                        num_attention_heads=b["num_attention_heads"], num_query_groups=b["num_query_groups"],
                        ffn_hidden_size=b["ffn_hidden_size"], max_position_embeddings=b["seq_length"],
@@ -98,7 +115,7 @@ def _train_flags(prefix: str, b: dict, compiled: bool) -> list:
             "--make-vocab-size-divisible-by", "1", "--untie-embeddings-and-output-weights", "--lr", str(LR), "--no-progress", "--weight-decay", "0.01",
             # every fused kernel the device has, as MindSpeed-LLM's scripts do
             "--use-flash-attn", "--use-fused-rmsnorm", "--use-fused-swiglu", "--use-fused-rotary-pos-emb"]
-    return argv + (["--compile"] if compiled else [])
+    return argv + (HYBRID_FLAGS if b.get("hybrid") else []) + (["--compile"] if compiled else [])
 
 
 def worker_ours(framework: str, compiled: bool, b: dict, steps: int, warmup: int) -> dict:
@@ -190,11 +207,18 @@ def worker_transformers(compiled: bool, b: dict, steps: int, warmup: int) -> dic
 
     T.logging.set_verbosity_error()
     torch.manual_seed(0)
-    config = T.LlamaConfig(vocab_size=b["vocab_size"], hidden_size=b["hidden_size"],
-                           intermediate_size=b["ffn_hidden_size"], num_hidden_layers=b["num_layers"],
-                           num_attention_heads=b["num_attention_heads"], num_key_value_heads=b["num_query_groups"],
-                           max_position_embeddings=b["seq_length"], tie_word_embeddings=False)
-    hf = T.LlamaForCausalLM(config).float().train()
+    sizes = dict(vocab_size=b["vocab_size"], hidden_size=b["hidden_size"], intermediate_size=b["ffn_hidden_size"],
+                 num_hidden_layers=b["num_layers"], num_attention_heads=b["num_attention_heads"],
+                 num_key_value_heads=b["num_query_groups"], max_position_embeddings=b["seq_length"],
+                 tie_word_embeddings=False)
+    if b.get("hybrid"):  # torch's chunked gated delta rule (no flash-linear-attention kernels on CPU)
+        config = T.Qwen3NextConfig(**sizes, head_dim=b["hidden_size"] // b["num_attention_heads"],
+                                   linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=32,
+                                   linear_value_head_dim=32, partial_rotary_factor=0.25,
+                                   mlp_only_layers=list(range(b["num_layers"])))
+        hf = T.Qwen3NextForCausalLM(config).float().train()
+    else:
+        hf = T.LlamaForCausalLM(T.LlamaConfig(**sizes)).float().train()
 
     def forward(x):
         return hf(input_ids=x).logits

@@ -158,6 +158,10 @@ _TORCH_DIST = ("--ckpt-format torch_dist: every rank also writes its pieces of t
                "dist_checkpointing does (.metadata, __R_0.distcp, common.pt), which its GPTModel loads at any layout; "
                "--load and mindspeed convert read Megatron's torch_dist checkpoints (the model; without torch: the "
                "pickled metadata through the allow-list reader)")
+_LINEAR_CP = ("a gated DeltaNet layer's state runs along the whole sequence: handing it from one CP rank to the "
+              "next (as MindSpeed does for its Mamba layers) is not built")
+_NORM_SWITCHES = ("the norms they switch are in DeepSeek-V3.2's lightning indexer (--init-norm-weight-in-fp32) and "
+                  "Hunyuan's layer (--input-layernorm-in-fp32), neither built here yet")
 _SWAP_OPTIMIZER = ("the distributed optimizer's master slice and moments held in host memory between steps "
                    "(device.to_host), each update bringing them to the device in --swap-optimizer-times pieces "
                    "(default 16) and back; the same bits as without (on a CPU-only host both are host memory)")
@@ -779,6 +783,14 @@ FEATURES: tuple[Feature, ...] = (
             ("--context-parallel-size", "--num-experts"),
             planned(_MOE_CP, instead=_MOE_LAYOUTS), planned(_MOE_CP, instead=_MOE_LAYOUTS),
             lambda a: _moe(a) and _gt1("context_parallel_size")(a)),
+    Feature("linear-attention-context-parallel", "Gated DeltaNet layers under context parallelism", "combinations",
+            ("--context-parallel-size", "--full-attention-interval"),
+            planned(_LINEAR_CP, instead="--context-parallel-size 1"), planned(_LINEAR_CP, instead="--context-parallel-size 1"),
+            lambda a: getattr(a, "full_attention_interval", None) is not None and _gt1("context_parallel_size")(a)),
+    Feature("norm-fp32-switches", "The DSA indexer's and Hunyuan's fp32 norm switches", "precision",
+            ("--init-norm-weight-in-fp32", "--input-layernorm-in-fp32"),
+            planned(_NORM_SWITCHES), planned(_NORM_SWITCHES),
+            lambda a: bool(getattr(a, "init_norm_weight_in_fp32", False) or getattr(a, "input_layernorm_in_fp32", False))),
     Feature("moe-compile", "Compiled step with MoE layers", "combinations", ("--compile", "--num-experts"),
             supported("routing on the device (the same top-k, weights, expert bias, aux and z losses as eager), "
                       "every token through every expert weighted by its routing: fixed shapes at E/k times the "

@@ -162,7 +162,7 @@ def test_the_flags_build_the_hybrid_and_it_trains(capsys, tmp_path):
 
 @pytest.mark.parametrize("extra, says", [
     (["--tensor-model-parallel-size", "4"], "does not divide the linear attention's key heads (2)"),
-    (["--context-parallel-size", "2"], "not split by context parallelism"),
+    (["--context-parallel-size", "2"], "linear-attention-context-parallel"),
     (["--mamba-expand", "2"], "--mamba-expand 2"),
     (["--reset-attention-mask"], "packed sequences"),
     (["--mamba-chunk-size", "48"], "not a power of two"),

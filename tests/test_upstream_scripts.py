@@ -399,17 +399,30 @@ def test_every_upstream_script_call_is_accepted_or_refused_by_a_matrix_row(frame
     assert table == DONE[framework], table
 
 
+# script -> the sizes its launch line is scaled to (beyond RUN_SCALE's), every other flag as it is
+LAUNCHED = {
+    "qwen3/pretrain_qwen3_0point6b_4K_ptd.sh": {},
+    # four layers, every fourth full attention (gated, a quarter of each head rotated): three gated
+    # DeltaNet layers of 2 key and 4 value heads; the MoE of every layer with its gated shared expert;
+    # --use-triton-gdn, --gemm-gradient-accumulation-fusion and --swap-optimizer as the script has them
+    "qwen3_next/pretrain_qwen3_next_80b_16K_A3_ptd.sh": {
+        "--num-layers": "4", "--linear-num-key-heads": "2", "--linear-num-value-heads": "4",
+        "--linear-key-head-dim": "16", "--linear-value-head-dim": "16", "--mamba-chunk-size": "16"},
+}
+
+
 @pytest.mark.multiprocess
-def test_a_scripts_own_launch_line_trains(framework, paths, tmp_path):
-    """The Qwen3-0.6B pre-training script's python line, with sizes, paths and the device count
-    scaled down and no flag edited, under the framework's launcher (torchrun / msrun) on two ranks:
-    it trains from a Hugging Face folder (--enable-hf2mg-convert), or, where this host cannot run a
-    setting the script asks for (MindSpore's CPU has no bfloat16 matmul), stops in one line naming
-    the matrix row."""
+@pytest.mark.parametrize("script", list(LAUNCHED), ids=["qwen3", "qwen3-next"])
+def test_a_scripts_own_launch_line_trains(framework, paths, tmp_path, script):
+    """A pre-training script's python line, with sizes, paths and the device count scaled down
+    and no flag edited, under the framework's launcher (torchrun / msrun) on two ranks: it trains
+    from a Hugging Face folder (--enable-hf2mg-convert), or, where this host cannot run a setting
+    the script asks for (MindSpore's CPU has no bfloat16 matmul), stops in one line naming the
+    matrix row."""
     from launch import launch
 
     root = paths["root"]
-    call = next(c for c in CALLS if c["script"] == "qwen3/pretrain_qwen3_0point6b_4K_ptd.sh")
+    call = next(c for c in CALLS if c["script"] == script)
     corpus = root / "corpus.jsonl"
     corpus.write_text("".join(json.dumps({"text": "def f(x): return x + 1 " * 4}) + "\n" for _ in range(40)))
     assert cli.main(["preprocess", "--input", str(corpus), "--output-prefix", str(tmp_path / "enwiki"),
@@ -418,14 +431,15 @@ def test_a_scripts_own_launch_line_trains(framework, paths, tmp_path):
     flags = _scaled_run(call["flags"], {
         "--max-position-embeddings": "256", "--seq-length": "32", "--global-batch-size": "4", "--train-iters": "2",
         "--save-interval": "2", "--tokenizer-name-or-path": paths["--tokenizer-name-or-path"],
-        "--data-path": str(tmp_path / "enwiki_text_document"), "--load": str(tmp_path / "qwen3_hf"),
-        "--save": str(tmp_path / "run")})
+        "--data-path": str(tmp_path / "enwiki_text_document"), "--load": str(tmp_path / "hf"),
+        "--save": str(tmp_path / "run"), **LAUNCHED[script]})
     # the Hugging Face folder the script starts from: a model of the scaled sizes, exported
     from mindspeed_core import nn
     from mindspeed_core.models import registry
 
-    cfg = _model_of(megatron_args.training_parser().parse_args(flags))
-    hf.save_folder(str(tmp_path / "qwen3_hf"), cfg, nn.state_dict(registry.for_config(cfg).build(cfg)))
+    args = megatron_args.training_parser().parse_args(flags)
+    cfg = _family_model(args, args.model_type_hf)
+    hf.save_folder(str(tmp_path / "hf"), cfg, nn.state_dict(registry.for_config(cfg).build(cfg)))
     code, out = launch(framework, 2, str(ROOT / "tools" / "pretrain_gpt.py"), flags, str(tmp_path / "logs"),
                        launcher=True)
     status = features.get("bf16").status(framework, runtime.bound().device.type())

@@ -52,7 +52,8 @@ def check_layout(cfg, cp: int, algo: str, degree_in_cp: int | None, tp: int, seq
         return
     if cfg.linear_attention is not None:
         raise MindSpeedError(f"context parallel size {cp}: the gated DeltaNet layers of this model carry their state "
-                             "along the whole sequence and are not split by context parallelism yet (not built)")
+                             "along the whole sequence and are not split by context parallelism yet (the matrix's "
+                             "linear-attention-context-parallel (planned) row)")
     if algo not in ALGORITHMS:
         raise MindSpeedError(f"--context-parallel-algo {algo!r}: choose one of {', '.join(ALGORITHMS)}")
     u = ulysses_degree(cp, algo, degree_in_cp)
