@@ -231,7 +231,7 @@ def run(args, backend=None) -> int:
         features.note_used("convert-lora")
     target_tp = args.target_tensor_parallel_size or 1
     if args.expert_tensor_parallel_size not in (None, target_tp):
-        features.refuse("expert-tensor-parallel", framework)
+        features.refuse("convert-expert-tensor-parallel", framework)
     if args.hf_cfg_dir is not None and args.save_model_type != "hf":
         raise MindSpeedError("--hf-cfg-dir describes the Hugging Face folder written by --save-model-type hf")
     if args.load_model_type == "hf" and args.save_model_type == "hf":

@@ -176,8 +176,15 @@ _ALTERNATIVE = ("mmlu and boolq in MindSpeed-LLM's other wording, the answer sti
                 "(framework-free prompts); ceval's needs C-Eval's subject names in Chinese and is refused in one line")
 _CYCLIC = ("Megatron's random sampler with data sharding: one bucket of the run's samples per DP rank, read in "
            "an order drawn per epoch (numpy's permutation seeded by the epoch, where Megatron draws torch's)")
-_ETP = "the experts' tensor parallelism is the model's (--tensor-model-parallel-size)"
-_ETP_INSTEAD = "--expert-tensor-parallel-size equal to --tensor-model-parallel-size"
+_ETP1 = ("each TP rank holds its EP rank's experts whole and runs them on the whole sequence (the layer gathers it "
+         "under SP, as with cut experts): no partial rows to sum, whole expert gradients; the EP group stays within "
+         "the DP ranks (megatron-core's may reach across TP ranks)")
+_CONVERT_ETP = ("mindspeed convert writes and reads the experts cut over TP as the dense MLP is; megatron-core's layout "
+                "for another expert TP size (whole experts in each TP rank's file for 1) is not built")
+_EP_ACROSS_TP = ("with --expert-tensor-parallel-size 1 megatron-core forms the EP group across TP and DP ranks (EP up to "
+                 "TP x DP); here the EP group is carved out of the DP ranks, so EP must divide the DP size")
+_ETP = "the experts are cut over the model's TP ranks (the default) or kept whole (1); other sizes are not built"
+_ETP_INSTEAD = "--expert-tensor-parallel-size 1, or equal to --tensor-model-parallel-size"
 _CONVERT_LORA = ("--lora-load merges a LoRA run's adapters (ours, or a Megatron checkpoint in peft's names, whole or "
                  "adapters only) into --load-dir's model; --save-lora-to-hf writes them as a PEFT folder that peft loads "
                  "onto the transformers model (framework-free)")
@@ -761,11 +768,22 @@ FEATURES: tuple[Feature, ...] = (
     Feature("no-shuffle", "Samples read in order (no shuffle)", "fine-tuning", ("--no-shuffle",),
             supported("each dataset's samples in file order, every epoch"),
             supported("each dataset's samples in file order, every epoch"), _on("no_shuffle")),
-    Feature("expert-tensor-parallel", "Expert tensor parallelism other than the model's", "parallelism",
-            ("--expert-tensor-parallel-size",), planned(_ETP, instead=_ETP_INSTEAD),
-            planned(_ETP, instead=_ETP_INSTEAD),
+    Feature("expert-tensor-parallel", "Whole experts under tensor parallelism (--expert-tensor-parallel-size 1)",
+            "parallelism", ("--expert-tensor-parallel-size",), supported(_ETP1), supported(_ETP1),
+            lambda a: getattr(a, "expert_tensor_parallel_size", None) == 1
+            and (getattr(a, "tensor_model_parallel_size", 1) or 1) > 1),
+    Feature("expert-parallel-across-tp", "Expert parallelism reaching across the TP ranks (EP beyond DP)",
+            "parallelism", ("--expert-model-parallel-size", "--expert-tensor-parallel-size"),
+            planned(_EP_ACROSS_TP, instead="an --expert-model-parallel-size that divides the data-parallel size"),
+            planned(_EP_ACROSS_TP, instead="an --expert-model-parallel-size that divides the data-parallel size")),
+    Feature("convert-expert-tensor-parallel", "Megatron checkpoints with experts not cut as the model's TP",
+            "tools", ("--expert-tensor-parallel-size",),
+            planned(_CONVERT_ETP, instead="leave --expert-tensor-parallel-size out"),
+            planned(_CONVERT_ETP, instead="leave --expert-tensor-parallel-size out")),
+    Feature("expert-tensor-parallel-other", "Expert tensor parallelism other than 1 or the model's", "parallelism",
+            ("--expert-tensor-parallel-size",), planned(_ETP, instead=_ETP_INSTEAD), planned(_ETP, instead=_ETP_INSTEAD),
             lambda a: getattr(a, "expert_tensor_parallel_size", None) not in (
-                None, getattr(a, "tensor_model_parallel_size", 1))),
+                None, 1, getattr(a, "tensor_model_parallel_size", 1))),
     Feature("lora-checkpoint-filter", "Checkpoints of LoRA runs holding the adapters only", "fine-tuning",
             ("--lora-ckpt-filter",), planned("a LoRA checkpoint holds the base weights too"),
             planned("a LoRA checkpoint holds the base weights too"), _on("lora_ckpt_filter")),

@@ -291,9 +291,11 @@ CASES = [  # (id, ranks, model, flags): the cases of each rank count share one l
     ("moe-ep2-allgather", 2, "moe", ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "allgather"]),
     ("moe-ep4-alltoall", 4, "moe", ["--expert-model-parallel-size", "4", "--moe-token-dispatcher-type", "alltoall"]),
     ("moe-ep4-allgather", 4, "moe", ["--expert-model-parallel-size", "4"]),
-    ("moe-ep2-tp2-sp-selective", 4, "moe", ["--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "2",
-                                            "--sequence-parallel", "--moe-token-dispatcher-type", "alltoall",
-                                            "--recompute-activations"]),
+    # with the experts whole on each TP rank (--expert-tensor-parallel-size 1, as MindSpeed-LLM's Qwen3-MoE and
+    # DeepSeek-V3 scripts ask); experts cut over TP with EP: gpt-oss-tp2-sp-ep2-selective below
+    ("moe-ep2-tp2-sp-etp1-selective", 4, "moe", ["--expert-model-parallel-size", "2", "--tensor-model-parallel-size",
+                                                 "2", "--sequence-parallel", "--moe-token-dispatcher-type", "alltoall",
+                                                 "--expert-tensor-parallel-size", "1", "--recompute-activations"]),
     ("moe-ep2-dp4-distopt", 4, "moe", ["--expert-model-parallel-size", "2", "--use-distributed-optimizer",
                                        "--moe-token-dispatcher-type", "alltoall", "--ddp-bucket-size", "3000"]),
     ("moe-ep2-dp4-distopt-overlap", 4, "moe", ["--expert-model-parallel-size", "2", "--use-distributed-optimizer",
@@ -691,6 +693,7 @@ def resume_in_one_process(capsys, corpus, folder, model, want, saved_layout, tmp
 @pytest.mark.feature("grad-reduce-overlap")
 @pytest.mark.feature("param-gather-overlap")
 @pytest.mark.feature("attention-sinks")
+@pytest.mark.feature("expert-tensor-parallel")
 def test_four_rank_layouts_equal_single_process(capsys, framework, data, four_ranks, reference, tmp_path):
     check_cases(framework, four_ranks / "out", 4, ranks_cases(4), reference)
     # the PP2 x DP2 DPO checkpoint goes on in one process, past the iterations it was saved for:

@@ -136,8 +136,12 @@ def _family_model(args, kind: str | None):
 
 
 def _world(args) -> int:
-    return (args.tensor_model_parallel_size * args.pipeline_model_parallel_size * args.context_parallel_size
-            * args.expert_model_parallel_size)
+    """The fewest ranks the script's layout takes, as megatron-core counts them: EP carved out of
+    DP, or with --expert-tensor-parallel-size 1 out of TP x DP."""
+    tp, ep = args.tensor_model_parallel_size, args.expert_model_parallel_size
+    if args.expert_tensor_parallel_size == 1 and tp > 1:
+        ep = max(ep // tp, 1) if ep % tp == 0 else ep
+    return tp * args.pipeline_model_parallel_size * args.context_parallel_size * ep
 
 
 def _outcome(call: dict, paths: dict, tmp_path, references, stand_ins: dict, ran: dict) -> str:

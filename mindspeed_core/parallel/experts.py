@@ -68,21 +68,23 @@ def _take(rows, index: np.ndarray):
 class ExpertParallelSeams(MoESeams):
     """An MoE layer's seams under TP (with or without SP) and EP."""
 
-    def __init__(self, ps, sequence_parallel: bool, dispatcher: str, num_experts: int):
+    def __init__(self, ps, sequence_parallel: bool, dispatcher: str, num_experts: int, experts_whole: bool = False):
         self.tp = ps.group("tp") if ps.tp > 1 else None
         self.sp = sequence_parallel
         self.ep = ps.group("ep") if ps.ep > 1 else None
         self.ep_size, self.ep_rank = ps.ep, ps.local_rank("ep")
         self.dispatcher, self.local = dispatcher, num_experts // ps.ep
+        # whole experts on every TP rank: their rows and input gradients are whole, not partial
+        self.experts_tp = None if experts_whole else self.tp
 
     def layer_input(self, x):  # the whole sequence; its gradient is whole on every rank
         return mappings.gather_from_region(x, self.tp, dim=1) if self.sp else x
 
     def expert_input(self, flat):  # the experts' input gradients are partial over TP: summed
-        return mappings.copy_to_region(flat, self.tp)
+        return mappings.copy_to_region(flat, self.experts_tp)
 
     def expert_output(self, rows):
-        return mappings.reduce_from_region(rows, self.tp)
+        return mappings.reduce_from_region(rows, self.experts_tp)
 
     def layer_output(self, y):
         return mappings.scatter_to_region(y, self.tp, dim=1) if self.sp else y
@@ -135,36 +137,43 @@ class ExpertParallelSeams(MoESeams):
         return mappings.reduce_scatter_tokens(weigh_back(out, order, weights), self.ep)
 
 
-def parallelize_moe_layers(model, ps, sequence_parallel: bool, dispatcher: str) -> dict:
+def parallelize_moe_layers(model, ps, sequence_parallel: bool, dispatcher: str, experts_whole: bool = False) -> dict:
     """Cut the MoE layers of ``model`` (a whole MoEModel or a pipeline chunk) for this rank
     and install their seams; returns {local parameter name: ParamPlan fields} for
-    parallel.layers.parallelize."""
+    parallel.layers.parallelize. ``experts_whole``: --expert-tensor-parallel-size 1 under TP."""
     if dispatcher not in DISPATCHERS:
         raise MindSpeedError(f"unknown MoE token dispatcher {dispatcher!r}: choose one of {', '.join(DISPATCHERS)}")
     check_layout(model.cfg, ps.ep)
     overrides = {}
     for prefix, layer in model.transformer_layers():
         if isinstance(layer.mlp, MoELayer):
-            fields = parallelize_moe_layer(layer.mlp, ps, sequence_parallel, dispatcher, model.cfg.gated)
+            fields = parallelize_moe_layer(layer.mlp, ps, sequence_parallel, dispatcher, model.cfg.gated, experts_whole)
             overrides.update({f"{prefix}mlp.{name}": f for name, f in fields.items()})
     return overrides
 
 
-def parallelize_moe_layer(mlp: MoELayer, ps, sequence_parallel: bool, dispatcher: str, gated: bool) -> dict:
-    """One MoE layer: keep this rank's experts (and their TP slices), cut the shared expert
-    over TP, install the seams; returns {parameter name in the layer: ParamPlan fields}."""
+def parallelize_moe_layer(mlp: MoELayer, ps, sequence_parallel: bool, dispatcher: str, gated: bool,
+                          experts_whole: bool = False) -> dict:
+    """One MoE layer: keep this rank's experts (and their TP slices, unless ``experts_whole``:
+    megatron-core's expert tensor parallel size 1, each TP rank running the whole experts on
+    the whole sequence), cut the shared expert over TP, install the seams; returns {parameter
+    name in the layer: ParamPlan fields}."""
     tp, tp_rank, ep, ep_rank = ps.tp, ps.local_rank("tp"), ps.ep, ps.local_rank("ep")
+    expert_tp = 1 if experts_whole else tp
+    if experts_whole and tp > 1:
+        features.note_used("expert-tensor-parallel")
     swiglu = gated  # fc1's gate and up halves are cut apart
     fields = {}
     specs = {"weight1": ("swiglu", 2) if swiglu else ("split", 2), "weight2": ("split", 1)}
     if mlp.experts.bias1 is not None:  # fc1's bias cut with its columns; fc2's whole, added by TP rank 0
         specs.update(bias1=("swiglu", 1) if swiglu else ("split", 1), bias2=None)
-        mlp.experts.output_bias = tp_rank == 0
+        mlp.experts.output_bias = tp_rank == 0 or expert_tp == 1
     for name, spec in specs.items():
         full = np.split(ops.to_numpy(getattr(mlp.experts, name)), ep, axis=0)[ep_rank]
-        setattr(mlp.experts, name, nn.Parameter(shard(full, spec, tp, tp_rank) if tp > 1 and spec else full))
-        fields["experts." + name] = {"shard": spec if tp > 1 else None, "expert": True,
-                                     "partial": spec is None and tp > 1}  # bias2: only rank 0's gradient
+        cut = expert_tp > 1 and spec
+        setattr(mlp.experts, name, nn.Parameter(shard(full, spec, tp, tp_rank) if cut else full))
+        fields["experts." + name] = {"shard": spec if cut else None, "expert": True,
+                                     "partial": spec is None and expert_tp > 1}  # bias2: only rank 0's gradient
     fields["router.weight"] = {"partial": False}  # sees every token on every TP rank
     if mlp.router.bias is not None:
         fields["router.bias"] = {"partial": False}
@@ -181,5 +190,5 @@ def parallelize_moe_layer(mlp: MoELayer, ps, sequence_parallel: bool, dispatcher
             fields["shared_experts.linear_fc1.weight"] = {"shard": fc1_spec, "partial": False}
             fields["shared_experts.linear_fc2.weight"] = {"shard": ("split", 1), "partial": False}
     if tp > 1 or ep > 1:
-        mlp.use_seams(ExpertParallelSeams(ps, sequence_parallel, dispatcher, mlp.moe.num_experts))
+        mlp.use_seams(ExpertParallelSeams(ps, sequence_parallel, dispatcher, mlp.moe.num_experts, experts_whole))
     return fields

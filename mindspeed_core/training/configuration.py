@@ -51,8 +51,10 @@ SWAP_OPTIMIZER_TIMES = 16  # MindSpeed's default number of pieces a swapped upda
 
 # flag -> the fused kernel it switches on (ModelConfig.fused); Megatron's defaults: all off
 FUSED_FLAGS = {"use_flash_attn": "attention", "use_fused_rmsnorm": "rms_norm", "use_fused_swiglu": "swiglu",
-               "use_fused_rotary_pos_emb": "rope", "moe_grouped_gemm": "grouped_matmul",
-               "gemm_gradient_accumulation_fusion": "matmul_add", "use_triton_gdn": "gated_delta_rule"}
+               "use_fused_rotary_pos_emb": "rope", "moe_grouped_gemm": "grouped_matmul"}
+# flags that name a fused path the embedded run does not turn on by itself (a gradient path, a
+# kernel that is not bound): ModelConfig.fused too
+FUSED_PATH_FLAGS = {"gemm_gradient_accumulation_fusion": "matmul_add", "use_triton_gdn": "gated_delta_rule"}
 
 _MODEL_FLAGS = {  # flag -> ModelConfig field
     "num_layers": "num_layers", "hidden_size": "hidden_size", "ffn_hidden_size": "ffn_hidden_size",
@@ -105,6 +107,9 @@ class ParallelLayout:
     distributed_optimizer: bool
     overlap_grad_reduce: bool
     overlap_param_gather: bool
+    # --expert-tensor-parallel-size 1 under TP: every TP rank holds its experts whole (megatron-core's
+    # ETP 1); False: the experts are cut over TP as the dense MLP is (ETP = TP, the default)
+    experts_whole: bool = False
 
     def stages(self, cfg: ModelConfig) -> pipeline.PipelineLayout:
         """Which of ``cfg``'s layers each pipeline stage holds (parallel/pipeline.py)."""
@@ -264,7 +269,8 @@ def configure(args, world: int, framework: str | None = None) -> RunConfig:
                               work.context_parallel_algo,
                               work.ulysses_degree_in_cp, work.moe_token_dispatcher_type,
                               bool(work.use_distributed_optimizer), bool(work.overlap_grad_reduce),
-                              bool(work.overlap_param_gather)),
+                              bool(work.overlap_param_gather),
+                              work.expert_tensor_parallel_size == 1 and tp > 1 and work.num_experts is not None),
         optimization=Optimization(
             work.train_iters, work.micro_batch_size, work.global_batch_size, work.lr, work.min_lr,
             work.lr_warmup_iters, work.lr_decay_iters, work.lr_decay_style, work.weight_decay, work.clip_grad,
@@ -412,7 +418,8 @@ def model_config(args, vocab_size: int) -> ModelConfig:
             raise MindSpeedError(f"--{given[0].replace('_', '-')} qualifies the multi-token prediction modules of "
                                  f"--mtp-num-layers, which this run has none of: give --mtp-num-layers or drop it")
     return dataclasses.replace(cfg, lora=lora_config(args), reward_head=stage_of(args) == "orm",
-                               fused=frozenset(op for flag, op in FUSED_FLAGS.items() if getattr(args, flag, False)),
+                               fused=frozenset(op for flag, op in {**FUSED_FLAGS, **FUSED_PATH_FLAGS}.items()
+                                               if getattr(args, flag, False)),
                                norm_weight_float32=bool(getattr(args, "rmsnorm_weight_in_fp32", False)),
                                router_float32=bool(getattr(args, "router_gating_in_fp32", False)))
 
@@ -860,7 +867,11 @@ def check_configuration(args, world: int, default_save: bool = False):
                              + (f" x the pipeline parallel size {pp}" if pp > 1 else "")
                              + (f" x the context parallel size {cp}" if cp > 1 else ""))
     dp = world // (tp * pp * cp)
-    experts.check_layout(cfg, args.expert_model_parallel_size, dp)
+    ep = args.expert_model_parallel_size
+    if ep > 1 and dp % ep and args.expert_tensor_parallel_size == 1 and tp > 1 and (tp * dp) % ep == 0:
+        # megatron-core's layout for it draws the EP group across the TP ranks too
+        features.refuse("expert-parallel-across-tp", runtime.bound().NAME)
+    experts.check_layout(cfg, ep, dp)
     grpo = stage_of(args) == "grpo"  # its global batch counts prompts, its micro-batches completions
     if args.global_batch_size is not None and not grpo and args.global_batch_size % (args.micro_batch_size * dp):
         raise MindSpeedError(f"--global-batch-size {args.global_batch_size} is not a multiple of "
