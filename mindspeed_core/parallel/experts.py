@@ -23,7 +23,9 @@ up halves apart, bias1 with them; weight2's rows, bias2 added by one rank) and t
 expert as the dense MLP; the layer works on the whole sequence on every TP rank (gathered under --sequence-parallel), so routing is the
 one-device routing, and the experts' partial rows are summed over TP before the weighting.
 Router and shared-expert gate thus see every token on every TP rank: their gradients are
-whole, not partial, even under sequence parallelism.
+whole, not partial, even under sequence parallelism. With --expert-tensor-parallel-size 1 the
+experts are not cut: each TP rank runs its whole experts on the whole sequence, their rows and
+gradients whole (nothing summed over TP).
 """
 
 from __future__ import annotations
