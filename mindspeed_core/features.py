@@ -149,9 +149,8 @@ _PARAM_GATHER = ("the distributed optimizer's updated buckets gathered ({}) whil
                  "begins; each module waits for its own bucket before its forward; the same results")
 _ACTIVATION_RECOMPUTE = ("the MLP's (and MoE experts') activation output not kept for backward but computed again "
                          "there, in the layers full recompute leaves alone; the same results")
-_ULYSSES_KV = ("Ulysses gives each of its ranks whole key/value heads; copying heads to more ranks than there are "
-               "(as MindSpeed-LLM does) is not built")
-_ULYSSES_KV_INSTEAD = "a --ulysses-degree-in-cp dividing the key/value heads per TP rank (hybrid_cp_algo), or ring attention"
+_ULYSSES_KV = ("each key/value head copied to the Ulysses ranks whose query heads share it (as MindSpeed-LLM does), "
+               "the copies' gradients summed back; the Ulysses degree a multiple of the key/value heads per TP rank")
 _SAME_RING = "the ring's send/receive and its block's attention run one after the other (same results)"
 _DIST_CKPT = "checkpoints here are iter_*/ folders of safetensors (mindspeed convert writes Megatron's .pt layout)"
 _TORCH_DIST = ("--ckpt-format torch_dist: every rank also writes its pieces of the model as megatron-core's "
@@ -795,8 +794,7 @@ FEATURES: tuple[Feature, ...] = (
     # own MoE layers count, from flags or a Hugging Face config)
     Feature("ulysses-kv-copies", "Ulysses over more ranks than key/value heads per tensor-parallel rank",
             "combinations", ("--context-parallel-algo", "--num-query-groups"),
-            planned(_ULYSSES_KV, instead=_ULYSSES_KV_INSTEAD), planned(_ULYSSES_KV, instead=_ULYSSES_KV_INSTEAD),
-            _ulysses_short_of_kv_heads),
+            supported(_ULYSSES_KV), supported(_ULYSSES_KV), _ulysses_short_of_kv_heads),
     Feature("moe-context-parallel", "Mixture of experts with context parallelism", "combinations",
             ("--context-parallel-size", "--num-experts"),
             planned(_MOE_CP, instead=_MOE_LAYOUTS), planned(_MOE_CP, instead=_MOE_LAYOUTS),

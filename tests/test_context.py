@@ -4,6 +4,8 @@ by point-to-point steps and by one all-gather; layout checks; and the load-balan
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import pathlib
 
@@ -50,10 +52,12 @@ CFG = ModelConfig(vocab_size=64, hidden_size=32, num_layers=1, num_attention_hea
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(cp=2, algo="ulysses_cp_algo", degree_in_cp=None, tp=2, seq_length=32, sequence_parallel=False),
+    (dict(cp=2, algo="ulysses_cp_algo", degree_in_cp=None, tp=4, seq_length=32, sequence_parallel=False),
      "must divide the query heads"),
-    (dict(cp=4, algo="ulysses_cp_algo", degree_in_cp=None, tp=1, seq_length=32, sequence_parallel=False),
-     "key/value heads \\(2\\)"),
+    # 3 key/value heads over Ulysses 2: neither divides the other, so no copy pattern fits
+    (dict(cp=2, algo="ulysses_cp_algo", degree_in_cp=None, tp=1, seq_length=32, sequence_parallel=False,
+          cfg=dataclasses.replace(CFG, hidden_size=48, num_attention_heads=12, num_query_groups=3, kv_channels=4)),
+     "key/value heads \\(3\\)"),
     (dict(cp=4, algo="hybrid_cp_algo", degree_in_cp=3, tp=1, seq_length=32, sequence_parallel=False),
      "--ulysses-degree-in-cp dividing"),
     (dict(cp=4, algo="hybrid_cp_algo", degree_in_cp=None, tp=1, seq_length=32, sequence_parallel=False),
@@ -64,5 +68,12 @@ CFG = ModelConfig(vocab_size=64, hidden_size=32, num_layers=1, num_attention_hea
      "multiple of 8"),
 ])
 def test_bad_context_parallel_layouts_are_refused(kwargs, message):
+    kwargs = dict(kwargs)
+    cfg = kwargs.pop("cfg", CFG)
     with pytest.raises(MindSpeedError, match=message):
-        context.check_layout(CFG, **kwargs)
+        context.check_layout(cfg, **kwargs)
+    # 2 key/value heads over Ulysses 4 (or 1 per TP rank over 2): copied, not refused
+    context.check_layout(CFG, cp=4, algo="ulysses_cp_algo", degree_in_cp=None, tp=1, seq_length=32,
+                         sequence_parallel=False)
+    context.check_layout(CFG, cp=2, algo="ulysses_cp_algo", degree_in_cp=None, tp=2, seq_length=32,
+                         sequence_parallel=False)

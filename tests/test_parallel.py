@@ -351,6 +351,8 @@ CP_CASES = [  # (id, model, flags)
     ("cp4-ring-sft", "sft", ["--context-parallel-size", "4", "--no-pad-to-seq-lengths"]),
     ("cp2-ulysses-dp2-distopt", "gqa", ["--context-parallel-size", "2", "--context-parallel-algo", "ulysses_cp_algo",
                                         "--use-distributed-optimizer"]),
+    # Ulysses over 4 ranks with 2 key/value heads: each copied to the two ranks whose query heads share it
+    ("cp4-ulysses-kv-copies", "gqa", ["--context-parallel-size", "4", "--context-parallel-algo", "ulysses_cp_algo"]),
     # Gemma 2's window crosses the ring's chunks of 8 columns; its caps apply per ring block
     ("cp2-ring-gemma2", "gemma2", ["--context-parallel-size", "2"]),
     # hybrid 2 x 2 on DeepSeek's latent attention: values narrower than queries and keys through
@@ -732,6 +734,7 @@ def check_layout(out: str, ranks: int, flags: list, batch: int) -> None:
 @pytest.mark.feature("sequence-parallel")
 @pytest.mark.feature("data-parallel")
 @pytest.mark.feature("distributed-optimizer")
+@pytest.mark.feature("ulysses-kv-copies")
 def test_context_parallel_loss_curves_equal_single_process(framework, four_ranks, reference):
     """CP_CASES (launched with the four-rank layouts); each loss curve equals the single-process run's."""
     check_cases(framework, four_ranks / "out", 4, CP_CASES, reference)

@@ -63,10 +63,10 @@ def check_layout(cfg, cp: int, algo: str, degree_in_cp: int | None, tp: int, seq
     if u > 1:
         groups = max(cfg.num_query_groups // tp, 1)
         heads = cfg.num_attention_heads // tp
-        if heads % u or groups % u:
+        if heads % u or (groups % u and u % groups):
             raise MindSpeedError(f"Ulysses over {u} ranks splits the attention heads: it must divide the query heads "
-                                 f"({heads}) and key/value heads ({groups}) each tensor-parallel rank holds; choose "
-                                 f"a smaller --ulysses-degree-in-cp or hybrid_cp_algo")
+                                 f"({heads}) and divide, or be a multiple of, the key/value heads ({groups}) each "
+                                 f"tensor-parallel rank holds; choose a smaller --ulysses-degree-in-cp or hybrid_cp_algo")
     multiple = 2 * cp * (tp if sequence_parallel else 1)
     if seq_length % multiple:
         raise MindSpeedError(f"--seq-length {seq_length} must be a multiple of {multiple}: context parallelism cuts "
@@ -161,6 +161,17 @@ def ring_attention(q, k, v, q_cols, kv_cols, documents, group, attention, dropou
     return out if anchor is None else out + ops.cast(anchor, ops.dtype_of(out))
 
 
+def _copied_heads(x, u: int):
+    """Key/value heads x [b, s, G, d] for Ulysses over ``u`` ranks: as they are when G divides
+    among them, else each head copied u / G times side by side (MindSpeed-LLM's copies), so that
+    rank j's one head is the one its query heads share; the copies' gradients sum back."""
+    b, s, g, d = x.shape
+    if g % u == 0:
+        return x
+    features.note_used("ulysses-kv-copies")
+    return ops.reshape(ops.expand(ops.unsqueeze(x, 3), (b, s, g, u // g, d)), (b, s, u, d))
+
+
 class ContextParallelSeams(Seams):
     """The model's seams under context parallelism, around those of tensor (and sequence)
     parallelism (``inner``): attention across the CP ranks, and the columns each holds."""
@@ -217,6 +228,7 @@ class ContextParallelSeams(Seams):
         first = self.cp_rank // u * u  # the first CP rank of this rank's Ulysses group
         mine = local_columns(seq_len, self.cp, self.cp_rank)
         if u > 1:  # every token of the Ulysses group, this rank's u-th of the heads
+            k, v = (_copied_heads(t, u) for t in (k, v))
             q, k, v = (mappings.sequence_to_heads(t, self.ulysses_group) for t in (q, k, v))
             mine = np.concatenate([local_columns(seq_len, self.cp, r) for r in range(first, first + u)])
         order = np.argsort(mine, kind="stable")  # sorted columns: chunks become consecutive runs
