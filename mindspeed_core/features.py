@@ -76,6 +76,12 @@ def planned(note: str = "not built yet", instead: str | None = None, **devices) 
     return Status("planned", note, instead, devices)
 
 
+def _bf16_only_on_mindspore(instead: str) -> Status:
+    """MindSpore's status of a feature that needs --bf16: its CPU has no bfloat16 matmul."""
+    return planned("needs --bf16, not yet run on a MindSpore GPU/Ascend device",
+                   cpu=unsupported("needs --bf16: MindSpore's CPU MatMul has no bfloat16 kernel", instead=instead))
+
+
 @dataclass(frozen=True)
 class Feature:
     id: str
@@ -339,9 +345,7 @@ FEATURES: tuple[Feature, ...] = (
     Feature("o2-bf16-optimizer", "O2 BF16 optimizer (bf16 optimizer states)", "memory", ("--o2-optimizer",),
             supported("Adam moments kept in bf16, widened to fp32 for each update (with --bf16; also sharded by the "
                       "distributed optimizer)"),
-            planned("needs --bf16, not yet run on a MindSpore GPU/Ascend device",
-                    cpu=unsupported("needs --bf16: MindSpore's CPU MatMul has no bfloat16 kernel",
-                                    instead="fp32 moments (drop --o2-optimizer)")),
+            _bf16_only_on_mindspore("fp32 moments (drop --o2-optimizer)"),
             _on("o2_optimizer")),
     Feature("bf16", "bfloat16 training", "precision", ("--bf16",),
             supported("bf16 parameters and activations, fp32 master weights, moments and softmax"),
@@ -757,9 +761,7 @@ FEATURES: tuple[Feature, ...] = (
     Feature("o2-gradient", "bf16 gradients (MindSpeed's O2)", "memory", ("--o2-gradient",),
             supported("gradients accumulated over micro-batches and reduced over DP in bf16 (the distributed "
                       "optimizer's buckets too), widened to fp32 for the update (with --bf16)"),
-            planned("needs --bf16, not yet run on a MindSpore GPU/Ascend device",
-                    cpu=unsupported("needs --bf16: MindSpore's CPU MatMul has no bfloat16 kernel",
-                                    instead="fp32 gradient accumulation (drop --o2-gradient)")),
+            _bf16_only_on_mindspore("fp32 gradient accumulation (drop --o2-gradient)"),
             _on("o2_gradient")),
     Feature("dynamic-padding", "Micro-batches padded to their longest sample", "fine-tuning",
             ("--no-pad-to-seq-lengths", "--pad-to-multiple-of"),
