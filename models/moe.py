@@ -104,6 +104,7 @@ def _grouped(x, weight, counts, sink=None):
     there, computed in fp32 by ops.matmul_add, and the weight itself gets none."""
     if sink is None:
         return ops.grouped_matmul(x, weight, counts)
+    features.note_used("matmul-add")
     sizes = [int(c) for c in counts]
 
     class _GroupedMatmulAdd(autograd.Function):  # a class per call: the group sizes change every step
@@ -143,8 +144,6 @@ def gradient_sinks(moe_layers) -> dict:
         pair = tuple(nn.Parameter(np.zeros(tuple(w.shape), np.float32)) for w in (experts.weight1, experts.weight2))
         object.__setattr__(experts, "grad_sinks", pair)  # not a parameter of the module: never saved or updated
         sinks[id(experts.weight1)], sinks[id(experts.weight2)] = pair
-    if sinks:
-        features.note_used("matmul-add")
     return sinks
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from mindspeed_core import features
+
 
 class PretrainingSampler:
     """--dataloader-type single (Megatron's MegatronPretrainingSampler): the samples in order."""
@@ -43,6 +45,7 @@ class CyclicSampler(PretrainingSampler):
 
     def __init__(self, global_batch: int, micro_batch: int, dp_size: int, dp_rank: int, total: int):
         super().__init__(global_batch, micro_batch, dp_size, dp_rank)
+        features.note_used("dataloader-cyclic")
         self.rounds = total // (micro_batch * dp_size)  # micro-batch rounds per epoch
         if self.rounds == 0:
             raise ValueError(f"--dataloader-type cyclic needs at least one micro-batch round of {micro_batch} x "

@@ -81,8 +81,6 @@ def run(args, backend) -> int:
             raise MindSpeedError(f"--max-new-tokens {args.max_new_tokens} leaves no room for the question in the "
                                  f"model's {positions} positions")
         alternative = bool(getattr(args, "alternative_prompt", False))
-        if alternative:
-            features.note_used("evaluation-alternative-prompt")
         results = accuracy(scorer, task, tasks.read(task, args.task_data_path, args.shot, alternative), args, speak,
                            share)
         results.update(alternative_prompt=alternative)

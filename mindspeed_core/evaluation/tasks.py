@@ -28,6 +28,7 @@ import os
 import re
 from dataclasses import dataclass
 
+from mindspeed_core import features
 from mindspeed_core.files import read_text
 from mindspeed_core.data import indexed
 from mindspeed_core.errors import MindSpeedError
@@ -52,6 +53,7 @@ def read(task: str, path: str, shot: int, alternative: bool = False) -> dict[str
     if not os.path.exists(path):
         raise MindSpeedError(f"--task-data-path {path}: no such file or folder")
     if alternative:
+        features.note_used("evaluation-alternative-prompt")
         if task not in ALTERNATIVE:
             raise MindSpeedError(f"--alternative-prompt is built for {' and '.join(ALTERNATIVE)}, not {task} "
                                  f"(leave the flag out for the task's standard prompt)")
