@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from mindspeed_core import runtime
 
 
@@ -164,6 +166,20 @@ def matmul_add(a, b, acc):
     return acc + ops.matmul(ops.cast(a, "float32"), ops.cast(b, "float32"))
 
 
+def solve_unit_lower(a, b):
+    """x with a x = b for ``a`` [..., n, n] unit lower triangular (its diagonal and upper part
+    are not read): with N = -strict_lower(a) nilpotent, a^-1 = sum_k N^k = (I + N)(I + N^2)
+    (I + N^4)..., exact after ceil(log2 n) factors (a polynomial of N, not a truncated series)."""
+    ops = _ops()
+    size = a.shape[-1]
+    power = ops.neg(ops.tril(a, -1))
+    inverse = ops.tensor(np.eye(size, dtype=np.float32)) + power
+    for _ in range(max(math.ceil(math.log2(size)) - 1, 0)):
+        power = ops.matmul(power, power)
+        inverse = inverse + ops.matmul(inverse, power)
+    return ops.matmul(inverse, b)
+
+
 def grouped_matmul(x, weight, group_sizes):
     ops = _ops()
     sizes = [int(s) for s in group_sizes]
@@ -201,7 +217,7 @@ def adamw_step(weights, grads, exp_avgs, exp_avg_sqs, lr, beta1, beta2, eps, wei
 
 
 FUSED = ("rms_norm", "layer_norm", "swiglu", "apply_rotary", "attention", "matmul_add", "grouped_matmul",
-         "adamw_step")
+         "adamw_step", "solve_unit_lower")
 
 
 def bind_fused(namespace: dict, native: dict) -> dict:

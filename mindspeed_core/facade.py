@@ -116,6 +116,9 @@ SPEC = {
                       "bottom-right); softcap: scores become softcap * tanh(scores / softcap) before the masks"),
         "matmul_add": "matmul_add(a [m, k], b [k, n], acc [m, n] float32): acc + a @ b computed in float32 (gradient accumulation into a main grad)",
         "grouped_matmul": "grouped_matmul(x [T, in], weight [E, in, out], group_sizes int [E] summing to T) -> [T, out]: consecutive rows of group e times weight[e] (MoE experts)",
+        "solve_unit_lower": ("solve_unit_lower(a [..., n, n], b [..., n, m]) -> x with a x = b, a unit lower triangular "
+                             "(its diagonal and upper part not read); differentiable in a and b (gated DeltaNet's "
+                             "chunks)"),
         "adamw_step": ("adamw_step(weights, grads, exp_avgs, exp_avg_sqs, lr, beta1, beta2, eps, weight_decays, "
                        "step) -> (weights, exp_avgs, exp_avg_sqs): one AdamW step (torch's formula, bias-corrected) "
                        "over lists of float32 tensors, weight_decays one float per tensor; the inputs are consumed "

@@ -70,19 +70,6 @@ def recurrent_rule(q, k, v, g, beta, state=None):
     return ops.transpose(ops.stack(outs, dim=2), 1, 2), state
 
 
-def _unit_lower_inverse(strict):
-    """(I + strict)^-1 for strictly lower triangular ``strict`` [..., C, C]: with N = -strict
-    nilpotent, the inverse is sum_n N^n = (I + N)(I + N^2)(I + N^4)..., exact after
-    ceil(log2 C) factors (a polynomial of N, not a truncated series)."""
-    size = strict.shape[-1]
-    power = ops.neg(strict)
-    inverse = ops.tensor(np.eye(size, dtype=np.float32)) + power
-    for _ in range(max(math.ceil(math.log2(size)) - 1, 0)):
-        power = ops.matmul(power, power)
-        inverse = inverse + ops.matmul(inverse, power)
-    return inverse
-
-
 def chunk_rule(q, k, v, g, beta, chunk_size: int = 64, state=None, final_state: bool = True):
     """The delta rule by chunks of ``chunk_size`` tokens (recurrent_rule's arguments and
     results; without ``final_state`` the state after the last chunk is not computed: None). The
@@ -111,10 +98,12 @@ def chunk_rule(q, k, v, g, beta, chunk_size: int = 64, state=None, final_state: 
     between = ops.exp(ops.masked_fill(ops.unsqueeze(decay, -1) - ops.unsqueeze(decay, -2), future, -math.inf))
     k_beta, v_beta = k * ops.unsqueeze(beta, -1), v * ops.unsqueeze(beta, -1)
     kt = ops.transpose(k, -1, -2)
-    # the corrections inside a chunk: (I + strictly_lower(beta_i k_i.k_j a_ij)) u = beta v
-    inverse = _unit_lower_inverse(ops.tril(ops.matmul(k_beta, kt) * between, -1))
-    u = ops.matmul(inverse, v_beta)  # what each token writes, before the carried state's share
-    w = ops.matmul(inverse, k_beta * ops.unsqueeze(ops.exp(decay), -1))  # ... and what it reads of it
+    # the corrections inside a chunk: (I + strictly_lower(beta_i k_i.k_j a_ij)) [u w] = [beta v, beta k e^decay]:
+    # u what each token writes before the carried state's share, w what it reads of it (one solve
+    # for both; the solve reads only the strictly lower part)
+    solved = ops.solve_unit_lower(ops.matmul(k_beta, kt) * between,
+                                  ops.cat([v_beta, k_beta * ops.unsqueeze(ops.exp(decay), -1)], dim=-1))
+    u, w = ops.split(solved, [dv, dk], dim=-1)
     inside = ops.matmul(q, kt) * between  # causal, decayed q.k inside the chunk
     q_decayed = q * ops.unsqueeze(ops.exp(decay), -1)
     last = decay[..., -1:]  # [b, h, n, 1]

@@ -82,6 +82,10 @@ CASES = {
         lambda q, k, v: R.attention(q, k, v, causal=True, window=3), [Q[:, :2], K, V], (0, 1, 2)),
     "matmul_add": ("matmul_add", lambda f, a, b, c: f(a, b, c), lambda a, b, c: c + a @ b,
                    [g.standard_normal((3, 4)), g.standard_normal((4, 5)), g.standard_normal((3, 5))], (0, 1, 2)),
+    # the diagonal and upper part are not read: filled with noise here
+    "solve_unit_lower": ("solve_unit_lower", lambda f, a, b: f(a, b),
+                         lambda a, b: np.linalg.solve(np.tril(a, -1) + np.eye(a.shape[-1]), b),
+                         [0.3 * g.standard_normal((2, 7, 7)), g.standard_normal((2, 7, 3))], (0, 1)),
     "grouped_matmul": ("grouped_matmul", lambda f, x, w: f(x, w, [2, 0, 4]),
                        lambda x, w: np.concatenate([x[:2] @ w[0], x[2:6] @ w[2]]),
                        [g.standard_normal((6, 4)), g.standard_normal((3, 4, 5))], (0, 1)),

@@ -324,6 +324,10 @@ def _native_matmul_add(a, b, acc):
     return torch.addmm(acc, a.float(), b.float()) if a.dim() == 2 else acc + torch.matmul(a.float(), b.float())
 
 
+def _native_solve_unit_lower(a, b):
+    return torch.linalg.solve_triangular(a, b, upper=False, unitriangular=True)
+
+
 def _npu_kernels():
     import torch_npu  # noqa: F401  (only reached on an NPU device)
 
@@ -362,6 +366,7 @@ def _native_kernels(device_type: str) -> dict:
         "layer_norm": _native_layer_norm,
         "attention": _native_attention,
         "matmul_add": _native_matmul_add,
+        "solve_unit_lower": _native_solve_unit_lower,
     }
     if device_type == "npu":
         native.update(_npu_kernels())
