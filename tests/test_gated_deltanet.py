@@ -199,3 +199,13 @@ def test_the_hybrid_presets_build_count_and_export(name, tmp_path):
     cfg2, state = hf.load_folder(str(tmp_path / name))
     assert cfg2 == cfg
     assert all(np.array_equal(state[k], v) for k, v in whole_state(model).items())
+    # a folder whose layer_types do not name every layer: one line
+    import json
+
+    from mindspeed_core.errors import CheckpointError
+
+    config = json.loads((tmp_path / name / "config.json").read_text())
+    config["layer_types"] = config["layer_types"][:-1]
+    (tmp_path / name / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=f"layer_types must name {cfg.num_layers} layers"):
+        hf.load_folder(str(tmp_path / name))
