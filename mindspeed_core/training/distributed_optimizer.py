@@ -97,10 +97,24 @@ class _Partition:
     exp_avg_sq = property(lambda self: self._get("exp_avg_sq"), lambda self, v: self._put("exp_avg_sq", v))
     _master = property(lambda self: self._get("master"), lambda self, v: self._put("master", v))
 
-    def swapped_update(self, grad, lr: float, betas, eps: float, step: int):
-        """The update of this slice (decoupled weight decay, then AdamW) with the state brought
-        from host memory piece by piece and put back: elementwise, so the same bits as at once.
-        Returns the new fp32 master slice (on the device, for the gather)."""
+    def update(self, grad, lr: float, betas, eps: float, step: int):
+        """This slice's update, kept (keep_master) and returned (the new fp32 master slice, on the
+        device, for the gather): decoupled weight decay first (per element: the flat shard mixes
+        decayed and undecayed parameters), then the fused step without decay, the same update,
+        as Adam's term does not read the weights. Under --swap-optimizer the state comes from
+        host memory piece by piece and goes back: elementwise, so the same bits as at once."""
+        if self.swap_pieces:
+            master = self._swapped_update(grad, lr, betas, eps, step)
+        else:
+            master = self.master()
+            master = master - master * (self.decay * lr)
+            (master,), exp_avg, exp_avg_sq = adamw([master], [grad], widen([self.exp_avg]), widen([self.exp_avg_sq]),
+                                                   lr, [0.0], betas, eps, step)
+            (self.exp_avg,), (self.exp_avg_sq,) = (narrow(m, self.moment_dtype) for m in (exp_avg, exp_avg_sq))
+        self.keep_master(master)
+        return master
+
+    def _swapped_update(self, grad, lr: float, betas, eps: float, step: int):
         features.note_used("swap-optimizer")
         bounds = [int(b) for b in np.linspace(0, self.shard, min(self.swap_pieces, self.shard) + 1)]
         masters, first, second = [], [], []
@@ -116,9 +130,7 @@ class _Partition:
             first.append(device.to_host(narrow(exp_avg, self.moment_dtype)[0]))
             second.append(device.to_host(narrow(exp_avg_sq, self.moment_dtype)[0]))
         self._held["exp_avg"], self._held["exp_avg_sq"] = ops.cat(first), ops.cat(second)
-        master = ops.cat(masters)
-        self._put("master", master)
-        return master
+        return ops.cat(masters)
 
     def keep_master(self, flat) -> None:
         """Keep ``flat`` (this rank's fp32 slice) as the master; under --reuse-fp32-param only its
@@ -297,24 +309,7 @@ class DistributedAdamW:
             for part, grad in zip(self.partitions, g):
                 if scale != 1.0:
                     grad = grad * scale
-                if part.swap_pieces:
-                    master = part.swapped_update(grad, lr, self.betas, self.eps, self.steps)
-                    if gather_later:
-                        started += [(part, b, work) for b, work in enumerate(part.start_gather(master))]
-                        continue
-                    for (_, p), value in zip(part.named, part.unflatten(part.gather(master))):
-                        nn.assign(p, value)
-                    continue
-                # decoupled weight decay first (per element: the flat shard mixes decayed and
-                # undecayed parameters), then the fused step without decay: the same update, as
-                # Adam's term does not read the weights
-                master = part.master()
-                master = master - master * (part.decay * lr)
-                (master,), exp_avg, exp_avg_sq = adamw(
-                    [master], [grad], widen([part.exp_avg]), widen([part.exp_avg_sq]), lr, [0.0], self.betas, self.eps,
-                    self.steps)
-                (part.exp_avg,), (part.exp_avg_sq,) = (narrow(m, part.moment_dtype) for m in (exp_avg, exp_avg_sq))
-                part.keep_master(master)
+                master = part.update(grad, lr, self.betas, self.eps, self.steps)
                 # the parameters take the master's bf16 rounding: under --reuse-fp32-param, the
                 # high half that keep_master's residual completes
                 if gather_later:
