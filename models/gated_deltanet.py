@@ -29,7 +29,7 @@ from mindspeed_core import features, nn, ops
 from mindspeed_core.errors import MindSpeedError
 from mindspeed_core.memory import recompute
 from mindspeed_core.models.config import ModelConfig
-from mindspeed_core.models.layers import Linear, RMSNorm, _param
+from mindspeed_core.models.layers import Linear, RMSNorm, _param, repeat_heads
 
 L2_EPS = 1e-6  # inside the square root of q's and k's norms (as the FLA kernels and transformers)
 
@@ -215,9 +215,7 @@ class GatedDeltaNet(nn.Module):
         k = l2_normalized(ops.cast(ops.reshape(k, (b, s, key_heads, la.key_dim)), "float32"))
         v = ops.reshape(v, (b, s, value_heads, la.value_dim))
         per_key = la.value_heads // la.key_heads
-        if per_key > 1:  # each query/key head serves that many consecutive value heads
-            q, k = (ops.reshape(ops.expand(ops.unsqueeze(h, 3), (b, s, key_heads, per_key, la.key_dim)),
-                                (b, s, value_heads, la.key_dim)) for h in (q, k))
+        q, k = repeat_heads(q, per_key), repeat_heads(k, per_key)  # each serves per_key consecutive value heads
         g = ops.neg(ops.exp(ops.cast(self.A_log, "float32"))) * softplus(ops.cast(alpha, "float32")
                                                                           + ops.cast(self.dt_bias, "float32"))
         beta = ops.sigmoid(ops.cast(beta, "float32"))

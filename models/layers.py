@@ -82,6 +82,15 @@ class LayerNorm(nn.Module):
         return ops.layer_norm(x, self.weight, self.bias, self.eps)
 
 
+def repeat_heads(x, times: int):
+    """x [b, s, h, d] -> [b, s, h * times, d], each head repeated ``times`` times side by side
+    (head i of the result is head i // times of x); autograd sums the copies' gradients."""
+    if times == 1:
+        return x
+    b, s, h, d = x.shape
+    return ops.reshape(ops.expand(ops.unsqueeze(x, 3), (b, s, h, times, d)), (b, s, h * times, d))
+
+
 def activate(h, activation: str, fused_swiglu: bool = False, clamp: float | None = None, offset: float = 0.0):
     """The MLP activation of fc1's output: the gated ones take gate columns, then up columns
     (mcore's fc1 layout) and return act(gate) * up; with ``clamp`` (GPT-OSS) the gate is cut

@@ -29,6 +29,7 @@ import numpy as np
 from mindspeed_core import composite, dist, features, ops
 from mindspeed_core.errors import MindSpeedError
 from mindspeed_core.models.gpt import PLAIN, Seams
+from mindspeed_core.models.layers import repeat_heads
 from mindspeed_core.parallel import mappings
 
 ALGORITHMS = ("megatron_cp_algo", "ulysses_cp_algo", "hybrid_cp_algo")
@@ -165,11 +166,11 @@ def _copied_heads(x, u: int):
     """Key/value heads x [b, s, G, d] for Ulysses over ``u`` ranks: as they are when G divides
     among them, else each head copied u / G times side by side (MindSpeed-LLM's copies), so that
     rank j's one head is the one its query heads share; the copies' gradients sum back."""
-    b, s, g, d = x.shape
+    g = x.shape[2]
     if g % u == 0:
         return x
     features.note_used("ulysses-kv-copies")
-    return ops.reshape(ops.expand(ops.unsqueeze(x, 3), (b, s, g, u // g, d)), (b, s, u, d))
+    return repeat_heads(x, u // g)
 
 
 class ContextParallelSeams(Seams):

@@ -270,7 +270,7 @@ def configure(args, world: int, framework: str | None = None) -> RunConfig:
                               work.ulysses_degree_in_cp, work.moe_token_dispatcher_type,
                               bool(work.use_distributed_optimizer), bool(work.overlap_grad_reduce),
                               bool(work.overlap_param_gather),
-                              work.expert_tensor_parallel_size == 1 and tp > 1 and work.num_experts is not None),
+                              work.expert_tensor_parallel_size == 1 and tp > 1),
         optimization=Optimization(
             work.train_iters, work.micro_batch_size, work.global_batch_size, work.lr, work.min_lr,
             work.lr_warmup_iters, work.lr_decay_iters, work.lr_decay_style, work.weight_decay, work.clip_grad,
