@@ -221,6 +221,9 @@ SPEC = {
         "broadcast": "broadcast(x, src, group=None): src is a global rank",
         "shift": ("shift(x, offset=1, group=None): a ring step; each member sends x to group rank (r + offset) % n "
                   "and returns what group rank (r - offset) % n sent"),
+        "shift_async": ("shift_async(x, offset=1, group=None) -> work: start a ring step; work.wait() returns what "
+                        "shift would. Framework: a batch of isend/irecv on PyTorch; on MindSpore the emulated "
+                        "step's exchange on mccl's asynchronous all-reduce"),
         "send": "send(x, dst): dst is a global rank",
         "recv": "recv(shape, dtype, src) -> tensor: the matching send's data; the caller knows shape and dtype",
         "barrier": "barrier(group=None): returns once every member reached it",

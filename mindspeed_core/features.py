@@ -157,7 +157,9 @@ _ACTIVATION_RECOMPUTE = ("the MLP's (and MoE experts') activation output not kep
                          "there, in the layers full recompute leaves alone; the same results")
 _ULYSSES_KV = ("each key/value head copied to the Ulysses ranks whose query heads share it (as MindSpeed-LLM does), "
                "the copies' gradients summed back; the Ulysses degree a multiple of the key/value heads per TP rank")
-_SAME_RING = "the ring's send/receive and its block's attention run one after the other (same results)"
+_RING_OVERLAP = ("forward: each ring step's send/receive ({}) starts before the attention of the block at hand and "
+                 "is waited for after it; the same blocks in the same order, the same bits; backward's exchanges "
+                 "run as without it; a compiled step orders its own communication")
 _DIST_CKPT = "checkpoints here are iter_*/ folders of safetensors (mindspeed convert writes Megatron's .pt layout)"
 _TORCH_DIST = ("--ckpt-format torch_dist: every rank also writes its pieces of the model as megatron-core's "
                "dist_checkpointing does (.metadata, __R_0.distcp, common.pt), which its GPTModel loads at any layout; "
@@ -196,12 +198,14 @@ _CONVERT_LORA = ("--lora-load merges a LoRA run's adapters (ours, or a Megatron 
 
 # the combinations the trainer cannot run yet (rows at the end of FEATURES)
 _ALIGNMENT_STAGES = ("dpo", "simpo", "orm", "rm", "prm")
-_MOE_CP = ("context parallelism with MoE layers is planned: the aux loss of a sequence cut into CP chunks needs its "
-           "statistics summed over the CP group")
+_MOE_CP = ("each CP rank routes its share of every sequence; the load-balancing loss's fractions count the whole "
+           "sequences (summed over the CP group), its mean scores are the share's, so the CP ranks' mean loss and "
+           "gradient are one device's; expert gradients are reduced over the expert-data-parallel ranks of every "
+           "CP rank; a capacity factor counts each rank's own tokens, as megatron-core's does")
 _MOE_LAYOUTS = "TP, SP, PP, DP and EP with a mixture-of-experts model"
 _MOE_COMPILE = ("a compiled MoE step routes on the device and runs every expert on every token: expert "
-                "parallelism's uneven exchanges, pipeline stages' compiled chunks and a capacity's drops are not "
-                "built for it yet")
+                "parallelism's uneven exchanges, pipeline stages' compiled chunks, a capacity's drops and context "
+                "parallelism's load-balancing counts are not built for it yet")
 _LORA_MOE = "LoRA on mixture-of-experts models is not built yet (adapters on the experts' grouped weights)"
 _ALL_WEIGHTS = "fine-tuning of all weights (drop the --lora-* flags)"
 _COMPILE_PACKED = ("--compile with packed sequences or instruction data is not built yet (the compiled loss takes no "
@@ -451,7 +455,9 @@ FEATURES: tuple[Feature, ...] = (
             planned(_NPU_ONLY, cpu=unsupported(_NPU_ONLY), cuda=unsupported(_NPU_ONLY)),
             lambda a: bool(getattr(a, "use_ascend_coc", False) or getattr(a, "coc_fused_kernel", False))),
     Feature("cp-send-recv-overlap", "Ring attention's send/receive overlapped with its compute", "communication",
-            ("--use-cp-send-recv-overlap",), planned(_SAME_RING), planned(_SAME_RING),
+            ("--use-cp-send-recv-overlap",), supported(_RING_OVERLAP.format("a batch of isend/irecv")),
+            supported(_RING_OVERLAP.format("the one all-gather of every block, on mccl's asynchronous "
+                                           "all-reduce, travelling while this rank's own block computes")),
             _on("use_cp_send_recv_overlap")),
     Feature("gloo-ckpt-offload", "Checkpoint gathering without a Gloo group", "communication",
             ("--disable-gloo-group",), planned(), planned(), _on("disable_gloo_group")),
@@ -799,7 +805,7 @@ FEATURES: tuple[Feature, ...] = (
             supported(_ULYSSES_KV), supported(_ULYSSES_KV), _ulysses_short_of_kv_heads),
     Feature("moe-context-parallel", "Mixture of experts with context parallelism", "combinations",
             ("--context-parallel-size", "--num-experts"),
-            planned(_MOE_CP, instead=_MOE_LAYOUTS), planned(_MOE_CP, instead=_MOE_LAYOUTS),
+            supported(_MOE_CP), supported(_MOE_CP),
             lambda a: _moe(a) and _gt1("context_parallel_size")(a)),
     Feature("linear-attention-context-parallel", "Gated DeltaNet layers under context parallelism", "combinations",
             ("--context-parallel-size", "--full-attention-interval"),
@@ -815,13 +821,13 @@ FEATURES: tuple[Feature, ...] = (
                       "routed path's expert FLOPs; one process, data and tensor parallelism"),
             supported("as on PyTorch"),
             lambda a: _moe(a) and bool(getattr(a, "compile", False))),
-    Feature("moe-compile-routing", "Compiled MoE step with expert parallelism, pipeline stages or a capacity factor",
-            "combinations", ("--compile", "--expert-model-parallel-size", "--pipeline-model-parallel-size",
-                             "--moe-expert-capacity-factor"),
+    Feature("moe-compile-routing", "Compiled MoE step with expert, pipeline or context parallelism, or a capacity "
+            "factor", "combinations", ("--compile", "--expert-model-parallel-size", "--pipeline-model-parallel-size",
+                                       "--context-parallel-size", "--moe-expert-capacity-factor"),
             planned(_MOE_COMPILE, instead="drop --compile"), planned(_MOE_COMPILE, instead="drop --compile"),
             lambda a: _moe(a) and bool(getattr(a, "compile", False)) and (
                 _gt1("expert_model_parallel_size")(a) or _gt1("pipeline_model_parallel_size")(a)
-                or getattr(a, "moe_expert_capacity_factor", None) is not None
+                or _gt1("context_parallel_size")(a) or getattr(a, "moe_expert_capacity_factor", None) is not None
                 or bool(getattr(a, "moe_pad_expert_input_to_capacity", False)))),
     Feature("lora-moe", "LoRA adapters on mixture-of-experts models", "combinations", ("--lora-r", "--num-experts"),
             planned(_LORA_MOE, instead=_ALL_WEIGHTS), planned(_LORA_MOE, instead=_ALL_WEIGHTS),

@@ -111,7 +111,8 @@ def _membership(what):
 
 def _positional_group(what, args):
     # all_gather(x, group, dim), broadcast(x, src, group), shift(x, offset, group)
-    position = {"all_gather": 0, "all_reduce_async": 0, "sum_gradient": 0, "all_gather_async": 0, "broadcast": 1, "shift": 1}[what]
+    position = {"all_gather": 0, "all_reduce_async": 0, "sum_gradient": 0, "all_gather_async": 0, "broadcast": 1, "shift": 1,
+                "shift_async": 1}[what]
     return args[position] if len(args) > position else None
 
 
@@ -125,6 +126,7 @@ _CHECKS = {
     ("dist", "all_gather_async"): _membership("all_gather_async"),
     ("dist", "broadcast"): _membership("broadcast"),
     ("dist", "shift"): _membership("shift"),
+    ("dist", "shift_async"): _membership("shift_async"),
 }
 
 

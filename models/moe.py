@@ -178,7 +178,14 @@ class MoESeams:
     dispatch(experts, tokens, routing, grouped, pad_to)
                         every kept assignment through its expert, weighted back to its
                         token: [T, h] -> [T, h] float32 (the token dispatcher)
+    sequence_counts(counts)
+                        [groups, E] assignments of this rank's share of the sequences ->
+                        (those of the whole sequences, how many shares each is cut in):
+                        the load-balancing loss's fractions (context parallelism)
     """
+
+    def sequence_counts(self, counts):
+        return counts, 1
 
     def layer_input(self, x):
         return x
@@ -288,7 +295,7 @@ class MoELayer(nn.Module):
             routing = self.routing = router.route_on_device(logits, self.moe, bias, sequences=b)
             y = self.experts.dense(seams.expert_input(flat), routing.combine, seams.expert_output)
             return self._output(y, x, flat)
-        routing = self.routing = router.route(logits, self.moe, bias, sequences=b)
+        routing = self.routing = router.route(logits, self.moe, bias, sequences=b, counts_over=seams.sequence_counts)
         if self.grouped:
             features.note_used("gmm")
         if not recompute.recomputing():  # a recomputation in backward routes the same tokens again

@@ -97,8 +97,11 @@ def keep_within_capacity(experts: np.ndarray, weights: np.ndarray, moe: MoEConfi
     return kept
 
 
-def balance_loss(scores, experts: np.ndarray, moe: MoEConfig, sequences: int):
-    """The load-balancing loss (aux_loss or seq_aux_loss) before its coefficient."""
+def balance_loss(scores, experts: np.ndarray, moe: MoEConfig, sequences: int, counts_over=None):
+    """The load-balancing loss (aux_loss or seq_aux_loss) before its coefficient. ``counts_over``
+    (MoESeams.sequence_counts): where the T tokens are one share of n of each sequence (context
+    parallelism), the fractions count the whole sequences' assignments, the mean scores stay this
+    share's, so the shares' mean of the loss (and of its gradient) is the whole sequences'."""
     t, e = scores.shape
     groups = 1 if moe.load_balancing_type == "aux_loss" else sequences
     if t % groups:
@@ -107,7 +110,8 @@ def balance_loss(scores, experts: np.ndarray, moe: MoEConfig, sequences: int):
     counts = np.zeros((groups, e), np.float32)
     for g in range(groups):
         np.add.at(counts[g], experts[g * per:(g + 1) * per].reshape(-1), 1.0)
-    return _balance(scores, ops.tensor(counts / per), moe, groups)
+    counts, shares = (counts, 1) if counts_over is None else counts_over(counts)
+    return _balance(scores, ops.tensor(counts / (per * shares)), moe, groups)
 
 
 def _balance(scores, fraction, moe: MoEConfig, groups: int):
@@ -123,10 +127,10 @@ def z_loss(logits):
     return ops.mean(ops.logsumexp(logits, dim=-1) ** 2)
 
 
-def route(logits, moe: MoEConfig, expert_bias=None, sequences: int = 1) -> Routing:
+def route(logits, moe: MoEConfig, expert_bias=None, sequences: int = 1, counts_over=None) -> Routing:
     """Route T tokens from the router's logits [T, E] (float32). ``expert_bias`` [E] tensor
     (aux-loss-free balancing) or None; ``sequences``: how many sequences the T tokens are,
-    consecutive rows each (seq_aux_loss)."""
+    consecutive rows each (seq_aux_loss); ``counts_over``: see balance_loss."""
     scores = scores_of(logits, moe)
     experts = select(scores, moe, expert_bias)
     weights = ops.gather(scores, 1, ops.tensor(experts))
@@ -140,7 +144,7 @@ def route(logits, moe: MoEConfig, expert_bias=None, sequences: int = 1) -> Routi
     zero = ops.zeros(())
     aux = zero
     if moe.load_balancing_type != "none" and moe.aux_loss_coeff > 0:
-        aux = balance_loss(scores, experts, moe, sequences) * moe.aux_loss_coeff
+        aux = balance_loss(scores, experts, moe, sequences, counts_over) * moe.aux_loss_coeff
     z = z_loss(logits) * moe.z_loss_coeff if moe.z_loss_coeff > 0 else zero
     tokens = np.bincount(experts[kept], minlength=moe.num_experts).astype(np.int64)
     return Routing(weights, experts, kept, aux, z, tokens)

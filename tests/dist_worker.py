@@ -122,6 +122,10 @@ def check_shift(group, tag):
         for offset in (1, -1, 2):
             expect(f"{tag} shift {dtype} by {offset}", dist.shift(ops.tensor(arrays[R]), offset, group),
                    arrays[members[(me - offset) % n]])
+            work = dist.shift_async(ops.tensor(arrays[R]), offset, group)  # waited for after another step
+            expect(f"{tag} shift meanwhile {dtype} by {offset}", dist.shift(ops.tensor(arrays[R]), -offset, group),
+                   arrays[members[(me + offset) % n]])
+            expect(f"{tag} shift_async {dtype} by {offset}", work.wait(), arrays[members[(me - offset) % n]])
 
 
 def check_broadcast(group, tag):
@@ -210,7 +214,7 @@ def main(out_dir):
     run("comm stats", check_comm_stats)
     outsider = [g for g in groups if R not in g.ranks][0]
     for name in ("all_reduce", "all_reduce_async", "all_gather", "all_gather_async", "reduce_scatter", "all_to_all",
-                 "shift", "broadcast"):
+                 "shift", "shift_async", "broadcast"):
         checks.append(f"{name} refuses a non-member")
         try:
             fn = getattr(dist, name)

@@ -32,7 +32,7 @@ def test_collectives_on_several_ranks(framework, nproc, tmp_path):
     assert all(r["world"] == nproc and r["checks"] >= 90 for r in results)
     kinds = results[0]["implementations"]
     assert set(kinds) == {"all_reduce", "all_reduce_async", "all_gather", "all_gather_async", "reduce_scatter",
-                          "all_to_all", "shift", "broadcast", "send", "recv", "barrier"}
+                          "all_to_all", "shift", "shift_async", "broadcast", "send", "recv", "barrier"}
     if framework == "mindspore":
         assert kinds["all_reduce"] == "native" and kinds["all_to_all"] == "emulated"
 
@@ -46,6 +46,7 @@ def test_alone_every_collective_is_the_identity():
     assert dist.world_size(group) == 1 and dist.rank(group) == 0
     for out in (dist.all_reduce(x), dist.all_reduce(x, "max", group), dist.all_gather(x, dim=1),
                 dist.reduce_scatter(x), dist.all_to_all(x), dist.broadcast(x, 0), dist.shift(x, 1, group),
+                dist.shift_async(x, 1, group).wait(),
                 dist.all_reduce_async(x, group).wait(), dist.all_gather_async(x, group).wait()):
         np.testing.assert_array_equal(ops.to_numpy(out), ops.to_numpy(x))
     dist.barrier()

@@ -168,7 +168,7 @@ def test_unknown_feature_id_is_a_clear_error():
 
 
 COMBINATIONS = [  # row -> flags that ask for it (each feature alone is built)
-    ("moe-context-parallel", ["--num-experts", "4", "--context-parallel-size", "2"]),
+    ("moe-compile-routing", ["--num-experts", "4", "--compile", "--context-parallel-size", "2"]),
     ("moe-compile-routing", ["--num-experts", "4", "--compile", "--expert-model-parallel-size", "2"]),
     ("moe-compile-routing", ["--num-experts", "4", "--compile", "--moe-expert-capacity-factor", "1.0"]),
     ("lora-moe", ["--num-experts", "4", "--lora-r", "8"]),
@@ -194,10 +194,10 @@ def test_combinations_not_built_yet_are_rows_the_gate_refuses(capsys, framework,
 
 def test_the_gate_sees_the_models_own_mixture_of_experts(capsys, framework):
     """MoE layers from a preset (or a Hugging Face config), no --num-experts: the configuration's
-    gate still refuses context parallelism with them."""
+    gate still refuses a compiled step with context parallelism for them."""
     from mindspeed_core import cli
 
     assert cli.main(["check-args", "--ai-framework", framework, "--model-name", "tiny-qwen2-moe", "--data-path", "x",
-                     "--tokenizer-type", "ByteLevel", "--context-parallel-size", "2", "--seq-length", "64"]) == 2
+                     "--tokenizer-type", "ByteLevel", "--context-parallel-size", "2", "--seq-length", "64", "--compile"]) == 2
     err = capsys.readouterr().err
-    assert "moe-context-parallel (" in err and err.count("\n") == 1, err
+    assert "moe-compile-routing (" in err and err.count("\n") == 1, err

@@ -375,10 +375,10 @@ def test_moe_presets_train(capsys, corpus, tmp_path, name):  # noqa: F811
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--context-parallel-size", "2"], "with MoE layers is planned"),
+    (["--compile", "--context-parallel-size", "2"], "context parallelism's load-balancing counts are not built"),
     (["--expert-model-parallel-size", "3"], "does not divide the number of experts (4)"),
     (["--expert-model-parallel-size", "4"], "does not divide the data-parallel size 1"),
-    (["--compile", "--moe-expert-capacity-factor", "1.0"], "a capacity's drops are not built for it yet"),
+    (["--compile", "--moe-expert-capacity-factor", "1.0"], "a capacity's drops and context parallelism's"),
     (["--moe-layer-freq", "4", "--first-k-dense-replace", "1"], "leave none of the 2 layers an MoE layer"),
     (["--moe-router-topk", "5"], "topk must be between 1 and num_experts"),
 ])

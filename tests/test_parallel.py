@@ -349,6 +349,9 @@ CP_CASES = [  # (id, model, flags)
                                 "--sequence-parallel"]),
     # packed conversations of instruction fine-tuning: documents kept apart, prompts out of the loss
     ("cp4-ring-sft", "sft", ["--context-parallel-size", "4", "--no-pad-to-seq-lengths"]),
+    # each ring step's exchange under way while the block at hand computes: the same bits as above
+    ("cp4-ring-sft-overlap", "sft", ["--context-parallel-size", "4", "--no-pad-to-seq-lengths",
+                                     "--use-cp-send-recv-overlap"]),
     ("cp2-ulysses-dp2-distopt", "gqa", ["--context-parallel-size", "2", "--context-parallel-algo", "ulysses_cp_algo",
                                         "--use-distributed-optimizer"]),
     # Ulysses over 4 ranks with 2 key/value heads: each copied to the two ranks whose query heads share it
@@ -359,6 +362,10 @@ CP_CASES = [  # (id, model, flags)
     # Ulysses' exchange and the ring
     ("cp4-hybrid-mla", "mla", ["--context-parallel-size", "4", "--context-parallel-algo", "hybrid_cp_algo",
                                "--ulysses-degree-in-cp", "2"]),
+    # MoE layers routing each CP rank's share of the sequences: the aux loss's fractions counted over
+    # the whole sequences, the experts' gradients reduced over DP x CP, with EP2 over the DP ranks
+    ("cp2-moe-ep2", "moe", ["--context-parallel-size", "2", "--expert-model-parallel-size", "2",
+                            "--moe-token-dispatcher-type", "alltoall"]),
 ]
 
 
@@ -735,6 +742,8 @@ def check_layout(out: str, ranks: int, flags: list, batch: int) -> None:
 @pytest.mark.feature("data-parallel")
 @pytest.mark.feature("distributed-optimizer")
 @pytest.mark.feature("ulysses-kv-copies")
+@pytest.mark.feature("cp-send-recv-overlap")
+@pytest.mark.feature("moe-context-parallel")
 def test_context_parallel_loss_curves_equal_single_process(framework, four_ranks, reference):
     """CP_CASES (launched with the four-rank layouts); each loss curve equals the single-process run's."""
     check_cases(framework, four_ranks / "out", 4, CP_CASES, reference)

@@ -268,6 +268,24 @@ def shift(x, offset: int = 1, group: Group | None = None):
         return _back(_emulated.shift(_to_host(x, "shift"), offset, group), x)
 
 
+def shift_async(x, offset: int = 1, group: Group | None = None):
+    """Start shift(x, offset, group): the emulated exchange (each rank's bytes in its receiver's
+    slot of a float32 sum) on mccl's asynchronous all-reduce; wait() returns what arrived."""
+    n = world_size(group)
+    if _alone(group) or offset % n == 0:
+        return Pending(x.copy())
+    arr, me = _to_host(x, "shift"), rank(group)
+    own = _emulated.gather_slots(arr, group)  # this rank's bytes in its own slot
+    slots = np.zeros_like(own)
+    slots[(me + offset) % n] = own[me]
+    slots = ms.Tensor(slots)
+    with _recording("shift", _nbytes(x)):
+        _stats.add_wire(slots.nbytes)
+        handle = mint_dist.all_reduce(slots, op="sum", group=_handle(group), async_op=True)
+    return Pending(slots, handle, finish=lambda summed: _back(
+        _emulated.gathered(summed.asnumpy()[me:me + 1], arr.dtype, arr.shape)[0], x))
+
+
 def _pair(a: int, b: int) -> Group:
     ranks = tuple(sorted((a, b)))
     return Group(ranks, _group_name(ranks))
@@ -293,6 +311,6 @@ def barrier(group: Group | None = None) -> None:
 
 def implementations() -> dict:
     kinds = {name: "emulated" for name in ("all_gather", "all_gather_async", "reduce_scatter", "all_to_all",
-                                           "broadcast", "shift", "send", "recv", "barrier")}
+                                           "broadcast", "shift", "shift_async", "send", "recv", "barrier")}
     kinds["all_reduce"] = kinds["all_reduce_async"] = "native"
     return kinds

@@ -239,6 +239,31 @@ def shift(x, offset: int = 1, group: Group | None = None):
     return out
 
 
+class _Works:
+    """The isend/irecv pair of one ring step, waited for as one handle."""
+
+    def __init__(self, works):
+        self.works = works
+
+    def wait(self):
+        for work in self.works:
+            work.wait()
+
+
+def shift_async(x, offset: int = 1, group: Group | None = None):
+    """Start shift(x, offset, group); wait() returns what arrived."""
+    n = world_size(group)
+    if n == 1 or offset % n == 0:
+        return Pending(x.clone())
+    me = rank(group)
+    ranks = group.ranks if group is not None else tuple(range(n))
+    out = torch.empty_like(x)
+    _record("shift", x)
+    works = tdist.batch_isend_irecv([tdist.P2POp(tdist.isend, x.contiguous(), ranks[(me + offset) % n], _h(group)),
+                                     tdist.P2POp(tdist.irecv, out, ranks[(me - offset) % n], _h(group))])
+    return Pending(out, _Works(works))
+
+
 def send(x, dst: int) -> None:
     _record("send", x)
     tdist.send(x.contiguous(), dst)
@@ -266,7 +291,8 @@ def _native_reduce_scatter() -> bool:
 def implementations() -> dict:
     """native / emulated for each collective with the current process-group backend."""
     kinds = {name: "native" for name in ("all_reduce", "all_reduce_async", "all_gather", "all_gather_async",
-                                         "all_to_all", "broadcast", "shift", "send", "recv", "barrier")}
+                                         "all_to_all", "broadcast", "shift", "shift_async", "send", "recv",
+                                         "barrier")}
     gloo = (tdist.get_backend() if tdist.is_initialized() else "gloo") == "gloo"
     kinds["reduce_scatter"] = "emulated" if gloo else "native"
     return kinds

@@ -119,13 +119,17 @@ def _block_mask(q_cols, k_cols, q_docs, k_docs, window=None):
 
 
 def ring_attention(q, k, v, q_cols, kv_cols, documents, group, attention, dropout_p: float = 0.0,
-                   gather: bool = False, scores=PLAIN):
+                   gather: bool = False, scores=PLAIN, overlap: bool = False):
     """Queries [b, sq, h, d] at whole-sequence columns ``q_cols`` (sorted) against every ring
     member's keys/values; ``kv_cols[j]``: the columns ring rank j holds (sorted, this rank's
     k, v among them). ``documents`` [b, S] or None. ``attention``: the facade's attention.
     ``scores``: the layer's scale, soft-capping (per score, so blocks merge exactly) and window.
     ``gather``: take every member's block by one all-gather instead of n - 1 ring steps (what
-    emulated point-to-point makes cheaper; same blocks, same merge, same result)."""
+    emulated point-to-point makes cheaper; same blocks, same merge, same result).
+    ``overlap`` (--use-cp-send-recv-overlap): each exchange starts before the attention of the
+    block at hand and is waited for after it (the gather before this rank's own block), so the
+    transfer travels while the block computes; the same blocks in the same order, the same bits.
+    Backward's exchanges run as without it."""
     n = len(kv_cols)
     me = dist.rank(group)
     kv = mine = ops.cat([k, v], dim=-1)  # one message per step
@@ -135,17 +139,25 @@ def ring_attention(q, k, v, q_cols, kv_cols, documents, group, attention, dropou
     # Every rank must take part in every step's backward (a collective), also where it skipped
     # all of a block: a zero-weighted use of each received block keeps it in the graph.
     anchor = None
-    if gather:
+    arriving = everyone = None
+    if gather and overlap:
+        arriving = mappings.start_gather_ring(mine, group, dim=1)
+    elif gather:
         everyone = mappings.gather_ring(mine, group, dim=1)  # [b, n x s, h, 2d], ring-rank order
         anchor = ops.sum(everyone) * 0.0
     for step in range(n):
         src = (me - step) % n
         if step and gather:
+            if everyone is None:
+                everyone = arriving.wait()
+                anchor = ops.sum(everyone) * 0.0
             kv = everyone[:, src * mine.shape[1] : (src + 1) * mine.shape[1]]
         elif step:
-            kv = mappings.shift_ring(kv, group)
+            kv = arriving.wait() if overlap else mappings.shift_ring(kv, group)
             touch = ops.sum(kv) * 0.0
             anchor = touch if anchor is None else anchor + touch
+        if overlap and not gather and step + 1 < n:
+            arriving = mappings.start_shift_ring(kv, group)
         cols = kv_cols[src]
         kb, vb = ops.split(kv, [d, kv.shape[-1] - d], dim=-1)
         for i, (qa, qb) in enumerate(q_runs):
@@ -177,8 +189,8 @@ class ContextParallelSeams(Seams):
     """The model's seams under context parallelism, around those of tensor (and sequence)
     parallelism (``inner``): attention across the CP ranks, and the columns each holds."""
 
-    def __init__(self, inner: Seams, ps, algo: str, degree_in_cp: int | None):
-        self.inner, self.algo = inner, algo
+    def __init__(self, inner: Seams, ps, algo: str, degree_in_cp: int | None, overlap: bool = False):
+        self.inner, self.algo, self.overlap = inner, algo, overlap
         self.cp, self.cp_rank = ps.cp, ps.local_rank("cp")
         self.context_shards = ps.cp
         self.sequence_shards = inner.sequence_shards
@@ -243,7 +255,7 @@ class ContextParallelSeams(Seams):
         else:  # ring rank j holds the columns of Ulysses group j
             kv_cols = [self._columns(seq_len, range(j * u, j * u + u)) for j in range(self.ring_size)]
             out = ring_attention(q, k, v, kv_cols[first // u], kv_cols, documents, self.ring_group, attention,
-                                 dropout_p, gather=self.ring_by_gather, scores=scores)
+                                 dropout_p, gather=self.ring_by_gather, scores=scores, overlap=self.overlap)
         if u > 1 or not np.array_equal(order, np.arange(len(order))):
             out = ops.index_select(out, 1, ops.tensor(np.argsort(order, kind="stable").astype(np.int64)))
         if u > 1:

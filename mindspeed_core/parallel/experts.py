@@ -70,7 +70,8 @@ def _take(rows, index: np.ndarray):
 class ExpertParallelSeams(MoESeams):
     """An MoE layer's seams under TP (with or without SP) and EP."""
 
-    def __init__(self, ps, sequence_parallel: bool, dispatcher: str, num_experts: int, experts_whole: bool = False):
+    def __init__(self, ps, sequence_parallel: bool, dispatcher: str, num_experts: int, experts_whole: bool = False,
+                 context_shares: bool = False):
         self.tp = ps.group("tp") if ps.tp > 1 else None
         self.sp = sequence_parallel
         self.ep = ps.group("ep") if ps.ep > 1 else None
@@ -78,6 +79,14 @@ class ExpertParallelSeams(MoESeams):
         self.dispatcher, self.local = dispatcher, num_experts // ps.ep
         # whole experts on every TP rank: their rows and input gradients are whole, not partial
         self.experts_tp = None if experts_whole else self.tp
+        self.cp, self.cp_size = (ps.group("cp"), ps.cp) if context_shares else (None, 1)
+
+    def sequence_counts(self, counts):  # each CP rank routes its share of every sequence
+        if self.cp is None:
+            return counts, 1
+        features.note_used("moe-context-parallel")
+        summed = dist.all_reduce(ops.tensor(counts.astype(np.float32)), group=self.cp)  # exact below 2**24
+        return ops.to_numpy(summed), self.cp_size
 
     def layer_input(self, x):  # the whole sequence; its gradient is whole on every rank
         return mappings.gather_from_region(x, self.tp, dim=1) if self.sp else x
@@ -139,23 +148,26 @@ class ExpertParallelSeams(MoESeams):
         return mappings.reduce_scatter_tokens(weigh_back(out, order, weights), self.ep)
 
 
-def parallelize_moe_layers(model, ps, sequence_parallel: bool, dispatcher: str, experts_whole: bool = False) -> dict:
+def parallelize_moe_layers(model, ps, sequence_parallel: bool, dispatcher: str, experts_whole: bool = False,
+                           context_shares: bool = False) -> dict:
     """Cut the MoE layers of ``model`` (a whole MoEModel or a pipeline chunk) for this rank
     and install their seams; returns {local parameter name: ParamPlan fields} for
-    parallel.layers.parallelize. ``experts_whole``: --expert-tensor-parallel-size 1 under TP."""
+    parallel.layers.parallelize. ``experts_whole``: --expert-tensor-parallel-size 1 under TP;
+    ``context_shares``: each CP rank holds a share of every sequence (context parallelism)."""
     if dispatcher not in DISPATCHERS:
         raise MindSpeedError(f"unknown MoE token dispatcher {dispatcher!r}: choose one of {', '.join(DISPATCHERS)}")
     check_layout(model.cfg, ps.ep)
     overrides = {}
     for prefix, layer in model.transformer_layers():
         if isinstance(layer.mlp, MoELayer):
-            fields = parallelize_moe_layer(layer.mlp, ps, sequence_parallel, dispatcher, model.cfg.gated, experts_whole)
+            fields = parallelize_moe_layer(layer.mlp, ps, sequence_parallel, dispatcher, model.cfg.gated, experts_whole,
+                                           context_shares)
             overrides.update({f"{prefix}mlp.{name}": f for name, f in fields.items()})
     return overrides
 
 
 def parallelize_moe_layer(mlp: MoELayer, ps, sequence_parallel: bool, dispatcher: str, gated: bool,
-                          experts_whole: bool = False) -> dict:
+                          experts_whole: bool = False, context_shares: bool = False) -> dict:
     """One MoE layer: keep this rank's experts (and their TP slices, unless ``experts_whole``:
     megatron-core's expert tensor parallel size 1, each TP rank running the whole experts on
     the whole sequence), cut the shared expert over TP, install the seams; returns {parameter
@@ -191,6 +203,7 @@ def parallelize_moe_layer(mlp: MoELayer, ps, sequence_parallel: bool, dispatcher
             shared.linear_fc2 = RowParallelLinear(shared.linear_fc2, group, False)
             fields["shared_experts.linear_fc1.weight"] = {"shard": fc1_spec, "partial": False}
             fields["shared_experts.linear_fc2.weight"] = {"shard": ("split", 1), "partial": False}
-    if tp > 1 or ep > 1:
-        mlp.use_seams(ExpertParallelSeams(ps, sequence_parallel, dispatcher, mlp.moe.num_experts, experts_whole))
+    if tp > 1 or ep > 1 or context_shares:
+        mlp.use_seams(ExpertParallelSeams(ps, sequence_parallel, dispatcher, mlp.moe.num_experts, experts_whole,
+                                          context_shares))
     return fields

@@ -184,6 +184,62 @@ def _apply(kind: str, x, group, dim=0):
     return cls.apply(x)
 
 
+class Arrival:
+    """A ring exchange started by start_shift_ring / start_gather_ring and still travelling:
+    wait() gives what the synchronous mapping would, with the same backward (which runs
+    synchronously). Between start and wait the caller computes on what it already holds."""
+
+    def __init__(self, kind: str, x, group, dim: int, pending):
+        self.kind, self.x, self.group, self.dim, self.pending = kind, x, group, dim, pending
+
+    def wait(self):
+        key = ("arrival", self.kind, self.group.ranks, self.dim)
+        cls = _CLASSES.get(key)
+        if cls is None:
+            _, bwd = _KINDS[self.kind]
+            group, dim = self.group, self.dim
+
+            class _Arrival(autograd.Function):
+                # the work under way reaches forward through the class (Functions see only tensors);
+                # each apply is preceded by its own start, also when recompute runs forward again
+                @staticmethod
+                def forward(ctx, t):
+                    return cls.pending.wait()
+
+                @staticmethod
+                def backward(ctx, grad):
+                    return bwd(grad, group, dim)
+
+            _Arrival.__name__ = f"arrival_{self.kind}_{'_'.join(map(str, group.ranks))}_{dim}"
+            cls = _CLASSES[key] = _Arrival
+        cls.pending = self.pending
+        return cls.apply(self.x)
+
+
+def start_shift_ring(x, group) -> Arrival:
+    """shift_ring(x, group), started: the step's send and receive travel while the caller computes."""
+    features.note_used("cp-send-recv-overlap")
+    return Arrival("shift", x, group, 0, dist.shift_async(autograd.detach(x), 1, group=group))
+
+
+def start_gather_ring(x, group, dim=1) -> Arrival:
+    """gather_ring(x, group, dim), started: every member's x concatenated along dim (the work
+    stacks them along dim 0; the pieces are put side by side along dim on arrival)."""
+    features.note_used("cp-send-recv-overlap")
+    return Arrival("gather_ring", x, group, dim, _Sided(dist.all_gather_async(autograd.detach(x), group=group),
+                                                         _size(group), dim))
+
+
+class _Sided:
+    def __init__(self, pending, n, dim):
+        self.pending, self.n, self.dim = pending, n, dim
+
+    def wait(self):
+        stacked = self.pending.wait()  # [n x b, ...]
+        rows = stacked.shape[0] // self.n
+        return ops.cat([stacked[i * rows:(i + 1) * rows] for i in range(self.n)], dim=self.dim)
+
+
 def copy_to_region(x, group):
     return _apply("copy", x, group)
 

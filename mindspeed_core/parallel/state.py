@@ -13,8 +13,9 @@ sees other tokens), so gradients are averaged, and the distributed optimizer sha
 "dp_cp": the DP x CP ranks of one (tp, pp) position (Megatron's data-parallel group with CP).
 Expert parallelism splits the data-parallel dimension into EP-sized groups of consecutive DP
 ranks ("ep": each holds 1/EP of every MoE layer's experts, and tokens travel between them);
-the DP ranks holding the same experts, every EP-th one, form the expert-data-parallel group
-("edp"), over which expert gradients are reduced. Every process builds every group (torch requires it; the MindSpore
+the DP ranks holding the same experts, every EP-th one, with every CP rank of theirs (each saw
+other tokens), form the expert-data-parallel group ("edp"), over which expert gradients are
+reduced. Every process builds every group (torch requires it; the MindSpore
 backend creates only the groups it belongs to).
 """
 
@@ -52,7 +53,7 @@ class ParallelState:
 
     def size(self, kind: str) -> int:
         return {"tp": self.tp, "pp": self.pp, "dp": self.dp, "cp": self.cp, "ep": self.ep,
-                "dp_cp": self.dp * self.cp, "edp": self.dp // self.ep}[kind]
+                "dp_cp": self.dp * self.cp, "edp": self.dp // self.ep * self.cp}[kind]
 
     def subgroup(self, kind: str, size: int, strided: bool = False):
         """This rank's group among consecutive ``size``-rank slices of its ``kind`` group
@@ -74,8 +75,8 @@ class ParallelState:
         c = self.coords(self.rank)
         if kind == "ep":
             return c["dp"] % self.ep
-        if kind == "edp":
-            return c["dp"] // self.ep
+        if kind == "edp":  # its members in global rank order: dp, then cp
+            return c["cp"] + self.cp * (c["dp"] // self.ep)
         if kind == "dp_cp":
             return c["cp"] + self.cp * c["dp"]
         return c[kind]
@@ -130,12 +131,16 @@ def initialize(tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1) -> ParallelSt
             if rank in (ranks[0], ranks[-1]):
                 ps.groups["embedding"] = g
     for ranks in _group_ranks(ps, "dp"):
-        for kind, groups in (("ep", [ranks[i:i + ep] for i in range(0, len(ranks), ep)]),
-                             ("edp", [ranks[i::ep] for i in range(ep)])):
-            for members in groups:
-                g = dist.new_group(members)
-                if rank in members:
-                    ps.groups[kind] = g
+        for members in [ranks[i:i + ep] for i in range(0, len(ranks), ep)]:
+            g = dist.new_group(members)
+            if rank in members:
+                ps.groups["ep"] = g
+    for ranks in _group_ranks(ps, "dp_cp"):  # of one (tp, pp) position: the same experts, every CP rank
+        for i in range(ep):
+            members = [r for r in ranks if ps.coords(r)["dp"] % ep == i]
+            g = dist.new_group(members)
+            if rank in members:
+                ps.groups["edp"] = g
     _STATE["current"] = ps
     return ps
 

@@ -110,6 +110,9 @@ class ParallelLayout:
     # --expert-tensor-parallel-size 1 under TP: every TP rank holds its experts whole (megatron-core's
     # ETP 1); False: the experts are cut over TP as the dense MLP is (ETP = TP, the default)
     experts_whole: bool = False
+    # --use-cp-send-recv-overlap: the ring's exchanges travel while its blocks compute (outside a
+    # compiled step, whose graph orders its own communication)
+    cp_overlap: bool = False
 
     def stages(self, cfg: ModelConfig) -> pipeline.PipelineLayout:
         """Which of ``cfg``'s layers each pipeline stage holds (parallel/pipeline.py)."""
@@ -270,7 +273,8 @@ def configure(args, world: int, framework: str | None = None) -> RunConfig:
                               work.ulysses_degree_in_cp, work.moe_token_dispatcher_type,
                               bool(work.use_distributed_optimizer), bool(work.overlap_grad_reduce),
                               bool(work.overlap_param_gather),
-                              work.expert_tensor_parallel_size == 1 and tp > 1),
+                              work.expert_tensor_parallel_size == 1 and tp > 1,
+                              bool(work.use_cp_send_recv_overlap) and not work.compile),
         optimization=Optimization(
             work.train_iters, work.micro_batch_size, work.global_batch_size, work.lr, work.min_lr,
             work.lr_warmup_iters, work.lr_decay_iters, work.lr_decay_style, work.weight_decay, work.clip_grad,

@@ -1,6 +1,6 @@
 """The mixture-of-experts routing of a training step, over the whole job: each step's aux and
-z losses, tokens per expert and load balance gathered over data-parallel and pipeline ranks,
-and aux-loss-free balancing's bias update (--moe-router-enable-expert-bias)."""
+z losses, tokens per expert and load balance gathered over data-parallel, context-parallel and
+pipeline ranks, and aux-loss-free balancing's bias update (--moe-router-enable-expert-bias)."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ def step_stats(moe_layers: list, cfg, ps, grad_accum: int) -> dict:
     """The step's routing over every MoE layer (of every pipeline stage) and data-parallel
     rank: aux and z losses (summed over layers, mean over micro-batches as the loss),
     tokens per expert per layer, dropped assignments, and each layer's load balance
-    (busiest expert / mean). A collective over DP and PP."""
+    (busiest expert / mean). A collective over DP, CP and PP."""
     numbers = cfg.moe_layer_numbers()
     row = {n: k for k, n in enumerate(numbers)}
     losses, dropped = np.zeros(2), 0.0
@@ -47,9 +47,10 @@ def step_stats(moe_layers: list, cfg, ps, grad_accum: int) -> dict:
         dropped += layer.stats["dropped"]
         counts[row[layer.number]] = layer.stats["tokens_per_expert"]
     flat = np.concatenate([losses, [dropped], counts.reshape(-1)]).astype(np.float32)
-    # DP ranks routed other tokens, PP ranks hold other layers; counts are exact in float32 up to 2**24
-    flat = distributed.sum_over_dp_and_pp(flat, ps)
-    flat[:2] /= ps.dp
+    # DP and CP ranks routed other tokens (a CP rank's losses are its share's: their mean is the
+    # whole sequences'), PP ranks hold other layers; counts are exact in float32 up to 2**24
+    flat = distributed.sum_over_dp_and_pp(flat, ps, ("dp", "cp", "pp"))
+    flat[:2] /= ps.dp * ps.cp
     counts = np.rint(flat[3:]).astype(np.int64).reshape(counts.shape)
     balance = [float(c.max() / c.mean()) if c.sum() else 0.0 for c in counts]
     return {"aux_loss": float(flat[0]), "z_loss": float(flat[1]), "dropped": int(round(float(flat[2]))),
