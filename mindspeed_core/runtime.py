@@ -35,7 +35,6 @@ _lock = threading.Lock()
 _requested: str | None = None  # set_backend()
 _requested_device: str | None = None
 _bound = None  # the backend module once bound
-_framework_exit_handlers: list = []  # what the framework's import registered with atexit (see exit_process)
 
 
 def check_name(name: str) -> str:
@@ -97,8 +96,7 @@ def bind(flag: str | None = None, device: str | None = None):
             return _bound
         declared = declaration(name)
         try:
-            with _recording_exit_handlers(declared.IMPORT_NAME):
-                backend = importlib.import_module(declared.FACADE)
+            backend = importlib.import_module(declared.FACADE)
         except ImportError as exc:
             if (exc.name or "").split(".")[0] != declared.IMPORT_NAME:
                 raise
@@ -129,47 +127,16 @@ def is_bound() -> bool:
     return _bound is not None
 
 
-class _recording_exit_handlers:
-    """Within it, the exit handlers the framework ``package`` registers (its Python modules' and
-    its compiled extensions', which have no module) are also kept in _framework_exit_handlers."""
-
-    def __init__(self, package: str):
-        self.package = package
-
-    def __enter__(self):
-        import atexit
-
-        self._register = atexit.register
-
-        def register(func, *args, **kwargs):
-            module = getattr(func, "__module__", None)
-            if module is None or module.split(".")[0] == self.package:
-                _framework_exit_handlers.append(func)
-            return self._register(func, *args, **kwargs)
-
-        atexit.register = register
-
-    def __exit__(self, *exc):
-        import atexit
-
-        atexit.register = self._register
-
-
 def exit_process(code) -> None:
     """End this process (an entry point's last call) with ``code`` (an int, None: 0). Bound to
-    MindSpore, the process leaves without the interpreter's teardown: there MindSpore's runtime
-    crashes now and then (SIGSEGV, after a rank had written everything: seen in two CI-sized runs of
-    six), which turned finished jobs into failed ones. Its own exit handlers (the C++ resource
-    cleanup among them, which crashed the same way in one run of six once the teardown was gone) are
-    skipped too once the job has left its communication group, since the process ends anyway; the
-    other handlers (logging's, the user's) run, and stdio is flushed. Other frameworks exit as usual."""
+    MindSpore, the exit handlers run and stdio is flushed, then the process leaves without the
+    interpreter's teardown: there MindSpore's runtime crashes now and then (SIGSEGV with no Python
+    frame left, after a rank had written everything: seen in two CI-sized runs of six), which turned
+    finished jobs into failed ones. Other frameworks exit as usual."""
     code = 0 if code is None else int(code)
     if _bound is not None and _bound.NAME == "mindspore":
         import atexit
 
-        if not _bound.dist.is_initialized():  # still in a group: its clean-up tells the others
-            for func in _framework_exit_handlers:
-                atexit.unregister(func)
         atexit._run_exitfuncs()
         for stream in (sys.stdout, sys.stderr):
             try:
