@@ -190,6 +190,8 @@ def _head_from_hf(cfg: ModelConfig, out: dict, take) -> None:
         out["rm_head.weight"] = take("score.weight")
     elif cfg.untie_embeddings_and_output_weights:
         out["output_layer.weight"] = take("lm_head.weight")
+        if cfg.output_layer_bias:
+            out["output_layer.bias"] = take("lm_head.bias")
 
 
 def _head_to_hf(cfg: ModelConfig, out: dict, ours: dict) -> None:
@@ -197,6 +199,8 @@ def _head_to_hf(cfg: ModelConfig, out: dict, ours: dict) -> None:
         out["score.weight"] = ours["rm_head.weight"]
     elif cfg.untie_embeddings_and_output_weights:
         out["lm_head.weight"] = ours["output_layer.weight"]
+        if cfg.output_layer_bias:
+            out["lm_head.bias"] = ours["output_layer.bias"]
 
 
 def to_hf_state(cfg: ModelConfig, ours: dict) -> dict:

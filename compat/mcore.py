@@ -86,7 +86,7 @@ def tp_spec(cfg: ModelConfig, name: str):
             return None
         return base
     swiglu = ("swiglu",) if cfg.gated else ("split", 0)  # any gated unit: [gate; up] cut apart
-    if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+    if name in ("embedding.word_embeddings.weight", "output_layer.weight", "output_layer.bias"):
         return ("split", 0)
     if name.endswith(("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias",
                       *(f"self_attention.{n}.weight" for n in MLA_UP), ".eh_proj.weight",
@@ -167,6 +167,8 @@ def _stage_names(cfg: ModelConfig, stages: pipeline.PipelineLayout, stage: int) 
             out["rm_head.weight"] = "rm_head.weight"
         elif cfg.untie_embeddings_and_output_weights:
             out["output_layer.weight"] = "output_layer.weight"
+            if cfg.output_layer_bias:
+                out["output_layer.bias"] = "output_layer.bias"
         elif stages.virtual_stages > 1:  # Megatron's copy of the tied embeddings on the last stage
             out["output_layer.weight"] = "embedding.word_embeddings.weight"
     return out
@@ -228,7 +230,7 @@ def split(cfg: ModelConfig, whole: dict, layout: Layout, dtype: str = "float32")
 
                     for key, ours in _stage_names(cfg, stages, stage).items():
                         full = np.asarray(whole[ours])
-                        if key in ("embedding.word_embeddings.weight", "output_layer.weight"):
+                        if key in ("embedding.word_embeddings.weight", "output_layer.weight", "output_layer.bias"):
                             full = _pad_rows(full, vocab)
                         put(key, full, tp_spec(cfg, key))
                         if key == "output_layer.weight":
@@ -332,7 +334,8 @@ _LAYER_ARGS = (("norm_offset", "add_rmsnorm_offset"), ("post_norm", "post_norm")
                ("scale_embeddings", "input_embeds_norm"), ("query_pre_attn_scalar", "query_pre_attn_scalar"),
                ("attn_logit_softcapping", "attn_logit_softcapping"),
                ("final_logit_softcapping", "output_logit_softcapping"), ("scale_emb", "scale_emb"),
-               ("scale_depth", "scale_depth"), ("dim_model_base", "dim_model_base"))
+               ("scale_depth", "scale_depth"), ("dim_model_base", "dim_model_base"),
+               ("output_layer_bias", "add_output_layer_bias"))
 
 
 # MoEConfig's fields under Megatron's argument names (MindSpeed-LLM's for the shared expert's gate)
@@ -497,7 +500,7 @@ def _load_torch_dist(folder: str) -> Checkpoint:
     if type(iteration) is not int or iteration < 0:
         raise CheckpointError(f"{folder}/{torch_dist.COMMON} holds no valid iteration ({iteration!r})")
     cfg = config_from_args(args)
-    for name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+    for name in ("embedding.word_embeddings.weight", "output_layer.weight", "output_layer.bias"):
         if name in state:  # the padded vocabulary's rows beyond the model's
             state[name] = state[name][:cfg.vocab_size]
     dtype = getattr(_arg(args, "params_dtype", None), "name", None) or "float32"
@@ -541,7 +544,7 @@ def merge(cfg: ModelConfig, pieces: dict, layout: Layout) -> dict:
             parts.append(_float32(chunk[key]))
         spec = tp_spec(cfg, ours)
         full = unshard(parts, spec) if spec is not None and layout.tp > 1 else parts[0]
-        if ours in ("embedding.word_embeddings.weight", "output_layer.weight"):
+        if ours in ("embedding.word_embeddings.weight", "output_layer.weight", "output_layer.bias"):
             full = full[:cfg.vocab_size]
         return full
 

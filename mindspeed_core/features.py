@@ -198,6 +198,14 @@ _CONVERT_LORA = ("--lora-load merges a LoRA run's adapters (ours, or a Megatron 
 
 # the combinations the trainer cannot run yet (rows at the end of FEATURES)
 _ALIGNMENT_STAGES = ("dpo", "simpo", "orm", "rm", "prm")
+_OUTPUT_BIAS = ("the untied output layer's bias, cut with the vocabulary under TP, padded with it in Megatron's "
+                "files (lm_head.bias in Hugging Face folders)")
+_PHIMOE = ("models/families/phimoe.py: SparseMixer's top-2 (each weight its own thresholded softmax), LayerNorm "
+           "with biases, q/k/v/o and output-layer biases, LongRoPE with its mscales; Hugging Face phimoe folders and "
+           "MindSpeed-LLM's Megatron layout in and out; training is the sparsemixer-training row")
+_SPARSEMIXER_TRAINING = ("training draws each token's experts (Gumbel noise, Heun's third-order weights) and jitters "
+                         "the router's input; that sampled routing is not built (a model routed as in evaluation "
+                         "would train another objective)")
 _MOE_CP = ("each CP rank routes its share of every sequence; the load-balancing loss's fractions count the whole "
            "sequences (summed over the CP group), its mean scores are the share's, so the CP ranks' mean loss and "
            "gradient are one device's; expert gradients are reduced over the expert-data-parallel ranks of every "
@@ -695,12 +703,17 @@ FEATURES: tuple[Feature, ...] = (
             ("--ckpt-format zarr", "--ckpt-format fsdp_dtensor"), planned(_DIST_CKPT, instead="--ckpt-format torch"),
             planned(_DIST_CKPT, instead="--ckpt-format torch"),
             lambda a: getattr(a, "ckpt_format", "torch") in ("zarr", "fsdp_dtensor")),
-    Feature("family-phimoe", "Phi-3.5-MoE (PhiMoE: sparsemixer routing)", "compatibility",
-            ("--model-type-hf phi3.5-moe", "--moe-router-load-balancing-type sparsemixer_topk"),
-            planned(instead="Phi-3.5-mini (--model-type-hf phi3.5) or another MoE family"),
-            planned(instead="Phi-3.5-mini (--model-type-hf phi3.5) or another MoE family"),
+    Feature("family-phimoe", "Phi-3.5-MoE (PhiMoE: SparseMixer routing) in generation, evaluation and conversion",
+            "compatibility", ("--model-type-hf phi3.5-moe", "--moe-router-load-balancing-type sparsemixer_topk"),
+            supported(_PHIMOE), supported(_PHIMOE),
             lambda a: getattr(a, "model_type_hf", None) == "phi3.5-moe"
             or getattr(a, "moe_router_load_balancing_type", None) == "sparsemixer_topk"),
+    Feature("sparsemixer-training", "Training with SparseMixer routing (Phi-3.5-MoE's sampled choice)", "compatibility",
+            ("--moe-router-load-balancing-type sparsemixer_topk",),
+            planned(_SPARSEMIXER_TRAINING, instead="generation, evaluation and conversion of Phi-3.5-MoE, or another "
+                    "MoE family for training"),
+            planned(_SPARSEMIXER_TRAINING, instead="generation, evaluation and conversion of Phi-3.5-MoE, or another "
+                    "MoE family for training")),
     Feature("hf-deepseek-v3-moe", "DeepSeek-V3's MoE layers in Hugging Face folders (e_score_correction_bias)",
             "compatibility", ("--model-type-hf deepseek3",),
             supported("sigmoid scores, top-k within the best groups, each router's e_score_correction_bias read "
@@ -708,8 +721,8 @@ FEATURES: tuple[Feature, ...] = (
             supported("as on PyTorch"),
             lambda a: getattr(a, "model_type_hf", None) == "deepseek3" and getattr(a, "num_experts", None) is not None),
     Feature("output-layer-bias", "A bias on the output layer (MindSpeed-LLM's Phi-3.5-MoE)", "compatibility",
-            ("--add-output-layer-bias",), planned(instead="leave it off: the output layer has no bias here"),
-            planned(instead="leave it off: the output layer has no bias here"), _on("add_output_layer_bias")),
+            ("--add-output-layer-bias",), supported(_OUTPUT_BIAS), supported(_OUTPUT_BIAS),
+            _on("add_output_layer_bias")),
     Feature("moe-input-jitter", "Multiplicative jitter on the router's input (--moe-input-jitter-eps)", "parallelism",
             ("--moe-input-jitter-eps",), planned(instead="leave it off (routing without noise)"),
             planned(instead="leave it off (routing without noise)"),

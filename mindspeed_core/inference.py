@@ -196,9 +196,24 @@ def _tasks(args) -> list[str]:
     return tasks
 
 
+# training's noise, which a model in evaluation mode does without (megatron-core's router jitters
+# its input only while training): generation and evaluation accept the flag and run as without it
+TRAINING_NOISE = {"moe_input_jitter_eps": "--moe-input-jitter-eps"}
+
+
+def set_aside_training_noise(args, verb: str) -> None:
+    """Drop TRAINING_NOISE's flags from ``args`` (before the matrix's gate), with one note."""
+    given = [flag for name, flag in TRAINING_NOISE.items() if getattr(args, name, None)]
+    for name in TRAINING_NOISE:
+        setattr(args, name, None)
+    if given and os.environ.get("RANK", os.environ.get("RANK_ID", "0")) == "0":  # one note per job
+        print(f"note: {', '.join(given)} is training's noise: {verb} runs the model without it", file=sys.stderr)
+
+
 def run(args, backend) -> int:
     """`mindspeed generate` once its flags are parsed and the framework bound."""
     tasks = _tasks(args)
+    set_aside_training_noise(args, "generation")
     features.validate(args, backend.NAME, backend.device.type(), backend.FRAMEWORK_VERSION)
     if "chat" in tasks:
         _check_chat(args)

@@ -28,7 +28,9 @@ class MoEConfig:
     num_groups: int | None = None  # group-limited routing (DeepSeek-V3): experts in groups,
     group_topk: int | None = None  # tokens choose among the best group_topk groups
     scaling_factor: float = 1.0  # routed weights times this (DeepSeek-V3's routed_scaling_factor)
-    load_balancing_type: str = "aux_loss"  # aux_loss | seq_aux_loss | none
+    # aux_loss | seq_aux_loss | none | sparsemixer_topk (Phi-3.5-MoE's routing, router.sparsemixer:
+    # top-2, no balancing loss; sparsemixer_eps is its jitter epsilon, transformers' router_jitter_noise)
+    load_balancing_type: str = "aux_loss"
     aux_loss_coeff: float = 0.0
     z_loss_coeff: float = 0.0
     enable_expert_bias: bool = False  # aux-loss-free balancing: a bias on selection only
@@ -38,6 +40,16 @@ class MoEConfig:
     drop_policy: str = "probs"  # probs | position: which tokens over capacity are dropped
     shared_expert_size: int | None = None  # an MLP every token passes through (Qwen2-MoE, DeepSeek)
     shared_expert_gate: bool = False  # scaled by sigmoid(x . gate) (Qwen2-MoE)
+    sparsemixer_eps: float = 0.01
+
+    @property
+    def sparsemixer(self) -> bool:
+        return self.load_balancing_type == "sparsemixer_topk"
+
+    @property
+    def balanced(self) -> bool:
+        """A load-balancing loss is added (aux_loss or seq_aux_loss, with a coefficient)."""
+        return self.load_balancing_type in ("aux_loss", "seq_aux_loss") and self.aux_loss_coeff > 0
 
     def __post_init__(self):
         if type(self.num_experts) is not int or self.num_experts < 1:
@@ -45,10 +57,14 @@ class MoEConfig:
         if type(self.topk) is not int or not 1 <= self.topk <= self.num_experts:
             raise ValueError(f"topk must be between 1 and num_experts {self.num_experts}, got {self.topk!r}")
         for name, allowed in (("score_function", ("softmax", "sigmoid")),
-                              ("load_balancing_type", ("aux_loss", "seq_aux_loss", "none")),
+                              ("load_balancing_type", ("aux_loss", "seq_aux_loss", "none", "sparsemixer_topk")),
                               ("drop_policy", ("probs", "position"))):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        if self.sparsemixer and (self.topk != 2 or self.score_function != "softmax" or self.num_groups is not None
+                                 or self.enable_expert_bias or self.scaling_factor != 1.0):
+            raise ValueError(f"sparsemixer_topk routes each token to 2 experts by its own softmax (no groups, expert "
+                             f"bias or scaling); got topk {self.topk}")
         if (self.num_groups is None) != (self.group_topk is None):
             raise ValueError("group-limited routing needs both num_groups and group_topk")
         if self.num_groups is not None:
@@ -193,6 +209,7 @@ class ModelConfig:
     # experts too, as megatron-core's)
     add_bias_linear: bool = False
     attention_output_bias: bool | None = None  # None: as add_bias_linear (Llama's attention_bias without mlp_bias)
+    output_layer_bias: bool = False  # a bias on the untied output layer (Phi-3.5-MoE's lm_head.bias)
     qk_layernorm: bool = False  # with mla: the norms of the query and key/value latents
     # multi-head latent attention instead of linear_qkv (DeepSeek); kv_channels is then the
     # query/key head dim and every head has its own key and value
@@ -368,6 +385,8 @@ class ModelConfig:
             object.__setattr__(self, "num_query_groups", self.num_attention_heads)
         if self.attention_output_bias is None:
             object.__setattr__(self, "attention_output_bias", self.add_bias_linear)
+        if self.output_layer_bias and not self.untie_embeddings_and_output_weights:
+            raise ValueError("output_layer_bias needs an output layer of its own (untie_embeddings_and_output_weights)")
         if self.kv_channels is None:
             if self.hidden_size % self.num_attention_heads:
                 raise ValueError(f"hidden size {self.hidden_size} is not divisible by {self.num_attention_heads} heads")
@@ -524,6 +543,7 @@ class ModelConfig:
         if moe_layers:
             total += moe_layers * (self._moe_mlp_parameters(active=False) - mlp)
         total += h if self.reward_head else v * h if self.untie_embeddings_and_output_weights else 0
+        total += v if self.output_layer_bias and not self.reward_head else 0
         total += self.max_position_embeddings * h if self.position_embedding_type == "learned" else 0
         if self.mtp_num_layers:  # each: a layer like the last, its three norms and eh_proj [h, 2h]
             layer_mlp = self._moe_mlp_parameters(active=False) if self.is_moe_layer(self.num_layers) else mlp

@@ -416,7 +416,7 @@ class GPTModel(nn.Module):
         if post_process and cfg.reward_head:
             self.rm_head = Linear(cfg.hidden_size, 1, False, cfg.init_method_std)
         elif post_process and cfg.untie_embeddings_and_output_weights:
-            self.output_layer = Linear(cfg.hidden_size, cfg.vocab_size, False, cfg.init_method_std)
+            self.output_layer = Linear(cfg.hidden_size, cfg.vocab_size, cfg.output_layer_bias, cfg.init_method_std)
         elif post_process and not pre_process and not cfg.mtp_num_layers:
             # tied weights on a stage without the embedding: a copy of the word embeddings,
             # whose gradient the pipeline sums with the first stage's (Megatron's embedding group)
@@ -622,7 +622,8 @@ class GPTModel(nn.Module):
         """Logits from the final norm's output."""
         if self.cfg.dim_model_base is not None:  # MiniCPM: the output divided by hidden / dim_model_base
             x = x / (self.cfg.hidden_size / self.cfg.dim_model_base)
-        logits = ops.linear(self.seams.output_input(x), self.output_weight())
+        bias = self.output_layer.bias if self.cfg.output_layer_bias else None  # cut with the vocabulary under TP
+        logits = ops.linear(self.seams.output_input(x), self.output_weight(), bias)
         cap = self.cfg.final_logit_softcapping
         if cap is not None:  # Gemma 2: elementwise, so a vocabulary shard is capped as the whole is
             features.note_used("logit-softcapping")

@@ -131,6 +131,8 @@ def route(logits, moe: MoEConfig, expert_bias=None, sequences: int = 1, counts_o
     """Route T tokens from the router's logits [T, E] (float32). ``expert_bias`` [E] tensor
     (aux-loss-free balancing) or None; ``sequences``: how many sequences the T tokens are,
     consecutive rows each (seq_aux_loss); ``counts_over``: see balance_loss."""
+    if moe.sparsemixer:
+        return sparsemixer(logits, moe)
     scores = scores_of(logits, moe)
     experts = select(scores, moe, expert_bias)
     weights = ops.gather(scores, 1, ops.tensor(experts))
@@ -143,11 +145,46 @@ def route(logits, moe: MoEConfig, expert_bias=None, sequences: int = 1, counts_o
         weights = weights * ops.tensor(kept.astype(np.float32))
     zero = ops.zeros(())
     aux = zero
-    if moe.load_balancing_type != "none" and moe.aux_loss_coeff > 0:
+    if moe.balanced:
         aux = balance_loss(scores, experts, moe, sequences, counts_over) * moe.aux_loss_coeff
     z = z_loss(logits) * moe.z_loss_coeff if moe.z_loss_coeff > 0 else zero
     tokens = np.bincount(experts[kept], minlength=moe.num_experts).astype(np.int64)
     return Routing(weights, experts, kept, aux, z, tokens)
+
+
+def sparsemixer(logits, moe: MoEConfig) -> Routing:
+    """Phi-3.5-MoE's routing (SparseMixer, as transformers' and MindSpeed-LLM's eval path
+    compute it): the first expert is the top logit; the logits more than 2 eps below it
+    (relative: (top - s) / max(|s|, top) > 2 eps) are set aside, and its weight is its softmax
+    over the rest. The second is the top of the others, weighed the same way against its own
+    threshold (the first set aside too). The weights are not renormalised; there is no
+    balancing loss. The choice and the thresholds are the host's; the weights' gradient is the
+    softmaxes'. (Training's sampled choice, Gumbel draws and Heun's estimator, is not built:
+    the matrix's sparsemixer-training row.)"""
+    host = ops.to_numpy(logits).astype(np.float32)
+    t, e = host.shape
+    rows = np.arange(t)
+    experts = np.zeros((t, 2), np.int64)
+    aside = np.zeros((t, e), bool)  # the experts already chosen
+    weights = []
+    with np.errstate(divide="ignore", invalid="ignore"):  # 0 / 0 (all logits 0) compares False, as torch's
+        for j in range(2):
+            top = np.where(aside, -np.inf, host).max(axis=-1, keepdims=True)
+            far = (top - host) / np.maximum(np.abs(host), top) > np.float32(2 * moe.sparsemixer_eps)
+            masked = far | aside
+            experts[:, j] = np.where(masked, -np.inf, host).argmax(axis=-1)
+            probs = ops.softmax(ops.masked_fill(logits, ops.tensor(masked), float("-inf")), dim=-1)
+            weights.append(ops.gather(probs, 1, ops.tensor(experts[:, j:j + 1])))
+            aside = aside.copy()
+            aside[rows, experts[:, j]] = True
+    weights = ops.cat(weights, dim=1)
+    kept = keep_within_capacity(experts, ops.to_numpy(weights), moe, capacity(t, moe))
+    if not kept.all():
+        weights = weights * ops.tensor(kept.astype(np.float32))
+    zero = ops.zeros(())
+    z = z_loss(logits) * moe.z_loss_coeff if moe.z_loss_coeff > 0 else zero
+    tokens = np.bincount(experts[kept], minlength=moe.num_experts).astype(np.int64)
+    return Routing(weights, experts, kept, zero, z, tokens)
 
 
 @dataclass
@@ -163,6 +200,8 @@ class DenseRouting:
 def route_on_device(logits, moe: MoEConfig, expert_bias=None, sequences: int = 1) -> DenseRouting:
     """route() as device operations (the same top-k, weights and losses), its choice as one-hot
     masks rather than host indices. No capacity factor (dropping is a host decision here)."""
+    if moe.sparsemixer:  # training refuses it before a model is built (features: sparsemixer-training)
+        raise ValueError("SparseMixer routing has no on-device (compiled) form")
     t, e = logits.shape
     scores = scores_of(logits, moe)
     choice = scores if expert_bias is None else ops.add(scores, expert_bias)
@@ -182,7 +221,7 @@ def route_on_device(logits, moe: MoEConfig, expert_bias=None, sequences: int = 1
         weights = weights * moe.scaling_factor
     combine = ops.sum(chosen * ops.unsqueeze(weights, -1), dim=1)
     aux = ops.zeros(())
-    if moe.load_balancing_type != "none" and moe.aux_loss_coeff > 0:
+    if moe.balanced:
         groups = 1 if moe.load_balancing_type == "aux_loss" else sequences
         per = t // groups
         fraction = ops.sum(ops.reshape(chosen, (groups, per * moe.topk, e)), dim=1) * (1.0 / per)

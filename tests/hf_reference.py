@@ -79,6 +79,17 @@ MODELS = {
                                 resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)),
     # mixtures of experts: top-2 of 4, renormalised (Mixtral); a dense first layer, raw top-k
     # weights and a gated shared expert (Qwen2-MoE); q/k norms, renormalised (Qwen3-MoE)
+    # Phi-3.5-MoE: SparseMixer's top-2 (each weight its own thresholded softmax), LayerNorm with
+    # biases, q/k/v/o and lm_head biases, LongRoPE's explicit mscale (within its original 32
+    # positions: transformers 5 keeps the short factors past them, which models/families/phimoe.py
+    # explains)
+    "phimoe": (T.PhimoeConfig, dict(COMMON, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                                    attention_bias=True, lm_head_bias=True, rms_norm_eps=1e-5, pad_token_id=0,
+                                    rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                                                     "short_factor": [1.0 + 0.05 * i for i in range(8)],
+                                                     "long_factor": [1.0 + 0.5 * i for i in range(8)],
+                                                     "short_mscale": 1.2, "long_mscale": 1.3,
+                                                     "original_max_position_embeddings": 32})),
     "mixtral": (T.MixtralConfig, dict(COMMON, num_key_value_heads=2, sliding_window=None, num_local_experts=4,
                                       num_experts_per_tok=2)),
     "qwen2-moe": (T.Qwen2MoeConfig, dict(COMMON, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
@@ -206,8 +217,8 @@ def store_experts_as_mxfp4(model, folder: str) -> None:
 
 # greedy generate() with the cache: 8 tokens after the first PROMPT ids, the second row's first
 # 3 ids padding
-GENERATED = ("llama", "qwen3", "gpt2", "llama-dynamic-rope", "phi3-longrope", "gemma2", "gemma3", "mistral-sliding",
-             "deepseek-v2", "deepseek-v3", "glm4-moe", "minicpm3", "gpt-oss", "qwen3-next", "qwen3.5")
+GENERATED = ("llama", "qwen3", "gpt2", "llama-dynamic-rope", "phi3-longrope", "phimoe", "gemma2", "gemma3",
+             "mistral-sliding", "deepseek-v2", "deepseek-v3", "glm4-moe", "minicpm3", "gpt-oss", "qwen3-next", "qwen3.5")
 PAD, PROMPT = 3, 12
 BEAMS = ("llama", "qwen3", "deepseek-v2")  # transformers' beam search, for test_hf's
 # the logits are of 24 tokens: past every original context above (8 or 16), so that dynamic
@@ -256,6 +267,11 @@ WITHOUT = {
     "qwen3-next": {"decay": lambda model: [m.A_log.fill_(-30.0) for m in model.modules() if hasattr(m, "A_log")],
                    "convolution": lambda model: [_identity_conv(m.conv1d.weight) for m in model.modules()
                                                  if hasattr(m, "A_log")]},
+    # SparseMixer's thresholds (a jitter epsilon that masks nothing: each weight the softmax over
+    # every expert), and the explicit mscale
+    "phimoe": {"thresholds": lambda model: [setattr(m, "router_jitter_noise", 10.0) for m in model.modules()
+                                            if hasattr(m, "router_jitter_noise")],
+               "mscale": {"rope_parameters": _rope("phimoe", short_mscale=1.0)}},
     "gpt-oss": {"sinks": lambda model: [m.sinks.fill_(-1e4) for m in model.modules() if hasattr(m, "sinks")],
                 "window": {"sliding_window": 64}},
 }

@@ -266,6 +266,8 @@ CASES = [
     ("train-moe-cp-compile", lambda t, m, c: ["train", *MODEL, "--num-experts", "4", "--context-parallel-size", "2",
                                              "--compile"], "moe-compile-routing"),
     ("train-lora-moe", lambda t, m, c: ["train", *MODEL, "--num-experts", "4", "--lora-r", "4"], "lora-moe"),
+    ("train-sparsemixer", lambda t, m, c: ["train", *MODEL, "--num-experts", "4", "--moe-router-load-balancing-type",
+                                           "sparsemixer_topk"], "sparsemixer-training"),
     ("train-lora-r-huge", lambda t, m, c: ["train", *MODEL, "--data-path", c, "--lora-r", "1000"],
      "exceeds the hidden size"),
     ("train-lora-load-missing", lambda t, m, c: ["train", *SMALL, "--data-path", c, "--load", str(m / "ckpt"),

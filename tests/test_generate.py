@@ -342,6 +342,9 @@ PARALLEL_GENERATION = {
     # a mixture of experts with each rank holding half the experts (DeepSeek-V3's generate
     # script runs at EP): both ranks run the prompts, each one's experts serving both
     "ep2": (2, ["--expert-model-parallel-size", "2"], ["greedy", "do_sample"]),
+    # Phi-3.5-MoE from a Hugging Face folder (hf_reference.py's): SparseMixer's routing on every
+    # TP rank, the experts and the output layer's bias cut over TP
+    "phimoe-tp2": (2, ["--tensor-model-parallel-size", "2"], ["greedy", "do_sample"]),
 }
 
 
@@ -354,19 +357,30 @@ def _marks(*ids):
     pytest.param("tp2", marks=_marks("sampling-generation", "tensor-parallel", "compiled-decode")),
     pytest.param("tp2-pp2", marks=_marks("greedy-generation", "beam-search", "tensor-parallel", "pipeline-inference",
                                          "gated-deltanet")),
-    pytest.param("ep2", marks=_marks("greedy-generation", "sampling-generation", "expert-parallel"))])
+    pytest.param("ep2", marks=_marks("greedy-generation", "sampling-generation", "expert-parallel")),
+    pytest.param("phimoe-tp2", marks=_marks("greedy-generation", "family-phimoe", "output-layer-bias",
+                                            "tensor-parallel"))])
 def test_parallel_generation_draws_what_one_process_draws(framework, capsys, request, tmp_path, layout):
     """`mindspeed launch -- generate` at the layout: every task's tokens are one process's."""
     from launch import free_port
 
     ranks, flags, tasks = PARALLEL_GENERATION[layout]
-    checkpoint = request.getfixturevalue({"ep2": "wide_moe_checkpoint", "tp2-pp2": "wide_hybrid_checkpoint"}.get(
-        layout, "wide_checkpoint"))
-    common = ["--load", str(checkpoint), "--prompt", "def f(", "--prompt", "class", "--max-new-tokens", "8",
-              "--json", "--task", *tasks, "--seed", "4", "--num-beams", "3"]
+    if layout == "phimoe-tp2":  # pre-tokenized prompts: NullTokenizer over the folder's 96 ids (95 the end)
+        folder = request.getfixturevalue("hf_references")
+        ids = np.load(folder / "phimoe.npz")["ids"]
+        source = ["--load-hf", str(folder / "phimoe"), "--tokenizer-type", "NullTokenizer", "--vocab-size", "95",
+                  "--prompt", " ".join(map(str, ids[0, :12])), "--prompt", " ".join(map(str, ids[1, :9])),
+                  "--moe-input-jitter-eps", "0.01"]  # as its generate script passes it: training's noise
+    else:
+        checkpoint = request.getfixturevalue({"ep2": "wide_moe_checkpoint", "tp2-pp2": "wide_hybrid_checkpoint"}.get(
+            layout, "wide_checkpoint"))
+        source = ["--load", str(checkpoint), "--prompt", "def f(", "--prompt", "class"]
+    common = [*source, "--max-new-tokens", "8", "--json", "--task", *tasks, "--seed", "4", "--num-beams", "3"]
     capsys.readouterr()
     assert cli.main(["generate", *common]) == 0
-    want = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{")]
+    captured = capsys.readouterr()
+    want = [json.loads(x) for x in captured.out.splitlines() if x.startswith("{")]
+    assert ("--moe-input-jitter-eps is training's noise" in captured.err) == ("--moe-input-jitter-eps" in common)
     assert [w["task"] for w in want] == [t for t in tasks for _ in range(2)]
     assert all(len(set(w["ids"])) > 4 for w in want)  # not a repeated token
     cmd = [sys.executable, "-m", "mindspeed_core.cli", "launch", "--nproc-per-node", str(ranks), "--master-port",

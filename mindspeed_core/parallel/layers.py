@@ -342,6 +342,8 @@ def _shard_layers(model, ps, group, sequence_parallel, spec, partial) -> KVCopie
     if model.post_process and hasattr(model, "output_layer"):
         model.output_layer = ColumnParallelLinear(model.output_layer, group, False)
         spec["output_layer.weight"] = ("split", 0)
+        if model.output_layer.bias is not None:
+            spec["output_layer.bias"] = ("split", 0)
     if model.post_process and hasattr(model, "rm_head") and sequence_parallel:
         partial.add("rm_head.weight")  # each rank's gradient holds its own tokens' share
     return kv

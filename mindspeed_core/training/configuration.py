@@ -556,6 +556,8 @@ def _model_config(args, vocab_size: int) -> ModelConfig:
         base["add_bias_linear"], base["attention_output_bias"] = False, False
     if args.add_dense_bias:  # MindSpeed-LLM's Phi-3.5-MoE: the attention's output bias alone
         base["attention_output_bias"] = True
+    if args.add_output_layer_bias:
+        base["output_layer_bias"] = True
     if args.spec:
         base["family"] = spec_family(args.spec, moe=args.num_experts is not None)
         base.update(families.get(base["family"]).spec_fields)
@@ -806,6 +808,8 @@ def check_configuration(args, world: int, default_save: bool = False):
                              "num_attention_heads": cfg.num_attention_heads,
                              "num_query_groups": cfg.num_query_groups}), backend.NAME,
                       device.type(), backend.FRAMEWORK_VERSION)
+    if cfg.moe is not None and cfg.moe.sparsemixer:  # from the flag or a Hugging Face phimoe folder
+        features.refuse("sparsemixer-training", backend.NAME, device.type())
     if cfg.lora is not None and cfg.lora.r > cfg.hidden_size:
         raise MindSpeedError(f"--lora-r {cfg.lora.r} exceeds the hidden size {cfg.hidden_size}: the adapters would "
                              "not be low-rank (the rank of an adapter is at most its layer's width)")

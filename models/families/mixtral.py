@@ -44,6 +44,11 @@ def moe_sizes(hf: dict) -> tuple[int, int]:
     if hf.get("router_jitter_noise"):
         raise CheckpointError(f"config.json: router_jitter_noise {hf['router_jitter_noise']!r} is not supported "
                               f"(set it to 0)")
+    return moe_sizes_of(hf)
+
+
+def moe_sizes_of(hf: dict) -> tuple[int, int]:
+    """(top k, experts) of an MoE block's config.json keys."""
     # Mixtral's num_local_experts, Qwen's num_experts (transformers 5 writes either for both)
     experts = hf.get("num_local_experts") or hf.get("num_experts")
     if experts is None:
