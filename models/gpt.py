@@ -622,7 +622,10 @@ class GPTModel(nn.Module):
         """Logits from the final norm's output."""
         if self.cfg.dim_model_base is not None:  # MiniCPM: the output divided by hidden / dim_model_base
             x = x / (self.cfg.hidden_size / self.cfg.dim_model_base)
-        bias = self.output_layer.bias if self.cfg.output_layer_bias else None  # cut with the vocabulary under TP
+        bias = None
+        if self.cfg.output_layer_bias:  # cut with the vocabulary under TP
+            features.note_used("output-layer-bias")
+            bias = self.output_layer.bias
         logits = ops.linear(self.seams.output_input(x), self.output_weight(), bias)
         cap = self.cfg.final_logit_softcapping
         if cap is not None:  # Gemma 2: elementwise, so a vocabulary shard is capped as the whole is

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mindspeed_core import ops
+from mindspeed_core import features, ops
 from mindspeed_core.models.config import MoEConfig
 
 
@@ -161,6 +161,7 @@ def sparsemixer(logits, moe: MoEConfig) -> Routing:
     balancing loss. The choice and the thresholds are the host's; the weights' gradient is the
     softmaxes'. (Training's sampled choice, Gumbel draws and Heun's estimator, is not built:
     the matrix's sparsemixer-training row.)"""
+    features.note_used("family-phimoe")
     host = ops.to_numpy(logits).astype(np.float32)
     t, e = host.shape
     rows = np.arange(t)
