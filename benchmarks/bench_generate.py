@@ -7,6 +7,8 @@
 Contenders (each in its own process, every round, in alternating order), on the same tiny
 LLaMA (random weights, greedy, no stop token so every row draws --new tokens):
   ours-pytorch, ours-mindspore   models/generate.py with the key/value cache
+  ours-pytorch-flash             the same with the fused attention kernel (--use-flash-attn: torch's
+                                 scaled_dot_product_attention, which transformers' LLaMA uses by default)
   ours-pytorch-no-cache          the same, every step rerunning the whole sequence
   ours-mindspore-eager-decode    MindSpore without the compiled decode step (models/compiled_decode.py)
   transformers                   LlamaForCausalLM.generate (its dynamic cache), torch eager
@@ -31,7 +33,8 @@ import time
 
 MODEL = dict(num_layers=4, hidden_size=256, num_attention_heads=8, num_query_groups=4, ffn_hidden_size=704,
              vocab_size=512, max_position_embeddings=512)
-CONTENDERS = ("ours-pytorch", "ours-pytorch-no-cache", "ours-mindspore", "ours-mindspore-eager-decode", "transformers")
+CONTENDERS = ("ours-pytorch", "ours-pytorch-flash", "ours-pytorch-no-cache", "ours-mindspore", "ours-mindspore-eager-decode",
+              "transformers")
 
 
 def _prompts(batch: int, length: int) -> list[list[int]]:
@@ -41,7 +44,8 @@ def _prompts(batch: int, length: int) -> list[list[int]]:
     return [[int(t) for t in rng.integers(1, MODEL["vocab_size"], length)] for _ in range(batch)]
 
 
-def _ours(framework: str, prompts, new: int, use_cache: bool, compiled: bool) -> tuple[float, float, float]:
+def _ours(framework: str, prompts, new: int, use_cache: bool, compiled: bool,
+          flash: bool = False) -> tuple[float, float, float]:
     from mindspeed_core import runtime
 
     runtime.bind(framework)
@@ -51,7 +55,7 @@ def _ours(framework: str, prompts, new: int, use_cache: bool, compiled: bool) ->
     from mindspeed_core.models.gpt import GPTModel
 
     random.seed(1)
-    model = GPTModel(ModelConfig(**MODEL))
+    model = GPTModel(ModelConfig(**MODEL, fused=("attention",) if flash else ()))
     nn.set_training(model, False)
     start = time.perf_counter()
     # MindSpore: compiled=True compiles the decode step at once (by default a bucket compiles after
@@ -109,7 +113,7 @@ def worker(name: str, batch: int, length: int, new: int) -> dict:
         warm, prefill, decode = _transformers(prompts, new)
     else:
         warm, prefill, decode = _ours(name.split("-")[1], prompts, new, not name.endswith("no-cache"),
-                                      not name.endswith("eager-decode"))
+                                      not name.endswith("eager-decode"), name.endswith("-flash"))
     return {"warm_s": warm, "ttft_ms": 1e3 * prefill, "prefill_tok_s": batch * length / prefill,
             "decode_tok_s": batch * (new - 1) / decode}
 

@@ -60,12 +60,12 @@ class _GraphCache:
         self.slot, self.documents, self.buffers = slot, documents, buffers
         self.written: dict = {}
 
-    def extend(self, layer: int, k, v):
+    def extend(self, layer: int, k, v):  # the buffers heads-first, as KVCache's
         keys, values = self.buffers[layer]
-        slot = ops.reshape(self.slot, (1, self.slot.shape[0]) + (1,) * (len(k.shape) - 2))
-        keys, values = ops.where(slot, k, keys), ops.where(slot, v, values)
+        slot = ops.reshape(self.slot, (1, 1, self.slot.shape[0], 1))
+        keys, values = ops.where(slot, ops.transpose(k, 1, 2), keys), ops.where(slot, ops.transpose(v, 1, 2), values)
         self.written[layer] = (keys, values)
-        return keys, values
+        return ops.transpose(keys, 1, 2), ops.transpose(values, 1, 2)
 
     def key_documents(self):
         return self.documents
