@@ -225,18 +225,7 @@ def broadcast(x, src: int, group: Group | None = None):
 def shift(x, offset: int = 1, group: Group | None = None):
     """Every member sends x to group rank (r + offset) % n and returns what (r - offset) % n
     sent: a ring step, posted as one batch of isend/irecv so no rank waits on another's send."""
-    n = world_size(group)
-    if n == 1 or offset % n == 0:
-        return x.clone()
-    me = rank(group)
-    ranks = group.ranks if group is not None else tuple(range(n))
-    out = torch.empty_like(x)
-    _record("shift", x)
-    works = tdist.batch_isend_irecv([tdist.P2POp(tdist.isend, x.contiguous(), ranks[(me + offset) % n], _h(group)),
-                                     tdist.P2POp(tdist.irecv, out, ranks[(me - offset) % n], _h(group))])
-    for work in works:
-        work.wait()
-    return out
+    return shift_async(x, offset, group).wait()
 
 
 class _Works:
