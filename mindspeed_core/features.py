@@ -198,6 +198,10 @@ _CONVERT_LORA = ("--lora-load merges a LoRA run's adapters (ours, or a Megatron 
 
 # the combinations the trainer cannot run yet (rows at the end of FEATURES)
 _ALIGNMENT_STAGES = ("dpo", "simpo", "orm", "rm", "prm")
+_NO_GLOO_GROUP = ("always so here: no Gloo side group is made (Megatron's, for gathering the distributed optimizer's "
+                  "state on the host); each rank writes its slices of the state (sharded checkpoints), and "
+                  "--save-whole gathers them on the job's own backend (gloo on CPU, nccl on CUDA, hccl on Ascend); "
+                  "--disable-gloo-group is accepted")
 _OUTPUT_BIAS = ("the untied output layer's bias, cut with the vocabulary under TP, padded with it in Megatron's "
                 "files (lm_head.bias in Hugging Face folders)")
 _PHIMOE = ("models/families/phimoe.py: SparseMixer's top-2 (each weight its own thresholded softmax), LayerNorm "
@@ -468,7 +472,7 @@ FEATURES: tuple[Feature, ...] = (
                                            "all-reduce, travelling while this rank's own block computes")),
             _on("use_cp_send_recv_overlap")),
     Feature("gloo-ckpt-offload", "Checkpoint gathering without a Gloo group", "communication",
-            ("--disable-gloo-group",), planned(), planned(), _on("disable_gloo_group")),
+            ("--disable-gloo-group",), supported(_NO_GLOO_GROUP), supported(_NO_GLOO_GROUP), _on("disable_gloo_group")),
     # ---- operations ---------------------------------------------------------------------------
     Feature("exit-signal-handler", "A last checkpoint on SIGTERM / SIGINT (preemption)", "operations",
             ("--exit-signal-handler",),

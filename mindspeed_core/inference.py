@@ -196,8 +196,9 @@ def _tasks(args) -> list[str]:
     return tasks
 
 
-# training's noise, which a model in evaluation mode does without (megatron-core's router jitters
-# its input only while training): generation and evaluation accept the flag and run as without it
+# training's noise, which a model in evaluation mode does without (as transformers' Phi-3.5-MoE
+# does; megatron-core's router would jitter its input at inference too, drawing other tokens each
+# run): generation and evaluation accept the flag and run as without it
 TRAINING_NOISE = {"moe_input_jitter_eps": "--moe-input-jitter-eps"}
 
 

@@ -329,8 +329,13 @@ class DistributedAdamW:
         return sum((master + 2 * moment_bytes(part.moment_dtype)) * part.shard for part in self.partitions)
 
     # -- checkpoints: the same per-parameter state as plain AdamW ----------------------------
+    def _note_no_gloo_group(self) -> None:
+        if any(part.ranks > 1 for part in self.partitions):  # a DP-sharded state saved with no Gloo side group
+            features.note_used("gloo-ckpt-offload")
+
     def state(self) -> dict:
         out = {}
+        self._note_no_gloo_group()  # gathered on the job's own backend
         for part in self.partitions:
             for key in ("exp_avg", "exp_avg_sq", "master"):
                 mine = part.master() if key == "master" else widen([getattr(part, key)])[0]  # gathered in fp32:
@@ -343,6 +348,7 @@ class DistributedAdamW:
     def held_state(self) -> list:
         """This rank's state as a sharded checkpoint writes it: (state name, parameter name, the
         parameter's flat elements (a, b) held, their values as numpy), its slices only."""
+        self._note_no_gloo_group()  # each rank writes its slices: nothing is gathered
         out = []
         for part in self.partitions:
             owned = part.owned()
