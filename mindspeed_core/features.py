@@ -198,6 +198,9 @@ _CONVERT_LORA = ("--lora-load merges a LoRA run's adapters (ours, or a Megatron 
 
 # the combinations the trainer cannot run yet (rows at the end of FEATURES)
 _ALIGNMENT_STAGES = ("dpo", "simpo", "orm", "rm", "prm")
+_LORA_FILTER = ("the checkpoints hold the adapters, their optimizer state and the run's state, not the frozen base "
+                "weights; the run resumes with the base model in --load (or --load-hf) and the checkpoint in "
+                "--lora-load, as MindSpeed-LLM's; mindspeed convert merges it with --load-dir and --lora-load")
 _NO_GLOO_GROUP = ("always so here: no Gloo side group is made (Megatron's, for gathering the distributed optimizer's "
                   "state on the host); each rank writes its slices of the state (sharded checkpoints), and "
                   "--save-whole gathers them on the job's own backend (gloo on CPU, nccl on CUDA, hccl on Ascend); "
@@ -809,8 +812,7 @@ FEATURES: tuple[Feature, ...] = (
             lambda a: getattr(a, "expert_tensor_parallel_size", None) not in (
                 None, 1, getattr(a, "tensor_model_parallel_size", 1))),
     Feature("lora-checkpoint-filter", "Checkpoints of LoRA runs holding the adapters only", "fine-tuning",
-            ("--lora-ckpt-filter",), planned("a LoRA checkpoint holds the base weights too"),
-            planned("a LoRA checkpoint holds the base weights too"), _on("lora_ckpt_filter")),
+            ("--lora-ckpt-filter",), supported(_LORA_FILTER), supported(_LORA_FILTER), _on("lora_ckpt_filter")),
     Feature("convert-lora", "LoRA adapters in mindspeed convert (merge, PEFT export)", "tools",
             ("--lora-load", "--lora-r", "--save-lora-to-hf"),
             supported(_CONVERT_LORA), supported(_CONVERT_LORA)),

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from mindspeed_core import cli, ops
-from mindspeed_core.compat import mcore, torch_pickle
+from mindspeed_core.compat import hf, mcore, torch_pickle
 from mindspeed_core.models import lora, registry
 from mindspeed_core.models.config import ModelConfig
 from mindspeed_core.models.gpt import load_whole_state
@@ -125,6 +125,39 @@ def test_lora_load_resumes_the_adapters_exactly(runs):
     assert list(resumed) == [4] and list(stopped) == [1, 2, 3]
     assert [stopped[i] for i in (1, 2, 3)] == [straight[i] for i in (1, 2, 3)]
     assert resumed[4] == straight[4], (resumed, straight)
+
+
+@pytest.mark.feature("lora-checkpoint-filter")
+@pytest.mark.feature("lora")
+def test_a_filtered_checkpoint_holds_the_adapters_only_and_resumes_with_the_base(capsys, runs):
+    """--lora-ckpt-filter (MindSpeed-LLM's): the same run as ``stopped``, its checkpoint holding
+    the adapters and their optimizer state only; --load base --lora-load it continues as the
+    straight run does; --load it alone is one line; mindspeed convert merges it as the whole one."""
+    filtered = runs["tmp"] / "lora-filtered"
+    train("--data-path", runs["data"], *LORA, "--load", runs["base"], "--train-iters", "4", "--exit-interval", "3",
+          "--save", str(filtered), "--lora-ckpt-filter")
+    arrays, optimizer, _ = checkpoint.load(str(filtered), 3)
+    whole, _, _ = checkpoint.load(runs["stopped"], 3)
+    assert sorted(arrays) == sorted(n for n in whole if lora.is_adapter(n))
+    assert all(np.array_equal(arrays[n], whole[n]) for n in arrays)  # the same run, bit for bit
+    assert optimizer and all(lora.is_adapter(k.split(".", 1)[1]) for k in optimizer)
+    metrics = runs["tmp"] / "filtered-resumed.jsonl"
+    train("--data-path", runs["data"], *LORA, "--load", runs["base"], "--lora-load", str(filtered),
+          "--train-iters", "4", "--metrics-file", str(metrics))
+    assert losses(metrics) == {4: losses(runs["tmp"] / "straight.jsonl")[4]}
+    capsys.readouterr()
+    assert cli.main(["train", *MODEL, *BATCH, "--stage", "sft", "--data-path", runs["data"], *LORA, "--load",
+                     str(filtered), "--train-iters", "5"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "holds a LoRA run's adapters only" in err and len(err.splitlines()) == 1, err
+    merged = {}
+    for name, source in (("filtered", filtered), ("whole", runs["stopped"])):
+        out = runs["tmp"] / f"merged-{name}"
+        assert cli.main(["convert", "--load-model-type", "mg", "--save-model-type", "hf", "--load-dir", runs["base"],
+                         "--lora-load", str(source), "--save-dir", str(out)]) == 0
+        merged[name] = hf._read_tensors(str(out))
+    assert sorted(merged["filtered"]) == sorted(merged["whole"])
+    assert all(np.array_equal(merged["filtered"][n], merged["whole"][n]) for n in merged["whole"])
 
 
 @pytest.mark.parametrize("flags, message", [

@@ -20,6 +20,7 @@ import numpy as np
 from mindspeed_core import dist, features, ops, runtime
 from mindspeed_core.compat import hf, mcore
 from mindspeed_core.errors import MindSpeedError
+from mindspeed_core.models import lora
 from mindspeed_core.training import checkpoint, distributed, resume, sharded_checkpoint
 
 
@@ -50,6 +51,7 @@ class CheckpointManager:
                                  f"(the last checkpoint on disk is intact); lower --lr or check the data")
         ps = run.ps
         meta = {"framework": runtime.bound().NAME, "model": run.cfg.to_dict(), "tokenizer": run.tokenizer.name,
+                "adapters_only": run.ckpt.adapters_only,
                 "consumed_samples": iteration * run.opt.global_batch_size,
                 "parallel": {"tp": ps.tp, "dp": ps.dp, "pp": ps.pp, "cp": ps.cp, "ep": ps.ep,
                              "chunks": run.layout.chunks, "sequence_parallel": run.config.layout.sequence_parallel}}
@@ -81,7 +83,7 @@ class CheckpointManager:
         entry = {p.name: p for p in run.plan.params}
         shapes = {n: tuple(p.shape) for n, p in zip(run.names, run.params)}
         model = [(sharded_checkpoint.held(n, shapes[n], entry[n], ps), ops.to_numpy(p), ops.dtype_of(p))
-                 for n, p in zip(run.names, run.params)]
+                 for n, p in zip(run.names, run.params) if _kept(run.ckpt, n)]
         optimizer = []
         for state, name, flat, values in (run.optimizer.held_state() if ckpt.save_optimizer else []):
             # a distributed optimizer's slices: each rank writes its own (expert slices are
@@ -135,7 +137,7 @@ class CheckpointManager:
         """--save-whole: the whole state gathered to rank 0, which writes it."""
         run = self.run
         ps, ckpt = run.ps, run.ckpt
-        model_arrays = whole_model_arrays(run)  # collective: every rank
+        model_arrays = {n: v for n, v in whole_model_arrays(run).items() if _kept(ckpt, n)}  # collective: every rank
         opt, specs = (run.optimizer.state() if ckpt.save_optimizer else {}), run.plan.shard_specs
         opt_spec = {k: specs[k.split(".", 1)[1]] for k in opt if k.split(".", 1)[1] in specs}
         opt_experts = {k for k in opt if k.split(".", 1)[1] in run.plan.expert_names}
@@ -161,3 +163,12 @@ def _first_non_finite(names: list, params: list):
         if float(ops.to_numpy(bad)):
             return name
     return None
+
+
+def _kept(ckpt, name: str) -> bool:
+    """Whether a checkpoint holds the model tensor ``name``: every one, or with --lora-ckpt-filter
+    the adapters only (the frozen base weights are the ones --load gave the run)."""
+    if not ckpt.adapters_only:
+        return True
+    features.note_used("lora-checkpoint-filter")
+    return lora.is_adapter(name)

@@ -200,6 +200,7 @@ class Checkpointing:
     hf_folders: str | None = None
     hf_last_only: bool = False
     hf_companions: str | None = None
+    adapters_only: bool = False  # --lora-ckpt-filter: a LoRA run's checkpoints hold its adapters only
 
 
 @dataclasses.dataclass(frozen=True)
@@ -295,7 +296,7 @@ def configure(args, world: int, framework: str | None = None) -> RunConfig:
             work.lora_load, bool(work.finetune), not work.no_load_optim, not work.no_load_rng,
             bool(work.exit_on_missing_checkpoint), bool(work.exit_signal_handler),
             (work.hf_save_dir or work.save) if work.enable_mg2hf_convert else None,
-            bool(work.only_convert_last_checkpoint), work.hf_cfg_dir),
+            bool(work.only_convert_last_checkpoint), work.hf_cfg_dir, bool(work.lora_ckpt_filter)),
         loop=Loop(work.log_interval, work.eval_interval, work.eval_iters, work.exit_interval,
                   work.manual_gc_interval if work.manual_gc else None, not work.no_progress, work.sample_tokens,
                   work.metrics_file or (os.path.join(work.save, "metrics.jsonl") if work.save else None),
@@ -813,6 +814,12 @@ def check_configuration(args, world: int, default_save: bool = False):
     if cfg.lora is not None and cfg.lora.r > cfg.hidden_size:
         raise MindSpeedError(f"--lora-r {cfg.lora.r} exceeds the hidden size {cfg.hidden_size}: the adapters would "
                              "not be low-rank (the rank of an adapter is at most its layer's width)")
+    if args.lora_ckpt_filter and cfg.lora is None:
+        raise MindSpeedError("--lora-ckpt-filter keeps a LoRA run's adapters only: this run has no adapters "
+                             "(give --lora-r), or drop the flag")
+    if args.lora_ckpt_filter and args.ckpt_format == "torch_dist":
+        raise MindSpeedError("--lora-ckpt-filter with --ckpt-format torch_dist: megatron-core's files hold the whole "
+                             "model; drop one of them")
     if args.lora_load and not (args.load or args.load_hf):
         raise MindSpeedError("--lora-load takes the adapters only: give the base model with --load or --load-hf")
     check_fits(tokenizer, cfg.vocab_size)

@@ -110,6 +110,9 @@ def resume(model, cfg: ModelConfig, root: str, finetune: bool, say, adapters_onl
         say(f"no checkpoint in {root} yet: starting from scratch")
         return 0, None
     meta = checkpoint.read_meta(root, it)
+    if meta.get("adapters_only") and not adapters_only:
+        raise CheckpointError(f"{root} (iteration {it}) holds a LoRA run's adapters only (--lora-ckpt-filter): give "
+                              f"the base model with --load (or --load-hf) and this checkpoint with --lora-load")
     checkpoint.check_megatron_copy(root, it)
     saved = meta.get("model") or {}
     saved_adapters = saved.get("lora")
