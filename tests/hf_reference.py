@@ -90,6 +90,10 @@ MODELS = {
                                                      "long_factor": [1.0 + 0.5 * i for i in range(8)],
                                                      "short_mscale": 1.2, "long_mscale": 1.3,
                                                      "original_max_position_embeddings": 32})),
+    # Seed-OSS: q/k/v biases, an o bias and MLP biases switched apart, heads wider than hidden / heads
+    "seed-oss": (T.SeedOssConfig, dict(COMMON, num_key_value_heads=2, head_dim=24, attention_bias=True,
+                                       attention_out_bias=True, mlp_bias=True, attention_dropout=0.0,
+                                       residual_dropout=0.0, pad_token_id=0, bos_token_id=None, eos_token_id=None)),
     "mixtral": (T.MixtralConfig, dict(COMMON, num_key_value_heads=2, sliding_window=None, num_local_experts=4,
                                       num_experts_per_tok=2)),
     "qwen2-moe": (T.Qwen2MoeConfig, dict(COMMON, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
@@ -218,7 +222,7 @@ def store_experts_as_mxfp4(model, folder: str) -> None:
 # greedy generate() with the cache: 8 tokens after the first PROMPT ids, the second row's first
 # 3 ids padding
 GENERATED = ("llama", "qwen3", "gpt2", "llama-dynamic-rope", "phi3-longrope", "phimoe", "gemma2", "gemma3",
-             "mistral-sliding", "deepseek-v2", "deepseek-v3", "glm4-moe", "minicpm3", "gpt-oss", "qwen3-next", "qwen3.5")
+             "mistral-sliding", "seed-oss", "deepseek-v2", "deepseek-v3", "glm4-moe", "minicpm3", "gpt-oss", "qwen3-next", "qwen3.5")
 PAD, PROMPT = 3, 12
 BEAMS = ("llama", "qwen3", "deepseek-v2")  # transformers' beam search, for test_hf's
 # the logits are of 24 tokens: past every original context above (8 or 16), so that dynamic

@@ -28,7 +28,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # --model-type-hf -> the hf_reference model it is checked on
 ARCHITECTURES = {"llama2": "llama", "llama3": "llama3-rope", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral",
                  "phi3.5": "phi3-longrope", "gemma2": "gemma2", "gemma3": "gemma3",
-                 "gpt2": "gpt2", "mixtral": "mixtral", "phi3.5-moe": "phimoe", "qwen2-moe": "qwen2-moe", "qwen3-moe": "qwen3-moe",
+                 "gpt2": "gpt2", "mixtral": "mixtral", "phi3.5-moe": "phimoe", "seed-oss": "seed-oss", "qwen2-moe": "qwen2-moe", "qwen3-moe": "qwen3-moe",
                  "deepseek2-lite": "deepseek-v2", "deepseek3": "deepseek-v3", "glm45": "glm4-moe",
                  "minicpm3": "minicpm3", "gpt-oss": "gpt-oss", "qwen3-next": "qwen3-next", "qwen3.5": "qwen3.5"}
 MOE = ("mixtral", "phi3.5-moe", "qwen2-moe", "qwen3-moe", "deepseek2-lite", "deepseek3", "glm45", "gpt-oss", "qwen3-next")

@@ -42,7 +42,8 @@ QWEN3_5 = [pytest.param(name, marks=[pytest.mark.feature("gated-deltanet"), pyte
            for name in ("qwen3.5", "qwen3.5-moe", "qwen3.5-vl")]
 NAMES = ["llama", "llama3-rope", "llama-linear-rope-tied", "llama-yarn", "qwen2-yarn-mscale", "llama-dynamic-rope",
          "llama-attention-bias", "mistral", "mistral-sliding", "qwen2", "qwen2-sliding", "qwen3", "phi3-longrope",
-         "phi3-partial-rotary", GEMMA2, "gemma3", "gpt2", "mixtral", PHIMOE, "qwen2-moe", "qwen3-moe", *MLA, "glm4-moe",
+         "phi3-partial-rotary", GEMMA2, "gemma3", "gpt2", "seed-oss", "mixtral", PHIMOE, "qwen2-moe", "qwen3-moe", *MLA,
+         "glm4-moe",
          GPT_OSS, GPT_OSS_MXFP4, QWEN3_NEXT, *QWEN3_5]
 
 
@@ -82,7 +83,8 @@ def test_logits_match_transformers(references, name):
 @pytest.mark.feature("greedy-generation")
 @pytest.mark.feature("kv-cache")
 @pytest.mark.parametrize("name", ["llama", "qwen3", "gpt2", "llama-dynamic-rope", "phi3-longrope", PHIMOE, GEMMA2,
-                                  "gemma3", "mistral-sliding", *MLA, "glm4-moe", GPT_OSS, QWEN3_NEXT, QWEN3_5[0]])
+                                  "gemma3", "mistral-sliding", "seed-oss", *MLA, "glm4-moe", GPT_OSS, QWEN3_NEXT,
+                                  QWEN3_5[0]])
 def test_greedy_generation_matches_transformers(references, name):
     """transformers' generate() (greedy, with its cache) on a batch whose second prompt is
     padded on the left; dynamic NTK past max_position_embeddings as the sequence grows;
@@ -138,7 +140,7 @@ def test_the_latent_cache_holds_the_latent_and_the_rotated_key(references):
           layers * 2 * model.cfg.num_attention_heads * mla.qk_head_dim)
 
 
-EXPORTED = ["llama", "llama-attention-bias", "qwen3", "gpt2", "mixtral", "phimoe", "qwen2-moe", "qwen2-yarn-mscale",
+EXPORTED = ["llama", "llama-attention-bias", "qwen3", "gpt2", "seed-oss", "mixtral", "phimoe", "qwen2-moe", "qwen2-yarn-mscale",
             "phi3-longrope", "phi3-partial-rotary", "gemma2", "gemma3", "mistral-sliding", "qwen2-sliding",
             "deepseek-v2", "deepseek-v3", "glm4-moe", "minicpm3", "gpt-oss", "qwen3-next", "qwen3.5", "qwen3.5-moe",
             "qwen3.5-vl"]
