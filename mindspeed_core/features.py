@@ -159,7 +159,8 @@ _ULYSSES_KV = ("each key/value head copied to the Ulysses ranks whose query head
                "the copies' gradients summed back; the Ulysses degree a multiple of the key/value heads per TP rank")
 _RING_OVERLAP = ("forward: each ring step's send/receive ({}) starts before the attention of the block at hand and "
                  "is waited for after it; the same blocks in the same order, the same bits; backward's exchanges "
-                 "run as without it; a compiled step orders its own communication")
+                 "run as without it; a compiled step orders its own communication, and Ulysses alone has no ring "
+                 "to overlap")
 _DIST_CKPT = "checkpoints here are iter_*/ folders of safetensors (mindspeed convert writes Megatron's .pt layout)"
 _TORCH_DIST = ("--ckpt-format torch_dist: every rank also writes its pieces of the model as megatron-core's "
                "dist_checkpointing does (.metadata, __R_0.distcp, common.pt), which its GPTModel loads at any layout; "

@@ -41,6 +41,9 @@ class MoEConfig:
     shared_expert_size: int | None = None  # an MLP every token passes through (Qwen2-MoE, DeepSeek)
     shared_expert_gate: bool = False  # scaled by sigmoid(x . gate) (Qwen2-MoE)
     sparsemixer_eps: float = 0.01
+    # training's noise on the router's input (--moe-input-jitter-eps; Phi-3.5-MoE's input_jitter_noise):
+    # read and written, not built for training (the matrix's moe-input-jitter row); evaluation runs without it
+    input_jitter_eps: float = 0.0
 
     @property
     def sparsemixer(self) -> bool:
@@ -65,6 +68,8 @@ class MoEConfig:
                                  or self.enable_expert_bias or self.scaling_factor != 1.0):
             raise ValueError(f"sparsemixer_topk routes each token to 2 experts by its own softmax (no groups, expert "
                              f"bias or scaling); got topk {self.topk}")
+        if not (isinstance(self.input_jitter_eps, (int, float)) and 0 <= self.input_jitter_eps < 1):
+            raise ValueError(f"input_jitter_eps must be in [0, 1), got {self.input_jitter_eps!r}")
         if (self.num_groups is None) != (self.group_topk is None):
             raise ValueError("group-limited routing needs both num_groups and group_topk")
         if self.num_groups is not None:

@@ -85,6 +85,7 @@ MODELS = {
     # explains)
     "phimoe": (T.PhimoeConfig, dict(COMMON, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
                                     attention_bias=True, lm_head_bias=True, rms_norm_eps=1e-5, pad_token_id=0,
+                                    input_jitter_noise=0.01,  # the release's: training's noise only
                                     rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
                                                      "short_factor": [1.0 + 0.05 * i for i in range(8)],
                                                      "long_factor": [1.0 + 0.5 * i for i in range(8)],

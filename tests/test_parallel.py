@@ -364,9 +364,11 @@ CP_CASES = [  # (id, model, flags)
     ("cp4-hybrid-mla", "mla", ["--context-parallel-size", "4", "--context-parallel-algo", "hybrid_cp_algo",
                                "--ulysses-degree-in-cp", "2"]),
     # MoE layers routing each CP rank's share of the sequences: the aux loss's fractions counted over
-    # the whole sequences, the experts' gradients reduced over DP x CP, with EP2 over the DP ranks
+    # the whole sequences, the experts' gradients reduced over DP x CP, with EP2 over the DP ranks;
+    # the distributed optimizer shards the experts' state over DP x CP too: saved, resumed below
     ("cp2-moe-ep2", "moe", ["--context-parallel-size", "2", "--expert-model-parallel-size", "2",
-                            "--moe-token-dispatcher-type", "alltoall"]),
+                            "--moe-token-dispatcher-type", "alltoall", "--use-distributed-optimizer",
+                            "--save", "{tmp}/cp-moe-ckpt"]),
 ]
 
 
@@ -729,8 +731,8 @@ def check_layout(out: str, ranks: int, flags: list, batch: int) -> None:
         mine, full = (float(w) for w in re.findall(r"([0-9.]+) MiB", line))
         if ep == 1:
             assert abs(mine / full - 3 / (2 * dp * cp)) < 0.05, line  # 3 fp32 copies / (DP x CP) ranks vs 2 copies
-        else:  # expert state over the DP / EP ranks holding the same experts, the rest over DP
-            assert 3 / (2 * dp) < mine / full < 3 / (2 * dp // ep), line
+        else:  # expert state over the DP / EP ranks holding the same experts (x CP), the rest over DP x CP
+            assert 3 / (2 * dp * cp) < mine / full < 3 / (2 * (dp // ep) * cp), line
 
 
 @pytest.mark.multiprocess
@@ -745,9 +747,13 @@ def check_layout(out: str, ranks: int, flags: list, batch: int) -> None:
 @pytest.mark.feature("ulysses-kv-copies")
 @pytest.mark.feature("cp-send-recv-overlap")
 @pytest.mark.feature("moe-context-parallel")
-def test_context_parallel_loss_curves_equal_single_process(framework, four_ranks, reference):
-    """CP_CASES (launched with the four-rank layouts); each loss curve equals the single-process run's."""
+def test_context_parallel_loss_curves_equal_single_process(capsys, framework, corpus, four_ranks, reference,  # noqa: F811
+                                                           tmp_path):
+    """CP_CASES (launched with the four-rank layouts); each loss curve equals the single-process
+    run's; the MoE case's checkpoint (its experts' optimizer state sharded over DP x CP)
+    continues in one process on the single-process curve."""
     check_cases(framework, four_ranks / "out", 4, CP_CASES, reference)
+    resume_in_one_process(capsys, corpus, four_ranks / "cp-moe-ckpt", MOE, reference["moe"], "DP=2", tmp_path)
 
 
 @pytest.mark.multiprocess

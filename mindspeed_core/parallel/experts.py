@@ -15,8 +15,10 @@ a token dispatcher (--moe-token-dispatcher-type) brings the rows to their expert
 
 The dispatchers' backward passes send the gradients back along the same paths, so an expert's
 weight gradient already sums the contributions of every token of its EP group; the trainer
-then averages it over the expert-data-parallel group (the DP ranks holding the same experts)
-with the data-parallel scale (parallel/plan.py ``expert``).
+then averages it over the expert-data-parallel group (the DP ranks holding the same experts,
+and their CP ranks, which routed other tokens) with the data-parallel scale (parallel/plan.py
+``expert``). Under context parallelism each rank routes its share of every sequence, and the
+load-balancing loss counts the whole sequences (ExpertParallelSeams.sequence_counts).
 
 Tensor parallelism cuts the experts like the dense MLP (weight1's columns, SwiGLU's gate and
 up halves apart, bias1 with them; weight2's rows, bias2 added by one rank) and the shared
@@ -68,7 +70,7 @@ def _take(rows, index: np.ndarray):
 
 
 class ExpertParallelSeams(MoESeams):
-    """An MoE layer's seams under TP (with or without SP) and EP."""
+    """An MoE layer's seams under TP (with or without SP), EP and CP."""
 
     def __init__(self, ps, sequence_parallel: bool, dispatcher: str, num_experts: int, experts_whole: bool = False,
                  context_shares: bool = False):

@@ -204,13 +204,17 @@ class Arrival:
                 # each apply is preceded by its own start, also when recompute runs forward again
                 @staticmethod
                 def forward(ctx, t):
-                    return cls.pending.wait()
+                    pending, cls.pending = cls.pending, None  # each start is waited for once
+                    if pending is None:
+                        raise RuntimeError("a ring exchange was waited for without being started")
+                    return pending.wait()
 
                 @staticmethod
                 def backward(ctx, grad):
                     return bwd(grad, group, dim)
 
             _Arrival.__name__ = f"arrival_{self.kind}_{'_'.join(map(str, group.ranks))}_{dim}"
+            _Arrival.pending = None
             cls = _CLASSES[key] = _Arrival
         cls.pending = self.pending
         return cls.apply(self.x)

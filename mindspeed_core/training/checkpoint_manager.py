@@ -86,9 +86,9 @@ class CheckpointManager:
                  for n, p in zip(run.names, run.params) if _kept(run.ckpt, n)]
         optimizer = []
         for state, name, flat, values in (run.optimizer.held_state() if ckpt.save_optimizer else []):
-            # a distributed optimizer's slices: each rank writes its own (expert slices are
-            # repeated over CP ranks: the first writes them)
-            writes = None if flat is None else (not entry[name].expert or ps.local_rank("cp") == 0)
+            # a distributed optimizer's slices: each rank writes its own (expert weights' too: they are
+            # sharded over the expert-data-parallel group, which spans the CP ranks)
+            writes = None if flat is None else True
             optimizer.append((sharded_checkpoint.held(state, shapes[name], entry[name], ps, flat, writes), values,
                               "float32"))
         trainer_state = resume.run_state(ps, run.scaler, run.reference, rng=ckpt.save_rng)  # collective

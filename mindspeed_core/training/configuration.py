@@ -811,6 +811,8 @@ def check_configuration(args, world: int, default_save: bool = False):
                       device.type(), backend.FRAMEWORK_VERSION)
     if cfg.moe is not None and cfg.moe.sparsemixer:  # from the flag or a Hugging Face phimoe folder
         features.refuse("sparsemixer-training", backend.NAME, device.type())
+    if cfg.moe is not None and cfg.moe.input_jitter_eps:  # a folder's input_jitter_noise (the flag: the gate)
+        features.refuse("moe-input-jitter", backend.NAME, device.type())
     if cfg.lora is not None and cfg.lora.r > cfg.hidden_size:
         raise MindSpeedError(f"--lora-r {cfg.lora.r} exceeds the hidden size {cfg.hidden_size}: the adapters would "
                              "not be low-rank (the rank of an adapter is at most its layer's width)")

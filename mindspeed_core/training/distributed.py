@@ -117,8 +117,8 @@ def average_over_dp(grads: list, ps, expert: list[bool] | None = None, limit: in
     """Average gradients over the data-parallel group (with context parallelism: the DP x CP
     ranks, which hold the same parameters), one all-reduce per bucket. ``expert`` marks
     expert weights cut over expert parallelism: their gradients already sum the tokens of
-    the EP group, so they are summed over the expert-data-parallel group and divided by the
-    whole data-parallel size."""
+    the EP group, so they are summed over the expert-data-parallel group (DP x CP ranks
+    holding the same experts) and divided by the whole DP x CP size."""
     grads = list(grads)
     n = ps.size("dp_cp")
     if n == 1:

@@ -4,7 +4,7 @@ over the data-parallel ranks (ZeRO stage 1, Megatron's DistributedOptimizer).
 All trainable parameters of this rank are laid end to end in one flat float32 vector,
 padded to a multiple of the data-parallel size; data-parallel rank r owns the r-th slice.
 With expert parallelism the expert weights form a second vector, sharded over the
-expert-data-parallel group (the DP ranks holding the same experts).
+expert-data-parallel group (the DP ranks holding the same experts, with their CP ranks).
 Per step:
 
     gradients   reduce-scattered (and averaged): each rank receives its slice only
@@ -246,8 +246,8 @@ class DistributedAdamW:
         self.reuse_fp32_param = reuse_fp32_param
         self.steps = 0
         # the dense parameters sharded over the ranks holding them: DP, times CP with context
-        # parallelism; expert weights over the DP ranks holding the same experts (their
-        # gradients are already sums over the EP group: divided by the whole DP size)
+        # parallelism; expert weights over the DP (x CP) ranks holding the same experts (their
+        # gradients are already sums over the EP group: divided by the whole DP x CP size)
         self.members, self.partitions = [], []
         for of_experts in (False, True):
             mine = [k for k, i in enumerate(trainable) if expert[i] == of_experts]

@@ -14,7 +14,7 @@ from mindspeed_core.training import distributed
 def update_expert_bias(moe_layers: list, cfg, tokens_per_expert: list) -> None:
     """Aux-loss-free balancing (--moe-router-enable-expert-bias): once per step, each
     layer's bias moves by the update rate towards the mean load, from the step's tokens
-    per expert over every data-parallel rank (the same on every rank)."""
+    per expert over every data-parallel and context-parallel rank (the same on every rank)."""
     numbers = cfg.moe_layer_numbers()
     for layer in moe_layers:
         bias = layer.expert_bias()

@@ -37,9 +37,6 @@ class PhiMoE(LlamaLike):
     }
 
     def config_from_hf(self, hf: dict):
-        if hf.get("input_jitter_noise"):  # training's noise on the router's input: ours trains without it
-            raise CheckpointError(f"config.json: input_jitter_noise {hf['input_jitter_noise']!r} is not supported "
-                                  f"(set it to 0)")
         cfg = super().config_from_hf(hf)
         return dataclasses.replace(cfg, normalization="layernorm", norm_epsilon=hf.get("rms_norm_eps", 1e-5),
                                    output_layer_bias=bool(hf.get("lm_head_bias")))
@@ -51,7 +48,9 @@ class PhiMoE(LlamaLike):
                                   f"experts")
         return MoEConfig(num_experts=experts, topk=2, ffn_hidden_size=hf["intermediate_size"], norm_topk_prob=False,
                          load_balancing_type="sparsemixer_topk",
-                         sparsemixer_eps=float(hf.get("router_jitter_noise", 0.01))), None
+                         sparsemixer_eps=float(hf.get("router_jitter_noise", 0.01)),
+                         # the released folders' 0.01: training's noise (transformers applies it only then)
+                         input_jitter_eps=float(hf.get("input_jitter_noise") or 0.0)), None
 
     def hf_config(self, cfg):
         out = super().hf_config(cfg)
@@ -62,9 +61,11 @@ class PhiMoE(LlamaLike):
                                   "shared expert or capacity")
         if cfg.rope_scaling and cfg.rope_scaling.get("rope_type") != "longrope":
             raise CheckpointError(f"phimoe's RoPE scaling is longrope only, not {cfg.rope_scaling.get('rope_type')}")
-        del out["head_dim"]
+        if cfg.kv_channels * cfg.num_attention_heads == cfg.hidden_size:  # the default width: as its folders
+            del out["head_dim"]
         out.update(num_local_experts=moe.num_experts, num_experts_per_tok=2, intermediate_size=moe.ffn_hidden_size
-                   or cfg.ffn_hidden_size, router_jitter_noise=moe.sparsemixer_eps, input_jitter_noise=0.0,
+                   or cfg.ffn_hidden_size, router_jitter_noise=moe.sparsemixer_eps,
+                   input_jitter_noise=moe.input_jitter_eps,
                    lm_head_bias=cfg.output_layer_bias, output_router_logits=False,
                    # transformers' defaults name ids past a small vocabulary
                    pad_token_id=None, bos_token_id=None, eos_token_id=None)
