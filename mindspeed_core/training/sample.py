@@ -36,16 +36,17 @@ def draw(model, tokenizer, chat_twin: bool, tokens: int, window: int, seed: int)
     return prompt, ids, text, f"sample:\nUser> {prompt}\nAssistant> {text}"
 
 
-def next_steps(save: str, framework: str, fine_tuned: bool) -> str:
-    """The commands that go on from the embedded default run's saved model."""
-    where = shlex.quote(save)
+def next_steps(save: str, framework: str, fine_tuned: bool, source: str | None = None) -> str:
+    """The commands that go on from the embedded default run's saved model; ``source``: the flags
+    that give it (default --load SAVE; a LoRA run saved with --lora-ckpt-filter needs its base too)."""
+    where = source or f"--load {shlex.quote(save)}"
     if fine_tuned:
         return (f"the fine-tuned model is saved in {save}; talk to it with\n"
-                f"  mindspeed generate --ai-framework {framework} --load {where} --task chat --prompt-type "
+                f"  mindspeed generate --ai-framework {framework} {where} --task chat --prompt-type "
                 f"{corpus.INSTRUCTION_TEMPLATE}\n(it knows what the standard library's docstrings say: ask "
                 f"'{TWIN_QUESTION}')")
     return (f"the model is saved in {save}; go on from it with\n"
-            f"  mindspeed generate --ai-framework {framework} --load {where} --prompt 'def ' --stream\n"
-            f"  mindspeed generate --ai-framework {framework} --load {where} --task chat\n"
-            f"  mindspeed evaluate --ai-framework {framework} --load {where} --task perplexity --task-data-path "
+            f"  mindspeed generate --ai-framework {framework} {where} --prompt 'def ' --stream\n"
+            f"  mindspeed generate --ai-framework {framework} {where} --task chat\n"
+            f"  mindspeed evaluate --ai-framework {framework} {where} --task perplexity --task-data-path "
             "FILE.txt")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import gc
 import math
+import shlex
 import signal
 import sys
 import time
@@ -469,13 +470,22 @@ class Trainer:
             if watch is not None:
                 watch.close()
         if stopped_by:
-            where = (f"saved iteration {self.iteration} in {ckpt.save}; --load {ckpt.save} continues it" if ckpt.save
-                     else "nothing saved (no --save)")
+            where = (f"saved iteration {self.iteration} in {ckpt.save}; {self._continue_flags()} continues it"
+                     if ckpt.save else "nothing saved (no --save)")
             raise Stopped(f"stopped by {signal.Signals(stopped_by).name} after iteration {self.iteration}: {where}",
                           stopped_by)
         result = {"iterations": self.iteration, "losses": history}
         if loop.sample_tokens and not self.cfg.reward_head:  # a reward model scores text, it writes none
             self._sample(result, log)
         if self.embedded and ckpt.save and history:
-            self.say(sample.next_steps(ckpt.save, runtime.bound().NAME, self.instruction))
+            self.say(sample.next_steps(ckpt.save, runtime.bound().NAME, self.instruction, self._continue_flags()))
         return result
+
+    def _continue_flags(self) -> str:
+        """The flags that continue this run from its --save: --load it, or with --lora-ckpt-filter
+        (the adapters only) the base model's flag and --lora-load it."""
+        ckpt = self.ckpt
+        if not ckpt.adapters_only:
+            return f"--load {shlex.quote(ckpt.save)}"
+        base = f"--load {shlex.quote(ckpt.load)}" if ckpt.load else f"--load-hf {shlex.quote(ckpt.load_hf)}"
+        return f"{base} --lora-load {shlex.quote(ckpt.save)}"
