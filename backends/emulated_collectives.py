@@ -127,9 +127,20 @@ class EmulatedCollectives:
         """Every rank's array moves ``offset`` places along the group: one slot per rank, each
         rank writes into its receiver's slot (a permutation: one writer per slot) and reads
         its own. The group carries n times the payload, as an all-gather would."""
+        return self.shifted(self._sum(self.shift_slots(arr, offset, group), group), arr.dtype, arr.shape, group)
+
+    def shift_slots(self, arr: np.ndarray, offset: int, group) -> np.ndarray:
+        """What a ring step sums: this rank's bytes in its receiver's slot, zeros elsewhere (the
+        caller may run the sum asynchronously)."""
         n, me = self._size(group), self._rank(group)
-        slots = self._exchange(n, (me + offset) % n, arr, group)
-        return self._unlanes(slots[me], arr.dtype, arr.shape)
+        lanes = self._lanes(arr)
+        buf = np.zeros((n, lanes.size), np.float32)
+        buf[(me + offset) % n] = lanes
+        return buf
+
+    def shifted(self, summed: np.ndarray, dtype, shape, group) -> np.ndarray:
+        """What arrived at this rank, from the summed slots."""
+        return self._unlanes(summed[self._rank(group)], dtype, shape)
 
     def send(self, arr: np.ndarray, pair_group) -> None:
         """Point-to-point over a two-rank group: the receiver's slot is zero, so the sum

@@ -274,16 +274,13 @@ def shift_async(x, offset: int = 1, group: Group | None = None):
     n = world_size(group)
     if _alone(group) or offset % n == 0:
         return Pending(x.copy())
-    arr, me = _to_host(x, "shift"), rank(group)
-    own = _emulated.gather_slots(arr, group)  # this rank's bytes in its own slot
-    slots = np.zeros_like(own)
-    slots[(me + offset) % n] = own[me]
-    slots = ms.Tensor(slots)
+    arr = _to_host(x, "shift")
+    slots = ms.Tensor(_emulated.shift_slots(arr, offset, group))
     with _recording("shift", _nbytes(x)):
         _stats.add_wire(slots.nbytes)
         handle = mint_dist.all_reduce(slots, op="sum", group=_handle(group), async_op=True)
     return Pending(slots, handle, finish=lambda summed: _back(
-        _emulated.gathered(summed.asnumpy()[me:me + 1], arr.dtype, arr.shape)[0], x))
+        _emulated.shifted(summed.asnumpy(), arr.dtype, arr.shape, group), x))
 
 
 def _pair(a: int, b: int) -> Group:
