@@ -45,7 +45,7 @@ from mindspeed_core.compat import torch_dist, torch_pickle
 from mindspeed_core.errors import CheckpointError
 from mindspeed_core.models.config import (MLA_DOWN, MLA_UP, LoRAConfig, MLAConfig, ModelConfig, MoEConfig,
                                           interleaved_window_layers)
-from mindspeed_core.models.state import is_adapter
+from mindspeed_core.models.state import EXPERT_TARGETS, is_adapter
 from mindspeed_core.parallel import pipeline
 from mindspeed_core.parallel.sharding import shard, unshard
 from mindspeed_core.tensor_files import HostTensor
@@ -241,7 +241,8 @@ def split(cfg: ModelConfig, whole: dict, layout: Layout, dtype: str = "float32")
                             ours = mine + rest
                             if rest.startswith("mlp.experts."):
                                 _put_experts(cfg, state, theirs + "mlp.experts.", rest, whole[ours], layout, t, e,
-                                             dtype)
+                                             dtype, {w for w in ("weight1", "weight2")
+                                                     if f"{mine}mlp.experts.lora_A.{w}" in whole})
                                 continue
                             put(theirs + _peft_name(adapted, rest), np.asarray(whole[ours]), tp_spec(cfg, ours))
                             for linear in _LINEARS:
@@ -252,25 +253,35 @@ def split(cfg: ModelConfig, whole: dict, layout: Layout, dtype: str = "float32")
     return out
 
 
-def _put_experts(cfg, state, prefix, rest, full, layout, t, e, dtype) -> None:
+def _put_experts(cfg, state, prefix, rest, full, layout, t, e, dtype, adapted=frozenset()) -> None:
     """Our stacked experts (weight1 [E, hidden, 2 ffn], weight2 [E, ffn, hidden]) as this EP
-    rank's SequentialMLP local experts, cut over TP as their dense twins are."""
+    rank's SequentialMLP local experts, cut over TP as their dense twins are; their LoRA
+    factors (lora_A.weight1 [E, in, r], ...) as each expert's peft factors, the adapted
+    bases (``adapted``: "weight1", "weight2") under ``base_layer``."""
     full = np.asarray(full)
     mine = np.split(full, layout.ep, axis=0)[e]
     fc1 = ("swiglu",) if cfg.gated else ("split", 0)
-    # (module, tensor, how TP cuts it); fc2's bias is whole on every TP rank, as Megatron's row layer's
+    # (module, tensor, how TP cuts it); fc2's bias is whole on every TP rank, as Megatron's row
+    # layer's; a factor B follows fc1's rows, A fc2's columns, the other one whole
     key, kind, spec = {"mlp.experts.weight1": ("linear_fc1", "weight", fc1),
                        "mlp.experts.weight2": ("linear_fc2", "weight", ("split", 1)),
                        "mlp.experts.bias1": ("linear_fc1", "bias", fc1),
-                       "mlp.experts.bias2": ("linear_fc2", "bias", None)}.get(rest, (None, None, None))
+                       "mlp.experts.bias2": ("linear_fc2", "bias", None),
+                       "mlp.experts.lora_A.weight1": ("linear_fc1.lora_A.default", "weight", None),
+                       "mlp.experts.lora_B.weight1": ("linear_fc1.lora_B.default", "weight", fc1),
+                       "mlp.experts.lora_A.weight2": ("linear_fc2.lora_A.default", "weight", ("split", 1)),
+                       "mlp.experts.lora_B.weight2": ("linear_fc2.lora_B.default", "weight", None)}.get(
+                           rest, (None, None, None))
     if key is None:
         raise CheckpointError(f"unexpected expert tensor {rest}")
+    if key in ("linear_fc1", "linear_fc2") and ("weight" + key[-1]) in adapted:
+        key += ".base_layer"
     for j, expert in enumerate(mine):
         weight = expert.T if kind == "weight" else expert
         if layout.tp > 1 and spec is not None:
             weight = shard(np.ascontiguousarray(weight), spec, layout.tp, t)
         state[f"{prefix}local_experts.{j}.{key}.{kind}"] = HostTensor.of(weight, dtype)
-        if kind == "weight":
+        if kind == "weight" and ".lora_" not in key:
             state[f"{prefix}local_experts.{j}.{key}._extra_state"] = None
 
 
@@ -532,8 +543,8 @@ def merge(cfg: ModelConfig, pieces: dict, layout: Layout) -> dict:
     the adapters only."""
     stages = layout.stages(cfg)
     whole = {}
-    adapters_only = all(is_adapter(k) or k.endswith("_extra_state") for chunks in pieces.values() for chunk in chunks
-                        for k in chunk)
+    adapters_only = all(is_adapter(k) or k.endswith(_GROUPED_FACTORS + ("_extra_state",))
+                        for chunks in pieces.values() for chunk in chunks for k in chunk)
 
     def take(p, c, e, key, ours):
         parts = []
@@ -568,8 +579,11 @@ def merge(cfg: ModelConfig, pieces: dict, layout: Layout) -> dict:
                     if rest.startswith("mlp.experts."):
                         continue
                     whole[mine + rest] = take(p, c, 0, key, mine + rest)
-                if cfg.is_moe_layer(number) and not adapters_only:
-                    whole.update(_experts(cfg, pieces, layout, p, c, prefix, mine, number))
+                if cfg.is_moe_layer(number):
+                    if not adapters_only:
+                        whole.update(_experts(cfg, pieces, layout, p, c, prefix, mine, number))
+                    if cfg.lora is not None:
+                        whole.update(_expert_adapters(cfg, pieces, layout, p, c, prefix, mine))
     return whole
 
 
@@ -617,6 +631,49 @@ def _experts(cfg, pieces, layout, p, c, theirs, mine, number) -> dict:
     out = {mine + "mlp.experts.weight1": w1, mine + "mlp.experts.weight2": w2}
     if cfg.add_bias_linear:
         out.update({mine + "mlp.experts.bias1": np.stack(b1), mine + "mlp.experts.bias2": np.stack(b2)})
+    return out
+
+
+# MindSpeed-LLM's GroupedMLP LoRA factors (LoraParallelGroupedMLP): each a flat view of
+# [local experts, in, r] (A) or [local experts, r, out] (B), out and in cut over TP as the base's
+_GROUPED_FACTORS = ("weight1_lora_a", "weight1_lora_b", "weight2_lora_a", "weight2_lora_b")
+
+
+def _expert_adapters(cfg, pieces, layout, p, c, theirs, mine) -> dict:
+    """A layer's expert LoRA factors, stacked as ours (lora_A.weight1 [E, hidden, r], ...),
+    from every EP rank's SequentialMLP experts in peft's names or GroupedMLP's factors, TP
+    pieces joined; those the run's targets leave out are absent."""
+    prefix, per_rank, r = theirs + "mlp.experts.", cfg.moe.num_experts // layout.ep, cfg.lora.r
+    fc1 = ("swiglu",) if cfg.gated else ("split", 0)
+    out = {}
+    for which, module in EXPERT_TARGETS.items():
+        if module not in cfg.lora.targets:
+            continue
+        a_parts, b_parts = [], []
+        for e in range(layout.ep):
+            chunks = [pieces[t, p, e][c] for t in range(layout.tp)]
+            grouped = prefix + which + "_lora_a" in chunks[0]
+            try:  # per TP rank: A [local, in(/TP), r], B [local, r, out(/TP)]
+                if grouped:
+                    a = [_float32(ch[prefix + which + "_lora_a"]).reshape(per_rank, -1, r) for ch in chunks]
+                    b = [_float32(ch[prefix + which + "_lora_b"]).reshape(per_rank, r, -1) for ch in chunks]
+                else:
+                    a = [np.stack([_float32(ch[f"{prefix}local_experts.{j}.{module}.lora_A.weight"]).T
+                                   for j in range(per_rank)]) for ch in chunks]
+                    b = [np.stack([_float32(ch[f"{prefix}local_experts.{j}.{module}.lora_B.weight"]).T
+                                   for j in range(per_rank)]) for ch in chunks]
+            except KeyError as exc:
+                raise CheckpointError(f"{layout.rank_dir(0, p, e)} has no {exc.args[0]} (LoRA targets "
+                                      f"{' '.join(cfg.lora.targets)})") from None
+            for j in range(per_rank):  # fc1's B joined as fc1's rows (its columns here), fc2's A as fc2's columns
+                if which == "weight1":
+                    a_parts.append(a[0][j])
+                    b_parts.append(unshard([x[j].T for x in b], fc1).T if layout.tp > 1 else b[0][j])
+                else:
+                    a_parts.append(unshard([x[j].T for x in a], ("split", 1)).T if layout.tp > 1 else a[0][j])
+                    b_parts.append(b[0][j])
+        out[f"{mine}mlp.experts.lora_A.{which}"] = np.stack(a_parts)
+        out[f"{mine}mlp.experts.lora_B.{which}"] = np.stack(b_parts)
     return out
 
 

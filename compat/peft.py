@@ -75,6 +75,10 @@ def check_exportable(cfg: ModelConfig) -> None:
     if not families.get(cfg.family).peft_export:
         built = ", ".join(f.name for f in families.FAMILIES.values() if f.peft_export)
         raise MindSpeedError(f"PEFT export is built for the {built} families; this is a {cfg.family} model")
+    if cfg.moe is not None:
+        raise MindSpeedError("PEFT export of a mixture of experts' adapters is not built (transformers holds the "
+                             "experts as fused tensors, not the linear layers peft adapts): merge them into the model "
+                             "instead (--lora-load RUN with --load-dir BASE)")
 
 
 def save_adapter(folder: str, cfg: ModelConfig, state: dict) -> list:

@@ -37,7 +37,7 @@ from mindspeed_core.compat import hf, mcore, megatron_args, peft
 from mindspeed_core.errors import CheckpointError, MindSpeedError
 from mindspeed_core.models import families
 from mindspeed_core.models.config import LORA_TARGETS, LoRAConfig
-from mindspeed_core.models.state import check_adapters, is_adapter, merge_lora
+from mindspeed_core.models.state import adapter_rank, adapter_target, check_adapters, is_adapter, merge_lora
 from mindspeed_core.parallel import pipeline
 from mindspeed_core.training import model_source
 
@@ -149,8 +149,9 @@ def _lora_of(args, source, flag: str) -> LoRAConfig:
     if args.lora_alpha is None:
         raise MindSpeedError(f"{source.path} does not record the adapters' alpha: give --lora-alpha (and --lora-r) as "
                              "the run had them")
-    targets = args.lora_target_modules or sorted({k.split(".")[4] for k in held})
-    rank = int(source.state[next(k for k in held if ".lora_A." in k)].shape[0])
+    targets = args.lora_target_modules or sorted({adapter_target(k) for k in held})
+    first = next(k for k in held if ".lora_A." in k)
+    rank = adapter_rank(first, source.state[first].shape)
     return LoRAConfig(r=args.lora_r or rank, alpha=float(args.lora_alpha), targets=tuple(targets))
 
 

@@ -222,8 +222,13 @@ _MOE_LAYOUTS = "TP, SP, PP, DP and EP with a mixture-of-experts model"
 _MOE_COMPILE = ("a compiled MoE step routes on the device and runs every expert on every token: expert "
                 "parallelism's uneven exchanges, pipeline stages' compiled chunks, a capacity's drops and context "
                 "parallelism's load-balancing counts are not built for it yet")
-_LORA_MOE = "LoRA on mixture-of-experts models is not built yet (adapters on the experts' grouped weights)"
-_ALL_WEIGHTS = "fine-tuning of all weights (drop the --lora-* flags)"
+_LORA_MOE = ("each expert gets its own adapter on its fc1 and fc2 (linear_fc1, linear_fc2 targets), stacked as the "
+             "experts' weights are ([E, in, r] and [E, r, out], folded as W + (alpha / r) A B, without dropout, as "
+             "MindSpeed-LLM's grouped LoRA experts), the shared expert's linear layers as the dense MLP's, the router "
+             "frozen; under EP each rank holds its experts' adapters, under TP the factor on the cut side is cut "
+             "with its base and the other is whole with a partial gradient; merged by mindspeed convert --lora-load, "
+             "read and written as SequentialMLP experts in peft's names (GroupedMLP's weight1_lora_a read too); "
+             "PEFT export refuses them")
 _COMPILE_PACKED = ("--compile with packed sequences or instruction data is not built yet (the compiled loss takes no "
                    "positions, documents or loss mask)")
 _COMPILE_MEMORY = "--compile with activation recompute or --swap-attention is not built yet"
@@ -850,7 +855,7 @@ FEATURES: tuple[Feature, ...] = (
                 or _gt1("context_parallel_size")(a) or getattr(a, "moe_expert_capacity_factor", None) is not None
                 or bool(getattr(a, "moe_pad_expert_input_to_capacity", False)))),
     Feature("lora-moe", "LoRA adapters on mixture-of-experts models", "combinations", ("--lora-r", "--num-experts"),
-            planned(_LORA_MOE, instead=_ALL_WEIGHTS), planned(_LORA_MOE, instead=_ALL_WEIGHTS),
+            supported(_LORA_MOE), supported(_LORA_MOE),
             lambda a: _moe(a) and (getattr(a, "lora_r", None) is not None
                                    or getattr(a, "lora_target_modules", None) is not None)),
     Feature("mtp-context-parallel", "Multi-token prediction with context parallelism", "combinations",

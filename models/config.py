@@ -375,8 +375,11 @@ class ModelConfig:
                     raise ValueError(f"multi-latent attention has {name} {value} (each head its own key and value, "
                                      f"of qk_nope_head_dim + qk_rope_head_dim features), got {getattr(self, name)}")
                 object.__setattr__(self, name, value)
-            if self.lora is not None:
-                raise ValueError("LoRA adapters target linear_qkv, which multi-latent attention does not have")
+            # LoRA's linear_qkv target matches no layer of latent attention (as peft's name match
+            # finds none there); its linear_proj and the MLPs are adapted
+            if self.lora is not None and set(self.lora.targets) == {"linear_qkv"}:
+                raise ValueError("LoRA adapters target linear_qkv only, which multi-latent attention does not have: "
+                                 "target linear_proj, linear_fc1 or linear_fc2 too")
             if self.position_embedding_type != "rope" or self.rotary_percent != 1.0:
                 raise ValueError("multi-latent attention rotates its qk_rope_head_dim features: it needs rope "
                                  "position embeddings and no rotary_percent")

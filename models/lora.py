@@ -4,8 +4,15 @@ A targeted layer computes ``x W^T + b + (alpha / r) * dropout(x) A^T B^T``, A [r
 B [out, r]. W and b stay frozen (the trainer gives them no gradient and no optimizer state),
 A starts uniform in +-1/sqrt(in) and B at zero, so training starts from the base model's
 function. Targets are Megatron's module names: linear_qkv, linear_proj (attention),
-linear_fc1, linear_fc2 (the dense MLP). The adapters' tensors are named
-``<layer>.lora_A.weight`` and ``<layer>.lora_B.weight`` beside the base ``<layer>.weight``.
+linear_fc1, linear_fc2 (the dense MLP, a shared expert's, and the experts'). The adapters'
+tensors are named ``<layer>.lora_A.weight`` and ``<layer>.lora_B.weight`` beside the base
+``<layer>.weight``.
+
+A mixture of experts' stacked weights (models/moe.py: ``experts.weight1`` [E, in, out] for
+fc1, ``weight2`` for fc2) get one adapter per expert, stacked in the same x @ W orientation:
+``experts.lora_A.weight1`` [E, in, r] and ``experts.lora_B.weight1`` [E, r, out], folded as
+W[e] + (alpha / r) A[e] B[e], as MindSpeed-LLM's grouped LoRA experts hold theirs. They have
+no dropout (MindSpeed-LLM's grouped experts have none either).
 
 Under tensor parallelism (parallel/layers.py) B follows a column-parallel base's rows and A a
 row-parallel base's columns; the other factor is replicated and its gradient is a partial
@@ -23,7 +30,7 @@ from mindspeed_core.models.config import LoRAConfig
 from mindspeed_core.models.layers import _param
 # the adapters' names and their folding into the base weights are numpy work on state dicts
 # (models/state.py, framework-free for the converter), named here too where LoRA lives
-from mindspeed_core.models.state import ADAPTER_TAGS, is_adapter  # noqa: F401
+from mindspeed_core.models.state import ADAPTER_TAGS, EXPERT_TARGETS, is_adapter  # noqa: F401
 from mindspeed_core.models.state import merge_lora as merge  # noqa: F401
 
 
@@ -58,6 +65,58 @@ def factors(full) -> tuple | None:
     if getattr(full, "lora_A", None) is None:
         return None
     return ops.to_numpy(full.lora_A.weight), ops.to_numpy(full.lora_B.weight)
+
+
+class ExpertFactors(nn.Module):
+    """One LoRA factor of every expert, for each adapted stacked weight: its tensors are named
+    ``experts.lora_A.weight1`` (fc1's) and ``experts.lora_A.weight2`` (fc2's); an adapter
+    not targeted is None."""
+
+    def __init__(self, weight1: np.ndarray | None, weight2: np.ndarray | None):
+        super().__init__()
+        self.weight1 = None if weight1 is None else nn.Parameter(np.ascontiguousarray(weight1, np.float32))
+        self.weight2 = None if weight2 is None else nn.Parameter(np.ascontiguousarray(weight2, np.float32))
+
+
+def attach_experts(experts, lora: LoRAConfig, shapes: dict) -> None:
+    """Zero adapters (``init_adapters`` fills A) on the experts' stacked weights that ``lora``
+    targets; ``shapes`` {"weight1": (E, in, out), "weight2": ...}."""
+    a, b = {}, {}
+    for which, (n, n_in, n_out) in shapes.items():
+        if EXPERT_TARGETS[which] in lora.targets:
+            a[which], b[which] = np.zeros((n, n_in, lora.r), np.float32), np.zeros((n, lora.r, n_out), np.float32)
+    if a:
+        experts.lora_A = ExpertFactors(a.get("weight1"), a.get("weight2"))
+        experts.lora_B = ExpertFactors(b.get("weight1"), b.get("weight2"))
+        experts.lora_scale = lora.scale
+
+
+def expert_factors(experts) -> dict:
+    """{"lora_A.weight1": parameter, ...} of the experts' adapters (empty without)."""
+    out = {}
+    for kind in ("lora_A", "lora_B"):
+        factor = getattr(experts, kind, None)
+        for which in EXPERT_TARGETS:
+            if factor is not None and getattr(factor, which) is not None:
+                out[f"{kind}.{which}"] = getattr(factor, which)
+    return out
+
+
+def expert_adapter(experts, which: str, x, counts=None, expert: int | None = None):
+    """(alpha / r) x A B of stacked weight ``which``'s adapters, or None where it has none:
+    rows ``x`` [N, in] sorted by expert (``counts``) through their experts' factors, or all
+    through ``expert``'s, or (x [E, T, in]) each expert's slice through its own."""
+    a = getattr(getattr(experts, "lora_A", None), which, None)
+    if a is None:
+        return None
+    b = getattr(experts.lora_B, which)
+    if expert is not None:
+        low = ops.matmul(ops.matmul(x, a[expert]), b[expert])
+    elif counts is not None:
+        low = ops.grouped_matmul(ops.grouped_matmul(x, a, counts), b, counts)
+    else:
+        low = ops.matmul(ops.matmul(x, a), b)
+    return low * experts.lora_scale
 
 
 class LoRALinear(nn.Module):

@@ -23,9 +23,9 @@ import numpy as np
 
 from mindspeed_core import autograd, features, nn, ops
 from mindspeed_core.memory import recompute
-from mindspeed_core.models import router
+from mindspeed_core.models import lora, router
 from mindspeed_core.models.config import ModelConfig, MoEConfig
-from mindspeed_core.models.gpt import MLP, GPTModel
+from mindspeed_core.models.gpt import MLP, GPTModel, linear
 from mindspeed_core.models.layers import Linear, _param, mlp_activation
 
 
@@ -46,6 +46,9 @@ class Experts(nn.Module):
         # megatron-core's expert biases with --add-bias-linear (GPT-OSS): [E, width] and [E, hidden]
         self.bias1 = _param((n, width), value=0.0) if cfg.add_bias_linear else None
         self.bias2 = _param((n, cfg.hidden_size), value=0.0) if cfg.add_bias_linear else None
+        if cfg.lora is not None:  # per-expert adapters on the targeted stacked weights
+            lora.attach_experts(self, cfg.lora, {"weight1": (n, cfg.hidden_size, width),
+                                                 "weight2": (n, f, cfg.hidden_size)})
 
     def _activate(self, h):
         return recompute.activation(self.activation, h, self.recompute_activation)
@@ -65,20 +68,28 @@ class Experts(nn.Module):
         """rows [N, hidden] sorted by expert, ``counts`` [E] host ints (rows per expert)."""
         if grouped:
             sinks = getattr(self, "grad_sinks", None)  # --gemm-gradient-accumulation-fusion (gradient_sinks)
-            h = self._plus(_grouped(rows, self.weight1, counts, sinks and sinks[0]), self.bias1, counts)
-            return self._plus(_grouped(self._activate(h), self.weight2, counts, sinks and sinks[1]), self.bias2,
+            h = self._plus(self._through("weight1", rows, counts, sinks and sinks[0]), self.bias1, counts)
+            return self._plus(self._through("weight2", self._activate(h), counts, sinks and sinks[1]), self.bias2,
                               counts, True)
         outs, start = [], 0
         for e, n in enumerate(int(c) for c in counts):
             if n:
                 one = np.zeros(len(counts), np.int64)
                 one[e] = n
-                h = self._plus(ops.matmul(rows[start:start + n], self.weight1[e]), self.bias1, one)
-                outs.append(self._plus(ops.matmul(self._activate(h), self.weight2[e]), self.bias2, one, True))
+                h = self._plus(self._through("weight1", rows[start:start + n], expert=e), self.bias1, one)
+                outs.append(self._plus(self._through("weight2", self._activate(h), expert=e), self.bias2, one, True))
             start += n
         if not outs:  # no rows: still a product of them, so a backward pass reaches whatever sent them
-            return ops.matmul(self.activation(ops.matmul(rows, self.weight1[0])), self.weight2[0])
+            return self._through("weight2", self.activation(self._through("weight1", rows, expert=0)), expert=0)
         return outs[0] if len(outs) == 1 else ops.cat(outs, dim=0)
+
+    def _through(self, which: str, x, counts=None, sink=None, expert: int | None = None):
+        """x through stacked weight ``which`` (rows sorted by expert, ``counts`` of each, or all
+        through ``expert``'s), plus its LoRA adapter where it has one."""
+        weight = getattr(self, which)
+        y = _grouped(x, weight, counts, sink) if expert is None else ops.matmul(x, weight[expert])
+        low = lora.expert_adapter(self, which, x, counts, expert)
+        return y if low is None else y + low
 
     def dense(self, tokens, combine, expert_output=lambda y: y):
         """Every token through every expert, weighted by ``combine`` [T, E] (0 for an expert it
@@ -90,9 +101,16 @@ class Experts(nn.Module):
         e, t = self.weight1.shape[0], tokens.shape[0]
         rows = ops.expand(ops.unsqueeze(tokens, 0), (e, t, tokens.shape[-1]))
         h = ops.matmul(rows, self.weight1)  # [E, T, width]
+        low = lora.expert_adapter(self, "weight1", rows)
+        if low is not None:
+            h = h + low
         if self.bias1 is not None:
             h = h + ops.unsqueeze(ops.cast(self.bias1, ops.dtype_of(h)), 1)
-        y = ops.matmul(self._activate(h), self.weight2)  # [E, T, h]
+        a = self._activate(h)
+        y = ops.matmul(a, self.weight2)  # [E, T, h]
+        low = lora.expert_adapter(self, "weight2", a)
+        if low is not None:
+            y = y + low
         if self.bias2 is not None:
             y = y + ops.unsqueeze(ops.cast(self.bias2 if self.output_bias else self.bias2 * 0.0, ops.dtype_of(y)), 1)
         weights = ops.unsqueeze(ops.transpose(combine, 0, 1), -1)  # [E, T, 1]
@@ -138,7 +156,7 @@ def gradient_sinks(moe_layers) -> dict:
     the same arithmetic as without the flag. Returns {id(weight): sink}."""
     sinks = {}
     for layer in moe_layers:
-        if not layer.grouped:
+        if not layer.grouped or lora.expert_factors(layer.experts):  # LoRA: the base weights are frozen
             continue
         experts = layer.experts
         pair = tuple(nn.Parameter(np.zeros(tuple(w.shape), np.float32)) for w in (experts.weight1, experts.weight2))
@@ -156,8 +174,9 @@ class SharedExpert(nn.Module):
         super().__init__()
         self.activation = mlp_activation(cfg)
         width = 2 * size if cfg.gated else size
-        self.linear_fc1 = Linear(cfg.hidden_size, width, False, cfg.init_method_std)
-        self.linear_fc2 = Linear(size, cfg.hidden_size, False, cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers))
+        self.linear_fc1 = linear(cfg, "linear_fc1", cfg.hidden_size, width, False, cfg.init_method_std)
+        self.linear_fc2 = linear(cfg, "linear_fc2", size, cfg.hidden_size, False,
+                                 cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers))
         self.gate_weight = _param((1, cfg.hidden_size), std=cfg.init_method_std) if gated else None
 
     def forward(self, x):

@@ -9,6 +9,8 @@ import dataclasses
 import numpy as np
 
 ADAPTER_TAGS = (".lora_A.", ".lora_B.")
+# the experts' stacked weights (models/moe.py) and the LoRA target each answers to
+EXPERT_TARGETS = {"weight1": "linear_fc1", "weight2": "linear_fc2"}
 
 
 EXPERT_BIAS = ".mlp.router.expert_bias"
@@ -31,23 +33,56 @@ def is_adapter(name: str) -> bool:
 
 def adapter_shapes(cfg) -> dict:
     """{name: shape} of every LoRA factor the config's model holds (models/gpt.py's linear
-    layers named in ``cfg.lora.targets``: no-op layers hold none, MoE layers none on their MLP)."""
+    layers named in ``cfg.lora.targets``, no-op layers none; an MoE layer's on its shared
+    expert's linear layers and its experts' stacked weights, models/lora.py)."""
     if cfg.lora is None:
         return {}
-    width = 2 * cfg.ffn_hidden_size if cfg.gated else cfg.ffn_hidden_size
-    sizes = {"self_attention.linear_qkv": (cfg.hidden_size, cfg.qkv_width),
-             "self_attention.linear_proj": (cfg.num_attention_heads * cfg.kv_channels, cfg.hidden_size),
-             "mlp.linear_fc1": (cfg.hidden_size, width), "mlp.linear_fc2": (cfg.ffn_hidden_size, cfg.hidden_size)}
+    r = cfg.lora.r
+
+    def glu(size):
+        return 2 * size if cfg.gated else size
+
+    # latent attention (models/mla.py) has no linear_qkv, and its linear_proj takes the heads' values
+    attention = ({"self_attention.linear_qkv": (cfg.hidden_size, cfg.qkv_width),
+                  "self_attention.linear_proj": (cfg.num_attention_heads * cfg.kv_channels, cfg.hidden_size)}
+                 if cfg.mla is None else
+                 {"self_attention.linear_proj": (cfg.num_attention_heads * cfg.mla.v_head_dim, cfg.hidden_size)})
+    linears = {**attention,
+               "mlp.linear_fc1": (cfg.hidden_size, glu(cfg.ffn_hidden_size)),
+               "mlp.linear_fc2": (cfg.ffn_hidden_size, cfg.hidden_size)}
+    stacked = {}
+    if cfg.moe is not None:
+        f, e, shared = cfg.moe.ffn_hidden_size or cfg.ffn_hidden_size, cfg.moe.num_experts, cfg.moe.shared_expert_size
+        stacked = {"weight1": (e, cfg.hidden_size, glu(f)), "weight2": (e, f, cfg.hidden_size)}
+        moe_linears = {k: v for k, v in linears.items() if k.startswith("self_attention.")}
+        if shared:
+            moe_linears.update({"mlp.shared_experts.linear_fc1": (cfg.hidden_size, glu(shared)),
+                                "mlp.shared_experts.linear_fc2": (shared, cfg.hidden_size)})
     out = {}
     for i in range(cfg.num_layers):
         if i in cfg.noop_layers:
             continue
-        for module, (n_in, n_out) in sizes.items():
-            if module.split(".")[1] not in cfg.lora.targets or (module.startswith("mlp.") and cfg.is_moe_layer(i)):
-                continue
-            out[f"decoder.layers.{i}.{module}.lora_A.weight"] = (cfg.lora.r, n_in)
-            out[f"decoder.layers.{i}.{module}.lora_B.weight"] = (n_out, cfg.lora.r)
+        moe = cfg.is_moe_layer(i)
+        for module, (n_in, n_out) in (moe_linears if moe else linears).items():
+            if module.rsplit(".", 1)[1] in cfg.lora.targets:
+                out[f"decoder.layers.{i}.{module}.lora_A.weight"] = (r, n_in)
+                out[f"decoder.layers.{i}.{module}.lora_B.weight"] = (n_out, r)
+        for which, (n, n_in, n_out) in (stacked.items() if moe else ()):
+            if EXPERT_TARGETS[which] in cfg.lora.targets:
+                out[f"decoder.layers.{i}.mlp.experts.lora_A.{which}"] = (n, n_in, r)
+                out[f"decoder.layers.{i}.mlp.experts.lora_B.{which}"] = (n, r, n_out)
     return out
+
+
+def adapter_target(name: str) -> str:
+    """The LoRA target (Megatron's module name) a factor's name answers to."""
+    leaf = name.rsplit(".", 1)[1]
+    return EXPERT_TARGETS.get(leaf) or name.partition(".lora_")[0].rsplit(".", 1)[1]
+
+
+def adapter_rank(a_name: str, shape: tuple) -> int:
+    """The LoRA rank of the A factor ``a_name`` of ``shape`` ([r, in]; an expert's [E, in, r])."""
+    return int(shape[-1] if len(shape) == 3 else shape[0])
 
 
 def check_adapters(cfg, state: dict, where: str) -> None:
@@ -74,11 +109,12 @@ def merge_lora(cfg, state: dict) -> tuple:
     for name in state:
         if ".lora_A." not in name:
             continue
-        base = name.replace(".lora_A.weight", ".weight")
+        base = name.replace(".lora_A.", ".")  # x.lora_A.weight -> x.weight; experts.lora_A.weight1 -> experts.weight1
         a = np.asarray(state[name], np.float64)
         b = np.asarray(state[name.replace(".lora_A.", ".lora_B.")], np.float64)
         w = np.asarray(out[base])
-        out[base] = (w.astype(np.float64) + cfg.lora.scale * (b @ a)).astype(w.dtype)
+        delta = a @ b if a.ndim == 3 else b @ a  # the experts' [E, in, r] @ [E, r, out]; a linear's [out, r] @ [r, in]
+        out[base] = (w.astype(np.float64) + cfg.lora.scale * delta).astype(w.dtype)
     return dataclasses.replace(cfg, lora=None), out
 
 

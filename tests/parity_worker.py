@@ -5,11 +5,12 @@ above all under msrun). Also run in one process for the single-process reference
 For each configuration (name, flags[, with_grads[, options]]) it records on rank 0:
 <out>/<name>.jsonl (the metrics of a --train-iters run), <out>/<name>.log (what the trainer
 printed; rank k > 0's in <out>/<name>.rank<k>.log) and, unless with_grads is false,
-<out>/<name>-grads.npz: the first step's gradients as
+<out>/<name>-grads.npz: the first step's gradients (or step ``options["grads_at"]`` + 1's) as
 the optimizer took them (reduced over data-parallel ranks; the distributed optimizer's slices
 gathered), each whole (TP pieces, experts and pipeline stages joined), and its gradient norm
 under the name "grad_norm". ``options`` {"double": NAME} multiplies the reduced gradient of
-parameter NAME by 2 (the fault the gradient comparison must see).
+parameter NAME by 2 (the fault the gradient comparison must see); {"grads_at": 1} records the
+second step's gradients (a LoRA factor A has none in the first, its B starting at zero).
 
 usage: parity_worker.py OUT_DIR CONFIGS_JSON
 (tests/launch.py run_configs)
@@ -59,7 +60,7 @@ def train_case(out_dir: str, name: str, flags: list, with_grads: bool = True, op
             trainer.build = build_with_fault
 
         def record(iteration, grads, norm):
-            if iteration != 0 or not with_grads:
+            if iteration != (options or {}).get("grads_at", 0) or not with_grads:
                 return
             whole = trainer.optimizer.whole_gradients(grads)
             plan = trainer.train_plan

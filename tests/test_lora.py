@@ -6,6 +6,7 @@ parallelism's LoRA parity rides in test_parallel's two- and four-rank launches."
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import json
 import shutil
@@ -13,7 +14,7 @@ import shutil
 import numpy as np
 import pytest
 
-from mindspeed_core import cli, ops
+from mindspeed_core import cli, nn, ops
 from mindspeed_core.compat import hf, mcore, torch_pickle
 from mindspeed_core.models import lora, registry
 from mindspeed_core.models.config import ModelConfig
@@ -167,7 +168,6 @@ def test_a_filtered_checkpoint_holds_the_adapters_only_and_resumes_with_the_base
     (["--load", "{stopped}"], "holds LoRA adapters (rank 4, alpha 8.0"),
     (["--load", "{base}", "--lora-load", "{base}", *LORA], "holds no LoRA adapters"),
     (["--lora-target-modules", "linear_q"], "invalid choice"),
-    ([*LORA, "--num-experts", "4"], "LoRA on mixture-of-experts models is not built yet"),
 ])
 def test_bad_lora_options_are_one_line_errors(capsys, runs, flags, message):
     flags = [f.format(**runs) for f in flags]
@@ -312,3 +312,154 @@ def test_training_from_a_megatron_lora_run_takes_it_merged_or_with_its_adapters(
                          "--train-iters", "1", *flags])
         err = capsys.readouterr().err
         assert code == 2 and message in err and "Traceback" not in err, err
+
+
+# LoRA on a mixture of experts: the second layer top-2 of 4 experts (grouped GEMM) beside a
+# shared expert, from a base trained in full for one step
+MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "48",
+       "--moe-shared-expert-intermediate-size", "32", "--first-k-dense-replace", "1", "--moe-grouped-gemm"]
+EXPERT_FACTORS = [f"decoder.layers.1.mlp.experts.lora_{f}.weight{k}" for f in "AB" for k in (1, 2)]
+
+
+@pytest.fixture(scope="module")
+def moe_runs(runs):
+    tmp = runs["tmp"]
+    base, run = tmp / "moe-base", tmp / "moe-lora"
+    train("--data-path", runs["data"], *MOE, "--train-iters", "1", "--save", str(base))
+    train("--data-path", runs["data"], *MOE, *LORA, "--load", str(base), "--train-iters", "3", "--save", str(run))
+    cfg = ModelConfig.from_dict(checkpoint.read_meta(str(run), 3)["model"])
+    return dict(runs, moe_base=str(base), moe_run=str(run), moe_cfg=cfg,
+                moe_arrays=checkpoint.load_model_arrays(str(run), 3))
+
+
+def _folded(cfg, arrays) -> dict:
+    """The test's own fold, in float64: a linear layer's W [out, in] + s B A, an expert's
+    W[e] [in, out] + s A[e] B[e]."""
+    out = {k: np.asarray(v, np.float64) for k, v in arrays.items() if not lora.is_adapter(k)}
+    for name in arrays:
+        if ".lora_A." in name:
+            a, b = (np.asarray(arrays[n], np.float64) for n in (name, name.replace(".lora_A.", ".lora_B.")))
+            out[name.replace(".lora_A.", ".")] += cfg.lora.scale * (a @ b if a.ndim == 3 else b @ a)
+    return out
+
+
+@pytest.mark.feature("lora-moe")
+@pytest.mark.feature("lora")
+@pytest.mark.parametrize("grouped", [True, False], ids=["grouped", "expert-by-expert"])
+def test_lora_on_experts_trains_their_adapters_only_and_equals_the_folded_model(moe_runs, grouped):
+    """Each expert's fc1 and fc2 adapters and the shared expert's train, the base (router too)
+    stays bit for bit; the LoRA model's logits, through the grouped and the expert-by-expert
+    path, equal the model with the adapters folded in by this test."""
+    cfg, arrays = moe_runs["moe_cfg"], moe_runs["moe_arrays"]
+    base = checkpoint.load_model_arrays(moe_runs["moe_base"], 1)
+    adapters = {n for n in arrays if lora.is_adapter(n)}
+    assert set(EXPERT_FACTORS) <= adapters
+    assert {f"decoder.layers.1.mlp.shared_experts.linear_fc{k}.lora_{f}.weight" for k in (1, 2) for f in "AB"} <= adapters
+    assert arrays["decoder.layers.1.mlp.experts.lora_A.weight1"].shape == (4, 32, 4)
+    assert arrays["decoder.layers.1.mlp.experts.lora_B.weight2"].shape == (4, 4, 32)
+    assert sorted(set(arrays) - adapters) == sorted(base)
+    for name, value in base.items():
+        assert np.array_equal(arrays[name], value), name
+    for name in EXPERT_FACTORS:  # B moved from zero (an expert that routed prompt tokens only has no gradient)
+        assert ".lora_A." in name or np.abs(arrays[name]).max() > 0, name
+    ids = np.arange(40, 100, dtype=np.int64)[None]
+    folded_cfg = dataclasses.replace(cfg, lora=None)
+    logits = []
+    for c, state in ((cfg, arrays), (folded_cfg, _folded(cfg, arrays)), (folded_cfg, base)):
+        model = registry.for_config(c).build(c)
+        load_whole_state(model, {k: np.asarray(v, np.float32) for k, v in state.items()})
+        for layer in model.moe_layers():
+            layer.grouped = grouped
+        logits.append(ops.to_numpy(model(ops.tensor(ids))).astype(np.float64))
+    scale = np.abs(logits[0]).max()
+    assert np.abs(logits[0] - logits[1]).max() <= 1e-5 * scale
+    assert np.abs(logits[0] - logits[2]).max() > 1e-2 * scale  # the adapters move the logits: the check can see them
+
+
+def _grouped_megatron(folder, cfg, arrays) -> None:
+    """The run as MindSpeed-LLM's LoRA run with GroupedMLP experts saves it (one rank): weight1
+    [hidden, E x width], weight2 [E x ffn, hidden], and LoraParallelGroupedMLP's factors, flat
+    views of ours ([E, in, r] and [E, r, out])."""
+    mcore.save(str(folder), 3, cfg, arrays, mcore.Layout())
+    path = next(folder.rglob(mcore.FILE))
+    state = torch_pickle.load(str(path))
+    model, prefix = state["model"], "decoder.layers.1.mlp.experts."
+    for key in [k for k in model if k.startswith(prefix + "local_experts.")]:
+        del model[key]
+    ours = "decoder.layers.1.mlp.experts."
+    w1, w2 = arrays[ours + "weight1"], arrays[ours + "weight2"]
+    model[prefix + "weight1"] = w1.transpose(1, 0, 2).reshape(w1.shape[1], -1)
+    model[prefix + "weight2"] = w2.reshape(-1, w2.shape[2])
+    for which in ("weight1", "weight2"):
+        a, b = arrays[f"{ours}lora_A.{which}"], arrays[f"{ours}lora_B.{which}"]
+        model[f"{prefix}{which}_lora_a"] = a.reshape(a.shape[1], -1) if which == "weight1" else a.reshape(-1, a.shape[2])
+        model[f"{prefix}{which}_lora_b"] = b.reshape(b.shape[1], -1) if which == "weight1" else b.reshape(-1, b.shape[2])
+    torch_pickle.save(str(path), state)
+
+
+@pytest.mark.feature("lora-moe")
+@pytest.mark.feature("convert-lora")
+def test_expert_adapters_cross_megatrons_layout_and_merge(capsys, moe_runs, tmp_path):
+    """The run in Megatron's layout at TP2 x EP2 (SequentialMLP experts in peft's names) and as
+    MindSpeed-LLM's GroupedMLP LoRA experts reads back bit for bit; mindspeed convert
+    --lora-load folds the experts' adapters into the base as this test does; PEFT export
+    refuses them in one line."""
+    cfg, arrays = moe_runs["moe_cfg"], moe_runs["moe_arrays"]
+    sequential, grouped = tmp_path / "mg-tp2-ep2", tmp_path / "mg-grouped"
+    mcore.save(str(sequential), 3, cfg, arrays, mcore.Layout(tp=2, ep=2))
+    names = set(torch_pickle.load(str(sequential / "iter_0000003" / "mp_rank_01_001" / mcore.FILE))["model"])
+    expert = "decoder.layers.1.mlp.experts.local_experts.1.linear_fc1."
+    assert {expert + "base_layer.weight", expert + "lora_A.default.weight", expert + "lora_B.default.weight"} <= names
+    _grouped_megatron(grouped, cfg, arrays)
+    for folder in (sequential, grouped):
+        back = mcore.load(str(folder))
+        assert sorted(back.state) == sorted(arrays), sorted(set(back.state) ^ set(arrays))
+        for name, value in arrays.items():
+            assert np.array_equal(back.state[name], value), (folder.name, name)
+    merged = tmp_path / "merged"
+    said = _convert(capsys, "--load-model-type", "mg", "--save-model-type", "mg", "--load-dir", moe_runs["moe_base"],
+                    "--lora-load", str(sequential), "--save-dir", str(merged))
+    assert "merged the LoRA adapters of" in said
+    got, want = mcore.load(str(merged)).state, _folded(cfg, arrays)
+    assert sorted(got) == sorted(want)
+    for name, value in want.items():
+        assert np.abs(got[name] - value).max() <= 1e-6 * max(np.abs(value).max(), 1.0), name
+    code = cli.main(["convert", "--load-model-type", "mg", "--save-model-type", "hf", "--load-dir", moe_runs["moe_run"],
+                     "--save-lora-to-hf", "--save-dir", str(tmp_path / "peft")])
+    err = capsys.readouterr().err
+    assert code == 2 and "mixture of experts' adapters is not built" in err and err.count("\n") == 1, err
+
+
+@pytest.mark.feature("lora")
+@pytest.mark.feature("lora-moe")
+@pytest.mark.feature("multi-latent-attention")
+def test_lora_on_latent_attention_adapts_its_output_projection_and_the_experts():
+    """DeepSeek's LoRA lines target linear_qkv linear_proj linear_fc1 linear_fc2: latent
+    attention has no linear_qkv (peft's match finds none there), its linear_proj (the heads'
+    values in) is adapted, and the MoE layer's experts and shared expert; with random factors the
+    logits equal the model folded by this test; linear_qkv alone is one clear error."""
+    from mindspeed_core.models.config import LoRAConfig, MLAConfig, MoEConfig
+    from mindspeed_core.models.state import adapter_shapes
+
+    mla = MLAConfig(kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12, q_lora_rank=24)
+    cfg = ModelConfig(vocab_size=96, hidden_size=32, num_layers=2, num_attention_heads=4, ffn_hidden_size=48, mla=mla,
+                      moe=MoEConfig(num_experts=4, topk=2, ffn_hidden_size=24, shared_expert_size=24), moe_layers=(1,),
+                      lora=LoRAConfig(r=4, alpha=8.0), init_method_std=0.05)
+    shapes = adapter_shapes(cfg)
+    assert shapes["decoder.layers.0.self_attention.linear_proj.lora_A.weight"] == (4, 4 * 12)
+    assert not any("linear_qkv" in n for n in shapes) and set(EXPERT_FACTORS) <= set(shapes)
+    model = registry.for_config(cfg).build(cfg)
+    rng = np.random.default_rng(5)
+    arrays = {n: (rng.normal(0, 0.2, shapes[n]).astype(np.float32) if n in shapes else ops.to_numpy(p))
+              for (_, p), n in zip(nn.named_parameters(model), model.parameter_names())}
+    assert sorted(n for n in arrays if lora.is_adapter(n)) == sorted(shapes)
+    ids = np.arange(10, 70, dtype=np.int64)[None]
+    logits = []
+    for c, state in ((cfg, arrays), (dataclasses.replace(cfg, lora=None), _folded(cfg, arrays))):
+        m = registry.for_config(c).build(c)
+        load_whole_state(m, {k: np.asarray(v, np.float32) for k, v in state.items()})
+        logits.append(ops.to_numpy(m(ops.tensor(ids))).astype(np.float64))
+    scale = np.abs(logits[0]).max()
+    assert np.abs(logits[0] - logits[1]).max() <= 1e-5 * scale
+    with pytest.raises(ValueError, match="linear_qkv only, which multi-latent attention does not have"):
+        dataclasses.replace(cfg, lora=LoRAConfig(r=4, alpha=8.0, targets=("linear_qkv",)))

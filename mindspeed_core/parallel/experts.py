@@ -36,6 +36,7 @@ import numpy as np
 
 from mindspeed_core import dist, features, nn, ops
 from mindspeed_core.errors import MindSpeedError
+from mindspeed_core.models import lora
 from mindspeed_core.models.moe import MoELayer, MoESeams, assignment_order, run_experts, weigh_back
 from mindspeed_core.parallel import mappings
 from mindspeed_core.parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -190,6 +191,16 @@ def parallelize_moe_layer(mlp: MoELayer, ps, sequence_parallel: bool, dispatcher
         setattr(mlp.experts, name, nn.Parameter(shard(full, spec, tp, tp_rank) if cut else full))
         fields["experts." + name] = {"shard": spec if cut else None, "expert": True,
                                      "partial": spec is None and expert_tp > 1}  # bias2: only rank 0's gradient
+    for name, param in lora.expert_factors(mlp.experts).items():
+        # the factor on the side TP cuts (fc1's B: its columns; fc2's A: its rows) is cut with its
+        # base; the other is whole, its gradient a partial sum over the TP ranks
+        kind, which = name.split(".")
+        spec = specs[which] if (which == "weight1") == (kind == "lora_B") else None
+        full = np.split(ops.to_numpy(param), ep, axis=0)[ep_rank]
+        cut = expert_tp > 1 and spec
+        setattr(getattr(mlp.experts, kind), which, nn.Parameter(shard(full, spec, tp, tp_rank) if cut else full))
+        fields["experts." + name] = {"shard": spec if cut else None, "expert": True,
+                                     "partial": spec is None and expert_tp > 1}
     fields["router.weight"] = {"partial": False}  # sees every token on every TP rank
     if mlp.router.bias is not None:
         fields["router.bias"] = {"partial": False}
@@ -205,6 +216,12 @@ def parallelize_moe_layer(mlp: MoELayer, ps, sequence_parallel: bool, dispatcher
             shared.linear_fc2 = RowParallelLinear(shared.linear_fc2, group, False)
             fields["shared_experts.linear_fc1.weight"] = {"shard": fc1_spec, "partial": False}
             fields["shared_experts.linear_fc2.weight"] = {"shard": ("split", 1), "partial": False}
+            if lora.factors(shared.linear_fc1) is not None:  # as the dense MLP's (parallel/layers.py)
+                fields["shared_experts.linear_fc1.lora_B.weight"] = {"shard": fc1_spec, "partial": False}
+                fields["shared_experts.linear_fc1.lora_A.weight"] = {"partial": True}
+            if lora.factors(shared.linear_fc2) is not None:
+                fields["shared_experts.linear_fc2.lora_A.weight"] = {"shard": ("split", 1), "partial": False}
+                fields["shared_experts.linear_fc2.lora_B.weight"] = {"partial": True}
     if tp > 1 or ep > 1 or context_shares:
         mlp.use_seams(ExpertParallelSeams(ps, sequence_parallel, dispatcher, mlp.moe.num_experts, experts_whole,
                                           context_shares))
