@@ -270,7 +270,7 @@ RUN_SCALE = {"--num-layers": "2", "--hidden-size": "64", "--ffn-hidden-size": "1
              "--moe-router-num-groups": "2", "--moe-router-group-topk": "1", "--q-lora-rank": "32", "--kv-lora-rank": "16", "--qk-head-dim": "16",
              "--qk-pos-emb-head-dim": "8", "--v-head-dim": "16", "--tensor-model-parallel-size": "1",
              "--pipeline-model-parallel-size": "1", "--expert-model-parallel-size": "1", "--context-parallel-size": "1",
-             "--recompute-num-layers": "1", "--workers": "1"}
+             "--expert-tensor-parallel-size": "1", "--recompute-num-layers": "1", "--workers": "1"}
 RUN_DROPPED = ("--num-layer-list", "--num-layers-per-virtual-pipeline-stage", "--noop-layers")
 ROTATED_PAIRS = 8
 
@@ -308,7 +308,8 @@ def _run_verb(argv: list, stdin: str = "") -> tuple[int, str]:
 def _tune(call: dict, paths: dict, tmp_path) -> dict:
     """Trains the fine-tuning line's step, scaled, on its family's own preprocessing of a few
     Alpaca records (the line for its handler, packed where the line trains on packed rows), from a
-    Hugging Face folder of its model (the lines convert at load: --enable-hf2mg-convert)."""
+    Hugging Face folder of its model where the line converts at load (--enable-hf2mg-convert),
+    else from the model as a Megatron checkpoint (a LoRA line's base, converted beforehand)."""
     from mindspeed_core import nn
     from mindspeed_core.models import registry
 
@@ -316,10 +317,15 @@ def _tune(call: dict, paths: dict, tmp_path) -> dict:
     flags = _scaled_run(call["flags"], {"--tokenizer-name-or-path": paths["--tokenizer-name-or-path"],
                                         "--save": str(root / "tuned"), "--load": str(root / "hf"),
                                         "--data-path": str(root / "data" / "alpaca")})
-    assert "--enable-hf2mg-convert" in flags, call["script"]  # every fine-tuning line here starts from a folder
     args = megatron_args.training_parser().parse_args(flags)
     cfg = _family_model(args, args.model_type_hf)
-    hf.save_folder(str(root / "hf"), cfg, nn.state_dict(registry.for_config(cfg).build(cfg)))
+    if args.enable_hf2mg_convert:
+        hf.save_folder(str(root / "hf"), cfg, nn.state_dict(registry.for_config(cfg).build(cfg)))
+    else:
+        from mindspeed_core.compat import mcore
+
+        cfg = _model_of(args)  # with its no-op layers, as the line's checkpoint holds them
+        mcore.save(str(root / "hf"), 1, cfg, nn.state_dict(registry.for_config(cfg).build(cfg)), mcore.Layout())
     family = call["script"].split("/")[0]
     packed = "--neat-pack" in flags
     prep = next(c for c in CALLS if c["entry"] == "preprocess_data.py" and c["script"].startswith(family + "/")
@@ -373,8 +379,8 @@ DID = ("preprocessed", "converted", "trained", "configured", "generated", "gated
 DONE = {
     "pytorch": {"convert_ckpt_v2.py": {"converted": 24, "parsed": 6, "refused": 1},
                 "evaluation.py": {"gated": 18},
-                "inference.py": {"gated": 11, "generated": 11, "refused": 1},
-                "posttrain_gpt.py": {"configured": 17, "refused": 18, "trained": 8},
+                "inference.py": {"gated": 12, "generated": 11},
+                "posttrain_gpt.py": {"configured": 22, "refused": 12, "trained": 9},
                 "preprocess_data.py": {"preprocessed": 30},
                 "pretrain_gpt.py": {"configured": 17, "refused": 15}},
     "mindspore": {"convert_ckpt_v2.py": {"converted": 24, "parsed": 6, "refused": 1},

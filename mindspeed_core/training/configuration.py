@@ -417,11 +417,11 @@ def model_config(args, vocab_size: int) -> ModelConfig:
                 0.1 if args.mtp_loss_scaling_factor is None else args.mtp_loss_scaling_factor))
         except ValueError as exc:
             raise MindSpeedError(f"model configuration: {exc}") from None
-    else:  # Megatron ignores them without modules; refused here, as a stray flag that weighs nothing
-        given = [f for f in ("mtp_loss_scaling_factor", "mtp_mem_efficient_logits") if getattr(args, f) is not None]
-        if given:
-            raise MindSpeedError(f"--{given[0].replace('_', '-')} qualifies the multi-token prediction modules of "
-                                 f"--mtp-num-layers, which this run has none of: give --mtp-num-layers or drop it")
+    elif args.mtp_loss_scaling_factor is not None:  # Megatron ignores it without modules; refused here, as a
+        # weight that weighs nothing (--mtp-mem-efficient-logits is MindSpeed-LLM's choice of how the
+        # cross entropy's maximum is taken, for the main logits too: the same math here, accepted)
+        raise MindSpeedError("--mtp-loss-scaling-factor qualifies the multi-token prediction modules of "
+                             "--mtp-num-layers, which this run has none of: give --mtp-num-layers or drop it")
     return dataclasses.replace(cfg, lora=lora_config(args), reward_head=stage_of(args) == "orm",
                                fused=frozenset(op for flag, op in {**FUSED_FLAGS, **FUSED_PATH_FLAGS}.items()
                                                if getattr(args, flag, False)),
