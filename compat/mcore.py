@@ -45,7 +45,7 @@ from mindspeed_core.compat import torch_dist, torch_pickle
 from mindspeed_core.errors import CheckpointError
 from mindspeed_core.models.config import (MLA_DOWN, MLA_UP, LoRAConfig, MLAConfig, ModelConfig, MoEConfig,
                                           interleaved_window_layers)
-from mindspeed_core.models.state import EXPERT_TARGETS, is_adapter
+from mindspeed_core.models.state import EXPERT_TARGETS, is_adapter, moved_under_lora
 from mindspeed_core.parallel import pipeline
 from mindspeed_core.parallel.sharding import shard, unshard
 from mindspeed_core.tensor_files import HostTensor
@@ -81,6 +81,8 @@ def tp_spec(cfg: ModelConfig, name: str):
     """How a whole-model tensor (our name) is cut over TP ranks (parallel/layers.py's specs);
     None: every rank holds all of it."""
     if is_adapter(name):  # B follows a column-parallel base's rows, A a row-parallel base's columns
+        if cfg.mla is not None and ".self_attention.linear_qkv." in name:
+            return None  # latent attention's fused down-projections' adapter: whole, as they are
         base = tp_spec(cfg, re.sub(r"\.lora_[AB]\.weight$", ".weight", name))
         if base is None or (base == ("split", 1)) == (".lora_B." in name):
             return None
@@ -543,7 +545,7 @@ def merge(cfg: ModelConfig, pieces: dict, layout: Layout) -> dict:
     the adapters only."""
     stages = layout.stages(cfg)
     whole = {}
-    adapters_only = all(is_adapter(k) or k.endswith(_GROUPED_FACTORS + ("_extra_state",))
+    adapters_only = all(moved_under_lora(k) or k.endswith(_GROUPED_FACTORS + ("_extra_state",))
                         for chunks in pieces.values() for chunk in chunks for k in chunk)
 
     def take(p, c, e, key, ours):
@@ -607,11 +609,13 @@ def _experts(cfg, pieces, layout, p, c, theirs, mine, number) -> dict:
 
     for e in range(layout.ep):
         chunks = [pieces[t, p, e][c] for t in range(layout.tp)]
-        if prefix + "weight1" in chunks[0]:  # GroupedMLP: [hidden, local experts x width / TP], [.. x ffn / TP, hidden]
+        if prefix + "weight1" in chunks[0]:  # GroupedMLP: flat views of [local experts, hidden, width / TP] and
+            # [local experts, ffn / TP, hidden] (megatron-core's weight1.view(E, hidden, -1)), shaped
+            # [hidden, local experts x width / TP] and [local experts x ffn / TP, hidden]
             if cfg.add_bias_linear:
                 raise CheckpointError(f"{layout.rank_dir(0, p, e)} holds GroupedMLP experts, which have no biases; "
                                       f"the model's experts have them (add_bias_linear)")
-            ones = [_float32(ch[prefix + "weight1"]).reshape(h, per_rank, -1).transpose(1, 2, 0) for ch in chunks]
+            ones = [_float32(ch[prefix + "weight1"]).reshape(per_rank, h, -1).transpose(0, 2, 1) for ch in chunks]
             twos = [_float32(ch[prefix + "weight2"]).reshape(per_rank, -1, h).transpose(0, 2, 1) for ch in chunks]
         else:
             ones, twos = stacked(chunks, e, "linear_fc1.weight"), stacked(chunks, e, "linear_fc2.weight")

@@ -149,7 +149,7 @@ def add_feature_args(parser: argparse.ArgumentParser) -> None:
                    help="MindSpeed-LLM's: a shared expert N times --moe-ffn-hidden-size wide (unless "
                         "--moe-shared-expert-intermediate-size gives its width)")
     e.add_argument("--moe-tp-extend-ep", action="store_true",
-                   help="MindSpeed's experts over TP x EP ranks (refused: the matrix's moe-tp-extend-ep row)")
+                   help="MindSpeed's experts over TP x EP ranks, whole on each (the EP groups reach across TP)")
     e.add_argument("--norm-topk-prob", action="store_true",
                    help="renormalise the top-k weights to sum to one (MindSpeed-LLM; with softmax_topk)")
     e.add_argument("--moe-aux-loss-coeff", type=NON_NEGATIVE, default=0.0)

@@ -75,10 +75,9 @@ def check_exportable(cfg: ModelConfig) -> None:
     if not families.get(cfg.family).peft_export:
         built = ", ".join(f.name for f in families.FAMILIES.values() if f.peft_export)
         raise MindSpeedError(f"PEFT export is built for the {built} families; this is a {cfg.family} model")
-    if cfg.moe is not None:
-        raise MindSpeedError("PEFT export of a mixture of experts' adapters is not built (transformers holds the "
-                             "experts as fused tensors, not the linear layers peft adapts): merge them into the model "
-                             "instead (--lora-load RUN with --load-dir BASE)")
+    if cfg.moe is not None and {"linear_fc1", "linear_fc2"} & set(cfg.lora.targets):
+        raise MindSpeedError("PEFT export of adapters on a mixture of experts' MLPs is not built: merge them into "
+                             "the model instead (--lora-load RUN with --load-dir BASE)")
 
 
 def save_adapter(folder: str, cfg: ModelConfig, state: dict) -> list:

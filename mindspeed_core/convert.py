@@ -37,7 +37,8 @@ from mindspeed_core.compat import hf, mcore, megatron_args, peft
 from mindspeed_core.errors import CheckpointError, MindSpeedError
 from mindspeed_core.models import families
 from mindspeed_core.models.config import LORA_TARGETS, LoRAConfig
-from mindspeed_core.models.state import adapter_rank, adapter_target, check_adapters, is_adapter, merge_lora
+from mindspeed_core.models.state import (adapter_rank, adapter_target, check_adapters, is_adapter, merge_lora,
+                                         moved_under_lora)
 from mindspeed_core.parallel import pipeline
 from mindspeed_core.training import model_source
 
@@ -173,7 +174,7 @@ def _with_adapters(args, base):
     cfg, adapters = _adapters(args, dataclasses.replace(run, cfg=dataclasses.replace(
         base.cfg, lora=run.cfg.lora)), "--lora-load")
     for name, value in run.state.items():  # a whole LoRA checkpoint: trained on these base weights?
-        if is_adapter(name):
+        if moved_under_lora(name):  # the adapters, and the expert biases the run moved (taken below)
             continue
         mine = base.state.get(name)
         if mine is None or mine.shape != value.shape:
@@ -183,7 +184,8 @@ def _with_adapters(args, base):
         if np.abs(mine - value).max() > 2.0 ** -7 * max(float(np.abs(mine).max()), 1e-30):
             raise CheckpointError(f"--lora-load {args.lora_load} was trained on other weights than --load-dir "
                                   f"{args.load_dir}'s ({name} differs)")
-    merged_cfg, state = merge_lora(cfg, {**base.state, **adapters})
+    moved = {k: v for k, v in run.state.items() if moved_under_lora(k) and not is_adapter(k)}
+    merged_cfg, state = merge_lora(cfg, {**base.state, **moved, **adapters})
     print(f"merged the LoRA adapters of {args.lora_load} (rank {cfg.lora.r}, alpha {cfg.lora.alpha:g}, "
           f"{' '.join(cfg.lora.targets)}) into the weights of {args.load_dir}")
     return dataclasses.replace(base, cfg=merged_cfg, state=state)

@@ -189,8 +189,14 @@ _ETP1 = ("each TP rank holds its EP rank's experts whole and runs them on the wh
          "the DP ranks (megatron-core's may reach across TP ranks)")
 _CONVERT_ETP = ("mindspeed convert writes and reads the experts cut over TP as the dense MLP is; megatron-core's layout "
                 "for another expert TP size (whole experts in each TP rank's file for 1) is not built")
-_EP_ACROSS_TP = ("with --expert-tensor-parallel-size 1 megatron-core forms the EP group across TP and DP ranks (EP up to "
-                 "TP x DP); here the EP group is carved out of the DP ranks, so EP must divide the DP size")
+_EP_ACROSS_TP = ("with --expert-tensor-parallel-size 1 under TP (and --sequence-parallel, as megatron-core requires) the "
+                 "EP groups are megatron-core's: EP consecutive ranks of a stage, across the TP ranks first, then CP "
+                 "and DP (EP divides TP x CP x DP); each TP rank routes its own sequence-parallel share to the whole "
+                 "experts of its group (the load-balancing loss counts the whole sequences, each rank's router "
+                 "losses weigh 1 / TP, the router's gradient is summed over TP), expert gradients are reduced over "
+                 "the ranks holding the same experts")
+_TP_EXTEND_EP = ("MindSpeed's experts over EP x TP ranks, whole on each: megatron-core's EP-across-TP layout at "
+                 "--expert-model-parallel-size x --tensor-model-parallel-size (the expert-parallel-across-tp row)")
 _ETP = "the experts are cut over the model's TP ranks (the default) or kept whole (1); other sizes are not built"
 _ETP_INSTEAD = "--expert-tensor-parallel-size 1, or equal to --tensor-model-parallel-size"
 _CONVERT_LORA = ("--lora-load merges a LoRA run's adapters (ours, or a Megatron checkpoint in peft's names, whole or "
@@ -224,15 +230,22 @@ _MOE_COMPILE = ("a compiled MoE step routes on the device and runs every expert 
                 "parallelism's load-balancing counts are not built for it yet")
 _LORA_MOE = ("each expert gets its own adapter on its fc1 and fc2 (linear_fc1, linear_fc2 targets), stacked as the "
              "experts' weights are ([E, in, r] and [E, r, out], folded as W + (alpha / r) A B, without dropout, as "
-             "MindSpeed-LLM's grouped LoRA experts), the shared expert's linear layers as the dense MLP's, the router "
-             "frozen; under EP each rank holds its experts' adapters, under TP the factor on the cut side is cut "
+             "MindSpeed-LLM's grouped LoRA experts), the shared expert's linear layers as the dense MLP's, the router's "
+             "weights frozen (its expert bias moves with the loads, as in megatron-core, and is kept with the "
+             "adapters by --lora-ckpt-filter and taken by --lora-load); under EP each rank holds its experts' adapters, under TP the factor on the cut side is cut "
              "with its base and the other is whole with a partial gradient; merged by mindspeed convert --lora-load, "
              "read and written as SequentialMLP experts in peft's names (GroupedMLP's weight1_lora_a read too); "
-             "PEFT export refuses them")
+             "PEFT export refuses them. Latent attention with a query latent takes MindSpeed-LLM's linear_qkv target as one "
+             "adapter across its fused down-projections (A [r, hidden], B [q_lora + kv_lora + rope, r], its rows "
+             "added to the query's and the key/value's latents; whole on every TP rank with partial gradients)")
 _COMPILE_PACKED = ("--compile with packed sequences or instruction data is not built yet (the compiled loss takes no "
                    "positions, documents or loss mask)")
 _COMPILE_MEMORY = "--compile with activation recompute or --swap-attention is not built yet"
 _COMPILE_MEMORY_INSTEAD = "drop --compile or the memory flags"
+_LORA_MLA_QKV = ("MindSpeed-LLM's latent attention without a query latent fuses the whole query projection (cut by "
+                 "heads here) into its linear_qkv with the key/value down-projection; LoRA on that fused layer is not "
+                 "built (with --q-lora-rank it is: one adapter across both down-projections)")
+_LORA_MLA_QKV_INSTEAD = "--lora-target-modules linear_proj linear_fc1 linear_fc2"
 _ALIGN_CP = ("a preference or reward stage with context parallelism is not built yet: a reply's log-likelihood "
              "would need its sum over the context-parallel ranks")
 _COMPILE_ALIGN = "--compile with a preference or reward stage is not built yet"
@@ -766,8 +779,7 @@ FEATURES: tuple[Feature, ...] = (
             lambda a: any(getattr(a, f, None) for f in ("mtp_num_layers", "mtp_loss_scaling_factor",
                                                         "mtp_mem_efficient_logits"))),
     Feature("moe-tp-extend-ep", "Experts over TP x EP ranks (MindSpeed's --moe-tp-extend-ep)", "parallelism",
-            ("--moe-tp-extend-ep",), planned(instead="--expert-model-parallel-size"),
-            planned(instead="--expert-model-parallel-size"), _on("moe_tp_extend_ep")),
+            ("--moe-tp-extend-ep",), supported(_TP_EXTEND_EP), supported(_TP_EXTEND_EP), _on("moe_tp_extend_ep")),
     Feature("dualpipe", "The DualPipeV pipeline schedule (--schedules-method dualpipev)", "parallelism",
             ("--schedules-method dualpipev",),
             planned(instead="the 1F1B or interleaved schedule (--num-layers-per-virtual-pipeline-stage)"),
@@ -807,8 +819,7 @@ FEATURES: tuple[Feature, ...] = (
             and (getattr(a, "tensor_model_parallel_size", 1) or 1) > 1),
     Feature("expert-parallel-across-tp", "Expert parallelism reaching across the TP ranks (EP beyond DP)",
             "parallelism", ("--expert-model-parallel-size", "--expert-tensor-parallel-size"),
-            planned(_EP_ACROSS_TP, instead="an --expert-model-parallel-size that divides the data-parallel size"),
-            planned(_EP_ACROSS_TP, instead="an --expert-model-parallel-size that divides the data-parallel size")),
+            supported(_EP_ACROSS_TP), supported(_EP_ACROSS_TP)),
     Feature("convert-expert-tensor-parallel", "Megatron checkpoints with experts not cut as the model's TP",
             "tools", ("--expert-tensor-parallel-size",),
             planned(_CONVERT_ETP, instead="leave --expert-tensor-parallel-size out"),
@@ -858,6 +869,13 @@ FEATURES: tuple[Feature, ...] = (
             supported(_LORA_MOE), supported(_LORA_MOE),
             lambda a: _moe(a) and (getattr(a, "lora_r", None) is not None
                                    or getattr(a, "lora_target_modules", None) is not None)),
+    Feature("lora-latent-attention-qkv", "LoRA's linear_qkv target on latent attention without a query latent",
+            "combinations",
+            ("--lora-target-modules", "--multi-latent-attention"),
+            planned(_LORA_MLA_QKV, instead=_LORA_MLA_QKV_INSTEAD), planned(_LORA_MLA_QKV, instead=_LORA_MLA_QKV_INSTEAD),
+            lambda a: bool(getattr(a, "multi_latent_attention", False)) and getattr(a, "q_lora_rank", None) is None
+            and (getattr(a, "lora_r", None) is not None or getattr(a, "lora_target_modules", None) is not None)
+            and "linear_qkv" in (getattr(a, "lora_target_modules", None) or ("linear_qkv",))),
     Feature("mtp-context-parallel", "Multi-token prediction with context parallelism", "combinations",
             ("--mtp-num-layers", "--context-parallel-size"),
             planned(_MTP_CP, instead=_MTP_LAYOUTS), planned(_MTP_CP, instead=_MTP_LAYOUTS),

@@ -375,11 +375,13 @@ class ModelConfig:
                     raise ValueError(f"multi-latent attention has {name} {value} (each head its own key and value, "
                                      f"of qk_nope_head_dim + qk_rope_head_dim features), got {getattr(self, name)}")
                 object.__setattr__(self, name, value)
-            # LoRA's linear_qkv target matches no layer of latent attention (as peft's name match
-            # finds none there); its linear_proj and the MLPs are adapted
-            if self.lora is not None and set(self.lora.targets) == {"linear_qkv"}:
-                raise ValueError("LoRA adapters target linear_qkv only, which multi-latent attention does not have: "
-                                 "target linear_proj, linear_fc1 or linear_fc2 too")
+            # MindSpeed-LLM's latent attention fuses the down-projections into one linear_qkv that LoRA
+            # adapts as one layer (models/lora.py FusedAdapter); without a query latent its linear_qkv
+            # holds the query projection too, which is not built (features: lora-latent-attention-qkv)
+            if self.lora is not None and "linear_qkv" in self.lora.targets and self.mla.q_lora_rank is None:
+                raise ValueError("LoRA's linear_qkv target on multi-latent attention without a query latent "
+                                 "(--q-lora-rank) is not built: --lora-target-modules linear_proj linear_fc1 "
+                                 "linear_fc2 (lora-latent-attention-qkv)")
             if self.position_embedding_type != "rope" or self.rotary_percent != 1.0:
                 raise ValueError("multi-latent attention rotates its qk_rope_head_dim features: it needs rope "
                                  "position embeddings and no rotary_percent")

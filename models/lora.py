@@ -119,6 +119,22 @@ def expert_adapter(experts, which: str, x, counts=None, expert: int | None = Non
     return low * experts.lora_scale
 
 
+class FusedAdapter(nn.Module):
+    """An adapter with no base layer of its own: MindSpeed-LLM's latent attention fuses the
+    query and key/value down-projections into one linear_qkv, which its LoRA target adapts with
+    one A [r, hidden] and one B [q_lora_rank + kv_lora_rank + rope, r]; here the two
+    projections are megatron-core's own layers, and this adapter's output, split by rows, is
+    added to theirs (models/mla.py). Named ``self_attention.linear_qkv.lora_A.weight``."""
+
+    def __init__(self, n_in: int, n_out: int, lora: LoRAConfig):
+        super().__init__()
+        attach(self, np.zeros((lora.r, n_in), np.float32), np.zeros((n_out, lora.r), np.float32), lora.scale,
+               lora.dropout)
+
+    def forward(self, x):
+        return adapter_output(self, x)
+
+
 class LoRALinear(nn.Module):
     """A base linear layer (models.layers.Linear's weights, the same initialisation draws)
     plus an adapter whose factors start at zero (``init_adapters`` fills A)."""

@@ -28,7 +28,7 @@ import math
 
 from mindspeed_core import composite, features, nn, ops
 from mindspeed_core.memory import recompute
-from mindspeed_core.models import rope
+from mindspeed_core.models import lora, rope
 from mindspeed_core.models.gpt import SINGLE_DEVICE, linear, layer_scores
 from mindspeed_core.models.layers import Linear, make_norm
 
@@ -70,14 +70,27 @@ class MLASelfAttention(nn.Module):
         if cfg.qk_layernorm:
             self.kv_layernorm = make_norm(cfg, mla.kv_lora_rank)
         self.linear_kv_up_proj = Linear(mla.kv_lora_rank, heads * (mla.qk_nope_head_dim + mla.v_head_dim), False, std)
+        if cfg.lora is not None and "linear_qkv" in cfg.lora.targets:  # MindSpeed-LLM's fused down-projections'
+            self.linear_qkv = lora.FusedAdapter(h, mla.q_lora_rank + mla.kv_lora_rank + mla.qk_rope_head_dim, cfg.lora)
         out_std = std / math.sqrt(2.0 * cfg.num_layers)
         self.linear_proj = linear(cfg, "linear_proj", heads * mla.v_head_dim, h, bias, out_std)
         self.scale = softmax_scale(cfg)
 
-    def _queries(self, x):
+    def _down_adapter(self, x):
+        """The fused down-projections' LoRA output split as the query latent's and the key/value
+        latent's (with the rotated key), or (None, None)."""
+        adapter = getattr(self, "linear_qkv", None)
+        if adapter is None:
+            return None, None
+        mla = self.cfg.mla
+        return ops.split(adapter(x), [mla.q_lora_rank, mla.kv_lora_rank + mla.qk_rope_head_dim], dim=-1)
+
+    def _queries(self, x, low=None):
         if self.cfg.mla.q_lora_rank is None:
             return self.linear_q_proj(x)
         latent = self.linear_q_down_proj(x)
+        if low is not None:
+            latent = latent + low
         if self.cfg.qk_layernorm:
             latent = self.recompute_policy.norm_of(self.q_layernorm, latent)
         return self.linear_q_up_proj(latent)
@@ -95,11 +108,14 @@ class MLASelfAttention(nn.Module):
         groups, per_group = seams.heads(cfg)
         heads = groups * per_group  # this rank's
         features.note_used("multi-latent-attention")
-        q = self._queries(x)
+        low_q, low_kv = self._down_adapter(x)
+        q = self._queries(x, low_q)
         b, s = q.shape[0], q.shape[1]  # the full sequence, also under sequence parallelism
         q_nope, q_rope = ops.split(ops.reshape(q, (b, s, heads, mla.qk_head_dim)),
                                    [mla.qk_nope_head_dim, mla.qk_rope_head_dim], dim=-1)
         combined = self.linear_kv_down_proj(x)
+        if low_kv is not None:
+            combined = combined + low_kv
         latent, k_rope = ops.split(combined, [mla.kv_lora_rank, mla.qk_rope_head_dim], dim=-1)
         if cfg.qk_layernorm:
             latent = self.recompute_policy.norm_of(self.kv_layernorm, latent)

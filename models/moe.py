@@ -17,6 +17,7 @@ and expert parallelism.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -156,7 +157,7 @@ def gradient_sinks(moe_layers) -> dict:
     the same arithmetic as without the flag. Returns {id(weight): sink}."""
     sinks = {}
     for layer in moe_layers:
-        if not layer.grouped or lora.expert_factors(layer.experts):  # LoRA: the base weights are frozen
+        if not layer.grouped:
             continue
         experts = layer.experts
         pair = tuple(nn.Parameter(np.zeros(tuple(w.shape), np.float32)) for w in (experts.weight1, experts.weight2))
@@ -201,10 +202,15 @@ class MoESeams:
                         [groups, E] assignments of this rank's share of the sequences ->
                         (those of the whole sequences, how many shares each is cut in):
                         the load-balancing loss's fractions (context parallelism)
+    loss_share()        the weight of this rank's aux and z losses (1 / TP where the TP
+                        ranks route shares and their router gradients are summed)
     """
 
     def sequence_counts(self, counts):
         return counts, 1
+
+    def loss_share(self) -> float:
+        return 1.0
 
     def layer_input(self, x):
         return x
@@ -313,8 +319,12 @@ class MoELayer(nn.Module):
             features.note_used("moe-compile")
             routing = self.routing = router.route_on_device(logits, self.moe, bias, sequences=b)
             y = self.experts.dense(seams.expert_input(flat), routing.combine, seams.expert_output)
-            return self._output(y, x, flat)
+            return self._output(y, x)
         routing = self.routing = router.route(logits, self.moe, bias, sequences=b, counts_over=seams.sequence_counts)
+        share = seams.loss_share()
+        if share != 1.0:
+            routing = self.routing = dataclasses.replace(routing, aux_loss=routing.aux_loss * share,
+                                                         z_loss=routing.z_loss * share)
         if self.grouped:
             features.note_used("gmm")
         if not recompute.recomputing():  # a recomputation in backward routes the same tokens again
@@ -326,14 +336,14 @@ class MoELayer(nn.Module):
             stats["tokens_per_expert"] += routing.tokens_per_expert
         pad_to = router.capacity(b * s, self.moe) if self.moe.pad_to_capacity else None
         y = seams.dispatch(self.experts, seams.expert_input(flat), routing, self.grouped, pad_to)
-        return self._output(y, x, flat)
+        return self._output(y, x)
 
-    def _output(self, y, x, flat):
+    def _output(self, y, x):
         """The experts' weighted rows [T, h] (float32) plus the shared expert, as the layer's output."""
-        y = ops.cast(y, ops.dtype_of(x))
-        if self.shared_experts is not None:
-            y = y + self.shared_experts(flat)
-        return self.seams.layer_output(ops.reshape(y, x.shape))
+        y = ops.reshape(ops.cast(y, ops.dtype_of(x)), x.shape)
+        if self.shared_experts is not None:  # [b, s, h]: under TP with token shares it gathers the sequence
+            y = y + self.shared_experts(x)
+        return self.seams.layer_output(y)
 
 
 def assignment_order(routing: router.Routing) -> np.ndarray:

@@ -31,6 +31,13 @@ def is_adapter(name: str) -> bool:
     return any(tag in name for tag in ADAPTER_TAGS)
 
 
+def moved_under_lora(name: str) -> bool:
+    """Whether a LoRA run moves tensor ``name``: its adapters, and the routers' expert biases
+    (aux-loss-free balancing updates them from the loads during LoRA too, as megatron-core's):
+    what an adapters-only checkpoint holds and --lora-load takes."""
+    return is_adapter(name) or is_expert_bias(name)
+
+
 def adapter_shapes(cfg) -> dict:
     """{name: shape} of every LoRA factor the config's model holds (models/gpt.py's linear
     layers named in ``cfg.lora.targets``, no-op layers none; an MoE layer's on its shared
@@ -42,11 +49,15 @@ def adapter_shapes(cfg) -> dict:
     def glu(size):
         return 2 * size if cfg.gated else size
 
-    # latent attention (models/mla.py) has no linear_qkv, and its linear_proj takes the heads' values
+    # latent attention (models/mla.py): linear_qkv is the adapter of its fused down-projections
+    # (MindSpeed-LLM's), and its linear_proj takes the heads' values
+    mla = cfg.mla
     attention = ({"self_attention.linear_qkv": (cfg.hidden_size, cfg.qkv_width),
                   "self_attention.linear_proj": (cfg.num_attention_heads * cfg.kv_channels, cfg.hidden_size)}
-                 if cfg.mla is None else
-                 {"self_attention.linear_proj": (cfg.num_attention_heads * cfg.mla.v_head_dim, cfg.hidden_size)})
+                 if mla is None else
+                 {"self_attention.linear_qkv": (cfg.hidden_size, (mla.q_lora_rank or 0) + mla.kv_lora_rank
+                                                + mla.qk_rope_head_dim),
+                  "self_attention.linear_proj": (cfg.num_attention_heads * mla.v_head_dim, cfg.hidden_size)})
     linears = {**attention,
                "mlp.linear_fc1": (cfg.hidden_size, glu(cfg.ffn_hidden_size)),
                "mlp.linear_fc2": (cfg.ffn_hidden_size, cfg.hidden_size)}
@@ -64,6 +75,8 @@ def adapter_shapes(cfg) -> dict:
             continue
         moe = cfg.is_moe_layer(i)
         for module, (n_in, n_out) in (moe_linears if moe else linears).items():
+            if module.startswith("self_attention.") and cfg.is_linear_layer(i):
+                continue  # gated DeltaNet's projections take no adapters
             if module.rsplit(".", 1)[1] in cfg.lora.targets:
                 out[f"decoder.layers.{i}.{module}.lora_A.weight"] = (r, n_in)
                 out[f"decoder.layers.{i}.{module}.lora_B.weight"] = (n_out, r)
@@ -112,9 +125,14 @@ def merge_lora(cfg, state: dict) -> tuple:
         base = name.replace(".lora_A.", ".")  # x.lora_A.weight -> x.weight; experts.lora_A.weight1 -> experts.weight1
         a = np.asarray(state[name], np.float64)
         b = np.asarray(state[name.replace(".lora_A.", ".lora_B.")], np.float64)
-        w = np.asarray(out[base])
         delta = a @ b if a.ndim == 3 else b @ a  # the experts' [E, in, r] @ [E, r, out]; a linear's [out, r] @ [r, in]
-        out[base] = (w.astype(np.float64) + cfg.lora.scale * delta).astype(w.dtype)
+        # latent attention's fused adapter: its rows go to the query's and the key/value's down-projections
+        parts = ([(base, delta)] if base in out else
+                 [(base.replace("linear_qkv.", f"{p}."), d) for p, d in zip(
+                     ("linear_q_down_proj", "linear_kv_down_proj"), np.split(delta, [cfg.mla.q_lora_rank]))])
+        for target, d in parts:
+            w = np.asarray(out[target])
+            out[target] = (w.astype(np.float64) + cfg.lora.scale * d).astype(w.dtype)
     return dataclasses.replace(cfg, lora=None), out
 
 

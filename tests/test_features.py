@@ -171,6 +171,7 @@ COMBINATIONS = [  # row -> flags that ask for it (each feature alone is built)
     ("moe-compile-routing", ["--num-experts", "4", "--compile", "--context-parallel-size", "2"]),
     ("moe-compile-routing", ["--num-experts", "4", "--compile", "--expert-model-parallel-size", "2"]),
     ("moe-compile-routing", ["--num-experts", "4", "--compile", "--moe-expert-capacity-factor", "1.0"]),
+    ("lora-latent-attention-qkv", ["--multi-latent-attention", "--lora-r", "8"]),
     ("compile-packed-sequences", ["--compile", "--reset-attention-mask"]),
     ("compile-packed-sequences", ["--compile", "--stage", "sft"]),
     ("compile-recompute", ["--compile", "--recompute-activations"]),

@@ -314,32 +314,46 @@ def test_training_from_a_megatron_lora_run_takes_it_merged_or_with_its_adapters(
         assert code == 2 and message in err and "Traceback" not in err, err
 
 
-# LoRA on a mixture of experts: the second layer top-2 of 4 experts (grouped GEMM) beside a
-# shared expert, from a base trained in full for one step
+# LoRA on a mixture of experts: the second layer top-2 of 4 SwiGLU experts (grouped GEMM) beside a
+# shared expert, steered by an expert bias that each step's loads move (fast here), from a base
+# trained in full for one step
 MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "48",
-       "--moe-shared-expert-intermediate-size", "32", "--first-k-dense-replace", "1", "--moe-grouped-gemm"]
+       "--moe-shared-expert-intermediate-size", "32", "--first-k-dense-replace", "1", "--moe-grouped-gemm", "--swiglu",
+       "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate",
+       "0.05"]
+BIAS = "decoder.layers.1.mlp.router.expert_bias"
 EXPERT_FACTORS = [f"decoder.layers.1.mlp.experts.lora_{f}.weight{k}" for f in "AB" for k in (1, 2)]
 
 
 @pytest.fixture(scope="module")
 def moe_runs(runs):
     tmp = runs["tmp"]
-    base, run = tmp / "moe-base", tmp / "moe-lora"
+    base, run, filtered = tmp / "moe-base", tmp / "moe-lora", tmp / "moe-lora-filtered"
     train("--data-path", runs["data"], *MOE, "--train-iters", "1", "--save", str(base))
-    train("--data-path", runs["data"], *MOE, *LORA, "--load", str(base), "--train-iters", "3", "--save", str(run))
+    for folder, extra in ((run, []), (filtered, ["--lora-ckpt-filter"])):
+        train("--data-path", runs["data"], *MOE, *LORA, "--load", str(base), "--train-iters", "3", "--save",
+              str(folder), *extra)
     cfg = ModelConfig.from_dict(checkpoint.read_meta(str(run), 3)["model"])
-    return dict(runs, moe_base=str(base), moe_run=str(run), moe_cfg=cfg,
+    return dict(runs, moe_base=str(base), moe_run=str(run), moe_filtered=str(filtered), moe_cfg=cfg,
                 moe_arrays=checkpoint.load_model_arrays(str(run), 3))
 
 
 def _folded(cfg, arrays) -> dict:
     """The test's own fold, in float64: a linear layer's W [out, in] + s B A, an expert's
-    W[e] [in, out] + s A[e] B[e]."""
+    W[e] [in, out] + s A[e] B[e]; latent attention's fused linear_qkv adapter's rows onto the
+    query's down-projection (the first q_lora_rank) and the key/value's (the rest)."""
     out = {k: np.asarray(v, np.float64) for k, v in arrays.items() if not lora.is_adapter(k)}
     for name in arrays:
         if ".lora_A." in name:
             a, b = (np.asarray(arrays[n], np.float64) for n in (name, name.replace(".lora_A.", ".lora_B.")))
-            out[name.replace(".lora_A.", ".")] += cfg.lora.scale * (a @ b if a.ndim == 3 else b @ a)
+            delta = cfg.lora.scale * (a @ b if a.ndim == 3 else b @ a)
+            base = name.replace(".lora_A.", ".")
+            if base in out:
+                out[base] += delta
+            else:
+                q = cfg.mla.q_lora_rank
+                out[base.replace("linear_qkv", "linear_q_down_proj")] += delta[:q]
+                out[base.replace("linear_qkv", "linear_kv_down_proj")] += delta[q:]
     return out
 
 
@@ -347,9 +361,10 @@ def _folded(cfg, arrays) -> dict:
 @pytest.mark.feature("lora")
 @pytest.mark.parametrize("grouped", [True, False], ids=["grouped", "expert-by-expert"])
 def test_lora_on_experts_trains_their_adapters_only_and_equals_the_folded_model(moe_runs, grouped):
-    """Each expert's fc1 and fc2 adapters and the shared expert's train, the base (router too)
-    stays bit for bit; the LoRA model's logits, through the grouped and the expert-by-expert
-    path, equal the model with the adapters folded in by this test."""
+    """Each expert's fc1 and fc2 adapters and the shared expert's train, the base (the router's
+    weights too) stays bit for bit while the expert bias moves with the loads; a filtered
+    checkpoint holds the adapters and that bias; the LoRA model's logits, through the grouped and
+    the expert-by-expert path, equal the model with the adapters folded in by this test."""
     cfg, arrays = moe_runs["moe_cfg"], moe_runs["moe_arrays"]
     base = checkpoint.load_model_arrays(moe_runs["moe_base"], 1)
     adapters = {n for n in arrays if lora.is_adapter(n)}
@@ -359,7 +374,10 @@ def test_lora_on_experts_trains_their_adapters_only_and_equals_the_folded_model(
     assert arrays["decoder.layers.1.mlp.experts.lora_B.weight2"].shape == (4, 4, 32)
     assert sorted(set(arrays) - adapters) == sorted(base)
     for name, value in base.items():
-        assert np.array_equal(arrays[name], value), name
+        assert np.array_equal(arrays[name], value) != (name == BIAS), name
+    kept = checkpoint.load_model_arrays(moe_runs["moe_filtered"], 3)
+    assert sorted(kept) == sorted(adapters | {BIAS})
+    assert all(np.array_equal(kept[n], arrays[n]) for n in kept)
     for name in EXPERT_FACTORS:  # B moved from zero (an expert that routed prompt tokens only has no gradient)
         assert ".lora_A." in name or np.abs(arrays[name]).max() > 0, name
     ids = np.arange(40, 100, dtype=np.int64)[None]
@@ -378,8 +396,9 @@ def test_lora_on_experts_trains_their_adapters_only_and_equals_the_folded_model(
 
 def _grouped_megatron(folder, cfg, arrays) -> None:
     """The run as MindSpeed-LLM's LoRA run with GroupedMLP experts saves it (one rank): weight1
-    [hidden, E x width], weight2 [E x ffn, hidden], and LoraParallelGroupedMLP's factors, flat
-    views of ours ([E, in, r] and [E, r, out])."""
+    [hidden, E x width] and weight2 [E x ffn, hidden], flat views of [E, hidden, width] and
+    [E, ffn, hidden] (its converter's cat(experts).view(hidden, -1)), and LoraParallelGroupedMLP's
+    factors, flat views of ours ([E, in, r] and [E, r, out])."""
     mcore.save(str(folder), 3, cfg, arrays, mcore.Layout())
     path = next(folder.rglob(mcore.FILE))
     state = torch_pickle.load(str(path))
@@ -388,7 +407,7 @@ def _grouped_megatron(folder, cfg, arrays) -> None:
         del model[key]
     ours = "decoder.layers.1.mlp.experts."
     w1, w2 = arrays[ours + "weight1"], arrays[ours + "weight2"]
-    model[prefix + "weight1"] = w1.transpose(1, 0, 2).reshape(w1.shape[1], -1)
+    model[prefix + "weight1"] = w1.reshape(w1.shape[1], -1)
     model[prefix + "weight2"] = w2.reshape(-1, w2.shape[2])
     for which in ("weight1", "weight2"):
         a, b = arrays[f"{ours}lora_A.{which}"], arrays[f"{ours}lora_B.{which}"]
@@ -424,20 +443,26 @@ def test_expert_adapters_cross_megatrons_layout_and_merge(capsys, moe_runs, tmp_
     assert sorted(got) == sorted(want)
     for name, value in want.items():
         assert np.abs(got[name] - value).max() <= 1e-6 * max(np.abs(value).max(), 1.0), name
+    # the filtered run (adapters and the expert bias it moved) merges into the base the same way
+    _convert(capsys, "--load-model-type", "mg", "--save-model-type", "mg", "--load-dir", moe_runs["moe_base"],
+             "--lora-load", moe_runs["moe_filtered"], "--save-dir", str(tmp_path / "merged-filtered"))
+    again = mcore.load(str(tmp_path / "merged-filtered")).state
+    assert all(np.array_equal(again[n], got[n]) for n in got)
     code = cli.main(["convert", "--load-model-type", "mg", "--save-model-type", "hf", "--load-dir", moe_runs["moe_run"],
                      "--save-lora-to-hf", "--save-dir", str(tmp_path / "peft")])
     err = capsys.readouterr().err
-    assert code == 2 and "mixture of experts' adapters is not built" in err and err.count("\n") == 1, err
+    assert code == 2 and "adapters on a mixture of experts' MLPs is not built" in err and err.count("\n") == 1, err
 
 
 @pytest.mark.feature("lora")
 @pytest.mark.feature("lora-moe")
 @pytest.mark.feature("multi-latent-attention")
-def test_lora_on_latent_attention_adapts_its_output_projection_and_the_experts():
+def test_lora_on_latent_attention_adapts_its_output_projection_and_the_experts(tmp_path):
     """DeepSeek's LoRA lines target linear_qkv linear_proj linear_fc1 linear_fc2: latent
-    attention has no linear_qkv (peft's match finds none there), its linear_proj (the heads'
-    values in) is adapted, and the MoE layer's experts and shared expert; with random factors the
-    logits equal the model folded by this test; linear_qkv alone is one clear error."""
+    attention's linear_qkv is MindSpeed-LLM's fused down-projections (one adapter across the
+    query's and the key/value's), its linear_proj takes the heads' values, and the MoE layer's
+    experts and shared expert are adapted; with random factors the logits equal the model folded
+    by this test. Without a query latent the linear_qkv target is refused."""
     from mindspeed_core.models.config import LoRAConfig, MLAConfig, MoEConfig
     from mindspeed_core.models.state import adapter_shapes
 
@@ -447,7 +472,8 @@ def test_lora_on_latent_attention_adapts_its_output_projection_and_the_experts()
                       lora=LoRAConfig(r=4, alpha=8.0), init_method_std=0.05)
     shapes = adapter_shapes(cfg)
     assert shapes["decoder.layers.0.self_attention.linear_proj.lora_A.weight"] == (4, 4 * 12)
-    assert not any("linear_qkv" in n for n in shapes) and set(EXPERT_FACTORS) <= set(shapes)
+    assert shapes["decoder.layers.1.self_attention.linear_qkv.lora_B.weight"] == (24 + 16 + 8, 4)
+    assert set(EXPERT_FACTORS) <= set(shapes)
     model = registry.for_config(cfg).build(cfg)
     rng = np.random.default_rng(5)
     arrays = {n: (rng.normal(0, 0.2, shapes[n]).astype(np.float32) if n in shapes else ops.to_numpy(p))
@@ -461,5 +487,12 @@ def test_lora_on_latent_attention_adapts_its_output_projection_and_the_experts()
         logits.append(ops.to_numpy(m(ops.tensor(ids))).astype(np.float64))
     scale = np.abs(logits[0]).max()
     assert np.abs(logits[0] - logits[1]).max() <= 1e-5 * scale
-    with pytest.raises(ValueError, match="linear_qkv only, which multi-latent attention does not have"):
-        dataclasses.replace(cfg, lora=LoRAConfig(r=4, alpha=8.0, targets=("linear_qkv",)))
+    # in Megatron's layout at TP2 x EP2 (peft's names; the fused adapter whole on each TP rank) and back
+    mcore.save(str(tmp_path / "mg"), 1, cfg, arrays, mcore.Layout(tp=2, ep=2))
+    back = mcore.load(str(tmp_path / "mg")).state
+    assert sorted(back) == sorted(arrays) and all(np.array_equal(back[n], arrays[n]) for n in arrays)
+    merged_cfg, merged = lora.merge(cfg, arrays)  # what generation and conversion load
+    for name, value in _folded(cfg, arrays).items():
+        assert np.abs(merged[name] - value).max() <= 1e-6 * max(np.abs(value).max(), 1.0), name
+    with pytest.raises(ValueError, match="linear_qkv target on multi-latent attention without a query latent"):
+        dataclasses.replace(cfg, mla=dataclasses.replace(mla, q_lora_rank=None))

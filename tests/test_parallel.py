@@ -84,17 +84,19 @@ HYBRID = QK_NORM + ["--spec", "mindspeed_llm.tasks.models.spec.qwen3_next_spec",
 HYBRID_MOE = HYBRID + ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "64",
                        "--moe-shared-expert-intermediate-size", "64", "--shared-expert-gate", "--norm-topk-prob",
                        "--first-k-dense-replace", "1", "--moe-aux-loss-coeff", "0.01"]
-# LoRA on a mixture of experts with a shared expert (grouped GEMM): per-expert adapters on fc1
-# and fc2, the shared expert's as the dense MLP's
+# LoRA on a mixture of SwiGLU experts with a shared expert (grouped GEMM): per-expert adapters on
+# fc1 (its B cut as the gate and up halves under TP) and fc2, the shared expert's as the dense MLP's
 LORA_MOE = MOE + ["--stage", "sft", "--lora-r", "4", "--lora-alpha", "8", "--moe-shared-expert-intermediate-size",
-                  "32", "--moe-grouped-gemm"]
+                  "32", "--moe-grouped-gemm", "--swiglu"]
 MODELS = {"gqa": GQA, "mha": MHA, "moe": MOE, "sft": SFT, "lora": LORA, "dpo": DPO, "qk-norm": QK_NORM, "hybrid": HYBRID,
           "hybrid-moe": HYBRID_MOE,
           "dpo-lora": DPO + ["--lora-r", "4", "--lora-alpha", "8"], "simpo": SIMPO, "orm": ORM, "prm": PRM,
-          "gemma2": GEMMA2, "mla": MLA, "mla-moe": MLA_MOE, "gpt-oss": GPT_OSS, "lora-moe": LORA_MOE}
+          "gemma2": GEMMA2, "mla": MLA, "mla-moe": MLA_MOE, "gpt-oss": GPT_OSS, "lora-moe": LORA_MOE,
+          # LoRA on latent attention: MindSpeed-LLM's fused down-projections' adapter (linear_qkv), linear_proj's
+          "mla-lora": MLA + ["--lora-r", "4", "--lora-alpha", "8"]}
 # a LoRA factor A has no gradient in the first step (its B starts at zero): these models'
 # gradient records are their second step's, where a wrong cut or reduction of A shows
-GRADS_AT = {"lora": 1, "dpo-lora": 1, "lora-moe": 1}
+GRADS_AT = {"lora": 1, "dpo-lora": 1, "lora-moe": 1, "mla-lora": 1}
 ITERS = 6  # the single-process reference curves of the models whose checkpoints are resumed below
 TP4_SAVES = ITERS - 1  # the TP4 run resumed from TP2 saves there and stops; TP1 continues it
 RESUMED = ("gqa", "moe", "dpo", "mla-moe", "gpt-oss", "hybrid", "lora-moe")  # the others' reference curves stop at LAYOUT_ITERS
@@ -297,13 +299,27 @@ CASES = [  # (id, ranks, model, flags): the cases of each rank count share one l
     ("moe-ep2-alltoall", 2, "moe", ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall",
                                     "--save", "{tmp}/ep2-ckpt", "--ckpt-format", "torch_dist"]),  # resumed at EP1 below
     ("moe-ep2-allgather", 2, "moe", ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "allgather"]),
+    # EP2 with no data parallelism at all: the EP group is the TP pair (--expert-tensor-parallel-size 1),
+    # each rank routing its sequence-parallel share; saved in torch_dist (each TP rank writes its own
+    # experts) and continued in one process below
+    ("moe-tp2-sp-ep2-etp1", 2, "moe", ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                       "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1",
+                                       "--moe-token-dispatcher-type", "allgather", "--save", "{tmp}/ep-over-tp-ckpt",
+                                       "--ckpt-format", "torch_dist"]),
     ("moe-ep4-alltoall", 4, "moe", ["--expert-model-parallel-size", "4", "--moe-token-dispatcher-type", "alltoall"]),
     ("moe-ep4-allgather", 4, "moe", ["--expert-model-parallel-size", "4"]),
     # with the experts whole on each TP rank (--expert-tensor-parallel-size 1, as MindSpeed-LLM's Qwen3-MoE and
-    # DeepSeek-V3 scripts ask); experts cut over TP with EP: gpt-oss-tp2-sp-ep2-selective below
+    # DeepSeek-V3 scripts ask): megatron-core's EP groups across the TP ranks (here the TP pairs), each
+    # routing its sequence-parallel share; experts cut over TP with EP: gpt-oss-tp2-sp-ep2-selective below
+    # (the distributed optimizer sharding the expert state over the ranks holding the same experts)
     ("moe-ep2-tp2-sp-etp1-selective", 4, "moe", ["--expert-model-parallel-size", "2", "--tensor-model-parallel-size",
                                                  "2", "--sequence-parallel", "--moe-token-dispatcher-type", "alltoall",
-                                                 "--expert-tensor-parallel-size", "1", "--recompute-activations"]),
+                                                 "--expert-tensor-parallel-size", "1", "--recompute-activations",
+                                                 "--use-distributed-optimizer"]),
+    # MindSpeed's --moe-tp-extend-ep: EP2 over the DP ranks extended over TP2, one expert a rank
+    ("moe-tp2-sp-ep2-tp-extend-ep", 4, "moe", ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                               "--expert-model-parallel-size", "2", "--moe-tp-extend-ep",
+                                               "--moe-token-dispatcher-type", "alltoall"]),
     ("moe-ep2-dp4-distopt", 4, "moe", ["--expert-model-parallel-size", "2", "--use-distributed-optimizer",
                                        "--moe-token-dispatcher-type", "alltoall", "--ddp-bucket-size", "3000"]),
     ("moe-ep2-dp4-distopt-overlap", 4, "moe", ["--expert-model-parallel-size", "2", "--use-distributed-optimizer",
@@ -323,6 +339,15 @@ CASES = [  # (id, ranks, model, flags): the cases of each rank count share one l
     # the up-projections split by head, the down-projections (and the latents' norms) whole
     # with gradients summed over the heads of each rank
     ("mla-tp2-sp", 2, "mla", ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+    # DeepSeek-V3's layer with EP2 across the TP pair: the shared expert on the gathered sequence beside
+    # each rank's routed share, the expert bias moved by the loads summed over both shares, the MTP module
+    ("mla-moe-tp2-sp-ep2-etp1", 2, "mla-moe", ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                               "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size",
+                                               "1", "--moe-token-dispatcher-type", "alltoall"]),
+    # the fused down-projections' adapter whole on both ranks beside them, its gradient summed over the
+    # heads (without SP, where nothing else sums it), and on the gathered sequence under SP
+    ("mla-lora-tp2", 2, "mla-lora", ["--tensor-model-parallel-size", "2"]),
+    ("mla-lora-tp2-sp", 2, "mla-lora", ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
     # saved (the expert bias with the weights) and resumed in one process below
     ("mla-moe-ep2", 2, "mla-moe", ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall",
                                    "--save", "{tmp}/mla-moe-ckpt"]),
@@ -382,6 +407,11 @@ CP_CASES = [  # (id, model, flags)
     ("cp2-moe-ep2", "moe", ["--context-parallel-size", "2", "--expert-model-parallel-size", "2",
                             "--moe-token-dispatcher-type", "alltoall", "--use-distributed-optimizer",
                             "--save", "{tmp}/cp-moe-ckpt"]),
+    # ... with the experts whole on each TP rank: EP4 across TP2 x CP2 (megatron-core's layout, as
+    # MindSpeed-LLM's Qwen3-30B-A3B 256K line runs it), each rank routing its CP and SP share
+    ("cp2-tp2-sp-ep4-etp1", "moe", ["--context-parallel-size", "2", "--tensor-model-parallel-size", "2",
+                                    "--sequence-parallel", "--expert-model-parallel-size", "4",
+                                    "--expert-tensor-parallel-size", "1", "--moe-token-dispatcher-type", "alltoall"]),
 ]
 
 
@@ -629,6 +659,7 @@ def four_ranks(corpus, data, two_ranks, null_corpus, hf_references, tmp_path_fac
 @pytest.mark.feature("stage-simpo")
 @pytest.mark.feature("stage-orm")
 @pytest.mark.feature("grad-reduce-overlap")
+@pytest.mark.feature("expert-parallel-across-tp")
 def test_two_rank_layouts_equal_single_process(capsys, framework, corpus, two_ranks, reference,  # noqa: F811
                                                tmp_path):
     check_cases(framework, two_ranks / "out", 2, ranks_cases(2), reference)
@@ -637,6 +668,9 @@ def test_two_rank_layouts_equal_single_process(capsys, framework, corpus, two_ra
     resume_in_one_process(capsys, corpus, two_ranks / "ep2-ckpt", MOE, reference["moe"], "DP=2", tmp_path / "moe")
     resume_in_one_process(capsys, corpus, two_ranks / "mla-moe-ckpt", MLA_MOE, reference["mla-moe"], "DP=2",
                           tmp_path / "mla-moe")
+    # EP across TP: each TP rank wrote its own experts
+    resume_in_one_process(capsys, corpus, two_ranks / "ep-over-tp-ckpt", MOE, reference["moe"], "TP=2",
+                          tmp_path / "ep-over-tp")
 
 
 @pytest.mark.multiprocess
@@ -722,6 +756,8 @@ def resume_in_one_process(capsys, corpus, folder, model, want, saved_layout, tmp
 @pytest.mark.feature("attention-sinks")
 @pytest.mark.feature("expert-tensor-parallel")
 @pytest.mark.feature("lora-moe")
+@pytest.mark.feature("expert-parallel-across-tp")
+@pytest.mark.feature("moe-tp-extend-ep")
 def test_four_rank_layouts_equal_single_process(capsys, framework, data, four_ranks, reference, tmp_path):
     check_cases(framework, four_ranks / "out", 4, ranks_cases(4), reference)
     # the PP2 x DP2 DPO checkpoint goes on in one process, past the iterations it was saved for:
@@ -742,6 +778,7 @@ def check_layout(out: str, ranks: int, flags: list, batch: int) -> None:
     if cp > 1:
         assert f"CP={cp}" in out, out
     ep = int(flags[flags.index("--expert-model-parallel-size") + 1]) if "--expert-model-parallel-size" in flags else 1
+    ep *= tp if "--moe-tp-extend-ep" in flags else 1
     if ep > 1:
         assert f"EP={ep}" in out, out
     if "--use-distributed-optimizer" in flags:
@@ -749,8 +786,11 @@ def check_layout(out: str, ranks: int, flags: list, batch: int) -> None:
         mine, full = (float(w) for w in re.findall(r"([0-9.]+) MiB", line))
         if ep == 1:
             assert abs(mine / full - 3 / (2 * dp * cp)) < 0.05, line  # 3 fp32 copies / (DP x CP) ranks vs 2 copies
-        else:  # expert state over the DP / EP ranks holding the same experts (x CP), the rest over DP x CP
-            assert 3 / (2 * dp * cp) < mine / full < 3 / (2 * (dp // ep) * cp), line
+        else:  # expert state over the ranks holding the same experts (x CP), the rest over DP x CP
+            across_tp = "--expert-tensor-parallel-size" in flags or "--moe-tp-extend-ep" in flags
+            edp = tp * dp // ep if across_tp else dp // ep  # EP across TP x DP, or within DP
+            low, high = 3 / (2 * max(dp, edp) * cp), 3 / (2 * min(dp, edp) * cp)
+            assert low - 0.05 < mine / full < high + 0.05, line
 
 
 @pytest.mark.multiprocess
@@ -765,6 +805,7 @@ def check_layout(out: str, ranks: int, flags: list, batch: int) -> None:
 @pytest.mark.feature("ulysses-kv-copies")
 @pytest.mark.feature("cp-send-recv-overlap")
 @pytest.mark.feature("moe-context-parallel")
+@pytest.mark.feature("expert-parallel-across-tp")
 def test_context_parallel_loss_curves_equal_single_process(capsys, framework, corpus, four_ranks, reference,  # noqa: F811
                                                            tmp_path):
     """CP_CASES (launched with the four-rank layouts); each loss curve equals the single-process

@@ -78,20 +78,37 @@ class ExpertParallelSeams(MoESeams):
         self.tp = ps.group("tp") if ps.tp > 1 else None
         self.sp = sequence_parallel
         self.ep = ps.group("ep") if ps.ep > 1 else None
-        self.ep_size, self.ep_rank = ps.ep, ps.local_rank("ep")
+        self.ep_size, self.ep_rank, self.tp_size = ps.ep, ps.local_rank("ep"), ps.tp
         self.dispatcher, self.local = dispatcher, num_experts // ps.ep
         # whole experts on every TP rank: their rows and input gradients are whole, not partial
         self.experts_tp = None if experts_whole else self.tp
-        self.cp, self.cp_size = (ps.group("cp"), ps.cp) if context_shares else (None, 1)
+        # the groups that cut each sequence in shares, each rank routing its own: the CP ranks, and
+        # with EP across TP (ps.ep_over_tp, under SP) the TP ranks, each its sequence-parallel share
+        self.tp_shares = ps.ep_over_tp and self.tp is not None
+        self.shares = [g for g, on in ((ps.group("cp"), context_shares), (self.tp, self.tp_shares)) if on]
+        self.shares_size = (ps.cp if context_shares else 1) * (ps.tp if self.tp_shares else 1)
 
-    def sequence_counts(self, counts):  # each CP rank routes its share of every sequence
-        if self.cp is None:
+    def sequence_counts(self, counts):  # each CP (and TP) rank routes its share of every sequence
+        if not self.shares:
             return counts, 1
-        features.note_used("moe-context-parallel")
-        summed = dist.all_reduce(ops.tensor(counts.astype(np.float32)), group=self.cp)  # exact below 2**24
-        return ops.to_numpy(summed), self.cp_size
+        if self.tp_shares:
+            features.note_used("expert-parallel-across-tp")
+        if len(self.shares) > 1 or not self.tp_shares:  # the CP group is among them
+            features.note_used("moe-context-parallel")
+        summed = ops.tensor(counts.astype(np.float32))  # exact below 2**24
+        for group in self.shares:
+            summed = dist.all_reduce(summed, group=group)
+        return ops.to_numpy(summed), self.shares_size
+
+    def loss_share(self) -> float:
+        """The weight of this rank's router losses: 1 / TP where the TP ranks route shares of the
+        sequences (the router's gradient is summed over them, so each adds its share's part of
+        the mean); CP ranks' gradients are averaged, so theirs stay 1."""
+        return 1.0 / self.tp_size if self.tp_shares else 1.0
 
     def layer_input(self, x):  # the whole sequence; its gradient is whole on every rank
+        if self.tp_shares:  # this rank's sequence-parallel share, routed by itself
+            return x
         return mappings.gather_from_region(x, self.tp, dim=1) if self.sp else x
 
     def expert_input(self, flat):  # the experts' input gradients are partial over TP: summed
@@ -101,6 +118,8 @@ class ExpertParallelSeams(MoESeams):
         return mappings.reduce_from_region(rows, self.experts_tp)
 
     def layer_output(self, y):
+        if self.tp_shares:
+            return y
         return mappings.scatter_to_region(y, self.tp, dim=1) if self.sp else y
 
     def dispatch(self, experts, tokens, routing, grouped, pad_to):
@@ -177,6 +196,9 @@ def parallelize_moe_layer(mlp: MoELayer, ps, sequence_parallel: bool, dispatcher
     name in the layer: ParamPlan fields}."""
     tp, tp_rank, ep, ep_rank = ps.tp, ps.local_rank("tp"), ps.ep, ps.local_rank("ep")
     expert_tp = 1 if experts_whole else tp
+    # EP across TP (megatron-core's ETP 1 layout): each TP rank routes its own sequence-parallel
+    # share, so the router, the shared expert's gate and input see other tokens on each TP rank
+    shares = ps.ep_over_tp and tp > 1
     if experts_whole and tp > 1:
         features.note_used("expert-tensor-parallel")
     swiglu = gated  # fc1's gate and up halves are cut apart
@@ -201,19 +223,19 @@ def parallelize_moe_layer(mlp: MoELayer, ps, sequence_parallel: bool, dispatcher
         setattr(getattr(mlp.experts, kind), which, nn.Parameter(shard(full, spec, tp, tp_rank) if cut else full))
         fields["experts." + name] = {"shard": spec if cut else None, "expert": True,
                                      "partial": spec is None and expert_tp > 1}
-    fields["router.weight"] = {"partial": False}  # sees every token on every TP rank
+    fields["router.weight"] = {"partial": shares}  # sees every token on every TP rank, or its share
     if mlp.router.bias is not None:
-        fields["router.bias"] = {"partial": False}
+        fields["router.bias"] = {"partial": shares}
     if mlp.router.expert_bias is not None:  # the same on every rank, never trained
         fields["router.expert_bias"] = {"partial": False}
     shared = mlp.shared_experts
     if shared is not None:
         if shared.gate_weight is not None:
-            fields["shared_experts.gate_weight"] = {"partial": False}
-        if tp > 1:
+            fields["shared_experts.gate_weight"] = {"partial": shares}
+        if tp > 1:  # on the whole sequence; with shares gathered from them, as a dense MLP under SP
             group, fc1_spec = ps.group("tp"), ("swiglu",) if swiglu else ("split", 0)
-            shared.linear_fc1 = ColumnParallelLinear(shared.linear_fc1, group, False, fc1_spec)
-            shared.linear_fc2 = RowParallelLinear(shared.linear_fc2, group, False)
+            shared.linear_fc1 = ColumnParallelLinear(shared.linear_fc1, group, shares, fc1_spec)
+            shared.linear_fc2 = RowParallelLinear(shared.linear_fc2, group, shares)
             fields["shared_experts.linear_fc1.weight"] = {"shard": fc1_spec, "partial": False}
             fields["shared_experts.linear_fc2.weight"] = {"shard": ("split", 1), "partial": False}
             if lora.factors(shared.linear_fc1) is not None:  # as the dense MLP's (parallel/layers.py)

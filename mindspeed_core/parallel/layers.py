@@ -95,6 +95,22 @@ class DuplicatedLinear(nn.Module):
         return ops.linear(x, self.weight, self.bias)
 
 
+class DuplicatedAdapter(nn.Module):
+    """The fused down-projections' LoRA adapter (models/lora.py FusedAdapter) beside the
+    duplicated layers it adds to: both factors whole on every rank, on the whole sequence, their
+    gradients partial sums over the heads, as DuplicatedLinear's."""
+
+    def __init__(self, full, group, sequence_parallel: bool):
+        super().__init__()
+        self.group, self.sp = group, sequence_parallel
+        a, b = lora.factors(full)
+        lora.attach(self, a, b, full.lora_scale, full.lora_dropout)
+
+    def forward(self, x):
+        x = mappings.gather_from_sequence(x, self.group) if self.sp else mappings.copy_to_region(x, self.group)
+        return lora.adapter_output(self, x)  # the same x, and stream, on every rank: the same dropout mask
+
+
 class HeadParallelLinear(nn.Module):
     """A column-parallel linear whose input is already whole on every rank (multi-latent
     attention's up-projections, after a duplicated one): this rank's rows, no communication."""
@@ -255,6 +271,9 @@ def _shard_latent_attention(attn, prefix, group, sequence_parallel, spec, partia
             full = getattr(attn, attr)
             setattr(attn, attr, DuplicatedLinear(full, group, sequence_parallel))
             partial.update(prefix + f"{attr}.{kind}" for kind in ("weight", "bias")[:1 + (full.bias is not None)])
+    if hasattr(attn, "linear_qkv"):  # LoRA on the fused down-projections
+        attn.linear_qkv = DuplicatedAdapter(attn.linear_qkv, group, sequence_parallel)
+        partial.update(prefix + f"linear_qkv.lora_{f}.weight" for f in "AB")
     for norm in ("q_layernorm", "kv_layernorm"):
         if hasattr(attn, norm):
             partial.add(prefix + f"{norm}.weight")

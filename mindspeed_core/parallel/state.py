@@ -15,7 +15,11 @@ Expert parallelism splits the data-parallel dimension into EP-sized groups of co
 ranks ("ep": each holds 1/EP of every MoE layer's experts, and tokens travel between them);
 the DP ranks holding the same experts, every EP-th one, with every CP rank of theirs (each saw
 other tokens), form the expert-data-parallel group ("edp"), over which expert gradients are
-reduced. Every process builds every group (torch requires it; the MindSpore
+reduced. With the experts whole on every TP rank (megatron-core's --expert-tensor-parallel-size
+1, or MindSpeed's --moe-tp-extend-ep) the EP groups are megatron-core's instead
+(``ep_over_tp``): EP consecutive ranks of a pipeline stage in rank order, so they reach across
+the TP ranks first, then CP and DP (EP divides TP x CP x DP), and "edp" is every EP-th rank of
+the stage. Every process builds every group (torch requires it; the MindSpore
 backend creates only the groups it belongs to).
 """
 
@@ -39,6 +43,7 @@ class ParallelState:
     cp: int = 1
     ep: int = 1
     groups: dict = field(default_factory=dict)
+    ep_over_tp: bool = False  # the EP groups reach across TP x DP (megatron-core's layout with ETP 1)
 
     def coords(self, r: int) -> dict:
         tp, cp, dp = self.tp, self.cp, self.dp
@@ -52,8 +57,9 @@ class ParallelState:
         return self.groups[kind]
 
     def size(self, kind: str) -> int:
+        edp = self.tp * self.cp * self.dp // self.ep if self.ep_over_tp else self.dp // self.ep * self.cp
         return {"tp": self.tp, "pp": self.pp, "dp": self.dp, "cp": self.cp, "ep": self.ep,
-                "dp_cp": self.dp * self.cp, "edp": self.dp // self.ep * self.cp}[kind]
+                "dp_cp": self.dp * self.cp, "edp": edp}[kind]
 
     def subgroup(self, kind: str, size: int, strided: bool = False):
         """This rank's group among consecutive ``size``-rank slices of its ``kind`` group
@@ -73,6 +79,9 @@ class ParallelState:
 
     def local_rank(self, kind: str) -> int:
         c = self.coords(self.rank)
+        if self.ep_over_tp and kind in ("ep", "edp"):  # the place among the stage's ranks, TP fastest
+            place = c["tp"] + self.tp * (c["cp"] + self.cp * c["dp"])
+            return place % self.ep if kind == "ep" else place // self.ep
         if kind == "ep":
             return c["dp"] % self.ep
         if kind == "edp":  # its members in global rank order: dp, then cp
@@ -101,18 +110,22 @@ def _group_ranks(ps: ParallelState, kind: str) -> list[list[int]]:
     return out
 
 
-def initialize(tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1) -> ParallelState:
+def initialize(tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, ep_over_tp: bool = False) -> ParallelState:
     """Build the groups for this job (after dist.init()); the data-parallel size is what
-    remains of the world."""
+    remains of the world. ``ep_over_tp``: the EP groups reach across TP x DP (see above)."""
     world, rank = dist.world_size(), dist.rank()
     model = tp * pp * cp
     if min(tp, pp, cp, ep) < 1 or world % model:
         raise MindSpeedError(f"world size {world} is not divisible by tensor ({tp}) x pipeline ({pp}) x "
                              f"context ({cp}) parallel sizes")
     dp = world // model
-    if dp % ep:
+    ep_over_tp = ep_over_tp and ep > 1
+    if ep_over_tp and (tp * cp * dp) % ep:
+        raise MindSpeedError(f"expert parallel size {ep} across the tensor-parallel ranks must divide TP x CP x DP "
+                             f"({tp} x {cp} x {dp})")
+    if dp % ep and not ep_over_tp:
         raise MindSpeedError(f"expert parallel size {ep} does not divide the data-parallel size {dp}")
-    ps = ParallelState(world, rank, tp=tp, pp=pp, dp=dp, cp=cp, ep=ep)
+    ps = ParallelState(world, rank, tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, ep_over_tp=ep_over_tp)
     for kind in ("tp", "cp", "dp", "pp"):
         for ranks in _group_ranks(ps, kind):
             g = dist.new_group(ranks)
@@ -130,6 +143,17 @@ def initialize(tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1) -> ParallelSt
             g = dist.new_group([ranks[0], ranks[-1]])
             if rank in (ranks[0], ranks[-1]):
                 ps.groups["embedding"] = g
+    if ep_over_tp:
+        for p in range(pp):  # the stage's ranks, TP fastest: EP consecutive ones, and every EP-th one
+            ranks = [ps.rank_of(tp=t, cp=c, dp=d, pp=p) for d in range(dp) for c in range(cp) for t in range(tp)]
+            for kind, groups in (("ep", [ranks[i:i + ep] for i in range(0, len(ranks), ep)]),
+                                 ("edp", [ranks[i::ep] for i in range(ep)])):
+                for members in groups:
+                    g = dist.new_group(members)
+                    if rank in members:
+                        ps.groups[kind] = g
+        _STATE["current"] = ps
+        return ps
     for ranks in _group_ranks(ps, "dp"):
         for members in [ranks[i:i + ep] for i in range(0, len(ranks), ep)]:
             g = dist.new_group(members)

@@ -20,7 +20,7 @@ import numpy as np
 from mindspeed_core import dist, features, ops, runtime
 from mindspeed_core.compat import hf, mcore
 from mindspeed_core.errors import MindSpeedError
-from mindspeed_core.models import lora
+from mindspeed_core.models.state import moved_under_lora
 from mindspeed_core.training import checkpoint, distributed, resume, sharded_checkpoint
 
 
@@ -102,7 +102,7 @@ class CheckpointManager:
             cfg = run.cfg  # megatron-core stacks the layers' tensors when the layers are alike
             alike = cfg.moe is None or all(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
             megatron = sharded_checkpoint.TorchDistCopy(cfg.num_layers, alike, cfg.moe.num_experts if cfg.moe else 0,
-                                                        ps.local_rank("tp"), common)
+                                                        ps.local_rank("tp"), common, ps.ep_over_tp)
         background = ckpt.asynchronous
         if background:  # the writer must not see the next steps' in-place updates
             features.note_used("async-save")
@@ -167,8 +167,9 @@ def _first_non_finite(names: list, params: list):
 
 def _kept(ckpt, name: str) -> bool:
     """Whether a checkpoint holds the model tensor ``name``: every one, or with --lora-ckpt-filter
-    the adapters only (the frozen base weights are the ones --load gave the run)."""
+    the adapters (and the expert biases the run moved) only: the frozen base weights are the ones
+    --load gave the run."""
     if not ckpt.adapters_only:
         return True
     features.note_used("lora-checkpoint-filter")
-    return lora.is_adapter(name)
+    return moved_under_lora(name)

@@ -113,6 +113,8 @@ class ParallelLayout:
     # --use-cp-send-recv-overlap: the ring's exchanges travel while its blocks compute (outside a
     # compiled step, whose graph orders its own communication)
     cp_overlap: bool = False
+    # the EP groups reach across the TP ranks (ep_over_tp: megatron-core's layout with ETP 1)
+    ep_over_tp: bool = False
 
     def stages(self, cfg: ModelConfig) -> pipeline.PipelineLayout:
         """Which of ``cfg``'s layers each pipeline stage holds (parallel/pipeline.py)."""
@@ -254,10 +256,31 @@ class RunConfig:
     operations: Operations
 
 
+def ep_over_tp(args) -> bool:
+    """Whether the EP groups reach across the TP ranks (megatron-core's layout with the experts
+    whole on each TP rank: --expert-tensor-parallel-size 1, or MindSpeed's --moe-tp-extend-ep)."""
+    return (args.expert_model_parallel_size > 1 and args.expert_tensor_parallel_size == 1
+            and args.tensor_model_parallel_size > 1)
+
+
+def _extend_ep_over_tp(work) -> None:
+    """MindSpeed's --moe-tp-extend-ep: the experts over EP x TP ranks, whole on each (its EP
+    group is the TP ranks of EP data-parallel ranks): megatron-core's ETP 1 layout at EP x TP."""
+    if getattr(work, "moe_tp_extend_ep", False) and work.tensor_model_parallel_size > 1:
+        if work.expert_tensor_parallel_size not in (None, 1):
+            raise MindSpeedError(f"--moe-tp-extend-ep keeps each expert whole on one rank: drop "
+                                 f"--expert-tensor-parallel-size {work.expert_tensor_parallel_size}")
+        features.note_used("moe-tp-extend-ep")
+        work.expert_model_parallel_size *= work.tensor_model_parallel_size
+        work.expert_tensor_parallel_size = 1
+        work.moe_tp_extend_ep = False
+
+
 def configure(args, world: int, framework: str | None = None) -> RunConfig:
     """The run's configuration from parsed flags (``args`` is left as it was) for ``world``
     ranks on ``framework`` (default: the bound one)."""
     work = argparse.Namespace(**(args.as_dict() if isinstance(args, Flags) else vars(args)))
+    _extend_ep_over_tp(work)
     embedded = _apply_defaults(work, framework or runtime.bound().NAME)
     tokenizer, model = check_configuration(work, world, default_save=bool(work.save) and not args.save)
     tp, pp, cp = work.tensor_model_parallel_size, work.pipeline_model_parallel_size, work.context_parallel_size
@@ -275,7 +298,7 @@ def configure(args, world: int, framework: str | None = None) -> RunConfig:
                               bool(work.use_distributed_optimizer), bool(work.overlap_grad_reduce),
                               bool(work.overlap_param_gather),
                               work.expert_tensor_parallel_size == 1 and tp > 1,
-                              bool(work.use_cp_send_recv_overlap) and not work.compile),
+                              bool(work.use_cp_send_recv_overlap) and not work.compile, ep_over_tp(work)),
         optimization=Optimization(
             work.train_iters, work.micro_batch_size, work.global_batch_size, work.lr, work.min_lr,
             work.lr_warmup_iters, work.lr_decay_iters, work.lr_decay_style, work.weight_decay, work.clip_grad,
@@ -422,11 +445,14 @@ def model_config(args, vocab_size: int) -> ModelConfig:
         # cross entropy's maximum is taken, for the main logits too: the same math here, accepted)
         raise MindSpeedError("--mtp-loss-scaling-factor qualifies the multi-token prediction modules of "
                              "--mtp-num-layers, which this run has none of: give --mtp-num-layers or drop it")
-    return dataclasses.replace(cfg, lora=lora_config(args), reward_head=stage_of(args) == "orm",
-                               fused=frozenset(op for flag, op in {**FUSED_FLAGS, **FUSED_PATH_FLAGS}.items()
-                                               if getattr(args, flag, False)),
-                               norm_weight_float32=bool(getattr(args, "rmsnorm_weight_in_fp32", False)),
-                               router_float32=bool(getattr(args, "router_gating_in_fp32", False)))
+    try:
+        return dataclasses.replace(cfg, lora=lora_config(args), reward_head=stage_of(args) == "orm",
+                                   fused=frozenset(op for flag, op in {**FUSED_FLAGS, **FUSED_PATH_FLAGS}.items()
+                                                   if getattr(args, flag, False)),
+                                   norm_weight_float32=bool(getattr(args, "rmsnorm_weight_in_fp32", False)),
+                                   router_float32=bool(getattr(args, "router_gating_in_fp32", False)))
+    except ValueError as exc:  # e.g. LoRA flags the model cannot take
+        raise MindSpeedError(f"model configuration: {exc}") from None
 
 
 def lora_config(args) -> LoRAConfig | None:
@@ -885,10 +911,18 @@ def check_configuration(args, world: int, default_save: bool = False):
                              + (f" x the context parallel size {cp}" if cp > 1 else ""))
     dp = world // (tp * pp * cp)
     ep = args.expert_model_parallel_size
-    if ep > 1 and dp % ep and args.expert_tensor_parallel_size == 1 and tp > 1 and (tp * dp) % ep == 0:
-        # megatron-core's layout for it draws the EP group across the TP ranks too
-        features.refuse("expert-parallel-across-tp", runtime.bound().NAME)
-    experts.check_layout(cfg, ep, dp)
+    if ep_over_tp(args):  # megatron-core's layout with ETP 1: the EP groups reach across TP x DP
+        if not args.sequence_parallel:
+            raise MindSpeedError(f"--expert-model-parallel-size {ep} with the experts whole on each of the {tp} "
+                                 "tensor-parallel ranks routes each rank's sequence-parallel share: add "
+                                 "--sequence-parallel (megatron-core requires it with EP and TP too)")
+        if (tp * cp * dp) % ep:
+            raise MindSpeedError(f"expert parallel size {ep} does not divide tensor x context x data parallel sizes "
+                                 f"({tp} x {cp} x {dp}): with --expert-tensor-parallel-size 1 the EP groups reach "
+                                 "across them")
+        experts.check_layout(cfg, ep)
+    else:
+        experts.check_layout(cfg, ep, dp)
     grpo = stage_of(args) == "grpo"  # its global batch counts prompts, its micro-batches completions
     if args.global_batch_size is not None and not grpo and args.global_batch_size % (args.micro_batch_size * dp):
         raise MindSpeedError(f"--global-batch-size {args.global_batch_size} is not a multiple of "

@@ -14,7 +14,7 @@ from mindspeed_core.backends.common import check_fits_in_memory
 from mindspeed_core.compat import hf, mcore
 from mindspeed_core.errors import CheckpointError, MindSpeedError
 from mindspeed_core.models.config import ModelConfig
-from mindspeed_core.models.state import check_adapters, is_adapter, merge_lora
+from mindspeed_core.models.state import check_adapters, is_adapter, merge_lora, moved_under_lora
 from mindspeed_core.training import checkpoint
 
 KINDS = ("hf", "megatron", "ours")
@@ -34,8 +34,8 @@ class Source:
 
     @property
     def adapters_only(self) -> bool:
-        """A LoRA run's checkpoint that holds its adapters and no base model."""
-        return bool(self.state) and all(is_adapter(k) for k in self.state)
+        """A LoRA run's checkpoint that holds its adapters (and expert biases) and no base model."""
+        return any(is_adapter(k) for k in self.state) and all(moved_under_lora(k) for k in self.state)
 
     @property
     def tokenizer(self) -> str | None:

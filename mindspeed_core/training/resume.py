@@ -15,6 +15,7 @@ from mindspeed_core.errors import CheckpointError
 from mindspeed_core.models import lora
 from mindspeed_core.models.config import LoRAConfig, ModelConfig
 from mindspeed_core.models.gpt import load_whole_state, whole_state
+from mindspeed_core.models.state import moved_under_lora
 from mindspeed_core.training import checkpoint, distributed, model_source
 
 
@@ -152,8 +153,8 @@ def resume(model, cfg: ModelConfig, root: str, finetune: bool, say, adapters_onl
             "optimizer starts afresh")
     else:  # a float32 save holds no masters (its weights are): a --bf16 resume takes them, unrounded
         optimizer_arrays = {**{f"master.{n}": v for n, v in model_arrays.items()}, **optimizer_arrays}
-    if adapters_only:  # the base weights stay those of --load / --load-hf
-        model_arrays = {**nn.state_dict(model), **{n: v for n, v in model_arrays.items() if lora.is_adapter(n)}}
+    if adapters_only:  # the base weights stay those of --load / --load-hf (the expert biases are the run's)
+        model_arrays = {**nn.state_dict(model), **{n: v for n, v in model_arrays.items() if moved_under_lora(n)}}
     load_whole_state(model, model_arrays)
     say(f"resumed {'the LoRA adapters ' if adapters_only else ''}from {checkpoint.iteration_dir(root, it)} "
         f"({saved_at})")

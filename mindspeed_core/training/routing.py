@@ -48,8 +48,9 @@ def step_stats(moe_layers: list, cfg, ps, grad_accum: int) -> dict:
         counts[row[layer.number]] = layer.stats["tokens_per_expert"]
     flat = np.concatenate([losses, [dropped], counts.reshape(-1)]).astype(np.float32)
     # DP and CP ranks routed other tokens (a CP rank's losses are its share's: their mean is the
-    # whole sequences'), PP ranks hold other layers; counts are exact in float32 up to 2**24
-    flat = distributed.sum_over_dp_and_pp(flat, ps, ("dp", "cp", "pp"))
+    # whole sequences'), PP ranks hold other layers; with EP across TP each TP rank routed its
+    # share too (its losses already weighed 1 / TP); counts are exact in float32 up to 2**24
+    flat = distributed.sum_over_dp_and_pp(flat, ps, ("dp", "cp", "pp") + (("tp",) if ps.ep_over_tp else ()))
     flat[:2] /= ps.dp * ps.cp
     counts = np.rint(flat[3:]).astype(np.int64).reshape(counts.shape)
     balance = [float(c.max() / c.mean()) if c.sum() else 0.0 for c in counts]

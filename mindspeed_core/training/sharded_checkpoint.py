@@ -82,10 +82,10 @@ def held(name: str, shape: tuple, plan_entry, ps, flat: tuple | None = None, wri
     if plan_entry.expert:
         whole, pieces = with_experts(whole, pieces, ps.ep, ps.local_rank("ep"))
     if writes is None:
-        writes = (ps.local_rank("edp") == 0 and ps.local_rank("cp") == 0 if plan_entry.expert
+        writes = (ps.local_rank("edp") == 0 and (ps.local_rank("cp") == 0 or ps.ep_over_tp) if plan_entry.expert
                   else ps.local_rank("dp_cp") == 0)
-    if spec is None and ps.local_rank("tp") > 0:  # replicated over the tensor-parallel group: its first rank's
-        writes = False
+    if spec is None and ps.local_rank("tp") > 0 and not (plan_entry.expert and ps.ep_over_tp):
+        writes = False  # replicated over the tensor-parallel group: its first rank's (EP across TP: other experts)
     return Held(name, tuple(shape), whole, tuple(pieces), flat, writes and not plan_entry.tied_copy)
 
 
@@ -304,9 +304,11 @@ class TorchDistCopy:
     folder; rank 0 adds the metadata once every rank's file is durable. ``common``: Megatron's
     args and iteration for common.pt."""
 
-    def __init__(self, layers: int, stacked: bool, num_experts: int, tp_rank: int, common: dict):
+    def __init__(self, layers: int, stacked: bool, num_experts: int, tp_rank: int, common: dict,
+                 experts_apart: bool = False):
         self.layers, self.stacked, self.num_experts = layers, stacked, num_experts
         self.tp_rank, self.common = tp_rank, common
+        self.experts_apart = experts_apart  # EP across TP: each TP rank holds other experts
 
     def write(self, folder: str, rank: int, model: list) -> tuple[list, str | None]:
         """``model``: [(Held, values, dtype)] as write_rank_file takes them."""
@@ -318,7 +320,8 @@ class TorchDistCopy:
             for box, _, local, whole in h.parts(primary_only=True):
                 chunks.append(torch_dist.model_chunks(h.name, h.whole, whole[0], values[region(local, within=box)],
                                                       self.layers, self.stacked, _dtype_tag(dtype)))
-            if self.tp_rank == 0:  # the objects megatron-core keeps beside a linear layer's weight (None here)
+            # the objects megatron-core keeps beside a linear layer's weight (None here), once
+            if self.tp_rank == 0 or (self.experts_apart and ".mlp.experts." in h.name):
                 first = min(go[0] for _, go, _, _ in h.pieces) if h.pieces else 0
                 objects += torch_dist.extra_states(h.name, self.layers, self.stacked,
                                                    range(first, first + h.shape[0]), self.num_experts)

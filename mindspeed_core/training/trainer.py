@@ -79,7 +79,7 @@ class Trainer:
             device.set_deterministic(True)
         dist.init()
         lay = config.layout
-        self.ps = parallel_state.initialize(tp=lay.tp, pp=lay.pp, cp=lay.cp, ep=lay.ep)
+        self.ps = parallel_state.initialize(tp=lay.tp, pp=lay.pp, cp=lay.cp, ep=lay.ep, ep_over_tp=lay.ep_over_tp)
         self.layout = lay.stages(self.cfg)
         self.model_spec = registry.for_config(self.cfg)
         # GRPO's global batch counts prompts (the sampler gives this rank's, one by one), its
@@ -156,7 +156,8 @@ class Trainer:
         chunk_params = [[p for p in params if next(chunk_trained)] for params in chunk_params]
         # what the backward differentiates: the trained parameters, but where the experts' weight
         # gradients go to fp32 sinks (--gemm-gradient-accumulation-fusion) the sinks in their place
-        sinks = moe.gradient_sinks(self.moe_layers) if "matmul_add" in self.cfg.fused else {}
+        # under LoRA the experts' weights are frozen: no gradient to sink
+        sinks = moe.gradient_sinks(self.moe_layers) if "matmul_add" in self.cfg.fused and self.cfg.lora is None else {}
         self.grad_targets = [sinks.get(id(p), p) for p in self.train_params]
         chunk_targets = [[sinks.get(id(p), p) for p in params] for params in chunk_params]
         keep = (saved_optimizer is not None and (shards.names("optimizer") if shards else saved_optimizer[0])
