@@ -217,6 +217,10 @@ _OUTPUT_BIAS = ("the untied output layer's bias, cut with the vocabulary under T
 _PHIMOE = ("models/families/phimoe.py: SparseMixer's top-2 (each weight its own thresholded softmax), LayerNorm "
            "with biases, q/k/v/o and output-layer biases, LongRoPE with its mscales; Hugging Face phimoe folders and "
            "MindSpeed-LLM's Megatron layout in and out; training is the sparsemixer-training row")
+_JITTER = ("in training the router's input (not the experts') is multiplied by noise uniform in [1 - eps, 1 + eps], "
+           "drawn from the framework's default stream (the same on every tensor-parallel rank, so their routings "
+           "agree; drawn again alike by recompute), as megatron-core's router does; generation and evaluation set "
+           "it aside")
 _SPARSEMIXER_TRAINING = ("training draws each token's experts (Gumbel noise, Heun's third-order weights) and jitters "
                          "the router's input; that sampled routing is not built (a model routed as in evaluation "
                          "would train another objective)")
@@ -226,8 +230,8 @@ _MOE_CP = ("each CP rank routes its share of every sequence; the load-balancing 
            "CP rank; a capacity factor counts each rank's own tokens, as megatron-core's does")
 _MOE_LAYOUTS = "TP, SP, PP, DP and EP with a mixture-of-experts model"
 _MOE_COMPILE = ("a compiled MoE step routes on the device and runs every expert on every token: expert "
-                "parallelism's uneven exchanges, pipeline stages' compiled chunks, a capacity's drops and context "
-                "parallelism's load-balancing counts are not built for it yet")
+                "parallelism's uneven exchanges, pipeline stages' compiled chunks, a capacity's drops, context "
+                "parallelism's load-balancing counts and the router's input jitter are not built for it yet")
 _LORA_MOE = ("each expert gets its own adapter on its fc1 and fc2 (linear_fc1, linear_fc2 targets), stacked as the "
              "experts' weights are ([E, in, r] and [E, r, out], folded as W + (alpha / r) A B, without dropout, as "
              "MindSpeed-LLM's grouped LoRA experts), the shared expert's linear layers as the dense MLP's, the router's "
@@ -750,8 +754,7 @@ FEATURES: tuple[Feature, ...] = (
             ("--add-output-layer-bias",), supported(_OUTPUT_BIAS), supported(_OUTPUT_BIAS),
             _on("add_output_layer_bias")),
     Feature("moe-input-jitter", "Multiplicative jitter on the router's input (--moe-input-jitter-eps)", "parallelism",
-            ("--moe-input-jitter-eps",), planned(instead="leave it off (routing without noise)"),
-            planned(instead="leave it off (routing without noise)"),
+            ("--moe-input-jitter-eps",), supported(_JITTER), supported(_JITTER),
             lambda a: bool(getattr(a, "moe_input_jitter_eps", None))),
     Feature("multi-latent-attention", "Multi-head latent attention (DeepSeek-V2/V3, MiniCPM3)", "models",
             ("--multi-latent-attention", "--q-lora-rank", "--kv-lora-rank", "--qk-head-dim", "--qk-pos-emb-head-dim",
@@ -857,14 +860,16 @@ FEATURES: tuple[Feature, ...] = (
                       "routed path's expert FLOPs; one process, data and tensor parallelism"),
             supported("as on PyTorch"),
             lambda a: _moe(a) and bool(getattr(a, "compile", False))),
-    Feature("moe-compile-routing", "Compiled MoE step with expert, pipeline or context parallelism, or a capacity "
-            "factor", "combinations", ("--compile", "--expert-model-parallel-size", "--pipeline-model-parallel-size",
-                                       "--context-parallel-size", "--moe-expert-capacity-factor"),
+    Feature("moe-compile-routing", "Compiled MoE step with expert, pipeline or context parallelism, a capacity "
+            "factor or input jitter", "combinations", ("--compile", "--expert-model-parallel-size",
+                                                       "--pipeline-model-parallel-size", "--context-parallel-size",
+                                                       "--moe-expert-capacity-factor", "--moe-input-jitter-eps"),
             planned(_MOE_COMPILE, instead="drop --compile"), planned(_MOE_COMPILE, instead="drop --compile"),
             lambda a: _moe(a) and bool(getattr(a, "compile", False)) and (
                 _gt1("expert_model_parallel_size")(a) or _gt1("pipeline_model_parallel_size")(a)
                 or _gt1("context_parallel_size")(a) or getattr(a, "moe_expert_capacity_factor", None) is not None
-                or bool(getattr(a, "moe_pad_expert_input_to_capacity", False)))),
+                or bool(getattr(a, "moe_pad_expert_input_to_capacity", False))
+                or bool(getattr(a, "moe_input_jitter_eps", None)))),
     Feature("lora-moe", "LoRA adapters on mixture-of-experts models", "combinations", ("--lora-r", "--num-experts"),
             supported(_LORA_MOE), supported(_LORA_MOE),
             lambda a: _moe(a) and (getattr(a, "lora_r", None) is not None

@@ -311,7 +311,7 @@ class MoELayer(nn.Module):
         x = seams.layer_input(x)
         b, s, h = x.shape
         flat = ops.reshape(x, (b * s, h))
-        logits = ops.cast(self.router(flat), "float32")
+        logits = ops.cast(self.router(self._jittered(flat)), "float32")
         bias = self.bias_input if self.on_device else self.router.expert_bias
         bias = None if bias is None else ops.cast(bias, "float32")
         features.note_used("moe")
@@ -337,6 +337,17 @@ class MoELayer(nn.Module):
         pad_to = router.capacity(b * s, self.moe) if self.moe.pad_to_capacity else None
         y = seams.dispatch(self.experts, seams.expert_input(flat), routing, self.grouped, pad_to)
         return self._output(y, x)
+
+    def _jittered(self, flat):
+        """The router's input: in training with --moe-input-jitter-eps, ``flat`` times noise uniform
+        in [1 - eps, 1 + eps] (megatron-core's input jitter; the experts get ``flat`` itself), drawn
+        from the default stream: the same on every TP rank, again alike under recompute."""
+        eps = self.moe.input_jitter_eps
+        if not eps or not nn.is_training(self):
+            return flat
+        features.note_used("moe-input-jitter")
+        noise = ops.rand(tuple(flat.shape)) * (2.0 * eps) + (1.0 - eps)
+        return flat * ops.cast(noise, ops.dtype_of(flat))
 
     def _output(self, y, x):
         """The experts' weighted rows [T, h] (float32) plus the shared expert, as the layer's output."""

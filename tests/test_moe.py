@@ -375,13 +375,43 @@ def test_moe_presets_train(capsys, corpus, tmp_path, name):  # noqa: F811
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--compile", "--context-parallel-size", "2"], "context parallelism's load-balancing counts are not built"),
+    (["--compile", "--context-parallel-size", "2"], "context parallelism's load-balancing counts and the router's"),
     (["--expert-model-parallel-size", "3"], "does not divide the number of experts (4)"),
     (["--expert-model-parallel-size", "4"], "does not divide the data-parallel size 1"),
-    (["--compile", "--moe-expert-capacity-factor", "1.0"], "a capacity's drops and context parallelism's"),
+    (["--compile", "--moe-expert-capacity-factor", "1.0"], "a capacity's drops, context parallelism's"),
+    (["--compile", "--moe-input-jitter-eps", "0.1"], "the router's input jitter are not built"),
     (["--moe-layer-freq", "4", "--first-k-dense-replace", "1"], "leave none of the 2 layers an MoE layer"),
     (["--moe-router-topk", "5"], "topk must be between 1 and num_experts"),
 ])
 def test_moe_layouts_this_trainer_cannot_run_are_refused(capsys, corpus, extra, message):  # noqa: F811
     code, _, err = train(capsys, *MOE, "--data-path", corpus, "--train-iters", "1", "--dry-run", *extra)
     assert code == 2 and message in err, err
+
+
+@pytest.mark.feature("moe-input-jitter")
+def test_input_jitter_scales_the_routers_input_only_in_training():
+    """--moe-input-jitter-eps (megatron-core's input jitter): in training the router scores the
+    tokens times noise uniform in [1 - eps, 1 + eps], drawn from the default stream, while the
+    experts get the tokens themselves; in evaluation there is no noise."""
+    layer = MoELayer(CFG, MoEConfig(num_experts=4, topk=2, input_jitter_eps=0.5))
+    nn.load_state_dict(layer, nn.state_dict(_layer("mixtral")))
+    x = np.random.default_rng(2).standard_normal((2, 6, 16)).astype(np.float32)
+    flat = x.reshape(-1, 16).astype(np.float64)
+    w = ops.to_numpy(layer.router.weight).astype(np.float64)
+
+    def chosen(inputs):  # softmax top-2 of the router's scores, in numpy
+        logits = inputs @ w.T
+        return np.sort(np.argsort(-logits, axis=1)[:, :2], axis=1)
+
+    random.seed(11)
+    noise = ops.to_numpy(ops.rand((12, 16))).astype(np.float64) * 1.0 + 0.5  # 2 eps u + 1 - eps
+    assert noise.min() >= 0.5 and noise.max() < 1.5
+    random.seed(11)
+    got = ops.to_numpy(layer(ops.tensor(x)))
+    assert np.array_equal(np.sort(layer.routing.experts, axis=1), chosen(flat * noise))
+    assert not np.array_equal(chosen(flat * noise), chosen(flat))  # the noise changes some choices
+    np.testing.assert_allclose(got, reference(layer, x), rtol=1e-4, atol=1e-5)  # experts on x itself
+    nn.set_training(layer, False)
+    random.seed(11)
+    layer(ops.tensor(x))
+    assert np.array_equal(np.sort(layer.routing.experts, axis=1), chosen(flat))

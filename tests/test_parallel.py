@@ -93,7 +93,10 @@ MODELS = {"gqa": GQA, "mha": MHA, "moe": MOE, "sft": SFT, "lora": LORA, "dpo": D
           "dpo-lora": DPO + ["--lora-r", "4", "--lora-alpha", "8"], "simpo": SIMPO, "orm": ORM, "prm": PRM,
           "gemma2": GEMMA2, "mla": MLA, "mla-moe": MLA_MOE, "gpt-oss": GPT_OSS, "lora-moe": LORA_MOE,
           # LoRA on latent attention: MindSpeed-LLM's fused down-projections' adapter (linear_qkv), linear_proj's
-          "mla-lora": MLA + ["--lora-r", "4", "--lora-alpha", "8"]}
+          "mla-lora": MLA + ["--lora-r", "4", "--lora-alpha", "8"],
+          # the router's input jittered in training (megatron-core's --moe-input-jitter-eps), wide enough to
+          # move the curve: TP ranks draw the same noise from the default stream, as one process does
+          "moe-jitter": MOE + ["--moe-input-jitter-eps", "0.3"]}
 # a LoRA factor A has no gradient in the first step (its B starts at zero): these models'
 # gradient records are their second step's, where a wrong cut or reduction of A shows
 GRADS_AT = {"lora": 1, "dpo-lora": 1, "lora-moe": 1, "mla-lora": 1}
@@ -299,6 +302,7 @@ CASES = [  # (id, ranks, model, flags): the cases of each rank count share one l
     ("moe-ep2-alltoall", 2, "moe", ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall",
                                     "--save", "{tmp}/ep2-ckpt", "--ckpt-format", "torch_dist"]),  # resumed at EP1 below
     ("moe-ep2-allgather", 2, "moe", ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "allgather"]),
+    ("moe-jitter-tp2-sp", 2, "moe-jitter", ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
     # EP2 with no data parallelism at all: the EP group is the TP pair (--expert-tensor-parallel-size 1),
     # each rank routing its sequence-parallel share; saved in torch_dist (each TP rank writes its own
     # experts) and continued in one process below
@@ -316,6 +320,11 @@ CASES = [  # (id, ranks, model, flags): the cases of each rank count share one l
                                                  "2", "--sequence-parallel", "--moe-token-dispatcher-type", "alltoall",
                                                  "--expert-tensor-parallel-size", "1", "--recompute-activations",
                                                  "--use-distributed-optimizer"]),
+    # EP2 across TP4 with no data parallelism: each expert on two ranks that routed other tokens, its
+    # gradient summed over them though the data-parallel group has one rank
+    ("moe-tp4-sp-ep2-etp1", 4, "moe", ["--tensor-model-parallel-size", "4", "--sequence-parallel",
+                                       "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1",
+                                       "--moe-token-dispatcher-type", "alltoall"]),
     # MindSpeed's --moe-tp-extend-ep: EP2 over the DP ranks extended over TP2, one expert a rank
     ("moe-tp2-sp-ep2-tp-extend-ep", 4, "moe", ["--tensor-model-parallel-size", "2", "--sequence-parallel",
                                                "--expert-model-parallel-size", "2", "--moe-tp-extend-ep",
@@ -660,9 +669,13 @@ def four_ranks(corpus, data, two_ranks, null_corpus, hf_references, tmp_path_fac
 @pytest.mark.feature("stage-orm")
 @pytest.mark.feature("grad-reduce-overlap")
 @pytest.mark.feature("expert-parallel-across-tp")
+@pytest.mark.feature("moe-input-jitter")
 def test_two_rank_layouts_equal_single_process(capsys, framework, corpus, two_ranks, reference,  # noqa: F811
                                                tmp_path):
     check_cases(framework, two_ranks / "out", 2, ranks_cases(2), reference)
+    # the jitter moved the routing: the first step's gradients (one process's, at TP2 the same) are others
+    worst, _ = gradient_difference(reference["moe-jitter-grads"], reference["moe-grads"])
+    assert worst > 1e-2, worst
     # the EP2 checkpoints (all experts, optimizer state too; DeepSeek-V3's with its routers' expert
     # bias as it stood) continue in one process
     resume_in_one_process(capsys, corpus, two_ranks / "ep2-ckpt", MOE, reference["moe"], "DP=2", tmp_path / "moe")

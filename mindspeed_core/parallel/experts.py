@@ -84,7 +84,7 @@ class ExpertParallelSeams(MoESeams):
         self.experts_tp = None if experts_whole else self.tp
         # the groups that cut each sequence in shares, each rank routing its own: the CP ranks, and
         # with EP across TP (ps.ep_over_tp, under SP) the TP ranks, each its sequence-parallel share
-        self.tp_shares = ps.ep_over_tp and self.tp is not None
+        self.tp_shares = ps.ep_over_tp and self.tp is not None and sequence_parallel
         self.shares = [g for g, on in ((ps.group("cp"), context_shares), (self.tp, self.tp_shares)) if on]
         self.shares_size = (ps.cp if context_shares else 1) * (ps.tp if self.tp_shares else 1)
 
@@ -198,7 +198,7 @@ def parallelize_moe_layer(mlp: MoELayer, ps, sequence_parallel: bool, dispatcher
     expert_tp = 1 if experts_whole else tp
     # EP across TP (megatron-core's ETP 1 layout): each TP rank routes its own sequence-parallel
     # share, so the router, the shared expert's gate and input see other tokens on each TP rank
-    shares = ps.ep_over_tp and tp > 1
+    shares = ps.ep_over_tp and tp > 1 and sequence_parallel
     if experts_whole and tp > 1:
         features.note_used("expert-tensor-parallel")
     swiglu = gated  # fc1's gate and up halves are cut apart

@@ -812,7 +812,8 @@ def _moe_config(args, num_layers: int) -> tuple[MoEConfig, tuple | None]:
             z_loss_coeff=args.moe_z_loss_coeff or 0.0, enable_expert_bias=args.moe_router_enable_expert_bias,
             bias_update_rate=args.moe_router_bias_update_rate, capacity_factor=args.moe_expert_capacity_factor,
             pad_to_capacity=args.moe_pad_expert_input_to_capacity, drop_policy=args.moe_token_drop_policy,
-            shared_expert_size=args.moe_shared_expert_intermediate_size, shared_expert_gate=args.shared_expert_gate)
+            shared_expert_size=args.moe_shared_expert_intermediate_size, shared_expert_gate=args.shared_expert_gate,
+            input_jitter_eps=args.moe_input_jitter_eps or 0.0)
     except ValueError as exc:
         raise MindSpeedError(f"mixture of experts: {exc}") from None
     layers = tuple(i for i in range(num_layers) if i >= args.first_k_dense_replace and i % args.moe_layer_freq == 0)
@@ -837,8 +838,6 @@ def check_configuration(args, world: int, default_save: bool = False):
                       device.type(), backend.FRAMEWORK_VERSION)
     if cfg.moe is not None and cfg.moe.sparsemixer:  # from the flag or a Hugging Face phimoe folder
         features.refuse("sparsemixer-training", backend.NAME, device.type())
-    if cfg.moe is not None and cfg.moe.input_jitter_eps:  # a folder's input_jitter_noise (the flag: the gate)
-        features.refuse("moe-input-jitter", backend.NAME, device.type())
     if cfg.lora is not None and cfg.lora.r > cfg.hidden_size:
         raise MindSpeedError(f"--lora-r {cfg.lora.r} exceeds the hidden size {cfg.hidden_size}: the adapters would "
                              "not be low-rank (the rank of an adapter is at most its layer's width)")

@@ -121,7 +121,7 @@ def average_over_dp(grads: list, ps, expert: list[bool] | None = None, limit: in
     holding the same experts) and divided by the whole DP x CP size."""
     grads = list(grads)
     n = ps.size("dp_cp")
-    if n == 1:
+    if n == 1 and ps.size("edp") == 1:  # (EP across TP: experts held twice with DP x CP 1 still sum)
         return grads
     if ps.dp > 1:
         features.note_used("data-parallel")
@@ -132,11 +132,11 @@ def average_over_dp(grads: list, ps, expert: list[bool] | None = None, limit: in
 
 def dp_buckets(sizes: list[int], ps, expert: list[bool] | None = None, limit: int | None = None) -> list[Bucket]:
     """The buckets average_over_dp reduces, dense gradients first (see there); none when the
-    data-parallel group has one rank."""
-    if ps.size("dp_cp") == 1:
+    data-parallel group has one rank and no other rank holds the same experts."""
+    if ps.size("dp_cp") == 1 and ps.size("edp") == 1:
         return []
     expert = expert if expert is not None and ps.ep > 1 else [False] * len(sizes)
-    dense = [i for i, e in enumerate(expert) if not e]
+    dense = [i for i, e in enumerate(expert) if not e] if ps.size("dp_cp") > 1 else []
     experts = [i for i, e in enumerate(expert) if e]
     edp = ps.group("edp") if ps.size("edp") > 1 else None
     return ([Bucket(b, ps.group("dp_cp")) for b in by_size(dense, sizes, limit)]

@@ -170,7 +170,7 @@ class Trainer:
             self.say(f"read {sum(read) / 2**20:.2f} MiB of the checkpoint's {shards.total_bytes() / 2**20:.2f} MiB; "
                      f"bytes read per rank: {read}")
         self.overlap = None  # --overlap-grad-reduce: the optimizer's buckets reduced during backward
-        if config.layout.overlap_grad_reduce and ps.size("dp_cp") > 1:
+        if config.layout.overlap_grad_reduce and (ps.size("dp_cp") > 1 or ps.size("edp") > 1):
             self.overlap = overlap.OverlappedReduction(self.optimizer.buckets(), distributed.summed_across_model_parallel(
                 self.train_plan, ps, self.cfg.last_stage_embeddings))
         self.param_gather = None  # --overlap-param-gather: the updated parameters gathered up to their use
