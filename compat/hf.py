@@ -374,10 +374,12 @@ def save_folder(folder: str, cfg: ModelConfig, state: dict, max_shard_bytes: int
 
 def load_model(folder: str):
     """Build our model (the family's, models/registry.py) from a Hugging Face folder on the
-    bound framework."""
+    bound framework, in evaluation mode (no dropout, no router input jitter), as transformers'
+    from_pretrained returns it."""
     cfg, state = load_folder(folder)
     model = registry.for_config(cfg).build(cfg)
     nn.load_state_dict(model, state)
+    nn.set_training(model, False)
     return model
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import random
 import shutil
 import signal
 import socket
@@ -17,7 +18,25 @@ from mindspeed_core.launcher import local_script_command
 
 
 def free_port() -> int:
-    with socket.socket() as s:
+    """A port free now, below the kernel's ephemeral range: a port the kernel handed out (as
+    port 0 does) can be handed out again, to another launch's rank connections, before this
+    launch's master binds it ("address already in use", seen once in CI rehearsals)."""
+    low, high = 20000, 32000
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as fh:
+            high = min(high, int(fh.read().split()[0]))
+    except (OSError, ValueError, IndexError):
+        pass
+    rng = random.Random(os.getpid() ^ time.monotonic_ns())
+    for _ in range(100):
+        port = rng.randrange(low, high)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # everything tried was taken: the kernel's choice
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
