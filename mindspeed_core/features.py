@@ -219,8 +219,8 @@ _PHIMOE = ("models/families/phimoe.py: SparseMixer's top-2 (each weight its own 
            "MindSpeed-LLM's Megatron layout in and out; training is the sparsemixer-training row")
 _JITTER = ("in training the router's input (not the experts') is multiplied by noise uniform in [1 - eps, 1 + eps], "
            "drawn from the framework's default stream (the same on every tensor-parallel rank, so their routings "
-           "agree; drawn again alike by recompute), as megatron-core's router does; generation and evaluation set "
-           "it aside")
+           "agree; recompute restores the stream, as for dropout), as megatron-core's router does; generation and "
+           "evaluation set it aside")
 _SPARSEMIXER_TRAINING = ("training draws each token's experts (Gumbel noise, Heun's third-order weights) and jitters "
                          "the router's input; that sampled routing is not built (a model routed as in evaluation "
                          "would train another objective)")

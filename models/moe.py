@@ -341,7 +341,7 @@ class MoELayer(nn.Module):
     def _jittered(self, flat):
         """The router's input: in training with --moe-input-jitter-eps, ``flat`` times noise uniform
         in [1 - eps, 1 + eps] (megatron-core's input jitter; the experts get ``flat`` itself), drawn
-        from the default stream: the same on every TP rank, again alike under recompute."""
+        from the default stream: the same on every TP rank (recompute restores the stream)."""
         eps = self.moe.input_jitter_eps
         if not eps or not nn.is_training(self):
             return flat
