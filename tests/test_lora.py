@@ -496,3 +496,30 @@ def test_lora_on_latent_attention_adapts_its_output_projection_and_the_experts(t
         assert np.abs(merged[name] - value).max() <= 1e-6 * max(np.abs(value).max(), 1.0), name
     with pytest.raises(ValueError, match="linear_qkv target on multi-latent attention without a query latent"):
         dataclasses.replace(cfg, mla=dataclasses.replace(mla, q_lora_rank=None))
+
+
+@pytest.mark.feature("lora-moe")
+def test_the_experts_dense_path_takes_their_adapters():
+    """A compiled step runs every token through every expert (Experts.dense): with adapters it
+    equals the experts with their adapters folded in by this test."""
+    from mindspeed_core.models.config import LoRAConfig, MoEConfig
+    from mindspeed_core.models.moe import Experts
+
+    cfg = ModelConfig(vocab_size=64, hidden_size=16, num_layers=2, num_attention_heads=2, ffn_hidden_size=24,
+                      lora=LoRAConfig(r=4, alpha=8.0))
+    moe = MoEConfig(num_experts=4, topk=2)
+    experts, plain = Experts(cfg, moe), Experts(dataclasses.replace(cfg, lora=None), moe)
+    rng = np.random.default_rng(3)
+    state = {k: rng.normal(0, 0.3, tuple(v.shape)).astype(np.float32) for k, v in nn.state_dict(experts).items()}
+    nn.load_state_dict(experts, state)
+    folded = {k: v.astype(np.float64) for k, v in state.items() if not k.startswith("lora_")}
+    for k in ("weight1", "weight2"):
+        folded[k] += 2.0 * state[f"lora_A.{k}"].astype(np.float64) @ state[f"lora_B.{k}"].astype(np.float64)
+    nn.load_state_dict(plain, {k: v.astype(np.float32) for k, v in folded.items()})
+    tokens = ops.tensor(rng.standard_normal((6, 16)).astype(np.float32))
+    combine = ops.tensor(rng.uniform(0, 1, (6, 4)).astype(np.float32))
+    got, want = (ops.to_numpy(e.dense(tokens, combine)).astype(np.float64) for e in (experts, plain))
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+    bare = dict(state, **{k: np.zeros_like(v) for k, v in state.items() if k.startswith("lora_")})
+    nn.load_state_dict(experts, bare)  # the adapters matter: without them the outputs are others
+    assert np.abs(ops.to_numpy(experts.dense(tokens, combine)) - want).max() > 1e-2 * np.abs(want).max()
