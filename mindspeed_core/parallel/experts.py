@@ -27,7 +27,10 @@ one-device routing, and the experts' partial rows are summed over TP before the 
 Router and shared-expert gate thus see every token on every TP rank: their gradients are
 whole, not partial, even under sequence parallelism. With --expert-tensor-parallel-size 1 the
 experts are not cut: each TP rank runs its whole experts on the whole sequence, their rows and
-gradients whole (nothing summed over TP).
+gradients whole (nothing summed over TP). With EP as well (megatron-core's layout: the EP
+groups reach across the TP ranks, parallel/state.py ``ep_over_tp``) each TP rank routes its own
+sequence-parallel share instead: the load-balancing counts are summed over TP, the router losses
+weigh 1 / TP, and the router's gradient is summed over TP (ExpertParallelSeams ``tp_shares``).
 """
 
 from __future__ import annotations
