@@ -25,7 +25,7 @@ import zlib
 
 import numpy as np
 
-from mindspeed_core import nn, ops
+from mindspeed_core import features, nn, ops
 from mindspeed_core.models.config import LoRAConfig
 from mindspeed_core.models.layers import _param
 # the adapters' names and their folding into the base weights are numpy work on state dicts
@@ -45,6 +45,7 @@ class Factor(nn.Module):
 def adapter_output(module, x, rng=None):
     """(alpha / r) * dropout(x) A^T B^T with the module's ``lora_A``, ``lora_B``, ``lora_scale``
     and ``lora_dropout``; ``rng``: the random stream for the dropout mask (a context)."""
+    features.note_used("lora")
     if module.lora_dropout and nn.is_training(module):
         if rng is None:
             x = ops.dropout(x, module.lora_dropout)
@@ -109,6 +110,7 @@ def expert_adapter(experts, which: str, x, counts=None, expert: int | None = Non
     a = getattr(getattr(experts, "lora_A", None), which, None)
     if a is None:
         return None
+    features.note_used("lora-moe")
     b = getattr(experts.lora_B, which)
     if expert is not None:
         low = ops.matmul(ops.matmul(x, a[expert]), b[expert])

@@ -8,6 +8,8 @@ import dataclasses
 
 import numpy as np
 
+from mindspeed_core import features
+
 ADAPTER_TAGS = (".lora_A.", ".lora_B.")
 # the experts' stacked weights (models/moe.py) and the LoRA target each answers to
 EXPERT_TARGETS = {"weight1": "linear_fc1", "weight2": "linear_fc2"}
@@ -125,6 +127,8 @@ def merge_lora(cfg, state: dict) -> tuple:
         base = name.replace(".lora_A.", ".")  # x.lora_A.weight -> x.weight; experts.lora_A.weight1 -> experts.weight1
         a = np.asarray(state[name], np.float64)
         b = np.asarray(state[name.replace(".lora_A.", ".lora_B.")], np.float64)
+        if a.ndim == 3:
+            features.note_used("lora-moe")
         delta = a @ b if a.ndim == 3 else b @ a  # the experts' [E, in, r] @ [E, r, out]; a linear's [out, r] @ [r, in]
         # latent attention's fused adapter: its rows go to the query's and the key/value's down-projections
         parts = ([(base, delta)] if base in out else
