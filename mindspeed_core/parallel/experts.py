@@ -88,6 +88,7 @@ class ExpertParallelSeams(MoESeams):
         # the groups that cut each sequence in shares, each rank routing its own: the CP ranks, and
         # with EP across TP (ps.ep_over_tp, under SP) the TP ranks, each its sequence-parallel share
         self.tp_shares = ps.ep_over_tp and self.tp is not None and sequence_parallel
+        self.cp_shares = context_shares
         self.shares = [g for g, on in ((ps.group("cp"), context_shares), (self.tp, self.tp_shares)) if on]
         self.shares_size = (ps.cp if context_shares else 1) * (ps.tp if self.tp_shares else 1)
 
@@ -96,7 +97,7 @@ class ExpertParallelSeams(MoESeams):
             return counts, 1
         if self.tp_shares:
             features.note_used("expert-parallel-across-tp")
-        if len(self.shares) > 1 or not self.tp_shares:  # the CP group is among them
+        if self.cp_shares:
             features.note_used("moe-context-parallel")
         summed = ops.tensor(counts.astype(np.float32))  # exact below 2**24
         for group in self.shares:

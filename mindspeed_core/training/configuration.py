@@ -113,8 +113,11 @@ class ParallelLayout:
     # --use-cp-send-recv-overlap: the ring's exchanges travel while its blocks compute (outside a
     # compiled step, whose graph orders its own communication)
     cp_overlap: bool = False
-    # the EP groups reach across the TP ranks (ep_over_tp: megatron-core's layout with ETP 1)
-    ep_over_tp: bool = False
+
+    @property
+    def ep_over_tp(self) -> bool:
+        """The EP groups reach across the TP ranks (megatron-core's layout with ETP 1: ep_over_tp)."""
+        return self.experts_whole and self.ep > 1
 
     def stages(self, cfg: ModelConfig) -> pipeline.PipelineLayout:
         """Which of ``cfg``'s layers each pipeline stage holds (parallel/pipeline.py)."""
@@ -298,7 +301,7 @@ def configure(args, world: int, framework: str | None = None) -> RunConfig:
                               bool(work.use_distributed_optimizer), bool(work.overlap_grad_reduce),
                               bool(work.overlap_param_gather),
                               work.expert_tensor_parallel_size == 1 and tp > 1,
-                              bool(work.use_cp_send_recv_overlap) and not work.compile, ep_over_tp(work)),
+                              bool(work.use_cp_send_recv_overlap) and not work.compile),
         optimization=Optimization(
             work.train_iters, work.micro_batch_size, work.global_batch_size, work.lr, work.min_lr,
             work.lr_warmup_iters, work.lr_decay_iters, work.lr_decay_style, work.weight_decay, work.clip_grad,
