@@ -216,14 +216,15 @@ _OUTPUT_BIAS = ("the untied output layer's bias, cut with the vocabulary under T
                 "files (lm_head.bias in Hugging Face folders)")
 _PHIMOE = ("models/families/phimoe.py: SparseMixer's top-2 (each weight its own thresholded softmax), LayerNorm "
            "with biases, q/k/v/o and output-layer biases, LongRoPE with its mscales; Hugging Face phimoe folders and "
-           "MindSpeed-LLM's Megatron layout in and out; training is the sparsemixer-training row")
+           "MindSpeed-LLM's Megatron layout in and out; its training is the sparsemixer-training row")
 _JITTER = ("in training the router's input (not the experts') is multiplied by noise uniform in [1 - eps, 1 + eps], "
            "drawn from the framework's default stream (the same on every tensor-parallel rank, so their routings "
            "agree; recompute restores the stream, as for dropout), as megatron-core's router does; generation and "
            "evaluation set it aside")
-_SPARSEMIXER_TRAINING = ("training draws each token's experts (Gumbel noise, Heun's third-order weights) and jitters "
-                         "the router's input; that sampled routing is not built (a model routed as in evaluation "
-                         "would train another objective)")
+_SPARSEMIXER_TRAINING = ("in training each of the two choices is sampled (the kept logits plus Gumbel noise) and its "
+                         "weight's gradient is Heun's third-order estimate, as transformers' and MindSpeed-LLM's "
+                         "Phi-3.5-MoE train (models/router.py); the draws come from the framework's default stream, the "
+                         "same on every tensor-parallel rank; not compiled (moe-compile-routing)")
 _MOE_CP = ("each CP rank routes its share of every sequence; the load-balancing loss's fractions count the whole "
            "sequences (summed over the CP group), its mean scores are the share's, so the CP ranks' mean loss and "
            "gradient are one device's; expert gradients are reduced over the expert-data-parallel ranks of every "
@@ -740,10 +741,8 @@ FEATURES: tuple[Feature, ...] = (
             or getattr(a, "moe_router_load_balancing_type", None) == "sparsemixer_topk"),
     Feature("sparsemixer-training", "Training with SparseMixer routing (Phi-3.5-MoE's sampled choice)", "compatibility",
             ("--moe-router-load-balancing-type sparsemixer_topk",),
-            planned(_SPARSEMIXER_TRAINING, instead="generation, evaluation and conversion of Phi-3.5-MoE, or another "
-                    "MoE family for training"),
-            planned(_SPARSEMIXER_TRAINING, instead="generation, evaluation and conversion of Phi-3.5-MoE, or another "
-                    "MoE family for training")),
+            supported(_SPARSEMIXER_TRAINING), supported(_SPARSEMIXER_TRAINING),
+            lambda a: getattr(a, "moe_router_load_balancing_type", None) == "sparsemixer_topk"),
     Feature("hf-deepseek-v3-moe", "DeepSeek-V3's MoE layers in Hugging Face folders (e_score_correction_bias)",
             "compatibility", ("--model-type-hf deepseek3",),
             supported("sigmoid scores, top-k within the best groups, each router's e_score_correction_bias read "
@@ -861,15 +860,17 @@ FEATURES: tuple[Feature, ...] = (
             supported("as on PyTorch"),
             lambda a: _moe(a) and bool(getattr(a, "compile", False))),
     Feature("moe-compile-routing", "Compiled MoE step with expert, pipeline or context parallelism, a capacity "
-            "factor or input jitter", "combinations", ("--compile", "--expert-model-parallel-size",
+            "factor, input jitter or SparseMixer routing", "combinations", ("--compile", "--expert-model-parallel-size",
                                                        "--pipeline-model-parallel-size", "--context-parallel-size",
-                                                       "--moe-expert-capacity-factor", "--moe-input-jitter-eps"),
+                                                       "--moe-expert-capacity-factor", "--moe-input-jitter-eps",
+                                                       "--moe-router-load-balancing-type sparsemixer_topk"),
             planned(_MOE_COMPILE, instead="drop --compile"), planned(_MOE_COMPILE, instead="drop --compile"),
             lambda a: _moe(a) and bool(getattr(a, "compile", False)) and (
                 _gt1("expert_model_parallel_size")(a) or _gt1("pipeline_model_parallel_size")(a)
                 or _gt1("context_parallel_size")(a) or getattr(a, "moe_expert_capacity_factor", None) is not None
                 or bool(getattr(a, "moe_pad_expert_input_to_capacity", False))
-                or bool(getattr(a, "moe_input_jitter_eps", None)))),
+                or bool(getattr(a, "moe_input_jitter_eps", None))
+                or getattr(a, "moe_router_load_balancing_type", None) == "sparsemixer_topk")),
     Feature("lora-moe", "LoRA adapters on mixture-of-experts models", "combinations", ("--lora-r", "--num-experts"),
             supported(_LORA_MOE), supported(_LORA_MOE),
             lambda a: _moe(a) and (getattr(a, "lora_r", None) is not None

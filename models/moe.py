@@ -320,7 +320,8 @@ class MoELayer(nn.Module):
             routing = self.routing = router.route_on_device(logits, self.moe, bias, sequences=b)
             y = self.experts.dense(seams.expert_input(flat), routing.combine, seams.expert_output)
             return self._output(y, x)
-        routing = self.routing = router.route(logits, self.moe, bias, sequences=b, counts_over=seams.sequence_counts)
+        routing = self.routing = router.route(logits, self.moe, bias, sequences=b, counts_over=seams.sequence_counts,
+                                              training=nn.is_training(self))
         share = seams.loss_share()
         if share != 1.0:
             routing = self.routing = dataclasses.replace(routing, aux_loss=routing.aux_loss * share,

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mindspeed_core import features, ops
+from mindspeed_core import autograd, features, ops
 from mindspeed_core.models.config import MoEConfig
 
 
@@ -127,12 +127,14 @@ def z_loss(logits):
     return ops.mean(ops.logsumexp(logits, dim=-1) ** 2)
 
 
-def route(logits, moe: MoEConfig, expert_bias=None, sequences: int = 1, counts_over=None) -> Routing:
+def route(logits, moe: MoEConfig, expert_bias=None, sequences: int = 1, counts_over=None,
+          training: bool = False) -> Routing:
     """Route T tokens from the router's logits [T, E] (float32). ``expert_bias`` [E] tensor
     (aux-loss-free balancing) or None; ``sequences``: how many sequences the T tokens are,
-    consecutive rows each (seq_aux_loss); ``counts_over``: see balance_loss."""
+    consecutive rows each (seq_aux_loss); ``counts_over``: see balance_loss; ``training``: a
+    routing that samples in training (SparseMixer) draws its choice."""
     if moe.sparsemixer:
-        return sparsemixer(logits, moe)
+        return sparsemixer(logits, moe, sparsemixer_draws(*logits.shape) if training else None)
     scores = scores_of(logits, moe)
     experts = select(scores, moe, expert_bias)
     weights = ops.gather(scores, 1, ops.tensor(experts))
@@ -152,15 +154,40 @@ def route(logits, moe: MoEConfig, expert_bias=None, sequences: int = 1, counts_o
     return Routing(weights, experts, kept, aux, z, tokens)
 
 
-def sparsemixer(logits, moe: MoEConfig) -> Routing:
-    """Phi-3.5-MoE's routing (SparseMixer, as transformers' and MindSpeed-LLM's eval path
-    compute it): the first expert is the top logit; the logits more than 2 eps below it
-    (relative: (top - s) / max(|s|, top) > 2 eps) are set aside, and its weight is its softmax
-    over the rest. The second is the top of the others, weighed the same way against its own
-    threshold (the first set aside too). The weights are not renormalised; there is no
-    balancing loss. The choice and the thresholds are the host's; the weights' gradient is the
-    softmaxes'. (Training's sampled choice, Gumbel draws and Heun's estimator, is not built:
-    the matrix's sparsemixer-training row.)"""
+@dataclass
+class SparseMixerDraws:
+    """Training's random draws for SparseMixer's two choices (j = 0, 1): ``exponential`` [2, T, E]
+    float32 Exp(1) samples (the Gumbel noise is minus their log), ``uniform`` [2, T] float32 in
+    [0, 1) (whether a choice other than the top one takes Heun's full weight)."""
+    exponential: np.ndarray
+    uniform: np.ndarray
+
+
+def sparsemixer_draws(t: int, e: int) -> SparseMixerDraws:
+    """The draws from the framework's default stream (the same on every TP rank; recompute
+    restores it), Exp(1) as -log(1 - u), kept above zero so that a masked expert's -inf minus
+    the noise's log stays -inf."""
+    u = ops.to_numpy(ops.rand((2, t, e))).astype(np.float32)
+    exponential = np.maximum(-np.log1p(-u), np.finfo(np.float32).tiny).astype(np.float32)
+    return SparseMixerDraws(exponential, ops.to_numpy(ops.rand((2, t))).astype(np.float32))
+
+
+HEUN_AWAY = np.float32(0.3333)  # the weight factor of a sampled choice that is not the top expert (1/3)
+
+
+def sparsemixer(logits, moe: MoEConfig, draws: SparseMixerDraws | None = None) -> Routing:
+    """Phi-3.5-MoE's routing (SparseMixer, as transformers and MindSpeed-LLM compute it): the
+    logits more than 2 eps below the top one (relative: (top - s) / max(|s|, top) > 2 eps) are
+    set aside; the first expert is the top logit, its weight its softmax over the rest. The
+    second is chosen the same way among the others (the first set aside too), weighed against
+    its own threshold. The weights are not renormalised; there is no balancing loss.
+
+    In training (``draws`` given) each choice is sampled instead: the argmax of the kept logits
+    plus Gumbel noise (-log of the exponential draws), and its weight's gradient is Heun's
+    third-order estimate: the value is the softmax weight times 1 where the sampled expert is
+    the top one or the uniform draw passes 0.75, times 1/3 (0.3333) otherwise, while the
+    gradient stays the plain softmax weight's (the factor carries none). The choice and the
+    thresholds are the host's."""
     features.note_used("family-phimoe")
     host = ops.to_numpy(logits).astype(np.float32)
     t, e = host.shape
@@ -173,9 +200,17 @@ def sparsemixer(logits, moe: MoEConfig) -> Routing:
             top = np.where(aside, -np.inf, host).max(axis=-1, keepdims=True)
             far = (top - host) / np.maximum(np.abs(host), top) > np.float32(2 * moe.sparsemixer_eps)
             masked = far | aside
-            experts[:, j] = np.where(masked, -np.inf, host).argmax(axis=-1)
+            kept_logits = np.where(masked, -np.inf, host)
+            best = kept_logits.argmax(axis=-1)
+            experts[:, j] = best if draws is None else (kept_logits - np.log(draws.exponential[j])).argmax(axis=-1)
             probs = ops.softmax(ops.masked_fill(logits, ops.tensor(masked), float("-inf")), dim=-1)
-            weights.append(ops.gather(probs, 1, ops.tensor(experts[:, j:j + 1])))
+            weight = ops.gather(probs, 1, ops.tensor(experts[:, j:j + 1]))
+            if draws is not None:
+                features.note_used("sparsemixer-training")
+                full = (experts[:, j] == best) | (draws.uniform[j] > np.float32(0.75))
+                factor = np.where(full, np.float32(1.0), HEUN_AWAY).astype(np.float32)[:, None]
+                weight = weight + autograd.detach(weight * ops.tensor(factor - np.float32(1.0)))
+            weights.append(weight)
             aside = aside.copy()
             aside[rows, experts[:, j]] = True
     weights = ops.cat(weights, dim=1)
@@ -201,7 +236,7 @@ class DenseRouting:
 def route_on_device(logits, moe: MoEConfig, expert_bias=None, sequences: int = 1) -> DenseRouting:
     """route() as device operations (the same top-k, weights and losses), its choice as one-hot
     masks rather than host indices. No capacity factor (dropping is a host decision here)."""
-    if moe.sparsemixer:  # training refuses it before a model is built (features: sparsemixer-training)
+    if moe.sparsemixer:  # the matrix refuses a compiled MoE step with it (features: moe-compile-routing)
         raise ValueError("SparseMixer routing has no on-device (compiled) form")
     t, e = logits.shape
     scores = scores_of(logits, moe)

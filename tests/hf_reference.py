@@ -14,6 +14,7 @@ folder that also holds a PEFT adapter (adapter_config.json) is run with peft's L
 
 from __future__ import annotations
 
+import copy
 import os
 import sys
 
@@ -293,6 +294,59 @@ def _model(cls, kwargs: dict):
     return T.AutoModelForCausalLM.from_config(cls(**kwargs)).float().eval()
 
 
+SAMPLED_EPS = 0.3  # SparseMixer's epsilon in the training reference (the release's 0.01 leaves one candidate here)
+
+
+def sparsemixer_training(model, ids) -> dict:
+    """Phi-3.5-MoE in training mode: each router samples its two experts (Gumbel noise from the
+    exponential draws, Heun's choice from the uniform ones), the draws taken from arrays recorded
+    here in the order the layers make them, the input jitter off (tested on its own; transformers
+    also jitters the experts' input, megatron-core only the router's). Records the draws, the
+    logits and the gradients of sum(logits x probe) at the routers' and the embedding's weights;
+    and the routers' gradients with Heun's estimator replaced by plain autograd of the scaled
+    weight (what a model without the estimator would train on)."""
+    from transformers.models.phimoe import modeling_phimoe
+    train = copy.deepcopy(model).train()
+    for m in train.modules():
+        if hasattr(m, "input_jitter_noise"):
+            m.input_jitter_noise = 0.0
+        if hasattr(m, "router_jitter_noise"):  # wide thresholds: 2 to 4 candidates a choice, so the draws pick
+            m.router_jitter_noise = SAMPLED_EPS
+    cfg = train.config
+    rng = np.random.default_rng(2)
+    tokens, layers = ids.size, cfg.num_hidden_layers
+    exponential = rng.exponential(size=(layers, 2, tokens, cfg.num_local_experts)).astype(np.float32)
+    uniform = rng.random((layers, 2, tokens)).astype(np.float32)
+    probe = rng.standard_normal((*ids.shape, VOCAB)) / np.sqrt(ids.size)
+    routers = [n for n, _ in train.named_parameters() if n.endswith("router.weight")]
+
+    def run(estimator: bool):
+        exps = iter(e for layer in exponential for e in layer)
+        unis = iter(u for layer in uniform for u in layer)
+        saved = torch.Tensor.exponential_, torch.rand_like, torch.Tensor.uniform_, modeling_phimoe.PhimoeMultiplier.apply
+        torch.Tensor.exponential_ = lambda self, *a, **k: self.copy_(torch.from_numpy(next(exps)).view_as(self))
+        torch.rand_like = lambda t, *a, **k: torch.from_numpy(next(unis).copy()).view_as(t)
+        torch.Tensor.uniform_ = lambda self, *a, **k: self  # the second choice's rand_like(...).uniform_()
+        if not estimator:
+            modeling_phimoe.PhimoeMultiplier.apply = lambda scores, multiplier, chosen, gates, mask: multiplier * mask
+        try:
+            train.zero_grad()
+            logits = train(torch.as_tensor(ids)).logits
+            (logits.double() * torch.from_numpy(probe)).sum().backward()
+        finally:
+            (torch.Tensor.exponential_, torch.rand_like, torch.Tensor.uniform_,
+             modeling_phimoe.PhimoeMultiplier.apply) = saved
+        grads = dict(train.named_parameters())
+        return logits.detach().double().numpy(), [grads[n].grad.double().numpy() for n in routers], \
+            grads["model.embed_tokens.weight"].grad.double().numpy()
+
+    logits, router_grads, embedding_grad = run(True)
+    _, plain_router_grads, _ = run(False)
+    return {"train_eps": np.array(SAMPLED_EPS), "train_exponential": exponential, "train_uniform": uniform, "train_probe": probe,
+            "train_logits": logits, "train_router_grads": np.stack(router_grads),
+            "train_embedding_grad": embedding_grad, "train_router_grads_without_estimator": np.stack(plain_router_grads)}
+
+
 def build(name: str, out_dir: str) -> None:
     cls, kwargs = MODELS[name]
     torch.manual_seed(0)
@@ -328,6 +382,8 @@ def build(name: str, out_dir: str) -> None:
             with torch.no_grad():
                 change(other)
         extra[f"without {label}"] = logits_of(other, ids)
+    if name == "phimoe":
+        extra.update(sparsemixer_training(model, ids))
     if name in GENERATED:
         model.generation_config.eos_token_id = None  # never stop early: 8 tokens each
         model.generation_config.pad_token_id = 0

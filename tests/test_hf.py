@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import json
 import pathlib
+import shutil
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 
-from mindspeed_core import ops
+from mindspeed_core import autograd, nn, ops
 from mindspeed_core.compat import hf
 from mindspeed_core.errors import CheckpointError
+from mindspeed_core.models import router
 from mindspeed_core.models.families.gpt_oss import dequantize_mxfp4
 
 from conftest import hf_reference_process
@@ -201,6 +203,48 @@ def test_mxfp4_experts_are_read_as_transformers_dequantises_them(references):
         dequantize_mxfp4(np.zeros((2, 3, 4), np.uint8), np.zeros((2, 3), np.uint8))
 
 
+@pytest.mark.feature("sparsemixer-training")
+def test_phimoe_trains_with_sampled_routing_and_heuns_estimator_as_transformers(references, tmp_path, monkeypatch):
+    """Phi-3.5-MoE in training mode, with transformers' draws (hf_reference.sparsemixer_training:
+    thresholds wide enough that each choice has several candidates): the logits and the
+    gradients of sum(logits x probe) at the routers and the embedding equal transformers'. The
+    same model routing as in evaluation gives other logits, and plain autograd of the scaled
+    weights (no estimator) other router gradients, both far outside the tolerances."""
+    ref = np.load(references / "phimoe.npz")
+    folder = tmp_path / "phimoe"
+    shutil.copytree(references / "phimoe", folder)
+    config = json.loads((folder / "config.json").read_text())
+    config.update(router_jitter_noise=float(ref["train_eps"]), input_jitter_noise=0.0)
+    (folder / "config.json").write_text(json.dumps(config))
+    model = hf.load_model(str(folder))
+    nn.set_training(model, True)
+    layers = iter(range(len(ref["train_router_grads"])))
+    monkeypatch.setattr(router, "sparsemixer_draws", lambda t, e: (lambda i: router.SparseMixerDraws(
+        ref["train_exponential"][i], ref["train_uniform"][i]))(next(layers)))
+    params = dict(nn.named_parameters(model))
+    routers = [params[f"decoder.layers.{i}.mlp.router.weight"] for i in range(len(ref["train_router_grads"]))]
+    out = {}
+
+    def loss():
+        out["logits"] = model(ops.tensor(ref["ids"]))
+        return ops.sum(out["logits"] * ops.tensor(ref["train_probe"].astype(np.float32)))
+
+    _, grads = autograd.value_and_grad(loss, [*routers, params["embedding.word_embeddings.weight"]])()
+    scale = float(np.abs(ref["train_logits"]).max())
+    assert float(np.abs(ops.to_numpy(out["logits"]) - ref["train_logits"]).max()) / scale < TOLERANCE
+    router_grads = np.stack([ops.to_numpy(g) for g in grads[:-1]])
+    grad_scale = float(np.abs(ref["train_router_grads"]).max())
+    # measured: 1.5e-6 (PyTorch) and 3.4e-6 (MindSpore) of the largest gradient
+    assert float(np.abs(router_grads - ref["train_router_grads"]).max()) / grad_scale < TOLERANCE
+    assert float(np.abs(ops.to_numpy(grads[-1]) - ref["train_embedding_grad"]).max()) \
+        / float(np.abs(ref["train_embedding_grad"]).max()) < TOLERANCE
+    without = float(np.abs(ref["train_router_grads_without_estimator"] - ref["train_router_grads"]).max()) / grad_scale
+    assert without > 100 * TOLERANCE, without
+    nn.set_training(model, False)
+    evaluated = ops.to_numpy(model(ops.tensor(ref["ids"])))
+    assert float(np.abs(evaluated - ref["train_logits"]).max()) / scale > 100 * TOLERANCE
+
+
 def test_a_mixtral_folder_starts_a_training_run_with_its_experts(references, capsys):
     from mindspeed_core import cli
 
@@ -343,6 +387,9 @@ def test_each_family_is_one_room_the_registry_finds():
         assert alias in families.get(name).aliases + families.get(name).specs
     assert all(families.PRESETS[p]["family"] in families.FAMILIES for p in families.PRESETS)
     assert families.moe_of("qwen3") == "qwen3_moe" and families.moe_of("llama") is None
+    # MindSpeed-LLM's Phi-3.5-MoE pretraining line names phi3.5 (Phi-3.5-mini's converter name)
+    assert families.named("phi3.5", moe=True) == "phimoe" and families.named("phi3.5", moe=False) == "phi3"
+    assert families.named("qwen3", moe=True) == "qwen3" and families.named("nothing", moe=False) is None
 
 
 def test_multi_token_prediction_layers_after_the_last_are_skipped_where_folders_carry_them(references):

@@ -10,7 +10,7 @@ import math
 import numpy as np
 import pytest
 
-from mindspeed_core import autograd, nn, ops
+from mindspeed_core import autograd, nn, ops, random
 from mindspeed_core.models import router
 from mindspeed_core.models.config import MoEConfig
 
@@ -146,3 +146,34 @@ def test_expert_bias_moves_towards_the_mean_load():
 def test_bad_router_configs_are_clear_errors(bad, message):
     with pytest.raises(ValueError, match=message):
         MoEConfig(**{"num_experts": 8, **bad})
+
+
+@pytest.mark.feature("sparsemixer-training")
+def test_sparsemixer_samples_each_choice_by_the_softmax_of_its_candidates():
+    """Training's draws (sparsemixer_draws, from the framework's stream): the first choice falls on
+    each candidate (the logits within the threshold of the top one) as often as its softmax says
+    (the Gumbel-max property), never on an expert set aside; a non-top choice takes 1/3 of its
+    weight unless its uniform draw passes 0.75 (a quarter of the time). 4,000 tokens of one row:
+    within 5 standard deviations."""
+    random.seed(11)
+    moe = MoEConfig(num_experts=4, topk=2, load_balancing_type="sparsemixer_topk", norm_topk_prob=False,
+                    sparsemixer_eps=0.5)
+    # three candidates (within 2 x 0.5 of the top, relatively), the last far below it (set aside); spread
+    # enough that noise other than Gumbel's (say, exponential) moves the frequencies by 3 tolerances
+    row = np.array([2.0, 1.0, 0.2, -9.0], np.float32)
+    tokens = 4000
+    r = router.route(ops.tensor(np.tile(row, (tokens, 1))), moe, training=True)
+    p = np.exp(row[:3] - row[:3].max())
+    p /= p.sum()
+    freq = np.bincount(r.experts[:, 0], minlength=4) / tokens
+    assert freq[3] == 0
+    np.testing.assert_allclose(freq[:3], p, atol=5 * np.sqrt(p * (1 - p) / tokens).max())
+    weights = ops.to_numpy(r.weights)[:, 0]
+    off_top = r.experts[:, 0] != 0
+    full = np.isclose(weights[off_top], p[r.experts[off_top, 0]], rtol=1e-5)
+    third = np.isclose(weights[off_top], p[r.experts[off_top, 0]] * 0.3333, rtol=1e-5)
+    assert (full | third).all()
+    assert abs(full.mean() - 0.25) < 5 * np.sqrt(0.25 * 0.75 / off_top.sum())
+    # in evaluation the top two candidates, without draws
+    r = router.route(ops.tensor(row[None]), moe)
+    assert r.experts.tolist() == [[0, 1]]

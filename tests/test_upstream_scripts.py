@@ -132,7 +132,7 @@ def _family_model(args, kind: str | None):
     names if it names one (the flags say how the layers are built; a folder's type says which
     family)."""
     cfg, _ = hf.without_noop_layers(_model_of(args), {})
-    return dataclasses.replace(cfg, family=families.ALIASES[kind]) if kind else cfg
+    return dataclasses.replace(cfg, family=families.named(kind, cfg.moe is not None)) if kind else cfg
 
 
 def _world(args) -> int:
@@ -382,7 +382,7 @@ DONE = {
                 "inference.py": {"gated": 12, "generated": 11},
                 "posttrain_gpt.py": {"configured": 27, "refused": 7, "trained": 9},
                 "preprocess_data.py": {"preprocessed": 30},
-                "pretrain_gpt.py": {"configured": 20, "refused": 12}},
+                "pretrain_gpt.py": {"configured": 21, "refused": 11}},
     "mindspore": {"convert_ckpt_v2.py": {"converted": 24, "parsed": 6, "refused": 1},
                   "evaluation.py": {"refused": 18},
                   "inference.py": {"gated": 1, "generated": 2, "refused": 20},

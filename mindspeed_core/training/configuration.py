@@ -751,7 +751,7 @@ def _agreeing_with_flags(args, cfg: ModelConfig, vocab_size: int, scaling: dict 
                 key, "--rope-scaling-original-max-position-embeddings")
             raise MindSpeedError(f"{flag} disagrees with the Hugging Face folder's config.json (rope_scaling {key}: "
                                  f"{theirs.get(key, 'not set')!r:.80})")
-    if args.model_type_hf is not None and families.ALIASES.get(args.model_type_hf) != cfg.family:
+    if args.model_type_hf is not None and families.named(args.model_type_hf, cfg.moe is not None) != cfg.family:
         raise MindSpeedError(f"--model-type-hf {args.model_type_hf}, but {args.load_hf}/config.json is a {cfg.family} "
                              "model" if args.model_type_hf in families.ALIASES else
                              f"--model-type-hf {args.model_type_hf}: choose one of {', '.join(families.ALIASES)}")
@@ -836,11 +836,12 @@ def check_configuration(args, world: int, default_save: bool = False):
     # config): the combinations not built yet are rows of it
     backend = runtime.bound()
     features.validate(Flags({**vars(args), "num_experts": cfg.moe.num_experts if cfg.moe else None,
+                             # from the flags or a Hugging Face folder (phimoe's SparseMixer and input jitter)
+                             "moe_router_load_balancing_type": cfg.moe.load_balancing_type if cfg.moe else None,
+                             "moe_input_jitter_eps": cfg.moe.input_jitter_eps if cfg.moe else None,
                              "num_attention_heads": cfg.num_attention_heads,
                              "num_query_groups": cfg.num_query_groups}), backend.NAME,
                       device.type(), backend.FRAMEWORK_VERSION)
-    if cfg.moe is not None and cfg.moe.sparsemixer:  # from the flag or a Hugging Face phimoe folder
-        features.refuse("sparsemixer-training", backend.NAME, device.type())
     if cfg.lora is not None and cfg.lora.r > cfg.hidden_size:
         raise MindSpeedError(f"--lora-r {cfg.lora.r} exceeds the hidden size {cfg.hidden_size}: the adapters would "
                              "not be low-rank (the rank of an adapter is at most its layer's width)")
@@ -950,7 +951,7 @@ def _check_hf_folders(args, cfg: ModelConfig) -> None:
     if not (args.save or args.hf_save_dir):
         raise MindSpeedError("--enable-mg2hf-convert writes the folders beside the checkpoints: give --save (or "
                              "--hf-save-dir)")
-    if args.model_type_hf is not None and families.ALIASES.get(args.model_type_hf) != cfg.family:
+    if args.model_type_hf is not None and families.named(args.model_type_hf, cfg.moe is not None) != cfg.family:
         raise MindSpeedError(f"--model-type-hf {args.model_type_hf}: the model trained here is a {cfg.family} model"
                              if args.model_type_hf in families.ALIASES else
                              f"--model-type-hf {args.model_type_hf}: choose one of {', '.join(families.ALIASES)}")

@@ -34,6 +34,17 @@ FAMILIES: dict = _discover()  # ModelConfig.family -> Family
 BY_MODEL_TYPE = {t: f for f in FAMILIES.values() for t in (f.model_types or (f.name,))}
 # MindSpeed-LLM's --model-type-hf names -> our family
 ALIASES = {alias: f.name for f in FAMILIES.values() for alias in f.aliases}
+# a dense family's --model-type-hf name that MindSpeed-LLM's scripts also give an MoE family's models
+ALSO_NAMED = {alias: f.name for f in FAMILIES.values() for alias in f.also_named}
+
+
+def named(alias: str, moe: bool) -> str | None:
+    """The family --model-type-hf ``alias`` names for a model with MoE layers or without (None:
+    no family has that name). MindSpeed-LLM's Phi-3.5-MoE pretraining line names phi3.5, its
+    converter's name for Phi-3.5-mini: for a model with experts that is Phi-3.5-MoE."""
+    return ALSO_NAMED[alias] if moe and alias in ALSO_NAMED else ALIASES.get(alias)
+
+
 # MindSpeed-LLM's layer spec modules (--spec) -> the family each builds
 SPECS = {spec: f.name for f in FAMILIES.values() for spec in f.specs}
 # --model-name presets
@@ -56,4 +67,4 @@ def preset(name: str, **overrides) -> ModelConfig:
     return ModelConfig(**{**PRESETS[name], **overrides})
 
 
-__all__ = ["ALIASES", "BY_MODEL_TYPE", "FAMILIES", "PRESETS", "SPECS", "Family", "get", "moe_of", "preset"]
+__all__ = ["ALIASES", "ALSO_NAMED", "BY_MODEL_TYPE", "FAMILIES", "PRESETS", "SPECS", "Family", "get", "moe_of", "named", "preset"]

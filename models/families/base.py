@@ -30,6 +30,8 @@ class Family:
     model_types: tuple = ()  # config.json model_type values read as this family (default: its name)
     architecture = ""  # transformers' class
     aliases: tuple = ()  # MindSpeed-LLM's --model-type-hf names
+    # names of another family that MindSpeed-LLM's scripts also give this one's MoE models (see families.named)
+    also_named: tuple = ()
     specs: tuple = ()  # MindSpeed-LLM's layer spec modules (--spec) that build it
     spec_fields: dict = {}  # ModelConfig fields its --spec implies (no flag of their own)
     builds = "gpt"  # models/registry.py's spec: gpt (dense decoder) or moe

@@ -22,6 +22,7 @@ class PhiMoE(LlamaLike):
     name = "phimoe"
     architecture = "PhimoeForCausalLM"
     aliases = ("phi3.5-moe",)
+    also_named = ("phi3.5",)  # MindSpeed-LLM's Phi-3.5-MoE pretraining line: --model-type-hf phi3.5
     specs = ("phi35_moe_spec",)
     builds, experts = "moe", True
     window = "every"
