@@ -69,12 +69,44 @@ class Layout:
     ep: int = 1
     layers_per_virtual_stage: int | None = None
     num_layer_list: str | None = None
+    # the experts' TP size: None, the model's TP (experts cut as the dense MLP); 1 under TP, every
+    # file holds its experts whole (megatron-core's ETP 1, MindSpeed-LLM's --expert-tensor-parallel-size 1)
+    etp: int | None = None
+
+    def __post_init__(self):
+        if self.etp not in (None, 1, self.tp):
+            raise CheckpointError(f"expert tensor parallel size {self.etp}: Megatron's files are read and written with "
+                                  f"the experts whole (1) or cut as the model's TP ({self.tp})")
+        object.__setattr__(self, "etp", 1 if self.etp == 1 and self.tp > 1 else None)
+
+    @property
+    def experts_whole(self) -> bool:
+        return self.etp == 1
 
     def stages(self, cfg: ModelConfig) -> pipeline.PipelineLayout:
         return pipeline.model_layout(cfg, self.pp, self.layers_per_virtual_stage, self.num_layer_list)
 
     def rank_dir(self, t: int, p: int, e: int) -> str:
         return f"mp_rank_{t:02d}" + (f"_{p:03d}" if self.pp > 1 else "") + (f"_{e:03d}" if self.ep > 1 else "")
+
+    def rank_keys(self) -> list[tuple[int, int, int]]:
+        """The (tp, pp, ep) ranks with a file. With the experts whole, the ranks of megatron-core's
+        ETP 1 layout (EP groups across TP): EP rank e sits with TP rank e mod TP, so a file for each
+        TP rank t with EP rank t mod EP when EP divides TP, for each EP rank e with TP rank e mod TP
+        when TP divides EP (MindSpeed-LLM's converter writes these; the other pairs would repeat them)."""
+        if not self.experts_whole:
+            return [(t, p, e) for t in range(self.tp) for p in range(self.pp) for e in range(self.ep)]
+        pairs = ([(t, t % self.ep) for t in range(self.tp)] if self.tp % self.ep == 0
+                 else [(e % self.tp, e) for e in range(self.ep)])
+        return [(t, p, e) for t, e in pairs for p in range(self.pp)]
+
+    def dense_ep(self, t: int) -> int:
+        """The EP rank of a file holding TP rank ``t``'s slices of the dense tensors."""
+        return (t % self.ep if self.tp % self.ep == 0 else t) if self.experts_whole else 0
+
+    def expert_tps(self, e: int) -> list[int]:
+        """The TP ranks whose files together hold EP rank ``e``'s experts (one when they are whole)."""
+        return [e % self.tp] if self.experts_whole else list(range(self.tp))
 
 
 def tp_spec(cfg: ModelConfig, name: str):
@@ -125,6 +157,10 @@ def check(cfg: ModelConfig, layout: Layout) -> None:
                                       f"linear-attention {what} heads")
     if cfg.moe is None and layout.ep > 1:
         raise CheckpointError("--target-expert-parallel-size applies to mixture-of-experts models; this one has none")
+    if layout.experts_whole and layout.tp % layout.ep and layout.ep % layout.tp:
+        raise CheckpointError(f"--expert-tensor-parallel-size 1: megatron-core's files hold the TP and EP ranks in "
+                              f"pairs, so one of --target-tensor-parallel-size {layout.tp} and "
+                              f"--target-expert-parallel-size {layout.ep} must divide the other")
     for size, what in ((cfg.ffn_hidden_size, "ffn_hidden_size"), (cfg.hidden_size, "hidden_size"),
                        (cfg.num_attention_heads, "num_attention_heads")):
         if size % layout.tp:
@@ -217,47 +253,45 @@ def split(cfg: ModelConfig, whole: dict, layout: Layout, dtype: str = "float32")
     names = list(whole)
     vocab = _padded_vocab(cfg, layout.tp)
     out = {}
-    for t in range(layout.tp):
-        for p in range(layout.pp):
-            for e in range(layout.ep):
-                chunks = []
-                for c in range(stages.chunks):
-                    stage = stages.stage(p, c)
-                    state = {}
+    for t, p, e in layout.rank_keys():
+        chunks = []
+        for c in range(stages.chunks):
+            stage = stages.stage(p, c)
+            state = {}
 
-                    def put(key, full, spec):
-                        if spec is not None and layout.tp > 1:
-                            full = shard(full, spec, layout.tp, t)
-                        state[key] = HostTensor.of(full, dtype)
+            def put(key, full, spec):
+                if spec is not None and layout.tp > 1:
+                    full = shard(full, spec, layout.tp, t)
+                state[key] = HostTensor.of(full, dtype)
 
-                    for key, ours in _stage_names(cfg, stages, stage).items():
-                        full = np.asarray(whole[ours])
-                        if key in ("embedding.word_embeddings.weight", "output_layer.weight", "output_layer.bias"):
-                            full = _pad_rows(full, vocab)
-                        put(key, full, tp_spec(cfg, key))
-                        if key == "output_layer.weight":
-                            state["output_layer._extra_state"] = None
-                    for mine, theirs, _ in _stage_layers(cfg, stages, stage):
-                        adapted = {n.rsplit(".lora_A.", 1)[0] for n in _layer_names(names, mine) if ".lora_A." in n}
-                        for rest in _layer_names(names, mine):
-                            ours = mine + rest
-                            if rest.startswith("mlp.experts."):
-                                _put_experts(cfg, state, theirs + "mlp.experts.", rest, whole[ours], layout, t, e,
-                                             dtype, {w for w in ("weight1", "weight2")
-                                                     if f"{mine}mlp.experts.lora_A.{w}" in whole})
-                                continue
-                            put(theirs + _peft_name(adapted, rest), np.asarray(whole[ours]), tp_spec(cfg, ours))
-                            for linear in _LINEARS:
-                                if rest == linear + ".weight":
-                                    state[theirs + _peft_name(adapted, linear + "._extra_state")] = None
-                    chunks.append(state)
-                out[t, p, e] = chunks
+            for key, ours in _stage_names(cfg, stages, stage).items():
+                full = np.asarray(whole[ours])
+                if key in ("embedding.word_embeddings.weight", "output_layer.weight", "output_layer.bias"):
+                    full = _pad_rows(full, vocab)
+                put(key, full, tp_spec(cfg, key))
+                if key == "output_layer.weight":
+                    state["output_layer._extra_state"] = None
+            for mine, theirs, _ in _stage_layers(cfg, stages, stage):
+                adapted = {n.rsplit(".lora_A.", 1)[0] for n in _layer_names(names, mine) if ".lora_A." in n}
+                for rest in _layer_names(names, mine):
+                    ours = mine + rest
+                    if rest.startswith("mlp.experts."):
+                        _put_experts(cfg, state, theirs + "mlp.experts.", rest, whole[ours], layout, t, e,
+                                     dtype, {w for w in ("weight1", "weight2")
+                                             if f"{mine}mlp.experts.lora_A.{w}" in whole})
+                        continue
+                    put(theirs + _peft_name(adapted, rest), np.asarray(whole[ours]), tp_spec(cfg, ours))
+                    for linear in _LINEARS:
+                        if rest == linear + ".weight":
+                            state[theirs + _peft_name(adapted, linear + "._extra_state")] = None
+            chunks.append(state)
+        out[t, p, e] = chunks
     return out
 
 
 def _put_experts(cfg, state, prefix, rest, full, layout, t, e, dtype, adapted=frozenset()) -> None:
     """Our stacked experts (weight1 [E, hidden, 2 ffn], weight2 [E, ffn, hidden]) as this EP
-    rank's SequentialMLP local experts, cut over TP as their dense twins are; their LoRA
+    rank's SequentialMLP local experts, cut over TP as their dense twins are (whole with ETP 1); their LoRA
     factors (lora_A.weight1 [E, in, r], ...) as each expert's peft factors, the adapted
     bases (``adapted``: "weight1", "weight2") under ``base_layer``."""
     full = np.asarray(full)
@@ -280,7 +314,7 @@ def _put_experts(cfg, state, prefix, rest, full, layout, t, e, dtype, adapted=fr
         key += ".base_layer"
     for j, expert in enumerate(mine):
         weight = expert.T if kind == "weight" else expert
-        if layout.tp > 1 and spec is not None:
+        if layout.tp > 1 and spec is not None and not layout.experts_whole:
             weight = shard(np.ascontiguousarray(weight), spec, layout.tp, t)
         state[f"{prefix}local_experts.{j}.{key}.{kind}"] = HostTensor.of(weight, dtype)
         if kind == "weight" and ".lora_" not in key:
@@ -305,7 +339,8 @@ def megatron_args(cfg: ModelConfig, layout: Layout, dtype: str, iteration: int) 
         add_bias_linear=cfg.add_bias_linear,
         qk_layernorm=cfg.qk_layernorm, untie_embeddings_and_output_weights=cfg.untie_embeddings_and_output_weights,
         tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
-        expert_model_parallel_size=layout.ep, num_layers_per_virtual_pipeline_stage=layout.layers_per_virtual_stage,
+        expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=layout.etp or layout.tp,
+        num_layers_per_virtual_pipeline_stage=layout.layers_per_virtual_stage,
         num_layer_list=layout.num_layer_list, noop_layers=",".join(map(str, cfg.noop_layers)) or None,
         params_dtype=torch_pickle.TorchDType(dtype), bf16=dtype == "bfloat16", fp16=dtype == "float16",
         iteration=iteration, mindspeed_model_config=json.dumps(cfg.to_dict(), sort_keys=True))
@@ -465,11 +500,11 @@ def load(root: str) -> Checkpoint:
     layout = _saved_layout(args)
     if layout.pp == 1 and layout.ep > 1:  # mp_rank_TT_EEE: without PP, Megatron's one 3-digit number is the EP rank
         ranks = {(t, 0, p): path for (t, p, _), path in ranks.items()}
-    want = {(t, p, e) for t in range(layout.tp) for p in range(layout.pp) for e in range(layout.ep)}
+    want = set(layout.rank_keys())
     if set(ranks) != want:
         missing = sorted(want - set(ranks))
         raise CheckpointError(f"{folder}: the rank folders do not match TP={layout.tp} PP={layout.pp} EP={layout.ep} "
-                              f"of its args" + (f" ({layout.rank_dir(*missing[0])} is missing)" if missing else ""))
+                              + ("(experts whole, ETP=1) " if layout.experts_whole else "") + "of its args" + (f" ({layout.rank_dir(*missing[0])} is missing)" if missing else ""))
     states = {key: (first if key == min(ranks) else torch_pickle.load(path)) for key, path in ranks.items()}
     iteration = first.get("iteration", 0) or 0
     for key, state in states.items():  # every rank file of one save: the same model, the same iteration
@@ -501,7 +536,8 @@ def _saved_layout(args) -> Layout:
     return Layout(tp=_arg(args, "tensor_model_parallel_size", 1), pp=_arg(args, "pipeline_model_parallel_size", 1),
                   ep=_arg(args, "expert_model_parallel_size", 1),
                   layers_per_virtual_stage=_arg(args, "num_layers_per_virtual_pipeline_stage", None),
-                  num_layer_list=_arg(args, "num_layer_list", None))
+                  num_layer_list=_arg(args, "num_layer_list", None),
+                  etp=_arg(args, "expert_tensor_parallel_size", None))
 
 
 def _load_torch_dist(folder: str) -> Checkpoint:
@@ -548,9 +584,10 @@ def merge(cfg: ModelConfig, pieces: dict, layout: Layout) -> dict:
     adapters_only = all(moved_under_lora(k) or k.endswith(_GROUPED_FACTORS + ("_extra_state",))
                         for chunks in pieces.values() for chunk in chunks for k in chunk)
 
-    def take(p, c, e, key, ours):
+    def take(p, c, key, ours):
         parts = []
         for t in range(layout.tp):
+            e = layout.dense_ep(t)
             chunk = pieces[t, p, e][c]
             if key not in chunk:
                 raise CheckpointError(f"{layout.rank_dir(t, p, e)} has no {key}")
@@ -571,7 +608,7 @@ def merge(cfg: ModelConfig, pieces: dict, layout: Layout) -> dict:
                 if (key == "output_layer.weight" and ours != key) or (key == "embedding.word_embeddings.weight"
                                                                       and stage != 0):
                     continue  # the last stage's copies: the embedding itself is on the first stage
-                whole[ours] = take(p, c, 0, key, ours)
+                whole[ours] = take(p, c, key, ours)
             keys = pieces[0, p, 0][c]
             for mine, prefix, number in _stage_layers(cfg, stages, stage):
                 for key in keys:
@@ -580,7 +617,7 @@ def merge(cfg: ModelConfig, pieces: dict, layout: Layout) -> dict:
                     rest = key[len(prefix):]
                     if rest.startswith("mlp.experts."):
                         continue
-                    whole[mine + rest] = take(p, c, 0, key, mine + rest)
+                    whole[mine + rest] = take(p, c, key, mine + rest)
                 if cfg.is_moe_layer(number):
                     if not adapters_only:
                         whole.update(_experts(cfg, pieces, layout, p, c, prefix, mine, number))
@@ -608,7 +645,8 @@ def _experts(cfg, pieces, layout, p, c, theirs, mine, number) -> dict:
             raise CheckpointError(f"{layout.rank_dir(0, p, e)} has no {exc.args[0]}") from None
 
     for e in range(layout.ep):
-        chunks = [pieces[t, p, e][c] for t in range(layout.tp)]
+        chunks = [pieces[t, p, e][c] for t in layout.expert_tps(e)]
+        cut = len(chunks) > 1
         if prefix + "weight1" in chunks[0]:  # GroupedMLP: flat views of [local experts, hidden, width / TP] and
             # [local experts, ffn / TP, hidden] (megatron-core's weight1.view(E, hidden, -1)), shaped
             # [hidden, local experts x width / TP] and [local experts x ffn / TP, hidden]
@@ -622,12 +660,12 @@ def _experts(cfg, pieces, layout, p, c, theirs, mine, number) -> dict:
             if cfg.add_bias_linear:
                 bias_ones, bias_twos = stacked(chunks, e, "linear_fc1.bias"), stacked(chunks, e, "linear_fc2.bias")
         for j in range(per_rank):  # [width, hidden] and [hidden, ffn] per expert, TP pieces joined
-            one = unshard([o[j] for o in ones], fc1) if layout.tp > 1 else ones[0][j]
-            two = unshard([t[j] for t in twos], ("split", 1)) if layout.tp > 1 else twos[0][j]
+            one = unshard([o[j] for o in ones], fc1) if cut else ones[0][j]
+            two = unshard([t[j] for t in twos], ("split", 1)) if cut else twos[0][j]
             w1.append(one.T)
             w2.append(two.T)
             if cfg.add_bias_linear:
-                b1.append(unshard([o[j] for o in bias_ones], fc1) if layout.tp > 1 else bias_ones[0][j])
+                b1.append(unshard([o[j] for o in bias_ones], fc1) if cut else bias_ones[0][j])
                 b2.append(bias_twos[0][j])
     w1, w2 = np.stack(w1), np.stack(w2)
     if w1.shape != (cfg.moe.num_experts, h, width) or w2.shape != (cfg.moe.num_experts, f, h):
@@ -655,7 +693,8 @@ def _expert_adapters(cfg, pieces, layout, p, c, theirs, mine) -> dict:
             continue
         a_parts, b_parts = [], []
         for e in range(layout.ep):
-            chunks = [pieces[t, p, e][c] for t in range(layout.tp)]
+            chunks = [pieces[t, p, e][c] for t in layout.expert_tps(e)]
+            cut = len(chunks) > 1
             grouped = prefix + which + "_lora_a" in chunks[0]
             try:  # per TP rank: A [local, in(/TP), r], B [local, r, out(/TP)]
                 if grouped:
@@ -672,9 +711,9 @@ def _expert_adapters(cfg, pieces, layout, p, c, theirs, mine) -> dict:
             for j in range(per_rank):  # fc1's B joined as fc1's rows (its columns here), fc2's A as fc2's columns
                 if which == "weight1":
                     a_parts.append(a[0][j])
-                    b_parts.append(unshard([x[j].T for x in b], fc1).T if layout.tp > 1 else b[0][j])
+                    b_parts.append(unshard([x[j].T for x in b], fc1).T if cut else b[0][j])
                 else:
-                    a_parts.append(unshard([x[j].T for x in a], ("split", 1)).T if layout.tp > 1 else a[0][j])
+                    a_parts.append(unshard([x[j].T for x in a], ("split", 1)).T if cut else a[0][j])
                     b_parts.append(b[0][j])
         out[f"{mine}mlp.experts.lora_A.{which}"] = np.stack(a_parts)
         out[f"{mine}mlp.experts.lora_B.{which}"] = np.stack(b_parts)

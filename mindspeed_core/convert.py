@@ -71,8 +71,9 @@ def parser():
                    help="mg -> hf: a Hugging Face folder whose config.json describes this model; its tokenizer and "
                         "generation files are copied along")
     p.add_argument("--expert-tensor-parallel-size", type=megatron_args.POSITIVE_INT, default=None,
-                   help="the target's tensor parallelism inside the experts (it must equal the tensor parallelism "
-                        "here)")
+                   help="the target's tensor parallelism inside the experts: 1 writes each file's experts whole "
+                        "(megatron-core's ETP 1: the TP and EP ranks in pairs), the target TP size cuts them as the "
+                        "dense MLP (the default; a Megatron source's own otherwise)")
     p.add_argument("--lora-load", default=None, help="a LoRA run whose adapters are merged into the --load-dir weights")
     p.add_argument("--lora-r", type=megatron_args.POSITIVE_INT, default=None,
                    help="the adapters' rank (checked against the run's record)")
@@ -221,7 +222,11 @@ def _target_layout(args, cfg, source):
     vpp = args.num_layers_per_virtual_pipeline_stage if args.num_layers_per_virtual_pipeline_stage or given \
         else keep.layers_per_virtual_stage
     layer_list = args.num_layer_list if args.num_layer_list or given or vpp else keep.num_layer_list
-    return mcore.Layout(tp=tp, pp=pp, ep=ep, layers_per_virtual_stage=vpp, num_layer_list=layer_list)
+    # the experts' TP: the flag's (1 or the model's TP), else the source's (whole experts stay whole)
+    etp = args.expert_tensor_parallel_size if args.expert_tensor_parallel_size is not None else keep.etp
+    if etp not in (None, 1, tp):
+        features.refuse("expert-tensor-parallel-other", runtime.resolve(args.ai_framework))
+    return mcore.Layout(tp=tp, pp=pp, ep=ep, layers_per_virtual_stage=vpp, num_layer_list=layer_list, etp=etp)
 
 
 def run(args, backend=None) -> int:
@@ -232,9 +237,6 @@ def run(args, backend=None) -> int:
         features.refuse(NOT_BUILT[args.model_type_hf], framework)
     if args.lora_load or args.save_lora_to_hf:
         features.note_used("convert-lora")
-    target_tp = args.target_tensor_parallel_size or 1
-    if args.expert_tensor_parallel_size not in (None, target_tp):
-        features.refuse("convert-expert-tensor-parallel", framework)
     if args.hf_cfg_dir is not None and args.save_model_type != "hf":
         raise MindSpeedError("--hf-cfg-dir describes the Hugging Face folder written by --save-model-type hf")
     if args.load_model_type == "hf" and args.save_model_type == "hf":
@@ -245,7 +247,8 @@ def run(args, backend=None) -> int:
                                  "(--save-model-type hf) is written in the dtype it was trained in")
         # MindSpeed-LLM's scripts pass their layout to the export too, and its converter ignores it
         layout = [f for f in ("target_tensor_parallel_size", "target_pipeline_parallel_size",
-                              "target_expert_parallel_size", "num_layers_per_virtual_pipeline_stage", "num_layer_list")
+                              "target_expert_parallel_size", "expert_tensor_parallel_size",
+                              "num_layers_per_virtual_pipeline_stage", "num_layer_list")
                   if getattr(args, f) is not None]
         if layout:
             print(f"note: {', '.join('--' + f.replace('_', '-') for f in layout)} describe a Megatron layout; a "
@@ -286,9 +289,11 @@ def run(args, backend=None) -> int:
               f"{args.save_dir}")
         return 0
     layout = _target_layout(args, cfg, source.layout)
+    if layout.experts_whole:
+        features.note_used("convert-expert-tensor-parallel")
     dtype = DTYPES[args.params_dtype] if args.params_dtype else dtype
     folder = mcore.save(args.save_dir, iteration, cfg, state, layout, dtype)
-    print(f"wrote {folder}: TP={layout.tp} PP={layout.pp} EP={layout.ep}"
+    print(f"wrote {folder}: TP={layout.tp} PP={layout.pp} EP={layout.ep}" + (" (experts whole: ETP=1)" if layout.experts_whole else "")
           + (f", {layout.layers_per_virtual_stage} layers per virtual stage" if layout.layers_per_virtual_stage else "")
           + (f", layers per stage {layout.num_layer_list}" if layout.num_layer_list else "")
           + (f", no-op layers {','.join(map(str, cfg.noop_layers))}" if cfg.noop_layers else "") + f", {dtype}")

@@ -187,8 +187,10 @@ _CYCLIC = ("Megatron's random sampler with data sharding: one bucket of the run'
 _ETP1 = ("each TP rank holds its EP rank's experts whole and runs them on the whole sequence (the layer gathers it "
          "under SP, as with cut experts): no partial rows to sum, whole expert gradients; the EP group stays within "
          "the DP ranks (megatron-core's may reach across TP ranks)")
-_CONVERT_ETP = ("mindspeed convert writes and reads the experts cut over TP as the dense MLP is; megatron-core's layout "
-                "for another expert TP size (whole experts in each TP rank's file for 1) is not built")
+_CONVERT_ETP = ("mindspeed convert --expert-tensor-parallel-size 1 writes megatron-core's ETP 1 layout as "
+                "MindSpeed-LLM's converter does (each file's experts whole, files only for the paired TP and EP "
+                "ranks: EP rank e with TP rank e mod TP), and every reader (convert, training's --load, generate, "
+                "evaluate) takes such a checkpoint from its args")
 _EP_ACROSS_TP = ("with --expert-tensor-parallel-size 1 under TP (and --sequence-parallel, as megatron-core requires) the "
                  "EP groups are megatron-core's: EP consecutive ranks of a stage, across the TP ranks first, then CP "
                  "and DP (EP divides TP x CP x DP); each TP rank routes its own sequence-parallel share to the whole "
@@ -824,8 +826,7 @@ FEATURES: tuple[Feature, ...] = (
             supported(_EP_ACROSS_TP), supported(_EP_ACROSS_TP)),
     Feature("convert-expert-tensor-parallel", "Megatron checkpoints with experts not cut as the model's TP",
             "tools", ("--expert-tensor-parallel-size",),
-            planned(_CONVERT_ETP, instead="leave --expert-tensor-parallel-size out"),
-            planned(_CONVERT_ETP, instead="leave --expert-tensor-parallel-size out")),
+            supported(_CONVERT_ETP), supported(_CONVERT_ETP)),
     Feature("expert-tensor-parallel-other", "Expert tensor parallelism other than 1 or the model's", "parallelism",
             ("--expert-tensor-parallel-size",), planned(_ETP, instead=_ETP_INSTEAD), planned(_ETP, instead=_ETP_INSTEAD),
             lambda a: getattr(a, "expert_tensor_parallel_size", None) not in (

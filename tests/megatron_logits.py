@@ -8,7 +8,8 @@ SPEC: {"tp": 2, "port": "29600", "models": {name: {"config": TransformerConfig k
 "activation": "swiglu" | "gelu" | "gelu_tanh", "vocab": padded vocabulary, "tied": bool,
 "position": "rope" | "learned_absolute", "rotary_base": float, "folder": the converted checkpoint,
 "ids": ids.npy, "out": logits.npy}}}. Rank 0 writes each model's logits [batch, seq, padded vocab]
-(gathered over TP), float64. With "ep": the processes are that many expert-parallel ranks too.
+(gathered over TP), float64. With "ep": the processes are that many expert-parallel ranks too;
+with "etp": 1, the experts are whole on each TP rank (megatron-core's expert tensor parallel size).
 A model with "dist" (an iteration folder of Megatron's torch_dist format) instead of "folder" is
 read with megatron-core's dist_checkpointing.load, as Megatron-LM's --ckpt-format torch_dist
 does; with "resave" (a folder), megatron-core then writes it there with
@@ -68,7 +69,8 @@ def run(rank: int, world: int, spec: dict) -> None:
         moe_utils.te_general_gemm = None
     tensor_parallel.get_cuda_rng_tracker = tensor_parallel.random.get_cuda_rng_tracker
     ep = spec.get("ep", 1)
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=world // ep, expert_model_parallel_size=ep)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=world // ep, expert_model_parallel_size=ep,
+                                             expert_tensor_parallel_size=spec.get("etp"))
     for name, m in spec["models"].items():
         c = dict(m["config"])
         c["activation_func"] = {"swiglu": torch.nn.functional.silu, "gelu": torch.nn.functional.gelu,

@@ -153,6 +153,8 @@ def test_hf_to_megatron_and_back_is_bit_exact(capsys, hf_references, tmp_path, m
     layouts = {"tp2-pp2": cut, "vpp-noop": [*cut, "--noop-layers", "1,3", "--num-layers-per-virtual-pipeline-stage", "1"]}
     if model_type in MOE:
         layouts["tp2-ep2-pp2"] = [*layouts["tp2-pp2"], "--target-expert-parallel-size", "2"]
+        if tp == 2:  # megatron-core's ETP 1: whole experts, a file for each paired TP and EP rank
+            layouts["tp2-ep2-pp2-etp1"] = [*layouts["tp2-ep2-pp2"], "--expert-tensor-parallel-size", "1"]
     want = hf_tensors(source)
     for name, flags in layouts.items():
         mg, back = tmp_path / f"{name}-mg", tmp_path / f"{name}-hf"
@@ -162,7 +164,7 @@ def test_hf_to_megatron_and_back_is_bit_exact(capsys, hf_references, tmp_path, m
         ranks = sorted(os.listdir(mg / "iter_0000000"))
         ep = 2 if "ep2" in name else 1
         assert ranks == [f"mp_rank_{t:02d}_{p:03d}" + (f"_{e:03d}" if ep > 1 else "")
-                         for t in range(tp) for p in range(2) for e in range(ep)], ranks
+                         for t in range(tp) for p in range(2) for e in range(ep) if "etp1" not in name or e == t], ranks
         if name == "vpp-noop":
             chunks = (cfg.num_layers + 2) // 2  # one layer per virtual stage over two stages
             assert sorted(torch_pickle.load(str(mg / "iter_0000000" / ranks[0] / "model_optim_rng.pt"))) == \
@@ -177,6 +179,65 @@ def test_hf_to_megatron_and_back_is_bit_exact(capsys, hf_references, tmp_path, m
         bad = [k for k in want if not np.array_equal(got[k], want[k])]
         assert not bad, (name, bad[:5])
         assert hf.load_config(str(back)) == hf.load_config(str(source)), name
+
+
+@pytest.mark.feature("convert-expert-tensor-parallel")
+def test_whole_experts_are_megatron_cores_etp1_layout_and_read_back(capsys, hf_references, tmp_path):
+    """--expert-tensor-parallel-size 1 (MindSpeed-LLM's Qwen3-MoE 480B conversion line): files only
+    for megatron-core's paired ranks (EP rank e with TP rank e mod TP; with EP 1 every TP rank),
+    each holding its EP rank's experts whole beside its TP slice of the rest, args saying ETP 1.
+    Read back (to TP1, to experts cut over TP2, and to Hugging Face) it is the source exactly; an
+    mg -> mg conversion without the flag keeps the experts whole."""
+    source = hf_references / "qwen3-moe"
+    cfg = hf.load_config(str(source))
+    f, h, heads = cfg.moe.ffn_hidden_size, cfg.hidden_size, cfg.num_query_groups * 2 + cfg.num_attention_heads
+    want = hf_tensors(source)
+
+    def to_mg(dest, *flags, load=source, kind="hf"):
+        out = convert(capsys, "--load-model-type", kind, "--save-model-type", "mg", "--load-dir", str(load),
+                      "--save-dir", str(tmp_path / dest), *flags)
+        files = {n: torch_pickle.load(str(tmp_path / dest / "iter_0000000" / n / "model_optim_rng.pt"))
+                 for n in sorted(os.listdir(tmp_path / dest / "iter_0000000"))}
+        return out, files
+
+    for ep, ranks in ((4, ["mp_rank_00_000", "mp_rank_00_002", "mp_rank_01_001", "mp_rank_01_003"]),
+                      (1, ["mp_rank_00", "mp_rank_01"])):
+        out, files = to_mg(f"etp1-ep{ep}", "--target-tensor-parallel-size", "2", "--target-expert-parallel-size",
+                           str(ep), "--expert-tensor-parallel-size", "1", "--moe-grouped-gemm")
+        assert "experts whole" in out and sorted(files) == ranks, (out, sorted(files))
+        for name, state in files.items():
+            model = state["model"]
+            assert state["args"].expert_tensor_parallel_size == 1
+            experts = sorted(k for k in model if ".mlp.experts.local_experts." in k and k.endswith("fc1.weight"))
+            assert len(experts) == cfg.num_layers * cfg.moe.num_experts // ep, name
+            assert all(model[k].array.shape == (2 * f, h) for k in experts), name  # whole: gate and up, not halves
+            assert model["decoder.layers.0.mlp.experts.local_experts.0.linear_fc2.weight"].array.shape == (h, f)
+            qkv = model["decoder.layers.0.self_attention.linear_qkv.weight"].array
+            assert qkv.shape[0] == heads * cfg.kv_channels // 2, name  # the dense layers still cut over TP2
+        # EP rank 1's experts (experts 1 of 4, or 0..3 with EP 1) are the source's
+        expert = 1 if ep == 4 else 3
+        local = "decoder.layers.1.mlp.experts.local_experts.0.linear_fc2.weight"
+        got = files[ranks[2] if ep == 4 else "mp_rank_01"]["model"][
+            local if ep == 4 else local.replace("local_experts.0", f"local_experts.{expert}")].float32()
+        assert np.array_equal(got, want[f"model.layers.1.mlp.experts.{expert}.down_proj.weight"])
+    _, kept = to_mg("kept", load=tmp_path / "etp1-ep4", kind="mg")
+    assert sorted(kept) == ["mp_rank_00_000", "mp_rank_00_002", "mp_rank_01_001", "mp_rank_01_003"]
+    _, cut = to_mg("cut", "--expert-tensor-parallel-size", "2", load=tmp_path / "etp1-ep4", kind="mg")
+    assert len(cut) == 8 and cut["mp_rank_01_003"]["model"][
+        "decoder.layers.0.mlp.experts.local_experts.0.linear_fc2.weight"].array.shape == (h, f // 2)
+    _, one = to_mg("tp1", "--target-tensor-parallel-size", "1", "--target-expert-parallel-size", "1",
+                   load=tmp_path / "etp1-ep4", kind="mg")
+    assert sorted(one) == ["mp_rank_00"]
+    for folder in ("etp1-ep4", "etp1-ep1", "kept", "cut", "tp1"):
+        back = tmp_path / f"{folder}-hf"
+        convert(capsys, "--load-model-type", "mg", "--save-model-type", "hf", "--load-dir", str(tmp_path / folder),
+                "--save-dir", str(back), "--model-type-hf", "qwen3-moe")
+        got = hf_tensors(back)
+        assert sorted(got) == sorted(want) and all(np.array_equal(got[k], want[k]) for k in want), folder
+    err = convert(capsys, "--load-model-type", "hf", "--save-model-type", "mg", "--load-dir", str(source),
+                  "--save-dir", str(tmp_path / "bad"), "--target-tensor-parallel-size", "2",
+                  "--expert-tensor-parallel-size", "4", fails=True)
+    assert "expert-tensor-parallel-other" in err
 
 
 def folder_with_mtp(source, dest):
@@ -331,34 +392,38 @@ def test_megatron_cores_gpt_model_reads_our_conversions_with_transformers_logits
     and runs their batch: its logits are transformers'. A layout both our writer and reader got
     wrong (q/k/v order in a group, gate/up order in fc1, a TP cut) would pass the round trip but
     not this. Dense Llama with GQA, Qwen2 (qkv bias, tied embeddings), Qwen3 (q/k norms), GPT-2
-    (LayerNorm, biases, learned positions, tanh GELU) and Mixtral (experts)."""
+    (LayerNorm, biases, learned positions, tanh GELU) and Mixtral (experts; at TP2 also with its
+    experts whole on each rank, megatron-core's ETP 1)."""
     from launch import free_port
 
     names = ("llama", "qwen2", "qwen3", "gpt2", "mixtral")
     worst = {}
-    for tp in (1, 2):
-        spec = {"tp": tp, "port": str(free_port()), "models": {}}
-        for name in names:
+    # and Mixtral's experts whole on each of the TP2 ranks (megatron-core's ETP 1, our --expert-tensor-parallel-size 1)
+    for tp, etp in ((1, None), (2, None), (2, 1)):
+        spec = {"tp": tp, "port": str(free_port()), "models": {}, **({"etp": etp} if etp else {})}
+        run = f"tp{tp}" + (f"-etp{etp}" if etp else "")
+        for name in (names if etp is None else ("mixtral",)):
             cfg, _ = hf.load_folder(str(hf_references / name))
-            folder = tmp_path / f"{name}-tp{tp}"
+            folder = tmp_path / f"{name}-{run}"
             convert(capsys, "--load-model-type", "hf", "--save-model-type", "mg", "--load-dir",
-                    str(hf_references / name), "--save-dir", str(folder), "--target-tensor-parallel-size", str(tp))
+                    str(hf_references / name), "--save-dir", str(folder), "--target-tensor-parallel-size", str(tp),
+                    *(["--expert-tensor-parallel-size", str(etp)] if etp else []))
             np.save(tmp_path / f"{name}-ids.npy", np.load(hf_references / f"{name}.npz")["ids"])
             spec["models"][name] = {
                 "config": {**_megatron_config(cfg), "layernorm_epsilon": cfg.norm_epsilon},
                 "activation": cfg.activation, "vocab": -(-cfg.vocab_size // tp) * tp, "tied": cfg.tied_output,
                 "position": "rope" if cfg.position_embedding_type == "rope" else "learned_absolute",
                 "rotary_base": cfg.rotary_base, "folder": str(folder), "ids": str(tmp_path / f"{name}-ids.npy"),
-                "out": str(tmp_path / f"{name}-tp{tp}.npy")}
-        (tmp_path / f"spec{tp}.json").write_text(json.dumps(spec))
+                "out": str(tmp_path / f"{name}-{run}.npy")}
+        (tmp_path / f"spec-{run}.json").write_text(json.dumps(spec))
         env = {k: v for k, v in os.environ.items() if k != "MINDSPEED_AI_FRAMEWORK"}
-        out = subprocess.run([sys.executable, os.path.join(HERE, "megatron_logits.py"), str(tmp_path / f"spec{tp}.json")],
+        out = subprocess.run([sys.executable, os.path.join(HERE, "megatron_logits.py"), str(tmp_path / f"spec-{run}.json")],
                              capture_output=True, text=True, timeout=600, env=env)
         assert out.returncode == 0, out.stderr[-4000:]
-        for name in names:
+        for name in spec["models"]:
             want = np.load(hf_references / f"{name}.npz")["logits"]
-            got = np.load(tmp_path / f"{name}-tp{tp}.npy")[..., :want.shape[-1]]
-            worst[name, tp] = float(np.abs(got - want).max() / np.abs(want).max())
+            got = np.load(tmp_path / f"{name}-{run}.npy")[..., :want.shape[-1]]
+            worst[name, run] = float(np.abs(got - want).max() / np.abs(want).max())
     assert max(worst.values()) < 1e-5, worst  # measured at most 3.5e-7
 
 

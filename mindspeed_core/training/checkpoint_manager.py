@@ -96,7 +96,8 @@ class CheckpointManager:
         if ckpt.torch_dist:
             features.note_used("ckpt-format-torch-dist")
             lay = run.config.layout
-            layout = mcore.Layout(ps.tp, ps.pp, ps.ep, lay.layers_per_virtual_stage, lay.num_layer_list)
+            layout = mcore.Layout(ps.tp, ps.pp, ps.ep, lay.layers_per_virtual_stage, lay.num_layer_list,
+                                  etp=1 if lay.experts_whole else None)
             common = {"args": mcore.megatron_args(run.cfg, layout, run.dtype, iteration),
                       "checkpoint_version": mcore.CHECKPOINT_VERSION, "iteration": iteration}
             cfg = run.cfg  # megatron-core stacks the layers' tensors when the layers are alike
