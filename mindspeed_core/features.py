@@ -187,6 +187,10 @@ _CYCLIC = ("Megatron's random sampler with data sharding: one bucket of the run'
 _ETP1 = ("each TP rank holds its EP rank's experts whole and runs them on the whole sequence (the layer gathers it "
          "under SP, as with cut experts): no partial rows to sum, whole expert gradients; the EP group stays within "
          "the DP ranks (megatron-core's may reach across TP ranks)")
+_SLICED_LOAD = ("from our sharded checkpoints (what training saves) each rank of `generate`/`evaluate` cuts its model "
+                "first, then reads only its own slices, at any saved layout, as a resumed training run does (the "
+                "bytes each rank read are printed); a LoRA run's checkpoint, an older whole-file one, a Hugging Face "
+                "folder or a Megatron checkpoint is read whole on each rank and then cut")
 _CONVERT_ETP = ("mindspeed convert --expert-tensor-parallel-size 1 writes megatron-core's ETP 1 layout as "
                 "MindSpeed-LLM's converter does (each file's experts whole, files only for the paired TP and EP "
                 "ranks: EP rank e with TP rank e mod TP), and every reader (convert, training's --load, generate, "
@@ -566,6 +570,8 @@ FEATURES: tuple[Feature, ...] = (
             emulated("send/recv and the logits' broadcast emulated by sum all-reduces over the pipeline's group "
                      "(exact)"),
             lambda a: hasattr(a, "max_new_tokens") and _gt1("pipeline_model_parallel_size")(a)),
+    Feature("sliced-inference-load", "Generation and evaluation reading each rank's slices of a checkpoint",
+            "inference", ("--load",), supported(_SLICED_LOAD), supported(_SLICED_LOAD)),
     Feature("data-parallel-evaluation", "Evaluation on several copies of the model", "inference", (),
             supported(_DP_EVALUATION), supported(_DP_EVALUATION)),
     Feature("kv-cache", "Key/value cache for generation", "inference", (),

@@ -27,11 +27,13 @@ from mindspeed_core.errors import MindSpeedError
 from mindspeed_core.models import generate as gen
 from mindspeed_core.models import registry
 from mindspeed_core.models.gpt import load_whole_state
+from mindspeed_core.models.state import is_expert_bias
 from mindspeed_core.parallel import layers as parallel_layers
+from mindspeed_core.parallel.plan import ParamPlan
 from mindspeed_core.parallel import state as parallel_state
 from mindspeed_core.parallel.parallelize import parallelize
 from mindspeed_core.streaming import TextStream
-from mindspeed_core.training import configuration, model_source, schedules
+from mindspeed_core.training import configuration, distributed, model_source, schedules, sharded_checkpoint
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -109,7 +111,8 @@ def load_model(args, replicas: bool = False):
         if not named_tokenizer:
             tokenizer_type, tokenizer_path = "PretrainedFromHF", args.load_hf
     else:
-        source = model_source.read(args.load, "--load", ("megatron", "ours"))
+        source = model_source.read_sliced(args.load, "--load") or model_source.read(args.load, "--load",
+                                                                                    ("megatron", "ours"))
         if source.kind == "megatron" and not named_tokenizer:
             raise MindSpeedError(f"{args.load} is a Megatron checkpoint: give its tokenizer (--tokenizer-type / "
                                  "--tokenizer-name-or-path)")
@@ -119,7 +122,7 @@ def load_model(args, replicas: bool = False):
                                      "the same --tokenizer-type / --tokenizer-name-or-path")
             tokenizer_type = "ByteLevel"
     source = source.merged()  # a LoRA run's adapters folded in: plain layers again
-    cfg, state = source.cfg, source.state
+    cfg, state = source.cfg, source.state  # state {} when each rank reads its slices (source.shards)
     if cfg.reward_head:
         raise MindSpeedError(f"{args.load or args.load_hf} is a reward model (--stage orm): it scores replies and "
                              "writes no text")
@@ -152,20 +155,40 @@ def load_model(args, replicas: bool = False):
     if args.sequence_parallel and ps.rank == 0:  # MindSpeed-LLM's generation scripts pass it at TP
         print("note: --sequence-parallel is set aside: generation and evaluation run whole sequences on each "
               "tensor-parallel rank (the key/value cache needs them); the results are the same", file=sys.stderr)
-    return _on_this_rank(cfg, state, layout, ps, args.seed), cfg, tokenizer, ps, tokenizer_path
+    model = _on_this_rank(cfg, state, layout, ps, args.seed, source.shards)
+    if source.shards is not None and ps.world > 1:  # what each rank read (a collective)
+        read = distributed.gather_json(source.shards.bytes_read, ps)
+        if ps.rank == 0:
+            print(f"note: each rank read the pieces of {args.load} its slices lie in: {sum(read) / 2**20:.2f} MiB in "
+                  f"all, of the model's {source.shards.section_bytes('model') / 2**20:.2f} MiB there; bytes read per "
+                  f"rank: {read}", file=sys.stderr)
+    return model, cfg, tokenizer, ps, tokenizer_path
 
 
-def _on_this_rank(cfg, state: dict, layout, ps, seed: int):
+def _on_this_rank(cfg, state: dict, layout, ps, seed: int, shards=None):
     """The whole model's ``state`` as this rank's share: its pipeline stages (run with the
-    other ranks' as one model) cut for tensor parallelism, in evaluation mode."""
+    other ranks' as one model) cut for tensor parallelism, in evaluation mode. ``shards``
+    (a sharded checkpoint's reader, ``state`` empty): the model is cut first, then each rank
+    reads its own slices, as a training run resumes."""
     spec = registry.for_config(cfg)
     model = spec.build(cfg)
-    load_whole_state(model, state)
+    if shards is None:
+        load_whole_state(model, state)
     chunks = spec.pipeline_chunks(model, layout, ps.local_rank("pp")) if ps.pp > 1 else [model]
+    plans = None
     if ps.tp > 1 or ps.ep > 1:
-        for chunk in chunks:
-            parallelize(spec, chunk, ps, False, "megatron_cp_algo", 1, "allgather")
+        plans = [parallelize(spec, chunk, ps, False, "megatron_cp_algo", 1, "allgather") for chunk in chunks]
         parallel_layers.seed_model_parallel_rng(seed, ps)  # the layers fork its streams (no dropout here)
+    if shards is not None:
+        features.note_used("sliced-inference-load")
+        entries = ([p for plan in plans for p in plan.params] if plans else
+                   [ParamPlan(name) for chunk in chunks for name in chunk.parameter_names()])
+        held = shards.names("model")
+        for entry, p in zip(entries, (p for chunk in chunks for p in nn.parameters(chunk))):
+            if entry.name not in held and is_expert_bias(entry.name):  # an older checkpoint's: in its run state
+                continue
+            nn.assign(p, ops.tensor(shards.read("model", sharded_checkpoint.held(entry.name, tuple(p.shape), entry,
+                                                                                ps))))
     for chunk in chunks:
         nn.set_training(chunk, False)
     if ps.pp == 1:

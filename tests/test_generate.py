@@ -348,14 +348,24 @@ PARALLEL_GENERATION = {
 }
 
 
+# the most one rank reads of our sharded checkpoint, as a share of its model's bytes (the safetensors
+# header on top). The pieces are the unit read (each checked against its SHA-256), and these checkpoints
+# were saved by one process, one piece a tensor: a TP or EP rank reads every piece its slices lie in
+# (measured 1.016 and 1.011), a PP2 rank its stage's (0.517); never the optimizer's state, which is
+# two thirds of the files (reading the model whole read the files whole)
+READ_SHARE = {"tp2": 1.05, "tp2-pp2": 0.55, "ep2": 1.05}
+
+
 def _marks(*ids):
     return [pytest.mark.feature(i) for i in ids]
 
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("layout", [
-    pytest.param("tp2", marks=_marks("sampling-generation", "tensor-parallel", "compiled-decode")),
+    pytest.param("tp2", marks=_marks("sampling-generation", "tensor-parallel", "compiled-decode",
+                                     "sliced-inference-load")),
     pytest.param("tp2-pp2", marks=_marks("greedy-generation", "beam-search", "tensor-parallel", "pipeline-inference",
+                                         "sliced-inference-load",
                                          "gated-deltanet")),
     pytest.param("ep2", marks=_marks("greedy-generation", "sampling-generation", "expert-parallel")),
     pytest.param("phimoe-tp2", marks=_marks("greedy-generation", "family-phimoe", "output-layer-bias",
@@ -397,6 +407,12 @@ def test_parallel_generation_draws_what_one_process_draws(framework, capsys, req
     got = [json.loads(x[x.index("{"):]) for x in text.splitlines() if '{"prompt"' in x]
     assert [(g["task"], g["ids"]) for g in got] == [(w["task"], w["ids"]) for w in want], (got, want)
     assert "differ from eager" not in done.stderr + logs  # the graph ran: it agreed on its first step
+    if "--load" in common:  # our sharded checkpoint: each rank read its own slices only
+        note = next((x for x in (done.stdout + done.stderr + logs).splitlines() if "each rank read the pieces" in x),
+                    done.stdout[-2000:] + done.stderr[-2000:])
+        per_rank = json.loads(note.split("bytes read per rank: ")[1])
+        model = float(note.split("of the model's ")[1].split(" MiB")[0]) * 2**20
+        assert len(per_rank) == ranks and max(per_rank) <= READ_SHARE[layout] * model, (per_rank, model)
     assert ("--sequence-parallel is set aside" in done.stdout + done.stderr + logs) == ("--sequence-parallel" in flags)
 
 

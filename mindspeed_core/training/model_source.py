@@ -31,6 +31,8 @@ class Source:
     dtype: str = "float32"  # the saved weights' dtype
     exact: bool = True  # False: Megatron's args did not name the architecture (the family is a guess)
     meta: dict | None = None  # ours: the checkpoint's meta.json
+    # ours, sharded, read by slices (read_sliced): its reader; ``state`` is then empty
+    shards: object = None
 
     @property
     def adapters_only(self) -> bool:
@@ -44,6 +46,8 @@ class Source:
 
     def merged(self) -> "Source":
         """The same model with any LoRA adapters folded into their base weights (plain layers)."""
+        if self.shards is not None:  # read_sliced takes no LoRA run
+            return self
         cfg, state = merge_lora(self.cfg, self.state)
         return dataclasses.replace(self, cfg=cfg, state=state)
 
@@ -101,6 +105,20 @@ def read_ours(root: str, iteration: int | None = None) -> Source:
     it, meta, cfg = _ours_config(root, iteration)
     check_fits_in_memory(4 * cfg.num_parameters(), f"the model in {root} ({cfg.num_parameters():,} parameters)")
     return _checked(Source(root, "ours", cfg, checkpoint.load_model_arrays(root, it), it, meta=meta))
+
+
+def read_sliced(root: str, flag: str) -> Source | None:
+    """One of our sharded checkpoints with its weights left in the files, for each rank to read
+    its own slices once its model is cut (generation and evaluation, as a training run resumes);
+    None where ``root`` is another kind, an older whole-file save, or a LoRA run's (its adapters
+    are folded into the weights read whole)."""
+    if _kind(root, flag, KINDS) != "ours":
+        return None
+    it, meta, cfg = _ours_config(root)
+    shards = checkpoint.reader(root, it)
+    if shards is None or cfg.lora is not None or meta.get("adapters_only"):
+        return None
+    return Source(root, "ours", cfg, {}, it, meta=meta, shards=shards)
 
 
 def _ours_config(root: str, iteration: int | None = None) -> tuple[int, dict, ModelConfig]:

@@ -163,6 +163,12 @@ class Reader:
         return sum(os.path.getsize(os.path.join(self.folder, f)) for f in self.meta.get("sha256", {})
                    if f.startswith("rank_"))
 
+    def section_bytes(self, section: str) -> int:
+        """The stored bytes of one section's tensors (every piece), from the index."""
+        return sum(int(np.prod(_piece(piece, self.folder, name)[3], dtype=np.int64))
+                   * (2 if record.get("dtype") in ("bfloat16", "float16") else 4)
+                   for name, record in (self.index.get(section) or {}).items() for piece in record["pieces"])
+
     def _record(self, section: str, name: str) -> dict:
         record = (self.index.get(section) or {}).get(name)
         if not isinstance(record, dict) or not isinstance(record.get("pieces"), list):
