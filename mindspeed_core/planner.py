@@ -96,10 +96,23 @@ class Layout:
     mbs: int = 1
     recompute: str = "none"  # none, selective, full
     distopt: bool = False
+    # --expert-tensor-parallel-size 1: the experts whole on every TP rank, the EP groups reaching
+    # across TP (EP divides TP x CP x DP), as MindSpeed-LLM's largest MoE scripts run
+    etp1: bool = False
 
     @property
     def sp(self) -> bool:
         return self.tp > 1
+
+    @property
+    def expert_tp(self) -> int:
+        return 1 if self.etp1 else self.tp
+
+    @property
+    def edp(self) -> int:
+        """The ranks holding copies of the same experts (expert data parallelism): the ranks of a
+        stage over EP, each group's experts cut over the expert TP."""
+        return self.tp * self.cp * self.dp // (self.ep * self.expert_tp)
 
     def flags(self) -> list[str]:
         out = ["--tensor-model-parallel-size", str(self.tp), "--pipeline-model-parallel-size", str(self.pp)]
@@ -107,6 +120,8 @@ class Layout:
             out += ["--context-parallel-size", str(self.cp)]
         if self.ep > 1:
             out += ["--expert-model-parallel-size", str(self.ep), "--moe-token-dispatcher-type", "alltoall"]
+        if self.etp1:
+            out += ["--expert-tensor-parallel-size", "1"]
         if self.sp:
             out.append("--sequence-parallel")
         out += ["--micro-batch-size", str(self.mbs)]
@@ -120,16 +135,21 @@ class Layout:
 
     def describe(self) -> str:
         parts = [f"TP{self.tp}", f"PP{self.pp}", f"DP{self.dp}"] + ([f"CP{self.cp}"] if self.cp > 1 else []) + \
-                ([f"EP{self.ep}"] if self.ep > 1 else [])
+                ([f"EP{self.ep}" + (" (ETP1)" if self.etp1 else "")] if self.ep > 1 else [])
         return "x".join(parts) + f" mbs {self.mbs}" + (f" {self.recompute}" if self.recompute != "none" else "") + \
             (" distopt" if self.distopt else "")
 
 
 # ---- parameters per rank --------------------------------------------------------------------
 
-def _layer_parameters(cfg, layer: int, tp: int, ep: int) -> float:
+def _layer_parameters(cfg, layer: int, tp: int, ep: int, expert_tp: int | None = None) -> float:
     """One transformer layer's parameters on one rank (linear layers cut by TP, experts by EP
-    and then TP; norms, router and output biases replicated)."""
+    and then the expert TP, TP unless given; norms, router and output biases replicated)."""
+    return sum(_layer_split(cfg, layer, tp, ep, tp if expert_tp is None else expert_tp))
+
+
+def _layer_split(cfg, layer: int, tp: int, ep: int, expert_tp: int) -> tuple:
+    """(the layer's parameters on one rank besides the routed experts, the routed experts')."""
     h, kv = cfg.hidden_size, cfg.kv_channels
     q_width, groups = cfg.num_attention_heads * kv, cfg.num_query_groups
     kv_local = 2 * kv * max(groups // tp, 1)  # a key/value head copied to several ranks when TP > groups
@@ -143,7 +163,8 @@ def _layer_parameters(cfg, layer: int, tp: int, ep: int) -> float:
         moe = cfg.moe
         f = moe.ffn_hidden_size or cfg.ffn_hidden_size
         expert = h * (2 if gated else 1) * f + f * h
-        mlp = h * moe.num_experts + moe.num_experts / ep * expert / tp
+        experts = moe.num_experts / ep * expert / expert_tp
+        mlp = h * moe.num_experts
         if moe.shared_expert_size:
             s = moe.shared_expert_size
             mlp += (h * (2 if gated else 1) * s + s * h) / tp + (h if moe.shared_expert_gate else 0)
@@ -151,13 +172,15 @@ def _layer_parameters(cfg, layer: int, tp: int, ep: int) -> float:
         f = cfg.ffn_hidden_size
         fc1 = (2 if gated else 1) * f
         mlp = (h * fc1 + f * h) / tp + ((fc1 / tp + h) if cfg.add_bias_linear else 0)
-    return attn + mlp + 2 * norm
+        experts = 0.0
+    return attn + mlp + 2 * norm, experts
 
 
-def stage_parameters(cfg, layout, tp: int, ep: int, stage: int, pp: int) -> float:
-    """Parameters of one rank of pipeline stage ``stage``."""
+def stage_parameters(cfg, layout, tp: int, ep: int, stage: int, pp: int, expert_tp: int | None = None) -> float:
+    """Parameters of one rank of pipeline stage ``stage`` (the experts cut over ``expert_tp``,
+    TP unless given)."""
     h, v = cfg.hidden_size, cfg.vocab_size
-    total = sum(_layer_parameters(cfg, i, tp, ep) for chunk in range(layout.chunks)
+    total = sum(_layer_parameters(cfg, i, tp, ep, expert_tp) for chunk in range(layout.chunks)
                 for i in layout.layers(layout.stage(stage, chunk)))
     norm = h * (2 if cfg.normalization == "layernorm" else 1)
     if stage == 0:
@@ -170,6 +193,14 @@ def stage_parameters(cfg, layout, tp: int, ep: int, stage: int, pp: int) -> floa
         elif cfg.untie_embeddings_and_output_weights or pp > 1:
             total += v * h / tp  # the output layer, or the tied embedding's copy on the last stage
     return total
+
+
+def stage_expert_parameters(cfg, layout, tp: int, ep: int, stage: int, expert_tp: int | None = None) -> float:
+    """The routed experts' share of stage_parameters (their optimizer state shards over the
+    expert data-parallel ranks, the rest's over the data-parallel ones)."""
+    expert_tp = tp if expert_tp is None else expert_tp
+    return sum(_layer_split(cfg, i, tp, ep, expert_tp)[1] for chunk in range(layout.chunks)
+               for i in layout.layers(layout.stage(stage, chunk)))
 
 
 # ---- the predictions --------------------------------------------------------------------------
@@ -248,13 +279,14 @@ def predict_memory(cfg, lay: Layout, seq: int, gbs: int, machine: Machine, dtype
     whole = cfg.num_parameters()
     best = None
     for stage in range(lay.pp):
-        params = stage_parameters(cfg, layout, lay.tp, lay.ep, stage, lay.pp)
+        params = stage_parameters(cfg, layout, lay.tp, lay.ep, stage, lay.pp, lay.expert_tp)
+        experts = stage_expert_parameters(cfg, layout, lay.tp, lay.ep, stage, lay.expert_tp)
         weights = element * params
         grads = 4 * params
-        if lay.distopt and lay.dp * lay.cp > 1:  # fp32 master, two moments and three masks, of 1/DP each
-            state = 24 * params / (lay.dp * lay.cp)
-        else:  # two moments (and the fp32 master of 16-bit weights)
-            state = (8 + (4 if element == 2 else 0)) * params
+        # the dense part's states shard over the DP x CP ranks, the experts' over the expert-data-parallel ones
+        state = sum(24 * n / shards if lay.distopt and shards > 1  # fp32 master, two moments, three masks
+                    else (8 + (4 if element == 2 else 0)) * n  # two moments (and the master of 16-bit weights)
+                    for n, shards in ((params - experts, lay.dp * lay.cp), (experts, lay.edp)))
         # 1F1B: the first stage holds PP micro-batches
         in_flight = 1 if copies.records_again else min(lay.pp - stage, micro)
         layers = sum(len(layout.layers(layout.stage(stage, c))) for c in range(layout.chunks))
@@ -397,12 +429,17 @@ def layout_space(cfg, args, world: int, devices_per_node: int) -> list[Layout]:
                 dp = world // (tp * pp * cp)
                 if gbs % dp:
                     continue
-                eps = [e for e in divisors(dp * cp, cfg.moe.num_experts, devices) if cfg.moe.num_experts % e == 0] \
-                    if cfg.moe is not None else [1]
+                # EP within DP x CP, its experts cut over TP; and under TP with the experts whole
+                # (ETP 1), EP within TP x CP x DP
+                eps = [(e, False) for e in divisors(dp * cp, cfg.moe.num_experts, devices)
+                       if cfg.moe.num_experts % e == 0] if cfg.moe is not None else [(1, False)]
+                if cfg.moe is not None and tp > 1:
+                    eps += [(e, True) for e in divisors(tp * dp * cp, cfg.moe.num_experts, devices)
+                            if e > 1 and cfg.moe.num_experts % e == 0]
                 mbss = divisors(gbs // dp, args.max_micro_batch_size,
                                 f"--global-batch-size {gbs} with --max-micro-batch-size {args.max_micro_batch_size}")
-                out += [Layout(tp, pp, dp, cp, ep, mbs, recompute, distopt)
-                        for ep, mbs, recompute, distopt in itertools.product(
+                out += [Layout(tp, pp, dp, cp, ep, mbs, recompute, distopt, etp1)
+                        for (ep, etp1), mbs, recompute, distopt in itertools.product(
                             eps, mbss, ("none", "selective", "full"), (False, True) if dp * cp > 1 else (False,))]
                 if len(out) * (CHECK_LAYERS + cfg.num_layers) > MAX_WORK:
                     most = MAX_WORK // (CHECK_LAYERS + cfg.num_layers)

@@ -130,6 +130,30 @@ def test_plan_ranks_the_layouts_the_trainer_accepts_and_prints_their_commands(ca
         configuration.configure(args, 4)
 
 
+def test_plan_proposes_experts_whole_across_tp_and_shards_expert_state_over_their_copies():
+    """A mixture of 8 experts on 4 devices: the plan lists, and the trainer accepts, EP4 at TP2 x DP2
+    with the experts whole (--expert-tensor-parallel-size 1: EP across TP, beyond DP's 2) beside
+    EP2 within DP. The distributed optimizer shards the experts' states over their copies (the
+    expert-data-parallel ranks: DP x CP / EP, or TP x DP x CP / EP with whole experts), the rest
+    over DP x CP: at DP4 with EP2 the experts' states are 1/2 per rank, not 1/4."""
+    moe = [*MODEL, "--num-experts", "8", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "256"]
+    result = planner.plan(planner.parse([*moe, "--devices", "4", "--memory-per-device", "4", *MACHINE]))
+    layouts = {r["layout"] for r in result["rows"]}
+    across = planner.Layout(2, 1, 2, ep=4, mbs=4, distopt=True, etp1=True)
+    assert across in layouts and planner.Layout(1, 1, 4, ep=2, mbs=2, distopt=True) in layouts
+    assert "--expert-tensor-parallel-size 1" in " ".join(across.flags()) and across.edp == 1
+    cfg = config(*moe)
+    machine = planner.Machine(8, 8 * 2**30, {}, 1e11, 1e9, 3e-5, 0.3 * 2**30)
+    one = pipeline.plan_layout(cfg.num_layers, 1)
+    experts = planner.stage_expert_parameters(cfg, one, 1, 2, 0)
+    dense = planner.stage_parameters(cfg, one, 1, 2, 0, 1) - experts
+    state = planner.predict_memory(cfg, planner.Layout(1, 1, 4, ep=2, distopt=True), 64, 8, machine)["optimizer"]
+    assert state == pytest.approx(24 * dense / 4 + 24 * experts / 2)
+    # whole experts on TP2: each rank holds its 2 of 8 experts uncut, twice what they hold cut over TP2
+    assert planner.stage_expert_parameters(cfg, one, 2, 4, 0, expert_tp=1) == \
+        2 * planner.stage_expert_parameters(cfg, one, 2, 4, 0)
+
+
 def test_plan_binds_the_framework_its_flag_names(framework):
     """``--ai-framework`` chooses the framework even where the environment names none: the
     trainer's import (which binds the default) waits for the flag."""
