@@ -219,25 +219,34 @@ def _tasks(args) -> list[str]:
     return tasks
 
 
-# training's noise, which a model in evaluation mode does without (as transformers' Phi-3.5-MoE
-# does; megatron-core's router would jitter its input at inference too, drawing other tokens each
-# run): generation and evaluation accept the flag and run as without it
-TRAINING_NOISE = {"moe_input_jitter_eps": "--moe-input-jitter-eps"}
+# training's flags that generation and evaluation accept and run without, each with why: the
+# noise a model in evaluation mode does without (as transformers' Phi-3.5-MoE does; megatron-core's
+# router would jitter its input at inference too, drawing other tokens each run), and the
+# precision and memory settings of training (inference computes in float32: the saved weights
+# widened, as exact as they were saved; a 16-bit inference is not built)
+TRAINING_ONLY = {
+    "moe_input_jitter_eps": ("--moe-input-jitter-eps", "is training's noise: {verb} runs the model without it"),
+    "bf16": ("--bf16", "is set aside: {verb} computes in float32 (the saved weights widened)"),
+    "fp16": ("--fp16", "is set aside: {verb} computes in float32 (the saved weights widened)"),
+    "reuse_fp32_param": ("--reuse-fp32-param", "is set aside: it is the training optimizer's memory option"),
+}
 
 
-def set_aside_training_noise(args, verb: str) -> None:
-    """Drop TRAINING_NOISE's flags from ``args`` (before the matrix's gate), with one note."""
-    given = [flag for name, flag in TRAINING_NOISE.items() if getattr(args, name, None)]
-    for name in TRAINING_NOISE:
-        setattr(args, name, None)
-    if given and os.environ.get("RANK", os.environ.get("RANK_ID", "0")) == "0":  # one note per job
-        print(f"note: {', '.join(given)} is training's noise: {verb} runs the model without it", file=sys.stderr)
+def set_aside_training_flags(args, verb: str) -> None:
+    """Drop TRAINING_ONLY's flags from ``args`` (before the matrix's gate), with a note each."""
+    given = [name for name in TRAINING_ONLY if getattr(args, name, None)]
+    for name in given:
+        setattr(args, name, False if isinstance(getattr(args, name), bool) else None)
+    if os.environ.get("RANK", os.environ.get("RANK_ID", "0")) == "0":  # one note per job
+        for name in given:
+            flag, why = TRAINING_ONLY[name]
+            print(f"note: {flag} {why.format(verb=verb)}", file=sys.stderr)
 
 
 def run(args, backend) -> int:
     """`mindspeed generate` once its flags are parsed and the framework bound."""
     tasks = _tasks(args)
-    set_aside_training_noise(args, "generation")
+    set_aside_training_flags(args, "generation")
     features.validate(args, backend.NAME, backend.device.type(), backend.FRAMEWORK_VERSION)
     if "chat" in tasks:
         _check_chat(args)

@@ -380,7 +380,7 @@ def test_parallel_generation_draws_what_one_process_draws(framework, capsys, req
         ids = np.load(folder / "phimoe.npz")["ids"]
         source = ["--load-hf", str(folder / "phimoe"), "--tokenizer-type", "NullTokenizer", "--vocab-size", "95",
                   "--prompt", " ".join(map(str, ids[0, :12])), "--prompt", " ".join(map(str, ids[1, :9])),
-                  "--moe-input-jitter-eps", "0.01"]  # as its generate script passes it: training's noise
+                  "--moe-input-jitter-eps", "0.01", "--bf16"]  # as its generate script passes them: set aside
     else:
         checkpoint = request.getfixturevalue({"ep2": "wide_moe_checkpoint", "tp2-pp2": "wide_hybrid_checkpoint"}.get(
             layout, "wide_checkpoint"))
@@ -391,6 +391,7 @@ def test_parallel_generation_draws_what_one_process_draws(framework, capsys, req
     captured = capsys.readouterr()
     want = [json.loads(x) for x in captured.out.splitlines() if x.startswith("{")]
     assert ("--moe-input-jitter-eps is training's noise" in captured.err) == ("--moe-input-jitter-eps" in common)
+    assert ("--bf16 is set aside: generation computes in float32" in captured.err) == ("--bf16" in common)
     assert [w["task"] for w in want] == [t for t in tasks for _ in range(2)]
     assert all(len(set(w["ids"])) > 4 for w in want)  # not a repeated token
     cmd = [sys.executable, "-m", "mindspeed_core.cli", "launch", "--nproc-per-node", str(ranks), "--master-port",

@@ -23,7 +23,7 @@ from mindspeed_core.compat import megatron_args
 from mindspeed_core.data import chat_templates
 from mindspeed_core.errors import MindSpeedError
 from mindspeed_core.evaluation import scoring, tasks
-from mindspeed_core.inference import load_model, set_aside_training_noise
+from mindspeed_core.inference import load_model, set_aside_training_flags
 from mindspeed_core.progress import Progress
 from mindspeed_core.training import distributed
 
@@ -61,7 +61,7 @@ def run(args, backend) -> int:
         raise MindSpeedError(f"--task {task} needs --task-data-path")
     results_file = args.results_file or f"{task}_results.json"
     check_results_file(results_file)  # before the evaluation, not after it
-    set_aside_training_noise(args, "evaluation")
+    set_aside_training_flags(args, "evaluation")
     features.validate(args, backend.NAME, backend.device.type(), backend.FRAMEWORK_VERSION)
     # under a launcher (`mindspeed launch ... -- evaluate`) the ranks of one copy of the model
     # (its TP, PP and EP ranks) score the same questions, through the vocabulary-parallel loss
