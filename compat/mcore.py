@@ -126,6 +126,9 @@ def tp_spec(cfg: ModelConfig, name: str):
                       *(f"self_attention.{n}.weight" for n in MLA_UP), ".eh_proj.weight",
                       "self_attention.core_attention.softmax_offset")):  # the sinks: one per head
         return ("split", 0)  # multi-token prediction's eh_proj: a column-parallel layer in Megatron's files
+    if cfg.qk_norm_across_heads and name.endswith(("self_attention.q_layernorm.weight",
+                                                   "self_attention.k_layernorm.weight")):
+        return ("split", 0)  # a weight per feature of every head (MiniMax-M2): cut with the heads
     if name.endswith(("mlp.linear_fc1.weight", "mlp.linear_fc1.bias", "shared_experts.linear_fc1.weight")):
         return swiglu
     if name.endswith(("self_attention.linear_proj.weight", "mlp.linear_fc2.weight",

@@ -187,6 +187,11 @@ _CYCLIC = ("Megatron's random sampler with data sharding: one bucket of the run'
 _ETP1 = ("each TP rank holds its EP rank's experts whole and runs them on the whole sequence (the layer gathers it "
          "under SP, as with cut experts): no partial rows to sum, whole expert gradients; the EP group stays within "
          "the DP ranks (megatron-core's may reach across TP ranks)")
+_MINIMAX_M2 = ("models/families/minimax_m2.py: the q/k RMSNorms over the whole query and key projections (one "
+               "mean square over every head; under tensor parallelism each rank's heads' sum of squares all-reduced, "
+               "the norms' weights cut with the heads), RoPE on the release's rotary_dim, sigmoid routing steered by "
+               "each block's e_score_correction_bias, renormalised; Hugging Face folders in and out, MindSpeed-LLM's "
+               "minimax_spec from flags (--q-lora-rank and --kv-lora-rank read as the norms' widths)")
 _SLICED_LOAD = ("from our sharded checkpoints (what training saves) each rank of `generate`/`evaluate` cuts its model "
                 "first, then reads only its own slices, at any saved layout, as a resumed training run does (the "
                 "bytes each rank read are printed); a LoRA run's checkpoint, an older whole-file one, a Hugging Face "
@@ -757,6 +762,12 @@ FEATURES: tuple[Feature, ...] = (
                       "into and written from its expert bias (model state, moved by the loads in training)"),
             supported("as on PyTorch"),
             lambda a: getattr(a, "model_type_hf", None) == "deepseek3" and getattr(a, "num_experts", None) is not None),
+    Feature("family-minimax-m2", "MiniMax-M2 (q/k norms over all heads, partial RoPE, sigmoid-routed experts with "
+            "the expert bias)", "compatibility",
+            ("--model-type-hf minimax_m2", "--spec mindspeed_llm.tasks.models.spec.minimax_spec layer_spec"),
+            supported(_MINIMAX_M2), supported(_MINIMAX_M2),
+            lambda a: getattr(a, "model_type_hf", None) == "minimax_m2"
+            or "minimax_spec" in " ".join(getattr(a, "spec", None) or ())),
     Feature("output-layer-bias", "A bias on the output layer (MindSpeed-LLM's Phi-3.5-MoE)", "compatibility",
             ("--add-output-layer-bias",), supported(_OUTPUT_BIAS), supported(_OUTPUT_BIAS),
             _on("add_output_layer_bias")),

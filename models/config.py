@@ -216,6 +216,9 @@ class ModelConfig:
     attention_output_bias: bool | None = None  # None: as add_bias_linear (Llama's attention_bias without mlp_bias)
     output_layer_bias: bool = False  # a bias on the untied output layer (Phi-3.5-MoE's lm_head.bias)
     qk_layernorm: bool = False  # with mla: the norms of the query and key/value latents
+    # the q/k RMSNorms over all heads of the layer at once (MiniMax-M2: weights of the queries' and the
+    # keys' whole width, one mean square over it), not over each head
+    qk_norm_across_heads: bool = False
     # multi-head latent attention instead of linear_qkv (DeepSeek); kv_channels is then the
     # query/key head dim and every head has its own key and value
     mla: MLAConfig | None = None
@@ -323,6 +326,11 @@ class ModelConfig:
             if any(not 0 <= i < self.num_layers for i in self.sliding_window_layers):
                 raise ValueError(f"sliding_window_layers {list(self.sliding_window_layers)} must be among the layers "
                                  f"0..{self.num_layers - 1}")
+        if self.qk_norm_across_heads and not self.qk_layernorm:  # how the norms run, without norms: none
+            object.__setattr__(self, "qk_norm_across_heads", False)
+        if self.qk_norm_across_heads and not (self.mla is None and self.normalization == "rmsnorm"):
+            raise ValueError("qk_norm_across_heads normalises the q/k projections of grouped-query attention with "
+                             "RMSNorm over all heads: it needs rmsnorm and no multi-latent attention")
         if self.local_rotary_base is not None:
             if not isinstance(self.local_rotary_base, (int, float)) or not self.local_rotary_base > 0:
                 raise ValueError(f"local_rotary_base must be a positive number, got {self.local_rotary_base!r}")
@@ -575,7 +583,9 @@ class ModelConfig:
         attn += self.num_attention_heads if self.attention_sinks else 0
         if self.mla is None:
             attn += self.qkv_width if self.add_qkv_bias else 0
-            attn += 2 * self.kv_channels if self.qk_layernorm else 0
+            if self.qk_layernorm:
+                heads_normed = (self.num_attention_heads + self.num_query_groups) if self.qk_norm_across_heads else 2
+                attn += heads_normed * self.kv_channels
         else:  # DeepSeek's attention_bias: the down-projections' too; the latents' norms
             latents = self.mla.kv_lora_rank + (self.mla.q_lora_rank or 0)
             attn += (latents + self.mla.qk_rope_head_dim) if self.attention_output_bias else 0

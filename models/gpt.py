@@ -27,7 +27,7 @@ from mindspeed_core.errors import CheckpointError
 from mindspeed_core.memory import recompute
 from mindspeed_core.models import lora, rope
 from mindspeed_core.models.config import ModelConfig
-from mindspeed_core.models.layers import Embedding, Linear, _param, make_norm, mlp_activation
+from mindspeed_core.models.layers import Embedding, HeadsRMSNorm, Linear, _param, make_norm, mlp_activation
 
 
 @dataclass
@@ -103,6 +103,11 @@ class Seams:
     def heads(self, cfg: ModelConfig) -> tuple[int, int]:
         """(query groups, query heads per group) that this rank computes."""
         return cfg.num_query_groups, cfg.num_attention_heads // cfg.num_query_groups
+
+    def sum_over_heads(self, x):
+        """A sum over this rank's heads completed over every head of the layer (a norm across
+        heads: each tensor-parallel rank holds some)."""
+        return x
 
     def attention_rng(self):
         """Random state for attention dropout on this rank's heads."""
@@ -205,7 +210,10 @@ class SelfAttention(nn.Module):
                                  cfg.init_method_std)
         self.linear_proj = linear(cfg, "linear_proj", cfg.num_attention_heads * cfg.kv_channels, cfg.hidden_size,
                                   cfg.attention_output_bias, out_std)
-        if cfg.qk_layernorm:
+        if cfg.qk_layernorm and cfg.qk_norm_across_heads:  # MiniMax-M2: one norm over all query (key) heads
+            self.q_layernorm = HeadsRMSNorm(cfg.num_attention_heads, cfg.kv_channels, cfg.norm_epsilon)
+            self.k_layernorm = HeadsRMSNorm(cfg.num_query_groups, cfg.kv_channels, cfg.norm_epsilon)
+        elif cfg.qk_layernorm:
             self.q_layernorm = make_norm(cfg, cfg.kv_channels)
             self.k_layernorm = make_norm(cfg, cfg.kv_channels)
         if cfg.attention_sinks:
@@ -225,7 +233,9 @@ class SelfAttention(nn.Module):
             q, k, v = ops.split(qkv, [per_group, 1, 1], dim=3)
         q = ops.reshape(q, (b, s, groups * per_group, d))
         k, v = ops.squeeze(k, 3), ops.squeeze(v, 3)
-        if cfg.qk_layernorm:
+        if cfg.qk_layernorm and cfg.qk_norm_across_heads:  # the mean square over every head: TP ranks add theirs
+            q, k = self.q_layernorm(q, seams.sum_over_heads), self.k_layernorm(k, seams.sum_over_heads)
+        elif cfg.qk_layernorm:
             norm = self.recompute_policy.norm_of
             q, k = norm(self.q_layernorm, q), norm(self.k_layernorm, k)
         if cos is not None:

@@ -69,6 +69,26 @@ class RMSNorm(nn.Module):
         return ops.rms_norm(x, self.weight, self.eps)
 
 
+class HeadsRMSNorm(nn.Module):
+    """RMSNorm over all heads of a projection at once (MiniMax-M2's q/k norms): x [b, s, heads, d]
+    divided by the root mean square over heads x d features, times a weight of heads x d, in
+    float32 as transformers computes it. Under tensor parallelism each rank holds some heads and
+    their weights; ``sum_over_heads`` completes the sum of squares over the other ranks' heads."""
+
+    def __init__(self, heads: int, dim: int, eps: float):
+        super().__init__()
+        self.eps, self.width = eps, heads * dim  # the mean is over the whole layer's width
+        self.weight = _param((heads * dim,), value=1.0)
+
+    def forward(self, x, sum_over_heads=lambda t: t):
+        features.note_used("family-minimax-m2")
+        b, s, heads, d = x.shape
+        flat = ops.cast(ops.reshape(x, (b, s, heads * d)), "float32")
+        squares = sum_over_heads(ops.sum(flat * flat, dim=-1, keepdim=True))
+        normed = flat * ops.rsqrt(squares / self.width + self.eps)
+        return ops.reshape(ops.cast(normed, ops.dtype_of(x)) * self.weight, (b, s, heads, d))
+
+
 class LayerNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()

@@ -131,6 +131,13 @@ MODELS = {
                                        num_experts_per_tok=2, n_group=4, topk_group=2, moe_intermediate_size=24,
                                        n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True,
                                        pad_token_id=0)),
+    # MiniMax-M2: q/k norms over all heads at once, RoPE on half of each head, sigmoid-routed
+    # experts steered by the block's e_score_correction_bias
+    "minimax-m2": (T.MiniMaxM2Config, dict(COMMON, num_key_value_heads=2, head_dim=32, num_local_experts=4,
+                                           num_experts_per_tok=2, pad_token_id=0, bos_token_id=None,
+                                           eos_token_id=None, rope_parameters={
+                                               "rope_type": "default", "rope_theta": 10000.0,
+                                               "partial_rotary_factor": 0.5})),
     # MiniCPM3: DeepSeek-V2's latent attention with a query latent, rotated in halves, tied
     # embeddings scaled by 12, residual branches by 1.4 / sqrt(2), the output by 256 / 64
     "minicpm3": (T.MiniCPM3Config, dict(COMMON, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=24,
@@ -224,7 +231,8 @@ def store_experts_as_mxfp4(model, folder: str) -> None:
 # greedy generate() with the cache: 8 tokens after the first PROMPT ids, the second row's first
 # 3 ids padding
 GENERATED = ("llama", "qwen3", "gpt2", "llama-dynamic-rope", "phi3-longrope", "phimoe", "gemma2", "gemma3",
-             "mistral-sliding", "seed-oss", "deepseek-v2", "deepseek-v3", "glm4-moe", "minicpm3", "gpt-oss", "qwen3-next", "qwen3.5")
+             "mistral-sliding", "seed-oss", "deepseek-v2", "deepseek-v3", "glm4-moe", "minicpm3", "gpt-oss", "qwen3-next", "qwen3.5",
+             "minimax-m2")
 PAD, PROMPT = 3, 12
 BEAMS = ("llama", "qwen3", "deepseek-v2")  # transformers' beam search, for test_hf's
 # the logits are of 24 tokens: past every original context above (8 or 16), so that dynamic
@@ -278,9 +286,34 @@ WITHOUT = {
     "phimoe": {"thresholds": lambda model: [setattr(m, "router_jitter_noise", 10.0) for m in model.modules()
                                             if hasattr(m, "router_jitter_noise")],
                "mscale": {"rope_parameters": _rope("phimoe", short_mscale=1.0)}},
+    # MiniMax-M2's norms per head instead of over all heads (the same weights), its RoPE on every
+    # feature, and its routers without the expert bias
+    "minimax-m2": {"norms over all heads": lambda model: _norms_per_head(model),
+                   "partial rotary": {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}},
+                   "expert bias": lambda model: [m.e_score_correction_bias.zero_() for m in model.modules()
+                                                 if hasattr(m, "e_score_correction_bias")]},
     "gpt-oss": {"sinks": lambda model: [m.sinks.fill_(-1e4) for m in model.modules() if hasattr(m, "sinks")],
                 "window": {"sliding_window": 64}},
 }
+
+
+class _PerHeadNorm(torch.nn.Module):
+    """An RMSNorm over all heads' features (MiniMax-M2's) computed per head instead, same weight."""
+
+    def __init__(self, norm, head_dim: int):
+        super().__init__()
+        self.weight, self.eps, self.head_dim = norm.weight, norm.variance_epsilon, head_dim
+
+    def forward(self, x):
+        heads = x.float().reshape(*x.shape[:-1], -1, self.head_dim)
+        heads = heads * torch.rsqrt(heads.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * heads.reshape(x.shape).to(x.dtype)
+
+
+def _norms_per_head(model) -> None:
+    for m in model.modules():
+        if hasattr(m, "q_norm") and hasattr(m, "head_dim"):
+            m.q_norm, m.k_norm = _PerHeadNorm(m.q_norm, m.head_dim), _PerHeadNorm(m.k_norm, m.head_dim)
 
 
 def _identity_conv(weight) -> None:

@@ -96,7 +96,15 @@ MODELS = {"gqa": GQA, "mha": MHA, "moe": MOE, "sft": SFT, "lora": LORA, "dpo": D
           "mla-lora": MLA + ["--lora-r", "4", "--lora-alpha", "8"],
           # the router's input jittered in training (megatron-core's --moe-input-jitter-eps), wide enough to
           # move the curve: TP ranks draw the same noise from the default stream, as one process does
-          "moe-jitter": MOE + ["--moe-input-jitter-eps", "0.3"]}
+          "moe-jitter": MOE + ["--moe-input-jitter-eps", "0.3"],
+          # MiniMax-M2 from MindSpeed-LLM's minimax27 flags: its spec's q/k norms over all heads (their
+          # widths as --q-lora-rank and --kv-lora-rank), half of each head rotated, sigmoid routing
+          # with the expert bias, renormalised
+          "minimax": GQA + ["--spec", "mindspeed_llm.tasks.models.spec.minimax_spec", "layer_spec", "--qk-layernorm",
+                            "--q-lora-rank", "64", "--kv-lora-rank", "32", "--rotary-percent", "0.5",
+                            "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "64",
+                            "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
+                            "--norm-topk-prob", "--moe-aux-loss-coeff", "0.001"]}
 # a LoRA factor A has no gradient in the first step (its B starts at zero): these models'
 # gradient records are their second step's, where a wrong cut or reduction of A shows
 GRADS_AT = {"lora": 1, "dpo-lora": 1, "lora-moe": 1, "mla-lora": 1}
@@ -273,6 +281,8 @@ CASES = [  # (id, ranks, model, flags): the cases of each rank count share one l
     # the q/k norms' gradients summed over the TP ranks' heads (without SP, which sums them anyway),
     # also where the two key/value heads are copied to four ranks
     ("qk-norm-tp2", 2, "qk-norm", ["--tensor-model-parallel-size", "2"]),
+    # the q/k norms' mean squares over all heads: each TP rank adds its heads' share
+    ("minimax-tp2-sp", 2, "minimax", ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
     ("qk-norm-tp4-kv-copies", 4, "qk-norm", ["--tensor-model-parallel-size", "4"]),
     # gated DeltaNet cut by heads: in_proj's q, k, v, z, b, a slices, the convolution's channels,
     # out_proj's columns, the per-head norm's gradient summed; with SP the sequence gathered around it
@@ -670,6 +680,7 @@ def four_ranks(corpus, data, two_ranks, null_corpus, hf_references, tmp_path_fac
 @pytest.mark.feature("grad-reduce-overlap")
 @pytest.mark.feature("expert-parallel-across-tp")
 @pytest.mark.feature("moe-input-jitter")
+@pytest.mark.feature("family-minimax-m2")
 def test_two_rank_layouts_equal_single_process(capsys, framework, corpus, two_ranks, reference,  # noqa: F811
                                                tmp_path):
     check_cases(framework, two_ranks / "out", 2, ranks_cases(2), reference)

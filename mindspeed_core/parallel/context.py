@@ -207,6 +207,9 @@ class ContextParallelSeams(Seams):
     def heads(self, cfg):
         return self.inner.heads(cfg)
 
+    def sum_over_heads(self, x):
+        return self.inner.sum_over_heads(x)
+
     def attention_rng(self):
         return self.inner.attention_rng()
 

@@ -191,6 +191,9 @@ def check_layout(cfg, tp: int, sequence_parallel: bool = False) -> None:
     groups = cfg.num_query_groups
     if groups % tp and tp % groups:
         raise MindSpeedError(f"tensor parallel size {tp} and {groups} query groups: one must divide the other")
+    if groups % tp and cfg.qk_layernorm and cfg.qk_norm_across_heads:
+        raise MindSpeedError(f"tensor parallel size {tp} copies the {groups} key heads, whose norm runs over all of "
+                             f"them at once (MiniMax-M2's q/k norms): use a tensor parallel size that divides {groups}")
 
 
 class TensorParallelSeams(Seams):
@@ -205,6 +208,11 @@ class TensorParallelSeams(Seams):
 
     def heads(self, cfg):
         return self._groups, self._per_group
+
+    def sum_over_heads(self, x):
+        # every rank's heads' share, summed: forward all-reduce, and backward too (each rank's
+        # heads feed every rank's normed heads through the sum)
+        return mappings.reduce_from_region(mappings.copy_to_region(x, self.group), self.group)
 
     def attention_rng(self):
         # ranks holding different heads draw different masks
@@ -342,7 +350,13 @@ def _shard_layers(model, ps, group, sequence_parallel, spec, partial) -> KVCopie
                 column(attn, "linear_q_proj", prefix + "self_attention.linear_q_proj", ("split", 0), False)
         else:
             column(attn, "linear_qkv", prefix + "self_attention.linear_qkv", qkv_spec, cfg.add_qkv_bias)
-            if cfg.qk_layernorm:  # replicated, applied to this rank's heads: their gradients sum over TP
+            if cfg.qk_layernorm and cfg.qk_norm_across_heads:  # a weight per feature of all heads: cut with them
+                for norm in ("q_layernorm", "k_layernorm"):
+                    owner = getattr(attn, norm)
+                    owner.weight = nn.Parameter(shard(ops.to_numpy(owner.weight), ("split", 0), tp,
+                                                      ps.local_rank("tp")))
+                    spec[f"{prefix}self_attention.{norm}.weight"] = ("split", 0)
+            elif cfg.qk_layernorm:  # replicated, applied to this rank's heads: their gradients sum over TP
                 partial.update(f"{prefix}self_attention.{norm}.{kind}" for norm in ("q_layernorm", "k_layernorm")
                                for kind in ("weight", "bias")[:1 + (cfg.normalization == "layernorm")])
             if cfg.attention_sinks:  # one per head: this rank's heads' (consecutive, also with copied kv heads)

@@ -606,7 +606,9 @@ def _model_config(args, vocab_size: int) -> ModelConfig:
     linear, linear_layers = _linear_attention(args, base.get("num_layers", ModelConfig.num_layers))
     if linear is not None:
         base["linear_attention"], base["linear_layers"] = linear, linear_layers
-    mla = _mla_config(args)
+    # MindSpeed-LLM's minimax_spec reads --q-lora-rank and --kv-lora-rank as its q/k norms' widths
+    norm_widths = base.get("qk_norm_across_heads") and not args.multi_latent_attention
+    mla = None if norm_widths else _mla_config(args)
     if mla is not None:  # each head its own key and value, of the MLA flags' width (a preset's GQA aside)
         base["mla"] = mla
         base.pop("kv_channels", None)  # --kv-channels, when given, was checked by _mla_config
@@ -624,6 +626,12 @@ def _model_config(args, vocab_size: int) -> ModelConfig:
             cfg = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, shared_expert_size=width))
     except (TypeError, ValueError) as exc:
         raise MindSpeedError(f"model configuration: {exc}") from None
+    if norm_widths:
+        for flag, heads in (("q_lora_rank", cfg.num_attention_heads), ("kv_lora_rank", cfg.num_query_groups)):
+            if getattr(args, flag) not in (None, heads * cfg.kv_channels):
+                raise MindSpeedError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: with --spec {args.spec[0]} it "
+                                     f"is the width of the {'query' if flag[0] == 'q' else 'key'} norm, {heads} heads "
+                                     f"x {cfg.kv_channels} = {heads * cfg.kv_channels}")
     return cfg
 
 

@@ -53,6 +53,7 @@ class Family:
     # linear-attention layers), or single fields of GEMMA_FIELDS
     expresses: tuple = ()
     shared_experts_prefix = "shared_expert."  # Hugging Face's name of the shared expert's module
+    expert_bias_name = "gate.e_score_correction_bias"  # the router's expert bias, in its MoE block
 
     def config_from_hf(self, hf: dict) -> ModelConfig:
         raise NotImplementedError
@@ -174,7 +175,7 @@ class Family:
         out = {b + "router.weight": take(a + "gate.weight")}
         if cfg.moe.enable_expert_bias:  # DeepSeek-V3's and GLM-4.5's steering of the choice
             self.note_expert_bias()
-            out[b + "router.expert_bias"] = take(a + "gate.e_score_correction_bias").astype(np.float32)
+            out[b + "router.expert_bias"] = take(a + self.expert_bias_name).astype(np.float32)
         w1, w2 = [], []
         for e in range(cfg.moe.num_experts):
             gate, up = take(f"{a}experts.{e}.{g}.weight"), take(f"{a}experts.{e}.{u}.weight")
@@ -196,7 +197,7 @@ class Family:
         out = {a + "gate.weight": ours[b + "router.weight"]}
         if cfg.moe.enable_expert_bias:
             self.note_expert_bias()
-            out[a + "gate.e_score_correction_bias"] = ours[b + "router.expert_bias"]
+            out[a + self.expert_bias_name] = ours[b + "router.expert_bias"]
         for e in range(cfg.moe.num_experts):
             gate, up = np.split(ours[b + "experts.weight1"][e].T, 2)
             out[f"{a}experts.{e}.{g}.weight"] = np.ascontiguousarray(gate)
