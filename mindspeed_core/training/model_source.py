@@ -78,14 +78,18 @@ def _checked(source: Source) -> Source:
             raise CheckpointError(str(exc)) from None
     if source.adapters_only:
         return source
-    expected = source.cfg.num_parameters()
-    held = sum(int(v.size) for k, v in source.state.items() if not is_adapter(k))
-    if held != expected:
-        raise CheckpointError(f"{source.path}: its weights hold {held:,} parameters but its configuration describes "
-                              f"{expected:,} (hidden size {source.cfg.hidden_size}, {source.cfg.num_layers} layers, "
-                              f"MLP {source.cfg.ffn_hidden_size}, vocabulary {source.cfg.vocab_size}): the "
-                              "configuration does not belong to these weights")
+    _check_parameter_count(source.path, source.cfg, sum(int(v.size) for k, v in source.state.items()
+                                                        if not is_adapter(k)))
     return source
+
+
+def _check_parameter_count(path: str, cfg: ModelConfig, held: int) -> None:
+    expected = cfg.num_parameters()
+    if held != expected:
+        raise CheckpointError(f"{path}: its weights hold {held:,} parameters but its configuration describes "
+                              f"{expected:,} (hidden size {cfg.hidden_size}, {cfg.num_layers} layers, "
+                              f"MLP {cfg.ffn_hidden_size}, vocabulary {cfg.vocab_size}): the "
+                              "configuration does not belong to these weights")
 
 
 def read_hf(folder: str, mtp_num_layers: int = 0) -> Source:
@@ -118,6 +122,10 @@ def read_sliced(root: str, flag: str) -> Source | None:
     shards = checkpoint.reader(root, it)
     if shards is None or cfg.lora is not None or meta.get("adapters_only"):
         return None
+    # each rank builds the whole model before it cuts it, as read_ours's reader holds it whole
+    check_fits_in_memory(4 * cfg.num_parameters(), f"the model in {root} ({cfg.num_parameters():,} parameters)")
+    held = sum(shards.elements("model", name) for name in shards.names("model") if not is_adapter(name))
+    _check_parameter_count(root, cfg, held)
     return Source(root, "ours", cfg, {}, it, meta=meta, shards=shards)
 
 

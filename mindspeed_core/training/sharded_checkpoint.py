@@ -163,6 +163,10 @@ class Reader:
         return sum(os.path.getsize(os.path.join(self.folder, f)) for f in self.meta.get("sha256", {})
                    if f.startswith("rank_"))
 
+    def elements(self, section: str, name: str) -> int:
+        """The whole tensor's element count, from the index."""
+        return int(np.prod(self._record(section, name)["shape"], dtype=np.int64))
+
     def section_bytes(self, section: str) -> int:
         """The stored bytes of one section's tensors (every piece), from the index."""
         return sum(int(np.prod(_piece(piece, self.folder, name)[3], dtype=np.int64))
