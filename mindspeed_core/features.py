@@ -192,6 +192,10 @@ _MINIMAX_M2 = ("models/families/minimax_m2.py: the q/k RMSNorms over the whole q
                "the norms' weights cut with the heads), RoPE on the release's rotary_dim, sigmoid routing steered by "
                "each block's e_score_correction_bias, renormalised; Hugging Face folders in and out, MindSpeed-LLM's "
                "minimax_spec from flags (--q-lora-rank and --kv-lora-rank read as the norms' widths)")
+_HY_V3 = ("models/families/hy_v3.py: Qwen3's attention (q/k norms per head, q/k/v/o biases), dense layers where "
+          "mlp_layer_types says so, elsewhere experts chosen by sigmoid scores plus the block's expert bias, "
+          "renormalised and scaled by router_scaling_factor, beside an ungated shared expert; Hugging Face folders "
+          "in and out, hf <-> Megatron")
 _SLICED_LOAD = ("from our sharded checkpoints (what training saves) each rank of `generate`/`evaluate` cuts its model "
                 "first, then reads only its own slices, at any saved layout, as a resumed training run does (the "
                 "bytes each rank read are printed); a LoRA run's checkpoint, an older whole-file one, a Hugging Face "
@@ -768,6 +772,9 @@ FEATURES: tuple[Feature, ...] = (
             supported(_MINIMAX_M2), supported(_MINIMAX_M2),
             lambda a: getattr(a, "model_type_hf", None) == "minimax_m2"
             or "minimax_spec" in " ".join(getattr(a, "spec", None) or ())),
+    Feature("family-hy-v3", "Hunyuan-V3 (hy_v3: sigmoid routing with the expert bias, scaled, beside a shared "
+            "expert)", "compatibility", ("--model-type-hf HYV3",), supported(_HY_V3), supported(_HY_V3),
+            lambda a: getattr(a, "model_type_hf", None) in ("HYV3", "hy_v3")),
     Feature("output-layer-bias", "A bias on the output layer (MindSpeed-LLM's Phi-3.5-MoE)", "compatibility",
             ("--add-output-layer-bias",), supported(_OUTPUT_BIAS), supported(_OUTPUT_BIAS),
             _on("add_output_layer_bias")),

@@ -138,6 +138,11 @@ MODELS = {
                                            eos_token_id=None, rope_parameters={
                                                "rope_type": "default", "rope_theta": 10000.0,
                                                "partial_rotary_factor": 0.5})),
+    # Hunyuan-V3: Qwen3's attention with q/k/v/o biases, a dense first layer, then sigmoid-routed
+    # experts steered by the expert bias, renormalised and scaled by 2.826, beside a shared expert
+    "hy-v3": (T.HYV3Config, dict(COMMON, num_key_value_heads=2, head_dim=32, attention_bias=True, num_experts=4,
+                                 num_experts_per_tok=2, num_shared_experts=1, moe_intermediate_size=24,
+                                 router_scaling_factor=2.826, mlp_layer_types=["dense", "sparse"], pad_token_id=0)),
     # MiniCPM3: DeepSeek-V2's latent attention with a query latent, rotated in halves, tied
     # embeddings scaled by 12, residual branches by 1.4 / sqrt(2), the output by 256 / 64
     "minicpm3": (T.MiniCPM3Config, dict(COMMON, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=24,
@@ -232,7 +237,7 @@ def store_experts_as_mxfp4(model, folder: str) -> None:
 # 3 ids padding
 GENERATED = ("llama", "qwen3", "gpt2", "llama-dynamic-rope", "phi3-longrope", "phimoe", "gemma2", "gemma3",
              "mistral-sliding", "seed-oss", "deepseek-v2", "deepseek-v3", "glm4-moe", "minicpm3", "gpt-oss", "qwen3-next", "qwen3.5",
-             "minimax-m2")
+             "minimax-m2", "hy-v3")
 PAD, PROMPT = 3, 12
 BEAMS = ("llama", "qwen3", "deepseek-v2")  # transformers' beam search, for test_hf's
 # the logits are of 24 tokens: past every original context above (8 or 16), so that dynamic
@@ -292,6 +297,12 @@ WITHOUT = {
                    "partial rotary": {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}},
                    "expert bias": lambda model: [m.e_score_correction_bias.zero_() for m in model.modules()
                                                  if hasattr(m, "e_score_correction_bias")]},
+    # Hunyuan-V3's routed weights unscaled, its routers without the expert bias, its shared expert silent
+    "hy-v3": {"routed scaling": {"router_scaling_factor": 1.0},
+              "expert bias": lambda model: [m.e_score_correction_bias.zero_() for m in model.modules()
+                                            if hasattr(m, "e_score_correction_bias")],
+              "shared expert": lambda model: [m.shared_experts.down_proj.weight.zero_() for m in model.modules()
+                                              if hasattr(m, "shared_experts")]},
     "gpt-oss": {"sinks": lambda model: [m.sinks.fill_(-1e4) for m in model.modules() if hasattr(m, "sinks")],
                 "window": {"sliding_window": 64}},
 }

@@ -31,9 +31,9 @@ ARCHITECTURES = {"llama2": "llama", "llama3": "llama3-rope", "qwen2": "qwen2", "
                  "gpt2": "gpt2", "mixtral": "mixtral", "phi3.5-moe": "phimoe", "seed-oss": "seed-oss", "qwen2-moe": "qwen2-moe", "qwen3-moe": "qwen3-moe",
                  "deepseek2-lite": "deepseek-v2", "deepseek3": "deepseek-v3", "glm45": "glm4-moe",
                  "minicpm3": "minicpm3", "gpt-oss": "gpt-oss", "qwen3-next": "qwen3-next", "qwen3.5": "qwen3.5",
-                 "minimax_m2": "minimax-m2"}
+                 "minimax_m2": "minimax-m2", "HYV3": "hy-v3"}
 MOE = ("mixtral", "phi3.5-moe", "qwen2-moe", "qwen3-moe", "deepseek2-lite", "deepseek3", "glm45", "gpt-oss", "qwen3-next",
-       "minimax_m2")
+       "minimax_m2", "HYV3")
 
 
 def convert(capsys, *flags, fails=False) -> str:

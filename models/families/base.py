@@ -54,6 +54,7 @@ class Family:
     expresses: tuple = ()
     shared_experts_prefix = "shared_expert."  # Hugging Face's name of the shared expert's module
     expert_bias_name = "gate.e_score_correction_bias"  # the router's expert bias, in its MoE block
+    router_name = "gate.weight"  # the router's weight, in its MoE block
 
     def config_from_hf(self, hf: dict) -> ModelConfig:
         raise NotImplementedError
@@ -161,7 +162,7 @@ class Family:
     # ---- experts written one by one (the layout every release of transformers reads) ----
     def moe_names(self, cfg: ModelConfig, i: int) -> tuple[str, tuple]:
         """(MoE block prefix, (gate, up, down) names of an expert's projections); the router is
-        the block's gate.weight."""
+        the block's ``router_name``."""
         return f"model.layers.{i}.mlp.", ("gate_proj", "up_proj", "down_proj")
 
     def note_expert_bias(self) -> None:
@@ -172,7 +173,7 @@ class Family:
         shared expert."""
         a, (g, u, d) = self.moe_names(cfg, i)
         b = f"decoder.layers.{i}.mlp."
-        out = {b + "router.weight": take(a + "gate.weight")}
+        out = {b + "router.weight": take(a + self.router_name)}
         if cfg.moe.enable_expert_bias:  # DeepSeek-V3's and GLM-4.5's steering of the choice
             self.note_expert_bias()
             out[b + "router.expert_bias"] = take(a + self.expert_bias_name).astype(np.float32)
@@ -194,7 +195,7 @@ class Family:
     def experts_to_hf(self, cfg: ModelConfig, i: int, ours: dict) -> dict:
         a, (g, u, d) = self.moe_names(cfg, i)
         b = f"decoder.layers.{i}.mlp."
-        out = {a + "gate.weight": ours[b + "router.weight"]}
+        out = {a + self.router_name: ours[b + "router.weight"]}
         if cfg.moe.enable_expert_bias:
             self.note_expert_bias()
             out[a + self.expert_bias_name] = ours[b + "router.expert_bias"]
