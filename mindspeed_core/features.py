@@ -192,6 +192,13 @@ _MINIMAX_M2 = ("models/families/minimax_m2.py: the q/k RMSNorms over the whole q
                "the norms' weights cut with the heads), RoPE on the release's rotary_dim, sigmoid routing steered by "
                "each block's e_score_correction_bias, renormalised; Hugging Face folders in and out, MindSpeed-LLM's "
                "minimax_spec from flags (--q-lora-rank and --kv-lora-rank read as the norms' widths)")
+_PER_TOKEN = ("Megatron's per-token loss (the token sums of every micro-batch and data-parallel rank over their "
+              "token count) is not built: a step averages each micro-batch's mean, which differs where micro-batches "
+              "hold different numbers of loss tokens (fine-tuning's masks)")
+_PER_TOKEN_INSTEAD = "leave --calculate-per-token-loss out (the same loss when every micro-batch has as many loss tokens)"
+_TEKKEN = ("the folder's tekken.json is mistral-common's format (pip install mistral-common reads it); no reader of it "
+           "is built here")
+_TEKKEN_INSTEAD = "the model's Hugging Face tokenizer folder (tokenizer.json) with --tokenizer-type PretrainedFromHF"
 _HY_V3 = ("models/families/hy_v3.py: Qwen3's attention (q/k norms per head, q/k/v/o biases), dense layers where "
           "mlp_layer_types says so, elsewhere experts chosen by sigmoid scores plus the block's expert bias, "
           "renormalised and scaled by router_scaling_factor, beside an ungated shared expert; Hugging Face folders "
@@ -772,6 +779,12 @@ FEATURES: tuple[Feature, ...] = (
             supported(_MINIMAX_M2), supported(_MINIMAX_M2),
             lambda a: getattr(a, "model_type_hf", None) == "minimax_m2"
             or "minimax_spec" in " ".join(getattr(a, "spec", None) or ())),
+    Feature("per-token-loss", "A step's loss averaged over every loss token of the global batch", "fine-tuning",
+            ("--calculate-per-token-loss",), planned(_PER_TOKEN, instead=_PER_TOKEN_INSTEAD),
+            planned(_PER_TOKEN, instead=_PER_TOKEN_INSTEAD), _on("calculate_per_token_loss")),
+    Feature("magistral-tokenizer", "Magistral's Tekken tokenizer (--tokenizer-type MagistralTokenizer)", "data",
+            ("--tokenizer-type MagistralTokenizer",), planned(_TEKKEN, instead=_TEKKEN_INSTEAD),
+            planned(_TEKKEN, instead=_TEKKEN_INSTEAD), _eq("tokenizer_type", "MagistralTokenizer")),
     Feature("family-hy-v3", "Hunyuan-V3 (hy_v3: sigmoid routing with the expert bias, scaled, beside a shared "
             "expert)", "compatibility", ("--model-type-hf HYV3",), supported(_HY_V3), supported(_HY_V3),
             lambda a: getattr(a, "model_type_hf", None) in ("HYV3", "hy_v3")),

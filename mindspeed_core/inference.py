@@ -229,6 +229,7 @@ TRAINING_ONLY = {
     "bf16": ("--bf16", "is set aside: {verb} computes in float32 (the saved weights widened)"),
     "fp16": ("--fp16", "is set aside: {verb} computes in float32 (the saved weights widened)"),
     "reuse_fp32_param": ("--reuse-fp32-param", "is set aside: it is the training optimizer's memory option"),
+    "input_layernorm_in_fp32": ("--input-layernorm-in-fp32", "holds: {verb} computes every norm in float32"),
 }
 
 

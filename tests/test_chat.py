@@ -284,3 +284,18 @@ def test_glm4_moe_learns_each_reply_end_where_the_next_turn_starts():
     learnt = [lab for lab in labels if lab != -100]
     assert tok.decode([t for t in learnt if t != tok.eod]) == "\nHello! How can I help?\n7"
     assert learnt.count(tok.eod) == 2
+
+
+def test_cpm_writes_the_tokenizers_beginning_of_sequence_then_its_markers():
+    """MindSpeed-LLM's cpm template (its Seed-OSS fine-tuning lines): the tokenizer's own
+    beginning-of-sequence token (by id, whatever its text), "<用户>" before each user message and
+    "<AI>" after it, each reply ended by the end of document."""
+    cpm = ct.TEMPLATES["cpm"]
+    talk = [*CONVERSATIONS[2], {"role": "assistant", "content": "7"}]
+    assert cpm.render(talk) == "<用户>Hi<AI>Hello! How can I help?<用户>Name a prime.\nJust one.<AI>7"
+    tok = ByteTokenizer()
+    tok.bos = 65
+    ids, mine = ct.encode_conversation(tok, cpm, talk)
+    assert ids[0] == 65 and not mine[0] and ids.count(tok.eod) == 2
+    assert tok.decode([t for t, m in zip(ids, mine) if m and t != tok.eod]) == "Hello! How can I help?7"
+    assert ct.encode_conversation(ByteTokenizer(), cpm, talk)[0] == ids[1:]  # a tokenizer without one: none

@@ -4,7 +4,7 @@ becomes the text a chat model reads.
 Two kinds, as MindSpeed-LLM users know them:
 
 - ``--prompt-type NAME``: one of TEMPLATES (empty, alpaca, chatml, qwen, qwen3, llama2, llama3,
-  deepseek2, deepseek2-lite, deepseek3, gemma, glm4_moe), written here;
+  deepseek2, deepseek2-lite, deepseek3, gemma, glm4_moe, cpm), written here;
 - a Hugging Face ``chat_template`` (tokenizer_config.json's, or the folder's
   chat_template.jinja), rendered by jinja2's immutable sandbox as transformers renders it: the
   template language runs, Python attribute access and mutation of the messages do not.
@@ -46,6 +46,9 @@ class Template:
     # text, and fine-tuning's label there is the end of document (LLaMA-Factory's efficient_eos,
     # as MindSpeed-LLM's GLM templates set it); the last reply gets the end of document itself
     efficient_eos: bool = False
+    # the tokenizer's beginning-of-sequence token first, whatever its text (MindSpeed-LLM's
+    # format_prefix bos_token); encode_conversation writes its id
+    bos: bool = False
 
     @property
     def writes_reply_end(self) -> bool:
@@ -117,6 +120,9 @@ TEMPLATES = {t.name: t for t in (
     Template("glm4_moe", begin="[gMASK]<sop>", system="<|system|>\n{content}", user="<|user|>\n{content}",
              generation="<|assistant|>", assistant="\n{content}", stop=("<|user|>", "<|observation|>"),
              efficient_eos=True),
+    # CPM's (MindSpeed-LLM's Seed-OSS fine-tuning lines): the tokenizer's beginning of sequence, then
+    # "<用户>" before each user message and "<AI>" after it; each reply ends with the end of document
+    Template("cpm", user="<用户>{content}<AI>", assistant="{content}", bos=True),
     # Gemma (as its own chat template writes it): turns of user and model, no system role (a
     # system message opens the first user turn)
     Template("gemma", begin="<bos>", system="<start_of_turn>user\n{content}\n\n", first_user="{content}<end_of_turn>\n",
@@ -132,6 +138,8 @@ def encode_conversation(tokenizer, template, messages: list[dict],
     special tokens; a reply of a template without a stop text ends with the end of document,
     which is what generation stops at. Chat prompts and instruction data are encoded alike."""
     ids, assistant = [], []
+    if getattr(template, "bos", False) and tokenizer.bos is not None:
+        ids, assistant = [tokenizer.bos], [False]
     for text, by_assistant in template.segments(messages, add_generation_prompt):
         piece = encode_plain(tokenizer, text)
         if by_assistant and not template.writes_reply_end:

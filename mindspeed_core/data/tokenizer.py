@@ -187,6 +187,10 @@ def build_tokenizer(tokenizer_type: str | None, name_or_path: str | None = None,
         if vocab_size is None:
             raise MindSpeedError("--tokenizer-type NullTokenizer needs --vocab-size")
         return NullTokenizer(vocab_size)
+    if kind == "MagistralTokenizer":  # the matrix's row says what to use instead
+        from mindspeed_core import features, runtime
+
+        features.refuse("magistral-tokenizer", runtime.resolve(None))
     raise MindSpeedError(f"unknown --tokenizer-type {kind!r}; choose ByteLevel, PretrainedFromHF, "
                          "GPT2BPETokenizer or NullTokenizer")
 

@@ -16,6 +16,7 @@ import argparse
 import dataclasses
 import math
 import os
+import sys
 
 from mindspeed_core import device, features, files, ops, runtime
 from mindspeed_core.compat import hf
@@ -770,6 +771,11 @@ def _agreeing_with_flags(args, cfg: ModelConfig, vocab_size: int, scaling: dict 
     if _rotary_percent(args) is not None and _rotary_percent(args) != cfg.rotary_percent:
         raise MindSpeedError(f"--partial-rotary-factor / --rotary-percent {_rotary_percent(args)} disagrees with the "
                              f"Hugging Face folder's config.json (partial_rotary_factor {cfg.rotary_percent})")
+    if (cfg.moe is not None and args.num_experts is not None and args.moe_router_score_function != cfg.moe.score_function
+            and os.environ.get("RANK", os.environ.get("RANK_ID", "0")) == "0"):
+        # the folder is the model (MindSpeed-LLM's minimax27 script leaves megatron-core's softmax default)
+        print(f"note: --moe-router-score-function {args.moe_router_score_function} is set aside: the Hugging Face "
+              f"folder's experts route by {cfg.moe.score_function} scores", file=sys.stderr)
     return _linear_agreeing_with_flags(args, cfg)
 
 
@@ -806,8 +812,12 @@ def _moe_config(args, num_layers: int) -> tuple[MoEConfig, tuple | None]:
     softmax_topk = args.moe_router_load_balancing_type == "softmax_topk"
     norm = args.norm_topk_prob if softmax_topk else not args.moe_router_pre_softmax
     balancing = "none" if softmax_topk else args.moe_router_load_balancing_type
-    routing = dict(score_function=args.moe_router_score_function, num_groups=args.moe_router_num_groups,
-                   group_topk=args.moe_router_group_topk, scaling_factor=args.moe_router_topk_scaling_factor or 1.0)
+    # one group (Kimi-K2's --moe-router-num-groups 1): the choice is among every expert, as without groups
+    grouped = (args.moe_router_num_groups or 1) > 1
+    routing = dict(score_function=args.moe_router_score_function,
+                   num_groups=args.moe_router_num_groups if grouped else None,
+                   group_topk=args.moe_router_group_topk if grouped else None,
+                   scaling_factor=args.moe_router_topk_scaling_factor or 1.0)
     if balancing == "pai_megatron_aux_loss":
         # MindSpeed-LLM's router then takes the softmax over every expert and its top k as they
         # are, with the aux loss, and no groups, scaling or score function of the flags

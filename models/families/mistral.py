@@ -8,7 +8,7 @@ from mindspeed_core.models.families.base import LlamaLike
 class Mistral(LlamaLike):
     name = "mistral"
     architecture = "MistralForCausalLM"
-    aliases = ("mistral",)
+    aliases = ("mistral", "magistral")  # Magistral (MindSpeed-LLM's magistral scripts) is Mistral's architecture
     specs = ("mistral_spec",)
     window = "every"
     presets = {
