@@ -193,8 +193,8 @@ def add_feature_args(parser: argparse.ArgumentParser) -> None:
     m.add_argument("--recompute-activation-function-num-layers", type=POSITIVE_INT, default=None,
                    help="--recompute-activation-function: in this many of those layers of each model chunk only")
     m.add_argument("--calculate-per-token-loss", action="store_true",
-                   help="the step's loss as the mean over every loss token of the global batch (Megatron's); the "
-                        "matrix row per-token-loss says where it runs")
+                   help="the step's loss as the mean over every loss token of the global batch (Megatron's), not "
+                        "the mean of each micro-batch's mean")
     m.add_argument("--bf16", action="store_true")
     m.add_argument("--fp16", action="store_true")
     m.add_argument("--initial-loss-scale", type=POSITIVE, default=None,

@@ -192,10 +192,10 @@ _MINIMAX_M2 = ("models/families/minimax_m2.py: the q/k RMSNorms over the whole q
                "the norms' weights cut with the heads), RoPE on the release's rotary_dim, sigmoid routing steered by "
                "each block's e_score_correction_bias, renormalised; Hugging Face folders in and out, MindSpeed-LLM's "
                "minimax_spec from flags (--q-lora-rank and --kv-lora-rank read as the norms' widths)")
-_PER_TOKEN = ("Megatron's per-token loss (the token sums of every micro-batch and data-parallel rank over their "
-              "token count) is not built: a step averages each micro-batch's mean, which differs where micro-batches "
-              "hold different numbers of loss tokens (fine-tuning's masks)")
-_PER_TOKEN_INSTEAD = "leave --calculate-per-token-loss out (the same loss when every micro-batch has as many loss tokens)"
+_PER_TOKEN = ("Megatron's per-token loss: each kept label's loss weighs micro-batches x DP over the global batch's "
+              "kept labels (summed over the DP ranks), so a step's loss and gradient are the mean over every token "
+              "of its global batch rather than the mean of each micro-batch's mean (they differ where fine-tuning's "
+              "masks keep different numbers of labels); pre-training and --stage sft, not compiled")
 _TEKKEN = ("the folder's tekken.json is mistral-common's format (pip install mistral-common reads it); no reader of it "
            "is built here")
 _TEKKEN_INSTEAD = "the model's Hugging Face tokenizer folder (tokenizer.json) with --tokenizer-type PretrainedFromHF"
@@ -780,8 +780,8 @@ FEATURES: tuple[Feature, ...] = (
             lambda a: getattr(a, "model_type_hf", None) == "minimax_m2"
             or "minimax_spec" in " ".join(getattr(a, "spec", None) or ())),
     Feature("per-token-loss", "A step's loss averaged over every loss token of the global batch", "fine-tuning",
-            ("--calculate-per-token-loss",), planned(_PER_TOKEN, instead=_PER_TOKEN_INSTEAD),
-            planned(_PER_TOKEN, instead=_PER_TOKEN_INSTEAD), _on("calculate_per_token_loss")),
+            ("--calculate-per-token-loss",), supported(_PER_TOKEN), supported(_PER_TOKEN),
+            _on("calculate_per_token_loss")),
     Feature("magistral-tokenizer", "Magistral's Tekken tokenizer (--tokenizer-type MagistralTokenizer)", "data",
             ("--tokenizer-type MagistralTokenizer",), planned(_TEKKEN, instead=_TEKKEN_INSTEAD),
             planned(_TEKKEN, instead=_TEKKEN_INSTEAD), _eq("tokenizer_type", "MagistralTokenizer")),

@@ -46,6 +46,9 @@ class Tokens:
     positions: np.ndarray | None = None
     documents: np.ndarray | None = None
     loss_mask: np.ndarray | None = None
+    # --calculate-per-token-loss: what each kept label's loss is multiplied by instead of 1 / this
+    # micro-batch's count (micro-batches x DP / the global batch's count: training/trainer.py)
+    loss_weight: float | None = None
     cache: object = None
     position_inputs: tuple | None = None
     _documents: object = field(default=None, repr=False, compare=False)
@@ -657,8 +660,10 @@ class GPTModel(nn.Module):
         if tokens is None or tokens.loss_mask is None:
             return ops.mean(per_token)
         whole = np.asarray(tokens.loss_mask, np.float32)
-        # the denominator counts the whole sequences' kept labels (known on the host)
-        scale = self.seams.context_shards / max(float(whole.sum()), 1.0)
+        # the denominator counts the whole sequences' kept labels (known on the host), or with
+        # --calculate-per-token-loss the global batch's
+        share = tokens.loss_weight if tokens.loss_weight is not None else 1.0 / max(float(whole.sum()), 1.0)
+        scale = self.seams.context_shards * share
         mask = ops.tensor(np.ascontiguousarray(self.seams.local_tokens(whole)).reshape(-1) * scale)
         return ops.sum(per_token * mask)
 

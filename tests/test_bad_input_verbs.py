@@ -276,6 +276,8 @@ CASES = [
                                                  "mindspeed_llm.tasks.models.spec.minimax_spec", "layer_spec",
                                                  "--qk-layernorm", "--num-experts", "4",
                                                  "--tensor-model-parallel-size", "4"], "copies the 2 key heads"),
+    ("train-per-token-dpo", lambda t, m, c: ["train", *MODEL, "--stage", "dpo", "--calculate-per-token-loss"],
+     "--calculate-per-token-loss averages the language model's loss"),
     ("train-sparsemixer-compile", lambda t, m, c: ["train", *MODEL, "--num-experts", "4",
                                                    "--moe-router-load-balancing-type", "sparsemixer_topk", "--compile"],
      "moe-compile-routing"),

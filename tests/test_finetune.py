@@ -299,6 +299,7 @@ def losses(path) -> dict:
 @pytest.mark.feature("handler-alpaca")
 @pytest.mark.feature("dynamic-padding")
 @pytest.mark.feature("no-shuffle")
+@pytest.mark.feature("per-token-loss")
 def test_sft_loss_is_the_assistant_tokens_mean_and_packing_changes_nothing(capsys, tmp_path):
     records = [{"instruction": q, "output": a} for q, a in DIALOGUES]
     common = ["--handler-name", "AlpacaStyleInstructionHandler", "--prompt-type", "chatml", "--seq-length", "160"]
@@ -329,6 +330,21 @@ def test_sft_loss_is_the_assistant_tokens_mean_and_packing_changes_nothing(capsy
         got = losses(metrics)
         assert list(got) == [1], got  # --finetune starts at iteration 0
         assert abs(got[1] - want) <= 1e-5 * want, (name, got[1], want)
+    # a micro-batch a sample: the mean of the micro-batches' means is another number; with
+    # --calculate-per-token-loss (Megatron's) each label weighs 1 / the step's labels, the mean
+    # over all trained tokens again
+    n = str(len(documents(plain, "input_ids")))
+    per_micro = {}
+    for flags in ([], ["--calculate-per-token-loss"]):
+        metrics = tmp_path / f"micro{len(flags)}.jsonl"
+        code = cli.main(["train", *MODEL, "--micro-batch-size", "1", "--global-batch-size", n, "--stage", "sft",
+                         "--data-path", plain, "--train-iters", "1", "--lr", "0", "--load", str(ckpt), "--finetune",
+                         "--metrics-file", str(metrics), *flags])
+        assert code == 0, capsys.readouterr().err
+        capsys.readouterr()
+        per_micro[bool(flags)] = losses(metrics)[1]
+    assert abs(per_micro[True] - want) <= 1e-5 * want, (per_micro, want)
+    assert abs(per_micro[False] - want) > 5e-4 * want, (per_micro, want)  # measured 1.3e-3 apart
 
 
 def test_dynamic_padding_cuts_padding_only_and_no_shuffle_reads_in_file_order(capsys, tmp_path):

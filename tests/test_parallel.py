@@ -100,6 +100,8 @@ MODELS = {"gqa": GQA, "mha": MHA, "moe": MOE, "sft": SFT, "lora": LORA, "dpo": D
           # MiniMax-M2 from MindSpeed-LLM's minimax27 flags: its spec's q/k norms over all heads (their
           # widths as --q-lora-rank and --kv-lora-rank), half of each head rotated, sigmoid routing
           # with the expert bias, renormalised
+          # Megatron's per-token loss: each trained label weighs 1 / the global batch's (over both DP ranks)
+          "sft-per-token": SFT + ["--calculate-per-token-loss"],
           "minimax": GQA + ["--spec", "mindspeed_llm.tasks.models.spec.minimax_spec", "layer_spec", "--qk-layernorm",
                             "--q-lora-rank", "64", "--kv-lora-rank", "32", "--rotary-percent", "0.5",
                             "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "64",
@@ -131,6 +133,25 @@ def launch_train(framework, nproc, argv, tmp_path, timeout=900):
         logs = "".join(p.read_text(errors="replace") for p in sorted((tmp_path / "msrun_log").iterdir()))
     assert out.returncode == 0, (out.stdout[-3000:] + out.stderr[-3000:] + logs[-6000:])
     return out.stdout + logs  # msrun leaves the workers' output in its log folder
+
+
+@pytest.fixture(scope="module")
+def sft_varied_corpus(tmp_path_factory):
+    """sft_corpus's conversations with replies of 1 to 12 characters: micro-batches and data-parallel
+    ranks hold different numbers of trained labels (what --calculate-per-token-loss weighs)."""
+    from mindspeed_core import cli
+    from mindspeed_core.data.corpus import stdlib_files
+
+    root = tmp_path_factory.mktemp("sft-varied")
+    lines = [line.strip()[:12] for path in stdlib_files(20_000) for line in open(path) if line.strip()][:1200]
+    with open(root / "dialogues.jsonl", "w") as fh:
+        for k, (ask, answer) in enumerate(zip(lines[0::2], lines[1::2])):
+            fh.write(json.dumps({"conversations": [{"from": "human", "value": ask},
+                                                   {"from": "gpt", "value": answer[:1 + k * 7 % 12]}]}) + "\n")
+    assert cli.main(["preprocess", "--input", str(root / "dialogues.jsonl"), "--output-prefix", str(root / "dialogues"),
+                     "--handler-name", "SharegptStyleInstructionHandler", "--prompt-type", "empty", "--pack",
+                     "--seq-length", "32"]) == 0
+    return str(root / "dialogues")
 
 
 @pytest.fixture(scope="module")
@@ -196,9 +217,9 @@ def prm_corpus(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def data(corpus, sft_corpus, preference_corpus, prm_corpus):  # noqa: F811
+def data(corpus, sft_corpus, sft_varied_corpus, preference_corpus, prm_corpus):  # noqa: F811
     """The data path of each model of MODELS."""
-    special = {"sft": sft_corpus, "lora": sft_corpus, "lora-moe": sft_corpus, "dpo": preference_corpus, "dpo-lora": preference_corpus,
+    special = {"sft": sft_corpus, "sft-per-token": sft_varied_corpus, "lora": sft_corpus, "lora-moe": sft_corpus, "dpo": preference_corpus, "dpo-lora": preference_corpus,
                "simpo": preference_corpus, "orm": preference_corpus, "prm": prm_corpus}
     return {name: special.get(name, corpus) for name in MODELS}
 
@@ -270,8 +291,10 @@ CASES = [  # (id, ranks, model, flags): the cases of each rank count share one l
     ("dp2-buckets", 2, "gqa", ["--ddp-bucket-size", "3000"]),
     ("dp2-buckets-overlap", 2, "gqa", ["--ddp-bucket-size", "3000", "--overlap-grad-reduce"]),
     ("sft-tp2-sp", 2, "sft", ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+    ("sft-per-token-dp2", 2, "sft-per-token", []),
     # instruction fine-tuning over two pipeline stages, each data-parallel
     ("sft-pp2-dp2", 4, "sft", ["--pipeline-model-parallel-size", "2"]),
+    ("sft-per-token-pp2-dp2", 4, "sft-per-token", ["--pipeline-model-parallel-size", "2"]),
     # LoRA under TP: B cut as a column layer's rows, A as a row layer's columns, the other factor
     # replicated with a partial gradient; at TP4 the copied key/value rows of linear_qkv's B too.
     # Over two pipeline stages: each stage trains its own adapters only
@@ -681,6 +704,7 @@ def four_ranks(corpus, data, two_ranks, null_corpus, hf_references, tmp_path_fac
 @pytest.mark.feature("expert-parallel-across-tp")
 @pytest.mark.feature("moe-input-jitter")
 @pytest.mark.feature("family-minimax-m2")
+@pytest.mark.feature("per-token-loss")
 def test_two_rank_layouts_equal_single_process(capsys, framework, corpus, two_ranks, reference,  # noqa: F811
                                                tmp_path):
     check_cases(framework, two_ranks / "out", 2, ranks_cases(2), reference)
@@ -1026,7 +1050,8 @@ def expected_traffic(ranks, flags, model: str = "gqa") -> dict:
     grad_accum = global_batch(MODELS[model]) // (2 * dp)
     return step_bytes(cfg, micro_batch=2, seq_length=32, grad_accum=grad_accum, tp=tp, dp=dp,
                       sp="--sequence-parallel" in flags, distributed_optimizer="--use-distributed-optimizer" in flags,
-                      local_params=local, sp_partial_params=norms, moe_layers=1 if model == "moe" else 0)
+                      local_params=local, sp_partial_params=norms, moe_layers=1 if model == "moe" else 0,
+                      per_token_loss="--calculate-per-token-loss" in MODELS[model])
 
 
 @pytest.mark.multiprocess

@@ -25,7 +25,8 @@ from __future__ import annotations
 
 
 def step_bytes(cfg, *, micro_batch: int, seq_length: int, grad_accum: int, tp: int, dp: int, sp: bool,
-               distributed_optimizer: bool, local_params: int, sp_partial_params: int, moe_layers: int = 0) -> dict:
+               distributed_optimizer: bool, local_params: int, sp_partial_params: int, moe_layers: int = 0,
+               per_token_loss: bool = False) -> dict:
     """{collective: bytes} expected on one rank per training step (fp32 training)."""
     f = 4
     T, h, L = micro_batch * seq_length, cfg.hidden_size, cfg.num_layers
@@ -51,6 +52,8 @@ def step_bytes(cfg, *, micro_batch: int, seq_length: int, grad_accum: int, tp: i
             add("all_reduce", sp_partial_params * f)
     if dp > 1:
         add("all_reduce", f)  # the loss, averaged for the log
+        if per_token_loss:
+            add("all_reduce", f)  # the step's count of loss tokens (--calculate-per-token-loss)
         if moe_layers:
             add("all_reduce", (3 + moe_layers * cfg.moe.num_experts) * f)
         if distributed_optimizer:

@@ -148,6 +148,8 @@ class Optimization:
     # --swap-optimizer: the distributed optimizer's state in host memory, updated in this many
     # pieces (--swap-optimizer-times, MindSpeed's default 16); None: on the device
     swap_pieces: int | None = None
+    # --calculate-per-token-loss: a step's loss is its global batch's mean over every loss token
+    per_token_loss: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -308,7 +310,8 @@ def configure(args, world: int, framework: str | None = None) -> RunConfig:
             work.lr_warmup_iters, work.lr_decay_iters, work.lr_decay_style, work.weight_decay, work.clip_grad,
             (work.adam_beta1, work.adam_beta2), work.adam_eps, precision(flags), work.initial_loss_scale,
             bool(work.o2_optimizer), bool(work.o2_gradient), bool(work.reuse_fp32_param), work.ddp_bucket_size,
-            (work.swap_optimizer_times or SWAP_OPTIMIZER_TIMES) if work.swap_optimizer else None),
+            (work.swap_optimizer_times or SWAP_OPTIMIZER_TIMES) if work.swap_optimizer else None,
+            bool(work.calculate_per_token_loss)),
         data=Data(embedded, tuple(work.data_path) if work.data_path else None, work.split, work.seq_length, work.seed,
                   tokenizer.name, not work.no_shuffle,
                   pad_multiple(work.pad_to_multiple_of, tp, cp, work.sequence_parallel)
@@ -892,6 +895,11 @@ def check_configuration(args, world: int, default_save: bool = False):
     if getattr(args, "gemm_gradient_accumulation_fusion", False) and getattr(args, "compile", False):
         raise MindSpeedError("--gemm-gradient-accumulation-fusion routes the experts' weight gradients past autograd's "
                              "own (a hand-written backward), which --compile does not trace here: drop one of them")
+    if args.calculate_per_token_loss and (stage_of(args) not in ("pretrain", "sft") or args.compile):
+        raise MindSpeedError("--calculate-per-token-loss averages the language model's loss over the global batch's "
+                             "tokens: it runs with pre-training and --stage sft, without --compile"
+                             + (f" (this run: --stage {stage_of(args)})" if stage_of(args) not in ("pretrain", "sft")
+                                else " (drop --compile)"))
     if args.swap_optimizer_times and not args.swap_optimizer:
         raise MindSpeedError("--swap-optimizer-times qualifies --swap-optimizer: add it or drop the flag")
     if args.swap_optimizer and not args.use_distributed_optimizer:

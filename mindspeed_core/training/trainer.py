@@ -240,6 +240,8 @@ class Trainer:
                              for start in range(0, self.rollouts.rows, mbs))
         else:
             micro_batches = (self.batches.micro_batch("train", rows) for rows in self.sampler.micro_batches(iteration))
+            if self.opt.per_token_loss:
+                micro_batches = self._per_token(list(micro_batches))
         loss, grads = self.forward_backward(micro_batches)
         plan = self.train_plan
         grads = distributed.sum_partial_over_tp(grads, self.ps, plan.indices("partial"))
@@ -247,6 +249,23 @@ class Trainer:
         grads = distributed.sum_tied_embeddings(grads, plan, self.ps,
                                                 self.cfg.last_stage_embeddings)
         return loss, grads
+
+    def _per_token(self, micro_batches: list) -> list:
+        """--calculate-per-token-loss (Megatron's): each kept label's loss weighs micro-batches x DP
+        over the global batch's kept labels (summed over the DP ranks), so that the mean over the
+        micro-batches and the DP ranks is the mean over every token of the step. Without loss masks
+        every micro-batch holds as many labels, and the plain mean is that already."""
+        tokens = [batch[2] if len(batch) > 2 else None for batch in micro_batches]
+        if any(t is None or t.loss_mask is None for t in tokens):
+            return micro_batches
+        features.note_used("per-token-loss")
+        local = sum(float(np.asarray(t.loss_mask, np.float32).sum()) for t in tokens)
+        total = local if self.ps.dp == 1 else float(
+            ops.to_numpy(dist.all_reduce(ops.tensor([local]), group=self.ps.group("dp")))[0])
+        weight = len(micro_batches) * self.ps.dp / max(total, 1.0)
+        for t in tokens:
+            t.loss_weight = weight
+        return micro_batches
 
     def train_step(self, iteration: int) -> tuple[float, float, float]:
         if self.rl:
