@@ -433,15 +433,25 @@ LAUNCHED = {
     "qwen3_next/pretrain_qwen3_next_80b_16K_A3_ptd.sh": {
         "--num-layers": "4", "--linear-num-key-heads": "2", "--linear-num-value-heads": "4",
         "--linear-key-head-dim": "16", "--linear-value-head-dim": "16", "--mamba-chunk-size": "16"},
+    # MiniMax-M2.7 from a MiniMax-M2 folder: its spec's q/k norms over all heads (their widths, the
+    # script's --q-lora-rank and --kv-lora-rank, scaled with the heads), sigmoid routing with the expert
+    # bias (the folder's: the script's softmax default is set aside with a note)
+    "minimax27/pretrain_minimax27_229b_4K_A3_ptd.sh": {"--q-lora-rank": "64", "--kv-lora-rank": "32",
+                                                      "--ffn-hidden-size": "32"},  # as the experts, as the script has it
+    # Kimi-K2: DeepSeek-V3's layer (latent attention with the query latent, YaRN, a dense first layer,
+    # then sigmoid routing in one group with the expert bias beside a shared expert), from a Megatron
+    # checkpoint (--load), --reuse-fp32-param and --gemm-gradient-accumulation-fusion as the script has them
+    "kimi2/pretrain_kimi2_18b_4k_8p_ptd.sh": {"--moe-router-num-groups": "1"},
 }
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("script", list(LAUNCHED), ids=["qwen3", "qwen3-next"])
+@pytest.mark.parametrize("script", list(LAUNCHED), ids=["qwen3", "qwen3-next", "minimax27", "kimi2"])
 def test_a_scripts_own_launch_line_trains(framework, paths, tmp_path, script):
     """A pre-training script's python line, with sizes, paths and the device count scaled down
     and no flag edited, under the framework's launcher (torchrun / msrun) on two ranks: it trains
-    from a Hugging Face folder (--enable-hf2mg-convert), or, where this host cannot run a setting
+    from a Hugging Face folder (--enable-hf2mg-convert) or a Megatron checkpoint (--load), or, where
+    this host cannot run a setting
     the script asks for (MindSpore's CPU has no bfloat16 matmul), stops in one line naming the
     matrix row."""
     from launch import launch
@@ -464,7 +474,13 @@ def test_a_scripts_own_launch_line_trains(framework, paths, tmp_path, script):
 
     args = megatron_args.training_parser().parse_args(flags)
     cfg = _family_model(args, args.model_type_hf)
-    hf.save_folder(str(tmp_path / "hf"), cfg, nn.state_dict(registry.for_config(cfg).build(cfg)))
+    state = nn.state_dict(registry.for_config(cfg).build(cfg))
+    if args.enable_hf2mg_convert:
+        hf.save_folder(str(tmp_path / "hf"), cfg, state)
+    else:  # a Megatron checkpoint of that model, as its conversion line would have written
+        from mindspeed_core.compat import mcore
+
+        mcore.save(str(tmp_path / "hf"), 1, cfg, state, mcore.Layout())
     code, out = launch(framework, 2, str(ROOT / "tools" / "pretrain_gpt.py"), flags, str(tmp_path / "logs"),
                        launcher=True)
     status = features.get("bf16").status(framework, runtime.bound().device.type())
