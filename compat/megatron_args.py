@@ -276,7 +276,8 @@ def add_feature_args(parser: argparse.ArgumentParser) -> None:
                    "order given; default: greedy with --prompt, all of them in this order without); mindspeed "
                    "evaluate: one of "
                    + ", ".join(EVALUATION_TASKS))
-    o.add_argument("--rope-scaling-type", choices=("linear", "llama3", "yarn", "dynamic", "longrope"), default=None)
+    o.add_argument("--rope-scaling-type", choices=("linear", "llama3", "yarn", "dynamic", "longrope", "plm"), default=None,
+                   help="plm (MindSpeed-LLM's PLM): RoPE's own frequencies over the rotated features, no scaling")
     o.add_argument("--handler-name", choices=DATA_HANDLERS, default=None)
 
     a = parser.add_argument_group("fine-tuning and alignment")
@@ -455,6 +456,11 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
                    help="N: every N-th layer attends without the window (the others slide)")
     m.add_argument("--softmax-type", choices=("vanilla", "off-by-one", "learnable"), default=None)
     m.add_argument("--quick-geglu", action="store_true", default=None)
+    m.add_argument("--squared-relu", action="store_true", default=None,
+                   help="the MLP's activation relu(x)^2, ungated (Megatron's; PLM's)")
+    m.add_argument("--fc-type", choices=("gate_up", "up_down"), default=None,
+                   help="MindSpeed-LLM's name for the MLP's first layer: gate and up (a gated activation) or up "
+                        "alone; checked against the activation")
     m.add_argument("--glu-linear-offset", type=FINITE, default=None)
     m.add_argument("--activation-func-clamp-value", type=POSITIVE, default=None)
     m.add_argument("--init-method-std", type=NON_NEGATIVE, default=None)

@@ -196,6 +196,10 @@ _PER_TOKEN = ("Megatron's per-token loss: each kept label's loss weighs micro-ba
               "kept labels (summed over the DP ranks), so a step's loss and gradient are the mean over every token "
               "of its global batch rather than the mean of each micro-batch's mean (they differ where fine-tuning's "
               "masks keep different numbers of labels); pre-training and --stage sft, not compiled")
+_PLM = ("PLM's folders need modelling code outside transformers (no reference here to check a reading of them "
+        "against); its layer trains from MindSpeed-LLM's flags: --spec plm_spec (DeepSeek's latent attention "
+        "without a query latent), --squared-relu, --rope-scaling-type plm (RoPE's own frequencies)")
+_PLM_INSTEAD = "the PLM scripts' model flags from scratch or from a Megatron checkpoint (--load), without --model-type-hf plm"
 _TEKKEN = ("the folder's tekken.json is mistral-common's format (pip install mistral-common reads it); no reader of it "
            "is built here")
 _TEKKEN_INSTEAD = "the model's Hugging Face tokenizer folder (tokenizer.json) with --tokenizer-type PretrainedFromHF"
@@ -782,6 +786,11 @@ FEATURES: tuple[Feature, ...] = (
     Feature("per-token-loss", "A step's loss averaged over every loss token of the global batch", "fine-tuning",
             ("--calculate-per-token-loss",), supported(_PER_TOKEN), supported(_PER_TOKEN),
             _on("calculate_per_token_loss")),
+    Feature("family-plm", "PLM's Hugging Face folders (model_type plm)", "compatibility", ("--model-type-hf plm",),
+            planned(_PLM, instead=_PLM_INSTEAD), planned(_PLM, instead=_PLM_INSTEAD), _eq("model_type_hf", "plm")),
+    Feature("squared-relu", "Squared-ReLU MLP activation (PLM's)", "models", ("--squared-relu",),
+            supported("relu(x)^2 on fc1's output, ungated (Megatron's --squared-relu)"),
+            supported("relu(x)^2 on fc1's output, ungated (Megatron's --squared-relu)"), _on("squared_relu")),
     Feature("magistral-tokenizer", "Magistral's Tekken tokenizer (--tokenizer-type MagistralTokenizer)", "data",
             ("--tokenizer-type MagistralTokenizer",), planned(_TEKKEN, instead=_TEKKEN_INSTEAD),
             planned(_TEKKEN, instead=_TEKKEN_INSTEAD), _eq("tokenizer_type", "MagistralTokenizer")),

@@ -12,7 +12,7 @@ from mindspeed_core.models import rope
 FUSED_KERNELS = ("attention", "rms_norm", "swiglu", "rope", "grouped_matmul", "matmul_add", "gated_delta_rule")
 # the MLP activations; the gated ones (fc1 holds gate rows, then up rows) first
 GATED_ACTIVATIONS = ("swiglu", "geglu", "geglu_tanh", "quick_geglu")
-ACTIVATIONS = GATED_ACTIVATIONS + ("gelu", "gelu_tanh")
+ACTIVATIONS = GATED_ACTIVATIONS + ("gelu", "gelu_tanh", "squared_relu")
 
 
 @dataclass(frozen=True)
@@ -199,7 +199,7 @@ class ModelConfig:
     normalization: str = "rmsnorm"  # rmsnorm | layernorm
     norm_epsilon: float = 1e-5
     # swiglu | geglu | geglu_tanh (gated: gelu or its tanh form) | quick_geglu (gated: x sigmoid(1.702 x),
-    # GPT-OSS's) | gelu | gelu_tanh
+    # GPT-OSS's) | gelu | gelu_tanh | squared_relu (relu(x)^2, PLM's: Megatron's --squared-relu)
     activation: str = "swiglu"
     # Megatron's glu_linear_offset and activation_func_clamp_value (GPT-OSS: 1 and 7): a gated
     # MLP computes act(min(gate, c)) * (clip(up, -c, c) + offset)

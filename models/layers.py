@@ -132,6 +132,10 @@ def activate(h, activation: str, fused_swiglu: bool = False, clamp: float | None
         else:
             gate = ops.gelu(gate, approximate=approximate)
         return gate * (up + offset) if offset else gate * up
+    if activation == "squared_relu":
+        features.note_used("squared-relu")
+        r = ops.relu(h)
+        return r * r
     return ops.gelu(h, approximate=approximate)
 
 

@@ -339,3 +339,18 @@ def test_attention_lse_of_a_row_that_sees_nothing_is_finite(impl):
     assert np.isfinite(float(ops.to_numpy(value)))
     assert all(np.isfinite(ops.to_numpy(g)).all() for g in grads)
     assert np.abs(ops.to_numpy(grads[0])[:, 1]).max() == 0.0  # the hidden row has no influence
+
+
+@pytest.mark.feature("squared-relu")
+def test_squared_relu_mlp_is_relu_squared_on_an_ungated_first_layer():
+    """--squared-relu (PLM's MLP, Megatron's activation): fc1 as wide as the MLP (no gate half),
+    relu(x)^2 of its output; MindSpeed-LLM's --fc-type names the layout and must agree."""
+    from mindspeed_core.models.config import ModelConfig
+    from mindspeed_core.models.gpt import MLP
+    from mindspeed_core.models.layers import activate
+
+    h = np.random.default_rng(5).standard_normal((3, 8)).astype(np.float32)
+    np.testing.assert_allclose(ops.to_numpy(activate(ops.tensor(h), "squared_relu")), np.maximum(h, 0) ** 2,
+                               rtol=1e-6)
+    cfg = ModelConfig(hidden_size=16, ffn_hidden_size=24, num_attention_heads=2, activation="squared_relu")
+    assert not cfg.gated and MLP(cfg).linear_fc1.weight.shape[0] == 24

@@ -4,7 +4,7 @@ becomes the text a chat model reads.
 Two kinds, as MindSpeed-LLM users know them:
 
 - ``--prompt-type NAME``: one of TEMPLATES (empty, alpaca, chatml, qwen, qwen3, llama2, llama3,
-  deepseek2, deepseek2-lite, deepseek3, gemma, glm4_moe, cpm), written here;
+  deepseek2, deepseek2-lite, deepseek3, gemma, glm4_moe, cpm, plm), written here;
 - a Hugging Face ``chat_template`` (tokenizer_config.json's, or the folder's
   chat_template.jinja), rendered by jinja2's immutable sandbox as transformers renders it: the
   template language runs, Python attribute access and mutation of the messages do not.
@@ -120,6 +120,10 @@ TEMPLATES = {t.name: t for t in (
     Template("glm4_moe", begin="[gMASK]<sop>", system="<|system|>\n{content}", user="<|user|>\n{content}",
              generation="<|assistant|>", assistant="\n{content}", stop=("<|user|>", "<|observation|>"),
              efficient_eos=True),
+    # PLM's, as MindSpeed-LLM writes it: ChatML turns with Qwen's default system message; its stop word
+    # replaces the end of document (replace_eos), which here ends each reply as it is
+    Template("plm", default_system="You are a helpful assistant.", system=_CHATML["system"], user=_CHATML["user"],
+             generation=_CHATML["generation"], assistant=_CHATML["assistant"]),
     # CPM's (MindSpeed-LLM's Seed-OSS fine-tuning lines): the tokenizer's beginning of sequence, then
     # "<用户>" before each user message and "<AI>" after it; each reply ends with the end of document
     Template("cpm", user="<用户>{content}<AI>", assistant="{content}", bos=True),

@@ -493,9 +493,11 @@ def _rope_scaling(args) -> dict | None:
     """The model's rope_scaling from --rope-scaling-type and its numbers (models/rope.py)."""
     given = [f for f in [*_ROPE_FLAGS.values(), "--rope-scaling-original-max-position-embeddings"]
              if _flag_value(args, f) is not None]
-    if not args.rope_scaling_type:
+    if not args.rope_scaling_type or args.rope_scaling_type == "plm":
         if given:
-            raise MindSpeedError(f"{given[0]} needs --rope-scaling-type")
+            raise MindSpeedError(f"{given[0]} needs --rope-scaling-type" if not args.rope_scaling_type else
+                                 f"{given[0]}: --rope-scaling-type plm scales nothing")
+        # MindSpeed-LLM's plm: the frequencies over the rotated features at --rotary-base, as RoPE's own
         return None
     scaling = {"rope_type": args.rope_scaling_type}
     for key, flag in _ROPE_FLAGS.items():
@@ -526,11 +528,12 @@ _LAYER_FLAGS = {"add_rmsnorm_offset": "norm_offset", "post_norm": "post_norm", "
 def _layer_fields(args, num_layers: int) -> list[tuple]:
     """(flag, ModelConfig field, value) of each Gemma- or MiniCPM-style flag given."""
     out = [(flag, field, getattr(args, flag)) for flag, field in _LAYER_FLAGS.items() if getattr(args, flag) is not None]
-    gated = [f for f in ("swiglu", "gelu_tanh", "geglu", "quick_geglu") if getattr(args, f)]
+    gated = [f for f in ("swiglu", "gelu_tanh", "geglu", "quick_geglu", "squared_relu") if getattr(args, f)]
     if len(gated) > 1:
         raise MindSpeedError(f"--{gated[0].replace('_', '-')} and --{gated[1].replace('_', '-')} choose different "
                              f"MLP activations: give one")
-    for flag, activation in (("gelu_tanh", "geglu_tanh"), ("geglu", "geglu"), ("quick_geglu", "quick_geglu")):
+    for flag, activation in (("gelu_tanh", "geglu_tanh"), ("geglu", "geglu"), ("quick_geglu", "quick_geglu"),
+                             ("squared_relu", "squared_relu")):
         if getattr(args, flag):
             out.append((flag, "activation", activation))
     if args.softmax_type == "off-by-one":
@@ -630,6 +633,10 @@ def _model_config(args, vocab_size: int) -> ModelConfig:
             cfg = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, shared_expert_size=width))
     except (TypeError, ValueError) as exc:
         raise MindSpeedError(f"model configuration: {exc}") from None
+    if args.fc_type is not None and (args.fc_type == "gate_up") != cfg.gated:
+        raise MindSpeedError(f"--fc-type {args.fc_type}: the MLP's activation ({cfg.activation}) is "
+                             + ("ungated: its first layer is up alone (up_down)" if not cfg.gated else
+                                "gated: its first layer is gate and up (gate_up)"))
     if norm_widths:
         for flag, heads in (("q_lora_rank", cfg.num_attention_heads), ("kv_lora_rank", cfg.num_query_groups)):
             if getattr(args, flag) not in (None, heads * cfg.kv_channels):

@@ -61,7 +61,9 @@ class DeepSeekV3(DeepSeekV2):
     name = "deepseek_v3"
     architecture = "DeepseekV3ForCausalLM"
     aliases = ("deepseek3",)
-    specs = ("deepseek_spec",)
+    # MindSpeed-LLM's plm_spec is DeepSeek's latent-attention layer too (PLM: no query latent, a
+    # squared-ReLU MLP from --squared-relu); PLM's own folders are the family-plm row's
+    specs = ("deepseek_spec", "plm_spec")
     spec_also = ("deepseek_v2",)  # DeepSeek's spec builds V2's layers too
     mtp_layers = True
     v3 = True
