@@ -142,14 +142,10 @@ class Layout:
 
 # ---- parameters per rank --------------------------------------------------------------------
 
-def _layer_parameters(cfg, layer: int, tp: int, ep: int, expert_tp: int | None = None) -> float:
-    """One transformer layer's parameters on one rank (linear layers cut by TP, experts by EP
-    and then the expert TP, TP unless given; norms, router and output biases replicated)."""
-    return sum(_layer_split(cfg, layer, tp, ep, tp if expert_tp is None else expert_tp))
-
-
 def _layer_split(cfg, layer: int, tp: int, ep: int, expert_tp: int) -> tuple:
-    """(the layer's parameters on one rank besides the routed experts, the routed experts')."""
+    """One transformer layer's parameters on one rank (linear layers cut by TP, experts by EP and
+    then the expert TP; norms, router and output biases replicated): (those besides the routed
+    experts, the routed experts')."""
     h, kv = cfg.hidden_size, cfg.kv_channels
     q_width, groups = cfg.num_attention_heads * kv, cfg.num_query_groups
     kv_local = 2 * kv * max(groups // tp, 1)  # a key/value head copied to several ranks when TP > groups
@@ -179,9 +175,21 @@ def _layer_split(cfg, layer: int, tp: int, ep: int, expert_tp: int) -> tuple:
 def stage_parameters(cfg, layout, tp: int, ep: int, stage: int, pp: int, expert_tp: int | None = None) -> float:
     """Parameters of one rank of pipeline stage ``stage`` (the experts cut over ``expert_tp``,
     TP unless given)."""
+    return stage_parameter_split(cfg, layout, tp, ep, stage, pp, expert_tp)[0]
+
+
+def stage_parameter_split(cfg, layout, tp: int, ep: int, stage: int, pp: int,
+                          expert_tp: int | None = None) -> tuple[float, float]:
+    """(stage_parameters, the routed experts' share of them), in one walk over the stage's
+    layers: the experts' optimizer state shards over the expert-data-parallel ranks, the
+    rest's over the data-parallel ones."""
     h, v = cfg.hidden_size, cfg.vocab_size
-    total = sum(_layer_parameters(cfg, i, tp, ep, expert_tp) for chunk in range(layout.chunks)
-                for i in layout.layers(layout.stage(stage, chunk)))
+    expert_tp = tp if expert_tp is None else expert_tp
+    total = experts = 0.0
+    for chunk in range(layout.chunks):
+        for i in layout.layers(layout.stage(stage, chunk)):
+            rest, routed = _layer_split(cfg, i, tp, ep, expert_tp)
+            total, experts = total + rest + routed, experts + routed
     norm = h * (2 if cfg.normalization == "layernorm" else 1)
     if stage == 0:
         total += v * h / tp
@@ -192,15 +200,7 @@ def stage_parameters(cfg, layout, tp: int, ep: int, stage: int, pp: int, expert_
             total += h
         elif cfg.untie_embeddings_and_output_weights or pp > 1:
             total += v * h / tp  # the output layer, or the tied embedding's copy on the last stage
-    return total
-
-
-def stage_expert_parameters(cfg, layout, tp: int, ep: int, stage: int, expert_tp: int | None = None) -> float:
-    """The routed experts' share of stage_parameters (their optimizer state shards over the
-    expert data-parallel ranks, the rest's over the data-parallel ones)."""
-    expert_tp = tp if expert_tp is None else expert_tp
-    return sum(_layer_split(cfg, i, tp, ep, expert_tp)[1] for chunk in range(layout.chunks)
-               for i in layout.layers(layout.stage(stage, chunk)))
+    return total, experts
 
 
 # ---- the predictions --------------------------------------------------------------------------
@@ -279,8 +279,7 @@ def predict_memory(cfg, lay: Layout, seq: int, gbs: int, machine: Machine, dtype
     whole = cfg.num_parameters()
     best = None
     for stage in range(lay.pp):
-        params = stage_parameters(cfg, layout, lay.tp, lay.ep, stage, lay.pp, lay.expert_tp)
-        experts = stage_expert_parameters(cfg, layout, lay.tp, lay.ep, stage, lay.expert_tp)
+        params, experts = stage_parameter_split(cfg, layout, lay.tp, lay.ep, stage, lay.pp, lay.expert_tp)
         weights = element * params
         grads = 4 * params
         # the dense part's states shard over the DP x CP ranks, the experts' over the expert-data-parallel ones

@@ -145,13 +145,14 @@ def test_plan_proposes_experts_whole_across_tp_and_shards_expert_state_over_thei
     cfg = config(*moe)
     machine = planner.Machine(8, 8 * 2**30, {}, 1e11, 1e9, 3e-5, 0.3 * 2**30)
     one = pipeline.plan_layout(cfg.num_layers, 1)
-    experts = planner.stage_expert_parameters(cfg, one, 1, 2, 0)
-    dense = planner.stage_parameters(cfg, one, 1, 2, 0, 1) - experts
+    params, experts = planner.stage_parameter_split(cfg, one, 1, 2, 0, 1)
+    dense = params - experts
+    assert params == planner.stage_parameters(cfg, one, 1, 2, 0, 1)
     state = planner.predict_memory(cfg, planner.Layout(1, 1, 4, ep=2, distopt=True), 64, 8, machine)["optimizer"]
     assert state == pytest.approx(24 * dense / 4 + 24 * experts / 2)
     # whole experts on TP2: each rank holds its 2 of 8 experts uncut, twice what they hold cut over TP2
-    assert planner.stage_expert_parameters(cfg, one, 2, 4, 0, expert_tp=1) == \
-        2 * planner.stage_expert_parameters(cfg, one, 2, 4, 0)
+    assert planner.stage_parameter_split(cfg, one, 2, 4, 0, 1, expert_tp=1)[1] == \
+        2 * planner.stage_parameter_split(cfg, one, 2, 4, 0, 1)[1]
 
 
 def test_plan_binds_the_framework_its_flag_names(framework):

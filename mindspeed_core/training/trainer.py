@@ -255,7 +255,7 @@ class Trainer:
         over the global batch's kept labels (summed over the DP ranks), so that the mean over the
         micro-batches and the DP ranks is the mean over every token of the step. Without loss masks
         every micro-batch holds as many labels, and the plain mean is that already."""
-        tokens = [batch[2] if len(batch) > 2 else None for batch in micro_batches]
+        tokens = [tokens for _, _, tokens in micro_batches]  # (ids, labels, tokens) each
         if any(t is None or t.loss_mask is None for t in tokens):
             return micro_batches
         features.note_used("per-token-loss")
