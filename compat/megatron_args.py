@@ -422,6 +422,35 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
     m.add_argument("--v-head-dim", type=POSITIVE_INT, default=None)
     m.add_argument("--mla-fa-without-pad", action="store_true", default=None)
     m.add_argument("--mla-mm-split", action="store_true", default=None)
+    m.add_argument("--enable-mla-absorb", action="store_true", default=None,
+                   help="MindSpeed-LLM: the key/value up-projection folded into the query and the output "
+                        "(MQA over the latent): the same attention")
+    # DeepSeek sparse attention (DeepSeek-V3.2, GLM-5; models/dsa.py), MindSpeed-LLM's flags and defaults
+    m.add_argument("--enable-dsa-indexer", action="store_true", default=None,
+                   help="the lightning indexer: each query attends to its --index-topk best keys")
+    m.add_argument("--index-topk", type=POSITIVE_INT, default=None, help="keys each query keeps (default 2048)")
+    m.add_argument("--index-n-heads", type=POSITIVE_INT, default=None, help="the indexer's heads (default 64)")
+    m.add_argument("--index-head-dim", type=POSITIVE_INT, default=None,
+                   help="the indexer's head width (default 128)")
+    m.add_argument("--indexer-loss-coeff", type=NON_NEGATIVE, default=None,
+                   help="the indexer loss's weight (default 1.0; 0: the indexer does not learn)")
+    m.add_argument("--index-topk-freq", type=POSITIVE_INT, default=None,
+                   help="GLM-5: every N-th layer from the offset runs its indexer, the others share its top-k")
+    m.add_argument("--index-skip-topk-offset", type=COUNT, default=None,
+                   help="GLM-5: the layers before this one (counted from 1) each run their indexer")
+    m.add_argument("--index-topk-pattern", default=None,
+                   help="per layer F (its own indexer) or S (the last F layer's top-k); overrides the two above")
+    m.add_argument("--index-share-for-mtp-iteration", action="store_true", default=None,
+                   help="MindSpeed-LLM's GLM-5.2 switch (read by no code there): the MTP layers run their indexers")
+    m.add_argument("--use-sparse-flash-attn", action="store_true", default=None,
+                   help="MindSpeed's sparse flash attention kernel (Ascend); elsewhere the masked composite")
+    m.add_argument("--use-fused-lightning-indexer", action="store_true", default=None,
+                   help="MindSpeed's lightning indexer kernel (Ascend); elsewhere the composite")
+    m.add_argument("--use-fused-lightning-indexer-loss", action="store_true", default=None,
+                   help="MindSpeed's fused indexer KL loss kernel (Ascend); elsewhere the composite")
+    m.add_argument("--use-sparse-c8-indexer", action=argparse.BooleanOptionalAction, default=None,
+                   help="MindSpeed's 8-bit indexer cache behind a Hadamard rotation (Ascend); here float32 scores, "
+                        "which the rotation leaves unchanged")
     m.add_argument("--mtp-num-layers", type=POSITIVE_INT, default=None)
     m.add_argument("--mtp-loss-scaling-factor", type=NON_NEGATIVE, default=None)
     m.add_argument("--mtp-mem-efficient-logits", action="store_true", default=None)

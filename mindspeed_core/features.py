@@ -192,6 +192,23 @@ _MINIMAX_M2 = ("models/families/minimax_m2.py: the q/k RMSNorms over the whole q
                "the norms' weights cut with the heads), RoPE on the release's rotary_dim, sigmoid routing steered by "
                "each block's e_score_correction_bias, renormalised; Hugging Face folders in and out, MindSpeed-LLM's "
                "minimax_spec from flags (--q-lora-rank and --kv-lora-rank read as the norms' widths)")
+_DSA = ("models/dsa.py: the lightning indexer (its queries from the query latent, one LayerNorm-ed key, partial "
+        "RoPE, ReLU scores mixed by per-head weights) and each query's --index-topk best keys among those it may "
+        "see; the attention masks the rest (a mask on the dense scores here: ordinary attention's memory plus a "
+        "boolean per query and key); the indexer's keys cached beside the latents in generation; TP (+ SP) with the "
+        "indexer replicated, PP and DP; not with context parallelism")
+_DSA_LOSS = ("the indexer's loss: KL of the main attention's probabilities over the chosen keys (summed over its "
+             "heads, normalised) to the indexer's softmax over them, averaged over the queries, times "
+             "--indexer-loss-coeff; the indexer's inputs detached, so it trains the indexer alone; joins the gradient "
+             "as the routers' losses do")
+_DSA_SHARED = ("GLM-5's layers that reuse the top-k of the last layer with an indexer (--index-topk-freq, "
+               "--index-skip-topk-offset, --index-topk-pattern; config.json's indexer_types); a pipeline stage must "
+               "start with a layer that runs its indexer")
+_V32 = ("models/families/deepseek_v32.py: DeepSeek-V3's latent attention, MoE and MTP with sparse attention in "
+        "every layer (the indexer rotated in halves); Hugging Face folders in and out, logits and greedy tokens equal "
+        "transformers'")
+_GLM5 = ("models/families/glm_moe_dsa.py: DeepSeek-V3.2's layers with the indexer rotated in pairs and indexer_types' "
+         "shared layers; Hugging Face folders in and out, logits and greedy tokens equal transformers'")
 _PER_TOKEN = ("Megatron's per-token loss: each kept label's loss weighs micro-batches x DP over the global batch's "
               "kept labels (summed over the DP ranks), so a step's loss and gradient are the mean over every token "
               "of its global batch rather than the mean of each micro-batch's mean (they differ where fine-tuning's "
@@ -783,6 +800,25 @@ FEATURES: tuple[Feature, ...] = (
             supported(_MINIMAX_M2), supported(_MINIMAX_M2),
             lambda a: getattr(a, "model_type_hf", None) == "minimax_m2"
             or "minimax_spec" in " ".join(getattr(a, "spec", None) or ())),
+    Feature("dsa-indexer", "DeepSeek sparse attention: the lightning indexer's top-k keys (DeepSeek-V3.2, GLM-5)",
+            "models", ("--enable-dsa-indexer", "--index-topk", "--index-n-heads", "--index-head-dim"),
+            supported(_DSA), supported(_DSA), _on("enable_dsa_indexer")),
+    Feature("dsa-indexer-loss", "Sparse attention's indexer loss (KL to the main attention over the chosen keys)",
+            "models", ("--indexer-loss-coeff",), supported(_DSA_LOSS), supported(_DSA_LOSS),
+            lambda a: bool(getattr(a, "enable_dsa_indexer", False)) and getattr(a, "indexer_loss_coeff", 1.0) != 0),
+    Feature("dsa-shared-topk", "GLM-5's layers sharing an earlier layer's top-k", "models",
+            ("--index-topk-freq", "--index-skip-topk-offset", "--index-topk-pattern"),
+            supported(_DSA_SHARED), supported(_DSA_SHARED),
+            lambda a: (getattr(a, "index_topk_freq", None) or 1) > 1 or getattr(a, "index_topk_pattern", None)),
+    Feature("sparse-flash-attention", "Sparse attention kernels (MindSpeed's sparse flash attention, lightning "
+            "indexer and its loss)", "fused-ops",
+            ("--use-sparse-flash-attn", "--use-fused-lightning-indexer", "--use-fused-lightning-indexer-loss"),
+            emulated("composite: the dense scores masked to the chosen keys, the indexer and its loss as tensors "
+                     "(the same values); no such kernel on CPU/CUDA",
+                     npu=planned("torch_npu's sparse flash attention and lightning indexer kernels: not bound yet")),
+            emulated("composite (no such kernel on CPU)", npu=planned("not bound yet")),
+            lambda a: any(getattr(a, f, False) for f in ("use_sparse_flash_attn", "use_fused_lightning_indexer",
+                                                         "use_fused_lightning_indexer_loss"))),
     Feature("per-token-loss", "A step's loss averaged over every loss token of the global batch", "fine-tuning",
             ("--calculate-per-token-loss",), supported(_PER_TOKEN), supported(_PER_TOKEN),
             _on("calculate_per_token_loss")),
@@ -797,6 +833,10 @@ FEATURES: tuple[Feature, ...] = (
     Feature("family-hy-v3", "Hunyuan-V3 (hy_v3: sigmoid routing with the expert bias, scaled, beside a shared "
             "expert)", "compatibility", ("--model-type-hf HYV3",), supported(_HY_V3), supported(_HY_V3),
             lambda a: getattr(a, "model_type_hf", None) in ("HYV3", "hy_v3")),
+    Feature("family-deepseek-v32", "DeepSeek-V3.2 (deepseek_v32: DeepSeek-V3 with sparse attention)", "compatibility",
+            ("--model-type-hf deepseek32",), supported(_V32), supported(_V32), _eq("model_type_hf", "deepseek32")),
+    Feature("family-glm5", "GLM-5 (glm_moe_dsa: sparse attention, some layers sharing the top-k)", "compatibility",
+            ("--model-type-hf glm5",), supported(_GLM5), supported(_GLM5), _eq("model_type_hf", "glm5")),
     Feature("output-layer-bias", "A bias on the output layer (MindSpeed-LLM's Phi-3.5-MoE)", "compatibility",
             ("--add-output-layer-bias",), supported(_OUTPUT_BIAS), supported(_OUTPUT_BIAS),
             _on("add_output_layer_bias")),

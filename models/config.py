@@ -135,6 +135,66 @@ class MLAConfig:
 
 
 @dataclass(frozen=True)
+class DSAConfig:
+    """DeepSeek sparse attention (DeepSeek-V3.2, GLM-5; models/dsa.py) on top of multi-latent
+    attention with a query latent, in MindSpeed-LLM's flags: a lightning indexer of
+    ``n_heads`` heads of ``head_dim`` features (--index-n-heads, --index-head-dim) scores every
+    earlier key, and each query attends to its ``topk`` best (--index-topk). The indexer learns
+    from its own loss, KL(main attention over the chosen keys || its softmax over them), times
+    ``loss_coeff`` (--indexer-loss-coeff); ``dense_warmup``: DeepSeek-V3.2's first stage, every
+    key attended and the loss over all of them. ``rope_interleave``: the indexer's rotated
+    features stored in pairs (GLM-5's) or halves (DeepSeek-V3.2's). ``layer_types``: per layer
+    "full" (its own indexer) or "shared" (the top-k of the nearest full layer before it: GLM-5's
+    --index-topk-freq / --index-skip-topk-offset); None: every layer full."""
+
+    topk: int = 2048
+    n_heads: int = 64
+    head_dim: int = 128
+    loss_coeff: float = 0.0
+    rope_interleave: bool = False
+    layer_types: tuple | None = None
+    dense_warmup: bool = False
+
+    def __post_init__(self):
+        for name in ("topk", "n_heads", "head_dim"):
+            value = getattr(self, name)
+            if type(value) is not int or value <= 0:
+                raise ValueError(f"sparse attention's {name} must be a positive integer, got {value!r}")
+        if not isinstance(self.loss_coeff, (int, float)) or not math.isfinite(self.loss_coeff) or self.loss_coeff < 0:
+            raise ValueError(f"the indexer loss coefficient must be a finite non-negative number, "
+                             f"got {self.loss_coeff!r}")
+        if self.layer_types is not None:
+            object.__setattr__(self, "layer_types", tuple(self.layer_types))
+            wrong = sorted({t for t in self.layer_types if t not in ("full", "shared")})
+            if wrong:
+                raise ValueError(f"indexer layer types are 'full' or 'shared', got {wrong}")
+            if self.layer_types and self.layer_types[0] != "full":
+                raise ValueError("the first layer shares the top-k of an earlier layer with an indexer, and there "
+                                 "is none: it must be 'full'")
+
+    def runs_indexer(self, number: int | None) -> bool:
+        """Layer ``number`` chooses its own keys (None: a multi-token prediction layer, which does)."""
+        return number is None or self.layer_types is None or number >= len(self.layer_types) \
+            or self.layer_types[number] == "full"
+
+    def source_of(self, number: int) -> int:
+        """The layer whose choice of keys layer ``number`` uses (itself when it runs an indexer)."""
+        while not self.runs_indexer(number):
+            number -= 1
+        return number
+
+
+def indexer_layer_types(layers: int, freq: int, offset: int) -> tuple:
+    """GLM-5's schedule (MindSpeed-LLM's --index-topk-freq, --index-skip-topk-offset; transformers'
+    glm_moe_dsa reads the same keys): layer i (from 0) runs its indexer when
+    max(i + 1 - offset, 0) is a multiple of ``freq``, else shares the last such layer's top-k."""
+    if type(freq) is not int or freq < 1 or type(offset) is not int or offset < 0:
+        raise ValueError(f"--index-topk-freq must be a positive integer and --index-skip-topk-offset a "
+                         f"non-negative one, got {freq!r} and {offset!r}")
+    return tuple("full" if max(i + 1 - max(offset, 1), 0) % freq == 0 else "shared" for i in range(layers))
+
+
+@dataclass(frozen=True)
 class LoRAConfig:
     """Low-rank adapters on the decoder's linear layers (models/lora.py; --lora-* flags)."""
 
@@ -222,6 +282,7 @@ class ModelConfig:
     # multi-head latent attention instead of linear_qkv (DeepSeek); kv_channels is then the
     # query/key head dim and every head has its own key and value
     mla: MLAConfig | None = None
+    dsa: DSAConfig | None = None  # sparse attention on the latent attention (DeepSeek-V3.2, GLM-5)
     # Gemma's switches (MindSpeed-LLM's flags in brackets): RMSNorm weights held as offsets from
     # one, x * (1 + w) [--add-rmsnorm-offset]; a norm after attention and after the MLP, before
     # each residual add [--post-norm]; embeddings times sqrt(hidden) [--input-embeds-norm];
@@ -366,6 +427,17 @@ class ModelConfig:
             object.__setattr__(self, "lora", LoRAConfig(**self.lora))
         if isinstance(self.mla, dict):
             object.__setattr__(self, "mla", MLAConfig(**self.mla))
+        if isinstance(self.dsa, dict):
+            object.__setattr__(self, "dsa", DSAConfig(**self.dsa))
+        if self.dsa is not None:
+            if self.mla is None or self.mla.q_lora_rank is None:
+                raise ValueError("sparse attention's indexer reads the query latent: it needs multi-latent attention "
+                                 "with --q-lora-rank")
+            if self.dsa.head_dim < self.mla.qk_rope_head_dim:
+                raise ValueError(f"the indexer rotates qk_rope_head_dim {self.mla.qk_rope_head_dim} of its "
+                                 f"--index-head-dim {self.dsa.head_dim} features: it needs at least as many")
+            if self.dsa.layer_types is not None and len(self.dsa.layer_types) != self.num_layers:
+                raise ValueError(f"{len(self.dsa.layer_types)} indexer layer types for {self.num_layers} layers")
         if isinstance(self.linear_attention, dict):
             object.__setattr__(self, "linear_attention", LinearAttentionConfig(**self.linear_attention))
         if self.linear_layers is not None:

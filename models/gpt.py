@@ -17,6 +17,7 @@ a subset of the layers and without the embedding (not first) or the head (not la
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -51,6 +52,9 @@ class Tokens:
     loss_weight: float | None = None
     cache: object = None
     position_inputs: tuple | None = None
+    # sparse attention: each indexer layer's choice of keys in this forward, for the layers that
+    # share it (models/dsa.py; GPTModel.forward gives each forward its own)
+    choices: dict | None = None
     _documents: object = field(default=None, repr=False, compare=False)
 
     def document_tensor(self):
@@ -90,11 +94,12 @@ class Seams:
         return whole
 
     def attention(self, q, k, v, dropout_p: float, fused: bool, tokens: Tokens | None, scores: Scores = PLAIN,
-                  return_lse: bool = False):
+                  return_lse: bool = False, keep=None):
         """Causal self-attention of the local tokens (inside their documents when packed); with
-        ``return_lse`` also each query's log-sum-exp of its scores [b, s, heads]."""
+        ``return_lse`` also each query's log-sum-exp of its scores [b, s, heads]; ``keep``: bool
+        [b, 1, queries, keys], the only keys each query may see besides (sparse attention's)."""
         fn = ops.attention if fused else composite.attention
-        how = dict(scores.arguments(), return_lse=return_lse)
+        how = dict(scores.arguments(), return_lse=return_lse, mask=keep)
         if tokens is None or tokens.documents is None:
             return fn(q, k, v, causal=True, dropout_p=dropout_p, **how)
         if tokens.cache is not None:  # the new queries against every cached key, padding kept apart
@@ -111,6 +116,11 @@ class Seams:
         """A sum over this rank's heads completed over every head of the layer (a norm across
         heads: each tensor-parallel rank holds some)."""
         return x
+
+    def replicated_loss_share(self) -> float:
+        """The weight of a loss that every tensor-parallel rank computes whole (sparse attention's
+        indexer loss): its parameters' gradients are then summed over the ranks."""
+        return 1.0
 
     def attention_rng(self):
         """Random state for attention dropout on this rank's heads."""
@@ -305,7 +315,7 @@ class TransformerLayer(nn.Module):
         elif cfg.mla is not None:
             from mindspeed_core.models.mla import MLASelfAttention  # it builds on this module's pieces
 
-            self.self_attention = MLASelfAttention(cfg)
+            self.self_attention = MLASelfAttention(cfg, number)
         else:
             self.self_attention = SelfAttention(cfg)
         self.pre_mlp_layernorm = make_norm(cfg, cfg.hidden_size)
@@ -353,6 +363,13 @@ class Decoder(nn.Module):
         self.local = [cfg.rotates_locally(n) for n in self.numbers]  # which layers take the local RoPE
         for number, layer in zip(self.numbers, self.layers):
             layer.self_attention.layer_number = number
+        if cfg.dsa is not None:  # a layer sharing another's choice of keys needs it in this forward
+            for number in self.numbers:
+                source = cfg.dsa.source_of(number)
+                if source not in self.numbers:
+                    raise ValueError(f"layer {number + 1} uses the top-k keys of layer {source + 1}, which is not in "
+                                     f"this pipeline stage or is a no-op: start each stage with a layer that runs "
+                                     f"its indexer (--num-layer-list, --index-topk-freq, --index-skip-topk-offset)")
         if final_norm:
             self.final_layernorm = make_norm(cfg, cfg.hidden_size)
         self.has_final_norm = final_norm
@@ -610,6 +627,8 @@ class GPTModel(nn.Module):
         Under tensor parallelism the logits are this rank's vocabulary shard; under context
         parallelism ids are this rank's columns of each sequence (Seams.local_tokens)."""
         seams = self.seams
+        if self.cfg.dsa is not None:  # this forward's choices of keys, apart from any other's
+            tokens = Tokens(choices={}) if tokens is None else dataclasses.replace(tokens, choices={})
         local = x.shape[1] if self.pre_process else x.shape[1] * seams.sequence_shards
         seq_len = local * seams.context_shards  # the whole sequence
         given = None if tokens is None else tokens.position_inputs
@@ -690,6 +709,14 @@ class GPTModel(nn.Module):
             self.mtp.losses[k - 1].append(autograd.detach(depth))
             total = depth if total is None else total + depth
         return total * self.mtp.scale
+
+    def indexer_losses(self):
+        """The sum of this model's (or pipeline chunk's) sparse-attention indexer losses from its
+        last training forward (models/dsa.py), or None: like the routers' losses, a term of the
+        gradient, not of the reported loss."""
+        losses = [layer.self_attention.indexer_loss for _, layer in self.transformer_layers()
+                  if getattr(layer.self_attention, "indexer_loss", None) is not None]
+        return sum(losses[1:], losses[0]) if losses else None
 
     def loss(self, ids, labels, tokens: Tokens | None = None):
         """The whole model's loss (see loss_from_logits)."""

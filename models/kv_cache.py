@@ -56,6 +56,13 @@ class KVCache:
         return (ops.transpose(self.keys[layer][:, :, :end], 1, 2),
                 ops.transpose(self.values[layer][:, :, :end], 1, 2))
 
+    def extend_keys(self, layer, k):
+        """extend for a store of keys alone (sparse attention's indexer: one key a token, no value)."""
+        if layer not in self.keys:
+            self.keys[layer] = ops.zeros((self.batch, k.shape[2], self.capacity, k.shape[3]), dtype=ops.dtype_of(k))
+        ops.write_slice_(self.keys[layer], ops.transpose(k, 1, 2), 2, self.length)
+        return ops.transpose(self.keys[layer][:, :, :self.length + self._new], 1, 2)
+
     def values_per_token(self) -> int:
         """Numbers held for one position of one row, over every layer (multi-latent attention:
         its latent and rotated key, kv_lora_rank + qk_rope_head_dim a layer)."""

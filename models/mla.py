@@ -28,7 +28,7 @@ import math
 
 from mindspeed_core import composite, features, nn, ops
 from mindspeed_core.memory import recompute
-from mindspeed_core.models import lora, rope
+from mindspeed_core.models import dsa, lora, rope
 from mindspeed_core.models.gpt import SINGLE_DEVICE, linear, layer_scores
 from mindspeed_core.models.layers import Linear, make_norm
 
@@ -54,7 +54,9 @@ class MLASelfAttention(nn.Module):
     recompute_policy = recompute.NONE  # as SelfAttention's
     layer_number = 0
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, number: int | None = None):
+        """``number``: the layer's (None: a multi-token prediction layer's), for sparse attention's
+        layers that share another's choice of keys."""
         super().__init__()
         self.cfg = cfg
         mla, h, heads, std = cfg.mla, cfg.hidden_size, cfg.num_attention_heads, cfg.init_method_std
@@ -75,6 +77,9 @@ class MLASelfAttention(nn.Module):
         out_std = std / math.sqrt(2.0 * cfg.num_layers)
         self.linear_proj = linear(cfg, "linear_proj", heads * mla.v_head_dim, h, bias, out_std)
         self.scale = softmax_scale(cfg)
+        if cfg.dsa is not None and cfg.dsa.runs_indexer(number):
+            self.dsa_indexer = dsa.Indexer(cfg)
+        self.indexer_loss = None  # the last training forward's (sparse attention), for the step's gradient
 
     def _down_adapter(self, x):
         """The fused down-projections' LoRA output split as the query latent's and the key/value
@@ -86,14 +91,15 @@ class MLASelfAttention(nn.Module):
         return ops.split(adapter(x), [mla.q_lora_rank, mla.kv_lora_rank + mla.qk_rope_head_dim], dim=-1)
 
     def _queries(self, x, low=None):
+        """(the queries, the normed query latent or None)."""
         if self.cfg.mla.q_lora_rank is None:
-            return self.linear_q_proj(x)
+            return self.linear_q_proj(x), None
         latent = self.linear_q_down_proj(x)
         if low is not None:
             latent = latent + low
         if self.cfg.qk_layernorm:
             latent = self.recompute_policy.norm_of(self.q_layernorm, latent)
-        return self.linear_q_up_proj(latent)
+        return self.linear_q_up_proj(latent), latent
 
     def _rotate(self, x, cos, sin):
         if self.cfg.mla.rope_interleave:
@@ -109,7 +115,7 @@ class MLASelfAttention(nn.Module):
         heads = groups * per_group  # this rank's
         features.note_used("multi-latent-attention")
         low_q, low_kv = self._down_adapter(x)
-        q = self._queries(x, low_q)
+        q, q_latent = self._queries(x, low_q)
         b, s = q.shape[0], q.shape[1]  # the full sequence, also under sequence parallelism
         q_nope, q_rope = ops.split(ops.reshape(q, (b, s, heads, mla.qk_head_dim)),
                                    [mla.qk_nope_head_dim, mla.qk_rope_head_dim], dim=-1)
@@ -135,10 +141,32 @@ class MLASelfAttention(nn.Module):
         if fused:
             features.note_used("flash-attention")
         scores = layer_scores(cfg, self.layer_number, self.scale)
+        keep = None if cfg.dsa is None else self._choose(x, q_latent, q, k, cos, sin, seams, tokens)
 
         def core(q, k, v):
             with seams.attention_rng():
-                return seams.attention(q, k, v, p, fused, tokens, scores)
+                return seams.attention(q, k, v, p, fused, tokens, scores, keep=keep)
 
         out = self.recompute_policy.attention(core, q, k, v)
         return self.linear_proj(ops.reshape(out, (b, s, heads * mla.v_head_dim)))
+
+    def _choose(self, x, q_latent, q, k, cos, sin, seams, tokens):
+        """Sparse attention's keys for each query (models/dsa.py): this layer's indexer's choice, or
+        the one of the layer it shares (kept in ``tokens.choices`` for this forward); in
+        training also the indexer's loss, times its coefficient and this rank's share."""
+        cfg = self.cfg
+        indexer = getattr(self, "dsa_indexer", None)
+        self.indexer_loss = None
+        if indexer is None:
+            features.note_used("dsa-shared-topk")
+            return tokens.choices[cfg.dsa.source_of(self.layer_number)]
+        cache = None if tokens is None else tokens.cache
+        scores = indexer(x, q_latent, cos, sin, cache, self.layer_number)
+        allowed = dsa.allowed_keys(q.shape[1], k.shape[1], tokens)
+        keep = dsa.choose(scores, allowed, cfg.dsa.topk)
+        if tokens is not None and tokens.choices is not None:
+            tokens.choices[self.layer_number] = keep
+        if cfg.dsa.loss_coeff and nn.is_training(self):
+            share = cfg.dsa.loss_coeff * seams.replicated_loss_share()
+            self.indexer_loss = dsa.indexer_loss(q, k, self.scale, scores, keep, seams.sum_over_heads) * share
+        return keep

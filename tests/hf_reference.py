@@ -138,6 +138,24 @@ MODELS = {
                                            eos_token_id=None, rope_parameters={
                                                "rope_type": "default", "rope_theta": 10000.0,
                                                "partial_rotary_factor": 0.5})),
+    # DeepSeek-V3.2: DeepSeek-V3 with sparse attention in both layers: each query keeps its 6 best keys
+    # by the indexer's scores (the 24 tokens: 18 positions choose), its features rotated in halves;
+    # 16 indexer heads, so that no key's score is exactly zero (every head's ReLU zero) at the 6th
+    # place, where two implementations' top-k may break the tie differently
+    "deepseek-v32": (T.DeepseekV32Config, dict(COMMON, kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=8,
+                                               qk_rope_head_dim=4, v_head_dim=12, first_k_dense_replace=1,
+                                               n_routed_experts=8, num_experts_per_tok=3, n_group=4, topk_group=2,
+                                               moe_intermediate_size=24, n_shared_experts=1,
+                                               routed_scaling_factor=2.5, norm_topk_prob=True, index_topk=6,
+                                               index_n_heads=16, index_head_dim=16, pad_token_id=0)),
+    # GLM-5: the same with the indexer's features rotated in pairs and four layers, the third
+    # reusing the second's choice (index_topk_freq 2 from layer 2: full, full, shared, full)
+    "glm5": (T.GlmMoeDsaConfig, dict(COMMON, num_hidden_layers=4, kv_lora_rank=16, q_lora_rank=24,
+                                     qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=12, first_k_dense_replace=1,
+                                     n_routed_experts=8, num_experts_per_tok=2, n_group=1, topk_group=1,
+                                     moe_intermediate_size=24, n_shared_experts=1, routed_scaling_factor=2.5,
+                                     index_topk=6, index_n_heads=16, index_head_dim=16, index_topk_freq=2,
+                                     index_skip_topk_offset=2, pad_token_id=0)),
     # Hunyuan-V3: Qwen3's attention with q/k/v/o biases, a dense first layer, then sigmoid-routed
     # experts steered by the expert bias, renormalised and scaled by 2.826, beside a shared expert
     "hy-v3": (T.HYV3Config, dict(COMMON, num_key_value_heads=2, head_dim=32, attention_bias=True, num_experts=4,
@@ -237,7 +255,7 @@ def store_experts_as_mxfp4(model, folder: str) -> None:
 # 3 ids padding
 GENERATED = ("llama", "qwen3", "gpt2", "llama-dynamic-rope", "phi3-longrope", "phimoe", "gemma2", "gemma3",
              "mistral-sliding", "seed-oss", "deepseek-v2", "deepseek-v3", "glm4-moe", "minicpm3", "gpt-oss", "qwen3-next", "qwen3.5",
-             "minimax-m2", "hy-v3")
+             "minimax-m2", "hy-v3", "deepseek-v32", "glm5")
 PAD, PROMPT = 3, 12
 BEAMS = ("llama", "qwen3", "deepseek-v2")  # transformers' beam search, for test_hf's
 # the logits are of 24 tokens: past every original context above (8 or 16), so that dynamic
@@ -303,6 +321,13 @@ WITHOUT = {
                                             if hasattr(m, "e_score_correction_bias")],
               "shared expert": lambda model: [m.shared_experts.down_proj.weight.zero_() for m in model.modules()
                                               if hasattr(m, "shared_experts")]},
+    # sparse attention: every key attended (a top-k past the sequence), the indexer's rotation in the
+    # other convention, the shared layer attending densely instead of reusing the choice before it
+    "deepseek-v32": {"top-k": {"index_topk": 64},
+                     "indexer rotation in pairs": lambda model: _indexer_rotation(model, "glm_moe_dsa")},
+    "glm5": {"top-k": {"index_topk": 64},
+             "indexer rotation in halves": lambda model: _indexer_rotation(model, "deepseek_v32"),
+             "shared choice": lambda model: _dense_shared_layers(model)},
     "gpt-oss": {"sinks": lambda model: [m.sinks.fill_(-1e4) for m in model.modules() if hasattr(m, "sinks")],
                 "window": {"sliding_window": 64}},
 }
@@ -325,6 +350,32 @@ def _norms_per_head(model) -> None:
     for m in model.modules():
         if hasattr(m, "q_norm") and hasattr(m, "head_dim"):
             m.q_norm, m.k_norm = _PerHeadNorm(m.q_norm, m.head_dim), _PerHeadNorm(m.k_norm, m.head_dim)
+
+
+def _indexer_rotation(model, family: str) -> None:
+    """Each indexer computed by ``family``'s indexer's forward (the other RoPE convention), same weights."""
+    import importlib
+    import types
+
+    module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    cls = module.GlmMoeDsaIndexer if family == "glm_moe_dsa" else module.DeepseekV32Indexer
+    for m in model.modules():
+        if hasattr(m, "weights_proj") and hasattr(m, "wq_b"):
+            m.forward = types.MethodType(cls.forward, m)
+
+
+def _dense_shared_layers(model) -> None:
+    """GLM-5's shared layers given every key as their choice instead of the last full layer's."""
+    for layer in model.model.layers:
+        attn = layer.self_attn
+        if attn.indexer is None:
+            def forward(*args, _run=attn.forward, prev_topk_indices=None, **kwargs):
+                hidden = kwargs.get("hidden_states", args[0] if args else None)
+                b, s = hidden.shape[:2]
+                every = torch.arange(s, dtype=torch.int32).expand(b, s, s)
+                return _run(*args, prev_topk_indices=every, **kwargs)
+
+            attn.forward = forward
 
 
 def _identity_conv(weight) -> None:

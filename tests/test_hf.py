@@ -40,6 +40,12 @@ GPT_OSS_MXFP4 = pytest.param("gpt-oss-mxfp4", marks=pytest.mark.feature("hf-gpt-
 MINIMAX_M2 = pytest.param("minimax-m2", marks=pytest.mark.feature("family-minimax-m2"))
 # Hunyuan-V3: sigmoid routing with the expert bias, scaled, beside a shared expert; a dense first layer
 HY_V3 = pytest.param("hy-v3", marks=pytest.mark.feature("family-hy-v3"))
+# sparse attention: DeepSeek-V3.2 (its indexer rotated in halves) and GLM-5 (in pairs, a layer sharing
+# the top-k before it), each query keeping 6 of up to 24 keys
+DSA = [pytest.param("deepseek-v32", marks=[pytest.mark.feature("family-deepseek-v32"),
+                                           pytest.mark.feature("dsa-indexer")]),
+       pytest.param("glm5", marks=[pytest.mark.feature("family-glm5"), pytest.mark.feature("dsa-indexer"),
+                                   pytest.mark.feature("dsa-shared-topk")])]
 # Qwen3-Next: gated DeltaNet over 80 tokens (two chunks) beside gated attention
 QWEN3_NEXT = pytest.param("qwen3-next", marks=[pytest.mark.feature("gated-deltanet"),
                                                 pytest.mark.feature("attention-output-gate")])
@@ -49,7 +55,7 @@ QWEN3_5 = [pytest.param(name, marks=[pytest.mark.feature("gated-deltanet"), pyte
 NAMES = ["llama", "llama3-rope", "llama-linear-rope-tied", "llama-yarn", "qwen2-yarn-mscale", "llama-dynamic-rope",
          "llama-attention-bias", "mistral", "mistral-sliding", "qwen2", "qwen2-sliding", "qwen3", "phi3-longrope",
          "phi3-partial-rotary", GEMMA2, "gemma3", "gpt2", "seed-oss", "mixtral", PHIMOE, "qwen2-moe", "qwen3-moe", *MLA,
-         "glm4-moe", MINIMAX_M2, HY_V3,
+         "glm4-moe", MINIMAX_M2, HY_V3, *DSA,
          GPT_OSS, GPT_OSS_MXFP4, QWEN3_NEXT, *QWEN3_5]
 
 
@@ -90,14 +96,15 @@ def test_logits_match_transformers(references, name):
 @pytest.mark.feature("kv-cache")
 @pytest.mark.parametrize("name", ["llama", "qwen3", "gpt2", "llama-dynamic-rope", "phi3-longrope", PHIMOE, GEMMA2,
                                   "gemma3", "mistral-sliding", "seed-oss", *MLA, "glm4-moe", GPT_OSS, QWEN3_NEXT,
-                                  QWEN3_5[0], MINIMAX_M2, HY_V3])
+                                  QWEN3_5[0], MINIMAX_M2, HY_V3, *DSA])
 def test_greedy_generation_matches_transformers(references, name):
     """transformers' generate() (greedy, with its cache) on a batch whose second prompt is
     padded on the left; dynamic NTK past max_position_embeddings as the sequence grows;
     LongRoPE's long factors once the sequence passes its original length (the cache computed
     again with them, as transformers' Phi-3 does); Gemma 2's and Gemma 3's
     windows sliding over the cache (Gemma 3's sliding layers on their own RoPE); DeepSeek's
-    cache of latents; GPT-OSS's sinks beside a padded row's hidden keys; Qwen3-Next's linear
+    cache of latents (DeepSeek-V3.2's and GLM-5's with their indexers' keys, the sequence past the
+    6 keys each query keeps); GPT-OSS's sinks beside a padded row's hidden keys; Qwen3-Next's linear
     layers decoding from the state their prefill left (padding zeroed first). Where the matrix has
     compiled-decode, the decode steps run as one graph (even for these 8 tokens)."""
     from mindspeed_core.models import compiled_decode
@@ -149,7 +156,7 @@ def test_the_latent_cache_holds_the_latent_and_the_rotated_key(references):
 EXPORTED = ["llama", "llama-attention-bias", "qwen3", "gpt2", "seed-oss", "mixtral", "phimoe", "qwen2-moe", "qwen2-yarn-mscale",
             "phi3-longrope", "phi3-partial-rotary", "gemma2", "gemma3", "mistral-sliding", "qwen2-sliding",
             "deepseek-v2", "deepseek-v3", "glm4-moe", "minicpm3", "gpt-oss", "qwen3-next", "qwen3.5", "qwen3.5-moe",
-            "qwen3.5-vl", "minimax-m2", "hy-v3"]
+            "qwen3.5-vl", "minimax-m2", "hy-v3", "deepseek-v32", "glm5"]
 
 
 @pytest.fixture(scope="module")

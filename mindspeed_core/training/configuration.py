@@ -26,8 +26,8 @@ from mindspeed_core.errors import CheckpointError, MindSpeedError
 from mindspeed_core.memory import recompute
 from mindspeed_core.models import rope
 from mindspeed_core.models import families
-from mindspeed_core.models.config import (LORA_TARGETS, LinearAttentionConfig, LoRAConfig, MLAConfig, ModelConfig,
-                                          MoEConfig, interleaved_window_layers)
+from mindspeed_core.models.config import (LORA_TARGETS, DSAConfig, LinearAttentionConfig, LoRAConfig, MLAConfig,
+                                          ModelConfig, MoEConfig, indexer_layer_types, interleaved_window_layers)
 from mindspeed_core.models.families import PRESETS
 from mindspeed_core.parallel import context, experts, pipeline
 from mindspeed_core.parallel import layers as parallel_layers
@@ -618,6 +618,7 @@ def _model_config(args, vocab_size: int) -> ModelConfig:
     mla = None if norm_widths else _mla_config(args)
     if mla is not None:  # each head its own key and value, of the MLA flags' width (a preset's GQA aside)
         base["mla"] = mla
+        base["dsa"] = _dsa_config(args, base.get("num_layers", ModelConfig.num_layers))
         base.pop("kv_channels", None)  # --kv-channels, when given, was checked by _mla_config
         if args.num_query_groups is None:
             base.pop("num_query_groups", None)
@@ -786,7 +787,71 @@ def _agreeing_with_flags(args, cfg: ModelConfig, vocab_size: int, scaling: dict 
         # the folder is the model (MindSpeed-LLM's minimax27 script leaves megatron-core's softmax default)
         print(f"note: --moe-router-score-function {args.moe_router_score_function} is set aside: the Hugging Face "
               f"folder's experts route by {cfg.moe.score_function} scores", file=sys.stderr)
-    return _linear_agreeing_with_flags(args, cfg)
+    return _linear_agreeing_with_flags(args, _dsa_agreeing_with_flags(args, cfg))
+
+
+# sparse attention's flags besides --enable-dsa-indexer (MindSpeed-LLM's defaults in _dsa_config)
+_DSA_FLAGS = {"index_topk": "topk", "index_n_heads": "n_heads", "index_head_dim": "head_dim",
+              "indexer_loss_coeff": "loss_coeff"}
+_DSA_SCHEDULE = ("index_topk_freq", "index_skip_topk_offset", "index_topk_pattern")
+
+
+def _dsa_layer_types(args, num_layers: int) -> tuple | None:
+    """GLM-5's indexer layers from --index-topk-pattern (F/S per layer) or --index-topk-freq and
+    --index-skip-topk-offset (MindSpeed-LLM's defaults 1 and 1: every layer); None: every layer."""
+    if args.index_topk_pattern is not None:
+        pattern = args.index_topk_pattern.upper()
+        if len(pattern) != num_layers or set(pattern) - set("FS"):
+            raise MindSpeedError(f"--index-topk-pattern {args.index_topk_pattern!r}: one F (runs its indexer) or S "
+                                 f"(shares the last F layer's top-k) per layer, {num_layers} of them")
+        return tuple("full" if c == "F" else "shared" for c in pattern)
+    if args.index_topk_freq in (None, 1):
+        return None
+    return indexer_layer_types(num_layers, args.index_topk_freq, args.index_skip_topk_offset or 1)
+
+
+def _dsa_config(args, num_layers: int) -> DSAConfig | None:
+    """--enable-dsa-indexer and its settings, on the latent attention of the MLA flags."""
+    if not args.enable_dsa_indexer:
+        given = [f for f in (*_DSA_FLAGS, *_DSA_SCHEDULE) if getattr(args, f) is not None]
+        if given:
+            raise MindSpeedError(f"--{given[0].replace('_', '-')} qualifies sparse attention's indexer: give "
+                                 f"--enable-dsa-indexer too")
+        return None
+    values = dict(topk=2048, n_heads=64, head_dim=128, loss_coeff=1.0)
+    values.update((field, getattr(args, flag)) for flag, field in _DSA_FLAGS.items() if getattr(args, flag) is not None)
+    try:
+        return DSAConfig(**values, layer_types=_dsa_layer_types(args, num_layers))
+    except ValueError as exc:
+        raise MindSpeedError(f"model configuration: {exc}") from None
+
+
+def _dsa_agreeing_with_flags(args, cfg: ModelConfig) -> ModelConfig:
+    """A folder's sparse attention against the flags: its heads, widths and indexer layers must be
+    the folder's; --index-topk and --indexer-loss-coeff are how this run trains (the folder's
+    top-k where not given; a different one is noted)."""
+    dsa = cfg.dsa
+    given = [f for f in (*_DSA_FLAGS, *_DSA_SCHEDULE) if getattr(args, f) is not None]
+    if dsa is None:
+        if args.enable_dsa_indexer or given:
+            raise MindSpeedError(f"--{(given or ['enable_dsa_indexer'])[0].replace('_', '-')}: the Hugging Face "
+                                 f"folder's model has no sparse attention indexer")
+        return cfg
+    for flag in ("index_n_heads", "index_head_dim"):
+        if getattr(args, flag) is not None and getattr(args, flag) != getattr(dsa, _DSA_FLAGS[flag]):
+            raise MindSpeedError(f"--{flag.replace('_', '-')} {getattr(args, flag)} disagrees with the Hugging Face "
+                                 f"folder's config.json ({getattr(dsa, _DSA_FLAGS[flag])})")
+    if any(getattr(args, f) is not None for f in _DSA_SCHEDULE):
+        types = _dsa_layer_types(args, cfg.num_layers) or tuple(["full"] * cfg.num_layers)
+        if types != (dsa.layer_types or tuple(["full"] * cfg.num_layers)):
+            raise MindSpeedError("--index-topk-freq / --index-skip-topk-offset / --index-topk-pattern disagree with "
+                                 "the Hugging Face folder's indexer_types")
+    topk = dsa.topk if args.index_topk is None else args.index_topk
+    if topk != dsa.topk and os.environ.get("RANK", os.environ.get("RANK_ID", "0")) == "0":
+        print(f"note: --index-topk {topk}: each query keeps {topk} keys (the folder's index_topk is {dsa.topk})",
+              file=sys.stderr)
+    coeff = 1.0 if args.indexer_loss_coeff is None else args.indexer_loss_coeff
+    return dataclasses.replace(cfg, dsa=dataclasses.replace(dsa, topk=topk, loss_coeff=coeff))
 
 
 def _linear_agreeing_with_flags(args, cfg: ModelConfig) -> ModelConfig:

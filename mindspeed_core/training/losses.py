@@ -58,12 +58,16 @@ class StepLoss:
     def with_extra_losses(self, model, out, labels=None, tokens=None):
         """What joins the gradient but not the reported loss, scaled as the loss, through the
         chunk's output (an activation or the loss: models/moe.py with_router_losses): the MoE
-        routers' losses, and on the last stage multi-token prediction's."""
+        routers' losses, sparse attention's indexer losses, and on the last stage multi-token
+        prediction's."""
         extra = None
         if labels is not None and hasattr(model, "mtp"):  # first: its MoE layers route in it
             extra = model.mtp_loss(labels, tokens)
         if getattr(model, "moe_layers", list)():
             extra = model.router_losses() if extra is None else extra + model.router_losses()
+        indexers = model.indexer_losses() if model.cfg.dsa is not None else None  # after MTP's: its layers index
+        if indexers is not None:
+            extra = indexers if extra is None else extra + indexers
         if extra is None:
             return out
         return with_router_losses(out, self.scaler.scale_loss(extra))

@@ -36,7 +36,12 @@ class DeepSeekV2(Family):
             qk_layernorm=True, mla=mla, untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
             moe=moe, moe_layers=moe_layers or None)
 
+    sparse_attention = False  # sparse attention's indexer (deepseek_v32.py)
+
     def hf_config(self, cfg: ModelConfig) -> dict:
+        if cfg.dsa is not None and not self.sparse_attention:
+            raise CheckpointError(f"{self.name} has no sparse attention indexer: export this model as deepseek_v32 "
+                                  f"or glm_moe_dsa")
         out = decoder_hf_config(self, cfg)
         mla = cfg.mla
         if mla is None or not cfg.qk_layernorm or cfg.add_qkv_bias or cfg.add_bias_linear:

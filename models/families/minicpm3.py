@@ -44,9 +44,11 @@ class MiniCPM3(Family):
     def hf_config(self, cfg: ModelConfig) -> dict:
         out = decoder_hf_config(self, cfg)
         mla = cfg.mla
-        if mla is None or mla.rope_interleave or not cfg.qk_layernorm or cfg.add_qkv_bias or cfg.add_bias_linear:
+        if (mla is None or mla.rope_interleave or not cfg.qk_layernorm or cfg.add_qkv_bias or cfg.add_bias_linear
+                or cfg.dsa is not None):
             raise CheckpointError("minicpm3 has multi-latent attention (rotated in halves) with its latents' norms, "
-                                  "and no q/k/v or MLP biases: this model lacks one of them or has more")
+                                  "and no q/k/v or MLP biases or sparse attention: this model lacks one of them or "
+                                  "has more")
         del out["head_dim"]
         out.update(q_lora_rank=mla.q_lora_rank, kv_lora_rank=mla.kv_lora_rank, qk_nope_head_dim=mla.qk_nope_head_dim,
                    qk_rope_head_dim=mla.qk_rope_head_dim, v_head_dim=mla.v_head_dim,
