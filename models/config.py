@@ -141,8 +141,7 @@ class DSAConfig:
     ``n_heads`` heads of ``head_dim`` features (--index-n-heads, --index-head-dim) scores every
     earlier key, and each query attends to its ``topk`` best (--index-topk). The indexer learns
     from its own loss, KL(main attention over the chosen keys || its softmax over them), times
-    ``loss_coeff`` (--indexer-loss-coeff); ``dense_warmup``: DeepSeek-V3.2's first stage, every
-    key attended and the loss over all of them. ``rope_interleave``: the indexer's rotated
+    ``loss_coeff`` (--indexer-loss-coeff). ``rope_interleave``: the indexer's rotated
     features stored in pairs (GLM-5's) or halves (DeepSeek-V3.2's). ``layer_types``: per layer
     "full" (its own indexer) or "shared" (the top-k of the nearest full layer before it: GLM-5's
     --index-topk-freq / --index-skip-topk-offset); None: every layer full."""
@@ -153,7 +152,6 @@ class DSAConfig:
     loss_coeff: float = 0.0
     rope_interleave: bool = False
     layer_types: tuple | None = None
-    dense_warmup: bool = False
 
     def __post_init__(self):
         for name in ("topk", "n_heads", "head_dim"):
