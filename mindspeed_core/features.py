@@ -209,6 +209,8 @@ _V32 = ("models/families/deepseek_v32.py: DeepSeek-V3's latent attention, MoE an
         "transformers'")
 _GLM5 = ("models/families/glm_moe_dsa.py: DeepSeek-V3.2's layers with the indexer rotated in pairs and indexer_types' "
          "shared layers; Hugging Face folders in and out, logits and greedy tokens equal transformers'")
+_DSA_CP = "the indexer scores every earlier key of the whole sequence: not split over context-parallel ranks yet"
+_DSA_CP_INSTEAD = "tensor parallelism with --sequence-parallel (the indexer on the gathered sequence)"
 _PER_TOKEN = ("Megatron's per-token loss: each kept label's loss weighs micro-batches x DP over the global batch's "
               "kept labels (summed over the DP ranks), so a step's loss and gradient are the mean over every token "
               "of its global batch rather than the mean of each micro-batch's mean (they differ where fine-tuning's "
@@ -969,6 +971,10 @@ FEATURES: tuple[Feature, ...] = (
             lambda a: bool(getattr(a, "multi_latent_attention", False)) and getattr(a, "q_lora_rank", None) is None
             and (getattr(a, "lora_r", None) is not None or getattr(a, "lora_target_modules", None) is not None)
             and "linear_qkv" in (getattr(a, "lora_target_modules", None) or ("linear_qkv",))),
+    Feature("dsa-context-parallel", "Sparse attention with context parallelism", "combinations",
+            ("--enable-dsa-indexer", "--context-parallel-size"),
+            planned(_DSA_CP, instead=_DSA_CP_INSTEAD), planned(_DSA_CP, instead=_DSA_CP_INSTEAD),
+            lambda a: bool(getattr(a, "enable_dsa_indexer", False)) and _gt1("context_parallel_size")(a)),
     Feature("mtp-context-parallel", "Multi-token prediction with context parallelism", "combinations",
             ("--mtp-num-layers", "--context-parallel-size"),
             planned(_MTP_CP, instead=_MTP_LAYOUTS), planned(_MTP_CP, instead=_MTP_LAYOUTS),

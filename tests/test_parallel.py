@@ -58,7 +58,11 @@ MLA_MOE = LATENT + ["--num-experts", "8", "--moe-router-topk", "2", "--moe-ffn-h
                     "--moe-router-score-function", "sigmoid", "--moe-router-num-groups", "4", "--moe-router-group-topk",
                     "2", "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "0.05",
                     "--moe-router-topk-scaling-factor", "2.5", "--n-shared-experts", "1", "--first-k-dense-replace",
-                    "1", "--moe-aux-loss-coeff", "0", "--mtp-num-layers", "1", "--mtp-loss-scaling-factor", "0.3"]
+                    "1", "--moe-aux-loss-coeff", "0", "--mtp-num-layers", "1", "--mtp-loss-scaling-factor", "0.3",
+                    # DeepSeek-V3.2's sparse attention: each of the 32 queries keeps its 8 best keys by an indexer of
+                    # 8 heads (in the MTP module too), which learns from its loss
+                    "--enable-dsa-indexer", "--index-topk", "8", "--index-n-heads", "8", "--index-head-dim", "16",
+                    "--indexer-loss-coeff", "1.0"]
 # GPT-OSS's layer (the tiny-gpt-oss preset's sinks, biases and YaRN) with megatron-core's
 # flags: a window of 5 earlier keys in every layer but each second, every layer top-2 of 4
 # biased experts with a biased router, their quick-GEGLU clamped at 0.1 (so the clamp bites)
@@ -705,6 +709,8 @@ def four_ranks(corpus, data, two_ranks, null_corpus, hf_references, tmp_path_fac
 @pytest.mark.feature("moe-input-jitter")
 @pytest.mark.feature("family-minimax-m2")
 @pytest.mark.feature("per-token-loss")
+@pytest.mark.feature("dsa-indexer")
+@pytest.mark.feature("dsa-indexer-loss")
 def test_two_rank_layouts_equal_single_process(capsys, framework, corpus, two_ranks, reference,  # noqa: F811
                                                tmp_path):
     check_cases(framework, two_ranks / "out", 2, ranks_cases(2), reference)

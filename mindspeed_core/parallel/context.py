@@ -55,6 +55,10 @@ def check_layout(cfg, cp: int, algo: str, degree_in_cp: int | None, tp: int, seq
         raise MindSpeedError(f"context parallel size {cp}: the gated DeltaNet layers of this model carry their state "
                              "along the whole sequence and are not split by context parallelism yet (the matrix's "
                              "linear-attention-context-parallel (planned) row)")
+    if cfg.dsa is not None:
+        raise MindSpeedError(f"context parallel size {cp}: sparse attention's indexer scores every earlier key of the "
+                             "whole sequence and is not split by context parallelism yet (the matrix's "
+                             "dsa-context-parallel (planned) row); use --sequence-parallel with tensor parallelism")
     if algo not in ALGORITHMS:
         raise MindSpeedError(f"--context-parallel-algo {algo!r}: choose one of {', '.join(ALGORITHMS)}")
     u = ulysses_degree(cp, algo, degree_in_cp)
@@ -235,9 +239,9 @@ class ContextParallelSeams(Seams):
     def _columns(self, seq_len: int, cp_ranks) -> np.ndarray:
         return np.sort(np.concatenate([local_columns(seq_len, self.cp, r) for r in cp_ranks]))
 
-    def attention(self, q, k, v, dropout_p, fused, tokens, scores=PLAIN, return_lse=False):
-        if return_lse:  # the matrix refuses the combination before a model is built
-            raise MindSpeedError("attention sinks under context parallelism are not built")
+    def attention(self, q, k, v, dropout_p, fused, tokens, scores=PLAIN, return_lse=False, keep=None):
+        if return_lse or keep is not None:  # the matrix refuses these combinations before a model is built
+            raise MindSpeedError("attention sinks and sparse attention under context parallelism are not built")
         features.note_used(FEATURE[self.algo])
         attention = ops.attention if fused else composite.attention
         u, seq_len = self.u, q.shape[1] * self.cp

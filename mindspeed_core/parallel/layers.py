@@ -201,6 +201,7 @@ class TensorParallelSeams(Seams):
 
     def __init__(self, cfg, ps, sequence_parallel: bool):
         tp, self.group, self.sp = ps.tp, ps.group("tp"), sequence_parallel
+        self.tp = tp
         self.sequence_shards = tp if sequence_parallel else 1
         self.vocab_start = ps.local_rank("tp") * cfg.vocab_size // tp
         self._groups = max(cfg.num_query_groups // tp, 1)  # fewer groups than ranks: one, copied
@@ -213,6 +214,9 @@ class TensorParallelSeams(Seams):
         # every rank's heads' share, summed: forward all-reduce, and backward too (each rank's
         # heads feed every rank's normed heads through the sum)
         return mappings.reduce_from_region(mappings.copy_to_region(x, self.group), self.group)
+
+    def replicated_loss_share(self) -> float:
+        return 1.0 / self.tp
 
     def attention_rng(self):
         # ranks holding different heads draw different masks
@@ -289,6 +293,12 @@ def _shard_latent_attention(attn, prefix, group, sequence_parallel, spec, partia
         if hasattr(attn, attr):
             setattr(attn, attr, HeadParallelLinear(getattr(attn, attr), group))
             spec[prefix + f"{attr}.weight"] = ("split", 0)
+    indexer = getattr(attn, "dsa_indexer", None)
+    if indexer is not None:  # sparse attention's indexer, whole on every rank on the whole sequence: each
+        # rank adds 1/TP of its loss (Seams.replicated_loss_share), so its gradients sum over the ranks
+        for attr in ("wk", "weights_proj"):  # they read the layer's input (gathered under SP)
+            setattr(indexer, attr, DuplicatedLinear(getattr(indexer, attr), group, sequence_parallel))
+        partial.update(f"{prefix}dsa_indexer.{name}" for name, _ in nn.named_parameters(indexer))
 
 
 def _shard_gated_deltanet(attn, prefix, ps, column, row, spec, partial) -> None:
