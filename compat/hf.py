@@ -286,11 +286,13 @@ def check_same_model(folder: str, cfg: ModelConfig) -> None:
     theirs = load_config(folder)
     keys = ("family", "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
             "kv_channels", "vocab_size")
-    differ = [k for k in keys if getattr(theirs, k) != getattr(cfg, k)]
+    ours = {k: getattr(cfg, k) for k in keys}
+    ours["num_layers"] = cfg.real_layers  # the folder has no no-op layers
+    differ = [k for k in keys if getattr(theirs, k) != ours[k]]
     if differ:
         k = differ[0]
         raise CheckpointError(f"--hf-cfg-dir {folder}: its config.json has {k} {getattr(theirs, k)!r} but the "
-                              f"converted model {getattr(cfg, k)!r}: it describes another model")
+                              f"converted model {ours[k]!r}: it describes another model")
 
 
 def copy_companions(source: str, target: str) -> None:

@@ -422,9 +422,6 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
     m.add_argument("--v-head-dim", type=POSITIVE_INT, default=None)
     m.add_argument("--mla-fa-without-pad", action="store_true", default=None)
     m.add_argument("--mla-mm-split", action="store_true", default=None)
-    m.add_argument("--enable-mla-absorb", action="store_true", default=None,
-                   help="MindSpeed-LLM: the key/value up-projection folded into the query and the output "
-                        "(MQA over the latent): the same attention")
     # DeepSeek sparse attention (DeepSeek-V3.2, GLM-5; models/dsa.py), MindSpeed-LLM's flags and defaults
     m.add_argument("--enable-dsa-indexer", action="store_true", default=None,
                    help="the lightning indexer: each query attends to its --index-topk best keys")
@@ -440,17 +437,15 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
                    help="GLM-5: the layers before this one (counted from 1) each run their indexer")
     m.add_argument("--index-topk-pattern", default=None,
                    help="per layer F (its own indexer) or S (the last F layer's top-k); overrides the two above")
-    m.add_argument("--index-share-for-mtp-iteration", action="store_true", default=None,
-                   help="MindSpeed-LLM's GLM-5.2 switch (read by no code there): the MTP layers run their indexers")
     m.add_argument("--use-sparse-flash-attn", action="store_true", default=None,
                    help="MindSpeed's sparse flash attention kernel (Ascend); elsewhere the masked composite")
     m.add_argument("--use-fused-lightning-indexer", action="store_true", default=None,
                    help="MindSpeed's lightning indexer kernel (Ascend); elsewhere the composite")
     m.add_argument("--use-fused-lightning-indexer-loss", action="store_true", default=None,
                    help="MindSpeed's fused indexer KL loss kernel (Ascend); elsewhere the composite")
-    m.add_argument("--use-sparse-c8-indexer", action=argparse.BooleanOptionalAction, default=None,
-                   help="MindSpeed's 8-bit indexer cache behind a Hadamard rotation (Ascend); here float32 scores, "
-                        "which the rotation leaves unchanged")
+    m.add_argument("--apply-rope-no-in-complex", action="store_true", default=None,
+                   help="MindSpeed-LLM's GLM-5.2 switch: the indexer's rotated features taken in pairs, as the "
+                        "attention's (transformers' glm_moe_dsa); without it in halves (DeepSeek-V3.2's)")
     m.add_argument("--mtp-num-layers", type=POSITIVE_INT, default=None)
     m.add_argument("--mtp-loss-scaling-factor", type=NON_NEGATIVE, default=None)
     m.add_argument("--mtp-mem-efficient-logits", action="store_true", default=None)
@@ -583,6 +578,17 @@ _SAME_RESULTS = ("a performance option of MindSpeed's MoE kernels; the experts h
 # are parsed so that those scripts run unchanged; tests/test_flags.py checks each has no effect.
 # (flag -> (argparse keywords, reason))
 ACCEPTED_NO_OPS = {
+    "--enable-mla-absorb": ({"action": "store_true"},
+                            "MindSpeed-LLM's absorbed latent attention (the key/value up-projection folded into the "
+                            "query and the output: attention over the latent) computes the same attention; here the "
+                            "latent is projected up, and generation caches the latent either way"),
+    "--index-share-for-mtp-iteration": ({"action": "store_true"},
+                                        "MindSpeed-LLM's GLM-5.2 switch, read by no code there: each multi-token "
+                                        "prediction layer runs its own indexer, as without it"),
+    "--use-sparse-c8-indexer": ({"action": "store_true"},
+                                "MindSpeed's 8-bit indexer cache behind a Hadamard rotation (an Ascend kernel's): "
+                                "the scores here are float32, which the rotation leaves unchanged"),
+    "--no-use-sparse-c8-indexer": ({"action": "store_true"}, "the indexer's scores are float32 here either way"),
     "--broadcast": ({"action": "store_true"},
                     "evaluation runs in one process here and generation's tensor-parallel ranks draw the same "
                     "tokens: there is nothing to broadcast"),

@@ -91,6 +91,9 @@ def parser():
                    help="the dense layers before the MoE ones (MindSpeed-LLM's flag): checked against the model's")
     p.add_argument("--moe-grouped-gemm", action="store_true",
                    help="(no effect: a kernel choice of training; the weights are the same)")
+    p.add_argument("--mla-mm-split", action="store_true",
+                   help="latent attention's projections stored apart (linear_q_down_proj, linear_kv_down_proj, ...): "
+                        "the layout written and read here in any case")
     p.add_argument("--params-dtype", choices=tuple(DTYPES), default=None,
                    help="the saved weights' dtype (default: fp32 from Hugging Face, the source's for mg -> mg)")
     return p

@@ -816,9 +816,9 @@ FEATURES: tuple[Feature, ...] = (
             "indexer and its loss)", "fused-ops",
             ("--use-sparse-flash-attn", "--use-fused-lightning-indexer", "--use-fused-lightning-indexer-loss"),
             emulated("composite: the dense scores masked to the chosen keys, the indexer and its loss as tensors "
-                     "(the same values); no such kernel on CPU/CUDA",
-                     npu=planned("torch_npu's sparse flash attention and lightning indexer kernels: not bound yet")),
-            emulated("composite (no such kernel on CPU)", npu=planned("not bound yet")),
+                     "(the same values); no such kernel on CPU/CUDA, and torch_npu's not bound yet (on Ascend the "
+                     "composite too)"),
+            emulated("composite (no such kernel on CPU; Ascend's not bound yet: the composite there too)"),
             lambda a: any(getattr(a, f, False) for f in ("use_sparse_flash_attn", "use_fused_lightning_indexer",
                                                          "use_fused_lightning_indexer_loss"))),
     Feature("per-token-loss", "A step's loss averaged over every loss token of the global batch", "fine-tuning",

@@ -230,6 +230,7 @@ TRAINING_ONLY = {
     "fp16": ("--fp16", "is set aside: {verb} computes in float32 (the saved weights widened)"),
     "reuse_fp32_param": ("--reuse-fp32-param", "is set aside: it is the training optimizer's memory option"),
     "input_layernorm_in_fp32": ("--input-layernorm-in-fp32", "holds: {verb} computes every norm in float32"),
+    "init_norm_weight_in_fp32": ("--init-norm-weight-in-fp32", "holds: {verb} computes every norm in float32"),
 }
 
 

@@ -549,10 +549,16 @@ class ModelConfig:
         def moved(layers):
             return None if layers is None else tuple(number[i] for i in layers if i in number)
 
+        dsa = self.dsa
+        if dsa is not None and dsa.layer_types is not None:  # a no-op layer passes the choice before it on
+            types = ["shared"] * num_layers
+            for old, new in number.items():
+                types[new] = dsa.layer_types[old]
+            dsa = dataclasses.replace(dsa, layer_types=("full", *types[1:]))
         return dataclasses.replace(self, num_layers=num_layers, noop_layers=noop_layers,
                                    moe_layers=moved(self.moe_layers),
                                    sliding_window_layers=moved(self.sliding_window_layers),
-                                   linear_layers=moved(self.linear_layers))
+                                   linear_layers=moved(self.linear_layers), dsa=dsa)
 
     def moe_layer_numbers(self) -> list[int]:
         """The numbers of the layers that run an MoE MLP (no-op layers run none), the
@@ -636,6 +642,12 @@ class ModelConfig:
         if self.mtp_num_layers:  # each: a layer like the last, its three norms and eh_proj [h, 2h]
             layer_mlp = self._moe_mlp_parameters(active=False) if self.is_moe_layer(self.num_layers) else mlp
             total += self.mtp_num_layers * (attn + layer_mlp + (norms_per_layer + 3) * norm + 2 * h * h)
+        if self.dsa is not None:  # an indexer in each layer that runs one and in each MTP layer
+            dsa = self.dsa
+            indexers = sum(dsa.runs_indexer(i) for i in range(self.num_layers) if i not in self.noop_layers)
+            # wq_b [n d, q_lora_rank], wk [d, h], k_norm's weight and bias, weights_proj [n, h]
+            total += (indexers + self.mtp_num_layers) * (self.mla.q_lora_rank * dsa.n_heads * dsa.head_dim
+                                                         + h * dsa.head_dim + 2 * dsa.head_dim + h * dsa.n_heads)
         return total
 
     def _attention_weights(self) -> int:

@@ -90,9 +90,13 @@ VALUES = {
     "--window-size": ["3,0"], "--softmax-type": ["learnable"],
     "--reward-funcs": ["format"], "--reward-weights": ["2"], "--clip-ratio": ["0.3"], "--clip-ratio-high": ["0.3"],
     "--top-p": ["0.5"],
+    "--index-head-dim": ["8"], "--index-topk-pattern": ["FS"],
 }
 
 
+# a latent attention with a query latent (sparse attention's indexer reads it)
+LATENT = ["--multi-latent-attention", "--q-lora-rank", "16", "--kv-lora-rank", "8", "--qk-head-dim", "8",
+          "--qk-pos-emb-head-dim", "4", "--v-head-dim", "8", "--qk-layernorm"]
 # Flags that qualify another one (as in Megatron): probed with the flag they qualify.
 REQUIRES = {
     "--context-parallel-algo": ["--context-parallel-size", "2"],
@@ -114,6 +118,11 @@ REQUIRES = {
         "--moe-router-enable-expert-bias", "--moe-expert-capacity-factor", "--moe-layer-freq",
         "--first-k-dense-replace")},
     "--moe-input-jitter-eps": ["--num-experts", "4"],
+    # sparse attention's flags qualify --enable-dsa-indexer, on latent attention with a query latent
+    **{flag: [*LATENT, *(["--enable-dsa-indexer"] if flag != "--enable-dsa-indexer" else [])]
+       for flag in ("--enable-dsa-indexer", "--index-topk", "--index-n-heads", "--index-head-dim",
+                    "--indexer-loss-coeff", "--index-topk-freq", "--apply-rope-no-in-complex", "--index-topk-pattern")},
+    "--index-skip-topk-offset": [*LATENT, "--enable-dsa-indexer", "--index-topk-freq", "2"],
     "--seq-aux": ["--num-experts", "4", "--moe-aux-loss-coeff", "0.01"],
     "--n-shared-experts": ["--num-experts", "4"],
     "--router-gating-in-fp32": ["--num-experts", "4"],

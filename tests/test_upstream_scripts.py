@@ -1,6 +1,6 @@
 """MindSpeed-LLM's own example scripts for the families built here (llama2, qwen25, qwen3,
 qwen3_moe, phi35, gemma2, deepseek3, deepseek2_lite, glm45, glm45-air, qwen3_next,
-qwen3_coder_next, gated_deltanet, kimi2, seed_oss, magistral, minimax27, plm):
+qwen3_coder_next, gated_deltanet, kimi2, seed_oss, magistral, minimax27, plm, deepseek32, glm5, glm52):
 tests/data/upstream_scripts.json, their python lines' flags, made by
 tests/data/extract_upstream_flags.py, through the matching entry point. No flag may be
 unknown, and each call does what its entry point can do here or stops in one line naming the
@@ -114,7 +114,7 @@ def _model_of(args):
     plain.data_path = plain.data_path or ["corpus"]  # not the embedded run's defaults (its byte tokenizer)
     # the architecture only (this host may lack the script's precision, which these settings need)
     plain.bf16 = plain.fp16 = plain.reuse_fp32_param = plain.o2_optimizer = plain.o2_gradient = False
-    plain.input_layernorm_in_fp32 = False
+    plain.input_layernorm_in_fp32 = plain.init_norm_weight_in_fp32 = False
     return configuration.configure(plain, _world(args)).model
 
 
@@ -205,8 +205,10 @@ def _outcome(call: dict, paths: dict, tmp_path, references, stand_ins: dict, ran
 # the stand-in folder (hf_reference.py) of each --model-type-hf the conversion scripts name
 STAND_INS = {"llama2": "llama", "qwen25": "qwen2", "qwen3": "qwen3", "qwen3-moe": "qwen3-moe", "phi3.5": "phi3-longrope",
              "gemma2": "gemma2", "deepseek2-lite": "deepseek-v2", "deepseek3": "deepseek-v3", "glm45": "glm4-moe",
-             "glm45-air": "glm4-moe", "qwen3-next": "qwen3-next", "seed-oss": "seed-oss", "magistral": "mistral"}
-WITH_MTP = ("glm45-air",)  # GLM-4.5-Air's folder carries its multi-token prediction layer (its export names it)
+             "glm45-air": "glm4-moe", "qwen3-next": "qwen3-next", "seed-oss": "seed-oss", "magistral": "mistral",
+             "deepseek32": "deepseek-v32", "glm5": "glm5"}
+# these folders carry their multi-token prediction layer (the scripts' conversions name it)
+WITH_MTP = ("glm45-air", "deepseek32", "glm5")
 # a conversion's layout scaled to the stand-ins (2 layers, 2 key/value heads, 4 experts at least),
 # as the launch line below scales the model's sizes: each target at most this
 SCALED_TARGETS = {"--target-tensor-parallel-size": 2, "--target-pipeline-parallel-size": 2,
@@ -225,12 +227,20 @@ def _scaled_conversion(flags: list, stand_in: str, source: str | None, tmp_path)
     dense = 0 if cfg.moe is None else min(cfg.moe_layer_numbers(), default=cfg.num_layers)
     own = {"--load-dir": source or stand_in, "--save-dir": str(tmp_path / "converted"), "--hf-cfg-dir": stand_in,
            "--first-k-dense-replace": str(dense)}
+    pp = min(int(_value(flags, "--target-pipeline-parallel-size") or 1), SCALED_TARGETS["--target-pipeline-parallel-size"])
     out = []
     for flag, given in _groups(flags):
         if flag in own:
             given = [own[flag]]
-        elif flag == "--noop-layers":  # after the stand-in's layers, as many as the script adds
-            given = [",".join(str(cfg.num_layers + k) for k in range(len(given[0].split(","))))]
+        elif flag == "--noop-layers":  # after the stand-in's layers: as many as the script adds, or as the
+            # scaled stages need to hold equal counts
+            count = len(given[0].split(","))
+            count = count if (cfg.num_layers + count) % pp == 0 else (-cfg.num_layers) % pp or pp
+            given = [",".join(str(cfg.num_layers + k) for k in range(count))]
+        elif flag == "--num-layer-list":  # unequal stages as the script's: the first one layer, the others the
+            # rest (each then starts with a layer that runs its indexer in the GLM-5 stand-in)
+            rest = [(cfg.num_layers - 1) // (pp - 1) + (k < (cfg.num_layers - 1) % (pp - 1)) for k in range(pp - 1)]
+            given = [",".join(map(str, [1, *rest]))]
         elif flag in SCALED_TARGETS:  # TP within the stand-in's key/value heads too
             most = min(SCALED_TARGETS[flag], cfg.num_query_groups if flag == "--target-tensor-parallel-size" else 99)
             given = [str(min(int(given[0]), most))]
@@ -294,6 +304,8 @@ def _scaled_run(flags: list, values: dict) -> list:
     """A run line's flags with RUN_SCALE's and ``values``' flags set, RUN_DROPPED's dropped, a positive --first-k-dense-replace made 1
     (one dense layer, then MoE) and LongRoPE's factor lists cut to ROTATED_PAIRS."""
     values = {**RUN_SCALE, **values}
+    if "--multi-latent-attention" in flags:  # a latent attention's heads: the scaled --qk-head-dim + rotated part
+        values["--kv-channels"] = str(int(values["--qk-head-dim"]) + int(values["--qk-pos-emb-head-dim"]))
     out = []
     for flag, given in _groups(flags):
         if flag in RUN_DROPPED:
@@ -392,17 +404,17 @@ DID = ("preprocessed", "converted", "trained", "configured", "generated", "gated
 # measured here, per entry point (the refused stop at the rows they name: Ascend-only kernels and
 # DualPipeV; on MindSpore also the training lines' bfloat16, which most of them ask for)
 DONE = {
-    "pytorch": {"convert_ckpt_v2.py": {"converted": 28, "parsed": 6, "refused": 2},
+    "pytorch": {"convert_ckpt_v2.py": {"converted": 34, "parsed": 6, "refused": 2},
                 "evaluation.py": {"gated": 18},
-                "inference.py": {"gated": 12, "generated": 13, "refused": 1},
-                "posttrain_gpt.py": {"configured": 27, "refused": 9, "trained": 10},
-                "preprocess_data.py": {"preprocessed": 35, "refused": 2},
-                "pretrain_gpt.py": {"configured": 24, "refused": 13}},
-    "mindspore": {"convert_ckpt_v2.py": {"converted": 28, "parsed": 6, "refused": 2},
+                "inference.py": {"gated": 12, "generated": 16, "refused": 1},
+                "posttrain_gpt.py": {"configured": 27, "refused": 10, "trained": 10},
+                "preprocess_data.py": {"preprocessed": 37, "refused": 2},
+                "pretrain_gpt.py": {"configured": 24, "refused": 16}},
+    "mindspore": {"convert_ckpt_v2.py": {"converted": 34, "parsed": 6, "refused": 2},
                   "evaluation.py": {"gated": 18},
-                  "inference.py": {"gated": 12, "generated": 13, "refused": 1},
-                  "posttrain_gpt.py": {"refused": 46}, "preprocess_data.py": {"preprocessed": 35, "refused": 2},
-                  "pretrain_gpt.py": {"refused": 37}},
+                  "inference.py": {"gated": 12, "generated": 16, "refused": 1},
+                  "posttrain_gpt.py": {"refused": 47}, "preprocess_data.py": {"preprocessed": 37, "refused": 2},
+                  "pretrain_gpt.py": {"refused": 40}},
 }
 
 
@@ -414,7 +426,7 @@ def test_every_upstream_script_call_is_accepted_or_refused_by_a_matrix_row(frame
     for n, call in sorted(enumerate(CALLS), key=lambda nc: nc[1]["entry"] != "posttrain_gpt.py"):
         outcomes.append((call, _outcome(call, paths, tmp_path / str(n), hf_references, stand_ins, ran)))
     capsys.readouterr()
-    assert len(CALLS) == 200
+    assert len(CALLS) == 215
     wrong = {f"{c['script']} ({c['entry']})": v for c, v in outcomes if v not in DID and not v.startswith("refused by ")}
     assert wrong == {}, "\n".join(f"{k}: {v}" for k, v in wrong.items())
     table = collections.defaultdict(collections.Counter)

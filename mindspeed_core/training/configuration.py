@@ -821,7 +821,8 @@ def _dsa_config(args, num_layers: int) -> DSAConfig | None:
     values = dict(topk=2048, n_heads=64, head_dim=128, loss_coeff=1.0)
     values.update((field, getattr(args, flag)) for flag, field in _DSA_FLAGS.items() if getattr(args, flag) is not None)
     try:
-        return DSAConfig(**values, layer_types=_dsa_layer_types(args, num_layers))
+        return DSAConfig(**values, layer_types=_dsa_layer_types(args, num_layers),
+                         rope_interleave=bool(args.apply_rope_no_in_complex))
     except ValueError as exc:
         raise MindSpeedError(f"model configuration: {exc}") from None
 
@@ -832,6 +833,9 @@ def _dsa_agreeing_with_flags(args, cfg: ModelConfig) -> ModelConfig:
     top-k where not given; a different one is noted)."""
     dsa = cfg.dsa
     given = [f for f in (*_DSA_FLAGS, *_DSA_SCHEDULE) if getattr(args, f) is not None]
+    if args.apply_rope_no_in_complex and dsa is not None and not dsa.rope_interleave:
+        raise MindSpeedError("--apply-rope-no-in-complex rotates the indexer's features in pairs; the Hugging Face "
+                             "folder's indexer rotates them in halves (DeepSeek-V3.2): drop the flag")
     if dsa is None:
         if args.enable_dsa_indexer or given:
             raise MindSpeedError(f"--{(given or ['enable_dsa_indexer'])[0].replace('_', '-')}: the Hugging Face "

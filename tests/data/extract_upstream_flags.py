@@ -16,7 +16,7 @@ import sys
 
 FAMILIES = ("llama2", "qwen25", "qwen3", "qwen3_moe", "phi35", "gemma2", "deepseek3", "deepseek2_lite", "glm45",
             "glm45-air", "qwen3_next", "qwen3_coder_next", "gated_deltanet", "kimi2", "seed_oss", "magistral",
-            "minimax27", "plm")
+            "minimax27", "plm", "deepseek32", "glm5", "glm52")
 ENTRY_POINTS = ("pretrain_gpt.py", "posttrain_gpt.py", "preprocess_data.py", "convert_ckpt.py", "convert_ckpt_v2.py",
                 "inference.py", "evaluation.py")
 PATHISH = re.compile(r"(path|dir|your|\.json|\.model|/)", re.I)
@@ -24,10 +24,11 @@ PATHISH = re.compile(r"(path|dir|your|\.json|\.model|/)", re.I)
 
 def _assignments(text: str) -> dict:
     env = {}
-    for m in re.finditer(r'^(?:export\s+)?([A-Za-z_][A-Za-z0-9_]*)=("(?:[^"\\]|\\.)*"|\'[^\']*\'|[^\s#]*)', text, re.M):
-        value = m.group(2)
-        if value[:1] in "\"'":
-            value = value[1:-1]
+    # a value is quoted and bare pieces side by side, as the shell joins them ("a "b" c": a b c)
+    for m in re.finditer(r'^(?:export\s+)?([A-Za-z_][A-Za-z0-9_]*)=((?:"(?:[^"\\]|\\.)*"|\'[^\']*\'|[^\s#"\'])*)',
+                         text, re.M):
+        value = re.sub(r'"((?:[^"\\]|\\.)*)"|\'([^\']*)\'', lambda q: q.group(1) if q.group(1) is not None
+                       else q.group(2), m.group(2))
         env[m.group(1)] = value.replace("\\\n", " ")
     return env
 
@@ -36,7 +37,8 @@ def _expand(text: str, env: dict, depth: int = 0) -> str:
     if depth > 5:
         return text
     # an unset variable is empty, as in the shell
-    out = re.sub(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)\}?", lambda m: env.get(m.group(1), ""), text)
+    out = re.sub(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?:\[@\])?\}|\$([A-Za-z_][A-Za-z0-9_]*)",  # ${A}, ${A[@]}, $A
+                 lambda m: env.get(m.group(1) or m.group(2), ""), text)
     return out if out == text else _expand(out, env, depth + 1)
 
 
