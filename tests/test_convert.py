@@ -31,9 +31,9 @@ ARCHITECTURES = {"llama2": "llama", "llama3": "llama3-rope", "qwen2": "qwen2", "
                  "gpt2": "gpt2", "mixtral": "mixtral", "phi3.5-moe": "phimoe", "seed-oss": "seed-oss", "qwen2-moe": "qwen2-moe", "qwen3-moe": "qwen3-moe",
                  "deepseek2-lite": "deepseek-v2", "deepseek3": "deepseek-v3", "glm45": "glm4-moe",
                  "minicpm3": "minicpm3", "gpt-oss": "gpt-oss", "qwen3-next": "qwen3-next", "qwen3.5": "qwen3.5",
-                 "minimax_m2": "minimax-m2", "HYV3": "hy-v3"}
+                 "minimax_m2": "minimax-m2", "HYV3": "hy-v3", "deepseek32": "deepseek-v32", "glm5": "glm5"}
 MOE = ("mixtral", "phi3.5-moe", "qwen2-moe", "qwen3-moe", "deepseek2-lite", "deepseek3", "glm45", "gpt-oss", "qwen3-next",
-       "minimax_m2", "HYV3")
+       "minimax_m2", "HYV3", "deepseek32", "glm5")
 
 
 def convert(capsys, *flags, fails=False) -> str:
@@ -263,12 +263,14 @@ def folder_with_mtp(source, dest):
 
 @pytest.mark.feature("weight-conversion")
 @pytest.mark.feature("multi-token-prediction")
-@pytest.mark.parametrize("model_type", ["deepseek3", "glm45"])
+@pytest.mark.parametrize("model_type", ["deepseek3", "glm45", pytest.param("deepseek32", marks=pytest.mark.feature(
+    "dsa-indexer"))])
 def test_multi_token_prediction_modules_convert_to_megatron_and_back(capsys, hf_references, tmp_path, model_type):
-    """MindSpeed-LLM's flags of its DeepSeek-V3 and GLM-4.5 conversion scripts at TP2 x EP2 x PP2:
-    the module sits on the last stage under MindSpeed-LLM's names (mtp.layers.0.*, its layer
-    cut like a decoder layer, eh_proj cut by rows, mtp.final_layernorms.0, the model's own norm
-    as final_layernorm, a copy of the embeddings), and comes back to the very tensors."""
+    """MindSpeed-LLM's flags of its DeepSeek-V3, GLM-4.5 and DeepSeek-V3.2 conversion scripts at TP2
+    x EP2 x PP2: the module sits on the last stage under MindSpeed-LLM's names (mtp.layers.0.*, its
+    layer cut like a decoder layer, eh_proj cut by rows, mtp.final_layernorms.0, the model's own
+    norm as final_layernorm, a copy of the embeddings; DeepSeek-V3.2's indexers whole on every TP
+    rank, as self_attention.dsa_indexer.*), and comes back to the very tensors."""
     folder = tmp_path / "hf"
     folder_with_mtp(hf_references / ARCHITECTURES[model_type], folder)
     want = hf_tensors(folder)
@@ -287,6 +289,11 @@ def test_multi_token_prediction_modules_convert_to_megatron_and_back(capsys, hf_
             "mtp.layers.0.transformer_layer.mlp.router.weight",
             "mtp.layers.0.transformer_layer.mlp.experts.local_experts.0.linear_fc1.weight"} <= set(last)
     assert not any(k.startswith("mtp.") for k in first)
+    if cfg.dsa is not None:
+        for where, prefix in ((first, "decoder.layers.0."), (last, "mtp.layers.0.transformer_layer.")):
+            assert where[prefix + "self_attention.dsa_indexer.wq_b.weight"].array.shape == (
+                cfg.dsa.n_heads * cfg.dsa.head_dim, cfg.mla.q_lora_rank)
+            assert where[prefix + "self_attention.dsa_indexer.k_norm.bias"].array.shape == (cfg.dsa.head_dim,)
     convert(capsys, "--load-model-type", "mg", "--save-model-type", "hf", "--model-type-hf", model_type,
             "--load-dir", str(mg), "--save-dir", str(back), "--first-k-dense-replace", "1", "--mtp-num-layers", "1")
     got = hf_tensors(back)
