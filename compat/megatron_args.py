@@ -213,7 +213,10 @@ def add_feature_args(parser: argparse.ArgumentParser) -> None:
     f.add_argument("--gemm-gradient-accumulation-fusion", action="store_true")
     f.add_argument("--loss-compute-mode", choices=("default", "chunk"), default="default",
                    help="MindSpeed-LLM's cross entropy: default (the logits whole), or chunk (the output layer and "
-                        "the loss a sequence chunk at a time, to save memory; a planned row)")
+                        "the loss --loss-chunk-size positions at a time, each chunk recomputed in backward: the same "
+                        "loss with one chunk's logits in memory)")
+    f.add_argument("--loss-chunk-size", type=POSITIVE_INT, default=None,
+                   help="--loss-compute-mode chunk's positions per chunk (default 1024)")
     f.add_argument("--use-triton-gdn", action="store_true",
                    help="gated DeltaNet's fused (Triton) kernels on CUDA / Ascend")
 
@@ -614,8 +617,6 @@ ACCEPTED_NO_OPS = {
                                    "attention has no separate masked-softmax kernel to fuse here"),
     "--topk-softmax-in-fp32": ({"action": "store_true"},
                                "the router's softmax and top-k run on float32 logits here in every precision"),
-    "--loss-chunk-size": ({"type": POSITIVE_INT, "default": None},
-                          "the chunk of --loss-compute-mode chunk, a planned row (the default mode reads none)"),
     "--no-enable-linear-qkv": ({"action": "store_true"},
                                "MindSpeed-LLM's separate q, k and v projections (for its fused kernels): here "
                                "linear_qkv is one layer, computing the same values"),

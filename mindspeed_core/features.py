@@ -211,6 +211,10 @@ _GLM5 = ("models/families/glm_moe_dsa.py: DeepSeek-V3.2's layers with the indexe
          "shared layers; Hugging Face folders in and out, logits and greedy tokens equal transformers'")
 _DSA_CP = "the indexer scores every earlier key of the whole sequence: not split over context-parallel ranks yet"
 _DSA_CP_INSTEAD = "tensor parallelism with --sequence-parallel (the indexer on the gathered sequence)"
+_CHUNK_LOSS = ("models/gpt.py chunked_loss: the output layer and the cross entropy --loss-chunk-size positions "
+               "(default 1024) at a time, each chunk recomputed in backward, so one chunk's logits live at once; the "
+               "same loss and gradients as the whole logits (float rounding); pre-training and SFT, any layout "
+               "(the vocabulary-parallel loss per chunk under TP); not compiled")
 _PER_TOKEN = ("Megatron's per-token loss: each kept label's loss weighs micro-batches x DP over the global batch's "
               "kept labels (summed over the DP ranks), so a step's loss and gradient are the mean over every token "
               "of its global batch rather than the mean of each micro-batch's mean (they differ where fine-tuning's "
@@ -678,11 +682,7 @@ FEATURES: tuple[Feature, ...] = (
             supported("as on PyTorch"), _eq("softmax_type", "learnable")),
     Feature("chunk-loss", "The output layer and the loss a sequence chunk at a time (--loss-compute-mode chunk)",
             "memory", ("--loss-compute-mode chunk", "--loss-chunk-size"),
-            planned("the logits are computed whole; --loss-compute-mode default computes the same loss",
-                    instead="--loss-compute-mode default"),
-            planned("the logits are computed whole; --loss-compute-mode default computes the same loss",
-                    instead="--loss-compute-mode default"),
-            _eq("loss_compute_mode", "chunk")),
+            supported(_CHUNK_LOSS), supported(_CHUNK_LOSS), _eq("loss_compute_mode", "chunk")),
     Feature("mg2hf-convert", "A Hugging Face folder of the model after each save (--enable-mg2hf-convert)",
             "checkpointing", ("--enable-mg2hf-convert", "--only-convert-last-checkpoint", "--hf-save-dir",
                               "--hf-cfg-dir"),

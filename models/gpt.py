@@ -618,11 +618,12 @@ class GPTModel(nn.Module):
             return self.embedding.word_embeddings.weight
         return self.output_layer.weight
 
-    def forward(self, x, tokens: Tokens | None = None):
+    def forward(self, x, tokens: Tokens | None = None, logits: bool = True):
         """ids [batch, seq] int -> logits [batch, seq, vocab], in the parameters' dtype; a
         stage without the embedding takes, and one without the head returns, the hidden
         states between layers ([batch, seq / sequence shards, hidden]). ``tokens``: positions
-        and documents of packed sequences (models/gpt.py Tokens).
+        and documents of packed sequences (models/gpt.py Tokens). ``logits`` False: the last
+        stage returns the final norm's output instead (chunked_loss applies the head).
 
         Under tensor parallelism the logits are this rank's vocabulary shard; under context
         parallelism ids are this rank's columns of each sequence (Seams.local_tokens)."""
@@ -644,7 +645,7 @@ class GPTModel(nn.Module):
             if tokens is None or tokens.cache is None:
                 self._mtp_input["last"] = (x, cos, sin, positions)
             x = self.decoder.final_layernorm(x)
-        if not self.post_process:
+        if not self.post_process or not logits:
             return x
         if self.cfg.reward_head:
             return seams.scalar_head(x, self.rm_head.weight)
@@ -652,13 +653,17 @@ class GPTModel(nn.Module):
 
     def _head(self, x):
         """Logits from the final norm's output."""
+        return self._logits(self.seams.output_input(x))
+
+    def _logits(self, x):
+        """Logits from the output layer's input (the final norm's output as the layout gives it)."""
         if self.cfg.dim_model_base is not None:  # MiniCPM: the output divided by hidden / dim_model_base
             x = x / (self.cfg.hidden_size / self.cfg.dim_model_base)
         bias = None
         if self.cfg.output_layer_bias:  # cut with the vocabulary under TP
             features.note_used("output-layer-bias")
             bias = self.output_layer.bias
-        logits = ops.linear(self.seams.output_input(x), self.output_weight(), bias)
+        logits = ops.linear(x, self.output_weight(), bias)
         cap = self.cfg.final_logit_softcapping
         if cap is not None:  # Gemma 2: elementwise, so a vocabulary shard is capped as the whole is
             features.note_used("logit-softcapping")
@@ -673,18 +678,45 @@ class GPTModel(nn.Module):
         """Mean next-token cross entropy over the positions tokens.loss_mask keeps (all if
         None), over whole sequences: under context parallelism each rank returns its share
         times the shard count, so the mean over the context-parallel ranks is the loss."""
+        per_token = self._token_losses(logits, labels)
+        weights = self._loss_weights(tokens)
+        return ops.mean(per_token) if weights is None else ops.sum(per_token * ops.tensor(weights.reshape(-1)))
+
+    def _token_losses(self, logits, labels):
         logits = ops.cast(logits, "float32")  # the softmax in fp32 whatever the model dtype
-        flat = ops.reshape(logits, (-1, logits.shape[-1]))
-        per_token = self.seams.token_losses(flat, ops.reshape(labels, (-1,)))
+        return self.seams.token_losses(ops.reshape(logits, (-1, logits.shape[-1])), ops.reshape(labels, (-1,)))
+
+    def _loss_weights(self, tokens):
+        """[b, s] float32 (this rank's columns): each label's weight in the loss, or None for the
+        plain mean. The denominator counts the whole sequences' kept labels (known on the host),
+        or with --calculate-per-token-loss the global batch's."""
         if tokens is None or tokens.loss_mask is None:
-            return ops.mean(per_token)
+            return None
         whole = np.asarray(tokens.loss_mask, np.float32)
-        # the denominator counts the whole sequences' kept labels (known on the host), or with
-        # --calculate-per-token-loss the global batch's
         share = tokens.loss_weight if tokens.loss_weight is not None else 1.0 / max(float(whole.sum()), 1.0)
-        scale = self.seams.context_shards * share
-        mask = ops.tensor(np.ascontiguousarray(self.seams.local_tokens(whole)).reshape(-1) * scale)
-        return ops.sum(per_token * mask)
+        return np.ascontiguousarray(self.seams.local_tokens(whole)) * (self.seams.context_shards * share)
+
+    def chunked_loss(self, hidden, labels, tokens: Tokens | None, chunk: int):
+        """loss_from_logits of the final norm's output ``hidden`` (forward with logits=False),
+        the output layer and the cross entropy ``chunk`` sequence positions at a time, each chunk
+        recomputed in backward (--loss-compute-mode chunk): only one chunk's logits live at once."""
+        features.note_used("chunk-loss")
+        x = self.seams.output_input(hidden)  # the whole local sequence (gathered under SP)
+        b, s = labels.shape[0], labels.shape[1]
+        weights = self._loss_weights(tokens)
+        if weights is None:
+            weights = np.full((b, s), 1.0 / (b * s), np.float32)
+        total = None
+        for start in range(0, s, chunk):
+            stop = min(start + chunk, s)
+            share = ops.tensor(np.ascontiguousarray(np.broadcast_to(weights, (b, s))[:, start:stop]).reshape(-1))
+
+            def piece(xc, start=start, stop=stop, share=share):
+                return ops.sum(self._token_losses(self._logits(xc), labels[:, start:stop]) * share)
+
+            part = recompute.checkpoint(piece, x[:, start:stop])
+            total = part if total is None else total + part
+        return total
 
     def mtp_loss(self, labels, tokens: Tokens | None = None):
         """Multi-token prediction's term of the gradient (models/mtp.py) from the last forward's

@@ -118,6 +118,8 @@ REQUIRES = {
         "--moe-router-enable-expert-bias", "--moe-expert-capacity-factor", "--moe-layer-freq",
         "--first-k-dense-replace")},
     "--moe-input-jitter-eps": ["--num-experts", "4"],
+    # MindSpeed-LLM's scripts pass it with --loss-compute-mode default, where it reads nothing (as there)
+    "--loss-chunk-size": ["--loss-compute-mode", "chunk"],
     # sparse attention's flags qualify --enable-dsa-indexer, on latent attention with a query latent
     **{flag: [*LATENT, *(["--enable-dsa-indexer"] if flag != "--enable-dsa-indexer" else [])]
        for flag in ("--enable-dsa-indexer", "--index-topk", "--index-n-heads", "--index-head-dim",

@@ -472,3 +472,58 @@ def test_recompute_in_advance_is_refused(capsys, corpus):  # noqa: F811
 def test_measure_refuses_what_it_cannot_measure(capsys, framework):
     code = measure.main(["--ai-framework", framework, *MEASURED_MODEL, "--pipeline-model-parallel-size", "2"])
     assert code == 2 and "one process without pipeline stages" in capsys.readouterr().err
+
+
+CHUNK = 64  # the measured model's 512 positions in 8 chunks
+
+
+@pytest.mark.feature("chunk-loss")
+def test_chunked_loss_equals_the_whole_loss_and_gradients(framework):
+    """--loss-compute-mode chunk: the step's objective (training/losses.py) with the output layer and
+    the cross entropy 20 positions at a time (48 = 20 + 20 + 8) gives the loss and gradients of the
+    whole logits, with a loss mask (packed SFT) and without."""
+    from mindspeed_core import autograd, nn, ops, random
+    from mindspeed_core.models.config import ModelConfig
+    from mindspeed_core.models.gpt import GPTModel, Tokens
+    from mindspeed_core.training.loss_scale import LossScaler
+    from mindspeed_core.training.losses import StepLoss
+
+    cfg = ModelConfig(vocab_size=512, hidden_size=32, num_layers=1, num_attention_heads=4, ffn_hidden_size=64,
+                      max_position_embeddings=64, init_method_std=0.2)
+    random.seed(4)
+    model = GPTModel(cfg)
+    nn.set_training(model, True)
+    rng = np.random.default_rng(5)
+    ids, labels = (ops.tensor(rng.integers(0, 512, (2, 48))) for _ in range(2))
+    mask = (rng.random((2, 48)) > 0.3).astype(np.float32)
+    params = list(nn.parameters(model))
+    for tokens in (Tokens(), Tokens(loss_mask=mask)):
+        got = {}
+        for chunk in (None, 20):
+            objective = StepLoss(None, LossScaler(False, 1.0), chunk).of_model(model)
+            got[chunk] = autograd.value_and_grad(lambda: objective(ids, labels, tokens), params)()
+        (whole, whole_grads), (chunked, chunked_grads) = got[None], got[20]
+        assert float(ops.to_numpy(chunked)) == pytest.approx(float(ops.to_numpy(whole)), rel=1e-6)
+        for a, b in zip(whole_grads, chunked_grads):
+            a, b = ops.to_numpy(a), ops.to_numpy(b)
+            np.testing.assert_allclose(b, a, atol=1e-6 * max(np.abs(a).max(), 1e-3), rtol=0)
+
+
+@pytest.mark.feature("chunk-loss")
+def test_chunked_loss_lowers_the_measured_peak_by_the_logits(framework):
+    """The measured model's step (measure.py, a fresh process) with a vocabulary of 8192, whose
+    logits (64 MiB in float32) outweigh a layer's activations, its loss in 8 chunks: the same loss,
+    and a first-step peak lower by at least the whole logits' bytes (without chunks the logits, the
+    softmax's saved copy and their gradient are held at once; with them one chunk's)."""
+    vocab = ["--vocab-size", "8191"]  # NullTokenizer adds one: 8192
+    none = measured(framework, vocab)
+    chunked = measured(framework, [*vocab, "--loss-compute-mode", "chunk", "--loss-chunk-size", str(CHUNK)])
+    logits = SIZE["b"] * SIZE["s"] * 8192 * 4
+    got = none["first_host_peak_bytes"] - chunked["first_host_peak_bytes"]
+    print(f"{framework}: measured peak {none['first_host_peak_bytes'] / 2**20:.1f} -> "
+          f"{chunked['first_host_peak_bytes'] / 2**20:.1f} MiB, saving {got / 2**20:.1f} MiB; the logits "
+          f"{logits / 2**20:.1f} MiB")
+    assert chunked["loss"] == pytest.approx(none["loss"], rel=1e-6)
+    assert got >= logits, (got, logits)
+    if framework == "pytorch":  # what autograd holds at the end of forward: no logits, one input a chunk
+        assert none["saved_bytes"] - chunked["saved_bytes"] >= logits, (none, chunked)

@@ -106,6 +106,8 @@ MODELS = {"gqa": GQA, "mha": MHA, "moe": MOE, "sft": SFT, "lora": LORA, "dpo": D
           # with the expert bias, renormalised
           # Megatron's per-token loss: each trained label weighs 1 / the global batch's (over both DP ranks)
           "sft-per-token": SFT + ["--calculate-per-token-loss"],
+          # the output layer and the loss 12 positions at a time (32 = 12 + 12 + 8), each chunk recomputed
+          "gqa-chunk": GQA + ["--loss-compute-mode", "chunk", "--loss-chunk-size", "12"],
           "minimax": GQA + ["--spec", "mindspeed_llm.tasks.models.spec.minimax_spec", "layer_spec", "--qk-layernorm",
                             "--q-lora-rank", "64", "--kv-lora-rank", "32", "--rotary-percent", "0.5",
                             "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "64",
@@ -288,6 +290,8 @@ def assert_same_curve(got, want, tol=1e-5):
 CASES = [  # (id, ranks, model, flags): the cases of each rank count share one launch
     ("tp2", 2, "gqa", ["--tensor-model-parallel-size", "2", "--save", "{tmp}/tp2-ckpt"]),
     ("tp2-sp", 2, "gqa", ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+    # the output layer and the vocabulary-parallel loss 12 positions at a time, on the gathered sequence
+    ("chunk-loss-tp2-sp", 2, "gqa-chunk", ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
     ("dp2", 2, "gqa", []),
     # --overlap-grad-reduce (and with the distributed optimizer --overlap-param-gather): each case
     # with "-overlap" must give its twin's curve and grad norms bit for bit; small buckets, so
@@ -711,9 +715,14 @@ def four_ranks(corpus, data, two_ranks, null_corpus, hf_references, tmp_path_fac
 @pytest.mark.feature("per-token-loss")
 @pytest.mark.feature("dsa-indexer")
 @pytest.mark.feature("dsa-indexer-loss")
+@pytest.mark.feature("chunk-loss")
 def test_two_rank_layouts_equal_single_process(capsys, framework, corpus, two_ranks, reference,  # noqa: F811
                                                tmp_path):
     check_cases(framework, two_ranks / "out", 2, ranks_cases(2), reference)
+    # in one process the chunked loss is the whole logits' (curve and first-step gradients)
+    assert_same_curve(first(reference["gqa-chunk"]), first(reference["gqa"]))
+    worst, _ = gradient_difference(reference["gqa-chunk-grads"], reference["gqa-grads"])
+    assert worst < 1e-5, worst
     # the jitter moved the routing: the first step's gradients (one process's, at TP2 the same) are others
     worst, _ = gradient_difference(reference["moe-jitter-grads"], reference["moe-grads"])
     assert worst > 1e-2, worst

@@ -49,6 +49,7 @@ TRAINING_DEFAULTS = dict(seq_length=256, micro_batch_size=4, global_batch_size=N
                          eval_interval=1000, eval_iters=100, log_interval=100)
 
 SWAP_OPTIMIZER_TIMES = 16  # MindSpeed's default number of pieces a swapped update moves
+LOSS_CHUNK = 1024  # --loss-compute-mode chunk's positions a chunk without --loss-chunk-size
 
 # flag -> the fused kernel it switches on (ModelConfig.fused); Megatron's defaults: all off
 FUSED_FLAGS = {"use_flash_attn": "attention", "use_fused_rmsnorm": "rms_norm", "use_fused_swiglu": "swiglu",
@@ -150,6 +151,8 @@ class Optimization:
     swap_pieces: int | None = None
     # --calculate-per-token-loss: a step's loss is its global batch's mean over every loss token
     per_token_loss: bool = False
+    # --loss-compute-mode chunk: the output layer and the loss this many positions at a time
+    loss_chunk: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -311,7 +314,8 @@ def configure(args, world: int, framework: str | None = None) -> RunConfig:
             (work.adam_beta1, work.adam_beta2), work.adam_eps, precision(flags), work.initial_loss_scale,
             bool(work.o2_optimizer), bool(work.o2_gradient), bool(work.reuse_fp32_param), work.ddp_bucket_size,
             (work.swap_optimizer_times or SWAP_OPTIMIZER_TIMES) if work.swap_optimizer else None,
-            bool(work.calculate_per_token_loss)),
+            bool(work.calculate_per_token_loss),
+            (work.loss_chunk_size or LOSS_CHUNK) if work.loss_compute_mode == "chunk" else None),
         data=Data(embedded, tuple(work.data_path) if work.data_path else None, work.split, work.seq_length, work.seed,
                   tokenizer.name, not work.no_shuffle,
                   pad_multiple(work.pad_to_multiple_of, tp, cp, work.sequence_parallel)
@@ -976,6 +980,11 @@ def check_configuration(args, world: int, default_save: bool = False):
                              "tokens: it runs with pre-training and --stage sft, without --compile"
                              + (f" (this run: --stage {stage_of(args)})" if stage_of(args) not in ("pretrain", "sft")
                                 else " (drop --compile)"))
+    if args.loss_compute_mode == "chunk" and (stage_of(args) not in ("pretrain", "sft") or args.compile):
+        raise MindSpeedError("--loss-compute-mode chunk computes the language model's loss a chunk of positions at a "
+                             "time: it runs with pre-training and --stage sft, without --compile"
+                             + (f" (this run: --stage {stage_of(args)})" if stage_of(args) not in ("pretrain", "sft")
+                                else " (drop --compile)"))
     if args.swap_optimizer_times and not args.swap_optimizer:
         raise MindSpeedError("--swap-optimizer-times qualifies --swap-optimizer: add it or drop the flag")
     if args.swap_optimizer and not args.use_distributed_optimizer:
@@ -1244,6 +1253,7 @@ def describe(config: RunConfig, data_path, pipeline_layout, grad_accum: int, los
         "adam": {"beta1": flags.adam_beta1, "beta2": flags.adam_beta2, "eps": flags.adam_eps},
         "precision": config.optimization.precision, "loss_scale": loss_scale if flags.fp16 else None,
         "compile": bool(flags.compile),
+        "loss_chunk": config.optimization.loss_chunk,  # --loss-compute-mode chunk's positions per chunk
         "checkpoints": {"format": "whole (gathered on rank 0)" if flags.save_whole else "sharded (each rank its pieces)"
                         + (", with Megatron's torch_dist files of the model" if flags.ckpt_format == "torch_dist"
                            else ""),

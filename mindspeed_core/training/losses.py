@@ -10,21 +10,31 @@ from mindspeed_core.models.moe import with_router_losses
 
 class StepLoss:
     """``objective``: the stage's (training/alignment.py, training/grpo.py), or None for the
-    language-modelling loss; ``scaler``: the run's LossScaler."""
+    language-modelling loss; ``scaler``: the run's LossScaler; ``chunk``: --loss-compute-mode
+    chunk's --loss-chunk-size (the language-modelling loss's output layer a chunk of positions at
+    a time), or None."""
 
-    def __init__(self, objective, scaler):
+    def __init__(self, objective, scaler, chunk: int | None = None):
         self.objective, self.scaler = objective, scaler
+        self.chunk = chunk if objective is None else None
 
     def __call__(self, model, out, labels, tokens=None):
         """The micro-batch's loss from the model's output, unscaled (what is reported)."""
         if self.objective is not None:
             return self.objective(model, out, labels, tokens)
+        if self.chunk is not None:  # ``out``: the final norm's output (forward_for_loss)
+            return model.chunked_loss(out, labels, tokens, self.chunk)
         return model.loss_from_logits(out, labels, tokens)
+
+    def forward_for_loss(self, model, x, tokens=None):
+        """The last stage's output that __call__ takes: the logits, or with a chunk the final
+        norm's output (the head applied chunk by chunk)."""
+        return model(x, tokens) if self.chunk is None else model(x, tokens, logits=False)
 
     def of_model(self, model):
         """fn(ids, labels, tokens) -> the scaled loss of the whole ``model``, what its gradient is taken of."""
         def loss(ids, labels, tokens=None):
-            out = self.scaler.scale_loss(self(model, model(ids, tokens), labels, tokens))
+            out = self.scaler.scale_loss(self(model, self.forward_for_loss(model, ids, tokens), labels, tokens))
             return self.with_extra_losses(model, out, labels, tokens)
 
         return loss
@@ -34,7 +44,7 @@ class StepLoss:
         (the last stage) the loss, scaled for training (``scaled``) or as reported."""
         def forward(chunk: int, x, labels, tokens=None):
             model = chunks[chunk]
-            out = model(x, tokens)
+            out = model(x, tokens) if labels is None else self.forward_for_loss(model, x, tokens)
             if labels is not None:
                 out = self(model, out, labels, tokens)
             if not scaled:

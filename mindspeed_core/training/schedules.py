@@ -378,7 +378,8 @@ def forward_backward_func(run, chunk_params: list):
 
         def forward_only(micro_batches):
             with autograd.no_grad():
-                return float(np.mean([float(ops.to_numpy(losses(model, model(ids, tokens), labels, tokens)))
+                return float(np.mean([float(ops.to_numpy(losses(model, losses.forward_for_loss(model, ids, tokens),
+                                                                labels, tokens)))
                                       for ids, labels, tokens in micro_batches]))
 
         return forward_backward, forward_only, model, grad_fn

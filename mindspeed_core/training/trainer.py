@@ -70,7 +70,7 @@ class Trainer:
         self.data_path = batches.data_path(self.config)
         self.dtype = self.config.optimization.precision
         self.scaler = LossScaler(dynamic=self.dtype == "float16", initial=self.opt.initial_loss_scale)
-        self.losses = StepLoss(self.objective, self.scaler)
+        self.losses = StepLoss(self.objective, self.scaler, self.opt.loss_chunk)
         self.deterministic = config.operations.deterministic
         # before the collectives are set up: HCCL and MindSpore read it there (a dry run leaves the
         # process as it was)
