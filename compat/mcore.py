@@ -112,6 +112,8 @@ class Layout:
 def tp_spec(cfg: ModelConfig, name: str):
     """How a whole-model tensor (our name) is cut over TP ranks (parallel/layers.py's specs);
     None: every rank holds all of it."""
+    # LongCat-Flash's two attentions and dense MLPs a layer are cut as any layer's
+    name = re.sub(r"\.mlps_\d\.", ".mlp.", re.sub(r"\.self_attention_\d\.", ".self_attention.", name))
     if is_adapter(name):  # B follows a column-parallel base's rows, A a row-parallel base's columns
         if cfg.mla is not None and ".self_attention.linear_qkv." in name:
             return None  # latent attention's fused down-projections' adapter: whole, as they are

@@ -124,6 +124,9 @@ def add_feature_args(parser: argparse.ArgumentParser) -> None:
                    help="tensor parallelism inside the experts (default: --tensor-model-parallel-size)")
     e = parser.add_argument_group("mixture of experts (models/router.py, models/moe.py)")
     e.add_argument("--num-experts", type=POSITIVE_INT, default=None)
+    e.add_argument("--num-zero-experts", type=COUNT, default=None,
+                   help="LongCat-Flash's zero-computation experts beside --num-experts: each returns its token times "
+                        "its routing weight")
     e.add_argument("--moe-router-topk", type=POSITIVE_INT, default=2)
     e.add_argument("--moe-ffn-hidden-size", "--moe-intermediate-size", type=POSITIVE_INT, default=None,
                    help="each expert's; default --ffn-hidden-size")
@@ -425,6 +428,10 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
     m.add_argument("--v-head-dim", type=POSITIVE_INT, default=None)
     m.add_argument("--mla-fa-without-pad", action="store_true", default=None)
     m.add_argument("--mla-mm-split", action="store_true", default=None)
+    m.add_argument("--enable-mla-scale-q-lora", action="store_true", default=None,
+                   help="LongCat-Flash: the normed query latent times sqrt(hidden / --q-lora-rank)")
+    m.add_argument("--enable-mla-scale-kv-lora", action="store_true", default=None,
+                   help="LongCat-Flash: the normed key/value latent times sqrt(hidden / --kv-lora-rank)")
     # DeepSeek sparse attention (DeepSeek-V3.2, GLM-5; models/dsa.py), MindSpeed-LLM's flags and defaults
     m.add_argument("--enable-dsa-indexer", action="store_true", default=None,
                    help="the lightning indexer: each query attends to its --index-topk best keys")
@@ -603,6 +610,8 @@ ACCEPTED_NO_OPS = {
     "--num-workers": ({"type": COUNT, "default": None},
                       "the data is read in the training process from memory-mapped indexed files; there are no loader "
                       "workers"),
+    "--no-bias-dropout-fusion": ({"action": "store_true"},
+                                 "the bias, dropout and residual add run as separate operations here in any case"),
     "--no-bias-swiglu-fusion": ({"action": "store_true"},
                                 "the MLP has no bias to fuse into SwiGLU here; --use-fused-swiglu chooses its kernel"),
     "--shape-order": ({"choices": ("SBH", "BSH", "BSND", "BNSD", "TND"), "default": None},

@@ -67,7 +67,7 @@ def parser():
     p.add_argument("--num-layer-list", default=None, help="comma-separated layer counts, one per pipeline stage")
     p.add_argument("--noop-layers", default=None,
                    help="comma-separated layer numbers (from 0) of no-op layers to add (hf -> mg)")
-    p.add_argument("--hf-cfg-dir", default=None,
+    p.add_argument("--hf-cfg-dir", "--hf-dir", default=None,
                    help="mg -> hf: a Hugging Face folder whose config.json describes this model; its tokenizer and "
                         "generation files are copied along")
     p.add_argument("--expert-tensor-parallel-size", type=megatron_args.POSITIVE_INT, default=None,
@@ -91,6 +91,9 @@ def parser():
                    help="the dense layers before the MoE ones (MindSpeed-LLM's flag): checked against the model's")
     p.add_argument("--moe-grouped-gemm", action="store_true",
                    help="(no effect: a kernel choice of training; the weights are the same)")
+    p.add_argument("--save-layer-by-layer", action="store_true",
+                   help="(no effect: MindSpeed-LLM's converter writes a layer at a time to bound its memory; this one "
+                        "holds the whole model and refuses, before reading, one that does not fit)")
     p.add_argument("--mla-mm-split", action="store_true",
                    help="latent attention's projections stored apart (linear_q_down_proj, linear_kv_down_proj, ...): "
                         "the layout written and read here in any case")

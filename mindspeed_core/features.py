@@ -215,6 +215,15 @@ _CHUNK_LOSS = ("models/gpt.py chunked_loss: the output layer and the cross entro
                "(default 1024) at a time, each chunk recomputed in backward, so one chunk's logits live at once; the "
                "same loss and gradients as the whole logits (float rounding); pre-training and SFT, any layout "
                "(the vocabulary-parallel loss per chunk under TP); not compiled")
+_MLA_SCALE = ("models/mla.py: the normed query latent, and the normed key/value latent (not the rotated key), times "
+              "sqrt(hidden / its rank) before their up-projections (MindSpeed-LLM's and transformers' LongCat-Flash)")
+_ZERO_EXPERTS = ("models/moe.py: --num-zero-experts router slots after the real experts, scored, chosen and balanced "
+                 "(the expert bias) with them; a token that chooses one gets itself times the weight, computed where "
+                 "it is (no dispatch); one process, TP, EP; not compiled, not with groups or a capacity")
+_LONGCAT = ("models/longcat.py and models/families/longcat_flash.py: each layer two latent attentions (latents "
+            "scaled) each followed by a dense MLP, the MoE fed beside the first MLP and added at the layer's end, "
+            "softmax routing over the real and the zero-computation experts with the expert bias; Hugging Face "
+            "folders in and out, logits and greedy tokens equal transformers'; MindSpeed-LLM's longcat_spec from flags")
 _PER_TOKEN = ("Megatron's per-token loss: each kept label's loss weighs micro-batches x DP over the global batch's "
               "kept labels (summed over the DP ranks), so a step's loss and gradient are the mean over every token "
               "of its global batch rather than the mean of each micro-batch's mean (they differ where fine-tuning's "
@@ -835,6 +844,18 @@ FEATURES: tuple[Feature, ...] = (
     Feature("family-hy-v3", "Hunyuan-V3 (hy_v3: sigmoid routing with the expert bias, scaled, beside a shared "
             "expert)", "compatibility", ("--model-type-hf HYV3",), supported(_HY_V3), supported(_HY_V3),
             lambda a: getattr(a, "model_type_hf", None) in ("HYV3", "hy_v3")),
+    Feature("mla-lora-scaling", "Latent attention's latents scaled by sqrt(hidden / rank) (LongCat-Flash)", "models",
+            ("--enable-mla-scale-q-lora", "--enable-mla-scale-kv-lora"),
+            supported(_MLA_SCALE), supported(_MLA_SCALE),
+            lambda a: bool(getattr(a, "enable_mla_scale_q_lora", False) or getattr(a, "enable_mla_scale_kv_lora", False))),
+    Feature("moe-zero-experts", "Zero-computation experts (LongCat-Flash: a token times its weight)", "models",
+            ("--num-zero-experts",), supported(_ZERO_EXPERTS), supported(_ZERO_EXPERTS),
+            lambda a: bool(getattr(a, "num_zero_experts", None))),
+    Feature("family-longcat-flash", "LongCat-Flash (two attentions and a shortcut-connected MoE a layer)",
+            "compatibility", ("--model-type-hf longcat", "--spec mindspeed_llm.tasks.models.spec.longcat_spec layer_spec"),
+            supported(_LONGCAT), supported(_LONGCAT),
+            lambda a: getattr(a, "model_type_hf", None) == "longcat"
+            or "longcat_spec" in " ".join(getattr(a, "spec", None) or ())),
     Feature("family-deepseek-v32", "DeepSeek-V3.2 (deepseek_v32: DeepSeek-V3 with sparse attention)", "compatibility",
             ("--model-type-hf deepseek32",), supported(_V32), supported(_V32), _eq("model_type_hf", "deepseek32")),
     Feature("family-glm5", "GLM-5 (glm_moe_dsa: sparse attention, some layers sharing the top-k)", "compatibility",

@@ -44,6 +44,14 @@ class MoEConfig:
     # training's noise on the router's input (--moe-input-jitter-eps; Phi-3.5-MoE's input_jitter_noise):
     # read and written, not built for training (the matrix's moe-input-jitter row); evaluation runs without it
     input_jitter_eps: float = 0.0
+    # zero-computation experts (LongCat-Flash; MindSpeed-LLM's --num-zero-experts): this many more
+    # router slots after the num_experts real ones, each returning its token times its weight
+    zero_experts: int = 0
+
+    @property
+    def slots(self) -> int:
+        """The router's outputs: the real experts, then the zero-computation ones."""
+        return self.num_experts + self.zero_experts
 
     @property
     def sparsemixer(self) -> bool:
@@ -57,8 +65,15 @@ class MoEConfig:
     def __post_init__(self):
         if type(self.num_experts) is not int or self.num_experts < 1:
             raise ValueError(f"num_experts must be a positive integer, got {self.num_experts!r}")
-        if type(self.topk) is not int or not 1 <= self.topk <= self.num_experts:
-            raise ValueError(f"topk must be between 1 and num_experts {self.num_experts}, got {self.topk!r}")
+        if type(self.zero_experts) is not int or self.zero_experts < 0:
+            raise ValueError(f"zero_experts must be a non-negative integer, got {self.zero_experts!r}")
+        if type(self.topk) is not int or not 1 <= self.topk <= self.slots:
+            raise ValueError(f"topk must be between 1 and the {self.slots} experts"
+                             + (f" ({self.num_experts} real, {self.zero_experts} of zero computation)"
+                                if self.zero_experts else "") + f", got {self.topk!r}")
+        if self.zero_experts and (self.num_groups is not None or self.sparsemixer or self.capacity_factor is not None):
+            raise ValueError("zero-computation experts with group-limited routing, SparseMixer or a capacity are not "
+                             "built (LongCat-Flash routes by softmax top-k without them)")
         for name, allowed in (("score_function", ("softmax", "sigmoid")),
                               ("load_balancing_type", ("aux_loss", "seq_aux_loss", "none", "sparsemixer_topk")),
                               ("drop_policy", ("probs", "position"))):
@@ -120,6 +135,10 @@ class MLAConfig:
     # the rotated features stored in (even, odd) pairs, as DeepSeek's weights are (Megatron's
     # MLA regroups them as the model runs); False: halves, as in the other families
     rope_interleave: bool = True
+    # LongCat-Flash's scalings (MindSpeed-LLM's --enable-mla-scale-q-lora / -kv-lora): the normed
+    # query latent, and the normed key/value latent (not the rotated key), times sqrt(hidden / rank)
+    scale_q_lora: bool = False
+    scale_kv_lora: bool = False
 
     def __post_init__(self):
         for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "q_lora_rank"):
@@ -128,6 +147,8 @@ class MLAConfig:
                 raise ValueError(f"multi-latent attention's {name} must be a positive integer, got {value!r}")
         if self.qk_rope_head_dim % 2:
             raise ValueError(f"qk_rope_head_dim {self.qk_rope_head_dim}: RoPE rotates pairs of features")
+        if self.scale_q_lora and self.q_lora_rank is None:
+            raise ValueError("scale_q_lora scales the query latent: it needs a q_lora_rank")
 
     @property
     def qk_head_dim(self) -> int:
@@ -281,6 +302,9 @@ class ModelConfig:
     # query/key head dim and every head has its own key and value
     mla: MLAConfig | None = None
     dsa: DSAConfig | None = None  # sparse attention on the latent attention (DeepSeek-V3.2, GLM-5)
+    # LongCat-Flash's layer (models/longcat.py): two latent attentions each followed by a dense MLP,
+    # the MoE fed beside the first MLP and added at the layer's end
+    shortcut_moe: bool = False
     # Gemma's switches (MindSpeed-LLM's flags in brackets): RMSNorm weights held as offsets from
     # one, x * (1 + w) [--add-rmsnorm-offset]; a norm after attention and after the MLP, before
     # each residual add [--post-norm]; embeddings times sqrt(hidden) [--input-embeds-norm];
@@ -427,6 +451,10 @@ class ModelConfig:
             object.__setattr__(self, "mla", MLAConfig(**self.mla))
         if isinstance(self.dsa, dict):
             object.__setattr__(self, "dsa", DSAConfig(**self.dsa))
+        if self.shortcut_moe and (self.mla is None or self.moe is None or self.moe_layers is not None
+                                  or self.mtp_num_layers or self.dsa is not None):
+            raise ValueError("the shortcut-connected MoE layer (LongCat-Flash) has latent attention and an MoE in "
+                             "every layer, without multi-token prediction or sparse attention")
         if self.dsa is not None:
             if self.mla is None or self.mla.q_lora_rank is None:
                 raise ValueError("sparse attention's indexer reads the query latent: it needs multi-latent attention "
@@ -642,6 +670,8 @@ class ModelConfig:
         if self.mtp_num_layers:  # each: a layer like the last, its three norms and eh_proj [h, 2h]
             layer_mlp = self._moe_mlp_parameters(active=False) if self.is_moe_layer(self.num_layers) else mlp
             total += self.mtp_num_layers * (attn + layer_mlp + (norms_per_layer + 3) * norm + 2 * h * h)
+        if self.shortcut_moe:  # a second attention and two dense MLPs beside the MoE, four norms
+            total += L * (attn + 2 * mlp + norms_per_layer * norm)
         if self.dsa is not None:  # an indexer in each layer that runs one and in each MTP layer
             dsa = self.dsa
             indexers = sum(dsa.runs_indexer(i) for i in range(self.num_layers) if i not in self.noop_layers)
@@ -708,8 +738,8 @@ class ModelConfig:
         per_width = 2 if self.gated else 1
         f = moe.ffn_hidden_size or self.ffn_hidden_size
         expert = h * per_width * f + f * h + ((per_width * f + h) if self.add_bias_linear else 0)
-        router = (h + (1 if moe.enable_expert_bias else 0) + (1 if self.add_bias_linear else 0)) * moe.num_experts
-        total = router + (moe.topk if active else moe.num_experts) * expert
+        router = (h + (1 if moe.enable_expert_bias else 0) + (1 if self.add_bias_linear else 0)) * moe.slots
+        total = router + (moe.topk if active else moe.num_experts) * expert  # (zero experts hold nothing)
         if moe.shared_expert_size:
             s = moe.shared_expert_size
             total += h * per_width * s + s * h + (h if moe.shared_expert_gate else 0)

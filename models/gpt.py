@@ -327,6 +327,15 @@ class TransformerLayer(nn.Module):
             self.post_attn_norm = make_norm(cfg, cfg.hidden_size)
             self.post_mlp_layernorm = make_norm(cfg, cfg.hidden_size)
 
+    def attentions(self) -> list:
+        """[(attribute name, its token mixer)]: what parallelism and memory policies act on."""
+        return [("self_attention", self.self_attention)]
+
+    def dense_mlps(self) -> list:
+        """[(attribute name, dense MLP)]: the MLPs tensor parallelism cuts as megatron-core's (an MoE
+        layer's are parallel/experts.py's)."""
+        return [("mlp", self.mlp)] if isinstance(self.mlp, MLP) else []
+
     def _branch(self, x, seams):
         """What a block adds to the residual stream: its output, scaled (MiniCPM), dropped out."""
         if self.branch_scale is not None:
@@ -358,11 +367,16 @@ class Decoder(nn.Module):
     def __init__(self, cfg: ModelConfig, numbers: tuple, final_norm: bool = True, make_mlp=None):
         super().__init__()
         self.numbers = tuple(numbers)
-        self.layers = nn.ModuleList([TransformerLayer(cfg, None if make_mlp is None else make_mlp(n), n)
+        if cfg.shortcut_moe:  # LongCat-Flash's layer (it builds on this module's pieces)
+            from mindspeed_core.models.longcat import ShortcutMoELayer as layer_class
+        else:
+            layer_class = TransformerLayer
+        self.layers = nn.ModuleList([layer_class(cfg, None if make_mlp is None else make_mlp(n), n)
                                      for n in self.numbers])
         self.local = [cfg.rotates_locally(n) for n in self.numbers]  # which layers take the local RoPE
         for number, layer in zip(self.numbers, self.layers):
-            layer.self_attention.layer_number = number
+            for _, attention in layer.attentions():
+                attention.layer_number = number
         if cfg.dsa is not None:  # a layer sharing another's choice of keys needs it in this forward
             for number in self.numbers:
                 source = cfg.dsa.source_of(number)
@@ -485,8 +499,11 @@ class GPTModel(nn.Module):
         self.decoder.recompute_policy = policy
         layers = self.decoder.layers
         for layer, activation in zip(layers, policy.activation_in(len(layers))):
-            layer.recompute_policy = layer.self_attention.recompute_policy = policy
-            for mlp in (layer.mlp, getattr(layer.mlp, "experts", None), getattr(layer.mlp, "shared_experts", None)):
+            layer.recompute_policy = policy
+            for _, attention in layer.attentions():
+                attention.recompute_policy = policy
+            for mlp in (layer.mlp, getattr(layer.mlp, "experts", None), getattr(layer.mlp, "shared_experts", None),
+                        *(m for _, m in layer.dense_mlps())):
                 if mlp is not None and hasattr(mlp, "recompute_activation"):
                     mlp.recompute_activation = activation
         if swap is not None:
@@ -746,8 +763,8 @@ class GPTModel(nn.Module):
         """The sum of this model's (or pipeline chunk's) sparse-attention indexer losses from its
         last training forward (models/dsa.py), or None: like the routers' losses, a term of the
         gradient, not of the reported loss."""
-        losses = [layer.self_attention.indexer_loss for _, layer in self.transformer_layers()
-                  if getattr(layer.self_attention, "indexer_loss", None) is not None]
+        losses = [attention.indexer_loss for _, layer in self.transformer_layers() for _, attention in layer.attentions()
+                  if getattr(attention, "indexer_loss", None) is not None]
         return sum(losses[1:], losses[0]) if losses else None
 
     def loss(self, ids, labels, tokens: Tokens | None = None):

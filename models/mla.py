@@ -53,6 +53,7 @@ def deinterleave(x):
 class MLASelfAttention(nn.Module):
     recompute_policy = recompute.NONE  # as SelfAttention's
     layer_number = 0
+    cache_key = None  # the KV cache's key when a layer holds two attentions (LongCat-Flash's), else its number
 
     def __init__(self, cfg, number: int | None = None):
         """``number``: the layer's (None: a multi-token prediction layer's), for sparse attention's
@@ -77,6 +78,9 @@ class MLASelfAttention(nn.Module):
         out_std = std / math.sqrt(2.0 * cfg.num_layers)
         self.linear_proj = linear(cfg, "linear_proj", heads * mla.v_head_dim, h, bias, out_std)
         self.scale = softmax_scale(cfg)
+        if mla.scale_q_lora or mla.scale_kv_lora:  # LongCat-Flash's
+            self.q_lora_scale = math.sqrt(h / mla.q_lora_rank) if mla.q_lora_rank else 1.0
+            self.kv_lora_scale = math.sqrt(h / mla.kv_lora_rank)
         if cfg.dsa is not None and cfg.dsa.runs_indexer(number):
             self.dsa_indexer = dsa.Indexer(cfg)
         self.indexer_loss = None  # the last training forward's (sparse attention), for the step's gradient
@@ -99,6 +103,8 @@ class MLASelfAttention(nn.Module):
             latent = latent + low
         if self.cfg.qk_layernorm:
             latent = self.recompute_policy.norm_of(self.q_layernorm, latent)
+        if self.cfg.mla.scale_q_lora:  # the indexer reads the latent unscaled
+            return self.linear_q_up_proj(latent * self.q_lora_scale), latent
         return self.linear_q_up_proj(latent), latent
 
     def _rotate(self, x, cos, sin):
@@ -114,6 +120,8 @@ class MLASelfAttention(nn.Module):
         groups, per_group = seams.heads(cfg)
         heads = groups * per_group  # this rank's
         features.note_used("multi-latent-attention")
+        if mla.scale_q_lora or mla.scale_kv_lora:
+            features.note_used("mla-lora-scaling")
         low_q, low_kv = self._down_adapter(x)
         q, q_latent = self._queries(x, low_q)
         b, s = q.shape[0], q.shape[1]  # the full sequence, also under sequence parallelism
@@ -125,11 +133,13 @@ class MLASelfAttention(nn.Module):
         latent, k_rope = ops.split(combined, [mla.kv_lora_rank, mla.qk_rope_head_dim], dim=-1)
         if cfg.qk_layernorm:
             latent = self.recompute_policy.norm_of(self.kv_layernorm, latent)
+        if mla.scale_kv_lora:
+            latent = latent * self.kv_lora_scale
         q_rope = self._rotate(q_rope, cos, sin)
         k_rope = self._rotate(ops.reshape(k_rope, (b, s, 1, mla.qk_rope_head_dim)), cos, sin)
         latent = ops.reshape(latent, (b, s, 1, mla.kv_lora_rank))
         if tokens is not None and tokens.cache is not None:  # the latents of every token so far
-            latent, k_rope = tokens.cache.extend(self.layer_number, latent, k_rope)
+            latent, k_rope = tokens.cache.extend(self.cache_key or self.layer_number, latent, k_rope)
         sk = latent.shape[1]
         kv = ops.reshape(self.linear_kv_up_proj(ops.reshape(latent, (b, sk, mla.kv_lora_rank))),
                          (b, sk, heads, mla.qk_nope_head_dim + mla.v_head_dim))

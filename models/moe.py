@@ -259,7 +259,7 @@ class MoELayer(nn.Module):
     def __init__(self, cfg: ModelConfig, moe: MoEConfig, number: int = 0):
         super().__init__()
         self.moe, self.number = moe, number  # number: the layer's place in the whole model
-        self.router = Router(cfg.hidden_size, moe.num_experts, cfg.init_method_std, moe.enable_expert_bias,
+        self.router = Router(cfg.hidden_size, moe.slots, cfg.init_method_std, moe.enable_expert_bias,
                              cfg.add_bias_linear, cfg.router_float32)
         self.experts = Experts(cfg, moe)
         self.shared_experts = (SharedExpert(cfg, moe.shared_expert_size, moe.shared_expert_gate)
@@ -292,7 +292,7 @@ class MoELayer(nn.Module):
 
     def reset_stats(self) -> None:
         self.stats = {"calls": 0, "aux_loss": 0.0, "z_loss": 0.0, "dropped": 0,
-                      "tokens_per_expert": np.zeros(self.moe.num_experts, np.int64)}
+                      "tokens_per_expert": np.zeros(self.moe.slots, np.int64)}
 
     def figures(self):
         """[3 + E] float32 of the last device routing: aux loss, z loss, dropped (0), tokens per expert."""
@@ -326,6 +326,7 @@ class MoELayer(nn.Module):
         if share != 1.0:
             routing = self.routing = dataclasses.replace(routing, aux_loss=routing.aux_loss * share,
                                                          z_loss=routing.z_loss * share)
+        routed, identity = self._without_zero_experts(routing)
         if self.grouped:
             features.note_used("gmm")
         if not recompute.recomputing():  # a recomputation in backward routes the same tokens again
@@ -336,8 +337,26 @@ class MoELayer(nn.Module):
             stats["dropped"] += routing.dropped
             stats["tokens_per_expert"] += routing.tokens_per_expert
         pad_to = router.capacity(b * s, self.moe) if self.moe.pad_to_capacity else None
-        y = seams.dispatch(self.experts, seams.expert_input(flat), routing, self.grouped, pad_to)
+        y = seams.dispatch(self.experts, seams.expert_input(flat), routed, self.grouped, pad_to)
+        if identity is not None:  # the zero-computation experts' share: the token itself, weighted
+            y = y + ops.cast(flat, "float32") * identity  # whole on every rank: no seam around it
         return self._output(y, x)
+
+    def _without_zero_experts(self, routing):
+        """(the routing of the real experts, each token's summed weight [T, 1] of the
+        zero-computation experts it chose, or None): LongCat-Flash's experts past num_experts
+        compute nothing and return their token times its weight."""
+        moe = self.moe
+        if not moe.zero_experts:
+            return routing, None
+        features.note_used("moe-zero-experts")
+        zero = routing.experts >= moe.num_experts
+        real = ops.tensor((~zero).astype(np.float32))
+        identity = ops.sum(routing.weights * (1.0 - real), dim=-1, keepdim=True)
+        routed = dataclasses.replace(routing, weights=routing.weights * real, kept=routing.kept & ~zero,
+                                     experts=np.where(zero, 0, routing.experts),
+                                     tokens_per_expert=routing.tokens_per_expert[:moe.num_experts])
+        return routed, identity
 
     def _jittered(self, flat):
         """The router's input: in training with --moe-input-jitter-eps, ``flat`` times noise uniform

@@ -150,7 +150,7 @@ def route(logits, moe: MoEConfig, expert_bias=None, sequences: int = 1, counts_o
     if moe.balanced:
         aux = balance_loss(scores, experts, moe, sequences, counts_over) * moe.aux_loss_coeff
     z = z_loss(logits) * moe.z_loss_coeff if moe.z_loss_coeff > 0 else zero
-    tokens = np.bincount(experts[kept], minlength=moe.num_experts).astype(np.int64)
+    tokens = np.bincount(experts[kept], minlength=moe.slots).astype(np.int64)
     return Routing(weights, experts, kept, aux, z, tokens)
 
 

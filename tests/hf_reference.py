@@ -156,6 +156,16 @@ MODELS = {
                                      moe_intermediate_size=24, n_shared_experts=1, routed_scaling_factor=2.5,
                                      index_topk=6, index_n_heads=16, index_head_dim=16, index_topk_freq=2,
                                      index_skip_topk_offset=2, pad_token_id=0)),
+    # LongCat-Flash: two layers of two latent attentions (both latents scaled by sqrt(hidden / rank)) and
+    # two dense MLPs with a shortcut MoE: softmax over 4 experts and 2 zero-computation ones, top-3 by
+    # score plus the expert bias (set at random below), weights times 6
+    "longcat-flash": (T.LongcatFlashConfig, dict({k: v for k, v in COMMON.items()
+                                                  if k not in ("num_hidden_layers", "intermediate_size")},
+                                                 num_layers=2, ffn_hidden_size=96, q_lora_rank=24, kv_lora_rank=16,
+                                                 qk_nope_head_dim=8, qk_rope_head_dim=4, head_dim=4, v_head_dim=12,
+                                                 moe_topk=3, n_routed_experts=4, zero_expert_num=2,
+                                                 expert_ffn_hidden_size=24, routed_scaling_factor=6.0,
+                                                 pad_token_id=0)),
     # Hunyuan-V3: Qwen3's attention with q/k/v/o biases, a dense first layer, then sigmoid-routed
     # experts steered by the expert bias, renormalised and scaled by 2.826, beside a shared expert
     "hy-v3": (T.HYV3Config, dict(COMMON, num_key_value_heads=2, head_dim=32, attention_bias=True, num_experts=4,
@@ -255,7 +265,7 @@ def store_experts_as_mxfp4(model, folder: str) -> None:
 # 3 ids padding
 GENERATED = ("llama", "qwen3", "gpt2", "llama-dynamic-rope", "phi3-longrope", "phimoe", "gemma2", "gemma3",
              "mistral-sliding", "seed-oss", "deepseek-v2", "deepseek-v3", "glm4-moe", "minicpm3", "gpt-oss", "qwen3-next", "qwen3.5",
-             "minimax-m2", "hy-v3", "deepseek-v32", "glm5")
+             "minimax-m2", "hy-v3", "deepseek-v32", "glm5", "longcat-flash")
 PAD, PROMPT = 3, 12
 BEAMS = ("llama", "qwen3", "deepseek-v2")  # transformers' beam search, for test_hf's
 # the logits are of 24 tokens: past every original context above (8 or 16), so that dynamic
@@ -328,6 +338,15 @@ WITHOUT = {
     "glm5": {"top-k": {"index_topk": 64},
              "indexer rotation in halves": lambda model: _indexer_rotation(model, "deepseek_v32"),
              "shared choice": lambda model: _dense_shared_layers(model)},
+    # LongCat-Flash's zero-computation experts returning nothing instead of their token, its latents
+    # unscaled, its routers without the expert bias
+    "longcat-flash": {"zero experts": lambda model: [setattr(m, "identity_expert", _Nothing())
+                                                     for m in model.modules() if hasattr(m, "identity_expert")],
+                      "latent scaling": lambda model: [(setattr(m, "mla_scale_q_lora", 1.0),
+                                                        setattr(m, "mla_scale_kv_lora", 1.0))
+                                                       for m in model.modules() if hasattr(m, "mla_scale_q_lora")],
+                      "expert bias": lambda model: [m.e_score_correction_bias.zero_() for m in model.modules()
+                                                    if hasattr(m, "e_score_correction_bias")]},
     "gpt-oss": {"sinks": lambda model: [m.sinks.fill_(-1e4) for m in model.modules() if hasattr(m, "sinks")],
                 "window": {"sliding_window": 64}},
 }
@@ -350,6 +369,13 @@ def _norms_per_head(model) -> None:
     for m in model.modules():
         if hasattr(m, "q_norm") and hasattr(m, "head_dim"):
             m.q_norm, m.k_norm = _PerHeadNorm(m.q_norm, m.head_dim), _PerHeadNorm(m.k_norm, m.head_dim)
+
+
+class _Nothing(torch.nn.Module):
+    """A zero-computation expert that returns zeros instead of its token."""
+
+    def forward(self, x):
+        return x * 0.0
 
 
 def _indexer_rotation(model, family: str) -> None:

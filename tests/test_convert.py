@@ -31,9 +31,10 @@ ARCHITECTURES = {"llama2": "llama", "llama3": "llama3-rope", "qwen2": "qwen2", "
                  "gpt2": "gpt2", "mixtral": "mixtral", "phi3.5-moe": "phimoe", "seed-oss": "seed-oss", "qwen2-moe": "qwen2-moe", "qwen3-moe": "qwen3-moe",
                  "deepseek2-lite": "deepseek-v2", "deepseek3": "deepseek-v3", "glm45": "glm4-moe",
                  "minicpm3": "minicpm3", "gpt-oss": "gpt-oss", "qwen3-next": "qwen3-next", "qwen3.5": "qwen3.5",
-                 "minimax_m2": "minimax-m2", "HYV3": "hy-v3", "deepseek32": "deepseek-v32", "glm5": "glm5"}
+                 "minimax_m2": "minimax-m2", "HYV3": "hy-v3", "deepseek32": "deepseek-v32", "glm5": "glm5",
+                 "longcat": "longcat-flash"}
 MOE = ("mixtral", "phi3.5-moe", "qwen2-moe", "qwen3-moe", "deepseek2-lite", "deepseek3", "glm45", "gpt-oss", "qwen3-next",
-       "minimax_m2", "HYV3", "deepseek32", "glm5")
+       "minimax_m2", "HYV3", "deepseek32", "glm5", "longcat")
 
 
 def convert(capsys, *flags, fails=False) -> str:
@@ -47,7 +48,14 @@ def convert(capsys, *flags, fails=False) -> str:
 
 
 def hf_tensors(folder) -> dict:
-    return hf._read_tensors(str(folder))
+    """A folder's tensors, less those transformers allocates and never reads: LongCat-Flash's gate and
+    up rows of its zero-computation experts (read past, written back as zeros)."""
+    cfg = hf.load_config(str(folder))
+    unread = set()
+    if cfg.moe is not None and cfg.moe.zero_experts:
+        unread = {f"model.layers.{i}.mlp.experts.{e}.{kind}.weight" for i in range(cfg.num_layers)
+                  for e in range(cfg.moe.num_experts, cfg.moe.slots) for kind in ("gate_proj", "up_proj")}
+    return {k: v for k, v in hf._read_tensors(str(folder)).items() if k not in unread}
 
 
 # ---- .pt files -----------------------------------------------------------------------------

@@ -125,6 +125,8 @@ REQUIRES = {
        for flag in ("--enable-dsa-indexer", "--index-topk", "--index-n-heads", "--index-head-dim",
                     "--indexer-loss-coeff", "--index-topk-freq", "--apply-rope-no-in-complex", "--index-topk-pattern")},
     "--index-skip-topk-offset": [*LATENT, "--enable-dsa-indexer", "--index-topk-freq", "2"],
+    "--enable-mla-scale-q-lora": LATENT, "--enable-mla-scale-kv-lora": LATENT,
+    "--num-zero-experts": ["--num-experts", "4"],
     "--seq-aux": ["--num-experts", "4", "--moe-aux-loss-coeff", "0.01"],
     "--n-shared-experts": ["--num-experts", "4"],
     "--router-gating-in-fp32": ["--num-experts", "4"],

@@ -46,6 +46,10 @@ DSA = [pytest.param("deepseek-v32", marks=[pytest.mark.feature("family-deepseek-
                                            pytest.mark.feature("dsa-indexer")]),
        pytest.param("glm5", marks=[pytest.mark.feature("family-glm5"), pytest.mark.feature("dsa-indexer"),
                                    pytest.mark.feature("dsa-shared-topk")])]
+# LongCat-Flash: two scaled latent attentions and a shortcut MoE a layer, zero-computation experts
+LONGCAT = pytest.param("longcat-flash", marks=[pytest.mark.feature("family-longcat-flash"),
+                                               pytest.mark.feature("moe-zero-experts"),
+                                               pytest.mark.feature("mla-lora-scaling")])
 # Qwen3-Next: gated DeltaNet over 80 tokens (two chunks) beside gated attention
 QWEN3_NEXT = pytest.param("qwen3-next", marks=[pytest.mark.feature("gated-deltanet"),
                                                 pytest.mark.feature("attention-output-gate")])
@@ -55,7 +59,7 @@ QWEN3_5 = [pytest.param(name, marks=[pytest.mark.feature("gated-deltanet"), pyte
 NAMES = ["llama", "llama3-rope", "llama-linear-rope-tied", "llama-yarn", "qwen2-yarn-mscale", "llama-dynamic-rope",
          "llama-attention-bias", "mistral", "mistral-sliding", "qwen2", "qwen2-sliding", "qwen3", "phi3-longrope",
          "phi3-partial-rotary", GEMMA2, "gemma3", "gpt2", "seed-oss", "mixtral", PHIMOE, "qwen2-moe", "qwen3-moe", *MLA,
-         "glm4-moe", MINIMAX_M2, HY_V3, *DSA,
+         "glm4-moe", MINIMAX_M2, HY_V3, *DSA, LONGCAT,
          GPT_OSS, GPT_OSS_MXFP4, QWEN3_NEXT, *QWEN3_5]
 
 
@@ -96,7 +100,7 @@ def test_logits_match_transformers(references, name):
 @pytest.mark.feature("kv-cache")
 @pytest.mark.parametrize("name", ["llama", "qwen3", "gpt2", "llama-dynamic-rope", "phi3-longrope", PHIMOE, GEMMA2,
                                   "gemma3", "mistral-sliding", "seed-oss", *MLA, "glm4-moe", GPT_OSS, QWEN3_NEXT,
-                                  QWEN3_5[0], MINIMAX_M2, HY_V3, *DSA])
+                                  QWEN3_5[0], MINIMAX_M2, HY_V3, *DSA, LONGCAT])
 def test_greedy_generation_matches_transformers(references, name):
     """transformers' generate() (greedy, with its cache) on a batch whose second prompt is
     padded on the left; dynamic NTK past max_position_embeddings as the sequence grows;
@@ -156,7 +160,7 @@ def test_the_latent_cache_holds_the_latent_and_the_rotated_key(references):
 EXPORTED = ["llama", "llama-attention-bias", "qwen3", "gpt2", "seed-oss", "mixtral", "phimoe", "qwen2-moe", "qwen2-yarn-mscale",
             "phi3-longrope", "phi3-partial-rotary", "gemma2", "gemma3", "mistral-sliding", "qwen2-sliding",
             "deepseek-v2", "deepseek-v3", "glm4-moe", "minicpm3", "gpt-oss", "qwen3-next", "qwen3.5", "qwen3.5-moe",
-            "qwen3.5-vl", "minimax-m2", "hy-v3", "deepseek-v32", "glm5"]
+            "qwen3.5-vl", "minimax-m2", "hy-v3", "deepseek-v32", "glm5", "longcat-flash"]
 
 
 @pytest.fixture(scope="module")

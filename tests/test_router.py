@@ -136,12 +136,16 @@ def test_expert_bias_moves_towards_the_mean_load():
 
 
 @pytest.mark.parametrize("bad, message", [
-    (dict(topk=9), "topk must be between 1 and num_experts"),
+    (dict(topk=9), "topk must be between 1 and the"),
     (dict(num_groups=3, group_topk=1), "do not split into 3 groups"),
     (dict(num_groups=4, group_topk=1, topk=3), "fewer than topk"),
     (dict(num_groups=4), "needs both num_groups and group_topk"),
     (dict(score_function="relu"), "score_function must be one of"),
     (dict(pad_to_capacity=True), "pad_to_capacity needs a capacity_factor"),
+    # LongCat-Flash's zero-computation experts: k distinct slots among the real and zero ones
+    (dict(zero_experts=2, topk=11), r"the 10 experts \(8 real, 2 of zero computation\), got 11"),
+    (dict(zero_experts=-1), "zero_experts must be a non-negative integer"),
+    (dict(zero_experts=2, num_groups=4, group_topk=2), "zero-computation experts with group-limited routing"),
 ])
 def test_bad_router_configs_are_clear_errors(bad, message):
     with pytest.raises(ValueError, match=message):
@@ -177,3 +181,30 @@ def test_sparsemixer_samples_each_choice_by_the_softmax_of_its_candidates():
     # in evaluation the top two candidates, without draws
     r = router.route(ops.tensor(row[None]), moe)
     assert r.experts.tolist() == [[0, 1]]
+
+
+@pytest.mark.feature("moe-zero-experts")
+def test_zero_computation_experts_return_their_token_times_its_weight():
+    """An MoE layer whose router prefers its two zero-computation experts (LongCat-Flash's): a token that
+    chooses one gets itself times the weight beside its real experts' output; with every choice a zero
+    expert the layer is the identity scaled by the summed weights; the real experts' gradients stay zero."""
+    from mindspeed_core import autograd, nn
+    from mindspeed_core.models.config import ModelConfig
+    from mindspeed_core.models.moe import MoELayer
+
+    moe = MoEConfig(num_experts=4, zero_experts=2, topk=2, score_function="softmax", norm_topk_prob=False,
+                    scaling_factor=6.0, load_balancing_type="none")
+    cfg = ModelConfig(hidden_size=16, num_attention_heads=2, ffn_hidden_size=32, moe=moe)
+    random.seed(2)
+    layer = MoELayer(cfg, moe)
+    weight = np.zeros((6, 16), np.float32)
+    weight[4:] = 5.0  # both zero experts far ahead for a positive input
+    nn.assign(layer.router.weight, weight)
+    x = np.abs(np.random.default_rng(3).normal(1.0, 0.5, (1, 5, 16))).astype(np.float32)
+    out, (grad,) = autograd.value_and_grad(lambda: ops.sum(layer(ops.tensor(x))), [layer.experts.weight1])()
+    logits = (x @ weight.T).astype(np.float64)
+    scores = np.exp(logits - logits.max(-1, keepdims=True))
+    scores /= scores.sum(-1, keepdims=True)
+    want = x * 6.0 * scores[..., 4:].sum(-1, keepdims=True)  # the two zero experts' weights, scaled
+    np.testing.assert_allclose(ops.to_numpy(layer(ops.tensor(x))), want, rtol=1e-5)
+    assert layer.routing.tokens_per_expert[4:].tolist() == [5, 5] and not ops.to_numpy(grad).any()

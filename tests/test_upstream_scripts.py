@@ -1,6 +1,7 @@
 """MindSpeed-LLM's own example scripts for the families built here (llama2, qwen25, qwen3,
 qwen3_moe, phi35, gemma2, deepseek3, deepseek2_lite, glm45, glm45-air, qwen3_next,
-qwen3_coder_next, gated_deltanet, kimi2, seed_oss, magistral, minimax27, plm, deepseek32, glm5, glm52):
+qwen3_coder_next, gated_deltanet, kimi2, seed_oss, magistral, minimax27, plm, deepseek32, glm5, glm52,
+longcat):
 tests/data/upstream_scripts.json, their python lines' flags, made by
 tests/data/extract_upstream_flags.py, through the matching entry point. No flag may be
 unknown, and each call does what its entry point can do here or stops in one line naming the
@@ -46,7 +47,7 @@ from mindspeed_core.training import configuration
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CALLS = json.loads((pathlib.Path(__file__).parent / "data" / "upstream_scripts.json").read_text())
 PATH_FLAGS = ("--data-path", "--load", "--save", "--tokenizer-name-or-path", "--tokenizer-model", "--input",
-              "--output-prefix", "--load-dir", "--save-dir", "--lora-load", "--hf-cfg-dir", "--task-data-path")
+              "--output-prefix", "--load-dir", "--save-dir", "--lora-load", "--hf-cfg-dir", "--hf-dir", "--task-data-path")
 ROWS = re.compile(r"\b(" + "|".join(re.escape(f.id) for f in features.FEATURES) + r") \(")
 
 
@@ -206,7 +207,7 @@ def _outcome(call: dict, paths: dict, tmp_path, references, stand_ins: dict, ran
 STAND_INS = {"llama2": "llama", "qwen25": "qwen2", "qwen3": "qwen3", "qwen3-moe": "qwen3-moe", "phi3.5": "phi3-longrope",
              "gemma2": "gemma2", "deepseek2-lite": "deepseek-v2", "deepseek3": "deepseek-v3", "glm45": "glm4-moe",
              "glm45-air": "glm4-moe", "qwen3-next": "qwen3-next", "seed-oss": "seed-oss", "magistral": "mistral",
-             "deepseek32": "deepseek-v32", "glm5": "glm5"}
+             "deepseek32": "deepseek-v32", "glm5": "glm5", "longcat": "longcat-flash"}
 # these folders carry their multi-token prediction layer (the scripts' conversions name it)
 WITH_MTP = ("glm45-air", "deepseek32", "glm5")
 # a conversion's layout scaled to the stand-ins (2 layers, 2 key/value heads, 4 experts at least),
@@ -226,6 +227,7 @@ def _scaled_conversion(flags: list, stand_in: str, source: str | None, tmp_path)
     cfg, _ = hf.load_folder(stand_in)
     dense = 0 if cfg.moe is None else min(cfg.moe_layer_numbers(), default=cfg.num_layers)
     own = {"--load-dir": source or stand_in, "--save-dir": str(tmp_path / "converted"), "--hf-cfg-dir": stand_in,
+           "--hf-dir": stand_in,
            "--first-k-dense-replace": str(dense)}
     pp = min(int(_value(flags, "--target-pipeline-parallel-size") or 1), SCALED_TARGETS["--target-pipeline-parallel-size"])
     out = []
@@ -404,17 +406,17 @@ DID = ("preprocessed", "converted", "trained", "configured", "generated", "gated
 # measured here, per entry point (the refused stop at the rows they name: Ascend-only kernels and
 # DualPipeV; on MindSpore also the training lines' bfloat16, which most of them ask for)
 DONE = {
-    "pytorch": {"convert_ckpt_v2.py": {"converted": 34, "parsed": 6, "refused": 2},
+    "pytorch": {"convert_ckpt_v2.py": {"converted": 37, "parsed": 6, "refused": 2},
                 "evaluation.py": {"gated": 18},
-                "inference.py": {"gated": 12, "generated": 16, "refused": 1},
+                "inference.py": {"gated": 12, "generated": 17, "refused": 1},
                 "posttrain_gpt.py": {"configured": 27, "refused": 10, "trained": 10},
-                "preprocess_data.py": {"preprocessed": 37, "refused": 2},
-                "pretrain_gpt.py": {"configured": 24, "refused": 16}},
-    "mindspore": {"convert_ckpt_v2.py": {"converted": 34, "parsed": 6, "refused": 2},
+                "preprocess_data.py": {"preprocessed": 38, "refused": 2},
+                "pretrain_gpt.py": {"configured": 25, "refused": 16}},
+    "mindspore": {"convert_ckpt_v2.py": {"converted": 37, "parsed": 6, "refused": 2},
                   "evaluation.py": {"gated": 18},
-                  "inference.py": {"gated": 12, "generated": 16, "refused": 1},
-                  "posttrain_gpt.py": {"refused": 47}, "preprocess_data.py": {"preprocessed": 37, "refused": 2},
-                  "pretrain_gpt.py": {"refused": 40}},
+                  "inference.py": {"gated": 12, "generated": 17, "refused": 1},
+                  "posttrain_gpt.py": {"refused": 47}, "preprocess_data.py": {"preprocessed": 38, "refused": 2},
+                  "pretrain_gpt.py": {"refused": 41}},
 }
 
 
@@ -426,7 +428,7 @@ def test_every_upstream_script_call_is_accepted_or_refused_by_a_matrix_row(frame
     for n, call in sorted(enumerate(CALLS), key=lambda nc: nc[1]["entry"] != "posttrain_gpt.py"):
         outcomes.append((call, _outcome(call, paths, tmp_path / str(n), hf_references, stand_ins, ran)))
     capsys.readouterr()
-    assert len(CALLS) == 215
+    assert len(CALLS) == 221
     wrong = {f"{c['script']} ({c['entry']})": v for c, v in outcomes if v not in DID and not v.startswith("refused by ")}
     assert wrong == {}, "\n".join(f"{k}: {v}" for k, v in wrong.items())
     table = collections.defaultdict(collections.Counter)
@@ -457,11 +459,14 @@ LAUNCHED = {
     # then sigmoid routing in one group with the expert bias beside a shared expert), from a Megatron
     # checkpoint (--load), --reuse-fp32-param and --gemm-gradient-accumulation-fusion as the script has them
     "kimi2/pretrain_kimi2_18b_4k_8p_ptd.sh": {"--moe-router-num-groups": "1"},
+    # LongCat-Flash: its spec's layer (two scaled latent attentions, two dense MLPs, the shortcut MoE), top-2 of
+    # 4 experts and 2 zero-computation ones by softmax with the expert bias, from a Megatron checkpoint
+    "longcat/pretrain_longcat_flash_560b_4k_A3_ptd.sh": {"--num-zero-experts": "2"},
 }
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("script", list(LAUNCHED), ids=["qwen3", "qwen3-next", "minimax27", "kimi2"])
+@pytest.mark.parametrize("script", list(LAUNCHED), ids=["qwen3", "qwen3-next", "minimax27", "kimi2", "longcat"])
 def test_a_scripts_own_launch_line_trains(framework, paths, tmp_path, script):
     """A pre-training script's python line, with sizes, paths and the device count scaled down
     and no flag edited, under the framework's launcher (torchrun / msrun) on two ranks: it trains

@@ -31,7 +31,7 @@ import numpy as np
 from mindspeed_core import dist, nn, ops, random
 from mindspeed_core.errors import MindSpeedError
 from mindspeed_core.models import lora
-from mindspeed_core.models.gpt import MLP, Seams, vocab_selector
+from mindspeed_core.models.gpt import Seams, vocab_selector
 from mindspeed_core.models.config import MLA_DOWN
 from mindspeed_core.models.gated_deltanet import GatedDeltaNet
 from mindspeed_core.parallel import mappings
@@ -318,6 +318,34 @@ def _shard_gated_deltanet(attn, prefix, ps, column, row, spec, partial) -> None:
     attn.tp_shards = tp
 
 
+def _shard_attention(cfg, attn, prefix, ps, group, sequence_parallel, spec, partial, column, row, qkv_spec) -> None:
+    """One token mixer of a layer (``prefix``: its local name's, with the trailing dot) cut by heads."""
+    tp = ps.tp
+    if isinstance(attn, GatedDeltaNet):
+        _shard_gated_deltanet(attn, prefix, ps, column, row, spec, partial)
+        return
+    if cfg.mla is not None:
+        _shard_latent_attention(attn, prefix, group, sequence_parallel, spec, partial)
+        if hasattr(attn, "linear_q_proj"):  # queries straight from the hidden state
+            column(attn, "linear_q_proj", prefix + "linear_q_proj", ("split", 0), False)
+    else:
+        column(attn, "linear_qkv", prefix + "linear_qkv", qkv_spec, cfg.add_qkv_bias)
+        if cfg.qk_layernorm and cfg.qk_norm_across_heads:  # a weight per feature of all heads: cut with them
+            for norm in ("q_layernorm", "k_layernorm"):
+                owner = getattr(attn, norm)
+                owner.weight = nn.Parameter(shard(ops.to_numpy(owner.weight), ("split", 0), tp, ps.local_rank("tp")))
+                spec[f"{prefix}{norm}.weight"] = ("split", 0)
+        elif cfg.qk_layernorm:  # replicated, applied to this rank's heads: their gradients sum over TP
+            partial.update(f"{prefix}{norm}.{kind}" for norm in ("q_layernorm", "k_layernorm")
+                           for kind in ("weight", "bias")[:1 + (cfg.normalization == "layernorm")])
+        if cfg.attention_sinks:  # one per head: this rank's heads' (consecutive, also with copied kv heads)
+            sinks = attn.core_attention
+            sinks.softmax_offset = nn.Parameter(shard(ops.to_numpy(sinks.softmax_offset), ("split", 0), tp,
+                                                      ps.local_rank("tp")))
+            spec[prefix + "core_attention.softmax_offset"] = ("split", 0)
+    row(attn, "linear_proj", prefix + "linear_proj")
+
+
 def _shard_layers(model, ps, group, sequence_parallel, spec, partial) -> KVCopies | None:
     """Replace the layers by their tensor-parallel versions; fills spec {local name: spec} and
     partial (local names of replicated LoRA factors, whose gradients are partial sums)."""
@@ -351,34 +379,12 @@ def _shard_layers(model, ps, group, sequence_parallel, spec, partial) -> KVCopie
             partial.add(prefix + ".lora_B.weight")
 
     for prefix, layer in model.transformer_layers():
-        attn, mlp = layer.self_attention, layer.mlp
-        if isinstance(attn, GatedDeltaNet):
-            _shard_gated_deltanet(attn, prefix + "self_attention.", ps, column, row, spec, partial)
-        elif cfg.mla is not None:
-            _shard_latent_attention(attn, prefix + "self_attention.", group, sequence_parallel, spec, partial)
-            if hasattr(attn, "linear_q_proj"):  # queries straight from the hidden state
-                column(attn, "linear_q_proj", prefix + "self_attention.linear_q_proj", ("split", 0), False)
-        else:
-            column(attn, "linear_qkv", prefix + "self_attention.linear_qkv", qkv_spec, cfg.add_qkv_bias)
-            if cfg.qk_layernorm and cfg.qk_norm_across_heads:  # a weight per feature of all heads: cut with them
-                for norm in ("q_layernorm", "k_layernorm"):
-                    owner = getattr(attn, norm)
-                    owner.weight = nn.Parameter(shard(ops.to_numpy(owner.weight), ("split", 0), tp,
-                                                      ps.local_rank("tp")))
-                    spec[f"{prefix}self_attention.{norm}.weight"] = ("split", 0)
-            elif cfg.qk_layernorm:  # replicated, applied to this rank's heads: their gradients sum over TP
-                partial.update(f"{prefix}self_attention.{norm}.{kind}" for norm in ("q_layernorm", "k_layernorm")
-                               for kind in ("weight", "bias")[:1 + (cfg.normalization == "layernorm")])
-            if cfg.attention_sinks:  # one per head: this rank's heads' (consecutive, also with copied kv heads)
-                sinks = attn.core_attention
-                sinks.softmax_offset = nn.Parameter(shard(ops.to_numpy(sinks.softmax_offset), ("split", 0), tp,
-                                                          ps.local_rank("tp")))
-                spec[prefix + "self_attention.core_attention.softmax_offset"] = ("split", 0)
-        if not isinstance(attn, GatedDeltaNet):
-            row(attn, "linear_proj", prefix + "self_attention.linear_proj")
-        if isinstance(mlp, MLP):  # an MoE layer's MLP is cut by parallel/experts.py
-            column(mlp, "linear_fc1", prefix + "mlp.linear_fc1", swiglu, cfg.add_bias_linear)
-            row(mlp, "linear_fc2", prefix + "mlp.linear_fc2")
+        for name, attn in layer.attentions():  # LongCat-Flash's layer holds two
+            _shard_attention(cfg, attn, f"{prefix}{name}.", ps, group, sequence_parallel, spec, partial, column, row,
+                             qkv_spec)
+        for name, mlp in layer.dense_mlps():  # an MoE layer's MLP is cut by parallel/experts.py
+            column(mlp, "linear_fc1", f"{prefix}{name}.linear_fc1", swiglu, cfg.add_bias_linear)
+            row(mlp, "linear_fc2", f"{prefix}{name}.linear_fc2")
     if hasattr(model, "embedding"):  # the first stage's, or the last's copy for multi-token prediction
         model.embedding.word_embeddings = VocabParallelEmbedding(model.embedding.word_embeddings, group)
         spec["embedding.word_embeddings.weight"] = ("split", 0)

@@ -702,22 +702,25 @@ def _rotary_percent(args) -> float | None:
 def _mla_config(args) -> MLAConfig | None:
     """--multi-latent-attention and its sizes (Megatron's flags; --qk-head-dim is the part of
     each query/key head without position, --qk-pos-emb-head-dim the rotated part)."""
-    sizes = ("q_lora_rank", *_MLA_DEFAULTS)
+    sizes = ("q_lora_rank", *_MLA_DEFAULTS, "enable_mla_scale_q_lora", "enable_mla_scale_kv_lora")
     if not args.multi_latent_attention:
-        given = [f for f in sizes if getattr(args, f) is not None]
+        given = [f for f in sizes if getattr(args, f)]
         if given:
             raise MindSpeedError(f"--{given[0].replace('_', '-')} sizes multi-latent attention: give "
                                  f"--multi-latent-attention too")
         return None
     value = {f: getattr(args, f) if getattr(args, f) is not None else default for f, default in _MLA_DEFAULTS.items()}
-    if args.kv_channels is not None and args.kv_channels != value["qk_head_dim"] + value["qk_pos_emb_head_dim"]:
+    # --kv-channels: a head's query/key features, or (MindSpeed-LLM's LongCat script) its rotated ones
+    if args.kv_channels is not None and args.kv_channels not in (value["qk_head_dim"] + value["qk_pos_emb_head_dim"],
+                                                                 value["qk_pos_emb_head_dim"]):
         raise MindSpeedError(f"--kv-channels {args.kv_channels}: multi-latent attention's query/key heads have "
                              f"--qk-head-dim + --qk-pos-emb-head-dim = "
                              f"{value['qk_head_dim'] + value['qk_pos_emb_head_dim']} features")
     try:
         return MLAConfig(kv_lora_rank=value["kv_lora_rank"], qk_nope_head_dim=value["qk_head_dim"],
                          qk_rope_head_dim=value["qk_pos_emb_head_dim"], v_head_dim=value["v_head_dim"],
-                         q_lora_rank=args.q_lora_rank)
+                         q_lora_rank=args.q_lora_rank, scale_q_lora=bool(args.enable_mla_scale_q_lora),
+                         scale_kv_lora=bool(args.enable_mla_scale_kv_lora))
     except ValueError as exc:
         raise MindSpeedError(str(exc)) from None
 
@@ -783,6 +786,14 @@ def _agreeing_with_flags(args, cfg: ModelConfig, vocab_size: int, scaling: dict 
     if args.spec and cfg.family not in (built, *families.get(built).spec_also):
         raise MindSpeedError(f"--spec {args.spec[0]} builds {built} layers, "
                              f"but the Hugging Face folder holds a {cfg.family} model")
+    zero = 0 if cfg.moe is None else cfg.moe.zero_experts
+    if args.num_zero_experts is not None and args.num_zero_experts != zero:
+        raise MindSpeedError(f"--num-zero-experts {args.num_zero_experts} disagrees with the Hugging Face folder's "
+                             f"config.json ({zero} zero-computation experts)")
+    for flag, field in (("enable_mla_scale_q_lora", "scale_q_lora"), ("enable_mla_scale_kv_lora", "scale_kv_lora")):
+        if getattr(args, flag) and not (cfg.mla is not None and getattr(cfg.mla, field)):
+            raise MindSpeedError(f"--{flag.replace('_', '-')}: the Hugging Face folder's latent attention does not "
+                                 f"scale that latent")
     if _rotary_percent(args) is not None and _rotary_percent(args) != cfg.rotary_percent:
         raise MindSpeedError(f"--partial-rotary-factor / --rotary-percent {_rotary_percent(args)} disagrees with the "
                              f"Hugging Face folder's config.json (partial_rotary_factor {cfg.rotary_percent})")
@@ -917,7 +928,7 @@ def _moe_config(args, num_layers: int) -> tuple[MoEConfig, tuple | None]:
             bias_update_rate=args.moe_router_bias_update_rate, capacity_factor=args.moe_expert_capacity_factor,
             pad_to_capacity=args.moe_pad_expert_input_to_capacity, drop_policy=args.moe_token_drop_policy,
             shared_expert_size=args.moe_shared_expert_intermediate_size, shared_expert_gate=args.shared_expert_gate,
-            input_jitter_eps=args.moe_input_jitter_eps or 0.0)
+            input_jitter_eps=args.moe_input_jitter_eps or 0.0, zero_experts=args.num_zero_experts or 0)
     except ValueError as exc:
         raise MindSpeedError(f"mixture of experts: {exc}") from None
     layers = tuple(i for i in range(num_layers) if i >= args.first_k_dense_replace and i % args.moe_layer_freq == 0)
@@ -1013,6 +1024,9 @@ def check_configuration(args, world: int, default_save: bool = False):
         raise MindSpeedError(f"{dtype} training is not available on {runtime.bound().NAME} "
                              f"({device.current()}); drop --bf16/--fp16")
     tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
+    if args.compile and cfg.moe is not None and cfg.moe.zero_experts:
+        raise MindSpeedError("--compile routes on the device, where zero-computation experts (--num-zero-experts) are "
+                             "not built: drop --compile")
     parallel_layers.check_layout(cfg, tp, args.sequence_parallel)
     context.check_layout(cfg, cp, args.context_parallel_algo, args.ulysses_degree_in_cp, tp, args.seq_length,
                          args.sequence_parallel)

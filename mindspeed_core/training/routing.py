@@ -41,7 +41,7 @@ def step_stats(moe_layers: list, cfg, ps, grad_accum: int) -> dict:
     numbers = cfg.moe_layer_numbers()
     row = {n: k for k, n in enumerate(numbers)}
     losses, dropped = np.zeros(2), 0.0
-    counts = np.zeros((len(numbers), cfg.moe.num_experts))
+    counts = np.zeros((len(numbers), cfg.moe.slots))  # zero-computation experts' slots too
     for layer in moe_layers:  # this rank's stages' layers
         losses += [layer.stats["aux_loss"] / grad_accum, layer.stats["z_loss"] / grad_accum]
         dropped += layer.stats["dropped"]

@@ -16,7 +16,7 @@ import sys
 
 FAMILIES = ("llama2", "qwen25", "qwen3", "qwen3_moe", "phi35", "gemma2", "deepseek3", "deepseek2_lite", "glm45",
             "glm45-air", "qwen3_next", "qwen3_coder_next", "gated_deltanet", "kimi2", "seed_oss", "magistral",
-            "minimax27", "plm", "deepseek32", "glm5", "glm52")
+            "minimax27", "plm", "deepseek32", "glm5", "glm52", "longcat")
 ENTRY_POINTS = ("pretrain_gpt.py", "posttrain_gpt.py", "preprocess_data.py", "convert_ckpt.py", "convert_ckpt_v2.py",
                 "inference.py", "evaluation.py")
 PATHISH = re.compile(r"(path|dir|your|\.json|\.model|/)", re.I)
@@ -51,11 +51,8 @@ def script_calls(path: pathlib.Path) -> list[dict]:
         if entry is None or line.lstrip().startswith("#"):
             continue
         # the command ends at a pipe or a redirection (2>&1 included)
-        command = _expand(re.split(r"\|\s*|\d?>", line)[0], env)
-        try:
-            words = shlex.split(command, comments=True)
-        except ValueError:
-            continue
+        command = _expand(re.split(r"\|\s*|\d?>", line)[0], env).rstrip().rstrip("\\")  # a last line's dangling backslash
+        words = shlex.split(command, comments=True)  # a line the shell cannot read is an error here too
         at = next(i for i, w in enumerate(words) if w.endswith(entry))
         flags = [w for w in words[at + 1:]]
         launcher = "torchrun" if any(w in ("torchrun", "torch.distributed.launch") or w.endswith("torchrun")
