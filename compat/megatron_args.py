@@ -428,6 +428,9 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
     m.add_argument("--v-head-dim", type=POSITIVE_INT, default=None)
     m.add_argument("--mla-fa-without-pad", action="store_true", default=None)
     m.add_argument("--mla-mm-split", action="store_true", default=None)
+    m.add_argument("--enable-mla-absorb", action="store_true", default=None,
+                   help="latent attention computed over the latent itself (one key/value head): the key/value "
+                        "up-projection folded into each head's query and output, the same attention")
     m.add_argument("--enable-mla-scale-q-lora", action="store_true", default=None,
                    help="LongCat-Flash: the normed query latent times sqrt(hidden / --q-lora-rank)")
     m.add_argument("--enable-mla-scale-kv-lora", action="store_true", default=None,
@@ -453,6 +456,18 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
                    help="MindSpeed's lightning indexer kernel (Ascend); elsewhere the composite")
     m.add_argument("--use-fused-lightning-indexer-loss", action="store_true", default=None,
                    help="MindSpeed's fused indexer KL loss kernel (Ascend); elsewhere the composite")
+    # DeepSeek-V4's mechanisms (MindSpeed-LLM's deepseek4_flash preview scripts): refused by planned rows
+    m.add_argument("--enable-mhc", action="store_true", default=None,
+                   help="DeepSeek-V4's manifold-constrained hyper-connections (planned)")
+    m.add_argument("--hc-mult", type=POSITIVE_INT, default=None, help="--enable-mhc's residual streams (planned)")
+    m.add_argument("--kv-compress", action="store_true", default=None,
+                   help="DeepSeek-V4's compressed sparse attention (planned)")
+    m.add_argument("--compress-ratios", default=None, help="--kv-compress's per-layer ratios (planned)")
+    m.add_argument("--compress-rope-theta", type=POSITIVE, default=None, help="--kv-compress's RoPE base (planned)")
+    m.add_argument("--o-groups", type=POSITIVE_INT, default=None, help="DeepSeek-V4's grouped output projection (planned)")
+    m.add_argument("--o-lora-rank", type=POSITIVE_INT, default=None, help="DeepSeek-V4's output latent (planned)")
+    m.add_argument("--n-hash-layers", type=POSITIVE_INT, default=None,
+                   help="DeepSeek-V4's layers routed by token hash (planned)")
     m.add_argument("--apply-rope-no-in-complex", action="store_true", default=None,
                    help="MindSpeed-LLM's GLM-5.2 switch: the indexer's rotated features taken in pairs, as the "
                         "attention's (transformers' glm_moe_dsa); without it in halves (DeepSeek-V3.2's)")
@@ -588,10 +603,6 @@ _SAME_RESULTS = ("a performance option of MindSpeed's MoE kernels; the experts h
 # are parsed so that those scripts run unchanged; tests/test_flags.py checks each has no effect.
 # (flag -> (argparse keywords, reason))
 ACCEPTED_NO_OPS = {
-    "--enable-mla-absorb": ({"action": "store_true"},
-                            "MindSpeed-LLM's absorbed latent attention (the key/value up-projection folded into the "
-                            "query and the output: attention over the latent) computes the same attention; here the "
-                            "latent is projected up, and generation caches the latent either way"),
     "--index-share-for-mtp-iteration": ({"action": "store_true"},
                                         "MindSpeed-LLM's GLM-5.2 switch, read by no code there: each multi-token "
                                         "prediction layer runs its own indexer, as without it"),
@@ -610,6 +621,9 @@ ACCEPTED_NO_OPS = {
     "--num-workers": ({"type": COUNT, "default": None},
                       "the data is read in the training process from memory-mapped indexed files; there are no loader "
                       "workers"),
+    "--variable-seq-lengths": ({"action": "store_true"},
+                               "every pipeline rank reads each micro-batch's token ids and so knows its activations' "
+                               "shape (dynamic padding included): there is no shape to exchange first"),
     "--no-bias-dropout-fusion": ({"action": "store_true"},
                                  "the bias, dropout and residual add run as separate operations here in any case"),
     "--no-bias-swiglu-fusion": ({"action": "store_true"},

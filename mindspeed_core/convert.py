@@ -46,7 +46,8 @@ from mindspeed_core.training import model_source
 MODEL_TYPES = families.ALIASES
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 # MindSpeed-LLM's --model-type-hf values of families not built here -> the matrix row that says so
-NOT_BUILT = {"phi3.5-moe": "family-phimoe", "plm": "family-plm"}
+NOT_BUILT = {"phi3.5-moe": "family-phimoe", "plm": "family-plm", "bailing_mini": "family-ling-v2",
+             "deepseek4": "family-deepseek-v4"}
 
 
 def parser():
@@ -91,6 +92,9 @@ def parser():
                    help="the dense layers before the MoE ones (MindSpeed-LLM's flag): checked against the model's")
     p.add_argument("--moe-grouped-gemm", action="store_true",
                    help="(no effect: a kernel choice of training; the weights are the same)")
+    p.add_argument("--moe-tp-extend-ep", action="store_true",
+                   help="experts spread whole over TP x EP ranks in the target's files (refused: the "
+                        "convert-tp-extend-ep row, planned)")
     p.add_argument("--save-layer-by-layer", action="store_true",
                    help="(no effect: MindSpeed-LLM's converter writes a layer at a time to bound its memory; this one "
                         "holds the whole model and refuses, before reading, one that does not fit)")
@@ -241,6 +245,8 @@ def run(args, backend=None) -> int:
     framework = runtime.resolve(args.ai_framework)
     if args.model_type_hf in NOT_BUILT:
         features.refuse(NOT_BUILT[args.model_type_hf], framework)
+    if args.moe_tp_extend_ep:
+        features.refuse("convert-tp-extend-ep", framework)
     if args.lora_load or args.save_lora_to_hf:
         features.note_used("convert-lora")
     if args.hf_cfg_dir is not None and args.save_model_type != "hf":

@@ -215,6 +215,10 @@ _CHUNK_LOSS = ("models/gpt.py chunked_loss: the output layer and the cross entro
                "(default 1024) at a time, each chunk recomputed in backward, so one chunk's logits live at once; the "
                "same loss and gradients as the whole logits (float rounding); pre-training and SFT, any layout "
                "(the vocabulary-parallel loss per chunk under TP); not compiled")
+_MLA_ABSORB = ("models/mla.py: each head's query without position multiplied into the latent's space by its key "
+               "up-projection, attention against the cached latent and the rotated key as one key/value head, the "
+               "output projected up by the value up-projection afterwards: the same attention (float rounding), "
+               "the up-projected keys and values never formed; in training and generation, every layout")
 _MLA_SCALE = ("models/mla.py: the normed query latent, and the normed key/value latent (not the rotated key), times "
               "sqrt(hidden / its rank) before their up-projections (MindSpeed-LLM's and transformers' LongCat-Flash)")
 _ZERO_EXPERTS = ("models/moe.py: --num-zero-experts router slots after the real experts, scored, chosen and balanced "
@@ -232,6 +236,22 @@ _PLM = ("PLM's folders need modelling code outside transformers (no reference he
         "against); its layer trains from MindSpeed-LLM's flags: --spec plm_spec (DeepSeek's latent attention "
         "without a query latent), --squared-relu, --rope-scaling-type plm (RoPE's own frequencies)")
 _PLM_INSTEAD = "the PLM scripts' model flags from scratch or from a Megatron checkpoint (--load), without --model-type-hf plm"
+_V4 = ("DeepSeek-V4 is a preview upstream (MindSpeed-LLM's deepseek4_flash, transformers' deepseek_v4): not built "
+       "yet; DeepSeek-V3.2's sparse attention and DeepSeek-V3's MoE and MTP are")
+_TP_EXTEND_CONVERT = ("a Megatron checkpoint whose experts lie whole over TP x EP ranks (MindSpeed's "
+                      "--moe-tp-extend-ep) is not written by the converter yet; training reads and shards checkpoints "
+                      "at that layout from our own")
+_TP_EXTEND_CONVERT_INSTEAD = "convert without it and train with --moe-tp-extend-ep from the converted checkpoint"
+_HY_GROUPS = ("transformers' HY-V3 routes over every expert; MindSpeed-LLM's hunyuan3 script routes its folder's "
+              "experts in groups (--moe-router-num-groups, --moe-router-group-topk): a model transformers does not "
+              "have, not read from a folder here")
+_HY_GROUPS_INSTEAD = "the folder's own routing: drop --moe-router-num-groups and --moe-router-group-topk"
+_LING = ("Ling-V2's folders (BailingMoeV2) need modelling code outside transformers (no reference here to check a "
+         "reading of them against); its layer trains from MindSpeed-LLM's flags: --spec bailing_spec (Qwen3's attention "
+         "with per-head q/k norms), --rotary-percent 0.5, sigmoid routing in groups with the expert bias beside a "
+         "shared expert, --mtp-num-layers")
+_LING_INSTEAD = ("the Ling-V2 scripts' model flags from scratch or from a Megatron checkpoint (--load), without "
+                 "--model-type-hf bailing_mini")
 _TEKKEN = ("the folder's tekken.json is mistral-common's format (pip install mistral-common reads it); no reader of it "
            "is built here")
 _TEKKEN_INSTEAD = "the model's Hugging Face tokenizer folder (tokenizer.json) with --tokenizer-type PretrainedFromHF"
@@ -833,6 +853,32 @@ FEATURES: tuple[Feature, ...] = (
     Feature("per-token-loss", "A step's loss averaged over every loss token of the global batch", "fine-tuning",
             ("--calculate-per-token-loss",), supported(_PER_TOKEN), supported(_PER_TOKEN),
             _on("calculate_per_token_loss")),
+    Feature("deepseek-v4-hyper-connections", "DeepSeek-V4's manifold-constrained hyper-connections", "models",
+            ("--enable-mhc", "--hc-mult"), planned(_V4), planned(_V4),
+            lambda a: bool(getattr(a, "enable_mhc", False) or getattr(a, "hc_mult", None))),
+    Feature("deepseek-v4-compressed-attention", "DeepSeek-V4's compressed sparse attention and grouped output",
+            "models", ("--kv-compress", "--compress-ratios", "--compress-rope-theta", "--o-groups", "--o-lora-rank"),
+            planned(_V4), planned(_V4),
+            lambda a: any(getattr(a, f, None) for f in ("kv_compress", "compress_ratios", "compress_rope_theta",
+                                                        "o_groups", "o_lora_rank"))),
+    Feature("deepseek-v4-hash-routing", "DeepSeek-V4's hash-routed MoE layers", "models", ("--n-hash-layers",),
+            planned(_V4), planned(_V4), lambda a: bool(getattr(a, "n_hash_layers", None))),
+    Feature("family-deepseek-v4", "DeepSeek-V4's Hugging Face folders (deepseek_v4; MindSpeed-LLM's deepseek4)",
+            "compatibility", ("--model-type-hf deepseek4",),
+            planned(_V4 + ": its hyper-connections, compressed sparse attention and hash routing (the rows above)"),
+            planned(_V4 + ": its hyper-connections, compressed sparse attention and hash routing (the rows above)"),
+            _eq("model_type_hf", "deepseek4")),
+    Feature("convert-tp-extend-ep", "Conversion to experts spread over TP x EP (--moe-tp-extend-ep)", "tools",
+            ("--moe-tp-extend-ep",), planned(_TP_EXTEND_CONVERT, instead=_TP_EXTEND_CONVERT_INSTEAD),
+            planned(_TP_EXTEND_CONVERT, instead=_TP_EXTEND_CONVERT_INSTEAD), None),
+    Feature("hy-v3-group-routing", "Hunyuan-V3's folders routed in groups (MindSpeed-LLM's hunyuan3 script)",
+            "compatibility", ("--model-type-hf HYV3", "--moe-router-num-groups"),
+            planned(_HY_GROUPS, instead=_HY_GROUPS_INSTEAD), planned(_HY_GROUPS, instead=_HY_GROUPS_INSTEAD),
+            lambda a: getattr(a, "model_type_hf", None) in ("HYV3", "hy_v3")
+            and (getattr(a, "moe_router_num_groups", None) or 1) > 1),
+    Feature("family-ling-v2", "Ling-V2's Hugging Face folders (BailingMoeV2)", "compatibility",
+            ("--model-type-hf bailing_mini",), planned(_LING, instead=_LING_INSTEAD),
+            planned(_LING, instead=_LING_INSTEAD), _eq("model_type_hf", "bailing_mini")),
     Feature("family-plm", "PLM's Hugging Face folders (model_type plm)", "compatibility", ("--model-type-hf plm",),
             planned(_PLM, instead=_PLM_INSTEAD), planned(_PLM, instead=_PLM_INSTEAD), _eq("model_type_hf", "plm")),
     Feature("squared-relu", "Squared-ReLU MLP activation (PLM's)", "models", ("--squared-relu",),
@@ -844,6 +890,9 @@ FEATURES: tuple[Feature, ...] = (
     Feature("family-hy-v3", "Hunyuan-V3 (hy_v3: sigmoid routing with the expert bias, scaled, beside a shared "
             "expert)", "compatibility", ("--model-type-hf HYV3",), supported(_HY_V3), supported(_HY_V3),
             lambda a: getattr(a, "model_type_hf", None) in ("HYV3", "hy_v3")),
+    Feature("mla-absorb", "Latent attention over the latent (the up-projection absorbed: --enable-mla-absorb)",
+            "models", ("--enable-mla-absorb",), supported(_MLA_ABSORB), supported(_MLA_ABSORB),
+            _on("enable_mla_absorb")),
     Feature("mla-lora-scaling", "Latent attention's latents scaled by sqrt(hidden / rank) (LongCat-Flash)", "models",
             ("--enable-mla-scale-q-lora", "--enable-mla-scale-kv-lora"),
             supported(_MLA_SCALE), supported(_MLA_SCALE),

@@ -43,6 +43,11 @@ def softmax_scale(cfg) -> float:
     return scale
 
 
+def _per_head(x, w):
+    """[b, s, heads, n] times each head's [heads, n, m] -> [b, s, heads, m]."""
+    return ops.transpose(ops.matmul(ops.transpose(x, 1, 2), ops.unsqueeze(w, 0)), 1, 2)
+
+
 def deinterleave(x):
     """The last dim's features as (even ones, odd ones)."""
     *lead, d = x.shape
@@ -141,11 +146,18 @@ class MLASelfAttention(nn.Module):
         if tokens is not None and tokens.cache is not None:  # the latents of every token so far
             latent, k_rope = tokens.cache.extend(self.cache_key or self.layer_number, latent, k_rope)
         sk = latent.shape[1]
-        kv = ops.reshape(self.linear_kv_up_proj(ops.reshape(latent, (b, sk, mla.kv_lora_rank))),
-                         (b, sk, heads, mla.qk_nope_head_dim + mla.v_head_dim))
-        k_nope, v = ops.split(kv, [mla.qk_nope_head_dim, mla.v_head_dim], dim=-1)
-        q = ops.cat([q_nope, q_rope], dim=-1)
-        k = ops.cat([k_nope, ops.expand(k_rope, (b, sk, heads, mla.qk_rope_head_dim))], dim=-1)
+        absorb = "mla_absorb" in cfg.fused
+        if absorb:  # attention over the latent itself (MQA): the up-projection folded into q and the output
+            features.note_used("mla-absorb")
+            w_uk, w_uv = self._up_weights(heads)
+            q = ops.cat([_per_head(q_nope, w_uk), q_rope], dim=-1)  # [b, s, heads, kv_lora_rank + rope]
+            k, v = ops.cat([latent, k_rope], dim=-1), latent  # one key/value head of the latent
+        else:
+            kv = ops.reshape(self.linear_kv_up_proj(ops.reshape(latent, (b, sk, mla.kv_lora_rank))),
+                             (b, sk, heads, mla.qk_nope_head_dim + mla.v_head_dim))
+            k_nope, v = ops.split(kv, [mla.qk_nope_head_dim, mla.v_head_dim], dim=-1)
+            q = ops.cat([q_nope, q_rope], dim=-1)
+            k = ops.cat([k_nope, ops.expand(k_rope, (b, sk, heads, mla.qk_rope_head_dim))], dim=-1)
         p = cfg.attention_dropout if nn.is_training(self) else 0.0
         fused = "attention" in cfg.fused
         if fused:
@@ -158,7 +170,16 @@ class MLASelfAttention(nn.Module):
                 return seams.attention(q, k, v, p, fused, tokens, scores, keep=keep)
 
         out = self.recompute_policy.attention(core, q, k, v)
+        if absorb:  # each head's latent output projected up to its value width
+            out = _per_head(out, ops.transpose(w_uv, 1, 2))
         return self.linear_proj(ops.reshape(out, (b, s, heads * mla.v_head_dim)))
+
+    def _up_weights(self, heads: int) -> tuple:
+        """linear_kv_up_proj's weight as each head's (key, value) up-projections, [heads,
+        qk_nope_head_dim, kv_lora_rank] and [heads, v_head_dim, kv_lora_rank] (this rank's heads)."""
+        mla = self.cfg.mla
+        w = ops.reshape(self.linear_kv_up_proj.weight, (heads, mla.qk_nope_head_dim + mla.v_head_dim, mla.kv_lora_rank))
+        return ops.split(w, [mla.qk_nope_head_dim, mla.v_head_dim], dim=1)
 
     def _choose(self, x, q_latent, q, k, cos, sin, seams, tokens):
         """Sparse attention's keys for each query (models/dsa.py): this layer's indexer's choice, or

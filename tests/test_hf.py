@@ -465,3 +465,27 @@ def test_multi_token_prediction_modules_load_and_export(references, tmp_path, na
 def test_a_family_without_multi_token_prediction_layers_refuses_them(references):
     with pytest.raises(CheckpointError, match="llama folders hold no multi-token prediction layers"):
         hf.load_folder(str(references / "llama"), mtp_num_layers=1)
+
+
+@pytest.mark.feature("mla-absorb")
+@pytest.mark.parametrize("name", ["deepseek-v2", "deepseek-v3", "deepseek-v32", "longcat-flash"])
+def test_absorbed_latent_attention_gives_transformers_logits_and_tokens(references, name):
+    """--enable-mla-absorb: attention over the cached latent (each head's query and output through its
+    slices of the up-projection) gives transformers' logits and greedy tokens: V2 without a query
+    latent under YaRN's mscale, V3 with it, V3.2 with its indexer's choice, LongCat with scaled latents."""
+    import dataclasses
+
+    from mindspeed_core.models import generate as gen, registry
+    from mindspeed_core.models.gpt import load_whole_state
+
+    cfg, state = hf.load_folder(str(references / name))
+    cfg = dataclasses.replace(cfg, fused=frozenset({"mla_absorb"}))
+    model = registry.for_config(cfg).build(cfg)
+    load_whole_state(model, state)
+    nn.set_training(model, False)
+    ref = np.load(references / f"{name}.npz")
+    scale = float(np.abs(ref["logits"]).max())
+    error = float(np.abs(ops.to_numpy(model(ops.tensor(ref["ids"]))) - ref["logits"]).max()) / scale
+    assert error < TOLERANCE, error
+    prompts = [ref["ids"][0][:12].tolist(), ref["ids"][1][3:12].tolist()]
+    assert gen.generate(model, prompts, 8) == ref["generated"].tolist()

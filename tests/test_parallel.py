@@ -98,6 +98,9 @@ MODELS = {"gqa": GQA, "mha": MHA, "moe": MOE, "sft": SFT, "lora": LORA, "dpo": D
           "gemma2": GEMMA2, "mla": MLA, "mla-moe": MLA_MOE, "gpt-oss": GPT_OSS, "lora-moe": LORA_MOE,
           # LoRA on latent attention: MindSpeed-LLM's fused down-projections' adapter (linear_qkv), linear_proj's
           "mla-lora": MLA + ["--lora-r", "4", "--lora-alpha", "8"],
+          # the same attention over the latent (--enable-mla-absorb): each head's query and output through its
+          # slice of the (head-cut) up-projection, the latent one key/value head
+          "mla-absorb": MLA + ["--enable-mla-absorb"],
           # the router's input jittered in training (megatron-core's --moe-input-jitter-eps), wide enough to
           # move the curve: TP ranks draw the same noise from the default stream, as one process does
           "moe-jitter": MOE + ["--moe-input-jitter-eps", "0.3"],
@@ -407,6 +410,7 @@ CASES = [  # (id, ranks, model, flags): the cases of each rank count share one l
     # the up-projections split by head, the down-projections (and the latents' norms) whole
     # with gradients summed over the heads of each rank
     ("mla-tp2-sp", 2, "mla", ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+    ("mla-absorb-tp2-sp", 2, "mla-absorb", ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
     # DeepSeek-V3's layer with EP2 across the TP pair: the shared expert on the gathered sequence beside
     # each rank's routed share, the expert bias moved by the loads summed over both shares, the MTP module
     ("mla-moe-tp2-sp-ep2-etp1", 2, "mla-moe", ["--tensor-model-parallel-size", "2", "--sequence-parallel",
@@ -735,16 +739,19 @@ def four_ranks(corpus, data, two_ranks, null_corpus, hf_references, tmp_path_fac
 @pytest.mark.feature("dsa-indexer")
 @pytest.mark.feature("dsa-indexer-loss")
 @pytest.mark.feature("chunk-loss")
+@pytest.mark.feature("mla-absorb")
 @pytest.mark.feature("family-longcat-flash")
 @pytest.mark.feature("moe-zero-experts")
 @pytest.mark.feature("mla-lora-scaling")
 def test_two_rank_layouts_equal_single_process(capsys, framework, corpus, two_ranks, reference,  # noqa: F811
                                                tmp_path):
     check_cases(framework, two_ranks / "out", 2, ranks_cases(2), reference)
-    # in one process the chunked loss is the whole logits' (curve and first-step gradients)
-    assert_same_curve(first(reference["gqa-chunk"]), first(reference["gqa"]))
-    worst, _ = gradient_difference(reference["gqa-chunk-grads"], reference["gqa-grads"])
-    assert worst < 1e-5, worst
+    # in one process the chunked loss is the whole logits', the absorbed latent attention the projected-up
+    # one (curve and first-step gradients)
+    for variant, plain in (("gqa-chunk", "gqa"), ("mla-absorb", "mla")):
+        assert_same_curve(first(reference[variant]), first(reference[plain]))
+        worst, _ = gradient_difference(reference[f"{variant}-grads"], reference[f"{plain}-grads"])
+        assert worst < 1e-5, (variant, worst)
     # the jitter moved the routing: the first step's gradients (one process's, at TP2 the same) are others
     worst, _ = gradient_difference(reference["moe-jitter-grads"], reference["moe-grads"])
     assert worst > 1e-2, worst

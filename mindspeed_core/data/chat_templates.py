@@ -127,6 +127,11 @@ TEMPLATES = {t.name: t for t in (
     # CPM's (MindSpeed-LLM's Seed-OSS fine-tuning lines): the tokenizer's beginning of sequence, then
     # "<用户>" before each user message and "<AI>" after it; each reply ends with the end of document
     Template("cpm", user="<用户>{content}<AI>", assistant="{content}", bos=True),
+    # Ling-V2's (MindSpeed-LLM's bailing_mini): role tags, each turn closed by <|role_end|>; the end of
+    # document after each reply (efficient_eos)
+    Template("bailing_mini", system="<role>SYSTEM</role>{content}<|role_end|>",
+             user="<role>HUMAN</role>{content}<|role_end|>", generation="<role>ASSISTANT</role>",
+             assistant="{content}<|role_end|>", stop=("<|endoftext|>",), efficient_eos=True),
     # Gemma (as its own chat template writes it): turns of user and model, no system role (a
     # system message opens the first user turn)
     Template("gemma", begin="<bos>", system="<start_of_turn>user\n{content}\n\n", first_user="{content}<end_of_turn>\n",

@@ -21,7 +21,11 @@ class DeepSeekV32(DeepSeekV3):
     specs = ()  # MindSpeed-LLM builds it with deepseek_spec and --enable-dsa-indexer (configuration.py)
     spec_also = ()
     sparse_attention = True
-    indexer_rope_interleave = False  # the indexer's rotated features: halves (DeepSeek-V3.2), pairs (GLM-5)
+    indexer_rope_interleave = False
+    refused_model_types = {"deepseek_v4": "model_type 'deepseek_v4' (DeepSeek-V4, a preview upstream) is not read: its "
+                                          "manifold-constrained hyper-connections, compressed sparse attention and hash "
+                                          "routing are not built (the matrix's deepseek-v4-* rows, planned); DeepSeek-V3.2 "
+                                          "(deepseek_v32) is"}  # the indexer's rotated features: halves (DeepSeek-V3.2), pairs (GLM-5)
     presets = {
         "tiny-deepseek-v32": dict(family="deepseek_v32", hidden_size=128, num_layers=3, num_attention_heads=4,
                                   ffn_hidden_size=256, qk_layernorm=True, norm_epsilon=1e-6, moe_layers=(1, 2),

@@ -1,4 +1,9 @@
-"""Qwen3: LLaMA's decoder with q/k norms, one attention_bias switch and Qwen's sliding windows."""
+"""Qwen3: LLaMA's decoder with q/k norms, one attention_bias switch and Qwen's sliding windows.
+
+MindSpeed-LLM's bailing_spec (Ling-V2's, and its Hunyuan-V3 scripts') builds this layer too: grouped-
+query attention with per-head q/k norms; its rotated share, its experts (sigmoid scores in groups with
+the expert bias, a shared expert) and its multi-token prediction come from the flags. Ling-V2's own
+folders (BailingMoeV2, modelling code outside transformers) are the family-ling-v2 row's."""
 
 from __future__ import annotations
 
@@ -9,7 +14,7 @@ class Qwen3(LlamaLike):
     name = "qwen3"
     architecture = "Qwen3ForCausalLM"
     aliases = ("qwen3",)
-    specs = ("qwen3_spec",)
+    specs = ("qwen3_spec", "bailing_spec")
     window = "typed"
     one_attention_bias = True
     qk_norm = True

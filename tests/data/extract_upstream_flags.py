@@ -16,7 +16,7 @@ import sys
 
 FAMILIES = ("llama2", "qwen25", "qwen3", "qwen3_moe", "phi35", "gemma2", "deepseek3", "deepseek2_lite", "glm45",
             "glm45-air", "qwen3_next", "qwen3_coder_next", "gated_deltanet", "kimi2", "seed_oss", "magistral",
-            "minimax27", "plm", "deepseek32", "glm5", "glm52", "longcat")
+            "minimax27", "plm", "deepseek32", "glm5", "glm52", "longcat", "hunyuan3", "ling_v2")
 ENTRY_POINTS = ("pretrain_gpt.py", "posttrain_gpt.py", "preprocess_data.py", "convert_ckpt.py", "convert_ckpt_v2.py",
                 "inference.py", "evaluation.py")
 PATHISH = re.compile(r"(path|dir|your|\.json|\.model|/)", re.I)
