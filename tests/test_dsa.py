@@ -185,3 +185,24 @@ def test_in_a_model_the_indexer_loss_trains_the_indexers_and_changes_no_other_gr
             assert not grads[0.0][name].any() and np.abs(grads[1.0][name]).max() > 1e-6, name
         else:
             np.testing.assert_array_equal(grads[1.0][name], grads[0.0][name], err_msg=name)
+
+
+def test_bad_sparse_attention_input_is_one_clear_line(tmp_path):
+    """A top-k of zero, GLM-5's shared layer without an indexer before it, sparse attention on latent
+    attention without a query latent, and a DeepSeek-V4 folder (its mechanisms not built): each
+    refused naming what is wrong."""
+    import json
+
+    from mindspeed_core.compat import hf
+    from mindspeed_core.errors import CheckpointError
+    from mindspeed_core.models.config import DSAConfig, ModelConfig
+
+    with pytest.raises(ValueError, match="topk must be a positive integer"):
+        DSAConfig(topk=0)
+    with pytest.raises(ValueError, match="the first layer shares the top-k of an earlier layer"):
+        DSAConfig(layer_types=("shared", "full"))
+    with pytest.raises(ValueError, match="needs multi-latent attention with --q-lora-rank"):
+        ModelConfig(mla=dict(kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8), dsa=dict(topk=4))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "deepseek_v4", "hidden_size": 64}))
+    with pytest.raises(CheckpointError, match="hyper-connections, compressed sparse attention and hash routing"):
+        hf.load_config(str(tmp_path))

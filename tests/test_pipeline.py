@@ -128,6 +128,11 @@ def test_layouts_split_the_layers_as_megatron_and_mindspeed_do():
     (["--num-layers-per-virtual-pipeline-stage", "1"], "needs --pipeline-model-parallel-size > 1"),
     (["--noop-layers", "4"], "noop_layers [4] must be some, not all, of the layers 0..3"),
     (["--noop-layers", "0,1,2,3"], "must be some, not all"),
+    # GLM-5's shared top-k: the second stage would start with a layer reusing the first stage's choice
+    (["--multi-latent-attention", "--q-lora-rank", "16", "--kv-lora-rank", "8", "--qk-head-dim", "8",
+      "--qk-pos-emb-head-dim", "4", "--v-head-dim", "8", "--qk-layernorm", "--enable-dsa-indexer",
+      "--index-topk-pattern", "FFSF", "--pipeline-model-parallel-size", "2", "--num-query-groups", "4"],
+     "layer 3 uses the top-k keys of layer 2, which pipeline stage 1 does not hold"),
 ])
 def test_bad_pipeline_layouts_are_one_line_before_any_model_is_built(capsys, corpus, tmp_path, flags, message):  # noqa: F811
     code, out, err = train(capsys, *SMALL4, "--data-path", corpus, "--train-iters", "1", *flags)
