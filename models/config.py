@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from mindspeed_core.models import rope
 
 FUSED_KERNELS = ("attention", "rms_norm", "swiglu", "rope", "grouped_matmul", "matmul_add", "gated_delta_rule",
-                 "mla_absorb")
+                 "mla_absorb", "sparse_attention", "lightning_indexer")
 # the MLP activations; the gated ones (fc1 holds gate rows, then up rows) first
 GATED_ACTIVATIONS = ("swiglu", "geglu", "geglu_tanh", "quick_geglu")
 ACTIVATIONS = GATED_ACTIVATIONS + ("gelu", "gelu_tanh", "squared_relu")

@@ -15,7 +15,7 @@ number is MindSpeed-LLM's --num-layers'); its two attentions cache apart.
 
 from __future__ import annotations
 
-from mindspeed_core import nn
+from mindspeed_core import features, nn
 from mindspeed_core.memory import recompute
 from mindspeed_core.models.gpt import MLP, SINGLE_DEVICE, TransformerLayer
 from mindspeed_core.models.layers import make_norm
@@ -47,6 +47,7 @@ class ShortcutMoELayer(nn.Module):
         return [("mlps_0", self.mlps_0), ("mlps_1", self.mlps_1)]
 
     def forward(self, x, cos, sin, seams=SINGLE_DEVICE, tokens=None):
+        features.note_used("family-longcat-flash")
         norm = self.recompute_policy.norm_of
         with self.swap():
             x = x + self._branch(self.self_attention_0(norm(self.input_layernorm_0, x), cos, sin, seams, tokens), seams)

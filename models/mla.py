@@ -192,6 +192,8 @@ class MLASelfAttention(nn.Module):
             features.note_used("dsa-shared-topk")
             return tokens.choices[cfg.dsa.source_of(self.layer_number)]
         cache = None if tokens is None else tokens.cache
+        if cfg.fused & {"sparse_attention", "lightning_indexer"}:  # Ascend's kernels: the composite here
+            features.note_used("sparse-flash-attention")
         scores = indexer(x, q_latent, cos, sin, cache, self.layer_number)
         allowed = dsa.allowed_keys(q.shape[1], k.shape[1], tokens)
         keep = dsa.choose(scores, allowed, cfg.dsa.topk)

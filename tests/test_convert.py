@@ -272,7 +272,7 @@ def folder_with_mtp(source, dest):
 @pytest.mark.feature("weight-conversion")
 @pytest.mark.feature("multi-token-prediction")
 @pytest.mark.parametrize("model_type", ["deepseek3", "glm45", pytest.param("deepseek32", marks=pytest.mark.feature(
-    "dsa-indexer"))])
+    "family-deepseek-v32"))])
 def test_multi_token_prediction_modules_convert_to_megatron_and_back(capsys, hf_references, tmp_path, model_type):
     """MindSpeed-LLM's flags of its DeepSeek-V3, GLM-4.5 and DeepSeek-V3.2 conversion scripts at TP2
     x EP2 x PP2: the module sits on the last stage under MindSpeed-LLM's names (mtp.layers.0.*, its

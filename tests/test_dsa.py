@@ -15,8 +15,6 @@ from mindspeed_core import autograd, nn, ops, random
 from mindspeed_core.models import dsa, families
 from mindspeed_core.models.gpt import Tokens
 
-pytestmark = pytest.mark.feature("dsa-indexer")
-
 # 20 queries keeping 5 keys; 16 indexer heads, so that no key scores exactly 0 (every head's ReLU zero)
 # at the 5th place, where numpy's and a framework's top-k may break the tie differently
 S, HEADS, D, ROPE, LATENT, HIDDEN, N, DI, TOPK = 20, 4, 12, 4, 24, 32, 16, 8, 5
@@ -95,6 +93,7 @@ def _ours(indexer, inputs):
     return scores, keep, dsa.indexer_loss(q, k, D ** -0.5, scores, keep, lambda t: t)
 
 
+@pytest.mark.feature("dsa-indexer")
 @pytest.mark.feature("dsa-indexer-loss")
 @pytest.mark.parametrize("interleave", [False, True], ids=["halves", "pairs"])
 def test_scores_choice_and_loss_equal_a_float64_numpy_model(interleave):
@@ -116,6 +115,7 @@ def test_scores_choice_and_loss_equal_a_float64_numpy_model(interleave):
     assert want_loss > 0.05  # far from its minimum: the gradients below are not noise
 
 
+@pytest.mark.feature("dsa-indexer")
 @pytest.mark.feature("dsa-indexer-loss")
 def test_the_loss_gradient_reaches_the_indexer_alone_as_float64_differences():
     indexer = _indexer(False)
@@ -154,7 +154,9 @@ def test_the_loss_gradient_reaches_the_indexer_alone_as_float64_differences():
         assert np.abs(grad).max() > 1e-3, name  # every indexer weight learns
 
 
+@pytest.mark.feature("dsa-indexer")
 @pytest.mark.feature("dsa-indexer-loss")
+@pytest.mark.feature("dsa-shared-topk")
 def test_in_a_model_the_indexer_loss_trains_the_indexers_and_changes_no_other_gradient():
     """The step's objective (training/losses.py) with --indexer-loss-coeff 1 against 0: every
     gradient outside the indexers is the same, the indexers' are zero without it; with GLM-5's

@@ -62,7 +62,7 @@ MLA_MOE = LATENT + ["--num-experts", "8", "--moe-router-topk", "2", "--moe-ffn-h
                     # DeepSeek-V3.2's sparse attention: each of the 32 queries keeps its 8 best keys by an indexer of
                     # 8 heads (in the MTP module too), which learns from its loss
                     "--enable-dsa-indexer", "--index-topk", "8", "--index-n-heads", "8", "--index-head-dim", "16",
-                    "--indexer-loss-coeff", "1.0"]
+                    "--indexer-loss-coeff", "1.0", "--use-fused-lightning-indexer", "--use-sparse-flash-attn"]
 # GPT-OSS's layer (the tiny-gpt-oss preset's sinks, biases and YaRN) with megatron-core's
 # flags: a window of 5 earlier keys in every layer but each second, every layer top-2 of 4
 # biased experts with a biased router, their quick-GEGLU clamped at 0.1 (so the clamp bites)
@@ -739,6 +739,7 @@ def four_ranks(corpus, data, two_ranks, null_corpus, hf_references, tmp_path_fac
 @pytest.mark.feature("dsa-indexer")
 @pytest.mark.feature("dsa-indexer-loss")
 @pytest.mark.feature("chunk-loss")
+@pytest.mark.feature("sparse-flash-attention")
 @pytest.mark.feature("mla-absorb")
 @pytest.mark.feature("family-longcat-flash")
 @pytest.mark.feature("moe-zero-experts")

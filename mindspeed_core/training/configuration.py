@@ -57,7 +57,9 @@ FUSED_FLAGS = {"use_flash_attn": "attention", "use_fused_rmsnorm": "rms_norm", "
 # flags that name a fused path the embedded run does not turn on by itself (a gradient path, a
 # kernel that is not bound): ModelConfig.fused too
 FUSED_PATH_FLAGS = {"gemm_gradient_accumulation_fusion": "matmul_add", "use_triton_gdn": "gated_delta_rule",
-                    "enable_mla_absorb": "mla_absorb"}
+                    "enable_mla_absorb": "mla_absorb", "use_sparse_flash_attn": "sparse_attention",
+                    "use_fused_lightning_indexer": "lightning_indexer",
+                    "use_fused_lightning_indexer_loss": "lightning_indexer"}
 
 _MODEL_FLAGS = {  # flag -> ModelConfig field
     "num_layers": "num_layers", "hidden_size": "hidden_size", "ffn_hidden_size": "ffn_hidden_size",

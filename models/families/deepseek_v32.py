@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from mindspeed_core import features
 from mindspeed_core.errors import CheckpointError
 from mindspeed_core.models.config import DSAConfig, ModelConfig
 from mindspeed_core.models.families.deepseek import DeepSeekV3
@@ -21,6 +22,7 @@ class DeepSeekV32(DeepSeekV3):
     specs = ()  # MindSpeed-LLM builds it with deepseek_spec and --enable-dsa-indexer (configuration.py)
     spec_also = ()
     sparse_attention = True
+    feature = "family-deepseek-v32"  # the matrix's row, noted where its tensors are named
     indexer_rope_interleave = False
     refused_model_types = {"deepseek_v4": "model_type 'deepseek_v4' (DeepSeek-V4, a preview upstream) is not read: its "
                                           "manifold-constrained hyper-connections, compressed sparse attention and hash "
@@ -73,6 +75,7 @@ class DeepSeekV32(DeepSeekV3):
         return out
 
     def layer_names(self, cfg: ModelConfig, i: int) -> dict:
+        features.note_used(self.feature)
         names = super().layer_names(cfg, i)
         if cfg.dsa.runs_indexer(i):
             a, b = f"model.layers.{i}.self_attn.indexer.", f"decoder.layers.{i}.self_attention.dsa_indexer."

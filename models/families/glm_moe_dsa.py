@@ -15,6 +15,7 @@ class GlmMoeDsa(DeepSeekV32):
     name = "glm_moe_dsa"
     architecture = "GlmMoeDsaForCausalLM"
     aliases = ("glm5",)
+    feature = "family-glm5"
     indexer_rope_interleave = True
     presets = {
         "tiny-glm5": dict(DeepSeekV32.presets["tiny-deepseek-v32"], family="glm_moe_dsa", num_layers=4,
