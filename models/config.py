@@ -203,6 +203,17 @@ class DSAConfig:
             number -= 1
         return number
 
+    def unsourced(self, numbers) -> str | None:
+        """Why the layers ``numbers`` (a pipeline stage's) cannot run alone: the first that uses the
+        choice of a layer they do not hold, or None."""
+        for number in numbers:
+            source = self.source_of(number)
+            if source not in numbers:
+                return (f"layer {number + 1} uses the top-k keys of layer {source + 1}, which this pipeline stage does "
+                        f"not hold: start each stage with a layer that runs its indexer (--num-layer-list, "
+                        f"--index-topk-freq, --index-skip-topk-offset)")
+        return None
+
 
 def indexer_layer_types(layers: int, freq: int, offset: int) -> tuple:
     """GLM-5's schedule (MindSpeed-LLM's --index-topk-freq, --index-skip-topk-offset; transformers'

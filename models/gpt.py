@@ -377,13 +377,8 @@ class Decoder(nn.Module):
         for number, layer in zip(self.numbers, self.layers):
             for _, attention in layer.attentions():
                 attention.layer_number = number
-        if cfg.dsa is not None:  # a layer sharing another's choice of keys needs it in this forward
-            for number in self.numbers:
-                source = cfg.dsa.source_of(number)
-                if source not in self.numbers:
-                    raise ValueError(f"layer {number + 1} uses the top-k keys of layer {source + 1}, which is not in "
-                                     f"this pipeline stage or is a no-op: start each stage with a layer that runs "
-                                     f"its indexer (--num-layer-list, --index-topk-freq, --index-skip-topk-offset)")
+        if cfg.dsa is not None and cfg.dsa.unsourced(self.numbers):  # a shared choice must be made in this forward
+            raise ValueError(cfg.dsa.unsourced(self.numbers))
         if final_norm:
             self.final_layernorm = make_norm(cfg, cfg.hidden_size)
         self.has_final_norm = final_norm

@@ -132,7 +132,7 @@ def test_layouts_split_the_layers_as_megatron_and_mindspeed_do():
     (["--multi-latent-attention", "--q-lora-rank", "16", "--kv-lora-rank", "8", "--qk-head-dim", "8",
       "--qk-pos-emb-head-dim", "4", "--v-head-dim", "8", "--qk-layernorm", "--enable-dsa-indexer",
       "--index-topk-pattern", "FFSF", "--pipeline-model-parallel-size", "2", "--num-query-groups", "4"],
-     "layer 3 uses the top-k keys of layer 2, which pipeline stage 1 does not hold"),
+     "pipeline stage 1: layer 3 uses the top-k keys of layer 2, which this pipeline stage does not hold"),
 ])
 def test_bad_pipeline_layouts_are_one_line_before_any_model_is_built(capsys, corpus, tmp_path, flags, message):  # noqa: F811
     code, out, err = train(capsys, *SMALL4, "--data-path", corpus, "--train-iters", "1", *flags)

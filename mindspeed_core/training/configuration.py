@@ -1036,13 +1036,9 @@ def check_configuration(args, world: int, default_save: bool = False):
     layout = pipeline_layout(args, cfg)
     if cfg.dsa is not None:  # a stage's first layer must choose its own keys (MindSpeed-LLM's rule too)
         for stage in range(layout.virtual_stages):
-            numbers = layout.layers(stage)
-            shared = [n for n in numbers if cfg.dsa.source_of(n) not in numbers]
-            if shared:
-                raise MindSpeedError(f"layer {shared[0] + 1} uses the top-k keys of layer "
-                                     f"{cfg.dsa.source_of(shared[0]) + 1}, which pipeline stage {stage} does not hold: "
-                                     f"start each stage with a layer that runs its indexer (--num-layer-list, "
-                                     f"--index-topk-freq, --index-skip-topk-offset)")
+            why = cfg.dsa.unsourced(layout.layers(stage))
+            if why:
+                raise MindSpeedError(f"pipeline stage {stage}: {why}")
     recompute.check(args, [sum(len(layout.layers(layout.stage(r, c))) for c in range(layout.chunks))
                            for r in range(layout.pp)])
     if world % (tp * pp * cp):
