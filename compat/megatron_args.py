@@ -444,6 +444,9 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
                    help="the indexer's head width (default 128)")
     m.add_argument("--indexer-loss-coeff", type=NON_NEGATIVE, default=None,
                    help="the indexer loss's weight (default 1.0; 0: the indexer does not learn)")
+    m.add_argument("--indexer-dense-warmup", action="store_true", default=None,
+                   help="DeepSeek-V3.2's warm-up stage (a flag of ours, none upstream): dense attention, and only "
+                        "the indexers train, from their loss over every key")
     m.add_argument("--index-topk-freq", type=POSITIVE_INT, default=None,
                    help="GLM-5: every N-th layer from the offset runs its indexer, the others share its top-k")
     m.add_argument("--index-skip-topk-offset", type=COUNT, default=None,

@@ -197,6 +197,10 @@ _DSA = ("models/dsa.py: the lightning indexer (its queries from the query latent
         "see; the attention masks the rest (a mask on the dense scores here: ordinary attention's memory plus a "
         "boolean per query and key); the indexer's keys cached beside the latents in generation; TP (+ SP) with the "
         "indexer replicated, PP and DP; not with context parallelism")
+_DSA_WARMUP = ("DeepSeek-V3.2's first stage, a flag of ours (MindSpeed-LLM has none): every layer attends to every "
+               "key it may see, each indexer's loss is the KL over all of them, and only the indexers' weights train "
+               "(the others get no gradient and no optimizer state); the sparse stage then starts from its "
+               "checkpoint with --finetune or --no-load-optim")
 _DSA_LOSS = ("the indexer's loss: KL of the main attention's probabilities over the chosen keys (summed over its "
              "heads, normalised) to the indexer's softmax over them, averaged over the queries, times "
              "--indexer-loss-coeff; the indexer's inputs detached, so it trains the indexer alone; joins the gradient "
@@ -337,6 +341,8 @@ _COMPILE_ALIGN = "--compile with a preference or reward stage is not built yet"
 _MTP_CP = ("multi-token prediction with context parallelism is not built yet: the labels a depth further on "
            "cross the context-parallel ranks' chunks")
 _MTP_LAYOUTS = "TP, SP, PP, DP and EP"
+_DSA_COMPILE = ("--compile with sparse attention is not built yet (the compiled loss is the next-token loss, without "
+                "the indexers' loss)")
 _MTP_COMPILE = "--compile with multi-token prediction is not built yet (the compiled loss is the next-token loss)"
 _MTP_STAGES = ("multi-token prediction trains with the language-model loss of pre-training and fine-tuning; with a "
                "preference or reward stage, or LoRA adapters, it is not built yet")
@@ -837,6 +843,8 @@ FEATURES: tuple[Feature, ...] = (
     Feature("dsa-indexer-loss", "Sparse attention's indexer loss (KL to the main attention over the chosen keys)",
             "models", ("--indexer-loss-coeff",), supported(_DSA_LOSS), supported(_DSA_LOSS),
             lambda a: bool(getattr(a, "enable_dsa_indexer", False)) and getattr(a, "indexer_loss_coeff", 1.0) != 0),
+    Feature("dsa-dense-warmup", "Sparse attention's dense warm-up stage (the indexers trained alone)", "models",
+            ("--indexer-dense-warmup",), supported(_DSA_WARMUP), supported(_DSA_WARMUP), _on("indexer_dense_warmup")),
     Feature("dsa-shared-topk", "GLM-5's layers sharing an earlier layer's top-k", "models",
             ("--index-topk-freq", "--index-skip-topk-offset", "--index-topk-pattern"),
             supported(_DSA_SHARED), supported(_DSA_SHARED),
@@ -1041,6 +1049,9 @@ FEATURES: tuple[Feature, ...] = (
             lambda a: bool(getattr(a, "multi_latent_attention", False)) and getattr(a, "q_lora_rank", None) is None
             and (getattr(a, "lora_r", None) is not None or getattr(a, "lora_target_modules", None) is not None)
             and "linear_qkv" in (getattr(a, "lora_target_modules", None) or ("linear_qkv",))),
+    Feature("dsa-compile", "Compiled step with sparse attention", "combinations", ("--compile", "--enable-dsa-indexer"),
+            planned(_DSA_COMPILE, instead="drop --compile"), planned(_DSA_COMPILE, instead="drop --compile"),
+            lambda a: bool(getattr(a, "enable_dsa_indexer", False)) and bool(getattr(a, "compile", False))),
     Feature("dsa-context-parallel", "Sparse attention with context parallelism", "combinations",
             ("--enable-dsa-indexer", "--context-parallel-size"),
             planned(_DSA_CP, instead=_DSA_CP_INSTEAD), planned(_DSA_CP, instead=_DSA_CP_INSTEAD),

@@ -166,7 +166,9 @@ class DSAConfig:
     ``loss_coeff`` (--indexer-loss-coeff). ``rope_interleave``: the indexer's rotated
     features stored in pairs (GLM-5's) or halves (DeepSeek-V3.2's). ``layer_types``: per layer
     "full" (its own indexer) or "shared" (the top-k of the nearest full layer before it: GLM-5's
-    --index-topk-freq / --index-skip-topk-offset); None: every layer full."""
+    --index-topk-freq / --index-skip-topk-offset); None: every layer full. ``dense_warmup``:
+    DeepSeek-V3.2's first stage (--indexer-dense-warmup): the attention sees every key, and the
+    indexer learns from the loss over all of them (training then moves the indexers alone)."""
 
     topk: int = 2048
     n_heads: int = 64
@@ -174,6 +176,7 @@ class DSAConfig:
     loss_coeff: float = 0.0
     rope_interleave: bool = False
     layer_types: tuple | None = None
+    dense_warmup: bool = False
 
     def __post_init__(self):
         for name in ("topk", "n_heads", "head_dim"):
@@ -183,6 +186,9 @@ class DSAConfig:
         if not isinstance(self.loss_coeff, (int, float)) or not math.isfinite(self.loss_coeff) or self.loss_coeff < 0:
             raise ValueError(f"the indexer loss coefficient must be a finite non-negative number, "
                              f"got {self.loss_coeff!r}")
+        if self.dense_warmup and not self.loss_coeff:
+            raise ValueError("the dense warm-up trains the indexers from their loss alone: an indexer loss "
+                             "coefficient of 0 leaves nothing to train")
         if self.layer_types is not None:
             object.__setattr__(self, "layer_types", tuple(self.layer_types))
             wrong = sorted({t for t in self.layer_types if t not in ("full", "shared")})
@@ -476,6 +482,9 @@ class ModelConfig:
                                  f"--index-head-dim {self.dsa.head_dim} features: it needs at least as many")
             if self.dsa.layer_types is not None and len(self.dsa.layer_types) != self.num_layers:
                 raise ValueError(f"{len(self.dsa.layer_types)} indexer layer types for {self.num_layers} layers")
+            if self.dsa.dense_warmup and self.lora is not None:
+                raise ValueError("the dense warm-up trains the indexers alone, and LoRA only its adapters: one "
+                                 "stage at a time (drop --lora-r / --lora-target-modules or --indexer-dense-warmup)")
         if isinstance(self.linear_attention, dict):
             object.__setattr__(self, "linear_attention", LinearAttentionConfig(**self.linear_attention))
         if self.linear_layers is not None:

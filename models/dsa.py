@@ -39,6 +39,11 @@ class Choice:
     keep: object
 
 
+def is_indexer(name: str) -> bool:
+    """A parameter of an indexer (what the dense warm-up trains alone)."""
+    return ".dsa_indexer." in name
+
+
 class Indexer(nn.Module):
     def __init__(self, cfg):
         super().__init__()

@@ -452,6 +452,7 @@ class GPTModel(nn.Module):
 
             self.mtp = MultiTokenPrediction(cfg, self.make_mlp)
         self._mtp_input = {}  # what the last forward leaves for mtp_loss (a dict: a Cell's attribute)
+        self.indexer_log = []  # (summed KL, indexer layers) per training forward: the step's log
         if post_process and cfg.reward_head:
             self.rm_head = Linear(cfg.hidden_size, 1, False, cfg.init_method_std)
         elif post_process and cfg.untie_embeddings_and_output_weights:
@@ -758,9 +759,20 @@ class GPTModel(nn.Module):
         """The sum of this model's (or pipeline chunk's) sparse-attention indexer losses from its
         last training forward (models/dsa.py), or None: like the routers' losses, a term of the
         gradient, not of the reported loss."""
-        losses = [attention.indexer_loss for _, layer in self.transformer_layers() for _, attention in layer.attentions()
-                  if getattr(attention, "indexer_loss", None) is not None]
-        return sum(losses[1:], losses[0]) if losses else None
+        attentions = [attention for _, layer in self.transformer_layers() for _, attention in layer.attentions()
+                      if getattr(attention, "indexer_loss", None) is not None]
+        if not attentions:
+            return None
+        kls = [a.indexer_kl for a in attentions]
+        self.indexer_log.append((sum(kls[1:], kls[0]), len(kls)))
+        losses = [a.indexer_loss for a in attentions]
+        return sum(losses[1:], losses[0])
+
+    def take_indexer_log(self) -> tuple[float, int]:
+        """(the indexer layers' KLs summed, how many) over the training forwards since the last call."""
+        kl, count = sum(float(ops.to_numpy(v)) for v, _ in self.indexer_log), sum(n for _, n in self.indexer_log)
+        self.indexer_log = []
+        return kl, count
 
     def loss(self, ids, labels, tokens: Tokens | None = None):
         """The whole model's loss (see loss_from_logits)."""

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 
-from mindspeed_core import composite, features, nn, ops
+from mindspeed_core import autograd, composite, features, nn, ops
 from mindspeed_core.memory import recompute
 from mindspeed_core.models import dsa, lora, rope
 from mindspeed_core.models.gpt import SINGLE_DEVICE, linear, layer_scores
@@ -88,7 +88,8 @@ class MLASelfAttention(nn.Module):
             self.kv_lora_scale = math.sqrt(h / mla.kv_lora_rank)
         if cfg.dsa is not None and cfg.dsa.runs_indexer(number):
             self.dsa_indexer = dsa.Indexer(cfg)
-        self.indexer_loss = None  # the last training forward's (sparse attention), for the step's gradient
+        # the last training forward's (sparse attention): its loss for the step's gradient, its KL for the log
+        self.indexer_loss = self.indexer_kl = None
 
     def _down_adapter(self, x):
         """The fused down-projections' LoRA output split as the query latent's and the key/value
@@ -187,7 +188,7 @@ class MLASelfAttention(nn.Module):
         training also the indexer's loss, times its coefficient and this rank's share."""
         cfg = self.cfg
         indexer = getattr(self, "dsa_indexer", None)
-        self.indexer_loss = None
+        self.indexer_loss = self.indexer_kl = None
         if indexer is None:
             features.note_used("dsa-shared-topk")
             return tokens.choices[cfg.dsa.source_of(self.layer_number)]
@@ -196,10 +197,15 @@ class MLASelfAttention(nn.Module):
             features.note_used("sparse-flash-attention")
         scores = indexer(x, q_latent, cos, sin, cache, self.layer_number)
         allowed = dsa.allowed_keys(q.shape[1], k.shape[1], tokens)
-        keep = dsa.choose(scores, allowed, cfg.dsa.topk)
+        if cfg.dsa.dense_warmup:  # every key the attention may see, the indexer learning them all
+            features.note_used("dsa-dense-warmup")
+            keep, chosen = None, allowed
+        else:
+            keep = chosen = dsa.choose(scores, allowed, cfg.dsa.topk)
         if tokens is not None and tokens.choices is not None:
             tokens.choices[self.layer_number] = keep
         if cfg.dsa.loss_coeff and nn.is_training(self):
-            share = cfg.dsa.loss_coeff * seams.replicated_loss_share()
-            self.indexer_loss = dsa.indexer_loss(q, k, self.scale, scores, keep, seams.sum_over_heads) * share
+            kl = dsa.indexer_loss(q, k, self.scale, scores, chosen, seams.sum_over_heads)
+            self.indexer_loss = kl * (cfg.dsa.loss_coeff * seams.replicated_loss_share())
+            self.indexer_kl = autograd.detach(kl)  # the whole KL on every TP rank: the log's
         return keep

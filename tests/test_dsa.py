@@ -189,6 +189,92 @@ def test_in_a_model_the_indexer_loss_trains_the_indexers_and_changes_no_other_gr
             np.testing.assert_array_equal(grads[1.0][name], grads[0.0][name], err_msg=name)
 
 
+@pytest.mark.feature("dsa-dense-warmup")
+def test_the_dense_warmup_attends_to_every_key_and_its_loss_covers_them():
+    """--indexer-dense-warmup: the logits are those of the same weights without an indexer (every
+    key seen) and far from the sparse model's; each indexer's loss is the KL over every visible
+    key (the float64 numpy model's with the causal mask for the choice)."""
+    from mindspeed_core.models import registry
+    from mindspeed_core.models.gpt import load_whole_state, whole_state
+
+    rng = np.random.default_rng(12)
+    ids = ops.tensor(rng.integers(0, 64, (2, 24)))  # 24 positions, 4 keys kept when sparse
+    base = families.preset("tiny-deepseek-v32", vocab_size=64, max_position_embeddings=32)
+    sparse = dataclasses.replace(base, dsa=dataclasses.replace(base.dsa, topk=4))
+    logits, states, losses = {}, {}, {}
+    for name, cfg in (("sparse", sparse), ("warmup", dataclasses.replace(sparse, dsa=dataclasses.replace(
+            sparse.dsa, dense_warmup=True))), ("every key", dataclasses.replace(sparse, dsa=dataclasses.replace(
+            sparse.dsa, topk=24))), ("dense", dataclasses.replace(base, dsa=None))):
+        random.seed(11)
+        model = registry.for_config(cfg).build(cfg)
+        if states:  # the sparse model's weights (the dense one has no indexers)
+            load_whole_state(model, {k: v for k, v in states["sparse"].items() if k in whole_state(model)})
+        states[name] = whole_state(model)
+        nn.set_training(model, True)  # no dropout: the indexer losses are computed
+        logits[name] = ops.to_numpy(model(ids))
+        losses[name] = None if cfg.dsa is None else float(ops.to_numpy(model.indexer_losses()))
+    top = np.abs(logits["dense"]).max()
+    assert top > 0.5  # logits of O(1)
+    np.testing.assert_allclose(logits["warmup"], logits["dense"], atol=1e-6 * top, rtol=0)
+    assert np.abs(logits["sparse"] - logits["dense"]).max() > 0.05 * top  # the choice matters at this length
+    # the warm-up's loss is the one over every key (a top-k past the sequence), not over the choice's
+    assert losses["warmup"] == pytest.approx(losses["every key"], rel=1e-5)
+    assert abs(losses["sparse"] - losses["every key"]) > 0.1 * losses["every key"]
+
+    indexer = _indexer(False)
+    inputs = _inputs(9)
+    x, latent, q, k, cos, sin = (ops.tensor(a) for a in inputs)
+    scores = indexer(x, latent, cos, sin)
+    loss = dsa.indexer_loss(q, k, D ** -0.5, scores, dsa.allowed_keys(S, S, None), lambda t: t)
+    causal = np.broadcast_to(np.tril(np.ones((S, S), bool)), (2, S, S))
+    want = _numpy_loss(_numpy_scores(_weights(indexer), *inputs[:2], *inputs[4:], False), causal, *inputs[2:4])
+    assert float(ops.to_numpy(loss)) == pytest.approx(want, rel=2e-5)
+
+
+# a small DeepSeek-V3.2 layer from MindSpeed-LLM's flags (dense MLPs): 32 positions, 8 keys kept
+DSA_RUN = ["--multi-latent-attention", "--q-lora-rank", "16", "--kv-lora-rank", "16", "--qk-head-dim", "16",
+           "--qk-pos-emb-head-dim", "8", "--v-head-dim", "16", "--qk-layernorm", "--enable-dsa-indexer",
+           "--index-topk", "8", "--index-n-heads", "4", "--index-head-dim", "16", "--num-layers", "2",
+           "--hidden-size", "64", "--ffn-hidden-size", "128", "--num-attention-heads", "4", "--swiglu",
+           "--normalization", "RMSNorm", "--disable-bias-linear", "--untie-embeddings-and-output-weights",
+           "--position-embedding-type", "rope", "--seq-length", "32", "--max-position-embeddings", "32",
+           "--micro-batch-size", "2", "--global-batch-size", "4", "--lr", "1e-2", "--init-method-std", "0.2",
+           "--eval-iters", "0",
+           "--sample-tokens", "0", "--no-progress", "--log-interval", "1"]
+
+
+@pytest.mark.feature("dsa-dense-warmup")
+@pytest.mark.feature("dsa-indexer-loss")
+def test_the_dense_warmup_trains_the_indexers_alone_and_the_sparse_stage_starts_from_it(tmp_path, capsys):
+    """Four warm-up steps move every indexer weight and no other (the others have no optimizer
+    state), the indexer loss is logged each step and falls; the sparse stage then trains from the
+    warm-up's checkpoint with --finetune, and without it is told so in one line."""
+    import json
+
+    from mindspeed_core import cli
+    from mindspeed_core.training import checkpoint
+
+    warm, metrics = tmp_path / "warm", tmp_path / "m.jsonl"
+    assert cli.main(["train", *DSA_RUN, "--indexer-dense-warmup", "--train-iters", "4", "--save", str(warm),
+                     "--save-interval", "1", "--metrics-file", str(metrics)]) == 0
+    first, last = checkpoint.load_model_arrays(str(warm), 1), checkpoint.load_model_arrays(str(warm), 4)
+    indexers = [n for n in first if dsa.is_indexer(n)]
+    assert len(indexers) == 2 * 5  # wq_b, wk, k_norm's weight and bias, weights_proj in each layer
+    for name in first:
+        if name in indexers:
+            assert np.abs(last[name] - first[name]).max() > 1e-4, name
+        else:
+            np.testing.assert_array_equal(last[name], first[name], err_msg=name)
+    records = [r for r in map(json.loads, open(metrics)) if "loss" in r]
+    kl = [r["indexer_loss"] for r in records]
+    assert len(kl) == 4 and kl[-1] < kl[0], kl
+    sparse = ["train", *DSA_RUN, "--train-iters", "6", "--load", str(warm)]
+    assert cli.main([*sparse, "--finetune", "--save", str(tmp_path / "sparse")]) == 0
+    capsys.readouterr()
+    assert cli.main([*sparse, "--save", str(tmp_path / "resumed")]) == 2
+    assert "trained other parameters" in capsys.readouterr().err
+
+
 def test_bad_sparse_attention_input_is_one_clear_line(tmp_path):
     """A top-k of zero, GLM-5's shared layer without an indexer before it, sparse attention on latent
     attention without a query latent, and a DeepSeek-V4 folder (its mechanisms not built): each

@@ -812,6 +812,7 @@ def _agreeing_with_flags(args, cfg: ModelConfig, vocab_size: int, scaling: dict 
 _DSA_FLAGS = {"index_topk": "topk", "index_n_heads": "n_heads", "index_head_dim": "head_dim",
               "indexer_loss_coeff": "loss_coeff"}
 _DSA_SCHEDULE = ("index_topk_freq", "index_skip_topk_offset", "index_topk_pattern")
+_DSA_TRAINING = ("indexer_dense_warmup",)  # how the run trains the indexer, not what it is
 
 
 def _dsa_layer_types(args, num_layers: int) -> tuple | None:
@@ -831,7 +832,7 @@ def _dsa_layer_types(args, num_layers: int) -> tuple | None:
 def _dsa_config(args, num_layers: int) -> DSAConfig | None:
     """--enable-dsa-indexer and its settings, on the latent attention of the MLA flags."""
     if not args.enable_dsa_indexer:
-        given = [f for f in (*_DSA_FLAGS, *_DSA_SCHEDULE) if getattr(args, f) is not None]
+        given = [f for f in (*_DSA_FLAGS, *_DSA_SCHEDULE, *_DSA_TRAINING) if getattr(args, f) is not None]
         if given:
             raise MindSpeedError(f"--{given[0].replace('_', '-')} qualifies sparse attention's indexer: give "
                                  f"--enable-dsa-indexer too")
@@ -840,7 +841,8 @@ def _dsa_config(args, num_layers: int) -> DSAConfig | None:
     values.update((field, getattr(args, flag)) for flag, field in _DSA_FLAGS.items() if getattr(args, flag) is not None)
     try:
         return DSAConfig(**values, layer_types=_dsa_layer_types(args, num_layers),
-                         rope_interleave=bool(args.apply_rope_no_in_complex))
+                         rope_interleave=bool(args.apply_rope_no_in_complex),
+                         dense_warmup=bool(args.indexer_dense_warmup))
     except ValueError as exc:
         raise MindSpeedError(f"model configuration: {exc}") from None
 
@@ -850,7 +852,7 @@ def _dsa_agreeing_with_flags(args, cfg: ModelConfig) -> ModelConfig:
     the folder's; --index-topk and --indexer-loss-coeff are how this run trains (the folder's
     top-k where not given; a different one is noted)."""
     dsa = cfg.dsa
-    given = [f for f in (*_DSA_FLAGS, *_DSA_SCHEDULE) if getattr(args, f) is not None]
+    given = [f for f in (*_DSA_FLAGS, *_DSA_SCHEDULE, *_DSA_TRAINING) if getattr(args, f) is not None]
     if args.apply_rope_no_in_complex and dsa is not None and not dsa.rope_interleave:
         raise MindSpeedError("--apply-rope-no-in-complex rotates the indexer's features in pairs; the Hugging Face "
                              "folder's indexer rotates them in halves (DeepSeek-V3.2): drop the flag")
@@ -873,7 +875,11 @@ def _dsa_agreeing_with_flags(args, cfg: ModelConfig) -> ModelConfig:
         print(f"note: --index-topk {topk}: each query keeps {topk} keys (the folder's index_topk is {dsa.topk})",
               file=sys.stderr)
     coeff = 1.0 if args.indexer_loss_coeff is None else args.indexer_loss_coeff
-    return dataclasses.replace(cfg, dsa=dataclasses.replace(dsa, topk=topk, loss_coeff=coeff))
+    try:
+        return dataclasses.replace(cfg, dsa=dataclasses.replace(dsa, topk=topk, loss_coeff=coeff,
+                                                                dense_warmup=bool(args.indexer_dense_warmup)))
+    except ValueError as exc:
+        raise MindSpeedError(f"model configuration: {exc}") from None
 
 
 def _linear_agreeing_with_flags(args, cfg: ModelConfig) -> ModelConfig:
@@ -1027,6 +1033,8 @@ def check_configuration(args, world: int, default_save: bool = False):
         raise MindSpeedError(f"{dtype} training is not available on {runtime.bound().NAME} "
                              f"({device.current()}); drop --bf16/--fp16")
     tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
+    if args.compile and cfg.dsa is not None:  # a folder's sparse attention too
+        features.refuse("dsa-compile", runtime.resolve(None))
     if args.compile and cfg.moe is not None and cfg.moe.zero_experts:
         raise MindSpeedError("--compile routes on the device, where zero-computation experts (--num-zero-experts) are "
                              "not built: drop --compile")

@@ -28,7 +28,7 @@ from mindspeed_core import autograd, device, dist, features, nn, ops
 from mindspeed_core.errors import CheckpointError
 from mindspeed_core.memory import reuse_fp32_param
 from mindspeed_core.training.distributed import Bucket, by_size, over_pipeline, sum_of_squares
-from mindspeed_core.training.optimizer import adamw, moment_bytes, narrow, no_weight_decay, widen
+from mindspeed_core.training.optimizer import adamw, missing_state, moment_bytes, narrow, no_weight_decay, widen
 
 
 class _Partition:
@@ -371,7 +371,7 @@ class DistributedAdamW:
                     if t is None and key == "master":
                         t = autograd.detach(p)  # an fp32 parameter is its own master
                     if t is None:
-                        raise CheckpointError(f"optimizer state has no {key} for {name}")
+                        raise CheckpointError(missing_state(key, name))
                     if tuple(t.shape) != tuple(p.shape):
                         raise CheckpointError(f"optimizer {key} of {name} has shape {tuple(t.shape)}, "
                                               f"the model's is {tuple(p.shape)}")
@@ -390,7 +390,7 @@ class DistributedAdamW:
                     if got is None and key == "master":  # an fp32 parameter is its own master
                         return ops.reshape(ops.cast(autograd.detach(p), "float32"), (-1,))[a:b]
                     if got is None:
-                        raise CheckpointError(f"optimizer state has no {key} for {name}")
+                        raise CheckpointError(missing_state(key, name))
                     return ops.tensor(got)
 
                 self._keep(part, key, part.window_from(piece))

@@ -69,12 +69,13 @@ class MetricsLog:
                                            "loss-scale": loss_scale, "batch-size": batch_size})
 
     def report(self, iteration: int, total: int, loss: float, lr: float, norm: float, moe: dict | None = None,
-               stage: dict | None = None, mtp: list | None = None) -> dict:
+               stage: dict | None = None, mtp: list | None = None, indexer: float | None = None) -> dict:
         """Print the line, write the record, and start the next interval. ``moe``: the last
         step's routing statistics (Trainer._moe_step_stats), when the model has MoE layers;
         ``stage``: the last step's preference or reward figures ({name: value}), when the
         stage has them (Trainer._stage_stats); ``mtp``: the last step's loss of each
-        multi-token prediction depth (Trainer._mtp_step_losses)."""
+        multi-token prediction depth (Trainer._mtp_step_losses); ``indexer``: the last step's
+        sparse-attention indexer loss (Trainer._indexer_step_loss)."""
         tps = self._tokens / (time.perf_counter() - self._start)
         comm = dist.comm_stats()
         achieved = tps * self.flops_per_token / self.devices  # a device's rate
@@ -98,6 +99,9 @@ class MetricsLog:
         if mtp is not None:  # megatron-core's names
             record["mtp_losses"] = mtp
             line += "".join(f" | mtp_{k} loss {value:.4f}" for k, value in enumerate(mtp, 1))
+        if indexer is not None:
+            record["indexer_loss"] = indexer
+            line += f" | indexer loss {indexer:.4g}"
         if stage:
             record.update(stage)
             line += "".join(f" | {name[6:].replace('_', ' ')} {value:.4f}" for name, value in stage.items())
@@ -131,6 +135,8 @@ class MetricsLog:
                    "tflops": record["tflops"], "mfu": record["mfu"],
                    "comm-bytes-per-step": record["comm_bytes_per_step"]}
         figures.update({f"mtp_{k} loss": v for k, v in enumerate(record.get("mtp_losses", ()), 1)})
+        if "indexer_loss" in record:
+            figures["indexer loss"] = record["indexer_loss"]
         moe = record.get("moe")
         if moe is not None:
             figures.update({"moe/aux-loss": moe["aux_loss"], "moe/z-loss": moe["z_loss"], "moe/dropped": moe["dropped"]})

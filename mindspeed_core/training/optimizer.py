@@ -144,12 +144,19 @@ class AdamW:
             for key, store in stores:
                 t = tensors.get(f"{key}.{name}")
                 if t is None:
-                    raise CheckpointError(f"optimizer state has no {key} for {name}")
+                    raise CheckpointError(missing_state(key, name))
                 if tuple(t.shape) != tuple(p.shape):
                     raise CheckpointError(f"optimizer {key} of {name} has shape {tuple(t.shape)}, "
                                           f"the model's is {tuple(p.shape)}")
                 store[i] = ops.cast(t, "float32" if key == "master" else self.moment_dtype)
         self.steps = steps
+
+
+def missing_state(key: str, name: str) -> str:
+    """Why a checkpoint's optimizer state cannot be resumed: it trained other parameters."""
+    return (f"the checkpoint's optimizer state has no {key} for {name}: the run that saved it trained other "
+            f"parameters (LoRA adapters, or sparse attention's dense warm-up its indexers); start from its weights "
+            f"with --finetune or --no-load-optim")
 
 
 def learning_rate(step: int, lr: float, min_lr: float, warmup: int, decay_iters: int, style: str) -> float:

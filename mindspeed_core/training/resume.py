@@ -31,6 +31,11 @@ def same_model(saved, cfg: ModelConfig, ignore_lora: bool = False, ignore_head: 
         saved, cfg = dataclasses.replace(saved, lora=None), dataclasses.replace(cfg, lora=None)
     if ignore_head:
         saved, cfg = dataclasses.replace(saved, reward_head=False), dataclasses.replace(cfg, reward_head=False)
+    if saved.dsa is not None and cfg.dsa is not None:  # how many keys, the indexer loss and the warm-up stage
+        # are how a run trains the same weights (the sparse stage starts from the dense warm-up's)
+        saved = dataclasses.replace(saved, dsa=dataclasses.replace(saved.dsa, topk=cfg.dsa.topk,
+                                                                   loss_coeff=cfg.dsa.loss_coeff,
+                                                                   dense_warmup=cfg.dsa.dense_warmup))
     return saved == cfg
 
 

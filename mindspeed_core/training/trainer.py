@@ -25,7 +25,7 @@ import numpy as np
 from mindspeed_core import device, dist, features, nn, ops, random, runtime
 from mindspeed_core.data import sampler
 from mindspeed_core.errors import MindSpeedError, Stopped
-from mindspeed_core.models import lora, moe, registry
+from mindspeed_core.models import dsa, lora, moe, registry
 from mindspeed_core.models.gpt import load_whole_state
 from mindspeed_core.models.state import is_expert_bias
 from mindspeed_core.parallel import context
@@ -134,7 +134,7 @@ class Trainer:
                                                                                     ps))))
         # MoE layers report their routing (aux and z losses, tokens per expert) each step
         self.moe_layers = [layer for chunk in self.chunks for layer in getattr(chunk, "moe_layers", list)()]
-        self.moe_stats = self.stage_stats = self.eval_stats = self.mtp_stats = None
+        self.moe_stats = self.stage_stats = self.eval_stats = self.mtp_stats = self.indexer_stat = None
         self.mtp_modules = [chunk.mtp for chunk in self.chunks if hasattr(chunk, "mtp")]  # the last stage's
         if saved_optimizer is not None:  # after the tracker is seeded: its streams are restored too
             saved = checkpoint.load_trainer_state(self.resumed_from, self.iteration)
@@ -146,9 +146,11 @@ class Trainer:
         self.params = [p for params in chunk_params for p in params]
         self.names = self.plan.names
         # what is trained: every parameter, or with LoRA the adapters only (the base weights
-        # get no gradient and no optimizer state); never the routers' expert biases (moved by
-        # the loads, training/routing.py)
-        trained = [(self.cfg.lora is None or lora.is_adapter(n)) and not is_expert_bias(n) for n in self.names]
+        # get no gradient and no optimizer state), or in sparse attention's dense warm-up the
+        # indexers only; never the routers' expert biases (moved by the loads, training/routing.py)
+        warmup = self.cfg.dsa is not None and self.cfg.dsa.dense_warmup
+        trained = [(self.cfg.lora is None or lora.is_adapter(n)) and not is_expert_bias(n)
+                   and (not warmup or dsa.is_indexer(n)) for n in self.names]
         self.train_plan = self.plan.subset(trained)
         self.train_names = self.train_plan.names
         self.train_params = [p for p, t in zip(self.params, trained) if t]
@@ -226,6 +228,15 @@ class Trainer:
         for module in self.mtp_modules:
             mine += (module.take_losses() / self.grad_accum).astype(np.float32)
         return [float(v) / self.ps.dp for v in distributed.sum_over_dp_and_pp(mine, self.ps)]
+
+    def _indexer_step_loss(self) -> float:
+        """Sparse attention's indexer loss this step, as megatron-core logs its routers' (before the
+        coefficient): the mean KL over the indexer layers, micro-batches and data-parallel ranks."""
+        mine = np.zeros(2, np.float32)
+        for chunk in self.chunks:
+            mine += np.array(chunk.take_indexer_log(), np.float32)
+        kl, count = distributed.sum_over_dp_and_pp(mine, self.ps)
+        return float(kl / max(count, 1.0))
 
     def gradients(self, iteration: int) -> tuple[float, list]:
         """The step's mean loss (on every rank) and this rank's gradients, complete as the
@@ -322,6 +333,8 @@ class Trainer:
         if self.cfg.mtp_num_layers:
             self.mtp_stats = self._mtp_step_losses()
         self.stage_stats = self._stage_stats("train")
+        if self.cfg.dsa is not None and self.cfg.dsa.loss_coeff:
+            self.indexer_stat = self._indexer_step_loss()
         norm = self.optimizer.grad_norm(grads)
         if self.after_reduction is not None:
             self.after_reduction(iteration, grads, norm)
@@ -410,7 +423,7 @@ class Trainer:
                 progress.update(1, f"loss {loss:.3f}")
             if self.iteration % loop.log_interval == 0 or self.iteration == train_iters:
                 log.report(self.iteration, train_iters, loss, lr, norm, moe=self.moe_stats,
-                           stage=self.stage_stats, mtp=self.mtp_stats)
+                           stage=self.stage_stats, mtp=self.mtp_stats, indexer=self.indexer_stat)
             # GRPO has no validation loss: its rollouts' rewards are the figures
             if loop.eval_iters and loop.eval_interval and self.iteration % loop.eval_interval == 0 and not self.rl:
                 with log.paused():
