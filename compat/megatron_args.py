@@ -184,9 +184,10 @@ def add_feature_args(parser: argparse.ArgumentParser) -> None:
     m.add_argument("--o2-optimizer", action="store_true")
     m.add_argument("--o2-gradient", action="store_true", help="MindSpeed's O2: gradients kept in bf16")
     m.add_argument("--init-norm-weight-in-fp32", action="store_true",
-                   help="MindSpeed-LLM's DSA indexer norm in fp32 (refused: the norm-fp32-switches row)")
+                   help="under --bf16 / --fp16 every norm's weight and bias kept in float32, the norm computed in "
+                        "float32 and cast to the model's dtype after")
     m.add_argument("--input-layernorm-in-fp32", action="store_true",
-                   help="MindSpeed-LLM's Hunyuan input norm output in fp32 (refused: the norm-fp32-switches row)")
+                   help="MindSpeed-LLM's Hunyuan input norm output in fp32 (refused: the input-layernorm-fp32 row)")
     m.add_argument("--swap-optimizer", action="store_true", help="MindSpeed: optimizer states swapped to the host")
     m.add_argument("--swap-optimizer-times", type=POSITIVE_INT, default=None,
                    help="--swap-optimizer's pieces per update (default 16)")

@@ -168,8 +168,11 @@ _TORCH_DIST = ("--ckpt-format torch_dist: every rank also writes its pieces of t
                "pickled metadata through the allow-list reader)")
 _LINEAR_CP = ("a gated DeltaNet layer's state runs along the whole sequence: handing it from one CP rank to the "
               "next (as MindSpeed does for its Mamba layers) is not built")
-_NORM_SWITCHES = ("the norms they switch are in DeepSeek-V3.2's lightning indexer (--init-norm-weight-in-fp32) and "
-                  "Hunyuan's layer (--input-layernorm-in-fp32), neither built here yet")
+_NORM_FP32 = ("under --bf16 / --fp16 every norm's weight and bias (the layers', the latent attention's, the indexer's "
+              "key norm, the final one) stays a float32 parameter, without a master copy; each norm computes in "
+              "float32 and casts its output to the model's dtype (in float32 training, a no-op)")
+_INPUT_NORM_FP32 = ("Hunyuan's layer (MindSpeed-LLM's transformer_layer_hunyuan: the attention fed the input norm's "
+                    "output in float32) is not built here")
 _SWAP_OPTIMIZER = ("the distributed optimizer's master slice and moments held in host memory between steps "
                    "(device.to_host), each update bringing them to the device in --swap-optimizer-times pieces "
                    "(default 16) and back; the same bits as without (on a CPU-only host both are host memory)")
@@ -1016,10 +1019,15 @@ FEATURES: tuple[Feature, ...] = (
             ("--context-parallel-size", "--full-attention-interval"),
             planned(_LINEAR_CP, instead="--context-parallel-size 1"), planned(_LINEAR_CP, instead="--context-parallel-size 1"),
             lambda a: getattr(a, "full_attention_interval", None) is not None and _gt1("context_parallel_size")(a)),
-    Feature("norm-fp32-switches", "The DSA indexer's and Hunyuan's fp32 norm switches", "precision",
-            ("--init-norm-weight-in-fp32", "--input-layernorm-in-fp32"),
-            planned(_NORM_SWITCHES), planned(_NORM_SWITCHES),
-            lambda a: bool(getattr(a, "init_norm_weight_in_fp32", False) or getattr(a, "input_layernorm_in_fp32", False))),
+    Feature("init-norm-weight-fp32", "Norm weights kept in float32 under bf16 / fp16 training", "precision",
+            ("--init-norm-weight-in-fp32",), supported(_NORM_FP32),
+            planned("bf16 / fp16 training is not yet run on a MindSpore GPU/Ascend device",
+                    cpu=unsupported("MindSpore's CPU MatMul has no bfloat16 kernel", instead="fp32 (drop --bf16)")),
+            lambda a: bool(getattr(a, "init_norm_weight_in_fp32", False))
+            and bool(getattr(a, "bf16", False) or getattr(a, "fp16", False))),
+    Feature("input-layernorm-fp32", "Hunyuan's input norm output in float32", "precision",
+            ("--input-layernorm-in-fp32",), planned(_INPUT_NORM_FP32), planned(_INPUT_NORM_FP32),
+            lambda a: bool(getattr(a, "input_layernorm_in_fp32", False))),
     Feature("moe-compile", "Compiled step with MoE layers", "combinations", ("--compile", "--num-experts"),
             supported("routing on the device (the same top-k, weights, expert bias, aux and z losses as eager), "
                       "every token through every expert weighted by its routing: fixed shapes at E/k times the "

@@ -54,7 +54,9 @@ class RMSNorm(nn.Module):
         self.weight = _param((dim,), value=0.0 if offset else 1.0)
 
     def forward(self, x):
-        if self.weight_float32 and not self.offset and ops.dtype_of(x) != "float32":
+        # a float32 weight (--init-norm-weight-in-fp32) on a 16-bit input computes as --rmsnorm-weight-in-fp32
+        if (self.weight_float32 or ops.dtype_of(self.weight) != ops.dtype_of(x)) and not self.offset \
+                and ops.dtype_of(x) != "float32":
             norm = ops.rms_norm if self.fused else composite.rms_norm
             return ops.cast(norm(ops.cast(x, "float32"), ops.cast(self.weight, "float32"), self.eps), ops.dtype_of(x))
         if self.offset:
@@ -86,7 +88,8 @@ class HeadsRMSNorm(nn.Module):
         flat = ops.cast(ops.reshape(x, (b, s, heads * d)), "float32")
         squares = sum_over_heads(ops.sum(flat * flat, dim=-1, keepdim=True))
         normed = flat * ops.rsqrt(squares / self.width + self.eps)
-        return ops.reshape(ops.cast(normed, ops.dtype_of(x)) * self.weight, (b, s, heads, d))
+        out = ops.cast(normed, ops.dtype_of(x)) * self.weight  # transformers' order: cast, then scale
+        return ops.reshape(ops.cast(out, ops.dtype_of(x)), (b, s, heads, d))  # a float32 weight's too
 
 
 class LayerNorm(nn.Module):
@@ -99,7 +102,25 @@ class LayerNorm(nn.Module):
     def forward(self, x):
         # no switch, as in Megatron (LayerNorm is always its fused kernel where there is one)
         features.note_used("fused-layernorm")
+        if ops.dtype_of(self.weight) != ops.dtype_of(x):  # float32 weights on a 16-bit input
+            return ops.cast(ops.layer_norm(ops.cast(x, "float32"), self.weight, self.bias, self.eps), ops.dtype_of(x))
         return ops.layer_norm(x, self.weight, self.bias, self.eps)
+
+
+NORMS = (RMSNorm, HeadsRMSNorm, LayerNorm)
+
+
+def norm_parameters(module) -> list:
+    """[(dotted name, the norm holding it, its attribute)] of every norm weight and bias in ``module``."""
+    out = []
+    for name, _ in nn.named_parameters(module):
+        *path, attr = name.split(".")
+        owner = module
+        for part in path:
+            owner = owner[int(part)] if part.isdigit() else getattr(owner, part)
+        if isinstance(owner, NORMS):
+            out.append((name, owner, attr))
+    return out
 
 
 def repeat_heads(x, times: int):

@@ -107,11 +107,9 @@ CASES = [
                           ("micro-batch-size", "0"), ("seq-length", "0"), ("tensor-model-parallel-size", "0"),
                           ("adam-beta2", "1"), ("clip-grad", "-1"))],
     ("train-unknown-flag", lambda t, c: ["train", *SMALL, "--data-path", c, "--no-such-flag"], "unrecognized"),
-    # fp32 switches of layers not built here (DeepSeek-V3.2's indexer, Hunyuan's layer): the matrix's row
-    ("train-indexer-norm-fp32", lambda t, c: ["train", *SMALL, "--data-path", c, "--init-norm-weight-in-fp32"],
-     "norm-fp32-switches"),
+    # the fp32 switch of a layer not built here (Hunyuan's): the matrix's row
     ("train-input-norm-fp32", lambda t, c: ["train", *SMALL, "--data-path", c, "--input-layernorm-in-fp32"],
-     "norm-fp32-switches"),
+     "input-layernorm-fp32"),
     ("train-param-gather-without-distopt", lambda t, c: ["train", *SMALL, "--data-path", c, "--overlap-param-gather"],
      "add --use-distributed-optimizer"),
     ("train-blend-nan", lambda t, c: ["train", *SMALL, "--data-path", "nan", c, "1", c], "must be a positive number"),

@@ -120,10 +120,13 @@ REQUIRES = {
     "--moe-input-jitter-eps": ["--num-experts", "4"],
     # MindSpeed-LLM's scripts pass it with --loss-compute-mode default, where it reads nothing (as there)
     "--loss-chunk-size": ["--loss-compute-mode", "chunk"],
+    # float32 norms among bfloat16 weights: in float32 training every weight is float32 already
+    "--init-norm-weight-in-fp32": ["--bf16"],
     # sparse attention's flags qualify --enable-dsa-indexer, on latent attention with a query latent
     **{flag: [*LATENT, *(["--enable-dsa-indexer"] if flag != "--enable-dsa-indexer" else [])]
        for flag in ("--enable-dsa-indexer", "--index-topk", "--index-n-heads", "--index-head-dim",
-                    "--indexer-loss-coeff", "--index-topk-freq", "--apply-rope-no-in-complex", "--index-topk-pattern")},
+                    "--indexer-loss-coeff", "--index-topk-freq", "--apply-rope-no-in-complex", "--index-topk-pattern",
+                    "--indexer-dense-warmup")},
     "--index-skip-topk-offset": [*LATENT, "--enable-dsa-indexer", "--index-topk-freq", "2"],
     "--enable-mla-scale-q-lora": LATENT, "--enable-mla-scale-kv-lora": LATENT,
     "--num-zero-experts": ["--num-experts", "4"],

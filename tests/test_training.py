@@ -472,6 +472,44 @@ def test_bf16_training_where_the_matrix_allows_it(capsys, corpus, tmp_path, fram
     assert code == 0 and "resumed from" in out, err
 
 
+@pytest.mark.feature("init-norm-weight-fp32")
+@pytest.mark.parametrize("distributed", [False, True], ids=["adamw", "distributed-optimizer"])
+def test_init_norm_weight_in_fp32_keeps_every_norm_float32_under_bf16(capsys, corpus, tmp_path, framework, distributed):
+    """--bf16 --init-norm-weight-in-fp32 (MindSpeed-LLM's DeepSeek-V3.2 and GLM-5 scripts): every
+    norm's weight and bias (the layers', the latent attention's, the sparse-attention indexer's
+    key LayerNorm, the final one) is saved as a float32 parameter without a master copy and keeps
+    updates smaller than bfloat16's step at 1; every other weight is bfloat16 with its master."""
+    from mindspeed_core import device, features, ops
+
+    latent = ["--multi-latent-attention", "--q-lora-rank", "16", "--kv-lora-rank", "16", "--qk-head-dim", "16",
+              "--qk-pos-emb-head-dim", "8", "--v-head-dim", "16", "--qk-layernorm", "--enable-dsa-indexer",
+              "--index-topk", "8", "--index-n-heads", "4", "--index-head-dim", "16", "--num-query-groups", "4"]
+    ckpt = tmp_path / "ckpt"
+    code, _, err = train(capsys, *SMALL, *latent, "--data-path", corpus, "--train-iters", "6", "--bf16",
+                         "--init-norm-weight-in-fp32", "--save", str(ckpt), "--metrics-file", str(tmp_path / "m.jsonl"),
+                         *(["--use-distributed-optimizer"] if distributed else []))
+    if features.get("init-norm-weight-fp32").status(framework, device.type()).kind != "supported":
+        assert code == 2 and "unsupported" in err
+        return
+    assert code == 0, err
+    got = losses(tmp_path / "m.jsonl")
+    assert got[6] < got[1]
+    tensors = {}
+    for path in sorted((ckpt / "iter_0000006").glob("rank_*.safetensors")):
+        tensors.update(io.load(str(path))[0])
+    model = {k.split("/")[1]: t for k, t in tensors.items() if k.startswith("model/")}  # model/<name>/<piece>
+    norms = [k for k in model if "norm" in k.rsplit(".", 2)[-2]]
+    assert any(".dsa_indexer.k_norm.bias" in k for k in norms) and any("q_layernorm" in k for k in norms)
+    assert "decoder.final_layernorm.weight" in norms
+    for name, t in model.items():
+        assert ops.dtype_of(t) == ("float32" if name in norms else "bfloat16"), name
+    masters = {k.split("/")[1][len("master."):] for k in tensors if k.startswith("optimizer/master.")}
+    assert masters and not masters & set(norms)
+    values = np.concatenate([ops.to_numpy(model[k]).ravel() for k in norms if k.endswith("weight")])
+    as_bf16 = ops.to_numpy(ops.cast(ops.tensor(values), "bfloat16")).astype(np.float32)
+    assert (values != as_bf16).any()  # steps of 3e-3 from 1: below bfloat16's 2^-7 there
+
+
 @pytest.mark.feature("multi-latent-attention")
 def test_the_minicpm3_preset_trains_and_exports(capsys, corpus, tmp_path):
     """MiniCPM3's layer (latent attention, MiniCPM's scalings, tied embeddings) trains from its

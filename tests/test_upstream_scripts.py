@@ -411,7 +411,7 @@ DONE = {
                 "inference.py": {"gated": 13, "generated": 18, "refused": 1},
                 "posttrain_gpt.py": {"configured": 27, "refused": 13, "trained": 10},
                 "preprocess_data.py": {"preprocessed": 42, "refused": 2},
-                "pretrain_gpt.py": {"configured": 25, "refused": 21}},
+                "pretrain_gpt.py": {"configured": 28, "refused": 18}},
     "mindspore": {"convert_ckpt_v2.py": {"converted": 37, "parsed": 6, "refused": 6},
                   "evaluation.py": {"gated": 19},
                   "inference.py": {"gated": 13, "generated": 18, "refused": 1},
@@ -462,11 +462,21 @@ LAUNCHED = {
     # LongCat-Flash: its spec's layer (two scaled latent attentions, two dense MLPs, the shortcut MoE), top-2 of
     # 4 experts and 2 zero-computation ones by softmax with the expert bias, from a Megatron checkpoint
     "longcat/pretrain_longcat_flash_560b_4k_A3_ptd.sh": {"--num-zero-experts": "2"},
+    # DeepSeek-V3.2 from a deepseek_v32 folder: sparse attention (top-8 of 32 positions by an indexer of
+    # 4 heads, its loss on) in every layer and the MTP module's, the norms float32 under bf16
+    # (--init-norm-weight-in-fp32), MindSpeed's fused-kernel flags as the script has them
+    "deepseek32/pretrain_deepseek32_671b_4k_A3_ptd.sh": {"--index-topk": "8", "--index-n-heads": "4",
+                                                        "--index-head-dim": "32"},
+    # GLM-5.2 from a Megatron checkpoint: its script's --index-topk-freq 4 and --index-skip-topk-offset 3
+    # over four layers (the fourth reuses the third's top-k), the norms float32 under bf16
+    "glm52/pretrain_glm52_744b_4k_A3_ptd.sh": {"--num-layers": "4", "--index-topk": "8", "--index-n-heads": "4",
+                                            "--index-head-dim": "32"},
 }
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("script", list(LAUNCHED), ids=["qwen3", "qwen3-next", "minimax27", "kimi2", "longcat"])
+@pytest.mark.parametrize("script", list(LAUNCHED), ids=["qwen3", "qwen3-next", "minimax27", "kimi2", "longcat",
+                                                         "deepseek32", "glm52"])
 def test_a_scripts_own_launch_line_trains(framework, paths, tmp_path, script):
     """A pre-training script's python line, with sizes, paths and the device count scaled down
     and no flag edited, under the framework's launcher (torchrun / msrun) on two ranks: it trains
@@ -508,3 +518,5 @@ def test_a_scripts_own_launch_line_trains(framework, paths, tmp_path, script):
         assert code != 0 and "bf16 (--bf16) is" in out, out[-3000:]
         return
     assert code == 0 and "iteration      2/2" in out and "saved checkpoint" in out, out[-3000:]
+    if "--enable-dsa-indexer" in flags:  # the indexers trained (their loss is logged)
+        assert "| indexer loss " in out, out[-3000:]

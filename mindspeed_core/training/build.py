@@ -5,15 +5,18 @@ the parameters it trains (torchtitan builds its train spec's parts the same way)
 
 from __future__ import annotations
 
-from mindspeed_core import device, features, ops
+import numpy as np
+
+from mindspeed_core import device, features, nn, ops
 from mindspeed_core.compat import hf
 from mindspeed_core.backends.common import check_fits_in_memory
 from mindspeed_core.memory.swap import HostSwap
 from mindspeed_core.models import lora
+from mindspeed_core.models.layers import norm_parameters
 from mindspeed_core.parallel import layers as parallel_layers
 from mindspeed_core.parallel.parallelize import parallelize
 from mindspeed_core.parallel.plan import ParallelPlan
-from mindspeed_core.training import distributed, model_source, resume, sharded_checkpoint
+from mindspeed_core.training import distributed, model_source, resume, routing, sharded_checkpoint
 from mindspeed_core.training.configuration import memory_needed
 from mindspeed_core.training.distributed_optimizer import DistributedAdamW
 from mindspeed_core.training.optimizer import AdamW
@@ -62,6 +65,19 @@ def cut_for_layout(model, spec, pipeline_layout, ps, layout, memory, seed: int):
     if ps.tp > 1:
         parallel_layers.seed_model_parallel_rng(seed, ps)
     return chunks, plan, swap
+
+
+def cast_for_mixed_precision(chunks: list, moe_layers: list, dtype: str, norms_float32: bool) -> None:
+    """This rank's model chunks cast to ``dtype`` (the optimizer keeps float32 masters), the routers'
+    expert biases kept in float32, and with ``norms_float32`` (--init-norm-weight-in-fp32) every
+    norm's weight and bias too, with the values they had."""
+    norms = [(owner, attr, ops.to_numpy(getattr(owner, attr)).astype(np.float32))
+             for chunk in chunks for _, owner, attr in norm_parameters(chunk)] if norms_float32 else []
+    routing.cast_keeping_expert_bias(chunks, moe_layers, dtype)
+    for owner, attr, values in norms:
+        setattr(owner, attr, nn.Parameter(values))
+    if norms:
+        features.note_used("init-norm-weight-fp32")
 
 
 def optimizer(named: list, train_plan, plan, ps, optimization, distributed_optimizer: bool, saved=None):

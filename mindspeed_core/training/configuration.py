@@ -156,6 +156,8 @@ class Optimization:
     per_token_loss: bool = False
     # --loss-compute-mode chunk: the output layer and the loss this many positions at a time
     loss_chunk: int | None = None
+    # --init-norm-weight-in-fp32: under --bf16 / --fp16 the norms' weights and biases stay float32
+    norms_float32: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -318,7 +320,8 @@ def configure(args, world: int, framework: str | None = None) -> RunConfig:
             bool(work.o2_optimizer), bool(work.o2_gradient), bool(work.reuse_fp32_param), work.ddp_bucket_size,
             (work.swap_optimizer_times or SWAP_OPTIMIZER_TIMES) if work.swap_optimizer else None,
             bool(work.calculate_per_token_loss),
-            (work.loss_chunk_size or LOSS_CHUNK) if work.loss_compute_mode == "chunk" else None),
+            (work.loss_chunk_size or LOSS_CHUNK) if work.loss_compute_mode == "chunk" else None,
+            bool(work.init_norm_weight_in_fp32)),
         data=Data(embedded, tuple(work.data_path) if work.data_path else None, work.split, work.seq_length, work.seed,
                   tokenizer.name, not work.no_shuffle,
                   pad_multiple(work.pad_to_multiple_of, tp, cp, work.sequence_parallel)

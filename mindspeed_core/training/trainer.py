@@ -141,7 +141,7 @@ class Trainer:
             resume.restore_run_state(saved, self.ps, self.scaler, self.moe_layers, self.reference, self.stage_name,
                                      self.batches.pair_counts, self.resumed_from, self.say, ckpt.load_rng)
         if self.dtype != "float32":  # the optimizer keeps fp32 masters
-            routing.cast_keeping_expert_bias(self.chunks, self.moe_layers, self.dtype)
+            build.cast_for_mixed_precision(self.chunks, self.moe_layers, self.dtype, self.opt.norms_float32)
         chunk_params = [nn.parameters(c) for c in self.chunks]
         self.params = [p for params in chunk_params for p in params]
         self.names = self.plan.names
