@@ -259,9 +259,13 @@ _LING = ("Ling-V2's folders (BailingMoeV2) need modelling code outside transform
          "shared expert, --mtp-num-layers")
 _LING_INSTEAD = ("the Ling-V2 scripts' model flags from scratch or from a Megatron checkpoint (--load), without "
                  "--model-type-hf bailing_mini")
-_TEKKEN = ("the folder's tekken.json is mistral-common's format (pip install mistral-common reads it); no reader of it "
-           "is built here")
-_TEKKEN_INSTEAD = "the model's Hugging Face tokenizer folder (tokenizer.json) with --tokenizer-type PretrainedFromHF"
+_TEKKEN = ("mindspeed_core/data/tekken.py reads the folder's tekken.json itself (no mistral-common): its byte-level "
+           "BPE ranks, pattern and special tokens, ids offset by the special ones as mistral-common's; text encodes "
+           "without special tokens (a template's [INST] is its characters, as MindSpeed-LLM's tokenizer does), the "
+           "end of document is </s>")
+_MAGISTRAL_TEMPLATE = ("MindSpeed-LLM's magistral prompt type is a reasoning template (its long default system prompt, "
+                       "an empty thought added to replies, thoughts dropped from the history) not written here yet")
+_MAGISTRAL_TEMPLATE_INSTEAD = "a prompt type of the data's own format, or the model folder's chat_template"
 _HY_V3 = ("models/families/hy_v3.py: Qwen3's attention (q/k norms per head, q/k/v/o biases), dense layers where "
           "mlp_layer_types says so, elsewhere experts chosen by sigmoid scores plus the block's expert bias, "
           "renormalised and scaled by router_scaling_factor, beside an ungated shared expert; Hugging Face folders "
@@ -896,8 +900,11 @@ FEATURES: tuple[Feature, ...] = (
             supported("relu(x)^2 on fc1's output, ungated (Megatron's --squared-relu)"),
             supported("relu(x)^2 on fc1's output, ungated (Megatron's --squared-relu)"), _on("squared_relu")),
     Feature("magistral-tokenizer", "Magistral's Tekken tokenizer (--tokenizer-type MagistralTokenizer)", "data",
-            ("--tokenizer-type MagistralTokenizer",), planned(_TEKKEN, instead=_TEKKEN_INSTEAD),
-            planned(_TEKKEN, instead=_TEKKEN_INSTEAD), _eq("tokenizer_type", "MagistralTokenizer")),
+            ("--tokenizer-type MagistralTokenizer",), supported(_TEKKEN), supported(_TEKKEN),
+            _eq("tokenizer_type", "MagistralTokenizer")),
+    Feature("magistral-template", "Magistral's reasoning prompt type (--prompt-type magistral)", "data",
+            ("--prompt-type magistral",), planned(_MAGISTRAL_TEMPLATE, instead=_MAGISTRAL_TEMPLATE_INSTEAD),
+            planned(_MAGISTRAL_TEMPLATE, instead=_MAGISTRAL_TEMPLATE_INSTEAD), _eq("prompt_type", "magistral")),
     Feature("family-hy-v3", "Hunyuan-V3 (hy_v3: sigmoid routing with the expert bias, scaled, beside a shared "
             "expert)", "compatibility", ("--model-type-hf HYV3",), supported(_HY_V3), supported(_HY_V3),
             lambda a: getattr(a, "model_type_hf", None) in ("HYV3", "hy_v3")),

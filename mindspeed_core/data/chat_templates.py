@@ -270,6 +270,10 @@ def choose(prompt_type: str | None, hf_chat_template: bool, tokenizer_folder: st
     thought, as Qwen3's own template writes it when thinking is off."""
     if prompt_type is not None and hf_chat_template:
         raise MindSpeedError("give either --prompt-type or --hf-chat-template, not both")
+    if prompt_type == "magistral":  # a reasoning template not written here: the matrix's row says so
+        from mindspeed_core import features, runtime
+
+        features.refuse("magistral-template", runtime.resolve(None))
     if enable_thinking is not None and prompt_type != "qwen3":
         raise MindSpeedError("--enable-thinking applies to --prompt-type qwen3")
     if prompt_type is not None:

@@ -7,7 +7,9 @@
 - ``GPT2BPETokenizer`` with ``--vocab-file vocab.json --merge-file merges.txt`` (GPT-2's
   byte-level BPE, end of document ``<|endoftext|>``);
 - ``NullTokenizer`` with ``--vocab-size N``: text is space-separated ids, N is the end of
-  document (benchmarks and data tokenized elsewhere).
+  document (benchmarks and data tokenized elsewhere);
+- ``MagistralTokenizer`` with ``--tokenizer-model`` (a folder with tekken.json, or the file):
+  Mistral's Tekken BPE (data/tekken.py).
 
 Each has ``eod`` (the end-of-document id), ``eod_source`` (where that choice came from, for
 messages) and ``bos`` (the beginning-of-sequence id, or None).
@@ -187,12 +189,16 @@ def build_tokenizer(tokenizer_type: str | None, name_or_path: str | None = None,
         if vocab_size is None:
             raise MindSpeedError("--tokenizer-type NullTokenizer needs --vocab-size")
         return NullTokenizer(vocab_size)
-    if kind == "MagistralTokenizer":  # the matrix's row says what to use instead
-        from mindspeed_core import features, runtime
+    if kind == "MagistralTokenizer":
+        from mindspeed_core import features
+        from mindspeed_core.data.tekken import TekkenTokenizer
 
-        features.refuse("magistral-tokenizer", runtime.resolve(None))
+        if not name_or_path:
+            raise MindSpeedError("--tokenizer-type MagistralTokenizer needs --tokenizer-model (the folder's tekken.json)")
+        features.note_used("magistral-tokenizer")
+        return TekkenTokenizer(name_or_path)
     raise MindSpeedError(f"unknown --tokenizer-type {kind!r}; choose ByteLevel, PretrainedFromHF, "
-                         "GPT2BPETokenizer or NullTokenizer")
+                         "GPT2BPETokenizer, NullTokenizer or MagistralTokenizer")
 
 
 def encode_plain(tokenizer, text: str) -> list[int]:
