@@ -249,10 +249,10 @@ _TP_EXTEND_CONVERT = ("a Megatron checkpoint whose experts lie whole over TP x E
                       "--moe-tp-extend-ep) is not written by the converter yet; training reads and shards checkpoints "
                       "at that layout from our own")
 _TP_EXTEND_CONVERT_INSTEAD = "convert without it and train with --moe-tp-extend-ep from the converted checkpoint"
-_HY_GROUPS = ("transformers' HY-V3 routes over every expert; MindSpeed-LLM's hunyuan3 script routes its folder's "
-              "experts in groups (--moe-router-num-groups, --moe-router-group-topk): a model transformers does not "
-              "have, not read from a folder here")
-_HY_GROUPS_INSTEAD = "the folder's own routing: drop --moe-router-num-groups and --moe-router-group-topk"
+_HY_GROUPS = ("as MindSpeed-LLM's hunyuan3 script trains a HY-V3 folder: each token's experts come from its best "
+              "--moe-router-group-topk of --moe-router-num-groups groups (megatron-core's group-limited routing on "
+              "the folder's sigmoid scores and expert bias), said in a note; a folder written back routes over every "
+              "expert, as transformers' HY-V3 does")
 _LING = ("Ling-V2's folders (BailingMoeV2) need modelling code outside transformers (no reference here to check a "
          "reading of them against); its layer trains from MindSpeed-LLM's flags: --spec bailing_spec (Qwen3's attention "
          "with per-head q/k norms), --rotary-percent 0.5, sigmoid routing in groups with the expert bias beside a "
@@ -887,9 +887,8 @@ FEATURES: tuple[Feature, ...] = (
             ("--moe-tp-extend-ep",), planned(_TP_EXTEND_CONVERT, instead=_TP_EXTEND_CONVERT_INSTEAD),
             planned(_TP_EXTEND_CONVERT, instead=_TP_EXTEND_CONVERT_INSTEAD), None),
     Feature("hy-v3-group-routing", "Hunyuan-V3's folders routed in groups (MindSpeed-LLM's hunyuan3 script)",
-            "compatibility", ("--model-type-hf HYV3", "--moe-router-num-groups"),
-            planned(_HY_GROUPS, instead=_HY_GROUPS_INSTEAD), planned(_HY_GROUPS, instead=_HY_GROUPS_INSTEAD),
-            lambda a: getattr(a, "model_type_hf", None) in ("HYV3", "hy_v3")
+            "compatibility", ("--model-type-hf HYV3", "--moe-router-num-groups"), supported(_HY_GROUPS),
+            supported(_HY_GROUPS), lambda a: getattr(a, "model_type_hf", None) in ("HYV3", "hy_v3")
             and (getattr(a, "moe_router_num_groups", None) or 1) > 1),
     Feature("family-ling-v2", "Ling-V2's Hugging Face folders (BailingMoeV2)", "compatibility",
             ("--model-type-hf bailing_mini",), planned(_LING, instead=_LING_INSTEAD),

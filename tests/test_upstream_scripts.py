@@ -138,8 +138,10 @@ def _hf_folder(root: pathlib.Path, args) -> str:
 
 # the routing of a family's released folders, where a script's MoE flags say another: MiniMax-M2's
 # route by sigmoid scores with the expert bias, and the minimax27 script leaves megatron-core's
-# softmax default (a folder's routing is the model's: the run notes the flag it sets aside)
-RELEASED_ROUTING = {"minimax_m2": dict(score_function="sigmoid", enable_expert_bias=True, norm_topk_prob=True)}
+# softmax default (a folder's routing is the model's: the run notes the flag it sets aside); HY-V3's
+# route over every expert, and the hunyuan3 script's groups restrict its training (the run notes it)
+RELEASED_ROUTING = {"minimax_m2": dict(score_function="sigmoid", enable_expert_bias=True, norm_topk_prob=True),
+                    "hy_v3": dict(num_groups=None, group_topk=None)}
 
 
 def _family_model(args, kind: str | None):
@@ -422,7 +424,7 @@ DONE = {
                 "inference.py": {"gated": 13, "generated": 19},
                 "posttrain_gpt.py": {"configured": 27, "refused": 13, "trained": 10},
                 "preprocess_data.py": {"preprocessed": 43, "refused": 1},
-                "pretrain_gpt.py": {"configured": 29, "refused": 17}},
+                "pretrain_gpt.py": {"configured": 30, "refused": 16}},
     "mindspore": {"convert_ckpt_v2.py": {"converted": 37, "parsed": 6, "refused": 6},
                   "evaluation.py": {"gated": 19},
                   "inference.py": {"gated": 13, "generated": 19},
@@ -433,6 +435,7 @@ DONE = {
 
 @pytest.mark.feature("squared-relu")  # PLM's generation line, from its flags
 @pytest.mark.feature("magistral-tokenizer")  # Magistral's preprocessing and generation lines
+@pytest.mark.feature("hy-v3-group-routing")  # the hunyuan3 line's groups over its folder, configured
 def test_every_upstream_script_call_is_accepted_or_refused_by_a_matrix_row(framework, paths, hf_references, tmp_path,
                                                                             capsys):
     outcomes, stand_ins, ran = [], {}, {}
@@ -483,12 +486,15 @@ LAUNCHED = {
     # over four layers (the fourth reuses the third's top-k), the norms float32 under bf16
     "glm52/pretrain_glm52_744b_4k_A3_ptd.sh": {"--num-layers": "4", "--index-topk": "8", "--index-n-heads": "4",
                                             "--index-head-dim": "32"},
+    # Hunyuan-3 from a HY-V3 folder (Qwen3's layer from bailing_spec): its script's groups over the folder's
+    # experts, top-2 of 4 within the best of 2 groups, beside the shared expert
+    "hunyuan3/pretrain_hunyuan3_299b_4k_A3_ptd.sh": {},
 }
 
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("script", list(LAUNCHED), ids=["qwen3", "qwen3-next", "minimax27", "kimi2", "longcat",
-                                                         "deepseek32", "glm52"])
+                                                         "deepseek32", "glm52", "hunyuan3"])
 def test_a_scripts_own_launch_line_trains(framework, paths, tmp_path, script):
     """A pre-training script's python line, with sizes, paths and the device count scaled down
     and no flag edited, under the framework's launcher (torchrun / msrun) on two ranks: it trains
@@ -532,3 +538,5 @@ def test_a_scripts_own_launch_line_trains(framework, paths, tmp_path, script):
     assert code == 0 and "iteration      2/2" in out and "saved checkpoint" in out, out[-3000:]
     if "--enable-dsa-indexer" in flags:  # the indexers trained (their loss is logged)
         assert "| indexer loss " in out, out[-3000:]
+    if "HYV3" in flags:  # the script's groups over the folder's experts, said once
+        assert out.count("routes each token within its best 1 of 2 expert groups") == 1, out[-3000:]

@@ -808,7 +808,28 @@ def _agreeing_with_flags(args, cfg: ModelConfig, vocab_size: int, scaling: dict 
         # the folder is the model (MindSpeed-LLM's minimax27 script leaves megatron-core's softmax default)
         print(f"note: --moe-router-score-function {args.moe_router_score_function} is set aside: the Hugging Face "
               f"folder's experts route by {cfg.moe.score_function} scores", file=sys.stderr)
-    return _linear_agreeing_with_flags(args, _dsa_agreeing_with_flags(args, cfg))
+    return _linear_agreeing_with_flags(args, _dsa_agreeing_with_flags(args, _groups_from_flags(args, cfg)))
+
+
+def _groups_from_flags(args, cfg: ModelConfig) -> ModelConfig:
+    """A folder whose experts route over all of them, trained with the script's groups
+    (--moe-router-num-groups, --moe-router-group-topk: MindSpeed-LLM's hunyuan3 script on a
+    HY-V3 folder): each token's experts come from its best groups, as megatron-core limits them;
+    the folder written back routes over every expert again, as the folder's own model does."""
+    if cfg.moe is None or cfg.moe.num_groups is not None or (args.moe_router_num_groups or 1) <= 1:
+        return cfg
+    try:
+        moe = dataclasses.replace(cfg.moe, num_groups=args.moe_router_num_groups,
+                                  group_topk=args.moe_router_group_topk)
+    except ValueError as exc:
+        raise MindSpeedError(f"--moe-router-num-groups on the Hugging Face folder's experts: {exc}") from None
+    if cfg.family == "hy_v3":
+        features.note_used("hy-v3-group-routing")
+    if os.environ.get("RANK", os.environ.get("RANK_ID", "0")) == "0":
+        print(f"note: --moe-router-num-groups {moe.num_groups} --moe-router-group-topk {moe.group_topk}: training "
+              f"routes each token within its best {moe.group_topk} of {moe.num_groups} expert groups; the Hugging Face "
+              f"folder's model routes over every expert (and an exported folder will)", file=sys.stderr)
+    return dataclasses.replace(cfg, moe=moe)
 
 
 # sparse attention's flags besides --enable-dsa-indexer (MindSpeed-LLM's defaults in _dsa_config)
