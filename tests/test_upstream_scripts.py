@@ -489,12 +489,17 @@ LAUNCHED = {
     # Hunyuan-3 from a HY-V3 folder (Qwen3's layer from bailing_spec): its script's groups over the folder's
     # experts, top-2 of 4 within the best of 2 groups, beside the shared expert
     "hunyuan3/pretrain_hunyuan3_299b_4k_A3_ptd.sh": {},
+    # Seed-OSS from its folder: q/k/v and output biases
+    "seed_oss/pretrain_seed_oss_36b_ptd_2k_A3.sh": {},
+    # Magistral from a Mistral folder, its data preprocessed and read by the Tekken tokenizer of the
+    # folder's tekken.json (266 tokens: a larger table than the other stand-ins' 128)
+    "magistral/pretrain_magistral_small_24b_A3_ptd.sh": {"--padded-vocab-size": "384"},
 }
 
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("script", list(LAUNCHED), ids=["qwen3", "qwen3-next", "minimax27", "kimi2", "longcat",
-                                                         "deepseek32", "glm52", "hunyuan3"])
+                                                         "deepseek32", "glm52", "hunyuan3", "seed-oss", "magistral"])
 def test_a_scripts_own_launch_line_trains(framework, paths, tmp_path, script):
     """A pre-training script's python line, with sizes, paths and the device count scaled down
     and no flag edited, under the framework's launcher (torchrun / msrun) on two ranks: it trains
@@ -508,10 +513,12 @@ def test_a_scripts_own_launch_line_trains(framework, paths, tmp_path, script):
     call = next(c for c in CALLS if c["script"] == script)
     corpus = root / "corpus.jsonl"
     corpus.write_text("".join(json.dumps({"text": "def f(x): return x + 1 " * 4}) + "\n" for _ in range(40)))
-    assert cli.main(["preprocess", "--input", str(corpus), "--output-prefix", str(tmp_path / "enwiki"),
-                     "--tokenizer-type", "PretrainedFromHF", "--tokenizer-name-or-path", paths["--tokenizer-name-or-path"],
+    tokenizer = ["--tokenizer-type", "MagistralTokenizer", "--tokenizer-model", paths["--tokenizer-model"]] \
+        if "MagistralTokenizer" in call["flags"] else \
+        ["--tokenizer-type", "PretrainedFromHF", "--tokenizer-name-or-path", paths["--tokenizer-name-or-path"]]
+    assert cli.main(["preprocess", "--input", str(corpus), "--output-prefix", str(tmp_path / "enwiki"), *tokenizer,
                      "--append-eod"]) == 0
-    flags = _scaled_run(call["flags"], {
+    flags = _scaled_run(_stand_ins(call["flags"], paths), {
         "--max-position-embeddings": "256", "--seq-length": "32", "--global-batch-size": "4", "--train-iters": "2",
         "--save-interval": "2", "--tokenizer-name-or-path": paths["--tokenizer-name-or-path"],
         "--data-path": str(tmp_path / "enwiki_text_document"), "--load": str(tmp_path / "hf"),
