@@ -116,7 +116,8 @@ def from_hf_state(cfg: ModelConfig, hf: dict) -> dict:
 
 def _from_hf_state(cfg: ModelConfig, hf: dict) -> dict:
     out = {}
-    hf = families.get(cfg.family).unwrap_tensors(hf)
+    family = families.get(cfg.family)
+    hf = family.tensors_in(cfg, family.unwrap_tensors(hf))
     left = hf  # what take() has not consumed, checked at the end
 
     def take(name):
@@ -209,7 +210,7 @@ def to_hf_state(cfg: ModelConfig, ours: dict) -> dict:
     families.get(cfg.family).body_to_hf(cfg, ours, out)
     _head_to_hf(cfg, out, ours)
     _mtp_to_hf(cfg, ours, out)
-    return out
+    return families.get(cfg.family).tensors_out(cfg, out)
 
 
 def _mtp_to_hf(cfg: ModelConfig, ours: dict, out: dict) -> None:

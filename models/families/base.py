@@ -59,6 +59,15 @@ class Family:
     def config_from_hf(self, hf: dict) -> ModelConfig:
         raise NotImplementedError
 
+    def tensors_in(self, cfg: ModelConfig, hf: dict) -> dict:
+        """A folder's tensors renamed to the layout this family's reader takes (default: as they
+        are; Ling-V2's are GLM-4.5's under other names)."""
+        return hf
+
+    def tensors_out(self, cfg: ModelConfig, out: dict) -> dict:
+        """The writer's tensors renamed as the family's folders name them (tensors_in's inverse)."""
+        return out
+
     def unwrap_tensors(self, hf: dict) -> dict:
         """A folder's tensors as the family's layout names them: a wrapper's (a multimodal
         folder's) text model renamed, what the text model does not use set aside (default: as
@@ -286,7 +295,7 @@ def decoder_hf_config(family: Family, cfg: ModelConfig) -> dict:
     windowed = family.window is not None
     foreign = [f for f in GEMMA_FIELDS if getattr(cfg, f) and not (windowed and f == "sliding_window")
                and f not in family.expresses]
-    foreign += ["activation"] if cfg.activation != "swiglu" else []
+    foreign += ["activation"] if cfg.activation != "swiglu" and "activation" not in family.expresses else []
     if cfg.rotary_percent != 1.0 and not family.partial_rotary:
         foreign.append("partial_rotary_factor")
     minicpm = [f for f in MINICPM_FIELDS if getattr(cfg, f) is not None]

@@ -47,7 +47,8 @@ class Qwen3MoE(QwenMoE, Qwen3):
     architecture = "Qwen3MoeForCausalLM"
     aliases = ("qwen3-moe",)
     specs = ("qwen3_moe_spec",)
-    spec_also = ("hy_v3",)  # MindSpeed-LLM's hunyuan3 scripts build HY-V3's folders with bailing_spec (Qwen3's layer)
+    # MindSpeed-LLM's hunyuan3 and ling_v2 scripts build HY-V3's and Ling-V2's folders with bailing_spec (Qwen3's layer)
+    spec_also = ("hy_v3", "bailing_moe_v2")
     dense = "qwen3"
     presets = {
         "tiny-qwen3-moe": dict(family="qwen3_moe", hidden_size=128, num_layers=4, num_attention_heads=4,
