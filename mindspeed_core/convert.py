@@ -46,8 +46,7 @@ from mindspeed_core.training import model_source
 MODEL_TYPES = families.ALIASES
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 # MindSpeed-LLM's --model-type-hf values of families not built here -> the matrix row that says so
-NOT_BUILT = {"phi3.5-moe": "family-phimoe", "plm": "family-plm", "bailing_mini": "family-ling-v2",
-             "deepseek4": "family-deepseek-v4"}
+NOT_BUILT = {"phi3.5-moe": "family-phimoe", "deepseek4": "family-deepseek-v4"}
 
 
 def parser():

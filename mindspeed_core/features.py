@@ -239,10 +239,10 @@ _PER_TOKEN = ("Megatron's per-token loss: each kept label's loss weighs micro-ba
               "kept labels (summed over the DP ranks), so a step's loss and gradient are the mean over every token "
               "of its global batch rather than the mean of each micro-batch's mean (they differ where fine-tuning's "
               "masks keep different numbers of labels); pre-training and --stage sft, not compiled")
-_PLM = ("PLM's folders need modelling code outside transformers (no reference here to check a reading of them "
-        "against); its layer trains from MindSpeed-LLM's flags: --spec plm_spec (DeepSeek's latent attention "
-        "without a query latent), --squared-relu, --rope-scaling-type plm (RoPE's own frequencies)")
-_PLM_INSTEAD = "the PLM scripts' model flags from scratch or from a Megatron checkpoint (--load), without --model-type-hf plm"
+_PLM = ("models/families/plm.py: PLM's folders (model_type plm; their modelling code outside the transformers release) "
+        "are DeepSeek-V2-Lite's dense decoder (latent attention without a query latent, RoPE on consecutive pairs) "
+        "with a squared-ReLU MLP of up_proj and down_proj and tied embeddings; checked against transformers' "
+        "DeepSeek-V2 running that MLP")
 _V4 = ("DeepSeek-V4 is a preview upstream (MindSpeed-LLM's deepseek4_flash, transformers' deepseek_v4): not built "
        "yet; DeepSeek-V3.2's sparse attention and DeepSeek-V3's MoE and MTP are")
 _TP_EXTEND_CONVERT = ("a Megatron checkpoint whose experts lie whole over TP x EP ranks (MindSpeed's "
@@ -253,12 +253,14 @@ _HY_GROUPS = ("as MindSpeed-LLM's hunyuan3 script trains a HY-V3 folder: each to
               "--moe-router-group-topk of --moe-router-num-groups groups (megatron-core's group-limited routing on "
               "the folder's sigmoid scores and expert bias), said in a note; a folder written back routes over every "
               "expert, as transformers' HY-V3 does")
-_LING = ("Ling-V2's folders (BailingMoeV2) need modelling code outside transformers (no reference here to check a "
-         "reading of them against); its layer trains from MindSpeed-LLM's flags: --spec bailing_spec (Qwen3's attention "
-         "with per-head q/k norms), --rotary-percent 0.5, sigmoid routing in groups with the expert bias beside a "
-         "shared expert, --mtp-num-layers")
-_LING_INSTEAD = ("the Ling-V2 scripts' model flags from scratch or from a Megatron checkpoint (--load), without "
-                 "--model-type-hf bailing_mini")
+_LING = ("models/families/bailing_moe_v2.py: Ling-V2's folders (model_type bailing_moe, BailingMoeV2ForCausalLM; their "
+         "modelling code outside transformers, read from the Ling-V2 repository) are GLM-4.5's model under other "
+         "names: q/k/v fused as all q, then k, then v heads; q/k norms per head; RoPE in halves on the first "
+         "partial_rotary_factor of each head; grouped sigmoid routing with the expert bias beside shared experts; "
+         "read and written through GLM-4.5's reader, checked against transformers' GLM-4.5; its multi-token "
+         "prediction layers (enorm, hnorm, eh_proj, final_layernorm) map onto megatron-core's module as "
+         "MindSpeed-LLM's converter maps them (Ling-V2's own code feeds them the final-normed hidden state: not "
+         "compared)")
 _TEKKEN = ("mindspeed_core/data/tekken.py reads the folder's tekken.json itself (no mistral-common): its byte-level "
            "BPE ranks, pattern and special tokens, ids offset by the special ones as mistral-common's; text encodes "
            "without special tokens (a template's [INST] is its characters, as MindSpeed-LLM's tokenizer does), the "
@@ -891,10 +893,9 @@ FEATURES: tuple[Feature, ...] = (
             supported(_HY_GROUPS), lambda a: getattr(a, "model_type_hf", None) in ("HYV3", "hy_v3")
             and (getattr(a, "moe_router_num_groups", None) or 1) > 1),
     Feature("family-ling-v2", "Ling-V2's Hugging Face folders (BailingMoeV2)", "compatibility",
-            ("--model-type-hf bailing_mini",), planned(_LING, instead=_LING_INSTEAD),
-            planned(_LING, instead=_LING_INSTEAD), _eq("model_type_hf", "bailing_mini")),
+            ("--model-type-hf bailing_mini",), supported(_LING), supported(_LING), _eq("model_type_hf", "bailing_mini")),
     Feature("family-plm", "PLM's Hugging Face folders (model_type plm)", "compatibility", ("--model-type-hf plm",),
-            planned(_PLM, instead=_PLM_INSTEAD), planned(_PLM, instead=_PLM_INSTEAD), _eq("model_type_hf", "plm")),
+            supported(_PLM), supported(_PLM), _eq("model_type_hf", "plm")),
     Feature("squared-relu", "Squared-ReLU MLP activation (PLM's)", "models", ("--squared-relu",),
             supported("relu(x)^2 on fc1's output, ungated (Megatron's --squared-relu)"),
             supported("relu(x)^2 on fc1's output, ungated (Megatron's --squared-relu)"), _on("squared_relu")),

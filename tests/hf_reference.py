@@ -117,6 +117,12 @@ MODELS = {
                                                  "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                                                  "original_max_position_embeddings": 8, "beta_fast": 32.0,
                                                  "beta_slow": 1.0, "mscale": 0.707, "mscale_all_dim": 0.707})),
+    # PLM: DeepSeek-V2-Lite's latent attention (no query latent, RoPE on consecutive pairs), dense
+    # layers of PLM's squared-ReLU MLP (PATCHED; every layer dense: first_k_dense_replace 2), tied embeddings
+    "plm-as-deepseek-v2": (T.DeepseekV2Config, dict(COMMON, kv_lora_rank=16, q_lora_rank=None, qk_nope_head_dim=8,
+                                                    qk_rope_head_dim=4, v_head_dim=12, first_k_dense_replace=2,
+                                                    n_routed_experts=4, tie_word_embeddings=True, pad_token_id=0,
+                                                    rope_parameters={"rope_type": "default", "rope_theta": 500.0})),
     "deepseek-v3": (T.DeepseekV3Config, dict(COMMON, kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=8,
                                              qk_rope_head_dim=4, v_head_dim=12, first_k_dense_replace=1,
                                              n_routed_experts=8, num_experts_per_tok=3, n_group=4, topk_group=2,
@@ -404,15 +410,30 @@ def _dense_shared_layers(model) -> None:
             attn.forward = forward
 
 
+def _squared_relu_mlps(model) -> None:
+    """PLM's MLP, down(relu(up(x))^2) without a gate, on DeepSeek-V2's dense layers: transformers
+    has no PLM class (its pull request's and the Hub's modelling code is DeepSeek-V2-Lite's with
+    this MLP); the gate's weights stay in the folder, unused."""
+    for layer in model.model.layers:
+        layer.mlp.forward = lambda x, mlp=layer.mlp: mlp.down_proj(torch.relu(mlp.up_proj(x)) ** 2)
+
+
+# what a reference's model runs instead of its class's own (a family transformers does not have)
+PATCHED = {"plm-as-deepseek-v2": _squared_relu_mlps}
+
+
 def _identity_conv(weight) -> None:
     weight.zero_()
     weight[:, :, -1] = 1.0
 
 
-def _model(cls, kwargs: dict):
+def _model(cls, kwargs: dict, name: str | None = None):
     if cls is T.Qwen3_5Config:  # multimodal: its text-only forward is what the logits compare with
         return T.Qwen3_5ForConditionalGeneration(cls(**kwargs)).float().eval()
-    return T.AutoModelForCausalLM.from_config(cls(**kwargs)).float().eval()
+    model = T.AutoModelForCausalLM.from_config(cls(**kwargs)).float().eval()
+    if name in PATCHED:
+        PATCHED[name](model)
+    return model
 
 
 SAMPLED_EPS = 0.3  # SparseMixer's epsilon in the training reference (the release's 0.01 leaves one candidate here)
@@ -471,7 +492,7 @@ def sparsemixer_training(model, ids) -> dict:
 def build(name: str, out_dir: str) -> None:
     cls, kwargs = MODELS[name]
     torch.manual_seed(0)
-    model = _model(cls, kwargs)
+    model = _model(cls, kwargs, name)
     with torch.no_grad():  # random everything, biases and norms included, so no mapping hides
         for pname, p in model.named_parameters():
             p.normal_(0.0, SPREAD)
@@ -497,7 +518,7 @@ def build(name: str, out_dir: str) -> None:
     if name == "phi3-longrope":  # within the original 16 positions: the short factors
         extra["short_ids"], extra["short_logits"] = ids[:, :PROMPT], logits_of(model, ids[:, :PROMPT])
     for label, change in WITHOUT.get(name, {}).items():
-        other = _model(cls, kwargs if callable(change) else {**kwargs, **change})
+        other = _model(cls, kwargs if callable(change) else {**kwargs, **change}, name)
         other.load_state_dict(model.state_dict())
         if callable(change):
             with torch.no_grad():

@@ -489,3 +489,124 @@ def test_absorbed_latent_attention_gives_transformers_logits_and_tokens(referenc
     assert error < TOLERANCE, error
     prompts = [ref["ids"][0][:12].tolist(), ref["ids"][1][3:12].tolist()]
     assert gen.generate(model, prompts, 8) == ref["generated"].tolist()
+
+
+def ling_v2_folder(glm: pathlib.Path, out: pathlib.Path) -> dict:
+    """GLM-4.5's reference folder rewritten as Ling-V2's (its modeling_bailing_moe_v2.py's names and
+    config keys): q, k and v fused as all query heads, then all key heads, then all value heads;
+    the attention under ``attention.``; the router's bias ``expert_bias``; ``model.word_embeddings``."""
+    from safetensors.numpy import load_file, save_file
+
+    config = json.loads((glm / "config.json").read_text())
+    rope = config["rope_parameters"]
+    ling = {"model_type": "bailing_moe", "architectures": ["BailingMoeV2ForCausalLM"],
+            **{k: config[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                      "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps",
+                                      "max_position_embeddings", "tie_word_embeddings", "hidden_act",
+                                      "use_qk_norm", "first_k_dense_replace", "num_experts_per_tok", "n_group",
+                                      "topk_group", "moe_intermediate_size", "routed_scaling_factor")},
+            "rope_theta": rope["rope_theta"], "partial_rotary_factor": rope["partial_rotary_factor"],
+            "use_qkv_bias": config["attention_bias"], "use_bias": False, "num_experts": config["n_routed_experts"],
+            "num_shared_experts": config["n_shared_experts"], "num_nextn_predict_layers": 0}
+    tensors, glm_tensors = {}, load_file(str(glm / "model.safetensors"))
+    for name, value in glm_tensors.items():
+        name = name.replace("model.embed_tokens.", "model.word_embeddings.")
+        for glm_name, ling_name in (("self_attn.o_proj.", "attention.dense."),
+                                    ("self_attn.q_norm.", "attention.query_layernorm."),
+                                    ("self_attn.k_norm.", "attention.key_layernorm."),
+                                    ("mlp.gate.e_score_correction_bias", "mlp.gate.expert_bias")):
+            name = name.replace(glm_name, ling_name)
+        if ".self_attn.q_proj." in name:
+            layer, kind = name.split(".self_attn.q_proj.")
+            tensors[f"{layer}.attention.query_key_value.{kind}"] = np.concatenate(
+                [glm_tensors[f"{layer}.self_attn.{x}_proj.{kind}"] for x in "qkv"])
+        elif ".self_attn.k_proj." not in name and ".self_attn.v_proj." not in name:
+            tensors[name] = value
+    out.mkdir(parents=True)
+    (out / "config.json").write_text(json.dumps(ling))
+    save_file(tensors, str(out / "model.safetensors"))
+    return tensors
+
+
+@pytest.mark.feature("family-ling-v2")
+def test_a_ling_v2_folder_reads_as_glm45_under_its_own_names(references, tmp_path):
+    """Ling-V2's folders (their modelling code outside transformers) are GLM-4.5's model under other
+    names: GLM-4.5's reference rewritten with Ling-V2's names and keys gives transformers' GLM-4.5
+    logits (its q/k/v biases, per-head q/k norms, RoPE on half of each head, grouped sigmoid routing
+    with the expert bias beside a shared expert), and is written back tensor for tensor."""
+    folder = tmp_path / "ling"
+    tensors = ling_v2_folder(references / "glm4-moe", folder)
+    cfg, state = hf.load_folder(str(folder))
+    assert cfg.family == "bailing_moe_v2" and cfg.rotary_percent == 0.5 and cfg.moe.num_groups == 4
+    model = hf.load_model(str(folder))
+    ref = np.load(references / "glm4-moe.npz")
+    scale = float(np.abs(ref["logits"]).max())
+    error = float(np.abs(ops.to_numpy(model(ops.tensor(ref["ids"]))) - ref["logits"]).max()) / scale
+    assert error < TOLERANCE, error
+    back = hf.to_hf_state(cfg, state)
+    assert sorted(back) == sorted(tensors)
+    for name, value in tensors.items():
+        np.testing.assert_array_equal(back[name], value, err_msg=name)
+    written = hf.hf_config(cfg)
+    assert (written["model_type"], written["architectures"], written["num_experts"], written["use_qkv_bias"],
+            written["partial_rotary_factor"], written["n_group"]) == ("bailing_moe", ["BailingMoeV2ForCausalLM"], 8,
+                                                                       True, 0.5, 4)
+    (folder / "config.json").write_text(json.dumps({**json.loads((folder / "config.json").read_text()),
+                                                    "architectures": ["BailingMoeForCausalLM"]}))
+    with pytest.raises(CheckpointError, match="Ling-V1's are not"):
+        hf.load_folder(str(folder))
+
+
+def plm_folder(reference: pathlib.Path, out: pathlib.Path) -> dict:
+    """hf_reference's DeepSeek-V2 with PLM's MLP rewritten as a PLM folder (its modelling code's
+    config keys; the gate's unused weights left out)."""
+    from safetensors.numpy import load_file, save_file
+
+    config = json.loads((reference / "config.json").read_text())
+    plm = {"model_type": "plm", "architectures": ["PLMForCausalLM"], "hidden_act": "relu2", "q_lora_rank": None,
+           "rope_theta": config["rope_parameters"]["rope_theta"], "rope_scaling": None, "rope_interleave": True,
+           **{k: config[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                     "num_attention_heads", "num_key_value_heads", "kv_lora_rank", "qk_nope_head_dim",
+                                     "qk_rope_head_dim", "v_head_dim", "max_position_embeddings", "rms_norm_eps",
+                                     "tie_word_embeddings", "attention_bias")}}
+    tensors = {k: v for k, v in load_file(str(reference / "model.safetensors")).items() if ".mlp.gate_proj." not in k}
+    out.mkdir(parents=True)
+    (out / "config.json").write_text(json.dumps(plm))
+    save_file(tensors, str(out / "model.safetensors"))
+    return tensors
+
+
+@pytest.mark.feature("family-plm")
+@pytest.mark.feature("squared-relu")
+def test_a_plm_folder_gives_the_logits_of_its_modelling_code(references, tmp_path):
+    """PLM's folders (their modelling code outside transformers: DeepSeek-V2-Lite's latent attention
+    without a query latent, RoPE on consecutive pairs, a squared-ReLU MLP without a gate, tied
+    embeddings) give the logits of transformers' DeepSeek-V2 running that MLP, and are written back
+    tensor for tensor; read with RoPE in halves or GELU between the projections the logits are far off."""
+    folder = tmp_path / "plm"
+    tensors = plm_folder(references / "plm-as-deepseek-v2", folder)
+    cfg, state = hf.load_folder(str(folder))
+    assert (cfg.family, cfg.activation, cfg.mla.q_lora_rank, cfg.mla.rope_interleave, cfg.tied_output) == \
+        ("plm", "squared_relu", None, True, True)
+    ref = np.load(references / "plm-as-deepseek-v2.npz")
+    scale = float(np.abs(ref["logits"]).max())
+    assert scale > 1
+    model = hf.load_model(str(folder))
+    error = float(np.abs(ops.to_numpy(model(ops.tensor(ref["ids"]))) - ref["logits"]).max()) / scale
+    assert error < TOLERANCE, error
+    back = hf.to_hf_state(cfg, state)
+    assert sorted(back) == sorted(k for k in tensors if k != "lm_head.weight")
+    for name in back:
+        np.testing.assert_array_equal(back[name], tensors[name], err_msg=name)
+    assert hf.hf_config(cfg)["hidden_act"] == "relu2" and hf.hf_config(cfg)["model_type"] == "plm"
+    import dataclasses
+
+    from mindspeed_core.models import registry
+    from mindspeed_core.models.gpt import load_whole_state
+
+    for wrong in (dict(mla=dataclasses.replace(cfg.mla, rope_interleave=False)), dict(activation="gelu")):
+        other = dataclasses.replace(cfg, **wrong)
+        misread = registry.for_config(other).build(other)
+        load_whole_state(misread, state)
+        distance = float(np.abs(ops.to_numpy(misread(ops.tensor(ref["ids"]))) - ref["logits"]).max()) / scale
+        assert distance > 100 * TOLERANCE, (wrong, distance)

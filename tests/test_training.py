@@ -510,6 +510,33 @@ def test_init_norm_weight_in_fp32_keeps_every_norm_float32_under_bf16(capsys, co
     assert (values != as_bf16).any()  # steps of 3e-3 from 1: below bfloat16's 2^-7 there
 
 
+@pytest.mark.feature("hy-v3-group-routing")
+def test_a_hy_v3_folder_trains_routed_within_the_scripts_groups(capsys, corpus, tmp_path):
+    """MindSpeed-LLM's hunyuan3 script on a HY-V3 folder (whose experts route over all of them):
+    --moe-router-num-groups 4 --moe-router-group-topk 1 make the run choose each token's two experts
+    inside one group of two, said in a note; the folder's own model chooses across groups."""
+    from mindspeed_core import nn, ops, random
+    from mindspeed_core.models import families, registry, router
+    from mindspeed_core.models.config import ModelConfig
+    from mindspeed_core.training import checkpoint
+
+    cfg = families.preset("tiny-hy-v3", vocab_size=320, num_layers=2, moe_layers=(1,))
+    random.seed(0)
+    hf.save_folder(str(tmp_path / "hf"), cfg, nn.state_dict(registry.for_config(cfg).build(cfg)))
+    code, _, err = train(capsys, "--load-hf", str(tmp_path / "hf"), "--data-path", corpus, "--seq-length", "32",
+                         "--micro-batch-size", "2", "--train-iters", "2", "--eval-iters", "0", "--no-progress",
+                         "--sample-tokens", "0", "--moe-router-num-groups", "4", "--moe-router-group-topk", "1",
+                         "--save", str(tmp_path / "ckpt"))
+    assert code == 0, err
+    assert err.count("routes each token within its best 1 of 4 expert groups") == 1, err
+    trained = ModelConfig.from_dict(checkpoint.read_meta(str(tmp_path / "ckpt"), 2)["model"]).moe
+    logits = np.random.default_rng(3).normal(0.0, 2.0, (256, 8)).astype(np.float32)
+    for moe, grouped in ((trained, True), (cfg.moe, False)):
+        experts = router.select(router.scores_of(ops.tensor(logits), moe), moe)
+        same_group = (experts[:, 0] // 2 == experts[:, 1] // 2).all()
+        assert same_group == grouped, (moe.num_groups, experts[:8])
+
+
 @pytest.mark.feature("multi-latent-attention")
 def test_the_minicpm3_preset_trains_and_exports(capsys, corpus, tmp_path):
     """MiniCPM3's layer (latent attention, MiniCPM's scalings, tied embeddings) trains from its

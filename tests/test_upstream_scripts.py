@@ -216,7 +216,8 @@ def _outcome(call: dict, paths: dict, tmp_path, references, stand_ins: dict, ran
 STAND_INS = {"llama2": "llama", "qwen25": "qwen2", "qwen3": "qwen3", "qwen3-moe": "qwen3-moe", "phi3.5": "phi3-longrope",
              "gemma2": "gemma2", "deepseek2-lite": "deepseek-v2", "deepseek3": "deepseek-v3", "glm45": "glm4-moe",
              "glm45-air": "glm4-moe", "qwen3-next": "qwen3-next", "seed-oss": "seed-oss", "magistral": "mistral",
-             "deepseek32": "deepseek-v32", "glm5": "glm5", "longcat": "longcat-flash"}
+             "deepseek32": "deepseek-v32", "glm5": "glm5", "longcat": "longcat-flash", "bailing_mini": "glm4-moe",
+             "plm": "plm-as-deepseek-v2"}
 # these folders carry their multi-token prediction layer (the scripts' conversions name it)
 WITH_MTP = ("glm45-air", "deepseek32", "glm5")
 # a conversion's layout scaled to the stand-ins (2 layers, 2 key/value heads, 4 experts at least),
@@ -270,6 +271,13 @@ def _convert(call: dict, references, stand_ins: dict, tmp_path) -> str:
     if "--lora-load" in flags or "--save-lora-to-hf" in flags or kind not in STAND_INS:
         return "parsed"  # LoRA's conversions run in test_lora, from a LoRA run of their own
     stand_in = references / STAND_INS[kind]
+    if kind in ("bailing_mini", "plm"):  # no class in transformers: a reference rewritten as their folders
+        if kind not in stand_ins:
+            import test_hf
+
+            (test_hf.ling_v2_folder if kind == "bailing_mini" else test_hf.plm_folder)(stand_in, tmp_path / "stand-in")
+            stand_ins[kind] = tmp_path / "stand-in"
+        stand_in = stand_ins[kind]
     if kind in WITH_MTP:
         if kind not in stand_ins:
             from test_convert import folder_with_mtp
@@ -315,8 +323,10 @@ def _scaled_run(flags: list, values: dict) -> list:
     """A run line's flags with RUN_SCALE's and ``values``' flags set, RUN_DROPPED's dropped, a positive --first-k-dense-replace made 1
     (one dense layer, then MoE) and LongRoPE's factor lists cut to ROTATED_PAIRS."""
     values = {**RUN_SCALE, **values}
-    if "--multi-latent-attention" in flags:  # a latent attention's heads: the scaled --qk-head-dim + rotated part
+    if "--multi-latent-attention" in flags:  # a latent attention's heads: the scaled --qk-head-dim + rotated part,
+        # each its own key and value (PLM's scripts name the groups)
         values["--kv-channels"] = str(int(values["--qk-head-dim"]) + int(values["--qk-pos-emb-head-dim"]))
+        values["--num-query-groups"] = values["--num-attention-heads"]
     out = []
     for flag, given in _groups(flags):
         if flag in RUN_DROPPED:
@@ -419,13 +429,13 @@ DID = ("preprocessed", "converted", "trained", "configured", "generated", "gated
 # measured here, per entry point (the refused stop at the rows they name: Ascend-only kernels and
 # DualPipeV; on MindSpore also the training lines' bfloat16, which most of them ask for)
 DONE = {
-    "pytorch": {"convert_ckpt_v2.py": {"converted": 37, "parsed": 6, "refused": 6},
+    "pytorch": {"convert_ckpt_v2.py": {"converted": 41, "parsed": 6, "refused": 2},
                 "evaluation.py": {"gated": 19},
                 "inference.py": {"gated": 13, "generated": 19},
-                "posttrain_gpt.py": {"configured": 27, "refused": 13, "trained": 10},
+                "posttrain_gpt.py": {"configured": 29, "refused": 9, "trained": 12},
                 "preprocess_data.py": {"preprocessed": 43, "refused": 1},
-                "pretrain_gpt.py": {"configured": 30, "refused": 16}},
-    "mindspore": {"convert_ckpt_v2.py": {"converted": 37, "parsed": 6, "refused": 6},
+                "pretrain_gpt.py": {"configured": 35, "refused": 11}},
+    "mindspore": {"convert_ckpt_v2.py": {"converted": 41, "parsed": 6, "refused": 2},
                   "evaluation.py": {"gated": 19},
                   "inference.py": {"gated": 13, "generated": 19},
                   "posttrain_gpt.py": {"refused": 50}, "preprocess_data.py": {"preprocessed": 43, "refused": 1},
@@ -436,6 +446,8 @@ DONE = {
 @pytest.mark.feature("squared-relu")  # PLM's generation line, from its flags
 @pytest.mark.feature("magistral-tokenizer")  # Magistral's preprocessing and generation lines
 @pytest.mark.feature("hy-v3-group-routing")  # the hunyuan3 line's groups over its folder, configured
+@pytest.mark.feature("family-ling-v2")  # Ling-V2's and PLM's conversion lines on stand-in folders
+@pytest.mark.feature("family-plm")
 def test_every_upstream_script_call_is_accepted_or_refused_by_a_matrix_row(framework, paths, hf_references, tmp_path,
                                                                             capsys):
     outcomes, stand_ins, ran = [], {}, {}
@@ -494,12 +506,18 @@ LAUNCHED = {
     # Magistral from a Mistral folder, its data preprocessed and read by the Tekken tokenizer of the
     # folder's tekken.json (266 tokens: a larger table than the other stand-ins' 128)
     "magistral/pretrain_magistral_small_24b_A3_ptd.sh": {"--padded-vocab-size": "384"},
+    # Ling-V2 mini from a Ling-V2 folder (bailing_spec: Qwen3's layer, half of each head rotated, grouped
+    # sigmoid routing with the expert bias beside a shared expert); PLM from its folder (latent attention
+    # without a query latent, the squared-ReLU MLP, tied embeddings)
+    "ling_v2/pretrain_ling_mini_16b_4k_ptd.sh": {},
+    "plm/pretrain_plm_1point8b_ptd.sh": {},
 }
 
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("script", list(LAUNCHED), ids=["qwen3", "qwen3-next", "minimax27", "kimi2", "longcat",
-                                                         "deepseek32", "glm52", "hunyuan3", "seed-oss", "magistral"])
+                                                         "deepseek32", "glm52", "hunyuan3", "seed-oss", "magistral",
+                                                         "ling-v2", "plm"])
 def test_a_scripts_own_launch_line_trains(framework, paths, tmp_path, script):
     """A pre-training script's python line, with sizes, paths and the device count scaled down
     and no flag edited, under the framework's launcher (torchrun / msrun) on two ranks: it trains

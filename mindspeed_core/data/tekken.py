@@ -38,6 +38,9 @@ class TekkenTokenizer:
     name = "MagistralTokenizer"
 
     def __init__(self, path: str):
+        from mindspeed_core import features
+
+        features.note_used("magistral-tokenizer")
         try:
             import regex
         except ImportError:

@@ -190,12 +190,10 @@ def build_tokenizer(tokenizer_type: str | None, name_or_path: str | None = None,
             raise MindSpeedError("--tokenizer-type NullTokenizer needs --vocab-size")
         return NullTokenizer(vocab_size)
     if kind == "MagistralTokenizer":
-        from mindspeed_core import features
         from mindspeed_core.data.tekken import TekkenTokenizer
 
         if not name_or_path:
             raise MindSpeedError("--tokenizer-type MagistralTokenizer needs --tokenizer-model (the folder's tekken.json)")
-        features.note_used("magistral-tokenizer")
         return TekkenTokenizer(name_or_path)
     raise MindSpeedError(f"unknown --tokenizer-type {kind!r}; choose ByteLevel, PretrainedFromHF, "
                          "GPT2BPETokenizer, NullTokenizer or MagistralTokenizer")

@@ -66,9 +66,7 @@ class DeepSeekV3(DeepSeekV2):
     name = "deepseek_v3"
     architecture = "DeepseekV3ForCausalLM"
     aliases = ("deepseek3",)
-    # MindSpeed-LLM's plm_spec is DeepSeek's latent-attention layer too (PLM: no query latent, a
-    # squared-ReLU MLP from --squared-relu); PLM's own folders are the family-plm row's
-    specs = ("deepseek_spec", "plm_spec")
+    specs = ("deepseek_spec",)  # MindSpeed-LLM's plm_spec builds PLM's (plm.py)
     # DeepSeek's spec builds V2's layers too, and with --enable-dsa-indexer V3.2's and GLM-5's
     spec_also = ("deepseek_v2", "deepseek_v32", "glm_moe_dsa")
     mtp_layers = True
