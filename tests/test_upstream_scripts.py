@@ -445,7 +445,6 @@ DONE = {
 
 @pytest.mark.feature("squared-relu")  # PLM's generation line, from its flags
 @pytest.mark.feature("magistral-tokenizer")  # Magistral's preprocessing and generation lines
-@pytest.mark.feature("hy-v3-group-routing")  # the hunyuan3 line's groups over its folder, configured
 @pytest.mark.feature("family-ling-v2")  # Ling-V2's and PLM's conversion lines on stand-in folders
 @pytest.mark.feature("family-plm")
 def test_every_upstream_script_call_is_accepted_or_refused_by_a_matrix_row(framework, paths, hf_references, tmp_path,
