@@ -116,8 +116,7 @@ def from_hf_state(cfg: ModelConfig, hf: dict) -> dict:
 
 def _from_hf_state(cfg: ModelConfig, hf: dict) -> dict:
     out = {}
-    family = families.get(cfg.family)
-    hf = family.tensors_in(cfg, family.unwrap_tensors(hf))
+    hf = families.get(cfg.family).tensors_in(cfg, hf)
     left = hf  # what take() has not consumed, checked at the end
 
     def take(name):

@@ -60,19 +60,14 @@ class Family:
         raise NotImplementedError
 
     def tensors_in(self, cfg: ModelConfig, hf: dict) -> dict:
-        """A folder's tensors renamed to the layout this family's reader takes (default: as they
-        are; Ling-V2's are GLM-4.5's under other names)."""
+        """A folder's tensors renamed to the layout this family's reader takes: a wrapper's (a
+        multimodal folder's) text model renamed and what it does not use set aside (Qwen3.5),
+        another model's names translated (Ling-V2's are GLM-4.5's); default: as they are."""
         return hf
 
     def tensors_out(self, cfg: ModelConfig, out: dict) -> dict:
         """The writer's tensors renamed as the family's folders name them (tensors_in's inverse)."""
         return out
-
-    def unwrap_tensors(self, hf: dict) -> dict:
-        """A folder's tensors as the family's layout names them: a wrapper's (a multimodal
-        folder's) text model renamed, what the text model does not use set aside (default: as
-        they are)."""
-        return hf
 
     def hf_config(self, cfg: ModelConfig) -> dict:
         """config.json for ``cfg``; a model that this family cannot hold is a CheckpointError."""

@@ -43,7 +43,7 @@ class Qwen35(Qwen3Next):
     def config_from_hf(self, hf: dict):
         return super().config_from_hf(text_config(hf))
 
-    def unwrap_tensors(self, hf: dict) -> dict:
+    def tensors_in(self, cfg, hf: dict) -> dict:
         if not any(k.startswith(TEXT) for k in hf):
             return hf
         return {"model." + k[len(TEXT):] if k.startswith(TEXT) else k: v for k, v in hf.items()
