@@ -146,30 +146,59 @@ def _layer_split(cfg, layer: int, tp: int, ep: int, expert_tp: int) -> tuple:
     """One transformer layer's parameters on one rank (linear layers cut by TP, experts by EP and
     then the expert TP; norms, router and output biases replicated): (those besides the routed
     experts, the routed experts')."""
-    h, kv = cfg.hidden_size, cfg.kv_channels
-    q_width, groups = cfg.num_attention_heads * kv, cfg.num_query_groups
-    kv_local = 2 * kv * max(groups // tp, 1)  # a key/value head copied to several ranks when TP > groups
+    h = cfg.hidden_size
     norm = h * (2 if cfg.normalization == "layernorm" else 1)
-    attn = h * (q_width / tp + kv_local) + q_width * h / tp
-    attn += (q_width / tp + kv_local) if cfg.add_qkv_bias else 0
-    attn += h if cfg.attention_output_bias else 0
-    attn += 2 * kv if cfg.qk_layernorm else 0
+    attn = _attention_split(cfg, layer, tp)
     gated = cfg.gated
     if cfg.moe is not None and cfg.is_moe_layer(layer):
         moe = cfg.moe
         f = moe.ffn_hidden_size or cfg.ffn_hidden_size
-        expert = h * (2 if gated else 1) * f + f * h
+        per_width = 2 if gated else 1
+        expert = h * per_width * f + f * h + ((per_width * f + h) if cfg.add_bias_linear else 0)
         experts = moe.num_experts / ep * expert / expert_tp
-        mlp = h * moe.num_experts
+        # the router (with its expert bias, a slot for each zero-computation expert too), whole on each rank
+        mlp = (h + (1 if moe.enable_expert_bias else 0) + (1 if cfg.add_bias_linear else 0)) * moe.slots
         if moe.shared_expert_size:
             s = moe.shared_expert_size
             mlp += (h * (2 if gated else 1) * s + s * h) / tp + (h if moe.shared_expert_gate else 0)
     else:
-        f = cfg.ffn_hidden_size
-        fc1 = (2 if gated else 1) * f
-        mlp = (h * fc1 + f * h) / tp + ((fc1 / tp + h) if cfg.add_bias_linear else 0)
+        mlp = _dense_mlp_split(cfg, tp)
         experts = 0.0
+    if cfg.shortcut_moe:  # LongCat-Flash: a second attention and two dense MLPs beside the MoE, four norms
+        return 2 * attn + mlp + 2 * _dense_mlp_split(cfg, tp) + 4 * norm, experts
     return attn + mlp + 2 * norm, experts
+
+
+def _dense_mlp_split(cfg, tp: int) -> float:
+    """A dense MLP's parameters on one rank (fc1 column-cut, fc2 row-cut, fc2's bias replicated)."""
+    h, f = cfg.hidden_size, cfg.ffn_hidden_size
+    fc1 = (2 if cfg.gated else 1) * f
+    return (h * fc1 + f * h) / tp + ((fc1 / tp + h) if cfg.add_bias_linear else 0)
+
+
+def _attention_split(cfg, layer: int, tp: int) -> float:
+    """One layer's attention parameters on one rank: q/k/v and the output projection cut by TP
+    (a key/value head copied to several ranks when TP exceeds the groups); latent attention's
+    down-projections, latent norms and biases whole on each rank, its up-projections and output
+    cut; a sparse-attention indexer whole on each rank."""
+    h, kv = cfg.hidden_size, cfg.kv_channels
+    mla = cfg.mla
+    if mla is not None:
+        heads = cfg.num_attention_heads
+        cut = (heads * mla.qk_head_dim * (mla.q_lora_rank or h)  # linear_q_up_proj or linear_q_proj
+               + mla.kv_lora_rank * heads * (mla.qk_nope_head_dim + mla.v_head_dim) + heads * mla.v_head_dim * h)
+        attn = cfg._attention_parameters() - cut + cut / tp
+        if cfg.dsa is not None and cfg.dsa.runs_indexer(layer):
+            dsa = cfg.dsa
+            attn += mla.q_lora_rank * dsa.n_heads * dsa.head_dim + h * dsa.head_dim + 2 * dsa.head_dim + h * dsa.n_heads
+        return attn
+    q_width, groups = cfg.num_attention_heads * kv, cfg.num_query_groups
+    kv_local = 2 * kv * max(groups // tp, 1)  # a key/value head copied to several ranks when TP > groups
+    attn = h * (q_width / tp + kv_local) + q_width * h / tp
+    attn += (q_width / tp + kv_local) if cfg.add_qkv_bias else 0
+    attn += h if cfg.attention_output_bias else 0
+    attn += 2 * kv if cfg.qk_layernorm else 0
+    return attn
 
 
 def stage_parameters(cfg, layout, tp: int, ep: int, stage: int, pp: int, expert_tp: int | None = None) -> float:

@@ -29,11 +29,17 @@ def config(*argv):
 
 @pytest.mark.parametrize("model", [MODEL, ["--model-name", "tiny-gpt2", "--seq-length", "64"],
                                    ["--model-name", "tiny-qwen2-moe", "--seq-length", "64"],
-                                   [*MODEL, "--untie-embeddings-and-output-weights"]],
-                         ids=["llama", "gpt2-tied-learned", "qwen2-moe", "untied"])
+                                   [*MODEL, "--untie-embeddings-and-output-weights"],
+                                   ["--model-name", "tiny-deepseek-v32", "--seq-length", "64", "--num-layers", "4"],
+                                   ["--model-name", "tiny-glm5", "--seq-length", "64"],
+                                   ["--model-name", "tiny-longcat-flash", "--seq-length", "64"]],
+                         ids=["llama", "gpt2-tied-learned", "qwen2-moe", "untied", "latent-sparse", "shared-topk",
+                              "longcat"])
 def test_rank_parameters_add_up_to_the_model(model):
     """One rank holds the whole model; PP stages hold it once (plus the tied embedding's copy on
-    the last stage); TP ranks hold the replicated parts each and the cut parts once."""
+    the last stage); TP ranks hold the replicated parts each and the cut parts once. With latent
+    attention and its indexers (GLM-5's shared layers without one), and LongCat-Flash's layer of
+    two attentions and three MLPs, too."""
     cfg = config(*model)
     one = pipeline.plan_layout(cfg.num_layers, 1)
     assert planner.stage_parameters(cfg, one, 1, 1, 0, 1) == cfg.num_parameters()
