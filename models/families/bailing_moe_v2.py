@@ -36,6 +36,7 @@ from mindspeed_core.models.families.glm4_moe import GLM4MoE
 # config.json: Ling-V2's key -> GLM-4.5's
 CONFIG_KEYS = {"num_experts": "n_routed_experts", "num_shared_experts": "n_shared_experts",
                "use_qkv_bias": "attention_bias"}
+CONFIG_KEYS_BACK = {glm: ling for ling, glm in CONFIG_KEYS.items()}
 # tensors inside a layer: Ling-V2's name -> GLM-4.5's (q/k/v fused apart: _unpack / _pack)
 LAYER_NAMES = {"attention.dense.": "self_attn.o_proj.", "attention.query_layernorm.": "self_attn.q_norm.",
                "attention.key_layernorm.": "self_attn.k_norm.", "mlp.gate.expert_bias": "mlp.gate.e_score_correction_bias",
@@ -94,7 +95,6 @@ class LingV2(GLM4MoE):
         out.pop("rope_parameters", None)
         if moe is not None:  # Ling-V2 writes 0 for no groups
             out["n_group"], out["topk_group"] = moe.num_groups or 0, moe.group_topk or 0
-        out.pop("topk_method", None)
         return out
 
     # ---- tensors: GLM-4.5's reader and writer on translated names ----
@@ -151,8 +151,5 @@ def _renamed(rest: str, names: dict) -> str:
             return new + rest[len(old):]
     return rest
 
-
-# GLM-4.5's key -> Ling-V2's
-CONFIG_KEYS_BACK = {v: k for k, v in CONFIG_KEYS.items()}
 
 FAMILY = LingV2()
