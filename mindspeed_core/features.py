@@ -178,6 +178,10 @@ _SWAP_OPTIMIZER = ("the distributed optimizer's master slice and moments held in
                    "(default 16) and back; the same bits as without (on a CPU-only host both are host memory)")
 _GDN_COMPOSITE = ("the same chunked rule as composite ops (models/gated_deltanet.py) on every device: "
                   "flash-linear-attention's Triton kernels are not bound (CPU has no Triton)")
+_DUALPIPEV = ("two model chunks a rank in a V (rank r: stages r and 2P-1-r; the embedding, the loss and the MTP "
+              "modules on the first rank), fed from both ends in DeepSeek's order as MindSpeed's dualpipev runs it "
+              "without --moe-fb-overlap: each backward computes the input and weight gradients at once; a "
+              "framework-free program, deadlock-free by construction; untied embeddings, no CP")
 _MATMUL_ADD = ("with --moe-grouped-gemm (as MindSpeed's npu_groupmatmul_add_fp32): each expert's weight gradient "
                "computed by ops.matmul_add in fp32 into an fp32 gradient of its own, never rounded to bf16 (in fp32 "
                "the same arithmetic as without the flag); not with --compile")
@@ -962,9 +966,7 @@ FEATURES: tuple[Feature, ...] = (
             ("--moe-tp-extend-ep",), supported(_TP_EXTEND_EP), supported(_TP_EXTEND_EP), _on("moe_tp_extend_ep")),
     Feature("dualpipe", "The DualPipeV pipeline schedule (--schedules-method dualpipev)", "parallelism",
             ("--schedules-method dualpipev",),
-            planned(instead="the 1F1B or interleaved schedule (--num-layers-per-virtual-pipeline-stage)"),
-            planned(instead="the 1F1B or interleaved schedule (--num-layers-per-virtual-pipeline-stage)"),
-            _eq("schedules_method", "dualpipev")),
+            supported(_DUALPIPEV), supported(_DUALPIPEV), _eq("schedules_method", "dualpipev")),
     Feature("evaluation-alternative-prompt", "MindSpeed-LLM's alternative evaluation prompts (--alternative-prompt)",
             "tools", ("--alternative-prompt",), supported(_ALTERNATIVE), supported(_ALTERNATIVE),
             _on("alternative_prompt")),

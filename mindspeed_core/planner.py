@@ -36,6 +36,7 @@ host's matmul rate (at each layout's shape) and each of N ranks gets 1/N of it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import json
 import math
@@ -49,7 +50,7 @@ from mindspeed_core.errors import MindSpeedError
 from mindspeed_core.memory.accounting import estimated_peak_bytes
 from mindspeed_core.memory.recompute import Recompute
 from mindspeed_core.parallel import pipeline, traffic
-from mindspeed_core.training import configuration
+from mindspeed_core.training import configuration, schedules
 
 GIB = 2**30
 
@@ -99,6 +100,7 @@ class Layout:
     # --expert-tensor-parallel-size 1: the experts whole on every TP rank, the EP groups reaching
     # across TP (EP divides TP x CP x DP), as MindSpeed-LLM's largest MoE scripts run
     etp1: bool = False
+    dualpipev: bool = False  # --schedules-method dualpipev: two chunks a rank in a V
 
     @property
     def sp(self) -> bool:
@@ -131,6 +133,8 @@ class Layout:
             out += ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
         if self.distopt:
             out.append("--use-distributed-optimizer")
+        if self.dualpipev:
+            out += ["--schedules-method", "dualpipev"]
         return out
 
     def describe(self) -> str:
@@ -220,10 +224,11 @@ def stage_parameter_split(cfg, layout, tp: int, ep: int, stage: int, pp: int,
             rest, routed = _layer_split(cfg, i, tp, ep, expert_tp)
             total, experts = total + rest + routed, experts + routed
     norm = h * (2 if cfg.normalization == "layernorm" else 1)
-    if stage == 0:
+    held = {layout.stage(stage, chunk) for chunk in range(layout.chunks)}  # DualPipeV's first rank holds both ends
+    if 0 in held:
         total += v * h / tp
         total += cfg.max_position_embeddings * h if cfg.position_embedding_type == "learned" else 0
-    if stage == pp - 1:
+    if layout.virtual_stages - 1 in held:
         total += norm
         if cfg.reward_head:
             total += h
@@ -296,11 +301,26 @@ COUNTS = {
 }
 
 
+@functools.lru_cache(maxsize=64)
+def pipeline_bubble(pp: int, micro: int, dualpipev: bool = False) -> float:
+    """A rank's idle time in a step, in micro-batch slots (one stage's forward and backward of
+    one micro-batch): the schedule's program run in simulation (schedules.simulated_timeline)
+    with a backward twice a forward. 1F1B's is P - 1; DualPipeV's is the same on P ranks less
+    what its V fills. Past 2P micro-batches the steady state adds no idle time, so longer
+    steps are simulated at 4P."""
+    if not dualpipev:
+        return float(pp - 1)  # what the simulation gives too (tests/test_plan.py)
+    program = schedules.pipeline_program(pp, 2, min(micro, 4 * pp), schedule=schedules.DUALPIPEV)
+    # a stage's micro-batch slot is 3 units (forward 1, backward 2); DualPipeV's chunk is half a stage
+    timeline = schedules.simulated_timeline(program, 2, schedules.DUALPIPEV, 0.5, 1.0)
+    return max(schedules.idle_time(timeline).values()) / 3.0
+
+
 def predict_memory(cfg, lay: Layout, seq: int, gbs: int, machine: Machine, dtype: str = "float32") -> dict:
     """Bytes per device on the most loaded pipeline stage, by part: the fixed parts (baseline,
     weights, optimizer states, what building the whole model left) plus the larger of the
     step's two peaks: at the loss (activations, logits) and after the backward (gradients)."""
-    layout = pipeline.model_layout(cfg, lay.pp)
+    layout = pipeline.model_layout(cfg, lay.pp, dualpipev=lay.dualpipev)
     element = 4 if dtype == "float32" else 2
     copies = machine.counts()
     micro = gbs // (lay.mbs * lay.dp)
@@ -315,12 +335,13 @@ def predict_memory(cfg, lay: Layout, seq: int, gbs: int, machine: Machine, dtype
         state = sum(24 * n / shards if lay.distopt and shards > 1  # fp32 master, two moments, three masks
                     else (8 + (4 if element == 2 else 0)) * n  # two moments (and the master of 16-bit weights)
                     for n, shards in ((params - experts, lay.dp * lay.cp), (experts, lay.edp)))
-        # 1F1B: the first stage holds PP micro-batches
-        in_flight = 1 if copies.records_again else min(lay.pp - stage, micro)
+        # 1F1B: the first stage holds PP micro-batches; DualPipeV: every rank 2P + 1 chunks' (half a stage's each)
+        in_flight = (1 if copies.records_again else min(2 * lay.pp + 1, 2 * micro) / 2 if lay.dualpipev
+                     else min(lay.pp - stage, micro))
         layers = sum(len(layout.layers(layout.stage(stage, c))) for c in range(layout.chunks))
         acts = in_flight * copies.activations * _activation_bytes(cfg, lay, seq, layers, element)
         logits = (copies.logits[lay.tp > 1] * 4 * lay.mbs * (seq // lay.cp) * cfg.vocab_size / lay.tp
-                  if stage == lay.pp - 1 else 0)
+                  if layout.rank_of_stage(layout.virtual_stages - 1) == stage else 0)
         after_backward = copies.gradients[accumulates] * grads
         if lay.distopt and lay.dp * lay.cp > 1:
             after_backward = max(after_backward, (copies.distopt + copies.distopt_shard / (lay.dp * lay.cp)) * grads)
@@ -376,7 +397,7 @@ def predict_step(cfg, lay: Layout, seq: int, gbs: int, machine: Machine) -> dict
                 * (4 / 3 if lay.recompute == "full" else 1) + lay.mbs * (seq // lay.cp) * cfg.vocab_size / lay.tp)
     per_micro += counts.elementwise_passes * elements / machine.elementwise_rate
     compute = micro * per_micro
-    bubble = (lay.pp - 1) * per_micro
+    bubble = pipeline_bubble(lay.pp, micro, lay.dualpipev) * per_micro
     params = cfg.num_parameters() / (lay.tp * lay.pp)
     sharded = lay.distopt and lay.dp * lay.cp > 1
     optimizer = counts.distopt_passes * params / machine.elementwise_rate if sharded else 0.0
@@ -466,9 +487,10 @@ def layout_space(cfg, args, world: int, devices_per_node: int) -> list[Layout]:
                             if e > 1 and cfg.moe.num_experts % e == 0]
                 mbss = divisors(gbs // dp, args.max_micro_batch_size,
                                 f"--global-batch-size {gbs} with --max-micro-batch-size {args.max_micro_batch_size}")
-                out += [Layout(tp, pp, dp, cp, ep, mbs, recompute, distopt, etp1)
-                        for (ep, etp1), mbs, recompute, distopt in itertools.product(
-                            eps, mbss, ("none", "selective", "full"), (False, True) if dp * cp > 1 else (False,))]
+                out += [Layout(tp, pp, dp, cp, ep, mbs, recompute, distopt, etp1, v)
+                        for (ep, etp1), mbs, recompute, distopt, v in itertools.product(
+                            eps, mbss, ("none", "selective", "full"), (False, True) if dp * cp > 1 else (False,),
+                            (False, True) if pp > 1 else (False,))]
                 if len(out) * (CHECK_LAYERS + cfg.num_layers) > MAX_WORK:
                     most = MAX_WORK // (CHECK_LAYERS + cfg.num_layers)
                     raise MindSpeedError(f"--devices {world} with --global-batch-size {gbs}: more layouts to check "

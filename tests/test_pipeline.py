@@ -16,19 +16,19 @@ from test_parallel import assert_same_curve, gradient_difference, grad_norms, sa
 from test_training import corpus, losses, train  # noqa: F401  (corpus is a fixture)
 
 from mindspeed_core.errors import MindSpeedError
-from mindspeed_core.parallel.pipeline import plan_layout
-from mindspeed_core.training.schedules import BACKWARD, FORWARD, RECV, SEND, pipeline_program
+from mindspeed_core.parallel.pipeline import plan_layout, rank_of_stage, virtual_stage
+from mindspeed_core.training.schedules import BACKWARD, DUALPIPEV, FORWARD, RECV, SEND, pipeline_program
 
 # -- the schedules -------------------------------------------------------------------------
 
 GRID = [(p, v, m) for p in (2, 3, 4) for v in (1, 2, 3) for m in range(1, 13) if v == 1 or m % p == 0]
 
 
-def run_blocking(program: dict, chunks: int) -> dict:
+def run_blocking(program: dict, chunks: int, v_shape: bool = False) -> dict:
     """Execute a program as the ranks do: compute never waits, a transfer completes only when
-    its sender and receiver both have it next. Returns per rank the peak number of micro-
-    batches whose forward ran and whose backward did not; fails on a deadlock or on a
-    compute action whose input has not arrived."""
+    its sender and receiver both have it next (DualPipeV's turn on the last rank needs none).
+    Returns per rank the peak number of chunk-micro-batches whose forward ran and whose
+    backward did not; fails on a deadlock or on a compute action whose input has not arrived."""
     pp = len(program)
     pos = {r: 0 for r in program}
     arrived = {r: set() for r in program}
@@ -40,11 +40,14 @@ def run_blocking(program: dict, chunks: int) -> dict:
         for r in program:
             while pos[r] < len(program[r]) and program[r][pos[r]][0] in (FORWARD, BACKWARD):
                 kind, chunk, mb = program[r][pos[r]]
-                stage = chunk * pp + r
+                stage = virtual_stage(pp, r, chunk, v_shape)
                 if kind == FORWARD and stage > 0:
                     assert ("activation", stage, mb) in arrived[r], (r, program[r][pos[r]])
                 if kind == BACKWARD and stage < total - 1:
                     assert ("gradient", stage, mb) in arrived[r], (r, program[r][pos[r]])
+                nxt = stage + 1 if kind == FORWARD else stage - 1  # a hand-over within the rank
+                if 0 <= nxt < total and rank_of_stage(pp, nxt, v_shape) == r:
+                    arrived[r].add(("activation" if kind == FORWARD else "gradient", nxt, mb))
                 live[r] += 1 if kind == FORWARD else -1
                 peak[r] = max(peak[r], live[r])
                 pos[r] += 1
@@ -103,6 +106,58 @@ def test_pipeline_programs_run_to_the_end_with_1f1b_memory(pp, chunks, micro_bat
     assert all(i[0] != BACKWARD for prog in forward_only.values() for i in prog)
 
 
+DUALPIPEV_GRID = [(p, m) for p in (2, 3, 4, 8) for m in (2 * p - 1, 2 * p, 2 * p + 3, 20)]
+
+
+@pytest.mark.parametrize("pp, micro_batches", DUALPIPEV_GRID, ids=[f"p{p}-m{m}" for p, m in DUALPIPEV_GRID])
+def test_dualpipev_programs_run_to_the_end_holding_2p_plus_1_chunks(pp, micro_batches):
+    program = pipeline_program(pp, 2, micro_batches, schedule=DUALPIPEV)
+    peak = run_blocking(program, 2, v_shape=True)
+    every = {(c, mb) for c in range(2) for mb in range(micro_batches)}
+    for r, prog in program.items():
+        forwards = [(i[1], i[2]) for i in prog if i[0] == FORWARD]
+        backwards = [(i[1], i[2]) for i in prog if i[0] == BACKWARD]
+        assert sorted(forwards) == sorted(every) and sorted(backwards) == sorted(every)
+        for chunk in (0, 1):  # each chunk takes the micro-batches in turn, both ways
+            assert [mb for c, mb in forwards if c == chunk] == list(range(micro_batches))
+            assert [mb for c, mb in backwards if c == chunk] == list(range(micro_batches))
+        # DeepSeek's figure: every rank holds 2P + 1 chunks' activations at its peak (1F1B's first
+        # stage holds P stages' worth, 2P chunks); with the least micro-batches, the first rank fewer
+        assert peak[r] == 2 * pp + 1 or (micro_batches == 2 * pp - 1 and r == 0 and peak[r] < 2 * pp + 1), (r, peak)
+        # the V: chunk 0 sends down to r + 1, chunk 1 up to r - 1; the last rank turns without a transfer
+        for kind, peer, (what, stage, _) in (i for i in prog if i[0] in (SEND, RECV)):
+            assert abs(peer - r) == 1 and rank_of_stage(pp, stage, True) == (peer if kind == SEND else r)
+    last = program[pp - 1]
+    turn = {("activation", pp), ("gradient", pp - 1)}  # stage P's input and stage P - 1's gradient stay on the rank
+    assert not any(i[0] in (SEND, RECV) and i[2][:2] in turn for i in last)
+    for a in range(pp):  # each link carries the same messages in the same order at both ends
+        for b in range(pp):
+            assert [i[2] for i in program[a] if i[0] == SEND and i[1] == b] == \
+                [i[2] for i in program[b] if i[0] == RECV and i[1] == a]
+    for m in (1, micro_batches):  # evaluation: fewer micro-batches than training needs too
+        forward_only = pipeline_program(pp, 2, m, forward_only=True, schedule=DUALPIPEV)
+        run_blocking(forward_only, 2, v_shape=True)
+        assert all(i[0] != BACKWARD for prog in forward_only.values() for i in prog)
+
+
+@pytest.mark.parametrize("pp", (2, 4, 8))
+def test_simulated_bubbles_are_1f1bs_formula_and_dualpipevs_smaller(pp):
+    """The timeline simulation behind the planner and the pipeline figure: 1F1B's idle time is
+    the published (P - 1)(F + B) on every rank; DualPipeV's on the same P ranks (chunks of half a
+    stage, so F and B halve) is below it and within DeepSeek's (P - 1)(F&B + B) - F, F&B = F + B
+    here (nothing overlaps), and the same on every rank."""
+    from mindspeed_core.training.schedules import idle_time, simulated_timeline
+
+    m = 3 * pp
+    for forward, backward in ((1.0, 2.0), (1.0, 1.0), (1.0, 3.0)):
+        one = idle_time(simulated_timeline(pipeline_program(pp, 1, m), 1, None, forward, backward))
+        assert set(one.values()) == {(pp - 1) * (forward + backward)}
+        f, b = forward / 2, backward / 2
+        v = idle_time(simulated_timeline(pipeline_program(pp, 2, m, schedule=DUALPIPEV), 2, DUALPIPEV, f, b))
+        assert len(set(v.values())) == 1
+        assert max(v.values()) <= (pp - 1) * (f + b + b) - f < max(one.values()), (v, one)
+
+
 # -- the layout ----------------------------------------------------------------------------
 
 def test_layouts_split_the_layers_as_megatron_and_mindspeed_do():
@@ -115,6 +170,12 @@ def test_layouts_split_the_layers_as_megatron_and_mindspeed_do():
     assert noop.layers(1) == (4, 5, 6) and noop.layers(0) == (0, 1, 2, 3)
     with pytest.raises(MindSpeedError, match="does not divide the 5 layers"):
         plan_layout(5, 2)
+    v = plan_layout(8, 2, dualpipev=True)  # MindSpeed-LLM's converter: pp2 holds [0 1 6 7 | 2 3 4 5]
+    assert v.chunks == 2 and [v.layers(v.stage(r, c)) for r in range(2) for c in range(2)] == \
+        [(0, 1), (6, 7), (2, 3), (4, 5)]
+    v4 = plan_layout(8, 4, dualpipev=True)  # pp4: [0 7 | 1 6 | 2 5 | 3 4]
+    assert [v4.layers(v4.stage(r, c)) for r in range(4) for c in range(2)] == [(i,) for i in (0, 7, 1, 6, 2, 5, 3, 4)]
+    assert [v4.rank_of_stage(s) for s in range(8)] == [0, 1, 2, 3, 3, 2, 1, 0]
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -128,6 +189,16 @@ def test_layouts_split_the_layers_as_megatron_and_mindspeed_do():
     (["--num-layers-per-virtual-pipeline-stage", "1"], "needs --pipeline-model-parallel-size > 1"),
     (["--noop-layers", "4"], "noop_layers [4] must be some, not all, of the layers 0..3"),
     (["--noop-layers", "0,1,2,3"], "must be some, not all"),
+    (["--schedules-method", "dualpipev", "--untie-embeddings-and-output-weights"],
+     "--schedules-method dualpipev needs --pipeline-model-parallel-size 2 or more"),
+    (["--schedules-method", "dualpipev", "--untie-embeddings-and-output-weights", "--pipeline-model-parallel-size",
+      "4"], "the 4 layers must be a multiple of 2 x 4: change --num-layers (pad with --noop-layers)"),
+    (["--schedules-method", "dualpipev", "--untie-embeddings-and-output-weights", "--pipeline-model-parallel-size",
+      "2", "--num-layers-per-virtual-pipeline-stage", "1"], "drop --num-layers-per-virtual-pipeline-stage"),
+    (["--schedules-method", "dualpipev", "--pipeline-model-parallel-size", "2", "--model-name", "tiny-gpt2",
+      "--num-query-groups", "4"], "add --untie-embeddings-and-output-weights"),
+    (["--schedules-method", "dualpipev", "--untie-embeddings-and-output-weights", "--pipeline-model-parallel-size",
+      "2", "--context-parallel-size", "2"], "does not run with context parallelism"),
     # GLM-5's shared top-k: the second stage would start with a layer reusing the first stage's choice
     (["--multi-latent-attention", "--q-lora-rank", "16", "--kv-lora-rank", "8", "--qk-head-dim", "8",
       "--qk-pos-emb-head-dim", "4", "--v-head-dim", "8", "--qk-layernorm", "--enable-dsa-indexer",
@@ -138,6 +209,19 @@ def test_bad_pipeline_layouts_are_one_line_before_any_model_is_built(capsys, cor
     code, out, err = train(capsys, *SMALL4, "--data-path", corpus, "--train-iters", "1", *flags)
     assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
     assert "Traceback" not in err and "training" not in out
+
+
+def test_dualpipev_needs_2p_minus_1_micro_batches(corpus):  # noqa: F811
+    """Checked where the world size is known (the configuration of a two-rank launch)."""
+    from mindspeed_core.compat.megatron_args import training_parser
+    from mindspeed_core.training import configuration
+
+    flags = [*SMALL4, "--data-path", corpus, "--schedules-method", "dualpipev", "--untie-embeddings-and-output-weights",
+             "--pipeline-model-parallel-size", "2"]
+    configuration.configure(training_parser().parse_args([*flags, "--global-batch-size", "6"]), 2)  # 3: enough
+    with pytest.raises(MindSpeedError, match=r"needs at least 2 x 2 - 1 = 3 micro-batches per step, and this run has "
+                                             r"2 \(= global batch / \(micro batch x data-parallel size\)\): raise"):
+        configuration.configure(training_parser().parse_args([*flags, "--global-batch-size", "4"]), 2)
 
 
 def test_interleaving_needs_micro_batches_in_groups_of_the_pipeline_size(corpus, tmp_path):  # noqa: F811
@@ -172,6 +256,16 @@ MODELS = {"base": SMALL4 + ["--eval-iters", "2", "--eval-interval", "2", "--spli
                               "--linear-num-key-heads", "2", "--linear-num-value-heads", "4",
                               "--linear-key-head-dim", "16", "--linear-value-head-dim", "16", "--mamba-chunk-size", "8",
                               "--partial-rotary-factor", "0.5"]}
+# DeepSeek-V3's pipeline ingredients for DualPipeV: top-2 of 4 experts after a dense first layer,
+# one multi-token prediction module (on the first rank, the V's last stage), untied output, and
+# evaluation of 3 micro-batches (the V's own order at PP2, down and back up at PP4)
+MOE_MTP = SMALL4 + ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "64",
+                    "--moe-aux-loss-coeff", "0.01", "--first-k-dense-replace", "1", "--mtp-num-layers", "1",
+                    "--mtp-loss-scaling-factor", "0.3", "--untie-embeddings-and-output-weights", "--eval-iters", "3",
+                    "--eval-interval", "2", "--split", "90,10,0"]
+MODELS["moe-mtp"] = MOE_MTP
+# the same on 8 layers, 7 micro-batches a step: DualPipeV's least at PP4 (2P - 1)
+MODELS["moe-mtp-8"] = MOE_MTP + ["--num-layers", "8", "--global-batch-size", "14"]
 ITERS = 6  # the single-process run of the base model and the resumes
 FROM_SINGLE = 3  # the iteration of the single-process checkpoint a PP2 run continues
 LAYOUT_ITERS = 2  # the pipelined launches: the first steps of the same schedule (--lr-decay-iters)
@@ -189,6 +283,7 @@ TWO = [  # (name, model, flags), on two ranks
     ("pp2-uneven", "base", PP + ["2", "--num-layer-list", "1,3"]),
     ("pp2-tied", "tied", PP + ["2"]),
     ("pp2-hybrid", "hybrid", PP + ["2"]),
+    ("pp2-dualpipev", "moe-mtp", PP + ["2", "--schedules-method", "dualpipev", "--save", "{out}/ckpt-dualpipev"]),
 ]
 FOUR = [
     ("pp4", "base", PP + ["4", "--save", "{out}/ckpt-pp4", "--save-interval", str(LAYOUT_ITERS)]),
@@ -203,6 +298,7 @@ FOUR = [
     # saved when it ends (a sharded checkpoint: four files of distinct pieces), resumed at DP4 below
     ("tp2-pp2-distopt", "base", PP + ["2", "--tensor-model-parallel-size", "2", "--use-distributed-optimizer",
                                       "--save", "{out}/ckpt-tp2-pp2"]),
+    ("pp4-dualpipev", "moe-mtp-8", PP + ["4", "--schedules-method", "dualpipev"]),
 ]
 
 
@@ -217,7 +313,7 @@ def single(corpus, tmp_path_factory):  # noqa: F811
     out, ckpt = {}, root / "ckpt-base"
     for name, argv in MODELS.items():
         saves = ["--train-iters", str(ITERS), "--save", str(ckpt), "--save-interval", str(FROM_SINGLE)] \
-            if name == "base" else ["--train-iters", str(LAYOUT_ITERS)]
+            if name == "base" else ["--train-iters", str(RESUMED_TO if name in RESHARDED else LAYOUT_ITERS)]
         train_case(str(root), name, [*argv, "--data-path", corpus, *saves])
         out[name] = {"losses": losses(root / f"{name}.jsonl"), "eval": eval_losses(root / f"{name}.jsonl"),
                      "norms": grad_norms(root / f"{name}.jsonl"), "grads": dict(np.load(root / f"{name}-grads.npz"))}
@@ -277,6 +373,7 @@ def resume_single(capsys, corpus, ckpt, model, tmp_path, want, first):  # noqa: 
 @pytest.mark.feature("norm-recompute")
 @pytest.mark.feature("gated-deltanet")
 @pytest.mark.feature("attention-output-gate")
+@pytest.mark.feature("dualpipe")
 def test_pipelines_on_two_ranks_equal_one_process(capsys, framework, corpus, single, two, tmp_path):  # noqa: F811
     """PP2 (saving), interleaved, no-op layers, an uneven split, tied embeddings, a gated-DeltaNet
     hybrid, and a PP2 run started from a single-process checkpoint: one launch."""
@@ -306,7 +403,10 @@ RESHARD = {
     # TP2 x uneven PP2 without the distributed optimizer
     "tp2-pp2-uneven-from-pp2-vpp": (PP + ["2", "--num-layer-list", "1,3", "--tensor-model-parallel-size", "2"],
                                     "two", "ckpt-vpp"),
+    # DualPipeV's checkpoint (the first rank wrote the embeddings, not the MTP module's copy of them) in 1F1B
+    "pp2-dp2-from-dualpipev": (PP + ["2"], "two", "ckpt-dualpipev", "moe-mtp"),
 }
+RESHARDED = {entry[3] for entry in RESHARD.values() if len(entry) > 3}  # models besides base
 
 
 @pytest.fixture(scope="module")
@@ -328,8 +428,9 @@ def four(corpus, two, tmp_path_factory):  # noqa: F811
 
     tmp = tmp_path_factory.mktemp("four")
     out = {"two": two, "four": tmp / "out"}
-    extra = [[name, [*MODELS["base"], *flags, "--data-path", corpus, "--train-iters", str(RESUMED_TO), "--load",
-                     str(out[where] / ckpt)], False] for name, (flags, where, ckpt) in RESHARD.items()]
+    extra = [[name, [*MODELS[model[0] if model else "base"], *flags, "--data-path", corpus, "--train-iters",
+                     str(RESUMED_TO), "--load", str(out[where] / ckpt)], False]
+             for name, (flags, where, ckpt, *model) in RESHARD.items()]
     return run_configs(FRAMEWORK, 4, FOUR, corpus, tmp, extra=extra)
 
 
@@ -344,6 +445,7 @@ def four(corpus, two, tmp_path_factory):  # noqa: F811
 @pytest.mark.feature("norm-recompute")
 @pytest.mark.feature("grad-reduce-overlap")
 @pytest.mark.feature("param-gather-overlap")
+@pytest.mark.feature("dualpipe")
 def test_pipelines_on_four_ranks_equal_one_process(capsys, framework, corpus, single, four, tmp_path):  # noqa: F811
     """PP4 (saving), TP2xPP2 with sequence parallelism and tied embeddings, PP2xDP2 with the
     distributed optimizer, CP2xPP2: one launch; the PP4 checkpoint continues on one process."""
@@ -380,8 +482,8 @@ def test_sharded_checkpoints_resume_at_other_layouts_reading_their_slices(framew
     continues the single-process curve: TP2 x PP2 with the distributed optimizer -> DP4 with it
     (each rank reads the whole model and a quarter of the optimizer state), PP2 interleaved ->
     PP4 (each rank reads its layer), and -> TP2 x uneven PP2 without it."""
-    want = single["base"]["losses"]
-    for name in RESHARD:
+    for name, (*_, model) in ((n, (*e, "base")[:4]) for n, e in RESHARD.items()):
+        want = single[model]["losses"]
         log = (four / f"{name}.log").read_text()
         assert "resumed from" in log and "sharded" in log, log
         assert_same_curve(losses(four / f"{name}.jsonl"), {i: want[i] for i in range(LAYOUT_ITERS + 1, RESUMED_TO + 1)})

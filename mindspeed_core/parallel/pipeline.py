@@ -13,6 +13,11 @@ r, r + P, r + 2P, ...). Layers are numbered globally 0..L-1 and split into conse
 
 The first virtual stage also holds the embedding, the last the final norm, the output
 layer and the loss.
+
+DualPipeV (``--schedules-method dualpipev``, MindSpeed's and DeepSeek's V-shaped schedule)
+keeps the even split over 2P virtual stages but folds them back: rank r holds stage r (its
+chunk 0) and stage 2P - 1 - r (its chunk 1), so the first rank holds the embedding and the
+loss, and the last rank hands its chunk 0's output to its own chunk 1.
 """
 
 from __future__ import annotations
@@ -28,16 +33,17 @@ class PipelineLayout:
     chunks: int  # model chunks per rank (V); 1 without interleaving
     stages: tuple  # per virtual stage: its global layer positions (no-op ones included)
     noop: frozenset = frozenset()
+    v_shape: bool = False  # DualPipeV's placement: two chunks, the second running back up the ranks
 
     @property
     def virtual_stages(self) -> int:
         return self.pp * self.chunks
 
     def stage(self, pp_rank: int, chunk: int) -> int:
-        return chunk * self.pp + pp_rank
+        return virtual_stage(self.pp, pp_rank, chunk, self.v_shape)
 
     def rank_of_stage(self, stage: int) -> int:
-        return stage % self.pp
+        return rank_of_stage(self.pp, stage, self.v_shape)
 
     def layers(self, stage: int) -> tuple:
         """Global numbers of the real (not no-op) layers of a virtual stage."""
@@ -45,6 +51,19 @@ class PipelineLayout:
 
     def describe(self) -> list:
         return [list(s) for s in self.stages]
+
+
+def virtual_stage(pp: int, pp_rank: int, chunk: int, v_shape: bool = False) -> int:
+    """The virtual stage of model chunk ``chunk`` on pipeline rank ``pp_rank``: Megatron's
+    interleaving (chunk * P + rank), or DualPipeV's V (rank, then 2P - 1 - rank)."""
+    if v_shape:
+        return pp_rank if chunk == 0 else 2 * pp - 1 - pp_rank
+    return chunk * pp + pp_rank
+
+
+def rank_of_stage(pp: int, stage: int, v_shape: bool = False) -> int:
+    """The pipeline rank holding virtual stage ``stage`` (virtual_stage's inverse)."""
+    return 2 * pp - 1 - stage if v_shape and stage >= pp else stage % pp
 
 
 def parse_layer_numbers(text: str | None, flag: str) -> tuple:
@@ -61,14 +80,15 @@ def parse_layer_numbers(text: str | None, flag: str) -> tuple:
 
 
 def model_layout(cfg, pp: int, layers_per_virtual_stage: int | None = None,
-                 num_layer_list: str | None = None) -> PipelineLayout:
+                 num_layer_list: str | None = None, dualpipev: bool = False) -> PipelineLayout:
     """plan_layout for the model ``cfg`` (its layer count and its no-op layers)."""
     return plan_layout(cfg.num_layers, pp, layers_per_virtual_stage, num_layer_list,
-                       ",".join(map(str, cfg.noop_layers)) or None)
+                       ",".join(map(str, cfg.noop_layers)) or None, dualpipev)
 
 
 def plan_layout(num_layers: int, pp: int = 1, layers_per_virtual_stage: int | None = None,
-                num_layer_list: str | None = None, noop_layers: str | None = None) -> PipelineLayout:
+                num_layer_list: str | None = None, noop_layers: str | None = None,
+                dualpipev: bool = False) -> PipelineLayout:
     """The layout for these flags, or a MindSpeedError naming the flag that does not fit."""
     noop = parse_layer_numbers(noop_layers, "--noop-layers")
     bad = [i for i in noop if not 0 <= i < num_layers]
@@ -78,6 +98,8 @@ def plan_layout(num_layers: int, pp: int = 1, layers_per_virtual_stage: int | No
     if len(set(noop)) == num_layers:
         raise MindSpeedError(f"--noop-layers {noop_layers} leaves no real layer of {num_layers}")
     sizes = parse_layer_numbers(num_layer_list, "--num-layer-list")
+    if dualpipev:
+        return _v_layout(num_layers, pp, layers_per_virtual_stage, sizes, frozenset(noop))
     if sizes:
         if layers_per_virtual_stage is not None:
             raise MindSpeedError("--num-layer-list and --num-layers-per-virtual-pipeline-stage exclude each other")
@@ -112,8 +134,36 @@ def plan_layout(num_layers: int, pp: int = 1, layers_per_virtual_stage: int | No
     return PipelineLayout(pp, chunks, tuple(stages), frozenset(noop))
 
 
+def _v_layout(num_layers: int, pp: int, layers_per_virtual_stage, sizes: tuple, noop: frozenset) -> PipelineLayout:
+    """DualPipeV's layout: L / 2P layers in each of the 2P stages, folded into a V
+    (MindSpeed's dualpipev rules, each refused in one line saying what to change)."""
+    flag = "--schedules-method dualpipev"
+    if pp < 2:
+        raise MindSpeedError(f"{flag} needs --pipeline-model-parallel-size 2 or more (it folds 2P stages onto P ranks)")
+    if layers_per_virtual_stage is not None:
+        raise MindSpeedError(f"{flag} gives each rank its own two model chunks: drop "
+                             f"--num-layers-per-virtual-pipeline-stage")
+    if sizes:
+        raise MindSpeedError(f"{flag} splits the layers evenly: drop --num-layer-list (pad with --noop-layers)")
+    if num_layers % (2 * pp):
+        raise MindSpeedError(f"{flag} puts two chunks of equal layers on each of the {pp} pipeline ranks, so the "
+                             f"{num_layers} layers must be a multiple of 2 x {pp}: change --num-layers (pad with "
+                             f"--noop-layers) or --pipeline-model-parallel-size")
+    per = num_layers // (2 * pp)
+    stages = tuple(tuple(range(s * per, (s + 1) * per)) for s in range(2 * pp))
+    return PipelineLayout(pp, 2, stages, noop, v_shape=True)
+
+
 def check_micro_batches(layout: PipelineLayout, micro_batches: int) -> None:
-    """The interleaved schedule walks micro-batches in groups of P (Megatron's rule)."""
+    """The interleaved schedule walks micro-batches in groups of P (Megatron's rule); DualPipeV
+    fills its V from both ends with 2P - 1 of them at least (MindSpeed's rule)."""
+    if layout.v_shape:
+        if micro_batches < 2 * layout.pp - 1:
+            raise MindSpeedError(f"--schedules-method dualpipev needs at least 2 x {layout.pp} - 1 = "
+                                 f"{2 * layout.pp - 1} micro-batches per step, and this run has {micro_batches} "
+                                 f"(= global batch / (micro batch x data-parallel size)): raise --global-batch-size "
+                                 f"or lower --micro-batch-size")
+        return
     if layout.chunks > 1 and micro_batches % layout.pp:
         raise MindSpeedError(f"the interleaved pipeline schedule needs the micro-batches per step ({micro_batches} = "
                              f"global batch / (micro batch x data-parallel size)) to be a multiple of the pipeline "

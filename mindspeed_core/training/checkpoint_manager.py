@@ -80,12 +80,17 @@ class CheckpointManager:
         """Every rank writes the pieces it owns (training/sharded_checkpoint.py)."""
         run = self.run
         ps, ckpt = run.ps, run.ckpt
-        entry = {p.name: p for p in run.plan.params}
+        # by name, the first of a name: DualPipeV's first rank holds the word embeddings and, later, the
+        # last stage's copy of them (which never writes: parallel/plan.py's tied_copy)
+        entry = {p.name: p for p in reversed(run.plan.params)}
         shapes = {n: tuple(p.shape) for n, p in zip(run.names, run.params)}
-        model = [(sharded_checkpoint.held(n, shapes[n], entry[n], ps), ops.to_numpy(p), ops.dtype_of(p))
-                 for n, p in zip(run.names, run.params) if _kept(run.ckpt, n)]
-        optimizer = []
+        model = [(sharded_checkpoint.held(n, shapes[n], plan, ps), ops.to_numpy(p), ops.dtype_of(p))
+                 for n, p, plan in zip(run.names, run.params, run.plan.params) if _kept(run.ckpt, n)]
+        optimizer, seen = [], set()
         for state, name, flat, values in (run.optimizer.held_state() if ckpt.save_optimizer else []):
+            if (state, flat) in seen:  # the copy's state, equal to the embeddings' it follows
+                continue
+            seen.add((state, flat))
             # a distributed optimizer's slices: each rank writes its own (expert weights' too: they are
             # sharded over the expert-data-parallel group, which spans the CP ranks)
             writes = None if flat is None else True

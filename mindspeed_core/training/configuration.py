@@ -118,6 +118,7 @@ class ParallelLayout:
     # --use-cp-send-recv-overlap: the ring's exchanges travel while its blocks compute (outside a
     # compiled step, whose graph orders its own communication)
     cp_overlap: bool = False
+    dualpipev: bool = False  # --schedules-method dualpipev: two chunks a rank in a V (parallel/pipeline.py)
 
     @property
     def ep_over_tp(self) -> bool:
@@ -126,7 +127,7 @@ class ParallelLayout:
 
     def stages(self, cfg: ModelConfig) -> pipeline.PipelineLayout:
         """Which of ``cfg``'s layers each pipeline stage holds (parallel/pipeline.py)."""
-        return pipeline.model_layout(cfg, self.pp, self.layers_per_virtual_stage, self.num_layer_list)
+        return pipeline.model_layout(cfg, self.pp, self.layers_per_virtual_stage, self.num_layer_list, self.dualpipev)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -312,7 +313,8 @@ def configure(args, world: int, framework: str | None = None) -> RunConfig:
                               bool(work.use_distributed_optimizer), bool(work.overlap_grad_reduce),
                               bool(work.overlap_param_gather),
                               work.expert_tensor_parallel_size == 1 and tp > 1,
-                              bool(work.use_cp_send_recv_overlap) and not work.compile),
+                              bool(work.use_cp_send_recv_overlap) and not work.compile,
+                              work.schedules_method == "dualpipev"),
         optimization=Optimization(
             work.train_iters, work.micro_batch_size, work.global_batch_size, work.lr, work.min_lr,
             work.lr_warmup_iters, work.lr_decay_iters, work.lr_decay_style, work.weight_decay, work.clip_grad,
@@ -1066,6 +1068,8 @@ def check_configuration(args, world: int, default_save: bool = False):
     context.check_layout(cfg, cp, args.context_parallel_algo, args.ulysses_degree_in_cp, tp, args.seq_length,
                          args.sequence_parallel)
     layout = pipeline_layout(args, cfg)
+    if layout.v_shape:
+        _check_dualpipev(args, cfg)
     if cfg.dsa is not None:  # a stage's first layer must choose its own keys (MindSpeed-LLM's rule too)
         for stage in range(layout.virtual_stages):
             why = cfg.dsa.unsourced(layout.layers(stage))
@@ -1205,7 +1209,22 @@ def pipeline_layout(args, cfg: ModelConfig) -> pipeline.PipelineLayout:
     """Which layers each pipeline stage holds (parallel/pipeline.py), from the flags (a run's
     configuration has it as ParallelLayout.stages)."""
     return pipeline.model_layout(cfg, args.pipeline_model_parallel_size, args.num_layers_per_virtual_pipeline_stage,
-                                 args.num_layer_list)
+                                 args.num_layer_list, getattr(args, "schedules_method", None) == "dualpipev")
+
+
+def _check_dualpipev(args, cfg: ModelConfig) -> None:
+    """What DualPipeV does not run with, as MindSpeed's dualpipev rules (its layout's own rules:
+    parallel/pipeline.py)."""
+    flag = "--schedules-method dualpipev"
+    if cfg.tied_output:  # the first rank would hold both copies of the tied embeddings
+        raise MindSpeedError(f"{flag} puts the embedding and the output layer on the first rank and needs them "
+                             f"untied (as MindSpeed): add --untie-embeddings-and-output-weights")
+    if args.context_parallel_size > 1:
+        raise MindSpeedError(f"{flag} does not run with context parallelism (as MindSpeed): drop "
+                             f"--context-parallel-size or use the 1F1B schedule")
+    for name, on in (("--overlap-grad-reduce", args.overlap_grad_reduce), ("--compile", args.compile)):
+        if on:
+            raise MindSpeedError(f"{flag} does not run with {name} here: drop {name} or the schedule")
 
 
 def check_save_folder(args, default: bool = False) -> None:

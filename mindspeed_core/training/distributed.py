@@ -100,7 +100,16 @@ def sum_tied_embeddings(grads: list, plan, ps, tied: bool) -> list:
     word embeddings and the last stage's copy each got part of the gradient: sum the two
     over the embedding group (the first and last pipeline rank), so the copies stay equal."""
     grads = list(grads)
-    for i in _tied_embedding_positions(plan, ps, tied):
+    positions = _tied_embedding_positions(plan, ps, tied)
+    if len(positions) > 1 and any(not plan.params[i].tied_copy for i in positions):
+        # DualPipeV's first rank holds the embedding and the last stage's copy: the sum is here
+        total = grads[positions[0]]
+        for i in positions[1:]:
+            total = total + grads[i]
+        for i in positions:
+            grads[i] = total
+        return grads
+    for i in positions:
         grads[i] = dist.all_reduce(grads[i], group=ps.group("embedding"))
     return grads
 

@@ -15,6 +15,7 @@ from typing import Callable
 import numpy as np
 
 from mindspeed_core import autograd, dist, features, ops
+from mindspeed_core.parallel.pipeline import rank_of_stage, virtual_stage
 from mindspeed_core.training import compiled, distributed
 
 
@@ -87,6 +88,7 @@ def forward_backward_no_pipelining(grad_fn, micro_batches, scale: float = 1.0, f
 # program cannot deadlock (tests/test_pipeline.py also runs the blocking protocol over a grid).
 
 FORWARD, BACKWARD, SEND, RECV = "F", "B", "send", "recv"
+DUALPIPEV = "dualpipev"
 
 
 def pipeline_order(pp: int, chunks: int, micro_batches: int, rank: int, forward_only: bool = False) -> list:
@@ -119,12 +121,61 @@ def pipeline_order(pp: int, chunks: int, micro_batches: int, rank: int, forward_
     return order
 
 
-def pipeline_program(pp: int, chunks: int, micro_batches: int, forward_only: bool = False) -> dict:
+def dualpipev_order(pp: int, micro_batches: int, rank: int, forward_only: bool = False) -> list:
+    """The compute actions of pipeline rank ``rank`` under DualPipeV (DeepSeek's order, which
+    MindSpeed's dualpipev follows): chunk 0 runs down the ranks, chunk 1 back up, and each
+    chunk takes its micro-batches in turn. 2(P - r - 1) forwards of chunk 0, r + 1 pairs of
+    forwards (chunk 0, chunk 1), P - r - 1 times (backward of chunk 1, forward of chunk 1),
+    then the steady state of forward 0 & backward 1, forward 1 & backward 0 (one micro-batch's
+    forward beside another's backward), and the backwards left, chunk 1 first. Every backward
+    computes the input and the weight gradients at once, as MindSpeed's dualpipev does without
+    --moe-fb-overlap. Needs micro_batches >= 2P - 1 (pipeline.check_micro_batches)."""
+    done = {FORWARD: [0, 0], BACKWARD: [0, 0]}
+    out = []
+
+    def act(kind, chunk):
+        out.append((kind, chunk, done[kind][chunk]))
+        done[kind][chunk] += 1
+
+    def run(count, *actions):
+        for _ in range(count):
+            for kind, chunk in actions:
+                act(kind, chunk)
+
+    F0, F1, B0, B1 = (FORWARD, 0), (FORWARD, 1), (BACKWARD, 0), (BACKWARD, 1)
+    if micro_batches < 2 * pp - 1:
+        if not forward_only:  # a caller's bug: the configuration refuses such a run
+            raise ValueError(f"DualPipeV needs {2 * pp - 1} micro-batches, not {micro_batches}")
+        run(micro_batches, F0)  # evaluation's few micro-batches: down the V, then back up
+        run(micro_batches, F1)
+        return out
+    steady = micro_batches - 2 * pp + rank + 1
+    run(2 * (pp - rank - 1), F0)
+    run(rank + 1, F0, F1)
+    run(pp - rank - 1, B1, F1)
+    run(steady, F0, B1, F1, B0)
+    run(pp - rank - 1, B1, F1, B0)
+    run(rank + 1, B1, B0)
+    run(pp - rank - 1, B0)
+    if forward_only:
+        return [a for a in out if a[0] == FORWARD]
+    return out
+
+
+def pipeline_program(pp: int, chunks: int, micro_batches: int, forward_only: bool = False,
+                     schedule: str | None = None) -> dict:
     """{pipeline rank: [instruction]} for one step. Instructions: (F|B, chunk, micro-batch),
     and (send|recv, peer pipeline rank, message) with message = ("activation"|"gradient",
-    receiving virtual stage, micro-batch)."""
+    receiving virtual stage, micro-batch). ``schedule``: None (1F1B, or interleaved with
+    several chunks) or DUALPIPEV (two chunks in a V: a stage's neighbour on the same rank
+    gets its input without a transfer)."""
+    v_shape = schedule == DUALPIPEV
+    if v_shape:
+        chunks = 2
+        orders = {r: dualpipev_order(pp, micro_batches, r, forward_only) for r in range(pp)}
+    else:
+        orders = {r: pipeline_order(pp, chunks, micro_batches, r, forward_only) for r in range(pp)}
     last = pp * chunks - 1
-    orders = {r: pipeline_order(pp, chunks, micro_batches, r, forward_only) for r in range(pp)}
     position = {r: 0 for r in range(pp)}
     arrived = {r: set() for r in range(pp)}
     program = {r: [] for r in range(pp)}
@@ -134,7 +185,7 @@ def pipeline_program(pp: int, chunks: int, micro_batches: int, forward_only: boo
             if position[r] == len(orders[r]):
                 continue
             kind, chunk, mb = orders[r][position[r]]
-            stage = chunk * pp + r
+            stage = virtual_stage(pp, r, chunk, v_shape)
             if kind == FORWARD:
                 needs = ("activation", stage, mb) if stage > 0 else None
                 sends = ("activation", stage + 1, mb) if stage < last else None
@@ -147,7 +198,11 @@ def pipeline_program(pp: int, chunks: int, micro_batches: int, forward_only: boo
             position[r] += 1
             progressed = True
             if sends is not None:
-                messages.append((r, sends[1] % pp, sends))
+                to = rank_of_stage(pp, sends[1], v_shape)
+                if to == r:  # DualPipeV's turn at the last rank: the next action may take it
+                    arrived[r].add(sends)
+                else:
+                    messages.append((r, to, sends))
         if not progressed:
             raise RuntimeError("pipeline order cannot make progress")  # an order bug, never bad input
         for src, dst, message in sorted(messages, key=lambda m: (min(m[0], m[1]), max(m[0], m[1]), m[2])):
@@ -155,6 +210,46 @@ def pipeline_program(pp: int, chunks: int, micro_batches: int, forward_only: boo
             program[dst].append((RECV, src, message))
             arrived[dst].add(message)
     return program
+
+
+def simulated_timeline(program: dict, chunks: int, schedule: str | None = None, forward: float = 1.0,
+                       backward: float = 2.0) -> dict:
+    """{pipeline rank: [(F|B, chunk, micro-batch, start, end)]}: a program's compute actions
+    as they would run when a forward of one model chunk takes ``forward`` and a backward
+    ``backward``, and a transfer nothing (each action starts once its rank is free and its
+    input is made). A rank's idle time, the step's end less its busy time, is the schedule's
+    bubble (the planner's, and the pipeline figure's)."""
+    pp = len(program)
+    v_shape = schedule == DUALPIPEV
+    last = pp * chunks - 1
+    made, out = {}, {r: [] for r in program}
+    pending = {r: [i for i in program[r] if i[0] in (FORWARD, BACKWARD)] for r in program}
+    clock = {r: 0.0 for r in program}
+    while any(pending.values()):
+        progressed = False
+        for r in program:
+            while pending[r]:
+                kind, chunk, mb = pending[r][0]
+                stage = virtual_stage(pp, r, chunk, v_shape)
+                needs = (("activation", stage, mb) if kind == FORWARD and stage > 0 else
+                         ("gradient", stage, mb) if kind == BACKWARD and stage < last else None)
+                if needs is not None and needs not in made:
+                    break
+                start = max(clock[r], made.get(needs, 0.0))
+                clock[r] = start + (forward if kind == FORWARD else backward)
+                out[r].append((kind, chunk, mb, start, clock[r]))
+                made[("activation", stage + 1, mb) if kind == FORWARD else ("gradient", stage - 1, mb)] = clock[r]
+                pending[r].pop(0)
+                progressed = True
+        if not progressed:
+            raise RuntimeError("pipeline program cannot make progress")  # a program bug
+    return out
+
+
+def idle_time(timeline: dict) -> dict:
+    """{pipeline rank: time the rank waits} in a simulated_timeline."""
+    end = max(action[4] for actions in timeline.values() for action in actions)
+    return {r: end - sum(a[4] - a[3] for a in actions) for r, actions in timeline.items()}
 
 
 @dataclass
@@ -179,6 +274,13 @@ class PipelineStage:
     # vjp(chunk, x, labels, tokens, interleaved) -> (output, backward): a compiled forward
     # (training/compiled.py CheckedCompiledStage); None: autograd.vjp of forward
     vjp: Callable | None = None
+    v_shape: bool = False  # DualPipeV's placement of the chunks (parallel/pipeline.py)
+
+    def virtual(self, chunk: int) -> int:
+        return virtual_stage(self.pp, self.rank, chunk, self.v_shape)
+
+    def holds(self, stage: int) -> bool:
+        return rank_of_stage(self.pp, stage, self.v_shape) == self.rank
 
 
 def _interleaved_forwards(program: list) -> set:
@@ -209,7 +311,9 @@ def forward_backward_pipelining(stage: PipelineStage, program: list, micro_batch
     ``on_final``: called with each final gradient (its position in the returned list) during
     the backward of each chunk's last micro-batch (FinalGradients)."""
     features.note_used("pipeline-parallel")
-    if stage.chunks > 1:
+    if stage.v_shape:
+        features.note_used("dualpipe")
+    elif stage.chunks > 1:
         features.note_used("virtual-pipeline")
     batches = list(micro_batches)
     last = stage.pp * stage.chunks - 1
@@ -229,7 +333,7 @@ def forward_backward_pipelining(stage: PipelineStage, program: list, micro_batch
             stage.send(outbox.pop(instruction[2]), instruction[1])
             continue
         _, chunk, mb = instruction
-        virtual = chunk * stage.pp + stage.rank
+        virtual = stage.virtual(chunk)
         start = time.perf_counter()
         if kind == FORWARD:
             ids, labels, *extra = batches[mb]  # extra: the micro-batch's Tokens (packed sequences, CP)
@@ -250,6 +354,8 @@ def forward_backward_pipelining(stage: PipelineStage, program: list, micro_batch
                                                        interleaved=(chunk, mb) in interleaved)
             if virtual == last:
                 total_loss += float(ops.to_numpy(out)) / scale
+            elif stage.holds(virtual + 1):  # DualPipeV's turn: this rank's other chunk takes it
+                inbox["activation", virtual + 1, mb] = out
             else:
                 outbox["activation", virtual + 1, mb] = out
             if timeline is not None:
@@ -265,7 +371,7 @@ def forward_backward_pipelining(stage: PipelineStage, program: list, micro_batch
         else:
             input_grads, param_grads = pending.pop((chunk, mb))(cotangent)
         if virtual > 0:
-            outbox["gradient", virtual - 1, mb] = input_grads[0]
+            (inbox if stage.holds(virtual - 1) else outbox)["gradient", virtual - 1, mb] = input_grads[0]
         if float32_grads:
             param_grads = [ops.cast(g, "float32") for g in param_grads]
         grads[chunk] = param_grads if grads[chunk] is None else [a + b for a, b in zip(grads[chunk], param_grads)]
@@ -340,13 +446,14 @@ class StagedModel:
         return self.seams.gather_logits(logits)
 
     def __call__(self, ids, tokens=None):
-        last, out = self.layout.virtual_stages - 1, None
+        last, out, x = self.layout.virtual_stages - 1, None, ids
         for stage in sorted(self.mine):
-            x = ids if stage == 0 else self.recv(self.layout.rank_of_stage(stage - 1), ids)
+            if stage > 0 and stage - 1 not in self.mine:  # else DualPipeV's turn: this rank's other chunk's
+                x = self.recv(self.layout.rank_of_stage(stage - 1), ids)
             x = self.chunks[self.mine[stage]](x, tokens)
             if stage == last:
                 out = x
-            else:
+            elif stage + 1 not in self.mine:
                 self.send(x, self.layout.rank_of_stage(stage + 1))
         return self.from_last(out, ids)
 
@@ -388,7 +495,8 @@ def forward_backward_func(run, chunk_params: list):
     pp_rank = ps.local_rank("pp")
 
     def stage(forward, vjp=None):
-        return PipelineStage(ps.pp, pp_rank, run.layout.chunks, forward, chunk_params, send=send, recv=recv, vjp=vjp)
+        return PipelineStage(ps.pp, pp_rank, run.layout.chunks, forward, chunk_params, send=send, recv=recv, vjp=vjp,
+                             v_shape=run.layout.v_shape)
 
     vjp = None
     if run.loop.compile:  # each chunk's forward compiled, the first micro-batch checked against eager
@@ -404,8 +512,10 @@ def forward_backward_func(run, chunk_params: list):
                                             run.scaler, run.dtype, ps, stage_say)
     train_stage = stage(losses.of_chunk(run.chunks), vjp)
     eval_stage = stage(losses.of_chunk(run.chunks, scaled=False))
-    program = pipeline_program(ps.pp, run.layout.chunks, run.grad_accum)[pp_rank]
-    eval_program = pipeline_program(ps.pp, run.layout.chunks, max(run.loop.eval_iters, 1), forward_only=True)[pp_rank]
+    schedule = DUALPIPEV if run.layout.v_shape else None
+    program = pipeline_program(ps.pp, run.layout.chunks, run.grad_accum, schedule=schedule)[pp_rank]
+    eval_program = pipeline_program(ps.pp, run.layout.chunks, max(run.loop.eval_iters, 1), forward_only=True,
+                                    schedule=schedule)[pp_rank]
 
     def forward_backward(micro_batches):
         loss, grads = forward_backward_pipelining(train_stage, program, micro_batches, run.scaler.scale,
