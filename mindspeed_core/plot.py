@@ -68,13 +68,7 @@ def labels_for(paths: list[str]) -> list[str]:
 
 def draw(runs: dict, output: str, title: str | None = None):
     """The PNG of ``runs`` ({label: read_run(...)}); returns matplotlib's figure."""
-    try:
-        import matplotlib
-    except ImportError:
-        raise MindSpeedError("mindspeed plot needs matplotlib: pip install 'mindspeed-core[plot]' "
-                             "(or pip install matplotlib)") from None
-    matplotlib.use("Agg")  # files only, no display
-    from matplotlib import pyplot
+    pyplot = _pyplot()
 
     panels = [(name, what) for name, what in PANELS if any(series[name] for series in runs.values())]
     fig, axes = pyplot.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
@@ -90,6 +84,46 @@ def draw(runs: dict, output: str, title: str | None = None):
     axes[0][0].legend()
     if title:
         fig.suptitle(title)
+    return _save(fig, output, pyplot)
+
+
+def _pyplot():
+    try:
+        import matplotlib
+    except ImportError:
+        raise MindSpeedError("mindspeed plot needs matplotlib: pip install 'mindspeed-core[plot]' "
+                             "(or pip install matplotlib)") from None
+    matplotlib.use("Agg")  # files only, no display
+    from matplotlib import pyplot
+
+    return pyplot
+
+
+def draw_timelines(timelines: dict, output: str, unit: str = "time"):
+    """A PNG of pipeline timelines, one panel each ({title: {rank: [(F|B, chunk, micro-batch,
+    start, end)]}}, as schedules.simulated_timeline gives them or as measured): a row per rank,
+    forwards light and backwards dark, chunk 1 hatched, each box labelled with its micro-batch;
+    the gaps are the bubble. The panels share the time axis."""
+    pyplot = _pyplot()
+    fig, axes = pyplot.subplots(len(timelines), 1, figsize=(12, 1.2 + 0.5 * sum(len(t) for t in timelines.values())),
+                                squeeze=False, sharex=True)
+    colours = {"F": "#9ecae1", "B": "#3182bd"}
+    for ax, (title, timeline) in zip(axes[:, 0], timelines.items()):
+        for rank, actions in timeline.items():
+            for kind, chunk, mb, start, end in actions:
+                ax.barh(rank, end - start, left=start, color=colours[kind], edgecolor="black", linewidth=0.5,
+                        hatch="//" if chunk else None)
+                ax.text((start + end) / 2, rank, str(mb), ha="center", va="center", fontsize=7,
+                        color="white" if kind == "B" else "black")
+        ax.set_yticks(list(timeline))
+        ax.set_yticklabels([f"rank {r}" for r in timeline])
+        ax.invert_yaxis()
+        ax.set_title(title, fontsize=10)
+    axes[-1][0].set_xlabel(unit)
+    return _save(fig, output, pyplot)
+
+
+def _save(fig, output: str, pyplot):
     folder = os.path.dirname(os.path.abspath(output))
     os.makedirs(folder, exist_ok=True)
     temporary = f"{output}.tmp-{os.getpid()}.png"  # an existing picture stays until the new one is whole

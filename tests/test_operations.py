@@ -207,6 +207,22 @@ def test_plot_draws_each_runs_curves(tmp_path):
     assert panels["tokens/s"]["run2"] == {1: 1000.0, 2: 2000.0, 3: 3000.0, 4: 4000.0}
 
 
+def test_pipeline_timelines_draw_a_box_per_action_where_it_ran(tmp_path):
+    """benchmarks/pipeline_schedules.py's figure: each compute action of each rank a box from its
+    start to its end on its rank's row, the schedules' panels on one time axis."""
+    from mindspeed_core import plot
+    from mindspeed_core.training.schedules import DUALPIPEV, pipeline_program, simulated_timeline
+
+    timelines = {"1F1B": simulated_timeline(pipeline_program(2, 1, 4), 1),
+                 "V": simulated_timeline(pipeline_program(2, 2, 4, schedule=DUALPIPEV), 2, DUALPIPEV, 0.5, 1.0)}
+    out = tmp_path / "schedules.png"
+    fig = plot.draw_timelines(timelines, str(out))
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    for ax, timeline in zip(fig.axes, timelines.values()):
+        boxes = sorted((round(p.get_y() + p.get_height() / 2), p.get_x(), p.get_x() + p.get_width()) for p in ax.patches)
+        assert boxes == sorted((r, a[3], a[4]) for r, actions in timeline.items() for a in actions)
+
+
 @pytest.mark.framework_free
 @pytest.mark.parametrize("args, says", [
     (["missing.jsonl"], "no such metrics file"),

@@ -83,6 +83,35 @@ def test_predictions_move_as_the_layouts_say():
     assert slow["communication"] > tp_step["communication"] and slow["compute"] == tp_step["compute"]
 
 
+def test_dualpipev_is_planned_with_its_simulated_bubble_and_its_even_memory():
+    """DualPipeV's bubble comes from its program's simulated timeline (1F1B's formula, P - 1
+    slots, is what the same simulation gives 1F1B); every rank holds 2P + 1 half-stage chunks'
+    activations; the first rank holds both the embedding and the output layer."""
+    from mindspeed_core.training import schedules
+
+    for pp in (2, 4):
+        timeline = schedules.simulated_timeline(schedules.pipeline_program(pp, 1, 3 * pp), 1)
+        assert max(schedules.idle_time(timeline).values()) / 3 == planner.pipeline_bubble(pp, 3 * pp) == pp - 1
+        assert 0 < planner.pipeline_bubble(pp, 3 * pp, dualpipev=True) < pp - 1
+    L = planner.Layout
+    cfg = config(*MODEL, "--untie-embeddings-and-output-weights")
+    machine = planner.Machine(8, 8 * 2**30, {}, 1e11, 1e9, 3e-5, 0.3 * 2**30)
+    one_f_one_b, v = L(1, 2, 1, mbs=1), L(1, 2, 1, mbs=1, dualpipev=True)
+    steps = {lay: planner.predict_step(cfg, lay, 64, 8, machine) for lay in (one_f_one_b, v)}
+    assert 0 < steps[v]["bubble"] < steps[one_f_one_b]["bubble"]
+    assert steps[v]["compute"] == steps[one_f_one_b]["compute"]
+    mem = {lay: planner.predict_memory(cfg, lay, 1024, 8, machine) for lay in (one_f_one_b, v)}
+    per_stage = mem[one_f_one_b]["activations"] / 2  # 1F1B's first stage holds P = 2 micro-batches of its layers
+    assert mem[v]["activations"] == pytest.approx(per_stage * 5 / 2)  # 2P + 1 chunks of half a stage
+    layout = pipeline.plan_layout(cfg.num_layers, 2, dualpipev=True)
+    ranks = [planner.stage_parameters(cfg, layout, 1, 1, r, 2) for r in (0, 1)]
+    assert sum(ranks) == cfg.num_parameters() and ranks[0] - ranks[1] == 2 * cfg.vocab_size * cfg.hidden_size + \
+        cfg.hidden_size  # the embedding, the output layer and the final norm
+    assert v.flags()[-2:] == ["--schedules-method", "dualpipev"]
+    configuration.configure(megatron_args.training_parser().parse_args(
+        [*MODEL, "--untie-embeddings-and-output-weights", *v.flags(), "--data-path", "x"]), 2)
+
+
 def test_the_framework_counts_shape_the_predictions():
     """MindSpore records a pipeline forward again at its backward: its first stage holds one
     micro-batch's activations, not PP, and computes one more forward per micro-batch."""

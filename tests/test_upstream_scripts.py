@@ -434,7 +434,7 @@ DONE = {
                 "inference.py": {"gated": 13, "generated": 19},
                 "posttrain_gpt.py": {"configured": 29, "refused": 9, "trained": 12},
                 "preprocess_data.py": {"preprocessed": 43, "refused": 1},
-                "pretrain_gpt.py": {"configured": 35, "refused": 11}},
+                "pretrain_gpt.py": {"configured": 36, "refused": 10}},
     "mindspore": {"convert_ckpt_v2.py": {"converted": 41, "parsed": 6, "refused": 2},
                   "evaluation.py": {"gated": 19},
                   "inference.py": {"gated": 13, "generated": 19},
@@ -510,13 +510,17 @@ LAUNCHED = {
     # without a query latent, the squared-ReLU MLP, tied embeddings)
     "ling_v2/pretrain_ling_mini_16b_4k_ptd.sh": {},
     "plm/pretrain_plm_1point8b_ptd.sh": {},
+    # DeepSeek-V3 (A3) from a deepseek3 folder with its schedule: DualPipeV over two ranks (four layers, two
+    # a rank in a V, the MTP module on the first), --moe-fb-overlap, --swap-optimizer and the distributed
+    # optimizer as the script has them
+    "deepseek3/pretrain_deepseek3_671b_4k_A3_ptd.sh": {"--pipeline-model-parallel-size": "2", "--num-layers": "4"},
 }
 
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("script", list(LAUNCHED), ids=["qwen3", "qwen3-next", "minimax27", "kimi2", "longcat",
                                                          "deepseek32", "glm52", "hunyuan3", "seed-oss", "magistral",
-                                                         "ling-v2", "plm"])
+                                                         "ling-v2", "plm", "deepseek3-dualpipev"])
 def test_a_scripts_own_launch_line_trains(framework, paths, tmp_path, script):
     """A pre-training script's python line, with sizes, paths and the device count scaled down
     and no flag edited, under the framework's launcher (torchrun / msrun) on two ranks: it trains
@@ -562,5 +566,7 @@ def test_a_scripts_own_launch_line_trains(framework, paths, tmp_path, script):
     assert code == 0 and "iteration      2/2" in out and "saved checkpoint" in out, out[-3000:]
     if "--enable-dsa-indexer" in flags:  # the indexers trained (their loss is logged)
         assert "| indexer loss " in out, out[-3000:]
+    if "dualpipev" in flags:  # its schedule, not 1F1B
+        assert "PP=2 x 2 chunks in a V (DualPipeV)" in out, out[-3000:]
     if "HYV3" in flags:  # the script's groups over the folder's experts, said once
         assert out.count("routes each token within its best 1 of 2 expert groups") == 1, out[-3000:]

@@ -458,7 +458,8 @@ class Trainer:
                  f"({device.current()}), {self.opt.train_iters} iterations of {self.tokens_per_step} tokens; "
                  f"measured {self.dtype} matmul peak {peak / 1e9:.1f} GFLOP/s")
         if self.ps.world > 1:
-            pp = f" PP={self.ps.pp}" + (f" x {self.layout.chunks} chunks" if self.layout.chunks > 1 else "")
+            pp = f" PP={self.ps.pp}" + (" x 2 chunks in a V (DualPipeV)" if self.layout.v_shape else
+                                         f" x {self.layout.chunks} chunks" if self.layout.chunks > 1 else "")
             lay = config.layout
             cp = f" CP={self.ps.cp} ({lay.context_parallel_algo})" if self.ps.cp > 1 else ""
             if self.ps.ep > 1:
