@@ -528,8 +528,13 @@ FEATURES: tuple[Feature, ...] = (
             emulated("composite: RotaryPositionEmbedding is not bound (no CPU kernel; Ascend untested)"),
             _on("use_fused_rotary_pos_emb")),
     Feature("gmm", "Grouped matmul for MoE experts", "fused-ops", ("--moe-grouped-gemm",),
-            emulated("composite (one matmul per expert): no grouped-matmul kernel bound on CPU/CUDA"),
-            emulated("composite (one matmul per expert): no grouped-matmul kernel bound on CPU"),
+            supported("torch._grouped_mm: every local expert in one kernel call, its backward two more (the input "
+                      "and weight gradients; the CPU kernel has none of its own), the same bits as a matmul per "
+                      "expert in float32; a matmul per expert where the kernel does not take the shapes (rows not "
+                      "16-byte aligned) and on releases without it (torch 2.6)",
+                      npu=emulated(f"a matmul per expert: torch_npu's npu_grouped_matmul is not bound; {_UNTESTED}")),
+            emulated("composite (one matmul per expert): MindSpore's grouped matmul has no CPU kernel",
+                     npu=emulated(f"a matmul per expert: ops.grouped_matmul (Ascend) is not bound; {_UNTESTED}")),
             _on("moe_grouped_gemm")),
     Feature("matmul-add", "Fused weight-gradient accumulation (matmul + add in fp32)", "fused-ops",
             ("--gemm-gradient-accumulation-fusion",),

@@ -217,6 +217,31 @@ def test_grouped_gemm_trains_as_expert_by_expert(capsys, corpus, tmp_path):  # n
     assert runs["fused"] == runs["grouped"]
 
 
+@pytest.mark.feature("gmm")
+def test_the_grouped_matmul_kernel_gives_the_matmul_per_experts_bits(framework):
+    """ops.grouped_matmul (torch._grouped_mm on PyTorch releases that have it, one call for every
+    expert, its backward two more grouped calls) against the composite's matmul per expert: the
+    same output, input and weight gradients bit for bit in float32, an expert without rows
+    included; shapes the kernel does not take (rows not 16-byte aligned) go to the composite."""
+    from mindspeed_core import autograd, composite
+
+    rng = np.random.default_rng(0)
+    native = ops.implementations()["grouped_matmul"] == "native"
+    assert native == (framework == "pytorch" and hasattr(__import__("torch"), "_grouped_mm")), ops.implementations()
+    for width, counts in ((16, [5, 0, 7, 4]), (12, [1, 2, 0, 0]), (6, [3, 0, 2, 1])):  # 6 x 4 bytes: not aligned
+        x = ops.tensor(rng.standard_normal((sum(counts), width)).astype(np.float32))
+        w = ops.tensor(rng.standard_normal((len(counts), width, 8)).astype(np.float32))
+        dy = ops.tensor(rng.standard_normal((sum(counts), 8)).astype(np.float32))
+        got = {}
+        for name, fn in (("bound", ops.grouped_matmul), ("composite", composite.grouped_matmul)):
+            out, back = autograd.vjp(lambda a, b, fn=fn: fn(a, b, counts), [x, w])
+            (dx, dw), _ = back(dy)
+            got[name] = [ops.to_numpy(t) for t in (out, dx, dw)]
+        for a, b in zip(got["bound"], got["composite"]):
+            assert np.array_equal(a, b), (width, counts)
+        assert not np.any(got["bound"][2][counts.index(0)])  # no rows, no gradient
+
+
 @pytest.mark.feature("matmul-add")
 def test_accumulated_grouped_matmul_gives_its_weight_gradient_in_fp32(framework):
     """The grouped matmul of --gemm-gradient-accumulation-fusion: the same output and input

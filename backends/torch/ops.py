@@ -324,6 +324,49 @@ def _native_matmul_add(a, b, acc):
     return torch.addmm(acc, a.float(), b.float()) if a.dim() == 2 else acc + torch.matmul(a.float(), b.float())
 
 
+class _GroupedMM(torch.autograd.Function):
+    """torch._grouped_mm with its backward written here (the CPU kernel has none): the input's
+    gradient is dy's groups times each weight transposed, the weight's each group's x^T dy, both
+    grouped calls of the same kernel."""
+
+    @staticmethod
+    def forward(ctx, x, weight, offs):
+        ctx.save_for_backward(x, weight, offs)
+        return torch._grouped_mm(x, weight, offs=offs)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, offs = ctx.saved_tensors
+        dy = dy.contiguous()
+        dx = torch._grouped_mm(dy, weight.transpose(1, 2), offs=offs) if ctx.needs_input_grad[0] else None
+        dw = torch._grouped_mm(x.t(), dy, offs=offs) if ctx.needs_input_grad[1] else None
+        return dx, dw, None
+
+
+def _grouped_mm_takes(x, weight) -> bool:
+    """Whether torch's grouped-matmul kernel takes these operands: the release has it, 2-D rows
+    by 3-D weights of one floating dtype, and (its rule) every row 16-byte aligned."""
+    if not hasattr(torch, "_grouped_mm") or x.dim() != 2 or weight.dim() != 3 or x.dtype != weight.dtype:
+        return False
+    if x.dtype not in (torch.float32, torch.bfloat16) or x.device.type not in ("cpu", "cuda"):
+        return False
+    size = x.element_size()
+    return (x.shape[1] * size) % 16 == 0 and (weight.shape[2] * size) % 16 == 0
+
+
+def _native_grouped_matmul(x, weight, group_sizes):
+    """The experts' grouped matmul as one torch._grouped_mm call (one kernel for every expert,
+    the same products as the composite's matmul per expert); the composite where the kernel
+    does not take the shapes (and on releases without it)."""
+    if not _grouped_mm_takes(x, weight):
+        return composite.grouped_matmul(x, weight, group_sizes)
+    sizes = [int(s) for s in group_sizes]
+    if len(sizes) != weight.shape[0] or int(np.sum(sizes)) != x.shape[0]:
+        return composite.grouped_matmul(x, weight, group_sizes)  # its own error message
+    offs = torch.tensor(np.cumsum(sizes), dtype=torch.int32, device=x.device)
+    return _GroupedMM.apply(x.contiguous(), weight, offs)
+
+
 def _native_solve_unit_lower(a, b):
     return torch.linalg.solve_triangular(a, b, upper=False, unitriangular=True)
 
@@ -368,6 +411,8 @@ def _native_kernels(device_type: str) -> dict:
         "matmul_add": _native_matmul_add,
         "solve_unit_lower": _native_solve_unit_lower,
     }
+    if hasattr(torch, "_grouped_mm") and device_type in ("cpu", "cuda"):
+        native["grouped_matmul"] = _native_grouped_matmul
     if device_type == "npu":
         native.update(_npu_kernels())
     return native
