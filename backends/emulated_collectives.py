@@ -111,17 +111,27 @@ class EmulatedCollectives:
         Chunks may differ in their first dimension (uneven splits); their other dimensions
         and dtype must agree across ranks.
         """
-        n, me = self._size(group), self._rank(group)
         rows = np.array([c.shape[0] for c in chunks], np.int64)
         all_rows = self.all_gather_stack(rows, group)  # [src, dst]
-        tail = chunks[0].shape[1:]
-        width = self._lane_count(chunks[0].dtype, (int(all_rows.max()),) + tail)
+        return self.all_to_all_received(self._sum(self.all_to_all_slots(chunks, all_rows, group), group),
+                                        chunks[0].dtype, chunks[0].shape[1:], all_rows, group)
+
+    def all_to_all_slots(self, chunks: list[np.ndarray], all_rows: np.ndarray, group) -> np.ndarray:
+        """What an all-to-all sums: this rank's chunk for rank j in slot [me, j], zeros elsewhere
+        (``all_rows`` [src, dst]: every rank's row counts, which size the slots; the caller may
+        run the sum asynchronously)."""
+        n, me = self._size(group), self._rank(group)
+        width = self._lane_count(chunks[0].dtype, (int(all_rows.max()),) + tuple(chunks[0].shape[1:]))
         buf = np.zeros((n, n, width), np.float32)
         for j, c in enumerate(chunks):
             lanes = self._lanes(c)
             buf[me, j, : lanes.size] = lanes
-        summed = self._sum(buf, group)
-        return [self._unlanes(summed[i, me], chunks[0].dtype, (int(all_rows[i, me]),) + tail) for i in range(n)]
+        return buf
+
+    def all_to_all_received(self, summed: np.ndarray, dtype, tail: tuple, all_rows: np.ndarray, group) -> list:
+        """The chunks that arrived at this rank, from the summed slots."""
+        n, me = self._size(group), self._rank(group)
+        return [self._unlanes(summed[i, me], dtype, (int(all_rows[i, me]),) + tuple(tail)) for i in range(n)]
 
     def shift(self, arr: np.ndarray, offset: int, group) -> np.ndarray:
         """Every rank's array moves ``offset`` places along the group: one slot per rank, each

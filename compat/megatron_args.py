@@ -242,6 +242,9 @@ def add_feature_args(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--coc-fused-kernel", action="store_true", help="MindSpeed-LLM: CoC with fused kernels")
     c.add_argument("--use-cp-send-recv-overlap", action="store_true",
                    help="MindSpeed: overlap ring attention's send/receive with its compute")
+    c.add_argument("--moe-alltoall-overlap-comm", action="store_true",
+                   help="MindSpeed: the alltoall dispatch in chunks of the local experts, each chunk's experts "
+                        "computing while the next travels (the same results)")
     c.add_argument("--disable-gloo-group", action="store_true")
 
     o = parser.add_argument_group("operations, inference and tools")
@@ -661,7 +664,6 @@ ACCEPTED_NO_OPS = {
     "--lora-fusion": ({"action": "store_true"}, "LoRA runs as two small matmuls beside the layer; there is no fused "
                                                 "kernel to choose"),
     "--moe-permutation-async-comm": ({"action": "store_true"}, _SAME_RESULTS),
-    "--moe-alltoall-overlap-comm": ({"action": "store_true"}, _SAME_RESULTS),
     "--moe-fb-overlap": ({"action": "store_true"}, _SAME_RESULTS),
     "--moe-permute-fusion": ({"action": "store_true"}, _SAME_RESULTS),
     "--moe-zero-memory": ({"choices": ("disable", "level0", "level1"), "default": "disable"}, _SAME_RESULTS),

@@ -218,6 +218,10 @@ SPEC = {
         "all_to_all": ("all_to_all(x, group=None, input_splits=None, output_splits=None): x split along dim 0 (evenly, "
                        "or by input_splits, one count per rank), piece j sent to group rank j, the arrivals "
                        "concatenated; uneven splits need both lists"),
+        "all_to_all_async": ("all_to_all_async(x, group=None, input_splits=None, output_splits=None) -> work: start "
+                             "all_to_all; work.wait() returns what arrived. Framework: a gloo/nccl work handle on "
+                             "PyTorch; on MindSpore the row counts exchanged first, then the emulated exchange on "
+                             "mccl's asynchronous all-reduce"),
         "broadcast": "broadcast(x, src, group=None): src is a global rank",
         "shift": ("shift(x, offset=1, group=None): a ring step; each member sends x to group rank (r + offset) % n "
                   "and returns what group rank (r - offset) % n sent"),

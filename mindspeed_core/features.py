@@ -178,6 +178,10 @@ _SWAP_OPTIMIZER = ("the distributed optimizer's master slice and moments held in
                    "(default 16) and back; the same bits as without (on a CPU-only host both are host memory)")
 _GDN_COMPOSITE = ("the same chunked rule as composite ops (models/gated_deltanet.py) on every device: "
                   "flash-linear-attention's Triton kernels are not bound (CPU has no Triton)")
+_A2A_OVERLAP = ("with EP and the alltoall dispatcher, the dispatch in one chunk per local expert, each gathered "
+                "straight from the tokens; every chunk leaves at once ({}), a chunk's experts compute as it arrives "
+                "while the later ones travel, and its outputs start back while the next chunk's experts compute; "
+                "the same rows per expert in the same order, the same bits; with EP 1 there is nothing to exchange")
 _DUALPIPEV = ("two model chunks a rank in a V (rank r: stages r and 2P-1-r; the embedding, the loss and the MTP "
               "modules on the first rank), fed from both ends in DeepSeek's order as MindSpeed's dualpipev runs it "
               "without --moe-fb-overlap: each backward computes the input and weight gradients at once; a "
@@ -600,6 +604,10 @@ FEATURES: tuple[Feature, ...] = (
             supported(_RING_OVERLAP.format("the one all-gather of every block, on mccl's asynchronous "
                                            "all-reduce, travelling while this rank's own block computes")),
             _on("use_cp_send_recv_overlap")),
+    Feature("moe-alltoall-overlap", "MoE all-to-all overlapped with the experts' compute", "communication",
+            ("--moe-alltoall-overlap-comm",), supported(_A2A_OVERLAP.format("gloo/nccl's asynchronous all_to_all")),
+            supported(_A2A_OVERLAP.format("the emulated exchange on mccl's asynchronous all-reduce")),
+            _on("moe_alltoall_overlap_comm")),
     Feature("gloo-ckpt-offload", "Checkpoint gathering without a Gloo group", "communication",
             ("--disable-gloo-group",), supported(_NO_GLOO_GROUP), supported(_NO_GLOO_GROUP), _on("disable_gloo_group")),
     # ---- operations ---------------------------------------------------------------------------

@@ -423,6 +423,10 @@ CASES = [  # (id, ranks, model, flags): the cases of each rank count share one l
     # saved (the expert bias with the weights) and resumed in one process below
     ("mla-moe-ep2", 2, "mla-moe", ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall",
                                    "--save", "{tmp}/mla-moe-ckpt"]),
+    # the dispatch in four chunks (one per local expert), each computing while the later ones travel
+    # (the MTP module's MoE layer too): the same bits as mla-moe-ep2
+    ("mla-moe-ep2-overlap", 2, "mla-moe", ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type",
+                                           "alltoall", "--moe-alltoall-overlap-comm"]),
     # with dynamic padding (--no-pad-to-seq-lengths) against the single process's full-length
     # micro-batches: the stages pass each micro-batch's own width, and the loss stays the same
     ("dpo-pp2-dp2", 4, "dpo", ["--pipeline-model-parallel-size", "2", "--save", "{tmp}/dpo-ckpt",
@@ -439,6 +443,11 @@ CASES = [  # (id, ranks, model, flags): the cases of each rank count share one l
         "--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-model-parallel-size", "2",
         "--moe-token-dispatcher-type", "alltoall", "--recompute-activations", "--save", "{tmp}/gpt-oss-ckpt",
         "--ckpt-format", "torch_dist"]),
+    # the chunked, overlapped dispatch with the experts cut over TP (their rows summed over TP between a
+    # chunk's arrival and its way back): the same bits as the case above
+    ("gpt-oss-tp2-sp-ep2-selective-overlap", 4, "gpt-oss", [
+        "--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-model-parallel-size", "2",
+        "--moe-token-dispatcher-type", "alltoall", "--recompute-activations", "--moe-alltoall-overlap-comm"]),
     # LoRA on the experts under TP2 + SP x EP2 with the distributed optimizer: fc1's B and fc2's A
     # cut with their experts' weights, the other factors whole with partial gradients; saved and
     # continued in one process below
@@ -744,6 +753,7 @@ def four_ranks(corpus, data, two_ranks, null_corpus, hf_references, tmp_path_fac
 @pytest.mark.feature("family-longcat-flash")
 @pytest.mark.feature("moe-zero-experts")
 @pytest.mark.feature("mla-lora-scaling")
+@pytest.mark.feature("moe-alltoall-overlap")
 def test_two_rank_layouts_equal_single_process(capsys, framework, corpus, two_ranks, reference,  # noqa: F811
                                                tmp_path):
     check_cases(framework, two_ranks / "out", 2, ranks_cases(2), reference)
@@ -852,6 +862,7 @@ def resume_in_one_process(capsys, corpus, folder, model, want, saved_layout, tmp
 @pytest.mark.feature("expert-parallel-across-tp")
 @pytest.mark.feature("moe-tp-extend-ep")
 @pytest.mark.feature("family-longcat-flash")
+@pytest.mark.feature("moe-alltoall-overlap")
 @pytest.mark.feature("dsa-indexer")
 def test_four_rank_layouts_equal_single_process(capsys, framework, data, four_ranks, reference, tmp_path):
     check_cases(framework, four_ranks / "out", 4, ranks_cases(4), reference)

@@ -253,6 +253,29 @@ def all_to_all(x, group: Group | None = None, input_splits=None, output_splits=N
     return _back(np.concatenate(received, axis=0), x)
 
 
+def all_to_all_async(x, group: Group | None = None, input_splits=None, output_splits=None):
+    """Start all_to_all: the row counts are exchanged first (small, synchronous), then the
+    emulated exchange (each rank's chunks in its own slots of a float32 sum) runs on mccl's
+    asynchronous all-reduce; wait() returns what arrived."""
+    n = world_size(group)
+    if n == 1:
+        return Pending(x.copy())
+    arr = _to_host(x, "all_to_all")
+    if input_splits is None:
+        input_splits = [arr.shape[0] // n] * n
+    chunks = np.split(arr, np.cumsum(input_splits)[:-1])
+    all_rows = _emulated.all_gather_stack(np.array([c.shape[0] for c in chunks], np.int64), group)  # [src, dst]
+    if output_splits is not None and list(all_rows[:, rank(group)]) != list(output_splits):
+        raise ValueError(f"all_to_all_async: output_splits {list(output_splits)} do not match what the ranks send "
+                         f"({list(all_rows[:, rank(group)])})")
+    slots = ms.Tensor(_emulated.all_to_all_slots(chunks, all_rows, group))
+    with _recording("all_to_all", _nbytes(x)):
+        _stats.add_wire(slots.nbytes)
+        handle = mint_dist.all_reduce(slots, op="sum", group=_handle(group), async_op=True)
+    return Pending(slots, handle, finish=lambda summed: _back(np.concatenate(_emulated.all_to_all_received(
+        summed.asnumpy(), arr.dtype, arr.shape[1:], all_rows, group), axis=0), x))
+
+
 def broadcast(x, src: int, group: Group | None = None):
     if _alone(group):
         return x.copy()

@@ -214,6 +214,19 @@ def all_to_all(x, group: Group | None = None, input_splits=None, output_splits=N
     return out
 
 
+def all_to_all_async(x, group: Group | None = None, input_splits=None, output_splits=None):
+    """Start all_to_all (gloo and nccl run it on their own threads/streams); wait() returns
+    what arrived."""
+    n = world_size(group)
+    if n == 1:
+        return Pending(x.clone())
+    x = x.contiguous()
+    out = torch.empty_like(x) if input_splits is None else x.new_empty((int(sum(output_splits)),) + tuple(x.shape[1:]))
+    _record("all_to_all", x)
+    work = tdist.all_to_all_single(out, x, output_splits, input_splits, group=_h(group), async_op=True)
+    return Pending(out, work)
+
+
 def broadcast(x, src: int, group: Group | None = None):
     out = x.clone()
     if not _alone(group):

@@ -77,7 +77,8 @@ class ExpertParallelSeams(MoESeams):
     """An MoE layer's seams under TP (with or without SP), EP and CP."""
 
     def __init__(self, ps, sequence_parallel: bool, dispatcher: str, num_experts: int, experts_whole: bool = False,
-                 context_shares: bool = False):
+                 context_shares: bool = False, overlap: bool = False):
+        self.overlap = overlap  # --moe-alltoall-overlap-comm: the alltoall dispatch in chunks that overlap
         self.tp = ps.group("tp") if ps.tp > 1 else None
         self.sp = sequence_parallel
         self.ep = ps.group("ep") if ps.ep > 1 else None
@@ -132,6 +133,9 @@ class ExpertParallelSeams(MoESeams):
         features.note_used("expert-parallel")
         features.note_used(f"moe-{self.dispatcher}-dispatcher")
         pad = None if pad_to is None else pad_to * self.ep_size  # each source rank fills up to pad_to
+        if self.dispatcher == "alltoall" and self.overlap:
+            features.note_used("moe-alltoall-overlap")
+            return self._all_to_all_overlapped(experts, tokens, routing, grouped, pad)
         if self.dispatcher == "alltoall":
             return self._all_to_all(experts, tokens, routing, grouped, pad)
         return self._all_gather(experts, tokens, routing, grouped, pad)
@@ -152,6 +156,40 @@ class ExpertParallelSeams(MoESeams):
         back = _take(self.expert_output(out), np.argsort(perm).astype(np.int64))
         returned = mappings.all_to_all_rows(back, self.ep, mine.sum(1), send)
         return weigh_back(returned, order, routing.weights)
+
+    def _all_to_all_overlapped(self, experts, tokens, routing, grouped, pad):
+        """The alltoall dispatch in chunks of the local experts (--moe-alltoall-overlap-comm): every
+        chunk's rows leave at once, each gathered straight from the tokens (the permutation fused
+        with the dispatch); as a chunk arrives its experts run while the later chunks travel, and its
+        outputs start back while the next chunk's experts run. Each expert gets the same rows in the
+        same order as in one exchange, and the outputs are put back in _all_to_all's order before the
+        weighting: the same bits."""
+        n, me, local = self.ep_size, self.ep_rank, self.local
+        k = routing.experts.shape[1]
+        order = assignment_order(routing)
+        counts = np.asarray(routing.tokens_per_expert, np.int64)
+        table = _host_all_gather(counts, self.ep)  # [source rank, expert]
+        starts = np.concatenate([[0], np.cumsum(counts)[:-1]])  # where each expert's assignments start in order
+        mine = table[:, me * local:(me + 1) * local]  # [source rank, local expert]
+        chunks, placed = [], []
+        for e in range(local):  # one chunk per local expert: its rows from every source rank
+            sent = np.concatenate([np.arange(starts[j * local + e], starts[j * local + e] + counts[j * local + e])
+                                   for j in range(n)]).astype(np.int64)
+            send = counts.reshape(n, local)[:, e]
+            arrival = mappings.start_all_to_all_rows(_take(tokens, order[sent] // k), self.ep, send, mine[:, e])
+            chunks.append((e, send, arrival))
+            placed.append(sent)
+        leaving = []
+        for e, send, arrival in chunks:
+            rows = arrival.wait()  # source-major: one expert's rows, already together
+            only = np.zeros(local, np.int64)
+            only[e] = mine[:, e].sum()
+            out = self.expert_output(run_experts(experts, rows, only, grouped, pad))
+            leaving.append(mappings.start_all_to_all_rows(out, self.ep, mine[:, e], send))
+        returned = [arrival.wait() for arrival in leaving]
+        returned = returned[0] if len(returned) == 1 else ops.cat(returned, dim=0)
+        back = np.argsort(np.concatenate(placed)).astype(np.int64)  # to _all_to_all's order of assignments
+        return weigh_back(_take(returned, back), order, routing.weights)
 
     def _all_gather(self, experts, tokens, routing, grouped, pad):
         me, local = self.ep_rank, self.local
@@ -175,7 +213,7 @@ class ExpertParallelSeams(MoESeams):
 
 
 def parallelize_moe_layers(model, ps, sequence_parallel: bool, dispatcher: str, experts_whole: bool = False,
-                           context_shares: bool = False) -> dict:
+                           context_shares: bool = False, overlap: bool = False) -> dict:
     """Cut the MoE layers of ``model`` (a whole MoEModel or a pipeline chunk) for this rank
     and install their seams; returns {local parameter name: ParamPlan fields} for
     parallel.layers.parallelize. ``experts_whole``: --expert-tensor-parallel-size 1 under TP;
@@ -187,13 +225,13 @@ def parallelize_moe_layers(model, ps, sequence_parallel: bool, dispatcher: str, 
     for prefix, layer in model.transformer_layers():
         if isinstance(layer.mlp, MoELayer):
             fields = parallelize_moe_layer(layer.mlp, ps, sequence_parallel, dispatcher, model.cfg.gated, experts_whole,
-                                           context_shares)
+                                           context_shares, overlap)
             overrides.update({f"{prefix}mlp.{name}": f for name, f in fields.items()})
     return overrides
 
 
 def parallelize_moe_layer(mlp: MoELayer, ps, sequence_parallel: bool, dispatcher: str, gated: bool,
-                          experts_whole: bool = False, context_shares: bool = False) -> dict:
+                          experts_whole: bool = False, context_shares: bool = False, overlap: bool = False) -> dict:
     """One MoE layer: keep this rank's experts (and their TP slices, unless ``experts_whole``:
     megatron-core's expert tensor parallel size 1, each TP rank running the whole experts on
     the whole sequence), cut the shared expert over TP, install the seams; returns {parameter
@@ -250,5 +288,5 @@ def parallelize_moe_layer(mlp: MoELayer, ps, sequence_parallel: bool, dispatcher
                 fields["shared_experts.linear_fc2.lora_B.weight"] = {"partial": True}
     if tp > 1 or ep > 1 or context_shares:
         mlp.use_seams(ExpertParallelSeams(ps, sequence_parallel, dispatcher, mlp.moe.num_experts, experts_whole,
-                                          context_shares))
+                                          context_shares, overlap))
     return fields

@@ -312,3 +312,34 @@ def all_to_all_rows(x, group, send_splits, recv_splits):
             return dist.all_to_all(grad, group=group, input_splits=recv, output_splits=send)
 
     return _AllToAllRows.apply(x)
+
+
+class RowsArrival:
+    """An all_to_all_rows started by start_all_to_all_rows and still travelling: wait() gives
+    what all_to_all_rows would, with its backward (the gradients sent back the same way,
+    synchronously)."""
+
+    def __init__(self, x, group, send: list, recv: list, pending):
+        self.x, self.group, self.send, self.recv, self.pending = x, group, send, recv, pending
+
+    def wait(self):
+        pending, group, send, recv = self.pending, self.group, self.send, self.recv
+
+        class _ArrivedRows(autograd.Function):  # a class per exchange: its splits and its work under way
+            @staticmethod
+            def forward(ctx, t):
+                return pending.wait()
+
+            @staticmethod
+            def backward(ctx, grad):
+                return dist.all_to_all(grad, group=group, input_splits=recv, output_splits=send)
+
+        return _ArrivedRows.apply(self.x)
+
+
+def start_all_to_all_rows(x, group, send_splits, recv_splits) -> RowsArrival:
+    """all_to_all_rows(x, group, send_splits, recv_splits), started: the rows travel while the
+    caller computes on what it already holds (--moe-alltoall-overlap-comm)."""
+    send, recv = [int(n) for n in send_splits], [int(n) for n in recv_splits]
+    return RowsArrival(x, group, send, recv, dist.all_to_all_async(autograd.detach(x), group=group, input_splits=send,
+                                                                   output_splits=recv))

@@ -56,7 +56,7 @@ def cut_for_layout(model, spec, pipeline_layout, ps, layout, memory, seed: int):
     chunks = spec.pipeline_chunks(model, pipeline_layout, ps.local_rank("pp")) if ps.pp > 1 else [model]
     plan = ParallelPlan.join(parallelize(spec, c, ps, layout.sequence_parallel, layout.context_parallel_algo,
                                          layout.ulysses_degree_in_cp, layout.moe_dispatcher, layout.experts_whole,
-                                         layout.cp_overlap)
+                                         layout.cp_overlap, layout.moe_overlap)
                              for c in chunks)
     swap = HostSwap() if memory.swap_attention else None
     if memory.recompute.active or swap:

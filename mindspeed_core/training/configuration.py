@@ -119,6 +119,8 @@ class ParallelLayout:
     # compiled step, whose graph orders its own communication)
     cp_overlap: bool = False
     dualpipev: bool = False  # --schedules-method dualpipev: two chunks a rank in a V (parallel/pipeline.py)
+    # --moe-alltoall-overlap-comm: the alltoall dispatch in chunks that travel while experts compute
+    moe_overlap: bool = False
 
     @property
     def ep_over_tp(self) -> bool:
@@ -314,7 +316,7 @@ def configure(args, world: int, framework: str | None = None) -> RunConfig:
                               bool(work.overlap_param_gather),
                               work.expert_tensor_parallel_size == 1 and tp > 1,
                               bool(work.use_cp_send_recv_overlap) and not work.compile,
-                              work.schedules_method == "dualpipev"),
+                              work.schedules_method == "dualpipev", bool(work.moe_alltoall_overlap_comm)),
         optimization=Optimization(
             work.train_iters, work.micro_batch_size, work.global_batch_size, work.lr, work.min_lr,
             work.lr_warmup_iters, work.lr_decay_iters, work.lr_decay_style, work.weight_decay, work.clip_grad,
@@ -1083,6 +1085,9 @@ def check_configuration(args, world: int, default_save: bool = False):
                              + (f" x the context parallel size {cp}" if cp > 1 else ""))
     dp = world // (tp * pp * cp)
     ep = args.expert_model_parallel_size
+    if args.moe_alltoall_overlap_comm and ep > 1 and args.moe_token_dispatcher_type != "alltoall":
+        raise MindSpeedError("--moe-alltoall-overlap-comm overlaps the alltoall dispatcher's exchange (as MindSpeed): "
+                             "add --moe-token-dispatcher-type alltoall")
     if ep_over_tp(args):  # megatron-core's layout with ETP 1: the EP groups reach across TP x DP
         if not args.sequence_parallel:
             raise MindSpeedError(f"--expert-model-parallel-size {ep} with the experts whole on each of the {tp} "
