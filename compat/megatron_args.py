@@ -242,6 +242,9 @@ def add_feature_args(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--coc-fused-kernel", action="store_true", help="MindSpeed-LLM: CoC with fused kernels")
     c.add_argument("--use-cp-send-recv-overlap", action="store_true",
                    help="MindSpeed: overlap ring attention's send/receive with its compute")
+    c.add_argument("--moe-zero-memory", choices=("disable", "level0", "level1"), default="disable",
+                   help="MindSpeed: recompute the MoE dispatch in backward instead of keeping its activations "
+                        "(level0: the dispatched rows and the activation; level1: all of the routed path)")
     c.add_argument("--moe-alltoall-overlap-comm", action="store_true",
                    help="MindSpeed: the alltoall dispatch in chunks of the local experts, each chunk's experts "
                         "computing while the next travels (the same results)")
@@ -666,7 +669,6 @@ ACCEPTED_NO_OPS = {
     "--moe-permutation-async-comm": ({"action": "store_true"}, _SAME_RESULTS),
     "--moe-fb-overlap": ({"action": "store_true"}, _SAME_RESULTS),
     "--moe-permute-fusion": ({"action": "store_true"}, _SAME_RESULTS),
-    "--moe-zero-memory": ({"choices": ("disable", "level0", "level1"), "default": "disable"}, _SAME_RESULTS),
     "--workers": ({"type": POSITIVE_INT, "default": None}, "preprocessing's worker count; training reads "
                                                           "preprocessed data"),
     "--pack": ({"action": "store_true"}, "packing happens in mindspeed preprocess --pack; packed data is read as "

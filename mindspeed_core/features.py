@@ -182,6 +182,11 @@ _A2A_OVERLAP = ("with EP and the alltoall dispatcher, the dispatch in one chunk 
                 "straight from the tokens; every chunk leaves at once ({}), a chunk's experts compute as it arrives "
                 "while the later ones travel, and its outputs start back while the next chunk's experts compute; "
                 "the same rows per expert in the same order, the same bits; with EP 1 there is nothing to exchange")
+_ZERO_MEMORY = ("level0: the dispatched rows (fc1's input) and the activation (fc2's input) are not kept; in "
+                "backward the dispatch (its all-to-all under EP) and fc1 run again before fc1's backward, and the "
+                "activation and fc2 before fc2's (MindSpeed keeps fc1's output and does not run fc1 or fc2 again); "
+                "level1: nothing of the routed path is kept but its input, and all of it (dispatch, experts, "
+                "combine) runs again in backward; the same bits")
 _DUALPIPEV = ("two model chunks a rank in a V (rank r: stages r and 2P-1-r; the embedding, the loss and the MTP "
               "modules on the first rank), fed from both ends in DeepSeek's order as MindSpeed's dualpipev runs it "
               "without --moe-fb-overlap: each backward computes the input and weight gradients at once; a "
@@ -608,6 +613,9 @@ FEATURES: tuple[Feature, ...] = (
             ("--moe-alltoall-overlap-comm",), supported(_A2A_OVERLAP.format("gloo/nccl's asynchronous all_to_all")),
             supported(_A2A_OVERLAP.format("the emulated exchange on mccl's asynchronous all-reduce")),
             _on("moe_alltoall_overlap_comm")),
+    Feature("moe-zero-memory", "MoE dispatch recomputed instead of kept (--moe-zero-memory)", "memory",
+            ("--moe-zero-memory level0", "--moe-zero-memory level1"), supported(_ZERO_MEMORY), supported(_ZERO_MEMORY),
+            lambda a: (getattr(a, "moe_zero_memory", None) or "disable") != "disable"),
     Feature("gloo-ckpt-offload", "Checkpoint gathering without a Gloo group", "communication",
             ("--disable-gloo-group",), supported(_NO_GLOO_GROUP), supported(_NO_GLOO_GROUP), _on("disable_gloo_group")),
     # ---- operations ---------------------------------------------------------------------------

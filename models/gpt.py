@@ -502,6 +502,8 @@ class GPTModel(nn.Module):
                         *(m for _, m in layer.dense_mlps())):
                 if mlp is not None and hasattr(mlp, "recompute_activation"):
                     mlp.recompute_activation = activation
+            if hasattr(layer.mlp, "zero_memory"):  # an MoE layer: --moe-zero-memory
+                layer.mlp.zero_memory = policy.moe_zero_memory
         if swap is not None:
             for start, stop, recomputed in policy.groups(len(layers)):
                 for i in range(start, stop):

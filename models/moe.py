@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Callable
 
 import numpy as np
 
@@ -82,6 +83,37 @@ class Experts(nn.Module):
             start += n
         if not outs:  # no rows: still a product of them, so a backward pass reaches whatever sent them
             return self._through("weight2", self.activation(self._through("weight1", rows, expert=0)), expert=0)
+        return outs[0] if len(outs) == 1 else ops.cat(outs, dim=0)
+
+    def first(self, rows, counts, grouped: bool = True):
+        """forward's first half: the rows through fc1 (and its bias), [N, width]; second() is the
+        rest. --moe-zero-memory level0 keeps this and recomputes what lies on either side."""
+        sinks = getattr(self, "grad_sinks", None)
+        if grouped:
+            return self._plus(self._through("weight1", rows, counts, sinks and sinks[0]), self.bias1, counts)
+        return self._per_expert(rows, counts, lambda x, e, one: self._plus(self._through("weight1", x, expert=e),
+                                                                            self.bias1, one), "weight1")
+
+    def second(self, h, counts, grouped: bool = True):
+        """forward's second half on first()'s output: the activation, fc2 and its bias."""
+        sinks = getattr(self, "grad_sinks", None)
+        if grouped:
+            return self._plus(self._through("weight2", self._activate(h), counts, sinks and sinks[1]), self.bias2,
+                              counts, True)
+        return self._per_expert(h, counts, lambda x, e, one: self._plus(
+            self._through("weight2", self._activate(x), expert=e), self.bias2, one, True), "weight2")
+
+    def _per_expert(self, rows, counts, fn, which: str):
+        """fn(rows of expert e, e, counts of e alone) for each expert with rows, concatenated."""
+        outs, start = [], 0
+        for e, n in enumerate(int(c) for c in counts):
+            if n:
+                one = np.zeros(len(counts), np.int64)
+                one[e] = n
+                outs.append(fn(rows[start:start + n], e, one))
+            start += n
+        if not outs:  # no rows: still a product of them, so a backward pass reaches whatever sent them
+            return self._through(which, rows if which == "weight1" else self.activation(rows), expert=0)
         return outs[0] if len(outs) == 1 else ops.cat(outs, dim=0)
 
     def _through(self, which: str, x, counts=None, sink=None, expert: int | None = None):
@@ -224,11 +256,71 @@ class MoESeams:
     def layer_output(self, y):
         return y
 
-    def dispatch(self, experts, tokens, routing, grouped: bool, pad_to: int | None):
+    def dispatch(self, experts, tokens, routing, grouped: bool, pad_to: int | None, zero_memory: str = "disable"):
+        route = self.route(routing, pad_to)
+        return through_route(route, experts, tokens, routing.weights, grouped, zero_memory)
+
+    def route(self, routing, pad_to: int | None) -> "Route":
+        """Where each kept assignment goes and comes back: here, sorted by expert."""
         order = assignment_order(routing)
-        rows = ops.index_select(tokens, 0, ops.tensor(order // routing.experts.shape[1]))
-        out = run_experts(experts, rows, routing.tokens_per_expert, grouped, pad_to)
-        return weigh_back(self.expert_output(out), order, routing.weights)
+        counts, pad, unpad = padding(routing.tokens_per_expert, pad_to)
+
+        def arrive(tokens):
+            return pad(ops.index_select(tokens, 0, ops.tensor(order // routing.experts.shape[1])))
+
+        def leave(out, weights):
+            return weigh_back(self.expert_output(unpad(out)), order, weights)
+
+        return Route(arrive, counts, leave)
+
+
+@dataclasses.dataclass
+class Route:
+    """One MoE layer's token dispatch for one forward (MoESeams.route): ``arrive(tokens)`` the
+    rows at this rank's experts, sorted by expert, ``counts`` of each; ``leave(out, weights)``
+    the experts' output rows back to their tokens, weighted: [T, h] float32. Host work and the
+    exchanges of counts are done when it is made; arrive and leave hold the tensor exchanges,
+    so a recomputation runs them again."""
+
+    arrive: Callable
+    counts: np.ndarray
+    leave: Callable
+
+
+def through_route(route: Route, experts, tokens, weights, grouped: bool, zero_memory: str = "disable"):
+    """The routed experts' output [T, h] float32, keeping for backward what --moe-zero-memory
+    leaves: everything (disable); fc1's output only, the dispatched rows and the activation and
+    fc2 recomputed (level0); the layer's input only, the whole dispatch recomputed (level1)."""
+    if zero_memory == "level1":
+        features.note_used("moe-zero-memory")
+        return recompute.checkpoint(lambda t, w: route.leave(experts(route.arrive(t), route.counts, grouped), w),
+                                    tokens, weights)
+    if zero_memory == "level0":
+        features.note_used("moe-zero-memory")
+        h = recompute.checkpoint(lambda t: experts.first(route.arrive(t), route.counts, grouped), tokens)
+        return route.leave(recompute.checkpoint(lambda x: experts.second(x, route.counts, grouped), h), weights)
+    return route.leave(experts(route.arrive(tokens), route.counts, grouped), weights)
+
+
+def padding(counts, pad_to: int | None):
+    """(counts as the experts see them, pad(rows), unpad(out)): with ``pad_to`` every expert
+    takes exactly that many rows, zero rows after its own (--moe-pad-expert-input-to-capacity:
+    fixed shapes for kernels that want them), whose outputs are dropped."""
+    counts = np.asarray(counts, np.int64)
+    if pad_to is None:
+        return counts, (lambda rows: rows), (lambda out: out)
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+    real = np.concatenate([e * pad_to + np.arange(c) for e, c in enumerate(counts)] + [np.zeros(0)]).astype(np.int64)
+
+    def pad(rows):
+        n = rows.shape[0]
+        padded = np.full((len(counts), pad_to), n, np.int64)  # row n of [rows; 0] is the zero row
+        for e, (start, c) in enumerate(zip(starts, counts)):
+            padded[e, :c] = np.arange(start, start + c)
+        source = ops.cat([rows, ops.zeros((1, rows.shape[-1]), dtype=ops.dtype_of(rows))], dim=0)
+        return ops.index_select(source, 0, ops.tensor(padded.reshape(-1)))
+
+    return np.full(len(counts), pad_to), pad, (lambda out: ops.index_select(out, 0, ops.tensor(real)))
 
 
 class Router(Linear):
@@ -265,6 +357,7 @@ class MoELayer(nn.Module):
         self.shared_experts = (SharedExpert(cfg, moe.shared_expert_size, moe.shared_expert_gate)
                                if moe.shared_expert_size else None)
         self.grouped = "grouped_matmul" in cfg.fused  # --moe-grouped-gemm; else expert by expert
+        self.zero_memory = "disable"  # --moe-zero-memory (GPTModel.use_memory): what the dispatch keeps
         self.seams = MoESeams()
         self.routing = None
         # a compiled step (training/compiled.py) routes on the device: the expert bias arrives
@@ -337,7 +430,7 @@ class MoELayer(nn.Module):
             stats["dropped"] += routing.dropped
             stats["tokens_per_expert"] += routing.tokens_per_expert
         pad_to = router.capacity(b * s, self.moe) if self.moe.pad_to_capacity else None
-        y = seams.dispatch(self.experts, seams.expert_input(flat), routed, self.grouped, pad_to)
+        y = seams.dispatch(self.experts, seams.expert_input(flat), routed, self.grouped, pad_to, self.zero_memory)
         if identity is not None:  # the zero-computation experts' share: the token itself, weighted
             y = y + ops.cast(flat, "float32") * identity  # whole on every rank: no seam around it
         return self._output(y, x)
@@ -385,22 +478,9 @@ def assignment_order(routing: router.Routing) -> np.ndarray:
 
 def run_experts(experts: Experts, rows, counts, grouped: bool, pad_to: int | None = None):
     """rows [N, h] sorted by expert, ``counts[e]`` of them for local expert e -> their
-    outputs. ``pad_to``: every expert takes exactly this many rows, zero rows after its own
-    (--moe-pad-expert-input-to-capacity: fixed shapes for kernels that want them), whose
-    outputs are dropped."""
-    counts = np.asarray(counts, np.int64)
-    if pad_to is None:
-        return experts(rows, counts, grouped)
-    n = rows.shape[0]
-    starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
-    padded = np.full((len(counts), pad_to), n, np.int64)  # row n of [rows; 0] is the zero row
-    for e, (start, c) in enumerate(zip(starts, counts)):
-        padded[e, :c] = np.arange(start, start + c)
-    source = ops.cat([rows, ops.zeros((1, rows.shape[-1]), dtype=ops.dtype_of(rows))], dim=0)
-    out = experts(ops.index_select(source, 0, ops.tensor(padded.reshape(-1))), np.full(len(counts), pad_to),
-                  grouped)
-    real = np.concatenate([e * pad_to + np.arange(c) for e, c in enumerate(counts)] + [np.zeros(0)])
-    return ops.index_select(out, 0, ops.tensor(real.astype(np.int64)))
+    outputs (``pad_to``: padding())."""
+    counts, pad, unpad = padding(counts, pad_to)
+    return unpad(experts(pad(rows), counts, grouped))
 
 
 def weigh_back(rows, order: np.ndarray, weights):

@@ -382,6 +382,11 @@ CASES = [  # (id, ranks, model, flags): the cases of each rank count share one l
                                                  "2", "--sequence-parallel", "--moe-token-dispatcher-type", "alltoall",
                                                  "--expert-tensor-parallel-size", "1", "--recompute-activations",
                                                  "--use-distributed-optimizer"]),
+    # the dispatched rows and the activation recomputed in backward (--moe-zero-memory level0), the
+    # all-to-all again with them, under TP2 + SP x EP2 with the experts cut over TP
+    ("moe-ep2-tp2-sp-zero-memory", 4, "moe", ["--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "2",
+                                              "--sequence-parallel", "--moe-token-dispatcher-type", "alltoall",
+                                              "--moe-zero-memory", "level0"]),
     # EP2 across TP4 with no data parallelism: each expert on two ranks that routed other tokens, its
     # gradient summed over them though the data-parallel group has one rank
     ("moe-tp4-sp-ep2-etp1", 4, "moe", ["--tensor-model-parallel-size", "4", "--sequence-parallel",
@@ -424,9 +429,10 @@ CASES = [  # (id, ranks, model, flags): the cases of each rank count share one l
     ("mla-moe-ep2", 2, "mla-moe", ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall",
                                    "--save", "{tmp}/mla-moe-ckpt"]),
     # the dispatch in four chunks (one per local expert), each computing while the later ones travel
-    # (the MTP module's MoE layer too): the same bits as mla-moe-ep2
+    # (the MTP module's MoE layer too), and all of it run again in backward (--moe-zero-memory level1):
+    # the same bits as mla-moe-ep2
     ("mla-moe-ep2-overlap", 2, "mla-moe", ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type",
-                                           "alltoall", "--moe-alltoall-overlap-comm"]),
+                                           "alltoall", "--moe-alltoall-overlap-comm", "--moe-zero-memory", "level1"]),
     # with dynamic padding (--no-pad-to-seq-lengths) against the single process's full-length
     # micro-batches: the stages pass each micro-batch's own width, and the loss stays the same
     ("dpo-pp2-dp2", 4, "dpo", ["--pipeline-model-parallel-size", "2", "--save", "{tmp}/dpo-ckpt",
@@ -754,6 +760,7 @@ def four_ranks(corpus, data, two_ranks, null_corpus, hf_references, tmp_path_fac
 @pytest.mark.feature("moe-zero-experts")
 @pytest.mark.feature("mla-lora-scaling")
 @pytest.mark.feature("moe-alltoall-overlap")
+@pytest.mark.feature("moe-zero-memory")
 def test_two_rank_layouts_equal_single_process(capsys, framework, corpus, two_ranks, reference,  # noqa: F811
                                                tmp_path):
     check_cases(framework, two_ranks / "out", 2, ranks_cases(2), reference)
@@ -863,6 +870,7 @@ def resume_in_one_process(capsys, corpus, folder, model, want, saved_layout, tmp
 @pytest.mark.feature("moe-tp-extend-ep")
 @pytest.mark.feature("family-longcat-flash")
 @pytest.mark.feature("moe-alltoall-overlap")
+@pytest.mark.feature("moe-zero-memory")
 @pytest.mark.feature("dsa-indexer")
 def test_four_rank_layouts_equal_single_process(capsys, framework, data, four_ranks, reference, tmp_path):
     check_cases(framework, four_ranks / "out", 4, ranks_cases(4), reference)

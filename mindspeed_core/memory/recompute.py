@@ -80,6 +80,7 @@ class Recompute:
     norm: bool = False
     activation: bool = False  # --recompute-activation-function
     activation_layers: int | None = None  # --recompute-activation-function-num-layers
+    moe_zero_memory: str = "disable"  # --moe-zero-memory: what MoE layers' dispatch keeps (models/moe.py)
 
     def activation_in(self, n: int) -> list[bool]:
         """Which of a chunk's ``n`` layers recompute their MLP's activation function: as
@@ -93,7 +94,7 @@ class Recompute:
 
     @property
     def active(self) -> bool:
-        return self.granularity is not None or self.norm or self.activation
+        return self.granularity is not None or self.norm or self.activation or self.moe_zero_memory != "disable"
 
     def groups(self, n: int) -> list:
         """The decoder's ``n`` layers as runs (start, stop, recomputed as one)."""
@@ -134,7 +135,8 @@ def _granularity(args) -> str | None:
 def from_args(args) -> Recompute:
     """The policy the flags ask for (after ``check``)."""
     return Recompute(_granularity(args), args.recompute_method, args.recompute_num_layers, args.recompute_norm,
-                     args.recompute_activation_function, args.recompute_activation_function_num_layers)
+                     args.recompute_activation_function, args.recompute_activation_function_num_layers,
+                     getattr(args, "moe_zero_memory", None) or "disable")
 
 
 def activation(fn, h, recomputed: bool):
@@ -150,6 +152,13 @@ def check(args, rank_layers: list) -> None:
     """Flag combinations Megatron refuses, refused the same way before any rank starts.
     ``rank_layers``: how many layers each pipeline rank holds (over its model chunks)."""
     granularity = _granularity(args)
+    zero = getattr(args, "moe_zero_memory", None) or "disable"
+    if zero != "disable" and getattr(args, "compile", False):  # the compiled step runs every expert densely
+        raise MindSpeedError(f"--moe-zero-memory {zero} recomputes the MoE dispatch, which a compiled step does not "
+                             "run: drop --compile or --moe-zero-memory")
+    if zero == "level0" and getattr(args, "moe_alltoall_overlap_comm", False):
+        raise MindSpeedError("--moe-zero-memory level0 keeps fc1's output between two recomputed halves, which the "
+                             "chunked exchange of --moe-alltoall-overlap-comm does not split: use level1 with it")
     if granularity == "full":
         if args.recompute_method is None or args.recompute_num_layers is None:
             raise MindSpeedError("--recompute-granularity full needs --recompute-method (uniform or block) and "

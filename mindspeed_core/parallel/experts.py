@@ -35,12 +35,16 @@ weigh 1 / TP, and the router's gradient is summed over TP (ExpertParallelSeams `
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from mindspeed_core import dist, features, nn, ops
 from mindspeed_core.errors import MindSpeedError
 from mindspeed_core.models import lora
-from mindspeed_core.models.moe import MoELayer, MoESeams, assignment_order, run_experts, weigh_back
+from mindspeed_core.memory import recompute
+from mindspeed_core.models.moe import (MoELayer, MoESeams, Route, assignment_order, padding, run_experts,
+                                       through_route, weigh_back)
 from mindspeed_core.parallel import mappings
 from mindspeed_core.parallel.layers import ColumnParallelLinear, RowParallelLinear
 from mindspeed_core.parallel.sharding import shard
@@ -127,35 +131,76 @@ class ExpertParallelSeams(MoESeams):
             return y
         return mappings.scatter_to_region(y, self.tp, dim=1) if self.sp else y
 
-    def dispatch(self, experts, tokens, routing, grouped, pad_to):
+    def dispatch(self, experts, tokens, routing, grouped, pad_to, zero_memory="disable"):
         if self.ep is None:
-            return super().dispatch(experts, tokens, routing, grouped, pad_to)
+            return super().dispatch(experts, tokens, routing, grouped, pad_to, zero_memory)
         features.note_used("expert-parallel")
         features.note_used(f"moe-{self.dispatcher}-dispatcher")
         pad = None if pad_to is None else pad_to * self.ep_size  # each source rank fills up to pad_to
         if self.dispatcher == "alltoall" and self.overlap:
             features.note_used("moe-alltoall-overlap")
+            if zero_memory == "level1":  # the whole exchange again in backward (level0: refused with overlap)
+                features.note_used("moe-zero-memory")
+                return recompute.checkpoint(lambda t, w: self._all_to_all_overlapped(
+                    experts, t, dataclasses.replace(routing, weights=w), grouped, pad), tokens, routing.weights)
             return self._all_to_all_overlapped(experts, tokens, routing, grouped, pad)
-        if self.dispatcher == "alltoall":
-            return self._all_to_all(experts, tokens, routing, grouped, pad)
-        return self._all_gather(experts, tokens, routing, grouped, pad)
+        route = self._all_to_all(routing, pad) if self.dispatcher == "alltoall" else self._all_gather(routing, pad)
+        if route is None:  # all-gather: none of the group's tokens chose this rank's experts
+            return self._nothing_chosen(tokens, routing.weights)
+        return through_route(route, experts, tokens, routing.weights, grouped, zero_memory)
 
-    def _all_to_all(self, experts, tokens, routing, grouped, pad):
+    def _all_to_all(self, routing, pad) -> Route:
         n, me, local = self.ep_size, self.ep_rank, self.local
         order = assignment_order(routing)
-        rows = ops.index_select(tokens, 0, ops.tensor(order // routing.experts.shape[1]))
         table = _host_all_gather(routing.tokens_per_expert, self.ep)  # [source rank, expert]
         send = routing.tokens_per_expert.reshape(n, local).sum(1)
         mine = table[:, me * local:(me + 1) * local]  # [source rank, local expert]
-        got = mappings.all_to_all_rows(rows, self.ep, send, mine.sum(1))  # source-major, then expert
         # regroup expert-major (then source), as the experts want their rows together
         starts = np.concatenate([[0], np.cumsum(mine.reshape(-1))[:-1]]).reshape(mine.shape)
         perm = np.concatenate([np.arange(starts[i, e], starts[i, e] + mine[i, e])
                                for e in range(local) for i in range(n)] + [np.zeros(0)]).astype(np.int64)
-        out = run_experts(experts, _take(got, perm), mine.sum(0), grouped, pad)
-        back = _take(self.expert_output(out), np.argsort(perm).astype(np.int64))
-        returned = mappings.all_to_all_rows(back, self.ep, mine.sum(1), send)
-        return weigh_back(returned, order, routing.weights)
+        counts, pad_rows, unpad = padding(mine.sum(0), pad)
+        k = routing.experts.shape[1]
+
+        def arrive(tokens):
+            rows = ops.index_select(tokens, 0, ops.tensor(order // k))
+            got = mappings.all_to_all_rows(rows, self.ep, send, mine.sum(1))  # source-major, then expert
+            return pad_rows(_take(got, perm))
+
+        def leave(out, weights):
+            back = _take(self.expert_output(unpad(out)), np.argsort(perm).astype(np.int64))
+            return weigh_back(mappings.all_to_all_rows(back, self.ep, mine.sum(1), send), order, weights)
+
+        return Route(arrive, counts, leave)
+
+    def _all_gather(self, routing, pad) -> Route | None:
+        me, local = self.ep_rank, self.local
+        chosen = np.where(routing.kept, routing.experts, -1)  # dropped: -1
+        chosen = _host_all_gather(chosen, self.ep).reshape(-1, chosen.shape[1])
+        k = chosen.shape[1]
+        slots = np.flatnonzero((chosen.reshape(-1) // local == me) & (chosen.reshape(-1) >= 0))
+        order = slots[np.argsort(chosen.reshape(-1)[slots], kind="stable")].astype(np.int64)
+        if order.size == 0:
+            return None
+        counts, pad_rows, unpad = padding(np.bincount(chosen.reshape(-1)[order] - me * local, minlength=local), pad)
+
+        def arrive(tokens):
+            everyone = mappings.gather_tokens(tokens, self.ep)  # [n T, h]
+            return pad_rows(ops.index_select(everyone, 0, ops.tensor(order // k)))
+
+        def leave(out, weights):
+            weights = mappings.gather_tokens(weights, self.ep)  # [n T, k]
+            return mappings.reduce_scatter_tokens(weigh_back(self.expert_output(unpad(out)), order, weights), self.ep)
+
+        return Route(arrive, counts, leave)
+
+    def _nothing_chosen(self, tokens, weights):
+        """A zero contribution, still a function of both gathers, so their backward collectives
+        run here as elsewhere (and no empty gather, whose gradient MindSpore cannot take)."""
+        everyone = mappings.gather_tokens(tokens, self.ep)
+        weights = mappings.gather_tokens(weights, self.ep)
+        partial = everyone * 0.0 + ops.sum(weights) * 0.0
+        return mappings.reduce_scatter_tokens(ops.cast(partial, "float32"), self.ep)
 
     def _all_to_all_overlapped(self, experts, tokens, routing, grouped, pad):
         """The alltoall dispatch in chunks of the local experts (--moe-alltoall-overlap-comm): every
@@ -190,26 +235,6 @@ class ExpertParallelSeams(MoESeams):
         returned = returned[0] if len(returned) == 1 else ops.cat(returned, dim=0)
         back = np.argsort(np.concatenate(placed)).astype(np.int64)  # to _all_to_all's order of assignments
         return weigh_back(_take(returned, back), order, routing.weights)
-
-    def _all_gather(self, experts, tokens, routing, grouped, pad):
-        me, local = self.ep_rank, self.local
-        everyone = mappings.gather_tokens(tokens, self.ep)  # [n T, h]
-        weights = mappings.gather_tokens(routing.weights, self.ep)  # [n T, k]
-        chosen = np.where(routing.kept, routing.experts, -1)  # dropped: -1
-        chosen = _host_all_gather(chosen, self.ep).reshape(-1, chosen.shape[1])
-        k = chosen.shape[1]
-        slots = np.flatnonzero((chosen.reshape(-1) // local == me) & (chosen.reshape(-1) >= 0))
-        order = slots[np.argsort(chosen.reshape(-1)[slots], kind="stable")].astype(np.int64)
-        if order.size == 0:
-            # none of the group's tokens chose this rank's experts: a zero contribution, still
-            # a function of both gathers, so their backward collectives run here as elsewhere
-            # (and no empty gather, whose gradient MindSpore cannot take)
-            partial = everyone * 0.0 + ops.sum(weights) * 0.0
-            return mappings.reduce_scatter_tokens(ops.cast(partial, "float32"), self.ep)
-        counts = np.bincount(chosen.reshape(-1)[order] - me * local, minlength=local)
-        rows = ops.index_select(everyone, 0, ops.tensor(order // k))
-        out = self.expert_output(run_experts(experts, rows, counts, grouped, pad))
-        return mappings.reduce_scatter_tokens(weigh_back(out, order, weights), self.ep)
 
 
 def parallelize_moe_layers(model, ps, sequence_parallel: bool, dispatcher: str, experts_whole: bool = False,
