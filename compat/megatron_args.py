@@ -667,8 +667,12 @@ ACCEPTED_NO_OPS = {
     "--lora-fusion": ({"action": "store_true"}, "LoRA runs as two small matmuls beside the layer; there is no fused "
                                                 "kernel to choose"),
     "--moe-permutation-async-comm": ({"action": "store_true"}, _SAME_RESULTS),
-    "--moe-fb-overlap": ({"action": "store_true"}, _SAME_RESULTS),
-    "--moe-permute-fusion": ({"action": "store_true"}, _SAME_RESULTS),
+    "--moe-fb-overlap": ({"action": "store_true"},
+                         "MindSpeed's overlap of one micro-batch's forward with another's backward is not built here "
+                         "yet: the schedule (1F1B or DualPipeV) runs them one after the other, with the same results"),
+    "--moe-permute-fusion": ({"action": "store_true"},
+                             "MindSpeed's fused permute kernel (torch_npu): the tokens are gathered by expert with "
+                             "one index_select here, the same results"),
     "--workers": ({"type": POSITIVE_INT, "default": None}, "preprocessing's worker count; training reads "
                                                           "preprocessed data"),
     "--pack": ({"action": "store_true"}, "packing happens in mindspeed preprocess --pack; packed data is read as "
