@@ -266,6 +266,8 @@ MOE_MTP = SMALL4 + ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-h
 MODELS["moe-mtp"] = MOE_MTP
 # the same on 8 layers, 7 micro-batches a step: DualPipeV's least at PP4 (2P - 1)
 MODELS["moe-mtp-8"] = MOE_MTP + ["--num-layers", "8", "--global-batch-size", "14"]
+# 12 sequences a step: 3 micro-batches on each of two data-parallel ranks (DualPipeV's least at PP2)
+MODELS["moe-mtp-12"] = MOE_MTP + ["--global-batch-size", "12"]
 ITERS = 6  # the single-process run of the base model and the resumes
 FROM_SINGLE = 3  # the iteration of the single-process checkpoint a PP2 run continues
 LAYOUT_ITERS = 2  # the pipelined launches: the first steps of the same schedule (--lr-decay-iters)
@@ -299,6 +301,11 @@ FOUR = [
     ("tp2-pp2-distopt", "base", PP + ["2", "--tensor-model-parallel-size", "2", "--use-distributed-optimizer",
                                       "--save", "{out}/ckpt-tp2-pp2"]),
     ("pp4-dualpipev", "moe-mtp-8", PP + ["4", "--schedules-method", "dualpipev"]),
+    # DeepSeek-V3's combination: DualPipeV with the experts over EP2 (the data-parallel pair), their
+    # dispatch chunked and overlapped
+    ("pp2-ep2-dualpipev", "moe-mtp-12", PP + ["2", "--schedules-method", "dualpipev", "--expert-model-parallel-size",
+                                              "2", "--moe-token-dispatcher-type", "alltoall",
+                                              "--moe-alltoall-overlap-comm"]),
 ]
 
 
@@ -446,9 +453,11 @@ def four(corpus, two, tmp_path_factory):  # noqa: F811
 @pytest.mark.feature("grad-reduce-overlap")
 @pytest.mark.feature("param-gather-overlap")
 @pytest.mark.feature("dualpipe")
+@pytest.mark.feature("moe-alltoall-overlap")
 def test_pipelines_on_four_ranks_equal_one_process(capsys, framework, corpus, single, four, tmp_path):  # noqa: F811
     """PP4 (saving), TP2xPP2 with sequence parallelism and tied embeddings, PP2xDP2 with the
-    distributed optimizer, CP2xPP2: one launch; the PP4 checkpoint continues on one process."""
+    distributed optimizer, CP2xPP2, DualPipeV at PP4 and at PP2 x EP2: one launch; the PP4
+    checkpoint continues on one process."""
     table = {}
     out = four
     check_parity(out, FOUR, single, table)
