@@ -12,7 +12,13 @@ On this machine all ranks share two CPU cores: with P = 4 two ranks compute at a
 a "computing" stage may be waiting for a core and measured bubbles come out low. The figures
 are what this machine measures, printed as they are.
 
+With --timelines FIGURE it measures instead the schedules' own timelines at P = 4 on a mixture-of-
+experts model of 8 layers (top-2 of 4 experts after a dense first layer, one MTP module, 8 micro-
+batches): 1F1B against DualPipeV, each rank's forwards and backwards of its last step as they ran,
+drawn one row per rank (plot.draw_timelines), and each rank's waiting time printed.
+
 usage: python benchmarks/bench_pipeline.py [--frameworks pytorch mindspore] [--steps 4]
+       python benchmarks/bench_pipeline.py --timelines docs/pipeline-measured.png [--frameworks pytorch]
 """
 
 from __future__ import annotations
@@ -50,20 +56,23 @@ def worker(argv: list[str]) -> None:
             trainer.train_step(i)
             if i == 0:
                 continue  # first step: allocation, group set-up
-            begin, end = next((t0, t1) for kind, t0, t1 in trainer.timeline if kind == "step")
-            busy = sum(t1 - t0 for kind, t0, t1 in trainer.timeline if kind != "step")
+            begin, end = next((t0, t1) for kind, _, _, t0, t1 in trainer.timeline if kind == "step")
+            busy = sum(t1 - t0 for kind, _, _, t0, t1 in trainer.timeline if kind != "step")
             bubbles.append(1.0 - busy / (end - begin))
-    per_rank = distributed.gather_json(sum(bubbles) / len(bubbles), trainer.ps)
+    # the bubble, and the last step's actions (time.perf_counter: one clock for every process here)
+    per_rank = distributed.gather_json({"bubble": sum(bubbles) / len(bubbles), "timeline": trainer.timeline},
+                                       trainer.ps)
     if dist.rank() == 0:
         with open(out_file, "w") as fh:
             json.dump(per_rank, fh)
     dist.shutdown()
 
 
-def run(framework: str, pp: int, chunks: int, micro_batches: int, steps: int, data: str) -> float:
+def run(framework: str, pp: int, chunks: int, micro_batches: int, steps: int, data: str, extra=()) -> list:
+    """Each rank's {"bubble", "timeline"} (in pipeline-rank order: these runs are pure PP)."""
     flags = [*MODEL, "--data-path", data, "--pipeline-model-parallel-size", str(pp), "--global-batch-size",
-             str(2 * micro_batches), "--train-iters", str(steps)]
-    if chunks > 1:
+             str(2 * micro_batches), "--train-iters", str(steps), *extra]
+    if chunks > 1 and "--schedules-method" not in extra:
         flags += ["--num-layers-per-virtual-pipeline-stage", str(8 // (pp * chunks))]
     from ranks import launch
 
@@ -71,8 +80,32 @@ def run(framework: str, pp: int, chunks: int, micro_batches: int, steps: int, da
         out = os.path.join(tmp, "bubbles.json")
         launch(framework, pp, [os.path.abspath(__file__), "rank-worker", out, str(steps), *flags], tmp)
         with open(out) as fh:
-            per_rank = json.load(fh)
-    return sum(per_rank) / len(per_rank)
+            return json.load(fh)
+
+
+# the measured timelines' model: DeepSeek-V3's ingredients, small (MODEL's sizes)
+MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "176", "--first-k-dense-replace", "1",
+       "--mtp-num-layers", "1", "--untie-embeddings-and-output-weights", "--moe-grouped-gemm"]
+
+
+def timelines(framework: str, steps: int, data: str, figure: str) -> None:
+    """1F1B against DualPipeV at P = 4 with 8 micro-batches: the last step of each, measured."""
+    from mindspeed_core.plot import draw_timelines
+
+    drawn = {}
+    print(f"{framework}: each rank's wait in the last step (ms), P = 4, 8 micro-batches")
+    for name, extra in (("1F1B", MOE), ("DualPipeV", [*MOE, "--schedules-method", "dualpipev"])):
+        ranks = run(framework, 4, 2 if name == "DualPipeV" else 1, 8, steps, data, extra)
+        begin = min(t0 for r in ranks for kind, _, _, t0, _ in r["timeline"] if kind == "step")
+        end = max(t1 for r in ranks for kind, _, _, _, t1 in r["timeline"] if kind == "step")
+        actions = {rank: [(kind, chunk, mb, (t0 - begin) * 1e3, (t1 - begin) * 1e3)
+                          for kind, chunk, mb, t0, t1 in r["timeline"] if kind != "step"]
+                   for rank, r in enumerate(ranks)}
+        waits = [(end - begin) * 1e3 - sum(a[4] - a[3] for a in acts) for acts in actions.values()]
+        print(f"  {name:9s} step {(end - begin) * 1e3:7.1f} | waits " + " ".join(f"{w:6.1f}" for w in waits))
+        drawn[f"{name} ({framework}, measured): step {(end - begin) * 1e3:.0f} ms"] = actions
+    draw_timelines(drawn, figure, unit="ms from the step's start (all ranks on one clock)")
+    print(f"wrote {figure}")
 
 
 def main() -> None:
@@ -82,17 +115,24 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--frameworks", nargs="+", default=["pytorch", "mindspore"])
     parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--timelines", default=None, help="measure 1F1B against DualPipeV and draw them to this PNG")
     args = parser.parse_args()
     from mindspeed_core.data.corpus import build_stdlib_corpus
 
     data = build_stdlib_corpus()
+    if args.timelines:
+        for framework in args.frameworks:
+            name = args.timelines if len(args.frameworks) == 1 else args.timelines.replace(".png", f"-{framework}.png")
+            timelines(framework, args.steps, data, name)
+        return
     print("| framework | P | V | m | measured bubble | analytical |")
     print("|---|---|---|---|---|---|")
     for framework in args.frameworks:
         for pp in (2, 4):
             for chunks in (1, 2):
                 for m in (4, 8):
-                    measured = run(framework, pp, chunks, m, args.steps, data)
+                    per_rank = run(framework, pp, chunks, m, args.steps, data)
+                    measured = sum(r["bubble"] for r in per_rank) / len(per_rank)
                     analytical = (pp - 1) / (chunks * m + pp - 1)
                     print(f"| {framework} | {pp} | {chunks} | {m} | {measured:.3f} | {analytical:.3f} |", flush=True)
 

@@ -306,8 +306,9 @@ def forward_backward_pipelining(stage: PipelineStage, program: list, micro_batch
     stage: the caller sums it over the pipeline group) and the mean gradients of every
     chunk's parameters, chunk after chunk ([] when forward_only). The loss of a micro-batch
     is normalised as without pipelining: the step's loss is the mean of the micro-batches'.
-    ``timeline``: when a list, gets (F|B, start, end) per compute action and ("step", start,
-    end) for the whole program, in time.perf_counter seconds (benchmarks/bench_pipeline.py).
+    ``timeline``: when a list, gets (F|B, chunk, micro-batch, start, end) per compute action (as
+    simulated_timeline's) and ("step", None, None, start, end) for the whole program, in
+    time.perf_counter seconds (benchmarks/bench_pipeline.py).
     ``on_final``: called with each final gradient (its position in the returned list) during
     the backward of each chunk's last micro-batch (FinalGradients)."""
     features.note_used("pipeline-parallel")
@@ -359,7 +360,7 @@ def forward_backward_pipelining(stage: PipelineStage, program: list, micro_batch
             else:
                 outbox["activation", virtual + 1, mb] = out
             if timeline is not None:
-                timeline.append((FORWARD, start, time.perf_counter()))
+                timeline.append((FORWARD, chunk, mb, start, time.perf_counter()))
             continue
         # backward: the loss's own cotangent is one (it is already scaled), else the gradient
         # the next stage sent back
@@ -376,9 +377,9 @@ def forward_backward_pipelining(stage: PipelineStage, program: list, micro_batch
             param_grads = [ops.cast(g, "float32") for g in param_grads]
         grads[chunk] = param_grads if grads[chunk] is None else [a + b for a, b in zip(grads[chunk], param_grads)]
         if timeline is not None:
-            timeline.append((BACKWARD, start, time.perf_counter()))
+            timeline.append((BACKWARD, chunk, mb, start, time.perf_counter()))
     if timeline is not None:
-        timeline.append(("step", began, time.perf_counter()))
+        timeline.append(("step", None, None, began, time.perf_counter()))
     if inbox or outbox or pending:  # a program bug, never bad input
         raise RuntimeError(f"pipeline step left work behind: {sorted(inbox)} {sorted(outbox)} {sorted(pending)}")
     count = len(batches)
