@@ -217,7 +217,6 @@ def test_grouped_gemm_trains_as_expert_by_expert(capsys, corpus, tmp_path):  # n
     assert runs["fused"] == runs["grouped"]
 
 
-@pytest.mark.feature("gmm")
 def test_the_grouped_matmul_kernel_gives_the_matmul_per_experts_bits(framework):
     """ops.grouped_matmul (torch._grouped_mm on PyTorch releases that have it, one call for every
     expert, its backward two more grouped calls) against the composite's matmul per expert: the
