@@ -112,6 +112,13 @@ def check_all_to_all(group, tag):
     got = dist.all_to_all(ops.tensor(uneven), group, input_splits=[count(me, j) for j in range(n)],
                           output_splits=[count(i, me) for i in range(n)])
     expect(f"{tag} all_to_all uneven", got, np.concatenate([block(i, me, count(i, me)) for i in range(n)]))
+    # started, then waited for after another collective started and ended (MoE's overlapped dispatch)
+    work = dist.all_to_all_async(ops.tensor(uneven), group, input_splits=[count(me, j) for j in range(n)],
+                                 output_splits=[count(i, me) for i in range(n)])
+    expect(f"{tag} all_to_all meanwhile", dist.all_to_all(ops.tensor(even), group),
+           np.concatenate([block(i, me, 2) for i in range(n)]))
+    expect(f"{tag} all_to_all_async uneven", work.wait(),
+           np.concatenate([block(i, me, count(i, me)) for i in range(n)]))
 
 
 def check_shift(group, tag):
