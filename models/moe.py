@@ -67,23 +67,9 @@ class Experts(nn.Module):
         return x + ops.cast(ops.index_select(bias, 0, ops.tensor(which)), ops.dtype_of(x))
 
     def forward(self, rows, counts, grouped: bool = True):
-        """rows [N, hidden] sorted by expert, ``counts`` [E] host ints (rows per expert)."""
-        if grouped:
-            sinks = getattr(self, "grad_sinks", None)  # --gemm-gradient-accumulation-fusion (gradient_sinks)
-            h = self._plus(self._through("weight1", rows, counts, sinks and sinks[0]), self.bias1, counts)
-            return self._plus(self._through("weight2", self._activate(h), counts, sinks and sinks[1]), self.bias2,
-                              counts, True)
-        outs, start = [], 0
-        for e, n in enumerate(int(c) for c in counts):
-            if n:
-                one = np.zeros(len(counts), np.int64)
-                one[e] = n
-                h = self._plus(self._through("weight1", rows[start:start + n], expert=e), self.bias1, one)
-                outs.append(self._plus(self._through("weight2", self._activate(h), expert=e), self.bias2, one, True))
-            start += n
-        if not outs:  # no rows: still a product of them, so a backward pass reaches whatever sent them
-            return self._through("weight2", self.activation(self._through("weight1", rows, expert=0)), expert=0)
-        return outs[0] if len(outs) == 1 else ops.cat(outs, dim=0)
+        """rows [N, hidden] sorted by expert, ``counts`` [E] host ints (rows per expert): one
+        grouped matmul per weight, or expert by expert."""
+        return self.second(self.first(rows, counts, grouped), counts, grouped)
 
     def first(self, rows, counts, grouped: bool = True):
         """forward's first half: the rows through fc1 (and its bias), [N, width]; second() is the

@@ -149,12 +149,17 @@ class ExpertParallelSeams(MoESeams):
             return self._nothing_chosen(tokens, routing.weights)
         return through_route(route, experts, tokens, routing.weights, grouped, zero_memory)
 
-    def _all_to_all(self, routing, pad) -> Route:
-        n, me, local = self.ep_size, self.ep_rank, self.local
-        order = assignment_order(routing)
+    def _arriving(self, routing) -> np.ndarray:
+        """[source rank, local expert]: the rows every rank of the EP group sends this rank's
+        experts (a host all-gather of the group's counts)."""
         table = _host_all_gather(routing.tokens_per_expert, self.ep)  # [source rank, expert]
+        return table[:, self.ep_rank * self.local:(self.ep_rank + 1) * self.local]
+
+    def _all_to_all(self, routing, pad) -> Route:
+        n, local = self.ep_size, self.local
+        order = assignment_order(routing)
         send = routing.tokens_per_expert.reshape(n, local).sum(1)
-        mine = table[:, me * local:(me + 1) * local]  # [source rank, local expert]
+        mine = self._arriving(routing)  # [source rank, local expert]
         # regroup expert-major (then source), as the experts want their rows together
         starts = np.concatenate([[0], np.cumsum(mine.reshape(-1))[:-1]]).reshape(mine.shape)
         perm = np.concatenate([np.arange(starts[i, e], starts[i, e] + mine[i, e])
@@ -209,13 +214,12 @@ class ExpertParallelSeams(MoESeams):
         outputs start back while the next chunk's experts run. Each expert gets the same rows in the
         same order as in one exchange, and the outputs are put back in _all_to_all's order before the
         weighting: the same bits."""
-        n, me, local = self.ep_size, self.ep_rank, self.local
+        n, local = self.ep_size, self.local
         k = routing.experts.shape[1]
         order = assignment_order(routing)
         counts = np.asarray(routing.tokens_per_expert, np.int64)
-        table = _host_all_gather(counts, self.ep)  # [source rank, expert]
         starts = np.concatenate([[0], np.cumsum(counts)[:-1]])  # where each expert's assignments start in order
-        mine = table[:, me * local:(me + 1) * local]  # [source rank, local expert]
+        mine = self._arriving(routing)  # [source rank, local expert]
         chunks, placed = [], []
         for e in range(local):  # one chunk per local expert: its rows from every source rank
             sent = np.concatenate([np.arange(starts[j * local + e], starts[j * local + e] + counts[j * local + e])
