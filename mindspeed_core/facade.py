@@ -167,6 +167,9 @@ SPEC = {
                      "Optional static traced(*args): the same forward and backward written in facade ops whose "
                      "autodiff is that backward; MindSpore's trace capture (which ignores hand-written backwards) "
                      "runs it, and refuses a Function without one"),
+        "replaying": ("replaying() -> bool: True while a forward runs again at its backward, so code with side "
+                      "effects (statistics, logs) counts it once. Framework: never on PyTorch; on MindSpore while "
+                      "vjp records an interleaved (or superseded) forward again"),
         "no_grad": "no_grad(): context manager without gradient recording",
         "grad_hooks": ("grad_hooks(params, callback): context manager; while open, callback(k, grad) runs as any "
                        "backward (value_and_grad, vjp, recompute) computes params[k]'s gradient, with its total over "

@@ -753,7 +753,8 @@ class GPTModel(nn.Module):
             ahead = shift_left(ahead)
             mask = depth_mask(None if tokens is None else tokens.loss_mask, shape, k)
             depth = self.loss_from_logits(self._head(norm(hidden)), ahead, Tokens(loss_mask=mask))
-            self.mtp.losses[k - 1].append(autograd.detach(depth))
+            if not recompute.recomputing():  # the log counts each micro-batch once
+                self.mtp.losses[k - 1].append(autograd.detach(depth))
             total = depth if total is None else total + depth
         return total * self.mtp.scale
 
@@ -766,7 +767,8 @@ class GPTModel(nn.Module):
         if not attentions:
             return None
         kls = [a.indexer_kl for a in attentions]
-        self.indexer_log.append((sum(kls[1:], kls[0]), len(kls)))
+        if not recompute.recomputing():  # the log counts each micro-batch once
+            self.indexer_log.append((sum(kls[1:], kls[0]), len(kls)))
         losses = [a.indexer_loss for a in attentions]
         return sum(losses[1:], losses[0])
 

@@ -107,6 +107,28 @@ def test_interleaved_vjps_each_get_their_own_gradients(declared):
             np.testing.assert_allclose(y, x, rtol=1e-6, atol=1e-7)
 
 
+def test_a_forward_run_again_at_its_backward_says_so(framework):
+    """autograd.replaying(): MindSpore records an interleaved forward again at its backward, and
+    code with side effects (the MoE, MTP and indexer logs) must see that run as a replay to count
+    each micro-batch once; PyTorch keeps each graph and never runs a forward again."""
+    seen = []
+
+    def fn(x):
+        seen.append(autograd.replaying())
+        return x * 2.0
+
+    x = ops.tensor(np.ones(3, np.float32))
+    for interleaved in (False, True):
+        seen.clear()
+        out, backward = autograd.vjp(fn, [x], interleaved=interleaved)
+        autograd.vjp(fn, [x])  # another forward before this backward
+        seen.pop()
+        (grad,), _ = backward(ops.ones_like(out))
+        assert np.array_equal(ops.to_numpy(grad), np.full(3, 2.0, np.float32))
+        assert seen == ([False, True] if framework == "mindspore" else [False]), (interleaved, seen)
+    assert not autograd.replaying()
+
+
 def test_interleaved_vjps_hold_no_memory_from_step_to_step():
     # MindSpore keeps a recorded forward that is never pulled back for the life of the process
     # (a pipeline's first stage grew by its activations every step until its forwards were

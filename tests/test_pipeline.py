@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from launch import run_configs as launch_configs
-from test_parallel import assert_same_curve, gradient_difference, grad_norms, same_records
+from test_parallel import assert_same_curve, aux_losses, gradient_difference, grad_norms, mtp_losses, same_records
 from test_training import corpus, losses, train  # noqa: F401  (corpus is a fixture)
 
 from mindspeed_core.errors import MindSpeedError
@@ -323,7 +323,8 @@ def single(corpus, tmp_path_factory):  # noqa: F811
             if name == "base" else ["--train-iters", str(RESUMED_TO if name in RESHARDED else LAYOUT_ITERS)]
         train_case(str(root), name, [*argv, "--data-path", corpus, *saves])
         out[name] = {"losses": losses(root / f"{name}.jsonl"), "eval": eval_losses(root / f"{name}.jsonl"),
-                     "norms": grad_norms(root / f"{name}.jsonl"), "grads": dict(np.load(root / f"{name}-grads.npz"))}
+                     "norms": grad_norms(root / f"{name}.jsonl"), "grads": dict(np.load(root / f"{name}-grads.npz")),
+                     "mtp": mtp_losses(root / f"{name}.jsonl"), "aux": aux_losses(root / f"{name}.jsonl")}
     out["base"]["ckpt"] = iteration_only(ckpt, FROM_SINGLE, root / "ckpt-from-single")
     assert sorted(out["base"]["eval"]) == list(range(2, ITERS + 1, 2))  # so the pipelined evaluation is compared
     return out
@@ -358,6 +359,11 @@ def check_parity(out, configs, single, table):
                                                                    if i <= LAYOUT_ITERS})
         assert_same_curve(grad_norms(out / f"{name}.jsonl"), {i: want["norms"][i] for i in range(1, LAYOUT_ITERS + 1)},
                           tol=1e-4)  # as test_parallel.check_cases
+        # the logged MoE and MTP losses too: on MindSpore a forward that other compute follows is recorded
+        # again at its backward, and the logs must count it once (DualPipeV's first rank holds both)
+        for logged, read in (("mtp", mtp_losses), ("aux", aux_losses)):
+            if want[logged]:
+                assert_same_curve(read(out / f"{name}.jsonl"), {i: want[logged][i] for i in range(1, LAYOUT_ITERS + 1)})
         worst, where = gradient_difference(np.load(out / f"{name}-grads.npz"), want["grads"])
         assert worst < 1e-5, (name, where, worst)
         table[name] = max(abs(got[i] - want["losses"][i]) / abs(want["losses"][i]) for i in got)

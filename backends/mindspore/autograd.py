@@ -28,6 +28,22 @@ def tracing() -> bool:
     return _tracing[0]
 
 
+_replaying = [0]  # > 0 while a forward runs again at its backward (vjp, compiled_vjp)
+
+
+def replaying() -> bool:
+    return _replaying[0] > 0
+
+
+@contextlib.contextmanager
+def _replay():
+    _replaying[0] += 1
+    try:
+        yield
+    finally:
+        _replaying[0] -= 1
+
+
 @contextlib.contextmanager
 def _compiling():
     outer, _tracing[0] = _tracing[0], True
@@ -314,7 +330,8 @@ def vjp(fn, inputs, params=(), interleaved: bool = False):
             now = _rng_snapshot()
             _rng_restore(snapshot)
             _recorded[0] += 1
-            _, replay = ms.vjp(fn, *inputs, weights=params or None)
+            with _replay():
+                _, replay = ms.vjp(fn, *inputs, weights=params or None)
             _rng_restore(now)
         grads = replay(cots)
         in_grads, p_grads = (grads if params else (grads, ()))

@@ -77,6 +77,11 @@ def compiled_vjp(fn, params, module):
     return call
 
 
+def replaying() -> bool:
+    """Never: each output keeps its own graph, so no forward runs again at its backward."""
+    return False
+
+
 def vjp(fn, inputs, params=(), interleaved: bool = False):
     """Run ``fn(*inputs)`` and return (outputs, backward).
 

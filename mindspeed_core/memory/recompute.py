@@ -29,8 +29,9 @@ _replaying = [0]  # > 0 while a recomputation runs
 
 def recomputing() -> bool:
     """Whether the code running now is a recomputation in the backward pass (counters and
-    statistics collected in forward must not count it twice)."""
-    return _replaying[0] > 0
+    statistics collected in forward must not count it twice): a checkpoint's, or MindSpore's
+    recording again of a forward that other compute followed (a pipeline's interleaved ones)."""
+    return _replaying[0] > 0 or autograd.replaying()
 
 
 def _states():
