@@ -346,15 +346,25 @@ class TransformerLayer(nn.Module):
             return ops.dropout(x, self.hidden_dropout)
 
     def forward(self, x, cos, sin, seams=SINGLE_DEVICE, tokens=None):
+        x = self.attend(x, cos, sin, seams, tokens)
+        return self.add_mixed(x, self.mlp(self.mlp_input(x)), seams)
+
+    def attend(self, x, cos, sin, seams=SINGLE_DEVICE, tokens=None):
+        """The residual stream after the attention block (forward's first half)."""
         norm = self.recompute_policy.norm_of
         with self.swap():  # --swap-attention: what this block saves waits in host memory
             attended = self.self_attention(norm(self.input_layernorm, x), cos, sin, seams, tokens)
         if self.post_norm:
             attended = norm(self.post_attn_norm, attended)
-        x = x + self._branch(attended, seams)
-        mixed = self.mlp(norm(self.pre_mlp_layernorm, x))
+        return x + self._branch(attended, seams)
+
+    def mlp_input(self, x):
+        return self.recompute_policy.norm_of(self.pre_mlp_layernorm, x)
+
+    def add_mixed(self, x, mixed, seams=SINGLE_DEVICE):
+        """The residual stream ``x`` plus the MLP's output ``mixed`` (forward's end)."""
         if self.post_norm:
-            mixed = norm(self.post_mlp_layernorm, mixed)
+            mixed = self.recompute_policy.norm_of(self.post_mlp_layernorm, mixed)
         return x + self._branch(mixed, seams)
 
 
@@ -383,13 +393,9 @@ class Decoder(nn.Module):
             self.final_layernorm = make_norm(cfg, cfg.hidden_size)
         self.has_final_norm = final_norm
 
-    def forward(self, x, cos, sin, seams=SINGLE_DEVICE, tokens=None, local=None):
-        """``local``: the (cos, sin) of the layers that rotate locally (Gemma 3), or None."""
-        x = self.run_layers(x, cos, sin, seams, tokens, local)
-        return self.final_layernorm(x) if self.has_final_norm else x
-
     def run_layers(self, x, cos, sin, seams=SINGLE_DEVICE, tokens=None, local=None):
-        """The layers' output, before the final norm."""
+        """The layers' output, before the final norm (GPTModel.after_layers applies it). ``local``:
+        the (cos, sin) of the layers that rotate locally (Gemma 3), or None."""
         for start, stop, recomputed in self.recompute_policy.groups(len(self.layers)):
             def run(x, indices=range(start, stop)):
                 for i in indices:
@@ -642,28 +648,47 @@ class GPTModel(nn.Module):
 
         Under tensor parallelism the logits are this rank's vocabulary shard; under context
         parallelism ids are this rank's columns of each sequence (Seams.local_tokens)."""
+        tokens, positions, seq_len = self.forward_tokens(x, tokens)
+        if self.pre_process:
+            x = self.embed(x, tokens, positions)
+        cos, sin, local = self.rotary_for(x, tokens, positions, seq_len)
+        x = self.decoder.run_layers(x, cos, sin, self.seams, tokens, local)
+        return self.after_layers(x, tokens, (cos, sin, positions), logits)
+
+    def forward_tokens(self, x, tokens: Tokens | None):
+        """forward's start: (the tokens as this forward uses them, the positions or None, the
+        whole sequence's length) for its input ``x`` (ids, or the previous stage's hidden states)."""
         seams = self.seams
         if self.cfg.dsa is not None:  # this forward's choices of keys, apart from any other's
             tokens = Tokens(choices={}) if tokens is None else dataclasses.replace(tokens, choices={})
         local = x.shape[1] if self.pre_process else x.shape[1] * seams.sequence_shards
         seq_len = local * seams.context_shards  # the whole sequence
         given = None if tokens is None else tokens.position_inputs
-        positions = self._positions(seq_len, tokens) if given is None else None
-        if self.pre_process:
-            where = given[0] if given is not None else None if positions is None else ops.tensor(positions)
-            x = seams.decoder_input(self.embedding(x, where))
+        return tokens, self._positions(seq_len, tokens) if given is None else None, seq_len
+
+    def embed(self, ids, tokens: Tokens | None, positions):
+        """The decoder's input from the token ids (the first stage)."""
+        given = None if tokens is None else tokens.position_inputs
+        where = given[0] if given is not None else None if positions is None else ops.tensor(positions)
+        return self.seams.decoder_input(self.embedding(ids, where))
+
+    def rotary_for(self, x, tokens: Tokens | None, positions, seq_len: int) -> tuple:
+        """(cos, sin, the local layers' (cos, sin) or None) for the decoder's input ``x``."""
+        given = None if tokens is None else tokens.position_inputs
         _, (cos, sin), local = given or (None, *self._rotaries(seq_len, ops.dtype_of(x), positions))
-        if not self.post_process or not hasattr(self, "mtp"):
-            x = self.decoder(x, cos, sin, seams, tokens, local)
-        else:  # the modules start from the layers' output before the final norm
-            x = self.decoder.run_layers(x, cos, sin, seams, tokens, local)
-            if tokens is None or tokens.cache is None:
-                self._mtp_input["last"] = (x, cos, sin, positions)
+        return cos, sin, local
+
+    def after_layers(self, x, tokens: Tokens | None, rotary: tuple, logits: bool = True):
+        """forward's end from the layers' output: the final norm and the output layer, where this
+        stage has them (``rotary``: (cos, sin, positions), which multi-token prediction takes)."""
+        if self.post_process and hasattr(self, "mtp") and (tokens is None or tokens.cache is None):
+            self._mtp_input["last"] = (x, *rotary)  # the modules start from the layers' output
+        if self.decoder.has_final_norm:
             x = self.decoder.final_layernorm(x)
         if not self.post_process or not logits:
             return x
         if self.cfg.reward_head:
-            return seams.scalar_head(x, self.rm_head.weight)
+            return self.seams.scalar_head(x, self.rm_head.weight)
         return self._head(x)
 
     def _head(self, x):

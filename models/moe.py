@@ -329,6 +329,23 @@ class Router(Linear):
                           None if self.bias is None else ops.cast(self.bias, "float32"))
 
 
+@dataclasses.dataclass
+class MoEStart:
+    """MoELayer.begin's result: ``x`` the layer's input as the seams give it [b, s, h]; ``tokens``
+    the routed tokens [T, h] as the experts' seam gives them; ``routed`` the routing of the real
+    experts; ``pad_to`` each expert's row count under --moe-pad-expert-input-to-capacity;
+    ``zero_experts`` the zero-computation experts' share [T, h] float32, or None; ``shape`` and
+    ``dtype``: x's, the output's."""
+
+    x: object
+    tokens: object
+    routed: router.Routing | None
+    pad_to: int | None
+    zero_experts: object | None
+    shape: tuple  # x's, which the output takes
+    dtype: str
+
+
 class MoELayer(nn.Module):
     """x [b, s, hidden] -> [b, s, hidden]; ``self.routing`` keeps the last call's routing
     (its aux and z losses, tokens per expert) for the model's loss, and ``self.stats`` sums
@@ -386,19 +403,37 @@ class MoELayer(nn.Module):
         self.stats["tokens_per_expert"] += np.rint(figures[3:]).astype(np.int64)
 
     def forward(self, x):
-        seams = self.seams
-        x = seams.layer_input(x)
+        if self.on_device:
+            return self._forward_on_device(x)
+        start = self.begin(x)
+        y = self.seams.dispatch(self.experts, start.tokens, start.routed, self.grouped, start.pad_to, self.zero_memory)
+        return self.finish(y, start, self.shared_output(start.x))
+
+    def _logits(self, x):
+        """(the layer's input as the seams give it [b, s, h], flattened [T, h], the router's float32
+        logits [T, E], the expert bias or None)."""
+        x = self.seams.layer_input(x)
         b, s, h = x.shape
         flat = ops.reshape(x, (b * s, h))
         logits = ops.cast(self.router(self._jittered(flat)), "float32")
         bias = self.bias_input if self.on_device else self.router.expert_bias
-        bias = None if bias is None else ops.cast(bias, "float32")
         features.note_used("moe")
-        if self.on_device:
-            features.note_used("moe-compile")
-            routing = self.routing = router.route_on_device(logits, self.moe, bias, sequences=b)
-            y = self.experts.dense(seams.expert_input(flat), routing.combine, seams.expert_output)
-            return self._output(y, x)
+        return x, flat, logits, None if bias is None else ops.cast(bias, "float32")
+
+    def _forward_on_device(self, x):
+        x, flat, logits, bias = self._logits(x)
+        features.note_used("moe-compile")
+        routing = self.routing = router.route_on_device(logits, self.moe, bias, sequences=x.shape[0])
+        y = self.experts.dense(self.seams.expert_input(flat), routing.combine, self.seams.expert_output)
+        return self.finish(y, MoEStart(x, None, None, None, None, tuple(x.shape), ops.dtype_of(x)), self.shared_output(x))
+
+    def begin(self, x) -> "MoEStart":
+        """forward up to the dispatch: the routing (kept for the model's loss and the log), and
+        what the dispatch and finish() take. --moe-fb-overlap runs the dispatch's exchanges
+        between the two (training/fb_overlap.py)."""
+        seams = self.seams
+        x, flat, logits, bias = self._logits(x)
+        b, s = x.shape[0], x.shape[1]
         routing = self.routing = router.route(logits, self.moe, bias, sequences=b, counts_over=seams.sequence_counts,
                                               training=nn.is_training(self))
         share = seams.loss_share()
@@ -416,10 +451,23 @@ class MoELayer(nn.Module):
             stats["dropped"] += routing.dropped
             stats["tokens_per_expert"] += routing.tokens_per_expert
         pad_to = router.capacity(b * s, self.moe) if self.moe.pad_to_capacity else None
-        y = seams.dispatch(self.experts, seams.expert_input(flat), routed, self.grouped, pad_to, self.zero_memory)
-        if identity is not None:  # the zero-computation experts' share: the token itself, weighted
-            y = y + ops.cast(flat, "float32") * identity  # whole on every rank: no seam around it
-        return self._output(y, x)
+        # the zero-computation experts' share: the token itself, weighted (whole on every rank)
+        kept = None if identity is None else ops.cast(flat, "float32") * identity
+        return MoEStart(x, seams.expert_input(flat), routed, pad_to, kept, tuple(x.shape), ops.dtype_of(x))
+
+    def shared_output(self, x):
+        """The shared expert's output on begin()'s ``x`` [b, s, h] (under TP with token shares it
+        gathers the sequence), or None."""
+        return None if self.shared_experts is None else self.shared_experts(x)
+
+    def finish(self, y, start: "MoEStart", shared=None):
+        """The layer's output from the dispatch's [T, h] float32 and the shared expert's output."""
+        if start.zero_experts is not None:
+            y = y + start.zero_experts
+        y = ops.reshape(ops.cast(y, start.dtype), start.shape)
+        if shared is not None:
+            y = y + shared
+        return self.seams.layer_output(y)
 
     def _without_zero_experts(self, routing):
         """(the routing of the real experts, each token's summed weight [T, 1] of the
@@ -447,13 +495,6 @@ class MoELayer(nn.Module):
         features.note_used("moe-input-jitter")
         noise = ops.rand(tuple(flat.shape)) * (2.0 * eps) + (1.0 - eps)
         return flat * ops.cast(noise, ops.dtype_of(flat))
-
-    def _output(self, y, x):
-        """The experts' weighted rows [T, h] (float32) plus the shared expert, as the layer's output."""
-        y = ops.reshape(ops.cast(y, ops.dtype_of(x)), x.shape)
-        if self.shared_experts is not None:  # [b, s, h]: under TP with token shares it gathers the sequence
-            y = y + self.shared_experts(x)
-        return self.seams.layer_output(y)
 
 
 def assignment_order(routing: router.Routing) -> np.ndarray:
@@ -513,11 +554,11 @@ class MoEModel(GPTModel):
     def moe_layers(self) -> list:
         return [layer.mlp for _, layer in self.transformer_layers() if isinstance(layer.mlp, MoELayer)]
 
-    def router_losses(self):
+    def router_losses(self, layers=None):
         """The sum of this model's (or pipeline chunk's) MoE layers' aux and z losses from
-        its last forward: regularisers the trainer adds to the gradient (with_router_losses),
-        not to the reported loss."""
+        its last forward (``layers``: of those MoE layers only): regularisers the trainer adds
+        to the gradient (with_router_losses), not to the reported loss."""
         total = ops.zeros(())
-        for layer in self.moe_layers():
+        for layer in self.moe_layers() if layers is None else layers:
             total = total + layer.routing.aux_loss + layer.routing.z_loss
         return total

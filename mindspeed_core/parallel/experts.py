@@ -156,27 +156,29 @@ class ExpertParallelSeams(MoESeams):
         return table[:, self.ep_rank * self.local:(self.ep_rank + 1) * self.local]
 
     def _all_to_all(self, routing, pad) -> Route:
+        plan = self.all_to_all_plan(routing, pad)
+
+        def arrive(tokens):
+            return plan.arrived(mappings.all_to_all_rows(plan.leaving(tokens), self.ep, plan.send, plan.receive))
+
+        def leave(out, weights):
+            return plan.weigh(mappings.all_to_all_rows(plan.returning(out), self.ep, plan.receive, plan.send), weights)
+
+        return Route(arrive, plan.counts, leave)
+
+    def all_to_all_plan(self, routing, pad) -> "AllToAllPlan":
+        """The alltoall dispatcher's route of one forward, its exchanges left to the caller (_all_to_all
+        makes them; --moe-fb-overlap starts them and computes on another micro-batch meanwhile)."""
         n, local = self.ep_size, self.local
         order = assignment_order(routing)
-        send = routing.tokens_per_expert.reshape(n, local).sum(1)
         mine = self._arriving(routing)  # [source rank, local expert]
         # regroup expert-major (then source), as the experts want their rows together
         starts = np.concatenate([[0], np.cumsum(mine.reshape(-1))[:-1]]).reshape(mine.shape)
         perm = np.concatenate([np.arange(starts[i, e], starts[i, e] + mine[i, e])
                                for e in range(local) for i in range(n)] + [np.zeros(0)]).astype(np.int64)
         counts, pad_rows, unpad = padding(mine.sum(0), pad)
-        k = routing.experts.shape[1]
-
-        def arrive(tokens):
-            rows = ops.index_select(tokens, 0, ops.tensor(order // k))
-            got = mappings.all_to_all_rows(rows, self.ep, send, mine.sum(1))  # source-major, then expert
-            return pad_rows(_take(got, perm))
-
-        def leave(out, weights):
-            back = _take(self.expert_output(unpad(out)), np.argsort(perm).astype(np.int64))
-            return weigh_back(mappings.all_to_all_rows(back, self.ep, mine.sum(1), send), order, weights)
-
-        return Route(arrive, counts, leave)
+        return AllToAllPlan(self, order, routing.experts.shape[1], routing.tokens_per_expert.reshape(n, local).sum(1),
+                            mine.sum(1), perm, counts, pad_rows, unpad)
 
     def _all_gather(self, routing, pad) -> Route | None:
         me, local = self.ep_rank, self.local
@@ -239,6 +241,37 @@ class ExpertParallelSeams(MoESeams):
         returned = returned[0] if len(returned) == 1 else ops.cat(returned, dim=0)
         back = np.argsort(np.concatenate(placed)).astype(np.int64)  # to _all_to_all's order of assignments
         return weigh_back(_take(returned, back), order, routing.weights)
+
+
+@dataclasses.dataclass
+class AllToAllPlan:
+    """One forward's alltoall dispatch between its two exchanges: ``leaving(tokens)`` the rows
+    to send, ``send[j]`` of them to EP rank j; ``receive[i]`` arrive from rank i, and
+    ``arrived(rows)`` puts them in the experts' order (``counts`` each); ``returning(out)`` the
+    experts' outputs to send back, the same counts reversed, and ``weigh(rows, weights)`` the
+    returned rows back on their tokens: [T, h] float32."""
+
+    seams: ExpertParallelSeams
+    order: np.ndarray
+    topk: int
+    send: np.ndarray
+    receive: np.ndarray
+    perm: np.ndarray
+    counts: np.ndarray
+    pad_rows: object
+    unpad: object
+
+    def leaving(self, tokens):
+        return ops.index_select(tokens, 0, ops.tensor(self.order // self.topk))
+
+    def arrived(self, rows):
+        return self.pad_rows(_take(rows, self.perm))
+
+    def returning(self, out):
+        return _take(self.seams.expert_output(self.unpad(out)), np.argsort(self.perm).astype(np.int64))
+
+    def weigh(self, rows, weights):
+        return weigh_back(rows, self.order, weights)
 
 
 def parallelize_moe_layers(model, ps, sequence_parallel: bool, dispatcher: str, experts_whole: bool = False,

@@ -65,16 +65,17 @@ class StepLoss:
 
         return forward
 
-    def with_extra_losses(self, model, out, labels=None, tokens=None):
+    def with_extra_losses(self, model, out, labels=None, tokens=None, routers=None):
         """What joins the gradient but not the reported loss, scaled as the loss, through the
         chunk's output (an activation or the loss: models/moe.py with_router_losses): the MoE
-        routers' losses, sparse attention's indexer losses, and on the last stage multi-token
-        prediction's."""
+        routers' losses (``routers``: of these MoE layers only; default all), sparse attention's
+        indexer losses, and on the last stage multi-token prediction's."""
         extra = None
         if labels is not None and hasattr(model, "mtp"):  # first: its MoE layers route in it
             extra = model.mtp_loss(labels, tokens)
-        if getattr(model, "moe_layers", list)():
-            extra = model.router_losses() if extra is None else extra + model.router_losses()
+        routers = getattr(model, "moe_layers", list)() if routers is None else routers
+        if routers:
+            extra = model.router_losses(routers) if extra is None else extra + model.router_losses(routers)
         indexers = model.indexer_losses() if model.cfg.dsa is not None else None  # after MTP's: its layers index
         if indexers is not None:
             extra = indexers if extra is None else extra + indexers
