@@ -132,7 +132,10 @@ MODELS = {"gqa": GQA, "mha": MHA, "moe": MOE, "sft": SFT, "lora": LORA, "dpo": D
 GRADS_AT = {"lora": 1, "dpo-lora": 1, "lora-moe": 1, "mla-lora": 1}
 # LongCat's router gradient sums each token's choices of real and zero-computation experts, whose terms
 # largely cancel: its float32 rounding under TP2 + SP measured 1.2e-5 of the largest on MindSpore
-GRAD_TOLERANCE = {"longcat": 3e-5}
+# The sparse-attention indexer's KL gradient (mla-moe's weights_proj) under TP2 + SP measured 1.66e-5 of
+# the largest on an AVX-512 Xeon, PyTorch (below 1e-5 on the machines before it): float32 rounding in a
+# softmax difference; a missing reduction is O(1)
+GRAD_TOLERANCE = {"longcat": 3e-5, "mla-moe": 3e-5}
 ITERS = 6  # the single-process reference curves of the models whose checkpoints are resumed below
 TP4_SAVES = ITERS - 1  # the TP4 run resumed from TP2 saves there and stops; TP1 continues it
 RESUMED = ("gqa", "moe", "dpo", "mla-moe", "gpt-oss", "hybrid", "lora-moe")  # the others' reference curves stop at LAYOUT_ITERS
