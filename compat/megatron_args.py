@@ -248,6 +248,10 @@ def add_feature_args(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--moe-alltoall-overlap-comm", action="store_true",
                    help="MindSpeed: the alltoall dispatch in chunks of the local experts, each chunk's experts "
                         "computing while the next travels (the same results)")
+    c.add_argument("--moe-fb-overlap", action="store_true",
+                   help="MindSpeed: in the pipeline schedule's steady state, one micro-batch's forward runs beside "
+                        "another's backward, each one's expert all-to-all travelling while the other computes "
+                        "(the same results)")
     c.add_argument("--disable-gloo-group", action="store_true")
 
     o = parser.add_argument_group("operations, inference and tools")
@@ -667,9 +671,6 @@ ACCEPTED_NO_OPS = {
     "--lora-fusion": ({"action": "store_true"}, "LoRA runs as two small matmuls beside the layer; there is no fused "
                                                 "kernel to choose"),
     "--moe-permutation-async-comm": ({"action": "store_true"}, _SAME_RESULTS),
-    "--moe-fb-overlap": ({"action": "store_true"},
-                         "MindSpeed's overlap of one micro-batch's forward with another's backward is not built here "
-                         "yet: the schedule (1F1B or DualPipeV) runs them one after the other, with the same results"),
     "--moe-permute-fusion": ({"action": "store_true"},
                              "MindSpeed's fused permute kernel (torch_npu): the tokens are gathered by expert with "
                              "one index_select here, the same results"),

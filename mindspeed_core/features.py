@@ -182,6 +182,11 @@ _A2A_OVERLAP = ("with EP and the alltoall dispatcher, the dispatch in one chunk 
                 "straight from the tokens; every chunk leaves at once ({}), a chunk's experts compute as it arrives "
                 "while the later ones travel, and its outputs start back while the next chunk's experts compute; "
                 "the same rows per expert in the same order, the same bits; with EP 1 there is nothing to exchange")
+_FB_OVERLAP = ("in 1F1B's steady state (one warm-up forward more), interleaved 1F1B's and DualPipeV's, each forward "
+               "is paired with the backward after it: both are cut into nodes at the alltoall dispatcher's exchanges "
+               "(attention and routing, dispatch, experts, combine, output) and stepped in turn, so one's all-to-all "
+               "({}) travels while the other computes; the same bits. With PP 1, --compile or sparse attention "
+               "the run says why nothing is paired")
 _ZERO_MEMORY = ("level0: the dispatched rows (fc1's input) and the activation (fc2's input) are not kept; in "
                 "backward the dispatch (its all-to-all under EP) and fc1 run again before fc1's backward, and the "
                 "activation and fc2 before fc2's (MindSpeed keeps fc1's output and does not run fc1 or fc2 again); "
@@ -613,6 +618,10 @@ FEATURES: tuple[Feature, ...] = (
             ("--moe-alltoall-overlap-comm",), supported(_A2A_OVERLAP.format("gloo/nccl's asynchronous all_to_all")),
             supported(_A2A_OVERLAP.format("the emulated exchange on mccl's asynchronous all-reduce")),
             _on("moe_alltoall_overlap_comm")),
+    Feature("moe-fb-overlap", "One micro-batch's MoE all-to-all beside another's compute (--moe-fb-overlap)",
+            "communication", ("--moe-fb-overlap",), supported(_FB_OVERLAP.format("gloo/nccl's asynchronous all_to_all")),
+            supported(_FB_OVERLAP.format("the emulated exchange on mccl's asynchronous all-reduce")),
+            _on("moe_fb_overlap")),
     Feature("moe-zero-memory", "MoE dispatch recomputed instead of kept (--moe-zero-memory)", "memory",
             ("--moe-zero-memory level0", "--moe-zero-memory level1"), supported(_ZERO_MEMORY), supported(_ZERO_MEMORY),
             lambda a: (getattr(a, "moe_zero_memory", None) or "disable") != "disable"),

@@ -102,19 +102,19 @@ def _pyplot():
 def draw_timelines(timelines: dict, output: str, unit: str = "time"):
     """A PNG of pipeline timelines, one panel each ({title: {rank: [(F|B, chunk, micro-batch,
     start, end)]}}, as schedules.simulated_timeline gives them or as measured): a row per rank,
-    forwards light and backwards dark, chunk 1 hatched, each box labelled with its micro-batch;
-    the gaps are the bubble. The panels share the time axis."""
+    forwards light and backwards dark, a --moe-fb-overlap pair of the two purple, chunk 1 hatched,
+    each box labelled with its micro-batch; the gaps are the bubble. The panels share the time axis."""
     pyplot = _pyplot()
     fig, axes = pyplot.subplots(len(timelines), 1, figsize=(12, 1.2 + 0.5 * sum(len(t) for t in timelines.values())),
                                 squeeze=False, sharex=True)
-    colours = {"F": "#9ecae1", "B": "#3182bd"}
+    colours = {"F": "#9ecae1", "B": "#3182bd", "FB": "#756bb1"}
     for ax, (title, timeline) in zip(axes[:, 0], timelines.items()):
         for rank, actions in timeline.items():
             for kind, chunk, mb, start, end in actions:
                 ax.barh(rank, end - start, left=start, color=colours[kind], edgecolor="black", linewidth=0.5,
                         hatch="//" if chunk else None)
                 ax.text((start + end) / 2, rank, str(mb), ha="center", va="center", fontsize=7,
-                        color="white" if kind == "B" else "black")
+                        color="black" if kind == "F" else "white")
         ax.set_yticks(list(timeline))
         ax.set_yticklabels([f"rank {r}" for r in timeline])
         ax.invert_yaxis()

@@ -127,6 +127,13 @@ CASES = [
                                                   "--seq-length", "8"], "depths 8 and beyond have no targets"),
     ("train-mtp-deeper-than-the-model", lambda t, c: ["train", *SMALL, "--data-path", c, "--mtp-num-layers", "3"],
      "--mtp-num-layers 3 exceeds the model's 2 layers"),
+    # --moe-fb-overlap beside what it does not combine with
+    ("train-fb-overlap-and-a2a-overlap", lambda t, c: ["train", *SMALL, "--data-path", c, "--num-experts", "4",
+                                                       "--moe-fb-overlap", "--moe-alltoall-overlap-comm"],
+     "both overlap the dispatch's all-to-all"),
+    ("train-fb-overlap-and-zero-memory", lambda t, c: ["train", *SMALL, "--data-path", c, "--num-experts", "4",
+                                                       "--moe-fb-overlap", "--moe-zero-memory", "level1"],
+     "--moe-fb-overlap with --moe-zero-memory level1 is not built here"),
     ("train-save-under-file", lambda t, c: ["train", *SMALL, "--data-path", c, "--save", str(t / "f" / "ckpt")],
      "is not a folder"),
     ("train-save-is-file", lambda t, c: ["train", *SMALL, "--data-path", c, "--save", str(t / "f")], "is a file"),

@@ -17,7 +17,7 @@ from test_training import corpus, losses, train  # noqa: F401  (corpus is a fixt
 
 from mindspeed_core.errors import MindSpeedError
 from mindspeed_core.parallel.pipeline import plan_layout, rank_of_stage, virtual_stage
-from mindspeed_core.training.schedules import BACKWARD, DUALPIPEV, FORWARD, RECV, SEND, pipeline_program
+from mindspeed_core.training.schedules import BACKWARD, DUALPIPEV, FORWARD, PAIR, RECV, SEND, pipeline_program
 
 # -- the schedules -------------------------------------------------------------------------
 
@@ -38,7 +38,14 @@ def run_blocking(program: dict, chunks: int, v_shape: bool = False) -> dict:
     while any(pos[r] < len(program[r]) for r in program):
         moved = False
         for r in program:
-            while pos[r] < len(program[r]) and program[r][pos[r]][0] in (FORWARD, BACKWARD):
+            while pos[r] < len(program[r]) and program[r][pos[r]][0] in (FORWARD, BACKWARD, PAIR):
+                if program[r][pos[r]][0] == PAIR:  # --moe-fb-overlap: both inputs are there before the forward
+                    first, second = program[r][pos[r] + 1:pos[r] + 3]
+                    assert first[0] == FORWARD and second[0] == BACKWARD and first[1:] != second[1:], program[r][pos[r]:]
+                    stage = virtual_stage(pp, r, second[1], v_shape)
+                    assert stage == total - 1 or ("gradient", stage, second[2]) in arrived[r], (r, second)
+                    pos[r] += 1
+                    continue
                 kind, chunk, mb = program[r][pos[r]]
                 stage = virtual_stage(pp, r, chunk, v_shape)
                 if kind == FORWARD and stage > 0:
@@ -76,9 +83,13 @@ def test_interleaved_forwards_are_those_with_other_compute_before_their_backward
     assert _interleaved_forwards([(FORWARD, 0, 0), (SEND, 1, "x"), (RECV, 1, "y"), (BACKWARD, 0, 0)]) == set()
 
 
+@pytest.mark.parametrize("fb_overlap", (False, True), ids=("plain", "fb-overlap"))
 @pytest.mark.parametrize("pp, chunks, micro_batches", GRID, ids=[f"p{p}-v{v}-m{m}" for p, v, m in GRID])
-def test_pipeline_programs_run_to_the_end_with_1f1b_memory(pp, chunks, micro_batches):
-    program = pipeline_program(pp, chunks, micro_batches)
+def test_pipeline_programs_run_to_the_end_with_1f1b_memory(pp, chunks, micro_batches, fb_overlap):
+    """1F1B and interleaved programs; with --moe-fb-overlap one warm-up forward more, every
+    steady-state forward paired with the backward of another micro-batch (run_blocking checks
+    that both inputs are there before the pair starts), and a stage holding one more."""
+    program = pipeline_program(pp, chunks, micro_batches, fb_overlap=fb_overlap)
     peak = run_blocking(program, chunks)
     every = {(c, mb) for c in range(chunks) for mb in range(micro_batches)}
     for r, prog in program.items():
@@ -90,17 +101,21 @@ def test_pipeline_programs_run_to_the_end_with_1f1b_memory(pp, chunks, micro_bat
         # interleaved warm-up + 1 chunk-micro-batches when interleaved; never everything at
         # once when there are more micro-batches than that
         if chunks == 1:
-            bound = min(pp - r, micro_batches)
+            bound = min(pp - r + fb_overlap, micro_batches)
         else:
-            bound = min((pp - r - 1) * 2 + (chunks - 1) * pp + 1, micro_batches * chunks)
+            bound = min((pp - r - 1) * 2 + (chunks - 1) * pp + 1 + fb_overlap, micro_batches * chunks)
         assert peak[r] <= bound, (r, peak[r], bound)
+        # the pairs: every forward after the warm-up (Megatron's + 1), none without the flag
+        warmup = pp - r - 1 if chunks == 1 else (pp - r - 1) * 2 + (chunks - 1) * pp
+        pairs = max(micro_batches * chunks - warmup - 1, 0) if fb_overlap else 0
+        assert sum(i[0] == PAIR for i in prog) == pairs, (r, prog)
     for a in range(pp):  # each link carries the same messages in the same order at both ends
         for b in range(pp):
             sent = [i[2] for i in program[a] if i[0] == SEND and i[1] == b]
             received = [i[2] for i in program[b] if i[0] == RECV and i[1] == a]
             assert sent == received
-    if chunks == 1 and micro_batches >= pp:
-        assert peak[0] == pp  # the bound is reached, so it is what limits memory
+    if chunks == 1 and micro_batches >= pp + fb_overlap:
+        assert peak[0] == pp + fb_overlap  # the bound is reached, so it is what limits memory
     forward_only = pipeline_program(pp, chunks, micro_batches, forward_only=True)
     run_blocking(forward_only, chunks)
     assert all(i[0] != BACKWARD for prog in forward_only.values() for i in prog)
@@ -109,10 +124,19 @@ def test_pipeline_programs_run_to_the_end_with_1f1b_memory(pp, chunks, micro_bat
 DUALPIPEV_GRID = [(p, m) for p in (2, 3, 4, 8) for m in (2 * p - 1, 2 * p, 2 * p + 3, 20)]
 
 
+@pytest.mark.parametrize("fb_overlap", (False, True), ids=("plain", "fb-overlap"))
 @pytest.mark.parametrize("pp, micro_batches", DUALPIPEV_GRID, ids=[f"p{p}-m{m}" for p, m in DUALPIPEV_GRID])
-def test_dualpipev_programs_run_to_the_end_holding_2p_plus_1_chunks(pp, micro_batches):
-    program = pipeline_program(pp, 2, micro_batches, schedule=DUALPIPEV)
+def test_dualpipev_programs_run_to_the_end_holding_2p_plus_1_chunks(pp, micro_batches, fb_overlap):
+    """DualPipeV's programs; with --moe-fb-overlap the steady state's two forward-backward pairs
+    and the B1 F1 B0 phase's one are pairs (DeepSeek's overlapped steps), in the same order."""
+    program = pipeline_program(pp, 2, micro_batches, schedule=DUALPIPEV, fb_overlap=fb_overlap)
     peak = run_blocking(program, 2, v_shape=True)
+    if fb_overlap:
+        plain = pipeline_program(pp, 2, micro_batches, schedule=DUALPIPEV)
+        assert {r: [i for i in p if i[0] in (FORWARD, BACKWARD)] for r, p in program.items()} == \
+            {r: [i for i in p if i[0] in (FORWARD, BACKWARD)] for r, p in plain.items()}
+        for r, prog in program.items():  # 2 (M - 2P + r + 1) in the steady state, P - r - 1 after it
+            assert sum(i[0] == PAIR for i in prog) == 2 * (micro_batches - 2 * pp + r + 1) + pp - r - 1, r
     every = {(c, mb) for c in range(2) for mb in range(micro_batches)}
     for r, prog in program.items():
         forwards = [(i[1], i[2]) for i in prog if i[0] == FORWARD]
@@ -306,6 +330,19 @@ FOUR = [
     ("pp2-ep2-dualpipev", "moe-mtp-12", PP + ["2", "--schedules-method", "dualpipev", "--expert-model-parallel-size",
                                               "2", "--moe-token-dispatcher-type", "alltoall",
                                               "--moe-alltoall-overlap-comm"]),
+    # --moe-fb-overlap (test_fb_overlap_changes_no_bit): DualPipeV's pairs beside the run above, and
+    # 1F1B's (3 micro-batches: 1 pair on the first stage, 2 on the last) with full recompute beside
+    # the same run without both
+    ("pp2-ep2-dualpipev-fb", "moe-mtp-12", PP + ["2", "--schedules-method", "dualpipev", "--expert-model-parallel-size",
+                                                 "2", "--moe-token-dispatcher-type", "alltoall", "--moe-fb-overlap"]),
+    ("pp2-ep2", "moe-mtp-12", PP + ["2", "--expert-model-parallel-size", "2", "--moe-token-dispatcher-type",
+                                    "alltoall"]),
+    # (its second step profiled: the schedule's spans are in the traces)
+    ("pp2-ep2-fb-recompute", "moe-mtp-12", PP + ["2", "--expert-model-parallel-size", "2", "--moe-token-dispatcher-type",
+                                                "alltoall", "--moe-fb-overlap", "--recompute-granularity", "full",
+                                                "--recompute-method", "uniform", "--recompute-num-layers", "1",
+                                                "--profile", "--profile-step-start", "1", "--profile-step-end", "2",
+                                                "--profile-save-path", "{out}/profile-fb"]),
 ]
 
 
@@ -472,6 +509,51 @@ def test_pipelines_on_four_ranks_equal_one_process(capsys, framework, corpus, si
                          tmp_path, single["base"]["losses"], LAYOUT_ITERS + 1)
     assert "PP=4" in text
     print("parity (max relative loss difference):", json.dumps(table))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.feature("moe-fb-overlap")
+@pytest.mark.feature("expert-parallel")
+def test_fb_overlap_changes_no_bit(framework, four):
+    """--moe-fb-overlap at PP2 x EP2, 1F1B (with full recompute) and DualPipeV, in the four-rank
+    launch: forwards ran beside backwards, their all-to-all exchanges travelled while the other
+    micro-batch computed, and every loss, gradient norm and first-step gradient is the same bits
+    as the same layout's without the flag (check_parity compares both with one process)."""
+    for overlapped, plain in (("pp2-ep2-fb-recompute", "pp2-ep2"), ("pp2-ep2-dualpipev-fb", "pp2-ep2-dualpipev")):
+        assert same_records(four / f"{overlapped}.jsonl", four / f"{plain}.jsonl"), overlapped
+        a, b = np.load(four / f"{overlapped}-grads.npz"), np.load(four / f"{plain}-grads.npz")
+        assert a.files == b.files and all(np.array_equal(a[n], b[n]) for n in a.files), overlapped
+        log = (four / f"{overlapped}.log").read_text()
+        pairs = re.search(r"--moe-fb-overlap: (\d+) of pipeline rank 0's \d+ forwards a step run beside a backward; "
+                          r"the all-to-all exchanges of its (\d+) MoE layer", log)
+        hidden = re.search(r"--moe-fb-overlap: (\d+) all-to-all exchanges of pipeline rank 0 travelled", log)
+        assert pairs and hidden, log
+        # (pairs, exchanges hidden) a step on the first rank. 1F1B: the third micro-batch's forward
+        # beside the first's backward, through layers 0 (dense) and 1 (MoE): each starts the MoE
+        # layer's two exchanges, each travelling while the other computes: 4. DualPipeV (the least
+        # micro-batches): chunk 1's forward (layer 3, MoE) beside chunk 0's backward (layer 0,
+        # dense), which runs whole while the forward's dispatch travels: 1.
+        want = {"pp2-ep2-fb-recompute": (1, 4), "pp2-ep2-dualpipev-fb": (1, 1)}[overlapped]
+        assert (int(pairs.group(1)), int(hidden.group(1))) == (want[0], LAYOUT_ITERS * want[1]), log
+    # the profiled step's schedule, per rank (global ranks 0, 1: the first stage; 2, 3: the last):
+    # the first stage's F0 F1 (F2 & B0) B1 B2, the last's F0 (F1 & B0) (F2 & B1) B2, inside the step
+    from mindspeed_core.training.profiling import read_schedule
+
+    for rank, order, pairs in ((0, ["F", "F", "FB", "B", "B"], ["2|0"]), (3, ["F", "FB", "FB", "B"], ["1|0", "2|1"])):
+        actions = read_schedule(four / "profile-fb" / f"schedule_rank{rank}.trace.json")
+        (step,) = [a for a in actions if a[0] == "step"]
+        compute = [a for a in actions if a[0] != "step"]
+        assert [a[0] for a in compute] == order and [a[2] for a in compute if a[0] == "FB"] == pairs, compute
+        assert all(step[3] <= a[3] <= a[4] <= step[4] for a in compute), (step, compute)
+
+
+def test_fb_overlap_without_a_pipeline_says_it_pairs_nothing(capsys, corpus):  # noqa: F811
+    """With PP 1 there is no forward to pair with a backward: the run says so, and trains."""
+    code, out, err = train(capsys, *SMALL4, "--num-experts", "4", "--moe-ffn-hidden-size", "64", "--moe-fb-overlap",
+                           "--data-path", corpus, "--train-iters", "1", "--global-batch-size", "4")
+    assert code == 0, err
+    assert "--moe-fb-overlap pairs nothing here: it pairs a pipeline schedule's forwards and backwards, and this run " \
+           "has no pipeline (PP 1)" in out, out
 
 
 def bytes_read(log: str) -> list[int]:

@@ -511,8 +511,8 @@ LAUNCHED = {
     "ling_v2/pretrain_ling_mini_16b_4k_ptd.sh": {},
     "plm/pretrain_plm_1point8b_ptd.sh": {},
     # DeepSeek-V3 (A3) from a deepseek3 folder with its schedule: DualPipeV over two ranks (four layers, two
-    # a rank in a V, the MTP module on the first), --moe-fb-overlap, --swap-optimizer and the distributed
-    # optimizer as the script has them
+    # a rank in a V, the MTP module on the first), --moe-fb-overlap (pairing whole layers: EP 1 here),
+    # --swap-optimizer and the distributed optimizer as the script has them
     "deepseek3/pretrain_deepseek3_671b_4k_A3_ptd.sh": {"--pipeline-model-parallel-size": "2", "--num-layers": "4"},
 }
 
@@ -566,7 +566,13 @@ def test_a_scripts_own_launch_line_trains(framework, paths, tmp_path, script):
     assert code == 0 and "iteration      2/2" in out and "saved checkpoint" in out, out[-3000:]
     if "--enable-dsa-indexer" in flags:  # the indexers trained (their loss is logged)
         assert "| indexer loss " in out, out[-3000:]
-    if "dualpipev" in flags:  # its schedule, not 1F1B
+    if "dualpipev" in flags:  # its schedule, not 1F1B, its forwards and backwards paired by --moe-fb-overlap (at EP 1
+        # the layers interleave whole: no exchange to hide)
         assert "PP=2 x 2 chunks in a V (DualPipeV)" in out, out[-3000:]
+        assert re.search(r"--moe-fb-overlap: [1-9]\d* of pipeline rank 0's \d+ forwards a step run beside a backward; "
+                         r"no MoE layer of it exchanges tokens", out), out[-3000:]
+    if "--moe-fb-overlap" in flags and "--enable-dsa-indexer" in flags:  # not paired (no pipeline here, or the
+        # indexers): said, and trained as without
+        assert "--moe-fb-overlap pairs nothing here: " in out, out[-3000:]
     if "HYV3" in flags:  # the script's groups over the folder's experts, said once
         assert out.count("routes each token within its best 1 of 2 expert groups") == 1, out[-3000:]

@@ -121,6 +121,8 @@ class ParallelLayout:
     dualpipev: bool = False  # --schedules-method dualpipev: two chunks a rank in a V (parallel/pipeline.py)
     # --moe-alltoall-overlap-comm: the alltoall dispatch in chunks that travel while experts compute
     moe_overlap: bool = False
+    # --moe-fb-overlap: a pipeline's paired forward and backward interleaved (training/fb_overlap.py)
+    fb_overlap: bool = False
 
     @property
     def ep_over_tp(self) -> bool:
@@ -316,7 +318,8 @@ def configure(args, world: int, framework: str | None = None) -> RunConfig:
                               bool(work.overlap_param_gather),
                               work.expert_tensor_parallel_size == 1 and tp > 1,
                               bool(work.use_cp_send_recv_overlap) and not work.compile,
-                              work.schedules_method == "dualpipev", bool(work.moe_alltoall_overlap_comm)),
+                              work.schedules_method == "dualpipev", bool(work.moe_alltoall_overlap_comm),
+                              bool(work.moe_fb_overlap)),
         optimization=Optimization(
             work.train_iters, work.micro_batch_size, work.global_batch_size, work.lr, work.min_lr,
             work.lr_warmup_iters, work.lr_decay_iters, work.lr_decay_style, work.weight_decay, work.clip_grad,
@@ -1085,6 +1088,12 @@ def check_configuration(args, world: int, default_save: bool = False):
                              + (f" x the context parallel size {cp}" if cp > 1 else ""))
     dp = world // (tp * pp * cp)
     ep = args.expert_model_parallel_size
+    if args.moe_fb_overlap and args.moe_alltoall_overlap_comm:
+        raise MindSpeedError("--moe-fb-overlap and --moe-alltoall-overlap-comm both overlap the dispatch's all-to-all "
+                             "(one with another micro-batch, one with the experts of the same): keep one of them")
+    if args.moe_fb_overlap and (getattr(args, "moe_zero_memory", None) or "disable") != "disable":
+        raise MindSpeedError(f"--moe-fb-overlap with --moe-zero-memory {args.moe_zero_memory} is not built here (the "
+                             "dispatch would be recomputed across its nodes): drop one of them")
     if args.moe_alltoall_overlap_comm and ep > 1 and args.moe_token_dispatcher_type != "alltoall":
         raise MindSpeedError("--moe-alltoall-overlap-comm overlaps the alltoall dispatcher's exchange (as MindSpeed): "
                              "add --moe-token-dispatcher-type alltoall")

@@ -5,11 +5,15 @@ The window holds the steps whose 0-based number is in [--profile-step-start,
 --profile-step-end), as Megatron counts them: with the defaults 10 and 12, the 11th and 12th
 steps. The ranks of --profile-ranks (-1, the default: every rank) each write their trace under
 --profile-save-path and a table of the operators that took the most time; the lowest of them
-prints its table when the window closes.
+prints its table when the window closes. Under pipeline parallelism each also writes
+schedule_rank<r>.trace.json: the schedule's compute actions in the window (a forward, a backward,
+a --moe-fb-overlap pair) as Chrome-trace spans on the host's monotonic clock, which every rank
+of one machine shares (Perfetto and chrome://tracing open it beside the framework's trace).
 """
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 
@@ -79,6 +83,7 @@ class Window:
         self.say_all = say_all
         self.open = False
         self.result = None
+        self.schedule = None  # while open: the pipeline schedule's actions (schedules.forward_backward_pipelining)
 
     def before_step(self, iteration: int) -> None:
         a = self.chosen
@@ -87,6 +92,7 @@ class Window:
             profiler.start(a.save_path, f"rank{self.rank}", level=a.level, with_cpu=a.with_cpu,
                            with_stack=a.with_stack, with_memory=a.with_memory, record_shapes=a.record_shapes)
             self.open = True
+            self.schedule = []
 
     def after_step(self, iteration: int) -> bool:
         """``iteration``: the number of steps done. True when the window closed here (writing
@@ -105,6 +111,9 @@ class Window:
         self.open = False
         a = self.chosen
         self.result = profiler.stop()
+        if self.schedule:
+            self.result["files"].append(write_schedule(self.schedule, a.save_path, self.rank))
+        self.schedule = None
         last = min(a.step_end, self.train_iters)
         text = table(self.result["ops"])
         path = os.path.join(a.save_path, f"top_ops_rank{self.rank}.txt")
@@ -114,3 +123,25 @@ class Window:
             self.say_all(f"profiled steps {a.step_start + 1}-{last} on rank {self.rank}; traces: "
                          f"{', '.join(self.result['files']) or a.save_path}\n"
                          f"top operators by time (rank {self.rank}, {path}):\n{text}")
+
+
+def write_schedule(actions: list, folder: str, rank: int) -> str:
+    """The pipeline schedule's actions ((kind, chunk, micro-batch, start, end) in seconds of
+    time.perf_counter, as schedules.forward_backward_pipelining records them) as a Chrome trace:
+    one complete event each, in microseconds, on this rank's row. Returns the file."""
+    events = [{"name": kind if kind == "step" else f"{kind} chunk {chunk} mb {mb}", "cat": "schedule", "ph": "X",
+               "ts": start * 1e6, "dur": (end - start) * 1e6, "pid": rank, "tid": "pipeline schedule",
+               "args": {"kind": kind, "chunk": chunk, "micro_batch": mb}}
+              for kind, chunk, mb, start, end in actions]
+    path = os.path.join(folder, f"schedule_rank{rank}.trace.json")
+    with open(path, "w") as fh:
+        json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, fh)
+    return path
+
+
+def read_schedule(path: str) -> list:
+    """write_schedule's actions back: [(kind, chunk, micro-batch, start, end)] in seconds."""
+    with open(path) as fh:
+        events = json.load(fh)["traceEvents"]
+    return [(e["args"]["kind"], e["args"]["chunk"], e["args"]["micro_batch"], e["ts"] / 1e6,
+             (e["ts"] + e["dur"]) / 1e6) for e in events if e.get("cat") == "schedule"]

@@ -16,7 +16,7 @@ import numpy as np
 
 from mindspeed_core import autograd, dist, features, ops
 from mindspeed_core.parallel.pipeline import rank_of_stage, virtual_stage
-from mindspeed_core.training import compiled, distributed
+from mindspeed_core.training import compiled, distributed, fb_overlap
 
 
 class FinalGradients:
@@ -32,7 +32,7 @@ class FinalGradients:
         self.on_final, self.params, self.offset, self.accumulated = on_final, params, offset, accumulated
         self.count, self.scale, self.float32_grads, self.divide = count, scale, float32_grads, divide
 
-    def _hook(self, k: int, g) -> None:
+    def hook(self, k: int, g) -> None:
         if self.float32_grads:
             g = ops.cast(g, "float32")
         if self.accumulated is not None:
@@ -42,7 +42,7 @@ class FinalGradients:
         self.on_final(self.offset + k, g)
 
     def __enter__(self):
-        self._hooks = autograd.grad_hooks(self.params, self._hook)
+        self._hooks = autograd.grad_hooks(self.params, self.hook)
         return self._hooks.__enter__()
 
     def __exit__(self, *exc):
@@ -88,16 +88,20 @@ def forward_backward_no_pipelining(grad_fn, micro_batches, scale: float = 1.0, f
 # program cannot deadlock (tests/test_pipeline.py also runs the blocking protocol over a grid).
 
 FORWARD, BACKWARD, SEND, RECV = "F", "B", "send", "recv"
+PAIR = "pair"  # --moe-fb-overlap: the forward and the backward that follow run interleaved
 DUALPIPEV = "dualpipev"
 
 
-def pipeline_order(pp: int, chunks: int, micro_batches: int, rank: int, forward_only: bool = False) -> list:
+def pipeline_order(pp: int, chunks: int, micro_batches: int, rank: int, forward_only: bool = False,
+                   fb_overlap: bool = False) -> list:
     """The compute actions of pipeline rank ``rank``: (F|B, model chunk, micro-batch).
 
     Without interleaving (chunks == 1): P - rank - 1 warm-up forwards, then one forward and
     one backward in turn, then the remaining backwards (1F1B). Interleaved: micro-batches
     go through the chunks in groups of P, and the warm-up is (P - rank - 1) * 2 + (V - 1) * P
-    forwards (Megatron's interleaved 1F1B)."""
+    forwards (Megatron's interleaved 1F1B). ``fb_overlap``: one warm-up forward more, so that
+    every steady-state forward is paired with the backward of another micro-batch (on the last
+    stage too), as MindSpeed's --moe-fb-overlap runs 1F1B."""
     total = micro_batches * chunks
 
     def forward_at(k):
@@ -114,14 +118,25 @@ def pipeline_order(pp: int, chunks: int, micro_batches: int, rank: int, forward_
         warmup = min(pp - rank - 1, total)
     else:
         warmup = min((pp - rank - 1) * 2 + (chunks - 1) * pp, total)
+    if fb_overlap:
+        warmup = min(warmup + 1, total)
     order = [forward_at(k) for k in range(warmup)]
     for k in range(total - warmup):
-        order += [forward_at(warmup + k), backward_at(k)]
+        order += _pair(forward_at(warmup + k), backward_at(k), fb_overlap)
     order += [backward_at(k) for k in range(total - warmup, total)]
     return order
 
 
-def dualpipev_order(pp: int, micro_batches: int, rank: int, forward_only: bool = False) -> list:
+def _pair(forward: tuple, backward: tuple, fb_overlap: bool) -> list:
+    """A steady-state forward and backward: with ``fb_overlap`` one (PAIR, forward, backward) the
+    program runs interleaved (never a micro-batch's own backward: it waits on that forward)."""
+    if fb_overlap and forward[1:] != backward[1:]:
+        return [(PAIR, forward, backward)]
+    return [forward, backward]
+
+
+def dualpipev_order(pp: int, micro_batches: int, rank: int, forward_only: bool = False,
+                    fb_overlap: bool = False) -> list:
     """The compute actions of pipeline rank ``rank`` under DualPipeV (DeepSeek's order, which
     MindSpeed's dualpipev follows): chunk 0 runs down the ranks, chunk 1 back up, and each
     chunk takes its micro-batches in turn. 2(P - r - 1) forwards of chunk 0, r + 1 pairs of
@@ -129,18 +144,26 @@ def dualpipev_order(pp: int, micro_batches: int, rank: int, forward_only: bool =
     then the steady state of forward 0 & backward 1, forward 1 & backward 0 (one micro-batch's
     forward beside another's backward), and the backwards left, chunk 1 first. Every backward
     computes the input and the weight gradients at once, as MindSpeed's dualpipev does without
-    --moe-fb-overlap. Needs micro_batches >= 2P - 1 (pipeline.check_micro_batches)."""
+    --moe-fb-overlap. Needs micro_batches >= 2P - 1 (pipeline.check_micro_batches). With
+    ``fb_overlap`` the forward-and-backward of the steady state and of the B1 F1 B0 phase are
+    (PAIR, forward, backward) units, as DeepSeek's DualPipeV overlaps them."""
     done = {FORWARD: [0, 0], BACKWARD: [0, 0]}
     out = []
 
     def act(kind, chunk):
-        out.append((kind, chunk, done[kind][chunk]))
         done[kind][chunk] += 1
+        return kind, chunk, done[kind][chunk] - 1
 
     def run(count, *actions):
         for _ in range(count):
-            for kind, chunk in actions:
-                act(kind, chunk)
+            i = 0
+            while i < len(actions):
+                if actions[i] is PAIRED:
+                    out.extend(_pair(act(*actions[i + 1]), act(*actions[i + 2]), fb_overlap))
+                    i += 3
+                else:
+                    out.append(act(*actions[i]))
+                    i += 1
 
     F0, F1, B0, B1 = (FORWARD, 0), (FORWARD, 1), (BACKWARD, 0), (BACKWARD, 1)
     if micro_batches < 2 * pp - 1:
@@ -153,8 +176,8 @@ def dualpipev_order(pp: int, micro_batches: int, rank: int, forward_only: bool =
     run(2 * (pp - rank - 1), F0)
     run(rank + 1, F0, F1)
     run(pp - rank - 1, B1, F1)
-    run(steady, F0, B1, F1, B0)
-    run(pp - rank - 1, B1, F1, B0)
+    run(steady, PAIRED, F0, B1, PAIRED, F1, B0)
+    run(pp - rank - 1, B1, PAIRED, F1, B0)
     run(rank + 1, B1, B0)
     run(pp - rank - 1, B0)
     if forward_only:
@@ -162,47 +185,61 @@ def dualpipev_order(pp: int, micro_batches: int, rank: int, forward_only: bool =
     return out
 
 
+PAIRED = object()  # dualpipev_order's mark: the next two actions are a pair
+
+
 def pipeline_program(pp: int, chunks: int, micro_batches: int, forward_only: bool = False,
-                     schedule: str | None = None) -> dict:
+                     schedule: str | None = None, fb_overlap: bool = False) -> dict:
     """{pipeline rank: [instruction]} for one step. Instructions: (F|B, chunk, micro-batch),
-    and (send|recv, peer pipeline rank, message) with message = ("activation"|"gradient",
-    receiving virtual stage, micro-batch). ``schedule``: None (1F1B, or interleaved with
+    (send|recv, peer pipeline rank, message) with message = ("activation"|"gradient",
+    receiving virtual stage, micro-batch), and (PAIR,) before a forward and a backward to run
+    interleaved. ``schedule``: None (1F1B, or interleaved with
     several chunks) or DUALPIPEV (two chunks in a V: a stage's neighbour on the same rank
-    gets its input without a transfer)."""
+    gets its input without a transfer). ``fb_overlap`` (--moe-fb-overlap): the orders' pairs of a
+    forward and a backward start once both have their inputs, and what both send leaves after
+    both (forward_backward_pipelining runs the two interleaved)."""
     v_shape = schedule == DUALPIPEV
+    fb_overlap = fb_overlap and not forward_only
     if v_shape:
         chunks = 2
-        orders = {r: dualpipev_order(pp, micro_batches, r, forward_only) for r in range(pp)}
+        orders = {r: dualpipev_order(pp, micro_batches, r, forward_only, fb_overlap) for r in range(pp)}
     else:
-        orders = {r: pipeline_order(pp, chunks, micro_batches, r, forward_only) for r in range(pp)}
+        orders = {r: pipeline_order(pp, chunks, micro_batches, r, forward_only, fb_overlap) for r in range(pp)}
+    # the units the ranks step: one action, or a pair, which starts once both have their inputs
+    units = {r: [list(a[1:]) if a[0] == PAIR else [a] for a in orders[r]] for r in range(pp)}
     last = pp * chunks - 1
     position = {r: 0 for r in range(pp)}
     arrived = {r: set() for r in range(pp)}
     program = {r: [] for r in range(pp)}
-    while any(position[r] < len(orders[r]) for r in range(pp)):
+    while any(position[r] < len(units[r]) for r in range(pp)):
         messages, progressed = [], False
         for r in range(pp):
-            if position[r] == len(orders[r]):
+            if position[r] == len(units[r]):
                 continue
-            kind, chunk, mb = orders[r][position[r]]
-            stage = virtual_stage(pp, r, chunk, v_shape)
-            if kind == FORWARD:
-                needs = ("activation", stage, mb) if stage > 0 else None
-                sends = ("activation", stage + 1, mb) if stage < last else None
-            else:
-                needs = ("gradient", stage, mb) if stage < last else None
-                sends = ("gradient", stage - 1, mb) if stage > 0 else None
-            if needs is not None and needs not in arrived[r]:
+            needs, sends = [], []
+            for kind, chunk, mb in units[r][position[r]]:
+                stage = virtual_stage(pp, r, chunk, v_shape)
+                if kind == FORWARD:
+                    needs.append(("activation", stage, mb) if stage > 0 else None)
+                    sends.append(("activation", stage + 1, mb) if stage < last else None)
+                else:
+                    needs.append(("gradient", stage, mb) if stage < last else None)
+                    sends.append(("gradient", stage - 1, mb) if stage > 0 else None)
+            if any(need is not None and need not in arrived[r] for need in needs):
                 continue  # waits for a neighbour this tick
-            program[r].append(orders[r][position[r]])
+            if len(units[r][position[r]]) == 2:
+                program[r].append((PAIR,))
+            program[r].extend(units[r][position[r]])
             position[r] += 1
             progressed = True
-            if sends is not None:
-                to = rank_of_stage(pp, sends[1], v_shape)
+            for message in sends:
+                if message is None:
+                    continue
+                to = rank_of_stage(pp, message[1], v_shape)
                 if to == r:  # DualPipeV's turn at the last rank: the next action may take it
-                    arrived[r].add(sends)
+                    arrived[r].add(message)
                 else:
-                    messages.append((r, to, sends))
+                    messages.append((r, to, message))
         if not progressed:
             raise RuntimeError("pipeline order cannot make progress")  # an order bug, never bad input
         for src, dst, message in sorted(messages, key=lambda m: (min(m[0], m[1]), max(m[0], m[1]), m[2])):
@@ -217,29 +254,47 @@ def simulated_timeline(program: dict, chunks: int, schedule: str | None = None, 
     """{pipeline rank: [(F|B, chunk, micro-batch, start, end)]}: a program's compute actions
     as they would run when a forward of one model chunk takes ``forward`` and a backward
     ``backward``, and a transfer nothing (each action starts once its rank is free and its
-    input is made). A rank's idle time, the step's end less its busy time, is the schedule's
-    bubble (the planner's, and the pipeline figure's)."""
+    input is made; a --moe-fb-overlap pair once both have theirs, the two taking their sum: the
+    overlap hides transfers, which take nothing here). A rank's idle time, the step's end less its
+    busy time, is the schedule's bubble (the planner's, and the pipeline figure's)."""
     pp = len(program)
     v_shape = schedule == DUALPIPEV
     last = pp * chunks - 1
     made, out = {}, {r: [] for r in program}
-    pending = {r: [i for i in program[r] if i[0] in (FORWARD, BACKWARD)] for r in program}
+    # a rank's compute units: one action, or a --moe-fb-overlap pair, which starts when both have their inputs
+    pending = {r: [] for r in program}
+    for r, instructions in program.items():
+        paired = False
+        for i in instructions:
+            if i[0] == PAIR:
+                paired = True
+            elif i[0] in (FORWARD, BACKWARD):
+                if paired and pending[r] and len(pending[r][-1]) == 1 and pending[r][-1][0][0] == FORWARD:
+                    pending[r][-1].append(i)
+                    paired = False
+                else:
+                    pending[r].append([i])
     clock = {r: 0.0 for r in program}
+
+    def needs(r, kind, chunk, mb):
+        stage = virtual_stage(pp, r, chunk, v_shape)
+        return (("activation", stage, mb) if kind == FORWARD and stage > 0 else
+                ("gradient", stage, mb) if kind == BACKWARD and stage < last else None)
+
     while any(pending.values()):
         progressed = False
         for r in program:
             while pending[r]:
-                kind, chunk, mb = pending[r][0]
-                stage = virtual_stage(pp, r, chunk, v_shape)
-                needs = (("activation", stage, mb) if kind == FORWARD and stage > 0 else
-                         ("gradient", stage, mb) if kind == BACKWARD and stage < last else None)
-                if needs is not None and needs not in made:
+                wanted = [needs(r, *action) for action in pending[r][0]]
+                if any(w is not None and w not in made for w in wanted):
                     break
-                start = max(clock[r], made.get(needs, 0.0))
-                clock[r] = start + (forward if kind == FORWARD else backward)
-                out[r].append((kind, chunk, mb, start, clock[r]))
-                made[("activation", stage + 1, mb) if kind == FORWARD else ("gradient", stage - 1, mb)] = clock[r]
-                pending[r].pop(0)
+                start = max([clock[r]] + [made[w] for w in wanted if w is not None])
+                for kind, chunk, mb in pending[r].pop(0):
+                    clock[r] = start + (forward if kind == FORWARD else backward)
+                    out[r].append((kind, chunk, mb, start, clock[r]))
+                    stage = virtual_stage(pp, r, chunk, v_shape)
+                    made[("activation", stage + 1, mb) if kind == FORWARD else ("gradient", stage - 1, mb)] = clock[r]
+                    start = clock[r]
                 progressed = True
         if not progressed:
             raise RuntimeError("pipeline program cannot make progress")  # a program bug
@@ -275,6 +330,9 @@ class PipelineStage:
     # (training/compiled.py CheckedCompiledStage); None: autograd.vjp of forward
     vjp: Callable | None = None
     v_shape: bool = False  # DualPipeV's placement of the chunks (parallel/pipeline.py)
+    # nodes(chunk, x, labels, tokens): --moe-fb-overlap's forward, a generator giving (output, its
+    # fb_overlap.Tape) that yields while its exchanges travel; None: the forward is one vjp
+    nodes: Callable | None = None
 
     def virtual(self, chunk: int) -> int:
         return virtual_stage(self.pp, self.rank, chunk, self.v_shape)
@@ -299,7 +357,8 @@ def _interleaved_forwards(program: list) -> set:
 
 def forward_backward_pipelining(stage: PipelineStage, program: list, micro_batches, scale: float = 1.0,
                                 float32_grads: bool = False, forward_only: bool = False,
-                                timeline: list | None = None, on_final=None) -> tuple[float, list]:
+                                timeline: list | None = None, on_final=None,
+                                exchanges: dict | None = None) -> tuple[float, list]:
     """Run this rank's part of a pipeline program (pipeline_program()[stage.rank]).
 
     Returns the mean unscaled loss over the micro-batches (0.0 on ranks without the last
@@ -307,10 +366,13 @@ def forward_backward_pipelining(stage: PipelineStage, program: list, micro_batch
     chunk's parameters, chunk after chunk ([] when forward_only). The loss of a micro-batch
     is normalised as without pipelining: the step's loss is the mean of the micro-batches'.
     ``timeline``: when a list, gets (F|B, chunk, micro-batch, start, end) per compute action (as
-    simulated_timeline's) and ("step", None, None, start, end) for the whole program, in
+    simulated_timeline's; "FB" for a --moe-fb-overlap pair, its micro-batches "forward's|backward's")
+    and ("step", None, None, start, end) for the whole program, in
     time.perf_counter seconds (benchmarks/bench_pipeline.py).
     ``on_final``: called with each final gradient (its position in the returned list) during
-    the backward of each chunk's last micro-batch (FinalGradients)."""
+    the backward of each chunk's last micro-batch (FinalGradients). ``exchanges``: a dict whose
+    "hidden" counts the all-to-all exchanges that travelled while another micro-batch computed
+    (--moe-fb-overlap)."""
     features.note_used("pipeline-parallel")
     if stage.v_shape:
         features.note_used("dualpipe")
@@ -321,53 +383,53 @@ def forward_backward_pipelining(stage: PipelineStage, program: list, micro_batch
     interleaved = _interleaved_forwards(program)
     inbox, outbox, pending = {}, {}, {}
     grads = [None] * stage.chunks
-    total_loss = 0.0
+    total_loss = [0.0]
     last_backward = {instruction[1]: instruction[2] for instruction in program if instruction[0] == BACKWARD}
     offsets = [sum(len(p) for p in stage.params[:chunk]) for chunk in range(stage.chunks)]
-    began = time.perf_counter()
-    for instruction in program:
-        kind = instruction[0]
-        if kind == RECV:
-            inbox[instruction[2]] = stage.recv(instruction[1], batches[instruction[2][2]][0])
-            continue
-        if kind == SEND:
-            stage.send(outbox.pop(instruction[2]), instruction[1])
-            continue
-        _, chunk, mb = instruction
+    nodes = stage.nodes is not None and not forward_only
+
+    def forward(chunk, mb):
+        """A forward; with ``nodes`` a generator that yields while its exchanges travel."""
         virtual = stage.virtual(chunk)
-        start = time.perf_counter()
-        if kind == FORWARD:
-            ids, labels, *extra = batches[mb]  # extra: the micro-batch's Tokens (packed sequences, CP)
-            x = ids if virtual == 0 else inbox.pop(("activation", virtual, mb))
-            target = labels if virtual == last else None
-            tokens = extra[0] if extra else None
+        ids, labels, *extra = batches[mb]  # extra: the micro-batch's Tokens (packed sequences, CP)
+        x = ids if virtual == 0 else inbox.pop(("activation", virtual, mb))
+        target = labels if virtual == last else None
+        tokens = extra[0] if extra else None
 
-            def run(x, chunk=chunk, target=target, tokens=tokens):
-                return stage.forward(chunk, x, target, tokens)
+        def run(x):
+            return stage.forward(chunk, x, target, tokens)
 
-            if forward_only:
-                with autograd.no_grad():
-                    out = run(x)
-            elif stage.vjp is not None:
-                out, pending[chunk, mb] = stage.vjp(chunk, x, target, tokens, (chunk, mb) in interleaved)
-            else:
-                out, pending[chunk, mb] = autograd.vjp(run, [x], stage.params[chunk],
-                                                       interleaved=(chunk, mb) in interleaved)
-            if virtual == last:
-                total_loss += float(ops.to_numpy(out)) / scale
-            elif stage.holds(virtual + 1):  # DualPipeV's turn: this rank's other chunk takes it
-                inbox["activation", virtual + 1, mb] = out
-            else:
-                outbox["activation", virtual + 1, mb] = out
-            if timeline is not None:
-                timeline.append((FORWARD, chunk, mb, start, time.perf_counter()))
-            continue
-        # backward: the loss's own cotangent is one (it is already scaled), else the gradient
-        # the next stage sent back
+        if forward_only:
+            with autograd.no_grad():
+                out = run(x)
+        elif nodes:
+            out, pending[chunk, mb] = yield from stage.nodes(chunk, x, target, tokens)
+        elif stage.vjp is not None:
+            out, pending[chunk, mb] = stage.vjp(chunk, x, target, tokens, (chunk, mb) in interleaved)
+        else:
+            out, pending[chunk, mb] = autograd.vjp(run, [x], stage.params[chunk], interleaved=(chunk, mb) in interleaved)
+        if virtual == last:
+            total_loss[0] += float(ops.to_numpy(out)) / scale
+        elif stage.holds(virtual + 1):  # DualPipeV's turn: this rank's other chunk takes it
+            inbox["activation", virtual + 1, mb] = out
+        else:
+            outbox["activation", virtual + 1, mb] = out
+
+    def backward(chunk, mb):
+        """A backward; with ``nodes`` a generator that yields while its exchanges travel."""
+        virtual = stage.virtual(chunk)
+        # the loss's own cotangent is one (it is already scaled), else the gradient the next stage sent back
         cotangent = ops.ones(()) if virtual == last else inbox.pop(("gradient", virtual, mb))
+        final = None
         if on_final is not None and last_backward[chunk] == mb:
-            with FinalGradients(on_final, stage.params[chunk], offsets[chunk], grads[chunk], len(batches), scale,
-                                float32_grads, divide=True):
+            final = FinalGradients(on_final, stage.params[chunk], offsets[chunk], grads[chunk], len(batches), scale,
+                                   float32_grads, divide=True)
+        if nodes:
+            input_grad, param_grads = yield from pending.pop((chunk, mb)).backward(
+                cotangent, None if final is None else final.hook)
+            input_grads = [input_grad]
+        elif final is not None:
+            with final:
                 input_grads, param_grads = pending.pop((chunk, mb))(cotangent)
         else:
             input_grads, param_grads = pending.pop((chunk, mb))(cotangent)
@@ -376,19 +438,47 @@ def forward_backward_pipelining(stage: PipelineStage, program: list, micro_batch
         if float32_grads:
             param_grads = [ops.cast(g, "float32") for g in param_grads]
         grads[chunk] = param_grads if grads[chunk] is None else [a + b for a, b in zip(grads[chunk], param_grads)]
+
+    began = time.perf_counter()
+    at = 0
+    while at < len(program):
+        instruction = program[at]
+        kind = instruction[0]
+        at += 1
+        if kind == RECV:
+            inbox[instruction[2]] = stage.recv(instruction[1], batches[instruction[2][2]][0])
+            continue
+        if kind == SEND:
+            stage.send(outbox.pop(instruction[2]), instruction[1])
+            continue
+        start = time.perf_counter()
+        if kind == PAIR:  # --moe-fb-overlap: a forward beside a backward (without nodes, one after the other)
+            first, second = program[at], program[at + 1]
+            at += 2
+            if nodes:
+                *_, hidden = fb_overlap.run_overlapped(forward(*first[1:]), backward(*second[1:]))
+                if exchanges is not None:
+                    exchanges["hidden"] = exchanges.get("hidden", 0) + hidden
+            else:
+                fb_overlap.run_alone(forward(*first[1:]))
+                fb_overlap.run_alone(backward(*second[1:]))
+            if timeline is not None:  # the pair as one span ("FB", the forward's chunk, "forward's|backward's mb")
+                timeline.append((FORWARD + BACKWARD, first[1], f"{first[2]}|{second[2]}", start, time.perf_counter()))
+            continue
+        fb_overlap.run_alone((forward if kind == FORWARD else backward)(*instruction[1:]))
         if timeline is not None:
-            timeline.append((BACKWARD, chunk, mb, start, time.perf_counter()))
+            timeline.append((kind, instruction[1], instruction[2], start, time.perf_counter()))
     if timeline is not None:
         timeline.append(("step", None, None, began, time.perf_counter()))
     if inbox or outbox or pending:  # a program bug, never bad input
         raise RuntimeError(f"pipeline step left work behind: {sorted(inbox)} {sorted(outbox)} {sorted(pending)}")
     count = len(batches)
     if forward_only:
-        return total_loss / count, []
+        return total_loss[0] / count, []
     flat = [g for chunk_grads in grads for g in (chunk_grads or [])]
     if count > 1 or scale != 1.0:
         flat = [g / (count * scale) for g in flat]
-    return total_loss / count, flat
+    return total_loss[0] / count, flat
 
 
 def pipeline_links(ps, cfg, layout, dtype: str, sequence_shards: int = 1) -> tuple[Callable, Callable, Callable]:
@@ -471,6 +561,11 @@ def forward_backward_func(run, chunk_params: list):
     # low-precision gradients are accumulated in fp32 (Megatron's main_grad), but in bf16 under
     # MindSpeed's --o2-gradient
     float32_grads = run.dtype != "float32" and not run.opt.o2_gradient
+    parallel = run.config.layout
+    unpaired = fb_overlap.why_not(parallel, run.cfg, run.loop.compile) if parallel.fb_overlap else None
+    if unpaired is not None:
+        run.say(f"--moe-fb-overlap pairs nothing here: {unpaired}; each forward and backward runs in turn (the same "
+                "results)")
     if ps.pp == 1:
         model = run.model
         grad_fn = autograd.value_and_grad(losses.of_model(model), run.grad_targets)
@@ -495,9 +590,14 @@ def forward_backward_func(run, chunk_params: list):
     send, recv, from_last = pipeline_links(ps, run.cfg, run.layout, run.dtype, run.chunks[0].sequence_multiple)
     pp_rank = ps.local_rank("pp")
 
-    def stage(forward, vjp=None):
+    def stage(forward, vjp=None, nodes=None):
         return PipelineStage(ps.pp, pp_rank, run.layout.chunks, forward, chunk_params, send=send, recv=recv, vjp=vjp,
-                             v_shape=run.layout.v_shape)
+                             v_shape=run.layout.v_shape, nodes=nodes)
+
+    def in_nodes(chunk, x, labels, tokens):
+        return fb_overlap.chunk_forward(run.chunks[chunk], losses, chunk_params[chunk], x, labels, tokens)
+
+    nodes = in_nodes if parallel.fb_overlap and unpaired is None else None
 
     vjp = None
     if run.loop.compile:  # each chunk's forward compiled, the first micro-batch checked against eager
@@ -511,17 +611,26 @@ def forward_backward_func(run, chunk_params: list):
         vjp = compiled.CheckedCompiledStage(losses.of_compiled_chunk(run.chunks), chunk_params, run.chunks,
                                             [[next(names) for _ in params] for params in chunk_params],
                                             run.scaler, run.dtype, ps, stage_say)
-    train_stage = stage(losses.of_chunk(run.chunks), vjp)
+    train_stage = stage(losses.of_chunk(run.chunks), vjp, nodes)
     eval_stage = stage(losses.of_chunk(run.chunks, scaled=False))
     schedule = DUALPIPEV if run.layout.v_shape else None
-    program = pipeline_program(ps.pp, run.layout.chunks, run.grad_accum, schedule=schedule)[pp_rank]
+    program = pipeline_program(ps.pp, run.layout.chunks, run.grad_accum, schedule=schedule,
+                               fb_overlap=nodes is not None)[pp_rank]
+    if nodes is not None:  # what the flag does on this layout, in the log
+        cut = sum(fb_overlap.cut_layers(chunk) for chunk in run.chunks)
+        run.say(f"--moe-fb-overlap: {sum(i[0] == PAIR for i in program)} of pipeline rank {pp_rank}'s "
+                f"{sum(i[0] == FORWARD for i in program)} forwards a step run beside a backward; "
+                + (f"the all-to-all exchanges of its {cut} MoE layer{'s' * (cut > 1)} travel while the other "
+                   "computes" if cut else
+                   "no MoE layer of it exchanges tokens (EP 1 or the allgather dispatcher): whole layers interleave"))
     eval_program = pipeline_program(ps.pp, run.layout.chunks, max(run.loop.eval_iters, 1), forward_only=True,
                                     schedule=schedule)[pp_rank]
 
     def forward_backward(micro_batches):
         loss, grads = forward_backward_pipelining(train_stage, program, micro_batches, run.scaler.scale,
                                                   float32_grads=float32_grads, timeline=run.timeline,
-                                                  on_final=run.overlap and run.overlap.final)
+                                                  on_final=run.overlap and run.overlap.final,
+                                                  exchanges=run.fb_exchanges)
         return distributed.over_pipeline(loss, ps), grads  # the last stage's loss; zero elsewhere
 
     def forward_only(micro_batches):

@@ -92,7 +92,8 @@ class Trainer:
         if self.rl:
             self.grad_accum = self.grad_accum * self.grpo.num_generations // self.opt.micro_batch_size
             self.tokens_per_step *= self.grpo.num_generations
-        self.timeline = None  # a list to receive the pipeline schedule's timings (benchmarks)
+        self.timeline = None  # a list to receive the pipeline schedule's timings (benchmarks, the --profile window)
+        self.fb_exchanges = {}  # --moe-fb-overlap: {"hidden": exchanges that travelled beside another's compute}
         # called as (iteration, gradients, norm) once a step's gradients are reduced, before the
         # update: the gradients as the optimizer takes them (the layout tests compare them)
         self.after_reduction = None
@@ -410,6 +411,7 @@ class Trainer:
         loop, ckpt, train_iters = self.loop, self.ckpt, self.opt.train_iters
         while self.iteration < train_iters:
             window.before_step(self.iteration)
+            self.timeline = window.schedule  # --profile: the pipeline schedule's actions join the window's traces
             loss, lr, norm = self.train_step(self.iteration)
             self.iteration += 1
             with log.paused():
@@ -508,6 +510,9 @@ class Trainer:
                      if ckpt.save else "nothing saved (no --save)")
             raise Stopped(f"stopped by {signal.Signals(stopped_by).name} after iteration {self.iteration}: {where}",
                           stopped_by)
+        if "hidden" in self.fb_exchanges:  # what --moe-fb-overlap did (counted on each rank; said by rank 0)
+            self.say(f"--moe-fb-overlap: {self.fb_exchanges['hidden']} all-to-all exchanges of pipeline rank 0 travelled "
+                     f"while another micro-batch computed")
         result = {"iterations": self.iteration, "losses": history}
         if loop.sample_tokens and not self.cfg.reward_head:  # a reward model scores text, it writes none
             self._sample(result, log)
