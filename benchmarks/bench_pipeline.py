@@ -15,10 +15,15 @@ are what this machine measures, printed as they are.
 With --timelines FIGURE it measures instead the schedules' own timelines at P = 4 on a mixture-of-
 experts model of 8 layers (top-2 of 4 experts after a dense first layer, one MTP module, 8 micro-
 batches): 1F1B against DualPipeV, each rank's forwards and backwards of its last step as they ran,
-drawn one row per rank (plot.draw_timelines), and each rank's waiting time printed.
+drawn one row per rank (plot.draw_timelines), and each rank's waiting time printed. With
+--timelines-ep FIGURE the same model trains at P = 4 x EP 2 (eight ranks, the experts over each
+data-parallel pair, the alltoall dispatcher) through the Megatron entry script with --profile on its
+last step: 1F1B against DualPipeV with --moe-fb-overlap, read from the window's schedule traces
+(training/profiling.py schedule_rank<r>.trace.json).
 
 usage: python benchmarks/bench_pipeline.py [--frameworks pytorch mindspore] [--steps 4]
        python benchmarks/bench_pipeline.py --timelines docs/pipeline-measured.png [--frameworks pytorch]
+       python benchmarks/bench_pipeline.py --timelines-ep docs/pipeline-fb-overlap.png [--frameworks pytorch]
 """
 
 from __future__ import annotations
@@ -108,6 +113,46 @@ def timelines(framework: str, steps: int, data: str, figure: str) -> None:
     print(f"wrote {figure}")
 
 
+ENTRY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tools", "pretrain_gpt.py")
+EP2 = ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall"]
+
+
+def timelines_ep(framework: str, steps: int, data: str, figure: str) -> None:
+    """1F1B against DualPipeV with --moe-fb-overlap at P = 4 x EP 2, 8 micro-batches a data-parallel
+    rank: the last step of each, from its --profile window's schedule traces."""
+    from mindspeed_core.plot import draw_timelines
+    from mindspeed_core.training.profiling import read_schedule
+
+    from ranks import launch
+
+    drawn = {}
+    print(f"{framework}: each rank's wait in the last step (ms), P = 4 x EP 2, 8 micro-batches a data-parallel rank "
+          "(ranks 2p and 2p + 1: pipeline rank p)")
+    for name, extra in (("1F1B", EP2), ("DualPipeV, --moe-fb-overlap", [*EP2, "--schedules-method", "dualpipev",
+                                                                       "--moe-fb-overlap"])):
+        with tempfile.TemporaryDirectory() as tmp:
+            profile = os.path.join(tmp, "profile")
+            # the window's two last steps: its first pays for the profiler's start on every rank
+            flags = [*MODEL, *MOE, "--data-path", data, "--pipeline-model-parallel-size", "4", "--global-batch-size",
+                     "32", "--train-iters", str(steps), "--profile", "--profile-step-start", str(steps - 2),
+                     "--profile-step-end", str(steps), "--profile-save-path", profile, *extra]
+            launch(framework, 8, [os.path.abspath(ENTRY), *flags], tmp)
+            ranks = []
+            for r in range(8):  # each rank's last step
+                actions = read_schedule(os.path.join(profile, f"schedule_rank{r}.trace.json"))
+                step = [a for a in actions if a[0] == "step"][-1]
+                ranks.append([step] + [a for a in actions if a[0] != "step" and a[3] >= step[3]])
+        begin = min(a[3] for r in ranks for a in r if a[0] == "step")
+        end = max(a[4] for r in ranks for a in r if a[0] == "step")
+        actions = {rank: [(kind, chunk, mb, (t0 - begin) * 1e3, (t1 - begin) * 1e3)
+                          for kind, chunk, mb, t0, t1 in r if kind != "step"] for rank, r in enumerate(ranks)}
+        waits = [(end - begin) * 1e3 - sum(a[4] - a[3] for a in acts) for acts in actions.values()]
+        print(f"  {name:27s} step {(end - begin) * 1e3:7.1f} | waits " + " ".join(f"{w:6.1f}" for w in waits))
+        drawn[f"{name} ({framework}, P4 x EP2, measured): step {(end - begin) * 1e3:.0f} ms"] = actions
+    draw_timelines(drawn, figure, unit="ms from the step's start (all ranks on one clock)")
+    print(f"wrote {figure}")
+
+
 def main() -> None:
     if sys.argv[1:2] == ["rank-worker"]:
         worker(sys.argv[2:])
@@ -116,14 +161,18 @@ def main() -> None:
     parser.add_argument("--frameworks", nargs="+", default=["pytorch", "mindspore"])
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--timelines", default=None, help="measure 1F1B against DualPipeV and draw them to this PNG")
+    parser.add_argument("--timelines-ep", default=None, help="measure 1F1B against DualPipeV with --moe-fb-overlap at "
+                                                             "P4 x EP2 from --profile traces, and draw them to this PNG")
     args = parser.parse_args()
     from mindspeed_core.data.corpus import build_stdlib_corpus
 
     data = build_stdlib_corpus()
-    if args.timelines:
-        for framework in args.frameworks:
-            name = args.timelines if len(args.frameworks) == 1 else args.timelines.replace(".png", f"-{framework}.png")
-            timelines(framework, args.steps, data, name)
+    for figure, measure in ((args.timelines, timelines), (args.timelines_ep, timelines_ep)):
+        if figure:
+            for framework in args.frameworks:
+                name = figure if len(args.frameworks) == 1 else figure.replace(".png", f"-{framework}.png")
+                measure(framework, args.steps, data, name)
+    if args.timelines or args.timelines_ep:
         return
     print("| framework | P | V | m | measured bubble | analytical |")
     print("|---|---|---|---|---|---|")

@@ -510,11 +510,15 @@ LAUNCHED = {
     # without a query latent, the squared-ReLU MLP, tied embeddings)
     "ling_v2/pretrain_ling_mini_16b_4k_ptd.sh": {},
     "plm/pretrain_plm_1point8b_ptd.sh": {},
-    # DeepSeek-V3 (A3) from a deepseek3 folder with its schedule: DualPipeV over two ranks (four layers, two
-    # a rank in a V, the MTP module on the first), --moe-fb-overlap (pairing whole layers: EP 1 here),
-    # --swap-optimizer and the distributed optimizer as the script has them
-    "deepseek3/pretrain_deepseek3_671b_4k_A3_ptd.sh": {"--pipeline-model-parallel-size": "2", "--num-layers": "4"},
+    # DeepSeek-V3 (A3) from a deepseek3 folder with its schedule on four ranks: DualPipeV over two pipeline
+    # ranks (four layers, two a rank in a V, the MTP module on the first) x EP2 (the alltoall dispatcher),
+    # --moe-fb-overlap pairing forwards with backwards, --swap-optimizer and the distributed optimizer as
+    # the script has them; 3 micro-batches a data-parallel rank (DualPipeV's least at PP2)
+    "deepseek3/pretrain_deepseek3_671b_4k_A3_ptd.sh": {"--pipeline-model-parallel-size": "2", "--num-layers": "4",
+                                                       "--expert-model-parallel-size": "2",
+                                                       "--global-batch-size": "6"},
 }
+LAUNCH_RANKS = {"deepseek3/pretrain_deepseek3_671b_4k_A3_ptd.sh": 4}  # the others: 2
 
 
 @pytest.mark.multiprocess
@@ -557,7 +561,8 @@ def test_a_scripts_own_launch_line_trains(framework, paths, tmp_path, script):
         from mindspeed_core.compat import mcore
 
         mcore.save(str(tmp_path / "hf"), 1, cfg, state, mcore.Layout())
-    code, out = launch(framework, 2, str(ROOT / "tools" / "pretrain_gpt.py"), flags, str(tmp_path / "logs"),
+    code, out = launch(framework, LAUNCH_RANKS.get(script, 2), str(ROOT / "tools" / "pretrain_gpt.py"), flags,
+                       str(tmp_path / "logs"),
                        launcher=True)
     status = features.get("bf16").status(framework, runtime.bound().device.type())
     if status.kind in ("unsupported", "planned"):
@@ -566,11 +571,13 @@ def test_a_scripts_own_launch_line_trains(framework, paths, tmp_path, script):
     assert code == 0 and "iteration      2/2" in out and "saved checkpoint" in out, out[-3000:]
     if "--enable-dsa-indexer" in flags:  # the indexers trained (their loss is logged)
         assert "| indexer loss " in out, out[-3000:]
-    if "dualpipev" in flags:  # its schedule, not 1F1B, its forwards and backwards paired by --moe-fb-overlap (at EP 1
-        # the layers interleave whole: no exchange to hide)
-        assert "PP=2 x 2 chunks in a V (DualPipeV)" in out, out[-3000:]
+    if "dualpipev" in flags:  # its schedule, not 1F1B, with its forwards and backwards paired by --moe-fb-overlap and
+        # the all-to-all exchanges of the first rank's MoE layer travelling beside the other micro-batch's compute
+        assert "PP=2 x 2 chunks in a V (DualPipeV) EP=2 (alltoall dispatcher)" in out, out[-3000:]
         assert re.search(r"--moe-fb-overlap: [1-9]\d* of pipeline rank 0's \d+ forwards a step run beside a backward; "
-                         r"no MoE layer of it exchanges tokens", out), out[-3000:]
+                         r"the all-to-all exchanges of its 1 MoE layer travel", out), out[-3000:]
+        assert re.search(r"--moe-fb-overlap: [1-9]\d* all-to-all exchanges of pipeline rank 0 travelled", out), \
+            out[-3000:]
     if "--moe-fb-overlap" in flags and "--enable-dsa-indexer" in flags:  # not paired (no pipeline here, or the
         # indexers): said, and trained as without
         assert "--moe-fb-overlap pairs nothing here: " in out, out[-3000:]
