@@ -187,6 +187,11 @@ _FB_OVERLAP = ("in 1F1B's steady state (one warm-up forward more), interleaved 1
                "(attention and routing, dispatch, experts, combine, output) and stepped in turn, so one's all-to-all "
                "({}) travels while the other computes; the same bits. With PP 1, --compile or sparse attention "
                "the run says why nothing is paired")
+_MUON = ("megatron-core's choice of matrices (every 2-D weight but embeddings and the output layer, the router's "
+         "included; the experts' stacked weights expert by expert) get momentum orthogonalised by a float32 "
+         "Newton-Schulz iteration through the facade, the q/k/v weight per query, key and value rows; the rest "
+         "AdamW. One process, and layouts that keep each matrix whole on a rank (DP, PP, EP); TP, the "
+         "distributed optimizer and fp16 are refused")
 _ZERO_MEMORY = ("level0: the dispatched rows (fc1's input) and the activation (fc2's input) are not kept; in "
                 "backward the dispatch (its all-to-all under EP) and fc1 run again before fc1's backward, and the "
                 "activation and fc2 before fc2's (MindSpeed keeps fc1's output and does not run fc1 or fc2 again); "
@@ -496,6 +501,8 @@ FEATURES: tuple[Feature, ...] = (
                     "pipeline schedule", instead="--recompute-granularity full"),
             planned("not built: as on PyTorch", instead="--recompute-granularity full"),
             _on("recompute_in_advance")),
+    Feature("muon", "The Muon optimizer (--optimizer muon), AdamW for the rest", "optimizer", ("--optimizer muon",),
+            supported(_MUON), supported(_MUON), _eq("optimizer", "muon")),
     Feature("o2-bf16-optimizer", "O2 BF16 optimizer (bf16 optimizer states)", "memory", ("--o2-optimizer",),
             supported("Adam moments kept in bf16, widened to fp32 for each update (with --bf16; also sharded by the "
                       "distributed optimizer)"),

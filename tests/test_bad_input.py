@@ -127,6 +127,18 @@ CASES = [
                                                   "--seq-length", "8"], "depths 8 and beyond have no targets"),
     ("train-mtp-deeper-than-the-model", lambda t, c: ["train", *SMALL, "--data-path", c, "--mtp-num-layers", "3"],
      "--mtp-num-layers 3 exceeds the model's 2 layers"),
+    # --optimizer muon: what it does not run with, and its settings
+    *[(f"train-muon-{case}", (lambda extra: lambda t, c: ["train", *SMALL, "--data-path", c, "--optimizer", "muon",
+                                                          *extra])(extra), fragment)
+      for case, extra, fragment in (
+          ("fp16", ["--fp16"], "--optimizer muon with --fp16 is not defined"),
+          ("distributed", ["--use-distributed-optimizer"], "Muon with the distributed optimizer"),
+          ("coefficients", ["--muon-coefficient-type", "polar_express"],
+           "--muon-coefficient-type 'polar_express' is not built here: choose quintic or simple"),
+          ("ns-steps-0", ["--muon-num-ns-steps", "0"], "--muon-num-ns-steps"),
+          ("lion", ["--muon-scalar-optimizer", "lion"], "--muon-scalar-optimizer lion is not built here"))],
+    ("train-dist-muon", lambda t, c: ["train", *SMALL, "--data-path", c, "--optimizer", "dist_muon"],
+     "Muon with the distributed optimizer"),
     # --moe-fb-overlap beside what it does not combine with
     ("train-fb-overlap-and-a2a-overlap", lambda t, c: ["train", *SMALL, "--data-path", c, "--num-experts", "4",
                                                        "--moe-fb-overlap", "--moe-alltoall-overlap-comm"],

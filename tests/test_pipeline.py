@@ -288,6 +288,9 @@ MOE_MTP = SMALL4 + ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-h
                     "--mtp-loss-scaling-factor", "0.3", "--untie-embeddings-and-output-weights", "--eval-iters", "3",
                     "--eval-interval", "2", "--split", "90,10,0"]
 MODELS["moe-mtp"] = MOE_MTP
+# Muon for the matrices (Nesterov, the shape_scaling rule), AdamW for the rest: each stage's matrices whole
+MODELS["muon"] = SMALL4 + ["--optimizer", "muon", "--muon-nesterov", "--muon-scale-mode", "shape_scaling",
+                           "--weight-decay", "0.1"]
 # the same on 8 layers, 7 micro-batches a step: DualPipeV's least at PP4 (2P - 1)
 MODELS["moe-mtp-8"] = MOE_MTP + ["--num-layers", "8", "--global-batch-size", "14"]
 # 12 sequences a step: 3 micro-batches on each of two data-parallel ranks (DualPipeV's least at PP2)
@@ -310,6 +313,7 @@ TWO = [  # (name, model, flags), on two ranks
     ("pp2-tied", "tied", PP + ["2"]),
     ("pp2-hybrid", "hybrid", PP + ["2"]),
     ("pp2-dualpipev", "moe-mtp", PP + ["2", "--schedules-method", "dualpipev", "--save", "{out}/ckpt-dualpipev"]),
+    ("pp2-muon", "muon", PP + ["2"]),
 ]
 FOUR = [
     ("pp4", "base", PP + ["4", "--save", "{out}/ckpt-pp4", "--save-interval", str(LAYOUT_ITERS)]),
@@ -424,9 +428,10 @@ def resume_single(capsys, corpus, ckpt, model, tmp_path, want, first):  # noqa: 
 @pytest.mark.feature("gated-deltanet")
 @pytest.mark.feature("attention-output-gate")
 @pytest.mark.feature("dualpipe")
+@pytest.mark.feature("muon")
 def test_pipelines_on_two_ranks_equal_one_process(capsys, framework, corpus, single, two, tmp_path):  # noqa: F811
     """PP2 (saving), interleaved, no-op layers, an uneven split, tied embeddings, a gated-DeltaNet
-    hybrid, and a PP2 run started from a single-process checkpoint: one launch."""
+    hybrid, Muon, and a PP2 run started from a single-process checkpoint: one launch."""
     table = {}
     out = two
     check_parity(out, TWO, single, table)

@@ -19,6 +19,7 @@ from mindspeed_core.parallel.plan import ParallelPlan
 from mindspeed_core.training import distributed, model_source, resume, routing, sharded_checkpoint
 from mindspeed_core.training.configuration import memory_needed
 from mindspeed_core.training.distributed_optimizer import DistributedAdamW
+from mindspeed_core.training.muon import Muon
 from mindspeed_core.training.optimizer import AdamW
 
 
@@ -80,10 +81,10 @@ def cast_for_mixed_precision(chunks: list, moe_layers: list, dtype: str, norms_f
         features.note_used("init-norm-weight-fp32")
 
 
-def optimizer(named: list, train_plan, plan, ps, optimization, distributed_optimizer: bool, saved=None):
-    """AdamW, or the distributed optimizer, over the trained parameters ``named``, as
+def optimizer(named: list, train_plan, plan, ps, optimization, distributed_optimizer: bool, saved=None, cfg=None):
+    """AdamW, the distributed optimizer, or Muon, over the trained parameters ``named``, as
     ``optimization`` (configuration.Optimization) says; with ``saved`` (arrays, steps) of a
-    checkpoint, this rank's slices of its state."""
+    checkpoint, this rank's slices of its state. ``cfg``: the model's (Muon's q/k/v split)."""
     o = optimization
     common = (named, o.lr, o.weight_decay, o.betas, o.eps)
     moment_dtype = "bfloat16" if o.o2_optimizer else "float32"
@@ -93,6 +94,11 @@ def optimizer(named: list, train_plan, plan, ps, optimization, distributed_optim
         opt = DistributedAdamW(*common, ps=ps, plan=train_plan, moment_dtype=moment_dtype,
                                reuse_fp32_param=o.reuse_fp32_param, bucket_elements=o.bucket_elements,
                                grad_dtype="bfloat16" if o.o2_gradient else "float32", swap_pieces=o.swap_pieces)
+    elif o.muon is not None:
+        m = o.muon
+        opt = Muon(*common, ps=ps, plan=train_plan, moment_dtype=moment_dtype, bucket_elements=o.bucket_elements,
+                   momentum=m.momentum, nesterov=m.nesterov, ns_steps=m.ns_steps, coefficients=m.coefficients,
+                   scale_mode=m.scale_mode, extra_scale=m.extra_scale, split_qkv=m.split_qkv, cfg=cfg)
     else:
         opt = AdamW(*common, ps=ps, plan=train_plan, moment_dtype=moment_dtype, bucket_elements=o.bucket_elements)
     if isinstance(saved, sharded_checkpoint.Reader):

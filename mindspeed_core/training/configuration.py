@@ -163,6 +163,19 @@ class Optimization:
     loss_chunk: int | None = None
     # --init-norm-weight-in-fp32: under --bf16 / --fp16 the norms' weights and biases stay float32
     norms_float32: bool = False
+    muon: MuonOptions | None = None  # --optimizer muon (training/muon.py); None: AdamW
+
+
+@dataclasses.dataclass(frozen=True)
+class MuonOptions:
+    """--optimizer muon's settings (the --muon-* flags)."""
+    momentum: float
+    nesterov: bool
+    ns_steps: int
+    coefficients: tuple
+    scale_mode: str
+    extra_scale: float
+    split_qkv: bool
 
 
 @dataclasses.dataclass(frozen=True)
@@ -328,7 +341,7 @@ def configure(args, world: int, framework: str | None = None) -> RunConfig:
             (work.swap_optimizer_times or SWAP_OPTIMIZER_TIMES) if work.swap_optimizer else None,
             bool(work.calculate_per_token_loss),
             (work.loss_chunk_size or LOSS_CHUNK) if work.loss_compute_mode == "chunk" else None,
-            bool(work.init_norm_weight_in_fp32)),
+            bool(work.init_norm_weight_in_fp32), muon_options(work)),
         data=Data(embedded, tuple(work.data_path) if work.data_path else None, work.split, work.seq_length, work.seed,
                   tokenizer.name, not work.no_shuffle,
                   pad_multiple(work.pad_to_multiple_of, tp, cp, work.sequence_parallel)
@@ -1059,6 +1072,7 @@ def check_configuration(args, world: int, default_save: bool = False):
     if args.overlap_param_gather and not args.use_distributed_optimizer:  # as Megatron
         raise MindSpeedError("--overlap-param-gather overlaps the distributed optimizer's gathering of the updated "
                              "parameters: add --use-distributed-optimizer")
+    _check_muon(args, args.tensor_model_parallel_size)
     dtype = "bfloat16" if args.bf16 else "float16" if args.fp16 else "float32"
     if not device.supports_dtype(dtype):
         raise MindSpeedError(f"{dtype} training is not available on {runtime.bound().NAME} "
@@ -1224,6 +1238,41 @@ def pipeline_layout(args, cfg: ModelConfig) -> pipeline.PipelineLayout:
     configuration has it as ParallelLayout.stages)."""
     return pipeline.model_layout(cfg, args.pipeline_model_parallel_size, args.num_layers_per_virtual_pipeline_stage,
                                  args.num_layer_list, getattr(args, "schedules_method", None) == "dualpipev")
+
+
+def muon_options(args) -> MuonOptions | None:
+    if args.optimizer != "muon":
+        return None
+    return MuonOptions(args.muon_momentum, bool(args.muon_nesterov), args.muon_num_ns_steps,
+                       MUON_COEFFICIENTS[args.muon_coefficient_type], args.muon_scale_mode,
+                       args.muon_extra_scale_factor, bool(args.muon_split_qkv))
+
+
+# --muon-coefficient-type: the Newton-Schulz coefficient sets built here (a, b, c of a X + b A X + c A^2 X)
+MUON_COEFFICIENTS = {"quintic": (3.4445, -4.7750, 2.0315), "simple": (1.5, -0.5, 0.0)}
+
+
+def _check_muon(args, tp: int) -> None:
+    """What --optimizer muon does not run with yet, and its settings' values."""
+    if args.optimizer == "dist_muon" or (args.optimizer == "muon" and args.use_distributed_optimizer):
+        raise MindSpeedError("Muon with the distributed optimizer (--optimizer dist_muon, or muon with "
+                             "--use-distributed-optimizer: megatron-core's layer-wise sharding) is not built here yet: "
+                             "use --optimizer muon without --use-distributed-optimizer")
+    if args.optimizer != "muon":
+        return
+    if args.muon_coefficient_type not in MUON_COEFFICIENTS:
+        raise MindSpeedError(f"--muon-coefficient-type {args.muon_coefficient_type!r} is not built here: choose "
+                             f"{' or '.join(MUON_COEFFICIENTS)}")
+    if args.muon_scalar_optimizer != "adam":
+        raise MindSpeedError("--muon-scalar-optimizer lion is not built here: the parameters Muon leaves train with "
+                             "AdamW (--muon-scalar-optimizer adam)")
+    if args.fp16:
+        raise MindSpeedError("--optimizer muon with --fp16 is not defined (as in megatron-core and MindSpeed-LLM): "
+                             "use --bf16")
+    if tp > 1:
+        raise MindSpeedError(f"--optimizer muon under tensor parallelism (TP {tp}) is not built here yet: its "
+                             "Newton-Schulz iteration needs each matrix whole; use data, pipeline or expert "
+                             "parallelism")
 
 
 def _check_dualpipev(args, cfg: ModelConfig) -> None:

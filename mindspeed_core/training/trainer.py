@@ -167,7 +167,7 @@ class Trainer:
                 and ckpt.load_optimizer)
         self.optimizer = build.optimizer(list(zip(self.train_names, self.train_params)), self.train_plan,
                                          self.plan, ps, self.opt, config.layout.distributed_optimizer,
-                                         saved_optimizer if keep else None)
+                                         saved_optimizer if keep else None, self.cfg)
         if shards is not None:
             read = distributed.gather_json(shards.bytes_read, ps)
             self.say(f"read {sum(read) / 2**20:.2f} MiB of the checkpoint's {shards.total_bytes() / 2**20:.2f} MiB; "
@@ -472,6 +472,8 @@ class Trainer:
                      f"optimizer state {self.optimizer.state_bytes() / 2**20:.2f} MiB on this rank "
                      f"{'(in host memory: --swap-optimizer) ' if self.opt.swap_pieces else ''}"
                      f"({self.optimizer_bytes_unsharded() / 2**20:.2f} MiB without --use-distributed-optimizer)")
+        if hasattr(self.optimizer, "describe"):  # --optimizer muon: which parameters it updates
+            self.say(self.optimizer.describe())
         progress = Progress(self.opt.train_iters, "train", min_interval=1.0) if loop.progress and not self.ps.rank \
             else None
         if progress:

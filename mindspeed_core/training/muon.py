@@ -1,0 +1,209 @@
+"""Muon (--optimizer muon): momentum orthogonalised by a Newton-Schulz iteration for the
+matrices, AdamW for the rest, written with facade ops only.
+
+Which parameters, as megatron-core 0.16 chooses them (optimizer/muon.py): every trained
+two-dimensional weight but the word and position embeddings and the output layer (the router's
+weight included); the experts' stacked weights [E, in, out] as E matrices. Norms, biases and
+every other shape fall back to AdamW with the run's --adam-* settings and learning rate.
+
+One step of a matrix W with gradient G, as megatron-core's and torch.optim.Muon's:
+
+    W  <- W (1 - lr wd)                       decoupled weight decay
+    M  <- M + (1 - mu) (G - M)                 the momentum, an average of the gradients
+    U  <- G + mu (M - G) with Nesterov, else M
+    W  <- W - lr s NS(U)                       s: the update scale rule, times the extra factor
+
+NS(U) runs ``steps`` quintic Newton-Schulz iterations X <- a X + (b A + c A^2) X, A = X X^T,
+from X = U / |U|_F on the wide orientation (a tall U is transposed, then back), in float32.
+With the qkv split (megatron-core's default) a fused q/k/v weight [groups x (q + k + v) rows,
+hidden] is orthogonalised per logical matrix: all query rows, all key rows, all value rows
+(and with an attention output gate, its gate rows), each scaled by its own shape; a gated
+MLP's fused gate/up weight stays one matrix, as in megatron-core.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from mindspeed_core import autograd, features, nn, ops
+from mindspeed_core.errors import CheckpointError
+from mindspeed_core.training.optimizer import AdamW, adamw, missing_state, narrow, widen
+
+QUINTIC = (3.4445, -4.7750, 2.0315)  # megatron-core's (and torch's) default coefficients
+SCALE_MODES = ("spectral", "shape_scaling", "unit_rms_norm")
+EPS = 1e-7  # the norm's floor before the iteration (torch.optim.Muon's)
+
+
+def scale_factor(rows: int, columns: int, mode: str) -> float:
+    """The update's scale for a [rows (out), columns (in)] matrix: spectral sqrt(max(rows, columns));
+    shape_scaling sqrt(max(1, rows / columns)) (Keller Jordan's, torch.optim.Muon's "original");
+    unit_rms_norm sqrt(rows / columns)."""
+    if mode == "spectral":
+        return math.sqrt(max(rows, columns))
+    if mode == "shape_scaling":
+        return math.sqrt(max(1.0, rows / columns))
+    if mode == "unit_rms_norm":
+        return math.sqrt(rows / columns)
+    raise ValueError(f"unknown Muon scale mode {mode!r} ({', '.join(SCALE_MODES)})")
+
+
+def newton_schulz(u, steps: int, coefficients=QUINTIC):
+    """The orthogonalisation of the 2-D float32 tensor ``u`` (see the module's text)."""
+    a, b, c = coefficients
+    tall = u.shape[0] > u.shape[1]
+    x = ops.transpose(u, 0, 1) if tall else u
+    x = x / ops.maximum(ops.sqrt(ops.sum(x * x)), ops.full((), EPS))
+    for _ in range(steps):
+        gram = ops.matmul(x, ops.transpose(x, 0, 1))
+        x = x * a + ops.matmul(gram * b + ops.matmul(gram, gram) * c, x)
+    return ops.transpose(x, 0, 1) if tall else x
+
+
+def uses_muon(name: str, param) -> bool:
+    """Whether Muon updates the trained parameter ``name`` (else AdamW): a matrix that is not an
+    embedding or the output layer, or an MoE layer's stacked expert weights."""
+    if name.endswith((".experts.weight1", ".experts.weight2")):
+        return len(param.shape) == 3
+    if "embedding" in name or name.startswith(("output_layer.", "rm_head.")):  # the model's ends
+        return False
+    return len(param.shape) == 2
+
+
+def logical_rows(name: str, rows: int, cfg) -> list[list[int]] | None:
+    """The row groups a fused weight is orthogonalised in (each a list of row indices): a q/k/v
+    weight's query, (gate,) key and value rows over every query group; None: one matrix."""
+    if cfg is None or not name.endswith("self_attention.linear_qkv.weight"):
+        return None
+    d, groups = cfg.kv_channels, cfg.num_query_groups
+    per_group = cfg.num_attention_heads // groups
+    parts = [per_group * d] * (2 if cfg.attention_output_gate else 1) + [d, d]
+    if sum(parts) * groups != rows:  # not the layout this rule knows (a latent attention's): one matrix
+        return None
+    out, start = [], 0
+    for width in parts:
+        out.append([g * sum(parts) + start + i for g in range(groups) for i in range(width)])
+        start += width
+    return out
+
+
+class Muon(AdamW):
+    """Muon for the matrices, AdamW for the rest, over the trained parameters ``named_params``
+    (the trainer drives it as it drives AdamW: prepare, grad_norm, step). ``cfg``: the model's
+    configuration (the q/k/v split's head layout), or None."""
+
+    def __init__(self, named_params, lr: float, weight_decay: float = 0.0, betas=(0.9, 0.999), eps: float = 1e-8,
+                 ps=None, plan=None, moment_dtype: str = "float32", bucket_elements: int | None = None,
+                 momentum: float = 0.95, nesterov: bool = False, ns_steps: int = 5, coefficients=QUINTIC,
+                 scale_mode: str = "spectral", extra_scale: float = 1.0, split_qkv: bool = True, cfg=None):
+        super().__init__(named_params, lr, weight_decay, betas, eps, ps, plan, moment_dtype, bucket_elements)
+        if ns_steps < 1:
+            raise ValueError(f"Newton-Schulz steps must be at least 1, not {ns_steps}")
+        scale_factor(1, 1, scale_mode)  # an unknown mode fails here, not at the first step
+        self.momentum_beta, self.nesterov, self.ns_steps = momentum, nesterov, ns_steps
+        self.coefficients, self.scale_mode, self.extra_scale = tuple(coefficients), scale_mode, extra_scale
+        self.orthogonal = [uses_muon(n, p) for n, p in self.named]
+        self.rows = [logical_rows(n, p.shape[0], cfg) if split_qkv and o else None
+                     for (n, p), o in zip(self.named, self.orthogonal)]
+        # a matrix keeps one momentum buffer instead of Adam's two moments
+        self.momentum = [ops.zeros(p.shape, dtype=moment_dtype) if o else None
+                         for (_, p), o in zip(self.named, self.orthogonal)]
+        self.exp_avg = [None if o else m for m, o in zip(self.exp_avg, self.orthogonal)]
+        self.exp_avg_sq = [None if o else v for v, o in zip(self.exp_avg_sq, self.orthogonal)]
+
+    def describe(self) -> str:
+        """What updates what, for the log."""
+        counts = [(sum(1 for o in self.orthogonal if o == kind),
+                   sum(ops.numel(p) for (_, p), o in zip(self.named, self.orthogonal) if o == kind)) for kind in (True, False)]
+        rule = (f"momentum {self.momentum_beta}{', Nesterov' if self.nesterov else ''}, {self.ns_steps} Newton-Schulz "
+                f"steps, {self.scale_mode} scale x {self.extra_scale}")
+        return (f"optimizer: Muon for {counts[0][0]} matrices ({counts[0][1]:,} parameters; {rule}), AdamW for "
+                f"{counts[1][0]} others ({counts[1][1]:,} parameters: embeddings, output layer, norms, biases)")
+
+    def state_bytes(self) -> int:
+        held = [t for t in self.exp_avg + self.exp_avg_sq + self.momentum if t is not None]
+        masters = sum(ops.numel(w) for w in self.master if w is not None)
+        return 4 * masters + (2 if self.moment_dtype == "bfloat16" else 4) * sum(ops.numel(t) for t in held)
+
+    def _orthogonalised(self, i: int, u):
+        """The scaled NS(u) of parameter i's update direction ``u`` (float32, its shape)."""
+        if len(u.shape) == 3:  # stacked experts [E, in, out]: each expert's [out, in] matrix
+            return ops.stack([ops.transpose(self._matrix(ops.transpose(u[e], 0, 1)), 0, 1)
+                              for e in range(u.shape[0])])
+        rows = self.rows[i]
+        if rows is None:
+            return self._matrix(u)
+        parts = [self._matrix(ops.index_select(u, 0, ops.tensor(np.asarray(r, np.int64)))) for r in rows]
+        order = np.argsort(np.concatenate([np.asarray(r, np.int64) for r in rows])).astype(np.int64)
+        return ops.index_select(ops.cat(parts, dim=0), 0, ops.tensor(order))
+
+    def _matrix(self, u):
+        scale = scale_factor(u.shape[0], u.shape[1], self.scale_mode) * self.extra_scale
+        return newton_schulz(u, self.ns_steps, self.coefficients) * scale
+
+    def step(self, grads, lr: float, scale: float = 1.0, gather_later: bool = False) -> None:
+        self.steps += 1
+        features.note_used("muon")
+        with autograd.no_grad():
+            if scale != 1.0:
+                grads = [g * scale for g in grads]
+            weights = [p if w is None else w for (_, p), w in zip(self.named, self.master)]
+            fallback = [i for i, o in enumerate(self.orthogonal) if not o]
+            if fallback:
+                decays = [self.weight_decay if self.decay[i] else 0.0 for i in fallback]
+                new, m, v = adamw([weights[i] for i in fallback], [grads[i] for i in fallback],
+                                  widen([self.exp_avg[i] for i in fallback]),
+                                  widen([self.exp_avg_sq[i] for i in fallback]), lr, decays, self.betas, self.eps,
+                                  self.steps)
+                for j, i in enumerate(fallback):
+                    weights[i] = new[j]
+                    self.exp_avg[i], self.exp_avg_sq[i] = narrow([m[j], v[j]], self.moment_dtype)
+            mu = self.momentum_beta
+            for i, o in enumerate(self.orthogonal):
+                if not o:
+                    continue
+                g = ops.cast(grads[i], "float32")
+                w = weights[i] if ops.dtype_of(weights[i]) == "float32" else ops.cast(weights[i], "float32")
+                if self.weight_decay:
+                    w = w * (1.0 - lr * self.weight_decay)
+                buf = widen([self.momentum[i]])[0]
+                buf = buf + (g - buf) * (1.0 - mu)
+                u = g + (buf - g) * mu if self.nesterov else buf
+                weights[i] = w - self._orthogonalised(i, u) * lr
+                self.momentum[i] = narrow([buf], self.moment_dtype)[0]
+            for i, ((_, p), w) in enumerate(zip(self.named, weights)):
+                if self.master[i] is not None:
+                    self.master[i] = w
+                if w is not p:
+                    nn.assign(p, w)
+
+    def state(self) -> dict:
+        out = {}
+        for (name, _), m, v, b, w in zip(self.named, self.exp_avg, self.exp_avg_sq, self.momentum, self.master):
+            if b is not None:
+                out[f"momentum.{name}"] = b
+            else:
+                out[f"exp_avg.{name}"], out[f"exp_avg_sq.{name}"] = m, v
+            if w is not None:
+                out[f"master.{name}"] = w
+        return out
+
+    def load_state(self, tensors: dict, steps: int) -> None:
+        for i, (name, p) in enumerate(self.named):
+            stores = [("momentum", self.momentum)] if self.orthogonal[i] else \
+                [("exp_avg", self.exp_avg), ("exp_avg_sq", self.exp_avg_sq)]
+            if self.master[i] is not None:
+                stores.append(("master", self.master))
+            for key, store in stores:
+                t = tensors.get(f"{key}.{name}")
+                if t is None:
+                    raise CheckpointError(missing_state(key, name) if key != "momentum" or
+                                          f"exp_avg.{name}" not in tensors else
+                                          f"the checkpoint's optimizer state of {name} is AdamW's: it was saved "
+                                          f"without --optimizer muon; start from its weights with --no-load-optim")
+                if tuple(t.shape) != tuple(p.shape):
+                    raise CheckpointError(f"optimizer {key} of {name} has shape {tuple(t.shape)}, "
+                                          f"the model's is {tuple(p.shape)}")
+                store[i] = ops.cast(t, "float32" if key == "master" else self.moment_dtype)
+        self.steps = steps
