@@ -547,20 +547,25 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
     t.add_argument("--optimizer", choices=("adam", "muon", "dist_muon"), default="adam",
                    help="adam (AdamW), or muon: Newton-Schulz-orthogonalised momentum for the matrices, AdamW for "
                         "embeddings, the output layer, norms and biases")
-    t.add_argument("--muon-momentum", type=PROBABILITY, default=0.95)
-    t.add_argument("--muon-nesterov", "--muon-use-nesterov", dest="muon_nesterov", action="store_true")
-    t.add_argument("--muon-no-split-qkv", dest="muon_split_qkv", action="store_false",
+    # (default None: given without --optimizer muon, they are refused; configuration.MUON_DEFAULTS)
+    t.add_argument("--muon-momentum", type=PROBABILITY, default=None, help="default 0.95")
+    t.add_argument("--muon-nesterov", "--muon-use-nesterov", dest="muon_nesterov", action="store_true", default=None)
+    t.add_argument("--muon-no-split-qkv", dest="muon_split_qkv", action="store_false", default=None,
                    help="orthogonalise a fused q/k/v weight as one matrix, not its query, key and value rows apart")
-    t.add_argument("--muon-scale-mode", choices=("spectral", "unit_rms_norm", "shape_scaling"), default="spectral")
-    t.add_argument("--muon-fp32-matmul-prec", choices=("low", "medium", "high"), default="medium",
-                   help="an accelerator's float32 matmul precision for the iteration; the CPU multiplies in float32")
-    t.add_argument("--muon-coefficient-type", default="quintic", help="the Newton-Schulz coefficients: quintic "
-                                                                      "(a, b, c = 3.4445, -4.7750, 2.0315) or simple")
-    t.add_argument("--muon-num-ns-steps", type=POSITIVE_INT, default=5)
-    t.add_argument("--muon-tp-mode", choices=("blockwise", "duplicated", "distributed"), default="blockwise")
-    t.add_argument("--muon-extra-scale-factor", type=POSITIVE, default=1.0)
-    t.add_argument("--muon-scalar-optimizer", choices=("adam", "lion"), default="adam",
-                   help="the optimizer of what Muon does not update")
+    t.add_argument("--muon-scale-mode", choices=("spectral", "unit_rms_norm", "shape_scaling"), default=None,
+                   help="default spectral")
+    t.add_argument("--muon-fp32-matmul-prec", choices=("low", "medium", "high"), default=None,
+                   help="an accelerator's float32 matmul precision for the iteration (default medium); the CPU "
+                        "multiplies in float32 whatever it says")
+    t.add_argument("--muon-coefficient-type", default=None, help="the Newton-Schulz coefficients: quintic "
+                                                                 "(a, b, c = 3.4445, -4.7750, 2.0315; the default) "
+                                                                 "or simple")
+    t.add_argument("--muon-num-ns-steps", type=POSITIVE_INT, default=None, help="default 5")
+    t.add_argument("--muon-tp-mode", choices=("blockwise", "duplicated", "distributed"), default=None,
+                   help="how TP shards are orthogonalised (default blockwise); Muon under TP is refused here yet")
+    t.add_argument("--muon-extra-scale-factor", type=POSITIVE, default=None, help="default 1.0")
+    t.add_argument("--muon-scalar-optimizer", choices=("adam", "lion"), default=None,
+                   help="the optimizer of what Muon does not update (default adam)")
     t.add_argument("--adam-beta1", type=PROBABILITY, default=0.9)
     t.add_argument("--adam-beta2", type=PROBABILITY, default=0.999)
     t.add_argument("--adam-eps", type=POSITIVE, default=1e-8)

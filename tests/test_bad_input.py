@@ -139,6 +139,8 @@ CASES = [
           ("lion", ["--muon-scalar-optimizer", "lion"], "--muon-scalar-optimizer lion is not built here"))],
     ("train-dist-muon", lambda t, c: ["train", *SMALL, "--data-path", c, "--optimizer", "dist_muon"],
      "Muon with the distributed optimizer"),
+    ("train-muon-flag-with-adamw", lambda t, c: ["train", *SMALL, "--data-path", c, "--muon-momentum", "0.9"],
+     "--muon-momentum qualifies --optimizer muon, and this run uses AdamW"),
     # --moe-fb-overlap beside what it does not combine with
     ("train-fb-overlap-and-a2a-overlap", lambda t, c: ["train", *SMALL, "--data-path", c, "--num-experts", "4",
                                                        "--moe-fb-overlap", "--moe-alltoall-overlap-comm"],

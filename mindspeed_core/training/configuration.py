@@ -1240,12 +1240,24 @@ def pipeline_layout(args, cfg: ModelConfig) -> pipeline.PipelineLayout:
                                  args.num_layer_list, getattr(args, "schedules_method", None) == "dualpipev")
 
 
+# the --muon-* flags (their parser default None: given or not) and their defaults (MindSpeed-LLM's)
+MUON_DEFAULTS = {"muon_momentum": 0.95, "muon_nesterov": False, "muon_split_qkv": True, "muon_scale_mode": "spectral",
+                 "muon_fp32_matmul_prec": "medium", "muon_coefficient_type": "quintic", "muon_num_ns_steps": 5,
+                 "muon_tp_mode": "blockwise", "muon_extra_scale_factor": 1.0, "muon_scalar_optimizer": "adam"}
+
+
+def _muon(args, name: str):
+    value = getattr(args, name, None)
+    return MUON_DEFAULTS[name] if value is None else value
+
+
 def muon_options(args) -> MuonOptions | None:
     if args.optimizer != "muon":
         return None
-    return MuonOptions(args.muon_momentum, bool(args.muon_nesterov), args.muon_num_ns_steps,
-                       MUON_COEFFICIENTS[args.muon_coefficient_type], args.muon_scale_mode,
-                       args.muon_extra_scale_factor, bool(args.muon_split_qkv))
+    return MuonOptions(_muon(args, "muon_momentum"), bool(_muon(args, "muon_nesterov")),
+                       _muon(args, "muon_num_ns_steps"), MUON_COEFFICIENTS[_muon(args, "muon_coefficient_type")],
+                       _muon(args, "muon_scale_mode"), _muon(args, "muon_extra_scale_factor"),
+                       bool(_muon(args, "muon_split_qkv")))
 
 
 # --muon-coefficient-type: the Newton-Schulz coefficient sets built here (a, b, c of a X + b A X + c A^2 X)
@@ -1259,11 +1271,16 @@ def _check_muon(args, tp: int) -> None:
                              "--use-distributed-optimizer: megatron-core's layer-wise sharding) is not built here yet: "
                              "use --optimizer muon without --use-distributed-optimizer")
     if args.optimizer != "muon":
+        given = [name for name in MUON_DEFAULTS if getattr(args, name, None) is not None]
+        if given:  # a setting of an optimizer that does not run: refused, not ignored
+            flag = {"muon_split_qkv": "--muon-no-split-qkv"}.get(given[0], "--" + given[0].replace("_", "-"))
+            raise MindSpeedError(f"{flag} qualifies --optimizer muon, and this run uses AdamW: add --optimizer muon "
+                                 f"or drop {flag}")
         return
-    if args.muon_coefficient_type not in MUON_COEFFICIENTS:
+    if _muon(args, "muon_coefficient_type") not in MUON_COEFFICIENTS:
         raise MindSpeedError(f"--muon-coefficient-type {args.muon_coefficient_type!r} is not built here: choose "
                              f"{' or '.join(MUON_COEFFICIENTS)}")
-    if args.muon_scalar_optimizer != "adam":
+    if _muon(args, "muon_scalar_optimizer") != "adam":
         raise MindSpeedError("--muon-scalar-optimizer lion is not built here: the parameters Muon leaves train with "
                              "AdamW (--muon-scalar-optimizer adam)")
     if args.fp16:
