@@ -116,9 +116,12 @@ def test_pipeline_programs_run_to_the_end_with_1f1b_memory(pp, chunks, micro_bat
             assert sent == received
     if chunks == 1 and micro_batches >= pp + fb_overlap:
         assert peak[0] == pp + fb_overlap  # the bound is reached, so it is what limits memory
-    forward_only = pipeline_program(pp, chunks, micro_batches, forward_only=True)
-    run_blocking(forward_only, chunks)
-    assert all(i[0] != BACKWARD for prog in forward_only.values() for i in prog)
+    for m in {micro_batches, micro_batches + 1}:  # evaluation's micro-batches: any count, interleaved too
+        forward_only = pipeline_program(pp, chunks, m, forward_only=True)
+        run_blocking(forward_only, chunks)
+        assert all(i[0] != BACKWARD for prog in forward_only.values() for i in prog)
+        assert all(sorted(i[1:] for i in prog if i[0] == FORWARD) == [(c, mb) for c in range(chunks) for mb in range(m)]
+                   for prog in forward_only.values())
 
 
 DUALPIPEV_GRID = [(p, m) for p in (2, 3, 4, 8) for m in (2 * p - 1, 2 * p, 2 * p + 3, 20)]
@@ -314,6 +317,9 @@ TWO = [  # (name, model, flags), on two ranks
     ("pp2-hybrid", "hybrid", PP + ["2"]),
     ("pp2-dualpipev", "moe-mtp", PP + ["2", "--schedules-method", "dualpipev", "--save", "{out}/ckpt-dualpipev"]),
     ("pp2-muon", "muon", PP + ["2"]),
+    # --moe-fb-overlap under interleaved 1F1B (two chunks a rank, their pairs across chunks), at EP 1:
+    # whole layers interleave, equal to one process
+    ("pp2-vpp-fb", "moe-mtp", PP + ["2", "--num-layers-per-virtual-pipeline-stage", "1", "--moe-fb-overlap"]),
 ]
 FOUR = [
     ("pp4", "base", PP + ["4", "--save", "{out}/ckpt-pp4", "--save-interval", str(LAYOUT_ITERS)]),

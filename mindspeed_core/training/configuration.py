@@ -1284,8 +1284,8 @@ def _check_muon(args, tp: int) -> None:
         raise MindSpeedError("--muon-scalar-optimizer lion is not built here: the parameters Muon leaves train with "
                              "AdamW (--muon-scalar-optimizer adam)")
     if args.fp16:
-        raise MindSpeedError("--optimizer muon with --fp16 is not defined (as in megatron-core and MindSpeed-LLM): "
-                             "use --bf16")
+        raise MindSpeedError("fp16 (--fp16) is not defined with --optimizer muon (as in megatron-core and "
+                             "MindSpeed-LLM): use --bf16")
     if tp > 1:
         raise MindSpeedError(f"--optimizer muon under tensor parallelism (TP {tp}) is not built here yet: its "
                              "Newton-Schulz iteration needs each matrix whole; use data, pipeline or expert "

@@ -112,8 +112,9 @@ def pipeline_order(pp: int, chunks: int, micro_batches: int, rank: int, forward_
         _, chunk, mb = forward_at(k)
         return BACKWARD, chunks - 1 - chunk, mb
 
-    if forward_only:
-        return [forward_at(k) for k in range(total)]
+    if forward_only:  # evaluation's micro-batches need not fill the last group of P (the missing ones are skipped)
+        groups = -(-micro_batches // pp)
+        return [a for a in map(forward_at, range(groups * pp * chunks)) if a[2] < micro_batches]
     if chunks == 1:
         warmup = min(pp - rank - 1, total)
     else:
