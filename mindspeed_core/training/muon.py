@@ -27,7 +27,7 @@ import math
 
 import numpy as np
 
-from mindspeed_core import autograd, features, nn, ops
+from mindspeed_core import autograd, features, ops
 from mindspeed_core.errors import CheckpointError
 from mindspeed_core.training.optimizer import AdamW, adamw, missing_state, narrow, widen
 
@@ -172,11 +172,7 @@ class Muon(AdamW):
                 u = g + (buf - g) * mu if self.nesterov else buf
                 weights[i] = w - self._orthogonalised(i, u) * lr
                 self.momentum[i] = narrow([buf], self.moment_dtype)[0]
-            for i, ((_, p), w) in enumerate(zip(self.named, weights)):
-                if self.master[i] is not None:
-                    self.master[i] = w
-                if w is not p:
-                    nn.assign(p, w)
+            self._store(weights)
 
     def state(self) -> dict:
         out = {}

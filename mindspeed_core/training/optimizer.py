@@ -117,11 +117,15 @@ class AdamW:
             weights, exp_avg, exp_avg_sq = adamw(weights, grads, widen(self.exp_avg), widen(self.exp_avg_sq), lr,
                                                  decays, self.betas, self.eps, self.steps)
             self.exp_avg, self.exp_avg_sq = narrow(exp_avg, self.moment_dtype), narrow(exp_avg_sq, self.moment_dtype)
-            for i, ((_, p), w) in enumerate(zip(self.named, weights)):
-                if self.master[i] is not None:
-                    self.master[i] = w
-                if w is not p:
-                    nn.assign(p, w)
+            self._store(weights)
+
+    def _store(self, weights) -> None:
+        """The updated fp32 ``weights``: kept as the masters where there are, and into the parameters."""
+        for i, ((_, p), w) in enumerate(zip(self.named, weights)):
+            if self.master[i] is not None:
+                self.master[i] = w
+            if w is not p:
+                nn.assign(p, w)
 
     def state(self) -> dict:
         out = {}
