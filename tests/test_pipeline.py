@@ -316,7 +316,7 @@ TWO = [  # (name, model, flags), on two ranks
     ("pp2-tied", "tied", PP + ["2"]),
     ("pp2-hybrid", "hybrid", PP + ["2"]),
     ("pp2-dualpipev", "moe-mtp", PP + ["2", "--schedules-method", "dualpipev", "--save", "{out}/ckpt-dualpipev"]),
-    ("pp2-muon", "muon", PP + ["2"]),
+    ("pp2-muon", "muon", PP + ["2", "--save", "{out}/ckpt-muon"]),
     # --moe-fb-overlap under interleaved 1F1B (two chunks a rank, their pairs across chunks), at EP 1:
     # whole layers interleave, equal to one process
     ("pp2-vpp-fb", "moe-mtp", PP + ["2", "--num-layers-per-virtual-pipeline-stage", "1", "--moe-fb-overlap"]),
@@ -466,6 +466,8 @@ RESHARD = {
                                     "two", "ckpt-vpp"),
     # DualPipeV's checkpoint (the first rank wrote the embeddings, not the MTP module's copy of them) in 1F1B
     "pp2-dp2-from-dualpipev": (PP + ["2"], "two", "ckpt-dualpipev", "moe-mtp"),
+    # Muon's momentum and AdamW's moments of the rest, saved by the PP2 ranks, read whole at DP4
+    "dp4-from-pp2-muon": ([], "two", "ckpt-muon", "muon"),
 }
 RESHARDED = {entry[3] for entry in RESHARD.values() if len(entry) > 3}  # models besides base
 
@@ -589,7 +591,8 @@ def test_sharded_checkpoints_resume_at_other_layouts_reading_their_slices(framew
     """Every rank writes its own pieces; each resume reads only what its layout needs and
     continues the single-process curve: TP2 x PP2 with the distributed optimizer -> DP4 with it
     (each rank reads the whole model and a quarter of the optimizer state), PP2 interleaved ->
-    PP4 (each rank reads its layer), and -> TP2 x uneven PP2 without it."""
+    PP4 (each rank reads its layer), and -> TP2 x uneven PP2 without it; DualPipeV's -> PP2 x DP2;
+    Muon's PP2 -> DP4."""
     for name, (*_, model) in ((n, (*e, "base")[:4]) for n, e in RESHARD.items()):
         want = single[model]["losses"]
         log = (four / f"{name}.log").read_text()
