@@ -58,6 +58,7 @@ COUNT = _number(int, 0, what="zero or a positive integer")
 POSITIVE = _number(float, 0, low_open=True, what="positive")
 NON_NEGATIVE = _number(float, 0, what="zero or positive")
 PROBABILITY = _number(float, 0, 1, high_open=True, what="in [0, 1)")
+FRACTION = _number(float, 0, 1, low_open=True, high_open=True, what="strictly between 0 and 1")
 SMOOTHING = _number(float, 0, 0.5, high_open=True, what="in [0, 0.5)")
 UNIT = _number(float, 0, 1, low_open=True, what="in (0, 1]")
 # every seed derived from it (data order, tracker streams) stays valid for both frameworks
@@ -566,6 +567,15 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
     t.add_argument("--muon-extra-scale-factor", type=POSITIVE, default=None, help="default 1.0")
     t.add_argument("--muon-scalar-optimizer", choices=("adam", "lion"), default=None,
                    help="the optimizer of what Muon does not update (default adam)")
+    # QK-clip (MuonClip; megatron-core's TransformerConfig fields), training/qk_clip.py
+    t.add_argument("--qk-clip", action="store_true",
+                   help="after each update, shrink the query and key weights of the attention groups whose largest "
+                        "logit passed --qk-clip-threshold")
+    t.add_argument("--qk-clip-alpha", type=FRACTION, default=None,
+                   help="the query's share of the shrinking (default 0.5)")
+    t.add_argument("--qk-clip-threshold", type=POSITIVE, default=None, help="default 100")
+    t.add_argument("--log-max-attention-logit", action="store_true",
+                   help="log each step's largest attention logit (--qk-clip logs it too)")
     t.add_argument("--adam-beta1", type=PROBABILITY, default=0.9)
     t.add_argument("--adam-beta2", type=PROBABILITY, default=0.999)
     t.add_argument("--adam-eps", type=POSITIVE, default=1e-8)

@@ -192,6 +192,10 @@ _MUON = ("megatron-core's choice of matrices (every 2-D weight but embeddings an
          "Newton-Schulz iteration through the facade, the q/k/v weight per query, key and value rows; the rest "
          "AdamW. One process, and layouts that keep each matrix whole on a rank (DP, PP, EP); TP, the "
          "distributed optimizer and fp16 are refused")
+_QK_CLIP = ("each step's largest attention logit per query group (over the causal pairs, the micro-batches and "
+            "the data-parallel ranks) past the threshold shrinks the group's query rows by eta^alpha and key rows "
+            "by eta^(1 - alpha) after the update, as megatron-core does; logged each step. Softmax attention "
+            "with fused q/k/v; MLA, CP, packed documents, the distributed optimizer and --compile are refused")
 _ZERO_MEMORY = ("level0: the dispatched rows (fc1's input) and the activation (fc2's input) are not kept; in "
                 "backward the dispatch (its all-to-all under EP) and fc1 run again before fc1's backward, and the "
                 "activation and fc2 before fc2's (MindSpeed keeps fc1's output and does not run fc1 or fc2 again); "
@@ -503,6 +507,9 @@ FEATURES: tuple[Feature, ...] = (
             _on("recompute_in_advance")),
     Feature("muon", "The Muon optimizer (--optimizer muon), AdamW for the rest", "optimizer", ("--optimizer muon",),
             supported(_MUON), supported(_MUON), _eq("optimizer", "muon")),
+    Feature("qk-clip", "QK-clip (MuonClip): attention logits held under a threshold", "optimizer",
+            ("--qk-clip", "--qk-clip-threshold", "--qk-clip-alpha"), supported(_QK_CLIP), supported(_QK_CLIP),
+            _on("qk_clip")),
     Feature("o2-bf16-optimizer", "O2 BF16 optimizer (bf16 optimizer states)", "memory", ("--o2-optimizer",),
             supported("Adam moments kept in bf16, widened to fp32 for each update (with --bf16; also sharded by the "
                       "distributed optimizer)"),

@@ -214,6 +214,10 @@ class SelfAttention(nn.Module):
     # what to recompute in backward (GPTModel.use_recompute; not `recompute`: a MindSpore Cell method)
     recompute_policy = recompute.NONE
     layer_number = 0  # the layer's global number (its slot in a key/value cache); set by Decoder
+    # --qk-clip / --log-max-attention-logit (training/qk_clip.py): each training forward's largest
+    # attention logit per (local) query head, the maximum over the step's forwards, kept in max_logits
+    track_logits = False
+    max_logits = None
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -268,6 +272,8 @@ class SelfAttention(nn.Module):
         if fused:
             features.note_used("flash-attention")
         scores = layer_scores(cfg, self.layer_number)
+        if self.track_logits and nn.is_training(self):
+            self._note_max_logits(q, k, d ** -0.5 if scores.scale is None else scores.scale)
 
         sinks = (self.core_attention.softmax_offset,) if cfg.attention_sinks else ()
 
@@ -282,6 +288,22 @@ class SelfAttention(nn.Module):
             features.note_used("attention-output-gate")
             out = ops.cast(ops.cast(out, "float32") * ops.sigmoid(ops.cast(gate, "float32")), ops.dtype_of(out))
         return self.linear_proj(ops.reshape(out, (b, s, groups * per_group * d)))
+
+
+    def _note_max_logits(self, q, k, scale: float) -> None:
+        """The largest scaled logit q.k of each query head over the causal pairs of the sequence
+        (q [b, s, H, d], k [b, s, G, d]), into max_logits (a forward run again at its backward
+        finds the same maximum)."""
+        with autograd.no_grad():
+            b, s, heads, d = q.shape
+            groups = k.shape[2]
+            k = ops.reshape(ops.expand(ops.unsqueeze(k, 3), (b, s, groups, heads // groups, d)), (b, s, heads, d))
+            qh, kh = (ops.transpose(ops.cast(t, "float32"), 1, 2) for t in (q, k))  # [b, H, s, d]
+            logits = ops.matmul(qh, ops.transpose(kh, 2, 3)) * scale
+            future = ops.tensor(np.triu(np.ones((s, s), bool), 1))
+            logits = ops.masked_fill(logits, future, float("-inf"))
+            found = ops.to_numpy(ops.amax(ops.reshape(ops.transpose(logits, 0, 1), (heads, -1)), dim=1))
+        self.max_logits = found if self.max_logits is None else np.maximum(self.max_logits, found)
 
 
 class MLP(nn.Module):

@@ -142,6 +142,18 @@ CASES = [
      "Muon with the distributed optimizer"),
     ("train-muon-flag-with-adamw", lambda t, c: ["train", *SMALL, "--data-path", c, "--muon-momentum", "0.9"],
      "--muon-momentum qualifies --optimizer muon, and this run uses AdamW"),
+    # --qk-clip: its values, and models without logits it can clip
+    *[(f"train-qk-clip-{case}", (lambda extra: lambda t, c: ["train", *SMALL, "--data-path", c, *extra])(extra),
+       fragment)
+      for case, extra, fragment in (
+          ("alpha", ["--qk-clip", "--qk-clip-alpha", "1.5"], "--qk-clip-alpha"),
+          ("threshold-alone", ["--qk-clip-threshold", "50"], "--qk-clip-threshold qualifies --qk-clip"),
+          ("mla", ["--qk-clip", "--multi-latent-attention", "--num-query-groups", "4", "--kv-lora-rank", "16",
+                   "--qk-head-dim", "16", "--qk-pos-emb-head-dim", "8", "--v-head-dim", "16"],
+           "this model has latent attention (MLA)"),
+          ("qk-norm", ["--qk-clip", "--qk-layernorm"], "--qk-layernorm normalises their outputs again"),
+          ("packed", ["--log-max-attention-logit", "--reset-attention-mask"],
+           "--log-max-attention-logit with --reset-attention-mask is not built here"))],
     # --moe-fb-overlap beside what it does not combine with
     ("train-fb-overlap-and-a2a-overlap", lambda t, c: ["train", *SMALL, "--data-path", c, "--num-experts", "4",
                                                        "--moe-fb-overlap", "--moe-alltoall-overlap-comm"],

@@ -75,7 +75,7 @@ BASES = (
 
 # Values for flags whose type gives no obvious probe value.
 VALUES = {
-    "--data-path": ["/elsewhere/corpus"], "--split": ["90,10,0"], "--noop-layers": ["1"],
+    "--data-path": ["/elsewhere/corpus"], "--split": ["90,10,0"], "--noop-layers": ["1"], "--qk-clip-alpha": ["0.25"],
     "--tokenizer-type": ["NullTokenizer"], "--tokenizer-name-or-path": ["/nonexistent/tokenizer"],
     "--vocab-file": ["/nonexistent/vocab.json"], "--merge-file": ["/nonexistent/merges.txt"],
     "--model-name": ["tiny-qwen3"], "--load-hf": ["/nonexistent/hf"], "--device": ["npu"],

@@ -164,6 +164,8 @@ class Optimization:
     # --init-norm-weight-in-fp32: under --bf16 / --fp16 the norms' weights and biases stay float32
     norms_float32: bool = False
     muon: MuonOptions | None = None  # --optimizer muon (training/muon.py); None: AdamW
+    # --qk-clip's (threshold, alpha), or with --log-max-attention-logit alone (None, None); None: neither
+    qk_clip: tuple | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -341,7 +343,7 @@ def configure(args, world: int, framework: str | None = None) -> RunConfig:
             (work.swap_optimizer_times or SWAP_OPTIMIZER_TIMES) if work.swap_optimizer else None,
             bool(work.calculate_per_token_loss),
             (work.loss_chunk_size or LOSS_CHUNK) if work.loss_compute_mode == "chunk" else None,
-            bool(work.init_norm_weight_in_fp32), muon_options(work)),
+            bool(work.init_norm_weight_in_fp32), muon_options(work), qk_clip_options(work)),
         data=Data(embedded, tuple(work.data_path) if work.data_path else None, work.split, work.seq_length, work.seed,
                   tokenizer.name, not work.no_shuffle,
                   pad_multiple(work.pad_to_multiple_of, tp, cp, work.sequence_parallel)
@@ -1073,6 +1075,7 @@ def check_configuration(args, world: int, default_save: bool = False):
         raise MindSpeedError("--overlap-param-gather overlaps the distributed optimizer's gathering of the updated "
                              "parameters: add --use-distributed-optimizer")
     _check_muon(args, args.tensor_model_parallel_size)
+    _check_qk_clip(args, cfg)
     dtype = "bfloat16" if args.bf16 else "float16" if args.fp16 else "float32"
     if not device.supports_dtype(dtype):
         raise MindSpeedError(f"{dtype} training is not available on {runtime.bound().NAME} "
@@ -1292,6 +1295,40 @@ def _check_muon(args, tp: int) -> None:
                              "parallelism")
 
 
+QK_CLIP_DEFAULTS = {"qk_clip_threshold": 100.0, "qk_clip_alpha": 0.5}  # megatron-core's
+
+
+def qk_clip_options(args) -> tuple | None:
+    if args.qk_clip:
+        return tuple(QK_CLIP_DEFAULTS[n] if getattr(args, n) is None else getattr(args, n)
+                     for n in ("qk_clip_threshold", "qk_clip_alpha"))
+    return (None, None) if args.log_max_attention_logit else None
+
+
+def _check_qk_clip(args, cfg: ModelConfig) -> None:
+    """--qk-clip's values, and what it does not run with."""
+    flag = "--qk-clip" if args.qk_clip else "--log-max-attention-logit"
+    if not args.qk_clip:
+        given = [n for n in QK_CLIP_DEFAULTS if getattr(args, n) is not None]
+        if given:
+            raise MindSpeedError(f"--{given[0].replace('_', '-')} qualifies --qk-clip: add --qk-clip or drop it")
+        if not args.log_max_attention_logit:
+            return
+    if cfg.mla is not None or all(cfg.is_linear_layer(n) for n in range(cfg.num_layers)):
+        raise MindSpeedError(f"{flag} needs softmax attention with a fused q/k/v weight, and this model has "
+                             f"{'latent attention (MLA)' if cfg.mla is not None else 'linear attention only'}: its "
+                             "logits are not clipped here; drop the flag")
+    if cfg.qk_layernorm:
+        raise MindSpeedError(f"{flag} scales the query and key weights, and --qk-layernorm normalises their outputs "
+                             "again (the logits would not shrink): drop one of them")
+    for name, on in (("--use-distributed-optimizer", args.use_distributed_optimizer), ("--compile", args.compile),
+                     ("--context-parallel-size", args.context_parallel_size > 1),
+                     ("--reset-attention-mask", args.reset_attention_mask)):
+        if on:
+            raise MindSpeedError(f"{flag} with {name} is not built here (the logits are measured over each whole "
+                                 f"causal sequence, the weights scaled whole on a rank): drop one of them")
+
+
 def _check_dualpipev(args, cfg: ModelConfig) -> None:
     """What DualPipeV does not run with, as MindSpeed's dualpipev rules (its layout's own rules:
     parallel/pipeline.py)."""
@@ -1404,6 +1441,11 @@ def describe(config: RunConfig, data_path, pipeline_layout, grad_accum: int, los
         "lr_decay_iters": flags.lr_decay_iters,
         "weight_decay": flags.weight_decay, "clip_grad": flags.clip_grad, "seed": flags.seed,
         "adam": {"beta1": flags.adam_beta1, "beta2": flags.adam_beta2, "eps": flags.adam_eps},
+        "optimizer": "adamw" if config.optimization.muon is None else {
+            "muon": dataclasses.asdict(config.optimization.muon), "the rest": "adamw"},
+        "max_attention_logit": None if config.optimization.qk_clip is None else {
+            "logged": True, "clip_threshold": config.optimization.qk_clip[0],
+            "clip_alpha": config.optimization.qk_clip[1]},
         "precision": config.optimization.precision, "loss_scale": loss_scale if flags.fp16 else None,
         "compile": bool(flags.compile),
         "loss_chunk": config.optimization.loss_chunk,  # --loss-compute-mode chunk's positions per chunk

@@ -69,13 +69,15 @@ class MetricsLog:
                                            "loss-scale": loss_scale, "batch-size": batch_size})
 
     def report(self, iteration: int, total: int, loss: float, lr: float, norm: float, moe: dict | None = None,
-               stage: dict | None = None, mtp: list | None = None, indexer: float | None = None) -> dict:
+               stage: dict | None = None, mtp: list | None = None, indexer: float | None = None,
+               qk: dict | None = None) -> dict:
         """Print the line, write the record, and start the next interval. ``moe``: the last
         step's routing statistics (Trainer._moe_step_stats), when the model has MoE layers;
         ``stage``: the last step's preference or reward figures ({name: value}), when the
         stage has them (Trainer._stage_stats); ``mtp``: the last step's loss of each
         multi-token prediction depth (Trainer._mtp_step_losses); ``indexer``: the last step's
-        sparse-attention indexer loss (Trainer._indexer_step_loss)."""
+        sparse-attention indexer loss (Trainer._indexer_step_loss); ``qk``: the last step's largest
+        attention logit and the query heads --qk-clip shrank (training/qk_clip.py)."""
         tps = self._tokens / (time.perf_counter() - self._start)
         comm = dist.comm_stats()
         achieved = tps * self.flops_per_token / self.devices  # a device's rate
@@ -102,6 +104,10 @@ class MetricsLog:
         if indexer is not None:
             record["indexer_loss"] = indexer
             line += f" | indexer loss {indexer:.4g}"
+        if qk is not None:
+            record.update(qk)
+            line += f" | max attention logit {qk['max_attention_logit']:.4g}" + (
+                f" | qk-clipped heads {qk['qk_clipped_heads']}" if qk["qk_clipped_heads"] else "")
         if stage:
             record.update(stage)
             line += "".join(f" | {name[6:].replace('_', ' ')} {value:.4f}" for name, value in stage.items())

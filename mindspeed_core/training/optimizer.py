@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from mindspeed_core import autograd, features, nn, ops
 from mindspeed_core.errors import CheckpointError
 from mindspeed_core.training import distributed
@@ -118,6 +120,17 @@ class AdamW:
                                                  decays, self.betas, self.eps, self.steps)
             self.exp_avg, self.exp_avg_sq = narrow(exp_avg, self.moment_dtype), narrow(exp_avg_sq, self.moment_dtype)
             self._store(weights)
+
+    def scale_rows(self, param, factors) -> None:
+        """Multiply the trained 2-D ``param``'s rows by ``factors`` (numpy [rows]), in its fp32 master
+        where it has one (--qk-clip)."""
+        i = next(i for i, (_, p) in enumerate(self.named) if p is param)
+        with autograd.no_grad():
+            weight = self.master[i] if self.master[i] is not None else ops.cast(param, "float32")
+            scaled = weight * ops.tensor(np.asarray(factors, np.float32).reshape(-1, 1))
+            if self.master[i] is not None:
+                self.master[i] = scaled
+            nn.assign(param, scaled)
 
     def _store(self, weights) -> None:
         """The updated fp32 ``weights``: kept as the masters where there are, and into the parameters."""

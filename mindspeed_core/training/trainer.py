@@ -32,8 +32,8 @@ from mindspeed_core.parallel import context
 from mindspeed_core.parallel import state as parallel_state
 from mindspeed_core.progress import Progress
 from mindspeed_core.training import (alignment, batches, boards, build, checkpoint, compiled, configuration,
-                                     distributed, grpo, metrics, overlap, preemption, profiling, resume, routing,
-                                     sample, schedules, sharded_checkpoint)
+                                     distributed, grpo, metrics, overlap, preemption, profiling, qk_clip, resume,
+                                     routing, sample, schedules, sharded_checkpoint)
 from mindspeed_core.training.checkpoint_manager import CheckpointManager, whole_model_arrays
 from mindspeed_core.training.loss_scale import LossScaler
 from mindspeed_core.training.losses import StepLoss
@@ -137,6 +137,11 @@ class Trainer:
         self.moe_layers = [layer for chunk in self.chunks for layer in getattr(chunk, "moe_layers", list)()]
         self.moe_stats = self.stage_stats = self.eval_stats = self.mtp_stats = self.indexer_stat = None
         self.mtp_modules = [chunk.mtp for chunk in self.chunks if hasattr(chunk, "mtp")]  # the last stage's
+        self.qk_clip, self.qk_stats = None, None  # --qk-clip / --log-max-attention-logit (training/qk_clip.py)
+        if self.opt.qk_clip is not None:
+            threshold, alpha = self.opt.qk_clip
+            self.qk_clip = qk_clip.QKClip(threshold, alpha, clip=threshold is not None)
+            qk_clip.track(self.chunks)
         if saved_optimizer is not None:  # after the tracker is seeded: its streams are restored too
             saved = checkpoint.load_trainer_state(self.resumed_from, self.iteration)
             resume.restore_run_state(saved, self.ps, self.scaler, self.moe_layers, self.reference, self.stage_name,
@@ -355,6 +360,9 @@ class Trainer:
             self.param_gather.started(started)
         if self.moe_stats is not None:
             routing.update_expert_bias(self.moe_layers, self.cfg, self.moe_stats["tokens_per_expert"])
+        if self.qk_clip is not None:  # after the update, as megatron-core clips
+            self.parameters_ready()
+            self.qk_stats = self.qk_clip.after_step(self.chunks, self.optimizer, self.ps)
         device.synchronize()
         t2 = time.perf_counter()
         # the loss reached the host at t1, so the forward and backward work had finished there;
@@ -425,7 +433,7 @@ class Trainer:
                 progress.update(1, f"loss {loss:.3f}")
             if self.iteration % loop.log_interval == 0 or self.iteration == train_iters:
                 log.report(self.iteration, train_iters, loss, lr, norm, moe=self.moe_stats,
-                           stage=self.stage_stats, mtp=self.mtp_stats, indexer=self.indexer_stat)
+                           stage=self.stage_stats, mtp=self.mtp_stats, indexer=self.indexer_stat, qk=self.qk_stats)
             # GRPO has no validation loss: its rollouts' rewards are the figures
             if loop.eval_iters and loop.eval_interval and self.iteration % loop.eval_interval == 0 and not self.rl:
                 with log.paused():
