@@ -195,7 +195,8 @@ _MUON = ("megatron-core's choice of matrices (every 2-D weight but embeddings an
 _QK_CLIP = ("each step's largest attention logit per query group (over the causal pairs, the micro-batches and "
             "the data-parallel ranks) past the threshold shrinks the group's query rows by eta^alpha and key rows "
             "by eta^(1 - alpha) after the update, as megatron-core does; logged each step. Softmax attention "
-            "with fused q/k/v; MLA, CP, packed documents, the distributed optimizer and --compile are refused")
+            "with fused q/k/v; MLA, q/k norms, sliding windows, TP, CP, packed documents, the distributed "
+            "optimizer and --compile are refused")
 _ZERO_MEMORY = ("level0: the dispatched rows (fc1's input) and the activation (fc2's input) are not kept; in "
                 "backward the dispatch (its all-to-all under EP) and fc1 run again before fc1's backward, and the "
                 "activation and fc2 before fc2's (MindSpeed keeps fc1's output and does not run fc1 or fc2 again); "

@@ -10,6 +10,7 @@ import pytest
 
 from mindspeed_core import nn, ops
 from mindspeed_core.training.muon import Muon, logical_rows, uses_muon
+from mindspeed_core.training.optimizer import no_weight_decay
 from test_training import corpus  # noqa: F401  (a fixture)
 
 # GQA: 4 query heads in 2 groups of width 8 over hidden 32; fused q/k/v rows = 2 x (2 + 1 + 1) x 8
@@ -22,6 +23,7 @@ SHAPES = {
     "decoder.layers.0.mlp.linear_fc2.weight": (32, 48),  # wide
     "decoder.layers.0.mlp.router.weight": (4, 32),  # megatron-core updates the router with Muon too
     "decoder.layers.1.mlp.experts.weight1": (4, 32, 24),  # [E, in, out]: four matrices
+    "decoder.layers.1.mlp.experts.bias1": (4, 24),  # GPT-OSS's expert biases: AdamW's, undecayed
     "decoder.layers.0.input_layernorm.weight": (32,),
     "embedding.word_embeddings.weight": (50, 32),
     "output_layer.weight": (50, 32),
@@ -84,7 +86,8 @@ def _reference(nesterov: bool, adjust: str, lrs: list, grads: list, start: dict,
             pieces[torch.nn.Parameter(torch.tensor(value))] = (name, lambda a: a)
     muon = [p for p, (n, _) in pieces.items() if uses_muon(n, start[n])]
     rest = [p for p, (n, _) in pieces.items() if not uses_muon(n, start[n])]
-    decayed, flat = [p for p in rest if len(p.shape) > 1], [p for p in rest if len(p.shape) == 1]
+    decayed = [p for p in rest if not no_weight_decay(pieces[p][0], p)]
+    flat = [p for p in rest if no_weight_decay(pieces[p][0], p)]
     opt_m = torch.optim.Muon(muon, lr=lrs[0], weight_decay=0.1, momentum=0.9, nesterov=nesterov, ns_steps=5,
                              adjust_lr_fn=adjust)
     opt_a = torch.optim.AdamW([{"params": decayed, "weight_decay": 0.1}, {"params": flat, "weight_decay": 0.0}],

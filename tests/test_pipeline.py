@@ -167,6 +167,39 @@ def test_dualpipev_programs_run_to_the_end_holding_2p_plus_1_chunks(pp, micro_ba
         assert all(i[0] != BACKWARD for prog in forward_only.values() for i in prog)
 
 
+@pytest.mark.parametrize("pp, schedule", [(2, None), (4, None), (4, DUALPIPEV)])
+def test_simulated_pairs_start_when_both_inputs_are_there_and_run_back_to_back(pp, schedule):
+    """--moe-fb-overlap's pairs in the simulation behind the planner and the figures: each pair's
+    backward starts as its forward ends, and the forward not before the backward's gradient is made."""
+    from mindspeed_core.training.schedules import simulated_timeline
+
+    chunks = 2 if schedule else 1
+    program = pipeline_program(pp, chunks, 3 * pp, schedule=schedule, fb_overlap=True)
+    timeline = simulated_timeline(program, chunks, schedule, 1.0, 2.0)
+    made = {}  # per rank: action -> its simulated span
+    for r, prog in program.items():
+        compute = [i for i in prog if i[0] in (FORWARD, BACKWARD)]
+        assert [a[:3] for a in timeline[r]] == compute  # the program's order
+        ends = {a[:3]: a for a in timeline[r]}
+        pairs = [(prog[k + 1], prog[k + 2]) for k, i in enumerate(prog) if i[0] == PAIR]
+        assert pairs
+        for forward, backward in pairs:
+            assert ends[backward][3] == ends[forward][4], (r, forward, backward)
+        made[r] = ends
+    v = schedule == DUALPIPEV
+    for r, prog in program.items():  # a pair's forward starts once the backward's gradient is made
+        for k, i in enumerate(prog):
+            if i[0] != PAIR:
+                continue
+            forward, backward = prog[k + 1], prog[k + 2]
+            stage = virtual_stage(pp, r, backward[1], v)
+            if stage == pp * chunks - 1:  # the loss's own gradient
+                continue
+            giver = rank_of_stage(pp, stage + 1, v)
+            chunk = next(c for c in range(chunks) if virtual_stage(pp, giver, c, v) == stage + 1)
+            assert made[r][forward][3] >= made[giver][(BACKWARD, chunk, backward[2])][4], (r, forward, backward)
+
+
 @pytest.mark.parametrize("pp", (2, 4, 8))
 def test_simulated_bubbles_are_1f1bs_formula_and_dualpipevs_smaller(pp):
     """The timeline simulation behind the planner and the pipeline figure: 1F1B's idle time is
@@ -298,6 +331,9 @@ MODELS["muon"] = SMALL4 + ["--optimizer", "muon", "--muon-nesterov", "--muon-sca
 MODELS["moe-mtp-8"] = MOE_MTP + ["--num-layers", "8", "--global-batch-size", "14"]
 # 12 sequences a step: 3 micro-batches on each of two data-parallel ranks (DualPipeV's least at PP2)
 MODELS["moe-mtp-12"] = MOE_MTP + ["--global-batch-size", "12"]
+# with a shared expert beside the routed ones (DeepSeek's): --moe-fb-overlap computes it in the attention
+# node, beside the router and the dispatched rows, the other users of the layer's normed input
+MODELS["moe-mtp-12-shared"] = MODELS["moe-mtp-12"] + ["--moe-shared-expert-intermediate-size", "32"]
 ITERS = 6  # the single-process run of the base model and the resumes
 FROM_SINGLE = 3  # the iteration of the single-process checkpoint a PP2 run continues
 LAYOUT_ITERS = 2  # the pipelined launches: the first steps of the same schedule (--lr-decay-iters)
@@ -341,18 +377,19 @@ FOUR = [
                                               "2", "--moe-token-dispatcher-type", "alltoall",
                                               "--moe-alltoall-overlap-comm"]),
     # --moe-fb-overlap (test_fb_overlap_changes_no_bit): DualPipeV's pairs beside the run above, and
-    # 1F1B's (3 micro-batches: 1 pair on the first stage, 2 on the last) with full recompute beside
-    # the same run without both
+    # 1F1B's (3 micro-batches: 1 pair on the first stage, 2 on the last) with full recompute and a
+    # shared expert beside the same run without both
     ("pp2-ep2-dualpipev-fb", "moe-mtp-12", PP + ["2", "--schedules-method", "dualpipev", "--expert-model-parallel-size",
                                                  "2", "--moe-token-dispatcher-type", "alltoall", "--moe-fb-overlap"]),
-    ("pp2-ep2", "moe-mtp-12", PP + ["2", "--expert-model-parallel-size", "2", "--moe-token-dispatcher-type",
-                                    "alltoall"]),
+    ("pp2-ep2", "moe-mtp-12-shared", PP + ["2", "--expert-model-parallel-size", "2", "--moe-token-dispatcher-type",
+                                           "alltoall"]),
     # (its second step profiled: the schedule's spans are in the traces)
-    ("pp2-ep2-fb-recompute", "moe-mtp-12", PP + ["2", "--expert-model-parallel-size", "2", "--moe-token-dispatcher-type",
-                                                "alltoall", "--moe-fb-overlap", "--recompute-granularity", "full",
-                                                "--recompute-method", "uniform", "--recompute-num-layers", "1",
-                                                "--profile", "--profile-step-start", "1", "--profile-step-end", "2",
-                                                "--profile-save-path", "{out}/profile-fb"]),
+    ("pp2-ep2-fb-recompute", "moe-mtp-12-shared", PP + ["2", "--expert-model-parallel-size", "2",
+                                                       "--moe-token-dispatcher-type", "alltoall", "--moe-fb-overlap",
+                                                       "--recompute-granularity", "full", "--recompute-method",
+                                                       "uniform", "--recompute-num-layers", "1", "--profile",
+                                                       "--profile-step-start", "1", "--profile-step-end", "2",
+                                                       "--profile-save-path", "{out}/profile-fb"]),
 ]
 
 

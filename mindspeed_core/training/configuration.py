@@ -1321,9 +1321,12 @@ def _check_qk_clip(args, cfg: ModelConfig) -> None:
     if cfg.qk_layernorm:
         raise MindSpeedError(f"{flag} scales the query and key weights, and --qk-layernorm normalises their outputs "
                              "again (the logits would not shrink): drop one of them")
+    windowed = any(cfg.window_of(n) is not None for n in range(cfg.num_layers))
     for name, on in (("--use-distributed-optimizer", args.use_distributed_optimizer), ("--compile", args.compile),
                      ("--context-parallel-size", args.context_parallel_size > 1),
-                     ("--reset-attention-mask", args.reset_attention_mask)):
+                     ("--tensor-model-parallel-size", args.tensor_model_parallel_size > 1),
+                     ("--reset-attention-mask", args.reset_attention_mask),
+                     ("a sliding attention window", windowed)):
         if on:
             raise MindSpeedError(f"{flag} with {name} is not built here (the logits are measured over each whole "
                                  f"causal sequence, the weights scaled whole on a rank): drop one of them")

@@ -200,7 +200,7 @@ def _moe_layer_nodes(tape: Tape, layer, key: int, rotary: tuple, seams, tokens, 
     post_norm = [layer.post_mlp_layernorm] if layer.post_norm else []
     rows, x, weights, *rest = tape.compute(attention_and_routing, [key], [layer], recomputed,
                                            exclude=[mlp.experts, *post_norm])
-    start, plan = held["start"], held["plan"]
+    start, plan = held.pop("start"), held.pop("plan")  # not kept past this forward by the node's closure
     arrived = yield from tape.exchange(rows, mlp.seams.ep, plan.send, plan.receive)
 
     def experts(rows):

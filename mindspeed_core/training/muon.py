@@ -3,8 +3,9 @@ matrices, AdamW for the rest, written with facade ops only.
 
 Which parameters, as megatron-core 0.16 chooses them (optimizer/muon.py): every trained
 two-dimensional weight but the word and position embeddings and the output layer (the router's
-weight included); the experts' stacked weights [E, in, out] as E matrices. Norms, biases and
-every other shape fall back to AdamW with the run's --adam-* settings and learning rate.
+weight included); the experts' stacked weights [E, in, out] as E matrices. Norms, biases (the
+experts' stacked biases [E, width] too) and every other shape fall back to AdamW with the run's
+--adam-* settings and learning rate.
 
 One step of a matrix W with gradient G, as megatron-core's and torch.optim.Muon's:
 
@@ -64,8 +65,8 @@ def newton_schulz(u, steps: int, coefficients=QUINTIC):
 def uses_muon(name: str, param) -> bool:
     """Whether Muon updates the trained parameter ``name`` (else AdamW): a matrix that is not an
     embedding or the output layer, or an MoE layer's stacked expert weights."""
-    if name.endswith((".experts.weight1", ".experts.weight2")):
-        return len(param.shape) == 3
+    if ".experts." in name:  # the stacked weights [E, in, out]; their biases [E, width] go to AdamW
+        return name.endswith((".experts.weight1", ".experts.weight2")) and len(param.shape) == 3
     if "embedding" in name or name.startswith(("output_layer.", "rm_head.")):  # the model's ends
         return False
     return len(param.shape) == 2

@@ -36,8 +36,9 @@ def narrow(moments: list, dtype: str) -> list:
 
 
 def no_weight_decay(name: str, param) -> bool:
-    """Megatron's rule: norms and biases (one-dimensional parameters) are not decayed."""
-    return len(param.shape) == 1 or name.endswith(".bias")
+    """Megatron's rule: norms and biases (one-dimensional parameters) are not decayed; the experts'
+    stacked biases [E, width] neither."""
+    return len(param.shape) == 1 or name.endswith((".bias", ".experts.bias1", ".experts.bias2"))
 
 
 class AdamW:
@@ -160,6 +161,10 @@ class AdamW:
                 stores.append(("master", self.master))
             for key, store in stores:
                 t = tensors.get(f"{key}.{name}")
+                if t is None and f"momentum.{name}" in tensors:
+                    raise CheckpointError(f"the checkpoint's optimizer state of {name} is Muon's momentum: it was "
+                                          f"saved with --optimizer muon; add it, or start from its weights with "
+                                          f"--no-load-optim")
                 if t is None:
                     raise CheckpointError(missing_state(key, name))
                 if tuple(t.shape) != tuple(p.shape):

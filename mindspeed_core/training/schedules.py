@@ -265,14 +265,15 @@ def simulated_timeline(program: dict, chunks: int, schedule: str | None = None, 
     # a rank's compute units: one action, or a --moe-fb-overlap pair, which starts when both have their inputs
     pending = {r: [] for r in program}
     for r, instructions in program.items():
-        paired = False
+        filling = 0  # actions still to join the pair opened by a (PAIR,) mark
         for i in instructions:
             if i[0] == PAIR:
-                paired = True
+                pending[r].append([])
+                filling = 2
             elif i[0] in (FORWARD, BACKWARD):
-                if paired and pending[r] and len(pending[r][-1]) == 1 and pending[r][-1][0][0] == FORWARD:
+                if filling:
                     pending[r][-1].append(i)
-                    paired = False
+                    filling -= 1
                 else:
                     pending[r].append([i])
     clock = {r: 0.0 for r in program}
@@ -623,7 +624,8 @@ def forward_backward_func(run, chunk_params: list):
                 f"{sum(i[0] == FORWARD for i in program)} forwards a step run beside a backward; "
                 + (f"the all-to-all exchanges of its {cut} MoE layer{'s' * (cut > 1)} travel while the other "
                    "computes" if cut else
-                   "no MoE layer of it exchanges tokens (EP 1 or the allgather dispatcher): whole layers interleave"))
+                   "no MoE layer of it is cut at its exchanges (EP 1, the allgather dispatcher or LongCat's shortcut "
+                   "layer, whose exchanges stay inside it): whole layers interleave"))
     eval_program = pipeline_program(ps.pp, run.layout.chunks, max(run.loop.eval_iters, 1), forward_only=True,
                                     schedule=schedule)[pp_rank]
 
