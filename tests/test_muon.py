@@ -128,6 +128,8 @@ def test_twenty_steps_equal_torch_optim_muon(nesterov, mode, extra, adjust):
     params = {name: nn.Parameter(value) for name, value in start.items()}
     opt = Muon(list(params.items()), lrs[0], weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8, momentum=0.9,
                nesterov=nesterov, ns_steps=5, scale_mode=mode, extra_scale=extra, cfg=CFG)
+    # fp32: a matrix keeps its momentum (4 bytes an element), the rest Adam's two moments (8)
+    assert opt.state_bytes() == sum((4 if uses_muon(n, v) else 8) * v.size for n, v in start.items())
     want = _reference(nesterov, adjust, lrs, grads, start, CFG)
     for lr, step in zip(lrs, grads):
         opt.step([ops.tensor(step[name]) for name in params], lr)

@@ -122,10 +122,8 @@ class Muon(AdamW):
         return (f"optimizer: Muon for {counts[0][0]} matrices ({counts[0][1]:,} parameters; {rule}), AdamW for "
                 f"{counts[1][0]} others ({counts[1][1]:,} parameters: embeddings, output layer, norms, biases)")
 
-    def state_bytes(self) -> int:
-        held = [t for t in self.exp_avg + self.exp_avg_sq + self.momentum if t is not None]
-        masters = sum(ops.numel(w) for w in self.master if w is not None)
-        return 4 * masters + (2 if self.moment_dtype == "bfloat16" else 4) * sum(ops.numel(t) for t in held)
+    def _moments(self) -> list:
+        return super()._moments() + [b for b in self.momentum if b is not None]
 
     def _orthogonalised(self, i: int, u):
         """The scaled NS(u) of parameter i's update direction ``u`` (float32, its shape)."""

@@ -105,8 +105,12 @@ class AdamW:
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state held by this rank (moments and fp32 masters)."""
-        moments = sum(ops.numel(t) for t in self.exp_avg + self.exp_avg_sq)
+        moments = sum(ops.numel(t) for t in self._moments())
         return 4 * sum(ops.numel(w) for w in self.master if w is not None) + moment_bytes(self.moment_dtype) * moments
+
+    def _moments(self) -> list:
+        """The moment tensors this optimizer keeps (Muon: its momentum buffers too)."""
+        return [t for t in self.exp_avg + self.exp_avg_sq if t is not None]
 
     def step(self, grads, lr: float, scale: float = 1.0, gather_later: bool = False) -> None:
         """``gather_later``: the distributed optimizer's; here every rank updates whole parameters."""
