@@ -184,6 +184,18 @@ def add_feature_args(parser: argparse.ArgumentParser) -> None:
     m.add_argument("--recompute-in-advance", action="store_true")
     m.add_argument("--o2-optimizer", action="store_true")
     m.add_argument("--o2-gradient", action="store_true", help="MindSpeed's O2: gradients kept in bf16")
+    # Megatron-LM's low-precision optimizer states (its TransformerEngine precision-aware
+    # optimizer): the moments stored in the dtype given, computed in fp32 (training/optimizer.py)
+    m.add_argument("--use-precision-aware-optimizer", action="store_true",
+                   help="store the optimizer's moments in --exp-avg-dtype / --exp-avg-sq-dtype")
+    for flag, what in (("--exp-avg-dtype", "Adam's first moment (and Muon's momentum)"),
+                       ("--exp-avg-sq-dtype", "Adam's second moment")):
+        m.add_argument(flag, choices=("fp32", "fp16", "bf16", "fp8"), default="fp32",
+                       help=f"the stored dtype of {what}, with --use-precision-aware-optimizer; fp32 or bf16 here")
+    m.add_argument("--main-grads-dtype", choices=("fp32", "bf16"), default="fp32",
+                   help="the dtype of the gradients the optimizer reads: fp32 here (MindSpeed's --o2-gradient: bf16)")
+    m.add_argument("--main-params-dtype", choices=("fp32", "fp16"), default="fp32",
+                   help="the dtype of the master weights: fp32 here")
     m.add_argument("--init-norm-weight-in-fp32", action="store_true",
                    help="under --bf16 / --fp16 every norm's weight and bias kept in float32, the norm computed in "
                         "float32 and cast to the model's dtype after")
@@ -547,7 +559,9 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
     # Megatron-LM's names where they differ
     t.add_argument("--optimizer", choices=("adam", "muon", "dist_muon"), default="adam",
                    help="adam (AdamW), or muon: Newton-Schulz-orthogonalised momentum for the matrices, AdamW for "
-                        "embeddings, the output layer, norms and biases")
+                        "embeddings, the output layer, norms and biases; dist_muon (MindSpeed-LLM: deprecated for "
+                        "muon with --use-distributed-optimizer): muon with megatron-core's layer-wise distributed "
+                        "optimizer")
     # (default None: given without --optimizer muon, they are refused; configuration.MUON_DEFAULTS)
     t.add_argument("--muon-momentum", type=PROBABILITY, default=None, help="default 0.95")
     t.add_argument("--muon-nesterov", "--muon-use-nesterov", dest="muon_nesterov", action="store_true", default=None)
@@ -563,7 +577,8 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
                                                                  "or simple")
     t.add_argument("--muon-num-ns-steps", type=POSITIVE_INT, default=None, help="default 5")
     t.add_argument("--muon-tp-mode", choices=("blockwise", "duplicated", "distributed"), default=None,
-                   help="how TP shards are orthogonalised (default blockwise); Muon under TP is refused here yet")
+                   help="how TP shards are orthogonalised (default blockwise: each shard on its own; duplicated "
+                        "and distributed: the whole matrix, gathered)")
     t.add_argument("--muon-extra-scale-factor", type=POSITIVE, default=None, help="default 1.0")
     t.add_argument("--muon-scalar-optimizer", choices=("adam", "lion"), default=None,
                    help="the optimizer of what Muon does not update (default adam)")

@@ -280,6 +280,7 @@ def run(args, backend=None) -> int:
     if args.lora_load:
         source = _with_adapters(args, source)
     iteration, cfg, state, dtype = source.iteration, source.cfg, source.state, source.dtype
+    _say_weights_only(args, source)
     if args.noop_layers:
         noop = pipeline.parse_layer_numbers(args.noop_layers, "--noop-layers")
         if args.save_model_type == "hf" and args.load_model_type == "mg":  # MindSpeed-LLM's export names them again
@@ -309,6 +310,17 @@ def run(args, backend=None) -> int:
           + (f", layers per stage {layout.num_layer_list}" if layout.num_layer_list else "")
           + (f", no-op layers {','.join(map(str, cfg.noop_layers))}" if cfg.noop_layers else "") + f", {dtype}")
     return 0
+
+
+def _say_weights_only(args, source) -> None:
+    """A conversion writes weights: say so where the source holds an optimizer state too (ours:
+    Adam's moments, Muon's momentum, fp32 masters), and how to carry it to another layout."""
+    held = ((source.meta or {}).get("index") or {}).get("optimizer") or {} if source.kind == "ours" else {}
+    if held:
+        kinds = sorted({name.split(".", 1)[0] for name in held})
+        print(f"note: a conversion writes the weights only: the optimizer state {args.load_dir} holds ({len(held)} "
+              f"tensors: {', '.join(kinds)}) is not converted, as MindSpeed-LLM's converter; a training run resumes "
+              f"with it at any layout from {args.load_dir} itself (mindspeed train --load)")
 
 
 def _check_model_flags(args, cfg) -> None:

@@ -190,8 +190,16 @@ _FB_OVERLAP = ("in 1F1B's steady state (one warm-up forward more), interleaved 1
 _MUON = ("megatron-core's choice of matrices (every 2-D weight but embeddings and the output layer, the router's "
          "included; the experts' stacked weights expert by expert) get momentum orthogonalised by a float32 "
          "Newton-Schulz iteration through the facade, the q/k/v weight per query, key and value rows; the rest "
-         "AdamW. One process, and layouts that keep each matrix whole on a rank (DP, PP, EP); TP, the "
-         "distributed optimizer and fp16 are refused")
+         "AdamW. fp16 is refused")
+_LOW_PRECISION_STATES = ("Adam's moments (and Muon's momentum, in --exp-avg-dtype) stored in bf16, each update "
+                         "computed in fp32 from them, with fp32 or bf16 training; fp32 master weights; AdamW, the "
+                         "distributed optimizer (and --swap-optimizer) and Muon; fp16 and fp8 states are refused")
+_MUON_TP = ("under TP with --muon-tp-mode duplicated or distributed each cut matrix's shards are gathered over the TP "
+            "group and iterated whole (one process's update); blockwise, the default, iterates each shard alone "
+            "(megatron-core's)")
+_DIST_MUON = ("megatron-core's layer-wise distributed optimizer: each parameter's Muon or AdamW state and update on "
+              "one data-parallel rank (expert weights: one expert-data-parallel rank), the updated parameters "
+              "gathered from their owners; checkpoints hold each state once, read at any layout")
 _QK_CLIP = ("each step's largest attention logit per query group (over the causal pairs, the micro-batches and "
             "the data-parallel ranks) past the threshold shrinks the group's query rows by eta^alpha and key rows "
             "by eta^(1 - alpha) after the update, as megatron-core does; logged each step. Softmax attention "
@@ -507,10 +515,23 @@ FEATURES: tuple[Feature, ...] = (
             planned("not built: as on PyTorch", instead="--recompute-granularity full"),
             _on("recompute_in_advance")),
     Feature("muon", "The Muon optimizer (--optimizer muon), AdamW for the rest", "optimizer", ("--optimizer muon",),
-            supported(_MUON), supported(_MUON), _eq("optimizer", "muon")),
+            supported(_MUON), supported(_MUON),
+            lambda a: getattr(a, "optimizer", None) in ("muon", "dist_muon")),
+    Feature("muon-tensor-parallel", "Muon under tensor parallelism (whole matrices gathered)", "optimizer",
+            ("--muon-tp-mode",), supported(_MUON_TP), supported(_MUON_TP),
+            lambda a: getattr(a, "optimizer", "adam") != "adam" and getattr(a, "tensor_model_parallel_size", 1) > 1
+            and getattr(a, "muon_tp_mode", None) in ("duplicated", "distributed")),
+    Feature("dist-muon", "Muon's layer-wise distributed optimizer", "optimizer",
+            ("--optimizer dist_muon", "--use-distributed-optimizer"), supported(_DIST_MUON), supported(_DIST_MUON),
+            lambda a: getattr(a, "optimizer", "adam") == "dist_muon" or (
+                getattr(a, "optimizer", "adam") == "muon" and bool(getattr(a, "use_distributed_optimizer", False)))),
     Feature("qk-clip", "QK-clip (MuonClip): attention logits held under a threshold", "optimizer",
             ("--qk-clip", "--qk-clip-threshold", "--qk-clip-alpha"), supported(_QK_CLIP), supported(_QK_CLIP),
             _on("qk_clip")),
+    Feature("low-precision-optimizer-states", "Low-precision optimizer states (Megatron's precision-aware "
+            "optimizer)", "memory", ("--use-precision-aware-optimizer", "--exp-avg-dtype", "--exp-avg-sq-dtype"),
+            supported(_LOW_PRECISION_STATES), supported(_LOW_PRECISION_STATES),
+            lambda a: getattr(a, "exp_avg_dtype", "fp32") != "fp32" or getattr(a, "exp_avg_sq_dtype", "fp32") != "fp32"),
     Feature("o2-bf16-optimizer", "O2 BF16 optimizer (bf16 optimizer states)", "memory", ("--o2-optimizer",),
             supported("Adam moments kept in bf16, widened to fp32 for each update (with --bf16; also sharded by the "
                       "distributed optimizer)"),

@@ -51,6 +51,7 @@ from mindspeed_core.memory.accounting import estimated_peak_bytes
 from mindspeed_core.memory.recompute import Recompute
 from mindspeed_core.parallel import pipeline, traffic
 from mindspeed_core.training import configuration, schedules
+from mindspeed_core.training.optimizer import moment_bytes
 
 GIB = 2**30
 
@@ -316,10 +317,13 @@ def pipeline_bubble(pp: int, micro: int, dualpipev: bool = False) -> float:
     return max(schedules.idle_time(timeline).values()) / 3.0
 
 
-def predict_memory(cfg, lay: Layout, seq: int, gbs: int, machine: Machine, dtype: str = "float32") -> dict:
+def predict_memory(cfg, lay: Layout, seq: int, gbs: int, machine: Machine, dtype: str = "float32",
+                   moments: int = 8) -> dict:
     """Bytes per device on the most loaded pipeline stage, by part: the fixed parts (baseline,
     weights, optimizer states, what building the whole model left) plus the larger of the
-    step's two peaks: at the loss (activations, logits) and after the backward (gradients)."""
+    step's two peaks: at the loss (activations, logits) and after the backward (gradients).
+    ``moments``: the bytes per parameter of Adam's two moments as stored (8 in fp32; 4 with
+    --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16 or --o2-optimizer)."""
     layout = pipeline.model_layout(cfg, lay.pp, dualpipev=lay.dualpipev)
     element = 4 if dtype == "float32" else 2
     copies = machine.counts()
@@ -332,8 +336,8 @@ def predict_memory(cfg, lay: Layout, seq: int, gbs: int, machine: Machine, dtype
         weights = element * params
         grads = 4 * params
         # the dense part's states shard over the DP x CP ranks, the experts' over the expert-data-parallel ones
-        state = sum(24 * n / shards if lay.distopt and shards > 1  # fp32 master, two moments, three masks
-                    else (8 + (4 if element == 2 else 0)) * n  # two moments (and the master of 16-bit weights)
+        state = sum((16 + moments) * n / shards if lay.distopt and shards > 1  # fp32 master, moments, three masks
+                    else (moments + (4 if element == 2 else 0)) * n  # the moments (and the master of 16-bit weights)
                     for n, shards in ((params - experts, lay.dp * lay.cp), (experts, lay.edp)))
         # 1F1B: the first stage holds PP micro-batches; DualPipeV: every rank 2P + 1 chunks' (half a stage's each)
         in_flight = (1 if copies.records_again else min(2 * lay.pp + 1, 2 * micro) / 2 if lay.dualpipev
@@ -760,7 +764,10 @@ def plan(args) -> dict:
     if depth > MAX_LAYERS:
         raise MindSpeedError(f"--num-layers {depth}: the planner checks each layout with the trainer's configuration, "
                              f"which goes through every layer, and plans models of up to {MAX_LAYERS:,} layers")
-    cfg = configuration.configure(one, 1).model
+    one_run = configuration.configure(one, 1)
+    cfg = one_run.model
+    stored = one_run.optimization.moment_dtypes
+    moments = sum(moment_bytes(d) for d in stored)
     # each kind of parallelism cuts something finite: the batch (DP), the layers (PP), the heads
     # (TP) and the sequence (CP); a job larger than all of them has no layout (and none is tried)
     most = args.global_batch_size * cfg.num_layers * cfg.num_attention_heads * args.seq_length
@@ -775,7 +782,7 @@ def plan(args) -> dict:
     machine = measure_machine(args, world, [matmul_shape(cfg, lay, seq) for lay in layouts])
     rows = []
     for lay in layouts:
-        mem = predict_memory(cfg, lay, seq, gbs, machine, dtype)
+        mem = predict_memory(cfg, lay, seq, gbs, machine, dtype, moments)
         step = predict_step(cfg, lay, seq, gbs, machine)
         rows.append({"layout": lay, "memory": mem, "step": step,
                      "fits": mem["total"] <= (1 - args.memory_headroom) * machine.memory_bytes,
@@ -783,6 +790,7 @@ def plan(args) -> dict:
     rows.sort(key=lambda r: (not r["fits"], r["step"]["total"], r["memory"]["total"]))
     default = next((r for r in rows if r["layout"] == Layout(1, 1, world, mbs=args.micro_batch_size or 1)), None)
     return {"machine": machine, "model_parameters": cfg.num_parameters(), "rows": rows, "default": default,
+            "moments": (stored, moments, 4 if dtype != "float32" else 0),
             "tokens_per_step": gbs * seq, "args": args}
 
 
@@ -809,6 +817,10 @@ def run(args, backend) -> int:
     if runtime.bound().device.type() != "cpu":
         print("note: the copy counts and element-wise passes were read off a CPU host (benchmarks/bench_plan.py); "
               "on this device keep more --memory-headroom until they are measured here")
+    (first, second), moments, master = result["moments"]
+    print(f"optimizer state: {moments + master} bytes per parameter (exp_avg {first}, exp_avg_sq {second}"
+          f"{', an fp32 master' if master else ''}); the distributed optimizer shards it, with its masters and masks, "
+          f"over the data-parallel ranks")
     print(f"{len(rows)} layouts the trainer accepts, {len(fitting)} fit in memory (keeping "
           f"{100 * args.memory_headroom:.0f}% free)")
     header = f"{'#':>3}  {'layout':<34} {'memory GiB':>10} {'step s':>9} {'tokens/s':>10}"

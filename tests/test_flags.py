@@ -21,6 +21,9 @@ from mindspeed_core.compat import megatron_args
 ACCEPTED_NO_OPS = {
     # MindSpeed-LLM's flags without effect here: each reason is in compat/megatron_args.py (and --help)
     *megatron_args.ACCEPTED_NO_OPS,
+    # Megatron-LM's switch for its low-precision state dtypes: alone it keeps fp32 states (its
+    # --exp-avg-dtype / --exp-avg-sq-dtype take effect, and are refused without it)
+    "--use-precision-aware-optimizer",
     # Megatron honours --num-query-groups only together with this switch; here
     # --num-query-groups takes effect on its own, so the switch adds nothing.
     "--group-query-attention",

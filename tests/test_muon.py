@@ -57,12 +57,15 @@ def test_the_qkv_split_is_megatron_cores():
     stub = types.SimpleNamespace(pg_collection=None, mode="blockwise", split_qkv=True, is_qkv_fn=lambda p: True,
                                  qkv_split_shapes=[per_group * CFG.kv_channels, CFG.kv_channels, CFG.kv_channels],
                                  scaled_orthogonalize_fn=record)
-    out = TensorParallelMuon.orthogonalize(stub, grad, grad)
-    assert torch.equal(out, grad)  # the pieces go back where they came from
-    ours = logical_rows("decoder.layers.0.self_attention.linear_qkv.weight", rows, CFG)
-    assert len(seen) == len(ours) == 3
-    for piece, index in zip(seen, ours):
-        assert torch.equal(piece, grad[torch.tensor(index)])
+    # the whole weight, and (--muon-tp-mode blockwise) a TP2 rank's shard: its own query groups' rows
+    for local in (grad, grad[: rows // 2]):
+        seen.clear()
+        out = TensorParallelMuon.orthogonalize(stub, local, local)
+        assert torch.equal(out, local)  # the pieces go back where they came from
+        ours = logical_rows("decoder.layers.0.self_attention.linear_qkv.weight", local.shape[0], CFG)
+        assert len(seen) == len(ours) == 3
+        for piece, index in zip(seen, ours):
+            assert torch.equal(piece, local[torch.tensor(index)])
 
 
 def _reference(nesterov: bool, adjust: str, lrs: list, grads: list, start: dict, cfg) -> dict:
@@ -168,3 +171,10 @@ def test_training_with_muon_resumes_its_momentum_exactly(capsys, corpus, tmp_pat
                  "--train-iters", "1", "--save", str(adam))[0] == 0
     code, out, err = train(capsys, *flags, "--train-iters", "2", "--load", str(adam))
     assert code == 2 and "is AdamW's: it was saved without --optimizer muon" in err, err
+    # a conversion writes the weights: it says the momentum stays behind, and where it is
+    from mindspeed_core import cli
+
+    assert cli.main(["convert", "--load-model-type", "mg", "--save-model-type", "mg", "--load-dir", str(ckpt),
+                     "--save-dir", str(tmp_path / "pp2"), "--target-pipeline-parallel-size", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "the optimizer state" in out and "exp_avg, exp_avg_sq, momentum) is not converted" in out, out

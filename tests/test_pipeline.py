@@ -327,6 +327,9 @@ MODELS["moe-mtp"] = MOE_MTP
 # Muon for the matrices (Nesterov, the shape_scaling rule), AdamW for the rest: each stage's matrices whole
 MODELS["muon"] = SMALL4 + ["--optimizer", "muon", "--muon-nesterov", "--muon-scale-mode", "shape_scaling",
                            "--weight-decay", "0.1"]
+# Muon on a MoE model (top-2 of 4 experts, alltoall): the experts' weights expert by expert
+MODELS["muon-moe"] = MODELS["muon"] + ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "64",
+                                       "--moe-aux-loss-coeff", "0.01", "--moe-token-dispatcher-type", "alltoall"]
 # the same on 8 layers, 7 micro-batches a step: DualPipeV's least at PP4 (2P - 1)
 MODELS["moe-mtp-8"] = MOE_MTP + ["--num-layers", "8", "--global-batch-size", "14"]
 # 12 sequences a step: 3 micro-batches on each of two data-parallel ranks (DualPipeV's least at PP2)
@@ -381,6 +384,11 @@ FOUR = [
     # shared expert beside the same run without both
     ("pp2-ep2-dualpipev-fb", "moe-mtp-12", PP + ["2", "--schedules-method", "dualpipev", "--expert-model-parallel-size",
                                                  "2", "--moe-token-dispatcher-type", "alltoall", "--moe-fb-overlap"]),
+    # Muon at TP2 (the matrices' shards gathered whole: duplicated) x EP2 with the layer-wise distributed
+    # optimizer over the DP pair (saved, resumed whole at DP4 below)
+    ("tp2-ep2-dist-muon", "muon-moe", ["--tensor-model-parallel-size", "2", "--expert-model-parallel-size", "2",
+                                       "--sequence-parallel", "--optimizer", "dist_muon", "--muon-tp-mode",
+                                       "duplicated", "--save", "{out}/ckpt-dist-muon"]),
     ("pp2-ep2", "moe-mtp-12-shared", PP + ["2", "--expert-model-parallel-size", "2", "--moe-token-dispatcher-type",
                                            "alltoall"]),
     # (its second step profiled: the schedule's spans are in the traces)
@@ -505,6 +513,10 @@ RESHARD = {
     "pp2-dp2-from-dualpipev": (PP + ["2"], "two", "ckpt-dualpipev", "moe-mtp"),
     # Muon's momentum and AdamW's moments of the rest, saved by the PP2 ranks, read whole at DP4
     "dp4-from-pp2-muon": ([], "two", "ckpt-muon", "muon"),
+    # the layer-wise distributed optimizer's checkpoint (each state written by its owner) at DP4 without it,
+    # and PP2's at DP4 with it (each owner reads its parameters' state)
+    "dp4-from-tp2-ep2-dist-muon": ([], "four", "ckpt-dist-muon", "muon-moe"),
+    "dp4-dist-muon-from-pp2-muon": (["--use-distributed-optimizer"], "two", "ckpt-muon", "muon"),
 }
 RESHARDED = {entry[3] for entry in RESHARD.values() if len(entry) > 3}  # models besides base
 
@@ -547,6 +559,9 @@ def four(corpus, two, tmp_path_factory):  # noqa: F811
 @pytest.mark.feature("param-gather-overlap")
 @pytest.mark.feature("dualpipe")
 @pytest.mark.feature("moe-alltoall-overlap")
+@pytest.mark.feature("muon")
+@pytest.mark.feature("muon-tensor-parallel")
+@pytest.mark.feature("dist-muon")
 def test_pipelines_on_four_ranks_equal_one_process(capsys, framework, corpus, single, four, tmp_path):  # noqa: F811
     """PP4 (saving), TP2xPP2 with sequence parallelism and tied embeddings, PP2xDP2 with the
     distributed optimizer, CP2xPP2, DualPipeV at PP4 and at PP2 x EP2: one launch; the PP4
@@ -555,6 +570,9 @@ def test_pipelines_on_four_ranks_equal_one_process(capsys, framework, corpus, si
     out = four
     check_parity(out, FOUR, single, table)
     assert same_records(out / "pp2-dp2-distopt-overlap.jsonl", out / "pp2-dp2-distopt.jsonl")
+    # Muon's TP2 x EP2 run iterated on whole matrices, each rank updating its own share of the parameters
+    log = (out / "tp2-ep2-dist-muon.log").read_text()
+    assert "TP shards gathered whole (duplicated)" in log and "layer-wise distributed: this rank updates" in log, log
     text = resume_single(capsys, corpus, iteration_only(out / "ckpt-pp4", LAYOUT_ITERS, tmp_path / "pp4-last"), "base",
                          tmp_path, single["base"]["losses"], LAYOUT_ITERS + 1)
     assert "PP=4" in text

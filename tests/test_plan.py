@@ -152,6 +152,7 @@ def test_plan_ranks_the_layouts_the_trainer_accepts_and_prints_their_commands(ca
     out = capsys.readouterr().out
     commands = [line.strip() for line in out.splitlines() if line.strip().startswith("mindspeed launch")]
     assert len(commands) == 3 and "default (TP1xPP1xDP4 mbs 1)" in out
+    assert "optimizer state: 8 bytes per parameter (exp_avg float32, exp_avg_sq float32)" in out, out
     result = planner.plan(planner.parse([*MODEL, "--devices", "4", "--memory-per-device", "4", *MACHINE]))
     rows = [r for r in result["rows"] if r["fits"]]
     assert [r["command"] for r in rows[:3]] == commands
@@ -163,6 +164,10 @@ def test_plan_ranks_the_layouts_the_trainer_accepts_and_prints_their_commands(ca
         flags = command.split(" -- ", 1)[1].split()
         args = megatron_args.training_parser().parse_args([*flags, "--data-path", "x"])
         configuration.configure(args, 4)
+    # with bf16 moments the plan says so, and its states hold half the bytes
+    assert cli.main(["plan", *MODEL, "--devices", "4", "--memory-per-device", "4", *MACHINE, "--top", "1",
+                     "--use-precision-aware-optimizer", "--exp-avg-dtype", "bf16", "--exp-avg-sq-dtype", "bf16"]) == 0
+    assert "optimizer state: 4 bytes per parameter (exp_avg bfloat16, exp_avg_sq bfloat16)" in capsys.readouterr().out
 
 
 def test_plan_proposes_experts_whole_across_tp_and_shards_expert_state_over_their_copies():
@@ -185,6 +190,11 @@ def test_plan_proposes_experts_whole_across_tp_and_shards_expert_state_over_thei
     assert params == planner.stage_parameters(cfg, one, 1, 2, 0, 1)
     state = planner.predict_memory(cfg, planner.Layout(1, 1, 4, ep=2, distopt=True), 64, 8, machine)["optimizer"]
     assert state == pytest.approx(24 * dense / 4 + 24 * experts / 2)
+    # bf16 moments (--exp-avg-dtype bf16 --exp-avg-sq-dtype bf16): 4 bytes fewer per parameter
+    low = planner.predict_memory(cfg, planner.Layout(1, 1, 4, ep=2, distopt=True), 64, 8, machine, moments=4)
+    assert low["optimizer"] == pytest.approx(20 * dense / 4 + 20 * experts / 2)
+    whole = planner.predict_memory(cfg, planner.Layout(1, 1, 4, ep=2), 64, 8, machine, moments=4)["optimizer"]
+    assert whole == pytest.approx(4 * params)
     # whole experts on TP2: each rank holds its 2 of 8 experts uncut, twice what they hold cut over TP2
     assert planner.stage_parameter_split(cfg, one, 2, 4, 0, 1, expert_tp=1)[1] == \
         2 * planner.stage_parameter_split(cfg, one, 2, 4, 0, 1)[1]

@@ -87,10 +87,12 @@ def optimizer(named: list, train_plan, plan, ps, optimization, distributed_optim
     checkpoint, this rank's slices of its state. ``cfg``: the model's (Muon's q/k/v split)."""
     o = optimization
     common = (named, o.lr, o.weight_decay, o.betas, o.eps)
-    moment_dtype = "bfloat16" if o.o2_optimizer else "float32"
+    moment_dtype = o.moment_dtypes
+    if o.o2_optimizer:
+        features.note_used("o2-bf16-optimizer")
     if o.o2_gradient:
         features.note_used("o2-gradient")
-    if distributed_optimizer:
+    if distributed_optimizer and o.muon is None:
         opt = DistributedAdamW(*common, ps=ps, plan=train_plan, moment_dtype=moment_dtype,
                                reuse_fp32_param=o.reuse_fp32_param, bucket_elements=o.bucket_elements,
                                grad_dtype="bfloat16" if o.o2_gradient else "float32", swap_pieces=o.swap_pieces)
@@ -98,7 +100,8 @@ def optimizer(named: list, train_plan, plan, ps, optimization, distributed_optim
         m = o.muon
         opt = Muon(*common, ps=ps, plan=train_plan, moment_dtype=moment_dtype, bucket_elements=o.bucket_elements,
                    momentum=m.momentum, nesterov=m.nesterov, ns_steps=m.ns_steps, coefficients=m.coefficients,
-                   scale_mode=m.scale_mode, extra_scale=m.extra_scale, split_qkv=m.split_qkv, cfg=cfg)
+                   scale_mode=m.scale_mode, extra_scale=m.extra_scale, split_qkv=m.split_qkv, cfg=cfg,
+                   tp_mode=m.tp_mode, layerwise=m.layerwise)
     else:
         opt = AdamW(*common, ps=ps, plan=train_plan, moment_dtype=moment_dtype, bucket_elements=o.bucket_elements)
     if isinstance(saved, sharded_checkpoint.Reader):

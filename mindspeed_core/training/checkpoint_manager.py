@@ -93,7 +93,8 @@ class CheckpointManager:
             seen.add((state, flat))
             # a distributed optimizer's slices: each rank writes its own (expert weights' too: they are
             # sharded over the expert-data-parallel group, which spans the CP ranks)
-            writes = None if flat is None else True
+            # (dist_muon: each state is its owner's, written by it)
+            writes = None if flat is None and not getattr(run.optimizer, "owner", None) else True
             optimizer.append((sharded_checkpoint.held(state, shapes[name], entry[name], ps, flat, writes), values,
                               "float32"))
         trainer_state = resume.run_state(ps, run.scaler, run.reference, rng=ckpt.save_rng)  # collective

@@ -166,6 +166,9 @@ class Optimization:
     muon: MuonOptions | None = None  # --optimizer muon (training/muon.py); None: AdamW
     # --qk-clip's (threshold, alpha), or with --log-max-attention-logit alone (None, None); None: neither
     qk_clip: tuple | None = None
+    # the stored dtypes of (exp_avg, exp_avg_sq): bfloat16 both under --o2-optimizer, or as
+    # --exp-avg-dtype / --exp-avg-sq-dtype say with --use-precision-aware-optimizer
+    moment_dtypes: tuple = ("float32", "float32")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,6 +181,8 @@ class MuonOptions:
     scale_mode: str
     extra_scale: float
     split_qkv: bool
+    tp_mode: str  # --muon-tp-mode
+    layerwise: bool  # dist_muon, or muon with --use-distributed-optimizer: the layer-wise distributed optimizer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -329,7 +334,9 @@ def configure(args, world: int, framework: str | None = None) -> RunConfig:
                               work.num_layers_per_virtual_pipeline_stage, work.num_layer_list,
                               work.context_parallel_algo,
                               work.ulysses_degree_in_cp, work.moe_token_dispatcher_type,
-                              bool(work.use_distributed_optimizer), bool(work.overlap_grad_reduce),
+                              # (Muon's is its own: layer-wise, training/muon.py)
+                              bool(work.use_distributed_optimizer) and work.optimizer == "adam",
+                              bool(work.overlap_grad_reduce),
                               bool(work.overlap_param_gather),
                               work.expert_tensor_parallel_size == 1 and tp > 1,
                               bool(work.use_cp_send_recv_overlap) and not work.compile,
@@ -343,7 +350,7 @@ def configure(args, world: int, framework: str | None = None) -> RunConfig:
             (work.swap_optimizer_times or SWAP_OPTIMIZER_TIMES) if work.swap_optimizer else None,
             bool(work.calculate_per_token_loss),
             (work.loss_chunk_size or LOSS_CHUNK) if work.loss_compute_mode == "chunk" else None,
-            bool(work.init_norm_weight_in_fp32), muon_options(work), qk_clip_options(work)),
+            bool(work.init_norm_weight_in_fp32), muon_options(work), qk_clip_options(work), moment_dtypes(work)),
         data=Data(embedded, tuple(work.data_path) if work.data_path else None, work.split, work.seq_length, work.seed,
                   tokenizer.name, not work.no_shuffle,
                   pad_multiple(work.pad_to_multiple_of, tp, cp, work.sequence_parallel)
@@ -1053,7 +1060,7 @@ def check_configuration(args, world: int, default_save: bool = False):
                                 else " (drop --compile)"))
     if args.swap_optimizer_times and not args.swap_optimizer:
         raise MindSpeedError("--swap-optimizer-times qualifies --swap-optimizer: add it or drop the flag")
-    if args.swap_optimizer and not args.use_distributed_optimizer:
+    if args.swap_optimizer and not args.use_distributed_optimizer and args.optimizer != "dist_muon":
         raise MindSpeedError("--swap-optimizer moves the distributed optimizer's state to host memory: add "
                              "--use-distributed-optimizer")
     if args.swap_optimizer and args.reuse_fp32_param:
@@ -1062,6 +1069,7 @@ def check_configuration(args, world: int, default_save: bool = False):
     if args.o2_gradient and not args.bf16:
         raise MindSpeedError("--o2-gradient keeps the gradients in bf16 and needs bf16 training: add --bf16 "
                              "(as MindSpeed-LLM's O2, it supports bf16 parameters only)")
+    _check_precision_aware(args)
     if args.o2_optimizer and not args.bf16:
         raise MindSpeedError("--o2-optimizer keeps the Adam moments in bf16 and needs bf16 training: add --bf16 "
                              "(as MindSpeed-LLM's O2, it supports bf16 parameters only)")
@@ -1255,25 +1263,57 @@ def _muon(args, name: str):
 
 
 def muon_options(args) -> MuonOptions | None:
-    if args.optimizer != "muon":
+    if args.optimizer not in ("muon", "dist_muon"):
         return None
     return MuonOptions(_muon(args, "muon_momentum"), bool(_muon(args, "muon_nesterov")),
                        _muon(args, "muon_num_ns_steps"), MUON_COEFFICIENTS[_muon(args, "muon_coefficient_type")],
                        _muon(args, "muon_scale_mode"), _muon(args, "muon_extra_scale_factor"),
-                       bool(_muon(args, "muon_split_qkv")))
+                       bool(_muon(args, "muon_split_qkv")), _muon(args, "muon_tp_mode"),
+                       args.optimizer == "dist_muon" or bool(args.use_distributed_optimizer))
 
 
 # --muon-coefficient-type: the Newton-Schulz coefficient sets built here (a, b, c of a X + b A X + c A^2 X)
 MUON_COEFFICIENTS = {"quintic": (3.4445, -4.7750, 2.0315), "simple": (1.5, -0.5, 0.0)}
 
 
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp8": "uint8"}
+
+
+def moment_dtypes(args) -> tuple[str, str]:
+    """The stored dtypes of Adam's (exp_avg, exp_avg_sq) (Muon's momentum: exp_avg's)."""
+    if args.o2_optimizer:
+        return "bfloat16", "bfloat16"
+    return DTYPES[args.exp_avg_dtype], DTYPES[args.exp_avg_sq_dtype]
+
+
+def _check_precision_aware(args) -> None:
+    """Megatron-LM's rules for the low-precision state flags, and what is not built here."""
+    lowered = [f"--{n.replace('_', '-')} {getattr(args, n)}" for n in ("exp_avg_dtype", "exp_avg_sq_dtype",
+                                                                        "main_grads_dtype", "main_params_dtype")
+               if getattr(args, n) != "fp32"]
+    if lowered and not args.use_precision_aware_optimizer:  # megatron-core's OptimizerConfig check
+        raise MindSpeedError(f"{lowered[0]} sets a dtype of the precision-aware optimizer: add "
+                             "--use-precision-aware-optimizer (without it every optimizer state is fp32)")
+    for name in ("main_grads_dtype", "main_params_dtype"):
+        if getattr(args, name) != "fp32":
+            raise MindSpeedError(f"--{name.replace('_', '-')} {getattr(args, name)} is not built here: the optimizer "
+                                 "reads fp32 gradients into fp32 master weights (low-precision moments: "
+                                 "--exp-avg-dtype bf16 --exp-avg-sq-dtype bf16)")
+    for name in ("exp_avg_dtype", "exp_avg_sq_dtype"):
+        if getattr(args, name) in ("fp16", "fp8"):
+            raise MindSpeedError(f"--{name.replace('_', '-')} {getattr(args, name)} is not built here: the moments "
+                                 "are stored in fp32 or bf16 (an fp16 second moment underflows without a scale)")
+    if args.use_precision_aware_optimizer and args.o2_optimizer:
+        raise MindSpeedError("--o2-optimizer and --use-precision-aware-optimizer both set the moments' dtype: use "
+                             "one (--o2-optimizer is --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16)")
+    if args.fp16 and "bf16" in (args.exp_avg_dtype, args.exp_avg_sq_dtype):
+        raise MindSpeedError("bf16 optimizer states with --fp16 are not defined here (as MindSpeed-LLM's O2, bf16 "
+                             "states go with --bf16 training): keep them fp32 or train with --bf16")
+
+
 def _check_muon(args, tp: int) -> None:
     """What --optimizer muon does not run with yet, and its settings' values."""
-    if args.optimizer == "dist_muon" or (args.optimizer == "muon" and args.use_distributed_optimizer):
-        raise MindSpeedError("Muon with the distributed optimizer (--optimizer dist_muon, or muon with "
-                             "--use-distributed-optimizer: megatron-core's layer-wise sharding) is not built here yet: "
-                             "use --optimizer muon without --use-distributed-optimizer")
-    if args.optimizer != "muon":
+    if args.optimizer not in ("muon", "dist_muon"):
         given = [name for name in MUON_DEFAULTS if getattr(args, name, None) is not None]
         if given:  # a setting of an optimizer that does not run: refused, not ignored
             flag = {"muon_split_qkv": "--muon-no-split-qkv"}.get(given[0], "--" + given[0].replace("_", "-"))
@@ -1289,10 +1329,17 @@ def _check_muon(args, tp: int) -> None:
     if args.fp16:
         raise MindSpeedError("fp16 (--fp16) is not defined with --optimizer muon (as in megatron-core and "
                              "MindSpeed-LLM): use --bf16")
-    if tp > 1:
-        raise MindSpeedError(f"--optimizer muon under tensor parallelism (TP {tp}) is not built here yet: its "
-                             "Newton-Schulz iteration needs each matrix whole; use data, pipeline or expert "
-                             "parallelism")
+    layerwise = args.optimizer == "dist_muon" or args.use_distributed_optimizer
+    for flag, on in (("--swap-optimizer", args.swap_optimizer), ("--reuse-fp32-param", args.reuse_fp32_param),
+                     ("--overlap-param-gather", args.overlap_param_gather), ("--save-whole", args.save_whole)):
+        if on and layerwise:
+            raise MindSpeedError(f"{flag} with Muon's layer-wise distributed optimizer is not built here (its state is "
+                                 f"whole parameters on their owners): drop {flag}")
+    if tp > 1 and _muon(args, "muon_tp_mode") == "blockwise" and args.num_query_groups and \
+            args.num_query_groups < tp:
+        raise MindSpeedError(f"--muon-tp-mode blockwise splits each TP shard's q/k/v rows by its own query groups, and "
+                             f"{args.num_query_groups} query groups over TP {tp} leave a shard a slice of one: use "
+                             f"--muon-tp-mode duplicated")
 
 
 QK_CLIP_DEFAULTS = {"qk_clip_threshold": 100.0, "qk_clip_alpha": 0.5}  # megatron-core's
@@ -1322,7 +1369,8 @@ def _check_qk_clip(args, cfg: ModelConfig) -> None:
         raise MindSpeedError(f"{flag} scales the query and key weights, and --qk-layernorm normalises their outputs "
                              "again (the logits would not shrink): drop one of them")
     windowed = any(cfg.window_of(n) is not None for n in range(cfg.num_layers))
-    for name, on in (("--use-distributed-optimizer", args.use_distributed_optimizer), ("--compile", args.compile),
+    for name, on in (("--use-distributed-optimizer", args.use_distributed_optimizer),
+                     ("--optimizer dist_muon", args.optimizer == "dist_muon"), ("--compile", args.compile),
                      ("--context-parallel-size", args.context_parallel_size > 1),
                      ("--tensor-model-parallel-size", args.tensor_model_parallel_size > 1),
                      ("--reset-attention-mask", args.reset_attention_mask),
@@ -1446,6 +1494,8 @@ def describe(config: RunConfig, data_path, pipeline_layout, grad_accum: int, los
         "adam": {"beta1": flags.adam_beta1, "beta2": flags.adam_beta2, "eps": flags.adam_eps},
         "optimizer": "adamw" if config.optimization.muon is None else {
             "muon": dataclasses.asdict(config.optimization.muon), "the rest": "adamw"},
+        "optimizer_states": {"exp_avg": config.optimization.moment_dtypes[0],
+                             "exp_avg_sq": config.optimization.moment_dtypes[1]},
         "max_attention_logit": None if config.optimization.qk_clip is None else {
             "logged": True, "clip_threshold": config.optimization.qk_clip[0],
             "clip_alpha": config.optimization.qk_clip[1]},

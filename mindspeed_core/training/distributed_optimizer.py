@@ -28,7 +28,8 @@ from mindspeed_core import autograd, device, dist, features, nn, ops
 from mindspeed_core.errors import CheckpointError
 from mindspeed_core.memory import reuse_fp32_param
 from mindspeed_core.training.distributed import Bucket, by_size, over_pipeline, sum_of_squares
-from mindspeed_core.training.optimizer import adamw, missing_state, moment_bytes, narrow, no_weight_decay, widen
+from mindspeed_core.training.optimizer import (adamw, missing_state, moment_bytes, moment_pair, narrow,
+                                               no_weight_decay, widen)
 
 
 class _Partition:
@@ -80,9 +81,10 @@ class _Partition:
         self.residual = None  # set by keep_master under --reuse-fp32-param
         self.reuse_fp32_param = reuse_fp32_param
         self.keep_master(self.window([autograd.detach(p) for _, p in named]))
-        self.moment_dtype = moment_dtype  # bfloat16 under --o2-optimizer
-        self.exp_avg = ops.zeros((self.shard,), dtype=moment_dtype)
-        self.exp_avg_sq = ops.zeros((self.shard,), dtype=moment_dtype)
+        # (exp_avg's, exp_avg_sq's): bfloat16 under --o2-optimizer, or --exp-avg-dtype / --exp-avg-sq-dtype
+        self.moment_dtypes = moment_pair(moment_dtype)
+        self.exp_avg = ops.zeros((self.shard,), dtype=self.moment_dtypes[0])
+        self.exp_avg_sq = ops.zeros((self.shard,), dtype=self.moment_dtypes[1])
 
     # the state (master slice, moments): device tensors, or host copies under --swap-optimizer
     def _get(self, key: str):
@@ -110,13 +112,24 @@ class _Partition:
             master = master - master * (self.decay * lr)
             (master,), exp_avg, exp_avg_sq = adamw([master], [grad], widen([self.exp_avg]), widen([self.exp_avg_sq]),
                                                    lr, [0.0], betas, eps, step)
-            (self.exp_avg,), (self.exp_avg_sq,) = (narrow(m, self.moment_dtype) for m in (exp_avg, exp_avg_sq))
+            (self.exp_avg,), (self.exp_avg_sq,) = (narrow(m, d) for m, d in zip((exp_avg, exp_avg_sq),
+                                                                                self.moment_dtypes))
         self.keep_master(master)
         return master
 
+    def _swap_bounds(self) -> list[int]:
+        return [int(b) for b in np.linspace(0, self.shard, min(self.swap_pieces, self.shard) + 1)]
+
+    def piece_bytes(self) -> int:
+        """--swap-optimizer: the largest piece of state an update brings to the device at once
+        (the fp32 master's and both moments' elements of it, as stored)."""
+        bounds = self._swap_bounds()
+        per_element = 4 + sum(map(moment_bytes, self.moment_dtypes))
+        return max(hi - lo for lo, hi in zip(bounds[:-1], bounds[1:])) * per_element
+
     def _swapped_update(self, grad, lr: float, betas, eps: float, step: int):
         features.note_used("swap-optimizer")
-        bounds = [int(b) for b in np.linspace(0, self.shard, min(self.swap_pieces, self.shard) + 1)]
+        bounds = self._swap_bounds()
         masters, first, second = [], [], []
         for lo, hi in zip(bounds[:-1], bounds[1:]):
             master = device.to_device(self._held["master"][lo:hi])
@@ -127,8 +140,8 @@ class _Partition:
             (master,), exp_avg, exp_avg_sq = adamw([master], [grad[lo:hi]], widen(moments[:1]), widen(moments[1:]), lr,
                                                    [0.0], betas, eps, step)
             masters.append(master)
-            first.append(device.to_host(narrow(exp_avg, self.moment_dtype)[0]))
-            second.append(device.to_host(narrow(exp_avg_sq, self.moment_dtype)[0]))
+            first.append(device.to_host(narrow(exp_avg, self.moment_dtypes[0])[0]))
+            second.append(device.to_host(narrow(exp_avg_sq, self.moment_dtypes[1])[0]))
         self._held["exp_avg"], self._held["exp_avg_sq"] = ops.cat(first), ops.cat(second)
         return ops.cat(masters)
 
@@ -324,9 +337,21 @@ class DistributedAdamW:
         with autograd.no_grad():
             part.assign_bucket(b, work.wait())
 
+    @property
+    def swap_pieces(self) -> int | None:
+        return self.partitions[0].swap_pieces if self.partitions else None
+
+    def device_state_bytes(self) -> int:
+        """What of state_bytes stays on the device between steps: none under --swap-optimizer."""
+        return 0 if self.swap_pieces else self.state_bytes()
+
+    def piece_bytes(self) -> int:
+        """--swap-optimizer: the most state an update brings to the device at once."""
+        return max(part.piece_bytes() for part in self.partitions)
+
     def state_bytes(self) -> int:
         master = 2 if self.reuse_fp32_param else 4  # a residual below the parameters, or an fp32 copy
-        return sum((master + 2 * moment_bytes(part.moment_dtype)) * part.shard for part in self.partitions)
+        return sum((master + sum(map(moment_bytes, part.moment_dtypes))) * part.shard for part in self.partitions)
 
     # -- checkpoints: the same per-parameter state as plain AdamW ----------------------------
     def _note_no_gloo_group(self) -> None:
@@ -401,4 +426,4 @@ class DistributedAdamW:
         if key == "master":  # the parameters were loaded from the same checkpoint: its bf16 rounding
             part.keep_master(flat)
         else:
-            setattr(part, key, narrow([flat], part.moment_dtype)[0])
+            setattr(part, key, narrow([flat], part.moment_dtypes[key == "exp_avg_sq"])[0])

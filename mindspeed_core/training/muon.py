@@ -20,6 +20,19 @@ With the qkv split (megatron-core's default) a fused q/k/v weight [groups x (q +
 hidden] is orthogonalised per logical matrix: all query rows, all key rows, all value rows
 (and with an attention output gate, its gate rows), each scaled by its own shape; a gated
 MLP's fused gate/up weight stays one matrix, as in megatron-core.
+
+Under tensor parallelism (--muon-tp-mode, megatron-core's three): duplicated and distributed
+gather each rank's shard of a cut matrix over the TP group and iterate on the whole matrix, so
+the update equals one process's (megatron-core's distributed mode splits the iteration's
+products over the ranks instead, the same arithmetic; here both gather); blockwise (MindSpeed-
+LLM's default) iterates on each rank's shard as if it were the matrix, scaled by the shard's
+shape, its q/k/v rows split by the shard's own query groups: no communication, and not one
+process's update.
+
+--optimizer dist_muon is megatron-core's layer-wise distributed optimizer: every trained
+parameter belongs to one data-parallel rank (sorted by size, dealt out to the ranks back and
+forth; expert weights over the expert-data-parallel ranks), which alone keeps its optimizer
+state and computes its update; the updated parameters are then gathered from their owners.
 """
 
 from __future__ import annotations
@@ -28,8 +41,9 @@ import math
 
 import numpy as np
 
-from mindspeed_core import autograd, features, ops
+from mindspeed_core import autograd, dist, features, nn, ops
 from mindspeed_core.errors import CheckpointError
+from mindspeed_core.parallel.sharding import placement, shard
 from mindspeed_core.training.optimizer import AdamW, adamw, missing_state, narrow, widen
 
 QUINTIC = (3.4445, -4.7750, 2.0315)  # megatron-core's (and torch's) default coefficients
@@ -73,14 +87,17 @@ def uses_muon(name: str, param) -> bool:
 
 
 def logical_rows(name: str, rows: int, cfg) -> list[list[int]] | None:
-    """The row groups a fused weight is orthogonalised in (each a list of row indices): a q/k/v
-    weight's query, (gate,) key and value rows over every query group; None: one matrix."""
+    """The row groups a fused weight of ``rows`` rows is orthogonalised in (each a list of row
+    indices): a q/k/v weight's query, (gate,) key and value rows over every query group it
+    holds; None: one matrix."""
     if cfg is None or not name.endswith("self_attention.linear_qkv.weight"):
         return None
-    d, groups = cfg.kv_channels, cfg.num_query_groups
-    per_group = cfg.num_attention_heads // groups
+    d = cfg.kv_channels
+    per_group = cfg.num_attention_heads // cfg.num_query_groups
     parts = [per_group * d] * (2 if cfg.attention_output_gate else 1) + [d, d]
-    if sum(parts) * groups != rows:  # not the layout this rule knows (a latent attention's): one matrix
+    # the whole weight's query groups, or a tensor-parallel shard's (blockwise), as megatron-core counts them
+    groups, rest = divmod(rows, sum(parts))
+    if rest or not groups:  # not the layout this rule knows: one matrix
         return None
     out, start = [], 0
     for width in parts:
@@ -89,15 +106,32 @@ def logical_rows(name: str, rows: int, cfg) -> list[list[int]] | None:
     return out
 
 
+def layerwise_owners(sizes: list[int], expert: list[bool], ps) -> list[tuple[str, int]]:
+    """Per parameter (its group, the rank of it that owns it): dense parameters over the data-
+    (x context-) parallel ranks, expert weights over the expert-data-parallel ones; within each,
+    sorted by size (stable) and dealt to ranks 0, 1, .., n-1, n-1, .., 0, 0, .. so that every
+    rank holds about as much (megatron-core's LayerWiseDistributedOptimizer.shard_params)."""
+    out = [None] * len(sizes)
+    for of_experts, kind in ((False, "dp_cp"), (True, "edp")):
+        n = ps.size(kind)
+        turns = list(range(n)) + list(range(n))[::-1]
+        members = sorted((i for i in range(len(sizes)) if expert[i] == of_experts), key=lambda i: sizes[i])
+        for k, i in enumerate(members):
+            out[i] = (kind, turns[k % len(turns)])
+    return out
+
+
 class Muon(AdamW):
     """Muon for the matrices, AdamW for the rest, over the trained parameters ``named_params``
     (the trainer drives it as it drives AdamW: prepare, grad_norm, step). ``cfg``: the model's
-    configuration (the q/k/v split's head layout), or None."""
+    configuration (the q/k/v split's head layout), or None. ``tp_mode``: --muon-tp-mode;
+    ``layerwise``: --optimizer dist_muon (see the module's text)."""
 
     def __init__(self, named_params, lr: float, weight_decay: float = 0.0, betas=(0.9, 0.999), eps: float = 1e-8,
                  ps=None, plan=None, moment_dtype: str = "float32", bucket_elements: int | None = None,
                  momentum: float = 0.95, nesterov: bool = False, ns_steps: int = 5, coefficients=QUINTIC,
-                 scale_mode: str = "spectral", extra_scale: float = 1.0, split_qkv: bool = True, cfg=None):
+                 scale_mode: str = "spectral", extra_scale: float = 1.0, split_qkv: bool = True, cfg=None,
+                 tp_mode: str = "blockwise", layerwise: bool = False):
         super().__init__(named_params, lr, weight_decay, betas, eps, ps, plan, moment_dtype, bucket_elements)
         if ns_steps < 1:
             raise ValueError(f"Newton-Schulz steps must be at least 1, not {ns_steps}")
@@ -105,13 +139,28 @@ class Muon(AdamW):
         self.momentum_beta, self.nesterov, self.ns_steps = momentum, nesterov, ns_steps
         self.coefficients, self.scale_mode, self.extra_scale = tuple(coefficients), scale_mode, extra_scale
         self.orthogonal = [uses_muon(n, p) for n, p in self.named]
-        self.rows = [logical_rows(n, p.shape[0], cfg) if split_qkv and o else None
-                     for (n, p), o in zip(self.named, self.orthogonal)]
+        self.tp_mode, self.layerwise = tp_mode, layerwise and ps is not None
+        # the matrices a rank holds a tensor-parallel shard of, gathered whole for the iteration
+        cut = [q.shard for q in plan.params] if plan is not None and ps is not None and ps.tp > 1 \
+            else [None] * len(self.named)
+        self.gathered = [spec if o and tp_mode != "blockwise" else None for spec, o in zip(cut, self.orthogonal)]
+        self._cuts = {}  # parameter index -> how its whole tensor is made of the shards (_cut)
+        whole_rows = [placement(spec, tuple(p.shape), ps.tp, ps.local_rank("tp"))[0][0] if spec is not None
+                      else p.shape[0] for spec, (_, p) in zip(self.gathered, self.named)]
+        self.rows = [logical_rows(n, rows, cfg) if split_qkv and o else None
+                     for (n, _), rows, o in zip(self.named, whole_rows, self.orthogonal)]
+        self.owner = layerwise_owners([ops.numel(p) for _, p in self.named], self.expert, ps) if self.layerwise \
+            else None
+        # the parameters whose state this rank keeps and whose update it computes: all, or its own
+        self.mine = [True] * len(self.named) if self.owner is None else \
+            [r == ps.local_rank(kind) for kind, r in self.owner]
         # a matrix keeps one momentum buffer instead of Adam's two moments
-        self.momentum = [ops.zeros(p.shape, dtype=moment_dtype) if o else None
-                         for (_, p), o in zip(self.named, self.orthogonal)]
-        self.exp_avg = [None if o else m for m, o in zip(self.exp_avg, self.orthogonal)]
-        self.exp_avg_sq = [None if o else v for v, o in zip(self.exp_avg_sq, self.orthogonal)]
+        # (in exp_avg's dtype: --exp-avg-dtype, as megatron-core's momentum buffer is Adam's first moment)
+        self.momentum = [ops.zeros(p.shape, dtype=self.moment_dtypes[0]) if o and m else None
+                         for (_, p), o, m in zip(self.named, self.orthogonal, self.mine)]
+        self.exp_avg = [None if o or not m else a for a, o, m in zip(self.exp_avg, self.orthogonal, self.mine)]
+        self.exp_avg_sq = [None if o or not m else v for v, o, m in zip(self.exp_avg_sq, self.orthogonal, self.mine)]
+        self.master = [w if m else None for w, m in zip(self.master, self.mine)]
 
     def describe(self) -> str:
         """What updates what, for the log."""
@@ -119,18 +168,46 @@ class Muon(AdamW):
                    sum(ops.numel(p) for (_, p), o in zip(self.named, self.orthogonal) if o == kind)) for kind in (True, False)]
         rule = (f"momentum {self.momentum_beta}{', Nesterov' if self.nesterov else ''}, {self.ns_steps} Newton-Schulz "
                 f"steps, {self.scale_mode} scale x {self.extra_scale}")
+        if any(spec is not None for spec in self.gathered):
+            rule += f"; TP shards gathered whole ({self.tp_mode})"
+        elif self.ps is not None and self.ps.tp > 1:
+            rule += "; each TP shard on its own (blockwise)"
+        held = "" if self.owner is None else \
+            f"; layer-wise distributed: this rank updates {sum(self.mine)} of {len(self.mine)} parameters"
         return (f"optimizer: Muon for {counts[0][0]} matrices ({counts[0][1]:,} parameters; {rule}), AdamW for "
-                f"{counts[1][0]} others ({counts[1][1]:,} parameters: embeddings, output layer, norms, biases)")
+                f"{counts[1][0]} others ({counts[1][1]:,} parameters: embeddings, output layer, norms, biases){held}")
 
     def _moments(self) -> list:
         return super()._moments() + [b for b in self.momentum if b is not None]
 
+    def _cut(self, i: int, shape: tuple):
+        """(the whole shape, where each whole element is in the TP group's shards laid end to end,
+        where this rank's elements are in the whole) of parameter i, cut as its plan says."""
+        if i not in self._cuts:
+            spec, n, r = self.gathered[i], self.ps.tp, self.ps.local_rank("tp")
+            whole = placement(spec, tuple(shape), n, r)[0]
+            index = np.arange(int(np.prod(whole)), dtype=np.int64).reshape(whole)
+            held = [shard(index, spec, n, k).reshape(-1) for k in range(n)]
+            _, first = np.unique(np.concatenate(held), return_index=True)  # a copied key/value row: once
+            self._cuts[i] = (whole, ops.tensor(first.astype(np.int64)), ops.tensor(held[r]))
+        return self._cuts[i]
+
     def _orthogonalised(self, i: int, u):
-        """The scaled NS(u) of parameter i's update direction ``u`` (float32, its shape)."""
+        """The scaled NS of parameter i's update direction ``u`` (float32, this rank's shape): of
+        the whole matrix gathered over TP, this rank's part, or of ``u`` itself."""
+        if self.gathered[i] is None:
+            return self._orthogonalised_whole(i, u)
+        features.note_used("muon-tensor-parallel")
+        whole, gather_at, mine = self._cut(i, tuple(u.shape))
+        shards = dist.all_gather(ops.reshape(u, (-1,)), group=self.ps.group("tp"))
+        out = self._orthogonalised_whole(i, ops.reshape(ops.index_select(shards, 0, gather_at), whole))
+        return ops.reshape(ops.index_select(ops.reshape(out, (-1,)), 0, mine), tuple(u.shape))
+
+    def _orthogonalised_whole(self, i: int, u):
         if len(u.shape) == 3:  # stacked experts [E, in, out]: each expert's [out, in] matrix
             return ops.stack([ops.transpose(self._matrix(ops.transpose(u[e], 0, 1)), 0, 1)
                               for e in range(u.shape[0])])
-        rows = self.rows[i]
+        rows = self.rows[i]  # blockwise: the shard's own query groups' rows
         if rows is None:
             return self._matrix(u)
         parts = [self._matrix(ops.index_select(u, 0, ops.tensor(np.asarray(r, np.int64)))) for r in rows]
@@ -148,7 +225,7 @@ class Muon(AdamW):
             if scale != 1.0:
                 grads = [g * scale for g in grads]
             weights = [p if w is None else w for (_, p), w in zip(self.named, self.master)]
-            fallback = [i for i, o in enumerate(self.orthogonal) if not o]
+            fallback = [i for i, o in enumerate(self.orthogonal) if not o and self.mine[i]]
             if fallback:
                 decays = [self.weight_decay if self.decay[i] else 0.0 for i in fallback]
                 new, m, v = adamw([weights[i] for i in fallback], [grads[i] for i in fallback],
@@ -157,10 +234,11 @@ class Muon(AdamW):
                                   self.steps)
                 for j, i in enumerate(fallback):
                     weights[i] = new[j]
-                    self.exp_avg[i], self.exp_avg_sq[i] = narrow([m[j], v[j]], self.moment_dtype)
+                    (self.exp_avg[i],), (self.exp_avg_sq[i],) = (narrow([x], d) for x, d in zip((m[j], v[j]),
+                                                                                             self.moment_dtypes))
             mu = self.momentum_beta
             for i, o in enumerate(self.orthogonal):
-                if not o:
+                if not o or not self.mine[i]:
                     continue
                 g = ops.cast(grads[i], "float32")
                 w = weights[i] if ops.dtype_of(weights[i]) == "float32" else ops.cast(weights[i], "float32")
@@ -170,12 +248,46 @@ class Muon(AdamW):
                 buf = buf + (g - buf) * (1.0 - mu)
                 u = g + (buf - g) * mu if self.nesterov else buf
                 weights[i] = w - self._orthogonalised(i, u) * lr
-                self.momentum[i] = narrow([buf], self.moment_dtype)[0]
+                self.momentum[i] = narrow([buf], self.moment_dtypes[0])[0]
             self._store(weights)
+            if self.owner is not None:
+                self._share()
+
+    def _share(self) -> None:
+        """dist_muon: every parameter from the rank that updated it; per group and dtype, one
+        all-gather of each rank's own parameters laid end to end (padded to the longest)."""
+        features.note_used("dist-muon")
+        for kind in ("dp_cp", "edp"):
+            n, me = self.ps.size(kind), self.ps.local_rank(kind)
+            if n == 1:
+                continue
+            by_dtype: dict = {}
+            for i, (group, _) in enumerate(self.owner):
+                if group == kind:
+                    by_dtype.setdefault(ops.dtype_of(self.named[i][1]), []).append(i)
+            for dtype, members in sorted(by_dtype.items()):
+                held = [[i for i in members if self.owner[i][1] == r] for r in range(n)]
+                sizes = [sum(ops.numel(self.named[i][1]) for i in h) for h in held]
+                longest = max(sizes)
+                if not longest:
+                    continue
+                mine = [ops.reshape(self.named[i][1], (-1,)) for i in held[me]]
+                if sizes[me] < longest:
+                    mine.append(ops.zeros((longest - sizes[me],), dtype=dtype))
+                every = dist.all_gather(ops.cat(mine) if len(mine) > 1 else mine[0], group=self.ps.group(kind))
+                for r in range(n):
+                    at = r * longest
+                    for i in held[r] if r != me else []:
+                        p = self.named[i][1]
+                        nn.assign(p, ops.reshape(every[at:at + ops.numel(p)], tuple(p.shape)))
+                        at += ops.numel(p)
 
     def state(self) -> dict:
         out = {}
-        for (name, _), m, v, b, w in zip(self.named, self.exp_avg, self.exp_avg_sq, self.momentum, self.master):
+        for (name, _), m, v, b, w, mine in zip(self.named, self.exp_avg, self.exp_avg_sq, self.momentum, self.master,
+                                               self.mine):
+            if not mine:  # dist_muon: its owner's
+                continue
             if b is not None:
                 out[f"momentum.{name}"] = b
             else:
@@ -186,6 +298,8 @@ class Muon(AdamW):
 
     def load_state(self, tensors: dict, steps: int) -> None:
         for i, (name, p) in enumerate(self.named):
+            if not self.mine[i]:
+                continue
             stores = [("momentum", self.momentum)] if self.orthogonal[i] else \
                 [("exp_avg", self.exp_avg), ("exp_avg_sq", self.exp_avg_sq)]
             if self.master[i] is not None:
@@ -200,5 +314,5 @@ class Muon(AdamW):
                 if tuple(t.shape) != tuple(p.shape):
                     raise CheckpointError(f"optimizer {key} of {name} has shape {tuple(t.shape)}, "
                                           f"the model's is {tuple(p.shape)}")
-                store[i] = ops.cast(t, "float32" if key == "master" else self.moment_dtype)
+                store[i] = ops.cast(t, "float32" if key == "master" else self.moment_dtypes[key == "exp_avg_sq"])
         self.steps = steps

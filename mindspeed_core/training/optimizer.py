@@ -24,6 +24,12 @@ def moment_bytes(dtype: str) -> int:
     return 2 if dtype == "bfloat16" else 4
 
 
+def moment_pair(moment_dtype) -> tuple[str, str]:
+    """(exp_avg's dtype, exp_avg_sq's): one name for both (--o2-optimizer), or a pair
+    (--exp-avg-dtype, --exp-avg-sq-dtype)."""
+    return (moment_dtype, moment_dtype) if isinstance(moment_dtype, str) else tuple(moment_dtype)
+
+
 def widen(moments: list) -> list:
     """Moments as the fp32 the update computes in (--o2-optimizer keeps them in bf16)."""
     return [m if ops.dtype_of(m) == "float32" else ops.cast(m, "float32") for m in moments]
@@ -31,7 +37,7 @@ def widen(moments: list) -> list:
 
 def narrow(moments: list, dtype: str) -> list:
     if dtype != "float32":
-        features.note_used("o2-bf16-optimizer")
+        features.note_used("low-precision-optimizer-states")
     return [m if dtype == "float32" else ops.cast(m, dtype) for m in moments]
 
 
@@ -53,7 +59,8 @@ class AdamW:
         """``plan``: the parallel plan of these parameters (which are sharded over TP, which
         elements the global norm counts); None on one process. ``moment_dtype``: bfloat16 for
         MindSpeed's O2 optimizer (--o2-optimizer): the moments are kept in bf16 and widened
-        to fp32 for each update. ``bucket_elements``: --ddp-bucket-size."""
+        to fp32 for each update; or a pair (exp_avg's, exp_avg_sq's: --exp-avg-dtype,
+        --exp-avg-sq-dtype). ``bucket_elements``: --ddp-bucket-size."""
         self.bucket_elements = bucket_elements
         self.named = [(n, p) for n, p in named_params if nn.requires_grad(p)]
         self.ps = ps
@@ -67,9 +74,9 @@ class AdamW:
         # master); fp32 moments unless --o2-optimizer
         self.master = [None if ops.dtype_of(p) == "float32" else autograd.detach(ops.cast(p, "float32"))
                        for _, p in self.named]
-        self.moment_dtype = moment_dtype
-        self.exp_avg = [ops.zeros(p.shape, dtype=moment_dtype) for _, p in self.named]
-        self.exp_avg_sq = [ops.zeros(p.shape, dtype=moment_dtype) for _, p in self.named]
+        self.moment_dtypes = moment_pair(moment_dtype)
+        self.exp_avg = [ops.zeros(p.shape, dtype=self.moment_dtypes[0]) for _, p in self.named]
+        self.exp_avg_sq = [ops.zeros(p.shape, dtype=self.moment_dtypes[1]) for _, p in self.named]
         self.steps = 0
 
     @property
@@ -105,8 +112,8 @@ class AdamW:
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state held by this rank (moments and fp32 masters)."""
-        moments = sum(ops.numel(t) for t in self._moments())
-        return 4 * sum(ops.numel(w) for w in self.master if w is not None) + moment_bytes(self.moment_dtype) * moments
+        moments = sum(moment_bytes(ops.dtype_of(t)) * ops.numel(t) for t in self._moments())
+        return 4 * sum(ops.numel(w) for w in self.master if w is not None) + moments
 
     def _moments(self) -> list:
         """The moment tensors this optimizer keeps (Muon: its momentum buffers too)."""
@@ -123,7 +130,7 @@ class AdamW:
             decays = [self.weight_decay if d else 0.0 for d in self.decay]
             weights, exp_avg, exp_avg_sq = adamw(weights, grads, widen(self.exp_avg), widen(self.exp_avg_sq), lr,
                                                  decays, self.betas, self.eps, self.steps)
-            self.exp_avg, self.exp_avg_sq = narrow(exp_avg, self.moment_dtype), narrow(exp_avg_sq, self.moment_dtype)
+            self.exp_avg, self.exp_avg_sq = (narrow(m, d) for m, d in zip((exp_avg, exp_avg_sq), self.moment_dtypes))
             self._store(weights)
 
     def scale_rows(self, param, factors) -> None:
@@ -174,7 +181,7 @@ class AdamW:
                 if tuple(t.shape) != tuple(p.shape):
                     raise CheckpointError(f"optimizer {key} of {name} has shape {tuple(t.shape)}, "
                                           f"the model's is {tuple(p.shape)}")
-                store[i] = ops.cast(t, "float32" if key == "master" else self.moment_dtype)
+                store[i] = ops.cast(t, "float32" if key == "master" else self.moment_dtypes[key == "exp_avg_sq"])
         self.steps = steps
 
 

@@ -198,6 +198,18 @@ class Trainer:
                          "run before are not kept)")
             self.grpo_reference = grpo.Reference(self.params)
 
+    def optimizer_state_line(self) -> str:
+        """What the optimizer holds on rank 0, per trained parameter there (its moments' stored
+        dtypes: --exp-avg-dtype / --exp-avg-sq-dtype / --o2-optimizer)."""
+        held, local = self.optimizer.state_bytes(), sum(ops.numel(p) for p in self.train_params)
+        first, second = self.opt.moment_dtypes
+        swapped = "" if not getattr(self.optimizer, "swap_pieces", None) else (
+            f"; between steps all of it in host memory (--swap-optimizer), "
+            f"{self.optimizer.device_state_bytes() / 2**20:.2f} MiB on the device; an update brings it in "
+            f"{self.optimizer.swap_pieces} pieces of at most {self.optimizer.piece_bytes() / 2**20:.4f} MiB")
+        return (f"optimizer state: {held / 2**20:.2f} MiB on this rank, {held / max(local, 1):.2f} bytes per trained "
+                f"parameter (moments stored as exp_avg {first}, exp_avg_sq {second}){swapped}")
+
     def optimizer_bytes_unsharded(self) -> int:
         """What plain AdamW would hold on this rank: two fp32 moments per local parameter,
         plus fp32 masters for low-precision ones."""
@@ -482,6 +494,7 @@ class Trainer:
                      f"({self.optimizer_bytes_unsharded() / 2**20:.2f} MiB without --use-distributed-optimizer)")
         if hasattr(self.optimizer, "describe"):  # --optimizer muon: which parameters it updates
             self.say(self.optimizer.describe())
+        self.say(self.optimizer_state_line())
         progress = Progress(self.opt.train_iters, "train", min_interval=1.0) if loop.progress and not self.ps.rank \
             else None
         if progress:
