@@ -523,3 +523,20 @@ def test_the_experts_dense_path_takes_their_adapters():
     bare = dict(state, **{k: np.zeros_like(v) for k, v in state.items() if k.startswith("lora_")})
     nn.load_state_dict(experts, bare)  # the adapters matter: without them the outputs are others
     assert np.abs(ops.to_numpy(experts.dense(tokens, combine)) - want).max() > 1e-2 * np.abs(want).max()
+
+
+@pytest.mark.feature("lora")
+@pytest.mark.feature("muon")
+def test_muon_trains_the_adapters_as_matrices(runs, tmp_path):
+    """LoRA with --optimizer muon: the adapters' factors are matrices and Muon updates them all
+    (megatron-core's rule: every trained 2-D weight), the first step's zero gradient of each A
+    factor (B starts at zero) included without a NaN; the loss falls and the base stays frozen."""
+    said = train("--data-path", runs["data"], *LORA, "--load", runs["base"], "--train-iters", "4", "--optimizer",
+                 "muon", "--save", str(tmp_path / "muon"), "--metrics-file", str(tmp_path / "muon.jsonl"))
+    assert "optimizer: Muon for 16 matrices (" in said and "AdamW for 0 others" in said, said
+    curve = losses(tmp_path / "muon.jsonl")
+    assert all(np.isfinite(v) for v in curve.values()) and curve[4] < curve[1], curve
+    base = checkpoint.load_model_arrays(runs["base"], 2)
+    arrays, _, _ = checkpoint.load(str(tmp_path / "muon"), 4)
+    assert all(np.array_equal(arrays[name], value) for name, value in base.items())
+    assert all(np.abs(arrays[n]).max() > 0 for n in arrays if lora.is_adapter(n) and n.endswith("lora_B.weight"))
