@@ -35,7 +35,12 @@ def _random_data(vocab: int) -> str:
 
 
 def main(argv=None) -> int:
-    """Train --train-iters steps (at least 3) and report the last one."""
+    """Train --train-iters steps (at least 3) and report the last one; with --first-step-only
+    (this tool's own flag) stop after the first full-size step, whose loss and saved bytes it
+    reports then (the later steps' peak and time are null)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    first_only = "--first-step-only" in argv
+    argv = [a for a in argv if a != "--first-step-only"]
     parser = megatron_args.training_parser()
     args = parser.parse_args(argv)
     backend = runtime.bind(args.ai_framework)  # this entry point's one binding
@@ -49,7 +54,7 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 2
     if not args.data_path:  # random tokens of the model's vocabulary
-        args = parser.parse_args([*(argv or sys.argv[1:]), "--data-path", _random_data(args.vocab_size or 512)])
+        args = parser.parse_args([*argv, "--data-path", _random_data(args.vocab_size or 512)])
     steps = max(args.train_iters or 3, 3)
     with open(os.devnull, "w") as null:
         trainer = Trainer(args, out=null)
@@ -60,14 +65,19 @@ def main(argv=None) -> int:
         ids, labels, _ = trainer.batches.micro_batch("train", range(args.micro_batch_size))
         short = [ops.tensor(ops.to_numpy(t)[:, :16].copy()) for t in (ids, labels)]
         trainer.grad_fn(*short)
-        _, first_peak = host_peak_during(lambda: trainer.gradients(0))
-        for i in range(steps - 1):  # then whole steps, until every buffer kept across steps exists
-            trainer.train_step(i)
         counter = SavedBytes() if runtime.bound().NAME == "pytorch" else None
-        start = time.perf_counter()
-        with counter.counting() if counter else contextlib.nullcontext():
-            (loss, _, _), peak = host_peak_during(lambda: trainer.train_step(steps - 1))
-        seconds = time.perf_counter() - start
+        if first_only:
+            with counter.counting() if counter else contextlib.nullcontext():
+                (loss, _), first_peak = host_peak_during(lambda: trainer.gradients(0))
+            peak = seconds = None
+        else:
+            _, first_peak = host_peak_during(lambda: trainer.gradients(0))
+            for i in range(steps - 1):  # then whole steps, until every buffer kept across steps exists
+                trainer.train_step(i)
+            start = time.perf_counter()
+            with counter.counting() if counter else contextlib.nullcontext():
+                (loss, _, _), peak = host_peak_during(lambda: trainer.train_step(steps - 1))
+            seconds = time.perf_counter() - start
     swap = trainer.swap
     print(json.dumps({"loss": loss, "first_host_peak_bytes": first_peak, "host_peak_bytes": peak,
                       "saved_bytes": counter.bytes if counter else None,
