@@ -28,6 +28,7 @@ supply what it did not.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 
 import numpy as np
@@ -40,7 +41,7 @@ from mindspeed_core.models.config import LORA_TARGETS, LoRAConfig
 from mindspeed_core.models.state import (adapter_rank, adapter_target, check_adapters, is_adapter, merge_lora,
                                          moved_under_lora)
 from mindspeed_core.parallel import pipeline
-from mindspeed_core.training import model_source
+from mindspeed_core.training import checkpoint, model_source
 
 # --model-type-hf -> our model family
 MODEL_TYPES = families.ALIASES
@@ -315,12 +316,26 @@ def run(args, backend=None) -> int:
 def _say_weights_only(args, source) -> None:
     """A conversion writes weights: say so where the source holds an optimizer state too (ours:
     Adam's moments, Muon's momentum, fp32 masters), and how to carry it to another layout."""
-    held = ((source.meta or {}).get("index") or {}).get("optimizer") or {} if source.kind == "ours" else {}
+    held = _optimizer_state_names(source) if source.kind == "ours" else []
     if held:
         kinds = sorted({name.split(".", 1)[0] for name in held})
         print(f"note: a conversion writes the weights only: the optimizer state {args.load_dir} holds ({len(held)} "
               f"tensors: {', '.join(kinds)}) is not converted, as MindSpeed-LLM's converter; a training run resumes "
               f"with it at any layout from {args.load_dir} itself (mindspeed train --load)")
+
+
+def _optimizer_state_names(source) -> list[str]:
+    """The optimizer tensors one of our checkpoints holds: a sharded save's index names them, a
+    --save-whole save's optimizer.safetensors header does (its tensors are not read)."""
+    index = (source.meta or {}).get("index")
+    if index is not None:
+        return list(index.get("optimizer") or {})
+    path = os.path.join(checkpoint.iteration_dir(source.path, source.iteration), "optimizer.safetensors")
+    if not os.path.exists(path):
+        return []
+    with open(path, "rb") as fh:  # safetensors: an 8-byte little-endian length, then the JSON header
+        header = json.loads(fh.read(int.from_bytes(fh.read(8), "little")))
+    return [name for name in header if name != "__metadata__"]
 
 
 def _check_model_flags(args, cfg) -> None:

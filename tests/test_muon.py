@@ -178,3 +178,20 @@ def test_training_with_muon_resumes_its_momentum_exactly(capsys, corpus, tmp_pat
                      "--save-dir", str(tmp_path / "pp2"), "--target-pipeline-parallel-size", "2"]) == 0
     out = capsys.readouterr().out
     assert "the optimizer state" in out and "exp_avg, exp_avg_sq, momentum) is not converted" in out, out
+
+
+@pytest.mark.parametrize("spec", [("split", 0), ("split", 1), ("swiglu", 0), ("sections", (8, 4, 4)),
+                                  ("qkv", 1, 2, 2)], ids=lambda s: s[0] + "-" + str(s[1]))
+def test_tp_shards_join_and_cut_on_facade_tensors_as_on_numpy(spec):
+    """Muon's --muon-tp-mode duplicated joins a matrix from its TP shards and cuts this rank's part
+    back with parallel/sharding's rules on facade tensors: the same elements as the numpy rules
+    the checkpoints use, for every kind of cut (a key/value head copied to both ranks included)."""
+    from mindspeed_core.parallel.sharding import shard, unshard
+    from mindspeed_core.training.muon import FacadeTensors
+
+    rows = 8 if spec[0] == "qkv" else 16  # one query group of 2 heads and its key and value head, width 2
+    full = np.arange(rows * 6, dtype=np.float32).reshape(rows, 6)
+    parts = [ops.tensor(shard(full, spec, 2, r)) for r in range(2)]
+    assert np.array_equal(ops.to_numpy(unshard(parts, spec, FacadeTensors)), full)
+    for r in range(2):
+        assert np.array_equal(ops.to_numpy(shard(ops.tensor(full), spec, 2, r, FacadeTensors)), shard(full, spec, 2, r))

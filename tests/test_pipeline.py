@@ -513,9 +513,11 @@ RESHARD = {
     "pp2-dp2-from-dualpipev": (PP + ["2"], "two", "ckpt-dualpipev", "moe-mtp"),
     # Muon's momentum and AdamW's moments of the rest, saved by the PP2 ranks, read whole at DP4
     "dp4-from-pp2-muon": ([], "two", "ckpt-muon", "muon"),
-    # the layer-wise distributed optimizer's checkpoint (each state written by its owner) at DP4 without it,
-    # and PP2's at DP4 with it (each owner reads its parameters' state)
-    "dp4-from-tp2-ep2-dist-muon": ([], "four", "ckpt-dist-muon", "muon-moe"),
+    # the layer-wise distributed optimizer's checkpoint (each state written by its owner) at DP4 x EP2 with it
+    # (the experts' states owned over their two expert-data-parallel ranks), and PP2's at DP4 with it (each
+    # owner reads its parameters' state)
+    "dp4-ep2-dist-muon-from-tp2-ep2": (["--expert-model-parallel-size", "2", "--optimizer", "dist_muon"], "four",
+                                       "ckpt-dist-muon", "muon-moe"),
     "dp4-dist-muon-from-pp2-muon": (["--use-distributed-optimizer"], "two", "ckpt-muon", "muon"),
 }
 RESHARDED = {entry[3] for entry in RESHARD.values() if len(entry) > 3}  # models besides base
@@ -647,7 +649,8 @@ def test_sharded_checkpoints_resume_at_other_layouts_reading_their_slices(framew
     continues the single-process curve: TP2 x PP2 with the distributed optimizer -> DP4 with it
     (each rank reads the whole model and a quarter of the optimizer state), PP2 interleaved ->
     PP4 (each rank reads its layer), and -> TP2 x uneven PP2 without it; DualPipeV's -> PP2 x DP2;
-    Muon's PP2 -> DP4."""
+    Muon's PP2 -> DP4 (with and without its layer-wise distributed optimizer), its layer-wise
+    TP2 x EP2 -> DP4 x EP2."""
     for name, (*_, model) in ((n, (*e, "base")[:4]) for n, e in RESHARD.items()):
         want = single[model]["losses"]
         log = (four / f"{name}.log").read_text()

@@ -16,51 +16,61 @@ import numpy as np
 #                             slices: [a_r; b_r; ...] (gated DeltaNet's in_proj: q, k, v, z, b, a)
 
 
-def _sections(full: np.ndarray, sizes) -> list:
+class NumpyArrays:
+    """The four array operations shard and unshard use, on numpy arrays (the default); a caller
+    holding framework tensors passes its own (training/muon.py: the facade's)."""
+    chunk = staticmethod(lambda x, n, axis: np.split(x, n, axis=axis))
+    split = staticmethod(lambda x, sizes, axis: np.split(x, np.cumsum(sizes)[:-1], axis=axis))
+    cat = staticmethod(lambda xs, axis: np.concatenate(xs, axis=axis))
+    reshape = staticmethod(lambda x, shape: x.reshape(shape))
+
+
+def _sections(full, sizes, xp) -> list:
     if sum(sizes) != full.shape[0]:
         raise ValueError(f"sections {list(sizes)} do not add up to the {full.shape[0]} rows")
-    return np.split(full, np.cumsum(sizes)[:-1], axis=0)
+    return xp.split(full, list(sizes), 0)
 
 
-def shard(full: np.ndarray, spec: tuple, n: int, r: int) -> np.ndarray:
+def shard(full, spec: tuple, n: int, r: int, xp=NumpyArrays):
     kind = spec[0]
     if kind == "sections":
-        return np.concatenate([np.split(part, n, axis=0)[r] for part in _sections(full, spec[1])], axis=0)
+        return xp.cat([xp.chunk(part, n, 0)[r] for part in _sections(full, spec[1], xp)], 0)
     if kind == "split":
-        return np.split(full, n, axis=spec[1])[r]
+        return xp.chunk(full, n, spec[1])[r]
     if kind == "swiglu":
         axis = spec[1] if len(spec) > 1 else 0
-        gate, up = np.split(full, 2, axis=axis)
-        return np.concatenate([np.split(gate, n, axis=axis)[r], np.split(up, n, axis=axis)[r]], axis=axis)
+        gate, up = xp.chunk(full, 2, axis)
+        return xp.cat([xp.chunk(gate, n, axis)[r], xp.chunk(up, n, axis)[r]], axis)
     _, groups, per, d = spec
     rep = n // groups
     g, j = divmod(r, rep)
-    grouped = full.reshape((groups, per + 2, d) + full.shape[1:])[g]
-    q = grouped[:per].reshape((rep, per // rep, d) + full.shape[1:])[j]
-    return np.concatenate([q, grouped[per:]]).reshape((-1,) + full.shape[1:])
+    tail = tuple(full.shape[1:])
+    grouped = xp.reshape(full, (groups, per + 2, d) + tail)[g]
+    q = xp.reshape(grouped[:per], (rep, per // rep, d) + tail)[j]
+    return xp.reshape(xp.cat([q, grouped[per:]], 0), (-1,) + tail)
 
 
-def unshard(parts: list, spec: tuple) -> np.ndarray:
+def unshard(parts: list, spec: tuple, xp=NumpyArrays):
     kind = spec[0]
     if kind == "sections":
         local = [s // len(parts) for s in spec[1]]
-        pieces = [_sections(p, local) for p in parts]
-        return np.concatenate([piece[i] for i in range(len(local)) for piece in pieces], axis=0)
+        pieces = [_sections(p, local, xp) for p in parts]
+        return xp.cat([piece[i] for i in range(len(local)) for piece in pieces], 0)
     if kind == "split":
-        return np.concatenate(parts, axis=spec[1])
+        return xp.cat(parts, spec[1])
     if kind == "swiglu":
         axis = spec[1] if len(spec) > 1 else 0
-        halves = [np.split(p, 2, axis=axis) for p in parts]
-        return np.concatenate([h[0] for h in halves] + [h[1] for h in halves], axis=axis)
+        halves = [xp.chunk(p, 2, axis) for p in parts]
+        return xp.cat([h[0] for h in halves] + [h[1] for h in halves], axis)
     _, groups, per, d = spec
     rep = len(parts) // groups
-    tail = parts[0].shape[1:]
-    local = [p.reshape((per // rep + 2, d) + tail) for p in parts]
+    tail = tuple(parts[0].shape[1:])
+    local = [xp.reshape(p, (per // rep + 2, d) + tail) for p in parts]
     out = []
     for g in range(groups):
         mine = local[g * rep:(g + 1) * rep]
-        out.append(np.concatenate([m[: per // rep] for m in mine] + [mine[0][per // rep:]]))
-    return np.concatenate(out).reshape((-1,) + tail)
+        out.append(xp.cat([m[: per // rep] for m in mine] + [mine[0][per // rep:]], 0))
+    return xp.reshape(xp.cat(out, 0), (-1,) + tail)
 
 
 # -- where a rank's tensor lies in the whole one (sharded checkpoints) ------------------------

@@ -110,7 +110,7 @@ def optimizer(named: list, train_plan, plan, ps, optimization, distributed_optim
         arrays, steps = saved
         mine, specs, experts_here = {n for n, _ in named}, plan.shard_specs, plan.expert_names
         local = {k: ops.tensor(distributed.local_array(k.split(".", 1)[1], v, specs, ps, experts_here))
-                 for k, v in arrays.items() if k.split(".", 1)[1] in mine}
+                 for k, v in arrays.items() if k.split(".", 1)[1] in mine and opt.wants_state(k.split(".", 1)[1])}
         opt.load_state(local, steps)
     return opt
 
@@ -136,6 +136,6 @@ def _load_slices(opt, shards, named: list, train_plan, ps) -> None:
     local = {}
     for state in [*saved, *(f"master.{n}" for n in sorted(wanting) if f"master.{n}" not in saved)]:
         name = state.split(".", 1)[1]
-        if name in shapes and saved:
+        if name in shapes and saved and opt.wants_state(name):  # (dist_muon: its owner's only)
             local[state] = ops.tensor(read(state, name, shapes[name]))
     opt.load_state(local, shards.steps)

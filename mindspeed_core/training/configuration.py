@@ -1058,6 +1058,7 @@ def check_configuration(args, world: int, default_save: bool = False):
                              "time: it runs with pre-training and --stage sft, without --compile"
                              + (f" (this run: --stage {stage_of(args)})" if stage_of(args) not in ("pretrain", "sft")
                                 else " (drop --compile)"))
+    _check_muon(args, cfg, args.tensor_model_parallel_size)  # before the flags it takes in its own way
     if args.swap_optimizer_times and not args.swap_optimizer:
         raise MindSpeedError("--swap-optimizer-times qualifies --swap-optimizer: add it or drop the flag")
     if args.swap_optimizer and not args.use_distributed_optimizer and args.optimizer != "dist_muon":
@@ -1082,7 +1083,6 @@ def check_configuration(args, world: int, default_save: bool = False):
     if args.overlap_param_gather and not args.use_distributed_optimizer:  # as Megatron
         raise MindSpeedError("--overlap-param-gather overlaps the distributed optimizer's gathering of the updated "
                              "parameters: add --use-distributed-optimizer")
-    _check_muon(args, args.tensor_model_parallel_size)
     _check_qk_clip(args, cfg)
     dtype = "bfloat16" if args.bf16 else "float16" if args.fp16 else "float32"
     if not device.supports_dtype(dtype):
@@ -1311,7 +1311,7 @@ def _check_precision_aware(args) -> None:
                              "states go with --bf16 training): keep them fp32 or train with --bf16")
 
 
-def _check_muon(args, tp: int) -> None:
+def _check_muon(args, cfg: ModelConfig, tp: int) -> None:
     """What --optimizer muon does not run with yet, and its settings' values."""
     if args.optimizer not in ("muon", "dist_muon"):
         given = [name for name in MUON_DEFAULTS if getattr(args, name, None) is not None]
@@ -1335,10 +1335,9 @@ def _check_muon(args, tp: int) -> None:
         if on and layerwise:
             raise MindSpeedError(f"{flag} with Muon's layer-wise distributed optimizer is not built here (its state is "
                                  f"whole parameters on their owners): drop {flag}")
-    if tp > 1 and _muon(args, "muon_tp_mode") == "blockwise" and args.num_query_groups and \
-            args.num_query_groups < tp:
+    if tp > 1 and _muon(args, "muon_tp_mode") == "blockwise" and cfg.mla is None and cfg.num_query_groups < tp:
         raise MindSpeedError(f"--muon-tp-mode blockwise splits each TP shard's q/k/v rows by its own query groups, and "
-                             f"{args.num_query_groups} query groups over TP {tp} leave a shard a slice of one: use "
+                             f"{cfg.num_query_groups} query groups over TP {tp} leave a shard a slice of one: use "
                              f"--muon-tp-mode duplicated")
 
 

@@ -43,7 +43,7 @@ import numpy as np
 
 from mindspeed_core import autograd, dist, features, nn, ops
 from mindspeed_core.errors import CheckpointError
-from mindspeed_core.parallel.sharding import placement, shard
+from mindspeed_core.parallel.sharding import placement, shard, unshard
 from mindspeed_core.training.optimizer import AdamW, adamw, missing_state, narrow, widen
 
 QUINTIC = (3.4445, -4.7750, 2.0315)  # megatron-core's (and torch's) default coefficients
@@ -76,6 +76,14 @@ def newton_schulz(u, steps: int, coefficients=QUINTIC):
     return ops.transpose(x, 0, 1) if tall else x
 
 
+class FacadeTensors:
+    """parallel/sharding's array operations on facade tensors (its cuts of a TP shard)."""
+    chunk = staticmethod(lambda x, n, axis: ops.chunk(x, n, dim=axis))
+    split = staticmethod(lambda x, sizes, axis: ops.split(x, list(sizes), dim=axis))
+    cat = staticmethod(lambda xs, axis: ops.cat(xs, dim=axis))
+    reshape = staticmethod(lambda x, shape: ops.reshape(x, tuple(shape)))
+
+
 def uses_muon(name: str, param) -> bool:
     """Whether Muon updates the trained parameter ``name`` (else AdamW): a matrix that is not an
     embedding or the output layer, or an MoE layer's stacked expert weights."""
@@ -106,18 +114,23 @@ def logical_rows(name: str, rows: int, cfg) -> list[list[int]] | None:
     return out
 
 
-def layerwise_owners(sizes: list[int], expert: list[bool], ps) -> list[tuple[str, int]]:
+def layerwise_owners(names: list[str], sizes: list[int], expert: list[bool], ps) -> list[tuple[str, int]]:
     """Per parameter (its group, the rank of it that owns it): dense parameters over the data-
     (x context-) parallel ranks, expert weights over the expert-data-parallel ones; within each,
     sorted by size (stable) and dealt to ranks 0, 1, .., n-1, n-1, .., 0, 0, .. so that every
-    rank holds about as much (megatron-core's LayerWiseDistributedOptimizer.shard_params)."""
+    rank holds about as much (megatron-core's LayerWiseDistributedOptimizer.shard_params). Two
+    parameters of one name (DualPipeV's first rank: the embeddings and the MTP module's copy of
+    them) share their owner, so the name's state is one rank's."""
     out = [None] * len(sizes)
     for of_experts, kind in ((False, "dp_cp"), (True, "edp")):
         n = ps.size(kind)
         turns = list(range(n)) + list(range(n))[::-1]
         members = sorted((i for i in range(len(sizes)) if expert[i] == of_experts), key=lambda i: sizes[i])
-        for k, i in enumerate(members):
-            out[i] = (kind, turns[k % len(turns)])
+        owner_of: dict = {}
+        for i in members:
+            if names[i] not in owner_of:
+                owner_of[names[i]] = turns[len(owner_of) % len(turns)]
+            out[i] = (kind, owner_of[names[i]])
     return out
 
 
@@ -132,35 +145,39 @@ class Muon(AdamW):
                  momentum: float = 0.95, nesterov: bool = False, ns_steps: int = 5, coefficients=QUINTIC,
                  scale_mode: str = "spectral", extra_scale: float = 1.0, split_qkv: bool = True, cfg=None,
                  tp_mode: str = "blockwise", layerwise: bool = False):
+        self.tp_mode, self.layerwise = tp_mode, layerwise and ps is not None
         super().__init__(named_params, lr, weight_decay, betas, eps, ps, plan, moment_dtype, bucket_elements)
         if ns_steps < 1:
             raise ValueError(f"Newton-Schulz steps must be at least 1, not {ns_steps}")
         scale_factor(1, 1, scale_mode)  # an unknown mode fails here, not at the first step
         self.momentum_beta, self.nesterov, self.ns_steps = momentum, nesterov, ns_steps
         self.coefficients, self.scale_mode, self.extra_scale = tuple(coefficients), scale_mode, extra_scale
-        self.orthogonal = [uses_muon(n, p) for n, p in self.named]
-        self.tp_mode, self.layerwise = tp_mode, layerwise and ps is not None
         # the matrices a rank holds a tensor-parallel shard of, gathered whole for the iteration
         cut = [q.shard for q in plan.params] if plan is not None and ps is not None and ps.tp > 1 \
             else [None] * len(self.named)
         self.gathered = [spec if o and tp_mode != "blockwise" else None for spec, o in zip(cut, self.orthogonal)]
-        self._cuts = {}  # parameter index -> how its whole tensor is made of the shards (_cut)
         whole_rows = [placement(spec, tuple(p.shape), ps.tp, ps.local_rank("tp"))[0][0] if spec is not None
                       else p.shape[0] for spec, (_, p) in zip(self.gathered, self.named)]
         self.rows = [logical_rows(n, rows, cfg) if split_qkv and o else None
                      for (n, _), rows, o in zip(self.named, whole_rows, self.orthogonal)]
-        self.owner = layerwise_owners([ops.numel(p) for _, p in self.named], self.expert, ps) if self.layerwise \
-            else None
-        # the parameters whose state this rank keeps and whose update it computes: all, or its own
-        self.mine = [True] * len(self.named) if self.owner is None else \
-            [r == ps.local_rank(kind) for kind, r in self.owner]
         # a matrix keeps one momentum buffer instead of Adam's two moments
         # (in exp_avg's dtype: --exp-avg-dtype, as megatron-core's momentum buffer is Adam's first moment)
         self.momentum = [ops.zeros(p.shape, dtype=self.moment_dtypes[0]) if o and m else None
                          for (_, p), o, m in zip(self.named, self.orthogonal, self.mine)]
-        self.exp_avg = [None if o or not m else a for a, o, m in zip(self.exp_avg, self.orthogonal, self.mine)]
-        self.exp_avg_sq = [None if o or not m else v for v, o, m in zip(self.exp_avg_sq, self.orthogonal, self.mine)]
-        self.master = [w if m else None for w, m in zip(self.master, self.mine)]
+
+    def _held_state(self) -> tuple[list[bool], list[bool]]:
+        """(AdamW.__init__ asks before it allocates) Muon's matrices keep a momentum, not Adam's
+        moments; layer-wise, a rank keeps the state of the parameters it owns only."""
+        self.orthogonal = [uses_muon(n, p) for n, p in self.named]
+        self.owner = layerwise_owners([n for n, _ in self.named], [ops.numel(p) for _, p in self.named], self.expert,
+                                      self.ps) if self.layerwise else None
+        # the parameters whose state this rank keeps and whose update it computes: all, or its own
+        self.mine = [True] * len(self.named) if self.owner is None else \
+            [r == self.ps.local_rank(kind) for kind, r in self.owner]
+        return self.mine, [m and not o for m, o in zip(self.mine, self.orthogonal)]
+
+    def wants_state(self, name: str) -> bool:
+        return any(m for (n, _), m in zip(self.named, self.mine) if n == name)
 
     def describe(self) -> str:
         """What updates what, for the log."""
@@ -180,28 +197,18 @@ class Muon(AdamW):
     def _moments(self) -> list:
         return super()._moments() + [b for b in self.momentum if b is not None]
 
-    def _cut(self, i: int, shape: tuple):
-        """(the whole shape, where each whole element is in the TP group's shards laid end to end,
-        where this rank's elements are in the whole) of parameter i, cut as its plan says."""
-        if i not in self._cuts:
-            spec, n, r = self.gathered[i], self.ps.tp, self.ps.local_rank("tp")
-            whole = placement(spec, tuple(shape), n, r)[0]
-            index = np.arange(int(np.prod(whole)), dtype=np.int64).reshape(whole)
-            held = [shard(index, spec, n, k).reshape(-1) for k in range(n)]
-            _, first = np.unique(np.concatenate(held), return_index=True)  # a copied key/value row: once
-            self._cuts[i] = (whole, ops.tensor(first.astype(np.int64)), ops.tensor(held[r]))
-        return self._cuts[i]
-
     def _orthogonalised(self, i: int, u):
         """The scaled NS of parameter i's update direction ``u`` (float32, this rank's shape): of
-        the whole matrix gathered over TP, this rank's part, or of ``u`` itself."""
-        if self.gathered[i] is None:
+        the whole matrix joined from the TP group's shards as its plan cut it (parallel/sharding,
+        on facade tensors), this rank's part; or of ``u`` itself."""
+        spec = self.gathered[i]
+        if spec is None:
             return self._orthogonalised_whole(i, u)
         features.note_used("muon-tensor-parallel")
-        whole, gather_at, mine = self._cut(i, tuple(u.shape))
-        shards = dist.all_gather(ops.reshape(u, (-1,)), group=self.ps.group("tp"))
-        out = self._orthogonalised_whole(i, ops.reshape(ops.index_select(shards, 0, gather_at), whole))
-        return ops.reshape(ops.index_select(ops.reshape(out, (-1,)), 0, mine), tuple(u.shape))
+        n, shape = self.ps.tp, tuple(u.shape)
+        shards = ops.chunk(dist.all_gather(ops.reshape(u, (-1,)), group=self.ps.group("tp")), n)
+        whole = unshard([ops.reshape(s, shape) for s in shards], spec, FacadeTensors)
+        return shard(self._orthogonalised_whole(i, whole), spec, n, self.ps.local_rank("tp"), FacadeTensors)
 
     def _orthogonalised_whole(self, i: int, u):
         if len(u.shape) == 3:  # stacked experts [E, in, out]: each expert's [out, in] matrix

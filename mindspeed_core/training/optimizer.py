@@ -70,14 +70,27 @@ class AdamW:
         self.norm_weights = [None if w is None else ops.tensor(w) for w in weights]
         self.lr, self.weight_decay, self.betas, self.eps = lr, weight_decay, betas, eps
         self.decay = [not no_weight_decay(n, p) for n, p in self.named]
-        # fp32 master weights only for low-precision parameters (an fp32 parameter is its own
-        # master); fp32 moments unless --o2-optimizer
-        self.master = [None if ops.dtype_of(p) == "float32" else autograd.detach(ops.cast(p, "float32"))
-                       for _, p in self.named]
         self.moment_dtypes = moment_pair(moment_dtype)
-        self.exp_avg = [ops.zeros(p.shape, dtype=self.moment_dtypes[0]) for _, p in self.named]
-        self.exp_avg_sq = [ops.zeros(p.shape, dtype=self.moment_dtypes[1]) for _, p in self.named]
+        mine, adam = self._held_state()
+        # fp32 master weights only for low-precision parameters (an fp32 parameter is its own
+        # master); fp32 moments unless --o2-optimizer / --exp-avg-dtype say otherwise
+        self.master = [None if ops.dtype_of(p) == "float32" or not m else autograd.detach(ops.cast(p, "float32"))
+                       for (_, p), m in zip(self.named, mine)]
+        self.exp_avg = [ops.zeros(p.shape, dtype=self.moment_dtypes[0]) if a else None
+                        for (_, p), a in zip(self.named, adam)]
+        self.exp_avg_sq = [ops.zeros(p.shape, dtype=self.moment_dtypes[1]) if a else None
+                           for (_, p), a in zip(self.named, adam)]
         self.steps = 0
+
+    def _held_state(self) -> tuple[list[bool], list[bool]]:
+        """Per trained parameter: whether this rank keeps its state (a master where it needs one),
+        and whether that state is Adam's two moments; here every parameter's, Adam's (Muon
+        answers for its matrices and, layer-wise, for the parameters other ranks own)."""
+        return [True] * len(self.named), [True] * len(self.named)
+
+    def wants_state(self, name: str) -> bool:
+        """Whether this rank loads the checkpoint's optimizer state of parameter ``name``."""
+        return True
 
     @property
     def params(self):

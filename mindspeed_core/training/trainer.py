@@ -491,7 +491,7 @@ class Trainer:
                      f"each data-parallel rank: {self.grad_accum} micro-batches of {self.opt.micro_batch_size} per step; "
                      f"optimizer state {self.optimizer.state_bytes() / 2**20:.2f} MiB on this rank "
                      f"{'(in host memory: --swap-optimizer) ' if self.opt.swap_pieces else ''}"
-                     f"({self.optimizer_bytes_unsharded() / 2**20:.2f} MiB without --use-distributed-optimizer)")
+                     f"({self.optimizer_bytes_unsharded() / 2**20:.2f} MiB as plain AdamW unsharded)")
         if hasattr(self.optimizer, "describe"):  # --optimizer muon: which parameters it updates
             self.say(self.optimizer.describe())
         self.say(self.optimizer_state_line())
